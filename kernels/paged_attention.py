@@ -1,0 +1,72 @@
+"""Attention over a paged KV cache: the pure-torch path (CPU, and the reference for the Triton kernels).
+
+`write_kv_cache` scatters this step's K/V into their slots; `paged_attention` reads each sequence's
+K/V back through its block table and attends causally, the new tokens being the last ones of the
+sequence.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vlm_sdk.engine.attention_metadata import AttentionMetadata
+
+
+def write_kv_cache(k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+                   v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+                   k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+                   v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:  # [num_tokens]
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]  # [nb, block_size, Hkv, D]
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]  # [length, Hkv, D]
+
+
+def paged_attention(q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+                    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+                    v_cache: torch.Tensor,
+                    meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    gqa = num_heads != num_kv_heads
+    if meta.decode_only and meta.num_seqs > 1:
+        return _decode_batched(q, k_cache, v_cache, meta, scale, gqa)
+    out = torch.empty_like(q)
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        k = _gather(k_cache, meta.block_tables[i], seq_len)  # [seq_len, Hkv, D]
+        v = _gather(v_cache, meta.block_tables[i], seq_len)
+        qi = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
+        mask = None
+        if q_len > 1:
+            # new token j sits at position seq_len - q_len + j and sees keys up to it
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos  # [q_len, seq_len]
+        o = F.scaled_dot_product_attention(qi, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+                                           attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[start:start + q_len] = o.transpose(0, 1)
+        start += q_len
+    return out
+
+
+def _decode_batched(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, gqa: bool) -> torch.Tensor:
+    """One query per sequence: gather every sequence's K/V padded to the longest and attend at once."""
+    block_size = k_cache.shape[1]
+    max_blocks = (meta.max_seq_len + block_size - 1) // block_size
+    tables = meta.block_tables[:, :max_blocks].long()  # [B, nb]
+    batch = tables.shape[0]
+    k = k_cache[tables].reshape(batch, max_blocks * block_size, *k_cache.shape[2:])  # [B, L, Hkv, D]
+    v = v_cache[tables].reshape(batch, max_blocks * block_size, *v_cache.shape[2:])
+    key_pos = torch.arange(max_blocks * block_size, device=q.device)
+    mask = (key_pos[None, :] < meta.seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    o = F.scaled_dot_product_attention(q[:, :, None, :],  # [B, H, 1, D]
+                                       k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                                       attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o[:, :, 0, :]  # [B, H, D]

@@ -1,0 +1,1 @@
+"""Model families. `registry.resolve(architectures)` maps a config.json architecture to its family."""

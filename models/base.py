@@ -1,0 +1,54 @@
+"""The contract between the model-agnostic engine and one model family."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from vlm_sdk.engine.attention_metadata import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+class VisionLanguageModel(nn.Module, ABC):
+    """A vision tower plus a decoder that runs on the paged KV cache.
+
+    Attributes the engine sizes the cache with: `num_layers`, `num_kv_heads`, `head_dim`,
+    `hidden_size`, `vocab_size`.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+
+    @abstractmethod
+    def encode_images(self, pixel_values: torch.Tensor,  # [num_patches, patch_dim], images back to back
+                      grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Image embeddings `[sum of image tokens, hidden_size]`, images in the order given; each image
+        contributes grid_t*grid_h*grid_w/merge^2 rows, in the order its image tokens appear."""
+
+    @abstractmethod
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`[num_tokens] -> [num_tokens, hidden_size]`."""
+
+    @abstractmethod
+    def forward(self, inputs_embeds: torch.Tensor,  # [num_tokens, hidden_size]
+                positions: torch.Tensor,  # [3, num_tokens] int64 (M-RoPE t/h/w; text tokens repeat one value)
+                kv_caches: list[KVCache],  # one per decoder layer
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Final-norm hidden states `[num_tokens, hidden_size]`. Writes this step's K/V into the cache
+        slots named by `meta.slot_mapping` before attending."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[num_sampled, hidden_size] -> [num_sampled, vocab_size]` float32; called only on the rows
+        that are sampled."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (published HF names) into the modules. Raises `CheckpointError`
+        naming the tensor for a missing, unexpected or mis-shaped tensor."""

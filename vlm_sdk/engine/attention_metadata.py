@@ -1,0 +1,38 @@
+"""What one forward pass needs to read and write the paged KV cache.
+
+The cache of one layer is two tensors `[num_blocks, block_size, num_kv_heads, head_dim]` (K and V).
+Token `p` of a sequence lives in block `block_table[p // block_size]` at offset `p % block_size`;
+its flat slot is `block * block_size + offset`.
+
+A batch packs the new tokens of all scheduled sequences back to back:
+
+    tokens:  |-- seq 0: 5 prefill tokens --|-- seq 1: 1 decode token --|-- seq 2: 3 chunk tokens --|
+    query_start_loc = [0, 5, 6, 9]
+    seq_lens        = [5, 37, 11]      # tokens in the cache after this step, per sequence
+    so seq 2 attends to its 8 earlier tokens plus its 3 new ones, causally.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat cache slot of each new token
+    query_start_loc: torch.Tensor  # [batch + 1] int32, on the device
+    seq_lens: torch.Tensor  # [batch] int32, on the device
+    block_tables: torch.Tensor  # [batch, max_blocks_per_seq] int32, padded with 0
+    query_lens_cpu: list[int]  # the same lengths as host ints, for loops without device syncs
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1

@@ -1,0 +1,32 @@
+"""What the prompt builder hands the engine: token ids with images already expanded."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ImageInput:
+    """One preprocessed image."""
+    pixel_values: torch.Tensor  # [num_patches, channels * temporal_patch * patch * patch] float32
+    grid_thw: tuple[int, int, int]  # patches along time, height, width (before merging)
+    num_tokens: int  # image tokens in the prompt: t*h*w / merge^2
+
+
+@dataclass
+class PromptInputs:
+    """A tokenized prompt ready to schedule.
+
+    `image_positions[i]` is the index in `token_ids` of the first token of image i; its tokens are
+    `num_tokens` consecutive copies of the image token id.
+    """
+    token_ids: list[int]
+    images: list[ImageInput] = field(default_factory=list)
+    image_positions: list[int] = field(default_factory=list)
+    mrope_positions: torch.Tensor | None = None  # [3, len(token_ids)] int64
+    rope_delta: int = 0  # decode token at index p has position p + rope_delta on all three axes
+
+    @property
+    def image_tokens(self) -> list[int]:
+        return [im.num_tokens for im in self.images]
