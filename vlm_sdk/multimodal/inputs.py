@@ -12,6 +12,8 @@ class ImageInput:
     pixel_values: torch.Tensor  # [num_patches, channels * temporal_patch * patch * patch] float32
     grid_thw: tuple[int, int, int]  # patches along time, height, width (before merging)
     num_tokens: int  # image tokens in the prompt: t*h*w / merge^2
+    source_size: tuple[int, int] | None = None  # (height, width) as decoded, before resizing
+    own_max_pixels: bool = False  # the image part set its own max_pixels (engine max_pixels does not apply)
 
 
 @dataclass

@@ -1,0 +1,219 @@
+"""The Qwen2 decoder on the paged KV cache: embedding, pre-norm attention + SwiGLU layers, final norm.
+
+Shared by Qwen2.5-VL (M-RoPE over three position axes) and any model whose LLM is a Qwen2 (plain
+RoPE: `mrope_section=None`).
+
+Fused projections (the checkpoint keeps them apart; `checkpoint_map` says where each lands):
+
+    qkv_proj.weight  rows [0, H*D) = q_proj | [H*D, (H+Hkv)*D) = k_proj | [(H+Hkv)*D, (H+2Hkv)*D) = v_proj
+    gate_up_proj     rows [0, I) = gate_proj | [I, 2I) = up_proj
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_sdk.engine.attention_metadata import AttentionMetadata
+from vlm_sdk.kernels.paged_attention import paged_attention, write_kv_cache
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one checkpoint tensor goes: rows [row_start, row_start + shape[0]) of parameter `param`
+    (the whole parameter when `row_start` is None), after reshaping to the parameter's trailing dims."""
+    param: str
+    shape: tuple[int, ...]  # the shape the checkpoint tensor must have
+    row_start: int | None = None
+
+
+@dataclass(frozen=True)
+class Qwen2DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, ...] | None  # sums to head_dim // 2; None = 1-D RoPE
+    tie_word_embeddings: bool
+    attention_bias: bool = True  # Qwen2 has q/k/v biases
+
+    @classmethod
+    def from_hf(cls, text_config: Any, tie_word_embeddings: bool, mrope: bool) -> "Qwen2DecoderConfig":
+        """From a transformers text config (v5 `rope_parameters`, or the flat `rope_scaling`/`rope_theta`)."""
+        hidden = text_config.hidden_size
+        heads = text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or hidden // heads
+        rope = dict(getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope"):
+            raise ValueError(f"rope type {rope_type!r} is not supported by the Qwen2 decoder (only 'default'/'mrope')")
+        theta = rope.get("rope_theta", getattr(text_config, "rope_theta", 1e6))
+        section = None
+        if mrope:
+            section = tuple(rope.get("mrope_section") or (16, 24, 24))
+            if sum(section) != head_dim // 2:
+                raise ValueError(f"mrope_section {list(section)} sums to {sum(section)} but head_dim // 2 is "
+                                 f"{head_dim // 2}; fix rope_parameters.mrope_section in config.json")
+        kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+        return cls(vocab_size=text_config.vocab_size, hidden_size=hidden,
+                   intermediate_size=text_config.intermediate_size, num_layers=text_config.num_hidden_layers,
+                   num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                   rms_norm_eps=text_config.rms_norm_eps, rope_theta=float(theta), mrope_section=section,
+                   tie_word_embeddings=tie_word_embeddings)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF RMSNorm: normalise in float32, cast back, then scale by the weight."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def apply_rotary(x: torch.Tensor,  # [..., D]
+                 cos: torch.Tensor,  # broadcastable to [..., D // 2]
+                 sin: torch.Tensor) -> torch.Tensor:
+    """rotate_half RoPE with the cos/sin halves given once: x*cat(c,c) + rotate_half(x)*cat(s,s)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+           device: torch.device | str) -> nn.Linear:
+    """An `nn.Linear` with uninitialised storage (weights always come from a checkpoint)."""
+    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
+
+
+class MRotaryEmbedding(nn.Module):
+    """cos/sin `[num_tokens, 1, head_dim // 2]` for 3-axis positions (HF `Qwen2_5_VLRotaryEmbedding`).
+
+    Frequency i of the half head dim takes its position from axis `axis_of_freq[i]`: the first
+    mrope_section[0] frequencies from t, the next mrope_section[1] from h, the rest from w.
+    """
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...] | None,
+                 device: torch.device | str):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # [D/2]
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        axes = [0] * (head_dim // 2) if mrope_section is None else \
+            [i % 3 for i, n in enumerate(mrope_section) for _ in range(n)]
+        self.register_buffer("axis_of_freq", torch.tensor(axes, dtype=torch.long, device=device), persistent=False)
+        self.mrope = mrope_section is not None
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:  # [N] plain positions
+            freqs = positions[:, None].float() * self.inv_freq  # [N, D/2]
+        elif self.mrope:  # [3, N]
+            pos = positions.gather(0, self.axis_of_freq[:, None].expand(-1, positions.shape[1]))  # [D/2, N]
+            freqs = pos.t().float() * self.inv_freq  # [N, D/2]
+        else:
+            freqs = positions[0][:, None].float() * self.inv_freq
+        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]  # [N, 1, D/2]
+
+
+class Qwen2DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen2DecoderConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, device)
+        self.qkv_proj = linear(hidden, qkv_out, cfg.attention_bias, dtype, device)
+        self.o_proj = linear(cfg.num_heads * cfg.head_dim, hidden, False, dtype, device)
+        self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, device)
+        self.gate_up_proj = linear(hidden, 2 * inter, False, dtype, device)
+        self.down_proj = linear(inter, hidden, False, dtype, device)
+
+    def forward(self, x: torch.Tensor,  # [N, hidden]
+                cos: torch.Tensor, sin: torch.Tensor,  # [N, 1, D/2]
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        h, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(self.input_layernorm(x)).view(n, h + 2 * hkv, self.head_dim)  # [N, H+2Hkv, D]
+        qk = apply_rotary(qkv[:, :h + hkv], cos, sin)  # [N, H+Hkv, D]
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv:]
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        attn = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [N, H, D]
+        x = x + self.o_proj(attn.reshape(n, h * self.head_dim))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)  # [N, I] each
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class Qwen2Decoder(nn.Module):
+    def __init__(self, cfg: Qwen2DecoderConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = torch.nn.utils.skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size,
+                                                     dtype=dtype, device=device)
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, device)
+        self.lm_head = None if cfg.tie_word_embeddings else linear(cfg.hidden_size, cfg.vocab_size, False,
+                                                                   dtype, device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden]
+        return self.embed_tokens(input_ids)
+
+    def forward(self, inputs_embeds: torch.Tensor,  # [N, hidden]
+                positions: torch.Tensor,  # [3, N] (M-RoPE) or [N]
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:  # [N, hidden], after the final norm
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} decoder layers")
+        cos, sin = self.rotary(positions, inputs_embeds.dtype)  # [N, 1, D/2], shared by every layer
+        x = inputs_embeds
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def checkpoint_map(self, prefix: str = "model.", lm_head: str = "lm_head.weight") -> dict[str, ParamSlot]:
+        """Checkpoint name -> where it goes, for the published HF layout (`model.layers.N.self_attn.q_proj...`).
+        Our parameter names are relative to this module."""
+        cfg = self.cfg
+        hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
+        out: dict[str, ParamSlot] = {
+            f"{prefix}embed_tokens.weight": ParamSlot("embed_tokens.weight", (cfg.vocab_size, hid)),
+            f"{prefix}norm.weight": ParamSlot("norm.weight", (hid,)),
+        }
+        if self.lm_head is not None:
+            out[lm_head] = ParamSlot("lm_head.weight", (cfg.vocab_size, hid))
+        for i in range(cfg.num_layers):
+            src, dst = f"{prefix}layers.{i}.", f"layers.{i}."
+            shards = [("q_proj", 0, q_rows), ("k_proj", q_rows, kv_rows), ("v_proj", q_rows + kv_rows, kv_rows)]
+            for name, start, rows in shards:
+                out[f"{src}self_attn.{name}.weight"] = ParamSlot(f"{dst}qkv_proj.weight", (rows, hid), start)
+                if cfg.attention_bias:
+                    out[f"{src}self_attn.{name}.bias"] = ParamSlot(f"{dst}qkv_proj.bias", (rows,), start)
+            out[f"{src}self_attn.o_proj.weight"] = ParamSlot(f"{dst}o_proj.weight", (hid, q_rows))
+            out[f"{src}mlp.gate_proj.weight"] = ParamSlot(f"{dst}gate_up_proj.weight", (inter, hid), 0)
+            out[f"{src}mlp.up_proj.weight"] = ParamSlot(f"{dst}gate_up_proj.weight", (inter, hid), inter)
+            out[f"{src}mlp.down_proj.weight"] = ParamSlot(f"{dst}down_proj.weight", (hid, inter))
+            out[f"{src}input_layernorm.weight"] = ParamSlot(f"{dst}input_layernorm.weight", (hid,))
+            out[f"{src}post_attention_layernorm.weight"] = ParamSlot(f"{dst}post_attention_layernorm.weight", (hid,))
+        return out

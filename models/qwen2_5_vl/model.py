@@ -1,0 +1,109 @@
+"""Qwen2.5-VL: the vision tower plus the Qwen2 decoder with M-RoPE, on the paged KV cache.
+
+Checkpoint names are the published ones (`model.layers.*`, `visual.blocks.*`, `lm_head.weight`);
+checkpoints saved by transformers 4.5x as `model.language_model.*` / `model.visual.*` are accepted too.
+q/k/v and gate/up are fused on load (see `Qwen2Decoder` and `Qwen2_5_VisionTransformer.checkpoint_map`).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from vlm_sdk.engine.attention_metadata import AttentionMetadata
+from vlm_sdk.errors import CheckpointError
+from vlm_sdk.models.base import KVCache, VisionLanguageModel
+from vlm_sdk.models.qwen2.decoder import ParamSlot, Qwen2Decoder, Qwen2DecoderConfig
+from vlm_sdk.models.qwen2_5_vl.vision import Qwen2_5_VisionTransformer
+
+_ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+def _canonical(name: str) -> str:
+    for old, new in _ALIASES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def _shape(t: torch.Tensor | tuple[int, ...]) -> list[int]:
+    return list(t.shape if isinstance(t, torch.Tensor) else t)
+
+
+def load_into(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+              slots: dict[str, ParamSlot], ignore: frozenset[str] = frozenset()) -> None:
+    """Copy each checkpoint tensor into its slot; names in `ignore` are skipped. Raises `CheckpointError`
+    for an unexpected, mis-shaped or duplicated tensor, and for tensors the checkpoint lacks."""
+    params = dict(module.named_parameters())
+    seen: set[str] = set()
+    for raw_name, tensor in weights:
+        name = _canonical(raw_name)
+        if name in ignore:
+            continue
+        slot = slots.get(name)
+        if slot is None:
+            raise CheckpointError(f"unexpected tensor {raw_name!r} of shape {_shape(tensor)} in the checkpoint: "
+                                  f"this model ({type(module).__name__}) has no such weight; check that "
+                                  f"config.json matches the weights")
+        if tuple(tensor.shape) != slot.shape:
+            raise CheckpointError(f"tensor {raw_name!r} has shape {_shape(tensor)} in the checkpoint but the model "
+                                  f"expects {_shape(slot.shape)}; check that config.json matches the weights")
+        if name in seen:
+            raise CheckpointError(f"tensor {raw_name!r} appears twice in the checkpoint")
+        seen.add(name)
+        param = params[slot.param].data
+        target = param if slot.row_start is None else param[slot.row_start:slot.row_start + slot.shape[0]]
+        with torch.no_grad():
+            target.copy_(tensor.reshape(target.shape))
+    missing = sorted(set(slots) - seen)
+    if missing:
+        shown = ", ".join(f"{n!r} {_shape(slots[n].shape)}" for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s) the model needs: {shown}{more}")
+
+
+class Qwen2_5_VLForCausalLM(VisionLanguageModel):
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__()
+        text = hf_config.text_config
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+        self.decoder_config = Qwen2DecoderConfig.from_hf(text, tie_word_embeddings=tied, mrope=True)
+        self.decoder = Qwen2Decoder(self.decoder_config, dtype, device)
+        self.visual = Qwen2_5_VisionTransformer(hf_config.vision_config, dtype, device)
+        if self.visual.out_hidden_size != self.decoder_config.hidden_size:
+            raise CheckpointError(f"vision_config.out_hidden_size {self.visual.out_hidden_size} != text hidden_size "
+                                  f"{self.decoder_config.hidden_size}")
+        cfg = self.decoder_config
+        self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        self.hidden_size, self.vocab_size = cfg.hidden_size, cfg.vocab_size
+        self.image_token_id = int(hf_config.image_token_id)
+        self.spatial_merge_size = int(hf_config.vision_config.spatial_merge_size)
+        self.dtype = dtype
+        self.requires_grad_(False)
+
+    def encode_images(self, pixel_values: torch.Tensor,  # [num_patches, patch_dim]
+                      grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:  # [image tokens, hidden]
+        return self.visual(pixel_values, grid_thw)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder.embed(input_ids)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.decoder(inputs_embeds, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.decoder.compute_logits(hidden)
+
+    def checkpoint_map(self) -> dict[str, ParamSlot]:
+        """Published checkpoint name -> slot, parameter names relative to this module."""
+        slots = {name: ParamSlot(f"decoder.{s.param}", s.shape, s.row_start)
+                 for name, s in self.decoder.checkpoint_map("model.", "lm_head.weight").items()}
+        slots.update({name: ParamSlot(f"visual.{s.param}", s.shape, s.row_start)
+                      for name, s in self.visual.checkpoint_map("visual.").items()})
+        return slots
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # a tied checkpoint may still carry lm_head.weight (a copy of the embedding): not needed
+        ignore = frozenset({"lm_head.weight"}) if self.decoder_config.tie_word_embeddings else frozenset()
+        load_into(self, weights, self.checkpoint_map(), ignore)

@@ -1,0 +1,69 @@
+"""M-RoPE positions of a Qwen2.5-VL prompt (still images), the same as HF `Qwen2_5_VLModel.get_rope_index`.
+
+Every token gets three position ids (temporal, height, width):
+
+    tokens:    t0 t1 <img x 6 (grid 1x4x6 patches, merge 2 -> 1x2x3)> t2 ...
+    temporal:  0  1   2 2 2 2 2 2                                     5
+    height:    0  1   2 2 2 3 3 3                                     5
+    width:     0  1   2 3 4 2 3 4                                     5
+
+Text tokens count up by one on all axes. An image block sits on a (t, h/merge, w/merge) grid offset by
+the position where it starts; the text after it resumes at start + max(h, w) / merge. Decode token at
+index p (p >= len(prompt)) has position p + rope_delta on all three axes.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _image_runs(ids: torch.Tensor, image_token_id: int) -> list[tuple[int, int]]:
+    """(start, end) of each maximal run of image tokens."""
+    is_img = (ids == image_token_id).to(torch.int8)  # [L]
+    edges = torch.diff(is_img, prepend=is_img.new_zeros(1), append=is_img.new_zeros(1))  # [L + 1]
+    starts = (edges == 1).nonzero().flatten().tolist()
+    ends = (edges == -1).nonzero().flatten().tolist()
+    return list(zip(starts, ends))
+
+
+def mrope_positions(token_ids: list[int],
+                    image_grid_thw: list[tuple[int, int, int]],
+                    image_token_id: int,
+                    spatial_merge_size: int) -> tuple[torch.Tensor, int]:
+    """Positions `[3, len(token_ids)]` int64 and `rope_delta` (max position + 1 - len(token_ids)).
+
+    The i-th run of `image_token_id` is image i and must hold t*h*w/merge^2 tokens; raises `ValueError`
+    when the runs and the grids disagree.
+    """
+    ids = torch.as_tensor(token_ids, dtype=torch.int64)
+    num_tokens = ids.numel()
+    runs = _image_runs(ids, image_token_id) if num_tokens else []
+    if len(runs) != len(image_grid_thw):
+        raise ValueError(f"prompt has {len(runs)} run(s) of image token {image_token_id} but "
+                         f"{len(image_grid_thw)} image grid(s) were given; each image needs one contiguous "
+                         f"run of t*h*w/{spatial_merge_size ** 2} image tokens")
+    pieces: list[torch.Tensor] = []
+    pos = 0  # next position id
+    prev_end = 0  # next token index
+    for i, ((start, end), (t, h, w)) in enumerate(zip(runs, image_grid_thw)):
+        gh, gw = h // spatial_merge_size, w // spatial_merge_size
+        expected = t * gh * gw
+        if h % spatial_merge_size or w % spatial_merge_size or end - start != expected:
+            raise ValueError(f"image {i} (grid t={t}, h={h}, w={w}, merge {spatial_merge_size}) needs {expected} "
+                             f"image tokens but its run at token {start} has {end - start}")
+        text_len = start - prev_end
+        if text_len:
+            pieces.append((torch.arange(text_len, dtype=torch.int64) + pos).expand(3, -1))
+            pos += text_len
+        grid = torch.stack(torch.meshgrid(torch.arange(t, dtype=torch.int64),
+                                          torch.arange(gh, dtype=torch.int64),
+                                          torch.arange(gw, dtype=torch.int64), indexing="ij"))  # [3, t, gh, gw]
+        pieces.append(grid.reshape(3, -1) + pos)
+        pos += max(gh, gw)
+        prev_end = end
+    if num_tokens - prev_end:
+        pieces.append((torch.arange(num_tokens - prev_end, dtype=torch.int64) + pos).expand(3, -1))
+    if not pieces:
+        return torch.zeros(3, 0, dtype=torch.int64), 0
+    positions = torch.cat(pieces, dim=1)  # [3, L]
+    rope_delta = int(positions.max()) + 1 - num_tokens
+    return positions, rope_delta

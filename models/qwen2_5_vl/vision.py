@@ -1,0 +1,213 @@
+"""The Qwen2.5-VL vision tower: patch embed -> blocks (window / full attention) -> patch merger.
+
+Token order. The image processor emits patches block-major: each run of merge^2 = 4 patches is one 2x2
+merge block, blocks in raster order. Window attention wants the blocks of one window to be adjacent,
+so the tower reorders blocks once (window order), runs every block in that order, and restores the
+raster order after the merger:
+
+    merged grid 6x6, window 4x4 merged units (window_size 112 / patch 14 / merge 2):
+      raster:  0  1  2  3 | 4  5        window order:  w0 = 0..3, 6..9, 12..15, 18..21   (16 units)
+               6  7  8  9 |10 11                       w1 = 4, 5, 10, 11, 16, 17, 22, 23  (8)
+              ...         |                            w2 = 24..27, 30..33                (8)
+              ------------+-----                       w3 = 28, 29, 34, 35                (4)
+
+Window blocks attend within their window; blocks in `fullatt_block_indexes` attend within the whole
+image (per frame). Windows and images are never mixed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_sdk.models.qwen2.decoder import ParamSlot, RMSNorm, apply_rotary, linear
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+}
+
+# segments of one attention pattern: (length, flat token indices of every segment of that length, or
+# None when all segments have this length and tile the sequence in order)
+SegmentPlan = list[tuple[int, torch.Tensor | None]]
+
+
+def segment_plan(lengths: list[int], device: torch.device | str) -> SegmentPlan:
+    """Group back-to-back segments by length so that each length is one batched attention call."""
+    if len(set(lengths)) == 1:
+        return [(lengths[0], None)]
+    groups: dict[int, list[int]] = {}
+    start = 0
+    for n in lengths:
+        groups.setdefault(n, []).append(start)
+        start += n
+    plan: SegmentPlan = []
+    for n, starts in groups.items():
+        idx = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(n)  # [num_segments, n]
+        plan.append((n, idx.flatten().to(device)))
+    return plan
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # [N, H, D]
+                      plan: SegmentPlan, scale: float) -> torch.Tensor:  # [N, H, D]
+    n_tok, heads, dim = q.shape
+    if plan[0][1] is None:
+        n = plan[0][0]
+        qs, ks, vs = (t.reshape(n_tok // n, n, heads, dim).transpose(1, 2) for t in (q, k, v))  # [S, H, n, D]
+        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+        return o.transpose(1, 2).reshape(n_tok, heads, dim)
+    out = torch.empty_like(q)
+    for n, idx in plan:
+        qs, ks, vs = (t[idx].view(-1, n, heads, dim).transpose(1, 2) for t in (q, k, v))  # [S, H, n, D]
+        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+        out[idx] = o.transpose(1, 2).reshape(-1, heads, dim)
+    return out
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, inter: int, act: str, dtype: torch.dtype, device):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.scale = self.head_dim ** -0.5
+        self.act = _ACTIVATIONS[act]
+        self.norm1 = RMSNorm(dim, 1e-6, dtype, device)
+        self.qkv = linear(dim, 3 * dim, True, dtype, device)
+        self.proj = linear(dim, dim, True, dtype, device)
+        self.norm2 = RMSNorm(dim, 1e-6, dtype, device)
+        self.gate_up_proj = linear(dim, 2 * inter, True, dtype, device)
+        self.down_proj = linear(inter, dim, True, dtype, device)
+
+    def forward(self, x: torch.Tensor,  # [N, dim], window order
+                cos: torch.Tensor, sin: torch.Tensor,  # [N, 1, 1, head_dim / 2] float32
+                plan: SegmentPlan) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = self.qkv(self.norm1(x)).view(n, 3, self.heads, self.head_dim)  # [N, 3, H, D]
+        qk = apply_rotary(qkv[:, :2].float(), cos, sin).to(x.dtype)  # [N, 2, H, D], RoPE in float32 like HF
+        attn = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], plan, self.scale)  # [N, H, D]
+        x = x + self.proj(attn.reshape(n, -1))
+        gate, up = self.gate_up_proj(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down_proj(self.act(gate) * up)
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, dim: int, out_dim: int, merge_unit: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.in_dim = dim * merge_unit
+        self.ln_q = RMSNorm(dim, 1e-6, dtype, device)
+        self.fc1 = linear(self.in_dim, self.in_dim, True, dtype, device)
+        self.fc2 = linear(self.in_dim, out_dim, True, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N / merge_unit, out_dim]
+        return self.fc2(F.gelu(self.fc1(self.ln_q(x).view(-1, self.in_dim))))
+
+
+class Qwen2_5_VisionTransformer(nn.Module):
+    def __init__(self, vision_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__()
+        c = vision_config
+        self.dim, self.heads = c.hidden_size, c.num_heads
+        self.in_channels, self.patch_size, self.temporal_patch_size = c.in_channels, c.patch_size, c.temporal_patch_size
+        self.merge = c.spatial_merge_size
+        self.merge_unit = self.merge ** 2
+        self.window_units = c.window_size // self.merge // self.patch_size  # merged units per window side
+        self.fullatt_block_indexes = frozenset(c.fullatt_block_indexes)
+        self.out_hidden_size = c.out_hidden_size
+        self.patch_dim = c.in_channels * c.temporal_patch_size * c.patch_size ** 2
+        head_dim = c.hidden_size // c.num_heads
+        rope = getattr(c, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", 10000.0)
+        spatial_dim = head_dim // 2
+        inv_freq = 1.0 / (theta ** (torch.arange(0, spatial_dim, 2, dtype=torch.float) / spatial_dim))  # [D/4]
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        # Conv3d with kernel == stride over one patch is a matmul with the flattened kernel
+        self.patch_embed = linear(self.patch_dim, c.hidden_size, False, dtype, device)
+        self.blocks = nn.ModuleList(VisionBlock(c.hidden_size, c.num_heads, c.intermediate_size, c.hidden_act,
+                                                dtype, device) for _ in range(c.depth))
+        self.merger = PatchMerger(c.hidden_size, c.out_hidden_size, self.merge_unit, dtype, device)
+
+    def _layout(self, grid_thw: list[tuple[int, int, int]]):
+        """Window order of the merge blocks, (h, w) patch positions in that order, and the segment lengths."""
+        m, ws = self.merge, self.window_units
+        orders, positions, window_lens, image_lens = [], [], [], []
+        offset = 0
+        for t, h, w in grid_thw:
+            gh, gw = h // m, w // m
+            tt, rr, cc = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+            nwh, nww = -(-gh // ws), -(-gw // ws)
+            window = (tt * nwh + rr // ws) * nww + cc // ws  # [t, gh, gw] window id of each merged unit
+            key = window * ws * ws + (rr % ws) * ws + cc % ws
+            order = torch.argsort(key.flatten())  # merged units in window order
+            orders.append(order + offset)
+            window_lens += (torch.bincount(window.flatten(), minlength=t * nwh * nww) * self.merge_unit).tolist()
+            image_lens += [h * w] * t
+            # (h, w) of each patch, block-major within each frame: [gh, gw, m, m] -> flat
+            hpos = (rr[0][:, :, None, None] * m + torch.arange(m)[:, None]).expand(gh, gw, m, m)
+            wpos = (cc[0][:, :, None, None] * m + torch.arange(m)[None, :]).expand(gh, gw, m, m)
+            hw = torch.stack([hpos.reshape(-1, self.merge_unit), wpos.reshape(-1, self.merge_unit)], dim=-1)
+            positions.append(hw.repeat(t, 1, 1)[order])  # [t*gh*gw, merge_unit, 2] in window order
+            offset += t * gh * gw
+        window_index = torch.cat(orders)  # [num_merged]
+        pos = torch.cat(positions).reshape(-1, 2)  # [num_patches, 2]
+        return window_index, pos, window_lens, image_lens
+
+    def forward(self, pixel_values: torch.Tensor,  # [num_patches, patch_dim]
+                grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:  # [num_patches / merge^2, out_hidden]
+        grid_thw = [tuple(int(v) for v in g) for g in grid_thw]
+        expected = sum(t * h * w for t, h, w in grid_thw)
+        if pixel_values.shape != (expected, self.patch_dim):
+            raise ValueError(f"pixel_values has shape {list(pixel_values.shape)} but grids {grid_thw} need "
+                             f"[{expected}, {self.patch_dim}]")
+        for t, h, w in grid_thw:
+            if h % self.merge or w % self.merge:
+                raise ValueError(f"image grid {(t, h, w)}: h and w must be multiples of {self.merge}")
+        device = self.patch_embed.weight.device
+        window_index, pos, window_lens, image_lens = self._layout(grid_thw)
+        window_index, pos = window_index.to(device), pos.to(device)
+        patch_order = (window_index[:, None] * self.merge_unit + torch.arange(self.merge_unit, device=device)).flatten()
+        x = self.patch_embed(pixel_values.to(device=device, dtype=self.patch_embed.weight.dtype)[patch_order])
+        freqs = pos.float()[:, :, None] * self.inv_freq  # [N, 2, D/4]
+        freqs = freqs.flatten(1)[:, None, None, :]  # [N, 1, 1, D/2]: h frequencies, then w frequencies
+        cos, sin = freqs.cos(), freqs.sin()
+        window_plan = segment_plan(window_lens, device)
+        full_plan = segment_plan(image_lens, device)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, full_plan if i in self.fullatt_block_indexes else window_plan)
+        merged = self.merger(x)  # [num_merged, out_hidden], window order
+        out = torch.empty_like(merged)
+        out[window_index] = merged  # back to raster order
+        return out
+
+    def checkpoint_map(self, prefix: str = "visual.") -> dict[str, ParamSlot]:
+        """Checkpoint name (published layout: `visual.blocks.N.attn.qkv.weight`) -> where it goes."""
+        e, mu = self.dim, self.merge_unit
+        out = {
+            f"{prefix}patch_embed.proj.weight": ParamSlot(
+                "patch_embed.weight", (e, self.in_channels, self.temporal_patch_size, self.patch_size, self.patch_size)),
+            f"{prefix}merger.ln_q.weight": ParamSlot("merger.ln_q.weight", (e,)),
+            f"{prefix}merger.mlp.0.weight": ParamSlot("merger.fc1.weight", (e * mu, e * mu)),
+            f"{prefix}merger.mlp.0.bias": ParamSlot("merger.fc1.bias", (e * mu,)),
+            f"{prefix}merger.mlp.2.weight": ParamSlot("merger.fc2.weight", (self.out_hidden_size, e * mu)),
+            f"{prefix}merger.mlp.2.bias": ParamSlot("merger.fc2.bias", (self.out_hidden_size,)),
+        }
+        for i, block in enumerate(self.blocks):
+            src, dst = f"{prefix}blocks.{i}.", f"blocks.{i}."
+            inter = block.down_proj.in_features
+            out.update({
+                f"{src}norm1.weight": ParamSlot(f"{dst}norm1.weight", (e,)),
+                f"{src}norm2.weight": ParamSlot(f"{dst}norm2.weight", (e,)),
+                f"{src}attn.qkv.weight": ParamSlot(f"{dst}qkv.weight", (3 * e, e)),
+                f"{src}attn.qkv.bias": ParamSlot(f"{dst}qkv.bias", (3 * e,)),
+                f"{src}attn.proj.weight": ParamSlot(f"{dst}proj.weight", (e, e)),
+                f"{src}attn.proj.bias": ParamSlot(f"{dst}proj.bias", (e,)),
+                f"{src}mlp.gate_proj.weight": ParamSlot(f"{dst}gate_up_proj.weight", (inter, e), 0),
+                f"{src}mlp.gate_proj.bias": ParamSlot(f"{dst}gate_up_proj.bias", (inter,), 0),
+                f"{src}mlp.up_proj.weight": ParamSlot(f"{dst}gate_up_proj.weight", (inter, e), inter),
+                f"{src}mlp.up_proj.bias": ParamSlot(f"{dst}gate_up_proj.bias", (inter,), inter),
+                f"{src}mlp.down_proj.weight": ParamSlot(f"{dst}down_proj.weight", (e, inter)),
+                f"{src}mlp.down_proj.bias": ParamSlot(f"{dst}down_proj.bias", (e,)),
+            })
+        return out

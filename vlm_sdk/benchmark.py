@@ -1,0 +1,113 @@
+"""`vlm-sdk bench`: our engine against transformers `generate`, in one process, same checkpoint.
+
+Workload: N requests, each one 448x448 image and a short question, max_tokens spread evenly over
+16..128, greedy, eos ignored so both sides produce exactly max_tokens tokens per request. Ours gets
+all requests at once (continuous batching); transformers runs static batches (left padded), each
+generating until its longest request is done. Both timings include image preprocessing and
+tokenization. Tokens/s counts only the tokens each request asked for.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+def _images(n: int, size: int = 448, seed: int = 0) -> list[Image.Image]:
+    rng = np.random.default_rng(seed)
+    images = []
+    for _ in range(n):
+        base = rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)
+        im = Image.fromarray(base).resize((size, size), Image.BICUBIC)
+        noise = rng.integers(-20, 20, size=(size, size, 3))
+        images.append(Image.fromarray(np.clip(np.asarray(im, dtype=np.int64) + noise, 0, 255).astype(np.uint8)))
+    return images
+
+
+def _workload(n: int):
+    questions = ["What is in this image?", "Describe the picture.", "What colours do you see?",
+                 "Is there any text?"]
+    images = _images(n)
+    max_tokens = [int(round(x)) for x in np.linspace(16, 128, n)]
+    random.Random(0).shuffle(max_tokens)
+    convs = [[{"role": "user", "content": [{"type": "image", "image": images[i]},
+                                           {"type": "text", "text": questions[i % len(questions)]}]}]
+             for i in range(n)]
+    return images, convs, max_tokens
+
+
+def run_benchmark(args) -> int:
+    from vlm_sdk import LLM, SamplingParams
+    from vlm_sdk.cli import tiny_model_dir
+    from vlm_sdk.models.qwen2_5_vl.image_processor import benchmark_against_transformers
+
+    model_dir = args.model or str(tiny_model_dir("bench"))
+    images, convs, max_tokens = _workload(args.num_requests)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    report: dict = {"model": model_dir, "device": device, "num_requests": args.num_requests,
+                    "max_tokens": max_tokens, "torch_threads": torch.get_num_threads()}
+
+    report["preprocess"] = benchmark_against_transformers(images)
+
+    llm = LLM(model_dir, device=device, show_progress=False)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    llm.chat(convs[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.chat(convs, params)
+    ours_s = time.perf_counter() - t0
+    ours_tokens = [o.token_ids for o in outs]
+    useful = sum(max_tokens)
+    report["ours"] = {"seconds": ours_s, "generated_tokens": sum(len(t) for t in ours_tokens),
+                      "tokens_per_s": useful / ours_s, "stats": llm.stats()}
+    del llm
+
+    hf = _run_transformers(model_dir, convs, max_tokens, args.hf_batch_size, device)
+    report["transformers"] = {k: v for k, v in hf.items() if k != "tokens"}
+    report["transformers"]["tokens_per_s"] = useful / hf["seconds"]
+    report["ratio"] = report["ours"]["tokens_per_s"] / report["transformers"]["tokens_per_s"]
+    same = sum(a == b for a, b in zip(ours_tokens, hf["tokens"]))
+    report["identical_greedy_share"] = same / len(convs)
+
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        pre = report["preprocess"]
+        print(f"model {model_dir} on {device}, {torch.get_num_threads()} threads, {args.num_requests} requests, "
+              f"max_tokens {min(max_tokens)}..{max(max_tokens)} ({useful} tokens in all)")
+        print(f"  ours         {ours_s:7.2f} s  {report['ours']['tokens_per_s']:8.1f} tokens/s  (all requests at once)")
+        print(f"  transformers {hf['seconds']:7.2f} s  {report['transformers']['tokens_per_s']:8.1f} tokens/s  "
+              f"(static batches of {args.hf_batch_size})")
+        print(f"  ratio ours/transformers: {report['ratio']:.2f}x; identical greedy outputs: "
+              f"{same}/{len(convs)}")
+        print(f"  image preprocessing per 448x448 image: ours {pre['ours_ms_per_image']:.2f} ms, transformers "
+              f"{pre['transformers_ms_per_image']:.2f} ms (max abs diff {pre['max_abs_diff']:.2e})")
+    return 0
+
+
+def _run_transformers(model_dir: str, convs, max_tokens, batch_size: int, device: str) -> dict:
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    from vlm_sdk.reference import hf_batch, hf_greedy, hf_image_processor, hf_prompt
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    proc = hf_image_processor(model_dir)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+
+    def run(batch_convs, batch_max):
+        prompts = [hf_prompt(tok, proc, model.config, c) for c in batch_convs]
+        batch = {k: v.to(device) for k, v in hf_batch(prompts, pad).items()}
+        rows = hf_greedy(model, batch, max(batch_max), eos_token_ids=None)
+        return [r[:m] for r, m in zip(rows, batch_max)]
+
+    run(convs[:2], [4, 4])  # warm-up
+    tokens = []
+    t0 = time.perf_counter()
+    for i in range(0, len(convs), batch_size):
+        tokens.extend(run(convs[i:i + batch_size], max_tokens[i:i + batch_size]))
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "tokens": tokens, "batch_size": batch_size}

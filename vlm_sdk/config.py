@@ -1,0 +1,96 @@
+"""Engine settings. `EngineArgs` is what a user passes; the engine resolves it once, at start-up, into
+frozen configs whose every number is final (no "auto" left)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from vlm_sdk.errors import InvalidRequestError
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything a user may set on `LLM(...)` / `AsyncLLM(...)`. None means "choose for me".
+
+    KV capacity comes from the first of `num_blocks`, `kv_cache_memory` (bytes), or, on CUDA,
+    `memory_utilization` of device memory minus weights and the profiled activation peak; on the
+    CPU the default is 1 GiB of cache.
+    """
+    dtype: str | None = None  # float32 on CPU, bfloat16 on CUDA
+    device: str | None = None  # "cuda" when available, else "cpu"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    min_pixels: int | None = None  # per image default; an image part's own value wins
+    max_pixels: int | None = None
+    max_image_pixels: int = 64_000_000  # refuse decoding anything larger (decompression bombs)
+    seed: int = 0
+    show_progress: bool = True
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; accepted: {sorted(known)}")
+        args = cls(**kwargs)
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        def positive(name):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs",
+                     "max_num_batched_tokens", "min_pixels", "max_pixels", "max_image_pixels"):
+            positive(name)
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise InvalidRequestError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
+            raise InvalidRequestError(f"min_pixels ({self.min_pixels}) must not exceed max_pixels ({self.max_pixels})")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise InvalidRequestError(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidRequestError(f"device={self.device!r} was asked for but no CUDA device is available; "
+                                      "use device='cpu'")
+        return device
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype is None:
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int
+    bytes_per_block: int  # all layers, K and V
+    source: str  # how num_blocks was decided, in words, for error messages and the start-up report
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int  # longest sequence (prompt + output) the engine runs
+    max_model_len_source: str

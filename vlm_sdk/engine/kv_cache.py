@@ -1,0 +1,65 @@
+"""Sizing and allocating the paged KV cache.
+
+    bytes_per_block = num_layers * 2 (K, V) * block_size * num_kv_heads * head_dim * dtype bytes
+
+The block count comes from the first of: `num_blocks`; `kv_cache_memory` // bytes_per_block; on CUDA,
+(memory_utilization * total device memory - memory in use after loading - profiled activation peak)
+// bytes_per_block; on the CPU, enough for max_num_seqs sequences of
+max_model_len tokens, at most 1 GiB.
+"""
+from __future__ import annotations
+
+import torch
+
+from vlm_sdk.config import CacheConfig, EngineArgs
+from vlm_sdk.errors import InvalidRequestError
+
+CPU_DEFAULT_CACHE_BYTES = 1 << 30
+
+
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                    dtype: torch.dtype) -> int:
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_useful_tokens: int,
+               profiled_peak_bytes: int | None = None) -> CacheConfig:
+    """`max_useful_tokens` (max_num_seqs full-length sequences) caps the CPU default."""
+    if args.num_blocks is not None:
+        return CacheConfig(args.block_size, args.num_blocks, per_block, f"num_blocks={args.num_blocks} set by you")
+    if args.kv_cache_memory is not None:
+        blocks = args.kv_cache_memory // per_block
+        if blocks < 1:
+            raise InvalidRequestError(
+                f"kv_cache_memory={args.kv_cache_memory:,} bytes holds no KV block: one block of "
+                f"{args.block_size} tokens takes {per_block:,} bytes; set kv_cache_memory >= {per_block:,}")
+        return CacheConfig(args.block_size, blocks, per_block,
+                           f"kv_cache_memory={args.kv_cache_memory:,} bytes set by you")
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        in_use = torch.cuda.memory_allocated(device)
+        peak = profiled_peak_bytes or 0
+        budget = int(args.memory_utilization * total) - (total - free) - peak
+        blocks = budget // per_block
+        if blocks < 1:
+            raise InvalidRequestError(
+                f"no room for the KV cache: memory_utilization={args.memory_utilization} of {total:,} bytes "
+                f"leaves {int(args.memory_utilization * total):,}; {total - free:,} are in use "
+                f"({in_use:,} by this engine's weights) and the profiled activation peak is {peak:,}. "
+                f"Raise memory_utilization, lower max_num_batched_tokens, or set kv_cache_memory")
+        return CacheConfig(args.block_size, blocks, per_block,
+                           f"memory_utilization={args.memory_utilization} of {total:,} bytes, after "
+                           f"{total - free:,} in use and a {peak:,}-byte activation peak")
+    blocks = min(CPU_DEFAULT_CACHE_BYTES // per_block, -(-max_useful_tokens // args.block_size))
+    return CacheConfig(args.block_size, blocks, per_block,
+                       "the CPU default: max_num_seqs full-length sequences, at most 1 GiB "
+                       "(set num_blocks or kv_cache_memory to change it)")
+
+
+def allocate_kv_caches(num_layers: int, cache: CacheConfig, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # zeros, not empty: batched decode reads padding slots (masked out), and masked garbage that
+    # happens to be NaN would still poison the weighted sum
+    shape = (num_layers, 2, cache.num_blocks, cache.block_size, num_kv_heads, head_dim)
+    flat = torch.zeros(shape, dtype=dtype, device=device)
+    return [(flat[i, 0], flat[i, 1]) for i in range(num_layers)]

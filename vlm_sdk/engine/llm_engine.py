@@ -1,0 +1,219 @@
+"""The engine: load once, then `step()` = schedule -> run -> postprocess.
+
+Not thread-safe by itself: `LLM` drives it from the caller's thread, `AsyncLLM` from one engine
+thread. `build_prompt` touches only the tokenizer (behind a lock) and may run on any thread.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from vlm_sdk.config import EngineArgs, SchedulerConfig
+from vlm_sdk.engine.block_manager import BlockManager
+from vlm_sdk.engine.capacity import check_prompt_fits
+from vlm_sdk.engine.detokenizer import IncrementalDetokenizer
+from vlm_sdk.engine.kv_cache import allocate_kv_caches, bytes_per_block, plan_cache
+from vlm_sdk.engine.model_runner import ModelRunner
+from vlm_sdk.engine.scheduler import Scheduler
+from vlm_sdk.engine.sequence import Sequence
+from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.model_loader import iter_safetensors, load_tokenizer, read_checkpoint
+from vlm_sdk.models.registry import resolve
+from vlm_sdk.multimodal.inputs import PromptInputs
+from vlm_sdk.outputs import RequestOutput
+from vlm_sdk.sampling_params import SamplingParams
+
+logger = logging.getLogger("vlm_sdk")
+
+
+class LockedTokenizer:
+    """Fast tokenizers raise "Already borrowed" when two threads use one at once; serialise them."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self._lock = threading.Lock()
+
+    def encode(self, *args, **kwargs):
+        with self._lock:
+            return self._tok.encode(*args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        with self._lock:
+            return self._tok.decode(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        with self._lock:
+            return self._tok.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+class LLMEngine:
+    def __init__(self, model: str, args: EngineArgs):
+        self.args = args
+        self.device = args.resolve_device()
+        self.dtype = args.resolve_dtype(self.device)
+        info = read_checkpoint(model)
+        self.checkpoint = info
+        family = resolve([info.architecture])
+        self.tokenizer = LockedTokenizer(load_tokenizer(model))
+        self.eos_token_ids = set(info.eos_token_ids)
+
+        t0 = time.perf_counter()
+        with torch.device(self.device):
+            self.model = family.model_cls(info.hf_config, dtype=self.dtype, device=self.device)
+        self.model.load_weights(iter_safetensors(model, show_progress=args.show_progress))
+        self.model.eval()
+        self.load_seconds = time.perf_counter() - t0
+
+        self.image_processor = family.image_processor_cls.from_preprocessor_config(info.preprocessor)
+        self.processor = family.processor_cls(self.tokenizer, self.image_processor, info.hf_config,
+                                              min_pixels=args.min_pixels, max_pixels=args.max_pixels,
+                                              max_image_pixels=args.max_image_pixels)
+
+        m = self.model
+        self.max_position_embeddings = int(getattr(family.text_config(info.hf_config), "max_position_embeddings"))
+        per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, args.block_size, self.dtype)
+        useful = args.max_num_seqs * (args.max_model_len or self.max_position_embeddings)
+        self.cache_config = plan_cache(args, per_block, self.device, useful)
+        self.scheduler_config = self._scheduler_config()
+        kv_caches = allocate_kv_caches(m.num_layers, self.cache_config, m.num_kv_heads, m.head_dim,
+                                       self.dtype, self.device)
+        self.block_manager = BlockManager(self.cache_config.num_blocks, args.block_size)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.runner = ModelRunner(self.model, kv_caches, args.block_size, self.device, self.dtype, args.seed)
+        self.requests: dict[str, Sequence] = {}
+        self._next_id = 0
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        cache, args = self.cache_config, self.args
+        if args.max_model_len is not None:
+            if args.max_model_len > cache.capacity_tokens:
+                need = -(-args.max_model_len // cache.block_size)
+                raise InvalidRequestError(
+                    f"max_model_len={args.max_model_len} needs {need} KV blocks of {cache.block_size} tokens but "
+                    f"the cache has {cache.num_blocks} ({cache.capacity_tokens} tokens; {cache.source}). Set "
+                    f"num_blocks>={need} or kv_cache_memory>={need * cache.bytes_per_block}, or lower "
+                    f"max_model_len to {cache.capacity_tokens}")
+            if args.max_model_len > self.max_position_embeddings:
+                raise InvalidRequestError(
+                    f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings="
+                    f"{self.max_position_embeddings}; lower max_model_len")
+            max_len, source = args.max_model_len, "set by you"
+        else:
+            max_len = min(self.max_position_embeddings, cache.capacity_tokens)
+            source = ("the KV cache capacity" if max_len == cache.capacity_tokens
+                      else "the model's max_position_embeddings")
+        return SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len, source)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def build_prompt(self, messages) -> PromptInputs:
+        """Validate messages, decode and preprocess images, tokenize; raise if it can never fit."""
+        prompt = self.processor(messages)
+        self.check_prompt(prompt)
+        return prompt
+
+    def check_prompt(self, prompt: PromptInputs) -> None:
+        factor = self.image_processor.patch_size * self.image_processor.merge_size
+        min_pixels = self.args.min_pixels or self.image_processor.min_pixels
+        check_prompt_fits(prompt, self.cache_config, self.scheduler_config, self.max_position_embeddings,
+                          self.args.max_model_len is not None, self.processor.image_tokens_with_max_pixels,
+                          min_pixels, factor)
+
+    def add_request(self, prompt: PromptInputs, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        self.check_prompt(prompt)
+        seq = Sequence(request_id, prompt, params, IncrementalDetokenizer(self.tokenizer))
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        seq.metrics.finished_time = time.monotonic()
+        return self._output(seq, "")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        sampled = self.runner.execute(sched)
+        outputs = []
+        now = time.monotonic()
+        for i, (seq, n) in enumerate(sched.scheduled):
+            seq.num_computed_tokens += n
+            if seq.image_embeds is not None and not seq.needs_images:
+                seq.image_embeds = None  # prefill has read every image row
+            if i in sampled:
+                outputs.append(self._append_token(seq, sampled[i], now))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        seq.token_ids.append(token)
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        seq.metrics.generated_tokens = seq.num_output_tokens
+        params = seq.params
+        reason = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+        delta = seq.detokenizer.add(token)
+        if params.stop:
+            delta, hit = _cut_at_stop(seq.detokenizer, delta, params.stop)
+            reason = "stop" if hit else reason
+        if reason is None and (seq.num_output_tokens >= params.max_tokens
+                               or seq.num_tokens >= self.scheduler_config.max_model_len):
+            reason = "length"
+        if reason is not None:
+            if not params.stop or reason != "stop":
+                delta += seq.detokenizer.flush()
+            self.scheduler.finish(seq, reason)
+            self.requests.pop(seq.request_id, None)
+            seq.metrics.finished_time = now
+        return self._output(seq, delta)
+
+    def _output(self, seq: Sequence, delta: str) -> RequestOutput:
+        return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt.token_ids,
+                             token_ids=seq.output_token_ids, text=seq.detokenizer.text, delta_text=delta,
+                             finish_reason=seq.finish_reason, metrics=seq.metrics)
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {"kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
+                "kv_block_size": bm.block_size, "kv_capacity_tokens": self.cache_config.capacity_tokens,
+                "kv_bytes_per_block": self.cache_config.bytes_per_block,
+                "max_model_len": self.scheduler_config.max_model_len,
+                "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "num_preemptions": self.scheduler.num_preemptions}
+
+
+def _cut_at_stop(detok: IncrementalDetokenizer, delta: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+    """If a stop string now appears in the text, cut the text (and this delta) just before it."""
+    text = detok.text
+    window_start = max(0, len(text) - len(delta) - max(len(s) for s in stops))
+    hits = [i for s in stops if (i := text.find(s, window_start)) != -1]
+    if not hits:
+        return delta, False
+    cut = min(hits)
+    emitted_before = len(text) - len(delta)
+    detok.text = text[:cut]
+    return text[emitted_before:cut] if cut > emitted_before else "", True

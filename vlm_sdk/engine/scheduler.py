@@ -1,0 +1,101 @@
+"""Continuous batching: which sequences compute how many tokens this step.
+
+Running sequences go first, in the order they started; each asks for all its uncomputed tokens
+(1 while decoding, the rest of the prompt while prefilling), cut to what is left of the step's token
+budget. When the pool has too few free blocks, the most recently started running sequence is
+preempted: its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
+later (its generated tokens are kept). Waiting sequences are admitted FIFO while budget, blocks and
+`max_num_seqs` allow, and not at all in a step that had to preempt.
+
+Every sequence is at most `max_model_len` tokens and `max_model_len` never exceeds the cache, so a
+sequence running alone always fits: preemption cannot loop forever.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from vlm_sdk.config import SchedulerConfig
+from vlm_sdk.engine.block_manager import BlockManager
+from vlm_sdk.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.blocks.allocate(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:  # it preempted itself
+                break
+            out.scheduled.append((seq, n))
+            scheduled_ids.add(id(seq))
+            budget -= n
+            i += 1
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if not self.blocks.allocate(seq, n):
+                    break
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.scheduled.append((seq, n))
+                budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.image_embeds = None
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire `seq` (finished or aborted) wherever it is, returning its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.image_embeds = None
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,67 @@
+"""`LLM`: offline batch chat on the caller's thread."""
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+from vlm_sdk.config import EngineArgs
+from vlm_sdk.engine.llm_engine import LLMEngine
+from vlm_sdk.errors import InputTooLongError, InvalidRequestError, VLMError
+from vlm_sdk.outputs import RequestOutput
+from vlm_sdk.sampling_params import SamplingParams
+
+
+class LLM:
+    """`LLM(model_dir, **engine_args)`; see `EngineArgs` for the settings."""
+
+    def __init__(self, model: str, **engine_args):
+        self.engine = LLMEngine(str(model), EngineArgs.from_kwargs(**engine_args))
+
+    def chat(self, conversations, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             ) -> list[RequestOutput]:
+        """Run every conversation to completion; outputs in input order. A single conversation (a list
+        of message dicts) is accepted too. Every conversation is checked before any runs: an invalid
+        or too-long one raises, naming its index, and nothing is run."""
+        if _is_single_conversation(conversations):
+            conversations = [conversations]
+        if not isinstance(conversations, (list, tuple)) or not conversations:
+            raise InvalidRequestError("chat() needs a conversation (a list of messages) or a list of them")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(conversations)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(conversations):
+                raise InvalidRequestError(f"got {len(params)} sampling params for {len(conversations)} conversations")
+        prompts = []
+        for i, conv in enumerate(conversations):
+            try:
+                prompts.append(self.engine.build_prompt(conv))
+            except InputTooLongError as e:
+                raise e.with_conversation(i) from None
+            except VLMError as e:
+                raise type(e)(f"conversation {i}: {e}") from e
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final: dict[str, RequestOutput] = {}
+        try:
+            while len(final) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        finally:
+            for rid in ids:  # only on an exception (e.g. KeyboardInterrupt) are any still running
+                if rid not in final:
+                    self.engine.abort(rid)
+        results = [final[rid] for rid in ids]
+        for out in results:
+            out.delta_text = out.text  # one output per request: its delta is all of it
+        return results
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+
+def _is_single_conversation(value) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], dict)

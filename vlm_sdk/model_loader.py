@@ -1,0 +1,311 @@
+"""Reading a Hugging Face checkpoint directory: config, tokenizer, safetensors weights.
+
+Every failure is a `CheckpointError` that names the file or tensor involved. Model code supplies a
+`rename` function from checkpoint names to its own parameter names and calls `load_checked`, which
+refuses unexpected, mis-shaped and missing tensors instead of leaving random weights behind.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+
+import torch
+
+from vlm_sdk.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+__all__ = [
+    "CheckpointInfo", "read_checkpoint", "text_config", "load_tokenizer", "iter_safetensors",
+    "load_checked",
+]
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+PREPROCESSOR_CONFIG_FILE = "preprocessor_config.json"
+SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+_UNSUPPORTED_WEIGHT_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.h5", "*.msgpack")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    model_dir: Path
+    hf_config: "PretrainedConfig"   # parsed by transformers' config class; both nested and flat layouts
+    architecture: str               # config.json architectures[0], e.g. "Qwen2_5_VLForConditionalGeneration"
+    eos_token_ids: tuple[int, ...]  # generation_config.json, else config, else the tokenizer's eos
+    preprocessor: dict              # raw preprocessor_config.json ({} if absent)
+    torch_dtype: str | None         # the dtype config.json declares ("torch_dtype" or v5 "dtype"), if any
+
+    @property
+    def text_config(self) -> "PretrainedConfig":
+        return text_config(self.hf_config)
+
+
+def read_checkpoint(model_dir) -> CheckpointInfo:
+    root = _checkpoint_dir(model_dir)
+    config_path = root / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(f"{config_path} not found: a checkpoint directory needs the Hugging Face "
+                              f"config.json next to its weights")
+    raw = _read_json(config_path)
+    archs = raw.get("architectures")
+    if not archs or not isinstance(archs, list) or not isinstance(archs[0], str):
+        raise CheckpointError(f"{config_path} has no 'architectures' list (e.g. "
+                              f"[\"Qwen2_5_VLForConditionalGeneration\"]); cannot tell which model to build")
+    _safetensors_files(root)  # fails early when there are no usable weights
+    hf_config = _parse_config(root, raw)
+
+    gen_path = root / GENERATION_CONFIG_FILE
+    gen = _read_json(gen_path) if gen_path.is_file() else {}
+    eos = _as_ids(gen.get("eos_token_id"))
+    if not eos:
+        eos = _as_ids(raw.get("eos_token_id")) or _as_ids(getattr(text_config(hf_config), "eos_token_id", None))
+    if not eos:
+        eos = _tokenizer_eos(root)
+
+    pre_path = root / PREPROCESSOR_CONFIG_FILE
+    preprocessor = _read_json(pre_path) if pre_path.is_file() else {}
+
+    dtype = raw.get("torch_dtype") or raw.get("dtype")
+    if dtype is None and isinstance(raw.get("text_config"), dict):
+        dtype = raw["text_config"].get("torch_dtype") or raw["text_config"].get("dtype")
+    return CheckpointInfo(model_dir=root, hf_config=hf_config, architecture=archs[0],
+                          eos_token_ids=eos, preprocessor=preprocessor,
+                          torch_dtype=None if dtype is None else str(dtype).removeprefix("torch."))
+
+
+def text_config(hf_config) -> "PretrainedConfig":
+    """The language-model sub-config (`text_config`, InternVL's `llm_config`), or the config itself."""
+    for attr in ("text_config", "llm_config"):
+        sub = getattr(hf_config, attr, None)
+        if sub is None:
+            continue
+        if isinstance(sub, dict):
+            from transformers import PretrainedConfig
+            return PretrainedConfig(**sub)
+        return sub
+    getter = getattr(hf_config, "get_text_config", None)
+    return getter() if callable(getter) else hf_config
+
+
+def load_tokenizer(model_dir, *, require_chat_template: bool = True):
+    """transformers' fast tokenizer for the checkpoint, with its chat template.
+
+    The template comes from tokenizer_config.json / chat_template.jinja, else from the processor's
+    chat_template.json (published Qwen2.5-VL ships both).
+    """
+    root = _checkpoint_dir(model_dir)
+    if not any((root / name).is_file() for name in _TOKENIZER_FILES):
+        raise CheckpointError(f"no tokenizer in {root}: expected tokenizer.json (+ tokenizer_config.json); "
+                              f"copy the tokenizer files of the model next to config.json")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    except Exception as e:  # transformers raises many types here; the cause is kept
+        raise CheckpointError(f"cannot load the tokenizer in {root}: {type(e).__name__}: {e}") from e
+    if not getattr(tok, "is_fast", False):
+        raise CheckpointError(f"the tokenizer in {root} is a slow (Python) tokenizer; a fast tokenizer "
+                              f"(tokenizer.json) is required")
+    if not getattr(tok, "chat_template", None):
+        processor_template = root / "chat_template.json"
+        if processor_template.is_file():
+            tok.chat_template = _read_json(processor_template).get("chat_template")
+    if require_chat_template and not getattr(tok, "chat_template", None):
+        raise CheckpointError(f"the tokenizer in {root} has no chat template (none in tokenizer_config.json, "
+                              f"chat_template.jinja or chat_template.json)")
+    return tok
+
+
+def iter_safetensors(model_dir, *, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (checkpoint name, CPU tensor) for every tensor, each exactly once, shard by shard."""
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+
+    root = _checkpoint_dir(model_dir)
+    files = _safetensors_files(root)
+    headers = {f: _safetensors_header(f) for f in files}
+    expected = _index_weight_map(root)
+    seen: dict[str, Path] = {}
+    for f, header in headers.items():
+        for name in header:
+            if name in seen:
+                raise CheckpointError(f"tensor {name} is stored twice: in {seen[name].name} and {f.name}")
+            if expected is not None and expected.get(name, f.name) != f.name:
+                raise CheckpointError(f"{SAFETENSORS_INDEX_FILE} puts tensor {name} in {expected[name]}, "
+                                      f"but it is in {f.name}")
+            seen[name] = f
+    if expected is not None:
+        absent = sorted(set(expected) - set(seen))
+        if absent:
+            raise CheckpointError(f"{len(absent)} tensor(s) listed in {root / SAFETENSORS_INDEX_FILE} are in "
+                                  f"no shard: {_name_list(absent)}")
+
+    total = sum(nbytes for header in headers.values() for nbytes in header.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights",
+              disable=not show_progress) as bar:
+        for f in files:
+            try:
+                handle = safe_open(str(f), framework="pt", device="cpu")
+            except Exception as e:
+                raise CheckpointError(f"cannot open {f}: {e}") from e
+            with handle:
+                for name in handle.keys():
+                    tensor = handle.get_tensor(name)
+                    bar.update(headers[f][name])
+                    yield name, tensor
+
+
+def load_checked(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 rename: Callable[[str], str | None], *,
+                 ignore_missing: Callable[[str], bool] = lambda name: False,
+                 source: str | Path | None = None) -> None:
+    """Copy checkpoint tensors into `module`'s parameters and persistent buffers, strictly.
+
+    rename(checkpoint name) -> our name, or None to skip the tensor on purpose (e.g. lm_head when tied).
+    Unexpected names, shape mismatches, two tensors for one target and targets never loaded (unless
+    ignore_missing(name)) raise CheckpointError. Tied parameters count as loaded through any alias.
+    """
+    where = f" in {source}" if source is not None else ""
+    targets: dict[str, torch.Tensor] = module.state_dict(keep_vars=True)  # params + persistent buffers
+    loaded_by: dict[int, str] = {}   # id(target tensor) -> checkpoint name
+    with torch.no_grad():
+        for ckpt_name, tensor in weights:
+            name = rename(ckpt_name)
+            if name is None:
+                continue
+            target = targets.get(name)
+            if target is None:
+                mapped = "" if name == ckpt_name else f", mapped to {name!r},"
+                raise CheckpointError(
+                    f"unexpected tensor {ckpt_name} (shape {_shape(tensor)}){where}{mapped} matches no "
+                    f"parameter of {type(module).__name__}: wrong architecture or config for these weights?")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise CheckpointError(
+                    f"tensor {ckpt_name}{where} has shape {_shape(tensor)} but {name} in "
+                    f"{type(module).__name__} has shape {_shape(target)}: config.json does not match the weights")
+            previous = loaded_by.get(id(target))
+            if previous is not None:
+                raise CheckpointError(f"tensors {previous} and {ckpt_name}{where} both load into {name}")
+            target.data.copy_(tensor)
+            loaded_by[id(target)] = ckpt_name
+    missing = [n for n, t in targets.items() if id(t) not in loaded_by and not ignore_missing(n)]
+    if missing:
+        raise CheckpointError(f"{len(missing)} tensor(s) of {type(module).__name__} missing from the "
+                              f"checkpoint{where}: {_name_list(missing)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+def _checkpoint_dir(model_dir) -> Path:
+    root = Path(model_dir).expanduser()
+    if not root.exists():
+        raise CheckpointError(f"checkpoint directory {root} does not exist")
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory; pass the checkpoint directory holding config.json")
+    return root
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, found {type(obj).__name__}")
+    return obj
+
+
+def _parse_config(root: Path, raw: dict):
+    """transformers' own config class for the model_type (it converts the flat published layout)."""
+    from transformers import CONFIG_MAPPING, PretrainedConfig
+
+    model_type = raw.get("model_type")
+    try:
+        if model_type in CONFIG_MAPPING:
+            return CONFIG_MAPPING[model_type].from_pretrained(str(root), local_files_only=True)
+        # remote-code families (e.g. InternVL's "internvl_chat"): a generic config, sub-configs as dicts
+        return PretrainedConfig.from_dict(raw)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"transformers cannot parse {root / CONFIG_FILE} "
+                              f"(model_type {model_type!r}): {type(e).__name__}: {e}") from e
+
+
+def _safetensors_files(root: Path) -> list[Path]:
+    index_path = root / SAFETENSORS_INDEX_FILE
+    weight_map = _index_weight_map(root)
+    if weight_map is not None:
+        names = list(dict.fromkeys(weight_map.values()))   # first-appearance order
+        files = [root / n for n in sorted(names)]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise CheckpointError(f"{index_path} names shard(s) that are not in {root}: {', '.join(absent)}")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        others = sorted({p.name for pat in _UNSUPPORTED_WEIGHT_PATTERNS for p in root.glob(pat)})
+        found = f" (found {', '.join(others[:5])})" if others else ""
+        raise CheckpointError(f"no *.safetensors weights in {root}{found}: only safetensors are supported; "
+                              f"convert the weights with transformers' save_pretrained(safe_serialization=True)")
+    return files
+
+
+def _index_weight_map(root: Path) -> dict[str, str] | None:
+    index_path = root / SAFETENSORS_INDEX_FILE
+    if not index_path.is_file():
+        return None
+    weight_map = _read_json(index_path).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path} has no 'weight_map' object")
+    return weight_map
+
+
+def _safetensors_header(path: Path) -> dict[str, int]:
+    """name -> bytes, from the file header alone (8-byte little-endian length + JSON)."""
+    try:
+        with open(path, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+    except (OSError, struct.error, ValueError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from e
+    return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+
+
+def _tokenizer_eos(root: Path) -> tuple[int, ...]:
+    cfg_path = root / "tokenizer_config.json"
+    if not cfg_path.is_file():
+        return ()
+    eos = _read_json(cfg_path).get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if not eos:
+        return ()
+    tok = load_tokenizer(root, require_chat_template=False)
+    eos_id = tok.convert_tokens_to_ids(eos)
+    return () if eos_id is None else (int(eos_id),)
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(dict.fromkeys(int(v) for v in values))
+
+
+def _shape(t: torch.Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def _name_list(names: list[str], limit: int = 10) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} (and {len(names) - limit} more)"

@@ -1,0 +1,207 @@
+"""Turn whatever a user sends as an image into a decoded RGB `PIL.Image`.
+
+Every failure is an `InvalidImageError` that says what was received and what is accepted, so that a
+bad image is refused at the door instead of failing later inside the vision stage.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import re
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+from urllib.request import url2pathname
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from vlm_sdk.errors import InvalidImageError
+
+ACCEPTED_SOURCES = ("a PIL.Image.Image, a filesystem path (str or pathlib.Path), raw image bytes, "
+                    "a base64 data URL ('data:image/png;base64,...') or a 'file://' URL")
+
+_EXIF_ORIENTATION = 0x0112
+# Modes whose samples do not fit 8 bits; PIL's own convert("RGB") clips them at 255, which turns most
+# 16-bit photos white, so they are rescaled here instead.
+_HIGH_DEPTH_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
+
+
+def load_image(source: object, *, max_image_pixels: int = 64_000_000) -> Image.Image:
+    """Decode `source` into an RGB image, upright according to its EXIF orientation.
+
+    The pixel count is checked against `max_image_pixels` from the header, before any pixel is
+    decoded. The image is fully decoded here so that corrupt data fails in this call. A PIL image
+    that is already RGB and upright may be returned as the same object.
+    """
+    if isinstance(source, Image.Image):
+        image = source
+        _check_size(image.size, max_image_pixels, _describe(source))
+        _decode(image, _describe(source))
+    else:
+        data, what = _read_source(source)
+        image = _open(data, what)
+        _check_size(image.size, max_image_pixels, what)
+        _decode(image, what)
+    image = _apply_exif_orientation(image)
+    return to_rgb(image)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Convert any PIL mode to RGB; transparency is composited on white.
+
+    The alpha rule and compositing are exactly those of transformers' `convert_to_rgb`, so pixel
+    values match its image processors for RGBA, LA, PA and palette images with transparency.
+    """
+    if image.mode in _HIGH_DEPTH_MODES:
+        return _high_depth_to_rgb(image)
+    has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
+    if has_alpha:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    if image.mode == "RGB":
+        return image
+    return image.convert("RGB")
+
+
+def _high_depth_to_rgb(image: Image.Image) -> Image.Image:
+    values = np.asarray(image)
+    if image.mode == "F":
+        values = np.nan_to_num(values.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+        lo, hi = float(values.min()), float(values.max())
+        if lo >= 0.0 and hi <= 1.0:  # the usual float convention: 0..1
+            scaled = values * 255.0
+        elif lo >= 0.0 and hi <= 255.0:
+            scaled = values
+        else:  # no convention to rely on: stretch the range present
+            scaled = (values - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(values)
+    else:
+        values = np.clip(values.astype(np.float64), 0.0, None)
+        hi = float(values.max()) if values.size else 0.0
+        if image.mode.startswith("I;16") or 255.0 < hi <= 65535.0:
+            scaled = values / 257.0  # 65535 -> 255 exactly; 16-bit PNG/TIFF stored as "I" lands here too
+        elif hi <= 255.0:
+            scaled = values
+        else:  # 32-bit data beyond 16 bits: scale by the maximum present
+            scaled = values * (255.0 / hi)
+    gray = np.clip(np.round(scaled), 0, 255).astype(np.uint8)  # [H, W]
+    return Image.fromarray(gray).convert("RGB")
+
+
+def _read_source(source: object) -> tuple[bytes, str]:
+    """Return the encoded image bytes and a short description of where they came from."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+        return data, f"{len(data)} bytes starting {data[:16]!r}"
+    if isinstance(source, os.PathLike):
+        return _read_file(Path(os.fspath(source)), f"path {os.fspath(source)!r}")
+    if isinstance(source, str):
+        head = source[:16].lower()
+        if head.startswith("data:"):
+            return _decode_data_url(source), f"data URL {_clip(source)!r}"
+        if head.startswith("file://"):
+            return _read_file(_file_url_path(source), f"file URL {_clip(source)!r}")
+        if head.startswith(("http://", "https://")):
+            raise InvalidImageError(
+                f"remote image URL {_clip(source)!r}: the engine does not fetch remote URLs. Download the "
+                f"image yourself and pass it as {ACCEPTED_SOURCES}.")
+        if re.match(r"^[a-z][a-z0-9+.-]*://", head):
+            raise InvalidImageError(f"unsupported URL scheme in {_clip(source)!r}; accepted: {ACCEPTED_SOURCES}.")
+        return _read_file(Path(source), f"path {_clip(source)!r}")
+    raise InvalidImageError(f"cannot load an image from a {type(source).__name__} ({_clip(repr(source))}); "
+                            f"accepted: {ACCEPTED_SOURCES}.")
+
+
+def _read_file(path: Path, what: str) -> tuple[bytes, str]:
+    # Read the bytes up front so no file handle stays open inside a lazily decoded PIL image.
+    try:
+        return path.read_bytes(), what
+    except FileNotFoundError:
+        raise InvalidImageError(f"image file not found: {what}. If this string was meant as image data, "
+                                f"pass it as bytes or a base64 data URL; accepted: {ACCEPTED_SOURCES}.") from None
+    except IsADirectoryError:
+        raise InvalidImageError(f"{what} is a directory, not an image file.") from None
+    except OSError as exc:
+        raise InvalidImageError(f"cannot read image file {what}: {exc}") from exc
+
+
+def _file_url_path(url: str) -> Path:
+    parsed = urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise InvalidImageError(f"file URL {_clip(url)!r} names host {parsed.netloc!r}; only local files "
+                                f"('file:///abs/path') are read.")
+    return Path(url2pathname(unquote(parsed.path)))
+
+
+def _decode_data_url(url: str) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep or not header.lower().endswith(";base64"):
+        raise InvalidImageError(f"data URL {_clip(url)!r} is not of the form 'data:image/<type>;base64,<data>'; "
+                                f"only base64 data URLs are accepted.")
+    payload = re.sub(r"\s+", "", payload)
+    payload += "=" * (-len(payload) % 4)  # tolerate stripped padding
+    try:
+        if "-" in payload or "_" in payload:
+            return base64.b64decode(payload, altchars=b"-_", validate=True)
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidImageError(f"data URL {_clip(url)!r} holds invalid base64 ({exc}).") from exc
+
+
+def _open(data: bytes, what: str) -> Image.Image:
+    if not data:
+        raise InvalidImageError(f"empty image data from {what}; accepted: {ACCEPTED_SOURCES}.")
+    try:
+        return Image.open(io.BytesIO(data))  # reads the header only
+    except Image.DecompressionBombError as exc:
+        raise _bomb_error(what, exc) from exc
+    except Exception as exc:  # any decoder failure means the data is not a usable image
+        raise InvalidImageError(f"cannot identify an image in {what} ({type(exc).__name__}: {exc}); "
+                                f"expected encoded PNG/JPEG/WebP/GIF/BMP/TIFF data; accepted: "
+                                f"{ACCEPTED_SOURCES}.") from exc
+
+
+def _check_size(size: tuple[int, int], max_image_pixels: int, what: str) -> None:
+    width, height = size
+    if width <= 0 or height <= 0:
+        raise InvalidImageError(f"image from {what} has zero size ({width}x{height}).")
+    if width * height > max_image_pixels:
+        raise InvalidImageError(
+            f"image from {what} is {width}x{height} = {width * height} pixels, over the limit of "
+            f"{max_image_pixels} pixels; downscale it or raise the setting max_image_pixels.")
+
+
+def _decode(image: Image.Image, what: str) -> None:
+    try:
+        image.load()
+    except Image.DecompressionBombError as exc:
+        raise _bomb_error(what, exc) from exc
+    except Exception as exc:
+        raise InvalidImageError(f"image data from {what} is corrupt or truncated "
+                                f"({type(exc).__name__}: {exc}).") from exc
+
+
+def _apply_exif_orientation(image: Image.Image) -> Image.Image:
+    try:
+        orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
+    except Exception:  # unparsable EXIF is common in the wild and must not cost the image
+        return image
+    if orientation == 1:
+        return image  # skip exif_transpose's copy of the whole image
+    return ImageOps.exif_transpose(image)
+
+
+def _bomb_error(what: str, exc: Exception) -> InvalidImageError:
+    return InvalidImageError(f"image from {what} was refused by Pillow as a decompression bomb ({exc}); "
+                             f"this is Pillow's own limit PIL.Image.MAX_IMAGE_PIXELS, separate from the "
+                             f"setting max_image_pixels.")
+
+
+def _describe(image: Image.Image) -> str:
+    return f"PIL image (mode {image.mode}, {image.size[0]}x{image.size[1]})"
+
+
+def _clip(text: str, limit: int = 64) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."

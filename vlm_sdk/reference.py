@@ -1,0 +1,87 @@
+"""transformers as the oracle: build the same prompt for transformers' Qwen2.5-VL and generate.
+
+Used by the parity tests and `vlm-sdk bench`. Without torchvision the combined processor will not
+build, so the prompt is made the documented way: chat template, then each `<|image_pad|>` expanded
+by hand to grid_t*grid_h*grid_w/merge^2 copies. Imports transformers lazily.
+"""
+from __future__ import annotations
+
+import torch
+
+from vlm_sdk.multimodal.image_io import load_image
+from vlm_sdk.multimodal.messages import parse_messages
+
+
+def hf_image_processor(model_dir: str, **kwargs):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    return Qwen2VLImageProcessorPil.from_pretrained(model_dir, **kwargs)
+
+
+def hf_prompt(tokenizer, image_processor, config, messages) -> dict:
+    """input_ids [1, L], mm_token_type_ids, pixel_values, image_grid_thw for one conversation."""
+    template_messages, refs = parse_messages(messages)
+    text = tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    out = {}
+    grids = []
+    if refs:
+        images = [load_image(r.source) for r in refs]
+        proc = image_processor(images, return_tensors="pt")
+        out["pixel_values"] = proc["pixel_values"]
+        out["image_grid_thw"] = proc["image_grid_thw"]
+        grids = proc["image_grid_thw"].tolist()
+    merge = config.vision_config.spatial_merge_size
+    expanded, it = [], iter(grids)
+    for tok in ids:
+        if tok == config.image_token_id:
+            t, h, w = next(it)
+            expanded.extend([tok] * (t * h * w // merge ** 2))
+        else:
+            expanded.append(tok)
+    input_ids = torch.tensor([expanded])
+    out["input_ids"] = input_ids
+    out["mm_token_type_ids"] = (input_ids == config.image_token_id).int()
+    return out
+
+
+def hf_batch(prompts: list[dict], pad_token_id: int) -> dict:
+    """Left-pad single prompts into one batch."""
+    width = max(p["input_ids"].shape[1] for p in prompts)
+    ids, mask, types = [], [], []
+    for p in prompts:
+        n = p["input_ids"].shape[1]
+        pad = width - n
+        ids.append(torch.cat([torch.full((pad,), pad_token_id), p["input_ids"][0]]))
+        mask.append(torch.cat([torch.zeros(pad, dtype=torch.long), torch.ones(n, dtype=torch.long)]))
+        types.append(torch.cat([torch.zeros(pad, dtype=torch.int), p["mm_token_type_ids"][0]]))
+    out = {"input_ids": torch.stack(ids), "attention_mask": torch.stack(mask),
+           "mm_token_type_ids": torch.stack(types)}
+    with_images = [p for p in prompts if "pixel_values" in p]
+    if with_images:
+        out["pixel_values"] = torch.cat([p["pixel_values"] for p in with_images])
+        out["image_grid_thw"] = torch.cat([p["image_grid_thw"] for p in with_images])
+    return out
+
+
+@torch.inference_mode()
+def hf_greedy(model, batch: dict, max_new_tokens: int, eos_token_ids=None) -> list[list[int]]:
+    """Greedy continuation of each row, cut after its first eos (kept) when eos ids are given;
+    with eos_token_ids=None generation ignores eos and every row gets max_new_tokens tokens."""
+    from transformers import GenerationConfig
+    pad = model.config.text_config.pad_token_id if hasattr(model.config, "text_config") else None
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
+                           eos_token_id=list(eos_token_ids) if eos_token_ids else None,
+                           pad_token_id=pad if pad is not None else 0)
+    out = model.generate(**batch, generation_config=cfg)
+    new = out[:, batch["input_ids"].shape[1]:].tolist()
+    if not eos_token_ids:
+        return new
+    eos = set(eos_token_ids)
+    cut = []
+    for row in new:
+        for j, tok in enumerate(row):
+            if tok in eos:
+                row = row[:j + 1]
+                break
+        cut.append(row)
+    return cut
