@@ -64,7 +64,11 @@ def read_checkpoint(model_dir) -> CheckpointInfo:
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     eos = _as_ids(gen.get("eos_token_id"))
     if not eos:
-        eos = _as_ids(raw.get("eos_token_id")) or _as_ids(getattr(text_config(hf_config), "eos_token_id", None))
+        # raw config.json only: parsed configs fill in class defaults (Qwen2.5-VL: 151645) when absent
+        eos = _as_ids(raw.get("eos_token_id"))
+        for sub in ("text_config", "llm_config"):
+            if not eos and isinstance(raw.get(sub), dict):
+                eos = _as_ids(raw[sub].get("eos_token_id"))
     if not eos:
         eos = _tokenizer_eos(root)
 

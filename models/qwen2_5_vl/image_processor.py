@@ -88,7 +88,10 @@ class Qwen2VLImageProcessor:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidRequestError(f"{name} must be a positive int, got {value!r}.")
         if lo > hi:
-            raise InvalidRequestError(f"min_pixels ({lo}) is larger than max_pixels ({hi}); "
+            defaulted = "" if not defaults else (" (min_pixels is the processor default)" if min_pixels is None
+                                                 else " (max_pixels is the processor default)"
+                                                 if max_pixels is None else "")
+            raise InvalidRequestError(f"min_pixels ({lo}) is larger than max_pixels ({hi}){defaulted}; "
                                       f"set min_pixels <= max_pixels.")
         return lo, hi
 
@@ -149,7 +152,7 @@ class Qwen2VLImageProcessor:
         patches = patches.reshape(gh * gw, 3, p * p)  # [gh*gw, 3, p*p]
         # transformers' order and dtypes: float64 rescale, cast to float32, float32 subtract and divide.
         # numpy rather than torch: these ops are memory-bound, and torch's thread pool stalls for
-        # milliseconds per op when the engine's other threads hold the cores.
+        # milliseconds per op whenever other work holds the cores.
         x = patches.astype(np.float64)  # [gh*gw, 3, p*p]
         x *= self.rescale_factor
         x = x.astype(np.float32)  # [gh*gw, 3, p*p]

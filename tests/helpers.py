@@ -1,0 +1,31 @@
+"""Shared test data: deterministic images and the four conversations the parity tests use."""
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+
+def image(width: int, height: int, seed: int = 0) -> Image.Image:
+    """Smooth colour blobs plus noise, so resizing and patches are exercised."""
+    rng = np.random.default_rng(seed)
+    base = Image.fromarray(rng.integers(0, 256, size=(6, 6, 3), dtype=np.uint8)).resize((width, height),
+                                                                                         Image.BICUBIC)
+    noise = rng.integers(-25, 25, size=(height, width, 3))
+    return Image.fromarray(np.clip(np.asarray(base, dtype=np.int64) + noise, 0, 255).astype(np.uint8))
+
+
+def conversations() -> dict[str, list[dict]]:
+    a, b, c = image(300, 200, 1), image(120, 260, 2), image(200, 200, 3)
+    return {
+        "text": [{"role": "user", "content": "Tell me a short story about the sea."}],
+        "one_image": [{"role": "user", "content": [
+            {"type": "image", "image": a}, {"type": "text", "text": "What is in this image?"}]}],
+        "two_images": [{"role": "system", "content": "You compare pictures."},
+                       {"role": "user", "content": [
+                           {"type": "text", "text": "Compare"}, {"type": "image", "image": b},
+                           {"type": "text", "text": "with"}, {"type": "image", "image": c}]}],
+        "multi_turn": [{"role": "user", "content": [
+                           {"type": "image", "image": c}, {"type": "text", "text": "Describe it."}]},
+                       {"role": "assistant", "content": "A colourful square."},
+                       {"role": "user", "content": "Which colour is most common?"}],
+    }

@@ -1,0 +1,255 @@
+"""Qwen2_5_VLForCausalLM on the paged KV cache against transformers' Qwen2_5_VLForConditionalGeneration."""
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from vlm_sdk.engine.attention_metadata import AttentionMetadata
+from vlm_sdk.errors import CheckpointError
+from vlm_sdk.models.qwen2_5_vl.model import Qwen2_5_VLForCausalLM
+from vlm_sdk.models.qwen2_5_vl.rope_index import mrope_positions
+from vlm_sdk.models.registry import resolve
+
+BLOCK = 16
+NUM_BLOCKS = 12
+ATOL = 1e-4
+GRID_A, GRID_B = (1, 8, 12), (1, 16, 8)  # 24 and 32 image tokens; 4x6 and 8x4 merged -> several windows
+
+
+def load_pair(ckpt):
+    """transformers' model (the oracle) and ours on the same checkpoint directory."""
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    weights = dict(iter_safetensors(ckpt, show_progress=False))
+    ours = Qwen2_5_VLForCausalLM(read_checkpoint(ckpt).hf_config)
+    ours.load_weights(weights.items())
+    return hf, ours, weights
+
+
+@pytest.fixture(scope="module")
+def models(tiny_ckpt):
+    return load_pair(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def ids(models):
+    cfg = models[0].config
+    return cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id
+
+
+def image_block(grid) -> list[int]:
+    t, h, w = grid
+    return [VSTART] + [IMG] * (t * h * w // 4) + [VEND]
+
+
+def pixels(grids, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 14 * 14, generator=g)
+
+
+PROMPTS = {
+    "text": ([3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], []),
+    "one_image": ([7, 8] + image_block(GRID_A) + [10, 11, 12, 13], [GRID_A]),
+    "two_images": ([7] + image_block(GRID_A) + [20, 21] + image_block(GRID_B) + [30, 31, 32], [GRID_A, GRID_B]),
+}
+
+
+class Seq:
+    """One prompt prepared for our model: embeddings, M-RoPE positions, the HF reference inputs."""
+
+    def __init__(self, model, ids: list[int], grids, seed: int = 0):
+        self.ids, self.grids = ids, grids
+        self.pixel_values = pixels(grids, seed) if grids else None
+        self.positions, self.delta = mrope_positions(ids, grids, IMG, 2)
+        with torch.no_grad():
+            embeds = model.embed_tokens(torch.tensor(ids))
+            if grids:
+                embeds[torch.tensor(ids) == IMG] = model.encode_images(self.pixel_values, grids)
+        self.embeds = embeds
+
+    def hf_kwargs(self) -> dict:
+        input_ids = torch.tensor([self.ids])
+        kw = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+        if self.grids:
+            kw.update(pixel_values=self.pixel_values, image_grid_thw=torch.tensor(self.grids),
+                      mm_token_type_ids=(input_ids == IMG).int())
+        return kw
+
+
+def new_cache(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (NUM_BLOCKS, BLOCK, model.num_kv_heads, model.head_dim)
+    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.num_layers)]
+
+
+def run_step(model, kv, items):
+    """items: (embeds [q, hidden], positions [3, q], block ids, seq_len after this step) per sequence.
+    Returns the logits of every new token, split per sequence."""
+    slots, tables = [], []
+    q_lens = [e.shape[0] for e, _, _, _ in items]
+    seq_lens = [s for _, _, _, s in items]
+    width = max(len(b) for _, _, b, _ in items)
+    for (e, _, blocks, seq_len), q in zip(items, q_lens):
+        p = torch.arange(seq_len - q, seq_len)
+        slots.append(torch.tensor(blocks)[p // BLOCK] * BLOCK + p % BLOCK)
+        tables.append(blocks + [0] * (width - len(blocks)))
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        query_start_loc=torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        query_lens_cpu=q_lens, seq_lens_cpu=seq_lens, max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+    with torch.no_grad():
+        hidden = model(torch.cat([e for e, _, _, _ in items]), torch.cat([p for _, p, _, _ in items], dim=1), kv, meta)
+        logits = model.compute_logits(hidden)
+    return list(logits.split(q_lens))
+
+
+def decode_item(model, seq: Seq, token: int, index: int, blocks):
+    """The 1-token step for the token at prompt index `index`."""
+    with torch.no_grad():
+        e = model.embed_tokens(torch.tensor([token]))
+    return e, torch.full((3, 1), index + seq.delta, dtype=torch.int64), blocks, index + 1
+
+
+def hf_generate(hf, seq: Seq, steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """HF greedy tokens and the logits of each generated step (step 0 = last prompt position)."""
+    with torch.no_grad():
+        out = hf.generate(**seq.hf_kwargs(), max_new_tokens=steps, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, len(seq.ids):].tolist()
+    return tokens, [l[0] for l in out.logits]
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_prefill_matches_hf(models, name):
+    hf, ours, _ = models
+    seq = Seq(ours, *PROMPTS[name])
+    n = len(seq.ids)
+    (logits,) = run_step(ours, new_cache(ours), [(seq.embeds, seq.positions, list(range(-(-n // BLOCK))), n)])
+    with torch.no_grad():
+        ref = hf(**seq.hf_kwargs()).logits[0]
+    assert logits.dtype == torch.float32 and logits.shape == (n, 512)
+    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
+
+
+def test_chunked_prefill_equals_one_prefill(models):
+    hf, ours, _ = models
+    seq = Seq(ours, *PROMPTS["two_images"])
+    n = len(seq.ids)
+    blocks = [5, 2, 7, 0, 9]
+    (full,) = run_step(ours, new_cache(ours), [(seq.embeds, seq.positions, blocks, n)])
+    kv = new_cache(ours)
+    run_step(ours, kv, [(seq.embeds[:10], seq.positions[:, :10], blocks, 10)])
+    (rest,) = run_step(ours, kv, [(seq.embeds[10:], seq.positions[:, 10:], blocks, n)])
+    torch.testing.assert_close(rest, full[10:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["text", "two_images"])
+def test_decode_matches_hf_generate(models, name):
+    hf, ours, _ = models
+    seq = Seq(ours, *PROMPTS[name])
+    n = len(seq.ids)
+    tokens, ref_logits = hf_generate(hf, seq, steps=3)
+    blocks = list(range(-(-(n + 3) // BLOCK)))
+    kv = new_cache(ours)
+    (logits,) = run_step(ours, kv, [(seq.embeds, seq.positions, blocks, n)])
+    torch.testing.assert_close(logits[-1], ref_logits[0], atol=ATOL, rtol=0)
+    for step in (1, 2):
+        (logits,) = run_step(ours, kv, [decode_item(ours, seq, tokens[step - 1], n + step - 1, blocks)])
+        assert int(logits[0].argmax()) == tokens[step]
+        torch.testing.assert_close(logits[0], ref_logits[step], atol=ATOL, rtol=0)
+
+
+def test_batched_prefill_then_batched_decode(models):
+    hf, ours, _ = models
+    a = Seq(ours, [7] + image_block(GRID_A) + [10, 11, 12], [GRID_A], seed=1)  # 30 tokens: 2 blocks
+    b = Seq(ours, [9, 9] + image_block(GRID_B) + [20, 21, 22, 23, 24], [GRID_B], seed=2)  # 41 tokens: 3 blocks
+    blocks_a, blocks_b = [3, 0], [1, 4, 2]
+    na, nb = len(a.ids), len(b.ids)
+    tok_a, ref_a = hf_generate(hf, a, steps=2)
+    tok_b, ref_b = hf_generate(hf, b, steps=2)
+    kv = new_cache(ours)
+    la, lb = run_step(ours, kv, [(a.embeds, a.positions, blocks_a, na), (b.embeds, b.positions, blocks_b, nb)])
+    (alone_a,) = run_step(ours, new_cache(ours), [(a.embeds, a.positions, [0, 1], na)])
+    torch.testing.assert_close(la, alone_a, atol=ATOL, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(la, hf(**a.hf_kwargs()).logits[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(lb, hf(**b.hf_kwargs()).logits[0], atol=ATOL, rtol=0)
+    # one decode step for both: the batched decode path of paged_attention
+    da, db = run_step(ours, kv, [decode_item(ours, a, tok_a[0], na, blocks_a),
+                                 decode_item(ours, b, tok_b[0], nb, blocks_b)])
+    torch.testing.assert_close(da[0], ref_a[1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(db[0], ref_b[1], atol=ATOL, rtol=0)
+
+
+def test_encode_images_matches_hf_visual(models):
+    hf, ours, _ = models
+    grids = [GRID_A, GRID_B, (1, 4, 4)]
+    pv = pixels(grids, seed=3)
+    with torch.no_grad():
+        ref = hf.model.visual(pv, grid_thw=torch.tensor(grids)).pooler_output
+        got = ours.encode_images(pv, grids)
+    assert got.shape == (24 + 32 + 4, 64)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+    # each image alone gives its own rows of the packed output
+    with torch.no_grad():
+        alone = ours.encode_images(pv[96:96 + 128], [GRID_B])
+    torch.testing.assert_close(alone, got[24:56], atol=ATOL, rtol=0)
+
+
+def test_load_weights_errors(models):
+    hf, _, weights = models
+    fresh = lambda: Qwen2_5_VLForCausalLM(hf.config)  # noqa: E731
+    missing = {k: v for k, v in weights.items() if k != "model.layers.1.self_attn.k_proj.bias"}
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
+        fresh().load_weights(missing.items())
+    extra = dict(weights, **{"model.layers.7.mlp.gate_proj.weight": torch.zeros(128, 64)})
+    with pytest.raises(CheckpointError, match=r"unexpected.*model\.layers\.7\.mlp\.gate_proj\.weight"):
+        fresh().load_weights(extra.items())
+    bad = dict(weights, **{"visual.blocks.0.attn.qkv.weight": torch.zeros(96, 16)})
+    with pytest.raises(CheckpointError, match=r"visual\.blocks\.0\.attn\.qkv\.weight.*\[96, 16\].*\[96, 32\]"):
+        fresh().load_weights(bad.items())
+
+
+def test_load_accepts_language_model_prefix(models):
+    hf, ours, weights = models
+    renamed = {("model.language_model." + k[6:] if k.startswith("model.") else
+                "model." + k if k.startswith("visual.") else k): v for k, v in weights.items()}
+    other = Qwen2_5_VLForCausalLM(hf.config)
+    other.load_weights(renamed.items())
+    for (n1, p1), (n2, p2) in zip(ours.named_parameters(), other.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2)
+
+
+def test_tied_lm_head(tmp_path_factory):
+    hf, ours, weights = build(tmp_path_factory, tie=True)
+    assert ours.decoder.lm_head is None
+    seq = Seq(ours, *PROMPTS["one_image"])
+    n = len(seq.ids)
+    (logits,) = run_step(ours, new_cache(ours), [(seq.embeds, seq.positions, [0, 1, 2], n)])
+    with torch.no_grad():
+        ref = hf(**seq.hf_kwargs()).logits[0]
+    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
+    # with or without a copy of lm_head.weight in the checkpoint
+    stripped = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+    Qwen2_5_VLForCausalLM(hf.config).load_weights(stripped.items())
+    Qwen2_5_VLForCausalLM(hf.config).load_weights(dict(stripped, **{"lm_head.weight": stripped[
+        "model.embed_tokens.weight"]}).items())
+
+
+def test_model_attributes(models):
+    _, ours, _ = models
+    assert (ours.num_layers, ours.num_kv_heads, ours.head_dim, ours.hidden_size, ours.vocab_size) == (2, 2, 16, 64, 512)
+    assert ours.image_token_id == IMG and ours.spatial_merge_size == 2
+    assert not any(p.requires_grad for p in ours.parameters())
+
+
+def test_registry():
+    fam = resolve(["Qwen2_5_VLForConditionalGeneration"])
+    assert fam.name == "qwen2_5_vl" and fam.model_cls is Qwen2_5_VLForCausalLM
+    with pytest.raises(CheckpointError, match="LlavaForConditionalGeneration.*Qwen2_5_VLForConditionalGeneration"):
+        resolve(["LlavaForConditionalGeneration"])

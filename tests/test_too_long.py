@@ -1,0 +1,112 @@
+"""A prompt that can never fit is refused alone, with its numbers and fixes that each work."""
+import pytest
+
+from helpers import conversations, image
+from vlm_sdk import LLM, SamplingParams
+from vlm_sdk.errors import InputTooLongError, InvalidImageError, InvalidRequestError, VLMError
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
+BLOCKS = 6  # 96 tokens: too few for two images
+
+
+@pytest.fixture(scope="module")
+def small(tiny_ckpt):
+    return LLM(tiny_ckpt, num_blocks=BLOCKS, show_progress=False)
+
+
+def _big_conv():
+    return [{"role": "user", "content": [{"type": "image", "image": image(400, 300, 5)},
+                                         {"type": "image", "image": image(250, 250, 6)},
+                                         {"type": "text", "text": "What differs?"}]}]
+
+
+def test_error_numbers_message_and_each_fix(tiny_ckpt, small):
+    reference = LLM(tiny_ckpt, show_progress=False).engine.build_prompt(_big_conv())
+    with pytest.raises(InputTooLongError) as info:
+        small.chat(_big_conv(), PARAMS)
+    err = info.value
+    assert isinstance(err, VLMError)
+    assert err.prompt_tokens == len(reference.token_ids)
+    assert err.image_tokens == reference.image_tokens and len(err.image_tokens) == 2
+    assert err.capacity_tokens == BLOCKS * 16
+    msg = str(err)
+    for number in (err.prompt_tokens, err.capacity_tokens, *err.image_tokens, BLOCKS):
+        assert str(number) in msg
+    assert set(err.fixes) >= {"num_blocks", "kv_cache_memory", "max_pixels"}
+    assert err.fixes["num_blocks"] == -(-err.prompt_tokens // 16)
+    for key, value in err.fixes.items():
+        assert f"{key}={value}" in msg
+        args = {"num_blocks": BLOCKS, key: value}
+        if key == "kv_cache_memory":
+            del args["num_blocks"]  # num_blocks would take precedence; the fix replaces it
+        fixed = LLM(tiny_ckpt, show_progress=False, **args)
+        out = fixed.chat(_big_conv(), PARAMS)[0]
+        assert out.finish_reason in ("stop", "length") and len(out.token_ids) >= 1
+    # max_pixels is the largest that fits: one more step of 28x28 pixels does not
+    text_tokens = err.prompt_tokens - sum(err.image_tokens)
+    at = small.engine.processor.image_tokens_with_max_pixels
+    assert text_tokens + sum(at(reference, err.fixes["max_pixels"])) <= err.capacity_tokens
+    assert text_tokens + sum(at(reference, err.fixes["max_pixels"] + 28 * 28)) > err.capacity_tokens
+
+
+def test_engine_serves_the_next_request(small):
+    with pytest.raises(InputTooLongError):
+        small.chat(_big_conv(), PARAMS)
+    out = small.chat(conversations()["text"], PARAMS)[0]
+    assert len(out.token_ids) >= 1
+    assert small.stats()["kv_blocks_used"] == 0
+
+
+def test_checks_every_conversation_first_and_names_it(small):
+    good = conversations()["text"]
+    with pytest.raises(InputTooLongError) as info:
+        small.chat([good, good, _big_conv()], PARAMS)
+    assert info.value.conversation_index == 2 and "conversation 2" in str(info.value)
+    stats = small.stats()
+    assert stats["num_running"] == stats["num_waiting"] == stats["kv_blocks_used"] == 0
+
+
+def test_max_model_len_fix(tiny_ckpt):
+    conv = conversations()["one_image"]
+    llm = LLM(tiny_ckpt, max_model_len=32, show_progress=False)
+    with pytest.raises(InputTooLongError) as info:
+        llm.chat(conv, PARAMS)
+    err = info.value
+    assert err.capacity_tokens == 32 and "max_model_len=32" in str(err)
+    assert err.fixes["max_model_len"] == err.prompt_tokens
+    out = LLM(tiny_ckpt, max_model_len=err.fixes["max_model_len"] + 4, show_progress=False).chat(conv, PARAMS)[0]
+    assert len(out.token_ids) >= 1
+
+
+def test_text_only_prompt_has_no_pixel_fix(small):
+    conv = [{"role": "user", "content": "word " * 200}]
+    with pytest.raises(InputTooLongError) as info:
+        small.chat(conv, PARAMS)
+    assert info.value.image_tokens == [] and "max_pixels" not in info.value.fixes
+
+
+def test_bad_requests_are_typed_and_name_the_problem(small):
+    cases = [
+        ([{"role": "wizard", "content": "hi"}], InvalidRequestError, "wizard"),
+        ([{"role": "user", "content": [{"type": "audio"}]}], InvalidRequestError, "audio"),
+        ([{"role": "user", "content": [{"type": "image", "image": b"not an image"}]}], InvalidImageError, "image"),
+        ([{"role": "user", "content": [{"type": "image", "image": "/no/such/file.png"}]}], InvalidImageError,
+         "/no/such/file.png"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]}],
+         InvalidImageError, "base64"),
+        ([], InvalidRequestError, "non-empty"),
+    ]
+    for conv, kind, word in cases:
+        with pytest.raises(kind) as info:
+            small.chat(conv, PARAMS)
+        assert word in str(info.value)
+    assert small.chat(conversations()["text"], PARAMS)[0].token_ids
+
+
+def test_bad_engine_args_are_typed(tiny_ckpt):
+    with pytest.raises(TypeError, match="num_blokcs"):
+        LLM(tiny_ckpt, num_blokcs=3)
+    with pytest.raises(InvalidRequestError, match="max_model_len=4096 needs 256 KV blocks"):
+        LLM(tiny_ckpt, num_blocks=10, max_model_len=4096, show_progress=False)
+    with pytest.raises(InvalidRequestError, match="kv_cache_memory"):
+        LLM(tiny_ckpt, kv_cache_memory=10, show_progress=False)
