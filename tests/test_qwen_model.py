@@ -1,19 +1,17 @@
 """Qwen2_5_VLForCausalLM on the paged KV cache against transformers' Qwen2_5_VLForConditionalGeneration."""
 from __future__ import annotations
 
-import glob
-import os
-
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import Qwen2_5_VLForConditionalGeneration
 
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
+from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
 from vlm_sdk.models.qwen2_5_vl.model import Qwen2_5_VLForCausalLM
 from vlm_sdk.models.qwen2_5_vl.rope_index import mrope_positions
 from vlm_sdk.models.registry import resolve
+from vlm_sdk.testing import make_tiny_checkpoint
 
 BLOCK = 16
 NUM_BLOCKS = 12
@@ -35,15 +33,24 @@ def models(tiny_ckpt):
     return load_pair(tiny_ckpt)
 
 
-@pytest.fixture(scope="module")
-def ids(models):
-    cfg = models[0].config
-    return cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id
+class Prompts:
+    """Token ids of the test prompts, with the checkpoint's special tokens."""
 
+    def __init__(self, cfg):
+        self.img, self.vs, self.ve = cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id
 
-def image_block(grid) -> list[int]:
-    t, h, w = grid
-    return [VSTART] + [IMG] * (t * h * w // 4) + [VEND]
+    def image(self, grid) -> list[int]:
+        t, h, w = grid
+        return [self.vs] + [self.img] * (t * h * w // 4) + [self.ve]
+
+    def get(self, name: str) -> tuple[list[int], list[tuple[int, int, int]]]:
+        if name == "text":
+            return [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], []
+        if name == "one_image":
+            return [7, 8] + self.image(GRID_A) + [10, 11, 12, 13], [GRID_A]
+        if name == "two_images":
+            return [7] + self.image(GRID_A) + [20, 21] + self.image(GRID_B) + [30, 31, 32], [GRID_A, GRID_B]
+        raise KeyError(name)
 
 
 def pixels(grids, seed: int) -> torch.Tensor:
@@ -51,24 +58,17 @@ def pixels(grids, seed: int) -> torch.Tensor:
     return torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 14 * 14, generator=g)
 
 
-PROMPTS = {
-    "text": ([3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], []),
-    "one_image": ([7, 8] + image_block(GRID_A) + [10, 11, 12, 13], [GRID_A]),
-    "two_images": ([7] + image_block(GRID_A) + [20, 21] + image_block(GRID_B) + [30, 31, 32], [GRID_A, GRID_B]),
-}
-
-
 class Seq:
     """One prompt prepared for our model: embeddings, M-RoPE positions, the HF reference inputs."""
 
     def __init__(self, model, ids: list[int], grids, seed: int = 0):
-        self.ids, self.grids = ids, grids
+        self.ids, self.grids, self.img = ids, grids, model.image_token_id
         self.pixel_values = pixels(grids, seed) if grids else None
-        self.positions, self.delta = mrope_positions(ids, grids, IMG, 2)
+        self.positions, self.delta = mrope_positions(ids, grids, model.image_token_id, model.spatial_merge_size)
         with torch.no_grad():
             embeds = model.embed_tokens(torch.tensor(ids))
             if grids:
-                embeds[torch.tensor(ids) == IMG] = model.encode_images(self.pixel_values, grids)
+                embeds[torch.tensor(ids) == model.image_token_id] = model.encode_images(self.pixel_values, grids)
         self.embeds = embeds
 
     def hf_kwargs(self) -> dict:
@@ -76,7 +76,7 @@ class Seq:
         kw = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
         if self.grids:
             kw.update(pixel_values=self.pixel_values, image_grid_thw=torch.tensor(self.grids),
-                      mm_token_type_ids=(input_ids == IMG).int())
+                      mm_token_type_ids=(input_ids == self.img).int())
         return kw
 
 
@@ -92,7 +92,7 @@ def run_step(model, kv, items):
     q_lens = [e.shape[0] for e, _, _, _ in items]
     seq_lens = [s for _, _, _, s in items]
     width = max(len(b) for _, _, b, _ in items)
-    for (e, _, blocks, seq_len), q in zip(items, q_lens):
+    for (_, _, blocks, seq_len), q in zip(items, q_lens):
         p = torch.arange(seq_len - q, seq_len)
         slots.append(torch.tensor(blocks)[p // BLOCK] * BLOCK + p % BLOCK)
         tables.append(blocks + [0] * (width - len(blocks)))
@@ -109,7 +109,7 @@ def run_step(model, kv, items):
 
 
 def decode_item(model, seq: Seq, token: int, index: int, blocks):
-    """The 1-token step for the token at prompt index `index`."""
+    """The 1-token step for the token at sequence index `index`: position index + rope_delta on all axes."""
     with torch.no_grad():
         e = model.embed_tokens(torch.tensor([token]))
     return e, torch.full((3, 1), index + seq.delta, dtype=torch.int64), blocks, index + 1
@@ -118,27 +118,27 @@ def decode_item(model, seq: Seq, token: int, index: int, blocks):
 def hf_generate(hf, seq: Seq, steps: int) -> tuple[list[int], list[torch.Tensor]]:
     """HF greedy tokens and the logits of each generated step (step 0 = last prompt position)."""
     with torch.no_grad():
-        out = hf.generate(**seq.hf_kwargs(), max_new_tokens=steps, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True, pad_token_id=0)
+        out = hf.generate(**seq.hf_kwargs(), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True)
     tokens = out.sequences[0, len(seq.ids):].tolist()
-    return tokens, [l[0] for l in out.logits]
+    return tokens, [step_logits[0] for step_logits in out.logits]
 
 
-@pytest.mark.parametrize("name", list(PROMPTS))
+@pytest.mark.parametrize("name", ["text", "one_image", "two_images"])
 def test_prefill_matches_hf(models, name):
     hf, ours, _ = models
-    seq = Seq(ours, *PROMPTS[name])
+    seq = Seq(ours, *Prompts(hf.config).get(name))
     n = len(seq.ids)
     (logits,) = run_step(ours, new_cache(ours), [(seq.embeds, seq.positions, list(range(-(-n // BLOCK))), n)])
     with torch.no_grad():
         ref = hf(**seq.hf_kwargs()).logits[0]
-    assert logits.dtype == torch.float32 and logits.shape == (n, 512)
+    assert logits.dtype == torch.float32 and logits.shape == (n, ours.vocab_size)
     torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
 
 
 def test_chunked_prefill_equals_one_prefill(models):
     hf, ours, _ = models
-    seq = Seq(ours, *PROMPTS["two_images"])
+    seq = Seq(ours, *Prompts(hf.config).get("two_images"))
     n = len(seq.ids)
     blocks = [5, 2, 7, 0, 9]
     (full,) = run_step(ours, new_cache(ours), [(seq.embeds, seq.positions, blocks, n)])
@@ -151,7 +151,7 @@ def test_chunked_prefill_equals_one_prefill(models):
 @pytest.mark.parametrize("name", ["text", "two_images"])
 def test_decode_matches_hf_generate(models, name):
     hf, ours, _ = models
-    seq = Seq(ours, *PROMPTS[name])
+    seq = Seq(ours, *Prompts(hf.config).get(name))
     n = len(seq.ids)
     tokens, ref_logits = hf_generate(hf, seq, steps=3)
     blocks = list(range(-(-(n + 3) // BLOCK)))
@@ -166,8 +166,9 @@ def test_decode_matches_hf_generate(models, name):
 
 def test_batched_prefill_then_batched_decode(models):
     hf, ours, _ = models
-    a = Seq(ours, [7] + image_block(GRID_A) + [10, 11, 12], [GRID_A], seed=1)  # 30 tokens: 2 blocks
-    b = Seq(ours, [9, 9] + image_block(GRID_B) + [20, 21, 22, 23, 24], [GRID_B], seed=2)  # 41 tokens: 3 blocks
+    p = Prompts(hf.config)
+    a = Seq(ours, [7] + p.image(GRID_A) + [10, 11, 12], [GRID_A], seed=1)  # 30 tokens: 2 blocks
+    b = Seq(ours, [9, 9] + p.image(GRID_B) + [20, 21, 22, 23, 24], [GRID_B], seed=2)  # 41 tokens: 3 blocks
     blocks_a, blocks_b = [3, 0], [1, 4, 2]
     na, nb = len(a.ids), len(b.ids)
     tok_a, ref_a = hf_generate(hf, a, steps=2)
@@ -188,31 +189,51 @@ def test_batched_prefill_then_batched_decode(models):
 
 def test_encode_images_matches_hf_visual(models):
     hf, ours, _ = models
-    grids = [GRID_A, GRID_B, (1, 4, 4)]
+    grids = [GRID_A, GRID_B, (1, 4, 4)]  # windows of 16 and 8 units (A), 2 x 16 (B), one small window
     pv = pixels(grids, seed=3)
     with torch.no_grad():
         ref = hf.model.visual(pv, grid_thw=torch.tensor(grids)).pooler_output
         got = ours.encode_images(pv, grids)
-    assert got.shape == (24 + 32 + 4, 64)
+    assert got.shape == (24 + 32 + 4, ours.hidden_size)
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
-    # each image alone gives its own rows of the packed output
+    # an image alone gives its own rows of the packed output
     with torch.no_grad():
         alone = ours.encode_images(pv[96:96 + 128], [GRID_B])
     torch.testing.assert_close(alone, got[24:56], atol=ATOL, rtol=0)
 
 
+def test_encode_images_rejects_bad_input(models):
+    _, ours, _ = models
+    with pytest.raises(ValueError, match="pixel_values"):
+        ours.encode_images(pixels([GRID_A], 0)[:-1], [GRID_A])
+    with pytest.raises(ValueError, match="multiples of 2"):
+        ours.encode_images(pixels([(1, 3, 4)], 0), [(1, 3, 4)])
+
+
 def test_load_weights_errors(models):
     hf, _, weights = models
+    cfg = hf.config.text_config
     fresh = lambda: Qwen2_5_VLForCausalLM(hf.config)  # noqa: E731
     missing = {k: v for k, v in weights.items() if k != "model.layers.1.self_attn.k_proj.bias"}
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
         fresh().load_weights(missing.items())
-    extra = dict(weights, **{"model.layers.7.mlp.gate_proj.weight": torch.zeros(128, 64)})
+    extra = dict(weights, **{"model.layers.7.mlp.gate_proj.weight": torch.zeros(cfg.intermediate_size,
+                                                                                cfg.hidden_size)})
     with pytest.raises(CheckpointError, match=r"unexpected.*model\.layers\.7\.mlp\.gate_proj\.weight"):
         fresh().load_weights(extra.items())
     bad = dict(weights, **{"visual.blocks.0.attn.qkv.weight": torch.zeros(96, 16)})
     with pytest.raises(CheckpointError, match=r"visual\.blocks\.0\.attn\.qkv\.weight.*\[96, 16\].*\[96, 32\]"):
         fresh().load_weights(bad.items())
+
+
+def test_flat_sharded_checkpoint_loads_the_same(models, tiny_ckpt_flat):
+    """Published config layout (rope_scaling mrope), several safetensors shards, same seed -> same weights."""
+    _, ours, _ = models
+    other = Qwen2_5_VLForCausalLM(read_checkpoint(tiny_ckpt_flat).hf_config)
+    other.load_weights(iter_safetensors(tiny_ckpt_flat, show_progress=False))
+    assert other.decoder_config == ours.decoder_config
+    for (n1, p1), (n2, p2) in zip(ours.named_parameters(), other.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2)
 
 
 def test_load_accepts_language_model_prefix(models):
@@ -226,25 +247,44 @@ def test_load_accepts_language_model_prefix(models):
 
 
 def test_tied_lm_head(tmp_path_factory):
-    hf, ours, weights = build(tmp_path_factory, tie=True)
-    assert ours.decoder.lm_head is None
-    seq = Seq(ours, *PROMPTS["one_image"])
-    n = len(seq.ids)
-    (logits,) = run_step(ours, new_cache(ours), [(seq.embeds, seq.positions, [0, 1, 2], n)])
-    with torch.no_grad():
-        ref = hf(**seq.hf_kwargs()).logits[0]
-    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
-    # with or without a copy of lm_head.weight in the checkpoint
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("tied"), tie_word_embeddings=True)
+    hf, _, weights = load_pair(ckpt)
+    seq_ids = Prompts(hf.config).get("one_image")
+    embed = weights["model.embed_tokens.weight"]
     stripped = {k: v for k, v in weights.items() if k != "lm_head.weight"}
-    Qwen2_5_VLForCausalLM(hf.config).load_weights(stripped.items())
-    Qwen2_5_VLForCausalLM(hf.config).load_weights(dict(stripped, **{"lm_head.weight": stripped[
-        "model.embed_tokens.weight"]}).items())
+
+    def logits_of(model):
+        seq = Seq(model, *seq_ids)
+        n = len(seq.ids)
+        (logits,) = run_step(model, new_cache(model), [(seq.embeds, seq.positions, [0, 1, 2], n)])
+        return seq, logits
+
+    # no lm_head.weight in the checkpoint, or an exact copy of the embedding: the head is the embedding
+    for ckpt_weights in (stripped, dict(stripped, **{"lm_head.weight": embed.clone()})):
+        ours = Qwen2_5_VLForCausalLM(hf.config)
+        ours.load_weights(ckpt_weights.items())
+        assert ours.decoder.lm_head is None
+        seq, logits = logits_of(ours)
+        with torch.no_grad():
+            hf.lm_head.weight.copy_(embed)
+            ref = hf(**seq.hf_kwargs()).logits[0]
+        torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
+    # a tied config whose checkpoint carries a different lm_head: transformers uses it, so do we
+    if not torch.equal(weights.get("lm_head.weight", embed), embed):
+        hf2, ours, _ = load_pair(ckpt)
+        assert ours.decoder.lm_head is not None
+        seq, logits = logits_of(ours)
+        with torch.no_grad():
+            torch.testing.assert_close(logits, hf2(**seq.hf_kwargs()).logits[0], atol=ATOL, rtol=0)
 
 
 def test_model_attributes(models):
-    _, ours, _ = models
-    assert (ours.num_layers, ours.num_kv_heads, ours.head_dim, ours.hidden_size, ours.vocab_size) == (2, 2, 16, 64, 512)
-    assert ours.image_token_id == IMG and ours.spatial_merge_size == 2
+    hf, ours, _ = models
+    text = hf.config.text_config
+    assert (ours.num_layers, ours.num_kv_heads, ours.head_dim, ours.hidden_size, ours.vocab_size) == (
+        text.num_hidden_layers, text.num_key_value_heads, text.hidden_size // text.num_attention_heads,
+        text.hidden_size, text.vocab_size)
+    assert ours.image_token_id == hf.config.image_token_id and ours.spatial_merge_size == 2
     assert not any(p.requires_grad for p in ours.parameters())
 
 

@@ -11,7 +11,8 @@ import contextlib
 import json
 import math
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import torch
 
@@ -114,7 +115,7 @@ The city skyline at night is full of lights. A bridge crosses the river, and car
 The garden has roses, tulips and sunflowers. A stone path leads to a bench under an apple tree.
 """
 
-_DEFAULTS: dict[str, Any] = dict(
+_DEFAULTS: Mapping[str, Any] = MappingProxyType(dict(
     text_hidden_size=64,
     num_layers=2,
     num_heads=4,
@@ -137,16 +138,16 @@ _DEFAULTS: dict[str, Any] = dict(
     preprocessor_layout="nested",
     max_shard_size=None,          # e.g. "200KB" forces sharded safetensors + model.safetensors.index.json
     dtype="float32",              # dtype of the saved weights ("bfloat16" for the benchmark checkpoint)
-)
+))
 
-_FIXED = dict(
+_FIXED: Mapping[str, Any] = MappingProxyType(dict(
     rope_theta=1_000_000.0,
     rms_norm_eps=1e-6,
     patch_size=14,
     temporal_patch_size=2,
     spatial_merge_size=2,
     tokens_per_second=2,
-)
+))
 
 
 def make_tiny_checkpoint(path, family: str = "qwen2_5_vl", seed: int = 0, **overrides) -> Path:

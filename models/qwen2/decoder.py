@@ -171,6 +171,7 @@ class Qwen2Decoder(nn.Module):
         self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, device)
         self.lm_head = None if cfg.tie_word_embeddings else linear(cfg.hidden_size, cfg.vocab_size, False,
                                                                    dtype, device)
+        self.requires_grad_(False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden]
         return self.embed_tokens(input_ids)
@@ -186,6 +187,14 @@ class Qwen2Decoder(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, k_cache, v_cache, meta)
         return self.norm(x)
+
+    def untie_lm_head(self, weight: torch.Tensor) -> None:
+        """Give a tied decoder its own LM head (a checkpoint whose lm_head differs from the embedding)."""
+        emb = self.embed_tokens.weight
+        self.lm_head = linear(self.cfg.hidden_size, self.cfg.vocab_size, False, emb.dtype, emb.device)
+        self.lm_head.requires_grad_(False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -6,6 +6,7 @@ q/k/v and gate/up are fused on load (see `Qwen2Decoder` and `Qwen2_5_VisionTrans
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterable
 
 import torch
@@ -15,6 +16,8 @@ from vlm_sdk.errors import CheckpointError
 from vlm_sdk.models.base import KVCache, VisionLanguageModel
 from vlm_sdk.models.qwen2.decoder import ParamSlot, Qwen2Decoder, Qwen2DecoderConfig
 from vlm_sdk.models.qwen2_5_vl.vision import Qwen2_5_VisionTransformer
+
+logger = logging.getLogger(__name__)
 
 _ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
@@ -104,6 +107,27 @@ class Qwen2_5_VLForCausalLM(VisionLanguageModel):
         return slots
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        # a tied checkpoint may still carry lm_head.weight (a copy of the embedding): not needed
-        ignore = frozenset({"lm_head.weight"}) if self.decoder_config.tie_word_embeddings else frozenset()
-        load_into(self, weights, self.checkpoint_map(), ignore)
+        if self.decoder.lm_head is not None:
+            load_into(self, weights, self.checkpoint_map())
+            return
+        # Tied: the checkpoint may still carry lm_head.weight. A copy of the embedding is dropped; a
+        # different matrix is used as the head, as transformers does (it then leaves the two untied).
+        head: list[torch.Tensor] = []
+
+        def without_head():
+            for name, tensor in weights:
+                if _canonical(name) == "lm_head.weight":
+                    head.append(tensor)
+                else:
+                    yield name, tensor
+
+        load_into(self, without_head(), self.checkpoint_map())
+        if head:
+            expected = tuple(self.decoder.embed_tokens.weight.shape)
+            if tuple(head[0].shape) != expected:
+                raise CheckpointError(f"tensor 'lm_head.weight' has shape {_shape(head[0])} in the checkpoint but "
+                                      f"the model expects {list(expected)}")
+            if not torch.equal(head[0].to(self.decoder.embed_tokens.weight.dtype), self.decoder.embed_tokens.weight):
+                logger.warning("config.json ties lm_head to the token embedding but the checkpoint's lm_head.weight "
+                               "differs from it; using the checkpoint's lm_head.weight (as transformers does)")
+                self.decoder.untie_lm_head(head[0])

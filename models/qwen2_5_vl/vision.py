@@ -128,6 +128,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(c.hidden_size, c.num_heads, c.intermediate_size, c.hidden_act,
                                                 dtype, device) for _ in range(c.depth))
         self.merger = PatchMerger(c.hidden_size, c.out_hidden_size, self.merge_unit, dtype, device)
+        self.requires_grad_(False)
 
     def _layout(self, grid_thw: list[tuple[int, int, int]]):
         """Window order of the merge blocks, (h, w) patch positions in that order, and the segment lengths."""
