@@ -83,3 +83,19 @@ def test_run_count_must_match_grids():
 def test_empty_prompt():
     pos, delta = mrope_positions([], [], IMG, MERGE)
     assert pos.shape == (3, 0) and delta == 0
+
+
+def test_text_positions_give_plain_rope():
+    """With t == h == w (text tokens) M-RoPE reduces to 1-D RoPE; the 1-D path of the rotary agrees."""
+    from vlm_sdk.models.qwen2.decoder import MRotaryEmbedding
+
+    mrope = MRotaryEmbedding(16, 1e6, (2, 3, 3), "cpu")
+    plain = MRotaryEmbedding(16, 1e6, None, "cpu")
+    pos = torch.arange(40, dtype=torch.int64)
+    for a, b in zip(mrope(pos.expand(3, -1), torch.float32), plain(pos, torch.float32)):
+        assert a.shape == (40, 1, 8)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # an image position takes t, h, w for frequencies [0, 2), [2, 5), [5, 8)
+    cos, _ = mrope(torch.tensor([[1], [2], [3]]), torch.float32)
+    axis = torch.tensor([1, 1, 2, 2, 2, 3, 3, 3]).float()
+    torch.testing.assert_close(cos[0, 0], torch.cos(axis * mrope.inv_freq))

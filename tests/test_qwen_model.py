@@ -293,3 +293,20 @@ def test_registry():
     assert fam.name == "qwen2_5_vl" and fam.model_cls is Qwen2_5_VLForCausalLM
     with pytest.raises(CheckpointError, match="LlavaForConditionalGeneration.*Qwen2_5_VLForConditionalGeneration"):
         resolve(["LlavaForConditionalGeneration"])
+
+
+def test_bfloat16_runs_close_to_float32(models, tiny_ckpt):
+    hf, ours, weights = models
+    low = Qwen2_5_VLForCausalLM(hf.config, dtype=torch.bfloat16)
+    low.load_weights(weights.items())
+    ids, grids = Prompts(hf.config).get("two_images")
+    seq32, seq16 = Seq(ours, ids, grids), Seq(low, ids, grids)
+    assert seq16.embeds.dtype == torch.bfloat16
+    n = len(ids)
+    blocks = list(range(-(-n // BLOCK)))
+    (ref,) = run_step(ours, new_cache(ours), [(seq32.embeds, seq32.positions, blocks, n)])
+    kv16 = [(k.bfloat16(), v.bfloat16()) for k, v in new_cache(low)]
+    (got,) = run_step(low, kv16, [(seq16.embeds, seq16.positions, blocks, n)])
+    assert got.dtype == torch.float32
+    cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
+    assert cos.min() > 0.98, cos.min()

@@ -94,7 +94,8 @@ def test_bad_requests_are_typed_and_name_the_problem(small):
          "/no/such/file.png"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]}],
          InvalidImageError, "base64"),
-        ([], InvalidRequestError, "non-empty"),
+        ([], InvalidRequestError, "needs a conversation"),
+        ([[]], InvalidRequestError, "non-empty"),
     ]
     for conv, kind, word in cases:
         with pytest.raises(kind) as info:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
+from vlm_sdk.errors import CheckpointError
 from vlm_sdk.kernels.paged_attention import paged_attention, write_kv_cache
 
 
@@ -47,20 +48,22 @@ class Qwen2DecoderConfig:
 
     @classmethod
     def from_hf(cls, text_config: Any, tie_word_embeddings: bool, mrope: bool) -> "Qwen2DecoderConfig":
-        """From a transformers text config (v5 `rope_parameters`, or the flat `rope_scaling`/`rope_theta`)."""
+        """From a transformers text config (v5 `rope_parameters`, or the flat `rope_scaling`/`rope_theta`).
+        Raises `CheckpointError` for a RoPE variant this decoder does not implement."""
         hidden = text_config.hidden_size
         heads = text_config.num_attention_heads
         head_dim = getattr(text_config, "head_dim", None) or hidden // heads
         rope = dict(getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):
-            raise ValueError(f"rope type {rope_type!r} is not supported by the Qwen2 decoder (only 'default'/'mrope')")
+            raise CheckpointError(f"config.json rope type {rope_type!r} is not supported by the Qwen2 decoder "
+                                  f"(supported: 'default', 'mrope')")
         theta = rope.get("rope_theta", getattr(text_config, "rope_theta", 1e6))
         section = None
         if mrope:
             section = tuple(rope.get("mrope_section") or (16, 24, 24))
             if sum(section) != head_dim // 2:
-                raise ValueError(f"mrope_section {list(section)} sums to {sum(section)} but head_dim // 2 is "
+                raise CheckpointError(f"mrope_section {list(section)} sums to {sum(section)} but head_dim // 2 is "
                                  f"{head_dim // 2}; fix rope_parameters.mrope_section in config.json")
         kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
         return cls(vocab_size=text_config.vocab_size, hidden_size=hidden,
