@@ -59,14 +59,24 @@ def paged_attention(q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
 def _decode_batched(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, gqa: bool) -> torch.Tensor:
     """One query per sequence: gather every sequence's K/V padded to the longest and attend at once."""
     block_size = k_cache.shape[1]
-    max_blocks = (meta.max_seq_len + block_size - 1) // block_size
-    tables = meta.block_tables[:, :max_blocks].long()  # [B, nb]
-    batch = tables.shape[0]
-    k = k_cache[tables].reshape(batch, max_blocks * block_size, *k_cache.shape[2:])  # [B, L, Hkv, D]
-    v = v_cache[tables].reshape(batch, max_blocks * block_size, *v_cache.shape[2:])
-    key_pos = torch.arange(max_blocks * block_size, device=q.device)
-    mask = (key_pos[None, :] < meta.seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    blocks, mask = _decode_layout(meta, block_size)  # same for every layer: built once per step
+    batch, length = mask.shape[0], mask.shape[-1]
+    # index_select on the flat block axis is ~2.5x faster on the CPU than advanced indexing
+    k = k_cache.index_select(0, blocks).view(batch, length, *k_cache.shape[2:])  # [B, L, Hkv, D]
+    v = v_cache.index_select(0, blocks).view(batch, length, *v_cache.shape[2:])
     o = F.scaled_dot_product_attention(q[:, :, None, :],  # [B, H, 1, D]
                                        k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
                                        attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o[:, :, 0, :]  # [B, H, D]
+
+
+def _decode_layout(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    cached = getattr(meta, "_decode_layout", None)
+    if cached is None:
+        max_blocks = (meta.max_seq_len + block_size - 1) // block_size
+        blocks = meta.block_tables[:, :max_blocks].reshape(-1).long()  # [B * nb]
+        key_pos = torch.arange(max_blocks * block_size, device=meta.seq_lens.device)
+        mask = (key_pos[None, :] < meta.seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+        cached = (blocks, mask)
+        meta._decode_layout = cached
+    return cached

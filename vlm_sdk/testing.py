@@ -373,6 +373,10 @@ def _save_model(config, out: Path, *, seed: int, init_std: float, dtype: torch.d
     with _no_hf_progress_bars():
         model = Qwen2_5_VLForConditionalGeneration(config)
         _redraw(model, seed, init_std)
+        if config.tie_word_embeddings:
+            # transformers 5 keeps two parameters here; equal values make the checkpoint truly tied
+            with torch.no_grad():
+                model.lm_head.weight.copy_(model.get_input_embeddings().weight)
         model.to(dtype)
         kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
         model.save_pretrained(out, **kwargs)

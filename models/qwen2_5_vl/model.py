@@ -13,6 +13,7 @@ import torch
 
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
+from vlm_sdk.models.cpu_layout import column_major, use_cpu_weight_layout
 from vlm_sdk.models.base import KVCache, VisionLanguageModel
 from vlm_sdk.models.qwen2.decoder import ParamSlot, Qwen2Decoder, Qwen2DecoderConfig
 from vlm_sdk.models.qwen2_5_vl.vision import Qwen2_5_VisionTransformer
@@ -107,6 +108,13 @@ class Qwen2_5_VLForCausalLM(VisionLanguageModel):
         return slots
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._load(weights)
+        use_cpu_weight_layout(self)
+        if self.decoder.lm_head is None and self.decoder.embed_tokens.weight.device.type == "cpu":
+            # the tied matrix serves the LM head every step and the embedding lookup rarely: favour the head
+            self.decoder.embed_tokens.weight = column_major(self.decoder.embed_tokens.weight)
+
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.decoder.lm_head is not None:
             load_into(self, weights, self.checkpoint_map())
             return
