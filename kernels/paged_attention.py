@@ -33,30 +33,51 @@ def paged_attention(q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
                     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
                     v_cache: torch.Tensor,
                     meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    gqa = num_heads != num_kv_heads
+                    scale: float,
+                    k: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: this step's K/V,
+                    v: torch.Tensor | None = None,  # read directly by sequences with no earlier context
+                    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     if meta.decode_only and meta.num_seqs > 1:
-        return _decode_batched(q, k_cache, v_cache, meta, scale, gqa)
+        return _decode_batched(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        k = _gather(k_cache, meta.block_tables[i], seq_len)  # [seq_len, Hkv, D]
-        v = _gather(v_cache, meta.block_tables[i], seq_len)
         qi = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
+        if q_len == seq_len and k is not None:
+            # a whole prompt in one chunk: its K/V are this step's, and plain causal attention takes
+            # the fast (flash) CPU path instead of the masked math path
+            ki, vi = k[start:start + q_len], v[start:start + q_len]  # [q_len, Hkv, D]
+            o = _sdpa(qi, ki.transpose(0, 1), vi.transpose(0, 1), None, q_len > 1, scale)
+            out[start:start + q_len] = o.transpose(0, 1)
+            start += q_len
+            continue
+        ki = _gather(k_cache, meta.block_tables[i], seq_len)  # [seq_len, Hkv, D]
+        vi = _gather(v_cache, meta.block_tables[i], seq_len)
         mask = None
         if q_len > 1:
             # new token j sits at position seq_len - q_len + j and sees keys up to it
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos  # [q_len, seq_len]
-        o = F.scaled_dot_product_attention(qi, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
-                                           attn_mask=mask, scale=scale, enable_gqa=gqa)
+        o = _sdpa(qi, ki.transpose(0, 1).to(q.dtype), vi.transpose(0, 1).to(q.dtype), mask, False, scale)
         out[start:start + q_len] = o.transpose(0, 1)
         start += q_len
     return out
 
 
-def _decode_batched(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, gqa: bool) -> torch.Tensor:
+def _sdpa(q: torch.Tensor,  # [H, q_len, D]
+          k: torch.Tensor,  # [Hkv, kv_len, D]
+          v: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float) -> torch.Tensor:
+    """SDPA for one sequence. KV heads are expanded and a batch axis added: with either missing, the
+    CPU falls back from the flash kernel to the (3-4x slower) math path."""
+    group = q.shape[0] // k.shape[0]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
+                                          scale=scale)[0]  # [H, q_len, D]
+
+
+def _decode_batched(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One query per sequence: gather every sequence's K/V padded to the longest and attend at once."""
     block_size = k_cache.shape[1]
     blocks, mask = _decode_layout(meta, block_size)  # same for every layer: built once per step
@@ -64,10 +85,14 @@ def _decode_batched(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     # index_select on the flat block axis is ~2.5x faster on the CPU than advanced indexing
     k = k_cache.index_select(0, blocks).view(batch, length, *k_cache.shape[2:])  # [B, L, Hkv, D]
     v = v_cache.index_select(0, blocks).view(batch, length, *v_cache.shape[2:])
-    o = F.scaled_dot_product_attention(q[:, :, None, :],  # [B, H, 1, D]
-                                       k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-                                       attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return o[:, :, 0, :]  # [B, H, D]
+    num_kv_heads = k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    # GQA folded into the query axis: the `group` query heads sharing a KV head become `group` queries
+    # of it (one key set, no causal order among them), 5x faster on the CPU than enable_gqa
+    qg = q.view(batch, num_kv_heads, group, q.shape[2])  # [B, Hkv, G, D]
+    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                                       attn_mask=mask, scale=scale)  # [B, Hkv, G, D]
+    return o.reshape(batch, q.shape[1], q.shape[2])  # [B, H, D]
 
 
 def _decode_layout(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

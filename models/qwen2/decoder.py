@@ -156,7 +156,7 @@ class Qwen2DecoderLayer(nn.Module):
         qk = apply_rotary(qkv[:, :h + hkv], cos, sin)  # [N, H+Hkv, D]
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv:]
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        attn = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [N, H, D]
+        attn = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)  # [N, H, D]
         x = x + self.o_proj(attn.reshape(n, h * self.head_dim))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)  # [N, I] each
         return x + self.down_proj(F.silu(gate) * up)
