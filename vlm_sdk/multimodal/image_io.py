@@ -109,7 +109,7 @@ def _read_source(source: object) -> tuple[bytes, str]:
                 f"image yourself and pass it as {ACCEPTED_SOURCES}.")
         if re.match(r"^[a-z][a-z0-9+.-]*://", head):
             raise InvalidImageError(f"unsupported URL scheme in {_clip(source)!r}; accepted: {ACCEPTED_SOURCES}.")
-        return _read_file(Path(source), f"path {_clip(source)!r}")
+        return _read_file(Path(source), f"path {_clip(source, 1024)!r}")  # a path is shown whole
     raise InvalidImageError(f"cannot load an image from a {type(source).__name__} ({_clip(repr(source))}); "
                             f"accepted: {ACCEPTED_SOURCES}.")
 
