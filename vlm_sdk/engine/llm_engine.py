@@ -17,6 +17,7 @@ from vlm_sdk.engine.capacity import check_prompt_fits
 from vlm_sdk.engine.detokenizer import IncrementalDetokenizer
 from vlm_sdk.engine.kv_cache import allocate_kv_caches, bytes_per_block, plan_cache
 from vlm_sdk.engine.model_runner import ModelRunner
+from vlm_sdk.engine.profiler import profile_peak_bytes
 from vlm_sdk.engine.scheduler import Scheduler
 from vlm_sdk.engine.sequence import Sequence
 from vlm_sdk.errors import InvalidRequestError
@@ -79,7 +80,14 @@ class LLMEngine:
         self.max_position_embeddings = int(getattr(family.text_config(info.hf_config), "max_position_embeddings"))
         per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, args.block_size, self.dtype)
         useful = args.max_num_seqs * (args.max_model_len or self.max_position_embeddings)
-        self.cache_config = plan_cache(args, per_block, self.device, useful)
+        peak = None
+        if self.device.type == "cuda" and args.num_blocks is None and args.kv_cache_memory is None:
+            peak = profile_peak_bytes(
+                self.model, self.image_processor,
+                num_tokens=min(args.max_num_batched_tokens, self.max_position_embeddings),
+                num_seqs=args.max_num_seqs, max_pixels=args.max_pixels or self.image_processor.max_pixels,
+                block_size=args.block_size, per_block=per_block, dtype=self.dtype, device=self.device)
+        self.cache_config = plan_cache(args, per_block, self.device, useful, peak)
         self.scheduler_config = self._scheduler_config()
         kv_caches = allocate_kv_caches(m.num_layers, self.cache_config, m.num_kv_heads, m.head_dim,
                                        self.dtype, self.device)
