@@ -113,3 +113,21 @@ def test_too_long_fails_only_its_caller(tiny_ckpt, expected):
     result, again, stats = asyncio.run(main())
     assert result.token_ids == expected["text"] == again.token_ids
     assert stats["kv_blocks_used"] == 0
+
+
+def test_internal_failure_is_reported_not_hung(tiny_ckpt):
+    """A bug inside a step must reach every caller as EngineDeadError with the cause, not a hang."""
+    from vlm_sdk.errors import EngineDeadError
+    convs = conversations()
+
+    async def main():
+        async with AsyncLLM(tiny_ckpt, show_progress=False) as engine:
+            def broken():
+                raise RuntimeError("simulated kernel failure")
+            engine.engine.step = broken
+            with pytest.raises(EngineDeadError, match="simulated kernel failure"):
+                await asyncio.wait_for(engine.chat(convs["text"], LONG), timeout=30)
+            with pytest.raises(EngineDeadError):
+                await engine.chat(convs["text"], LONG)
+
+    asyncio.run(main())
