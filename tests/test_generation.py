@@ -110,3 +110,24 @@ def test_metrics_and_single_conversation_form(llm):
     assert m.prompt_tokens == len(outs[0].prompt_token_ids)
     assert m.image_tokens > 0 and m.generated_tokens == 5 == len(outs[0].token_ids)
     assert 0 <= m.time_to_first_token <= m.e2e_time
+
+
+def test_streamed_deltas_never_show_a_stop_string(tiny_ckpt, llm):
+    """Deltas hold back a possible stop-string prefix, so what was streamed is exactly the final text."""
+    import asyncio
+    from vlm_sdk import AsyncLLM
+    conv = conversations()["text"]
+    full = llm.chat(conv, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    stop = full.text[8:12]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop])
+
+    async def stream():
+        async with AsyncLLM(tiny_ckpt, show_progress=False) as engine:
+            outs = [o async for o in engine.chat_stream(conv, params)]
+        return outs
+
+    outs = asyncio.run(stream())
+    streamed = "".join(o.delta_text for o in outs)
+    assert streamed == outs[-1].text == full.text[:full.text.find(stop)]
+    assert all(o.text == "".join(p.delta_text for p in outs[:i + 1]) for i, o in enumerate(outs))
+    assert stop not in streamed and outs[-1].finish_reason == "stop"

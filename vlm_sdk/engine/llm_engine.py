@@ -180,29 +180,35 @@ class LLMEngine:
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
         seq.metrics.generated_tokens = seq.num_output_tokens
-        params = seq.params
+        params, detok = seq.params, seq.detokenizer
         reason = None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
-        delta = seq.detokenizer.add(token)
-        if params.stop:
-            delta, hit = _cut_at_stop(seq.detokenizer, delta, params.stop)
-            reason = "stop" if hit else reason
-        if reason is None and (seq.num_output_tokens >= params.max_tokens
-                               or seq.num_tokens >= self.scheduler_config.max_model_len):
+        new_text = detok.add(token)
+        if params.stop and _cut_at_stop(detok, len(new_text), params.stop):
+            reason = "stop"
+        elif reason is None and (seq.num_output_tokens >= params.max_tokens
+                                 or seq.num_tokens >= self.scheduler_config.max_model_len):
             reason = "length"
         if reason is not None:
-            if not params.stop or reason != "stop":
-                delta += seq.detokenizer.flush()
+            if not detok.text_is_final:
+                detok.flush()
             self.scheduler.finish(seq, reason)
             self.requests.pop(seq.request_id, None)
             seq.metrics.finished_time = now
+            visible = len(detok.text)
+        else:
+            # hold back what could still turn out to be the start of a stop string
+            visible = len(detok.text) - (max(map(len, params.stop)) - 1 if params.stop else 0)
+        delta = detok.text[seq.num_emitted_chars:visible] if visible > seq.num_emitted_chars else ""
+        seq.num_emitted_chars += len(delta)
         return self._output(seq, delta)
 
     def _output(self, seq: Sequence, delta: str) -> RequestOutput:
+        """`text` is what this request's stream has shown so far: the concatenation of its deltas."""
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt.token_ids,
-                             token_ids=seq.output_token_ids, text=seq.detokenizer.text, delta_text=delta,
-                             finish_reason=seq.finish_reason, metrics=seq.metrics)
+                             token_ids=seq.output_token_ids, text=seq.detokenizer.text[:seq.num_emitted_chars],
+                             delta_text=delta, finish_reason=seq.finish_reason, metrics=seq.metrics)
 
     def stats(self) -> dict:
         bm = self.block_manager
@@ -214,14 +220,13 @@ class LLMEngine:
                 "num_preemptions": self.scheduler.num_preemptions}
 
 
-def _cut_at_stop(detok: IncrementalDetokenizer, delta: str, stops: tuple[str, ...]) -> tuple[str, bool]:
-    """If a stop string now appears in the text, cut the text (and this delta) just before it."""
+def _cut_at_stop(detok: IncrementalDetokenizer, new_chars: int, stops: tuple[str, ...]) -> bool:
+    """If a stop string now appears in the text, cut the text just before it (for good)."""
     text = detok.text
-    window_start = max(0, len(text) - len(delta) - max(len(s) for s in stops))
+    window_start = max(0, len(text) - new_chars - max(len(s) for s in stops))
     hits = [i for s in stops if (i := text.find(s, window_start)) != -1]
     if not hits:
-        return delta, False
-    cut = min(hits)
-    emitted_before = len(text) - len(delta)
-    detok.text = text[:cut]
-    return text[emitted_before:cut] if cut > emitted_before else "", True
+        return False
+    detok.text = text[:min(hits)]
+    detok.text_is_final = True
+    return True

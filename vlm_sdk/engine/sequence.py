@@ -47,6 +47,7 @@ class Sequence:
                                       prompt_tokens=self.num_prompt_tokens,
                                       image_tokens=sum(prompt.image_tokens))
         self.num_preemptions = 0
+        self.num_emitted_chars = 0  # text already streamed; a possible stop-string prefix waits
 
     @property
     def num_tokens(self) -> int:
