@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -49,6 +50,8 @@ class VisionLanguageModel(nn.Module, ABC):
         that are sampled."""
 
     @abstractmethod
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str | Path | None = None) -> None:
         """Copy checkpoint tensors (published HF names) into the modules. Raises `CheckpointError`
-        naming the tensor for a missing, unexpected or mis-shaped tensor."""
+        naming the tensor (and `source`, the checkpoint directory, when given) for a missing,
+        unexpected or mis-shaped tensor; `vlm_sdk.model_loader.load_checked` does this from a
+        `ParamSlot` map."""

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from vlm_sdk.errors import CheckpointError
-from vlm_sdk.model_loader import (iter_safetensors, load_checked, load_tokenizer, read_checkpoint,
+from vlm_sdk.model_loader import (ParamSlot, iter_safetensors, load_checked, load_tokenizer, read_checkpoint,
                                   text_config)
 from vlm_sdk.testing import make_tiny_checkpoint
 
@@ -140,12 +140,12 @@ def test_index_naming_a_missing_shard_is_an_error(tiny_ckpt_flat, tmp_path):
         list(iter_safetensors(d, show_progress=False))
 
 
-def _published_to_hf5(name: str) -> str:
-    """Published Qwen2.5-VL weight names -> transformers 5 module names."""
-    if name.startswith("visual."):
-        return "model." + name
-    if name.startswith("model."):
-        return "model.language_model." + name[len("model."):]
+def _hf5_to_published(name: str) -> str:
+    """transformers 5 module names -> published Qwen2.5-VL weight names."""
+    if name.startswith("model.visual."):
+        return name[len("model."):]
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
     return name
 
 
@@ -158,7 +158,8 @@ def test_load_checked_fills_a_transformers_model_like_from_pretrained(ckpt, requ
     reference = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(d), dtype=torch.float32).eval()
     torch.manual_seed(123)
     ours = Qwen2_5_VLForConditionalGeneration(info.hf_config).eval()
-    load_checked(ours, iter_safetensors(d, show_progress=False), _published_to_hf5, source=d)
+    slots = {_hf5_to_published(n): ParamSlot(n, tuple(t.shape)) for n, t in ours.state_dict().items()}
+    load_checked(ours, iter_safetensors(d, show_progress=False), slots, source=d)
     ids = torch.tensor([[1001, 343, 271, 198, 40, 41, 42, 1002]])
     with torch.no_grad():
         assert torch.equal(ours(input_ids=ids).logits, reference(input_ids=ids).logits)
@@ -195,26 +196,32 @@ def _weights(**changes) -> dict[str, torch.Tensor]:
     return w
 
 
-def _ident(name: str) -> str:
-    return name
+def _slots(module: nn.Module, *, skip: tuple[str, ...] = ()) -> dict[str, ParamSlot]:
+    """One whole-tensor slot per state_dict entry, under its own name (tied aliases included)."""
+    return {n: ParamSlot(n, tuple(t.shape)) for n, t in module.state_dict().items() if n not in skip}
 
 
 def test_load_checked_copies_everything_with_dtype_conversion():
     m = Small()
     w = _weights(proj__weight=torch.randn(2, 3).to(torch.bfloat16))
-    load_checked(m, w.items(), _ident)
+    load_checked(m, w.items(), _slots(m))
     for k, v in w.items():
         got = m.state_dict()[k]
         assert got.dtype == torch.float32 and torch.equal(got, v.float()), k
 
 
 def test_missing_tensor_is_named():
-    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) of Small missing.*norm\.bias"):
-        load_checked(Small(), _weights(norm__bias=None).items(), _ident)
+    m = Small()
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) of Small missing from the checkpoint in ckpt-x: "
+                                              r"norm\.bias \[3\]"):
+        load_checked(m, _weights(norm__bias=None).items(), _slots(m), source="ckpt-x")
 
 
-def test_missing_tensor_can_be_ignored_on_purpose():
-    load_checked(Small(), _weights(scale=None).items(), _ident, ignore_missing=lambda n: n == "scale")
+def test_buffer_without_a_slot_is_left_alone():
+    # what `ignore_missing` did for a target the checkpoint lacks: a persistent buffer gets no slot
+    m = Small()
+    load_checked(m, _weights(scale=None).items(), _slots(m, skip=("scale",)))
+    assert torch.equal(m.scale, torch.zeros(2))
 
 
 def test_missing_list_is_truncated():
@@ -223,43 +230,133 @@ def test_missing_list_is_truncated():
             super().__init__()
             self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(8))
 
+    m = Many()
     with pytest.raises(CheckpointError) as exc:
-        load_checked(Many(), [], _ident)
+        load_checked(m, [], _slots(m))
     msg = str(exc.value)
-    assert "16 tensor(s)" in msg and "(and 6 more)" in msg and "layers.0.weight" in msg
+    assert "16 tensor(s)" in msg and "(and 6 more)" in msg and "layers.0.weight [2, 2]" in msg
 
 
 def test_unexpected_tensor_is_named_with_its_shape():
+    m = Small()
     w = _weights()
     w["extra.weight"] = torch.zeros(4, 7)
     with pytest.raises(CheckpointError, match=r"unexpected tensor extra\.weight \(shape \[4, 7\]\) in ckpt-x"):
-        load_checked(Small(), w.items(), _ident, source="ckpt-x")
+        load_checked(m, w.items(), _slots(m), source="ckpt-x")
 
 
-def test_renamed_unexpected_tensor_names_both_names():
+def test_canonicalised_unexpected_tensor_names_both_names():
+    m = Small()
     with pytest.raises(CheckpointError, match=r"unexpected tensor model\.proj\.weight.*'proj\.weights'"):
-        load_checked(Small(), [("model.proj.weight", torch.zeros(2, 3))],
-                     lambda n: n.removeprefix("model.") + "s")
+        load_checked(m, [("model.proj.weight", torch.zeros(2, 3))], _slots(m),
+                     canonical=lambda n: n.removeprefix("model.") + "s")
+
+
+def test_canonical_aliases_load_and_two_spellings_of_one_tensor_are_an_error():
+    m = Small()
+    w = {"model." + k: v for k, v in _weights().items()}
+    strip = lambda n: n.removeprefix("model.")  # noqa: E731
+    load_checked(m, w.items(), _slots(m), canonical=strip)
+    assert torch.equal(m.proj.weight, w["model.proj.weight"])
+    both = [*w.items(), ("proj.weight", torch.zeros(2, 3))]
+    with pytest.raises(CheckpointError, match=r"tensors model\.proj\.weight and proj\.weight both load into"):
+        load_checked(Small(), both, _slots(m), canonical=strip)
 
 
 def test_misshaped_tensor_names_both_shapes():
+    m = Small()
     with pytest.raises(CheckpointError) as exc:
-        load_checked(Small(), _weights(proj__weight=torch.zeros(3, 3)).items(), _ident)
+        load_checked(m, _weights(proj__weight=torch.zeros(3, 3)).items(), _slots(m), source="ckpt-x")
     msg = str(exc.value)
-    assert "proj.weight" in msg and "[3, 3]" in msg and "[2, 3]" in msg
+    assert "proj.weight in ckpt-x" in msg and "[3, 3]" in msg and "[2, 3]" in msg
 
 
-def test_rename_none_skips_and_tied_weights_load_through_one_alias():
+def test_same_tensor_twice_is_an_error():
+    m = Small()
+    w = [*_weights().items(), ("norm.bias", torch.zeros(3))]
+    with pytest.raises(CheckpointError, match=r"tensor norm\.bias appears twice"):
+        load_checked(m, w, _slots(m))
+
+
+def test_ignore_skips_and_tied_weights_load_through_one_alias():
     m = Small(tie=True)
     w = _weights()
-    load_checked(m, w.items(), lambda n: None if n == "head.weight" else n)
+    load_checked(m, w.items(), _slots(m), ignore=frozenset({"head.weight"}))
+    assert torch.equal(m.head.weight, w["embed.weight"])
+    # the alias need not have a slot at all
+    m = Small(tie=True)
+    load_checked(m, w.items(), _slots(m, skip=("head.weight",)), ignore=frozenset({"head.weight"}))
     assert torch.equal(m.head.weight, w["embed.weight"])
 
 
 def test_two_tensors_into_one_target_is_an_error():
     m = Small(tie=True)
     with pytest.raises(CheckpointError, match=r"embed\.weight and head\.weight.*both load into"):
-        load_checked(m, _weights().items(), _ident)
+        load_checked(m, _weights().items(), _slots(m))
+
+
+class Fused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(4, 8)          # rows: q [0, 4) | k [4, 6) | v [6, 8)
+        self.patch = nn.Linear(2 * 3 * 3, 4, bias=False)  # a Conv2d(2, 4, 3) weight, flattened
+
+
+_QKV = {"q": (0, 4), "k": (4, 2), "v": (6, 2)}
+
+
+def _fused_slots() -> dict[str, ParamSlot]:
+    slots = {}
+    for name, (start, rows) in _QKV.items():
+        slots[f"attn.{name}_proj.weight"] = ParamSlot("qkv.weight", (rows, 4), start)
+        slots[f"attn.{name}_proj.bias"] = ParamSlot("qkv.bias", (rows,), start)
+    slots["patch_embed.weight"] = ParamSlot("patch.weight", (4, 2, 3, 3))
+    return slots
+
+
+def _fused_weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    w = {}
+    for name, (_, rows) in _QKV.items():
+        w[f"attn.{name}_proj.weight"] = torch.randn(rows, 4, generator=g)
+        w[f"attn.{name}_proj.bias"] = torch.randn(rows, generator=g)
+    w["patch_embed.weight"] = torch.randn(4, 2, 3, 3, generator=g)
+    return w
+
+
+def test_row_shards_fill_a_fused_parameter_and_reshape():
+    m = Fused()
+    w = _fused_weights()
+    load_checked(m, reversed(list(w.items())), _fused_slots())   # order does not matter
+    qkv = [f"attn.{n}_proj" for n in "qkv"]
+    assert torch.equal(m.qkv.weight, torch.cat([w[f"{p}.weight"] for p in qkv]))
+    assert torch.equal(m.qkv.bias, torch.cat([w[f"{p}.bias"] for p in qkv]))
+    assert torch.equal(m.patch.weight, w["patch_embed.weight"].reshape(4, 18))
+
+
+def test_missing_and_misshaped_row_shards_are_named():
+    w = _fused_weights()
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) of Fused missing.*attn\.k_proj\.weight \[2, 4\]"):
+        load_checked(Fused(), [kv for kv in w.items() if kv[0] != "attn.k_proj.weight"], _fused_slots())
+    w["attn.v_proj.weight"] = torch.zeros(4, 4)
+    with pytest.raises(CheckpointError, match=r"attn\.v_proj\.weight has shape \[4, 4\] but Fused expects "
+                                              r"\[2, 4\].*qkv\.weight rows \[6, 8\)"):
+        load_checked(Fused(), w.items(), _fused_slots())
+
+
+def test_slot_map_bugs_are_caught_before_loading():
+    slots = _fused_slots()
+    gap = {k: v for k, v in slots.items() if k != "attn.v_proj.bias"}
+    with pytest.raises(ValueError, match=r"leave 1 parameter\(s\) of Fused unloaded: qkv\.bias rows \[6, 8\)"):
+        load_checked(Fused(), [], gap)
+    with pytest.raises(ValueError, match=r"overlap"):
+        load_checked(Fused(), [], dict(slots, extra=ParamSlot("qkv.weight", (2, 4), 5)))
+    with pytest.raises(ValueError, match=r"outside qkv\.weight"):
+        load_checked(Fused(), [], dict(slots, extra=ParamSlot("qkv.weight", (2, 4), 7)))
+    with pytest.raises(ValueError, match=r"does not have"):
+        load_checked(Fused(), [], dict(slots, extra=ParamSlot("qkv.scale", (8,))))
+    with pytest.raises(ValueError, match=r"does not reshape"):
+        load_checked(Fused(), [], dict(slots, **{"patch_embed.weight": ParamSlot("patch.weight", (4, 2, 3, 2))}))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,15 +20,7 @@ from torch import nn
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.kernels.paged_attention import paged_attention, write_kv_cache
-
-
-@dataclass(frozen=True)
-class ParamSlot:
-    """Where one checkpoint tensor goes: rows [row_start, row_start + shape[0]) of parameter `param`
-    (the whole parameter when `row_start` is None), after reshaping to the parameter's trailing dims."""
-    param: str
-    shape: tuple[int, ...]  # the shape the checkpoint tensor must have
-    row_start: int | None = None
+from vlm_sdk.model_loader import ParamSlot
 
 
 @dataclass(frozen=True)

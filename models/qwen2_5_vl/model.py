@@ -7,15 +7,17 @@ q/k/v and gate/up are fused on load (see `Qwen2Decoder` and `Qwen2_5_VisionTrans
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
+from vlm_sdk.model_loader import ParamSlot, load_checked
 from vlm_sdk.models.cpu_layout import column_major, use_cpu_weight_layout
 from vlm_sdk.models.base import KVCache, VisionLanguageModel
-from vlm_sdk.models.qwen2.decoder import ParamSlot, Qwen2Decoder, Qwen2DecoderConfig
+from vlm_sdk.models.qwen2.decoder import Qwen2Decoder, Qwen2DecoderConfig
 from vlm_sdk.models.qwen2_5_vl.vision import Qwen2_5_VisionTransformer
 
 logger = logging.getLogger(__name__)
@@ -24,46 +26,11 @@ _ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
 def _canonical(name: str) -> str:
+    """The published name of a checkpoint tensor (transformers 4.5x spellings -> published ones)."""
     for old, new in _ALIASES:
         if name.startswith(old):
             return new + name[len(old):]
     return name
-
-
-def _shape(t: torch.Tensor | tuple[int, ...]) -> list[int]:
-    return list(t.shape if isinstance(t, torch.Tensor) else t)
-
-
-def load_into(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-              slots: dict[str, ParamSlot], ignore: frozenset[str] = frozenset()) -> None:
-    """Copy each checkpoint tensor into its slot; names in `ignore` are skipped. Raises `CheckpointError`
-    for an unexpected, mis-shaped or duplicated tensor, and for tensors the checkpoint lacks."""
-    params = dict(module.named_parameters())
-    seen: set[str] = set()
-    for raw_name, tensor in weights:
-        name = _canonical(raw_name)
-        if name in ignore:
-            continue
-        slot = slots.get(name)
-        if slot is None:
-            raise CheckpointError(f"unexpected tensor {raw_name!r} of shape {_shape(tensor)} in the checkpoint: "
-                                  f"this model ({type(module).__name__}) has no such weight; check that "
-                                  f"config.json matches the weights")
-        if tuple(tensor.shape) != slot.shape:
-            raise CheckpointError(f"tensor {raw_name!r} has shape {_shape(tensor)} in the checkpoint but the model "
-                                  f"expects {_shape(slot.shape)}; check that config.json matches the weights")
-        if name in seen:
-            raise CheckpointError(f"tensor {raw_name!r} appears twice in the checkpoint")
-        seen.add(name)
-        param = params[slot.param].data
-        target = param if slot.row_start is None else param[slot.row_start:slot.row_start + slot.shape[0]]
-        with torch.no_grad():
-            target.copy_(tensor.reshape(target.shape))
-    missing = sorted(set(slots) - seen)
-    if missing:
-        shown = ", ".join(f"{n!r} {_shape(slots[n].shape)}" for n in missing[:5])
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s) the model needs: {shown}{more}")
 
 
 class Qwen2_5_VLForCausalLM(VisionLanguageModel):
@@ -107,16 +74,16 @@ class Qwen2_5_VLForCausalLM(VisionLanguageModel):
                       for name, s in self.visual.checkpoint_map("visual.").items()})
         return slots
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._load(weights)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str | Path | None = None) -> None:
+        self._load(weights, source)
         use_cpu_weight_layout(self)
         if self.decoder.lm_head is None and self.decoder.embed_tokens.weight.device.type == "cpu":
             # the tied matrix serves the LM head every step and the embedding lookup rarely: favour the head
             self.decoder.embed_tokens.weight = column_major(self.decoder.embed_tokens.weight)
 
-    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]], source: str | Path | None) -> None:
         if self.decoder.lm_head is not None:
-            load_into(self, weights, self.checkpoint_map())
+            load_checked(self, weights, self.checkpoint_map(), canonical=_canonical, source=source)
             return
         # Tied: the checkpoint may still carry lm_head.weight. A copy of the embedding is dropped; a
         # different matrix is used as the head, as transformers does (it then leaves the two untied).
@@ -129,12 +96,14 @@ class Qwen2_5_VLForCausalLM(VisionLanguageModel):
                 else:
                     yield name, tensor
 
-        load_into(self, without_head(), self.checkpoint_map())
+        load_checked(self, without_head(), self.checkpoint_map(), canonical=_canonical, source=source)
         if head:
             expected = tuple(self.decoder.embed_tokens.weight.shape)
             if tuple(head[0].shape) != expected:
-                raise CheckpointError(f"tensor 'lm_head.weight' has shape {_shape(head[0])} in the checkpoint but "
-                                      f"the model expects {list(expected)}")
+                where = f" in {source}" if source is not None else ""
+                raise CheckpointError(f"tensor lm_head.weight{where} has shape {list(head[0].shape)} but "
+                                      f"{type(self).__name__} expects {list(expected)} (tied to the token "
+                                      f"embedding): config.json does not match the weights")
             if not torch.equal(head[0].to(self.decoder.embed_tokens.weight.dtype), self.decoder.embed_tokens.weight):
                 logger.warning("config.json ties lm_head to the token embedding but the checkpoint's lm_head.weight "
                                "differs from it; using the checkpoint's lm_head.weight (as transformers does)")

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_sdk.models.qwen2.decoder import ParamSlot, RMSNorm, apply_rotary, linear
+from vlm_sdk.model_loader import ParamSlot
+from vlm_sdk.models.qwen2.decoder import RMSNorm, apply_rotary, linear
 
 _ACTIVATIONS = {
     "silu": F.silu,

@@ -67,7 +67,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         with torch.device(self.device):
             self.model = family.model_cls(info.hf_config, dtype=self.dtype, device=self.device)
-        self.model.load_weights(iter_safetensors(model, show_progress=args.show_progress))
+        self.model.load_weights(iter_safetensors(model, show_progress=args.show_progress), source=info.model_dir)
         self.model.eval()
         self.load_seconds = time.perf_counter() - t0
 
