@@ -9,6 +9,7 @@ shape and change only the strides. Decoding is exactly those few-row products.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -23,3 +24,48 @@ def use_cpu_weight_layout(module: nn.Module) -> None:
     for sub in module.modules():
         if isinstance(sub, nn.Linear) and sub.weight.device.type == "cpu":
             sub.weight = column_major(sub.weight)
+
+
+class PackedLMHead:
+    """The LM head as MKL's pre-packed float32 GEMM, for the CPU.
+
+    The head is the largest product of every decode step (vocab x hidden). MKL's packed format is
+    ~30% faster than either plain layout at the row count it was packed for (16 x 512 by 151936 x 512:
+    23 ms vs 31 ms) and several times slower at any other, so rows are padded to multiples of 16.
+    One or two rows go through `F.linear` on `fallback` instead. Results equal `F.linear` exactly
+    (checked at construction); where the private MKL ops are missing or disagree, `create` returns
+    None and the caller keeps `F.linear`.
+    """
+
+    ROWS = 16
+
+    def __init__(self, packed: torch.Tensor, fallback: torch.Tensor):
+        self.packed = packed
+        self.fallback = fallback  # [vocab, hidden], any layout
+        self._stub = torch.empty(1, dtype=fallback.dtype).expand(fallback.shape)  # shape only
+
+    @classmethod
+    @torch.no_grad()
+    def create(cls, weight: torch.Tensor) -> "PackedLMHead | None":
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return None
+        try:
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), cls.ROWS)
+            head = cls(packed, weight)
+            probe = torch.randn(cls.ROWS + 3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+            if not torch.equal(head(probe), F.linear(probe, weight)):
+                return None
+            return head
+        except (AttributeError, RuntimeError):
+            return None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab]
+        rows = hidden.shape[0]
+        if rows <= 2:
+            return F.linear(hidden, self.fallback)
+        padded = -(-rows // self.ROWS) * self.ROWS
+        if padded != rows:
+            hidden = torch.cat([hidden, hidden.new_zeros(padded - rows, hidden.shape[1])])
+        chunks = [torch.ops.mkl._mkl_linear(part, self.packed, self._stub, None, self.ROWS)
+                  for part in hidden.split(self.ROWS)]
+        return torch.cat(chunks)[:rows] if len(chunks) > 1 else chunks[0][:rows]

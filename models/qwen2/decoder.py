@@ -166,6 +166,7 @@ class Qwen2Decoder(nn.Module):
         self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, device)
         self.lm_head = None if cfg.tie_word_embeddings else linear(cfg.hidden_size, cfg.vocab_size, False,
                                                                    dtype, device)
+        self.packed_head = None
         self.requires_grad_(False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden]
@@ -192,6 +193,8 @@ class Qwen2Decoder(nn.Module):
             self.lm_head.weight.copy_(weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
+        if self.packed_head is not None:  # set after loading on the CPU (models/cpu_layout.py)
+            return self.packed_head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 

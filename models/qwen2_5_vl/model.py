@@ -15,7 +15,7 @@ import torch
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.model_loader import ParamSlot, load_checked
-from vlm_sdk.models.cpu_layout import column_major, use_cpu_weight_layout
+from vlm_sdk.models.cpu_layout import PackedLMHead, column_major, use_cpu_weight_layout
 from vlm_sdk.models.base import KVCache, VisionLanguageModel
 from vlm_sdk.models.qwen2.decoder import Qwen2Decoder, Qwen2DecoderConfig
 from vlm_sdk.models.qwen2_5_vl.vision import Qwen2_5_VisionTransformer
@@ -77,9 +77,12 @@ class Qwen2_5_VLForCausalLM(VisionLanguageModel):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str | Path | None = None) -> None:
         self._load(weights, source)
         use_cpu_weight_layout(self)
-        if self.decoder.lm_head is None and self.decoder.embed_tokens.weight.device.type == "cpu":
+        dec = self.decoder
+        head = dec.embed_tokens.weight if dec.lm_head is None else dec.lm_head.weight
+        dec.packed_head = PackedLMHead.create(head)
+        if dec.packed_head is None and dec.lm_head is None and head.device.type == "cpu":
             # the tied matrix serves the LM head every step and the embedding lookup rarely: favour the head
-            self.decoder.embed_tokens.weight = column_major(self.decoder.embed_tokens.weight)
+            dec.embed_tokens.weight = column_major(head)
 
     def _load(self, weights: Iterable[tuple[str, torch.Tensor]], source: str | Path | None) -> None:
         if self.decoder.lm_head is not None:

@@ -1,0 +1,34 @@
+"""CPU weight layouts change speed only: every product equals F.linear on the original weight."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_sdk.models.cpu_layout import PackedLMHead, column_major, use_cpu_weight_layout
+
+
+def test_column_major_keeps_values_and_shape():
+    lin = nn.Linear(48, 80)
+    x = torch.randn(5, 48)
+    before = lin(x)
+    use_cpu_weight_layout(lin)
+    assert lin.weight.shape == (80, 48) and lin.weight.t().is_contiguous()
+    assert torch.allclose(lin(x), before, atol=1e-6)
+    w = torch.randn(7, 3)
+    assert torch.equal(column_major(w), w)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 15, 16, 17, 40])
+def test_packed_head_equals_linear_at_any_row_count(rows):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(1000, 64, generator=g)
+    head = PackedLMHead.create(weight)
+    if head is None:
+        pytest.skip("this torch build has no MKL packed GEMM; the engine falls back to F.linear")
+    x = torch.randn(rows, 64, generator=g)
+    assert torch.allclose(head(x), F.linear(x, weight), atol=1e-5, rtol=1e-6)
+    assert head(x).shape == (rows, 1000)
+
+
+def test_packed_head_refuses_other_dtypes():
+    assert PackedLMHead.create(torch.randn(100, 32).bfloat16()) is None
