@@ -7,7 +7,7 @@ import pytest
 
 from helpers import conversations
 from vlm_sdk import AsyncLLM, LLM, SamplingParams
-from vlm_sdk.errors import InputTooLongError
+from vlm_sdk.errors import InputTooLongError, InvalidRequestError
 
 LONG = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
 
@@ -131,3 +131,56 @@ def test_internal_failure_is_reported_not_hung(tiny_ckpt):
                 await engine.chat(convs["text"], LONG)
 
     asyncio.run(main())
+
+
+def test_shutdown_ends_open_streams_with_abort(tiny_ckpt):
+    convs = conversations()
+
+    async def main():
+        engine = AsyncLLM(tiny_ckpt, show_progress=False)
+        got_one = asyncio.Event()
+        outs = []
+
+        async def consume():
+            async for out in engine.chat_stream(convs["text"], SamplingParams(max_tokens=2000, temperature=0.0,
+                                                                              ignore_eos=True)):
+                outs.append(out)
+                got_one.set()
+
+        task = asyncio.create_task(consume())
+        await got_one.wait()
+        await engine.shutdown()
+        await asyncio.wait_for(task, timeout=30)  # must not hang
+        from vlm_sdk.errors import EngineDeadError
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await engine.chat(convs["text"], LONG)
+        return outs, engine.stats()
+
+    outs, stats = asyncio.run(main())
+    assert outs[-1].finish_reason == "abort" and stats["kv_blocks_used"] == 0
+
+
+def test_reused_request_id_gets_only_its_own_outputs(tiny_ckpt, expected):
+    convs = conversations()
+
+    async def main():
+        async with AsyncLLM(tiny_ckpt, show_progress=False) as engine:
+            async for _ in engine.chat_stream(convs["two_images"], LONG, request_id="same"):
+                break
+            with pytest.raises(InvalidRequestError):
+                async def twice():
+                    s1 = engine.chat_stream(convs["text"], LONG, request_id="dup")
+                    first = await s1.__anext__()
+                    try:
+                        await engine.chat(convs["text"], LONG, request_id="dup")
+                    finally:
+                        await s1.aclose()
+                    return first
+                await twice()
+            second = await engine.chat(convs["text"], LONG, request_id="same")
+            return second, engine.stats()
+
+    second, stats = asyncio.run(main())
+    assert second.request_id == "same"
+    assert second.prompt_token_ids != [] and second.token_ids == expected["text"]
+    assert stats["kv_blocks_used"] == 0

@@ -131,3 +131,28 @@ def test_streamed_deltas_never_show_a_stop_string(tiny_ckpt, llm):
     assert streamed == outs[-1].text == full.text[:full.text.find(stop)]
     assert all(o.text == "".join(p.delta_text for p in outs[:i + 1]) for i, o in enumerate(outs))
     assert stop not in streamed and outs[-1].finish_reason == "stop"
+
+
+def test_bad_params_entry_adds_nothing(llm):
+    from vlm_sdk.errors import InvalidRequestError
+    convs = [conversations()["text"], conversations()["one_image"]]
+    with pytest.raises(InvalidRequestError, match="sampling params 1"):
+        llm.chat(convs, [SamplingParams(max_tokens=4), {"max_tokens": 4}])
+    stats = llm.stats()
+    assert stats["num_running"] == stats["num_waiting"] == stats["kv_blocks_used"] == 0
+    assert not llm.engine.requests
+
+
+def test_streamed_metrics_are_snapshots(tiny_ckpt):
+    """Each streamed output keeps the metrics of its moment; the engine's later steps do not change it."""
+    import asyncio
+    from vlm_sdk import AsyncLLM
+
+    async def stream():
+        async with AsyncLLM(tiny_ckpt, show_progress=False) as engine:
+            return [o async for o in engine.chat_stream(
+                conversations()["text"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))]
+
+    outs = asyncio.run(stream())
+    assert [o.metrics.generated_tokens for o in outs] == [1, 2, 3, 4, 5, 6]
+    assert outs[0].metrics.finished_time is None and outs[-1].metrics.finished_time is not None

@@ -55,7 +55,9 @@ def test_seeded_rows_do_not_depend_on_batch_company():
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-5),
-                                 dict(stop=[""]), dict(seed="x")])
+                                 dict(stop=[""]), dict(seed="x"), dict(temperature="0.5"), dict(top_p=None),
+                                 dict(stop_token_ids=["a"]), dict(stop=5), dict(temperature=float("inf")),
+                                 dict(max_tokens=True), dict(ignore_eos="yes")])
 def test_bad_sampling_params_are_typed_errors(bad):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**bad)
@@ -82,3 +84,10 @@ def test_detokenizer_on_arbitrary_ids_matches_decode(tiny_ckpt):
     detok = IncrementalDetokenizer(tok)
     joined = "".join(detok.add(t) for t in ids) + detok.flush()
     assert joined == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 40)
+    tokens = Sampler(0)(logits, [SamplingParams(temperature=1e-40)] * 3, [None] * 3)
+    assert tokens == logits.argmax(-1).tolist()

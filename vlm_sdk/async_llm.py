@@ -4,8 +4,10 @@
                              --> command queue --> engine thread: add / abort, step(), step(), ...
     caller task <-- asyncio.Queue per request <-- loop.call_soon_threadsafe(outputs)
 
-The event loop never runs model or image work. Leaving `async for` early, or cancelling the task,
-aborts the request: its KV blocks are freed before the engine's next step.
+Once constructed (the constructor loads the weights on the calling thread, like `LLM`), the event
+loop runs no model or image work. Closing a stream early (`break` out of `async for`, which CPython
+finalises at once; `contextlib.aclosing` makes it explicit) or cancelling its task queues an abort,
+which the engine thread applies before its next step, freeing the request's KV blocks.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import itertools
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from vlm_sdk.config import EngineArgs
@@ -23,13 +26,24 @@ from vlm_sdk.outputs import RequestOutput
 from vlm_sdk.sampling_params import SamplingParams
 
 
+@dataclass
+class _Stream:
+    user_id: str  # the id the caller sees in its outputs
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
 class AsyncLLM:
     def __init__(self, model: str, **engine_args):
         self.engine = LLMEngine(str(model), EngineArgs.from_kwargs(**engine_args))
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # keyed by a unique engine id, so a reused user id never receives an older request's outputs
+        self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vlm-prep")
+        # guards _dead/_closed against the enqueueing of commands: nothing is queued after the engine
+        # thread's final drain, so no caller waits on a thread that is gone
+        self._lock = threading.Lock()
         self._dead: BaseException | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="vlm-engine", daemon=True)
@@ -42,10 +56,12 @@ class AsyncLLM:
         await self.shutdown()
 
     async def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._commands.put(("stop", None, None))
+        """Abort what is running (its streams end with finish_reason "abort") and stop the thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._commands.put(("stop", None, None))
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         self._prep.shutdown(wait=False)
 
@@ -53,30 +69,39 @@ class AsyncLLM:
     async def chat_stream(self, messages, params: SamplingParams | None = None,
                           request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as tokens arrive; the last one has `finish_reason` set."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         self._check_alive()
         loop = asyncio.get_running_loop()
         prompt = await loop.run_in_executor(self._prep, self.engine.build_prompt, messages)
-        request_id = request_id or f"async-{next(self._ids)}"
-        if request_id in self._streams:
+        key = f"async-{next(self._ids)}"
+        user_id = request_id or key
+        if request_id is not None and any(s.user_id == request_id for s in self._streams.values()):
             raise InvalidRequestError(f"request id {request_id!r} is already streaming")
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, q)
-        self._commands.put(("add", request_id, (prompt, params or SamplingParams())))
+        stream = _Stream(user_id, loop, asyncio.Queue())
+        with self._lock:
+            self._check_alive()  # it may have stopped while the prompt was being built
+            self._streams[key] = stream
+            self._commands.put(("add", key, (prompt, params)))
         finished = False
         try:
             while True:
-                item = await q.get()
+                item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
                 finished = item.finished
+                item.request_id = user_id
                 yield item
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            self._streams.pop(key, None)
             if not finished:
-                self._commands.put(("abort", request_id, None))
+                with self._lock:
+                    if not (self._closed or self._dead):
+                        self._commands.put(("abort", key, None))
 
     async def chat(self, messages, params: SamplingParams | None = None,
                    request_id: str | None = None) -> RequestOutput:
@@ -98,15 +123,14 @@ class AsyncLLM:
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self._dead!r}") from self._dead
         if self._closed:
-            raise EngineDeadError("this AsyncLLM was shut down")
+            raise EngineDeadError("this AsyncLLM was shut down; create a new one")
 
-    def _deliver(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
+    def _deliver(self, key: str, item) -> None:
+        stream = self._streams.get(key)
         if stream is None:
             return
-        loop, q = stream
         try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed; nobody is listening
             pass
 
@@ -117,26 +141,41 @@ class AsyncLLM:
                 block = not engine.has_unfinished()
                 while True:
                     try:
-                        cmd, rid, payload = self._commands.get(block=block)
+                        cmd, key, payload = self._commands.get(block=block)
                     except queue.Empty:
                         break
                     block = False
                     if cmd == "stop":
-                        for r in list(engine.requests):
-                            engine.abort(r)
+                        for rid in list(engine.requests):
+                            self._deliver(rid, engine.abort(rid))
+                        self._final_drain(EngineDeadError("this AsyncLLM was shut down"))
                         return
                     if cmd == "abort":
-                        engine.abort(rid)
+                        engine.abort(key)
                     elif cmd == "add":
                         try:
-                            engine.add_request(payload[0], payload[1], request_id=rid)
+                            engine.add_request(payload[0], payload[1], request_id=key)
                         except Exception as e:  # a bad request fails its caller alone
-                            self._deliver(rid, e)
+                            self._deliver(key, e)
                 for out in engine.step():
                     self._deliver(out.request_id, out)
         except BaseException as e:  # engine failure: tell every caller, keep the cause
-            self._dead = e
             err = EngineDeadError(f"the engine stopped after an internal error: {e!r}")
             err.__cause__ = e
-            for rid in list(self._streams):
-                self._deliver(rid, err)
+            with self._lock:
+                self._dead = e
+            for key in list(self._streams):
+                self._deliver(key, err)
+            self._final_drain(err)
+
+    def _final_drain(self, err: EngineDeadError) -> None:
+        """Fail whatever was queued before the thread ends; the lock keeps anything new out."""
+        with self._lock:
+            self._closed = True
+            while True:
+                try:
+                    cmd, key, _ = self._commands.get_nowait()
+                except queue.Empty:
+                    return
+                if cmd == "add":
+                    self._deliver(key, err)

@@ -3,14 +3,15 @@ frozen configs whose every number is final (no "auto" left)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from types import MappingProxyType
 
 import torch
 
-from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+DTYPES = MappingProxyType({"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+                           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16})
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,7 @@ class EngineArgs:
 
     KV capacity comes from the first of `num_blocks`, `kv_cache_memory` (bytes), or, on CUDA,
     `memory_utilization` of device memory minus weights and the profiled activation peak; on the
-    CPU the default is 1 GiB of cache.
+    CPU the default is enough for max_num_seqs sequences of max_model_len tokens, at most 1 GiB.
     """
     dtype: str | None = None  # float32 on CPU, bfloat16 on CUDA
     device: str | None = None  # "cuda" when available, else "cpu"
@@ -41,7 +42,7 @@ class EngineArgs:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise TypeError(f"unknown engine argument(s) {unknown}; accepted: {sorted(known)}")
+            raise UnknownArgumentError(f"unknown engine argument(s) {unknown}; accepted: {sorted(known)}")
         args = cls(**kwargs)
         args.validate()
         return args
@@ -54,26 +55,42 @@ class EngineArgs:
         for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs",
                      "max_num_batched_tokens", "min_pixels", "max_pixels", "max_image_pixels"):
             positive(name)
-        if not 0.0 < self.memory_utilization <= 1.0:
-            raise InvalidRequestError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if not isinstance(self.memory_utilization, (int, float)) or isinstance(self.memory_utilization, bool) \
+                or not 0.0 < self.memory_utilization <= 1.0:
+            raise InvalidRequestError(f"memory_utilization must be a number in (0, 1], got {self.memory_utilization!r}")
         if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
             raise InvalidRequestError(f"min_pixels ({self.min_pixels}) must not exceed max_pixels ({self.max_pixels})")
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise InvalidRequestError(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("show_progress",):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     def resolve_device(self) -> torch.device:
         if self.device is None:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        device = torch.device(self.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidRequestError(f"device={self.device!r} was asked for but no CUDA device is available; "
-                                      "use device='cpu'")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise InvalidRequestError(f"device={self.device!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'") from e
+        if device.type not in ("cpu", "cuda"):
+            raise InvalidRequestError(f"device={self.device!r}: only 'cpu' and 'cuda' are supported")
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise InvalidRequestError(f"device={self.device!r} was asked for but no CUDA device is available; "
+                                          "use device='cpu'")
+            count = torch.cuda.device_count()
+            if device.index is not None and device.index >= count:
+                raise InvalidRequestError(f"device={self.device!r} but only {count} CUDA device(s) exist "
+                                          f"(cuda:0..cuda:{count - 1})")
         return device
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype is None:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,10 @@ class InvalidRequestError(VLMError, ValueError):
     """A malformed request: bad message structure, bad sampling parameters, unknown content part."""
 
 
+class UnknownArgumentError(InvalidRequestError, TypeError):
+    """A keyword the API does not know (a typo like `num_blokcs`); the message lists the accepted ones."""
+
+
 class InvalidImageError(InvalidRequestError):
     """An image that cannot be used: unreadable bytes, unsupported source, too many pixels, bad aspect."""
 

@@ -31,6 +31,9 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(conversations):
                 raise InvalidRequestError(f"got {len(params)} sampling params for {len(conversations)} conversations")
+            for i, p in enumerate(params):
+                if not isinstance(p, SamplingParams):
+                    raise InvalidRequestError(f"sampling params {i} must be a SamplingParams, got {type(p).__name__}")
         prompts = []
         for i, conv in enumerate(conversations):
             try:
@@ -39,15 +42,17 @@ class LLM:
                 raise e.with_conversation(i) from None
             except VLMError as e:
                 raise type(e)(f"conversation {i}: {e}") from e
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids: list[str] = []
         final: dict[str, RequestOutput] = {}
         try:
+            for prompt, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, sp))
             while len(final) < len(ids):
                 for out in self.engine.step():
                     if out.finished:
                         final[out.request_id] = out
         finally:
-            for rid in ids:  # only on an exception (e.g. KeyboardInterrupt) are any still running
+            for rid in ids:  # only after an exception (e.g. KeyboardInterrupt) are any still running
                 if rid not in final:
                     self.engine.abort(rid)
         results = [final[rid] for rid in ids]

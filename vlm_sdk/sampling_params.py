@@ -1,15 +1,27 @@
 """Per-request sampling and stopping settings."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from vlm_sdk.errors import InvalidRequestError
 
+# below this a temperature would overflow float32 logits / T; it means "greedy" in practice
+MIN_TEMPERATURE = 1e-5
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy. A `seed` gives this request its own random stream, so its samples do
-    not depend on which other requests share the batch."""
+    """temperature 0 (or below 1e-5) is greedy. A `seed` gives this request its own random stream, so
+    its samples do not depend on which other requests share the batch."""
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
@@ -21,24 +33,31 @@ class SamplingParams:
 
     def __post_init__(self):
         # accept lists and a single string for convenience, keep the dataclass hashable
-        stop = self.stop
-        if isinstance(stop, str):
-            stop = (stop,)
-        object.__setattr__(self, "stop", tuple(stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if stop is None:
+            stop = ()
+        if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in stop):
+            raise InvalidRequestError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids or ()
+        if not isinstance(ids, (list, tuple)) or any(not _is_int(t) or t < 0 for t in ids):
+            raise InvalidRequestError(f"stop_token_ids must be a list of token ids (integers >= 0), "
+                                      f"got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (self.temperature >= 0.0):
-            raise InvalidRequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 = greedy), "
+                                      f"got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _is_int(self.seed):
             raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequestError(f"stop must be non-empty strings, got {self.stop!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE

@@ -5,6 +5,7 @@ thread. `build_prompt` touches only the tokenizer (behind a lock) and may run on
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -208,7 +209,8 @@ class LLMEngine:
         """`text` is what this request's stream has shown so far: the concatenation of its deltas."""
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt.token_ids,
                              token_ids=seq.output_token_ids, text=seq.detokenizer.text[:seq.num_emitted_chars],
-                             delta_text=delta, finish_reason=seq.finish_reason, metrics=seq.metrics)
+                             delta_text=delta, finish_reason=seq.finish_reason,
+                             metrics=dataclasses.replace(seq.metrics))  # a snapshot: the engine moves on
 
     def stats(self) -> dict:
         bm = self.block_manager
