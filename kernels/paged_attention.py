@@ -1,4 +1,5 @@
-"""Attention over a paged KV cache: the pure-torch path (CPU, and the reference for the Triton kernels).
+"""Attention over a paged KV cache in pure torch: the path every device runs today (there are no
+Triton kernels yet; when they come, this stays as their reference).
 
 `write_kv_cache` scatters this step's K/V into their slots; `paged_attention` reads each sequence's
 K/V back through its block table and attends causally, the new tokens being the last ones of the
@@ -96,12 +97,12 @@ def _decode_batched(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) 
 
 
 def _decode_layout(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    cached = getattr(meta, "_decode_layout", None)
-    if cached is None:
+    """(flat block ids, key mask) of a batched decode step, built by the first layer and kept in
+    `meta.decode_layout` for the others."""
+    if meta.decode_layout is None:
         max_blocks = (meta.max_seq_len + block_size - 1) // block_size
         blocks = meta.block_tables[:, :max_blocks].reshape(-1).long()  # [B * nb]
         key_pos = torch.arange(max_blocks * block_size, device=meta.seq_lens.device)
         mask = (key_pos[None, :] < meta.seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
-        cached = (blocks, mask)
-        meta._decode_layout = cached
-    return cached
+        meta.decode_layout = (blocks, mask)
+    return meta.decode_layout

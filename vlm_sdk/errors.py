@@ -24,17 +24,20 @@ class InputTooLongError(InvalidRequestError):
 
     `prompt_tokens` counts every prompt token, image tokens included; `image_tokens` lists the tokens
     of each image in order; `capacity_tokens` is how many tokens one sequence may hold; `fixes` maps
-    a setting name to a value, each of which alone would make this request fit.
+    a setting name to a value, each of which alone would make this request fit; `together` (possibly
+    empty) maps settings that must all be applied at once to make it fit.
     """
 
     def __init__(self, prompt_tokens: int, image_tokens: list[int], capacity_tokens: int,
-                 fixes: dict[str, int], limit_reason: str, conversation_index: int | None = None):
+                 fixes: dict[str, int], limit_reason: str, conversation_index: int | None = None,
+                 together: dict[str, int] | None = None):
         self.prompt_tokens = prompt_tokens
         self.image_tokens = list(image_tokens)
         self.capacity_tokens = capacity_tokens
         self.fixes = dict(fixes)
         self.limit_reason = limit_reason
         self.conversation_index = conversation_index
+        self.together = dict(together or {})
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -47,16 +50,21 @@ class InputTooLongError(InvalidRequestError):
             parts = f"{text_tokens} text tokens, no images"
         msg = (f"{where}prompt is {self.prompt_tokens} tokens ({parts}) but this engine holds at most "
                f"{self.capacity_tokens} tokens per sequence ({self.limit_reason}).")
+        both = ", ".join(f"{k}={v}" for k, v in self.together.items())
         if self.fixes:
             opts = "; ".join(f"{k}={v}" for k, v in self.fixes.items())
             msg += f" Any one of these settings makes it fit: {opts}."
+            if both:
+                msg += f" So do these together: {both}."
+        elif both:
+            msg += f" No single setting makes it fit; these together do: {both}."
         else:
             msg += " No single setting makes it fit: shorten the prompt or use fewer images."
         return msg
 
     def with_conversation(self, index: int) -> "InputTooLongError":
         return InputTooLongError(self.prompt_tokens, self.image_tokens, self.capacity_tokens,
-                                 self.fixes, self.limit_reason, index)
+                                 self.fixes, self.limit_reason, index, together=self.together)
 
 
 class CheckpointError(VLMError):

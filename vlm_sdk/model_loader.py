@@ -344,8 +344,7 @@ def _safetensors_files(root: Path) -> list[Path]:
     index_path = root / SAFETENSORS_INDEX_FILE
     weight_map = _index_weight_map(root)
     if weight_map is not None:
-        names = list(dict.fromkeys(weight_map.values()))   # first-appearance order
-        files = [root / n for n in sorted(names)]
+        files = [root / n for n in sorted(set(weight_map.values()))]  # each shard once, by file name
         absent = [f.name for f in files if not f.is_file()]
         if absent:
             raise CheckpointError(f"{index_path} names shard(s) that are not in {root}: {', '.join(absent)}")

@@ -88,11 +88,12 @@ class Qwen2VLImageProcessor:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidRequestError(f"{name} must be a positive int, got {value!r}.")
         if lo > hi:
-            defaulted = "" if not defaults else (" (min_pixels is the processor default)" if min_pixels is None
-                                                 else " (max_pixels is the processor default)"
-                                                 if max_pixels is None else "")
-            raise InvalidRequestError(f"min_pixels ({lo}) is larger than max_pixels ({hi}){defaulted}; "
-                                      f"set min_pixels <= max_pixels.")
+            def origin(given):  # per call vs this processor's default (the preprocessor config's)
+                if not defaults:
+                    return ""
+                return ", the processor default" if given is None else ", passed to this call"
+            raise InvalidRequestError(f"min_pixels ({lo}{origin(min_pixels)}) is larger than max_pixels "
+                                      f"({hi}{origin(max_pixels)}); set min_pixels <= max_pixels.")
         return lo, hi
 
     def smart_resize(self, height: int, width: int, min_pixels: int | None = None,

@@ -107,7 +107,8 @@ class Qwen2_5_VLForCausalLM(VisionLanguageModel):
                 raise CheckpointError(f"tensor lm_head.weight{where} has shape {list(head[0].shape)} but "
                                       f"{type(self).__name__} expects {list(expected)} (tied to the token "
                                       f"embedding): config.json does not match the weights")
-            if not torch.equal(head[0].to(self.decoder.embed_tokens.weight.dtype), self.decoder.embed_tokens.weight):
+            emb = self.decoder.embed_tokens.weight
+            if not torch.equal(head[0].to(emb.device, emb.dtype), emb):  # checkpoint tensors are on the CPU
                 logger.warning("config.json ties lm_head to the token embedding but the checkpoint's lm_head.weight "
                                "differs from it; using the checkpoint's lm_head.weight (as transformers does)")
                 self.decoder.untie_lm_head(head[0])

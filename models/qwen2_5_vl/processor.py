@@ -6,7 +6,7 @@ length is final before scheduling. M-RoPE positions are computed here, once per 
 """
 from __future__ import annotations
 
-from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.errors import InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 from vlm_sdk.multimodal.messages import ImageRef, parse_messages
@@ -15,9 +15,16 @@ from vlm_sdk.models.qwen2_5_vl.rope_index import mrope_positions
 
 
 class Qwen2_5_VLProcessor:
+    """`max_image_tokens` (None: no limit) caps the tokens of one image whose own `min_pixels` /
+    `max_pixels` (set on its image part) decide its size: such an image is refused before it is
+    resized, so a part asking for a billion pixels costs nothing. The engine sets it to its
+    max_model_len once that is known (it is a plain attribute for that reason). Images sized by the
+    engine's or the preprocessor's bounds are left to the engine's prompt check, whose error offers
+    fixes."""
+
     def __init__(self, tokenizer, image_processor: Qwen2VLImageProcessor, hf_config, *,
                  min_pixels: int | None = None, max_pixels: int | None = None,
-                 max_image_pixels: int = 64_000_000):
+                 max_image_pixels: int = 64_000_000, max_image_tokens: int | None = None):
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.image_token_id = hf_config.image_token_id
@@ -25,20 +32,72 @@ class Qwen2_5_VLProcessor:
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
         self.max_image_pixels = max_image_pixels
+        self.max_image_tokens = max_image_tokens
 
     def __call__(self, messages) -> PromptInputs:
         template_messages, refs = parse_messages(messages)
-        images = [self._image(ref) for ref in refs]
+        images = [self._image(i, ref) for i, ref in enumerate(refs)]
         return self.build(template_messages, images)
 
-    def _image(self, ref: ImageRef) -> ImageInput:
+    def _bound(self, own: int | None, engine: int | None, default: int) -> tuple[int, str]:
+        """The value in effect for one image, and where it came from."""
+        if own is not None:
+            return own, "set on the image part"
+        if engine is not None:
+            return engine, "the engine's"
+        return default, "the preprocessor default"
+
+    def _image(self, index: int, ref: ImageRef) -> ImageInput:
         pil = load_image(ref.source, max_image_pixels=self.max_image_pixels)
-        min_px = ref.min_pixels or self.min_pixels
-        max_px = ref.max_pixels or self.max_pixels
-        image = self.image_processor(pil, min_pixels=min_px, max_pixels=max_px)
+        ip = self.image_processor
+        min_px, min_src = self._bound(ref.min_pixels, self.min_pixels, ip.min_pixels)
+        max_px, max_src = self._bound(ref.max_pixels, self.max_pixels, ip.max_pixels)
+        if min_px > max_px:
+            raise InvalidRequestError(
+                f"image {index}: min_pixels ({min_px}, {min_src}) is larger than max_pixels ({max_px}, "
+                f"{max_src}); set min_pixels <= max_pixels.")
+        self._check_tokens(index, pil.height, pil.width, min_px, min_src, max_px, max_src)
+        image = ip(pil, min_pixels=min_px, max_pixels=max_px)
         image.source_size = (pil.height, pil.width)
         image.own_max_pixels = ref.max_pixels is not None
+        image.own_min_pixels = ref.min_pixels
         return image
+
+    def _check_tokens(self, index: int, height: int, width: int, min_px: int, min_src: str, max_px: int,
+                      max_src: str) -> None:
+        """Refuse, before resizing, an image whose own min_pixels / max_pixels give it more tokens
+        than `max_image_tokens`."""
+        limit = self.max_image_tokens
+        if limit is None:
+            return
+        ip = self.image_processor
+        tokens = ip.num_image_tokens(height, width, min_pixels=min_px, max_pixels=max_px)
+        if tokens <= limit:
+            return
+        factor = ip.patch_size * ip.merge_size
+        rounded = round(height / factor) * factor * (round(width / factor) * factor)
+        upsized = rounded < min_px  # min_pixels sets the size; otherwise max_pixels (or the image) does
+        name, src = ("min_pixels", min_src) if upsized else ("max_pixels", max_src)
+        if src != "set on the image part":
+            return  # engine-level bounds: the engine's prompt check reports it, with fixes
+        fix = ""
+        if upsized:
+            best = _largest(lambda v: ip.num_image_tokens(height, width, min_pixels=v, max_pixels=max_px) <= limit,
+                            min_px)
+            if best is not None:
+                fix = f"Lower the image part's min_pixels to at most {best}, or leave it out."
+        if not fix:
+            best = _largest(lambda v: ip.num_image_tokens(height, width, min_pixels=min(min_px, v),
+                                                          max_pixels=v) <= limit, max_px)
+            if best is None:
+                fix = "Crop or shrink the image."
+            else:
+                also = f" and min_pixels to at most {best}" if best < min_px else ""
+                fix = f"Lower the image part's max_pixels to at most {best}{also}."
+        raise InvalidImageError(
+            f"image {index} is {width}x{height} (width x height); with min_pixels={min_px} ({min_src}) and "
+            f"max_pixels={max_px} ({max_src}) it would become {tokens} image tokens, more than the "
+            f"{limit} one image may take (max_model_len); refused before resizing because of its {name}. {fix}")
 
     def build(self, template_messages: list[dict], images: list[ImageInput]) -> PromptInputs:
         text = self.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True)
@@ -65,13 +124,29 @@ class Qwen2_5_VLProcessor:
 
     def image_tokens_with_max_pixels(self, prompt: PromptInputs, max_pixels: int) -> list[int]:
         """Each image's token count if the engine's max_pixels were `max_pixels` (images whose part
-        sets its own max_pixels keep theirs)."""
+        sets its own max_pixels keep theirs; each image keeps its effective min_pixels, which must
+        not exceed `max_pixels`)."""
         counts = []
         for image in prompt.images:
             if image.own_max_pixels or image.source_size is None:
                 counts.append(image.num_tokens)
                 continue
             h, w = image.source_size
-            counts.append(self.image_processor.num_image_tokens(h, w, min_pixels=self.min_pixels,
-                                                               max_pixels=max_pixels))
+            min_px = image.own_min_pixels if image.own_min_pixels is not None else self.min_pixels
+            counts.append(self.image_processor.num_image_tokens(h, w, min_pixels=min_px, max_pixels=max_pixels))
         return counts
+
+
+def _largest(fits, top: int) -> int | None:
+    """The largest v in [1, top] with fits(v), for fits monotone (true up to some value); None if
+    fits(1) is false."""
+    if not fits(1):
+        return None
+    lo, hi = 1, top + 1  # fits(lo); hi is past the range or does not fit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

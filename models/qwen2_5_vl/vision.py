@@ -16,6 +16,7 @@ image (per frame). Windows and images are never mixed.
 """
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -25,12 +26,12 @@ from torch import nn
 from vlm_sdk.model_loader import ParamSlot
 from vlm_sdk.models.qwen2.decoder import RMSNorm, apply_rotary, linear
 
-_ACTIVATIONS = {
+_ACTIVATIONS = MappingProxyType({  # read-only: shared by every model instance
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-}
+})
 
 # segments of one attention pattern: (length, flat token indices of every segment of that length, or
 # None when all segments have this length and tile the sequence in order)

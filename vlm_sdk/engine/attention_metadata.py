@@ -28,6 +28,10 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # Filled by the attention op on first use within a step, shared by all layers: for a batched
+    # decode step, (flat block ids [batch * max_blocks] int64, key mask [batch, 1, 1, max_blocks *
+    # block_size] bool). Builders of the metadata leave it None.
+    decode_layout: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -1,4 +1,4 @@
-"""How many tokens one sequence may hold, and which single setting would make a too-long prompt fit.
+"""How many tokens one sequence may hold, and which settings would make a too-long prompt fit.
 
     capacity_tokens = max_model_len <= num_blocks * block_size
 
@@ -17,52 +17,91 @@ from vlm_sdk.multimodal.inputs import PromptInputs
 def check_prompt_fits(prompt: PromptInputs, cache: CacheConfig, sched: SchedulerConfig,
                       max_position_embeddings: int, max_model_len_is_user_set: bool,
                       image_tokens_with_max_pixels: Callable[[PromptInputs, int], list[int]] | None,
-                      min_pixels: int, factor: int) -> None:
+                      min_pixels: int, factor: int, max_pixels: int | None = None) -> None:
+    """`min_pixels` / `max_pixels`: the engine's values in effect (its own, else the preprocessor's);
+    a max_pixels fix is only offered strictly below `max_pixels` when it is given."""
     n = len(prompt.token_ids)
     capacity = sched.max_model_len
     if n <= capacity:
         return
     fixes: dict[str, int] = {}
+    together: dict[str, int] = {}
     cache_tokens = cache.capacity_tokens
+    blocks = -(-n // cache.block_size)
     if max_model_len_is_user_set:
-        if n <= cache_tokens and n <= max_position_embeddings:
-            fixes["max_model_len"] = n
+        if n <= max_position_embeddings:
+            if n <= cache_tokens:
+                fixes["max_model_len"] = n
+            else:  # both limits are below the prompt: raising either alone is not enough
+                together = {"max_model_len": n, "num_blocks": blocks}
     elif n <= max_position_embeddings:
         # max_model_len follows the cache when not set, so growing the cache alone is enough
-        blocks = -(-n // cache.block_size)
         fixes["num_blocks"] = blocks
         fixes["kv_cache_memory"] = blocks * cache.bytes_per_block
     if prompt.images and image_tokens_with_max_pixels is not None:
-        text_tokens = n - sum(prompt.image_tokens)
-        best = _largest_max_pixels(lambda v: text_tokens + sum(image_tokens_with_max_pixels(prompt, v)),
-                                   capacity, min_pixels, factor)
+        best = _max_pixels_fix(prompt, n, capacity, image_tokens_with_max_pixels, min_pixels, factor, max_pixels)
         if best is not None:
             fixes["max_pixels"] = best
     raise InputTooLongError(prompt_tokens=n, image_tokens=prompt.image_tokens, capacity_tokens=capacity,
-                            fixes=fixes, limit_reason=describe_limit(cache, sched))
+                            fixes=fixes, limit_reason=describe_limit(cache, sched, max_model_len_is_user_set),
+                            together=together)
 
 
-def describe_limit(cache: CacheConfig, sched: SchedulerConfig) -> str:
+def describe_limit(cache: CacheConfig, sched: SchedulerConfig, max_model_len_is_user_set: bool | None = None) -> str:
+    """The limit in words; max_model_len is named when it is below the cache or the user set it."""
+    if max_model_len_is_user_set is None:
+        max_model_len_is_user_set = sched.max_model_len_source == "set by you"
     cache_text = (f"KV cache of {cache.num_blocks} blocks x {cache.block_size} tokens = "
                   f"{cache.capacity_tokens} tokens, {cache.bytes_per_block:,} bytes per block, {cache.source}")
-    if sched.max_model_len < cache.capacity_tokens:
+    if sched.max_model_len < cache.capacity_tokens or max_model_len_is_user_set:
         return f"max_model_len={sched.max_model_len} ({sched.max_model_len_source}); {cache_text}"
     return cache_text
 
 
+def _max_pixels_fix(prompt: PromptInputs, n: int, capacity: int,
+                    image_tokens_with_max_pixels: Callable[[PromptInputs, int], list[int]], min_pixels: int,
+                    factor: int, max_pixels: int | None) -> int | None:
+    """The largest engine max_pixels that makes this prompt fit, or None. Images whose part sets its
+    own max_pixels do not follow it; the others keep their effective min_pixels (their part's, else
+    the engine's), which the value may not go below."""
+    affected = [im for im in prompt.images if not im.own_max_pixels and im.source_size is not None]
+    if not affected:
+        return None
+    floor = max([min_pixels] + [im.own_min_pixels for im in affected if im.own_min_pixels is not None])
+    text_tokens = n - sum(prompt.image_tokens)
+    best = _largest_max_pixels(lambda v: text_tokens + sum(image_tokens_with_max_pixels(prompt, v)),
+                               capacity, floor, factor, max_pixels)
+    if best is None or (max_pixels is not None and best >= max_pixels):
+        return None
+    return best
+
+
+_MAX_PIXELS_CAP_UNITS = 1 << 20  # ~822M pixels at factor 28: far above any decodable image
+
+
 def _largest_max_pixels(tokens_at: Callable[[int], int], capacity: int, min_pixels: int,
-                        factor: int) -> int | None:
-    """The largest max_pixels (a multiple of factor^2, >= min_pixels) whose prompt fits, by bisection:
-    image tokens never grow as max_pixels shrinks."""
+                        factor: int, below: int | None = None) -> int | None:
+    """The largest max_pixels (a multiple of factor^2, >= min_pixels, < `below` when given) whose
+    prompt fits, by bisection: image tokens never grow as max_pixels shrinks. None when none fits,
+    or when (with no `below`) even the search's cap fits: then max_pixels is not what limits."""
     unit = factor * factor
     lo = max(1, -(-min_pixels // unit))  # smallest allowed multiple
+    if below is not None:
+        hi = -(-below // unit)  # (hi - 1) * unit < below: candidates are lo .. hi - 1
+        if hi <= lo:
+            return None
+    else:
+        hi = None
     if tokens_at(lo * unit) > capacity:
         return None
-    hi = lo
-    while tokens_at(hi * 2 * unit) <= capacity and hi < 1 << 20:
-        hi *= 2
-    hi *= 2  # tokens_at(hi * unit) > capacity, or hi is huge
-    while hi - lo > 1:
+    if hi is None:
+        hi = lo
+        while tokens_at(hi * 2 * unit) <= capacity:
+            hi *= 2
+            if hi >= _MAX_PIXELS_CAP_UNITS:
+                return None
+        hi *= 2  # tokens_at(hi * unit) > capacity
+    while hi - lo > 1:  # tokens_at(lo * unit) fits; hi is excluded
         mid = (lo + hi) // 2
         if tokens_at(mid * unit) <= capacity:
             lo = mid

@@ -42,11 +42,18 @@ def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_usefu
         budget = int(args.memory_utilization * total) - (total - free) - peak
         blocks = budget // per_block
         if blocks < 1:
+            need = min_memory_utilization(total, free, peak, per_block)
+            raise_to = (f"Raise memory_utilization to at least {need:.2f} (room for one {per_block:,}-byte "
+                        f"block)" if need <= 1 else
+                        f"Even memory_utilization=1 leaves no room for one {per_block:,}-byte block ({need:.2f} "
+                        f"would be needed): free device memory")
             raise InvalidRequestError(
                 f"no room for the KV cache: memory_utilization={args.memory_utilization} of {total:,} bytes "
                 f"leaves {int(args.memory_utilization * total):,}; {total - free:,} are in use "
-                f"({in_use:,} by this engine's weights) and the profiled activation peak is {peak:,}. "
-                f"Raise memory_utilization, lower max_num_batched_tokens, or set kv_cache_memory")
+                f"({in_use:,} by this engine's weights) and the profiled activation peak is {peak:,} (a step "
+                f"of max_num_batched_tokens={args.max_num_batched_tokens} tokens, logits for "
+                f"max_num_seqs={args.max_num_seqs} rows and one max_pixels image; lowering those lowers it). "
+                f"{raise_to}, lower max_num_batched_tokens, max_num_seqs or max_pixels, or set kv_cache_memory")
         return CacheConfig(args.block_size, blocks, per_block,
                            f"memory_utilization={args.memory_utilization} of {total:,} bytes, after "
                            f"{total - free:,} in use and a {peak:,}-byte activation peak")
@@ -54,6 +61,16 @@ def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_usefu
     return CacheConfig(args.block_size, blocks, per_block,
                        "the CPU default: max_num_seqs full-length sequences, at most 1 GiB "
                        "(set num_blocks or kv_cache_memory to change it)")
+
+
+def min_memory_utilization(total: int, free: int, peak: int, per_block: int) -> float:
+    """The smallest memory_utilization, rounded up to 2 decimals, that leaves room for one KV block
+    after the memory in use (`total - free`) and the activation peak."""
+    need = total - free + peak + per_block
+    hundredths = -(-need * 100 // total)
+    if int(hundredths / 100 * total) < need:  # float rounding at an exact boundary
+        hundredths += 1
+    return hundredths / 100
 
 
 def allocate_kv_caches(num_layers: int, cache: CacheConfig, num_kv_heads: int, head_dim: int,

@@ -18,7 +18,7 @@ from vlm_sdk.engine.capacity import check_prompt_fits
 from vlm_sdk.engine.detokenizer import IncrementalDetokenizer
 from vlm_sdk.engine.kv_cache import allocate_kv_caches, bytes_per_block, plan_cache
 from vlm_sdk.engine.model_runner import ModelRunner
-from vlm_sdk.engine.profiler import profile_peak_bytes
+from vlm_sdk.engine.profiler import max_image_patches, profile_peak_bytes
 from vlm_sdk.engine.scheduler import Scheduler
 from vlm_sdk.engine.sequence import Sequence
 from vlm_sdk.errors import InvalidRequestError
@@ -90,11 +90,15 @@ class LLMEngine:
                 block_size=args.block_size, per_block=per_block, dtype=self.dtype, device=self.device)
         self.cache_config = plan_cache(args, per_block, self.device, useful, peak)
         self.scheduler_config = self._scheduler_config()
+        self.processor.max_image_tokens = self.scheduler_config.max_model_len
         kv_caches = allocate_kv_caches(m.num_layers, self.cache_config, m.num_kv_heads, m.head_dim,
                                        self.dtype, self.device)
         self.block_manager = BlockManager(self.cache_config.num_blocks, args.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.runner = ModelRunner(self.model, kv_caches, args.block_size, self.device, self.dtype, args.seed)
+        # vision runs in groups no bigger than the image the profile measured
+        max_patches = max_image_patches(self.image_processor, args.max_pixels or self.image_processor.max_pixels)
+        self.runner = ModelRunner(self.model, kv_caches, args.block_size, self.device, self.dtype, args.seed,
+                                  max_vision_patches=max_patches)
         self.requests: dict[str, Sequence] = {}
         self._next_id = 0
 
@@ -131,7 +135,8 @@ class LLMEngine:
         min_pixels = self.args.min_pixels or self.image_processor.min_pixels
         check_prompt_fits(prompt, self.cache_config, self.scheduler_config, self.max_position_embeddings,
                           self.args.max_model_len is not None, self.processor.image_tokens_with_max_pixels,
-                          min_pixels, factor)
+                          min_pixels, factor,
+                          max_pixels=self.args.max_pixels or self.image_processor.max_pixels)
 
     def add_request(self, prompt: PromptInputs, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:

@@ -1,8 +1,8 @@
 """Runs one scheduled step on the model: vision stage, LLM forward over the paged cache, sampling.
 
 Inputs are packed: the new tokens of every scheduled sequence back to back. Image embeddings are
-computed once per sequence (on the first step that needs them, all its images in one vision call)
-and scattered into the token embeddings at image-token positions, chunk by chunk.
+computed once per sequence (on the first step that needs them; the images of all such sequences go
+through the vision tower in groups of at most `max_vision_patches` patches) and scattered into the token embeddings at image-token positions, chunk by chunk.
 """
 from __future__ import annotations
 
@@ -17,8 +17,14 @@ from vlm_sdk.engine.sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model: VisionLanguageModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
+                 block_size: int, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                 max_vision_patches: int | None = None):
+        """`max_vision_patches` (None: no limit) caps the patches of one vision-tower call: the images
+        of newly scheduled sequences are encoded in groups of at most that many patches (a group
+        always holds at least one image), so a step never exceeds the profiled peak of one
+        max_pixels image (`profiler.max_image_patches`)."""
         self.model = model
+        self.max_vision_patches = max_vision_patches
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -45,8 +51,12 @@ class ModelRunner:
         if not seqs:
             return
         images = [im for seq in seqs for im in seq.prompt.images]
-        pixels = torch.cat([im.pixel_values for im in images]).to(self.device, self.dtype)  # [patches, dim]
-        embeds = self.model.encode_images(pixels, [im.grid_thw for im in images])  # [image tokens, hidden]
+        outs = []
+        for group in _patch_groups([im.pixel_values.shape[0] for im in images], self.max_vision_patches):
+            chosen = [images[i] for i in group]
+            pixels = torch.cat([im.pixel_values for im in chosen]).to(self.device, self.dtype)  # [patches, dim]
+            outs.append(self.model.encode_images(pixels, [im.grid_thw for im in chosen]))  # [tokens, hidden]
+        embeds = outs[0] if len(outs) == 1 else torch.cat(outs)  # [image tokens, hidden], in image order
         for seq, part in zip(seqs, embeds.split([sum(seq.prompt.image_tokens) for seq in seqs])):
             seq.image_embeds = part
 
@@ -97,6 +107,21 @@ class ModelRunner:
                     rows = (index[lo:hi] - start + row).to(embeds.device)
                     embeds[rows] = seq.image_embeds[lo:hi].to(embeds.dtype)
             row += n
+
+
+def _patch_groups(patches: list[int], limit: int | None) -> list[range]:
+    """Consecutive runs of image indices whose patches sum to at most `limit` (a run always holds at
+    least one image, however large); one run of all images when there is no limit."""
+    if limit is None:
+        return [range(len(patches))]
+    groups, start, total = [], 0, 0
+    for i, n in enumerate(patches):
+        if i > start and total + n > limit:
+            groups.append(range(start, i))
+            start, total = i, 0
+        total += n
+    groups.append(range(start, len(patches)))
+    return groups
 
 
 def _positions(seq: Sequence, start: int, end: int) -> torch.Tensor:

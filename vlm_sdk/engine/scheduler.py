@@ -25,10 +25,6 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute)
     preempted: list[Sequence] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
@@ -47,7 +43,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[int] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -62,7 +57,6 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # it preempted itself
                 break
             out.scheduled.append((seq, n))
-            scheduled_ids.add(id(seq))
             budget -= n
             i += 1
 

@@ -14,6 +14,7 @@ class ImageInput:
     num_tokens: int  # image tokens in the prompt: t*h*w / merge^2
     source_size: tuple[int, int] | None = None  # (height, width) as decoded, before resizing
     own_max_pixels: bool = False  # the image part set its own max_pixels (engine max_pixels does not apply)
+    own_min_pixels: int | None = None  # the image part's own min_pixels, if it set one (it wins over the engine's)
 
 
 @dataclass
