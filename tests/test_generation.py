@@ -156,3 +156,11 @@ def test_streamed_metrics_are_snapshots(tiny_ckpt):
     outs = asyncio.run(stream())
     assert [o.metrics.generated_tokens for o in outs] == [1, 2, 3, 4, 5, 6]
     assert outs[0].metrics.finished_time is None and outs[-1].metrics.finished_time is not None
+
+
+def test_published_flat_layout_sharded_checkpoint_runs_the_same(tiny_ckpt_flat, llm):
+    """The published config layout (rope_scaling, flat text fields), flat preprocessor config and
+    sharded safetensors load into the same engine and give the same tokens as the nested layout."""
+    flat = LLM(tiny_ckpt_flat, show_progress=False)
+    convs = list(conversations().values())
+    assert [o.token_ids for o in flat.chat(convs, GREEDY)] == [o.token_ids for o in llm.chat(convs, GREEDY)]
