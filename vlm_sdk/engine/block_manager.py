@@ -14,6 +14,16 @@ from collections import deque
 from vlm_sdk.engine.sequence import Sequence
 
 
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
+
+
+def slot_mapping(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """Flat cache slots of token positions start..end of a sequence holding `block_ids`."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks
@@ -29,7 +39,7 @@ class BlockManager:
         return self.num_blocks - len(self._free)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return (num_tokens + self.block_size - 1) // self.block_size
+        return blocks_needed(num_tokens, self.block_size)
 
     def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         return max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_ids))
@@ -47,4 +57,4 @@ class BlockManager:
         seq.block_ids = []
 
     def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+        return slot_mapping(seq.block_ids, self.block_size, position, position + 1)[0]

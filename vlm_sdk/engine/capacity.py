@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from vlm_sdk.config import CacheConfig, SchedulerConfig
+from vlm_sdk.engine.block_manager import blocks_needed
 from vlm_sdk.errors import InputTooLongError
 from vlm_sdk.multimodal.inputs import PromptInputs
 
@@ -27,7 +28,7 @@ def check_prompt_fits(prompt: PromptInputs, cache: CacheConfig, sched: Scheduler
     fixes: dict[str, int] = {}
     together: dict[str, int] = {}
     cache_tokens = cache.capacity_tokens
-    blocks = -(-n // cache.block_size)
+    blocks = blocks_needed(n, cache.block_size)
     if max_model_len_is_user_set:
         if n <= max_position_embeddings:
             if n <= cache_tokens:

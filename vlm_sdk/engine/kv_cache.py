@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from vlm_sdk.config import CacheConfig, EngineArgs
+from vlm_sdk.engine.block_manager import blocks_needed
 from vlm_sdk.errors import InvalidRequestError
 
 CPU_DEFAULT_CACHE_BYTES = 1 << 30
@@ -57,7 +58,7 @@ def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_usefu
         return CacheConfig(args.block_size, blocks, per_block,
                            f"memory_utilization={args.memory_utilization} of {total:,} bytes, after "
                            f"{total - free:,} in use and a {peak:,}-byte activation peak")
-    blocks = min(CPU_DEFAULT_CACHE_BYTES // per_block, -(-max_useful_tokens // args.block_size))
+    blocks = min(CPU_DEFAULT_CACHE_BYTES // per_block, blocks_needed(max_useful_tokens, args.block_size))
     return CacheConfig(args.block_size, blocks, per_block,
                        "the CPU default: max_num_seqs full-length sequences, at most 1 GiB "
                        "(set num_blocks or kv_cache_memory to change it)")

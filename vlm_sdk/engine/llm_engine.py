@@ -13,7 +13,7 @@ import time
 import torch
 
 from vlm_sdk.config import EngineArgs, SchedulerConfig
-from vlm_sdk.engine.block_manager import BlockManager
+from vlm_sdk.engine.block_manager import BlockManager, blocks_needed
 from vlm_sdk.engine.capacity import check_prompt_fits
 from vlm_sdk.engine.detokenizer import IncrementalDetokenizer
 from vlm_sdk.engine.kv_cache import allocate_kv_caches, bytes_per_block, plan_cache
@@ -106,7 +106,7 @@ class LLMEngine:
         cache, args = self.cache_config, self.args
         if args.max_model_len is not None:
             if args.max_model_len > cache.capacity_tokens:
-                need = -(-args.max_model_len // cache.block_size)
+                need = blocks_needed(args.max_model_len, cache.block_size)
                 raise InvalidRequestError(
                     f"max_model_len={args.max_model_len} needs {need} KV blocks of {cache.block_size} tokens but "
                     f"the cache has {cache.num_blocks} ({cache.capacity_tokens} tokens; {cache.source}). Set "

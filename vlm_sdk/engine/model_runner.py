@@ -10,6 +10,7 @@ import torch
 
 from vlm_sdk.models.base import VisionLanguageModel
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
+from vlm_sdk.engine.block_manager import slot_mapping
 from vlm_sdk.engine.sampler import Sampler
 from vlm_sdk.engine.scheduler import SchedulerOutput
 from vlm_sdk.engine.sequence import Sequence
@@ -68,7 +69,7 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids.extend(seq.token_ids[start:end])
             pos.append(_positions(seq, start, end))
-            slots.extend(self._slots(seq, start, end))
+            slots.extend(slot_mapping(seq.block_ids, self.block_size, start, end))
             block_tables.append(seq.block_ids)
             query_lens.append(n)
             seq_lens.append(end)
@@ -90,10 +91,6 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
         positions = torch.cat(pos, dim=1).to(dev, non_blocking=True)  # [3, num_tokens]
         return input_ids, positions, meta, torch.tensor(sample_rows, device=dev), sample_idx
-
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        bs, blocks = self.block_size, seq.block_ids
-        return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
     def _scatter_image_embeds(self, sched: SchedulerOutput, embeds: torch.Tensor) -> None:
         row = 0

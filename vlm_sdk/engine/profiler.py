@@ -12,6 +12,7 @@ import torch
 
 from vlm_sdk.config import CacheConfig
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
+from vlm_sdk.engine.block_manager import blocks_needed
 from vlm_sdk.engine.kv_cache import allocate_kv_caches
 
 
@@ -46,7 +47,7 @@ def profile_peak_bytes(model, image_processor, *, num_tokens: int, num_seqs: int
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
 
-    blocks = math.ceil(num_tokens / block_size)
+    blocks = blocks_needed(num_tokens, block_size)
     cache = CacheConfig(block_size, blocks, per_block, "profile")
     caches = allocate_kv_caches(model.num_layers, cache, model.num_kv_heads, model.head_dim, dtype, device)
     meta = AttentionMetadata(
