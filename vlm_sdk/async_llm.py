@@ -22,8 +22,21 @@ from typing import AsyncIterator
 from vlm_sdk.config import EngineArgs
 from vlm_sdk.engine.llm_engine import LLMEngine
 from vlm_sdk.errors import EngineDeadError, InvalidRequestError
+from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.outputs import RequestOutput
 from vlm_sdk.sampling_params import SamplingParams
+
+
+def _check_params(params) -> SamplingParams:
+    params = params or SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+    return params
+
+
+def _put_all(batch: list) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
 
 
 @dataclass
@@ -66,15 +79,26 @@ class AsyncLLM:
         self._prep.shutdown(wait=False)
 
     # -- public API -------------------------------------------------------------------------------
+    async def build_prompt(self, messages) -> PromptInputs:
+        """Validate, decode images and tokenize off the event loop; raises the request's own error
+        (`InvalidRequestError`, `InvalidImageError`, `InputTooLongError`) before anything is queued."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._prep, self.engine.build_prompt, messages)
+
     async def chat_stream(self, messages, params: SamplingParams | None = None,
                           request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as tokens arrive; the last one has `finish_reason` set."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        self._check_alive()
+        params = _check_params(params)
+        prompt = await self.build_prompt(messages)
+        async for out in self.generate(prompt, params, request_id):
+            yield out
+
+    async def generate(self, prompt: PromptInputs, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a prompt made by `build_prompt`. Closing the iterator early aborts the request."""
+        params = _check_params(params)
         loop = asyncio.get_running_loop()
-        prompt = await loop.run_in_executor(self._prep, self.engine.build_prompt, messages)
         key = f"async-{next(self._ids)}"
         user_id = request_id or key
         if request_id is not None and any(s.user_id == request_id for s in self._streams.values()):
@@ -115,6 +139,11 @@ class AsyncLLM:
         return self.engine.stats()
 
     @property
+    def is_alive(self) -> bool:
+        """True while the engine thread runs and accepts requests."""
+        return self._dead is None and not self._closed and self._thread.is_alive()
+
+    @property
     def tokenizer(self):
         return self.engine.tokenizer
 
@@ -126,13 +155,21 @@ class AsyncLLM:
             raise EngineDeadError("this AsyncLLM was shut down; create a new one")
 
     def _deliver(self, key: str, item) -> None:
-        stream = self._streams.get(key)
-        if stream is None:
-            return
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed; nobody is listening
-            pass
+        self._deliver_many([(key, item)])
+
+    def _deliver_many(self, items: list) -> None:
+        """One wake-up per event loop per step, not one per request: at 64 streams that is what
+        keeps a server's loop free for its sockets."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for key, item in items:
+            stream = self._streams.get(key)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the caller's loop is closed; nobody is listening
+                pass
 
     def _run(self) -> None:
         engine = self.engine
@@ -157,8 +194,9 @@ class AsyncLLM:
                             engine.add_request(payload[0], payload[1], request_id=key)
                         except Exception as e:  # a bad request fails its caller alone
                             self._deliver(key, e)
-                for out in engine.step():
-                    self._deliver(out.request_id, out)
+                outputs = engine.step()
+                if outputs:
+                    self._deliver_many([(out.request_id, out) for out in outputs])
         except BaseException as e:  # engine failure: tell every caller, keep the cause
             err = EngineDeadError(f"the engine stopped after an internal error: {e!r}")
             err.__cause__ = e

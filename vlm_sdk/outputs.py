@@ -12,6 +12,7 @@ class RequestMetrics:
     prompt_tokens: int = 0
     image_tokens: int = 0
     generated_tokens: int = 0
+    preprocess_time: float = 0.0  # seconds spent decoding images and building the prompt
 
     @property
     def time_to_first_token(self) -> float | None:

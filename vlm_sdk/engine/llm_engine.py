@@ -101,6 +101,8 @@ class LLMEngine:
                                   max_vision_patches=max_patches)
         self.requests: dict[str, Sequence] = {}
         self._next_id = 0
+        # running totals since start-up, for /metrics counters
+        self.totals = {"prompt_tokens": 0, "image_tokens": 0, "generation_tokens": 0, "requests": 0}
 
     def _scheduler_config(self) -> SchedulerConfig:
         cache, args = self.cache_config, self.args
@@ -126,8 +128,10 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------------
     def build_prompt(self, messages) -> PromptInputs:
         """Validate messages, decode and preprocess images, tokenize; raise if it can never fit."""
+        t0 = time.perf_counter()
         prompt = self.processor(messages)
         self.check_prompt(prompt)
+        prompt.preprocess_seconds = time.perf_counter() - t0
         return prompt
 
     def check_prompt(self, prompt: PromptInputs) -> None:
@@ -152,6 +156,9 @@ class LLMEngine:
         seq = Sequence(request_id, prompt, params, IncrementalDetokenizer(self.tokenizer))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+        self.totals["requests"] += 1
+        self.totals["prompt_tokens"] += seq.num_prompt_tokens
+        self.totals["image_tokens"] += seq.metrics.image_tokens
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -183,6 +190,7 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         seq.token_ids.append(token)
+        self.totals["generation_tokens"] += 1
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
         seq.metrics.generated_tokens = seq.num_output_tokens
@@ -224,7 +232,8 @@ class LLMEngine:
                 "kv_bytes_per_block": self.cache_config.bytes_per_block,
                 "max_model_len": self.scheduler_config.max_model_len,
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-                "num_preemptions": self.scheduler.num_preemptions}
+                "num_preemptions": self.scheduler.num_preemptions,
+                **{f"total_{k}": v for k, v in self.totals.items()}}
 
 
 def _cut_at_stop(detok: IncrementalDetokenizer, new_chars: int, stops: tuple[str, ...]) -> bool:

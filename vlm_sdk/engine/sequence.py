@@ -45,7 +45,8 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic(),
                                       prompt_tokens=self.num_prompt_tokens,
-                                      image_tokens=sum(prompt.image_tokens))
+                                      image_tokens=sum(prompt.image_tokens),
+                                      preprocess_time=prompt.preprocess_seconds)
         self.num_preemptions = 0
         self.num_emitted_chars = 0  # text already streamed; a possible stop-string prefix waits
 

@@ -29,6 +29,7 @@ class PromptInputs:
     image_positions: list[int] = field(default_factory=list)
     mrope_positions: torch.Tensor | None = None  # [3, len(token_ids)] int64
     rope_delta: int = 0  # decode token at index p has position p + rope_delta on all three axes
+    preprocess_seconds: float = 0.0  # time build_prompt took (image decode, resize, tokenize)
 
     @property
     def image_tokens(self) -> list[int]:

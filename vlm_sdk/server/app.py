@@ -1,0 +1,215 @@
+"""The OpenAI-compatible HTTP server: aiohttp handlers over one `AsyncLLM`.
+
+    POST /v1/chat/completions
+      read body (413 over --max-request-bytes) -> JSON (400) -> parse_chat_request (400/404)
+      -> MediaFetcher: http(s)/file image sources to bytes under the media policy (400)
+      -> AsyncLLM.build_prompt, off the loop: decode, resize, tokenize, fit check (400)
+      -> AsyncLLM.generate: wait for the first output, so that every refusal is still an HTTP status
+      -> one JSON body, or SSE chunks ending in [DONE]
+    GET /v1/models, GET /health (503 once the engine stopped or shutdown began), GET /metrics
+
+The loop never runs model or image work. A client that goes away cancels its handler (aiohttp's
+handler_cancellation), which closes the generator and aborts the request, freeing its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+
+from aiohttp import web
+
+from vlm_sdk.async_llm import AsyncLLM
+from vlm_sdk.server import protocol
+from vlm_sdk.server.config import ServerConfig
+from vlm_sdk.server.media import MediaFetcher
+from vlm_sdk.server.metrics import CONTENT_TYPE, ServerMetrics
+from vlm_sdk.server.protocol import APIError, bad_request
+
+logger = logging.getLogger("vlm_sdk.server")
+
+# bodies above this are decoded off the loop: a 20 MB base64 image takes tens of ms to parse
+_INLINE_JSON_BYTES = 256 * 1024
+
+
+class OpenAIServer:
+    """Holds what the handlers share; `app` is the aiohttp application to run."""
+
+    def __init__(self, engine: AsyncLLM, config: ServerConfig, model_name: str):
+        self.engine = engine
+        self.config = config
+        self.model_name = model_name
+        self.started = int(time.time())
+        self.metrics = ServerMetrics(engine.stats, model_name)
+        self.media = MediaFetcher(config.media)
+        self.draining = False  # set when shutdown begins: new chat requests get 503
+        self.app = web.Application(client_max_size=config.max_request_bytes, middlewares=[self._errors])
+        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/metrics", self.prometheus)
+        self.app.on_cleanup.append(self._close_media)
+
+    async def _close_media(self, _app) -> None:
+        await self.media.close()
+
+    # -- errors and auth ---------------------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except APIError as e:
+            return self._error_response(e)
+        except web.HTTPRequestEntityTooLarge:
+            return self._error_response(APIError(
+                413, f"the request body is larger than this server's limit of {self.config.max_request_bytes} "
+                     f"bytes (server setting --max-request-bytes); send smaller or fewer images",
+                "invalid_request_error", None, "request_too_large"))
+        except web.HTTPException as e:  # routing: 404 unknown path, 405 wrong method
+            if e.status < 400:
+                raise
+            return self._error_response(APIError(
+                e.status, f"{request.method} {request.path}: {e.reason}", "invalid_request_error",
+                None, "not_found" if e.status == 404 else None))
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:
+            logger.exception("request %s %s failed", request.method, request.path)
+            return self._error_response(protocol.error_from_exception(e))
+
+    def _error_response(self, e: APIError) -> web.Response:
+        self.metrics.error(e.status)
+        return web.json_response(e.body(), status=e.status)
+
+    def _check_auth(self, request: web.Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        header = request.headers.get("Authorization", "")
+        given = header[7:] if header.startswith("Bearer ") else ""
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
+                                "server was started with (--api-key)", "authentication_error", None,
+                           "invalid_api_key")
+
+    # -- endpoints ---------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        if self.engine.is_alive and not self.draining:
+            return web.json_response({"status": "ok"})
+        reason = "shutting down" if self.draining else "the engine has stopped"
+        raise APIError(503, f"unhealthy: {reason}", "server_error", None, "unavailable")
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def models(self, request: web.Request) -> web.Response:
+        self._check_auth(request)
+        stats = self.engine.stats()
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.started, "owned_by": "vlm-sdk",
+            "max_model_len": stats["max_model_len"]}]})
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        self._check_auth(request)
+        if self.draining or not self.engine.is_alive:
+            raise APIError(503, "the server is shutting down or its engine has stopped; retry on another "
+                                "replica", "server_error", None, "unavailable")
+        body = await self._read_json(request)
+        req = protocol.parse_chat_request(body, self.model_name, self.engine.stats()["max_model_len"],
+                                          self.config.limit_images)
+        messages = await self.media.resolve_messages(req.messages)
+        prompt = await self.engine.build_prompt(messages)
+        if req.num_images:
+            self.metrics.image_preprocess.observe(prompt.preprocess_seconds)
+        gen = self.engine.generate(prompt, req.params)
+        try:
+            first = await gen.__anext__()  # the engine's own refusal still becomes an HTTP status
+            timing = _Timing(arrival, time.monotonic())
+            if req.stream:
+                return await self._stream(request, req, gen, first, timing)
+            return await self._complete(req, gen, first, timing)
+        finally:
+            await gen.aclose()  # a no-op once finished; otherwise aborts and frees the blocks
+
+    async def _read_json(self, request: web.Request):
+        raw = await request.read()  # raises 413 past client_max_size
+        if not raw:
+            raise bad_request("the request body is empty; send a JSON object")
+        try:
+            if len(raw) > _INLINE_JSON_BYTES:
+                return await asyncio.get_running_loop().run_in_executor(None, json.loads, raw)
+            return json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise bad_request(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") \
+                from None
+        except UnicodeDecodeError:
+            raise bad_request("the request body is not UTF-8 text; send a JSON object") from None
+
+    async def _complete(self, req: protocol.ChatRequest, gen, out, timing: "_Timing") -> web.Response:
+        while not out.finished:
+            out = await gen.__anext__()
+        self._observe(timing, out)
+        return web.json_response(protocol.completion_body(
+            protocol.new_completion_id(), self.model_name, out.text, out.finish_reason,
+            len(out.prompt_token_ids), len(out.token_ids)))
+
+    async def _stream(self, request: web.Request, req: protocol.ChatRequest, gen, out,
+                      timing: "_Timing") -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        cid, created = protocol.new_completion_id(), int(time.time())
+
+        async def send(payload) -> None:
+            data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+            await resp.write(f"data: {data}\n\n".encode())
+
+        await send(protocol.chunk_body(cid, self.model_name, created, {"role": "assistant", "content": ""}, None,
+                                       req.include_usage))
+        try:
+            while True:
+                if out.delta_text:
+                    await send(protocol.chunk_body(cid, self.model_name, created, {"content": out.delta_text},
+                                                   None, req.include_usage))
+                if out.finished:
+                    await send(protocol.chunk_body(cid, self.model_name, created, {}, out.finish_reason,
+                                                   req.include_usage))
+                    break
+                out = await gen.__anext__()
+        except ConnectionResetError:  # the client left; closing the generator aborts the request
+            return resp
+        except Exception as e:  # headers are sent: report in-band, as OpenAI does
+            err = protocol.error_from_exception(e)
+            if err.status >= 500:
+                logger.error("stream %s failed: %r", cid, e)
+            self.metrics.error(err.status)
+            await send(err.body())
+        else:
+            self._observe(timing, out)
+            if req.include_usage:
+                await send(protocol.usage_chunk_body(cid, self.model_name, created, len(out.prompt_token_ids),
+                                                     len(out.token_ids)))
+        await send("[DONE]")
+        await resp.write_eof()
+        return resp
+
+    def _observe(self, timing: "_Timing", out) -> None:
+        end = time.monotonic()
+        m = self.metrics
+        m.time_to_first_token.observe(timing.first_token - timing.arrival)
+        m.e2e_latency.observe(end - timing.arrival)
+        n = len(out.token_ids)
+        if n > 1:
+            m.time_per_output_token.observe((end - timing.first_token) / (n - 1))
+        m.finished(out.finish_reason)
+
+
+class _Timing:
+    __slots__ = ("arrival", "first_token")
+
+    def __init__(self, arrival: float, first_token: float):
+        self.arrival = arrival
+        self.first_token = first_token

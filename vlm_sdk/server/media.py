@@ -1,0 +1,283 @@
+"""Fetch the images named in a chat request, under the server's `MediaPolicy`.
+
+A server that fetches URLs on behalf of its clients is an SSRF vector: without a policy, a request
+could make it read cloud metadata (169.254.169.254), internal services or local files. So:
+
+* http(s) hosts must be in the domain allowlist, re-checked at every redirect hop (redirects are
+  followed by hand, never by aiohttp);
+* every address a host resolves to must be public. This is enforced inside the resolver that the
+  connection itself uses (`GuardedResolver`), so a DNS answer that changes between a check and the
+  connect (DNS rebinding) cannot slip through; IP-literal hosts, which aiohttp never resolves, are
+  checked before each hop;
+* bodies are capped in bytes while streaming, and the whole fetch (all hops) in time;
+* `file://` is read only inside one allowed directory, after resolving symlinks and `..`; bare paths
+  and other schemes are refused.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import re
+import socket
+import stat
+from typing import Any
+from urllib.parse import unquote, urlparse
+from urllib.request import url2pathname
+
+import aiohttp
+from aiohttp.abc import AbstractResolver, ResolveResult
+from yarl import URL
+
+from vlm_sdk.errors import InvalidImageError
+from vlm_sdk.server.config import MediaPolicy
+
+_REDIRECTS = (301, 302, 303, 307, 308)
+_CHUNK = 1 << 16
+_SOURCES = "image sources over HTTP must be data:, http(s):// or file:// URLs"
+
+
+def _clip(text: str, limit: int = 100) -> str:
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
+
+
+def _scrub(text: str) -> str:
+    """Drop Python object reprs (and their memory addresses) from an error text."""
+    return re.sub(r"<[^<>]*? at 0x[0-9a-fA-F]+>", "<...>", text)
+
+
+def _address_problem(address: str) -> str | None:
+    """Why `address` may not be connected to ('loopback', 'private'...), or None when it is public."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return "unparsable"
+    if isinstance(ip, ipaddress.IPv6Address):
+        embedded = ip.ipv4_mapped or ip.sixtofour
+        if embedded is not None:
+            ip = embedded
+    for kind in ("unspecified", "loopback", "link_local", "multicast", "private", "reserved"):
+        if getattr(ip, f"is_{kind}"):
+            return kind.replace("_", "-")
+    return None if ip.is_global else "non-global"
+
+
+def _refusal(host: str, address: str, kind: str) -> str:
+    what = f"address {address} is" if host == address else f"host {host!r} resolves to {address},"
+    return (f"{what} a {kind} address; such addresses are refused unless the server setting "
+            f"--allow-private-media-addresses is given")
+
+
+class _BlockedAddress(OSError):
+    """Raised by `GuardedResolver`; aiohttp wraps it in a ClientConnectorError."""
+
+
+class GuardedResolver(AbstractResolver):
+    """Wraps a resolver and refuses hosts that resolve to any non-public address."""
+
+    def __init__(self, inner: AbstractResolver, *, allow_private: bool, owns_inner: bool = False):
+        self._inner, self._allow_private, self._owns_inner = inner, allow_private, owns_inner
+
+    async def resolve(self, host: str, port: int = 0,
+                      family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+        results = await self._inner.resolve(host, port, family)
+        if not self._allow_private:
+            for result in results:
+                kind = _address_problem(result["host"])
+                if kind is not None:
+                    raise _BlockedAddress(_refusal(host, result["host"], kind))
+        return results
+
+    async def close(self) -> None:
+        if self._owns_inner:
+            await self._inner.close()
+
+
+class MediaFetcher:
+    """Resolves image sources in OpenAI-style messages under a MediaPolicy."""
+
+    def __init__(self, policy: MediaPolicy, *, resolver: AbstractResolver | None = None):
+        self.policy = policy
+        self._resolver = resolver
+        self._session: aiohttp.ClientSession | None = None
+        self._domains = tuple(d.strip().lower().rstrip(".").strip("[]") for d in policy.allowed_domains)
+
+    async def resolve_messages(self, messages: list) -> list:
+        """Return a copy of `messages` whose image sources are data: URL strings or fetched bytes."""
+        if not isinstance(messages, (list, tuple)):
+            return messages
+        slots: list[tuple[dict, str, Any]] = []  # (new dict, key, source)
+        out = []
+        for msg in messages:
+            if not isinstance(msg, dict) or not isinstance(msg.get("content"), (list, tuple)):
+                out.append(msg)
+                continue
+            parts = []
+            for part in msg["content"]:
+                new = dict(part) if isinstance(part, dict) else part
+                if isinstance(part, dict) and part.get("type") == "image" and part.get("image") is not None:
+                    slots.append((new, "image", part["image"]))
+                elif isinstance(part, dict) and part.get("type") == "image_url":
+                    url = part.get("image_url")
+                    if isinstance(url, dict) and url.get("url") is not None:
+                        new["image_url"] = dict(url)
+                        slots.append((new["image_url"], "url", url["url"]))
+                    elif url is not None and not isinstance(url, dict):
+                        slots.append((new, "image_url", url))
+                parts.append(new)
+            out.append({**msg, "content": parts})
+        tasks = [asyncio.ensure_future(self._load(source)) for _, _, source in slots]
+        try:
+            loaded = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        for (target, key, _), value in zip(slots, loaded):
+            target[key] = value
+        return out
+
+    async def close(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+    async def _load(self, source: Any) -> str | bytes:
+        if not isinstance(source, str):
+            raise InvalidImageError(f"{_SOURCES}; got a value of type {type(source).__name__}")
+        head = source[:8].lower()
+        if head.startswith("data:"):
+            return source
+        if head.startswith(("http://", "https://")):
+            try:
+                return await asyncio.wait_for(self._fetch(source), self.policy.timeout_s)
+            except asyncio.TimeoutError:
+                raise InvalidImageError(f"fetching image URL {_clip(source)} timed out after "
+                                        f"{self.policy.timeout_s:g} s (the media fetch timeout, "
+                                        f"redirects included)") from None
+        if head.startswith("file://"):
+            return await self._read_file(source)
+        raise InvalidImageError(f"{_SOURCES}; got {_clip(source)} (bare paths are never read)")
+
+    def _session_for_fetch(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            inner = self._resolver or aiohttp.ThreadedResolver()
+            guard = GuardedResolver(inner, allow_private=self.policy.allow_private_addresses,
+                                    owns_inner=self._resolver is None)
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(resolver=guard),
+                cookie_jar=aiohttp.DummyCookieJar(),  # no cookies carried from one client's fetch to another's
+                trust_env=False,  # no environment proxy that would connect on our behalf, unchecked
+                timeout=aiohttp.ClientTimeout(total=None))
+        return self._session
+
+    def _check_url(self, url: URL, where: str) -> None:
+        if url.scheme not in ("http", "https") or not url.raw_host:
+            raise InvalidImageError(f"{where}: only http(s) URLs with a host can be fetched")
+        host = url.raw_host.lower().rstrip(".")
+        try:
+            literal: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
+        except ValueError:
+            literal = None
+        if not any(self._domain_matches(host, literal, entry) for entry in self._domains):
+            raise InvalidImageError(f"{where}: host {host!r} is not an allowed media domain; the server "
+                                    f"setting --allowed-media-domains allows it")
+        if literal is not None and not self.policy.allow_private_addresses:
+            kind = _address_problem(host)
+            if kind is not None:
+                raise InvalidImageError(f"{where}: {_refusal(host, host, kind)}")
+
+    @staticmethod
+    def _domain_matches(host: str, literal: Any, entry: str) -> bool:
+        if literal is not None:
+            try:
+                return ipaddress.ip_address(entry) == literal
+            except ValueError:
+                return False
+        if entry.startswith("."):
+            return host == entry[1:] or host.endswith(entry)
+        return host == entry
+
+    async def _fetch(self, source: str) -> bytes:
+        session = self._session_for_fetch()
+        try:
+            url = URL(source)
+        except (ValueError, TypeError) as exc:
+            raise InvalidImageError(f"image URL {_clip(source)} is not a valid URL ({exc})") from None
+        where = f"image URL {_clip(source)}"
+        for hop in range(self.policy.max_redirects + 1):
+            self._check_url(url, where)
+            try:
+                async with session.get(url, allow_redirects=False) as resp:
+                    if resp.status in _REDIRECTS and "Location" in resp.headers:
+                        try:
+                            url = url.join(URL(resp.headers["Location"]))
+                        except (ValueError, TypeError):
+                            raise InvalidImageError(f"{where}: invalid redirect Location "
+                                                    f"{_clip(resp.headers['Location'])}") from None
+                        where = f"image URL {_clip(source)} (redirected to {_clip(str(url))})"
+                        continue
+                    if not 200 <= resp.status < 300:
+                        raise InvalidImageError(f"{where}: the server answered HTTP {resp.status} "
+                                                f"{resp.reason or ''}".rstrip())
+                    return await self._read_body(resp, where)
+            except aiohttp.ClientError as exc:
+                cause = getattr(exc, "os_error", None) or exc.__cause__
+                if isinstance(cause, _BlockedAddress):
+                    raise InvalidImageError(f"{where}: {cause}") from None
+                if isinstance(exc, aiohttp.ClientConnectorError):
+                    why = f"cannot connect to {exc.host}:{exc.port} ({exc.os_error})"
+                else:
+                    why = f"{type(exc).__name__}: {exc}"
+                raise InvalidImageError(f"cannot fetch {where}: {_scrub(why)}") from None
+        raise InvalidImageError(f"{where}: more than {self.policy.max_redirects} redirects "
+                                f"(the media policy's max_redirects)")
+
+    async def _read_body(self, resp: aiohttp.ClientResponse, where: str) -> bytes:
+        cap = self.policy.max_bytes
+        if resp.content_length is not None and resp.content_length > cap:
+            raise InvalidImageError(f"{where}: Content-Length {resp.content_length} bytes is over the "
+                                    f"limit of {cap} bytes per image")
+        body = bytearray()
+        async for chunk in resp.content.iter_chunked(_CHUNK):
+            body += chunk
+            if len(body) > cap:
+                raise InvalidImageError(f"{where}: the body is over the limit of {cap} bytes per image")
+        return bytes(body)
+
+    async def _read_file(self, source: str) -> bytes:
+        root = self.policy.allowed_local_path
+        if root is None:
+            raise InvalidImageError(f"file URL {_clip(source)}: local files are not read unless the "
+                                    f"server setting --allowed-local-media-path is given")
+        parsed = urlparse(source)
+        if parsed.netloc not in ("", "localhost"):
+            raise InvalidImageError(f"file URL {_clip(source)} names host {parsed.netloc!r}; only "
+                                    f"local files ('file:///abs/path') are read")
+        real = os.path.realpath(url2pathname(unquote(parsed.path)))
+        real_root = os.path.realpath(root)
+        if os.path.commonpath([real_root, real]) != real_root:
+            raise InvalidImageError(f"file URL {_clip(source)} is outside the directory that the server "
+                                    f"setting --allowed-local-media-path allows")
+        return await asyncio.to_thread(self._read_capped, real, source)
+
+    def _read_capped(self, path: str, source: str) -> bytes:
+        cap = self.policy.max_bytes
+        try:
+            # O_NONBLOCK: opening a FIFO must not hang; O_NOFOLLOW: the checked real path must not
+            # have been swapped for a symlink since.
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+            with open(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise InvalidImageError(f"file URL {_clip(source)} is not a regular file")
+                data = f.read(cap + 1)
+        except FileNotFoundError:
+            raise InvalidImageError(f"file URL {_clip(source)}: no such file") from None
+        except IsADirectoryError:
+            raise InvalidImageError(f"file URL {_clip(source)} is a directory, not an image file") from None
+        except OSError as exc:
+            raise InvalidImageError(f"cannot read file URL {_clip(source)}: {exc.strerror or exc}") from None
+        if len(data) > cap:
+            raise InvalidImageError(f"file URL {_clip(source)} is over the limit of {cap} bytes per image")
+        return data

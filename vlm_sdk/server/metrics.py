@@ -1,0 +1,88 @@
+"""Prometheus metrics for one server, in a registry of its own (no process-global state).
+
+Cache and queue gauges and the engine's token counters are read from `AsyncLLM.stats()` when scraped,
+so they are never stale; latency histograms are observed by the request handlers as requests end.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "vlm_sdk_"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# seconds; TTFT of a VLM includes image preprocessing and vision encoding, so the range reaches far
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+_PREP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class _EngineCollector:
+    """Reads the engine's live state at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict], model_name: str):
+        self._stats = stats
+        self._model = model_name
+
+    def collect(self):
+        s = self._stats()
+        labels = ["model_name"]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g.add_metric([self._model], value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            c.add_metric([self._model], value)
+            return c
+
+        total, used = s["kv_blocks_total"], s["kv_blocks_used"]
+        yield gauge("kv_blocks_total", "KV cache blocks in the pool", total)
+        yield gauge("kv_blocks_used", "KV cache blocks held by requests", used)
+        yield gauge("kv_cache_usage_ratio", "kv_blocks_used / kv_blocks_total (1 = full)", used / total if total else 0.0)
+        yield gauge("kv_block_size_tokens", "tokens per KV block", s["kv_block_size"])
+        yield gauge("num_requests_running", "requests scheduled in the running batch", s["num_running"])
+        yield gauge("num_requests_waiting", "requests waiting for KV blocks or batch room", s["num_waiting"])
+        yield counter("num_preemptions", "sequences preempted (blocks freed, recomputed later)", s["num_preemptions"])
+        yield counter("prompt_tokens", "prompt tokens admitted, image tokens included", s["total_prompt_tokens"])
+        yield counter("image_tokens", "image tokens admitted", s["total_image_tokens"])
+        yield counter("generation_tokens", "tokens generated", s["total_generation_tokens"])
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict], model_name: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(stats, model_name))
+        labels = ["model_name"]
+
+        def histogram(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, labels, registry=self.registry, buckets=buckets).labels(model_name)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "from the request's arrival to its first token", _TTFT_BUCKETS)
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds", "mean gap between a request's tokens after the first", _TPOT_BUCKETS)
+        self.e2e_latency = histogram(
+            "e2e_request_latency_seconds", "from arrival to the last token", _E2E_BUCKETS)
+        self.image_preprocess = histogram(
+            "image_preprocess_seconds", "decoding images and building the prompt, per request with images",
+            _PREP_BUCKETS)
+        self._finished = Counter(PREFIX + "request_success", "requests finished, by finish reason",
+                                 labels + ["finished_reason"], registry=self.registry)
+        self._errors = Counter(PREFIX + "request_errors", "requests refused or failed, by HTTP status",
+                               labels + ["status"], registry=self.registry)
+        self._model = model_name
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(self._model, reason).inc()
+
+    def error(self, status: int) -> None:
+        self._errors.labels(self._model, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

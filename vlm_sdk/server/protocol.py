@@ -1,0 +1,233 @@
+"""The OpenAI chat-completions wire format: request bodies in, response bodies and SSE chunks out.
+
+Every way a body can be wrong ends in an `APIError` with OpenAI's error shape
+`{"error": {"message", "type", "param", "code"}}` and an HTTP status; `error_from_exception` maps the
+engine's typed errors onto the same shape, so a user's mistake is always a 4xx that says what to fix.
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+from vlm_sdk.errors import (EngineDeadError, InputTooLongError, InvalidImageError, InvalidRequestError,
+                            VLMError)
+from vlm_sdk.sampling_params import SamplingParams
+
+# fields we accept but that change nothing here, and fields whose non-default value we cannot honour
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options",
+                            "modalities", "reasoning_effort", "prediction"})
+UNSUPPORTED = {  # field -> the values that mean "off", which are all we can honour
+    "n": (1, None),
+    "logprobs": (False, None),
+    "top_logprobs": (0, None),
+    "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "logit_bias": (None,),
+    "tools": (None,),
+    "tool_choice": (None, "none"),
+    "functions": (None,),
+    "audio": (None,),
+}
+
+
+class APIError(Exception):
+    """An HTTP error in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def error_from_exception(exc: BaseException) -> APIError:
+    """The engine's typed errors as HTTP errors; anything else is the server's fault (500, no details)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InputTooLongError):
+        return APIError(400, str(exc), "invalid_request_error", "messages", "context_length_exceeded")
+    if isinstance(exc, InvalidImageError):
+        return APIError(400, str(exc), "invalid_request_error", "messages", "invalid_image")
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), "invalid_request_error", None, None)
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, "the engine has stopped and cannot take requests; see the server log and restart "
+                             "the server", "server_error", None, "engine_dead")
+    if isinstance(exc, VLMError):
+        return APIError(400, str(exc), "invalid_request_error")
+    return APIError(500, "internal server error; the request was not completed (details are in the server log)",
+                    "server_error", None, "internal_error")
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    messages: list
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    num_images: int
+
+
+def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_images: int) -> ChatRequest:
+    """Validate a decoded JSON body. `max_tokens` defaults to what the context allows (the engine
+    stops at max_model_len), as in vLLM."""
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got a JSON {_json_type(body)}")
+    model = body.get("model")
+    if model is None:
+        raise bad_request(f"'model' is required; this server serves {model_name!r}", "model")
+    if not isinstance(model, str):
+        raise bad_request(f"'model' must be a string, got a JSON {_json_type(model)}", "model")
+    if model != model_name:
+        raise APIError(404, f"model {_clip(model)!r} does not exist; this server serves {model_name!r}",
+                       "invalid_request_error", "model", "model_not_found")
+    for name, off in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and value not in off:
+            if name == "logit_bias" and value == {}:
+                continue
+            raise bad_request(f"'{name}'={_clip(repr(value))} is not supported by this server; leave it out",
+                              name, "unsupported_parameter")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty array of {role, content} objects", "messages")
+    num_images = count_images(messages)
+    if num_images > limit_images:
+        raise bad_request(f"the request has {num_images} images; this server accepts at most {limit_images} per "
+                          f"request (server setting --limit-images)", "messages", "too_many_images")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request(f"'stream' must be true or false, got {_clip(repr(stream))}", "stream")
+    include_usage = False
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad_request("'stream_options' must be an object", "stream_options")
+        include_usage = opts.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise bad_request("'stream_options.include_usage' must be true or false", "stream_options")
+    params = _sampling_params(body, max_model_len)
+    return ChatRequest(model, messages, params, stream, include_usage, num_images)
+
+
+def count_images(messages: list) -> int:
+    count = 0
+    for msg in messages:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if isinstance(content, list):
+            count += sum(1 for p in content if isinstance(p, dict) and p.get("type") in ("image", "image_url"))
+    return count
+
+
+def _sampling_params(body: dict, max_model_len: int) -> SamplingParams:
+    max_tokens = body.get("max_completion_tokens")
+    name = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, name = body.get("max_tokens"), "max_tokens"
+    kwargs = {"max_tokens": max_model_len if max_tokens is None else _int(max_tokens, name, minimum=1)}
+    if body.get("temperature") is not None:
+        kwargs["temperature"] = _number(body["temperature"], "temperature", minimum=0.0)
+    if body.get("top_p") is not None:
+        top_p = _number(body["top_p"], "top_p", minimum=0.0)
+        if not 0.0 < top_p <= 1.0:
+            raise bad_request(f"'top_p' must be in (0, 1], got {top_p!r}", "top_p")
+        kwargs["top_p"] = top_p
+    if body.get("top_k") is not None:
+        kwargs["top_k"] = _int(body["top_k"], "top_k", minimum=-1)
+    if body.get("seed") is not None:
+        kwargs["seed"] = _int(body["seed"], "seed")
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise bad_request("'stop' must be a non-empty string or an array of non-empty strings", "stop")
+        kwargs["stop"] = tuple(stops)
+    if body.get("stop_token_ids") is not None:
+        ids = body["stop_token_ids"]
+        if not isinstance(ids, list):
+            raise bad_request("'stop_token_ids' must be an array of token ids", "stop_token_ids")
+        kwargs["stop_token_ids"] = tuple(_int(t, "stop_token_ids", minimum=0) for t in ids)
+    if body.get("ignore_eos") is not None:
+        if not isinstance(body["ignore_eos"], bool):
+            raise bad_request("'ignore_eos' must be true or false", "ignore_eos")
+        kwargs["ignore_eos"] = body["ignore_eos"]
+    try:
+        return SamplingParams(**kwargs)
+    except InvalidRequestError as e:  # cross-field rules SamplingParams owns
+        raise bad_request(str(e)) from None
+
+
+def _int(value, name: str, minimum: int | None = None) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise bad_request(f"'{name}' must be an integer, got {_clip(repr(value))}", name)
+    if minimum is not None and value < minimum:
+        raise bad_request(f"'{name}' must be >= {minimum}, got {value}", name)
+    return value
+
+
+def _number(value, name: str, minimum: float | None = None) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise bad_request(f"'{name}' must be a number, got {_clip(repr(value))}", name)
+    if not math.isfinite(value):
+        raise bad_request(f"'{name}' must be a finite number, got {value!r}", name)
+    if minimum is not None and value < minimum:
+        raise bad_request(f"'{name}' must be >= {minimum}, got {value!r}", name)
+    return float(value)
+
+
+def _json_type(value) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# -- responses -------------------------------------------------------------------------------------
+def new_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(cid: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
+                    completion_tokens: int) -> dict:
+    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish_reason}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chunk_body(cid: str, model: str, created: int, delta: dict, finish_reason: str | None,
+               include_usage: bool) -> dict:
+    body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    if include_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk_body(cid: str, model: str, created: int, prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
