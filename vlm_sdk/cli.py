@@ -1,4 +1,5 @@
-"""`vlm-sdk chat` streams an answer; `vlm-sdk bench` compares our engine with transformers."""
+"""`vlm-sdk chat` streams an answer (in process, or from a server with --url); `vlm-sdk bench` compares
+our engine with transformers; `vlm-sdk bench-serve` measures a server over HTTP."""
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,29 @@ def tiny_model_dir(kind: str = "tiny") -> Path:
     return path
 
 
+async def _chat_remote(args) -> int:
+    """`chat --url`: the same question, streamed from a server; usage comes from the server."""
+    from vlm_sdk.bench_serve import timed_stream
+    from vlm_sdk.client import AsyncClient
+    content = [{"type": "image", "image": p} for p in args.image] + [{"type": "text", "text": args.question}]
+    async with AsyncClient(args.url, args.api_key) as client:
+        t = await timed_stream(client, [{"role": "user", "content": content}],
+                               lambda piece: print(piece, end="", flush=True), model=args.model,
+                               max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    tps = 1.0 / t.tpot_s if t.tpot_s else float("nan")
+    print()
+    print(f"[vlm-sdk] {args.url}: prompt tokens {t.prompt_tokens} (image tokens included), generated "
+          f"{t.completion_tokens} ({t.finish_reason}); time to first token {t.ttft_s * 1000:.0f} ms; "
+          f"{tps:.1f} tokens/s after it; request {t.latency_s:.2f} s", file=sys.stderr)
+    return 0
+
+
 async def _chat(args) -> int:
+    if args.url:
+        if args.device:
+            print("error: --device has no effect with --url (the server owns the device)", file=sys.stderr)
+            return 2
+        return await _chat_remote(args)
     from vlm_sdk import AsyncLLM, SamplingParams
     model = args.model
     if model is None:
@@ -69,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     chat = sub.add_parser("chat", help="ask one question, optionally about images, and stream the answer")
     chat.add_argument("question")
-    chat.add_argument("--model", help="HF-format checkpoint directory (default: a tiny random one)")
+    chat.add_argument("--model", help="HF-format checkpoint directory (default: a tiny random one); with "
+                      "--url, the served model name (default: the server's first)")
+    chat.add_argument("--url", help="ask a running server (http://host:port) instead of loading a model")
+    chat.add_argument("--api-key", default=os.environ.get("VLM_SDK_API_KEY"), help="with --url: bearer token "
+                      "(default: $VLM_SDK_API_KEY)")
     chat.add_argument("--image", action="append", default=[], help="image path (repeatable)")
     chat.add_argument("--max-tokens", type=int, default=64)
     chat.add_argument("--temperature", type=float, default=0.0)
@@ -81,10 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--num-requests", type=int, default=16)
     bench.add_argument("--hf-batch-size", type=int, default=8)
     bench.add_argument("--device", default=None)
+    from vlm_sdk.bench_serve import add_arguments as add_bench_serve_arguments
+    add_bench_serve_arguments(sub.add_parser("bench-serve", help="throughput and latency of a server over HTTP, "
+                                             "vs the same workload in process"))
+    from vlm_sdk.server.cli import add_serve_parser, run_serve
+    add_serve_parser(sub)
     args = parser.parse_args(argv)
     try:
+        if args.command == "serve":
+            return run_serve(args)
         if args.command == "chat":
             return asyncio.run(_chat(args))
+        if args.command == "bench-serve":
+            from vlm_sdk.bench_serve import run_bench_serve
+            return run_bench_serve(args)
         from vlm_sdk.benchmark import run_benchmark
         return run_benchmark(args)
     except VLMError as e:

@@ -158,7 +158,7 @@ def _open(data: bytes, what: str) -> Image.Image:
     except Image.DecompressionBombError as exc:
         raise _bomb_error(what, exc) from exc
     except Exception as exc:  # any decoder failure means the data is not a usable image
-        raise InvalidImageError(f"cannot identify an image in {what} ({type(exc).__name__}: {exc}); "
+        raise InvalidImageError(f"cannot identify an image in {what} ({_reason(exc)}); "
                                 f"expected encoded PNG/JPEG/WebP/GIF/BMP/TIFF data; accepted: "
                                 f"{ACCEPTED_SOURCES}.") from exc
 
@@ -179,8 +179,7 @@ def _decode(image: Image.Image, what: str) -> None:
     except Image.DecompressionBombError as exc:
         raise _bomb_error(what, exc) from exc
     except Exception as exc:
-        raise InvalidImageError(f"image data from {what} is corrupt or truncated "
-                                f"({type(exc).__name__}: {exc}).") from exc
+        raise InvalidImageError(f"image data from {what} is corrupt or truncated ({_reason(exc)}).") from exc
 
 
 def _apply_exif_orientation(image: Image.Image) -> Image.Image:
@@ -201,6 +200,13 @@ def _bomb_error(what: str, exc: Exception) -> InvalidImageError:
 
 def _describe(image: Image.Image) -> str:
     return f"PIL image (mode {image.mode}, {image.size[0]}x{image.size[1]})"
+
+
+def _reason(exc: Exception) -> str:
+    """The decoder's complaint without Python object reprs ("<_io.BytesIO object at 0x...>"), which
+    mean nothing to the sender and leak addresses."""
+    text = re.sub(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>", "", str(exc)).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _clip(text: str, limit: int = 64) -> str:

@@ -45,6 +45,9 @@ class OpenAIServer:
         self.metrics = ServerMetrics(engine.stats, model_name)
         self.media = MediaFetcher(config.media)
         self.draining = False  # set when shutdown begins: new chat requests get 503
+        self.in_flight = 0  # chat requests being handled
+        self._idle = asyncio.Event()
+        self._idle.set()
         self.app = web.Application(client_max_size=config.max_request_bytes, middlewares=[self._errors])
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_get("/v1/models", self.models)
@@ -111,7 +114,25 @@ class OpenAIServer:
             "id": self.model_name, "object": "model", "created": self.started, "owned_by": "vlm-sdk",
             "max_model_len": stats["max_model_len"]}]})
 
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no chat request is in flight; False if some still are after `timeout` s."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            return await self._chat_completions(request)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
         self._check_auth(request)
         if self.draining or not self.engine.is_alive:

@@ -46,11 +46,17 @@ def _scrub(text: str) -> str:
     return re.sub(r"<[^<>]*? at 0x[0-9a-fA-F]+>", "<...>", text)
 
 
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return None
+
+
 def _address_problem(address: str) -> str | None:
     """Why `address` may not be connected to ('loopback', 'private'...), or None when it is public."""
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
+    ip = _ip(address)
+    if ip is None:
         return "unparsable"
     if isinstance(ip, ipaddress.IPv6Address):
         embedded = ip.ipv4_mapped or ip.sixtofour
@@ -154,8 +160,8 @@ class MediaFetcher:
                 return await asyncio.wait_for(self._fetch(source), self.policy.timeout_s)
             except asyncio.TimeoutError:
                 raise InvalidImageError(f"fetching image URL {_clip(source)} timed out after "
-                                        f"{self.policy.timeout_s:g} s (the media fetch timeout, "
-                                        f"redirects included)") from None
+                                        f"{self.policy.timeout_s:g} s (redirects included; the server "
+                                        f"setting --media-timeout raises it)") from None
         if head.startswith("file://"):
             return await self._read_file(source)
         raise InvalidImageError(f"{_SOURCES}; got {_clip(source)} (bare paths are never read)")
@@ -176,28 +182,15 @@ class MediaFetcher:
         if url.scheme not in ("http", "https") or not url.raw_host:
             raise InvalidImageError(f"{where}: only http(s) URLs with a host can be fetched")
         host = url.raw_host.lower().rstrip(".")
-        try:
-            literal: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
-        except ValueError:
-            literal = None
-        if not any(self._domain_matches(host, literal, entry) for entry in self._domains):
+        literal = _ip(host)
+        if not any(host == e or (e.startswith(".") and (host == e[1:] or host.endswith(e)))
+                   or (literal is not None and literal == _ip(e)) for e in self._domains):
             raise InvalidImageError(f"{where}: host {host!r} is not an allowed media domain; the server "
                                     f"setting --allowed-media-domains allows it")
         if literal is not None and not self.policy.allow_private_addresses:
             kind = _address_problem(host)
             if kind is not None:
                 raise InvalidImageError(f"{where}: {_refusal(host, host, kind)}")
-
-    @staticmethod
-    def _domain_matches(host: str, literal: Any, entry: str) -> bool:
-        if literal is not None:
-            try:
-                return ipaddress.ip_address(entry) == literal
-            except ValueError:
-                return False
-        if entry.startswith("."):
-            return host == entry[1:] or host.endswith(entry)
-        return host == entry
 
     async def _fetch(self, source: str) -> bytes:
         session = self._session_for_fetch()
@@ -206,7 +199,7 @@ class MediaFetcher:
         except (ValueError, TypeError) as exc:
             raise InvalidImageError(f"image URL {_clip(source)} is not a valid URL ({exc})") from None
         where = f"image URL {_clip(source)}"
-        for hop in range(self.policy.max_redirects + 1):
+        for _ in range(self.policy.max_redirects + 1):
             self._check_url(url, where)
             try:
                 async with session.get(url, allow_redirects=False) as resp:
@@ -238,12 +231,13 @@ class MediaFetcher:
         cap = self.policy.max_bytes
         if resp.content_length is not None and resp.content_length > cap:
             raise InvalidImageError(f"{where}: Content-Length {resp.content_length} bytes is over the "
-                                    f"limit of {cap} bytes per image")
+                                    f"limit of {cap} bytes per image (server setting --max-media-bytes)")
         body = bytearray()
         async for chunk in resp.content.iter_chunked(_CHUNK):
             body += chunk
             if len(body) > cap:
-                raise InvalidImageError(f"{where}: the body is over the limit of {cap} bytes per image")
+                raise InvalidImageError(f"{where}: the body is over the limit of {cap} bytes per image "
+                                        f"(server setting --max-media-bytes)")
         return bytes(body)
 
     async def _read_file(self, source: str) -> bytes:
@@ -268,16 +262,17 @@ class MediaFetcher:
             # O_NONBLOCK: opening a FIFO must not hang; O_NOFOLLOW: the checked real path must not
             # have been swapped for a symlink since.
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise InvalidImageError(f"file URL {_clip(source)} is not a regular file (a directory, "
+                                        f"FIFO or device)")
             with open(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                    raise InvalidImageError(f"file URL {_clip(source)} is not a regular file")
                 data = f.read(cap + 1)
         except FileNotFoundError:
             raise InvalidImageError(f"file URL {_clip(source)}: no such file") from None
-        except IsADirectoryError:
-            raise InvalidImageError(f"file URL {_clip(source)} is a directory, not an image file") from None
         except OSError as exc:
             raise InvalidImageError(f"cannot read file URL {_clip(source)}: {exc.strerror or exc}") from None
         if len(data) > cap:
-            raise InvalidImageError(f"file URL {_clip(source)} is over the limit of {cap} bytes per image")
+            raise InvalidImageError(f"file URL {_clip(source)} is over the limit of {cap} bytes per image "
+                                    f"(server setting --max-media-bytes)")
         return data

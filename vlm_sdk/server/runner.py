@@ -52,11 +52,21 @@ class ServerRunner:
         return self.url
 
     async def stop(self) -> None:
-        """Drain: refuse new requests, wait up to shutdown_timeout for in-flight ones, cancel the rest."""
+        """Drain: stop listening and refuse new requests, wait up to shutdown_timeout for in-flight
+        ones, then stop the engine, which ends what is left with finish_reason "abort" (streams still
+        get their last chunk and [DONE]), and close the connections."""
         self.server.draining = True
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._runner is None:
+            return
+        for site in list(self._runner.sites):
+            await site.stop()
+        if not await self.server.wait_idle(self.config.shutdown_timeout):
+            logger.warning("%d request(s) still running after %g s (--shutdown-timeout): aborting them",
+                           self.server.in_flight, self.config.shutdown_timeout)
+            await self.server.engine.shutdown()
+            await self.server.wait_idle(5.0)
+        await self._runner.cleanup()
+        self._runner = None
 
 
 def serve(model: str, config: ServerConfig, **engine_args) -> int:

@@ -1,0 +1,79 @@
+"""`vlm-sdk serve MODEL [--host] [--port] [server settings] [engine args]`.
+
+Engine flags are made from `EngineArgs` itself (`--num-blocks`, `--kv-cache-memory`, ...), so every
+setting an error message names is a flag of the same name.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import MISSING, fields
+
+from vlm_sdk.config import EngineArgs
+from vlm_sdk.server.config import MediaPolicy, ServerConfig
+
+_ENGINE_HELP = {
+    "num_blocks": "KV cache blocks (overrides kv_cache_memory and memory_utilization)",
+    "kv_cache_memory": "KV cache size in bytes",
+    "memory_utilization": "CUDA: share of GPU memory for weights + activations + KV cache",
+    "max_model_len": "longest sequence (prompt + output) in tokens",
+}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineArgs):
+        if f.name == "show_progress":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = None if f.default is MISSING else f.default
+        kind = {"float": float, "int": int}.get(type(default).__name__) if default is not None else None
+        if kind is None:
+            kind = str if f.name in ("dtype", "device") else int
+        group.add_argument(flag, dest="engine_" + f.name, type=kind, default=None,
+                           help=_ENGINE_HELP.get(f.name, f"default {default}"))
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {k[len("engine_"):]: v for k, v in vars(args).items() if k.startswith("engine_") and v is not None}
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (POST /v1/chat/completions)")
+    p.add_argument("model", nargs="?", help="HF-format checkpoint directory (default: the tiny random one)")
+    d = ServerConfig()
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port (printed at start-up)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--served-model-name", default=None, help="name clients pass as 'model' (default: dir name)")
+    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
+    p.add_argument("--limit-images", type=int, default=d.limit_images, help="images per request")
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="seconds in-flight requests get after SIGTERM before they are aborted")
+    m = MediaPolicy()
+    p.add_argument("--allowed-media-domains", nargs="*", default=[],
+                   help="hosts whose http(s) image URLs may be fetched ('.example.com' = any subdomain)")
+    p.add_argument("--allowed-local-media-path", default=None, help="file:// image URLs are read only under it")
+    p.add_argument("--allow-private-media-addresses", action="store_true",
+                   help="let media URLs resolve to loopback/private/link-local addresses")
+    p.add_argument("--max-media-bytes", type=int, default=m.max_bytes)
+    p.add_argument("--media-timeout", type=float, default=m.timeout_s)
+    add_engine_flags(p)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from vlm_sdk.server.runner import serve
+    model = args.model
+    if model is None:
+        from vlm_sdk.cli import tiny_model_dir
+        model = str(tiny_model_dir())
+        print(f"[vlm-sdk] no model given: serving a tiny Qwen2.5-VL-shaped checkpoint with RANDOM weights at "
+              f"{model}", file=sys.stderr)
+    media = MediaPolicy(allowed_domains=tuple(args.allowed_media_domains),
+                        allowed_local_path=args.allowed_local_media_path,
+                        allow_private_addresses=args.allow_private_media_addresses,
+                        max_bytes=args.max_media_bytes, timeout_s=args.media_timeout)
+    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                          served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
+                          limit_images=args.limit_images, shutdown_timeout=args.shutdown_timeout, media=media)
+    return serve(model, config, **engine_kwargs(args))
