@@ -240,3 +240,14 @@ def test_metrics_parse_and_move_with_load(srv):
         key = (f"vlm_sdk_{hist}_seconds_count", None)
         assert after[key] == before[key] + 1, hist
     assert after[("vlm_sdk_kv_blocks_used", None)] == 0
+
+
+def test_prebuilt_chunks_equal_the_plain_json_chunk():
+    from vlm_sdk.server.protocol import ChunkWriter, chunk_body
+    for include_usage in (True, False):
+        writer = ChunkWriter("chatcmpl-1", "m\"odel", 5, include_usage)
+        for text in ("hi", 'q"uo\\te\n', "é中\u2028", ""):
+            line = writer.content(text)
+            assert line.startswith("data: ") and line.endswith("\n\n")
+            assert json.loads(line[6:-2]) == chunk_body("chatcmpl-1", "m\"odel", 5, {"content": text}, None,
+                                                        include_usage)

@@ -22,6 +22,7 @@ import time
 from aiohttp import web
 
 from vlm_sdk.async_llm import AsyncLLM
+from vlm_sdk.errors import VLMError
 from vlm_sdk.server import protocol
 from vlm_sdk.server.config import ServerConfig
 from vlm_sdk.server.media import MediaFetcher
@@ -78,6 +79,8 @@ class OpenAIServer:
                 None, "not_found" if e.status == 404 else None))
         except (asyncio.CancelledError, ConnectionResetError):
             raise
+        except VLMError as e:  # the request's own fault, already explained: no traceback
+            return self._error_response(protocol.error_from_exception(e))
         except Exception as e:
             logger.exception("request %s %s failed", request.method, request.path)
             return self._error_response(protocol.error_from_exception(e))
@@ -183,21 +186,18 @@ class OpenAIServer:
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
         cid, created = protocol.new_completion_id(), int(time.time())
+        chunks = protocol.ChunkWriter(cid, self.model_name, created, req.include_usage)
 
-        async def send(payload) -> None:
-            data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-            await resp.write(f"data: {data}\n\n".encode())
+        async def send(line: str) -> None:
+            await resp.write(line.encode())
 
-        await send(protocol.chunk_body(cid, self.model_name, created, {"role": "assistant", "content": ""}, None,
-                                       req.include_usage))
+        await send(chunks.role())
         try:
             while True:
                 if out.delta_text:
-                    await send(protocol.chunk_body(cid, self.model_name, created, {"content": out.delta_text},
-                                                   None, req.include_usage))
+                    await send(chunks.content(out.delta_text))
                 if out.finished:
-                    await send(protocol.chunk_body(cid, self.model_name, created, {}, out.finish_reason,
-                                                   req.include_usage))
+                    await send(chunks.finish(out.finish_reason))
                     break
                 out = await gen.__anext__()
         except ConnectionResetError:  # the client left; closing the generator aborts the request
@@ -207,13 +207,12 @@ class OpenAIServer:
             if err.status >= 500:
                 logger.error("stream %s failed: %r", cid, e)
             self.metrics.error(err.status)
-            await send(err.body())
+            await send(chunks.event(err.body()))
         else:
             self._observe(timing, out)
             if req.include_usage:
-                await send(protocol.usage_chunk_body(cid, self.model_name, created, len(out.prompt_token_ids),
-                                                     len(out.token_ids)))
-        await send("[DONE]")
+                await send(chunks.usage(len(out.prompt_token_ids), len(out.token_ids)))
+        await send(chunks.done())
         await resp.write_eof()
         return resp
 

@@ -6,6 +6,7 @@ engine's typed errors onto the same shape, so a user's mistake is always a 4xx t
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -217,6 +218,39 @@ def completion_body(cid: str, model: str, text: str, finish_reason: str, prompt_
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                          "finish_reason": finish_reason}],
             "usage": usage(prompt_tokens, completion_tokens)}
+
+
+class ChunkWriter:
+    """SSE lines of one streamed completion. Only the delta text changes between chunks, so the rest
+    of each line is formatted once: per token the server then encodes one short string."""
+
+    def __init__(self, cid: str, model: str, created: int, include_usage: bool):
+        self.cid, self.model, self.created, self.include_usage = cid, model, created, include_usage
+        head = json.dumps({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model},
+                          separators=(",", ":"))[:-1]
+        tail = ',"usage":null}' if include_usage else "}"
+        self._content_prefix = "data: " + head + ',"choices":[{"index":0,"delta":{"content":'
+        self._content_suffix = '},"logprobs":null,"finish_reason":null}]' + tail + "\n\n"
+
+    def event(self, payload: dict) -> str:
+        return "data: " + json.dumps(payload, separators=(",", ":")) + "\n\n"
+
+    def role(self) -> str:
+        return self.event(chunk_body(self.cid, self.model, self.created, {"role": "assistant", "content": ""},
+                                     None, self.include_usage))
+
+    def content(self, text: str) -> str:
+        return self._content_prefix + json.dumps(text) + self._content_suffix
+
+    def finish(self, reason: str) -> str:
+        return self.event(chunk_body(self.cid, self.model, self.created, {}, reason, self.include_usage))
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
+        return self.event(usage_chunk_body(self.cid, self.model, self.created, prompt_tokens, completion_tokens))
+
+    @staticmethod
+    def done() -> str:
+        return "data: [DONE]\n\n"
 
 
 def chunk_body(cid: str, model: str, created: int, delta: dict, finish_reason: str | None,

@@ -1,0 +1,91 @@
+"""The samples run as their docstrings say (against a real server, with --url), and the client-side
+CLI commands: `vlm-sdk chat --url` and `vlm-sdk bench-serve --json`."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import image
+from vlm_sdk.cli import main
+from vlm_sdk.server.background import BackgroundServer
+from vlm_sdk.server.config import ServerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = str(ROOT / "samples" / "shapes.png")
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_ckpt):
+    with BackgroundServer(tiny_ckpt, ServerConfig(port=0)) as s:
+        yield s
+
+
+def run_sample(name: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(ROOT / "samples" / name), *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd or ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_image_qa_sample_over_http(srv):
+    proc = run_sample("image_qa.py", "--url", srv.url, "--image", SAMPLE, "--max-tokens", "6", "What is this?")
+    assert proc.stdout.strip()  # the (random-weight) answer
+    assert "prompt tokens" in proc.stderr and "6 generated" in proc.stderr
+
+
+def test_openai_sample_over_http(srv):
+    pytest.importorskip("openai")  # the sample's one dependency outside vlm_sdk
+    proc = run_sample("openai_client.py", "--url", srv.url, "--image", SAMPLE, "--max-tokens", "6")
+    last = proc.stdout.strip().splitlines()[-1]
+    assert srv.model_name in last and "completion_tokens=6" in last and "prompt_tokens=" in last
+
+
+def test_batch_caption_sample_over_http(srv, tmp_path):
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i, size in enumerate([(120, 90), (64, 64), (90, 150)]):
+        image(*size, seed=i).save(folder / f"img{i}.{'jpg' if i == 1 else 'png'}")
+    (folder / "notes.txt").write_text("not an image")  # skipped by extension
+    proc = run_sample("batch_caption.py", "--url", srv.url, str(folder), "--concurrency", "2", "--max-tokens", "5")
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert sorted(Path(r["image"]).name for r in lines) == ["img0.png", "img1.jpg", "img2.png"]
+    assert all(r["completion_tokens"] == 5 and isinstance(r["caption"], str) for r in lines)
+    assert "images/s" in proc.stderr and "tokens/s" in proc.stderr
+    out = tmp_path / "captions.jsonl"
+    run_sample("batch_caption.py", "--url", srv.url, str(folder), "--max-tokens", "3", "--out", str(out))
+    assert len(out.read_text().splitlines()) == 3
+
+
+def test_chat_cli_over_http(srv, capsys):
+    assert main(["chat", "--url", srv.url, "--image", SAMPLE, "--max-tokens", "6", "What is in this image?"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip()
+    assert srv.url in err and "prompt tokens" in err and "time to first token" in err and "tokens/s" in err
+    assert "generated 6" in err
+    assert main(["chat", "--url", srv.url, "--model", "nope", "hi"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["chat", "--url", srv.url, "--image", "/nonexistent/x.png", "hi"]) == 2
+    assert "x.png" in capsys.readouterr().err
+
+
+def test_bench_serve_json_compares_with_in_process(tiny_ckpt, capsys):
+    assert main(["bench-serve", "--model", str(tiny_ckpt), "--num-requests", "4", "--concurrency", "2",
+                 "--max-tokens", "6", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    http, inproc = report["http"], report["inprocess"]
+    assert http["completed"] == inproc["completed"] == 4 and http["failed"] == 0
+    assert http["output_tokens"] == inproc["output_tokens"] == 24 and report["same_token_counts"]
+    assert report["ratio"] > 0 and http["output_tokens_per_s"] > 0
+    assert http["ttft_ms"]["p50"] > 0 and http["tpot_ms"]["p99"] > 0
+    assert http["server_stats"]["kv_blocks_used"] == 0 and inproc["stats"]["kv_blocks_used"] == 0
+
+
+def test_bench_serve_against_a_running_server(srv, capsys):
+    assert main(["bench-serve", "--url", srv.url, "--num-requests", "3", "--concurrency", "3",
+                 "--max-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "http" in out and "in-process" not in out  # no checkpoint given: nothing to compare with
+    assert srv.stats()["kv_blocks_used"] == 0
