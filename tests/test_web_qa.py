@@ -1,0 +1,261 @@
+"""samples/web_qa in a real headless Chromium (Playwright): upload an image, ask, watch the answer stream
+in; the error paths show the app's or the server's message; a client that leaves aborts upstream."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from PIL import Image
+
+from vlm_sdk.client import APIError, AsyncClient
+from vlm_sdk.server.background import BackgroundServer
+from vlm_sdk.server.config import ServerConfig
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+APP_PATH = Path(__file__).resolve().parents[1] / "samples" / "web_qa" / "app.py"
+QUESTION = "What is in this image?"
+MAX_TOKENS = 16
+
+
+def _load_app_module():
+    spec = importlib.util.spec_from_file_location("web_qa_app", APP_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _png() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 40, 30)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _messages(image: bytes, question: str = QUESTION) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
+
+
+class HoldingClient(AsyncClient):
+    """An AsyncClient that, while `hold` is set, holds each stream after its first piece of text until
+    `hold` is cleared again: the test sees what the page shows while the rest has not been sent yet."""
+
+    hold = threading.Event()
+
+    async def chat_stream(self, messages, **params):
+        held = False
+        async with contextlib.aclosing(super().chat_stream(messages, **params)) as stream:
+            async for delta in stream:
+                yield delta
+                if delta.text and not held:
+                    held = True
+                    deadline = time.monotonic() + 10
+                    while self.hold.is_set() and time.monotonic() < deadline:
+                        await asyncio.sleep(0.005)
+
+
+class WebQA:
+    """The sample app on 127.0.0.1, port 0, on a thread of its own with its own event loop."""
+
+    def __init__(self, upstream: str):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="web-qa", daemon=True)
+        self.thread.start()
+        self.runner: web.AppRunner | None = None
+        self.url = self.call(self._start(upstream))
+
+    def call(self, coro, timeout: float = 30.0):
+        """Run a coroutine on the app's loop (Playwright's sync API holds a loop on the test's thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start(self, upstream: str) -> str:
+        app = _load_app_module().make_app(HoldingClient(upstream))
+        # aiohttp's default handler_cancellation=False: a client that leaves is noticed when the app writes
+        # to it, and then only the app's closing of chat_stream aborts the request upstream
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        return "http://127.0.0.1:%d" % self.runner.addresses[0][1]
+
+    def close(self) -> None:
+        try:
+            if self.runner is not None:
+                self.call(self.runner.cleanup())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+            self.loop.close()
+
+
+def _wait_idle(srv: BackgroundServer, timeout: float = 5.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = srv.stats()
+        if (stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0) \
+                or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt):
+    with BackgroundServer(tiny_ckpt, ServerConfig(port=0)) as srv:
+        yield srv
+        stats = _wait_idle(srv)
+        assert stats["kv_blocks_used"] == 0, f"KV blocks still held after the web_qa tests: {stats}"
+
+
+@pytest.fixture(scope="module")
+def web_qa(server):
+    app = WebQA(server.url)
+    yield app
+    app.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: these tests drive Debian's chromium; install it with "
+                    f"`apt-get install -y chromium` (`./run test` does so when run as root)")
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser, web_qa):
+    page = browser.new_page()
+    page.set_default_timeout(15_000)
+    page.goto(web_qa.url)
+    yield page
+    page.close()
+
+
+@pytest.fixture
+def png_path(tmp_path) -> Path:
+    path = tmp_path / "red.png"
+    path.write_bytes(_png())
+    return path
+
+
+def _ask(page, image: Path | None, question: str = QUESTION) -> None:
+    if image is not None:
+        page.set_input_files("#image", str(image))
+    page.fill("#question", question)
+    page.fill("#max_tokens", str(MAX_TOKENS))
+    page.click("#ask")
+
+
+def test_answer_streams_into_the_page(page, server, web_qa, png_path):
+    HoldingClient.hold.set()  # the app gets the first piece of the answer, then nothing until cleared
+    try:
+        _ask(page, png_path)
+        page.wait_for_function("document.getElementById('answer').textContent.length > 0")
+        first = page.text_content("#answer")
+        assert page.text_content("#status") == "streaming…"
+    finally:
+        HoldingClient.hold.clear()
+    page.wait_for_function("document.getElementById('status').textContent.startsWith('done')")
+    answer = page.text_content("#answer")
+
+    async def reference():
+        async with AsyncClient(server.url) as client:
+            return await client.chat(_messages(png_path.read_bytes()), max_tokens=MAX_TOKENS, temperature=0)
+    ref = web_qa.call(reference())
+    assert answer == ref.text  # temperature 0 is the app's default: the page gets the greedy answer
+    assert page.text_content("#status") == f"done ({ref.usage.completion_tokens} tokens)"
+    # streamed: the page showed the first piece on its own, and the rest was added to it
+    assert answer.startswith(first) and len(first) < len(answer), (first, answer)
+    assert page.is_visible("#preview")
+
+
+def test_no_image_shows_the_apps_error(page):
+    _ask(page, None)
+    page.wait_for_function("document.getElementById('status').className === 'error'")
+    assert page.text_content("#status") == "choose an image first"
+    assert page.text_content("#answer") == ""
+
+
+def test_non_image_file_shows_the_servers_message(page, server, web_qa, tmp_path):
+    bogus = tmp_path / "notes.txt"
+    bogus.write_bytes(b"these are not the pixels you are looking for")
+
+    async def server_message():
+        async with AsyncClient(server.url) as client:
+            with pytest.raises(APIError) as err:
+                await client.chat(_messages(bogus.read_bytes()), max_tokens=MAX_TOKENS)
+            return err.value
+    err = web_qa.call(server_message())
+    assert err.status == 400 and err.code == "invalid_image"
+    _ask(page, bogus)
+    page.wait_for_function("document.getElementById('status').className === 'error'")
+    assert page.text_content("#status") == err.message
+    assert "cannot identify an image" in err.message
+
+
+def test_bad_forms_get_400_json(web_qa):
+    async def post(form: aiohttp.FormData) -> tuple[int, dict]:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(web_qa.url + "/api/ask", data=form) as resp:
+                return resp.status, await resp.json()
+
+    def form(image: bytes | None, question: str) -> aiohttp.FormData:
+        f = aiohttp.FormData()
+        if image is not None:
+            f.add_field("image", image, filename="x.png", content_type="image/png")
+        f.add_field("question", question)
+        return f
+
+    status, body = web_qa.call(post(form(_png(), "   ")))
+    assert (status, body) == (400, {"error": "type a question first"})
+    status, body = web_qa.call(post(form(b"\0" * (21 << 20), QUESTION)))
+    assert status == 400 and "over the limit of 20 MB" in body["error"]
+
+
+def test_leaving_mid_answer_aborts_upstream(web_qa, server):
+    image = _png()
+
+    async def reference() -> int:  # how long the answer runs when nobody leaves, up to 200 tokens
+        async with AsyncClient(server.url) as client:
+            return (await client.chat(_messages(image), max_tokens=200, temperature=0)).usage.completion_tokens
+    full = web_qa.call(reference())
+    assert full == 200, f"the reference answer is too short ({full} tokens) to tell an abort from the end"
+    before = _wait_idle(server)["total_generation_tokens"]
+
+    async def leave_after_first_piece() -> None:
+        form = aiohttp.FormData()
+        form.add_field("image", image, filename="x.png", content_type="image/png")
+        form.add_field("question", QUESTION)
+        form.add_field("max_tokens", "2000")
+        async with aiohttp.ClientSession() as session:
+            async with session.post(web_qa.url + "/api/ask", data=form) as resp:
+                assert resp.status == 200
+                line = await resp.content.readline()
+                assert json.loads(line.decode().removeprefix("data: "))["text"]
+                resp.close()  # drop the connection mid-answer
+    web_qa.call(leave_after_first_piece())
+    stats = _wait_idle(server)
+    assert stats["num_running"] == 0 and stats["kv_blocks_used"] == 0, stats
+    generated = stats["total_generation_tokens"] - before
+    assert generated < full // 2, (f"{generated} tokens generated for a request whose client left after the first "
+                                   f"piece; it would have run to {full} or more")
+
+
+def test_too_big_upload_shows_the_limit(page, tmp_path):
+    big = tmp_path / "big.png"
+    big.write_bytes(_png() + b"\0" * (21 << 20))
+    _ask(page, big)
+    page.wait_for_function("document.getElementById('status').className === 'error'")
+    assert page.text_content("#status") == "the upload is over the limit of 20 MB"
