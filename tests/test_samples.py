@@ -73,11 +73,12 @@ def test_chat_cli_over_http(srv, capsys):
 
 def test_bench_serve_json_compares_with_in_process(tiny_ckpt, capsys):
     assert main(["bench-serve", "--model", str(tiny_ckpt), "--num-requests", "4", "--concurrency", "2",
-                 "--max-tokens", "6", "--json"]) == 0
+                 "--max-tokens", "6", "--rounds", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     http, inproc = report["http"], report["inprocess"]
-    assert http["completed"] == inproc["completed"] == 4 and http["failed"] == 0
-    assert http["output_tokens"] == inproc["output_tokens"] == 24 and report["same_token_counts"]
+    assert http["completed"] == inproc["completed"] == 8 and http["failed"] == 0
+    assert http["output_tokens"] == inproc["output_tokens"] == 48 and report["same_token_counts"]
+    assert len(report["round_ratios"]) == 2 and http["server_exit_code"] == 0  # the server process drained
     assert report["ratio"] > 0 and http["output_tokens_per_s"] > 0
     assert http["ttft_ms"]["p50"] > 0 and http["tpot_ms"]["p99"] > 0
     assert http["server_stats"]["kv_blocks_used"] == 0 and inproc["stats"]["kv_blocks_used"] == 0

@@ -8,16 +8,22 @@ the tokens they actually produced (HTTP: from `usage`).
 
 Per request: TTFT is the time to the first non-empty piece of text (same rule on both sides), TPOT
 is (latency - TTFT) / (completion tokens - 1). Throughput is all output tokens over the wall time of
-the whole run. Without `--url` a server is started in this process on `--model` (default: the tiny
-random checkpoint) on a free port, and stopped before the in-process engine is built, so the two
-never share a device.
+the whole run. Without `--url` a server is started as a child process (`vlm-sdk serve --port 0`, as
+it would be deployed) on `--model` (default: the tiny random checkpoint). The two sides take turns, `--rounds` times (HTTP, then in
+process), while both engines stay loaded (the idle one blocks on its queue): a shared VM's speed
+drifts by tens of percent between minutes, and alternating puts both sides under the same drift.
+On CUDA both engines hold a KV cache at once; pass --num-blocks-sized settings accordingly.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import re
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -77,6 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-inprocess", action=argparse.BooleanOptionalAction, default=None,
                    help="also run the workload on an in-process AsyncLLM (default: on when a checkpoint is "
                         "known, i.e. without --url or with --model)")
+    p.add_argument("--rounds", type=int, default=3, help="alternate HTTP and in-process this many times")
     p.add_argument("--device", default=None, help="device of the engines started here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -86,8 +93,8 @@ def run_bench_serve(args) -> int:
     from vlm_sdk.client import to_data_url
     from vlm_sdk.errors import InvalidRequestError
 
-    if args.num_requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
-        raise InvalidRequestError("--num-requests, --concurrency and --max-tokens must each be >= 1")
+    if min(args.num_requests, args.concurrency, args.max_tokens, args.rounds) < 1:
+        raise InvalidRequestError("--num-requests, --concurrency, --max-tokens and --rounds must each be >= 1")
     model_dir = args.model or (None if args.url else str(tiny_model_dir()))
     compare = args.compare_inprocess if args.compare_inprocess is not None else model_dir is not None
     if compare and model_dir is None:
@@ -102,24 +109,32 @@ def run_bench_serve(args) -> int:
     http_messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": to_data_url(image)}},
                                                   {"type": "text", "text": args.prompt}]}]
     report = {"url": args.url, "model": model_dir, "num_requests": args.num_requests,
-              "concurrency": args.concurrency, "max_tokens": args.max_tokens, "image": str(args.image)}
+              "concurrency": args.concurrency, "max_tokens": args.max_tokens, "image": str(args.image), "rounds": args.rounds}
 
-    if args.url:
-        report["http"] = asyncio.run(_bench_http(args.url, args.api_key, args.served_model, http_messages, args))
-        report["http"]["server_stats"] = None  # a remote server's engine is not visible from here
-    else:
-        from vlm_sdk.server.background import BackgroundServer
-        from vlm_sdk.server.config import ServerConfig
-        with BackgroundServer(model_dir, ServerConfig(port=0), **engine_args) as srv:
-            report["url"] = srv.url
-            report["http"] = asyncio.run(_bench_http(srv.url, None, args.served_model, http_messages, args))
-            report["http"]["server_stats"] = srv.stats()
-    if compare:
-        messages = [{"role": "user", "content": [{"type": "image", "image": image},
-                                                 {"type": "text", "text": args.prompt}]}]
-        report["inprocess"] = asyncio.run(_bench_inprocess(model_dir, engine_args, messages, args))
-        report["ratio"] = report["http"]["output_tokens_per_s"] / report["inprocess"]["output_tokens_per_s"]
-        report["same_token_counts"] = report["http"]["output_tokens"] == report["inprocess"]["output_tokens"]
+    messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "text", "text": args.prompt}]}]
+    with contextlib.ExitStack() as stack:
+        url, server = args.url, None
+        if url is None:  # a server process of its own, as deployed: its loop shares no GIL with this client
+            server = stack.enter_context(ServerProcess(model_dir, engine_args))
+            url = report["url"] = server.url
+        engine = None
+        if compare:
+            from vlm_sdk import AsyncLLM
+            engine = AsyncLLM(model_dir, **engine_args)  # idle (blocked on its queue) during HTTP rounds
+        rounds = asyncio.run(_rounds(url, args.api_key if args.url else None, args.served_model, http_messages,
+                                     engine, messages, args))
+        report["http"] = _merge([r[0] for r in rounds])
+        report["http"]["server_stats"] = server.stats() if server is not None else None
+        if server is not None:
+            report["http"]["server_exit_code"] = server.stop()
+        if compare:
+            report["inprocess"] = _merge([r[1] for r in rounds])
+            report["inprocess"]["stats"] = engine.stats()
+            report["round_ratios"] = [h["output_tokens"] / h["seconds"] / (i["output_tokens"] / i["seconds"])
+                                      for h, i in rounds]
+            report["ratio"] = report["http"]["output_tokens_per_s"] / report["inprocess"]["output_tokens_per_s"]
+            report["same_token_counts"] = report["http"]["output_tokens"] == report["inprocess"]["output_tokens"]
 
     if args.json:
         print(json.dumps(report, indent=2, default=str))
@@ -128,19 +143,63 @@ def run_bench_serve(args) -> int:
     return 0 if report["http"]["failed"] == 0 else 1
 
 
-async def _bench_http(url: str, api_key: str | None, model: str | None, messages, args) -> dict:
+class ServerProcess:
+    """`vlm-sdk serve MODEL --port 0` in a child process; stopped with SIGTERM (graceful drain)."""
+
+    def __init__(self, model_dir: str, engine_args: dict):
+        self.model_dir = model_dir
+        self.engine_args = engine_args
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+
+    def __enter__(self) -> "ServerProcess":
+        cmd = [sys.executable, "-m", "vlm_sdk.cli", "serve", self.model_dir, "--port", "0"]
+        for key, value in self.engine_args.items():
+            if key != "show_progress":
+                cmd += ["--" + key.replace("_", "-"), str(value)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        for line in self.proc.stdout:
+            match = re.search(r" at (http://\S+) \(OpenAI API", line)
+            if match:
+                self.url = match.group(1)
+                return self
+        code = self.proc.wait()
+        raise RuntimeError(f"the server process exited with {code} before listening: {' '.join(cmd)}")
+
+    def stats(self) -> dict:
+        """KV cache use read from the server's /metrics."""
+        import urllib.request
+        text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
+        found = {}
+        for name in ("kv_blocks_used", "kv_blocks_total"):
+            match = re.search(rf"^vlm_sdk_{name}{{[^}}]*}} (\S+)$", text, re.M)
+            found[name] = int(float(match.group(1))) if match else None
+        return found
+
+    def stop(self) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+async def _rounds(url: str, api_key: str | None, model: str | None, http_messages, engine, messages,
+                  args) -> list[tuple[dict, dict | None]]:
+    """`--rounds` times: the workload over HTTP, then (with an engine) the same in process. The VM's
+    speed drifts; alternating keeps both sides under the same conditions."""
+    from vlm_sdk import SamplingParams
     from vlm_sdk.client import AsyncClient
-    params = dict(model=model, max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    async with AsyncClient(url, api_key, max_connections=args.concurrency) as client:
-        await timed_stream(client, messages, **{**params, "max_tokens": 2})  # warm-up, also fetches the model name
-        return await _drive(lambda: timed_stream(client, messages, **params), args.num_requests, args.concurrency)
-
-
-async def _bench_inprocess(model_dir: str, engine_args: dict, messages, args) -> dict:
-    from vlm_sdk import AsyncLLM, SamplingParams
+    http_params = dict(model=model, max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 
-    async def one(p: SamplingParams = params) -> StreamTiming:
+    async def local(p: SamplingParams = params) -> StreamTiming:
         t0 = time.perf_counter()
         ttft, last = None, None
         async for out in engine.chat_stream(messages, p):
@@ -151,12 +210,36 @@ async def _bench_inprocess(model_dir: str, engine_args: dict, messages, args) ->
         return StreamTiming(last.text, last.finish_reason, len(last.prompt_token_ids), len(last.token_ids),
                             latency if ttft is None else ttft, latency)
 
-    # the constructor loads weights on this thread; nothing else is running on this loop yet
-    async with AsyncLLM(model_dir, **engine_args) as engine:
-        await one(SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
-        result = await _drive(one, args.num_requests, args.concurrency)
-        result["stats"] = engine.stats()
-    return result
+    results = []
+    async with AsyncClient(url, api_key, max_connections=args.concurrency) as client:
+        # warm-up (also fetches the model name)
+        await timed_stream(client, http_messages, **{**http_params, "max_tokens": 2})
+        if engine is not None:
+            await local(SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        for _ in range(args.rounds):
+            http = await _drive(lambda: timed_stream(client, http_messages, **http_params), args.num_requests,
+                                args.concurrency)
+            inproc = await _drive(local, args.num_requests, args.concurrency) if engine is not None else None
+            results.append((http, inproc))
+        if engine is not None:
+            await engine.shutdown()
+    return results
+
+
+def _merge(runs: list[dict]) -> dict:
+    """Rounds pooled: throughput over the summed wall time, percentiles over every request."""
+    wall = sum(r["seconds"] for r in runs)
+    timings = [t for r in runs for t in r["timings"]]
+    out_tokens = sum(r["output_tokens"] for r in runs)
+    tpots = [t.tpot_s for t in timings if t.tpot_s is not None]
+    return {"rounds": len(runs), "completed": sum(r["completed"] for r in runs),
+            "failed": sum(r["failed"] for r in runs), "errors": [e for r in runs for e in r["errors"]][:3],
+            "seconds": wall, "requests_per_s": len(timings) / wall, "output_tokens": out_tokens,
+            "output_tokens_per_s": out_tokens / wall,
+            "prompt_tokens": timings[0].prompt_tokens if timings else None,
+            "finish_reasons": sorted({t.finish_reason for t in timings}, key=str),
+            "ttft_ms": _dist([t.ttft_s for t in timings]), "tpot_ms": _dist(tpots),
+            "latency_ms": _dist([t.latency_s for t in timings])}
 
 
 async def _drive(make: Callable[[], Awaitable[StreamTiming]], n: int, concurrency: int) -> dict:
@@ -175,14 +258,8 @@ async def _drive(make: Callable[[], Awaitable[StreamTiming]], n: int, concurrenc
             raise r  # cancellation and KeyboardInterrupt are not request failures
     ok = [r for r in results if isinstance(r, StreamTiming)]
     errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, Exception)]
-    out_tokens = sum(r.completion_tokens for r in ok)
-    tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
     return {"completed": len(ok), "failed": len(errors), "errors": errors[:3], "seconds": wall,
-            "requests_per_s": len(ok) / wall, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall,
-            "prompt_tokens": ok[0].prompt_tokens if ok else None,
-            "finish_reasons": sorted({r.finish_reason for r in ok}, key=str),
-            "ttft_ms": _dist([r.ttft_s for r in ok]), "tpot_ms": _dist(tpots),
-            "latency_ms": _dist([r.latency_s for r in ok])}
+            "output_tokens": sum(r.completion_tokens for r in ok), "timings": ok}
 
 
 def _dist(values_s: list[float]) -> dict:
@@ -214,8 +291,10 @@ def _print_report(r: dict) -> None:
                   f"{fmt(s['ttft_ms']['p50'])} / {fmt(s['ttft_ms']['p99'])}     "
                   f"{fmt(s['tpot_ms']['p50'])} / {fmt(s['tpot_ms']['p99'])}     {s['failed']}")
     if "ratio" in r:
-        print(f"  ratio http/in-process output tokens/s: {r['ratio']:.2f}x "
-              f"(output tokens {r['http']['output_tokens']} vs {r['inprocess']['output_tokens']})")
+        rounds = ", ".join(f"{x:.2f}" for x in r["round_ratios"])
+        print(f"  ratio http/in-process output tokens/s: {r['ratio']:.2f}x over {len(r['round_ratios'])} "
+              f"alternating rounds (each: {rounds}; output tokens {r['http']['output_tokens']} vs "
+              f"{r['inprocess']['output_tokens']})")
     stats = r["http"].get("server_stats")
     if stats:
         print(f"  server KV blocks used after the run: {stats['kv_blocks_used']}/{stats['kv_blocks_total']}")
