@@ -102,7 +102,7 @@ def _read_source(source: object) -> tuple[bytes, str]:
         if head.startswith("data:"):
             return _decode_data_url(source), f"data URL {_clip(source)!r}"
         if head.startswith("file://"):
-            return _read_file(_file_url_path(source), f"file URL {_clip(source)!r}")
+            return _read_file(_file_url_path(source), f"file URL {_clip(source, 1024)!r}")  # shown whole, like a path
         if head.startswith(("http://", "https://")):
             raise InvalidImageError(
                 f"remote image URL {_clip(source)!r}: the engine does not fetch remote URLs. Download the "
