@@ -251,3 +251,65 @@ def test_prebuilt_chunks_equal_the_plain_json_chunk():
             assert line.startswith("data: ") and line.endswith("\n\n")
             assert json.loads(line[6:-2]) == chunk_body("chatcmpl-1", "m\"odel", 5, {"content": text}, None,
                                                         include_usage)
+
+
+def test_allowed_media_sources_end_to_end(tiny_ckpt, tmp_path, reference):
+    """http(s) from an allowed host and file:// under the allowed folder give the same answer as a
+    data: URL; the same sources are refused by a server that does not allow them."""
+    from aiohttp import web
+
+    from vlm_sdk.server.config import MediaPolicy
+
+    png = tmp_path / "media" / "img.png"
+    png.parent.mkdir()
+    IMG.save(png)
+
+    async def serve_png(_request):
+        return web.Response(body=png.read_bytes(), content_type="image/png")
+
+    app = web.Application()
+    app.router.add_get("/img.png", serve_png)
+    holder = {}
+
+    def run_media_server():
+        loop = asyncio.new_event_loop()
+        holder["loop"] = loop
+        runner = web.AppRunner(app)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        loop.run_until_complete(site.start())
+        holder["port"] = site._server.sockets[0].getsockname()[1]
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+
+    thread = threading.Thread(target=run_media_server, daemon=True)
+    thread.start()
+    assert wait_for(lambda: "port" in holder)
+    http_url = f"http://127.0.0.1:{holder['port']}/img.png"
+    policy = MediaPolicy(allowed_domains=("127.0.0.1",), allow_private_addresses=True,
+                         allowed_local_path=str(png.parent))
+    try:
+        with BackgroundServer(tiny_ckpt, ServerConfig(port=0, served_model_name="tiny", media=policy)) as open_srv:
+            for url in (http_url, png.as_uri()):
+                status, body = post(open_srv.url, {"model": "tiny", "messages": image_message(url, QUESTION),
+                                                   "max_tokens": 12, "temperature": 0})
+                assert status == 200, body
+                assert body["choices"][0]["message"]["content"] == reference.text
+                assert body["usage"]["prompt_tokens"] == len(reference.prompt_token_ids)
+        with BackgroundServer(tiny_ckpt, ServerConfig(port=0, served_model_name="tiny")) as closed_srv:
+            for url, setting in ((http_url, "--allowed-media-domains"), (png.as_uri(), "--allowed-local-media-path")):
+                status, body = post(closed_srv.url, {"model": "tiny", "messages": image_message(url)})
+                assert status == 400 and setting in body["error"]["message"], body
+    finally:
+        holder["loop"].call_soon_threadsafe(holder["loop"].stop)
+        thread.join(timeout=10)
+
+
+def test_health_is_503_once_the_engine_stopped(tiny_ckpt):
+    with BackgroundServer(tiny_ckpt, ServerConfig(port=0, served_model_name="tiny")) as s:
+        assert get(s.url, "/health", key=None)[0] == 200
+        s.call(s.engine.shutdown())
+        status, text = get(s.url, "/health", key=None)
+        assert status == 503 and "engine has stopped" in json.loads(text)["error"]["message"]
+        status, body = post(s.url, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 503 and body["error"]["type"] == "server_error"
