@@ -64,6 +64,7 @@ CASES = [
     ("logprobs", _with(logprobs=True), 400, "unsupported_parameter", "logprobs", ["not supported"]),
     ("bad_stop", _with(stop=5), 400, None, "stop", ["'stop'"]),
     ("bad_seed", _with(seed="x"), 400, None, "seed", ["integer"]),
+    ("seed_out_of_range", _with(seed=2 ** 64), 400, None, "seed", ["'seed'", str(2 ** 64 - 1)]),
     ("stream_not_bool", _with(stream="yes"), 400, None, "stream", ["true or false"]),
     ("bad_base64", _with(messages=image_message("data:image/png;base64,@@@@")), 400, "invalid_image", "messages",
      ["invalid base64"]),

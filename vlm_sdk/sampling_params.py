@@ -8,6 +8,8 @@ from vlm_sdk.errors import InvalidRequestError
 
 # below this a temperature would overflow float32 logits / T; it means "greedy" in practice
 MIN_TEMPERATURE = 1e-5
+# what torch.Generator.manual_seed accepts
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
 
 
 def _is_int(value) -> bool:
@@ -53,8 +55,9 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise InvalidRequestError(f"seed must be an integer from {SEED_MIN} to {SEED_MAX} or None, "
+                                      f"got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 

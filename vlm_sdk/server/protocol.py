@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from vlm_sdk.errors import (EngineDeadError, InputTooLongError, InvalidImageError, InvalidRequestError,
                             VLMError)
-from vlm_sdk.sampling_params import SamplingParams
+from vlm_sdk.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
 # fields we accept but that change nothing here, and fields whose non-default value we cannot honour
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options",
@@ -151,7 +151,9 @@ def _sampling_params(body: dict, max_model_len: int) -> SamplingParams:
     if body.get("top_k") is not None:
         kwargs["top_k"] = _int(body["top_k"], "top_k", minimum=-1)
     if body.get("seed") is not None:
-        kwargs["seed"] = _int(body["seed"], "seed")
+        kwargs["seed"] = _int(body["seed"], "seed", minimum=SEED_MIN)
+        if kwargs["seed"] > SEED_MAX:
+            raise bad_request(f"'seed' must be <= {SEED_MAX}, got {kwargs['seed']}", "seed")
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
