@@ -92,3 +92,16 @@ def test_sigterm_aborts_what_outlives_the_timeout(tiny_ckpt):
         assert "aborting" in proc.stderr.read()
     finally:
         proc.kill()
+
+
+def test_port_in_use_is_a_plain_error(tiny_ckpt, capsys):
+    import socket
+
+    from vlm_sdk.cli import main
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(tiny_ckpt), "--port", str(port), "--num-blocks", "8"]) == 2
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "--port" in err and "Traceback" not in err

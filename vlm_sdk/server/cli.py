@@ -30,7 +30,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         kind = {"float": float, "int": int}.get(type(default).__name__) if default is not None else None
         if kind is None:
             kind = str if f.name in ("dtype", "device") else int
-        group.add_argument(flag, dest="engine_" + f.name, type=kind, default=None,
+        group.add_argument(flag, dest="engine_" + f.name, type=kind, default=None, metavar=f.name.upper(),
                            help=_ENGINE_HELP.get(f.name, f"default {default}"))
 
 

@@ -77,7 +77,14 @@ def serve(model: str, config: ServerConfig, **engine_args) -> int:
 
 async def _serve(engine: AsyncLLM, config: ServerConfig, name: str) -> int:
     runner = ServerRunner(engine, config, name)
-    url = await runner.start()
+    try:
+        url = await runner.start()
+    except OSError as e:  # port taken, address not local, no permission
+        await runner.stop()
+        await engine.shutdown()
+        print(f"error: cannot listen on {config.host}:{config.port}: {e.strerror or e}; choose another --port "
+              f"or --host", file=sys.stderr)
+        return 2
     s = engine.stats()
     print(f"[vlm-sdk] serving {name!r} at {url} (OpenAI API under {url}/v1); KV cache {s['kv_blocks_total']} "
           f"blocks x {s['kv_block_size']} tokens = {s['kv_capacity_tokens']} tokens, max_model_len "
