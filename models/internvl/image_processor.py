@@ -10,8 +10,6 @@ exactly those operations, and the tiles are a table gather: the same float32 bit
 """
 from __future__ import annotations
 
-import math
-import time
 
 import numpy as np
 import torch
@@ -235,27 +233,11 @@ def benchmark_against_transformers(images: list[Image.Image], max_num: int = 12,
         size={"height": ours.image_size, "width": ours.image_size},
         image_mean=list(ours.mean), image_std=list(ours.std))
 
-    def best_of(fn):
-        best, result = math.inf, None
-        for _ in range(max(1, repeats)):
-            start = time.perf_counter()
-            result = fn()
-            best = min(best, time.perf_counter() - start)
-        return best, result
+    from vlm_sdk.reference import best_of, pixel_report
 
-    ours_s, ours_out = best_of(lambda: [ours(im) for im in images])
-    theirs_s, theirs_out = best_of(lambda: theirs(images, return_tensors="pt"))
+    ours_s, ours_out = best_of(lambda: [ours(im) for im in images], repeats)
+    theirs_s, theirs_out = best_of(lambda: theirs(images, return_tensors="pt"), repeats)
     ours_pixels = torch.cat(ours_out)  # [sum(tiles), 3, s, s]
     tiles_match = [o.shape[0] for o in ours_out] == list(theirs_out["num_patches"])
-    theirs_pixels = theirs_out["pixel_values"]
-    if tiles_match and ours_pixels.shape == theirs_pixels.shape:
-        max_abs_diff = (ours_pixels - theirs_pixels.to(torch.float32)).abs().max().item()
-    else:
-        max_abs_diff = math.inf
-    return {
-        "ours_ms_per_image": ours_s * 1e3 / len(images),
-        "transformers_ms_per_image": theirs_s * 1e3 / len(images),
-        "max_abs_diff": max_abs_diff,
-        "tiles_match": tiles_match,
-        "num_images": len(images),
-    }
+    report = pixel_report(ours_s, theirs_s, ours_pixels, theirs_out["pixel_values"], tiles_match, len(images))
+    return {**report, "tiles_match": tiles_match}

@@ -9,7 +9,6 @@ before any float work and does the float arithmetic once per pixel, repeating fr
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import torch
@@ -181,28 +180,13 @@ def benchmark_against_transformers(images: list[Image.Image], repeats: int = 3) 
         temporal_patch_size=ours.temporal_patch_size, merge_size=ours.merge_size,
         image_mean=list(ours.image_mean), image_std=list(ours.image_std))
 
-    def best_of(fn):
-        best, result = math.inf, None
-        for _ in range(max(1, repeats)):
-            start = time.perf_counter()
-            result = fn()
-            best = min(best, time.perf_counter() - start)
-        return best, result
+    from vlm_sdk.reference import best_of, pixel_report
 
-    ours_s, ours_out = best_of(lambda: [ours(im) for im in images])
-    theirs_s, theirs_out = best_of(lambda: theirs(images, return_tensors="pt"))
+    ours_s, ours_out = best_of(lambda: [ours(im) for im in images], repeats)
+    theirs_s, theirs_out = best_of(lambda: theirs(images, return_tensors="pt"), repeats)
     ours_pixels = torch.cat([o.pixel_values for o in ours_out])  # [sum(gh*gw), 3*T*p*p]
     ours_grids = [list(o.grid_thw) for o in ours_out]
     grids_match = ours_grids == theirs_out["image_grid_thw"].tolist()
     theirs_pixels = theirs_out["pixel_values"]  # [sum(gh*gw), 3*T*p*p]
-    if grids_match and ours_pixels.shape == theirs_pixels.shape:
-        max_abs_diff = (ours_pixels - theirs_pixels.to(torch.float32)).abs().max().item()
-    else:
-        max_abs_diff = math.inf
-    return {
-        "ours_ms_per_image": ours_s * 1e3 / len(images),
-        "transformers_ms_per_image": theirs_s * 1e3 / len(images),
-        "max_abs_diff": max_abs_diff,
-        "grids_match": grids_match,
-        "num_images": len(images),
-    }
+    report = pixel_report(ours_s, theirs_s, ours_pixels, theirs_pixels, grids_match, len(images))
+    return {**report, "grids_match": grids_match}
