@@ -2,13 +2,21 @@
 with the numbers involved, and which setting changes the outcome."""
 from __future__ import annotations
 
+import re
+
 
 class VLMError(Exception):
     """Base class of every error the SDK raises on purpose."""
 
 
 class InvalidRequestError(VLMError, ValueError):
-    """A malformed request: bad message structure, bad sampling parameters, unknown content part."""
+    """A malformed request: bad message structure, bad sampling parameters, unknown content part.
+    `param` names the offending field when there is one (the HTTP server reports it as OpenAI's
+    `error.param`)."""
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class UnknownArgumentError(InvalidRequestError, TypeError):
@@ -74,3 +82,9 @@ class CheckpointError(VLMError):
 
 class EngineDeadError(VLMError):
     """The engine loop stopped after an internal failure; the message carries the original cause."""
+
+
+def without_reprs(text: str) -> str:
+    """`text` with Python object reprs ("<_io.BytesIO object at 0x7f...>") removed: they mean nothing
+    to whoever sent the request and leak addresses into error messages."""
+    return re.sub(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>", "", text).strip()

@@ -20,6 +20,12 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _refuse(name: str, rule: str, value) -> None:
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:80] + "..."  # a megabyte string stays out of the message
+    raise InvalidRequestError(f"'{name}' {rule}, got {shown}", param=name)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 (or below 1e-5) is greedy. A `seed` gives this request its own random stream, so
@@ -39,27 +45,24 @@ class SamplingParams:
         if stop is None:
             stop = ()
         if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in stop):
-            raise InvalidRequestError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            _refuse("stop", "must be a non-empty string or a list of them", self.stop)
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids or ()
         if not isinstance(ids, (list, tuple)) or any(not _is_int(t) or t < 0 for t in ids):
-            raise InvalidRequestError(f"stop_token_ids must be a list of token ids (integers >= 0), "
-                                      f"got {self.stop_token_ids!r}")
+            _refuse("stop_token_ids", "must be a list of token ids (integers >= 0)", self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            _refuse("max_tokens", "must be an integer >= 1", self.max_tokens)
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 = greedy), "
-                                      f"got {self.temperature!r}")
+            _refuse("temperature", "must be a finite number >= 0 (0 = greedy)", self.temperature)
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+            _refuse("top_p", "must be a number in (0, 1]", self.top_p)
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
+            _refuse("top_k", "must be an integer >= 0 (0 or -1 disables it)", self.top_k)
         if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise InvalidRequestError(f"seed must be an integer from {SEED_MIN} to {SEED_MAX} or None, "
-                                      f"got {self.seed!r}")
+            _refuse("seed", f"must be an integer from {SEED_MIN} to {SEED_MAX} or None", self.seed)
         if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+            _refuse("ignore_eos", "must be True or False", self.ignore_eos)
 
     @property
     def greedy(self) -> bool:

@@ -102,7 +102,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._next_id = 0
         # running totals since start-up, for /metrics counters
-        self.totals = {"prompt_tokens": 0, "image_tokens": 0, "generation_tokens": 0, "requests": 0}
+        self.totals = {"prompt_tokens": 0, "image_tokens": 0, "generation_tokens": 0}
 
     def _scheduler_config(self) -> SchedulerConfig:
         cache, args = self.cache_config, self.args
@@ -156,7 +156,6 @@ class LLMEngine:
         seq = Sequence(request_id, prompt, params, IncrementalDetokenizer(self.tokenizer))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
-        self.totals["requests"] += 1
         self.totals["prompt_tokens"] += seq.num_prompt_tokens
         self.totals["image_tokens"] += seq.metrics.image_tokens
         return request_id

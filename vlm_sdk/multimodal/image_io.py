@@ -17,7 +17,7 @@ from urllib.request import url2pathname
 import numpy as np
 from PIL import Image, ImageOps
 
-from vlm_sdk.errors import InvalidImageError
+from vlm_sdk.errors import InvalidImageError, without_reprs
 
 ACCEPTED_SOURCES = ("a PIL.Image.Image, a filesystem path (str or pathlib.Path), raw image bytes, "
                     "a base64 data URL ('data:image/png;base64,...') or a 'file://' URL")
@@ -203,9 +203,8 @@ def _describe(image: Image.Image) -> str:
 
 
 def _reason(exc: Exception) -> str:
-    """The decoder's complaint without Python object reprs ("<_io.BytesIO object at 0x...>"), which
-    mean nothing to the sender and leak addresses."""
-    text = re.sub(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>", "", str(exc)).strip()
+    """The decoder's complaint, without object reprs."""
+    text = without_reprs(str(exc))
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

@@ -43,6 +43,7 @@ class OpenAIServer:
         self.config = config
         self.model_name = model_name
         self.started = int(time.time())
+        self.max_model_len = engine.stats()["max_model_len"]  # fixed once the engine is built
         self.metrics = ServerMetrics(engine.stats, model_name)
         self.media = MediaFetcher(config.media)
         self.draining = False  # set when shutdown begins: new chat requests get 503
@@ -112,10 +113,9 @@ class OpenAIServer:
 
     async def models(self, request: web.Request) -> web.Response:
         self._check_auth(request)
-        stats = self.engine.stats()
         return web.json_response({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.started, "owned_by": "vlm-sdk",
-            "max_model_len": stats["max_model_len"]}]})
+            "max_model_len": self.max_model_len}]})
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no chat request is in flight; False if some still are after `timeout` s."""
@@ -142,8 +142,7 @@ class OpenAIServer:
             raise APIError(503, "the server is shutting down or its engine has stopped; retry on another "
                                 "replica", "server_error", None, "unavailable")
         body = await self._read_json(request)
-        req = protocol.parse_chat_request(body, self.model_name, self.engine.stats()["max_model_len"],
-                                          self.config.limit_images)
+        req = protocol.parse_chat_request(body, self.model_name, self.max_model_len, self.config.limit_images)
         messages = await self.media.resolve_messages(req.messages)
         prompt = await self.engine.build_prompt(messages)
         if req.num_images:

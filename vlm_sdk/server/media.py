@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
-import re
 import socket
 import stat
 from typing import Any
@@ -29,7 +28,7 @@ import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 from yarl import URL
 
-from vlm_sdk.errors import InvalidImageError
+from vlm_sdk.errors import InvalidImageError, without_reprs
 from vlm_sdk.server.config import MediaPolicy
 
 _REDIRECTS = (301, 302, 303, 307, 308)
@@ -39,11 +38,6 @@ _SOURCES = "image sources over HTTP must be data:, http(s):// or file:// URLs"
 
 def _clip(text: str, limit: int = 100) -> str:
     return repr(text if len(text) <= limit else text[: limit - 3] + "...")
-
-
-def _scrub(text: str) -> str:
-    """Drop Python object reprs (and their memory addresses) from an error text."""
-    return re.sub(r"<[^<>]*? at 0x[0-9a-fA-F]+>", "<...>", text)
 
 
 def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -223,7 +217,7 @@ class MediaFetcher:
                     why = f"cannot connect to {exc.host}:{exc.port} ({exc.os_error})"
                 else:
                     why = f"{type(exc).__name__}: {exc}"
-                raise InvalidImageError(f"cannot fetch {where}: {_scrub(why)}") from None
+                raise InvalidImageError(f"cannot fetch {where}: {without_reprs(why)}") from None
         raise InvalidImageError(f"{where}: more than {self.policy.max_redirects} redirects "
                                 f"(the media policy's max_redirects)")
 

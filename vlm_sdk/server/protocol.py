@@ -7,14 +7,13 @@ engine's typed errors onto the same shape, so a user's mistake is always a 4xx t
 from __future__ import annotations
 
 import json
-import math
 import time
 import uuid
 from dataclasses import dataclass
 
 from vlm_sdk.errors import (EngineDeadError, InputTooLongError, InvalidImageError, InvalidRequestError,
                             VLMError)
-from vlm_sdk.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from vlm_sdk.sampling_params import SamplingParams
 
 # fields we accept but that change nothing here, and fields whose non-default value we cannot honour
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options",
@@ -62,7 +61,7 @@ def error_from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, InvalidImageError):
         return APIError(400, str(exc), "invalid_request_error", "messages", "invalid_image")
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc), "invalid_request_error", None, None)
+        return APIError(400, str(exc), "invalid_request_error", exc.param, None)
     if isinstance(exc, EngineDeadError):
         return APIError(503, "the engine has stopped and cannot take requests; see the server log and restart "
                              "the server", "server_error", None, "engine_dead")
@@ -135,64 +134,31 @@ def count_images(messages: list) -> int:
     return count
 
 
+# fields copied into SamplingParams as they are (it validates them and names the field on error)
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+
+
 def _sampling_params(body: dict, max_model_len: int) -> SamplingParams:
-    max_tokens = body.get("max_completion_tokens")
-    name = "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, name = body.get("max_tokens"), "max_tokens"
-    kwargs = {"max_tokens": max_model_len if max_tokens is None else _int(max_tokens, name, minimum=1)}
-    if body.get("temperature") is not None:
-        kwargs["temperature"] = _number(body["temperature"], "temperature", minimum=0.0)
-    if body.get("top_p") is not None:
-        top_p = _number(body["top_p"], "top_p", minimum=0.0)
-        if not 0.0 < top_p <= 1.0:
-            raise bad_request(f"'top_p' must be in (0, 1], got {top_p!r}", "top_p")
-        kwargs["top_p"] = top_p
-    if body.get("top_k") is not None:
-        kwargs["top_k"] = _int(body["top_k"], "top_k", minimum=-1)
-    if body.get("seed") is not None:
-        kwargs["seed"] = _int(body["seed"], "seed", minimum=SEED_MIN)
-        if kwargs["seed"] > SEED_MAX:
-            raise bad_request(f"'seed' must be <= {SEED_MAX}, got {kwargs['seed']}", "seed")
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise bad_request("'stop' must be a non-empty string or an array of non-empty strings", "stop")
-        kwargs["stop"] = tuple(stops)
-    if body.get("stop_token_ids") is not None:
-        ids = body["stop_token_ids"]
-        if not isinstance(ids, list):
-            raise bad_request("'stop_token_ids' must be an array of token ids", "stop_token_ids")
-        kwargs["stop_token_ids"] = tuple(_int(t, "stop_token_ids", minimum=0) for t in ids)
-    if body.get("ignore_eos") is not None:
-        if not isinstance(body["ignore_eos"], bool):
-            raise bad_request("'ignore_eos' must be true or false", "ignore_eos")
-        kwargs["ignore_eos"] = body["ignore_eos"]
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    kwargs = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
+    for k in ("top_k", "seed"):
+        if k in kwargs:
+            kwargs[k] = _json_int(kwargs[k])
+    if isinstance(kwargs.get("stop_token_ids"), list):
+        kwargs["stop_token_ids"] = [_json_int(t) for t in kwargs["stop_token_ids"]]
+    max_tokens = body.get(name)
+    kwargs["max_tokens"] = max_model_len if max_tokens is None else _json_int(max_tokens)
     try:
         return SamplingParams(**kwargs)
-    except InvalidRequestError as e:  # cross-field rules SamplingParams owns
-        raise bad_request(str(e)) from None
+    except InvalidRequestError as e:
+        if e.param == "max_tokens" and name != "max_tokens":  # reported under the name the client sent
+            raise bad_request(str(e).replace("'max_tokens'", f"'{name}'", 1), name) from None
+        raise bad_request(str(e), e.param) from None
 
 
-def _int(value, name: str, minimum: int | None = None) -> int:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise bad_request(f"'{name}' must be an integer, got {_clip(repr(value))}", name)
-    if minimum is not None and value < minimum:
-        raise bad_request(f"'{name}' must be >= {minimum}, got {value}", name)
-    return value
-
-
-def _number(value, name: str, minimum: float | None = None) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise bad_request(f"'{name}' must be a number, got {_clip(repr(value))}", name)
-    if not math.isfinite(value):
-        raise bad_request(f"'{name}' must be a finite number, got {value!r}", name)
-    if minimum is not None and value < minimum:
-        raise bad_request(f"'{name}' must be >= {minimum}, got {value!r}", name)
-    return float(value)
+def _json_int(value):
+    """JSON has one number type: 16.0 is the integer 16."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _json_type(value) -> str:

@@ -94,7 +94,8 @@ async def _serve(engine: AsyncLLM, config: ServerConfig, name: str) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    running = engine.stats()["num_running"] + engine.stats()["num_waiting"]
+    s = engine.stats()
+    running = s["num_running"] + s["num_waiting"]
     print(f"[vlm-sdk] shutting down: {running} request(s) in flight get up to {config.shutdown_timeout:g} s "
           f"(--shutdown-timeout)", file=sys.stderr, flush=True)
     await runner.stop()
