@@ -16,7 +16,7 @@ from vlm_sdk.engine import capacity
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
 from vlm_sdk.engine.kv_cache import min_memory_utilization, plan_cache
 from vlm_sdk.engine.model_runner import _patch_groups
-from vlm_sdk.engine.profiler import max_image_grid, max_image_patches
+from vlm_sdk.models.qwen2_5_vl.image_processor import max_image_grid, max_image_patches
 from vlm_sdk.engine.scheduler import SchedulerOutput
 from vlm_sdk.errors import InputTooLongError, InvalidImageError, InvalidRequestError
 from vlm_sdk.kernels.paged_attention import paged_attention
@@ -156,12 +156,17 @@ def test_check_prompt_fits_offers_max_pixels_only_below_the_current():
     prompt = PromptInputs(token_ids=[0] * 70, images=[img], image_positions=[0])
     cache = CacheConfig(16, 4, 1000, "test")
     sched = SchedulerConfig(8, 64, 64, "the KV cache capacity")
+    def fixes(max_pixels):
+        def image_setting_fixes(p, capacity_tokens):
+            best = capacity.max_pixels_fix(p, capacity_tokens, lambda p, v: [10], 3136, 28, max_pixels)
+            return {} if best is None else {"max_pixels": best}
+        return image_setting_fixes
+
     with pytest.raises(InputTooLongError) as info:  # the what-if count claims it fits at the cap
-        capacity.check_prompt_fits(prompt, cache, sched, 4096, False, lambda p, v: [10], 3136, 28,
-                                   max_pixels=200_704)
+        capacity.check_prompt_fits(prompt, cache, sched, 4096, False, fixes(200_704))
     assert info.value.fixes["max_pixels"] < 200_704
     with pytest.raises(InputTooLongError) as info:  # same without the current value: the cap is no fix
-        capacity.check_prompt_fits(prompt, cache, sched, 4096, False, lambda p, v: [10], 3136, 28)
+        capacity.check_prompt_fits(prompt, cache, sched, 4096, False, fixes(None))
     assert "max_pixels" not in info.value.fixes
 
 

@@ -311,6 +311,9 @@ def _is_pil(obj: Any) -> bool:
     return pil is not None and isinstance(obj, pil.Image)
 
 
+_IMAGE_SIZING = ("min_pixels", "max_pixels", "max_num")  # per-image fields, sent inside image_url
+
+
 def _is_local(src: Any) -> bool:
     if isinstance(src, str):
         return not src[:8].lower().startswith(("data:", "http://", "https://"))
@@ -319,7 +322,7 @@ def _is_local(src: Any) -> bool:
 
 def encode_messages(messages: list[dict]) -> list[dict]:
     """A copy of `messages` with every image part as an OpenAI `image_url` part whose URL is a data
-    URL (local images) or the URL given (http(s), data). Per-image `min_pixels` / `max_pixels`, on
+    URL (local images) or the URL given (http(s), data). Per-image `min_pixels`, `max_pixels`, `max_num`, on
     the part or inside `image_url`, end up inside `image_url`. Blocking: call it off the event loop."""
     out = []
     for msg in messages:
@@ -340,10 +343,10 @@ def _encode_part(part: Any) -> Any:
         url = part.get("image_url")
         inner = dict(url) if isinstance(url, dict) else {}
         src = inner.get("url") if isinstance(url, dict) else url
-    for key in ("min_pixels", "max_pixels"):
+    for key in _IMAGE_SIZING:
         if part.get(key) is not None:
             inner[key] = part[key]
-    rest = {k: v for k, v in part.items() if k not in ("type", "image", "image_url", "min_pixels", "max_pixels")}
+    rest = {k: v for k, v in part.items() if k not in ("type", "image", "image_url", *_IMAGE_SIZING)}
     inner["url"] = to_data_url(src) if _is_local(src) else src
     return {"type": "image_url", "image_url": inner, **rest}
 

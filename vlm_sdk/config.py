@@ -33,6 +33,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 8192
     min_pixels: int | None = None  # per image default; an image part's own value wins
     max_pixels: int | None = None
+    max_dynamic_patch: int | None = None  # InternVL: most tiles per image (default: the checkpoint's)
     max_image_pixels: int = 64_000_000  # refuse decoding anything larger (decompression bombs)
     seed: int = 0
     show_progress: bool = True
@@ -53,7 +54,8 @@ class EngineArgs:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
         for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs",
-                     "max_num_batched_tokens", "min_pixels", "max_pixels", "max_image_pixels"):
+                     "max_num_batched_tokens", "min_pixels", "max_pixels", "max_dynamic_patch",
+                     "max_image_pixels"):
             positive(name)
         if not isinstance(self.memory_utilization, (int, float)) or isinstance(self.memory_utilization, bool) \
                 or not 0.0 < self.memory_utilization <= 1.0:

@@ -55,10 +55,11 @@ class Qwen2VLImageProcessor:
         self._std = np.array(self.image_std, dtype=np.float32).reshape(1, 3, 1)  # [1, 3, 1]
 
     @classmethod
-    def from_preprocessor_config(cls, d: dict) -> "Qwen2VLImageProcessor":
+    def from_preprocessor_config(cls, d: dict, hf_config=None) -> "Qwen2VLImageProcessor":
         """Build from `preprocessor_config.json`, either the published layout (top-level `min_pixels`
         / `max_pixels`) or transformers 5's (`size: {shortest_edge, longest_edge}`). Top-level values
-        win when both are present, as in transformers."""
+        win when both are present, as in transformers. `hf_config` (config.json) is not needed here:
+        the argument exists because other families read their image settings from it."""
         size = d.get("size") or {}
         min_pixels = d.get("min_pixels")
         max_pixels = d.get("max_pixels")
@@ -190,3 +191,24 @@ def benchmark_against_transformers(images: list[Image.Image], repeats: int = 3) 
     theirs_pixels = theirs_out["pixel_values"]  # [sum(gh*gw), 3*T*p*p]
     report = pixel_report(ours_s, theirs_s, ours_pixels, theirs_pixels, grids_match, len(images))
     return {**report, "grids_match": grids_match}
+
+
+def max_image_grid(image_processor, max_pixels: int) -> tuple[int, int, int]:
+    """(t, h, w) patches of the image the profile runs through the vision tower: as many
+    (patch * merge)^2 cells as fit in `max_pixels`, in a rectangle of aspect ratio at most 2 (a few
+    cells fewer when the count does not factor so). A square image can fall well short: 1001x1001 at
+    max_pixels 28*28*1280 resizes to 35x35 = 1225 cells, a 896x1120 one to all 1280."""
+    m = image_processor.merge_size
+    factor = image_processor.patch_size * m
+    for cells in range(max(1, max_pixels // (factor * factor)), 0, -1):
+        rows = next(d for d in range(math.isqrt(cells), 0, -1) if cells % d == 0)
+        if cells // rows <= 2 * rows:
+            return 1, rows * m, cells // rows * m
+    return 1, m, m
+
+
+def max_image_patches(image_processor, max_pixels: int) -> int:
+    """Patches of the profiled max_pixels image: the most one vision-tower call may take
+    (`ModelRunner(max_vision_patches=...)`) for the profiled peak to hold."""
+    t, h, w = max_image_grid(image_processor, max_pixels)
+    return t * h * w

@@ -6,11 +6,14 @@ length is final before scheduling. M-RoPE positions are computed here, once per 
 """
 from __future__ import annotations
 
+import torch
+
+from vlm_sdk.engine.capacity import max_pixels_fix
 from vlm_sdk.errors import InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 from vlm_sdk.multimodal.messages import ImageRef, parse_messages
-from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor
+from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor, max_image_grid
 from vlm_sdk.models.qwen2_5_vl.rope_index import mrope_positions
 
 
@@ -34,6 +37,36 @@ class Qwen2_5_VLProcessor:
         self.max_image_pixels = max_image_pixels
         self.max_image_tokens = max_image_tokens
 
+    @classmethod
+    def from_engine_args(cls, tokenizer, image_processor: Qwen2VLImageProcessor, hf_config, args):
+        """The processor for an engine's `EngineArgs`; InternVL's tile setting is refused here."""
+        if args.max_dynamic_patch is not None:
+            raise InvalidRequestError(
+                f"max_dynamic_patch={args.max_dynamic_patch} is an InternVL setting; this checkpoint is "
+                f"Qwen2.5-VL, whose images are sized by min_pixels / max_pixels", param="max_dynamic_patch")
+        return cls(tokenizer, image_processor, hf_config, min_pixels=args.min_pixels, max_pixels=args.max_pixels,
+                   max_image_pixels=args.max_image_pixels)
+
+    @property
+    def engine_max_pixels(self) -> int:
+        return self.max_pixels or self.image_processor.max_pixels
+
+    def largest_image(self) -> ImageInput:
+        """Zero pixels of the largest image the engine's max_pixels allows, for the memory profile
+        and the vision tower's per-call patch cap."""
+        ip = self.image_processor
+        t, h, w = max_image_grid(ip, self.engine_max_pixels)
+        patch_dim = 3 * ip.temporal_patch_size * ip.patch_size ** 2
+        return ImageInput(torch.zeros(t * h * w, patch_dim), (t, h, w), t * h * w // ip.merge_size ** 2)
+
+    def image_setting_fixes(self, prompt: PromptInputs, capacity: int) -> dict[str, int]:
+        """{"max_pixels": v}: the largest engine max_pixels below the current one that makes the prompt
+        fit `capacity` tokens; {} when there is none."""
+        ip = self.image_processor
+        best = max_pixels_fix(prompt, capacity, self.image_tokens_with_max_pixels,
+                              self.min_pixels or ip.min_pixels, ip.patch_size * ip.merge_size, self.engine_max_pixels)
+        return {} if best is None else {"max_pixels": best}
+
     def __call__(self, messages) -> PromptInputs:
         template_messages, refs = parse_messages(messages)
         images = [self._image(i, ref) for i, ref in enumerate(refs)]
@@ -48,6 +81,10 @@ class Qwen2_5_VLProcessor:
         return default, "the preprocessor default"
 
     def _image(self, index: int, ref: ImageRef) -> ImageInput:
+        if ref.max_num is not None:
+            raise InvalidRequestError(f"image {index}: max_num (a tile count) applies to InternVL checkpoints; "
+                                      f"this is Qwen2.5-VL: size the image with min_pixels / max_pixels",
+                                      param="max_num")
         pil = load_image(ref.source, max_image_pixels=self.max_image_pixels)
         ip = self.image_processor
         min_px, min_src = self._bound(ref.min_pixels, self.min_pixels, ip.min_pixels)

@@ -17,10 +17,10 @@ from vlm_sdk.multimodal.inputs import PromptInputs
 
 def check_prompt_fits(prompt: PromptInputs, cache: CacheConfig, sched: SchedulerConfig,
                       max_position_embeddings: int, max_model_len_is_user_set: bool,
-                      image_tokens_with_max_pixels: Callable[[PromptInputs, int], list[int]] | None,
-                      min_pixels: int, factor: int, max_pixels: int | None = None) -> None:
-    """`min_pixels` / `max_pixels`: the engine's values in effect (its own, else the preprocessor's);
-    a max_pixels fix is only offered strictly below `max_pixels` when it is given."""
+                      image_setting_fixes: Callable[[PromptInputs, int], dict[str, int]] | None = None) -> None:
+    """Raise `InputTooLongError` when the prompt cannot fit. `image_setting_fixes(prompt, capacity)`
+    (the model family's processor) names the engine image settings that alone would make it fit,
+    e.g. {"max_pixels": 200704} for Qwen2.5-VL or {"max_dynamic_patch": 2} for InternVL."""
     n = len(prompt.token_ids)
     capacity = sched.max_model_len
     if n <= capacity:
@@ -39,10 +39,8 @@ def check_prompt_fits(prompt: PromptInputs, cache: CacheConfig, sched: Scheduler
         # max_model_len follows the cache when not set, so growing the cache alone is enough
         fixes["num_blocks"] = blocks
         fixes["kv_cache_memory"] = blocks * cache.bytes_per_block
-    if prompt.images and image_tokens_with_max_pixels is not None:
-        best = _max_pixels_fix(prompt, n, capacity, image_tokens_with_max_pixels, min_pixels, factor, max_pixels)
-        if best is not None:
-            fixes["max_pixels"] = best
+    if prompt.images and image_setting_fixes is not None:
+        fixes.update(image_setting_fixes(prompt, capacity))
     raise InputTooLongError(prompt_tokens=n, image_tokens=prompt.image_tokens, capacity_tokens=capacity,
                             fixes=fixes, limit_reason=describe_limit(cache, sched, max_model_len_is_user_set),
                             together=together)
@@ -59,17 +57,18 @@ def describe_limit(cache: CacheConfig, sched: SchedulerConfig, max_model_len_is_
     return cache_text
 
 
-def _max_pixels_fix(prompt: PromptInputs, n: int, capacity: int,
-                    image_tokens_with_max_pixels: Callable[[PromptInputs, int], list[int]], min_pixels: int,
-                    factor: int, max_pixels: int | None) -> int | None:
+def max_pixels_fix(prompt: PromptInputs, capacity: int,
+                   image_tokens_with_max_pixels: Callable[[PromptInputs, int], list[int]], min_pixels: int,
+                   factor: int, max_pixels: int | None) -> int | None:
     """The largest engine max_pixels that makes this prompt fit, or None. Images whose part sets its
     own max_pixels do not follow it; the others keep their effective min_pixels (their part's, else
-    the engine's), which the value may not go below."""
+    the engine's), which the value may not go below. A fix is only offered strictly below
+    `max_pixels` (the value in effect) when it is given."""
     affected = [im for im in prompt.images if not im.own_max_pixels and im.source_size is not None]
     if not affected:
         return None
     floor = max([min_pixels] + [im.own_min_pixels for im in affected if im.own_min_pixels is not None])
-    text_tokens = n - sum(prompt.image_tokens)
+    text_tokens = len(prompt.token_ids) - sum(prompt.image_tokens)
     best = _largest_max_pixels(lambda v: text_tokens + sum(image_tokens_with_max_pixels(prompt, v)),
                                capacity, floor, factor, max_pixels)
     if best is None or (max_pixels is not None and best >= max_pixels):

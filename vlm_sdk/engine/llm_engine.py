@@ -18,7 +18,7 @@ from vlm_sdk.engine.capacity import check_prompt_fits
 from vlm_sdk.engine.detokenizer import IncrementalDetokenizer
 from vlm_sdk.engine.kv_cache import allocate_kv_caches, bytes_per_block, plan_cache
 from vlm_sdk.engine.model_runner import ModelRunner
-from vlm_sdk.engine.profiler import max_image_patches, profile_peak_bytes
+from vlm_sdk.engine.profiler import profile_peak_bytes
 from vlm_sdk.engine.scheduler import Scheduler
 from vlm_sdk.engine.sequence import Sequence
 from vlm_sdk.errors import InvalidRequestError
@@ -72,10 +72,10 @@ class LLMEngine:
         self.model.eval()
         self.load_seconds = time.perf_counter() - t0
 
-        self.image_processor = family.image_processor_cls.from_preprocessor_config(info.preprocessor)
-        self.processor = family.processor_cls(self.tokenizer, self.image_processor, info.hf_config,
-                                              min_pixels=args.min_pixels, max_pixels=args.max_pixels,
-                                              max_image_pixels=args.max_image_pixels)
+        self.image_processor = family.image_processor_cls.from_preprocessor_config(info.preprocessor, info.hf_config)
+        self.processor = family.processor_cls.from_engine_args(self.tokenizer, self.image_processor, info.hf_config,
+                                                               args)
+        largest_image = self.processor.largest_image()
 
         m = self.model
         self.max_position_embeddings = int(getattr(family.text_config(info.hf_config), "max_position_embeddings"))
@@ -84,10 +84,10 @@ class LLMEngine:
         peak = None
         if self.device.type == "cuda" and args.num_blocks is None and args.kv_cache_memory is None:
             peak = profile_peak_bytes(
-                self.model, self.image_processor,
+                self.model, largest_image,
                 num_tokens=min(args.max_num_batched_tokens, self.max_position_embeddings),
-                num_seqs=args.max_num_seqs, max_pixels=args.max_pixels or self.image_processor.max_pixels,
-                block_size=args.block_size, per_block=per_block, dtype=self.dtype, device=self.device)
+                num_seqs=args.max_num_seqs, block_size=args.block_size, per_block=per_block, dtype=self.dtype,
+                device=self.device)
         self.cache_config = plan_cache(args, per_block, self.device, useful, peak)
         self.scheduler_config = self._scheduler_config()
         self.processor.max_image_tokens = self.scheduler_config.max_model_len
@@ -96,9 +96,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.cache_config.num_blocks, args.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         # vision runs in groups no bigger than the image the profile measured
-        max_patches = max_image_patches(self.image_processor, args.max_pixels or self.image_processor.max_pixels)
         self.runner = ModelRunner(self.model, kv_caches, args.block_size, self.device, self.dtype, args.seed,
-                                  max_vision_patches=max_patches)
+                                  max_vision_patches=largest_image.pixel_values.shape[0])
         self.requests: dict[str, Sequence] = {}
         self._next_id = 0
         # running totals since start-up, for /metrics counters
@@ -135,12 +134,8 @@ class LLMEngine:
         return prompt
 
     def check_prompt(self, prompt: PromptInputs) -> None:
-        factor = self.image_processor.patch_size * self.image_processor.merge_size
-        min_pixels = self.args.min_pixels or self.image_processor.min_pixels
         check_prompt_fits(prompt, self.cache_config, self.scheduler_config, self.max_position_embeddings,
-                          self.args.max_model_len is not None, self.processor.image_tokens_with_max_pixels,
-                          min_pixels, factor,
-                          max_pixels=self.args.max_pixels or self.image_processor.max_pixels)
+                          self.args.max_model_len is not None, self.processor.image_setting_fixes)
 
     def add_request(self, prompt: PromptInputs, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:

@@ -9,12 +9,16 @@ import torch
 @dataclass
 class ImageInput:
     """One preprocessed image."""
-    pixel_values: torch.Tensor  # [num_patches, channels * temporal_patch * patch * patch] float32
-    grid_thw: tuple[int, int, int]  # patches along time, height, width (before merging)
-    num_tokens: int  # image tokens in the prompt: t*h*w / merge^2
+    # Qwen2.5-VL: [num_patches, channels * temporal_patch * patch * patch]; InternVL: [tiles, 3, S, S]
+    # float32; the first dim is what the vision tower's per-call cap counts
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]  # Qwen2.5-VL: patches along time, height, width (before merging);
+    #                                 InternVL: (tiles, 1, 1)
+    num_tokens: int  # image tokens in the prompt: t*h*w / merge^2 (Qwen), tiles * tokens per tile (InternVL)
     source_size: tuple[int, int] | None = None  # (height, width) as decoded, before resizing
     own_max_pixels: bool = False  # the image part set its own max_pixels (engine max_pixels does not apply)
     own_min_pixels: int | None = None  # the image part's own min_pixels, if it set one (it wins over the engine's)
+    own_max_num: bool = False  # InternVL: the image part set its own max_num (engine max_dynamic_patch does not apply)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Content is a string or a list of parts: `{"type": "text", "text"}`, `{"type": "image", "image": src}`
 or `{"type": "image_url", "image_url": {"url": src}}` (`image_url` may also be a bare string). An image
-part may carry `min_pixels` / `max_pixels` for that image alone.
+part may carry sizing for that image alone, on the part or inside `image_url`: `min_pixels` /
+`max_pixels` (Qwen2.5-VL) or `max_num`, the most tiles (InternVL).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class ImageRef:
     source: Any  # PIL.Image | path | bytes | data: URL
     min_pixels: int | None = None
     max_pixels: int | None = None
+    max_num: int | None = None  # InternVL: most tiles for this image (the thumbnail not counted)
 
 
 def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef]]:
@@ -66,12 +68,13 @@ def _parse_part(part: Any, where: str, images: list[ImageRef]) -> dict:
         if source is None:
             raise InvalidRequestError(f"{where}: an {kind} part needs "
                                       f"{'an image' if kind == 'image' else 'image_url.url'}")
-        images.append(ImageRef(source, _pixels(part, "min_pixels", where), _pixels(part, "max_pixels", where)))
+        images.append(ImageRef(source, _positive(part, "min_pixels", where), _positive(part, "max_pixels", where),
+                               _positive(part, "max_num", where)))
         return {"type": "image"}
     raise InvalidRequestError(f"{where} has type {kind!r}; supported: 'text', 'image', 'image_url'")
 
 
-def _pixels(part: dict, key: str, where: str) -> int | None:
+def _positive(part: dict, key: str, where: str) -> int | None:
     value = part.get(key)
     if value is None and isinstance(part.get("image_url"), dict):
         value = part["image_url"].get(key)
