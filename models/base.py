@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
+from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -55,3 +56,29 @@ class VisionLanguageModel(nn.Module, ABC):
         naming the tensor (and `source`, the checkpoint directory, when given) for a missing,
         unexpected or mis-shaped tensor; `vlm_sdk.model_loader.load_checked` does this from a
         `ParamSlot` map."""
+
+
+class PromptProcessor(ABC):
+    """What the engine needs from a family's prompt builder (`ModelFamily.processor_cls`).
+
+    Built once per engine with `from_engine_args(tokenizer, image_processor, hf_config, args)`, which
+    refuses image settings of another family with `InvalidRequestError` naming the setting. The
+    engine sets the plain attribute `max_image_tokens` (its max_model_len) once it is known.
+    """
+
+    max_image_tokens: int | None
+
+    @abstractmethod
+    def __call__(self, messages) -> PromptInputs:
+        """Validate messages, decode and preprocess images, render the chat template and expand each
+        image placeholder to the image's tokens (typed errors for bad input)."""
+
+    @abstractmethod
+    def largest_image(self) -> ImageInput:
+        """Zero pixels of the largest image the engine's image settings allow: the CUDA memory profile
+        runs it through `encode_images`, and its first dim caps one vision-tower call."""
+
+    @abstractmethod
+    def image_setting_fixes(self, prompt: PromptInputs, capacity: int) -> dict[str, int]:
+        """Engine image settings (name -> value) that alone would make `prompt` fit `capacity` tokens,
+        e.g. {"max_pixels": 200704} or {"max_dynamic_patch": 2}; {} when none does."""

@@ -13,19 +13,24 @@ class ModelFamily:
     name: str  # e.g. "qwen2_5_vl"
     model_cls: type[VisionLanguageModel]  # model_cls(hf_config, dtype=..., device=...)
     architectures: tuple[str, ...]  # config.json names served by this family
-    image_processor_cls: type  # .from_preprocessor_config(preprocessor_config.json as a dict)
-    processor_cls: type  # messages -> PromptInputs
+    image_processor_cls: type  # .from_preprocessor_config(preprocessor_config.json as a dict, hf_config)
+    processor_cls: type  # .from_engine_args(tokenizer, image_processor, hf_config, EngineArgs); messages -> PromptInputs
     text_config: Callable[[Any], Any]  # hf_config -> the language model's config
 
 
 def _families() -> tuple[ModelFamily, ...]:
     from vlm_sdk.model_loader import text_config
+    from vlm_sdk.models.internvl.image_processor import InternVLImageProcessor
+    from vlm_sdk.models.internvl.model import InternVLForCausalLM
+    from vlm_sdk.models.internvl.processor import InternVLProcessor
     from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor
     from vlm_sdk.models.qwen2_5_vl.model import Qwen2_5_VLForCausalLM
     from vlm_sdk.models.qwen2_5_vl.processor import Qwen2_5_VLProcessor
     return (
         ModelFamily("qwen2_5_vl", Qwen2_5_VLForCausalLM, ("Qwen2_5_VLForConditionalGeneration",),
                     Qwen2VLImageProcessor, Qwen2_5_VLProcessor, text_config),
+        ModelFamily("internvl", InternVLForCausalLM, ("InternVLForConditionalGeneration", "InternVLChatModel"),
+                    InternVLImageProcessor, InternVLProcessor, text_config),
     )
 
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny Qwen2.5-VL checkpoints with random weights, built once per test session."""
+"""Shared fixtures: tiny Qwen2.5-VL and InternVL checkpoints with random weights, built once per test session."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,3 +20,28 @@ def tiny_ckpt_flat(tmp_path_factory) -> Path:
     min_pixels/max_pixels preprocessor config, safetensors sharded into several files + index.json."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_ckpt_flat"), config_layout="flat",
                                 preprocessor_layout="flat", max_shard_size="200KB")
+
+
+@pytest.fixture(scope="session")
+def internvl_ckpt(tmp_path_factory) -> Path:
+    """Tiny InternVL in transformers' layout (InternVLForConditionalGeneration, Qwen2 LLM), max_num 6."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("internvl_hf"), family="internvl")
+
+
+@pytest.fixture(scope="session")
+def internvl_original_ckpt(tmp_path_factory) -> Path:
+    """The same weights renamed and repacked into the original InternVLChatModel layout."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("internvl_original"), family="internvl", layout="original")
+
+
+@pytest.fixture(scope="session")
+def internvl_llama_ckpt(tmp_path_factory) -> Path:
+    """transformers' layout with a Llama LLM (how transformers converts InternLM2-based InternVL2)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("internvl_llama"), family="internvl", llm="llama")
+
+
+@pytest.fixture(scope="session")
+def internvl_internlm2_ckpt(tmp_path_factory) -> Path:
+    """The Llama weights above in the original layout with an InternLM2 LLM (packed, grouped wqkv)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("internvl_internlm2"), family="internvl", layout="original",
+                                llm="llama")

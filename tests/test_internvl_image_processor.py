@@ -133,6 +133,11 @@ def test_from_preprocessor_config():
     assert p.max_num == 4 and not p.use_thumbnail and p.num_tiles(1920, 1080) == 2  # (1, 2), no thumbnail
     with pytest.raises(CheckpointError):
         InternVLImageProcessor.from_preprocessor_config({**hf_layout, "min_patches": 8})
+    # a -hf checkpoint saves crop_to_patches false, yet transformers' InternVLProcessor tiles; its tiles
+    # take the image processor's size even when the vision tower's position grid is another
+    hf_config = {"model_type": "internvl", "vision_config": {"image_size": [224, 224]}}
+    p = InternVLImageProcessor.from_preprocessor_config({**hf_layout, "crop_to_patches": False}, hf_config)
+    assert (p.image_size, p.max_num) == (448, 6) and p.num_tiles(1920, 1080) == 3
 
 
 def test_bad_inputs(ours):

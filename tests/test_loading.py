@@ -502,8 +502,8 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
 def test_unknown_override_and_family(tmp_path):
     with pytest.raises(TypeError, match=r"hiden_size.*accepted: .*text_hidden_size"):
         make_tiny_checkpoint(tmp_path / "x", hiden_size=32)
-    with pytest.raises(ValueError, match=r"internvl.*qwen2_5_vl"):
-        make_tiny_checkpoint(tmp_path / "y", family="internvl")
+    with pytest.raises(ValueError, match=r"llava.*qwen2_5_vl, internvl"):
+        make_tiny_checkpoint(tmp_path / "y", family="llava")
 
 
 def test_overrides_reach_the_config(tmp_path):

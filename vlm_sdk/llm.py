@@ -40,6 +40,8 @@ class LLM:
                 prompts.append(self.engine.build_prompt(conv))
             except InputTooLongError as e:
                 raise e.with_conversation(i) from None
+            except InvalidRequestError as e:
+                raise type(e)(f"conversation {i}: {e}", param=e.param) from e
             except VLMError as e:
                 raise type(e)(f"conversation {i}: {e}") from e
         ids: list[str] = []

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointInfo", "read_checkpoint", "text_config", "load_tokenizer", "iter_safetensors",
-    "ParamSlot", "load_checked",
+    "ParamSlot", "load_checked", "config_from_dict",
 ]
 
 CONFIG_FILE = "config.json"
@@ -98,11 +98,29 @@ def text_config(hf_config) -> "PretrainedConfig":
         if sub is None:
             continue
         if isinstance(sub, dict):
-            from transformers import PretrainedConfig
-            return PretrainedConfig(**sub)
+            return config_from_dict(sub)
         return sub
     getter = getattr(hf_config, "get_text_config", None)
     return getter() if callable(getter) else hf_config
+
+
+def config_from_dict(fields: dict, config_cls=None) -> "PretrainedConfig":
+    """A transformers config (`config_cls`, default the generic `PretrainedConfig`) from a plain dict,
+    e.g. the original InternVL layout's `llm_config`. The flat `rope_theta` + `rope_scaling` of
+    published files is passed as transformers 5's `rope_parameters`, which it would otherwise convert
+    with a FutureWarning."""
+    from transformers import PretrainedConfig
+
+    config_cls = config_cls or PretrainedConfig
+    fields = dict(fields)
+    scaling = fields.pop("rope_scaling", None)
+    if "rope_parameters" not in fields and (scaling or "rope_theta" in fields):
+        rope = dict(scaling or {})
+        rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
+        if "rope_theta" in fields:
+            rope["rope_theta"] = fields["rope_theta"]
+        fields["rope_parameters"] = rope
+    return config_cls(**fields)
 
 
 def load_tokenizer(model_dir, *, require_chat_template: bool = True):
@@ -118,7 +136,8 @@ def load_tokenizer(model_dir, *, require_chat_template: bool = True):
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        # never remote code: an original-layout config.json names its remote classes in auto_map
+        tok = AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
     except Exception as e:  # transformers raises many types here; the cause is kept
         raise CheckpointError(f"cannot load the tokenizer in {root}: {type(e).__name__}: {e}") from e
     if not getattr(tok, "is_fast", False):

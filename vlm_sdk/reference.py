@@ -1,8 +1,10 @@
-"""transformers as the oracle: build the same prompt for transformers' Qwen2.5-VL and generate.
+"""transformers as the oracle: build the same prompt for transformers' Qwen2.5-VL or InternVL and generate.
 
-Used by the parity tests and `vlm-sdk bench`. Without torchvision the combined processor will not
-build, so the prompt is made the documented way: chat template, then each `<|image_pad|>` expanded
-by hand to grid_t*grid_h*grid_w/merge^2 copies. Imports transformers lazily.
+Used by the parity tests and `vlm-sdk bench`. Without torchvision the combined processors will not
+build, so prompts are made the documented way: chat template, then each image placeholder expanded
+by hand (Qwen: `<|image_pad|>` x grid_t*grid_h*grid_w/merge^2; InternVL: `<IMG_CONTEXT>` ->
+`<img>` + `<IMG_CONTEXT>` x image_seq_length*tiles + `</img>`, tiles from transformers'
+GotOcr2ImageProcessorPil). Imports transformers lazily.
 """
 from __future__ import annotations
 
@@ -44,6 +46,36 @@ def hf_prompt(tokenizer, image_processor, config, messages) -> dict:
     return out
 
 
+def hf_internvl_image_processor(model_dir: str, **kwargs):
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+    return GotOcr2ImageProcessorPil.from_pretrained(model_dir, **kwargs)
+
+
+def hf_internvl_prompt(tokenizer, image_processor, config, messages, tokens_per_tile: int) -> dict:
+    """input_ids [1, L] and pixel_values [tiles, 3, S, S] for one conversation, transformers' way
+    (an image part's own `max_num` becomes that image's `max_patches`)."""
+    template_messages, refs = parse_messages(messages)
+    text = tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    tiles, pixels = [], []
+    for ref in refs:
+        kwargs = {} if ref.max_num is None else {"max_patches": ref.max_num}
+        proc = image_processor([load_image(ref.source)], return_tensors="pt", **kwargs)
+        tiles.append(int(proc["num_patches"][0]))
+        pixels.append(proc["pixel_values"])
+    start, end = tokenizer.convert_tokens_to_ids("<img>"), tokenizer.convert_tokens_to_ids("</img>")
+    expanded, it = [], iter(tiles)
+    for tok in ids:
+        if tok == config.image_token_id:
+            expanded.extend([start] + [tok] * (tokens_per_tile * next(it)) + [end])
+        else:
+            expanded.append(tok)
+    out = {"input_ids": torch.tensor([expanded])}
+    if pixels:
+        out["pixel_values"] = torch.cat(pixels)
+    return out
+
+
 def hf_batch(prompts: list[dict], pad_token_id: int) -> dict:
     """Left-pad single prompts into one batch."""
     width = max(p["input_ids"].shape[1] for p in prompts)
@@ -53,13 +85,16 @@ def hf_batch(prompts: list[dict], pad_token_id: int) -> dict:
         pad = width - n
         ids.append(torch.cat([torch.full((pad,), pad_token_id), p["input_ids"][0]]))
         mask.append(torch.cat([torch.zeros(pad, dtype=torch.long), torch.ones(n, dtype=torch.long)]))
-        types.append(torch.cat([torch.zeros(pad, dtype=torch.int), p["mm_token_type_ids"][0]]))
-    out = {"input_ids": torch.stack(ids), "attention_mask": torch.stack(mask),
-           "mm_token_type_ids": torch.stack(types)}
+        if "mm_token_type_ids" in p:  # Qwen2.5-VL only
+            types.append(torch.cat([torch.zeros(pad, dtype=torch.int), p["mm_token_type_ids"][0]]))
+    out = {"input_ids": torch.stack(ids), "attention_mask": torch.stack(mask)}
+    if types:
+        out["mm_token_type_ids"] = torch.stack(types)
     with_images = [p for p in prompts if "pixel_values" in p]
     if with_images:
         out["pixel_values"] = torch.cat([p["pixel_values"] for p in with_images])
-        out["image_grid_thw"] = torch.cat([p["image_grid_thw"] for p in with_images])
+        if "image_grid_thw" in with_images[0]:
+            out["image_grid_thw"] = torch.cat([p["image_grid_thw"] for p in with_images])
     return out
 
 

@@ -4,6 +4,10 @@
 weights saved by `Qwen2_5_VLForConditionalGeneration.save_pretrained`, a small byte-level BPE tokenizer
 with Qwen's special tokens and chat template, `generation_config.json` and `preprocessor_config.json`.
 transformers' model on the same directory is the correctness oracle for our implementation.
+
+`family="internvl"` writes an InternVL 2 / 2.5 / 3 checkpoint instead, in transformers' layout
+(`InternVLForConditionalGeneration`) or OpenGVLab's original remote-code layout (`InternVLChatModel`):
+see `vlm_sdk.testing_internvl`.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ __all__ = [
     "QWEN2_VL_CHAT_TEMPLATE",
 ]
 
-SUPPORTED_FAMILIES = ("qwen2_5_vl",)
+SUPPORTED_FAMILIES = ("qwen2_5_vl", "internvl")
 
 # In Qwen's order; they get the ids right after the trained BPE vocabulary.
 QWEN_SPECIAL_TOKENS = (
@@ -153,6 +157,10 @@ _FIXED: Mapping[str, Any] = MappingProxyType(dict(
 def make_tiny_checkpoint(path, family: str = "qwen2_5_vl", seed: int = 0, **overrides) -> Path:
     """Write a complete HF-format checkpoint with random weights to `path` and return it.
 
+    `family` is one of `SUPPORTED_FAMILIES`. "internvl" goes to
+    `vlm_sdk.testing_internvl.make_tiny_internvl_checkpoint` (its overrides, e.g. `layout="original"`,
+    `llm="llama"`, are described there); the rest of this docstring is about "qwen2_5_vl".
+
     Same arguments give byte-identical files. Accepted overrides: see `_DEFAULTS` (an unknown name
     raises TypeError). Layouts: config_layout "nested" is what transformers 5 writes, "flat" is the
     published Qwen2.5-VL layout (text fields top level, rope_scaling type mrope); preprocessor_layout
@@ -160,6 +168,9 @@ def make_tiny_checkpoint(path, family: str = "qwen2_5_vl", seed: int = 0, **over
     """
     if family not in SUPPORTED_FAMILIES:
         raise ValueError(f"unknown family {family!r}; supported families: {', '.join(SUPPORTED_FAMILIES)}")
+    if family == "internvl":
+        from vlm_sdk.testing_internvl import make_tiny_internvl_checkpoint
+        return make_tiny_internvl_checkpoint(path, seed=seed, **overrides)
     unknown = sorted(set(overrides) - set(_DEFAULTS))
     if unknown:
         raise TypeError(f"make_tiny_checkpoint() got unknown override(s) {', '.join(unknown)}; "
@@ -200,12 +211,18 @@ def make_tiny_checkpoint(path, family: str = "qwen2_5_vl", seed: int = 0, **over
     return out
 
 
-def make_bench_checkpoint(path, seed: int = 0, **overrides) -> Path:
+def make_bench_checkpoint(path, seed: int = 0, *, family: str = "qwen2_5_vl", **overrides) -> Path:
     """The benchmark shape: Qwen2.5-VL architecture, 105,909,504 parameters, bfloat16 weights (212 MB).
 
     Text 101.4M (tied 151936 x 512 embedding = 77.8M of it), vision 4.5M. Speed does not depend on the
     weight values; vocab 151936 keeps the embedding and LM head as costly as the real ones.
+    `family="internvl"`: the InternVL equivalent, `vlm_sdk.testing_internvl.make_bench_internvl_checkpoint`.
     """
+    if family == "internvl":
+        from vlm_sdk.testing_internvl import make_bench_internvl_checkpoint
+        return make_bench_internvl_checkpoint(path, seed=seed, **overrides)
+    if family != "qwen2_5_vl":
+        raise ValueError(f"unknown family {family!r}; supported families: {', '.join(SUPPORTED_FAMILIES)}")
     bench = dict(
         text_hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408,
         vocab_size=151936, tie_word_embeddings=True, mrope_section=(8, 12, 12),
@@ -219,7 +236,8 @@ def make_bench_checkpoint(path, seed: int = 0, **overrides) -> Path:
 # ----------------------------------------------------------------------------------------------
 # tokenizer
 
-def _build_tokenizer():
+def _build_tokenizer(special_tokens: tuple[str, ...] = QWEN_SPECIAL_TOKENS):
+    """The byte-level BPE trained on `_CORPUS`, then `special_tokens` in order (ids from 1000 on)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
     from tokenizers.models import BPE
 
@@ -234,24 +252,26 @@ def _build_tokenizer():
     trainer = trainers.BpeTrainer(vocab_size=_BPE_VOCAB_SIZE, show_progress=False, special_tokens=[],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
     return tok
 
 
-def _write_tokenizer(out: Path, tok) -> None:
+def _write_tokenizer(out: Path, tok, special_tokens: tuple[str, ...] = QWEN_SPECIAL_TOKENS,
+                     chat_template: str = QWEN2_VL_CHAT_TEMPLATE, extra_config: Mapping[str, Any] | None = None) -> None:
+    """tokenizer.json, tokenizer_config.json (keys sorted; `extra_config` entries added) and chat_template.jinja."""
     tok.save(str(out / "tokenizer.json"))
     added = {
         str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                                   "single_word": False, "special": True}
-        for t in QWEN_SPECIAL_TOKENS
+        for t in special_tokens
     }
-    _write_json(out / "tokenizer_config.json", {
+    config = {
         "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": added,
-        "additional_special_tokens": [t for t in QWEN_SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")],
+        "additional_special_tokens": [t for t in special_tokens if t not in ("<|endoftext|>", "<|im_end|>")],
         "bos_token": None,
-        "chat_template": QWEN2_VL_CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",
         "errors": "replace",
@@ -260,8 +280,10 @@ def _write_tokenizer(out: Path, tok) -> None:
         "split_special_tokens": False,
         "tokenizer_class": "Qwen2Tokenizer",
         "unk_token": None,
-    })
-    (out / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE, encoding="utf-8")
+        **(extra_config or {}),
+    }
+    _write_json(out / "tokenizer_config.json", dict(sorted(config.items())))
+    (out / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -128,13 +128,14 @@ class InternVLImageProcessor:
                 return h if h is not None else value.get("shortest_edge")
             return value
 
-        image_size = cfg("force_image_size")
-        if image_size is None:
-            vision = cfg("vision_config")
-            image_size = (vision.get("image_size") if isinstance(vision, dict)
-                          else getattr(vision, "image_size", None)) if vision is not None else None
-        if image_size is None:
-            image_size = side(config.get("size")) or side(config.get("crop_size")) or 448
+        vision = cfg("vision_config")
+        vision_size = (vision.get("image_size") if isinstance(vision, dict)
+                       else getattr(vision, "image_size", None)) if vision is not None else None
+        preprocessor_size = side(config.get("size")) or side(config.get("crop_size"))
+        if cfg("model_type") == "internvl":  # transformers tiles at the image processor's size
+            image_size = preprocessor_size or vision_size or 448
+        else:  # the original chat code tiles at force_image_size, else the vision tower's size
+            image_size = cfg("force_image_size") or vision_size or preprocessor_size or 448
         if isinstance(image_size, (list, tuple)):
             image_size = image_size[0]
 
@@ -148,6 +149,10 @@ class InternVLImageProcessor:
         if use_thumbnail is None:
             use_thumbnail = True
         dynamic = cfg("dynamic_image_size")
+        if dynamic is None and cfg("model_type") == "internvl":
+            # the -hf checkpoints save crop_to_patches false, but transformers' InternVLProcessor always
+            # calls the image processor with crop_to_patches=True: InternVL tiles
+            dynamic = True
         if dynamic is None:
             dynamic = config.get("crop_to_patches", True)
         if not dynamic or max_num <= 1:  # transformers: no cropping at all, one resized image

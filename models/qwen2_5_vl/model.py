@@ -6,7 +6,6 @@ q/k/v and gate/up are fused on load (see `Qwen2Decoder` and `Qwen2_5_VisionTrans
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -14,13 +13,11 @@ import torch
 
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
-from vlm_sdk.model_loader import ParamSlot, load_checked
-from vlm_sdk.models.cpu_layout import PackedLMHead, column_major, use_cpu_weight_layout
+from vlm_sdk.model_loader import ParamSlot
 from vlm_sdk.models.base import KVCache, VisionLanguageModel
+from vlm_sdk.models.lm_loading import finish_cpu_layout, load_with_lm_head
 from vlm_sdk.models.qwen2.decoder import Qwen2Decoder, Qwen2DecoderConfig
 from vlm_sdk.models.qwen2_5_vl.vision import Qwen2_5_VisionTransformer
-
-logger = logging.getLogger(__name__)
 
 _ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
@@ -75,40 +72,6 @@ class Qwen2_5_VLForCausalLM(VisionLanguageModel):
         return slots
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str | Path | None = None) -> None:
-        self._load(weights, source)
-        use_cpu_weight_layout(self)
-        dec = self.decoder
-        head = dec.embed_tokens.weight if dec.lm_head is None else dec.lm_head.weight
-        dec.packed_head = PackedLMHead.create(head)
-        if dec.packed_head is None and dec.lm_head is None and head.device.type == "cpu":
-            # the tied matrix serves the LM head every step and the embedding lookup rarely: favour the head
-            dec.embed_tokens.weight = column_major(head)
-
-    def _load(self, weights: Iterable[tuple[str, torch.Tensor]], source: str | Path | None) -> None:
-        if self.decoder.lm_head is not None:
-            load_checked(self, weights, self.checkpoint_map(), canonical=_canonical, source=source)
-            return
-        # Tied: the checkpoint may still carry lm_head.weight. A copy of the embedding is dropped; a
-        # different matrix is used as the head, as transformers does (it then leaves the two untied).
-        head: list[torch.Tensor] = []
-
-        def without_head():
-            for name, tensor in weights:
-                if _canonical(name) == "lm_head.weight":
-                    head.append(tensor)
-                else:
-                    yield name, tensor
-
-        load_checked(self, without_head(), self.checkpoint_map(), canonical=_canonical, source=source)
-        if head:
-            expected = tuple(self.decoder.embed_tokens.weight.shape)
-            if tuple(head[0].shape) != expected:
-                where = f" in {source}" if source is not None else ""
-                raise CheckpointError(f"tensor lm_head.weight{where} has shape {list(head[0].shape)} but "
-                                      f"{type(self).__name__} expects {list(expected)} (tied to the token "
-                                      f"embedding): config.json does not match the weights")
-            emb = self.decoder.embed_tokens.weight
-            if not torch.equal(head[0].to(emb.device, emb.dtype), emb):  # checkpoint tensors are on the CPU
-                logger.warning("config.json ties lm_head to the token embedding but the checkpoint's lm_head.weight "
-                               "differs from it; using the checkpoint's lm_head.weight (as transformers does)")
-                self.decoder.untie_lm_head(head[0])
+        load_with_lm_head(self, self.decoder, weights, self.checkpoint_map(), lm_head="lm_head.weight",
+                          canonical=_canonical, source=source)
+        finish_cpu_layout(self, self.decoder)

@@ -13,11 +13,12 @@ from vlm_sdk.errors import InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 from vlm_sdk.multimodal.messages import ImageRef, parse_messages
+from vlm_sdk.models.base import PromptProcessor
 from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor, max_image_grid
 from vlm_sdk.models.qwen2_5_vl.rope_index import mrope_positions
 
 
-class Qwen2_5_VLProcessor:
+class Qwen2_5_VLProcessor(PromptProcessor):
     """`max_image_tokens` (None: no limit) caps the tokens of one image whose own `min_pixels` /
     `max_pixels` (set on its image part) decide its size: such an image is refused before it is
     resized, so a part asking for a billion pixels costs nothing. The engine sets it to its

@@ -1,0 +1,131 @@
+"""InternVL 2 / 2.5 / 3: InternViT + pixel shuffle + MLP projector, and a Qwen2, Llama or InternLM2 LLM
+on the paged KV cache with plain 1-D RoPE.
+
+Two checkpoint layouts, told apart by config.json `model_type`:
+
+    "internvl"       transformers' InternVLForConditionalGeneration (the `-hf` checkpoints)
+                     model.vision_tower.*  model.multi_modal_projector.*  model.language_model.*  lm_head.weight
+                     (4.5x spellings vision_tower.*, multi_modal_projector.*, language_model.model.*,
+                     language_model.lm_head.weight are accepted too)
+    "internvl_chat"  the original InternVLChatModel (published InternVL2 / 2.5 / 3, remote code never imported)
+                     vision_model.*  mlp1.*  language_model.model.*  language_model.lm_head.weight
+                     (an InternLM2 LLM: language_model.model.tok_embeddings / attention.wqkv / ...,
+                     language_model.output.weight; its grouped wqkv is unpacked while streaming)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from vlm_sdk.engine.attention_metadata import AttentionMetadata
+from vlm_sdk.errors import CheckpointError
+from vlm_sdk.model_loader import ParamSlot, config_from_dict
+from vlm_sdk.models.base import KVCache, VisionLanguageModel
+from vlm_sdk.models.internlm2.weights import internlm2_decoder_config, internlm2_to_llama_names
+from vlm_sdk.models.internvl.vision import InternVisionConfig, InternVLVisionTower
+from vlm_sdk.models.lm_loading import finish_cpu_layout, load_with_lm_head
+from vlm_sdk.models.qwen2.decoder import Qwen2Decoder, Qwen2DecoderConfig
+
+# transformers 4.5x names of the -hf layout -> the names transformers 5 writes
+_HF_ALIASES = (("language_model.lm_head.", "lm_head."), ("language_model.model.", "model.language_model."),
+               ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."))
+_LLM_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "InternLM2ForCausalLM")
+
+
+def _hf_canonical(name: str) -> str:
+    for old, new in _HF_ALIASES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def _same(name: str) -> str:
+    return name
+
+
+def _llm_config(hf_config: Any, original: bool) -> tuple[Any, str]:
+    """The LLM's config and its architecture name. In the original layout `llm_config` is a plain
+    dict; transformers' own config class parses it where it knows the model_type (defaults included)."""
+    if not original:
+        return hf_config.text_config, getattr(hf_config.text_config, "model_type", "")
+    raw = getattr(hf_config, "llm_config", None)
+    if raw is None:
+        raise CheckpointError("config.json (model_type internvl_chat) has no llm_config")
+    if not isinstance(raw, dict):
+        raw = raw.to_dict()
+    arch = (raw.get("architectures") or [""])[0]
+    if arch not in _LLM_ARCHITECTURES:
+        raise CheckpointError(f"config.json llm_config.architectures is {raw.get('architectures')}; supported "
+                              f"InternVL LLMs: {', '.join(_LLM_ARCHITECTURES)}")
+    from transformers import CONFIG_MAPPING
+
+    model_type = raw.get("model_type")
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "transformers_version")}
+    if model_type in CONFIG_MAPPING and arch != "InternLM2ForCausalLM":
+        return config_from_dict(fields, CONFIG_MAPPING[model_type]), arch
+    return config_from_dict(fields), arch
+
+
+class InternVLForCausalLM(VisionLanguageModel):
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.original_layout = getattr(hf_config, "model_type", None) == "internvl_chat"
+        llm, arch = _llm_config(hf_config, self.original_layout)
+        self.internlm2 = arch == "InternLM2ForCausalLM"
+        if self.internlm2:
+            self.decoder_config = internlm2_decoder_config(llm)
+        else:
+            # transformers ties by the top-level flag of InternVLConfig; the original model by llm_config's
+            tie_source = llm if self.original_layout else hf_config
+            tied = bool(getattr(tie_source, "tie_word_embeddings", False))
+            self.decoder_config = Qwen2DecoderConfig.from_hf(llm, tie_word_embeddings=tied, mrope=False)
+        cfg = self.decoder_config
+        self.decoder = Qwen2Decoder(cfg, dtype, device)
+        self.vision = InternVLVisionTower(InternVisionConfig.from_hf(hf_config, cfg.hidden_size), dtype, device)
+        self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        self.hidden_size, self.vocab_size = cfg.hidden_size, cfg.vocab_size
+        self.dtype = dtype
+        self.requires_grad_(False)
+
+    def encode_images(self, pixel_values: torch.Tensor,  # [tiles, 3, S, S], images back to back
+                      grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:  # [tiles * tokens per tile, hidden]
+        tiles = sum(t for t, _, _ in grid_thw)
+        if pixel_values.dim() != 4 or pixel_values.shape[0] != tiles:
+            raise ValueError(f"InternVL encode_images takes [tiles, 3, S, S] pixels for {tiles} tiles (grids "
+                             f"{grid_thw}), got shape {list(pixel_values.shape)}")
+        return self.vision(pixel_values.to(self.dtype))
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder.embed(input_ids)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.decoder(inputs_embeds, positions, kv_caches, meta)  # 1-D RoPE reads positions[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.decoder.compute_logits(hidden)
+
+    @property
+    def _lm_head_name(self) -> str:
+        return "language_model.lm_head.weight" if self.original_layout else "lm_head.weight"
+
+    def checkpoint_map(self) -> dict[str, ParamSlot]:
+        """Checkpoint name (InternLM2 names after `internlm2_to_llama_names`) -> slot, relative to this module."""
+        prefix = "language_model.model." if self.original_layout else "model.language_model."
+        slots = {name: ParamSlot(f"decoder.{s.param}", s.shape, s.row_start)
+                 for name, s in self.decoder.checkpoint_map(prefix, self._lm_head_name).items()}
+        layout = "original" if self.original_layout else "hf"
+        slots.update({name: ParamSlot(f"vision.{s.param}", s.shape, s.row_start)
+                      for name, s in self.vision.checkpoint_map(layout).items()})
+        return slots
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str | Path | None = None) -> None:
+        if self.internlm2:
+            weights = internlm2_to_llama_names(weights, self.decoder_config, prefix="language_model.",
+                                               out_prefix="language_model.")
+        canonical = _same if self.original_layout else _hf_canonical
+        load_with_lm_head(self, self.decoder, weights, self.checkpoint_map(), lm_head=self._lm_head_name,
+                          canonical=canonical, source=source)
+        finish_cpu_layout(self, self.decoder)

@@ -1,0 +1,199 @@
+"""InternVL prompt builder: messages -> `PromptInputs`.
+
+Each image is tiled (`InternVLImageProcessor`), the chat template renders one `<IMG_CONTEXT>` per
+image, and that token is expanded in place to
+
+    <img> <IMG_CONTEXT> x (tokens_per_tile * tiles) </img>
+    tokens_per_tile = (tile_size / patch_size)^2 * downsample_ratio^2   (448 / 14, 0.5 -> 256)
+
+so the prompt's length is final before scheduling. Positions are plain 1-D RoPE (no M-RoPE).
+
+Two checkpoint layouts, two templates: transformers' (`model_type` "internvl") ships a chat template
+that renders an image part as `<IMG_CONTEXT>\\n` itself; the original remote-code layout
+(`internvl_chat`) ships the LLM's plain chat template, which takes string content, so image parts
+are written into the string as `<IMG_CONTEXT>\\n` where they stand, as InternVL's own `chat()`
+writes `<image>\\n` before the question.
+"""
+from __future__ import annotations
+
+import torch
+
+from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
+from vlm_sdk.multimodal.image_io import load_image
+from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
+from vlm_sdk.multimodal.messages import ImageRef, parse_messages
+from vlm_sdk.models.base import PromptProcessor
+from vlm_sdk.models.internvl.image_processor import InternVLImageProcessor
+
+IMG_CONTEXT, IMG_START, IMG_END = "<IMG_CONTEXT>", "<img>", "</img>"
+MAX_NUM_LIMIT = 256  # tiles one image may ask for; the published models use at most 40
+
+
+def _field(config, key: str):
+    if config is None:
+        return None
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
+def tokens_per_tile(hf_config, tile_size: int) -> int:
+    """Image tokens one tile becomes: (tile_size / patch_size)^2 * downsample_ratio^2."""
+    patch = _field(_field(hf_config, "vision_config"), "patch_size")
+    if isinstance(patch, (list, tuple)):
+        patch = patch[0]
+    ratio = _field(hf_config, "downsample_ratio")
+    if patch is None or ratio is None:
+        raise CheckpointError("config.json needs vision_config.patch_size and downsample_ratio for InternVL")
+    side = tile_size // int(patch)
+    merged = side * float(ratio)
+    if tile_size % int(patch) or merged != int(merged):
+        raise CheckpointError(f"InternVL tiles of {tile_size} pixels do not divide into patches of {patch} "
+                              f"and a pixel shuffle of downsample_ratio {ratio}")
+    return int(merged) ** 2
+
+
+class InternVLProcessor(PromptProcessor):
+    """`max_num` (None: the checkpoint's) is the engine's tile cap per image; an image part's own
+    `max_num` wins. `max_image_tokens` (None: no limit) refuses, before resizing, an image whose own
+    max_num gives it more tokens than one sequence may hold; the engine sets it to max_model_len."""
+
+    def __init__(self, tokenizer, image_processor: InternVLImageProcessor, hf_config, *,
+                 max_num: int | None = None, max_image_pixels: int = 64_000_000,
+                 max_image_tokens: int | None = None):
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.original_layout = _field(hf_config, "model_type") == "internvl_chat"
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IMG_CONTEXT, IMG_START, IMG_END)}
+        unk = getattr(tokenizer, "unk_token_id", None)
+        missing = [t for t, i in ids.items() if i is None or (unk is not None and i == unk)]
+        if missing:
+            raise CheckpointError(f"the tokenizer has no {', '.join(missing)} token(s); InternVL prompts need "
+                                  f"{IMG_START}, {IMG_CONTEXT} and {IMG_END} as added tokens")
+        self.image_token_id, self.start_id, self.end_id = ids[IMG_CONTEXT], ids[IMG_START], ids[IMG_END]
+        configured = _field(hf_config, "image_token_id")
+        if not self.original_layout and configured is not None and int(configured) != self.image_token_id:
+            raise CheckpointError(f"config.json image_token_id is {configured} but the tokenizer gives "
+                                  f"{IMG_CONTEXT} id {self.image_token_id}")
+        self.tokens_per_tile = tokens_per_tile(hf_config, image_processor.image_size)
+        if max_num is not None:
+            _check_max_num(max_num, "max_dynamic_patch", image_processor.min_num)
+        self.max_num = max_num
+        self.max_image_pixels = max_image_pixels
+        self.max_image_tokens = max_image_tokens
+
+    @classmethod
+    def from_engine_args(cls, tokenizer, image_processor: InternVLImageProcessor, hf_config, args):
+        for name in ("min_pixels", "max_pixels"):
+            if getattr(args, name) is not None:
+                raise InvalidRequestError(
+                    f"{name}={getattr(args, name)} is a Qwen2.5-VL setting; this checkpoint is InternVL, whose "
+                    f"images are cut into tiles: set max_dynamic_patch (most tiles per image) instead", param=name)
+        return cls(tokenizer, image_processor, hf_config, max_num=args.max_dynamic_patch,
+                   max_image_pixels=args.max_image_pixels)
+
+    @property
+    def engine_max_num(self) -> int:
+        return self.image_processor.max_num if self.max_num is None else self.max_num
+
+    def num_tiles(self, height: int, width: int, max_num: int) -> int:
+        return self.image_processor.num_tiles(width, height, max_num)
+
+    def largest_image(self) -> ImageInput:
+        """Zero pixels of the most tiles one image gets under the engine's max_num (the thumbnail
+        included), for the memory profile and the vision tower's per-call tile cap."""
+        n = self.engine_max_num
+        tiles = n + 1 if (self.image_processor.use_thumbnail and n > 1) else n
+        s = self.image_processor.image_size
+        return ImageInput(torch.zeros(tiles, 3, s, s), (tiles, 1, 1), tiles * self.tokens_per_tile)
+
+    def __call__(self, messages) -> PromptInputs:
+        template_messages, refs = parse_messages(messages)
+        images = [self._image(i, ref) for i, ref in enumerate(refs)]
+        return self.build(template_messages, images)
+
+    def _image(self, index: int, ref: ImageRef) -> ImageInput:
+        for name in ("min_pixels", "max_pixels"):
+            if getattr(ref, name) is not None:
+                raise InvalidRequestError(f"image {index}: {name} is a Qwen2.5-VL setting; this is InternVL, "
+                                          f"whose images are cut into tiles: set max_num on the image part",
+                                          param=name)
+        own = ref.max_num is not None
+        if own:
+            _check_max_num(ref.max_num, f"image {index}: max_num", self.image_processor.min_num)
+        max_num = ref.max_num if own else self.engine_max_num
+        pil = load_image(ref.source, max_image_pixels=self.max_image_pixels)
+        if own:
+            self._check_tokens(index, pil.height, pil.width, max_num)
+        pixels = self.image_processor(pil, max_num)  # [tiles, 3, S, S]
+        tiles = pixels.shape[0]
+        return ImageInput(pixels, (tiles, 1, 1), tiles * self.tokens_per_tile, source_size=(pil.height, pil.width),
+                          own_max_num=own)
+
+    def _check_tokens(self, index: int, height: int, width: int, max_num: int) -> None:
+        """Refuse an image whose own max_num gives it more tokens than `max_image_tokens`, before resizing."""
+        limit = self.max_image_tokens
+        if limit is None:
+            return
+        tokens = self.num_tiles(height, width, max_num) * self.tokens_per_tile
+        if tokens <= limit:
+            return
+        lowest = self.image_processor.min_num
+        best = next((v for v in range(max_num - 1, lowest - 1, -1)
+                     if self.num_tiles(height, width, v) * self.tokens_per_tile <= limit), None)
+        fix = (f"Lower the image part's max_num to at most {best}." if best is not None
+               else "No max_num fits: even the fewest tiles are too many tokens for max_model_len.")
+        raise InvalidImageError(
+            f"image {index} is {width}x{height} (width x height); with max_num={max_num} (set on the image part) it "
+            f"would become {tokens // self.tokens_per_tile} tiles = {tokens} image tokens, more than the {limit} "
+            f"one image may take (max_model_len); refused before resizing. {fix}", param="max_num")
+
+    def _render(self, template_messages: list[dict]) -> str:
+        if self.original_layout:
+            template_messages = [
+                {**m, "content": "".join(f"{IMG_CONTEXT}\n" if p["type"] == "image" else p["text"]
+                                         for p in m["content"])}
+                if not isinstance(m["content"], str) else m
+                for m in template_messages]
+        return self.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True)
+
+    def build(self, template_messages: list[dict], images: list[ImageInput]) -> PromptInputs:
+        ids = self.tokenizer.encode(self._render(template_messages), add_special_tokens=False)
+        token_ids, positions = [], []
+        it = iter(images)
+        for tok in ids:
+            if tok != self.image_token_id:
+                token_ids.append(tok)
+                continue
+            image = next(it, None)
+            if image is None:
+                raise InvalidRequestError(f"the prompt text contains more image placeholders than images were "
+                                          f"given; do not write {IMG_CONTEXT} in text parts")
+            token_ids.append(self.start_id)
+            positions.append(len(token_ids))
+            token_ids.extend([self.image_token_id] * image.num_tokens)
+            token_ids.append(self.end_id)
+        if len(positions) != len(images):
+            raise InvalidRequestError(f"the chat template rendered {len(positions)} image placeholders for "
+                                      f"{len(images)} images; the model's chat template must render every image part")
+        return PromptInputs(token_ids=token_ids, images=images, image_positions=positions)
+
+    def image_setting_fixes(self, prompt: PromptInputs, capacity: int) -> dict[str, int]:
+        """{"max_dynamic_patch": v}: the largest engine max_num below the current one that makes the
+        prompt fit `capacity` tokens (images whose part sets its own max_num keep theirs); {} if none."""
+        follow = [im for im in prompt.images if not im.own_max_num and im.source_size is not None]
+        if not follow:
+            return {}
+        fixed = len(prompt.token_ids) - sum(im.num_tokens for im in follow)
+        for v in range(self.engine_max_num - 1, self.image_processor.min_num - 1, -1):
+            tokens = fixed + sum(self.num_tiles(*im.source_size, v) for im in follow) * self.tokens_per_tile
+            if tokens <= capacity:
+                return {"max_dynamic_patch": v}
+        return {}
+
+
+def _check_max_num(value, name: str, min_num: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_NUM_LIMIT:
+        raise InvalidRequestError(f"{name} must be an integer from 1 to {MAX_NUM_LIMIT}, got {value!r}",
+                                  param=name.rsplit(": ", 1)[-1])
+    if value < min_num:
+        raise InvalidRequestError(f"{name}={value} is below the checkpoint's min_dynamic_patch ({min_num}); "
+                                  f"use at least {min_num}", param=name.rsplit(": ", 1)[-1])

@@ -1,0 +1,43 @@
+"""InternVL's vision-to-text bridge: pixel shuffle (space-to-depth) and the MLP projector.
+
+Pixel shuffle folds each inv x inv block of ViT patch features (inv = 1 / downsample_ratio) into one
+token with inv^2 times the channels. The order of the folded channels is fixed by the checkpoints
+(transformers' `InternVLModel.pixel_shuffle`, InternVL's `ps_version="v2"`), so it is reproduced
+with the same view/permute sequence rather than with `F.pixel_unshuffle`, whose channel order differs.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_sdk.models.qwen2.decoder import linear
+
+PROJECTOR_LN_EPS = 1e-5  # both layouts build the projector's LayerNorm with nn.LayerNorm's default eps
+
+
+def pixel_shuffle(x: torch.Tensor, inv: int) -> torch.Tensor:
+    """[B, W, H, C] -> [B, W / inv, H / inv, C * inv^2], as `InternVLModel.pixel_shuffle(x, 1 / inv)`."""
+    b, w, h, c = x.shape
+    x = x.reshape(b, w, h // inv, c * inv)  # [B, W, H/inv, C*inv]
+    x = x.permute(0, 2, 1, 3).reshape(b, h // inv, w // inv, c * inv * inv)  # [B, H/inv, W/inv, C*inv^2]
+    return x.permute(0, 2, 1, 3)  # [B, W/inv, H/inv, C*inv^2]
+
+
+class InternVLProjector(nn.Module):
+    """LayerNorm -> Linear -> act -> Linear (transformers' `multi_modal_projector`, InternVL's `mlp1`)."""
+
+    def __init__(self, in_dim: int, out_dim: int, act: Callable[[torch.Tensor], torch.Tensor],
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.norm_weight = nn.Parameter(torch.empty(in_dim, dtype=dtype, device=device))
+        self.norm_bias = nn.Parameter(torch.empty(in_dim, dtype=dtype, device=device))
+        self.linear_1 = linear(in_dim, out_dim, True, dtype, device)
+        self.linear_2 = linear(out_dim, out_dim, True, dtype, device)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in_dim] -> [N, out_dim]
+        x = F.layer_norm(x, self.norm_weight.shape, self.norm_weight, self.norm_bias, PROJECTOR_LN_EPS)
+        return self.linear_2(self.act(self.linear_1(x)))

@@ -1,0 +1,67 @@
+"""Loading a vision-language model whose LLM is a `Qwen2Decoder`: the tied LM head and the CPU layout.
+
+Shared by every family, because the two questions are the decoder's, not the vision tower's:
+- a config that ties lm_head to the token embedding may still ship `lm_head.weight`. A copy of the
+  embedding is dropped; a different matrix is used as the head, as transformers does (it then leaves
+  the two untied);
+- on the CPU, Linear weights are re-laid column-major and the LM head pre-packed once loaded
+  (`models/cpu_layout.py`).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from vlm_sdk.errors import CheckpointError
+from vlm_sdk.model_loader import ParamSlot, load_checked
+from vlm_sdk.models.cpu_layout import PackedLMHead, column_major, use_cpu_weight_layout
+from vlm_sdk.models.qwen2.decoder import Qwen2Decoder
+
+logger = logging.getLogger(__name__)
+
+
+def load_with_lm_head(model: nn.Module, decoder: Qwen2Decoder, weights: Iterable[tuple[str, torch.Tensor]],
+                      slots: dict[str, ParamSlot], *, lm_head: str, canonical: Callable[[str], str],
+                      source: str | Path | None) -> None:
+    """`load_checked` into `model`; when `decoder` is tied, a checkpoint tensor named `lm_head` (after
+    `canonical`) is checked against the embedding instead of loaded, and unties the decoder if it differs."""
+    if decoder.lm_head is not None:
+        load_checked(model, weights, slots, canonical=canonical, source=source)
+        return
+    head: list[torch.Tensor] = []
+
+    def without_head():
+        for name, tensor in weights:
+            if canonical(name) == lm_head:
+                head.append(tensor)
+            else:
+                yield name, tensor
+
+    load_checked(model, without_head(), slots, canonical=canonical, source=source)
+    if not head:
+        return
+    expected = tuple(decoder.embed_tokens.weight.shape)
+    if tuple(head[0].shape) != expected:
+        where = f" in {source}" if source is not None else ""
+        raise CheckpointError(f"tensor {lm_head}{where} has shape {list(head[0].shape)} but {type(model).__name__} "
+                              f"expects {list(expected)} (tied to the token embedding): config.json does not "
+                              f"match the weights")
+    emb = decoder.embed_tokens.weight
+    if not torch.equal(head[0].to(emb.device, emb.dtype), emb):  # checkpoint tensors are on the CPU
+        logger.warning("config.json ties lm_head to the token embedding but the checkpoint's %s differs from it; "
+                       "using the checkpoint's %s (as transformers does)", lm_head, lm_head)
+        decoder.untie_lm_head(head[0])
+
+
+def finish_cpu_layout(model: nn.Module, decoder: Qwen2Decoder) -> None:
+    """After loading: CPU weight layout for every Linear, and the packed LM head when it applies."""
+    use_cpu_weight_layout(model)
+    head = decoder.embed_tokens.weight if decoder.lm_head is None else decoder.lm_head.weight
+    decoder.packed_head = PackedLMHead.create(head)
+    if decoder.packed_head is None and decoder.lm_head is None and head.device.type == "cpu":
+        # the tied matrix serves the LM head every step and the embedding lookup rarely: favour the head
+        decoder.embed_tokens.weight = column_major(head)

@@ -1,0 +1,114 @@
+"""InternVL through the engine: typed errors for bad input, tile settings, too-long prompts with a
+max_dynamic_patch fix that works, the CLI on both checkpoint layouts."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from helpers import image
+from vlm_sdk import LLM, SamplingParams
+from vlm_sdk.cli import main
+from vlm_sdk.errors import InputTooLongError, InvalidImageError, InvalidRequestError
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
+SAMPLE = str(Path(__file__).resolve().parents[1] / "samples" / "shapes.png")
+
+
+@pytest.fixture(scope="module")
+def llm(internvl_ckpt):
+    return LLM(internvl_ckpt, show_progress=False)
+
+
+def _ask(img, **part):
+    return [{"role": "user", "content": [{"type": "image", "image": img, **part},
+                                         {"type": "text", "text": "What is it?"}]}]
+
+
+def _png_bytes(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("conv, error, words", [
+    ([{"role": "user", "content": "look <IMG_CONTEXT> here"}], InvalidRequestError,
+     ["more image placeholders", "<IMG_CONTEXT>"]),
+    (_ask(b"not an image at all"), InvalidImageError, ["image"]),
+    (_ask(image(64, 64), max_num=0), InvalidRequestError, ["max_num", "positive"]),
+    (_ask(image(64, 64), max_num=1000), InvalidRequestError, ["max_num", "1 to 256"]),
+    (_ask(image(64, 64), max_pixels=50_000), InvalidRequestError, ["max_pixels", "max_num", "InternVL"]),
+])
+def test_bad_input_is_a_typed_error_and_the_engine_goes_on(llm, conv, error, words):
+    with pytest.raises(error) as info:
+        llm.chat(conv, PARAMS)
+    for word in words:
+        assert word in str(info.value)
+    out = llm.chat(_ask(image(100, 80)), PARAMS)[0]
+    assert len(out.token_ids) >= 1
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_placeholder_counts_must_match(llm):
+    processor = llm.engine.processor
+    images = llm.engine.build_prompt(_ask(image(100, 80))).images
+    with pytest.raises(InvalidRequestError, match="rendered 0 image placeholders for 1 images"):
+        processor.build([{"role": "user", "content": "hi"}], images)
+    with pytest.raises(InvalidRequestError, match="more image placeholders"):
+        processor.build([{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}], images)
+
+
+def test_per_image_max_num_and_engine_max_dynamic_patch(internvl_ckpt, llm):
+    wide = image(900, 300, 4)  # aspect 3: a 3x1 grid when allowed
+    default = llm.engine.build_prompt(_ask(wide))
+    assert default.images[0].grid_thw == (4, 1, 1)  # 3 tiles + thumbnail (checkpoint max_num 6)
+    own = llm.engine.build_prompt(_ask(wide, max_num=1))
+    assert own.images[0].grid_thw == (1, 1, 1) and own.image_tokens == [256]
+    capped = LLM(internvl_ckpt, max_dynamic_patch=2, show_progress=False)
+    assert capped.engine.build_prompt(_ask(wide)).images[0].grid_thw == (3, 1, 1)
+    assert capped.engine.build_prompt(_ask(wide, max_num=6)).images[0].grid_thw == (4, 1, 1)  # the part wins
+    largest = capped.engine.processor.largest_image()
+    assert tuple(largest.pixel_values.shape) == (3, 3, 448, 448)
+    assert capped.engine.runner.max_vision_patches == 3
+
+
+def test_qwen_settings_are_refused_for_internvl(internvl_ckpt):
+    with pytest.raises(InvalidRequestError, match="max_dynamic_patch") as info:
+        LLM(internvl_ckpt, max_pixels=100_000, show_progress=False)
+    assert info.value.param == "max_pixels"
+
+
+def test_max_dynamic_patch_is_refused_for_qwen(tiny_ckpt):
+    with pytest.raises(InvalidRequestError, match="InternVL") as info:
+        LLM(tiny_ckpt, max_dynamic_patch=4, show_progress=False)
+    assert info.value.param == "max_dynamic_patch"
+
+
+def test_too_long_prompt_names_a_max_dynamic_patch_that_works(internvl_ckpt):
+    small = LLM(internvl_ckpt, num_blocks=60, show_progress=False)  # 960 tokens
+    conv = _ask(image(1200, 400, 7))  # 3x1 grid + thumbnail = 4 tiles = 1024 image tokens
+    with pytest.raises(InputTooLongError) as info:
+        small.chat(conv, PARAMS)
+    err = info.value
+    assert err.image_tokens == [1024] and err.capacity_tokens == 960
+    assert err.fixes["max_dynamic_patch"] == 2  # 2 tiles + thumbnail fit; 3 tiles do not
+    assert "max_dynamic_patch=2" in str(err)
+    assert small.stats()["kv_blocks_used"] == 0
+    fixed = LLM(internvl_ckpt, num_blocks=60, max_dynamic_patch=err.fixes["max_dynamic_patch"], show_progress=False)
+    assert len(fixed.chat(conv, PARAMS)[0].token_ids) >= 1
+
+
+def test_own_max_num_too_big_for_max_model_len_is_refused_before_resizing(internvl_ckpt):
+    small = LLM(internvl_ckpt, num_blocks=60, show_progress=False)
+    with pytest.raises(InvalidImageError, match="at most 2") as info:
+        small.chat(_ask(image(1200, 400, 7), max_num=6), PARAMS)
+    assert info.value.param == "max_num"
+
+
+@pytest.mark.parametrize("fixture", ["internvl_ckpt", "internvl_original_ckpt"])
+def test_cli_chat_on_both_layouts(request, fixture, capsys):
+    ckpt = request.getfixturevalue(fixture)
+    assert main(["chat", "--model", str(ckpt), "--image", SAMPLE, "--max-tokens", "4", "What is in this image?"]) == 0
+    err = capsys.readouterr().err
+    assert "image tokens" in err and "prompt tokens" in err
