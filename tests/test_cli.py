@@ -33,3 +33,24 @@ def test_bench_json_on_tiny_model(tiny_ckpt, capsys):
     assert report["ratio"] > 0 and 0.0 <= report["identical_greedy_share"] <= 1.0
     assert report["preprocess"]["max_abs_diff"] <= 1e-6
     assert report["ours"]["stats"]["kv_blocks_used"] == 0
+
+
+def test_chat_without_model_on_the_tiny_internvl(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VLM_SDK_CACHE", str(tmp_path))
+    assert main(["chat", "--family", "internvl", "--image", SAMPLE, "--max-tokens", "4", "What is it?"]) == 0
+    err = capsys.readouterr().err
+    assert "tiny InternVL-shaped checkpoint with RANDOM weights" in err
+    assert (tmp_path / "tiny-internvl" / "config.json").exists()
+
+
+def test_bench_json_on_tiny_internvl(internvl_ckpt, capsys):
+    assert main(["bench", "--model", str(internvl_ckpt), "--num-requests", "2", "--hf-batch-size", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["family"] == "internvl" and report["image_sizes"] == [[448, 448], [1920, 1080]]
+    assert report["ours"]["tokens_per_s"] > 0 and report["transformers"]["tokens_per_s"] > 0
+    assert report["preprocess"]["max_abs_diff"] <= 1e-6 and report["preprocess"]["tiles_match"]
+    assert report["preprocess"]["max_num"] == 6
+    # 448x448 is one tile, 1920x1080 two plus the thumbnail: 4 tiles of 256 tokens and the text
+    assert 4 * 256 < report["ours"]["prompt_tokens"] < 4 * 256 + 100
+    assert report["identical_greedy_share"] == 1.0
+    assert report["ours"]["stats"]["kv_blocks_used"] == 0

@@ -112,3 +112,24 @@ def test_cli_chat_on_both_layouts(request, fixture, capsys):
     assert main(["chat", "--model", str(ckpt), "--image", SAMPLE, "--max-tokens", "4", "What is in this image?"]) == 0
     err = capsys.readouterr().err
     assert "image tokens" in err and "prompt tokens" in err
+
+
+def test_server_takes_max_num_inside_image_url(internvl_ckpt, llm):
+    from server_helpers import data_url, image_message, post
+    from vlm_sdk.server.background import BackgroundServer
+    from vlm_sdk.server.config import ServerConfig
+
+    wide = image(900, 300, 4)
+    expected = {n: llm.chat(_ask(wide, max_num=n), PARAMS)[0] for n in (1, 6)}
+    with BackgroundServer(internvl_ckpt, ServerConfig(port=0, served_model_name="ivl")) as srv:
+        for n, want in expected.items():
+            status, body = post(srv.url, {"model": "ivl", "max_tokens": 4, "temperature": 0,
+                                          "messages": image_message(data_url(wide), "What is it?", max_num=n)},
+                                key=None)
+            assert status == 200, body
+            assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+            assert body["choices"][0]["message"]["content"] == want.text
+        status, body = post(srv.url, {"model": "ivl", "messages": image_message(data_url(wide), max_num=0)}, key=None)
+        assert status == 400, body
+        assert body["error"]["param"] == "max_num" and "positive" in body["error"]["message"]
+        assert srv.stats()["kv_blocks_used"] == 0

@@ -1,10 +1,11 @@
 """`vlm-sdk bench`: our engine against transformers `generate`, in one process, same checkpoint.
 
-Workload: N requests, each one 448x448 image and a short question, max_tokens spread evenly over
-16..128, greedy, eos ignored so both sides produce exactly max_tokens tokens per request. Ours gets
-all requests at once (continuous batching); transformers runs static batches (left padded), each
-generating until its longest request is done. Both timings include image preprocessing and
-tokenization. Tokens/s counts only the tokens each request asked for.
+Workload: N requests, each one image and a short question, max_tokens spread evenly over 16..128,
+greedy, eos ignored so both sides produce exactly max_tokens tokens per request. Qwen2.5-VL: every
+image 448x448. InternVL: 448x448 and 1920x1080 in turn (1 tile, and 2 tiles + thumbnail at max_num
+6). Ours gets all requests at once (continuous batching); transformers runs static batches (left
+padded), each generating until its longest request is done. Both timings include image
+preprocessing and tokenization. Tokens/s counts only the tokens each request asked for.
 """
 from __future__ import annotations
 
@@ -17,21 +18,26 @@ import torch
 from PIL import Image
 
 
-def _images(n: int, size: int = 448, seed: int = 0) -> list[Image.Image]:
+def _images(sizes: list[tuple[int, int]], seed: int = 0) -> list[Image.Image]:
+    """Smooth colour blobs plus noise, one image per (width, height)."""
     rng = np.random.default_rng(seed)
     images = []
-    for _ in range(n):
+    for width, height in sizes:
         base = rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)
-        im = Image.fromarray(base).resize((size, size), Image.BICUBIC)
-        noise = rng.integers(-20, 20, size=(size, size, 3))
+        im = Image.fromarray(base).resize((width, height), Image.BICUBIC)
+        noise = rng.integers(-20, 20, size=(height, width, 3))
         images.append(Image.fromarray(np.clip(np.asarray(im, dtype=np.int64) + noise, 0, 255).astype(np.uint8)))
     return images
 
 
-def _workload(n: int):
+IMAGE_SIZES = {"qwen2_5_vl": [(448, 448)], "internvl": [(448, 448), (1920, 1080)]}
+
+
+def _workload(n: int, family: str):
     questions = ["What is in this image?", "Describe the picture.", "What colours do you see?",
                  "Is there any text?"]
-    images = _images(n)
+    sizes = IMAGE_SIZES[family]
+    images = _images([sizes[i % len(sizes)] for i in range(n)])
     max_tokens = [int(round(x)) for x in np.linspace(16, 128, n)]
     random.Random(0).shuffle(max_tokens)
     convs = [[{"role": "user", "content": [{"type": "image", "image": images[i]},
@@ -40,18 +46,33 @@ def _workload(n: int):
     return images, convs, max_tokens
 
 
+def _preprocess_report(family: str, model_dir: str, images: list[Image.Image]) -> dict:
+    """Our image preprocessing against transformers' on the workload's images (pixels and time)."""
+    if family == "internvl":
+        from vlm_sdk.model_loader import read_checkpoint
+        from vlm_sdk.models.internvl.image_processor import InternVLImageProcessor, benchmark_against_transformers
+        info = read_checkpoint(model_dir)
+        max_num = InternVLImageProcessor.from_preprocessor_config(info.preprocessor, info.hf_config).max_num
+        return {**benchmark_against_transformers(images, max_num=max_num), "max_num": max_num}
+    from vlm_sdk.models.qwen2_5_vl.image_processor import benchmark_against_transformers
+    return benchmark_against_transformers(images)
+
+
 def run_benchmark(args) -> int:
     from vlm_sdk import LLM, SamplingParams
     from vlm_sdk.cli import tiny_model_dir
-    from vlm_sdk.models.qwen2_5_vl.image_processor import benchmark_against_transformers
+    from vlm_sdk.model_loader import read_checkpoint
+    from vlm_sdk.models.registry import resolve
 
-    model_dir = args.model or str(tiny_model_dir("bench"))
-    images, convs, max_tokens = _workload(args.num_requests)
+    model_dir = args.model or str(tiny_model_dir("bench", args.family))
+    family = resolve([read_checkpoint(model_dir).architecture]).name
+    images, convs, max_tokens = _workload(args.num_requests, family)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    report: dict = {"model": model_dir, "device": device, "num_requests": args.num_requests,
-                    "max_tokens": max_tokens, "torch_threads": torch.get_num_threads()}
+    report: dict = {"model": model_dir, "family": family, "device": device, "num_requests": args.num_requests,
+                    "image_sizes": IMAGE_SIZES[family], "max_tokens": max_tokens,
+                    "torch_threads": torch.get_num_threads()}
 
-    report["preprocess"] = benchmark_against_transformers(images)
+    report["preprocess"] = _preprocess_report(family, model_dir, images)
 
     llm = LLM(model_dir, device=device, show_progress=False)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
@@ -62,10 +83,11 @@ def run_benchmark(args) -> int:
     ours_tokens = [o.token_ids for o in outs]
     useful = sum(max_tokens)
     report["ours"] = {"seconds": ours_s, "generated_tokens": sum(len(t) for t in ours_tokens),
-                      "tokens_per_s": useful / ours_s, "stats": llm.stats()}
+                      "tokens_per_s": useful / ours_s, "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+                      "stats": llm.stats()}
     del llm
 
-    hf = _run_transformers(model_dir, convs, max_tokens, args.hf_batch_size, device)
+    hf = _run_transformers(family, model_dir, convs, max_tokens, args.hf_batch_size, device)
     report["transformers"] = {k: v for k, v in hf.items() if k != "tokens"}
     report["transformers"]["tokens_per_s"] = useful / hf["seconds"]
     report["ratio"] = report["ours"]["tokens_per_s"] / report["transformers"]["tokens_per_s"]
@@ -76,32 +98,46 @@ def run_benchmark(args) -> int:
         print(json.dumps(report, indent=2, default=str))
     else:
         pre = report["preprocess"]
-        print(f"model {model_dir} on {device}, {torch.get_num_threads()} threads, {args.num_requests} requests, "
+        sizes = " and ".join(f"{w}x{h}" for w, h in IMAGE_SIZES[family])
+        print(f"model {model_dir} ({family}) on {device}, {torch.get_num_threads()} threads, {args.num_requests} "
+              f"requests with {sizes} images ({report['ours']['prompt_tokens']} prompt tokens), "
               f"max_tokens {min(max_tokens)}..{max(max_tokens)} ({useful} tokens in all)")
         print(f"  ours         {ours_s:7.2f} s  {report['ours']['tokens_per_s']:8.1f} tokens/s  (all requests at once)")
         print(f"  transformers {hf['seconds']:7.2f} s  {report['transformers']['tokens_per_s']:8.1f} tokens/s  "
               f"(static batches of {args.hf_batch_size})")
         print(f"  ratio ours/transformers: {report['ratio']:.2f}x; identical greedy outputs: "
               f"{same}/{len(convs)}")
-        print(f"  image preprocessing per 448x448 image: ours {pre['ours_ms_per_image']:.2f} ms, transformers "
+        print(f"  image preprocessing per image ({sizes}): ours {pre['ours_ms_per_image']:.2f} ms, transformers "
               f"{pre['transformers_ms_per_image']:.2f} ms (max abs diff {pre['max_abs_diff']:.2e})")
     return 0
 
 
-def _run_transformers(model_dir: str, convs, max_tokens, batch_size: int, device: str) -> dict:
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
-    from vlm_sdk.reference import hf_batch, hf_greedy, hf_image_processor, hf_prompt
+def _run_transformers(family: str, model_dir: str, convs, max_tokens, batch_size: int, device: str) -> dict:
+    from transformers import AutoTokenizer
+    from vlm_sdk import reference
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    if family == "internvl":
+        from transformers import InternVLForConditionalGeneration as model_cls
+        proc = reference.hf_internvl_image_processor(model_dir)
+    else:
+        from transformers import Qwen2_5_VLForConditionalGeneration as model_cls
+        proc = reference.hf_image_processor(model_dir)
+    model = model_cls.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    proc = hf_image_processor(model_dir)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
+    def prompt(conv):
+        if family == "internvl":
+            vision = model.config.vision_config
+            per_tile = int((proc.size["height"] // vision.patch_size[0]) ** 2 * model.config.downsample_ratio ** 2)
+            return reference.hf_internvl_prompt(tok, proc, model.config, conv, per_tile)
+        return reference.hf_prompt(tok, proc, model.config, conv)
+
     def run(batch_convs, batch_max):
-        prompts = [hf_prompt(tok, proc, model.config, c) for c in batch_convs]
-        batch = {k: v.to(device) for k, v in hf_batch(prompts, pad).items()}
-        rows = hf_greedy(model, batch, max(batch_max), eos_token_ids=None)
+        prompts = [prompt(c) for c in batch_convs]
+        batch = {k: v.to(device) for k, v in reference.hf_batch(prompts, pad).items()}
+        rows = reference.hf_greedy(model, batch, max(batch_max), eos_token_ids=None)
         return [r[:m] for r, m in zip(rows, batch_max)]
 
     run(convs[:2], [4, 4])  # warm-up

@@ -17,13 +17,16 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def tiny_model_dir(kind: str = "tiny") -> Path:
-    """The random-weight checkpoint used when no model is given, made once."""
+FAMILIES = ("qwen2_5_vl", "internvl")
+
+
+def tiny_model_dir(kind: str = "tiny", family: str = "qwen2_5_vl") -> Path:
+    """The random-weight checkpoint used when no model is given ("tiny", or "bench" ~100M), made once."""
     from vlm_sdk.testing import make_bench_checkpoint, make_tiny_checkpoint
-    path = cache_dir() / f"{kind}-qwen2_5_vl"
+    path = cache_dir() / f"{kind}-{family}"
     if not (path / "config.json").exists():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        (make_bench_checkpoint if kind == "bench" else make_tiny_checkpoint)(tmp)
+        (make_bench_checkpoint if kind == "bench" else make_tiny_checkpoint)(tmp, family=family)
         tmp.rename(path)
     return path
 
@@ -54,9 +57,10 @@ async def _chat(args) -> int:
     from vlm_sdk import AsyncLLM, SamplingParams
     model = args.model
     if model is None:
-        model = str(tiny_model_dir())
-        print(f"[vlm-sdk] no --model given: using a tiny Qwen2.5-VL-shaped checkpoint with RANDOM weights at "
-              f"{model}; its answer is gibberish. Pass --model /path/to/Qwen2.5-VL for a real one.",
+        model = str(tiny_model_dir(family=args.family))
+        name = {"qwen2_5_vl": "Qwen2.5-VL", "internvl": "InternVL"}[args.family]
+        print(f"[vlm-sdk] no --model given: using a tiny {name}-shaped checkpoint with RANDOM weights at "
+              f"{model}; its answer is gibberish. Pass --model /path/to/{name} for a real one.",
               file=sys.stderr)
     content = [{"type": "image", "image": p} for p in args.image] + [{"type": "text", "text": args.question}]
     messages = [{"role": "user", "content": content}]
@@ -94,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("question")
     chat.add_argument("--model", help="HF-format checkpoint directory (default: a tiny random one); with "
                       "--url, the served model name (default: the server's first)")
+    chat.add_argument("--family", choices=FAMILIES, default="qwen2_5_vl",
+                      help="shape of the built-in random checkpoint used without --model")
     chat.add_argument("--url", help="ask a running server (http://host:port) instead of loading a model")
     chat.add_argument("--api-key", default=os.environ.get("VLM_SDK_API_KEY"), help="with --url: bearer token "
                       "(default: $VLM_SDK_API_KEY)")
@@ -103,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--seed", type=int, default=None)
     chat.add_argument("--device", default=None)
     bench = sub.add_parser("bench", help="our engine vs transformers generate on the same checkpoint")
-    bench.add_argument("--model", help="checkpoint (default: a ~100M-parameter random Qwen2.5-VL)")
+    bench.add_argument("--model", help="checkpoint (default: a ~100M-parameter random one of --family)")
+    bench.add_argument("--family", choices=FAMILIES, default="qwen2_5_vl",
+                       help="shape of the default benchmark checkpoint (ignored with --model)")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--num-requests", type=int, default=16)
     bench.add_argument("--hf-batch-size", type=int, default=8)

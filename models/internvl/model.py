@@ -28,13 +28,15 @@ from vlm_sdk.models.internvl.vision import InternVisionConfig, InternVLVisionTow
 from vlm_sdk.models.lm_loading import finish_cpu_layout, load_with_lm_head
 from vlm_sdk.models.qwen2.decoder import Qwen2Decoder, Qwen2DecoderConfig
 
-# transformers 4.5x names of the -hf layout -> the names transformers 5 writes
+# legacy spellings of the -hf layout -> transformers 5's in-memory names
 _HF_ALIASES = (("language_model.lm_head.", "lm_head."), ("language_model.model.", "model.language_model."),
                ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."))
 _LLM_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "InternLM2ForCausalLM")
 
 
-def _hf_canonical(name: str) -> str:
+def hf_canonical_name(name: str) -> str:
+    """An -hf layout tensor name in transformers 5's in-memory spelling (the legacy spelling of 4.5x and of
+    transformers 5's save_pretrained is accepted too)."""
     for old, new in _HF_ALIASES:
         if name.startswith(old):
             return new + name[len(old):]
@@ -125,7 +127,7 @@ class InternVLForCausalLM(VisionLanguageModel):
         if self.internlm2:
             weights = internlm2_to_llama_names(weights, self.decoder_config, prefix="language_model.",
                                                out_prefix="language_model.")
-        canonical = _same if self.original_layout else _hf_canonical
+        canonical = _same if self.original_layout else hf_canonical_name
         load_with_lm_head(self, self.decoder, weights, self.checkpoint_map(), lm_head=self._lm_head_name,
                           canonical=canonical, source=source)
         finish_cpu_layout(self, self.decoder)

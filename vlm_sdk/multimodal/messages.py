@@ -79,7 +79,7 @@ def _positive(part: dict, key: str, where: str) -> int | None:
     if value is None and isinstance(part.get("image_url"), dict):
         value = part["image_url"].get(key)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise InvalidRequestError(f"{where}: {key} must be a positive integer, got {value!r}")
+        raise InvalidRequestError(f"{where}: {key} must be a positive integer, got {value!r}", param=key)
     return value
 
 
