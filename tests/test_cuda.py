@@ -28,3 +28,16 @@ def test_memory_utilization_sizes_cache_and_runs_bf16(tiny_ckpt):
     outs = llm.chat(list(conversations().values()), GREEDY)
     assert all(len(o.token_ids) >= 1 for o in outs)
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_internvl_cuda_greedy_equals_cpu_and_profiles(internvl_ckpt):
+    from test_internvl_model import conversations as internvl_conversations
+    convs = list(internvl_conversations().values())
+    cpu = LLM(internvl_ckpt, device="cpu", show_progress=False).chat(convs, GREEDY)
+    gpu = LLM(internvl_ckpt, device="cuda", dtype="float32", num_blocks=512, show_progress=False).chat(convs, GREEDY)
+    assert sum(a.token_ids == b.token_ids for a, b in zip(cpu, gpu)) >= len(convs) - 1
+    # the memory profile runs the largest image (max_num tiles + thumbnail) through the vision tower
+    sized = LLM(internvl_ckpt, device="cuda", memory_utilization=0.3, show_progress=False)
+    assert sized.engine.runner.max_vision_patches == 7
+    assert all(len(o.token_ids) >= 1 for o in sized.chat(convs, GREEDY))
+    assert sized.stats()["kv_blocks_used"] == 0

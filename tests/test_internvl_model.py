@@ -6,6 +6,8 @@ engine's own processor, so equal prompt ids also check our tiling and expansion.
 """
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -175,3 +177,14 @@ def test_registry_serves_both_layouts():
     fam = resolve(["InternVLChatModel"])
     assert fam.name == "internvl" and resolve(["InternVLForConditionalGeneration"]) == fam
     assert fam.model_cls is InternVLForCausalLM
+
+
+def test_original_layout_never_imports_remote_code(internvl_original_ckpt, tmp_path):
+    """config.json's auto_map names remote modules; put booby-trapped ones beside it: loading and
+    serving must not run them (no trust_remote_code anywhere)."""
+    ckpt = tmp_path / "with_remote_code"
+    shutil.copytree(internvl_original_ckpt, ckpt)
+    for name in ("configuration_internvl_chat.py", "modeling_internvl_chat.py", "tokenization_internlm2.py"):
+        (ckpt / name).write_text("raise RuntimeError('remote code was imported')\n")
+    out = LLM(ckpt, show_progress=False).chat(conversations()["one_image"], GREEDY)[0]
+    assert len(out.token_ids) >= 1
