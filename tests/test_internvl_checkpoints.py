@@ -34,28 +34,28 @@ def _count(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() for t in tensors.values())
 
 
-@pytest.fixture(scope="module")
-def hf_qwen(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ivl_hf_qwen"), family="internvl")
+# the session checkpoints of conftest.py, under the names these tests read best with
+@pytest.fixture
+def hf_qwen(internvl_ckpt) -> Path:
+    return internvl_ckpt
 
 
-@pytest.fixture(scope="module")
-def hf_llama(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ivl_hf_llama"), family="internvl", llm="llama")
+@pytest.fixture
+def hf_llama(internvl_llama_ckpt) -> Path:
+    return internvl_llama_ckpt
 
 
-@pytest.fixture(scope="module")
-def orig_qwen(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ivl_orig_qwen"), family="internvl", layout="original")
+@pytest.fixture
+def orig_qwen(internvl_original_ckpt) -> Path:
+    return internvl_original_ckpt
 
 
-@pytest.fixture(scope="module")
-def orig_internlm2(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ivl_orig_internlm2"), family="internvl", llm="llama",
-                                layout="original")
+@pytest.fixture
+def orig_internlm2(internvl_internlm2_ckpt) -> Path:
+    return internvl_internlm2_ckpt
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def hf_dirs(hf_qwen, hf_llama):
     return {"qwen2": hf_qwen, "llama": hf_llama}
 

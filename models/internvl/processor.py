@@ -20,7 +20,7 @@ import torch
 
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.image_io import load_image
-from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
+from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders
 from vlm_sdk.multimodal.messages import ImageRef, parse_messages
 from vlm_sdk.models.base import PromptProcessor
 from vlm_sdk.models.internvl.image_processor import InternVLImageProcessor
@@ -157,23 +157,8 @@ class InternVLProcessor(PromptProcessor):
 
     def build(self, template_messages: list[dict], images: list[ImageInput]) -> PromptInputs:
         ids = self.tokenizer.encode(self._render(template_messages), add_special_tokens=False)
-        token_ids, positions = [], []
-        it = iter(images)
-        for tok in ids:
-            if tok != self.image_token_id:
-                token_ids.append(tok)
-                continue
-            image = next(it, None)
-            if image is None:
-                raise InvalidRequestError(f"the prompt text contains more image placeholders than images were "
-                                          f"given; do not write {IMG_CONTEXT} in text parts")
-            token_ids.append(self.start_id)
-            positions.append(len(token_ids))
-            token_ids.extend([self.image_token_id] * image.num_tokens)
-            token_ids.append(self.end_id)
-        if len(positions) != len(images):
-            raise InvalidRequestError(f"the chat template rendered {len(positions)} image placeholders for "
-                                      f"{len(images)} images; the model's chat template must render every image part")
+        token_ids, positions = expand_image_placeholders(ids, images, self.image_token_id, IMG_CONTEXT,
+                                                         before=(self.start_id,), after=(self.end_id,))
         return PromptInputs(token_ids=token_ids, images=images, image_positions=positions)
 
     def image_setting_fixes(self, prompt: PromptInputs, capacity: int) -> dict[str, int]:

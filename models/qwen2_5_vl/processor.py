@@ -11,7 +11,7 @@ import torch
 from vlm_sdk.engine.capacity import max_pixels_fix
 from vlm_sdk.errors import InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.image_io import load_image
-from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
+from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders
 from vlm_sdk.multimodal.messages import ImageRef, parse_messages
 from vlm_sdk.models.base import PromptProcessor
 from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor, max_image_grid
@@ -140,21 +140,7 @@ class Qwen2_5_VLProcessor(PromptProcessor):
     def build(self, template_messages: list[dict], images: list[ImageInput]) -> PromptInputs:
         text = self.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        token_ids, positions = [], []
-        it = iter(images)
-        for tok in ids:
-            if tok != self.image_token_id:
-                token_ids.append(tok)
-                continue
-            image = next(it, None)
-            if image is None:
-                raise InvalidRequestError("the prompt text contains more image placeholders than images were given; "
-                                          "do not write <|image_pad|> in text parts")
-            positions.append(len(token_ids))
-            token_ids.extend([self.image_token_id] * image.num_tokens)
-        if len(positions) != len(images):
-            raise InvalidRequestError(f"the chat template rendered {len(positions)} image placeholders for "
-                                      f"{len(images)} images; the model's chat template must render every image part")
+        token_ids, positions = expand_image_placeholders(ids, images, self.image_token_id, "<|image_pad|>")
         mrope, delta = mrope_positions(token_ids, [im.grid_thw for im in images], self.image_token_id,
                                        self.merge_size)
         return PromptInputs(token_ids=token_ids, images=images, image_positions=positions,

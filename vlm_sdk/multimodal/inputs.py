@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vlm_sdk.errors import InvalidRequestError
+
 
 @dataclass
 class ImageInput:
@@ -38,3 +40,28 @@ class PromptInputs:
     @property
     def image_tokens(self) -> list[int]:
         return [im.num_tokens for im in self.images]
+
+
+def expand_image_placeholders(ids: list[int], images: list[ImageInput], placeholder_id: int, placeholder: str,
+                              before: tuple[int, ...] = (), after: tuple[int, ...] = ()) -> tuple[list[int], list[int]]:
+    """(token ids, image positions): each placeholder token in the rendered prompt becomes `before` +
+    `num_tokens` copies of the placeholder + `after`, in image order. `InvalidRequestError` when the
+    counts differ (a placeholder typed into a text part, or a chat template that drops image parts)."""
+    token_ids, positions = [], []
+    it = iter(images)
+    for tok in ids:
+        if tok != placeholder_id:
+            token_ids.append(tok)
+            continue
+        image = next(it, None)
+        if image is None:
+            raise InvalidRequestError("the prompt text contains more image placeholders than images were given; "
+                                      f"do not write {placeholder} in text parts")
+        token_ids.extend(before)
+        positions.append(len(token_ids))
+        token_ids.extend([placeholder_id] * image.num_tokens)
+        token_ids.extend(after)
+    if len(positions) != len(images):
+        raise InvalidRequestError(f"the chat template rendered {len(positions)} image placeholders for "
+                                  f"{len(images)} images; the model's chat template must render every image part")
+    return token_ids, positions
