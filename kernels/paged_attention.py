@@ -7,6 +7,8 @@ sequence.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -78,31 +80,75 @@ def _sdpa(q: torch.Tensor,  # [H, q_len, D]
                                           scale=scale)[0]  # [H, q_len, D]
 
 
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Sequences of a batched decode step attended together, their K/V padded to the group's longest."""
+    rows: torch.Tensor | None  # [n] int64 rows of the batch, None: the whole batch in order
+    blocks: torch.Tensor  # [n * max_blocks] int64 flat block ids
+    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool, keys each sequence has
+
+
+# A sequence joins the current group while its length is at most this times the group's shortest:
+# one padded batch for similar lengths (the common case), a few when they differ widely (short and
+# long image prompts), since padded keys cost gather bandwidth and attention work in every layer.
+GROUP_LENGTH_RATIO = 1.5
+MAX_GROUPS = 4
+
+
 def _decode_batched(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One query per sequence: gather every sequence's K/V padded to the longest and attend at once."""
-    block_size = k_cache.shape[1]
-    blocks, mask = _decode_layout(meta, block_size)  # same for every layer: built once per step
-    batch, length = mask.shape[0], mask.shape[-1]
+    """One query per sequence: gather each group's K/V padded to its longest and attend at once."""
+    groups = _decode_layout(meta, k_cache.shape[1])  # same for every layer: built once per step
+    if len(groups) == 1:
+        return _decode_group(q, k_cache, v_cache, groups[0], scale)
+    out = torch.empty_like(q)
+    for group in groups:
+        out[group.rows] = _decode_group(q.index_select(0, group.rows), k_cache, v_cache, group, scale)
+    return out
+
+
+def _decode_group(q, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
+    batch, length = group.mask.shape[0], group.mask.shape[-1]
     # index_select on the flat block axis is ~2.5x faster on the CPU than advanced indexing
-    k = k_cache.index_select(0, blocks).view(batch, length, *k_cache.shape[2:])  # [B, L, Hkv, D]
-    v = v_cache.index_select(0, blocks).view(batch, length, *v_cache.shape[2:])
+    k = k_cache.index_select(0, group.blocks).view(batch, length, *k_cache.shape[2:])  # [B, L, Hkv, D]
+    v = v_cache.index_select(0, group.blocks).view(batch, length, *v_cache.shape[2:])
     num_kv_heads = k_cache.shape[2]
-    group = q.shape[1] // num_kv_heads
-    # GQA folded into the query axis: the `group` query heads sharing a KV head become `group` queries
+    group_size = q.shape[1] // num_kv_heads
+    # GQA folded into the query axis: the `group_size` query heads sharing a KV head become queries
     # of it (one key set, no causal order among them), 5x faster on the CPU than enable_gqa
-    qg = q.view(batch, num_kv_heads, group, q.shape[2])  # [B, Hkv, G, D]
+    qg = q.view(batch, num_kv_heads, group_size, q.shape[2])  # [B, Hkv, G, D]
     o = F.scaled_dot_product_attention(qg, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-                                       attn_mask=mask, scale=scale)  # [B, Hkv, G, D]
+                                       attn_mask=group.mask, scale=scale)  # [B, Hkv, G, D]
     return o.reshape(batch, q.shape[1], q.shape[2])  # [B, H, D]
 
 
-def _decode_layout(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat block ids, key mask) of a batched decode step, built by the first layer and kept in
-    `meta.decode_layout` for the others."""
+def decode_groups(seq_lens: list[int]) -> list[list[int]]:
+    """Batch rows grouped by length (ascending): a new group starts when a length exceeds
+    GROUP_LENGTH_RATIO times the current group's shortest, at most MAX_GROUPS groups."""
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    groups = [[order[0]]]
+    for row in order[1:]:
+        if seq_lens[row] > GROUP_LENGTH_RATIO * seq_lens[groups[-1][0]] and len(groups) < MAX_GROUPS:
+            groups.append([])
+        groups[-1].append(row)
+    return groups
+
+
+def _decode_layout(meta: AttentionMetadata, block_size: int) -> tuple[DecodeGroup, ...]:
+    """The groups of a batched decode step, built by the first layer and kept in `meta.decode_layout`
+    for the others."""
     if meta.decode_layout is None:
-        max_blocks = (meta.max_seq_len + block_size - 1) // block_size
-        blocks = meta.block_tables[:, :max_blocks].reshape(-1).long()  # [B * nb]
-        key_pos = torch.arange(max_blocks * block_size, device=meta.seq_lens.device)
-        mask = (key_pos[None, :] < meta.seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
-        meta.decode_layout = (blocks, mask)
+        rows_of = decode_groups(meta.seq_lens_cpu)
+        layout = []
+        for rows in rows_of:
+            longest = max(meta.seq_lens_cpu[r] for r in rows)
+            max_blocks = (longest + block_size - 1) // block_size
+            whole = len(rows_of) == 1
+            index = None if whole else torch.tensor(rows, dtype=torch.long, device=meta.seq_lens.device)
+            tables = meta.block_tables if whole else meta.block_tables.index_select(0, index)
+            lens = meta.seq_lens if whole else meta.seq_lens.index_select(0, index)
+            blocks = tables[:, :max_blocks].reshape(-1).long()  # [n * nb]
+            key_pos = torch.arange(max_blocks * block_size, device=meta.seq_lens.device)
+            mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]  # [n, 1, 1, L]
+            layout.append(DecodeGroup(index, blocks, mask))
+        meta.decode_layout = tuple(layout)
     return meta.decode_layout

@@ -29,9 +29,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     # Filled by the attention op on first use within a step, shared by all layers: for a batched
-    # decode step, (flat block ids [batch * max_blocks] int64, key mask [batch, 1, 1, max_blocks *
-    # block_size] bool). Builders of the metadata leave it None.
-    decode_layout: tuple[torch.Tensor, torch.Tensor] | None = None
+    # decode step, the groups of similar-length sequences with their flat block ids and key masks
+    # (`kernels.paged_attention.DecodeGroup`). Builders of the metadata leave it None.
+    decode_layout: tuple | None = None
 
     @property
     def num_seqs(self) -> int:
