@@ -138,11 +138,11 @@ def _decode_layout(meta: AttentionMetadata, block_size: int) -> tuple[DecodeGrou
     for the others."""
     if meta.decode_layout is None:
         rows_of = decode_groups(meta.seq_lens_cpu)
+        whole = len(rows_of) == 1
         layout = []
         for rows in rows_of:
             longest = max(meta.seq_lens_cpu[r] for r in rows)
             max_blocks = (longest + block_size - 1) // block_size
-            whole = len(rows_of) == 1
             index = None if whole else torch.tensor(rows, dtype=torch.long, device=meta.seq_lens.device)
             tables = meta.block_tables if whole else meta.block_tables.index_select(0, index)
             lens = meta.seq_lens if whole else meta.seq_lens.index_select(0, index)

@@ -50,10 +50,7 @@ class Oracle:
 
     def prompt(self, conv) -> dict:
         from vlm_sdk.reference import hf_internvl_prompt
-        cfg = self.model.config
-        per_tile = int((cfg.vision_config.image_size[0] // cfg.vision_config.patch_size[0]) ** 2
-                       * cfg.downsample_ratio ** 2)
-        return hf_internvl_prompt(self.tokenizer, self.image_processor, cfg, conv, per_tile)
+        return hf_internvl_prompt(self.tokenizer, self.image_processor, self.model.config, conv)
 
     def greedy(self, conv) -> tuple[list[int], list[int]]:
         from vlm_sdk.reference import hf_greedy

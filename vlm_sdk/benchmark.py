@@ -129,9 +129,7 @@ def _run_transformers(family: str, model_dir: str, convs, max_tokens, batch_size
 
     def prompt(conv):
         if family == "internvl":
-            vision = model.config.vision_config
-            per_tile = int((proc.size["height"] // vision.patch_size[0]) ** 2 * model.config.downsample_ratio ** 2)
-            return reference.hf_internvl_prompt(tok, proc, model.config, conv, per_tile)
+            return reference.hf_internvl_prompt(tok, proc, model.config, conv)
         return reference.hf_prompt(tok, proc, model.config, conv)
 
     def run(batch_convs, batch_max):

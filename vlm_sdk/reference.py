@@ -51,9 +51,10 @@ def hf_internvl_image_processor(model_dir: str, **kwargs):
     return GotOcr2ImageProcessorPil.from_pretrained(model_dir, **kwargs)
 
 
-def hf_internvl_prompt(tokenizer, image_processor, config, messages, tokens_per_tile: int) -> dict:
+def hf_internvl_prompt(tokenizer, image_processor, config, messages) -> dict:
     """input_ids [1, L] and pixel_values [tiles, 3, S, S] for one conversation, transformers' way
-    (an image part's own `max_num` becomes that image's `max_patches`)."""
+    (an image part's own `max_num` becomes that image's `max_patches`; each tile is
+    `config.image_seq_length` image tokens, the number transformers' InternVLProcessor uses)."""
     template_messages, refs = parse_messages(messages)
     text = tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True)
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -67,7 +68,7 @@ def hf_internvl_prompt(tokenizer, image_processor, config, messages, tokens_per_
     expanded, it = [], iter(tiles)
     for tok in ids:
         if tok == config.image_token_id:
-            expanded.extend([start] + [tok] * (tokens_per_tile * next(it)) + [end])
+            expanded.extend([start] + [tok] * (config.image_seq_length * next(it)) + [end])
         else:
             expanded.append(tok)
     out = {"input_ids": torch.tensor([expanded])}

@@ -17,6 +17,7 @@ from typing import Mapping
 
 import torch
 
+from vlm_sdk.model_loader import iter_safetensors
 from vlm_sdk.models.internvl.model import hf_canonical_name
 from vlm_sdk.testing import _write_json
 
@@ -116,7 +117,7 @@ def convert_to_original_layout(hf_dir, out_dir, llm_layout: str = "auto", *, max
     if llm is None:
         raise ValueError(f"{src}: text_config model_type {text.get('model_type')!r} is not qwen2 or llama")
     llm_out = _llm_layout_for(llm, llm_layout)
-    tensors = {hf_canonical_name(k): v for k, v in _read_tensors(src).items()}
+    tensors = {hf_canonical_name(k): v for k, v in iter_safetensors(src, show_progress=False)}
 
     heads, kv_heads = text["num_attention_heads"], text["num_key_value_heads"]
     head_dim = text.get("head_dim") or text["hidden_size"] // heads
@@ -310,56 +311,15 @@ def _original_config(hf: dict, llm_out: str, max_num: int) -> dict:
     return config
 
 
-def _read_tensors(src: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in src.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors weights in {src}")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        for name, t in load_file(str(src / f)).items():
-            if name in tensors:
-                raise ValueError(f"tensor {name} is stored twice in {src}")
-            tensors[name] = t
-    return tensors
-
-
-def _parse_size(size) -> int:
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?B)\s*", str(size).upper())
-    if m is None:
-        raise ValueError(f"max_shard_size={size!r}: use an int or e.g. '200KB', '5MB', '1GB'")
-    return int(m.group(1)) * {"B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9}[m.group(2)]
-
-
 def _write_tensors(out: Path, tensors: dict[str, torch.Tensor], max_shard_size) -> None:
-    """One `model.safetensors`, or greedy shards in name order + an index when `max_shard_size` is given."""
+    """One `model.safetensors`, or shards + an index when `max_shard_size` (e.g. "200KB") is given."""
+    from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    names = sorted(tensors)
-    if max_shard_size is None:
-        save_file({n: tensors[n].contiguous() for n in names}, str(out / "model.safetensors"), metadata={"format": "pt"})
-        return
-    limit = _parse_size(max_shard_size)
-    shards: list[list[str]] = [[]]
-    size = 0
-    for n in names:
-        nbytes = tensors[n].numel() * tensors[n].element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(n)
-        size += nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: tensors[n].contiguous() for n in shard}, str(out / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    tensors = {n: tensors[n].contiguous() for n in sorted(tensors)}
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size or "1000GB")
+    for fname, names in split.filename_to_tensors.items():
+        save_file({n: tensors[n] for n in names}, str(out / fname), metadata={"format": "pt"})
+    if split.is_sharded:
+        _write_json(out / "model.safetensors.index.json",
+                    {"metadata": split.metadata, "weight_map": split.tensor_to_filename})

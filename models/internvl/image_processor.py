@@ -195,7 +195,10 @@ class InternVLImageProcessor:
 
     def num_tiles(self, width: int, height: int, max_num: int | None = None) -> int:
         rows, cols = self.grid(width, height, max_num)
-        n = rows * cols
+        return self.tiles_of_grid(rows * cols)
+
+    def tiles_of_grid(self, n: int) -> int:
+        """Tiles an image cut into `n` grid tiles becomes: plus the thumbnail when there is more than one."""
         return n + 1 if (self.use_thumbnail and n > 1) else n
 
     def __call__(self, image: Image.Image, max_num: int | None = None) -> torch.Tensor:
@@ -208,7 +211,7 @@ class InternVLImageProcessor:
         rows, cols = self.grid(width, height, max_num)
         s = self.image_size
         n = rows * cols
-        thumb = self.use_thumbnail and n > 1
+        thumb = self.tiles_of_grid(n) > n
         resized = np.asarray(image.resize((s * cols, s * rows), resample=self.resample))  # [s*rows, s*cols, 3]
         tiles = resized.reshape(rows, s, cols, s, 3).transpose(0, 2, 4, 1, 3)  # [rows, cols, 3, s, s] (view)
         out = np.empty((n + thumb, 3, s, s), dtype=np.float32)  # [tiles, 3, s, s]

@@ -23,7 +23,9 @@ from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders
 from vlm_sdk.multimodal.messages import ImageRef, parse_messages
 from vlm_sdk.models.base import PromptProcessor
+from vlm_sdk.model_loader import text_config
 from vlm_sdk.models.internvl.image_processor import InternVLImageProcessor
+from vlm_sdk.models.internvl.vision import InternVisionConfig
 
 IMG_CONTEXT, IMG_START, IMG_END = "<IMG_CONTEXT>", "<img>", "</img>"
 MAX_NUM_LIMIT = 256  # tiles one image may ask for; the published models use at most 40
@@ -35,20 +37,13 @@ def _field(config, key: str):
     return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
 
 
-def tokens_per_tile(hf_config, tile_size: int) -> int:
-    """Image tokens one tile becomes: (tile_size / patch_size)^2 * downsample_ratio^2."""
-    patch = _field(_field(hf_config, "vision_config"), "patch_size")
-    if isinstance(patch, (list, tuple)):
-        patch = patch[0]
-    ratio = _field(hf_config, "downsample_ratio")
-    if patch is None or ratio is None:
-        raise CheckpointError("config.json needs vision_config.patch_size and downsample_ratio for InternVL")
-    side = tile_size // int(patch)
-    merged = side * float(ratio)
-    if tile_size % int(patch) or merged != int(merged):
-        raise CheckpointError(f"InternVL tiles of {tile_size} pixels do not divide into patches of {patch} "
-                              f"and a pixel shuffle of downsample_ratio {ratio}")
-    return int(merged) ** 2
+def _tokens_per_tile(hf_config, tile_size: int) -> int:
+    """Image tokens one tile becomes, as the vision tower computes them."""
+    vision = InternVisionConfig.from_hf(hf_config, text_config(hf_config).hidden_size)
+    try:
+        return vision.tokens_per_tile(tile_size)
+    except ValueError as e:
+        raise CheckpointError(f"InternVL tiles of {tile_size} pixels (preprocessor_config.json): {e}") from e
 
 
 class InternVLProcessor(PromptProcessor):
@@ -73,9 +68,9 @@ class InternVLProcessor(PromptProcessor):
         if not self.original_layout and configured is not None and int(configured) != self.image_token_id:
             raise CheckpointError(f"config.json image_token_id is {configured} but the tokenizer gives "
                                   f"{IMG_CONTEXT} id {self.image_token_id}")
-        self.tokens_per_tile = tokens_per_tile(hf_config, image_processor.image_size)
+        self.tokens_per_tile = _tokens_per_tile(hf_config, image_processor.image_size)
         if max_num is not None:
-            _check_max_num(max_num, "max_dynamic_patch", image_processor.min_num)
+            _check_max_num(max_num, "max_dynamic_patch", "max_dynamic_patch", image_processor.min_num)
         self.max_num = max_num
         self.max_image_pixels = max_image_pixels
         self.max_image_tokens = max_image_tokens
@@ -100,8 +95,7 @@ class InternVLProcessor(PromptProcessor):
     def largest_image(self) -> ImageInput:
         """Zero pixels of the most tiles one image gets under the engine's max_num (the thumbnail
         included), for the memory profile and the vision tower's per-call tile cap."""
-        n = self.engine_max_num
-        tiles = n + 1 if (self.image_processor.use_thumbnail and n > 1) else n
+        tiles = self.image_processor.tiles_of_grid(self.engine_max_num)
         s = self.image_processor.image_size
         return ImageInput(torch.zeros(tiles, 3, s, s), (tiles, 1, 1), tiles * self.tokens_per_tile)
 
@@ -118,7 +112,7 @@ class InternVLProcessor(PromptProcessor):
                                           param=name)
         own = ref.max_num is not None
         if own:
-            _check_max_num(ref.max_num, f"image {index}: max_num", self.image_processor.min_num)
+            _check_max_num(ref.max_num, f"image {index}: max_num", "max_num", self.image_processor.min_num)
         max_num = ref.max_num if own else self.engine_max_num
         pil = load_image(ref.source, max_image_pixels=self.max_image_pixels)
         if own:
@@ -136,9 +130,8 @@ class InternVLProcessor(PromptProcessor):
         tokens = self.num_tiles(height, width, max_num) * self.tokens_per_tile
         if tokens <= limit:
             return
-        lowest = self.image_processor.min_num
-        best = next((v for v in range(max_num - 1, lowest - 1, -1)
-                     if self.num_tiles(height, width, v) * self.tokens_per_tile <= limit), None)
+        best = self._largest_max_num(max_num,
+                                     lambda v: self.num_tiles(height, width, v) * self.tokens_per_tile <= limit)
         fix = (f"Lower the image part's max_num to at most {best}." if best is not None
                else "No max_num fits: even the fewest tiles are too many tokens for max_model_len.")
         raise InvalidImageError(
@@ -168,17 +161,19 @@ class InternVLProcessor(PromptProcessor):
         if not follow:
             return {}
         fixed = len(prompt.token_ids) - sum(im.num_tokens for im in follow)
-        for v in range(self.engine_max_num - 1, self.image_processor.min_num - 1, -1):
-            tokens = fixed + sum(self.num_tiles(*im.source_size, v) for im in follow) * self.tokens_per_tile
-            if tokens <= capacity:
-                return {"max_dynamic_patch": v}
-        return {}
+        best = self._largest_max_num(self.engine_max_num, lambda v: fixed + self.tokens_per_tile * sum(
+            self.num_tiles(*im.source_size, v) for im in follow) <= capacity)
+        return {} if best is None else {"max_dynamic_patch": best}
+
+    def _largest_max_num(self, below: int, fits) -> int | None:
+        """The largest max_num under `below` (and not under the checkpoint's min) with `fits(max_num)`.
+        Scanned down one by one: tile counts need not shrink with max_num."""
+        return next((v for v in range(below - 1, self.image_processor.min_num - 1, -1) if fits(v)), None)
 
 
-def _check_max_num(value, name: str, min_num: int) -> None:
+def _check_max_num(value, name: str, param: str, min_num: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_NUM_LIMIT:
-        raise InvalidRequestError(f"{name} must be an integer from 1 to {MAX_NUM_LIMIT}, got {value!r}",
-                                  param=name.rsplit(": ", 1)[-1])
+        raise InvalidRequestError(f"{name} must be an integer from 1 to {MAX_NUM_LIMIT}, got {value!r}", param=param)
     if value < min_num:
         raise InvalidRequestError(f"{name}={value} is below the checkpoint's min_dynamic_patch ({min_num}); "
-                                  f"use at least {min_num}", param=name.rsplit(": ", 1)[-1])
+                                  f"use at least {min_num}", param=param)

@@ -101,6 +101,18 @@ class InternVisionConfig:
         """Patches per side folded into one token (1 / downsample_ratio)."""
         return round(1 / self.downsample_ratio)
 
+    def grid_of(self, tile_size: int) -> int:
+        """Patches per side of a tile; `ValueError` unless the pixel shuffle divides them evenly."""
+        p, s = self.patch_size, self.shuffle
+        if tile_size % p or (tile_size // p) % s:
+            raise ValueError(f"tile side {tile_size} must be a multiple of patch_size * (1 / downsample_ratio) "
+                             f"= {p * s}")
+        return tile_size // p
+
+    def tokens_per_tile(self, tile_size: int) -> int:
+        """Image tokens one tile becomes: (tile_size / patch_size)^2 * downsample_ratio^2 (256 for 448/14/0.5)."""
+        return (self.grid_of(tile_size) // self.shuffle) ** 2
+
     @classmethod
     def from_hf(cls, hf_config: Any, text_hidden_size: int) -> "InternVisionConfig":
         """From transformers' `InternVLConfig` (model_type "internvl") or the generic config of an
@@ -242,14 +254,7 @@ class InternVLVisionTower(nn.Module):
         self.requires_grad_(False)
 
     def tokens_per_tile(self, tile_size: int) -> int:
-        return (self._grid_of(tile_size) // self.cfg.shuffle) ** 2
-
-    def _grid_of(self, tile_size: int) -> int:
-        p, s = self.cfg.patch_size, self.cfg.shuffle
-        if tile_size % p or (tile_size // p) % s:
-            raise ValueError(f"tile side {tile_size} must be a multiple of patch_size * (1 / downsample_ratio) "
-                             f"= {p * s}")
-        return tile_size // p
+        return self.cfg.tokens_per_tile(tile_size)
 
     def _position_embedding(self, g: int) -> torch.Tensor:  # [1, 1 + g*g, C]
         """transformers' `interpolate_pos_encoding`: the patch part resized bicubically to a g x g grid."""
@@ -267,7 +272,7 @@ class InternVLVisionTower(nn.Module):
             raise ValueError(f"pixel_values must be [tiles, {self.cfg.num_channels}, S, S] (square tiles), "
                              f"got {list(pixel_values.shape)}")
         t, ch, side = pixel_values.shape[:3]
-        g, p, c = self._grid_of(side), self.cfg.patch_size, self.cfg.hidden_size
+        g, p, c = self.cfg.grid_of(side), self.cfg.patch_size, self.cfg.hidden_size
         w = self.patch_embed.weight
         x = pixel_values.to(device=w.device, dtype=w.dtype).reshape(t, ch, g, p, g, p)
         x = x.permute(0, 2, 4, 1, 3, 5).reshape(t, g * g, ch * p * p)  # [T, g*g, 3*p*p], conv weight order
