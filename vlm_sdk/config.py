@@ -37,6 +37,8 @@ class EngineArgs:
     max_image_pixels: int = 64_000_000  # refuse decoding anything larger (decompression bombs)
     seed: int = 0
     show_progress: bool = True
+    attention_backend: str | None = None  # "triton" (default on CUDA) or "torch" (default on the CPU)
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of from captured CUDA graphs
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -66,7 +68,9 @@ class EngineArgs:
             raise InvalidRequestError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
-        for name in ("show_progress",):
+        if self.attention_backend is not None and self.attention_backend not in ("torch", "triton"):
+            raise InvalidRequestError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+        for name in ("show_progress", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

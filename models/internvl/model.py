@@ -21,6 +21,7 @@ import torch
 
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
+from vlm_sdk.kernels.ops import KernelOps
 from vlm_sdk.model_loader import ParamSlot, config_from_dict
 from vlm_sdk.models.base import KVCache, VisionLanguageModel
 from vlm_sdk.models.internlm2.weights import internlm2_decoder_config, internlm2_to_llama_names
@@ -71,7 +72,9 @@ def _llm_config(hf_config: Any, original: bool) -> tuple[Any, str]:
 
 
 class InternVLForCausalLM(VisionLanguageModel):
-    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 ops: KernelOps | None = None):
+        """`ops` runs the decoder (the InternViT tiles are equal-length: batched SDPA serves them)."""
         super().__init__()
         self.original_layout = getattr(hf_config, "model_type", None) == "internvl_chat"
         llm, arch = _llm_config(hf_config, self.original_layout)
@@ -84,7 +87,7 @@ class InternVLForCausalLM(VisionLanguageModel):
             tied = bool(getattr(tie_source, "tie_word_embeddings", False))
             self.decoder_config = Qwen2DecoderConfig.from_hf(llm, tie_word_embeddings=tied, mrope=False)
         cfg = self.decoder_config
-        self.decoder = Qwen2Decoder(cfg, dtype, device)
+        self.decoder = Qwen2Decoder(cfg, dtype, device, ops)
         self.vision = InternVLVisionTower(InternVisionConfig.from_hf(hf_config, cfg.hidden_size), dtype, device)
         self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         self.hidden_size, self.vocab_size = cfg.hidden_size, cfg.vocab_size

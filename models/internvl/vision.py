@@ -30,9 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_sdk.errors import CheckpointError
+from vlm_sdk.kernels.ops import rms_norm
 from vlm_sdk.model_loader import ParamSlot
 from vlm_sdk.models.internvl.projector import InternVLProjector, pixel_shuffle
-from vlm_sdk.models.qwen2.decoder import linear, rms_norm
+from vlm_sdk.models.qwen2.decoder import linear
 
 _ACTIVATIONS = MappingProxyType({
     "gelu": F.gelu,  # exact erf GELU, as transformers' ACT2FN["gelu"] and InternVL's nn.GELU()

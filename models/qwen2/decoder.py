@@ -20,7 +20,7 @@ from torch import nn
 
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
-from vlm_sdk.kernels.paged_attention import paged_attention, write_kv_cache
+from vlm_sdk.kernels.ops import KernelOps, RotaryInputs, TorchOps
 from vlm_sdk.model_loader import ParamSlot
 
 
@@ -113,29 +113,13 @@ class Qwen2DecoderConfig:
                    tie_word_embeddings=tie_word_embeddings, attention_bias=qkv_bias, o_proj_bias=o_bias)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF RMSNorm: normalise in float32, cast back, then scale by the weight."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
-
-
 class RMSNorm(nn.Module):
+    """The weight and eps of an RMSNorm; the math is the kernel set's (`KernelOps.rms_norm`)."""
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def apply_rotary(x: torch.Tensor,  # [..., D]
-                 cos: torch.Tensor,  # broadcastable to [..., D // 2]
-                 sin: torch.Tensor) -> torch.Tensor:
-    """rotate_half RoPE with the cos/sin halves given once: x*cat(c,c) + rotate_half(x)*cat(s,s)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
@@ -160,6 +144,7 @@ class MRotaryEmbedding(nn.Module):
             [i % 3 for i, n in enumerate(mrope_section) for _ in range(n)]
         self.register_buffer("axis_of_freq", torch.tensor(axes, dtype=torch.long, device=device), persistent=False)
         self.mrope = mrope_section is not None
+        self.mrope_section = mrope_section
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.dim() == 1:  # [N] plain positions
@@ -173,8 +158,9 @@ class MRotaryEmbedding(nn.Module):
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen2DecoderConfig, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, cfg: Qwen2DecoderConfig, dtype: torch.dtype, device: torch.device | str, ops: KernelOps):
         super().__init__()
+        self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
@@ -186,30 +172,39 @@ class Qwen2DecoderLayer(nn.Module):
         self.gate_up_proj = linear(hidden, 2 * inter, False, dtype, device)
         self.down_proj = linear(inter, hidden, False, dtype, device)
 
-    def forward(self, x: torch.Tensor,  # [N, hidden]
-                cos: torch.Tensor, sin: torch.Tensor,  # [N, 1, D/2]
-                k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        n = x.shape[0]
+    def forward(self, x: torch.Tensor,  # [N, hidden]: the previous layer's output
+                residual: torch.Tensor | None,  # [N, hidden]: the residual stream before it; None for layer 0
+                rope: RotaryInputs, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it): the next norm adds them
+        (fused with the add), as HF's `x = x + mlp(norm(x))` does in two steps."""
+        ops, n = self.ops, x.shape[0]
         h, hkv = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(self.input_layernorm(x)).view(n, h + 2 * hkv, self.head_dim)  # [N, H+2Hkv, D]
-        qk = apply_rotary(qkv[:, :h + hkv], cos, sin)  # [N, H+Hkv, D]
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv:]
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        attn = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)  # [N, H, D]
-        x = x + self.o_proj(attn.reshape(n, h * self.head_dim))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)  # [N, I] each
-        return x + self.down_proj(F.silu(gate) * up)
+        norm = self.input_layernorm
+        if residual is None:
+            residual, normed = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            normed, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        qkv = self.qkv_proj(normed).view(n, h + 2 * hkv, self.head_dim)  # [N, H+2Hkv, D]
+        q, k = ops.rotary(qkv[:, :h], qkv[:, h:h + hkv], rope)  # [N, H, D], [N, Hkv, D]
+        v = qkv[:, h + hkv:]  # [N, Hkv, D]
+        ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)  # [N, H, D]
+        norm = self.post_attention_layernorm
+        normed, residual = ops.add_rms_norm(self.o_proj(attn.reshape(n, h * self.head_dim)), residual,
+                                            norm.weight, norm.eps)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(normed))), residual
 
 
 class Qwen2Decoder(nn.Module):
     def __init__(self, cfg: Qwen2DecoderConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", ops: KernelOps | None = None):
         super().__init__()
         self.cfg = cfg
+        self.ops = ops or TorchOps()
         self.embed_tokens = torch.nn.utils.skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size,
                                                      dtype=dtype, device=device)
-        self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg, dtype, device, self.ops) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, device)
         self.lm_head = None if cfg.tie_word_embeddings else linear(cfg.hidden_size, cfg.vocab_size, False,
@@ -226,11 +221,11 @@ class Qwen2Decoder(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:  # [N, hidden], after the final norm
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} decoder layers")
-        cos, sin = self.rotary(positions, inputs_embeds.dtype)  # [N, 1, D/2], shared by every layer
-        x = inputs_embeds
+        rope = self.ops.rotary_inputs(positions, self.rotary, inputs_embeds.dtype)  # shared by every layer
+        x, residual = inputs_embeds, None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, k_cache, v_cache, meta)
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def untie_lm_head(self, weight: torch.Tensor) -> None:
         """Give a tied decoder its own LM head (a checkpoint whose lm_head differs from the embedding)."""

@@ -13,6 +13,7 @@ import torch
 
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
+from vlm_sdk.kernels.ops import KernelOps
 from vlm_sdk.model_loader import ParamSlot
 from vlm_sdk.models.base import KVCache, VisionLanguageModel
 from vlm_sdk.models.lm_loading import finish_cpu_layout, load_with_lm_head
@@ -31,13 +32,14 @@ def _canonical(name: str) -> str:
 
 
 class Qwen2_5_VLForCausalLM(VisionLanguageModel):
-    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 ops: KernelOps | None = None):
         super().__init__()
         text = hf_config.text_config
         tied = bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
         self.decoder_config = Qwen2DecoderConfig.from_hf(text, tie_word_embeddings=tied, mrope=True)
-        self.decoder = Qwen2Decoder(self.decoder_config, dtype, device)
-        self.visual = Qwen2_5_VisionTransformer(hf_config.vision_config, dtype, device)
+        self.decoder = Qwen2Decoder(self.decoder_config, dtype, device, ops)
+        self.visual = Qwen2_5_VisionTransformer(hf_config.vision_config, dtype, device, ops)
         if self.visual.out_hidden_size != self.decoder_config.hidden_size:
             raise CheckpointError(f"vision_config.out_hidden_size {self.visual.out_hidden_size} != text hidden_size "
                                   f"{self.decoder_config.hidden_size}")

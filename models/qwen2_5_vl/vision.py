@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_sdk.model_loader import ParamSlot
-from vlm_sdk.models.qwen2.decoder import RMSNorm, apply_rotary, linear
+from vlm_sdk.kernels.ops import KernelOps, TorchOps, apply_rotary, rms_norm
+from vlm_sdk.models.qwen2.decoder import RMSNorm, linear
 
 _ACTIVATIONS = MappingProxyType({  # read-only: shared by every model instance
     "silu": F.silu,
@@ -33,46 +34,10 @@ _ACTIVATIONS = MappingProxyType({  # read-only: shared by every model instance
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
 })
 
-# segments of one attention pattern: (length, flat token indices of every segment of that length, or
-# None when all segments have this length and tile the sequence in order)
-SegmentPlan = list[tuple[int, torch.Tensor | None]]
-
-
-def segment_plan(lengths: list[int], device: torch.device | str) -> SegmentPlan:
-    """Group back-to-back segments by length so that each length is one batched attention call."""
-    if len(set(lengths)) == 1:
-        return [(lengths[0], None)]
-    groups: dict[int, list[int]] = {}
-    start = 0
-    for n in lengths:
-        groups.setdefault(n, []).append(start)
-        start += n
-    plan: SegmentPlan = []
-    for n, starts in groups.items():
-        idx = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(n)  # [num_segments, n]
-        plan.append((n, idx.flatten().to(device)))
-    return plan
-
-
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # [N, H, D]
-                      plan: SegmentPlan, scale: float) -> torch.Tensor:  # [N, H, D]
-    n_tok, heads, dim = q.shape
-    if plan[0][1] is None:
-        n = plan[0][0]
-        qs, ks, vs = (t.reshape(n_tok // n, n, heads, dim).transpose(1, 2) for t in (q, k, v))  # [S, H, n, D]
-        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
-        return o.transpose(1, 2).reshape(n_tok, heads, dim)
-    out = torch.empty_like(q)
-    for n, idx in plan:
-        qs, ks, vs = (t[idx].view(-1, n, heads, dim).transpose(1, 2) for t in (q, k, v))  # [S, H, n, D]
-        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
-        out[idx] = o.transpose(1, 2).reshape(-1, heads, dim)
-    return out
-
-
 class VisionBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, inter: int, act: str, dtype: torch.dtype, device):
+    def __init__(self, dim: int, heads: int, inter: int, act: str, dtype: torch.dtype, device, ops: KernelOps):
         super().__init__()
+        self.ops = ops
         self.heads, self.head_dim = heads, dim // heads
         self.scale = self.head_dim ** -0.5
         self.act = _ACTIVATIONS[act]
@@ -85,13 +50,13 @@ class VisionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor,  # [N, dim], window order
                 cos: torch.Tensor, sin: torch.Tensor,  # [N, 1, 1, head_dim / 2] float32
-                plan: SegmentPlan) -> torch.Tensor:
-        n = x.shape[0]
-        qkv = self.qkv(self.norm1(x)).view(n, 3, self.heads, self.head_dim)  # [N, 3, H, D]
+                plan: Any) -> torch.Tensor:  # `ops.segments` of windows or of whole images
+        ops, n = self.ops, x.shape[0]
+        qkv = self.qkv(ops.rms_norm(x, self.norm1.weight, self.norm1.eps)).view(n, 3, self.heads, self.head_dim)
         qk = apply_rotary(qkv[:, :2].float(), cos, sin).to(x.dtype)  # [N, 2, H, D], RoPE in float32 like HF
-        attn = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], plan, self.scale)  # [N, H, D]
+        attn = ops.segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], plan, self.scale)  # [N, H, D]
         x = x + self.proj(attn.reshape(n, -1))
-        gate, up = self.gate_up_proj(self.norm2(x)).chunk(2, dim=-1)
+        gate, up = self.gate_up_proj(ops.rms_norm(x, self.norm2.weight, self.norm2.eps)).chunk(2, dim=-1)
         return x + self.down_proj(self.act(gate) * up)
 
 
@@ -104,13 +69,15 @@ class PatchMerger(nn.Module):
         self.fc2 = linear(self.in_dim, out_dim, True, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N / merge_unit, out_dim]
-        return self.fc2(F.gelu(self.fc1(self.ln_q(x).view(-1, self.in_dim))))
+        return self.fc2(F.gelu(self.fc1(rms_norm(x, self.ln_q.weight, self.ln_q.eps).view(-1, self.in_dim))))
 
 
 class Qwen2_5_VisionTransformer(nn.Module):
-    def __init__(self, vision_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(self, vision_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 ops: KernelOps | None = None):
         super().__init__()
         c = vision_config
+        self.ops = ops or TorchOps()
         self.dim, self.heads = c.hidden_size, c.num_heads
         self.in_channels, self.patch_size, self.temporal_patch_size = c.in_channels, c.patch_size, c.temporal_patch_size
         self.merge = c.spatial_merge_size
@@ -128,7 +95,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         # Conv3d with kernel == stride over one patch is a matmul with the flattened kernel
         self.patch_embed = linear(self.patch_dim, c.hidden_size, False, dtype, device)
         self.blocks = nn.ModuleList(VisionBlock(c.hidden_size, c.num_heads, c.intermediate_size, c.hidden_act,
-                                                dtype, device) for _ in range(c.depth))
+                                                dtype, device, self.ops) for _ in range(c.depth))
         self.merger = PatchMerger(c.hidden_size, c.out_hidden_size, self.merge_unit, dtype, device)
         self.requires_grad_(False)
 
@@ -175,8 +142,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
         freqs = pos.float()[:, :, None] * self.inv_freq  # [N, 2, D/4]
         freqs = freqs.flatten(1)[:, None, None, :]  # [N, 1, 1, D/2]: h frequencies, then w frequencies
         cos, sin = freqs.cos(), freqs.sin()
-        window_plan = segment_plan(window_lens, device)
-        full_plan = segment_plan(image_lens, device)
+        window_plan = self.ops.segments(window_lens, device)
+        full_plan = self.ops.segments(image_lens, device)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, full_plan if i in self.fullatt_block_indexes else window_plan)
         merged = self.merger(x)  # [num_merged, out_hidden], window order

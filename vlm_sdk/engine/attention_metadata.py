@@ -27,7 +27,10 @@ class AttentionMetadata:
     query_lens_cpu: list[int]  # the same lengths as host ints, for loops without device syncs
     seq_lens_cpu: list[int]
     max_query_len: int
-    max_seq_len: int
+    max_seq_len: int  # the longest sequence; a CUDA-graph decode step is built with max_model_len here
+    # Triton decode: how many parts each sequence's context is split into (None: chosen from
+    # max_seq_len). Fixed per captured batch size, since a graph replays one launch grid.
+    num_splits: int | None = None
     # Filled by the attention op on first use within a step, shared by all layers: for a batched
     # decode step, the groups of similar-length sequences with their flat block ids and key masks
     # (`kernels.paged_attention.DecodeGroup`). Builders of the metadata leave it None.

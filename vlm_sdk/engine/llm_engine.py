@@ -22,6 +22,7 @@ from vlm_sdk.engine.profiler import profile_peak_bytes
 from vlm_sdk.engine.scheduler import Scheduler
 from vlm_sdk.engine.sequence import Sequence
 from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.kernels.ops import make_ops
 from vlm_sdk.model_loader import iter_safetensors, load_tokenizer, read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import PromptInputs
@@ -65,9 +66,10 @@ class LLMEngine:
         self.tokenizer = LockedTokenizer(load_tokenizer(model))
         self.eos_token_ids = set(info.eos_token_ids)
 
+        self.ops = make_ops(args.attention_backend, self.device)
         t0 = time.perf_counter()
         with torch.device(self.device):
-            self.model = family.model_cls(info.hf_config, dtype=self.dtype, device=self.device)
+            self.model = family.model_cls(info.hf_config, dtype=self.dtype, device=self.device, ops=self.ops)
         self.model.load_weights(iter_safetensors(model, show_progress=args.show_progress), source=info.model_dir)
         self.model.eval()
         self.load_seconds = time.perf_counter() - t0
