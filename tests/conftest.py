@@ -1,7 +1,15 @@
 """Shared fixtures: tiny Qwen2.5-VL and InternVL checkpoints with random weights, built once per test session."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
+
+# Triton kernels run on the CPU only in the interpreter, which is chosen when a kernel is defined:
+# set before anything imports vlm_sdk.kernels. A GPU machine runs them compiled.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

@@ -15,6 +15,7 @@ import torch
 from vlm_sdk.config import EngineArgs, SchedulerConfig
 from vlm_sdk.engine.block_manager import BlockManager, blocks_needed
 from vlm_sdk.engine.capacity import check_prompt_fits
+from vlm_sdk.engine.cuda_graphs import DecodeGraphs
 from vlm_sdk.engine.detokenizer import IncrementalDetokenizer
 from vlm_sdk.engine.kv_cache import allocate_kv_caches, bytes_per_block, plan_cache
 from vlm_sdk.engine.model_runner import ModelRunner
@@ -98,8 +99,13 @@ class LLMEngine:
         self.block_manager = BlockManager(self.cache_config.num_blocks, args.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         # vision runs in groups no bigger than the image the profile measured
+        graphs = None
+        if self.device.type == "cuda" and self.ops.graph_safe and not args.enforce_eager:
+            graphs = DecodeGraphs(self.model, kv_caches, max_num_seqs=args.max_num_seqs,
+                                  max_model_len=self.scheduler_config.max_model_len, block_size=args.block_size,
+                                  device=self.device, dtype=self.dtype)
         self.runner = ModelRunner(self.model, kv_caches, args.block_size, self.device, self.dtype, args.seed,
-                                  max_vision_patches=largest_image.pixel_values.shape[0])
+                                  max_vision_patches=largest_image.pixel_values.shape[0], graphs=graphs)
         self.requests: dict[str, Sequence] = {}
         self._next_id = 0
         # running totals since start-up, for /metrics counters

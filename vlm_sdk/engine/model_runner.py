@@ -6,11 +6,14 @@ through the vision tower in groups of at most `max_vision_patches` patches) and 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from vlm_sdk.models.base import VisionLanguageModel
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
 from vlm_sdk.engine.block_manager import slot_mapping
+from vlm_sdk.engine.cuda_graphs import DecodeGraphs
 from vlm_sdk.engine.sampler import Sampler
 from vlm_sdk.engine.scheduler import SchedulerOutput
 from vlm_sdk.engine.sequence import Sequence
@@ -19,13 +22,14 @@ from vlm_sdk.engine.sequence import Sequence
 class ModelRunner:
     def __init__(self, model: VisionLanguageModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                 max_vision_patches: int | None = None):
+                 max_vision_patches: int | None = None, graphs: DecodeGraphs | None = None):
         """`max_vision_patches` (None: no limit) caps the patches of one vision-tower call: the images
         of newly scheduled sequences are encoded in groups of at most that many patches (a group
         always holds at least one image), so a step never exceeds the profiled peak of one
         max_pixels image (`profiler.max_image_patches`)."""
         self.model = model
         self.max_vision_patches = max_vision_patches
+        self.graphs = graphs  # replays decode steps (CUDA graphs, or their padded path eagerly)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -37,16 +41,23 @@ class ModelRunner:
         """Compute the scheduled tokens; return {index in sched.scheduled: sampled token} for the
         sequences whose cached tokens caught up with all their tokens this step."""
         self._encode_images([seq for seq, _ in sched.scheduled if seq.needs_images and seq.image_embeds is None])
-        input_ids, positions, meta, sample_rows, sample_idx = self._prepare(sched)
-        embeds = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
-        self._scatter_image_embeds(sched, embeds)
-        hidden = self.model(embeds, positions, self.kv_caches, meta)  # [num_tokens, hidden]
-        if not sample_idx:
+        step = self._prepare(sched)
+        if self.graphs is not None and step.meta.decode_only and self.graphs.covers(len(sched.scheduled)) \
+                and not any(seq.num_computed_tokens < seq.num_prompt_tokens for seq, _ in sched.scheduled):
+            # generated tokens only: no image rows to scatter, so the captured forward covers it
+            meta = step.meta
+            hidden = self.graphs.run(step.input_ids, step.positions, meta.slot_mapping, meta.seq_lens,
+                                     meta.block_tables)  # [num_seqs, hidden]
+        else:
+            embeds = self.model.embed_tokens(step.input_ids)  # [num_tokens, hidden]
+            self._scatter_image_embeds(sched, embeds)
+            hidden = self.model(embeds, step.positions, self.kv_caches, step.meta)  # [num_tokens, hidden]
+        if not step.sample_idx:
             return {}
-        logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampled, vocab]
-        seqs = [sched.scheduled[i][0] for i in sample_idx]
+        logits = self.model.compute_logits(hidden[step.sample_rows])  # [num_sampled, vocab]
+        seqs = [sched.scheduled[i][0] for i in step.sample_idx]
         tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        return dict(zip(sample_idx, tokens))
+        return dict(zip(step.sample_idx, tokens))
 
     def _encode_images(self, seqs: list[Sequence]) -> None:
         if not seqs:
@@ -61,7 +72,8 @@ class ModelRunner:
         for seq, part in zip(seqs, embeds.split([sum(seq.prompt.image_tokens) for seq in seqs])):
             seq.image_embeds = part
 
-    def _prepare(self, sched: SchedulerOutput):
+    def _prepare(self, sched: SchedulerOutput) -> "StepInputs":
+        """Pack the step's inputs on the host and move them to the device in one copy."""
         ids, pos, slots, block_tables = [], [], [], []
         query_lens, seq_lens, sample_rows, sample_idx = [], [], [], []
         row = 0
@@ -77,20 +89,27 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_rows.append(row - 1)
                 sample_idx.append(i)
+        num_tokens, batch = row, len(query_lens)
         width = max(len(b) for b in block_tables)
-        tables = torch.tensor([b + [0] * (width - len(b)) for b in block_tables], dtype=torch.int32)
-        q_start = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        dev = self.device
+        q_start = [0]
+        for n in query_lens:
+            q_start.append(q_start[-1] + n)
+        # one int64 host buffer: ids | slots | q_start | seq_lens | sample rows | tables, then positions
+        flat = torch.tensor(ids + slots + q_start + seq_lens + sample_rows
+                            + [b for t in block_tables for b in t + [0] * (width - len(t))], dtype=torch.int64)
+        host = torch.cat([flat, torch.cat(pos, dim=1).flatten()])
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        parts = dev[:flat.numel()].split([num_tokens, num_tokens, batch + 1, batch, len(sample_rows),
+                                          batch * width])
+        input_ids, slot_map, q_start_d, seq_lens_d, sample_rows_d, tables = parts
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            query_start_loc=q_start.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=tables.to(dev, non_blocking=True),
-            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
+            slot_mapping=slot_map, query_start_loc=q_start_d.int(), seq_lens=seq_lens_d.int(),
+            block_tables=tables.view(batch, width).int(), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens), max_seq_len=max(seq_lens))
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
-        positions = torch.cat(pos, dim=1).to(dev, non_blocking=True)  # [3, num_tokens]
-        return input_ids, positions, meta, torch.tensor(sample_rows, device=dev), sample_idx
+        positions = dev[flat.numel():].view(3, num_tokens)  # [3, num_tokens]
+        return StepInputs(input_ids, positions, meta, sample_rows_d, sample_idx)
 
     def _scatter_image_embeds(self, sched: SchedulerOutput, embeds: torch.Tensor) -> None:
         row = 0
@@ -104,6 +123,15 @@ class ModelRunner:
                     rows = (index[lo:hi] - start + row).to(embeds.device)
                     embeds[rows] = seq.image_embeds[lo:hi].to(embeds.dtype)
             row += n
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [3, num_tokens] int64
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [num_sampled] int64 rows of the hidden states to sample from
+    sample_idx: list[int]  # their indices in sched.scheduled
 
 
 def _patch_groups(patches: list[int], limit: int | None) -> list[range]:

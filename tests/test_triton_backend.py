@@ -1,0 +1,122 @@
+"""The engine on the Triton kernels (`attention_backend="triton"`) against the torch reference backend.
+
+On the CPU the kernels run in the Triton interpreter (conftest sets TRITON_INTERPRET=1), which is
+slow: few conversations, few tokens. `pytest -m cuda` runs the same checks compiled on a GPU.
+"""
+import os
+
+import pytest
+import torch
+
+from helpers import conversations
+from vlm_sdk import LLM, SamplingParams
+from vlm_sdk.config import EngineArgs
+from vlm_sdk.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.kernels.ops import make_ops
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+ON_GPU = torch.cuda.is_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not ON_GPU, reason="needs CUDA")])]
+
+
+def _interpreter_or_gpu(device: str) -> None:
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+
+
+@pytest.fixture(scope="module")
+def convs():
+    c = conversations()
+    return [c["text"], c["one_image"], c["two_images"]]
+
+
+@pytest.fixture(scope="module")
+def torch_outputs(tiny_ckpt, convs):
+    llm = LLM(tiny_ckpt, device="cpu", attention_backend="torch", show_progress=False)
+    return [o.token_ids for o in llm.chat(convs, GREEDY)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_greedy_equals_torch(tiny_ckpt, convs, torch_outputs, device):
+    """Batched prefill (whole prompts, images through varlen attention) then batched decode."""
+    _interpreter_or_gpu(device)
+    llm = LLM(tiny_ckpt, device=device, dtype="float32", attention_backend="triton", num_blocks=64,
+              show_progress=False)
+    assert llm.engine.ops.name == "triton"
+    outs = llm.chat(convs, GREEDY)
+    assert [o.token_ids for o in outs] == torch_outputs
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_triton_hidden_states_match_torch(tiny_ckpt):
+    """One forward on both kernel sets, compared before sampling: a mixed step of a whole prompt, a
+    chunk over earlier context and a decode row."""
+    _interpreter_or_gpu("cpu")
+    from vlm_sdk.engine.attention_metadata import AttentionMetadata
+    from vlm_sdk.engine.kv_cache import allocate_kv_caches
+    from vlm_sdk.config import CacheConfig
+
+    ref = LLM(tiny_ckpt, attention_backend="torch", show_progress=False).engine.model
+    tri = LLM(tiny_ckpt, attention_backend="triton", show_progress=False).engine.model
+    block = 16
+    # earlier context: seq 1 has 21 cached tokens, seq 2 has 32 (ends on a block boundary)
+    ctx, new = [0, 21, 32], [19, 7, 1]
+    tables = [[0, 1], [2, 3, 4], [5, 6, 7]]
+    cache = CacheConfig(block, 8, 0, "test")
+    outs = []
+    for model in (ref, tri):
+        caches = allocate_kv_caches(model.num_layers, cache, model.num_kv_heads, model.head_dim, torch.float32,
+                                    torch.device("cpu"))
+        for k, v in caches:  # the same earlier K/V for both
+            k.copy_(torch.randn(k.shape, generator=torch.Generator().manual_seed(1)))
+            v.copy_(torch.randn(v.shape, generator=torch.Generator().manual_seed(2)))
+        slots = [t[p // block] * block + p % block for c, n, t in zip(ctx, new, tables) for p in range(c, c + n)]
+        seq_lens = [c + n for c, n in zip(ctx, new)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor([0, 19, 26, 27], dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32),
+            query_lens_cpu=new, seq_lens_cpu=seq_lens, max_query_len=19, max_seq_len=33)
+        ids = torch.randint(0, model.vocab_size, (27,), generator=torch.Generator().manual_seed(3))
+        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, new)]).expand(3, -1)
+        with torch.inference_mode():
+            outs.append(model(model.embed_tokens(ids), positions, caches, meta))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+
+
+def test_padded_decode_path_equals_torch(tiny_ckpt, convs, torch_outputs):
+    """The static buffers and padding rows that the CUDA graphs replay, run eagerly on the CPU: a
+    batch of 3 runs as the padded size 4 (slot -1, seq_len 0), a lone request as size 1."""
+    _interpreter_or_gpu("cpu")
+    llm = LLM(tiny_ckpt, attention_backend="triton", max_num_seqs=4, num_blocks=64, show_progress=False)
+    eng = llm.engine
+    graphs = DecodeGraphs(eng.model, eng.runner.kv_caches, max_num_seqs=4,
+                          max_model_len=eng.scheduler_config.max_model_len, block_size=eng.args.block_size,
+                          device=eng.device, dtype=eng.dtype, capture=False)
+    assert graphs.sizes == [1, 2, 4]
+    eng.runner.graphs = graphs
+    calls = []
+    run = graphs.run
+    graphs.run = lambda *a: calls.append(a[0].shape[0]) or run(*a)
+    assert [o.token_ids for o in llm.chat(convs, GREEDY)] == torch_outputs
+    assert 3 in calls  # decode steps of all three went through the padded path
+    assert [o.token_ids for o in llm.chat(convs[:1], GREEDY)] == torch_outputs[:1]
+    assert 1 in calls
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(4) == [1, 2, 4]
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_triton_on_cpu_without_interpreter_names_the_fix(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(InvalidRequestError, match="TRITON_INTERPRET=1.*attention_backend='torch'"):
+        make_ops("triton", torch.device("cpu"))
+    assert make_ops(None, torch.device("cpu")).name == "torch"
+    with pytest.raises(InvalidRequestError, match="attention_backend must be 'torch' or 'triton', got 'flash'"):
+        EngineArgs.from_kwargs(attention_backend="flash")

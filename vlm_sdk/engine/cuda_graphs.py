@@ -1,0 +1,124 @@
+"""Decode steps replayed from CUDA graphs: one graph per batch size in `capture_sizes`.
+
+A decode step of a 3B model launches some 400 small kernels (36 layers x norm, matmuls, rotary,
+store, attention...). Launched one by one from Python that is several ms of CPU time per step, more
+than the GPU needs to read the weights; a graph replays them all with one launch.
+
+A graph replays fixed addresses and a fixed grid, so every input lives in a static buffer sized for
+the largest batch, and a step of `n` sequences runs the graph of the smallest captured size >= n with
+the rows past `n` padded:
+
+    rows        0 .. n-1 (real)              n .. size-1 (padding)
+    input_ids   the new tokens               0
+    positions   their positions              0
+    slot        their cache slots            -1   (store_kv skips it: no cache write)
+    seq_lens    their lengths                0    (paged_attention_decode writes zeros)
+    block rows  their block tables           stale, never read past seq_len
+
+The attention grid splits each context into `num_splits` parts fixed per size (chosen for
+max_model_len); the kernel sizes the parts from each sequence's own length, so one grid serves every
+length. Steps the graphs do not cover (prefill chunks, batches larger than the largest size) run
+eagerly. With `capture=False` the same buffers and padding run eagerly: the CPU tests use that to check
+the padding path that the graphs replay.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from vlm_sdk.engine.attention_metadata import AttentionMetadata
+
+logger = logging.getLogger("vlm_sdk")
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to max_num_seqs (always included): padding wastes at most 7 rows."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], *, max_num_seqs: int,
+                 max_model_len: int, block_size: int, device: torch.device, dtype: torch.dtype,
+                 capture: bool = True):
+        from vlm_sdk.kernels.paged_attention_decode import choose_num_splits
+
+        self.model, self.kv_caches = model, kv_caches
+        self.max_model_len = max_model_len
+        self.sizes = capture_sizes(max_num_seqs)
+        biggest = self.sizes[-1]
+        max_blocks = -(-max_model_len // block_size)
+        self.input_ids = torch.zeros(biggest, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(3, biggest, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((biggest,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(biggest, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(biggest, max_blocks, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(biggest + 1, dtype=torch.int32, device=device)
+        self.num_splits = {size: choose_num_splits(size, model.num_kv_heads, max_model_len, device)
+                           for size in self.sizes}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        if capture:
+            self._capture_all(device)
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
+            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
+            query_lens_cpu=[1] * size, seq_lens_cpu=[self.max_model_len] * size,
+            max_query_len=1, max_seq_len=self.max_model_len, num_splits=self.num_splits[size])
+
+    def _forward(self, size: int) -> torch.Tensor:  # [size, hidden]
+        embeds = self.model.embed_tokens(self.input_ids[:size])
+        return self.model(embeds, self.positions[:, :size], self.kv_caches, self._meta(size))
+
+    @torch.inference_mode()
+    def _capture_all(self, device: torch.device) -> None:
+        t0 = time.perf_counter()
+        pool = None
+        for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
+            self._forward(size)  # warm-up: Triton compiles and autotunes outside the capture
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize(device)
+        self.capture_seconds = time.perf_counter() - t0
+        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.sizes), self.sizes,
+                    self.capture_seconds)
+
+    def covers(self, batch: int) -> bool:
+        return batch <= self.max_batch
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor,  # [n] int64
+            positions: torch.Tensor,  # [3, n] int64
+            slot_mapping: torch.Tensor,  # [n] int64
+            seq_lens: torch.Tensor,  # [n] int32
+            block_tables: torch.Tensor,  # [n, width] int32
+            ) -> torch.Tensor:  # [n, hidden]
+        n = input_ids.shape[0]
+        size = next(s for s in self.sizes if s >= n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:, :n].copy_(positions)
+        self.slot_mapping[:n].copy_(slot_mapping)
+        self.seq_lens[:n].copy_(seq_lens)
+        self.block_tables[:n, :block_tables.shape[1]].copy_(block_tables)
+        if size > n:
+            self.input_ids[n:size].zero_()
+            self.positions[:, n:size].zero_()
+            self.slot_mapping[n:size].fill_(-1)
+            self.seq_lens[n:size].zero_()
+        if size in self.graphs:
+            self.graphs[size].replay()
+            return self.outputs[size][:n]
+        return self._forward(size)[:n]
