@@ -1,0 +1,297 @@
+"""Decode attention over a paged KV cache: one query token per sequence ("flash decoding").
+
+out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b, where K_b / V_b are the first seq_lens[b] keys of
+sequence b, key p living in cache block block_tables[b, p // block_size] at offset p % block_size
+(caches [num_blocks, block_size, num_kv_heads, head_dim]). Query head h reads KV head h // group
+(GQA, group = H / Hkv). A row with seq_len 0 (CUDA-graph padding) gets zeros.
+
+Why the kernel is shaped this way. Decode is bound by reading the KV cache, so:
+- One program per (sequence, KV head, split) handles ALL `group` query heads of its KV head: each K/V
+  tile is read once for the whole group, and the group (padded to >= 16 rows) makes the scores a real
+  tl.dot ([G, D] x [D, BLOCK_N]) instead of a per-head reduction.
+- A batch of a few sequences x few KV heads is far fewer programs than SMs, so the context is cut
+  into `num_splits` pieces ("flash decoding"). The split length is computed IN the kernel from each
+  sequence's own length (cdiv(seq_len, num_splits) rounded up to the key tile), so one host-side
+  num_splits (fixed at CUDA-graph capture) serves every length; splits left empty by a short
+  sequence write lse = -inf and weigh nothing in the merge.
+- Each split runs an fp32 online softmax over tiles of BLOCK_N keys, gathering every key's page from
+  the block table (page = table[p // block_size]), so any block_size works and tiles may straddle
+  pages. It writes a normalised partial output and its log-sum-exp (base 2); a second small kernel
+  merges the splits. With num_splits == 1 the first kernel writes the output directly.
+The launcher never reads device data on the host (it runs inside CUDA-graph capture).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LOG2E = 1.4426950408889634
+# a split shorter than this costs more in the merge and launch than it wins in parallelism
+_MIN_SPLIT_TOKENS = 256
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_split_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+        out_ptr, part_out_ptr, part_lse_ptr,
+        scale_log2,  # softmax scale * log2(e): the kernel works in base 2 (exp2 is the fast path)
+        num_splits,
+        stride_qb, stride_qh,
+        stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh,
+        stride_bt, stride_sl,
+        stride_ob, stride_oh,
+        BLOCK_SIZE: tl.constexpr,  # cache block: constexpr so p // BLOCK_SIZE is a shift for powers of 2
+        GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        DIRECT: tl.constexpr, IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+
+    seq_len = tl.load(seq_lens_ptr + b * stride_sl).to(tl.int32)
+    # plain arithmetic, not tl.cdiv: a nested jit call costs ~4 ms per program in the interpreter
+    split_len = ((seq_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)  # start >= end: nothing to do, lse = -inf
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g  # [BLOCK_G] query heads of this KV head
+
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = block_tables_ptr + b * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n  # [BLOCK_N]
+        mask_n = pos < end
+        # int64: page * stride overflows int32 on big caches
+        page = tl.load(table + pos // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+        slot = pos % BLOCK_SIZE
+        mask_kv = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_base + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
+                    mask=mask_kv, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))  # [BLOCK_G, BLOCK_N] fp32
+        qk = tl.where(mask_n[None, :], qk * scale_log2, float("-inf"))
+        # every tile holds >= 1 key (n0 < end), so m_new is finite and no row gets NaN
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+                    mask=mask_kv, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # no keys: acc is 0, so zeros
+    mask_o = mask_g[:, None] & mask_d[None, :]
+    if DIRECT:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mask_o)
+    else:
+        row = (b * num_heads + heads) * num_splits + split  # [BLOCK_G] into [B, H, S]
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_o)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=mask_g)
+
+
+@triton.jit
+def _decode_merge_kernel(
+        part_out_ptr, part_lse_ptr, out_ptr, num_splits,
+        stride_ob, stride_oh,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    row = (b * tl.num_programs(1) + h) * num_splits + offs_s  # [BLOCK_S]
+    lse = tl.load(part_lse_ptr + row, mask=offs_s < num_splits, other=float("-inf"))
+    valid = lse > float("-inf")
+    m = tl.max(lse, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)  # seq_len 0: every split empty, weights all 0
+    w = tl.exp2(lse - m)  # [BLOCK_S], 0 for empty splits
+    # empty splits' partials are never read: they need not be finite
+    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                   mask=valid[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    denom = tl.sum(w, 0)
+    o = tl.sum(part * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)  # [BLOCK_D]
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def _block_n(head_dim: int) -> int:
+    return 64 if head_dim <= 128 else 32
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device) -> int:
+    """Context splits for a decode step: about four programs per SM on CUDA (a program keeps ~one
+    K/V tile in flight, so several per SM hide DRAM latency), each split at least _MIN_SPLIT_TOKENS
+    keys; a few on the CPU (the interpreter pays per program). Host ints only."""
+    device = torch.device(device)
+    max_seq_len = max(int(max_seq_len), 1)
+    if device.type == "cuda":
+        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        splits = triton.cdiv(4 * sm_count, max(batch * num_kv_heads, 1))
+        splits = min(splits, triton.cdiv(max_seq_len, _MIN_SPLIT_TOKENS), _MAX_SPLITS)
+    else:
+        splits = min(8, triton.cdiv(max_seq_len, 512))
+    splits = max(splits, 1)
+    # as many splits as the longest sequence's tiles fill: 9 requested for 64 tiles would leave
+    # the ninth empty (8 tiles each), so ask for 8
+    tiles = triton.cdiv(max_seq_len, _block_n(128))
+    return triton.cdiv(tiles, triton.cdiv(tiles, splits))
+
+
+def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(f"q must be [B, H, D] and k_cache [num_blocks, block_size, Hkv, D], "
+                         f"got {tuple(q.shape)} and {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match k_cache "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype}")
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q heads {num_heads} x dim {head_dim} do not fit the cache's "
+                         f"{num_kv_heads} KV heads x dim {k_cache.shape[3]}")
+    if q.dtype not in _DTYPES or k_cache.dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtypes q {q.dtype}, cache {k_cache.dtype}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("q, k_cache and v_cache need a contiguous last dim")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be [B={batch}, max_blocks] with contiguous rows, "
+                         f"got {tuple(block_tables.shape)}")
+    if seq_lens.shape != (batch,):
+        raise ValueError(f"seq_lens must be [B={batch}], got {tuple(seq_lens.shape)}")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+                    ("seq_lens", seq_lens)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1
+                            or out.device != q.device):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with a contiguous "
+                         f"last dim, got {tuple(out.shape)} {out.dtype}")
+
+
+def paged_attention_decode(q: torch.Tensor,  # [B, H, D], last dim contiguous
+                           k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+                           v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+                           block_tables: torch.Tensor,  # [B, max_blocks] int32/int64
+                           seq_lens: torch.Tensor,  # [B] int32/int64
+                           scale: float,
+                           num_splits: int | None = None,
+                           max_seq_len: int | None = None,
+                           out: torch.Tensor | None = None,  # [B, H, D]
+                           ) -> torch.Tensor:  # [B, H, D]
+    _check(q, k_cache, v_cache, block_tables, seq_lens, out)
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, q.device)
+    if int(num_splits) < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    num_splits = int(num_splits)
+
+    group = num_heads // num_kv_heads
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    block_n = _block_n(head_dim)
+    direct = num_splits == 1
+    if direct:
+        part_out = part_lse = out  # unused
+    else:
+        part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
+                               device=q.device)  # [B, H, S, D]
+        part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32,
+                               device=q.device)  # [B, H, S], base-2 log-sum-exp
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        float(scale) * _LOG2E, num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), seq_lens.stride(0),
+        out.stride(0), out.stride(1),
+        BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 16),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        DIRECT=direct, IEEE=q.dtype == torch.float32,
+        # 3 stages: the pipeliner prefetches the block-table entries two tiles ahead and K/V one
+        # tile ahead (cp.async); with 2 the table gather stalls every iteration
+        num_warps=4, num_stages=3)
+    if not direct:
+        _decode_merge_kernel[(batch, num_heads)](
+            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4)
+    return out
+
+
+def paged_attention_decode_ref(q: torch.Tensor,  # [B, H, D]
+                               k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+                               v_cache: torch.Tensor,
+                               block_tables: torch.Tensor,  # [B, max_blocks]
+                               seq_lens: torch.Tensor,  # [B]
+                               scale: float,
+                               num_splits: int | None = None,  # unused: same signature as the kernel
+                               max_seq_len: int | None = None,
+                               out: torch.Tensor | None = None,
+                               ) -> torch.Tensor:  # [B, H, D]
+    """Batched torch reference with no host sync: gathers max_seq_len (or the whole table's) keys per
+    sequence, masks those past seq_len, softmax in fp32. Table entries past a sequence's blocks may
+    be anything (they are clamped to block 0 and masked)."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_blocks = block_tables.shape[1]
+    if max_seq_len is not None:
+        num_blocks = min(num_blocks, max(1, math.ceil(max_seq_len / block_size)))
+    length = num_blocks * block_size
+    key_pos = torch.arange(length, device=q.device)  # [L]
+    keep = key_pos[None, :] < seq_lens[:, None].long()  # [B, L]
+    block_used = keep.view(batch, num_blocks, block_size)[:, :, 0]  # [B, nb]
+    blocks = torch.where(block_used, block_tables[:, :num_blocks].long(), 0)  # [B, nb]
+    # slots past seq_len may hold anything (NaN in a fresh cache): zero them, or 0 * NaN leaks
+    kept = keep[:, :, None, None]
+    k = torch.where(kept, k_cache[blocks].view(batch, length, num_kv_heads, head_dim).float(), 0.0)
+    v = torch.where(kept, v_cache[blocks].view(batch, length, num_kv_heads, head_dim).float(), 0.0)
+    group = num_heads // num_kv_heads
+    qg = q.float().reshape(batch, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale  # [B, Hkv, G, L]
+    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(keep.any(-1)[:, None, None, None], probs, 0.0)  # seq_len 0: NaN -> zeros
+    o = torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(batch, num_heads, head_dim)
+    if out is None:
+        return o.to(q.dtype)
+    out.copy_(o)
+    return out
