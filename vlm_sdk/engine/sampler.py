@@ -2,7 +2,8 @@
 
 A request with a seed draws from its own `torch.Generator`, so its tokens depend only on its own
 logits, never on which other requests share the batch. Requests without one share the engine's
-generator.
+generator. Everything but the seeded draws stays on the logits' device: on CUDA a batch of 64
+sampled rows never copies its 64 x vocab logits to the host.
 """
 from __future__ import annotations
 
@@ -13,40 +14,53 @@ from vlm_sdk.sampling_params import SamplingParams
 
 class Sampler:
     def __init__(self, seed: int = 0):
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.generators: dict[torch.device, torch.Generator] = {}  # the shared one, per logits device
+
+    def _shared(self, device: torch.device) -> torch.Generator:
+        if device not in self.generators:
+            self.generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return self.generators[device]
 
     def __call__(self, logits: torch.Tensor,  # [num_seqs, vocab] float32
                  params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
-        greedy_tokens = logits.argmax(dim=-1).tolist()
+        tokens = logits.argmax(dim=-1)  # [num_seqs]
         if all(p.greedy for p in params):
-            return greedy_tokens
-        tokens = list(greedy_tokens)
+            return tokens.tolist()
+        dev = logits.device
         rows = [i for i, p in enumerate(params) if not p.greedy]
-        # sample on the host: per-request generators are CPU generators, and rows are few
-        probs = self._probs(logits[rows].float().cpu(), [params[i] for i in rows])  # [len(rows), vocab]
+        probs = self._probs(logits[rows].float(), [params[i] for i in rows])  # [len(rows), vocab], on dev
+        # the exponential race (argmax p/q, q ~ Exp(1)) draws exactly from p with one RNG call per row:
+        # rows without a seed draw together from the shared generator; a seeded row draws from its own
+        # (CPU) generator, so its tokens do not depend on the batch or the device
+        q = torch.empty_like(probs)
+        shared = [j for j, i in enumerate(rows) if generators[i] is None]
+        if shared:
+            draws = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(1.0, generator=self._shared(dev))
+            q[torch.tensor(shared, device=dev)] = draws
         for j, i in enumerate(rows):
-            gen = generators[i] or self.generator
-            # the exponential race (argmax p/q, q ~ Exp(1)) draws exactly from p with one RNG call per row
-            q = torch.empty_like(probs[j]).exponential_(1.0, generator=gen)
-            tokens[i] = int((probs[j] / q).argmax())
-        return tokens
+            if generators[i] is not None:
+                q[j] = torch.empty(probs.shape[1]).exponential_(1.0, generator=generators[i]).to(dev)
+        tokens[torch.tensor(rows, device=dev)] = (probs / q).argmax(dim=-1)
+        return tokens.tolist()
 
     @staticmethod
     def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)[:, None]
+        dev = logits.device
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)[:, None]
         logits = logits / temps
         vocab = logits.shape[-1]
         top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_ps = [p.top_p for p in params]
         if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
             sorted_logits, order = logits.sort(dim=-1, descending=True)  # [rows, vocab]
-            ranks = torch.arange(vocab)[None, :]
-            drop = ranks >= torch.tensor(top_ks)[:, None]
+            ranks = torch.arange(vocab, device=dev)[None, :]
+            drop = ranks >= torch.tensor(top_ks, device=dev)[:, None]
             sorted_probs = sorted_logits.softmax(dim=-1)
             # keep the smallest prefix whose mass reaches top_p (the token crossing it stays)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop |= mass_before >= torch.tensor(top_ps, dtype=logits.dtype)[:, None]
+            drop |= mass_before >= torch.tensor(top_ps, dtype=logits.dtype, device=dev)[:, None]
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
         return logits.softmax(dim=-1)
