@@ -1,5 +1,6 @@
 """`vlm-sdk chat` streams an answer (in process, or from a server with --url); `vlm-sdk bench` compares
-our engine with transformers; `vlm-sdk bench-serve` measures a server over HTTP."""
+our engine with transformers (`--gpu`: the Qwen2.5-VL-3B GPU figures); `vlm-sdk bench-serve` measures a
+server over HTTP."""
 from __future__ import annotations
 
 import argparse
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--num-requests", type=int, default=16)
     bench.add_argument("--hf-batch-size", type=int, default=8)
     bench.add_argument("--device", default=None)
+    from vlm_sdk.bench_gpu import add_arguments as add_gpu_bench_arguments
+    add_gpu_bench_arguments(bench)
     from vlm_sdk.bench_serve import add_arguments as add_bench_serve_arguments
     add_bench_serve_arguments(sub.add_parser("bench-serve", help="throughput and latency of a server over HTTP, "
                                              "vs the same workload in process"))
@@ -130,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench-serve":
             from vlm_sdk.bench_serve import run_bench_serve
             return run_bench_serve(args)
+        from vlm_sdk import bench_gpu
+        if args.gpu:
+            return bench_gpu.run_gpu_benchmark(args, sys.argv[1:] if argv is None else list(argv))
+        bench_gpu.reject_without_gpu(args)
         from vlm_sdk.benchmark import run_benchmark
         return run_benchmark(args)
     except VLMError as e:

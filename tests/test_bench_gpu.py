@@ -1,0 +1,113 @@
+"""`vlm-sdk bench --gpu`: every section runs end to end on the CPU with the tiny shape (`--tiny`), the
+report has the promised structure, and the floors' arithmetic matches transformers' own model."""
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from vlm_sdk.bench_gpu import DECODE_TARGETS, TINY_RUN, format_report
+from vlm_sdk.bench_gpu_parts import TINY, build_checkpoint, decode_weight_bytes, prefill_flops
+from vlm_sdk.cli import main
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_tiny_run_reports_every_figure(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VLM_SDK_CACHE", str(tmp_path))
+    assert main(["bench", "--gpu", "--tiny", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+
+    assert report["command"] == "vlm-sdk bench --gpu --tiny --json"
+    assert report["device"] and report["preset"] == "tiny" and report["torch"] == torch.__version__
+    assert _positive(report["reference_rates"]["copy_GBps"]) and _positive(report["reference_rates"]["matmul_TFLOPs"])
+    model = report["model"]
+    assert model["parameters"] == model["llm_parameters"] + model["vision_parameters"] > 0
+
+    figures = report["figures"]
+    batches = TINY_RUN.decode_batches
+    assert len(figures) == 1 + len(batches) + 2  # kernel alone, one per decode batch, prefill, throughput
+    for f in figures:
+        assert _positive(f["value"]) and _positive(f["baseline"]) and _positive(f["ratio"]), f
+        assert f["unit"] and f["baseline_kind"] and f["target"]
+        assert f["pass"] is None if f["target_ratio"] is None else isinstance(f["pass"], bool)
+
+    attn, decode, prefill, throughput = figures[0], figures[1:1 + len(batches)], figures[-2], figures[-1]
+    assert attn["unit"] == "GB/s" and attn["target_ratio"] == 0.70
+    assert attn["details"]["impl"] in ("triton-interpreter", "torch-reference")
+    assert attn["details"]["max_abs_diff_vs_reference"] < 1e-4
+    for batch, f in zip(batches, decode):
+        assert f["unit"] == "ms/step" and f["target_ratio"] == DECODE_TARGETS.get(batch)
+        d = f["details"]
+        assert _positive(d["weight_bytes"]) and _positive(d["kv_bytes"])
+        assert TINY_RUN.context < d["mean_context"] < TINY_RUN.context + TINY_RUN.decode_max_tokens(batch)
+    d = prefill["details"]
+    assert all(_positive(v) for v in d["flops"].values())
+    assert d["text_tokens"] >= TINY_RUN.prefill_text_tokens and d["image_tokens"] > 0
+    want = TINY_RUN.requests * TINY_RUN.max_tokens
+    assert throughput["details"]["ours"]["tokens"] == throughput["details"]["transformers"]["tokens"] == want
+
+    assert not list(tmp_path.glob("bench-gpu-*"))  # the temporary checkpoint is gone
+    table = format_report(report)
+    assert all(f["name"] in table for f in figures) and report["device"] in table and report["command"] in table
+
+
+def test_prefill_flops_match_transformers_model(tmp_path):
+    model = build_checkpoint(tmp_path / "ckpt", TINY, device=torch.device("cpu"), dtype=torch.float32, seed=0,
+                             init_std=0.2)
+    visual, layers = model.model.visual, model.model.language_model.layers
+    cfg = model.config
+    grid, tokens = (1, 10, 12), 7  # a 5x6 merged grid: windows of 4x4, 4x2, 1x4 and 1x2 merged tokens
+    flops = prefill_flops(cfg, [grid], tokens)
+
+    def matrices(module):
+        return sum(p.numel() for p in module.parameters() if p.ndim >= 2)
+    patches = grid[0] * grid[1] * grid[2]
+    per_patch = matrices(visual.patch_embed) + matrices(visual.blocks)
+    assert flops["vision_linear"] == 2 * (patches * per_patch + patches // 4 * matrices(visual.merger))
+    assert flops["llm_linear"] == 2 * tokens * matrices(layers)
+    assert flops["lm_head"] == 2 * model.lm_head.weight.numel()
+
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
+    _, cu = hf.get_vision_window_index(torch.tensor([grid]), spatial_merge_size=2, window_size=112, patch_size=14,
+                                       kwargs={})
+    windows = torch.as_tensor(cu).diff()
+    v = cfg.vision_config
+    full = len(v.fullatt_block_indexes)
+    expected = 4 * v.hidden_size * (full * patches ** 2 + (v.depth - full) * int((windows ** 2).sum()))
+    assert flops["vision_attention"] == expected
+    t = cfg.text_config
+    assert flops["llm_attention"] == 4 * t.hidden_size * (tokens * (tokens + 1) // 2) * t.num_hidden_layers
+
+
+class _Decoder(nn.Module):
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(100, 8)
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.lm_head = None if tied else nn.Linear(8, 100, bias=False)
+
+
+def test_decode_weight_bytes_reads_the_head_once():
+    layers = 2 * (8 * 8 + 8) * 4
+    assert decode_weight_bytes(_Decoder(tied=True), batch=5) == layers + 100 * 8 * 4
+    assert decode_weight_bytes(_Decoder(tied=False), batch=5) == layers + 100 * 8 * 4 + 5 * 8 * 4
+
+
+def test_gpu_options_are_refused_without_gpu(capsys):
+    assert main(["bench", "--tiny", "--context", "64"]) == 2
+    assert "--tiny, --context only apply with --gpu" in capsys.readouterr().err
+
+
+def test_gpu_refuses_cpu_benchmark_checkpoint(capsys):
+    assert main(["bench", "--gpu", "--tiny", "--model", "/nowhere"]) == 2
+    assert "drop --model" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given when there is no GPU")
+def test_full_run_without_cuda_points_to_tiny(capsys):
+    assert main(["bench", "--gpu"]) == 2
+    assert "--tiny" in capsys.readouterr().err
