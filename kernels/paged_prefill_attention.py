@@ -1,0 +1,221 @@
+"""Causal attention of packed, variable-length query chunks over a paged KV cache (prefill / chunked prefill).
+
+Sequence b contributes the query rows cu_seqlens_q[b]..cu_seqlens_q[b+1] of q ([N, H, D]); its keys and values
+are the seq_lens[b] tokens already in the paged cache ([num_blocks, block_size, Hkv, D]; token p lives in block
+block_tables[b, p // block_size] at offset p % block_size), the chunk's own K/V included (store_kv ran first).
+The chunk is the tail of the sequence: query j sits at position seq_len - q_len + j and sees keys 0..that position.
+One op thus serves whole prompts (seq_len == q_len), chunked prefill and prefix-cache hits (seq_len > q_len) and
+decode rows (q_len 1) of a mixed batch; q_len 0 rows write nothing.
+
+Kernel shape (FlashAttention-2 forward): grid (B, H, cdiv(max_query_len, BLOCK_M)); a program owns BLOCK_M queries
+of one sequence and one query head and streams that sequence's keys in BLOCK_N tiles with an fp32 online softmax,
+so nothing of size seq_len is materialised. Tiles past the tile's last query position are never visited (causal),
+and the loop is split in two: tiles entirely at or before the tile's first query position need no causal mask,
+only the few tiles on the diagonal pay for it. Keys are gathered per key position through the block table, so any
+block_size works (not only multiples of BLOCK_N); it is a compile-time constant (one per cache layout), which turns
+the page arithmetic into shifts for powers of two. One program per query head (rather than folding the GQA group
+into the M dimension) keeps the indexing trivial and the tile full for long chunks; the G heads sharing a KV head
+read the same pages, which the L2 cache absorbs. Programs past their sequence's chunk exit at once, so a padded
+max_query_len (CUDA graphs) costs only empty programs. No host synchronisation: lengths are read in the kernel.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/m, [BLOCK_M, BLOCK_D] q
+                  k_cache, v_cache, table_row, q_pos, offs_d, mask_d,
+                  stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, lo, hi,
+                  BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Online-softmax update over key tiles [lo, hi); k_cache/v_cache already point at this KV head."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        key_pos = start_n + offs_n  # [BLOCK_N]
+        if CAUSAL:  # the diagonal's last tile may run past the last query's position
+            in_range = key_pos < hi
+            page = tl.load(table_row + key_pos // BLOCK_SIZE, mask=in_range, other=0)
+            kv_mask = in_range[:, None] & mask_d[None, :]
+        else:
+            page = tl.load(table_row + key_pos // BLOCK_SIZE)
+            kv_mask = mask_d[None, :]
+        # the page offset is 64-bit: one layer's cache can exceed 2**31 elements
+        page = page.to(tl.int64)
+        slot_k = page * stride_kb + (key_pos % BLOCK_SIZE) * stride_ks  # [BLOCK_N]
+        slot_v = page * stride_vb + (key_pos % BLOCK_SIZE) * stride_vs
+        k = tl.load(k_cache + slot_k[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache + slot_v[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if CAUSAL:
+            qk = tl.where(key_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
+        # every row has seen key 0 by now (it is in the first tile visited), so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seqlens_q, seq_lens,
+                          stride_qn, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                          stride_on, stride_oh, stride_tb, qk_scale,
+                          BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tile_m = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q + seq)
+    q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
+    if tile_m * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens + seq)
+    context_len = seq_len - q_len  # keys before the chunk
+
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the chunk
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < q_len
+    mask_d = offs_d < HEAD_DIM
+    # 64-bit scalar bases, 32-bit offsets within the chunk: 64-bit index vectors cost registers (spills)
+    q_base = q_ptr + q_start.to(tl.int64) * stride_qn + head * stride_qh
+    q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q_pos = context_len + offs_m  # [BLOCK_M]
+
+    kv_head = head // GROUP
+    k_base = k_cache + kv_head * stride_kh
+    v_base = v_cache + kv_head * stride_vh
+    table_row = block_tables + seq.to(tl.int64) * stride_tb
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    first_pos = context_len + tile_m * BLOCK_M
+    last_pos = context_len + tl.minimum((tile_m + 1) * BLOCK_M, q_len) - 1
+    # whole tiles every query of this tile may see: no causal mask
+    unmasked_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_row, q_pos, offs_d, mask_d,
+                                  stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                  0, unmasked_end, BLOCK_SIZE, False, BLOCK_N, INPUT_PRECISION)
+    # the diagonal: tiles up to the last query's position, masked key_pos <= q_pos
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_row, q_pos, offs_d, mask_d,
+                                  stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                  unmasked_end, last_pos + 1, BLOCK_SIZE, True, BLOCK_N, INPUT_PRECISION)
+
+    acc = acc / l_i[:, None]
+    out_base = out_ptr + q_start.to(tl.int64) * stride_on + head * stride_oh
+    tl.store(out_base + offs_m[:, None] * stride_on + offs_d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def _launch_config(q: torch.Tensor, max_query_len: int, block_d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Chosen from offline sm_80/sm_90 compiles (cubin register use),
+    not from timings: the largest tiles that keep the fp32 score tile and accumulator in registers without spills."""
+    if q.device.type != "cuda":
+        # interpreter: tiles small enough that test-sized sequences span several of them
+        return 32, 32, 4, 1
+    if q.element_size() == 4:
+        # exact ("ieee") fp32 dots run on the FMA units, not tensor cores: small tiles, a parity path
+        return 32, 16, 4 if block_d <= 64 else 8, 2
+    block_n = 64 if block_d <= 64 else 32  # head_dim 80/128 spill with 64-key tiles
+    if max_query_len <= 64:
+        return 64, block_n, 4, 2  # short chunks (decode rows, small prompts): don't waste half a 128-row tile
+    return 128, block_n, 8, 2
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out):
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError(f"expected q [N, H, D] and caches [num_blocks, block_size, Hkv, D], got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not match head_dim "
+                         f"{q.shape[2]}")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"unsupported dtype {q.dtype}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous last dim")
+    if block_tables.dim() != 2 or cu_seqlens_q.dim() != 1 or seq_lens.dim() != 1:
+        raise ValueError("expected block_tables [B, max_blocks], cu_seqlens_q [B+1], seq_lens [B]")
+    batch = seq_lens.shape[0]
+    if cu_seqlens_q.shape[0] != batch + 1 or block_tables.shape[0] < batch:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} / block_tables {tuple(block_tables.shape)} "
+                         f"do not match batch {batch}")
+    for name, t in (("block_tables", block_tables), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
+
+
+def paged_prefill_attention(q: torch.Tensor,  # [N, H, D] packed query chunks (strided view ok)
+                            k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+                            v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+                            block_tables: torch.Tensor,  # [B, max_blocks] int32
+                            cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+                            seq_lens: torch.Tensor,  # [B] int32, keys after this step incl. the chunk
+                            max_query_len: int,
+                            scale: float,
+                            out: torch.Tensor | None = None,  # [N, H, D]
+                            ) -> torch.Tensor:  # [N, H, D]
+    _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    batch, num_heads, head_dim = seq_lens.shape[0], q.shape[1], q.shape[2]
+    if batch == 0 or max_query_len <= 0 or q.shape[0] == 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m, block_n, num_warps, num_stages = _launch_config(q, max_query_len, block_d)
+    grid = (batch, num_heads, triton.cdiv(max_query_len, block_m))
+    _paged_prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        block_tables.stride(0), scale * _LOG2E, BLOCK_SIZE=k_cache.shape[1],
+        GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def paged_prefill_attention_ref(q: torch.Tensor,  # [N, H, D]
+                                k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+                                v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+                                block_tables: torch.Tensor,  # [B, max_blocks]
+                                cu_seqlens_q: torch.Tensor,  # [B + 1]
+                                seq_lens: torch.Tensor,  # [B]
+                                max_query_len: int,
+                                scale: float,
+                                out: torch.Tensor | None = None,  # [N, H, D]
+                                ) -> torch.Tensor:  # [N, H, D]
+    """Torch reference: per sequence, gather its keys through the block table and attend in fp32.
+    Reads the lengths on the host (not for CUDA-graph capture)."""
+    _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q_start, q_len = starts[b], starts[b + 1] - starts[b]
+        if q_len == 0:
+            continue
+        pages = block_tables[b, :(seq_len + block_size - 1) // block_size].long()
+        k = k_cache[pages].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len]  # [seq_len, Hkv, D]
+        v = v_cache[pages].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len]
+        k = k.float().transpose(0, 1).repeat_interleave(group, 0)  # [H, seq_len, D]
+        v = v.float().transpose(0, 1).repeat_interleave(group, 0)
+        qi = q[q_start:q_start + q_len].float().transpose(0, 1)  # [H, q_len, D]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)  # [H, q_len, D]
+        out[q_start:q_start + q_len] = o.transpose(0, 1).to(out.dtype)
+    return out

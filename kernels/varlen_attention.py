@@ -1,0 +1,173 @@
+"""Non-causal attention within packed variable-length segments (the vision tower's windows and full blocks).
+
+q, k, v are [N, H, D] (strided views of one packed qkv tensor are fine); segment s is the rows
+cu_seqlens[s]..cu_seqlens[s+1], and each of its tokens attends to every token of the same segment and no other.
+k and v may have fewer heads than q (GQA, H a multiple of Hkv); the vision towers use Hkv == H.
+
+Kernel shape (FlashAttention-2 forward): grid (S, H, cdiv(max_seqlen, BLOCK_M)); a program owns BLOCK_M queries
+of one segment and one head and streams the segment's keys in BLOCK_N tiles with an fp32 online softmax, so the
+[L, L] score matrix of a long segment is never materialised. Only the segment's last, partial key tile needs a
+bounds mask, so the loop is split: whole tiles load unmasked, the tail tile is masked. Programs past their
+segment exit at once: a batch of many short windows plus one long full-attention segment costs only empty
+programs for the short ones. max_seqlen is a host int; lengths are read in the kernel (no host synchronisation).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/m, [BLOCK_M, BLOCK_D] q
+                  k_base, v_base, offs_d, mask_d, stride_kn, stride_vn, qk_scale, lo, hi,
+                  BOUNDED: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Online-softmax update over key tiles [lo, hi) of the segment; k_base/v_base point at its first key."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        key = start_n + offs_n  # [BLOCK_N]
+        k_ptrs = k_base + key[:, None] * stride_kn + offs_d[None, :]
+        v_ptrs = v_base + key[:, None] * stride_vn + offs_d[None, :]
+        if BOUNDED:
+            kv_mask = (key < hi)[:, None] & mask_d[None, :]
+        else:
+            kv_mask = mask_d[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if BOUNDED:
+            qk = tl.where((key < hi)[None, :], qk, float("-inf"))
+        # a segment has >= 1 key and the first tile visited holds it, so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _varlen_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens,
+                             stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+                             stride_on, stride_oh, qk_scale,
+                             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    segment = tl.program_id(0)
+    head = tl.program_id(1)
+    tile_m = tl.program_id(2)
+    start = tl.load(cu_seqlens + segment)
+    seg_len = tl.load(cu_seqlens + segment + 1) - start
+    if tile_m * BLOCK_M >= seg_len:
+        return
+
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the segment
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < seg_len
+    mask_d = offs_d < HEAD_DIM
+    # 64-bit scalar bases, 32-bit offsets within the segment: 64-bit index vectors cost registers (spills)
+    start = start.to(tl.int64)
+    q = tl.load(q_ptr + start * stride_qn + head * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    kv_head = head // GROUP
+    k_base = k_ptr + start * stride_kn + kv_head * stride_kh
+    v_base = v_ptr + start * stride_vn + kv_head * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    full_end = (seg_len // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, offs_d, mask_d, stride_kn, stride_vn,
+                                  qk_scale, 0, full_end, False, BLOCK_N, INPUT_PRECISION)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, offs_d, mask_d, stride_kn, stride_vn,
+                                  qk_scale, full_end, seg_len, True, BLOCK_N, INPUT_PRECISION)
+
+    acc = acc / l_i[:, None]
+    tl.store(out_ptr + start * stride_on + head * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def _launch_config(q: torch.Tensor, max_seqlen: int, block_d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Chosen from offline sm_80/sm_90 compiles (cubin register use),
+    not from timings: the largest tiles that keep the fp32 score tile and accumulator in registers without spills."""
+    if q.device.type != "cuda":
+        # interpreter: tiles small enough that test-sized sequences span several of them
+        return 32, 32, 4, 1
+    if q.element_size() == 4:
+        # exact ("ieee") fp32 dots run on the FMA units, not tensor cores: small tiles, a parity path
+        return 32, 16, 4 if block_d <= 64 else 8, 2
+    block_n = 64 if block_d <= 64 else 32  # head_dim 80/128 spill with 64-key tiles
+    if max_seqlen <= 64:
+        return 64, block_n, 4, 2  # small windows: don't waste half a 128-row tile
+    return 128, block_n, 8, 2
+
+
+def _check_inputs(q, k, v, cu_seqlens, out):
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"expected q, k, v [N, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k.shape[1]}")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"unsupported dtype {q.dtype}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k and v need a contiguous last dim")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be [S + 1] int32/int64, got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
+
+
+def varlen_attention(q: torch.Tensor,  # [N, H, D] (strided view ok)
+                     k: torch.Tensor,  # [N, Hkv, D]
+                     v: torch.Tensor,  # [N, Hkv, D]
+                     cu_seqlens: torch.Tensor,  # [S + 1] int32
+                     max_seqlen: int,
+                     scale: float,
+                     out: torch.Tensor | None = None,  # [N, H, D]
+                     ) -> torch.Tensor:  # [N, H, D]
+    _check_inputs(q, k, v, cu_seqlens, out)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_segments, num_heads, head_dim = cu_seqlens.shape[0] - 1, q.shape[1], q.shape[2]
+    if num_segments == 0 or max_seqlen <= 0 or q.shape[0] == 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m, block_n, num_warps, num_stages = _launch_config(q, max_seqlen, block_d)
+    grid = (num_segments, num_heads, triton.cdiv(max_seqlen, block_m))
+    _varlen_attention_kernel[grid](
+        q, k, v, out, cu_seqlens,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), scale * _LOG2E,
+        GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def varlen_attention_ref(q: torch.Tensor,  # [N, H, D]
+                         k: torch.Tensor,  # [N, Hkv, D]
+                         v: torch.Tensor,  # [N, Hkv, D]
+                         cu_seqlens: torch.Tensor,  # [S + 1]
+                         max_seqlen: int,
+                         scale: float,
+                         out: torch.Tensor | None = None,  # [N, H, D]
+                         ) -> torch.Tensor:  # [N, H, D]
+    """Torch reference: one SDPA per segment in fp32. Reads cu_seqlens on the host."""
+    _check_inputs(q, k, v, cu_seqlens, out)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    group = q.shape[1] // k.shape[1]
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        qs = q[start:end].float().transpose(0, 1)  # [H, L, D]
+        ks = k[start:end].float().transpose(0, 1).repeat_interleave(group, 0)  # [H, L, D]
+        vs = v[start:end].float().transpose(0, 1).repeat_interleave(group, 0)
+        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(0, 1).to(out.dtype)
+    return out
