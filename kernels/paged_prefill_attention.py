@@ -25,6 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from vlm_sdk.kernels.flash_config import flash_launch_config
+
 _LOG2E = 1.4426950408889634
 
 
@@ -115,21 +117,6 @@ def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seq
              acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-def _launch_config(q: torch.Tensor, max_query_len: int, block_d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Chosen from offline sm_80/sm_90 compiles (cubin register use),
-    not from timings: the largest tiles that keep the fp32 score tile and accumulator in registers without spills."""
-    if q.device.type != "cuda":
-        # interpreter: tiles small enough that test-sized sequences span several of them
-        return 32, 32, 4, 1
-    if q.element_size() == 4:
-        # exact ("ieee") fp32 dots run on the FMA units, not tensor cores: small tiles, a parity path
-        return 32, 16, 4 if block_d <= 64 else 8, 2
-    block_n = 64 if block_d <= 64 else 32  # head_dim 80/128 spill with 64-key tiles
-    if max_query_len <= 64:
-        return 64, block_n, 4, 2  # short chunks (decode rows, small prompts): don't waste half a 128-row tile
-    return 128, block_n, 8, 2
-
-
 def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out):
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError(f"expected q [N, H, D] and caches [num_blocks, block_size, Hkv, D], got "
@@ -173,7 +160,7 @@ def paged_prefill_attention(q: torch.Tensor,  # [N, H, D] packed query chunks (s
     if batch == 0 or max_query_len <= 0 or q.shape[0] == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_n, num_warps, num_stages = _launch_config(q, max_query_len, block_d)
+    block_m, block_n, num_warps, num_stages = flash_launch_config(q, max_query_len, block_d)
     grid = (batch, num_heads, triton.cdiv(max_query_len, block_m))
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
