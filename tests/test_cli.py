@@ -54,3 +54,13 @@ def test_bench_json_on_tiny_internvl(internvl_ckpt, capsys):
     assert 4 * 256 < report["ours"]["prompt_tokens"] < 4 * 256 + 100
     assert report["identical_greedy_share"] == 1.0
     assert report["ours"]["stats"]["kv_blocks_used"] == 0
+
+
+def test_serve_engine_flags_include_backend_and_eager():
+    import argparse
+    from vlm_sdk.server.cli import add_engine_flags, engine_kwargs
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    args = parser.parse_args(["--attention-backend", "torch", "--enforce-eager", "--num-blocks", "8"])
+    assert engine_kwargs(args) == {"attention_backend": "torch", "enforce_eager": True, "num_blocks": 8}
+    assert engine_kwargs(parser.parse_args([])) == {}

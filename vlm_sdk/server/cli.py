@@ -17,6 +17,8 @@ _ENGINE_HELP = {
     "kv_cache_memory": "KV cache size in bytes",
     "memory_utilization": "CUDA: share of GPU memory for weights + activations + KV cache",
     "max_model_len": "longest sequence (prompt + output) in tokens",
+    "attention_backend": "'triton' (default on CUDA) or 'torch' (the reference path, default on the CPU)",
+    "enforce_eager": "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
 }
 
 
@@ -27,11 +29,16 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is MISSING else f.default
+        help_text = _ENGINE_HELP.get(f.name, f"default {default}")
+        if isinstance(default, bool):  # an on/off switch: present means True
+            group.add_argument(flag, dest="engine_" + f.name, action="store_const", const=True, default=None,
+                               help=help_text)
+            continue
         kind = {"float": float, "int": int}.get(type(default).__name__) if default is not None else None
         if kind is None:
-            kind = str if f.name in ("dtype", "device") else int
+            kind = str if f.name in ("dtype", "device", "attention_backend") else int
         group.add_argument(flag, dest="engine_" + f.name, type=kind, default=None, metavar=f.name.upper(),
-                           help=_ENGINE_HELP.get(f.name, f"default {default}"))
+                           help=help_text)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
