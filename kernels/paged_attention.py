@@ -1,5 +1,6 @@
-"""Attention over a paged KV cache in pure torch: the path every device runs today (there are no
-Triton kernels yet; when they come, this stays as their reference).
+"""Attention over a paged KV cache in pure torch: the "torch" attention backend (`kernels/ops.TorchOps`),
+the CPU default and the reference the Triton kernels (`paged_attention_decode`,
+`paged_prefill_attention`) are checked against at engine level.
 
 `write_kv_cache` scatters this step's K/V into their slots; `paged_attention` reads each sequence's
 K/V back through its block table and attends causally, the new tokens being the last ones of the
