@@ -181,6 +181,9 @@ class TritonOps(KernelOps):
 
     def paged_attention(self, q, k_cache, v_cache, meta, scale, k, v):
         if meta.decode_only:
+            if meta.num_splits is None:  # chosen once per step, by the first layer
+                meta.num_splits = self._decode.choose_num_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
+                                                                 q.device)
             return self._decode.paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                                        num_splits=meta.num_splits, max_seq_len=meta.max_seq_len)
         return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,

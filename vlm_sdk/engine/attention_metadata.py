@@ -28,8 +28,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int  # the longest sequence; a CUDA-graph decode step is built with max_model_len here
-    # Triton decode: how many parts each sequence's context is split into (None: chosen from
-    # max_seq_len). Fixed per captured batch size, since a graph replays one launch grid.
+    # Triton decode: how many parts each sequence's context is split into. Fixed per captured batch
+    # size (a graph replays one launch grid); None: the first layer chooses it from max_seq_len.
     num_splits: int | None = None
     # Filled by the attention op on first use within a step, shared by all layers: for a batched
     # decode step, the groups of similar-length sequences with their flat block ids and key masks
