@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointInfo", "read_checkpoint", "text_config", "load_tokenizer", "iter_safetensors",
-    "ParamSlot", "load_checked", "config_from_dict",
+    "ParamSlot", "load_checked", "config_from_dict", "ConfigInfo", "read_config",
 ]
 
 CONFIG_FILE = "config.json"
@@ -89,6 +89,43 @@ def read_checkpoint(model_dir) -> CheckpointInfo:
     return CheckpointInfo(model_dir=root, hf_config=hf_config, architecture=archs[0],
                           eos_token_ids=eos, preprocessor=preprocessor,
                           torch_dtype=None if dtype is None else str(dtype).removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class ConfigInfo:
+    """What `read_config` reads: config.json (parsed as `read_checkpoint` parses it) and the
+    preprocessor config beside it, without weights or a tokenizer."""
+    config_path: Path
+    hf_config: "PretrainedConfig"
+    architecture: str
+    preprocessor: dict              # raw preprocessor_config.json next to the config ({} if absent)
+    torch_dtype: str | None
+
+
+def read_config(path) -> ConfigInfo:
+    """config.json alone, for planning: `path` is a directory holding config.json or the JSON file
+    itself (any name). Parsed exactly as `read_checkpoint` parses it; no weights are needed."""
+    given = Path(path).expanduser()
+    if not given.exists():
+        raise CheckpointError(f"{given} does not exist; pass a checkpoint directory or its config.json")
+    config_path = given / CONFIG_FILE if given.is_dir() else given
+    if not config_path.is_file():
+        raise CheckpointError(f"{config_path} not found: a checkpoint directory needs the Hugging Face config.json")
+    raw = _read_json(config_path)
+    archs = raw.get("architectures")
+    if not archs or not isinstance(archs, list) or not isinstance(archs[0], str):
+        raise CheckpointError(f"{config_path} has no 'architectures' list (e.g. "
+                              f"[\"Qwen2_5_VLForConditionalGeneration\"]); cannot tell which model to build")
+    # from_pretrained takes the directory when the file is config.json, else the file itself
+    hf_config = _parse_config(config_path.parent if config_path.name == CONFIG_FILE else config_path, raw)
+    pre_path = config_path.parent / PREPROCESSOR_CONFIG_FILE
+    preprocessor = _read_json(pre_path) if pre_path.is_file() else {}
+    dtype = raw.get("torch_dtype") or raw.get("dtype")
+    if dtype is None and isinstance(raw.get("text_config"), dict):
+        dtype = raw["text_config"].get("torch_dtype") or raw["text_config"].get("dtype")
+    return ConfigInfo(config_path=config_path, hf_config=hf_config, architecture=archs[0],
+                      preprocessor=preprocessor,
+                      torch_dtype=None if dtype is None else str(dtype).removeprefix("torch."))
 
 
 def text_config(hf_config) -> "PretrainedConfig":

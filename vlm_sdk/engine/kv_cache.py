@@ -40,8 +40,7 @@ def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_usefu
         free, total = torch.cuda.mem_get_info(device)
         in_use = torch.cuda.memory_allocated(device)
         peak = profiled_peak_bytes or 0
-        budget = int(args.memory_utilization * total) - (total - free) - peak
-        blocks = budget // per_block
+        blocks = blocks_from_device_memory(total, total - free, peak, args.memory_utilization, per_block)
         if blocks < 1:
             need = min_memory_utilization(total, free, peak, per_block)
             raise_to = (f"Raise memory_utilization to at least {need:.2f} (room for one {per_block:,}-byte "
@@ -58,10 +57,22 @@ def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_usefu
         return CacheConfig(args.block_size, blocks, per_block,
                            f"memory_utilization={args.memory_utilization} of {total:,} bytes, after "
                            f"{total - free:,} in use and a {peak:,}-byte activation peak")
-    blocks = min(CPU_DEFAULT_CACHE_BYTES // per_block, blocks_needed(max_useful_tokens, args.block_size))
+    blocks = cpu_default_blocks(per_block, max_useful_tokens, args.block_size)
     return CacheConfig(args.block_size, blocks, per_block,
                        "the CPU default: max_num_seqs full-length sequences, at most 1 GiB "
                        "(set num_blocks or kv_cache_memory to change it)")
+
+
+def blocks_from_device_memory(total: int, in_use: int, peak: int, memory_utilization: float,
+                              per_block: int) -> int:
+    """KV blocks that fit in (memory_utilization * total - in_use - peak) bytes; may be < 1.
+    total: device bytes; in_use: bytes already taken (weights, other processes); peak: activation bytes."""
+    return (int(memory_utilization * total) - in_use - peak) // per_block
+
+
+def cpu_default_blocks(per_block: int, max_useful_tokens: int, block_size: int) -> int:
+    """The CPU default: enough blocks for `max_useful_tokens` tokens, at most CPU_DEFAULT_CACHE_BYTES."""
+    return min(CPU_DEFAULT_CACHE_BYTES // per_block, blocks_needed(max_useful_tokens, block_size))
 
 
 def min_memory_utilization(total: int, free: int, peak: int, per_block: int) -> float:

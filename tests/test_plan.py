@@ -1,0 +1,100 @@
+"""`plan()` from config.json alone: KV arithmetic on published configs, the LMDeploy seed, and agreement
+with the engine on the tiny checkpoint (CPU)."""
+import json
+from pathlib import Path
+
+import pytest
+
+from vlm_sdk.cli import main
+from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
+from vlm_sdk.plan import plan
+
+CONFIGS = Path(__file__).parent / "configs"
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("name, layers, kv_heads, per_token", [
+    ("qwen2_5_vl_3b", 36, 2, 36_864), ("qwen2_5_vl_7b", 28, 4, 57_344),
+    ("internvl2_8b", 32, 8, 131_072), ("internvl3_8b_hf", 28, 4, 57_344)])
+def test_kv_bytes_of_published_configs(name, layers, kv_heads, per_token):
+    p = plan(CONFIGS / f"{name}.json", dtype="bfloat16", num_blocks=10)
+    assert (p.num_layers, p.num_kv_heads, p.head_dim) == (layers, kv_heads, 128)
+    assert p.kv_bytes_per_token == per_token == layers * 2 * kv_heads * 128 * 2
+    assert p.kv_bytes_per_block == per_token * 16
+    half = plan(CONFIGS / f"{name}.json", dtype="bfloat16", num_blocks=10, tp=2)
+    assert half.kv_bytes_per_token * 2 == per_token and half.num_kv_heads * 2 == kv_heads
+    assert half.weights_language_model_bytes < p.weights_language_model_bytes
+
+
+def test_internvl2_8b_block_and_weights():
+    p = plan(CONFIGS / "internvl2_8b.json", dtype="bfloat16", block_size=64, num_blocks=1)
+    assert p.kv_bytes_per_block == 8_388_608
+    assert 7.9e9 < p.weights_bytes / 2 < 8.2e9  # ~8.1B parameters in bf16
+    assert p.image_tokens_per_image == 13 * 256  # max_dynamic_patch 12 + thumbnail
+
+
+def test_weights_of_qwen_3b_and_7b():
+    assert 3.6e9 < plan(CONFIGS / "qwen2_5_vl_3b.json", dtype="bfloat16", num_blocks=1).weights_bytes / 2 < 3.9e9
+    assert 8.1e9 < plan(CONFIGS / "qwen2_5_vl_7b.json", dtype="bfloat16", num_blocks=1).weights_bytes / 2 < 8.4e9
+
+
+def test_tp_must_divide_kv_heads():
+    with pytest.raises(InvalidRequestError, match="tp=3"):
+        plan(CONFIGS / "qwen2_5_vl_3b.json", dtype="bfloat16", num_blocks=1, tp=3)
+    with pytest.raises(InvalidRequestError, match="tp=4"):
+        plan(CONFIGS / "qwen2_5_vl_3b.json", dtype="bfloat16", num_blocks=1, tp=4)
+    with pytest.raises(UnknownArgumentError):
+        plan(CONFIGS / "qwen2_5_vl_3b.json", num_blokcs=1)
+
+
+def test_lmdeploy_seed_scenario():
+    budget = int((6784 - 5061) * MIB * 0.1)
+    p = plan(CONFIGS / "internvl2_8b.json", dtype="bfloat16", block_size=64, kv_cache_memory=budget,
+             prompt_tokens=118, images=1, output_tokens=0)
+    assert (p.num_blocks, p.capacity_tokens) == (21, 1344)
+    assert p.request_tokens == 3446 and p.max_concurrent_requests == 0
+    [problem] = [pr for pr in p.problems if "3446" in pr.message]
+    assert problem.fixes["num_blocks"] >= 54
+    assert problem.fixes["kv_cache_memory"] == problem.fixes["num_blocks"] * 8_388_608
+    fixed = plan(CONFIGS / "internvl2_8b.json", dtype="bfloat16", block_size=64,
+                 kv_cache_memory=problem.fixes["kv_cache_memory"], prompt_tokens=3446)
+    assert fixed.num_blocks >= 54 and fixed.max_concurrent_requests == 1 and not fixed.problems
+
+
+def test_max_model_len_above_capacity_names_fixes():
+    p = plan(CONFIGS / "qwen2_5_vl_7b.json", dtype="bfloat16", device_memory="20GiB", max_model_len=32768)
+    [problem] = [pr for pr in p.problems if "capacity" in pr.message]
+    assert problem.fixes["max_model_len"] == p.capacity_tokens < 32768
+    u = problem.fixes["memory_utilization"]
+    assert p.memory_utilization < u <= 1
+    assert plan(CONFIGS / "qwen2_5_vl_7b.json", dtype="bfloat16", device_memory="20GiB", max_model_len=32768,
+                memory_utilization=u).capacity_tokens >= 32768
+
+
+def test_transformers_layout_directory(tmp_path):
+    (tmp_path / "config.json").write_text((CONFIGS / "internvl3_8b_hf.json").read_text())
+    p = plan(tmp_path, dtype="bfloat16", device_memory="80GiB", block_size=64)
+    assert p.kv_bytes_per_token == 57_344 and p.num_blocks > 0 and p.family == "internvl"
+
+
+@pytest.mark.parametrize("options", [{}, {"kv_cache_memory": 300_000}, {"max_model_len": 128, "max_num_seqs": 3}])
+def test_plan_matches_engine_on_cpu(tiny_ckpt, options):
+    from vlm_sdk import LLM
+    engine = LLM(str(tiny_ckpt), device="cpu", show_progress=False, **options)
+    p = plan(tiny_ckpt, device="cpu", **options)
+    assert p.num_blocks == engine.stats()["kv_blocks_total"]
+    assert p.kv_bytes_per_block == engine.stats()["kv_bytes_per_block"]
+
+
+def test_cli_json_and_table(capsys):
+    assert main(["plan", str(CONFIGS / "qwen2_5_vl_3b.json"), "--dtype", "bf16", "--device-memory", "80GiB",
+                 "--prompt-tokens", "200", "--images", "1", "--output-tokens", "100", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("kv_bytes_per_token", "kv_bytes_per_block", "num_blocks", "capacity_tokens", "weights_bytes",
+                "activation_peak_bytes", "max_concurrent_requests", "problems"):
+        assert key in out
+    assert out["kv_bytes_per_token"] == 36_864 and out["max_concurrent_requests"] == 64
+    assert main(["plan", str(CONFIGS / "internvl2_8b.json"), "--dtype", "bf16", "--block-size", "64",
+                 "--kv-cache-memory", str(int(1723 * MIB * 0.1)), "--prompt-tokens", "3446"]) == 0
+    table = capsys.readouterr().out
+    assert "KV capacity" in table and "1,344 tokens" in table and "num_blocks=54" in table

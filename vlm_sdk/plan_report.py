@@ -1,0 +1,80 @@
+"""Formatting a `MemoryPlan` for people (a table) and machines (JSON), and the `vlm-sdk plan` command."""
+from __future__ import annotations
+
+import json
+
+from vlm_sdk.plan import MemoryPlan, plan
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit} ({n:,} B)"
+    return f"{n:,} B"
+
+
+def format_plan(p: MemoryPlan) -> str:
+    rows = [
+        ("model", f"{p.architecture} ({p.config_path})"),
+        ("device / dtype / tp", f"{p.device}, {p.dtype}, tp={p.tp}"),
+        ("device memory", f"{_size(p.device_memory_bytes)} x memory_utilization {p.memory_utilization}"
+         if p.device_memory_bytes else "-"),
+        ("weights: language model", _size(p.weights_language_model_bytes)),
+        ("weights: vision tower", _size(p.weights_vision_bytes)),
+        ("weights: projector", _size(p.weights_projector_bytes)),
+        ("weights: total per rank", _size(p.weights_bytes)),
+        ("activation peak (estimate)", f"{_size(p.activation_peak_bytes)}: LM step "
+         f"{_size(p.activation_language_model_bytes)}, vision {_size(p.activation_vision_bytes)}"),
+        ("KV per token", f"{p.kv_bytes_per_token:,} B ({p.num_layers} layers x 2 x {p.num_kv_heads} KV heads x "
+         f"{p.head_dim} x {p.dtype})"),
+        ("KV per block", f"{p.kv_bytes_per_block:,} B ({p.block_size} tokens)"),
+        ("KV blocks", f"{p.num_blocks:,} = {_size(p.kv_cache_bytes)} ({p.cache_source})"),
+        ("KV capacity", f"{p.capacity_tokens:,} tokens"),
+        ("max_model_len", f"{p.max_model_len:,} (max_position_embeddings {p.max_position_embeddings:,})"),
+        ("longest single request", f"{p.longest_request_tokens:,} tokens"),
+        ("largest image", f"{p.image_tokens_per_image:,} tokens ({p.largest_image})"),
+    ]
+    if p.request_tokens is not None:
+        rows.append(("workload", f"{p.prompt_tokens or 0} text + {p.images or 0} image(s) + {p.output_tokens or 0} "
+                     f"output = {p.request_tokens:,} tokens per request"))
+        rows.append(("requests at once", f"{p.max_concurrent_requests} (max_num_seqs {p.max_num_seqs})"))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if p.problems:
+        lines.append("problems:")
+        lines += [f"  - {pr.message}" + (f"  [fixes: {', '.join(f'{k}={v}' for k, v in pr.fixes.items())}]"
+                                         if pr.fixes else "") for pr in p.problems]
+    else:
+        lines.append("problems: none")
+    return "\n".join(lines)
+
+
+def add_plan_parser(sub) -> None:
+    cmd = sub.add_parser("plan", help="how memory would be split (weights, activations, KV cache) and what "
+                         "fits, from config.json alone")
+    cmd.add_argument("model", help="checkpoint directory or its config.json")
+    dev = cmd.add_mutually_exclusive_group()
+    dev.add_argument("--device-memory", help="device memory to plan for, e.g. 80GiB")
+    dev.add_argument("--device", help="read the total memory of this device (cuda:0), or 'cpu'")
+    cmd.add_argument("--memory-utilization", type=float)
+    cmd.add_argument("--kv-cache-memory", help="KV cache bytes (e.g. 2GiB)")
+    for name in ("num-blocks", "block-size", "max-model-len", "max-num-seqs", "max-num-batched-tokens",
+                 "max-pixels", "max-num", "tp", "prompt-tokens", "output-tokens", "images"):
+        cmd.add_argument(f"--{name}", type=int)
+    cmd.add_argument("--dtype")
+    cmd.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_plan(args) -> int:
+    from vlm_sdk.plan import parse_bytes
+    options = {k: getattr(args, k) for k in (
+        "device_memory", "device", "memory_utilization", "num_blocks", "dtype", "block_size", "max_model_len",
+        "max_num_seqs", "max_num_batched_tokens", "max_pixels", "max_num", "tp", "prompt_tokens",
+        "output_tokens", "images")}
+    if args.kv_cache_memory is not None:
+        options["kv_cache_memory"] = parse_bytes(args.kv_cache_memory, "kv_cache_memory")
+    result = plan(args.model, **options)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
+    return 0
