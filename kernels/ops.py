@@ -67,10 +67,10 @@ class KernelOps(ABC):
         `mrope_section` and, called as `rotary(positions, dtype)`, gives cos/sin `[N, 1, D/2]`."""
 
     @abstractmethod
-    def rotary(self, q: torch.Tensor, k: torch.Tensor,
-               rope: RotaryInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE / M-RoPE (rotate_half layout) on q `[N, H, D]` and k `[N, Hkv, D]`; returns the
-        rotated pair (the same tensors, rotated in place, where the backend can)."""
+    def rotary(self, qk: torch.Tensor, num_q_heads: int, rope: RotaryInputs) -> torch.Tensor:
+        """RoPE / M-RoPE (rotate_half layout) on the q and k heads of a packed `[N, H + Hkv, D]` (the
+        first `num_q_heads` are q); returns them rotated (the same tensor, rotated in place, where
+        the backend can)."""
 
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -113,8 +113,8 @@ class TorchOps(KernelOps):
         cos, sin = rotary(positions, dtype)  # [N, 1, D/2]
         return RotaryInputs(positions, rotary.inv_freq, rotary.mrope_section, cos, sin)
 
-    def rotary(self, q, k, rope):
-        return apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
+    def rotary(self, qk, num_q_heads, rope):
+        return apply_rotary(qk, rope.cos, rope.sin)  # q and k heads in one pass
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         torch_paged.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
@@ -172,9 +172,9 @@ class TritonOps(KernelOps):
     def rotary_inputs(self, positions, rotary, dtype):
         return RotaryInputs(positions, rotary.inv_freq, rotary.mrope_section)
 
-    def rotary(self, q, k, rope):
-        self._rotary(q, k, rope.positions, rope.inv_freq, rope.mrope_section)
-        return q, k
+    def rotary(self, qk, num_q_heads, rope):
+        self._rotary(qk[:, :num_q_heads], qk[:, num_q_heads:], rope.positions, rope.inv_freq, rope.mrope_section)
+        return qk
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         self._store_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -107,7 +107,7 @@ def test_padded_decode_path_equals_torch(triton_llm, convs, torch_outputs):
     eng = triton_llm.engine
     graphs = DecodeGraphs(eng.model, eng.runner.kv_caches, max_num_seqs=4,
                           max_model_len=eng.scheduler_config.max_model_len, block_size=eng.args.block_size,
-                          device=eng.device, dtype=eng.dtype, capture=False)
+                          device=eng.device, capture=False)
     assert graphs.sizes == [1, 2, 4]
     calls = []
     run = graphs.run

@@ -102,13 +102,8 @@ def build_checkpoint(out: Path, shape: ModelShape, *, device: torch.device, dtyp
     (on `device`, in `dtype`, sdpa attention, eval mode) whose weights were saved."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    tokenizer = _testing._build_tokenizer()
-    ids = {t: tokenizer.token_to_id(t) for t in _testing.QWEN_SPECIAL_TOKENS}
-    n_tokens = tokenizer.get_vocab_size()
-    vocab_size = shape.vocab_size or _testing._round_up(n_tokens, 64)
-    if vocab_size < n_tokens:
-        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({n_tokens} tokens)")
-    config = _testing._qwen2_5_vl_config({**_testing._DEFAULTS, **asdict(shape)}, vocab_size, ids)
+    opts = {**_testing._DEFAULTS, **asdict(shape), "preprocessor_layout": "nested"}
+    tokenizer, ids, config = _testing.qwen_tokenizer_and_config(opts)
     out.mkdir(parents=True, exist_ok=True)
     with _testing._no_hf_progress_bars():
         # created on the device, in the target dtype: no CPU copy of the weights ever exists
@@ -117,14 +112,7 @@ def build_checkpoint(out: Path, shape: ModelShape, *, device: torch.device, dtyp
         model.to(device).eval().requires_grad_(False)
         _redraw(model, seed, init_std, device)
         model.save_pretrained(out)
-    _testing._write_tokenizer(out, tokenizer)
-    _testing._write_json(out / "generation_config.json", {
-        "bos_token_id": ids["<|endoftext|>"],
-        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-        "pad_token_id": ids["<|endoftext|>"],
-    })
-    _testing._write_json(out / "preprocessor_config.json",
-                         _testing._preprocessor_config(shape.min_pixels, shape.max_pixels, "nested"))
+    _testing.write_qwen_side_files(out, tokenizer, ids, opts)
     return model
 
 

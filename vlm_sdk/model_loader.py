@@ -61,10 +61,7 @@ def read_checkpoint(model_dir) -> CheckpointInfo:
         raise CheckpointError(f"{config_path} not found: a checkpoint directory needs the Hugging Face "
                               f"config.json next to its weights")
     raw = _read_json(config_path)
-    archs = raw.get("architectures")
-    if not archs or not isinstance(archs, list) or not isinstance(archs[0], str):
-        raise CheckpointError(f"{config_path} has no 'architectures' list (e.g. "
-                              f"[\"Qwen2_5_VLForConditionalGeneration\"]); cannot tell which model to build")
+    architecture = _architecture(raw, config_path)
     _safetensors_files(root)  # fails early when there are no usable weights
     hf_config = _parse_config(root, raw)
 
@@ -80,15 +77,9 @@ def read_checkpoint(model_dir) -> CheckpointInfo:
     if not eos:
         eos = _tokenizer_eos(root)
 
-    pre_path = root / PREPROCESSOR_CONFIG_FILE
-    preprocessor = _read_json(pre_path) if pre_path.is_file() else {}
-
-    dtype = raw.get("torch_dtype") or raw.get("dtype")
-    if dtype is None and isinstance(raw.get("text_config"), dict):
-        dtype = raw["text_config"].get("torch_dtype") or raw["text_config"].get("dtype")
-    return CheckpointInfo(model_dir=root, hf_config=hf_config, architecture=archs[0],
-                          eos_token_ids=eos, preprocessor=preprocessor,
-                          torch_dtype=None if dtype is None else str(dtype).removeprefix("torch."))
+    return CheckpointInfo(model_dir=root, hf_config=hf_config, architecture=architecture,
+                          eos_token_ids=eos, preprocessor=_preprocessor_beside(config_path),
+                          torch_dtype=_declared_dtype(raw))
 
 
 @dataclass(frozen=True)
@@ -112,20 +103,33 @@ def read_config(path) -> ConfigInfo:
     if not config_path.is_file():
         raise CheckpointError(f"{config_path} not found: a checkpoint directory needs the Hugging Face config.json")
     raw = _read_json(config_path)
+    architecture = _architecture(raw, config_path)
+    # from_pretrained takes the directory when the file is config.json, else the file itself
+    hf_config = _parse_config(config_path.parent if config_path.name == CONFIG_FILE else config_path, raw)
+    return ConfigInfo(config_path=config_path, hf_config=hf_config, architecture=architecture,
+                      preprocessor=_preprocessor_beside(config_path), torch_dtype=_declared_dtype(raw))
+
+
+def _architecture(raw: dict, config_path: Path) -> str:
     archs = raw.get("architectures")
     if not archs or not isinstance(archs, list) or not isinstance(archs[0], str):
         raise CheckpointError(f"{config_path} has no 'architectures' list (e.g. "
                               f"[\"Qwen2_5_VLForConditionalGeneration\"]); cannot tell which model to build")
-    # from_pretrained takes the directory when the file is config.json, else the file itself
-    hf_config = _parse_config(config_path.parent if config_path.name == CONFIG_FILE else config_path, raw)
-    pre_path = config_path.parent / PREPROCESSOR_CONFIG_FILE
-    preprocessor = _read_json(pre_path) if pre_path.is_file() else {}
+    return archs[0]
+
+
+def _preprocessor_beside(config_path: Path) -> dict:
+    """The raw preprocessor_config.json next to config.json ({} if absent)."""
+    path = config_path.parent / PREPROCESSOR_CONFIG_FILE
+    return _read_json(path) if path.is_file() else {}
+
+
+def _declared_dtype(raw: dict) -> str | None:
+    """The dtype config.json declares ("torch_dtype" or v5 "dtype", top level or in text_config)."""
     dtype = raw.get("torch_dtype") or raw.get("dtype")
     if dtype is None and isinstance(raw.get("text_config"), dict):
         dtype = raw["text_config"].get("torch_dtype") or raw["text_config"].get("dtype")
-    return ConfigInfo(config_path=config_path, hf_config=hf_config, architecture=archs[0],
-                      preprocessor=preprocessor,
-                      torch_dtype=None if dtype is None else str(dtype).removeprefix("torch."))
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def text_config(hf_config) -> "PretrainedConfig":

@@ -312,7 +312,7 @@ def _largest_image(family: str, info, model, args: EngineArgs) -> dict:
 
         def fit(limit: int) -> int | None:
             return _largest_max_pixels(tokens, limit, ip.min_pixels, factor, max_pixels)
-        return {"tokens": tokens(max_pixels), "patches": t * h * w, "fit": fit,
+        return {"tokens": t * h * w // unit, "patches": t * h * w, "fit": fit,
                 "text": f"max_pixels {max_pixels}: {h * ip.patch_size}x{w * ip.patch_size} pixels"}
     from vlm_sdk.models.internvl.image_processor import InternVLImageProcessor
     ip = InternVLImageProcessor.from_preprocessor_config(info.preprocessor, info.hf_config)

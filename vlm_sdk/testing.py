@@ -186,20 +186,32 @@ def make_tiny_checkpoint(path, family: str = "qwen2_5_vl", seed: int = 0, **over
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = _build_tokenizer()
-    ids = {tok: tokenizer.token_to_id(tok) for tok in QWEN_SPECIAL_TOKENS}
-    n_tokens = tokenizer.get_vocab_size()
-    vocab_size = opts["vocab_size"] or _round_up(n_tokens, 64)
-    if vocab_size < n_tokens:
-        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({n_tokens} tokens)")
-
-    config = _qwen2_5_vl_config(opts, vocab_size, ids)
+    tokenizer, ids, config = qwen_tokenizer_and_config(opts)
     _save_model(config, out, seed=seed, init_std=float(opts["init_std"]), dtype=dtype,
                 max_shard_size=opts["max_shard_size"])
 
     if opts["config_layout"] == "flat":
         nested = json.loads((out / "config.json").read_text())
         _write_json(out / "config.json", _flat_qwen2_5_vl_config(nested, ids))
+    write_qwen_side_files(out, tokenizer, ids, opts)
+    return out
+
+
+def qwen_tokenizer_and_config(opts: Mapping[str, Any]):
+    """The test tokenizer, its special-token ids and the transformers `Qwen2_5_VLConfig` of `opts`
+    (`_DEFAULTS` with overrides applied)."""
+    tokenizer = _build_tokenizer()
+    ids = {tok: tokenizer.token_to_id(tok) for tok in QWEN_SPECIAL_TOKENS}
+    n_tokens = tokenizer.get_vocab_size()
+    vocab_size = opts["vocab_size"] or _round_up(n_tokens, 64)
+    if vocab_size < n_tokens:
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({n_tokens} tokens)")
+    return tokenizer, ids, _qwen2_5_vl_config(opts, vocab_size, ids)
+
+
+def write_qwen_side_files(out: Path, tokenizer, ids: dict[str, int], opts: Mapping[str, Any]) -> None:
+    """Everything of a Qwen2.5-VL checkpoint directory besides config.json and the weights: the
+    tokenizer files, generation_config.json and preprocessor_config.json."""
     _write_tokenizer(out, tokenizer)
     _write_json(out / "generation_config.json", {
         "bos_token_id": ids["<|endoftext|>"],
@@ -208,7 +220,6 @@ def make_tiny_checkpoint(path, family: str = "qwen2_5_vl", seed: int = 0, **over
     })
     _write_json(out / "preprocessor_config.json",
                 _preprocessor_config(opts["min_pixels"], opts["max_pixels"], opts["preprocessor_layout"]))
-    return out
 
 
 def make_bench_checkpoint(path, seed: int = 0, *, family: str = "qwen2_5_vl", **overrides) -> Path:

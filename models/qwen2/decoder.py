@@ -186,8 +186,8 @@ class Qwen2DecoderLayer(nn.Module):
         else:
             normed, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         qkv = self.qkv_proj(normed).view(n, h + 2 * hkv, self.head_dim)  # [N, H+2Hkv, D]
-        q, k = ops.rotary(qkv[:, :h], qkv[:, h:h + hkv], rope)  # [N, H, D], [N, Hkv, D]
-        v = qkv[:, h + hkv:]  # [N, Hkv, D]
+        qk = ops.rotary(qkv[:, :h + hkv], h, rope)  # [N, H+Hkv, D]
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv:]  # [N, H, D], [N, Hkv, D], [N, Hkv, D]
         ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)  # [N, H, D]
         norm = self.post_attention_layernorm

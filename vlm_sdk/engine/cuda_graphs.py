@@ -41,8 +41,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], *, max_num_seqs: int,
-                 max_model_len: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 capture: bool = True):
+                 max_model_len: int, block_size: int, device: torch.device, capture: bool = True):
         from vlm_sdk.kernels.paged_attention_decode import choose_num_splits
 
         self.model, self.kv_caches = model, kv_caches

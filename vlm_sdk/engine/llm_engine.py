@@ -98,12 +98,12 @@ class LLMEngine:
                                        self.dtype, self.device)
         self.block_manager = BlockManager(self.cache_config.num_blocks, args.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        # vision runs in groups no bigger than the image the profile measured
         graphs = None
         if self.device.type == "cuda" and self.ops.graph_safe and not args.enforce_eager:
             graphs = DecodeGraphs(self.model, kv_caches, max_num_seqs=args.max_num_seqs,
                                   max_model_len=self.scheduler_config.max_model_len, block_size=args.block_size,
-                                  device=self.device, dtype=self.dtype)
+                                  device=self.device)
+        # vision runs in groups no bigger than the image the profile measured
         self.runner = ModelRunner(self.model, kv_caches, args.block_size, self.device, self.dtype, args.seed,
                                   max_vision_patches=largest_image.pixel_values.shape[0], graphs=graphs)
         self.requests: dict[str, Sequence] = {}

@@ -7,6 +7,7 @@ through the vision tower in groups of at most `max_vision_patches` patches) and 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -72,7 +73,7 @@ class ModelRunner:
         for seq, part in zip(seqs, embeds.split([sum(seq.prompt.image_tokens) for seq in seqs])):
             seq.image_embeds = part
 
-    def _prepare(self, sched: SchedulerOutput) -> "StepInputs":
+    def _prepare(self, sched: SchedulerOutput) -> StepInputs:
         """Pack the step's inputs on the host and move them to the device in one copy."""
         ids, pos, slots, block_tables = [], [], [], []
         query_lens, seq_lens, sample_rows, sample_idx = [], [], [], []
@@ -91,9 +92,7 @@ class ModelRunner:
                 sample_idx.append(i)
         num_tokens, batch = row, len(query_lens)
         width = max(len(b) for b in block_tables)
-        q_start = [0]
-        for n in query_lens:
-            q_start.append(q_start[-1] + n)
+        q_start = [0, *accumulate(query_lens)]
         # one int64 host buffer: ids | slots | q_start | seq_lens | sample rows | tables, then positions
         flat = torch.tensor(ids + slots + q_start + seq_lens + sample_rows
                             + [b for t in block_tables for b in t + [0] * (width - len(t))], dtype=torch.int64)
