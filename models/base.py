@@ -51,6 +51,12 @@ class VisionLanguageModel(nn.Module, ABC):
         that are sampled."""
 
     @abstractmethod
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """{"language_model", "vision", "projector"}: every parameter once, for the memory reports
+        (`vlm-sdk plan` and the engine's start-up breakdown). The projector (Qwen's patch merger,
+        InternVL's mlp1) maps vision features to the LM width; "vision" is the tower without it."""
+
+    @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str | Path | None = None) -> None:
         """Copy checkpoint tensors (published HF names) into the modules. Raises `CheckpointError`
         naming the tensor (and `source`, the checkpoint directory, when given) for a missing,

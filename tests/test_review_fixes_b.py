@@ -14,7 +14,8 @@ from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.config import CacheConfig, EngineArgs, SchedulerConfig
 from vlm_sdk.engine import capacity
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
-from vlm_sdk.engine.kv_cache import min_memory_utilization, plan_cache
+from vlm_sdk.config import DeviceBudget
+from vlm_sdk.engine.kv_cache import plan_cache
 from vlm_sdk.engine.model_runner import _patch_groups
 from vlm_sdk.models.qwen2_5_vl.image_processor import max_image_grid, max_image_patches
 from vlm_sdk.engine.scheduler import SchedulerOutput
@@ -297,7 +298,7 @@ def test_no_room_error_gives_the_memory_utilization_that_fits(monkeypatch):
     args = EngineArgs(memory_utilization=0.7)
     with pytest.raises(InvalidRequestError) as info:
         plan_cache(args, per_block, torch.device("cuda"), 10**6, peak)
-    need = min_memory_utilization(total, free, peak, per_block)
+    need = DeviceBudget(total, total - free, peak).utilization_for(per_block)
     assert need == 0.76
     msg = str(info.value)
     assert "Raise memory_utilization to at least 0.76" in msg
@@ -313,7 +314,7 @@ def test_no_room_error_gives_the_memory_utilization_that_fits(monkeypatch):
 
 def test_min_memory_utilization_is_the_smallest_two_decimal_value():
     for total, free, peak, per_block in ((100, 50, 10, 1), (1000, 500, 100, 100), (7919, 3000, 1234, 77)):
-        need = min_memory_utilization(total, free, peak, per_block)
+        need = DeviceBudget(total, total - free, peak).utilization_for(per_block)
         assert int(need * total) >= total - free + peak + per_block
         assert int(round(need - 0.01, 2) * total) < total - free + peak + per_block
 

@@ -32,14 +32,12 @@ def test_error_numbers_message_and_each_fix(tiny_ckpt, small):
     msg = str(err)
     for number in (err.prompt_tokens, err.capacity_tokens, *err.image_tokens, BLOCKS):
         assert str(number) in msg
-    assert set(err.fixes) >= {"num_blocks", "kv_cache_memory", "max_pixels"}
+    # num_blocks sized this cache and overrides kv_cache_memory, so kv_cache_memory is no fix here
+    assert set(err.fixes) == {"num_blocks", "max_pixels"}
     assert err.fixes["num_blocks"] == -(-err.prompt_tokens // 16)
     for key, value in err.fixes.items():
         assert f"{key}={value}" in msg
-        args = {"num_blocks": BLOCKS, key: value}
-        if key == "kv_cache_memory":
-            del args["num_blocks"]  # num_blocks would take precedence; the fix replaces it
-        fixed = LLM(tiny_ckpt, show_progress=False, **args)
+        fixed = LLM(tiny_ckpt, show_progress=False, **{"num_blocks": BLOCKS, key: value})
         out = fixed.chat(_big_conv(), PARAMS)[0]
         assert out.finish_reason in ("stop", "length") and len(out.token_ids) >= 1
     # max_pixels is the largest that fits: one more step of 28x28 pixels does not
@@ -47,6 +45,19 @@ def test_error_numbers_message_and_each_fix(tiny_ckpt, small):
     at = small.engine.processor.image_tokens_with_max_pixels
     assert text_tokens + sum(at(reference, err.fixes["max_pixels"])) <= err.capacity_tokens
     assert text_tokens + sum(at(reference, err.fixes["max_pixels"] + 28 * 28)) > err.capacity_tokens
+
+
+def test_kv_cache_memory_sized_cache_offers_kv_cache_memory(tiny_ckpt, small):
+    per_block = small.stats()["kv_bytes_per_block"]
+    llm = LLM(tiny_ckpt, kv_cache_memory=BLOCKS * per_block + per_block // 2, show_progress=False)
+    with pytest.raises(InputTooLongError) as info:
+        llm.chat(_big_conv(), PARAMS)
+    fixes = info.value.fixes
+    assert set(fixes) == {"num_blocks", "kv_cache_memory", "max_pixels"}
+    assert fixes["kv_cache_memory"] == fixes["num_blocks"] * per_block
+    fixed = LLM(tiny_ckpt, kv_cache_memory=fixes["kv_cache_memory"], show_progress=False)
+    assert fixed.stats()["kv_blocks_total"] == fixes["num_blocks"]
+    assert len(fixed.chat(_big_conv(), PARAMS)[0].token_ids) >= 1
 
 
 def test_engine_serves_the_next_request(small):
@@ -107,7 +118,7 @@ def test_bad_requests_are_typed_and_name_the_problem(small):
 def test_bad_engine_args_are_typed(tiny_ckpt):
     with pytest.raises(TypeError, match="num_blokcs"):
         LLM(tiny_ckpt, num_blokcs=3)
-    with pytest.raises(InvalidRequestError, match="max_model_len=4096 needs 256 KV blocks"):
+    with pytest.raises(InvalidRequestError, match="max_model_len=4096 does not fit once .* needs 256 blocks"):
         LLM(tiny_ckpt, num_blocks=10, max_model_len=4096, show_progress=False)
     with pytest.raises(InvalidRequestError, match="kv_cache_memory"):
         LLM(tiny_ckpt, kv_cache_memory=10, show_progress=False)

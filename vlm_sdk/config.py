@@ -39,6 +39,7 @@ class EngineArgs:
     show_progress: bool = True
     attention_backend: str | None = None  # "triton" (default on CUDA) or "torch" (default on the CPU)
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of from captured CUDA graphs
+    preemption_warning_per_minute: int = 10  # log a warning when preemptions in 60 s exceed this
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -57,7 +58,7 @@ class EngineArgs:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
         for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs",
                      "max_num_batched_tokens", "min_pixels", "max_pixels", "max_dynamic_patch",
-                     "max_image_pixels"):
+                     "max_image_pixels", "preemption_warning_per_minute"):
             positive(name)
         if not isinstance(self.memory_utilization, (int, float)) or isinstance(self.memory_utilization, bool) \
                 or not 0.0 < self.memory_utilization <= 1.0:
@@ -100,15 +101,69 @@ class EngineArgs:
 
 
 @dataclass(frozen=True)
+class DeviceBudget:
+    """The device memory a `memory_utilization` cache is carved from (bytes):
+
+        kv_cache_bytes = memory_utilization * total - in_use - activation_peak
+
+    `in_use` is what is taken before the cache: weights, the CUDA context, other processes (the engine
+    measures it; `plan` counts the weights, plus the device's current use with `--device cuda:N`)."""
+    total_bytes: int
+    in_use_bytes: int
+    activation_peak_bytes: int
+
+    def blocks(self, memory_utilization: float, bytes_per_block: int) -> int:
+        """KV blocks that fit; may be < 1."""
+        return (int(memory_utilization * self.total_bytes) - self.in_use_bytes
+                - self.activation_peak_bytes) // bytes_per_block
+
+    def utilization_for(self, cache_bytes: int) -> float:
+        """The smallest memory_utilization (2 decimals, rounded up) leaving `cache_bytes` for the cache;
+        above 1 when the device cannot hold it at all."""
+        need = self.in_use_bytes + self.activation_peak_bytes + cache_bytes
+        hundredths = -(-need * 100 // self.total_bytes)
+        if int(hundredths / 100 * self.total_bytes) < need:  # float rounding at an exact boundary
+            hundredths += 1
+        return hundredths / 100
+
+
+# which setting decided a cache's block count; the fixes offered for a too-small cache follow it
+CACHE_RULES = ("num_blocks", "kv_cache_memory", "memory_utilization", "cpu_default")
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int
     num_blocks: int
     bytes_per_block: int  # all layers, K and V
     source: str  # how num_blocks was decided, in words, for error messages and the start-up report
+    rule: str = "num_blocks"  # one of CACHE_RULES
+    budget: DeviceBudget | None = None  # set when rule == "memory_utilization"
 
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_block // self.block_size
+
+    def fixes_for(self, num_blocks: int) -> dict[str, int | float]:
+        """Settings, each of which alone gives this cache at least `num_blocks` blocks. Only settings
+        that would take effect are named: num_blocks overrides kv_cache_memory, which overrides
+        memory_utilization, so a cache the user sized by num_blocks is only fixed by num_blocks. With a
+        device budget, {} when the device cannot hold that many blocks at all."""
+        fixes: dict[str, int | float] = {}
+        if self.budget is not None:
+            u = self.budget.utilization_for(num_blocks * self.bytes_per_block)
+            if u > 1:  # the device cannot hold it beside the weights and activations, however it is set
+                return fixes
+            if self.rule == "memory_utilization":
+                fixes["memory_utilization"] = u
+        if self.rule != "num_blocks":
+            fixes["kv_cache_memory"] = num_blocks * self.bytes_per_block
+        fixes["num_blocks"] = num_blocks
+        return fixes
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,19 @@ class InputTooLongError(InvalidRequestError):
                                  self.fixes, self.limit_reason, index, together=self.together)
 
 
+class CacheTooSmallError(InvalidRequestError):
+    """The engine cannot start: `max_model_len` does not fit once in the KV cache. `fixes` maps each
+    setting to a value that alone makes it start (max_model_len: the largest that fits)."""
+
+    def __init__(self, message: str, max_model_len: int, needed_blocks: int, num_blocks: int,
+                 fixes: dict[str, int | float]):
+        super().__init__(message, param="max_model_len")
+        self.max_model_len = max_model_len
+        self.needed_blocks = needed_blocks
+        self.num_blocks = num_blocks
+        self.fixes = dict(fixes)
+
+
 class CheckpointError(VLMError):
     """A checkpoint directory that cannot be loaded: missing file, unknown architecture, missing,
     unexpected or mis-shaped tensor. The message names the file or tensor."""

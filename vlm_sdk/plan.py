@@ -2,14 +2,16 @@
 
 Everything the engine decides is decided here by the engine's own code: config.json is parsed by
 `model_loader.read_config` (as `read_checkpoint` parses it), the model is built on the meta device
-(no memory) so layer / head counts and parameter counts are the engine's, and the block count uses
-`kv_cache`'s pure rules. Units: bytes unless a name says tokens / blocks / pixels.
+(no memory) so layer / head counts and parameter counts are the engine's, the block count comes from
+the engine's `kv_cache.size_cache`, and every fix from `CacheConfig.fixes_for` (the start-up refusal
+and the too-long error use it too). Units: bytes unless a name says tokens / blocks / pixels.
 
     kv_bytes_per_token = layers * 2 (K, V) * (kv_heads / tp) * head_dim * dtype bytes
     kv_bytes_per_block = kv_bytes_per_token * block_size
     num_blocks         = num_blocks | kv_cache_memory // per_block
-                         | (device memory * memory_utilization - weights - activation peak) // per_block
+                         | (device memory * memory_utilization - in use - activation peak) // per_block
                          | the CPU default (max_num_seqs full-length sequences, at most 1 GiB)
+    in use             = weights, plus with --device cuda:N what is in use on it now
 
 Weights per rank with `tp`: the language model's matrices (2-D parameters, embeddings and lm_head
 included) are divided by tp; its norms/biases (1-D), the vision tower and the projector are counted
@@ -22,22 +24,24 @@ The activation peak is an ESTIMATE (the engine measures it on CUDA with a profil
     vision tower:   patches of the largest allowed image * (4 * vision hidden + 2 * vision intermediate)
                     * dtype bytes (attention runs in fused kernels: no patches x patches scores)
     peak = max(language model, vision tower): the vision tower's buffers are freed before the LM runs.
-The device-memory rule also ignores the CUDA context and other processes (the engine sees them).
+With --device-memory the CUDA context (~0.5 GiB) and other processes are not counted: the engine,
+which measures them, gets slightly fewer blocks.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
-from vlm_sdk.config import DTYPES, EngineArgs
+from vlm_sdk.config import DTYPES, DeviceBudget, EngineArgs
 from vlm_sdk.engine.block_manager import blocks_needed
-from vlm_sdk.engine.capacity import _largest_max_pixels
-from vlm_sdk.engine.kv_cache import (blocks_from_device_memory, bytes_per_block, cpu_default_blocks,
-                                     min_memory_utilization)
+from vlm_sdk.engine.capacity import _largest_max_pixels, max_model_len_fixes
+from vlm_sdk.engine.kv_cache import bytes_per_block, size_cache
+from vlm_sdk.engine.memory_report import weight_bytes
 from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
 from vlm_sdk.model_loader import read_config
 from vlm_sdk.models.registry import resolve
@@ -95,6 +99,7 @@ class MemoryPlan:
     num_blocks: int                  # 0 when nothing fits (see problems)
     cache_source: str                # which rule decided num_blocks, in words
     device_memory_bytes: int | None
+    device_in_use_bytes: int | None  # --device cuda:N: in use on it now (CUDA context, other processes)
     memory_utilization: float
     # what fits
     max_position_embeddings: int     # tokens
@@ -102,11 +107,14 @@ class MemoryPlan:
     max_num_seqs: int
     image_tokens_per_image: int      # tokens of the largest allowed image
     largest_image: str               # that image, in words
+    largest_fitting_image_tokens: int  # the largest image that fits alone in the longest request (0: none)
+    largest_fitting_image: str       # that image, in words, with the setting that allows it
     prompt_tokens: int | None        # workload: text tokens per request
     output_tokens: int | None
     images: int | None
     max_concurrent_requests: int | None  # None without a workload
-    problems: tuple[Problem, ...]
+    problems: tuple[Problem, ...]    # what fails: the engine refuses to start, or a request is refused
+    notes: tuple[Problem, ...] = ()  # what runs below the settings (fewer requests at once than max_num_seqs)
 
     @property
     def weights_bytes(self) -> int:
@@ -137,11 +145,12 @@ class MemoryPlan:
                 + (self.output_tokens or 0))
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k != "problems"}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("problems", "notes")}
         for name in ("weights_bytes", "activation_peak_bytes", "capacity_tokens", "kv_cache_bytes",
                      "longest_request_tokens", "request_tokens"):
             out[name] = getattr(self, name)
         out["problems"] = [p.to_dict() for p in self.problems]
+        out["notes"] = [p.to_dict() for p in self.notes]
         return out
 
 
@@ -167,165 +176,196 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
                                       f"integer, got {v!r}")
     tp = o["tp"] or 1
 
+    info = read_config(config_path_or_dir)
+    family = resolve([info.architecture])
+    other = {"qwen2_5_vl": "max_num", "internvl": "max_pixels"}[family.name]
+    if o[other] is not None:
+        setting = "max_pixels" if other == "max_num" else "max_num"
+        raise InvalidRequestError(f"--{other.replace('_', '-')} is a setting of the other model family; this "
+                                  f"config is {info.architecture}: use --{setting.replace('_', '-')}", param=other)
+
     # device: the engine's default when neither is given (CUDA when available, else the CPU)
-    device_memory = None if o["device_memory"] is None else parse_bytes(o["device_memory"])
-    if device_memory is not None:
-        device = "device memory"
+    device_memory, other_use = None, 0
+    if o["device_memory"] is not None:
+        device_memory, device = parse_bytes(o["device_memory"]), "device memory"
     else:
         dev = EngineArgs(device=o["device"]).resolve_device()
         device = str(dev)
-        if dev.type == "cuda":
-            device_memory = torch.cuda.mem_get_info(dev)[1]
+        if dev.type == "cuda":  # what is in use now (CUDA context, other processes) stays in use
+            free, device_memory = torch.cuda.mem_get_info(dev)
+            other_use = device_memory - free
     dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
 
-    info = read_config(config_path_or_dir)
-    family = resolve([info.architecture])
     with torch.device("meta"):  # the engine's own modules, no memory: counts can never disagree
         model = family.model_cls(info.hf_config, dtype=dtype, device="meta")
     layers, kv_heads, head_dim = model.num_layers, model.num_kv_heads, model.head_dim
     if kv_heads % tp:
         raise InvalidRequestError(f"tp={tp} does not divide the model's {kv_heads} KV heads; use a tp that "
-                                  f"divides {kv_heads} (e.g. {max(d for d in range(1, kv_heads + 1) if kv_heads % d == 0 and d <= tp)})",
+                                  f"divides {kv_heads} (e.g. {max(d for d in range(1, tp) if kv_heads % d == 0)})",
                                   param="tp")
     kv_heads //= tp
     per_block = bytes_per_block(layers, kv_heads, head_dim, args.block_size, dtype)
     max_pos = int(family.text_config(info.hf_config).max_position_embeddings)
 
-    lm, vision, projector = _weights(model, family.name, tp)
+    weights = weight_bytes(model, tp)
     image = _largest_image(family.name, info, model, args)
-    act_lm, act_vision = _activations(info.hf_config, model, family.name, image["patches"], args, max_pos, dtype, tp)
-
-    # num_blocks: kv_cache.plan_cache's rules, in its order
-    useful = args.max_num_seqs * (args.max_model_len or max_pos)
-    weights = lm + vision + projector
+    act_lm, act_vision = _activations(info.hf_config, model, family.name, image.patches, args, max_pos, dtype, tp)
     peak = max(act_lm, act_vision)
-    if args.num_blocks is not None:
-        blocks, source = args.num_blocks, f"num_blocks={args.num_blocks} set by you"
-    elif args.kv_cache_memory is not None:
-        blocks, source = args.kv_cache_memory // per_block, f"kv_cache_memory={args.kv_cache_memory:,} bytes set by you"
-    elif device_memory is not None:
-        blocks = blocks_from_device_memory(device_memory, weights, peak, args.memory_utilization, per_block)
-        source = (f"memory_utilization={args.memory_utilization} of {device_memory:,} bytes, after "
-                  f"{weights:,} of weights and a {peak:,}-byte activation peak (estimate)")
-    else:
-        blocks = cpu_default_blocks(per_block, useful, args.block_size)
-        source = "the CPU default: max_num_seqs full-length sequences, at most 1 GiB"
-    blocks = max(blocks, 0)
+
+    # the engine's own sizing rules, on the memory it would find after loading the weights
+    budget = None if device_memory is None else DeviceBudget(device_memory, other_use + weights.total, peak)
+    cache = size_cache(args, per_block, args.max_num_seqs * (args.max_model_len or max_pos), budget)
+    blocks = max(cache.num_blocks, 0)
     capacity = blocks * args.block_size
     max_model_len = args.max_model_len or min(max_pos, capacity)
+    longest = min(capacity, max_pos, max_model_len)
+    fits_alone = image.fitting(longest)
 
-    def budget_fixes(need_blocks: int) -> dict[str, int | float]:
-        fixes: dict[str, int | float] = {"num_blocks": need_blocks, "kv_cache_memory": need_blocks * per_block}
-        if device_memory is not None and args.num_blocks is None and args.kv_cache_memory is None:
-            u = min_memory_utilization(device_memory, device_memory - weights, peak, need_blocks * per_block)
-            if u <= 1:
-                fixes["memory_utilization"] = u
-        return fixes
-
-    problems: list[Problem] = []
+    problems: list[Problem] = []  # the engine would refuse to start, or a request would be refused
+    notes: list[Problem] = []  # it runs, but below what the settings ask for
     if blocks < 1:
-        problems.append(Problem(f"no room for one KV block ({per_block:,} bytes) with {source}",
-                                budget_fixes(1)))
+        fixes = cache.fixes_for(1)
+        problems.append(Problem(f"no room for one KV block ({per_block:,} bytes) with {cache.source}"
+                                + (" (the activation peak is an estimate: lower --max-num-batched-tokens or "
+                                   "--max-num-seqs to shrink it)" if cache.rule == "memory_utilization" else ""),
+                                fixes))
     if args.max_model_len is not None and args.max_model_len > max_pos:
         problems.append(Problem(f"max_model_len {args.max_model_len} > the model's max_position_embeddings "
                                 f"{max_pos}: set --max-model-len {max_pos}", {"max_model_len": max_pos}))
-    if args.max_model_len is not None and args.max_model_len > capacity >= 1:
-        need = blocks_needed(args.max_model_len, args.block_size)
+    elif args.max_model_len is not None and args.max_model_len > capacity >= 1:
+        fixes = max_model_len_fixes(dataclasses.replace(cache, num_blocks=blocks), args.max_model_len)
         problems.append(Problem(f"max_model_len {args.max_model_len} > capacity {capacity} tokens (the engine "
-                                f"refuses to start): set --max-model-len {capacity}, or a cache of {need} blocks",
-                                {"max_model_len": capacity, **budget_fixes(need)}))
-    longest = min(capacity, max_pos, max_model_len)
-    image_setting = "max_pixels" if family.name == "qwen2_5_vl" else "max_num"
-    if image["tokens"] > longest >= 1:
-        fix = image["fit"](longest)
-        problems.append(Problem(f"the largest allowed image ({image['tokens']} tokens) does not fit alone in the "
-                                f"longest request ({longest} tokens)" + (f": set --{image_setting.replace('_', '-')} {fix}"
-                                                                          if fix else ""),
-                                {image_setting: fix} if fix else {}))
+                                f"refuses to start): set {_flags(fixes, ', or ')}", fixes))
+    if image.tokens > longest >= 1:
+        fix = fits_alone.value if fits_alone is not None else None
+        problems.append(Problem(f"the largest allowed image ({image.tokens} tokens) does not fit alone in the "
+                                f"longest request ({longest} tokens)"
+                                + (f": set --{image.setting.replace('_', '-')} {fix}" if fix else ""),
+                                {image.setting: fix} if fix else {}))
 
     concurrent = None
     workload = (o["prompt_tokens"], o["output_tokens"], o["images"])
     if any(v is not None for v in workload):
         p, out_tokens, k = (v or 0 for v in workload)
-        need_tokens = p + k * image["tokens"] + out_tokens
+        need_tokens = p + k * image.tokens + out_tokens
+        need_blocks = blocks_needed(max(need_tokens, 1), args.block_size)
         if need_tokens <= longest:
-            concurrent = min(args.max_num_seqs, blocks // blocks_needed(max(need_tokens, 1), args.block_size))
+            concurrent = min(args.max_num_seqs, blocks // need_blocks)
+            if concurrent < args.max_num_seqs:
+                grow = cache.fixes_for(args.max_num_seqs * need_blocks)
+                more = (f"; for {args.max_num_seqs} at once: {_flags(grow, ', or ')}" if grow else
+                        f"; this device cannot hold {args.max_num_seqs} at once")
+                notes.append(Problem(
+                    f"max_num_seqs {args.max_num_seqs} but the cache holds {concurrent} requests of {need_tokens} "
+                    f"tokens at once: the others wait for blocks (and running ones that grow preempt each "
+                    f"other). Set --max-num-seqs {max(concurrent, 1)}{more}",
+                    {"max_num_seqs": max(concurrent, 1), **grow}))
         else:
             concurrent = 0
             fixes: dict[str, int | float] = {}
             if need_tokens <= max_pos:
                 if capacity < need_tokens:
-                    fixes.update(budget_fixes(blocks_needed(need_tokens, args.block_size)))
+                    fixes.update(cache.fixes_for(need_blocks))
                 if args.max_model_len is not None and args.max_model_len < need_tokens:
                     fixes["max_model_len"] = need_tokens
             if k:
                 per_image = (longest - p - out_tokens) // k
-                fix = image["fit"](per_image) if per_image >= 1 else None
-                if fix:
-                    fixes[image_setting] = fix
-            names = "; ".join(f"--{n.replace('_', '-')} {v}" for n, v in fixes.items())
+                fit = image.fitting(per_image) if per_image >= 1 else None
+                if fit is not None and fit.value is not None:
+                    fixes[image.setting] = fit.value
             problems.append(Problem(
-                f"a request of {need_tokens} tokens ({p} text + {k} x {image['tokens']} image + {out_tokens} "
+                f"a request of {need_tokens} tokens ({p} text + {k} x {image.tokens} image + {out_tokens} "
                 f"output) does not fit: the longest request is {longest} tokens"
-                + (f"; fix with one of: {names}" if names else "; shorten the request"), fixes))
+                + (f"; fix with one of: {_flags(fixes, '; ')}" if fixes else "; shorten the request"), fixes))
 
     return MemoryPlan(
         config_path=str(info.config_path), architecture=info.architecture, family=family.name, device=device,
-        dtype=str(dtype).removeprefix("torch."), tp=tp, weights_language_model_bytes=lm,
-        weights_vision_bytes=vision, weights_projector_bytes=projector, activation_language_model_bytes=act_lm,
-        activation_vision_bytes=act_vision, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
-        block_size=args.block_size, kv_bytes_per_token=per_block // args.block_size, kv_bytes_per_block=per_block,
-        num_blocks=blocks, cache_source=source, device_memory_bytes=device_memory,
+        dtype=str(dtype).removeprefix("torch."), tp=tp, weights_language_model_bytes=weights.language_model,
+        weights_vision_bytes=weights.vision, weights_projector_bytes=weights.projector,
+        activation_language_model_bytes=act_lm, activation_vision_bytes=act_vision, num_layers=layers,
+        num_kv_heads=kv_heads, head_dim=head_dim, block_size=args.block_size, kv_bytes_per_token=cache.bytes_per_token,
+        kv_bytes_per_block=per_block, num_blocks=blocks, cache_source=cache.source, device_memory_bytes=device_memory,
+        device_in_use_bytes=other_use if device_memory is not None and o["device_memory"] is None else None,
         memory_utilization=args.memory_utilization, max_position_embeddings=max_pos, max_model_len=max_model_len,
-        max_num_seqs=args.max_num_seqs, image_tokens_per_image=image["tokens"], largest_image=image["text"],
+        max_num_seqs=args.max_num_seqs, image_tokens_per_image=image.tokens, largest_image=image.text,
+        largest_fitting_image_tokens=fits_alone.tokens if fits_alone else 0,
+        largest_fitting_image=fits_alone.text if fits_alone else "none: not even the smallest image fits",
         prompt_tokens=o["prompt_tokens"], output_tokens=o["output_tokens"], images=o["images"],
-        max_concurrent_requests=concurrent, problems=tuple(problems))
+        max_concurrent_requests=concurrent, problems=tuple(problems), notes=tuple(notes))
 
 
-def _bytes(params) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
+def _flags(fixes: Mapping[str, int | float], sep: str) -> str:
+    return sep.join(f"--{k.replace('_', '-')} {v}" for k, v in fixes.items())
 
 
-def _weights(model: torch.nn.Module, family: str, tp: int) -> tuple[int, int, int]:
-    """(language model, vision tower, projector) bytes per rank; LM matrices / tp, the rest whole."""
-    decoder = list(model.decoder.parameters())
-    lm = _bytes(p for p in decoder if p.dim() >= 2) // tp + _bytes(p for p in decoder if p.dim() < 2)
-    tower = model.visual if family == "qwen2_5_vl" else model.vision
-    proj = tower.merger if family == "qwen2_5_vl" else tower.projector
-    projector = _bytes(proj.parameters())
-    return lm, _bytes(tower.parameters()) - projector, projector
+@dataclass(frozen=True)
+class _Image:
+    """An image size the settings allow: its tokens and vision patches, in words; `value` is the
+    image setting (max_pixels / max_num) that makes it the largest."""
+    tokens: int
+    patches: int
+    text: str
+    value: int | None
 
 
-def _largest_image(family: str, info, model, args: EngineArgs) -> dict:
-    """{"tokens", "patches", "text", "fit"}: the largest image the settings allow; fit(tokens) -> the
-    largest max_pixels / max_num whose largest image is at most `tokens` tokens (None if none)."""
+@dataclass(frozen=True)
+class _ImageLimits:
+    setting: str  # "max_pixels" (Qwen2.5-VL) | "max_num" (InternVL)
+    largest: _Image  # under the settings in effect
+    at: Callable[[int], _Image]  # the largest image under setting value v
+    candidates: Callable[[int], int | None]  # the largest setting value below the one in effect whose image fits
+
+    @property
+    def tokens(self) -> int:
+        return self.largest.tokens
+
+    @property
+    def patches(self) -> int:
+        return self.largest.patches
+
+    @property
+    def text(self) -> str:
+        return self.largest.text
+
+    def fitting(self, limit: int) -> _Image | None:
+        """The largest image of at most `limit` tokens: the allowed largest when it fits, else the one
+        a smaller setting gives (its `value` names that setting); None when none fits."""
+        if self.largest.tokens <= limit:
+            return dataclasses.replace(self.largest, value=None)
+        v = self.candidates(limit)
+        return None if v is None else self.at(v)
+
+
+def _largest_image(family: str, info, model, args: EngineArgs) -> _ImageLimits:
     if family == "qwen2_5_vl":
         from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor, max_image_grid
         ip = Qwen2VLImageProcessor.from_preprocessor_config(info.preprocessor, info.hf_config)
         max_pixels = args.max_pixels or ip.max_pixels
         factor, unit = ip.patch_size * ip.merge_size, ip.merge_size ** 2
 
-        def tokens(v: int) -> int:
+        def at(v: int) -> _Image:
             t, h, w = max_image_grid(ip, v)
-            return t * h * w // unit
-        t, h, w = max_image_grid(ip, max_pixels)
+            return _Image(t * h * w // unit, t * h * w,
+                          f"max_pixels {v}: {h * ip.patch_size}x{w * ip.patch_size} pixels", v)
 
-        def fit(limit: int) -> int | None:
-            return _largest_max_pixels(tokens, limit, ip.min_pixels, factor, max_pixels)
-        return {"tokens": t * h * w // unit, "patches": t * h * w, "fit": fit,
-                "text": f"max_pixels {max_pixels}: {h * ip.patch_size}x{w * ip.patch_size} pixels"}
+        def candidates(limit: int) -> int | None:
+            return _largest_max_pixels(lambda v: at(v).tokens, limit, ip.min_pixels, factor, max_pixels)
+        return _ImageLimits("max_pixels", at(max_pixels), at, candidates)
     from vlm_sdk.models.internvl.image_processor import InternVLImageProcessor
     ip = InternVLImageProcessor.from_preprocessor_config(info.preprocessor, info.hf_config)
     per_tile = model.vision.cfg.tokens_per_tile(ip.image_size)
-    max_num = args.max_dynamic_patch or ip.max_num
-    tiles = ip.tiles_of_grid(max_num)
     grid = model.vision.cfg.grid_of(ip.image_size)
+    max_num = args.max_dynamic_patch or ip.max_num
 
-    def fit(limit: int) -> int | None:
-        ok = [n for n in range(ip.min_num, max_num) if ip.tiles_of_grid(n) * per_tile <= limit]
+    def at(n: int) -> _Image:
+        tiles = ip.tiles_of_grid(n)
+        return _Image(tiles * per_tile, tiles * (grid * grid + 1),
+                      f"max_num {n}: {tiles} tiles of {ip.image_size}x{ip.image_size} pixels", n)
+
+    def candidates(limit: int) -> int | None:
+        ok = [n for n in range(ip.min_num, max_num) if at(n).tokens <= limit]
         return max(ok) if ok else None
-    return {"tokens": tiles * per_tile, "patches": tiles * (grid * grid + 1), "fit": fit,
-            "text": f"max_num {max_num}: {tiles} tiles of {ip.image_size}x{ip.image_size} pixels"}
+    return _ImageLimits("max_num", at(max_num), at, candidates)
 
 
 def _activations(hf_config, model, family: str, patches: int, args: EngineArgs, max_pos: int, dtype: torch.dtype,

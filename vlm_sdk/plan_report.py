@@ -3,24 +3,27 @@ from __future__ import annotations
 
 import json
 
+from vlm_sdk.engine.memory_report import format_bytes as _size, table
 from vlm_sdk.plan import MemoryPlan, plan
 
 
-def _size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:,.2f} {unit} ({n:,} B)"
-    return f"{n:,} B"
+def _problem_lines(title: str, problems) -> list[str]:
+    if not problems:
+        return [f"{title}: none"]
+    return [f"{title}:"] + [f"  - {pr.message}" + (f"  [fixes: {', '.join(f'{k}={v}' for k, v in pr.fixes.items())}]"
+                                                   if pr.fixes else "") for pr in problems]
 
 
 def format_plan(p: MemoryPlan) -> str:
+    device_memory = "-"
+    if p.device_memory_bytes:
+        device_memory = f"{_size(p.device_memory_bytes)} x memory_utilization {p.memory_utilization}"
+        if p.device_in_use_bytes is not None:
+            device_memory += f"; {_size(p.device_in_use_bytes)} in use on it now"
     rows = [
         ("model", f"{p.architecture} ({p.config_path})"),
         ("device / dtype / tp", f"{p.device}, {p.dtype}, tp={p.tp}"),
-        ("device memory", f"{_size(p.device_memory_bytes)} x memory_utilization {p.memory_utilization}"
-         if p.device_memory_bytes else "-"),
+        ("device memory", device_memory),
         ("weights: language model", _size(p.weights_language_model_bytes)),
         ("weights: vision tower", _size(p.weights_vision_bytes)),
         ("weights: projector", _size(p.weights_projector_bytes)),
@@ -34,20 +37,16 @@ def format_plan(p: MemoryPlan) -> str:
         ("KV capacity", f"{p.capacity_tokens:,} tokens"),
         ("max_model_len", f"{p.max_model_len:,} (max_position_embeddings {p.max_position_embeddings:,})"),
         ("longest single request", f"{p.longest_request_tokens:,} tokens"),
-        ("largest image", f"{p.image_tokens_per_image:,} tokens ({p.largest_image})"),
+        ("largest allowed image", f"{p.image_tokens_per_image:,} tokens ({p.largest_image})"),
+        ("largest image alone", f"{p.largest_fitting_image_tokens:,} tokens ({p.largest_fitting_image})"),
     ]
     if p.request_tokens is not None:
         rows.append(("workload", f"{p.prompt_tokens or 0} text + {p.images or 0} image(s) + {p.output_tokens or 0} "
                      f"output = {p.request_tokens:,} tokens per request"))
         rows.append(("requests at once", f"{p.max_concurrent_requests} (max_num_seqs {p.max_num_seqs})"))
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{k:<{width}}  {v}" for k, v in rows]
-    if p.problems:
-        lines.append("problems:")
-        lines += [f"  - {pr.message}" + (f"  [fixes: {', '.join(f'{k}={v}' for k, v in pr.fixes.items())}]"
-                                         if pr.fixes else "") for pr in p.problems]
-    else:
-        lines.append("problems: none")
+    lines = [table(rows)] + _problem_lines("problems", p.problems)
+    if p.notes:
+        lines += _problem_lines("notes", p.notes)
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+from torch import nn
 
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
@@ -108,6 +109,12 @@ class InternVLForCausalLM(VisionLanguageModel):
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         return self.decoder(inputs_embeds, positions, kv_caches, meta)  # 1-D RoPE reads positions[0]
+
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        projector = list(self.vision.projector.parameters())
+        ids = {id(t) for t in projector}
+        return {"language_model": list(self.decoder.parameters()), "projector": projector,
+                "vision": [t for t in self.vision.parameters() if id(t) not in ids]}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.decoder.compute_logits(hidden)

@@ -3,7 +3,9 @@
     capacity_tokens = max_model_len <= num_blocks * block_size
 
 A prompt fits when prompt_tokens <= capacity_tokens (the step that computes its last token samples
-the first output token; generation then stops with "length" at max_model_len).
+the first output token; generation then stops with "length" at max_model_len). The engine's start-up
+refusal, the too-long error and `vlm-sdk plan` all take their cache fixes from
+`CacheConfig.fixes_for`, so they name the same settings and values.
 """
 from __future__ import annotations
 
@@ -11,8 +13,35 @@ from typing import Callable
 
 from vlm_sdk.config import CacheConfig, SchedulerConfig
 from vlm_sdk.engine.block_manager import blocks_needed
-from vlm_sdk.errors import InputTooLongError
+from vlm_sdk.errors import CacheTooSmallError, InputTooLongError
 from vlm_sdk.multimodal.inputs import PromptInputs
+
+
+def max_model_len_fixes(cache: CacheConfig, max_model_len: int) -> dict[str, int | float]:
+    """Each setting that alone lets `max_model_len` fit once: the largest max_model_len the cache
+    holds, or a cache of enough blocks (by the rule that sized it)."""
+    return {"max_model_len": cache.capacity_tokens,
+            **cache.fixes_for(blocks_needed(max_model_len, cache.block_size))}
+
+
+def check_max_model_len_fits(cache: CacheConfig, max_model_len: int) -> None:
+    """Raise `CacheTooSmallError` when one sequence of `max_model_len` tokens cannot fit the cache."""
+    if max_model_len <= cache.capacity_tokens:
+        return
+    need = blocks_needed(max_model_len, cache.block_size)
+    fixes = max_model_len_fixes(cache, max_model_len)
+    note = ""
+    if len(fixes) == 1 and cache.budget is not None:
+        u = cache.budget.utilization_for(need * cache.bytes_per_block)
+        note = f" (no cache setting can: that cache would take {u:.2f} of the device)"
+    names = "; ".join(f"{k}={v}" for k, v in fixes.items())
+    raise CacheTooSmallError(
+        f"max_model_len={max_model_len} does not fit once in the KV cache: one sequence of {max_model_len} "
+        f"tokens needs {need} blocks of {cache.block_size} tokens ({need * cache.bytes_per_block:,} bytes at "
+        f"{cache.bytes_per_block:,} per block) but the cache has {cache.num_blocks} blocks = "
+        f"{cache.capacity_tokens} tokens ({cache.source}). The largest max_model_len that fits is "
+        f"{cache.capacity_tokens}. Any one of these settings lets the engine start{note}: {names}",
+        max_model_len, need, cache.num_blocks, fixes)
 
 
 def check_prompt_fits(prompt: PromptInputs, cache: CacheConfig, sched: SchedulerConfig,
@@ -37,8 +66,7 @@ def check_prompt_fits(prompt: PromptInputs, cache: CacheConfig, sched: Scheduler
                 together = {"max_model_len": n, "num_blocks": blocks}
     elif n <= max_position_embeddings:
         # max_model_len follows the cache when not set, so growing the cache alone is enough
-        fixes["num_blocks"] = blocks
-        fixes["kv_cache_memory"] = blocks * cache.bytes_per_block
+        fixes.update(cache.fixes_for(blocks))
     if prompt.images and image_setting_fixes is not None:
         fixes.update(image_setting_fixes(prompt, capacity))
     raise InputTooLongError(prompt_tokens=n, image_tokens=prompt.image_tokens, capacity_tokens=capacity,

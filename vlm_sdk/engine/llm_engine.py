@@ -14,11 +14,13 @@ import torch
 
 from vlm_sdk.config import EngineArgs, SchedulerConfig
 from vlm_sdk.engine.block_manager import BlockManager, blocks_needed
-from vlm_sdk.engine.capacity import check_prompt_fits
+from vlm_sdk.engine.capacity import check_max_model_len_fits, check_prompt_fits
 from vlm_sdk.engine.cuda_graphs import DecodeGraphs
 from vlm_sdk.engine.detokenizer import IncrementalDetokenizer
-from vlm_sdk.engine.kv_cache import allocate_kv_caches, bytes_per_block, plan_cache
+from vlm_sdk.engine.kv_cache import allocate_or_explain, bytes_per_block, plan_cache
+from vlm_sdk.engine.memory_report import StartupMemory, cuda_allocated, weight_bytes
 from vlm_sdk.engine.model_runner import ModelRunner
+from vlm_sdk.engine.preemption_watch import PreemptionWatch, preemption_warning
 from vlm_sdk.engine.profiler import profile_peak_bytes
 from vlm_sdk.engine.scheduler import Scheduler
 from vlm_sdk.engine.sequence import Sequence
@@ -69,11 +71,14 @@ class LLMEngine:
 
         self.ops = make_ops(args.attention_backend, self.device)
         t0 = time.perf_counter()
+        allocated_before = cuda_allocated(self.device)
         with torch.device(self.device):
             self.model = family.model_cls(info.hf_config, dtype=self.dtype, device=self.device, ops=self.ops)
         self.model.load_weights(iter_safetensors(model, show_progress=args.show_progress), source=info.model_dir)
         self.model.eval()
         self.load_seconds = time.perf_counter() - t0
+        weights_allocated = (None if allocated_before is None
+                             else cuda_allocated(self.device) - allocated_before)
 
         self.image_processor = family.image_processor_cls.from_preprocessor_config(info.preprocessor, info.hf_config)
         self.processor = family.processor_cls.from_engine_args(self.tokenizer, self.image_processor, info.hf_config,
@@ -85,7 +90,7 @@ class LLMEngine:
         per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, args.block_size, self.dtype)
         useful = args.max_num_seqs * (args.max_model_len or self.max_position_embeddings)
         peak = None
-        if self.device.type == "cuda" and args.num_blocks is None and args.kv_cache_memory is None:
+        if self.device.type == "cuda":  # measured even when the cache size is given: the report shows it
             peak = profile_peak_bytes(
                 self.model, largest_image,
                 num_tokens=min(args.max_num_batched_tokens, self.max_position_embeddings),
@@ -94,8 +99,10 @@ class LLMEngine:
         self.cache_config = plan_cache(args, per_block, self.device, useful, peak)
         self.scheduler_config = self._scheduler_config()
         self.processor.max_image_tokens = self.scheduler_config.max_model_len
-        kv_caches = allocate_kv_caches(m.num_layers, self.cache_config, m.num_kv_heads, m.head_dim,
-                                       self.dtype, self.device)
+        kv_caches = allocate_or_explain(m.num_layers, self.cache_config, m.num_kv_heads, m.head_dim,
+                                        self.dtype, self.device)
+        self.memory_report = self._memory_report(weights_allocated, peak, largest_image.num_tokens)
+        logger.info("%s", self.memory_report.format())
         self.block_manager = BlockManager(self.cache_config.num_blocks, args.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         graphs = None
@@ -110,27 +117,45 @@ class LLMEngine:
         self._next_id = 0
         # running totals since start-up, for /metrics counters
         self.totals = {"prompt_tokens": 0, "image_tokens": 0, "generation_tokens": 0}
+        self.preemptions = PreemptionWatch(args.preemption_warning_per_minute)
 
     def _scheduler_config(self) -> SchedulerConfig:
         cache, args = self.cache_config, self.args
         if args.max_model_len is not None:
-            if args.max_model_len > cache.capacity_tokens:
-                need = blocks_needed(args.max_model_len, cache.block_size)
-                raise InvalidRequestError(
-                    f"max_model_len={args.max_model_len} needs {need} KV blocks of {cache.block_size} tokens but "
-                    f"the cache has {cache.num_blocks} ({cache.capacity_tokens} tokens; {cache.source}). Set "
-                    f"num_blocks>={need} or kv_cache_memory>={need * cache.bytes_per_block}, or lower "
-                    f"max_model_len to {cache.capacity_tokens}")
             if args.max_model_len > self.max_position_embeddings:
                 raise InvalidRequestError(
                     f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings="
-                    f"{self.max_position_embeddings}; lower max_model_len")
+                    f"{self.max_position_embeddings}; lower max_model_len", param="max_model_len")
+            check_max_model_len_fits(cache, args.max_model_len)
             max_len, source = args.max_model_len, "set by you"
         else:
             max_len = min(self.max_position_embeddings, cache.capacity_tokens)
             source = ("the KV cache capacity" if max_len == cache.capacity_tokens
                       else "the model's max_position_embeddings")
+            if max_len < self.max_position_embeddings:
+                fixes = "; ".join(f"{k}={v}" for k, v in cache.fixes_for(
+                    blocks_needed(self.max_position_embeddings, cache.block_size)).items())
+                logger.warning("max_model_len is %d, the KV cache capacity, below the model's max_position_"
+                               "embeddings %d; sequences stop there. For the full length set any one of: %s",
+                               max_len, self.max_position_embeddings, fixes)
         return SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len, source)
+
+    def _memory_report(self, weights_allocated: int | None, peak: int | None, image_tokens: int) -> StartupMemory:
+        cache, sched, m = self.cache_config, self.scheduler_config, self.model
+        w = weight_bytes(m)
+        budget = cache.budget
+        return StartupMemory(
+            device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            weights_language_model_bytes=w.language_model, weights_vision_bytes=w.vision,
+            weights_projector_bytes=w.projector, weights_allocated_bytes=weights_allocated,
+            activation_peak_bytes=peak, device_memory_bytes=budget.total_bytes if budget else None,
+            device_in_use_bytes=budget.in_use_bytes if budget else None,
+            memory_utilization=self.args.memory_utilization, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim, block_size=cache.block_size, kv_bytes_per_token=cache.bytes_per_token,
+            kv_bytes_per_block=cache.bytes_per_block, num_blocks=cache.num_blocks, cache_source=cache.source,
+            max_model_len=sched.max_model_len, max_model_len_source=sched.max_model_len_source,
+            max_position_embeddings=self.max_position_embeddings, image_tokens_per_image=image_tokens,
+            load_seconds=self.load_seconds)
 
     # -- requests ---------------------------------------------------------------------------------
     def build_prompt(self, messages) -> PromptInputs:
@@ -179,6 +204,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        if sched.preempted:
+            self._note_preemptions(len(sched.preempted))
         sampled = self.runner.execute(sched)
         outputs = []
         now = time.monotonic()
@@ -227,14 +254,32 @@ class LLMEngine:
                              delta_text=delta, finish_reason=seq.finish_reason,
                              metrics=dataclasses.replace(seq.metrics))  # a snapshot: the engine moves on
 
+    def _note_preemptions(self, count: int) -> None:
+        running = self.scheduler.running
+        args, cache = self.args, self.cache_config
+
+        def describe(n: int) -> str:
+            seqs = running + list(self.scheduler.waiting)[:count]  # the evicted went back to the front
+            mean = sum(s.num_tokens for s in seqs) // max(len(seqs), 1)
+            return preemption_warning(n, args.preemption_warning_per_minute, cache.num_blocks, cache.block_size,
+                                      len(running) + count, args.max_num_seqs, mean)
+        self.preemptions.record(count, describe)
+
     def stats(self) -> dict:
+        """Live numbers: KV blocks used and free, the longest prompt that would fit in the free blocks
+        right now (0 when the cache is full; never above max_model_len), preemptions (all, and in
+        the last minute), queue lengths and token totals since start-up."""
         bm = self.block_manager
+        largest_now = min(bm.num_free_blocks * bm.block_size, self.scheduler_config.max_model_len)
         return {"kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
-                "kv_block_size": bm.block_size, "kv_capacity_tokens": self.cache_config.capacity_tokens,
+                "kv_blocks_free": bm.num_free_blocks, "kv_block_size": bm.block_size,
+                "kv_capacity_tokens": self.cache_config.capacity_tokens,
                 "kv_bytes_per_block": self.cache_config.bytes_per_block,
+                "largest_prompt_tokens_now": largest_now,
                 "max_model_len": self.scheduler_config.max_model_len,
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_preemptions": self.scheduler.num_preemptions,
+                "num_preemptions_last_minute": self.preemptions.count_last_minute(),
                 **{f"total_{k}": v for k, v in self.totals.items()}}
 
 

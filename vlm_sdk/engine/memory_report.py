@@ -1,0 +1,130 @@
+"""What the engine measured at start-up, in the same terms (and JSON keys) as `vlm-sdk plan`.
+
+    weights     bytes of the loaded parameters by part (and, on CUDA, what loading allocated)
+    activation  the peak of the profiling forward (CUDA `max_memory_allocated`; not measured on the CPU,
+                where the cache is not carved out of device memory)
+    KV cache    bytes per token and per block, the blocks allocated, their token capacity
+
+The engine logs `format()` once the cache is allocated; `LLM.memory_report` keeps it.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Parameter bytes per rank by part; with `tp` the language model's matrices (2-D parameters,
+    embeddings and lm_head included) are split across ranks, its norms and biases and the whole
+    vision side are counted on every rank."""
+    language_model: int
+    vision: int
+    projector: int
+
+    @property
+    def total(self) -> int:
+        return self.language_model + self.vision + self.projector
+
+
+def weight_bytes(model, tp: int = 1) -> WeightBytes:
+    """`model` is a `VisionLanguageModel` (real or on the meta device: only shapes and dtypes are read)."""
+    groups = model.parameter_groups()
+    lm = groups["language_model"]
+    return WeightBytes(_nbytes(p for p in lm if p.dim() >= 2) // tp + _nbytes(p for p in lm if p.dim() < 2),
+                       _nbytes(groups["vision"]), _nbytes(groups["projector"]))
+
+
+def _nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit} ({n:,} B)"
+    return f"{n:,} B"
+
+
+def table(rows: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+@dataclass(frozen=True)
+class StartupMemory:
+    device: str
+    dtype: str
+    weights_language_model_bytes: int
+    weights_vision_bytes: int
+    weights_projector_bytes: int
+    weights_allocated_bytes: int | None  # CUDA: memory_allocated growth while building and loading
+    activation_peak_bytes: int | None  # CUDA: the profiling forward's peak; None when not measured
+    device_memory_bytes: int | None  # CUDA: total device memory
+    device_in_use_bytes: int | None  # CUDA: in use before the cache (this process and others)
+    memory_utilization: float
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    num_blocks: int
+    cache_source: str
+    max_model_len: int
+    max_model_len_source: str
+    max_position_embeddings: int
+    image_tokens_per_image: int  # tokens of the largest image the image settings allow
+    load_seconds: float
+
+    @property
+    def weights_bytes(self) -> int:
+        return self.weights_language_model_bytes + self.weights_vision_bytes + self.weights_projector_bytes
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.kv_bytes_per_block
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"weights_bytes": self.weights_bytes, "capacity_tokens": self.capacity_tokens,
+                               "kv_cache_bytes": self.kv_cache_bytes}
+
+    def format(self) -> str:
+        loaded = (f"; {format_bytes(self.weights_allocated_bytes)} allocated by loading"
+                  if self.weights_allocated_bytes is not None else "")
+        peak = (format_bytes(self.activation_peak_bytes) + " (profiling forward: a full max_num_batched_tokens "
+                "step with its logits, and the largest image through the vision tower)"
+                if self.activation_peak_bytes is not None else
+                "not measured (the CPU cache is not carved out of device memory)")
+        rows = [
+            ("device / dtype", f"{self.device}, {self.dtype}"),
+            ("weights", f"{format_bytes(self.weights_bytes)}: language model "
+             f"{format_bytes(self.weights_language_model_bytes)}, vision tower {format_bytes(self.weights_vision_bytes)}, "
+             f"projector {format_bytes(self.weights_projector_bytes)}{loaded}; loaded in {self.load_seconds:.1f} s"),
+            ("activation peak", peak),
+        ]
+        if self.device_memory_bytes is not None:
+            rows.append(("device memory", f"{format_bytes(self.device_memory_bytes)} x memory_utilization "
+                         f"{self.memory_utilization}; {format_bytes(self.device_in_use_bytes)} in use before the cache"))
+        rows += [
+            ("KV per token", f"{self.kv_bytes_per_token:,} B ({self.num_layers} layers x 2 x {self.num_kv_heads} KV "
+             f"heads x {self.head_dim} x {self.dtype})"),
+            ("KV blocks", f"{self.num_blocks:,} x {self.kv_bytes_per_block:,} B ({self.block_size} tokens) = "
+             f"{format_bytes(self.kv_cache_bytes)}; {self.cache_source}"),
+            ("KV capacity", f"{self.capacity_tokens:,} tokens"),
+            ("max_model_len", f"{self.max_model_len:,} ({self.max_model_len_source}; max_position_embeddings "
+             f"{self.max_position_embeddings:,})"),
+            ("largest image", f"{self.image_tokens_per_image:,} tokens"),
+        ]
+        return "KV cache and memory at start-up:\n" + table(rows)
+
+
+def cuda_allocated(device: torch.device) -> int | None:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
