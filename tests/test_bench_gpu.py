@@ -50,9 +50,14 @@ def test_tiny_run_reports_every_figure(tmp_path, monkeypatch, capsys):
     want = TINY_RUN.requests * TINY_RUN.max_tokens
     assert throughput["details"]["ours"]["tokens"] == throughput["details"]["transformers"]["tokens"] == want
 
+    pv = report["plan_vs_engine"]  # on the CPU both use the CPU default rule: identical
+    assert pv["plan_blocks"] == pv["engine_blocks"] > 0 and pv["within_3_percent"] is True
+    assert pv["plan_weights_bytes"] == pv["engine_weights_bytes"] > 0
+
     assert not list(tmp_path.glob("bench-gpu-*"))  # the temporary checkpoint is gone
     table = format_report(report)
     assert all(f["name"] in table for f in figures) and report["device"] in table and report["command"] in table
+    assert "vlm-sdk plan vs the engine" in table
 
 
 def test_prefill_flops_match_transformers_model(tmp_path):

@@ -41,3 +41,21 @@ def test_internvl_cuda_greedy_equals_cpu_and_profiles(internvl_ckpt):
     assert sized.engine.runner.max_vision_patches == 7
     assert all(len(o.token_ids) >= 1 for o in sized.chat(convs, GREEDY))
     assert sized.stats()["kv_blocks_used"] == 0
+
+
+def test_plan_agrees_with_engine_within_3_percent_and_report_is_measured(tiny_ckpt):
+    import gc
+
+    from vlm_sdk.plan import plan
+    gc.collect()
+    torch.cuda.empty_cache()
+    options = dict(memory_utilization=0.3, max_num_batched_tokens=2048, max_num_seqs=16)
+    planned = plan(tiny_ckpt, device="cuda", **options)
+    llm = LLM(tiny_ckpt, device="cuda", show_progress=False, **options)
+    r = llm.memory_report
+    assert abs(planned.num_blocks - r.num_blocks) <= 0.03 * r.num_blocks, (planned.num_blocks, r.num_blocks)
+    assert r.activation_peak_bytes is not None and r.activation_peak_bytes > 0
+    assert r.weights_allocated_bytes >= r.weights_bytes  # allocator rounding only adds
+    assert r.device_memory_bytes == torch.cuda.mem_get_info()[1]
+    assert planned.weights_bytes == r.weights_bytes and planned.kv_bytes_per_block == r.kv_bytes_per_block
+

@@ -219,6 +219,9 @@ def test_metrics_parse_and_move_with_load(srv):
                  "vlm_sdk_e2e_request_latency_seconds_count", "vlm_sdk_image_preprocess_seconds_count"):
         assert (name, None) in before, name
     assert before[("vlm_sdk_kv_blocks_total", None)] == srv.stats()["kv_blocks_total"]
+    assert before[("vlm_sdk_kv_blocks_free", None)] == srv.stats()["kv_blocks_total"]
+    assert before[("vlm_sdk_largest_prompt_tokens_now", None)] == srv.stats()["max_model_len"]
+    assert before[("vlm_sdk_num_preemptions_last_minute", None)] == 0
 
     # during a long request the cache gauges show it
     result = {}
@@ -229,6 +232,8 @@ def test_metrics_parse_and_move_with_load(srv):
     worker.join()
     assert during[("vlm_sdk_num_requests_running", None)] == 1
     assert during[("vlm_sdk_kv_blocks_used", None)] > 0 and during[("vlm_sdk_kv_cache_usage_ratio", None)] > 0
+    assert during[("vlm_sdk_kv_blocks_free", None)] + during[("vlm_sdk_kv_blocks_used", None)] == \
+        during[("vlm_sdk_kv_blocks_total", None)]
 
     after = _metrics(srv)
     usage = sse_events(result["r"][1])[-2]["usage"]

@@ -136,7 +136,14 @@ class AsyncLLM:
         return last
 
     def stats(self) -> dict:
+        """Live KV and queue numbers (see `LLMEngine.stats`)."""
         return self.engine.stats()
+
+    @property
+    def memory_report(self):
+        """`StartupMemory`: weights, activation peak and KV cache as measured at start-up (`.format()`
+        is the table the engine logged, `.to_dict()` has `vlm-sdk plan`'s JSON keys)."""
+        return self.engine.memory_report
 
     @property
     def is_alive(self) -> bool:

@@ -41,8 +41,8 @@ import torch
 
 from vlm_sdk.bench_gpu_parts import (QWEN2_5_VL_3B, TINY, DeviceTimer, GpuBenchError, ModelShape, build_checkpoint,
                                      check_tokens, checkpoint_dir, copy_bandwidth, decode_weight_bytes, device_name,
-                                     free_memory, matmul_rate, paged_attention_alone, prefill_flops,
-                                     transformers_throughput, triton_version)
+                                     free_memory, matmul_rate, paged_attention_alone, plan_options, plan_vs_engine,
+                                     prefill_flops, transformers_throughput, triton_version)
 from vlm_sdk.benchmark import _images
 
 __all__ = ["GpuBenchConfig", "GpuBenchError", "FULL_RUN", "TINY_RUN", "add_arguments", "config_from_args",
@@ -190,6 +190,7 @@ def run(cfg: GpuBenchConfig, command: str) -> dict:
     import transformers
     from vlm_sdk import LLM
     from vlm_sdk.config import DTYPES
+    from vlm_sdk.plan import plan
 
     t_start = time.perf_counter()
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
@@ -220,8 +221,10 @@ def run(cfg: GpuBenchConfig, command: str) -> dict:
         figures = [_attention_figure(cfg, timer, dtype, copy_bw, report["notes"])]
         free_memory(device)
 
+        planned = plan(ckpt, **plan_options(_engine_kwargs(cfg, device)))
         llm = LLM(ckpt, **_engine_kwargs(cfg, device))
         engine = llm.engine
+        report["plan_vs_engine"] = plan_vs_engine(planned, engine)
         report["engine"] = {"load_seconds": engine.load_seconds, "kv_blocks": engine.cache_config.num_blocks,
                             "kv_source": engine.cache_config.source,
                             "max_model_len": engine.scheduler_config.max_model_len,
@@ -420,6 +423,12 @@ def format_report(report: dict) -> str:
         lines.append(f"{f['name']:<50} {_num(f['value']) + ' ' + f['unit']:>18} "
                      f"{f['baseline_kind'] + ' ' + _num(f['baseline']):>26} {f['ratio']:>7.2f}x  {f['target']:<22} "
                      f"{result}")
+    pv = report.get("plan_vs_engine")
+    if pv:
+        lines += ["", f"vlm-sdk plan vs the engine: {pv['plan_blocks']:,} vs {pv['engine_blocks']:,} KV blocks "
+                  f"({pv['blocks_difference']:+.2%}; within 3%: {'yes' if pv['within_3_percent'] else 'NO'}); "
+                  f"activation peak estimated {pv['plan_activation_peak_bytes']:,} B, measured "
+                  f"{pv['engine_activation_peak_bytes'] if pv['engine_activation_peak_bytes'] is not None else '-'} B"]
     lines += [""] + [f"note: {n}" for n in report["notes"]] + [f"total {report['seconds']:.1f} s"]
     return "\n".join(lines)
 

@@ -350,3 +350,22 @@ def triton_version() -> str | None:
     except ImportError:
         return None
     return triton.__version__
+
+
+def plan_vs_engine(planned, engine) -> dict:
+    """`vlm-sdk plan` (made just before the engine started, on the same device and settings) against
+    what the engine measured: blocks, weights and activation peak. Issue 6 asks for blocks within 3%."""
+    r = engine.memory_report
+    diff = (planned.num_blocks - r.num_blocks) / max(r.num_blocks, 1)
+    return {"plan_blocks": planned.num_blocks, "engine_blocks": r.num_blocks, "blocks_difference": diff,
+            "within_3_percent": abs(diff) <= 0.03, "plan_weights_bytes": planned.weights_bytes,
+            "engine_weights_bytes": r.weights_bytes, "engine_weights_allocated_bytes": r.weights_allocated_bytes,
+            "plan_activation_peak_bytes": planned.activation_peak_bytes,
+            "engine_activation_peak_bytes": r.activation_peak_bytes}
+
+
+def plan_options(engine_kwargs: dict) -> dict:
+    """The engine settings `plan()` also takes."""
+    keys = ("device", "dtype", "block_size", "memory_utilization", "max_model_len", "max_num_seqs",
+            "max_num_batched_tokens", "num_blocks", "kv_cache_memory")
+    return {k: engine_kwargs[k] for k in keys if k in engine_kwargs}

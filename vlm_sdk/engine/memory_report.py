@@ -119,8 +119,9 @@ class StartupMemory:
             ("KV blocks", f"{self.num_blocks:,} x {self.kv_bytes_per_block:,} B ({self.block_size} tokens) = "
              f"{format_bytes(self.kv_cache_bytes)}; {self.cache_source}"),
             ("KV capacity", f"{self.capacity_tokens:,} tokens"),
-            ("max_model_len", f"{self.max_model_len:,} ({self.max_model_len_source}; max_position_embeddings "
-             f"{self.max_position_embeddings:,})"),
+            ("max_model_len", f"{self.max_model_len:,} ({self.max_model_len_source}"
+             + ("" if "max_position" in self.max_model_len_source
+                else f"; max_position_embeddings {self.max_position_embeddings:,}") + ")"),
             ("largest image", f"{self.image_tokens_per_image:,} tokens"),
         ]
         return "KV cache and memory at start-up:\n" + table(rows)

@@ -9,6 +9,7 @@ settings that change it, then at most one more per minute while it goes on.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from typing import Callable
@@ -24,11 +25,13 @@ class PreemptionWatch:
         self._log = logger or logging.getLogger("vlm_sdk")
         self._times: deque[float] = deque()
         self._last_warning: float | None = None
+        self._lock = threading.Lock()  # stats() reads from the server's thread while the engine records
         self.num_warnings = 0
 
     def count_last_minute(self) -> int:
-        self._drop_old(self._clock())
-        return len(self._times)
+        with self._lock:
+            self._drop_old(self._clock())
+            return len(self._times)
 
     def record(self, count: int, describe: Callable[[int], str]) -> str | None:
         """Note `count` preemptions now; returns (and logs) the warning when one is due.
@@ -36,9 +39,10 @@ class PreemptionWatch:
         if count <= 0:
             return None
         now = self._clock()
-        self._times.extend([now] * count)
-        self._drop_old(now)
-        n = len(self._times)
+        with self._lock:
+            self._times.extend([now] * count)
+            self._drop_old(now)
+            n = len(self._times)
         if n <= self.threshold:
             return None
         if self._last_warning is not None and now - self._last_warning < WINDOW_S:

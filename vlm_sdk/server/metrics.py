@@ -45,7 +45,12 @@ class _EngineCollector:
         yield gauge("kv_blocks_total", "KV cache blocks in the pool", total)
         yield gauge("kv_blocks_used", "KV cache blocks held by requests", used)
         yield gauge("kv_cache_usage_ratio", "kv_blocks_used / kv_blocks_total (1 = full)", used / total if total else 0.0)
+        yield gauge("kv_blocks_free", "KV cache blocks free for new tokens", s["kv_blocks_free"])
         yield gauge("kv_block_size_tokens", "tokens per KV block", s["kv_block_size"])
+        yield gauge("largest_prompt_tokens_now", "the longest prompt the free KV blocks hold right now "
+                    "(at most max_model_len)", s["largest_prompt_tokens_now"])
+        yield gauge("num_preemptions_last_minute", "sequences preempted in the last 60 s",
+                    s["num_preemptions_last_minute"])
         yield gauge("num_requests_running", "requests scheduled in the running batch", s["num_running"])
         yield gauge("num_requests_waiting", "requests waiting for KV blocks or batch room", s["num_waiting"])
         yield counter("num_preemptions", "sequences preempted (blocks freed, recomputed later)", s["num_preemptions"])

@@ -1,0 +1,192 @@
+"""Start-up and runtime memory: the breakdown the engine logs, its refusal of a max_model_len the cache
+cannot hold (each suggested value then starts), plan == engine on every tiny checkpoint layout, the live
+stats and the preemption warning."""
+import logging
+
+import pytest
+
+from vlm_sdk import LLM, SamplingParams
+from vlm_sdk.config import CacheConfig, DeviceBudget, EngineArgs
+from vlm_sdk.engine.capacity import check_max_model_len_fits
+from vlm_sdk.engine.kv_cache import size_cache
+from vlm_sdk.engine.memory_report import weight_bytes
+from vlm_sdk.engine.preemption_watch import PreemptionWatch
+from vlm_sdk.errors import CacheTooSmallError, InvalidRequestError
+from vlm_sdk.plan import plan
+
+GIB = 1 << 30
+
+
+def _llm(ckpt, **kw):
+    return LLM(str(ckpt), device="cpu", show_progress=False, **kw)
+
+
+# -- refusal at start-up ------------------------------------------------------------------------------
+
+def test_refusal_names_the_numbers_and_every_suggested_value_starts(tiny_ckpt):
+    with pytest.raises(CacheTooSmallError) as info:
+        _llm(tiny_ckpt, num_blocks=10, max_model_len=1000)
+    err = info.value
+    assert isinstance(err, InvalidRequestError) and err.param == "max_model_len"
+    assert (err.max_model_len, err.needed_blocks, err.num_blocks) == (1000, 63, 10)
+    assert err.fixes == {"max_model_len": 160, "num_blocks": 63}  # num_blocks overrides kv_cache_memory
+    msg = str(err)
+    for text in ("max_model_len=1000", "63 blocks of 16 tokens", "10 blocks = 160 tokens",
+                 "largest max_model_len that fits is 160", "max_model_len=160; num_blocks=63"):
+        assert text in msg, text
+    for key, value in err.fixes.items():
+        llm = _llm(tiny_ckpt, **{"num_blocks": 10, "max_model_len": 1000, key: value})
+        assert llm.stats()["max_model_len"] == value if key == "max_model_len" else 1000
+        assert llm.stats()["kv_blocks_total"] == (value if key == "num_blocks" else 10)
+        assert llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2))[0].token_ids
+
+
+def test_refusal_of_a_kv_cache_memory_cache_offers_kv_cache_memory(tiny_ckpt):
+    per_block = 8192  # 2 layers x 2 x 2 KV heads x 16 x 4 bytes x 16 tokens
+    with pytest.raises(CacheTooSmallError) as info:
+        _llm(tiny_ckpt, kv_cache_memory=10 * per_block + 100, max_model_len=1000)
+    assert info.value.fixes == {"max_model_len": 160, "kv_cache_memory": 63 * per_block, "num_blocks": 63}
+    llm = _llm(tiny_ckpt, kv_cache_memory=info.value.fixes["kv_cache_memory"], max_model_len=1000)
+    assert llm.stats()["kv_blocks_total"] == 63
+
+
+def test_refusal_on_a_device_budget_names_memory_utilization():
+    """The CUDA rule, on numbers: the value offered is the smallest that starts (two decimals)."""
+    per_block = 917_504  # Qwen2.5-VL-7B bf16, 16 tokens
+    budget = DeviceBudget(total_bytes=24 * GIB, in_use_bytes=16_584_333_312, activation_peak_bytes=970_063_872)
+    args = EngineArgs(memory_utilization=0.9, max_model_len=128_000)
+    cache = size_cache(args, per_block, 0, budget)
+    with pytest.raises(CacheTooSmallError) as info:
+        check_max_model_len_fits(cache, 128_000)
+    fixes = info.value.fixes
+    assert fixes["max_model_len"] == cache.capacity_tokens and set(fixes) == {
+        "max_model_len", "memory_utilization", "kv_cache_memory", "num_blocks"}
+    u = fixes["memory_utilization"]
+    assert f"memory_utilization={u}" in str(info.value)
+    check_max_model_len_fits(size_cache(EngineArgs(memory_utilization=u), per_block, 0, budget), 128_000)
+    with pytest.raises(CacheTooSmallError):
+        check_max_model_len_fits(size_cache(EngineArgs(memory_utilization=round(u - 0.01, 2)), per_block, 0,
+                                            budget), 128_000)
+    # a device too small for any setting: only max_model_len is offered, and the message says why
+    small = DeviceBudget(total_bytes=18 * GIB, in_use_bytes=16_584_333_312, activation_peak_bytes=970_063_872)
+    with pytest.raises(CacheTooSmallError) as info:
+        check_max_model_len_fits(size_cache(args, per_block, 0, small), 128_000)
+    assert set(info.value.fixes) == {"max_model_len"} and "no cache setting can" in str(info.value)
+
+
+def test_fixes_follow_the_rule_that_sized_the_cache():
+    budget = DeviceBudget(80 * GIB, 20 * GIB, GIB)
+    assert set(CacheConfig(16, 10, 1000, "", "num_blocks", budget).fixes_for(20)) == {"num_blocks"}
+    assert set(CacheConfig(16, 10, 1000, "", "kv_cache_memory").fixes_for(20)) == {"kv_cache_memory", "num_blocks"}
+    assert set(CacheConfig(16, 10, 1000, "", "cpu_default").fixes_for(20)) == {"kv_cache_memory", "num_blocks"}
+    assert set(CacheConfig(16, 10, 1000, "", "memory_utilization", budget).fixes_for(20)) == {
+        "memory_utilization", "kv_cache_memory", "num_blocks"}
+    assert CacheConfig(16, 10, 1000, "", "num_blocks", budget).fixes_for(100 * GIB // 1000) == {}
+
+
+# -- the start-up report, and plan == engine ----------------------------------------------------------
+
+def test_startup_report_is_logged_and_matches_what_was_loaded(tiny_ckpt, caplog):
+    with caplog.at_level(logging.INFO, logger="vlm_sdk"):
+        llm = _llm(tiny_ckpt, num_blocks=40)
+    [text] = [r.getMessage() for r in caplog.records if "KV cache and memory at start-up" in r.getMessage()]
+    r = llm.memory_report
+    model = llm.engine.model
+    assert r.weights_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert r.weights_projector_bytes > 0 and r.weights_vision_bytes > 0
+    assert (r.num_blocks, r.block_size, r.capacity_tokens) == (40, 16, 640)
+    assert r.kv_bytes_per_block == 8192 and r.kv_bytes_per_token == 512
+    assert r.activation_peak_bytes is None  # only CUDA measures it
+    for piece in ("40 x 8,192 B (16 tokens)", "640 tokens", "num_blocks=40 set by you", "512 B (2 layers x 2 x 2",
+                  f"{r.weights_bytes:,} B", "not measured"):
+        assert piece in text, piece
+    d = r.to_dict()
+    for key in ("kv_bytes_per_token", "kv_bytes_per_block", "num_blocks", "capacity_tokens", "weights_bytes",
+                "activation_peak_bytes"):
+        assert key in d
+
+
+def _agree(ckpt, options, engine_options):
+    llm = _llm(ckpt, **engine_options)
+    p = plan(ckpt, device="cpu", **options)
+    r = llm.memory_report
+    for key in ("num_blocks", "capacity_tokens", "kv_bytes_per_block", "kv_bytes_per_token", "block_size",
+                "weights_language_model_bytes", "weights_vision_bytes", "weights_projector_bytes",
+                "max_model_len", "image_tokens_per_image"):
+        assert getattr(p, key) == getattr(r, key), key
+    assert p.weights_bytes == weight_bytes(llm.engine.model).total
+
+
+@pytest.mark.parametrize("options", [{}, {"block_size": 8, "max_num_seqs": 3, "max_pixels": 200_000},
+                                     {"kv_cache_memory": 100_000, "max_model_len": 96}])
+def test_plan_equals_engine_qwen(tiny_ckpt, options):
+    _agree(tiny_ckpt, options, options)
+
+
+@pytest.mark.parametrize("fixture", ["internvl_ckpt", "internvl_original_ckpt", "internvl_internlm2_ckpt"])
+@pytest.mark.parametrize("options", [{}, {"max_num": 2, "num_blocks": 50, "block_size": 32}])
+def test_plan_equals_engine_internvl(request, fixture, options):
+    engine_options = {("max_dynamic_patch" if k == "max_num" else k): v for k, v in options.items()}
+    _agree(request.getfixturevalue(fixture), options, engine_options)
+
+
+def test_plan_refuses_the_other_familys_image_setting(tiny_ckpt, internvl_ckpt):
+    with pytest.raises(InvalidRequestError, match="--max-num is a setting of the other model family"):
+        plan(tiny_ckpt, max_num=3)
+    with pytest.raises(InvalidRequestError, match="use --max-num"):
+        plan(internvl_ckpt, max_pixels=200_000)
+
+
+# -- runtime ------------------------------------------------------------------------------------------
+
+def test_stats_free_blocks_and_largest_prompt_now(tiny_ckpt):
+    llm = _llm(tiny_ckpt, num_blocks=12, max_model_len=128)
+    s = llm.stats()
+    assert (s["kv_blocks_free"], s["largest_prompt_tokens_now"]) == (12, 128)  # capped at max_model_len
+    engine = llm.engine
+    prompt = engine.build_prompt([{"role": "user", "content": "Tell me a story about the sea."}])
+    engine.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()
+    s = llm.stats()
+    used = -(-len(prompt.token_ids) // 16)
+    assert (s["kv_blocks_used"], s["kv_blocks_free"]) == (used, 12 - used)
+    assert s["largest_prompt_tokens_now"] == min(128, (12 - used) * 16)
+    while engine.has_unfinished():
+        engine.step()
+    assert llm.stats()["kv_blocks_free"] == 12
+
+
+def test_preemptions_are_counted_and_warned_about(tiny_ckpt, caplog):
+    llm = _llm(tiny_ckpt, num_blocks=8, max_model_len=128, preemption_warning_per_minute=1)
+    convs = [[{"role": "user", "content": f"Tell me story number {i}."}] for i in range(4)]
+    with caplog.at_level(logging.WARNING, logger="vlm_sdk"):
+        outs = llm.chat(convs, SamplingParams(max_tokens=50, ignore_eos=True))
+    assert all(len(o.token_ids) == 50 for o in outs)
+    s = llm.stats()
+    assert s["num_preemptions"] >= 2 and s["num_preemptions_last_minute"] == s["num_preemptions"]
+    assert s["kv_blocks_used"] == 0
+    [warning] = [r.getMessage() for r in caplog.records if "preemptions in the last 60 s" in r.getMessage()]
+    for piece in ("preemption_warning_per_minute", "8 blocks x 16 tokens = 128 tokens", "max_num_seqs",
+                  "memory_utilization, kv_cache_memory or num_blocks"):
+        assert piece in warning, piece
+
+
+def test_preemption_watch_threshold_window_and_rate_limit():
+    now = [0.0]
+    watch = PreemptionWatch(3, clock=lambda: now[0], logger=logging.getLogger("test_preemption_watch"))
+    said = []
+
+    def describe(n):
+        said.append(n)
+        return f"{n} preemptions"
+    assert watch.record(3, describe) is None  # 3 is not more than 3
+    now[0] = 10.0
+    assert watch.record(1, describe) == "4 preemptions"
+    now[0] = 20.0
+    assert watch.record(5, describe) is None and watch.count_last_minute() == 9  # at most one a minute
+    now[0] = 75.0  # those of t=0 and t=10 have left the window; over a minute since the warning
+    assert watch.count_last_minute() == 5
+    assert watch.record(1, describe) == "6 preemptions"
+    now[0] = 200.0
+    assert watch.count_last_minute() == 0 and watch.record(2, describe) is None
+    assert said == [4, 6] and watch.num_warnings == 2
