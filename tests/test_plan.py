@@ -53,6 +53,9 @@ def test_lmdeploy_seed_scenario():
              prompt_tokens=118, images=1, output_tokens=0)
     assert (p.num_blocks, p.capacity_tokens) == (21, 1344)
     assert p.request_tokens == 3446 and p.max_concurrent_requests == 0
+    # 13 tiles (3328 tokens) do not fit 1344 tokens alone; max_num 4 (4 tiles + thumbnail) does
+    assert (p.image_tokens_per_image, p.largest_fitting_image_tokens) == (3328, 1280)
+    assert "max_num 4" in p.largest_fitting_image
     [problem] = [pr for pr in p.problems if "3446" in pr.message]
     assert problem.fixes["num_blocks"] >= 54
     assert problem.fixes["kv_cache_memory"] == problem.fixes["num_blocks"] * 8_388_608
@@ -94,6 +97,7 @@ def test_cli_json_and_table(capsys):
                 "activation_peak_bytes", "max_concurrent_requests", "problems"):
         assert key in out
     assert out["kv_bytes_per_token"] == 36_864 and out["max_concurrent_requests"] == 64
+    assert out["problems"] == [] and out["notes"] == [] and out["largest_fitting_image_tokens"] > 0
     assert main(["plan", str(CONFIGS / "internvl2_8b.json"), "--dtype", "bf16", "--block-size", "64",
                  "--kv-cache-memory", str(int(1723 * MIB * 0.1)), "--prompt-tokens", "3446"]) == 0
     table = capsys.readouterr().out

@@ -190,3 +190,36 @@ def test_preemption_watch_threshold_window_and_rate_limit():
     now[0] = 200.0
     assert watch.count_last_minute() == 0 and watch.record(2, describe) is None
     assert said == [4, 6] and watch.num_warnings == 2
+
+
+# -- one arithmetic for the too-long error, the refusal and plan ---------------------------------------
+
+def test_too_long_error_offers_the_same_fixes_as_plan(tiny_ckpt):
+    from vlm_sdk.errors import InputTooLongError
+    llm = _llm(tiny_ckpt, num_blocks=3)
+    story = [{"role": "user", "content": "Tell me a story about the sea. " * 8}]
+    with pytest.raises(InputTooLongError) as info:
+        llm.chat(story)
+    n = info.value.prompt_tokens
+    planned = plan(tiny_ckpt, device="cpu", num_blocks=3, prompt_tokens=n, output_tokens=0)
+    [problem] = [pr for pr in planned.problems if f"request of {n} tokens" in pr.message]
+    assert problem.fixes == info.value.fixes == {"num_blocks": -(-n // 16)}
+
+
+def test_too_long_error_on_a_device_budget_offers_memory_utilization():
+    from vlm_sdk.config import SchedulerConfig
+    from vlm_sdk.engine.capacity import check_prompt_fits
+    from vlm_sdk.errors import InputTooLongError
+    from vlm_sdk.multimodal.inputs import PromptInputs
+    per_block = 917_504
+    budget = DeviceBudget(total_bytes=24 * GIB, in_use_bytes=16 * GIB, activation_peak_bytes=GIB)
+    cache = size_cache(EngineArgs(memory_utilization=0.8), per_block, 0, budget)
+    sched = SchedulerConfig(64, 8192, cache.capacity_tokens, "the KV cache capacity")
+    n = cache.capacity_tokens + 100
+    with pytest.raises(InputTooLongError) as info:
+        check_prompt_fits(PromptInputs(token_ids=[1] * n), cache, sched, 128_000, False)
+    fixes = info.value.fixes
+    assert fixes == cache.fixes_for(-(-n // 16)) and set(fixes) == {"memory_utilization", "kv_cache_memory",
+                                                                    "num_blocks"}
+    bigger = size_cache(EngineArgs(memory_utilization=fixes["memory_utilization"]), per_block, 0, budget)
+    assert bigger.capacity_tokens >= n
