@@ -41,7 +41,7 @@ from vlm_sdk.config import DTYPES, DeviceBudget, EngineArgs
 from vlm_sdk.engine.block_manager import blocks_needed
 from vlm_sdk.engine.capacity import _largest_max_pixels, max_model_len_fixes
 from vlm_sdk.engine.kv_cache import bytes_per_block, size_cache
-from vlm_sdk.engine.memory_report import weight_bytes
+from vlm_sdk.engine.memory_report import MemoryTotals, weight_bytes
 from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
 from vlm_sdk.model_loader import read_config
 from vlm_sdk.models.registry import resolve
@@ -75,7 +75,7 @@ class Problem:
 
 
 @dataclass(frozen=True)
-class MemoryPlan:
+class MemoryPlan(MemoryTotals):
     config_path: str
     architecture: str
     family: str                      # "qwen2_5_vl" | "internvl"
@@ -117,20 +117,8 @@ class MemoryPlan:
     notes: tuple[Problem, ...] = ()  # what runs below the settings (fewer requests at once than max_num_seqs)
 
     @property
-    def weights_bytes(self) -> int:
-        return self.weights_language_model_bytes + self.weights_vision_bytes + self.weights_projector_bytes
-
-    @property
     def activation_peak_bytes(self) -> int:
         return max(self.activation_language_model_bytes, self.activation_vision_bytes)
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self.num_blocks * self.kv_bytes_per_block
 
     @property
     def longest_request_tokens(self) -> int:

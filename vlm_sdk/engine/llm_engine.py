@@ -136,8 +136,9 @@ class LLMEngine:
                 fixes = "; ".join(f"{k}={v}" for k, v in cache.fixes_for(
                     blocks_needed(self.max_position_embeddings, cache.block_size)).items())
                 logger.warning("max_model_len is %d, the KV cache capacity, below the model's max_position_"
-                               "embeddings %d; sequences stop there. For the full length set any one of: %s",
-                               max_len, self.max_position_embeddings, fixes)
+                               "embeddings %d; sequences stop there. %s", max_len, self.max_position_embeddings,
+                               f"For the full length set any one of: {fixes}" if fixes else
+                               "No cache this device holds reaches the full length.")
         return SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len, source)
 
     def _memory_report(self, weights_allocated: int | None, peak: int | None, image_tokens: int) -> StartupMemory:

@@ -54,8 +54,30 @@ def table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+class MemoryTotals:
+    """Totals shared by the plan (`MemoryPlan`) and the measured start-up (`StartupMemory`)."""
+    weights_language_model_bytes: int
+    weights_vision_bytes: int
+    weights_projector_bytes: int
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_block: int
+
+    @property
+    def weights_bytes(self) -> int:
+        return self.weights_language_model_bytes + self.weights_vision_bytes + self.weights_projector_bytes
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.kv_bytes_per_block
+
+
 @dataclass(frozen=True)
-class StartupMemory:
+class StartupMemory(MemoryTotals):
     device: str
     dtype: str
     weights_language_model_bytes: int
@@ -79,18 +101,6 @@ class StartupMemory:
     max_position_embeddings: int
     image_tokens_per_image: int  # tokens of the largest image the image settings allow
     load_seconds: float
-
-    @property
-    def weights_bytes(self) -> int:
-        return self.weights_language_model_bytes + self.weights_vision_bytes + self.weights_projector_bytes
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self.num_blocks * self.kv_bytes_per_block
 
     def to_dict(self) -> dict:
         return asdict(self) | {"weights_bytes": self.weights_bytes, "capacity_tokens": self.capacity_tokens,
