@@ -223,3 +223,18 @@ def test_too_long_error_on_a_device_budget_offers_memory_utilization():
                                                                     "num_blocks"}
     bigger = size_cache(EngineArgs(memory_utilization=fixes["memory_utilization"]), per_block, 0, budget)
     assert bigger.capacity_tokens >= n
+
+
+def test_both_limits_below_the_prompt_need_both_settings_in_plan_and_engine(tiny_ckpt):
+    from vlm_sdk.errors import InputTooLongError
+    llm = _llm(tiny_ckpt, num_blocks=3, max_model_len=40)
+    story = [{"role": "user", "content": "Tell me a story about the sea. " * 8}]
+    with pytest.raises(InputTooLongError) as info:
+        llm.chat(story)
+    n = info.value.prompt_tokens
+    planned = plan(tiny_ckpt, device="cpu", num_blocks=3, max_model_len=40, prompt_tokens=n, output_tokens=0)
+    [problem] = [pr for pr in planned.problems if f"request of {n} tokens" in pr.message]
+    assert problem.fixes == info.value.fixes == {}
+    assert problem.together == info.value.together == {"max_model_len": n, "num_blocks": -(-n // 16)}
+    fixed = _llm(tiny_ckpt, **info.value.together)
+    assert fixed.chat(story)[0].token_ids

@@ -69,9 +69,10 @@ def parse_bytes(value: int | str, name: str = "device_memory") -> int:
 class Problem:
     message: str
     fixes: Mapping[str, int | float] = field(default_factory=dict)  # setting -> a value that solves it
+    together: Mapping[str, int | float] = field(default_factory=dict)  # settings that only solve it all at once
 
     def to_dict(self) -> dict:
-        return {"message": self.message, "fixes": dict(self.fixes)}
+        return {"message": self.message, "fixes": dict(self.fixes), "together": dict(self.together)}
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,12 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
         fixes = max_model_len_fixes(dataclasses.replace(cache, num_blocks=blocks), args.max_model_len)
         problems.append(Problem(f"max_model_len {args.max_model_len} > capacity {capacity} tokens (the engine "
                                 f"refuses to start): set {_flags(fixes, ', or ')}", fixes))
+    if args.max_model_len is None and 1 <= capacity < max_pos:
+        grow = cache.fixes_for(blocks_needed(max_pos, args.block_size))
+        notes.append(Problem(f"max_model_len follows the cache: {capacity} tokens, below the model's "
+                             f"max_position_embeddings {max_pos}"
+                             + (f"; for the full length set {_flags(grow, ', or ')}" if grow else
+                                "; no cache this device holds reaches the full length"), grow))
     if image.tokens > longest >= 1:
         fix = fits_alone.value if fits_alone is not None else None
         problems.append(Problem(f"the largest allowed image ({image.tokens} tokens) does not fit alone in the "
@@ -251,11 +258,16 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
         else:
             concurrent = 0
             fixes: dict[str, int | float] = {}
+            together: dict[str, int | float] = {}
             if need_tokens <= max_pos:
-                if capacity < need_tokens:
-                    fixes.update(cache.fixes_for(need_blocks))
+                grow = cache.fixes_for(need_blocks) if capacity < need_tokens else {}
                 if args.max_model_len is not None and args.max_model_len < need_tokens:
-                    fixes["max_model_len"] = need_tokens
+                    if capacity >= need_tokens:
+                        fixes["max_model_len"] = need_tokens
+                    elif grow:  # both limits are below the request: as the engine's too-long error says
+                        together = {"max_model_len": need_tokens, "num_blocks": grow["num_blocks"]}
+                else:
+                    fixes.update(grow)
             if k:
                 per_image = (longest - p - out_tokens) // k
                 fit = image.fitting(per_image) if per_image >= 1 else None
@@ -264,7 +276,9 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
             problems.append(Problem(
                 f"a request of {need_tokens} tokens ({p} text + {k} x {image.tokens} image + {out_tokens} "
                 f"output) does not fit: the longest request is {longest} tokens"
-                + (f"; fix with one of: {_flags(fixes, '; ')}" if fixes else "; shorten the request"), fixes))
+                + (f"; fix with one of: {_flags(fixes, '; ')}" if fixes else "")
+                + (f"; or set together: {_flags(together, ' and ')}" if together else "")
+                + ("" if fixes or together else "; shorten the request"), fixes, together))
 
     return MemoryPlan(
         config_path=str(info.config_path), architecture=info.architecture, family=family.name, device=device,

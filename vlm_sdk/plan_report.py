@@ -10,8 +10,12 @@ from vlm_sdk.plan import MemoryPlan, plan
 def _problem_lines(title: str, problems) -> list[str]:
     if not problems:
         return [f"{title}: none"]
-    return [f"{title}:"] + [f"  - {pr.message}" + (f"  [fixes: {', '.join(f'{k}={v}' for k, v in pr.fixes.items())}]"
-                                                   if pr.fixes else "") for pr in problems]
+    def listed(pr) -> str:
+        parts = [", ".join(f"{k}={v}" for k, v in pr.fixes.items())] if pr.fixes else []
+        if pr.together:
+            parts.append("together: " + " + ".join(f"{k}={v}" for k, v in pr.together.items()))
+        return f"  [fixes: {'; '.join(parts)}]" if parts else ""
+    return [f"{title}:"] + [f"  - {pr.message}{listed(pr)}" for pr in problems]
 
 
 def format_plan(p: MemoryPlan) -> str:
