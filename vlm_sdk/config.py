@@ -138,7 +138,7 @@ class CacheConfig:
     bytes_per_block: int  # all layers, K and V
     source: str  # how num_blocks was decided, in words, for error messages and the start-up report
     rule: str = "num_blocks"  # one of CACHE_RULES
-    budget: DeviceBudget | None = None  # set when rule == "memory_utilization"
+    budget: DeviceBudget | None = None  # CUDA (or a planned device): the memory the cache comes out of
 
     @property
     def capacity_tokens(self) -> int:
