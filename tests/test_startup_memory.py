@@ -123,7 +123,8 @@ def test_plan_equals_engine_qwen(tiny_ckpt, options):
     _agree(tiny_ckpt, options, options)
 
 
-@pytest.mark.parametrize("fixture", ["internvl_ckpt", "internvl_original_ckpt", "internvl_internlm2_ckpt"])
+@pytest.mark.parametrize("fixture", ["internvl_ckpt", "internvl_llama_ckpt", "internvl_original_ckpt",
+                                     "internvl_internlm2_ckpt"])
 @pytest.mark.parametrize("options", [{}, {"max_num": 2, "num_blocks": 50, "block_size": 32}])
 def test_plan_equals_engine_internvl(request, fixture, options):
     engine_options = {("max_dynamic_patch" if k == "max_num" else k): v for k, v in options.items()}
