@@ -366,6 +366,5 @@ def plan_vs_engine(planned, engine) -> dict:
 
 def plan_options(engine_kwargs: dict) -> dict:
     """The engine settings `plan()` also takes."""
-    keys = ("device", "dtype", "block_size", "memory_utilization", "max_model_len", "max_num_seqs",
-            "max_num_batched_tokens", "num_blocks", "kv_cache_memory")
-    return {k: engine_kwargs[k] for k in keys if k in engine_kwargs}
+    from vlm_sdk.plan import PLAN_OPTIONS
+    return {k: v for k, v in engine_kwargs.items() if k in PLAN_OPTIONS}

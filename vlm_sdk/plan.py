@@ -42,15 +42,16 @@ from vlm_sdk.engine.block_manager import blocks_needed
 from vlm_sdk.engine.capacity import _largest_max_pixels, max_model_len_fixes
 from vlm_sdk.engine.kv_cache import bytes_per_block, size_cache
 from vlm_sdk.engine.memory_report import MemoryTotals, weight_bytes
+from vlm_sdk.engine.profiler import profile_num_tokens
 from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
 from vlm_sdk.model_loader import read_config
 from vlm_sdk.models.registry import resolve
 
-__all__ = ["MemoryPlan", "Problem", "plan", "parse_bytes"]
+__all__ = ["MemoryPlan", "PLAN_OPTIONS", "Problem", "plan", "parse_bytes"]
 
 _UNITS = MappingProxyType({"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                            "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
-_OPTIONS = ("device_memory", "device", "memory_utilization", "kv_cache_memory", "num_blocks", "dtype",
+PLAN_OPTIONS = ("device_memory", "device", "memory_utilization", "kv_cache_memory", "num_blocks", "dtype",
             "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_pixels", "max_num",
             "tp", "prompt_tokens", "output_tokens", "images")
 
@@ -150,10 +151,10 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     max_num_seqs, max_num_batched_tokens, max_pixels (Qwen), max_num (InternVL tiles), tp, and a
     workload prompt_tokens (text) / output_tokens / images per request. `InvalidRequestError` for a
     bad option, `CheckpointError` for a config the engine could not serve either."""
-    unknown = sorted(set(options) - set(_OPTIONS))
+    unknown = sorted(set(options) - set(PLAN_OPTIONS))
     if unknown:
-        raise UnknownArgumentError(f"unknown plan option(s) {unknown}; accepted: {sorted(_OPTIONS)}")
-    o = dict.fromkeys(_OPTIONS) | {k: v for k, v in options.items() if v is not None}
+        raise UnknownArgumentError(f"unknown plan option(s) {unknown}; accepted: {sorted(PLAN_OPTIONS)}")
+    o = dict.fromkeys(PLAN_OPTIONS) | {k: v for k, v in options.items() if v is not None}
     engine_fields = ("memory_utilization", "kv_cache_memory", "num_blocks", "dtype", "block_size",
                      "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_pixels")
     args = EngineArgs.from_kwargs(**{k: o[k] for k in engine_fields if o[k] is not None},
@@ -203,7 +204,7 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
 
     # the engine's own sizing rules, on the memory it would find after loading the weights
     budget = None if device_memory is None else DeviceBudget(device_memory, other_use + weights.total, peak)
-    cache = size_cache(args, per_block, args.max_num_seqs * (args.max_model_len or max_pos), budget)
+    cache = size_cache(args, per_block, max_pos, budget)
     blocks = max(cache.num_blocks, 0)
     capacity = blocks * args.block_size
     max_model_len = args.max_model_len or min(max_pos, capacity)
@@ -375,7 +376,7 @@ def _activations(hf_config, model, family: str, patches: int, args: EngineArgs, 
     """(language model, vision tower) activation peak estimates in bytes; see the module docstring."""
     c = model.decoder_config
     nbytes = torch.finfo(dtype).bits // 8
-    tokens = min(args.max_num_batched_tokens, max_pos)
+    tokens = profile_num_tokens(args.max_num_batched_tokens, max_pos)
     qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     lm = tokens * (4 * c.hidden_size + (2 * c.intermediate_size + qkv) // tp) * nbytes
     lm += args.max_num_seqs * c.vocab_size * 4

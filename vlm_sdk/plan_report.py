@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from vlm_sdk.engine.memory_report import format_bytes as _size, table
-from vlm_sdk.plan import MemoryPlan, plan
+from vlm_sdk.plan import PLAN_OPTIONS, MemoryPlan, parse_bytes, plan
 
 
 def _problem_lines(title: str, problems) -> list[str]:
@@ -71,11 +71,7 @@ def add_plan_parser(sub) -> None:
 
 
 def run_plan(args) -> int:
-    from vlm_sdk.plan import parse_bytes
-    options = {k: getattr(args, k) for k in (
-        "device_memory", "device", "memory_utilization", "num_blocks", "dtype", "block_size", "max_model_len",
-        "max_num_seqs", "max_num_batched_tokens", "max_pixels", "max_num", "tp", "prompt_tokens",
-        "output_tokens", "images")}
+    options = {k: getattr(args, k) for k in PLAN_OPTIONS}
     if args.kv_cache_memory is not None:
         options["kv_cache_memory"] = parse_bytes(args.kv_cache_memory, "kv_cache_memory")
     result = plan(args.model, **options)

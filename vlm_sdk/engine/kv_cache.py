@@ -23,11 +23,11 @@ def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_siz
     return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
-def size_cache(args: EngineArgs, per_block: int, max_useful_tokens: int,
+def size_cache(args: EngineArgs, per_block: int, max_position_embeddings: int,
                budget: DeviceBudget | None) -> CacheConfig:
     """The cache the settings ask for, by the rules above (`budget` None: not on CUDA). The block
-    count may be < 1 under memory_utilization: the caller decides how to refuse. `max_useful_tokens`
-    (max_num_seqs full-length sequences) caps the CPU default."""
+    count may be < 1 under memory_utilization: the caller decides how to refuse. The CPU default
+    holds max_num_seqs sequences of max_model_len (else max_position_embeddings) tokens."""
     if args.num_blocks is not None:
         return CacheConfig(args.block_size, args.num_blocks, per_block, f"num_blocks={args.num_blocks} set by you",
                            "num_blocks", budget)
@@ -40,13 +40,14 @@ def size_cache(args: EngineArgs, per_block: int, max_useful_tokens: int,
                            f"memory_utilization={u} of {budget.total_bytes:,} bytes, after {budget.in_use_bytes:,} "
                            f"in use and a {budget.activation_peak_bytes:,}-byte activation peak",
                            "memory_utilization", budget)
-    blocks = min(CPU_DEFAULT_CACHE_BYTES // per_block, blocks_needed(max_useful_tokens, args.block_size))
+    useful_tokens = args.max_num_seqs * (args.max_model_len or max_position_embeddings)
+    blocks = min(CPU_DEFAULT_CACHE_BYTES // per_block, blocks_needed(useful_tokens, args.block_size))
     return CacheConfig(args.block_size, blocks, per_block,
                        "the CPU default: max_num_seqs full-length sequences, at most 1 GiB "
                        "(set num_blocks or kv_cache_memory to change it)", "cpu_default")
 
 
-def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_useful_tokens: int,
+def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_position_embeddings: int,
                profiled_peak_bytes: int | None = None) -> CacheConfig:
     """The engine's cache: on CUDA the budget is measured now (after the weights are loaded). Raises
     `InvalidRequestError`, naming the numbers and the fix, when not one block fits."""
@@ -54,7 +55,7 @@ def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_usefu
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = DeviceBudget(total, total - free, profiled_peak_bytes or 0)
-    cache = size_cache(args, per_block, max_useful_tokens, budget)
+    cache = size_cache(args, per_block, max_position_embeddings, budget)
     if cache.num_blocks >= 1:
         return cache
     if cache.rule == "kv_cache_memory":

@@ -21,7 +21,7 @@ from vlm_sdk.engine.kv_cache import allocate_or_explain, bytes_per_block, plan_c
 from vlm_sdk.engine.memory_report import StartupMemory, cuda_allocated, weight_bytes
 from vlm_sdk.engine.model_runner import ModelRunner
 from vlm_sdk.engine.preemption_watch import PreemptionWatch, preemption_warning
-from vlm_sdk.engine.profiler import profile_peak_bytes
+from vlm_sdk.engine.profiler import profile_num_tokens, profile_peak_bytes
 from vlm_sdk.engine.scheduler import Scheduler
 from vlm_sdk.engine.sequence import Sequence
 from vlm_sdk.errors import InvalidRequestError
@@ -88,15 +88,14 @@ class LLMEngine:
         m = self.model
         self.max_position_embeddings = int(getattr(family.text_config(info.hf_config), "max_position_embeddings"))
         per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, args.block_size, self.dtype)
-        useful = args.max_num_seqs * (args.max_model_len or self.max_position_embeddings)
         peak = None
         if self.device.type == "cuda":  # measured even when the cache size is given: the report shows it
             peak = profile_peak_bytes(
                 self.model, largest_image,
-                num_tokens=min(args.max_num_batched_tokens, self.max_position_embeddings),
+                num_tokens=profile_num_tokens(args.max_num_batched_tokens, self.max_position_embeddings),
                 num_seqs=args.max_num_seqs, block_size=args.block_size, per_block=per_block, dtype=self.dtype,
                 device=self.device)
-        self.cache_config = plan_cache(args, per_block, self.device, useful, peak)
+        self.cache_config = plan_cache(args, per_block, self.device, self.max_position_embeddings, peak)
         self.scheduler_config = self._scheduler_config()
         self.processor.max_image_tokens = self.scheduler_config.max_model_len
         kv_caches = allocate_or_explain(m.num_layers, self.cache_config, m.num_kv_heads, m.head_dim,

@@ -16,6 +16,11 @@ from vlm_sdk.engine.kv_cache import allocate_kv_caches
 from vlm_sdk.multimodal.inputs import ImageInput
 
 
+def profile_num_tokens(max_num_batched_tokens: int, max_position_embeddings: int) -> int:
+    """Tokens of the profiled step: a full token budget, but no longer than one sequence may be."""
+    return min(max_num_batched_tokens, max_position_embeddings)
+
+
 @torch.inference_mode()
 def profile_peak_bytes(model, largest_image: ImageInput, *, num_tokens: int, num_seqs: int,
                        block_size: int, per_block: int, dtype: torch.dtype, device: torch.device) -> int:
