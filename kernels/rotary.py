@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vlm_sdk.kernels.ops import apply_rotary
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Heads x half-dim elements rotated per tile: bounds registers while covering a whole GQA group of a
 # 128-dim head (e.g. 28 q heads x 64) in one step.
@@ -148,7 +150,5 @@ def rotary_embedding_ref(q: torch.Tensor,  # [num_tokens, num_heads, head_dim], 
     _check(q, k, positions, inv_freq, mrope_section)
     angles = _angles(positions, inv_freq, mrope_section)  # [N, D/2]
     cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]  # [N, 1, D/2]
-    half = q.shape[-1] // 2
     for x in (q, k):
-        x1, x2 = x[..., :half].float(), x[..., half:].float()  # [N, heads, D/2]
-        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        x.copy_(apply_rotary(x.float(), cos, sin))

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vlm_sdk.kernels.paged_attention import write_kv_cache
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -90,8 +92,5 @@ def store_kv_ref(k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
                  slot_mapping: torch.Tensor) -> None:  # [num_tokens]
     """Torch reference of `store_kv`. Boolean masking syncs with the host on CUDA: not for graph capture."""
     _check(k, v, k_cache, v_cache, slot_mapping)
-    hkv, d = k.shape[1], k.shape[2]
     keep = slot_mapping >= 0  # [num_tokens]
-    slots = slot_mapping[keep].long()  # [num_kept]
-    k_cache.view(-1, hkv, d).index_copy_(0, slots, k[keep].to(k_cache.dtype))
-    v_cache.view(-1, hkv, d).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+    write_kv_cache(k[keep], v[keep], k_cache, v_cache, slot_mapping[keep].long())

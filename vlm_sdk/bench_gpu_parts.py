@@ -26,6 +26,7 @@ import torch
 # The tiny checkpoint's writers: the GPU benchmark writes the same tokenizer, generation and
 # preprocessor files around weights that it initialises on the device itself.
 from vlm_sdk import testing as _testing
+from vlm_sdk.engine.block_manager import blocks_needed
 from vlm_sdk.errors import VLMError
 
 
@@ -235,7 +236,7 @@ def paged_attention_alone(timer: DeviceTimer, *, batch: int, context: int, num_h
     from vlm_sdk.kernels import paged_attention_decode as pad
 
     device, impl = timer.device, attention_impl(timer.device)
-    blocks_per_seq = -(-context // block_size)
+    blocks_per_seq = blocks_needed(context, block_size)
     kv_bytes = 2 * batch * context * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8  # K + V read
     moved = kv_bytes + 2 * batch * num_heads * head_dim * torch.finfo(dtype).bits // 8  # + q read, out written
     sets = 1

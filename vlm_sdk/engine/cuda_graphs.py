@@ -29,6 +29,7 @@ import time
 import torch
 
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
+from vlm_sdk.engine.block_manager import blocks_needed
 
 logger = logging.getLogger("vlm_sdk")
 
@@ -48,7 +49,7 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_num_seqs)
         biggest = self.sizes[-1]
-        max_blocks = -(-max_model_len // block_size)
+        max_blocks = blocks_needed(max_model_len, block_size)
         self.input_ids = torch.zeros(biggest, dtype=torch.int64, device=device)
         self.positions = torch.zeros(3, biggest, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((biggest,), -1, dtype=torch.int64, device=device)

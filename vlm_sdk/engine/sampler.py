@@ -34,15 +34,22 @@ class Sampler:
         # the exponential race (argmax p/q, q ~ Exp(1)) draws exactly from p with one RNG call per row:
         # rows without a seed draw together from the shared generator; a seeded row draws from its own
         # (CPU) generator, so its tokens do not depend on the batch or the device
-        q = torch.empty_like(probs)
         shared = [j for j, i in enumerate(rows) if generators[i] is None]
         if shared:
             draws = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(1.0, generator=self._shared(dev))
-            q[torch.tensor(shared, device=dev)] = draws
-        for j, i in enumerate(rows):
-            if generators[i] is not None:
-                q[j] = torch.empty(probs.shape[1]).exponential_(1.0, generator=generators[i]).to(dev)
-        tokens[torch.tensor(rows, device=dev)] = (probs / q).argmax(dim=-1)
+        if len(shared) == len(rows):  # the usual case: no index tensors to upload
+            q = draws
+        else:
+            q = torch.empty_like(probs)
+            if shared:
+                q[torch.tensor(shared, device=dev)] = draws
+            for j, i in enumerate(rows):
+                if generators[i] is not None:
+                    q[j] = torch.empty(probs.shape[1]).exponential_(1.0, generator=generators[i]).to(dev)
+        sampled = (probs / q).argmax(dim=-1)  # [len(rows)]
+        if len(rows) == len(params):
+            return sampled.tolist()
+        tokens[torch.tensor(rows, device=dev)] = sampled
         return tokens.tolist()
 
     @staticmethod
