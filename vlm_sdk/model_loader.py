@@ -145,6 +145,13 @@ def text_config(hf_config) -> "PretrainedConfig":
     return getter() if callable(getter) else hf_config
 
 
+def config_field(config, key: str):
+    """A field of a config given as an object or a plain dict; None when absent (or config is None)."""
+    if config is None:
+        return None
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
 def config_from_dict(fields: dict, config_cls=None) -> "PretrainedConfig":
     """A transformers config (`config_cls`, default the generic `PretrainedConfig`) from a plain dict,
     e.g. the original InternVL layout's `llm_config`. The flat `rope_theta` + `rope_scaling` of

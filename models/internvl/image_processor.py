@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
+from vlm_sdk.model_loader import config_field
 from vlm_sdk.multimodal.image_io import to_rgb
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -113,11 +114,7 @@ class InternVLImageProcessor:
         config = dict(config or {})
 
         def cfg(key):
-            if hf_config is None:
-                return None
-            if isinstance(hf_config, dict):
-                return hf_config.get(key)
-            return getattr(hf_config, key, None)
+            return config_field(hf_config, key)
 
         def side(value):
             if isinstance(value, dict):
@@ -128,9 +125,7 @@ class InternVLImageProcessor:
                 return h if h is not None else value.get("shortest_edge")
             return value
 
-        vision = cfg("vision_config")
-        vision_size = (vision.get("image_size") if isinstance(vision, dict)
-                       else getattr(vision, "image_size", None)) if vision is not None else None
+        vision_size = config_field(cfg("vision_config"), "image_size")
         preprocessor_size = side(config.get("size")) or side(config.get("crop_size"))
         if cfg("model_type") == "internvl":  # transformers tiles at the image processor's size
             image_size = preprocessor_size or vision_size or 448

@@ -23,18 +23,12 @@ from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders
 from vlm_sdk.multimodal.messages import ImageRef, parse_messages
 from vlm_sdk.models.base import PromptProcessor
-from vlm_sdk.model_loader import text_config
+from vlm_sdk.model_loader import config_field, text_config
 from vlm_sdk.models.internvl.image_processor import InternVLImageProcessor
 from vlm_sdk.models.internvl.vision import InternVisionConfig
 
 IMG_CONTEXT, IMG_START, IMG_END = "<IMG_CONTEXT>", "<img>", "</img>"
 MAX_NUM_LIMIT = 256  # tiles one image may ask for; the published models use at most 40
-
-
-def _field(config, key: str):
-    if config is None:
-        return None
-    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
 
 
 def _tokens_per_tile(hf_config, tile_size: int) -> int:
@@ -56,7 +50,7 @@ class InternVLProcessor(PromptProcessor):
                  max_image_tokens: int | None = None):
         self.tokenizer = tokenizer
         self.image_processor = image_processor
-        self.original_layout = _field(hf_config, "model_type") == "internvl_chat"
+        self.original_layout = config_field(hf_config, "model_type") == "internvl_chat"
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IMG_CONTEXT, IMG_START, IMG_END)}
         unk = getattr(tokenizer, "unk_token_id", None)
         missing = [t for t, i in ids.items() if i is None or (unk is not None and i == unk)]
@@ -64,7 +58,7 @@ class InternVLProcessor(PromptProcessor):
             raise CheckpointError(f"the tokenizer has no {', '.join(missing)} token(s); InternVL prompts need "
                                   f"{IMG_START}, {IMG_CONTEXT} and {IMG_END} as added tokens")
         self.image_token_id, self.start_id, self.end_id = ids[IMG_CONTEXT], ids[IMG_START], ids[IMG_END]
-        configured = _field(hf_config, "image_token_id")
+        configured = config_field(hf_config, "image_token_id")
         if not self.original_layout and configured is not None and int(configured) != self.image_token_id:
             raise CheckpointError(f"config.json image_token_id is {configured} but the tokenizer gives "
                                   f"{IMG_CONTEXT} id {self.image_token_id}")

@@ -15,16 +15,14 @@ from vlm_sdk.errors import (EngineDeadError, InputTooLongError, InvalidImageErro
                             VLMError)
 from vlm_sdk.sampling_params import SamplingParams
 
-# fields we accept but that change nothing here, and fields whose non-default value we cannot honour
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options",
-                            "modalities", "reasoning_effort", "prediction"})
+# fields whose non-default value we cannot honour (other unknown fields are accepted and change nothing)
 UNSUPPORTED = {  # field -> the values that mean "off", which are all we can honour
     "n": (1, None),
     "logprobs": (False, None),
     "top_logprobs": (0, None),
     "presence_penalty": (0, 0.0, None),
     "frequency_penalty": (0, 0.0, None),
-    "logit_bias": (None,),
+    "logit_bias": (None, {}),
     "tools": (None,),
     "tool_choice": (None, "none"),
     "functions": (None,),
@@ -73,7 +71,6 @@ def error_from_exception(exc: BaseException) -> APIError:
 
 @dataclass(frozen=True)
 class ChatRequest:
-    model: str
     messages: list
     params: SamplingParams
     stream: bool
@@ -97,8 +94,6 @@ def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_
     for name, off in UNSUPPORTED.items():
         value = body.get(name)
         if value is not None and value not in off:
-            if name == "logit_bias" and value == {}:
-                continue
             raise bad_request(f"'{name}'={_clip(repr(value))} is not supported by this server; leave it out",
                               name, "unsupported_parameter")
     messages = body.get("messages")
@@ -122,7 +117,7 @@ def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_
         if not isinstance(include_usage, bool):
             raise bad_request("'stream_options.include_usage' must be true or false", "stream_options")
     params = _sampling_params(body, max_model_len)
-    return ChatRequest(model, messages, params, stream, include_usage, num_images)
+    return ChatRequest(messages, params, stream, include_usage, num_images)
 
 
 def count_images(messages: list) -> int:
