@@ -1,6 +1,7 @@
-"""Loading a vision-language model whose LLM is a `Qwen2Decoder`: the tied LM head and the CPU layout.
+"""A vision-language model whose LLM is a `Qwen2Decoder`: `DecoderVLM` (the decoder side of the model
+contract) and its loading: the tied LM head and the CPU layout.
 
-Shared by every family, because the two questions are the decoder's, not the vision tower's:
+Shared by every family, because these questions are the decoder's, not the vision tower's:
 - a config that ties lm_head to the token embedding may still ship `lm_head.weight`. A copy of the
   embedding is dropped; a different matrix is used as the head, as transformers does (it then leaves
   the two untied);
@@ -10,18 +11,56 @@ Shared by every family, because the two questions are the decoder's, not the vis
 from __future__ import annotations
 
 import logging
+from abc import abstractmethod
 from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
+from vlm_sdk.engine.attention_metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
+from vlm_sdk.kernels.ops import KernelOps
 from vlm_sdk.model_loader import ParamSlot, load_checked
+from vlm_sdk.models.base import KVCache, VisionLanguageModel
 from vlm_sdk.models.cpu_layout import PackedLMHead, column_major, use_cpu_weight_layout
-from vlm_sdk.models.qwen2.decoder import Qwen2Decoder
+from vlm_sdk.models.qwen2.decoder import Qwen2Decoder, Qwen2DecoderConfig
 
 logger = logging.getLogger(__name__)
+
+
+class DecoderVLM(VisionLanguageModel):
+    """The decoder half of `VisionLanguageModel` for families whose LLM is a `Qwen2Decoder`: a
+    subclass calls `_init_decoder` and names its vision tower and projector in `_vision_parts`."""
+
+    def _init_decoder(self, cfg: Qwen2DecoderConfig, dtype: torch.dtype, device: torch.device | str,
+                      ops: KernelOps | None) -> None:
+        self.decoder_config = cfg
+        self.decoder = Qwen2Decoder(cfg, dtype, device, ops)
+        self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        self.hidden_size, self.vocab_size = cfg.hidden_size, cfg.vocab_size
+        self.dtype = dtype
+
+    @abstractmethod
+    def _vision_parts(self) -> tuple[nn.Module, nn.Module]:
+        """(vision tower, its projector to the LM width)."""
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder.embed(input_ids)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.decoder(inputs_embeds, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.decoder.compute_logits(hidden)
+
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        tower, proj = self._vision_parts()
+        projector = list(proj.parameters())
+        ids = {id(t) for t in projector}
+        return {"language_model": list(self.decoder.parameters()), "projector": projector,
+                "vision": [t for t in tower.parameters() if id(t) not in ids]}
 
 
 def load_with_lm_head(model: nn.Module, decoder: Qwen2Decoder, weights: Iterable[tuple[str, torch.Tensor]],

@@ -20,15 +20,13 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from vlm_sdk.engine.attention_metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.kernels.ops import KernelOps
 from vlm_sdk.model_loader import ParamSlot, config_from_dict
-from vlm_sdk.models.base import KVCache, VisionLanguageModel
 from vlm_sdk.models.internlm2.weights import internlm2_decoder_config, internlm2_to_llama_names
 from vlm_sdk.models.internvl.vision import InternVisionConfig, InternVLVisionTower
-from vlm_sdk.models.lm_loading import finish_cpu_layout, load_with_lm_head
-from vlm_sdk.models.qwen2.decoder import Qwen2Decoder, Qwen2DecoderConfig
+from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
+from vlm_sdk.models.qwen2.decoder import Qwen2DecoderConfig
 
 # legacy spellings of the -hf layout -> transformers 5's in-memory names
 _HF_ALIASES = (("language_model.lm_head.", "lm_head."), ("language_model.model.", "model.language_model."),
@@ -72,7 +70,7 @@ def _llm_config(hf_config: Any, original: bool) -> tuple[Any, str]:
     return config_from_dict(fields), arch
 
 
-class InternVLForCausalLM(VisionLanguageModel):
+class InternVLForCausalLM(DecoderVLM):
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  ops: KernelOps | None = None):
         """`ops` runs the decoder (the InternViT tiles are equal-length: batched SDPA serves them)."""
@@ -87,12 +85,8 @@ class InternVLForCausalLM(VisionLanguageModel):
             tie_source = llm if self.original_layout else hf_config
             tied = bool(getattr(tie_source, "tie_word_embeddings", False))
             self.decoder_config = Qwen2DecoderConfig.from_hf(llm, tie_word_embeddings=tied, mrope=False)
-        cfg = self.decoder_config
-        self.decoder = Qwen2Decoder(cfg, dtype, device, ops)
-        self.vision = InternVLVisionTower(InternVisionConfig.from_hf(hf_config, cfg.hidden_size), dtype, device)
-        self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-        self.hidden_size, self.vocab_size = cfg.hidden_size, cfg.vocab_size
-        self.dtype = dtype
+        self._init_decoder(self.decoder_config, dtype, device, ops)  # 1-D RoPE: the decoder reads positions[0]
+        self.vision = InternVLVisionTower(InternVisionConfig.from_hf(hf_config, self.hidden_size), dtype, device)
         self.requires_grad_(False)
 
     def encode_images(self, pixel_values: torch.Tensor,  # [tiles, 3, S, S], images back to back
@@ -103,21 +97,8 @@ class InternVLForCausalLM(VisionLanguageModel):
                              f"{grid_thw}), got shape {list(pixel_values.shape)}")
         return self.vision(pixel_values.to(self.dtype))
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.decoder.embed(input_ids)
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        return self.decoder(inputs_embeds, positions, kv_caches, meta)  # 1-D RoPE reads positions[0]
-
-    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
-        projector = list(self.vision.projector.parameters())
-        ids = {id(t) for t in projector}
-        return {"language_model": list(self.decoder.parameters()), "projector": projector,
-                "vision": [t for t in self.vision.parameters() if id(t) not in ids]}
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.decoder.compute_logits(hidden)
+    def _vision_parts(self) -> tuple[nn.Module, nn.Module]:
+        return self.vision, self.vision.projector
 
     @property
     def _lm_head_name(self) -> str:

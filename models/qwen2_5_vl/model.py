@@ -12,13 +12,11 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from vlm_sdk.engine.attention_metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.kernels.ops import KernelOps
 from vlm_sdk.model_loader import ParamSlot
-from vlm_sdk.models.base import KVCache, VisionLanguageModel
-from vlm_sdk.models.lm_loading import finish_cpu_layout, load_with_lm_head
-from vlm_sdk.models.qwen2.decoder import Qwen2Decoder, Qwen2DecoderConfig
+from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
+from vlm_sdk.models.qwen2.decoder import Qwen2DecoderConfig
 from vlm_sdk.models.qwen2_5_vl.vision import Qwen2_5_VisionTransformer
 
 _ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
@@ -32,45 +30,27 @@ def _canonical(name: str) -> str:
     return name
 
 
-class Qwen2_5_VLForCausalLM(VisionLanguageModel):
+class Qwen2_5_VLForCausalLM(DecoderVLM):
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  ops: KernelOps | None = None):
         super().__init__()
         text = hf_config.text_config
         tied = bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
-        self.decoder_config = Qwen2DecoderConfig.from_hf(text, tie_word_embeddings=tied, mrope=True)
-        self.decoder = Qwen2Decoder(self.decoder_config, dtype, device, ops)
+        self._init_decoder(Qwen2DecoderConfig.from_hf(text, tie_word_embeddings=tied, mrope=True), dtype, device, ops)
         self.visual = Qwen2_5_VisionTransformer(hf_config.vision_config, dtype, device, ops)
         if self.visual.out_hidden_size != self.decoder_config.hidden_size:
             raise CheckpointError(f"vision_config.out_hidden_size {self.visual.out_hidden_size} != text hidden_size "
                                   f"{self.decoder_config.hidden_size}")
-        cfg = self.decoder_config
-        self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-        self.hidden_size, self.vocab_size = cfg.hidden_size, cfg.vocab_size
         self.image_token_id = int(hf_config.image_token_id)
         self.spatial_merge_size = int(hf_config.vision_config.spatial_merge_size)
-        self.dtype = dtype
         self.requires_grad_(False)
 
     def encode_images(self, pixel_values: torch.Tensor,  # [num_patches, patch_dim]
                       grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:  # [image tokens, hidden]
         return self.visual(pixel_values, grid_thw)
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.decoder.embed(input_ids)
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        return self.decoder(inputs_embeds, positions, kv_caches, meta)
-
-    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
-        projector = list(self.visual.merger.parameters())
-        ids = {id(t) for t in projector}
-        return {"language_model": list(self.decoder.parameters()), "projector": projector,
-                "vision": [t for t in self.visual.parameters() if id(t) not in ids]}
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.decoder.compute_logits(hidden)
+    def _vision_parts(self) -> tuple[nn.Module, nn.Module]:
+        return self.visual, self.visual.merger
 
     def checkpoint_map(self) -> dict[str, ParamSlot]:
         """Published checkpoint name -> slot, parameter names relative to this module."""
