@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model = args.model
             if model is None:
-                from vlm_sdk.cli import tiny_model_dir
+                from vlm_sdk.demo_checkpoint import tiny_model_dir
                 model = str(tiny_model_dir())
                 print(f"[no --model: tiny checkpoint with RANDOM weights at {model}; expect gibberish]",
                       file=sys.stderr)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from vlm_sdk.bench_gpu import DECODE_TARGETS, TINY_RUN, format_report
-from vlm_sdk.bench_gpu_parts import TINY, build_checkpoint, decode_weight_bytes, prefill_flops
+from vlm_sdk.bench.gpu import DECODE_TARGETS, TINY_RUN, format_report
+from vlm_sdk.bench.gpu_parts import TINY, build_checkpoint, decode_weight_bytes, prefill_flops
 from vlm_sdk.cli import main
 
 

@@ -9,33 +9,17 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
 
+from vlm_sdk.demo_checkpoint import tiny_model_dir
 from vlm_sdk.errors import VLMError
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("VLM_SDK_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "vlm_sdk")
-    return Path(root)
 
 
 FAMILIES = ("qwen2_5_vl", "internvl")
 
 
-def tiny_model_dir(kind: str = "tiny", family: str = "qwen2_5_vl") -> Path:
-    """The random-weight checkpoint used when no model is given ("tiny", or "bench" ~100M), made once."""
-    from vlm_sdk.testing import make_bench_checkpoint, make_tiny_checkpoint
-    path = cache_dir() / f"{kind}-{family}"
-    if not (path / "config.json").exists():
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        (make_bench_checkpoint if kind == "bench" else make_tiny_checkpoint)(tmp, family=family)
-        tmp.rename(path)
-    return path
-
-
 async def _chat_remote(args) -> int:
     """`chat --url`: the same question, streamed from a server; usage comes from the server."""
-    from vlm_sdk.bench_serve import timed_stream
+    from vlm_sdk.bench.serve import timed_stream
     from vlm_sdk.client import AsyncClient
     content = [{"type": "image", "image": p} for p in args.image] + [{"type": "text", "text": args.question}]
     async with AsyncClient(args.url, args.api_key) as client:
@@ -136,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--num-requests", type=int, default=16)
     bench.add_argument("--hf-batch-size", type=int, default=8)
     bench.add_argument("--device", default=None)
-    from vlm_sdk.bench_gpu import add_arguments as add_gpu_bench_arguments
+    from vlm_sdk.bench.gpu import add_arguments as add_gpu_bench_arguments
     add_gpu_bench_arguments(bench)
-    from vlm_sdk.bench_serve import add_arguments as add_bench_serve_arguments
+    from vlm_sdk.bench.serve import add_arguments as add_bench_serve_arguments
     add_bench_serve_arguments(sub.add_parser("bench-serve", help="throughput and latency of a server over HTTP, "
                                              "vs the same workload in process"))
     from vlm_sdk.server.cli import add_serve_parser, run_serve
@@ -154,13 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "chat":
             return asyncio.run(_chat(args))
         if args.command == "bench-serve":
-            from vlm_sdk.bench_serve import run_bench_serve
+            from vlm_sdk.bench.serve import run_bench_serve
             return run_bench_serve(args)
-        from vlm_sdk import bench_gpu
+        from vlm_sdk.bench import gpu as bench_gpu
         if args.gpu:
             return bench_gpu.run_gpu_benchmark(args, sys.argv[1:] if argv is None else list(argv))
         bench_gpu.reject_without_gpu(args)
-        from vlm_sdk.benchmark import run_benchmark
+        from vlm_sdk.bench.engine import run_benchmark
         return run_benchmark(args)
     except VLMError as e:
         print(f"error: {e}", file=sys.stderr)

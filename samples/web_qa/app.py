@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         url = args.url
         if url is None:
-            from vlm_sdk.cli import tiny_model_dir
+            from vlm_sdk.demo_checkpoint import tiny_model_dir
             from vlm_sdk.server.background import BackgroundServer
             from vlm_sdk.server.config import ServerConfig
             print("[no --url: serving the tiny checkpoint with RANDOM weights in this process; "

@@ -72,7 +72,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from vlm_sdk.server.runner import serve
     model = args.model
     if model is None:
-        from vlm_sdk.cli import tiny_model_dir
+        from vlm_sdk.demo_checkpoint import tiny_model_dir
         model = str(tiny_model_dir())
         print(f"[vlm-sdk] no model given: serving a tiny Qwen2.5-VL-shaped checkpoint with RANDOM weights at "
               f"{model}", file=sys.stderr)

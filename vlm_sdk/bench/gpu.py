@@ -39,11 +39,11 @@ from types import MappingProxyType
 
 import torch
 
-from vlm_sdk.bench_gpu_parts import (QWEN2_5_VL_3B, TINY, DeviceTimer, GpuBenchError, ModelShape, build_checkpoint,
+from vlm_sdk.bench.gpu_parts import (QWEN2_5_VL_3B, TINY, DeviceTimer, GpuBenchError, ModelShape, build_checkpoint,
                                      check_tokens, checkpoint_dir, copy_bandwidth, decode_weight_bytes, device_name,
                                      free_memory, matmul_rate, paged_attention_alone, plan_options, plan_vs_engine,
                                      prefill_flops, transformers_throughput, triton_version)
-from vlm_sdk.benchmark import _images
+from vlm_sdk.bench.engine import _images
 
 __all__ = ["GpuBenchConfig", "GpuBenchError", "FULL_RUN", "TINY_RUN", "add_arguments", "config_from_args",
            "format_report", "reject_without_gpu", "run", "run_gpu_benchmark"]
@@ -132,7 +132,7 @@ _GPU_ONLY = ("tiny", "decode_batches", "context", "decode_steps", "requests", "m
 
 def add_arguments(bench) -> None:
     """The `--gpu` flag and its options, on the `vlm-sdk bench` parser."""
-    g = bench.add_argument_group("GPU benchmark (issue 5; see vlm_sdk/bench_gpu.py)")
+    g = bench.add_argument_group("GPU benchmark (issue 5; see vlm_sdk/bench/gpu.py)")
     g.add_argument("--gpu", action="store_true", help="run the Qwen2.5-VL-3B GPU benchmark instead (random bf16 "
                    "weights, no download; about 3-6 minutes on an H100)")
     g.add_argument("--tiny", action="store_true", help="with --gpu: the same code path, tiny shape, on the CPU")

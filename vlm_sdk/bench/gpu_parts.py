@@ -1,4 +1,4 @@
-"""The pieces of `vlm-sdk bench --gpu` (`vlm_sdk/bench_gpu.py`) that are not about our engine.
+"""The pieces of `vlm-sdk bench --gpu` (`vlm_sdk/bench/gpu.py`) that are not about our engine.
 
 - `build_checkpoint`: a Qwen2.5-VL checkpoint with random weights, made on the target device (a 3.7B
   model initialised on the CPU would take minutes) and saved the way `vlm_sdk.testing` saves its tiny

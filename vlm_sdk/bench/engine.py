@@ -60,7 +60,7 @@ def _preprocess_report(family: str, model_dir: str, images: list[Image.Image]) -
 
 def run_benchmark(args) -> int:
     from vlm_sdk import LLM, SamplingParams
-    from vlm_sdk.cli import tiny_model_dir
+    from vlm_sdk.demo_checkpoint import tiny_model_dir
     from vlm_sdk.model_loader import read_checkpoint
     from vlm_sdk.models.registry import resolve
 

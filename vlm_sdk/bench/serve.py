@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
 
-DEFAULT_IMAGE = Path(__file__).resolve().parents[1] / "samples" / "shapes.png"
+DEFAULT_IMAGE = Path(__file__).resolve().parents[2] / "samples" / "shapes.png"
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench_serve(args) -> int:
-    from vlm_sdk.cli import tiny_model_dir
+    from vlm_sdk.demo_checkpoint import tiny_model_dir
     from vlm_sdk.client import to_data_url
     from vlm_sdk.errors import InvalidRequestError
 
