@@ -84,14 +84,17 @@ def load_with_lm_head(model: nn.Module, decoder: LlamaDecoder, weights: Iterable
     load_checked(model, without_head(), slots, canonical=canonical, source=source)
     if not head:
         return
-    expected = tuple(decoder.embed_tokens.weight.shape)
+    emb_layer = decoder.embed_tokens
+    expected = (emb_layer.vocab_size, emb_layer.hidden_size)  # the whole tensor; this rank holds its rows
     if tuple(head[0].shape) != expected:
         where = f" in {source}" if source is not None else ""
         raise CheckpointError(f"tensor {lm_head}{where} has shape {list(head[0].shape)} but {type(model).__name__} "
                               f"expects {list(expected)} (tied to the token embedding): config.json does not "
                               f"match the weights")
-    emb = decoder.embed_tokens.weight
-    if not torch.equal(head[0].to(emb.device, emb.dtype), emb):  # checkpoint tensors are on the CPU
+    emb = emb_layer.weight
+    # this rank's rows (all of them at tensor-parallel size 1); checkpoint tensors are on the CPU
+    mine = head[0][emb_layer.vocab_start:emb_layer.vocab_stop]
+    if not torch.equal(mine.to(emb.device, emb.dtype), emb):
         logger.warning("config.json ties lm_head to the token embedding but the checkpoint's %s differs from it; "
                        "using the checkpoint's %s (as transformers does)", lm_head, lm_head)
         decoder.untie_lm_head(head[0])

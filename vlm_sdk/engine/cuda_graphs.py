@@ -17,8 +17,8 @@ the rows past `n` padded:
 
 The attention grid splits each context into `num_splits` parts fixed per size: each size's metadata
 is prepared by the attention backend (`AttentionBackend.prepare`, the hook the runner calls every
-step) with max_model_len as max_seq_len; the kernel sizes the parts from each sequence's own length, so one grid serves every
-length. Steps the graphs do not cover (prefill chunks, batches larger than the largest size) run
+step) with max_model_len as max_seq_len; the kernel sizes the parts from each sequence's own length,
+so one grid serves every length. Steps the graphs do not cover (prefill chunks, batches larger than the largest size) run
 eagerly. With `capture=False` the same buffers and padding run eagerly: the CPU tests use that to check
 the padding path that the graphs replay.
 """
