@@ -1,10 +1,11 @@
-"""Attention over a paged KV cache in pure torch: the "torch" attention backend (`kernels/ops.TorchOps`),
-the CPU default and the reference the Triton kernels (`paged_attention_decode`,
-`paged_prefill_attention`) are checked against at engine level.
+"""Attention over a paged KV cache in pure torch: what the "torch" attention backend
+(`vlm_sdk.attention.torch_backend`) runs, the CPU default and the reference the Triton kernels
+(`paged_attention_decode`, `paged_prefill_attention`) are checked against at engine level.
 
 `write_kv_cache` scatters this step's K/V into their slots; `paged_attention` reads each sequence's
 K/V back through its block table and attends causally, the new tokens being the last ones of the
-sequence.
+sequence. Inputs are plain tensors and host lists (no metadata type): a batched decode step groups its
+sequences by length (`decode_layout`), which the caller builds once per step and passes to every layer.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vlm_sdk.engine.attention_metadata import AttentionMetadata
 
 
 def write_kv_cache(k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -36,16 +36,25 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 def paged_attention(q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
                     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
                     v_cache: torch.Tensor,
-                    meta: AttentionMetadata,
+                    block_tables: torch.Tensor,  # [batch, max_blocks_per_seq] int32
+                    seq_lens: torch.Tensor,  # [batch] int32, tokens in the cache after this step
+                    query_lens_cpu: list[int],  # [batch] new tokens per sequence (packed back to back in q)
+                    seq_lens_cpu: list[int],  # [batch] the same as seq_lens, as host ints
                     scale: float,
                     k: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: this step's K/V,
                     v: torch.Tensor | None = None,  # read directly by sequences with no earlier context
+                    layout: "tuple[DecodeGroup, ...] | None" = None,  # `decode_layout` of a batched decode step
                     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    if meta.decode_only and meta.num_seqs > 1:
-        return _decode_batched(q, k_cache, v_cache, meta, scale)
+    """Causal attention of each sequence's new tokens over its cached keys. A decode step of several
+    sequences (every query length 1) attends group by group; `layout` (None: built here) is
+    `decode_layout(block_tables, seq_lens, seq_lens_cpu, block_size)`."""
+    if max(query_lens_cpu) == 1 and len(seq_lens_cpu) > 1:
+        if layout is None:
+            layout = decode_layout(block_tables, seq_lens, seq_lens_cpu, k_cache.shape[1])
+        return _decode_batched(q, k_cache, v_cache, layout, scale)
     out = torch.empty_like(q)
     start = 0
-    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+    for i, (q_len, seq_len) in enumerate(zip(query_lens_cpu, seq_lens_cpu)):
         qi = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
         if q_len == seq_len and k is not None:
             # a whole prompt in one chunk: its K/V are this step's, and plain causal attention takes
@@ -55,8 +64,8 @@ def paged_attention(q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
             out[start:start + q_len] = o.transpose(0, 1)
             start += q_len
             continue
-        ki = _gather(k_cache, meta.block_tables[i], seq_len)  # [seq_len, Hkv, D]
-        vi = _gather(v_cache, meta.block_tables[i], seq_len)
+        ki = _gather(k_cache, block_tables[i], seq_len)  # [seq_len, Hkv, D]
+        vi = _gather(v_cache, block_tables[i], seq_len)
         mask = None
         if q_len > 1:
             # new token j sits at position seq_len - q_len + j and sees keys up to it
@@ -96,9 +105,8 @@ GROUP_LENGTH_RATIO = 1.5
 MAX_GROUPS = 4
 
 
-def _decode_batched(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode_batched(q, k_cache, v_cache, groups: tuple[DecodeGroup, ...], scale: float) -> torch.Tensor:
     """One query per sequence: gather each group's K/V padded to its longest and attend at once."""
-    groups = _decode_layout(meta, k_cache.shape[1])  # same for every layer: built once per step
     if len(groups) == 1:
         return _decode_group(q, k_cache, v_cache, groups[0], scale)
     out = torch.empty_like(q)
@@ -134,22 +142,23 @@ def decode_groups(seq_lens: list[int]) -> list[list[int]]:
     return groups
 
 
-def _decode_layout(meta: AttentionMetadata, block_size: int) -> tuple[DecodeGroup, ...]:
-    """The groups of a batched decode step, built by the first layer and kept in `meta.decode_layout`
-    for the others."""
-    if meta.decode_layout is None:
-        rows_of = decode_groups(meta.seq_lens_cpu)
-        whole = len(rows_of) == 1
-        layout = []
-        for rows in rows_of:
-            longest = max(meta.seq_lens_cpu[r] for r in rows)
-            max_blocks = (longest + block_size - 1) // block_size
-            index = None if whole else torch.tensor(rows, dtype=torch.long, device=meta.seq_lens.device)
-            tables = meta.block_tables if whole else meta.block_tables.index_select(0, index)
-            lens = meta.seq_lens if whole else meta.seq_lens.index_select(0, index)
-            blocks = tables[:, :max_blocks].reshape(-1).long()  # [n * nb]
-            key_pos = torch.arange(max_blocks * block_size, device=meta.seq_lens.device)
-            mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]  # [n, 1, 1, L]
-            layout.append(DecodeGroup(index, blocks, mask))
-        meta.decode_layout = tuple(layout)
-    return meta.decode_layout
+def decode_layout(block_tables: torch.Tensor,  # [batch, max_blocks_per_seq] int32
+                  seq_lens: torch.Tensor,  # [batch] int32
+                  seq_lens_cpu: list[int],
+                  block_size: int) -> tuple[DecodeGroup, ...]:
+    """The groups of a batched decode step (`decode_groups`) with their flat block ids and key masks:
+    the same for every layer, so built once per step by the caller."""
+    rows_of = decode_groups(seq_lens_cpu)
+    whole = len(rows_of) == 1
+    layout = []
+    for rows in rows_of:
+        longest = max(seq_lens_cpu[r] for r in rows)
+        max_blocks = (longest + block_size - 1) // block_size
+        index = None if whole else torch.tensor(rows, dtype=torch.long, device=seq_lens.device)
+        tables = block_tables if whole else block_tables.index_select(0, index)
+        lens = seq_lens if whole else seq_lens.index_select(0, index)
+        blocks = tables[:, :max_blocks].reshape(-1).long()  # [n * nb]
+        key_pos = torch.arange(max_blocks * block_size, device=seq_lens.device)
+        mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]  # [n, 1, 1, L]
+        layout.append(DecodeGroup(index, blocks, mask))
+    return tuple(layout)

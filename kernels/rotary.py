@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vlm_sdk.kernels.ops import apply_rotary
+from vlm_sdk.kernels.rotary_torch import apply_rotary
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Heads x half-dim elements rotated per tile: bounds registers while covering a whole GQA group of a

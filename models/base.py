@@ -8,7 +8,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from vlm_sdk.engine.attention_metadata import AttentionMetadata
+from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, num_kv_heads, head_dim]

@@ -1,4 +1,4 @@
-"""CPU weight layout: store Linear weights transposed.
+"""CPU weight layout: store Linear weights (and an untied `ParallelLMHead`) transposed.
 
 oneDNN/MKL on the CPU multiply a few rows by a `[out, in]` row-major weight several times slower
 than by the same weight stored `[in, out]` (measured on 2 cores: 16 x 512 by 151936 x 512 takes
@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_sdk.layers.embedding import ParallelLMHead
+
 
 def column_major(weight: torch.Tensor) -> nn.Parameter:
     """Same values and logical shape `[out, in]`, storage laid out `[in, out]`."""
@@ -20,9 +22,10 @@ def column_major(weight: torch.Tensor) -> nn.Parameter:
 
 @torch.no_grad()
 def use_cpu_weight_layout(module: nn.Module) -> None:
-    """Re-lay every Linear weight under `module`; a no-op off the CPU."""
+    """Re-lay every Linear weight (the parallel linear layers are `nn.Linear`s) and LM head under
+    `module`; a no-op off the CPU."""
     for sub in module.modules():
-        if isinstance(sub, nn.Linear) and sub.weight.device.type == "cpu":
+        if isinstance(sub, (nn.Linear, ParallelLMHead)) and sub.weight.device.type == "cpu":
             sub.weight = column_major(sub.weight)
 
 

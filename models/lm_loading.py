@@ -1,4 +1,4 @@
-"""A vision-language model whose LLM is a `Qwen2Decoder`: `DecoderVLM` (the decoder side of the model
+"""A vision-language model whose LLM is a `LlamaDecoder`: `DecoderVLM` (the decoder side of the model
 contract) and its loading: the tied LM head and the CPU layout.
 
 Shared by every family, because these questions are the decoder's, not the vision tower's:
@@ -18,25 +18,26 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from vlm_sdk.engine.attention_metadata import AttentionMetadata
+from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
-from vlm_sdk.kernels.ops import KernelOps
+from vlm_sdk.layers.ops import KernelOps
 from vlm_sdk.model_loader import ParamSlot, load_checked
 from vlm_sdk.models.base import KVCache, VisionLanguageModel
 from vlm_sdk.models.cpu_layout import PackedLMHead, column_major, use_cpu_weight_layout
-from vlm_sdk.models.qwen2.decoder import Qwen2Decoder, Qwen2DecoderConfig
+from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
+from vlm_sdk.models.common.llama_decoder import LlamaDecoder
 
 logger = logging.getLogger(__name__)
 
 
 class DecoderVLM(VisionLanguageModel):
-    """The decoder half of `VisionLanguageModel` for families whose LLM is a `Qwen2Decoder`: a
+    """The decoder half of `VisionLanguageModel` for families whose LLM is a `LlamaDecoder`: a
     subclass calls `_init_decoder` and names its vision tower and projector in `_vision_parts`."""
 
-    def _init_decoder(self, cfg: Qwen2DecoderConfig, dtype: torch.dtype, device: torch.device | str,
+    def _init_decoder(self, cfg: LlamaDecoderConfig, dtype: torch.dtype, device: torch.device | str,
                       ops: KernelOps | None) -> None:
         self.decoder_config = cfg
-        self.decoder = Qwen2Decoder(cfg, dtype, device, ops)
+        self.decoder = LlamaDecoder(cfg, dtype, device, ops)
         self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         self.hidden_size, self.vocab_size = cfg.hidden_size, cfg.vocab_size
         self.dtype = dtype
@@ -63,7 +64,7 @@ class DecoderVLM(VisionLanguageModel):
                 "vision": [t for t in tower.parameters() if id(t) not in ids]}
 
 
-def load_with_lm_head(model: nn.Module, decoder: Qwen2Decoder, weights: Iterable[tuple[str, torch.Tensor]],
+def load_with_lm_head(model: nn.Module, decoder: LlamaDecoder, weights: Iterable[tuple[str, torch.Tensor]],
                       slots: dict[str, ParamSlot], *, lm_head: str, canonical: Callable[[str], str],
                       source: str | Path | None) -> None:
     """`load_checked` into `model`; when `decoder` is tied, a checkpoint tensor named `lm_head` (after
@@ -83,20 +84,23 @@ def load_with_lm_head(model: nn.Module, decoder: Qwen2Decoder, weights: Iterable
     load_checked(model, without_head(), slots, canonical=canonical, source=source)
     if not head:
         return
-    expected = tuple(decoder.embed_tokens.weight.shape)
+    emb_layer = decoder.embed_tokens
+    expected = (emb_layer.vocab_size, emb_layer.hidden_size)  # the whole tensor; this rank holds its rows
     if tuple(head[0].shape) != expected:
         where = f" in {source}" if source is not None else ""
         raise CheckpointError(f"tensor {lm_head}{where} has shape {list(head[0].shape)} but {type(model).__name__} "
                               f"expects {list(expected)} (tied to the token embedding): config.json does not "
                               f"match the weights")
-    emb = decoder.embed_tokens.weight
-    if not torch.equal(head[0].to(emb.device, emb.dtype), emb):  # checkpoint tensors are on the CPU
+    emb = emb_layer.weight
+    # this rank's rows (all of them at tensor-parallel size 1); checkpoint tensors are on the CPU
+    mine = head[0][emb_layer.vocab_start:emb_layer.vocab_stop]
+    if not torch.equal(mine.to(emb.device, emb.dtype), emb):
         logger.warning("config.json ties lm_head to the token embedding but the checkpoint's %s differs from it; "
                        "using the checkpoint's %s (as transformers does)", lm_head, lm_head)
         decoder.untie_lm_head(head[0])
 
 
-def finish_cpu_layout(model: nn.Module, decoder: Qwen2Decoder) -> None:
+def finish_cpu_layout(model: nn.Module, decoder: LlamaDecoder) -> None:
     """After loading: CPU weight layout for every Linear, and the packed LM head when it applies."""
     use_cpu_weight_layout(model)
     head = decoder.embed_tokens.weight if decoder.lm_head is None else decoder.lm_head.weight

@@ -1,4 +1,4 @@
-"""InternLM2 and Llama LLMs on the Qwen2 decoder, against transformers' LlamaForCausalLM.
+"""InternLM2 and Llama LLMs on the Llama-style decoder, against transformers' LlamaForCausalLM.
 
 InternLM2 has no transformers class (its modeling code is remote code we do not import), but it is a
 Llama with other names and a grouped, packed wqkv: a Llama checkpoint rewritten in the InternLM2 layout
@@ -11,12 +11,13 @@ import torch
 from einops import rearrange
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, Qwen2Config
 
-from vlm_sdk.engine.attention_metadata import AttentionMetadata
+from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.model_loader import load_checked
 from vlm_sdk.models.internlm2.weights import (internlm2_decoder_config, internlm2_to_llama_names, pack_wqkv,
                                               unpack_wqkv)
-from vlm_sdk.models.qwen2.decoder import Qwen2Decoder, Qwen2DecoderConfig
+from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
+from vlm_sdk.models.common.llama_decoder import LlamaDecoder
 
 # published InternLM2 dicts carry `rope_scaling`, which transformers 5 warns about on every config built
 pytestmark = pytest.mark.filterwarnings("ignore:`rope_scaling` is deprecated:FutureWarning")
@@ -71,12 +72,12 @@ def internlm2_config(bias: bool, rope_scaling: dict | None = None, **overrides) 
     return PretrainedConfig(**d)
 
 
-def new_cache(cfg: Qwen2DecoderConfig, num_blocks: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def new_cache(cfg: LlamaDecoderConfig, num_blocks: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
     return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
 
 
-def run_step(dec: Qwen2Decoder, kv, ids: list[int], start: int, blocks: list[int], axes: int) -> torch.Tensor:
+def run_step(dec: LlamaDecoder, kv, ids: list[int], start: int, blocks: list[int], axes: int) -> torch.Tensor:
     """One sequence's step: tokens `ids` at positions start.. (as `[N]` when axes is 1, else `[3, N]`
     with equal rows); returns their logits `[N, vocab]`."""
     n, seq_len = len(ids), start + len(ids)
@@ -86,12 +87,13 @@ def run_step(dec: Qwen2Decoder, kv, ids: list[int], start: int, blocks: list[int
         query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([seq_len], dtype=torch.int32),
         block_tables=torch.tensor([blocks], dtype=torch.int32), query_lens_cpu=[n], seq_lens_cpu=[seq_len],
         max_query_len=n, max_seq_len=seq_len)
+    meta = dec.ops.attention.prepare(meta, kv[0][0])  # once per step, as the runner does
     positions = pos if axes == 1 else pos.expand(3, -1)  # [N] or [3, N]
     with torch.no_grad():
         return dec.compute_logits(dec(dec.embed(torch.tensor(ids)), positions, kv, meta))
 
 
-def assert_matches_hf(dec: Qwen2Decoder, hf: LlamaForCausalLM, steps: int = 3) -> None:
+def assert_matches_hf(dec: LlamaDecoder, hf: LlamaForCausalLM, steps: int = 3) -> None:
     """Prefill PROMPT then greedy-decode `steps` tokens on the paged cache (non-contiguous blocks);
     every step's logits equal transformers' full recompute of the sequence so far."""
     kv, blocks = new_cache(dec.cfg), [4, 1]
@@ -157,7 +159,7 @@ def test_internlm2_checkpoint_matches_llama(bias, rope_scaling, prefix):
     cfg = internlm2_decoder_config(internlm2_config(bias, rope_scaling))
     assert (cfg.attention_bias, cfg.o_proj_bias, cfg.rope_theta, cfg.tie_word_embeddings) == (bias, bias, THETA, False)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mrope_section) == (8, 2, 8, None)
-    dec = Qwen2Decoder(cfg)
+    dec = LlamaDecoder(cfg)
     ckpt = to_internlm2(hf.state_dict(), bias, prefix)
     load_checked(dec, internlm2_to_llama_names(ckpt.items(), cfg, prefix=prefix),
                  dec.checkpoint_map("model.", "lm_head.weight"))
@@ -206,28 +208,28 @@ def test_internlm2_config_fields():
 
 def test_llama_checkpoint_matches_hf():
     hf = llama_model(attention_bias=True, seed=3)
-    cfg = Qwen2DecoderConfig.from_hf(hf.config, tie_word_embeddings=False, mrope=False)
+    cfg = LlamaDecoderConfig.from_hf(hf.config, tie_word_embeddings=False, mrope=False)
     assert (cfg.attention_bias, cfg.o_proj_bias, cfg.rope_theta) == (True, True, THETA)
-    dec = Qwen2Decoder(cfg)
+    dec = LlamaDecoder(cfg)
     load_checked(dec, hf.state_dict().items(), dec.checkpoint_map("model.", "lm_head.weight"))
     assert_matches_hf(dec, hf)
 
 
 def test_bias_flags_per_family():
-    llama = Qwen2DecoderConfig.from_hf(LlamaConfig(**DIMS), tie_word_embeddings=False, mrope=False)
+    llama = LlamaDecoderConfig.from_hf(LlamaConfig(**DIMS), tie_word_embeddings=False, mrope=False)
     assert (llama.attention_bias, llama.o_proj_bias, llama.rope_theta) == (False, False, 1e4)
-    qwen = Qwen2DecoderConfig.from_hf(Qwen2Config(**DIMS), tie_word_embeddings=True, mrope=False)
+    qwen = LlamaDecoderConfig.from_hf(Qwen2Config(**DIMS), tie_word_embeddings=True, mrope=False)
     assert (qwen.attention_bias, qwen.o_proj_bias) == (True, False)
     # InternVL's llm_config for a Qwen2 LLM: a generic config from the published dict
     generic = PretrainedConfig(model_type="qwen2", architectures=["Qwen2ForCausalLM"], rope_theta=1e6, **DIMS)
-    qwen = Qwen2DecoderConfig.from_hf(generic, tie_word_embeddings=False, mrope=False)
+    qwen = LlamaDecoderConfig.from_hf(generic, tie_word_embeddings=False, mrope=False)
     assert (qwen.attention_bias, qwen.o_proj_bias, qwen.rope_theta) == (True, False, 1e6)
-    assert Qwen2Decoder(qwen).layers[0].o_proj.bias is None
+    assert LlamaDecoder(qwen).layers[0].o_proj.bias is None
 
 
 def test_rope_types_and_unsupported_configs():
     dynamic = LlamaConfig(**DIMS, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 123.0})
-    assert Qwen2DecoderConfig.from_hf(dynamic, tie_word_embeddings=False, mrope=False).rope_theta == 123.0
+    assert LlamaDecoderConfig.from_hf(dynamic, tie_word_embeddings=False, mrope=False).rope_theta == 123.0
     refused = [
         (LlamaConfig(**DIMS, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "linear"),
         (LlamaConfig(**DIMS, rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5,
@@ -240,4 +242,4 @@ def test_rope_types_and_unsupported_configs():
     ]
     for config, message in refused:
         with pytest.raises(CheckpointError, match=message):
-            Qwen2DecoderConfig.from_hf(config, tie_word_embeddings=False, mrope=False)
+            LlamaDecoderConfig.from_hf(config, tie_word_embeddings=False, mrope=False)

@@ -9,10 +9,7 @@ import torch
 
 from vlm_sdk.kernels.rms_norm import rms_norm, rms_norm_ref
 
-try:  # the torch backend's RMSNorm (kernels/ops.py; it lived in the decoder before the kernel set)
-    from vlm_sdk.kernels.ops import rms_norm as backend_rms_norm
-except ImportError:
-    from vlm_sdk.models.qwen2.decoder import rms_norm as backend_rms_norm
+from vlm_sdk.kernels.rms_norm_torch import rms_norm as backend_rms_norm  # the torch backend's RMSNorm
 
 CUDA_MARKS = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 CASES = [pytest.param("cpu", torch.float32, id="cpu-fp32")] + [

@@ -9,12 +9,8 @@ import pytest
 import torch
 
 from vlm_sdk.kernels.rotary import rotary_embedding, rotary_embedding_ref
-from vlm_sdk.models.qwen2.decoder import MRotaryEmbedding
-
-try:  # the torch backend's rotation (kernels/ops.py; it lived in the decoder before the kernel set)
-    from vlm_sdk.kernels.ops import apply_rotary
-except ImportError:
-    from vlm_sdk.models.qwen2.decoder import apply_rotary
+from vlm_sdk.kernels.rotary_torch import apply_rotary  # the torch backend's rotation
+from vlm_sdk.layers.rotary import MRotaryEmbedding
 
 CUDA_MARKS = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 CASES = [pytest.param("cpu", torch.float32, id="cpu-fp32")] + [

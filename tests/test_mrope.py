@@ -87,7 +87,7 @@ def test_empty_prompt():
 
 def test_text_positions_give_plain_rope():
     """With t == h == w (text tokens) M-RoPE reduces to 1-D RoPE; the 1-D path of the rotary agrees."""
-    from vlm_sdk.models.qwen2.decoder import MRotaryEmbedding
+    from vlm_sdk.layers.rotary import MRotaryEmbedding
 
     mrope = MRotaryEmbedding(16, 1e6, (2, 3, 3), "cpu")
     plain = MRotaryEmbedding(16, 1e6, None, "cpu")

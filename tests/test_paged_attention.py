@@ -2,8 +2,8 @@
 each sequence alone."""
 import torch
 
-from vlm_sdk.engine.attention_metadata import AttentionMetadata
-from vlm_sdk.kernels.paged_attention import decode_groups, paged_attention
+from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.kernels.paged_attention import decode_groups, decode_layout, paged_attention
 
 BLOCK, HKV, GROUP, D = 4, 2, 3, 8
 
@@ -17,6 +17,11 @@ def _meta(seq_lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         query_lens_cpu=[1] * n, seq_lens_cpu=list(seq_lens), max_query_len=1, max_seq_len=max(seq_lens))
+
+
+def _attend(q, k_cache, v_cache, meta: AttentionMetadata, layout=None):
+    return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_lens_cpu,
+                           meta.seq_lens_cpu, 0.3, layout=layout)
 
 
 def test_decode_groups_split_only_wide_length_spreads():
@@ -39,8 +44,10 @@ def test_grouped_decode_equals_each_sequence_alone():
     v_cache = torch.randn(num_blocks, BLOCK, HKV, D, generator=g)
     q = torch.randn(len(seq_lens), HKV * GROUP, D, generator=g)
     meta = _meta(seq_lens, tables)
-    out = paged_attention(q, k_cache, v_cache, meta, 0.3)
-    assert len(meta.decode_layout) > 1
+    layout = decode_layout(meta.block_tables, meta.seq_lens, meta.seq_lens_cpu, BLOCK)
+    assert len(layout) > 1
+    out = _attend(q, k_cache, v_cache, meta, layout)
+    torch.testing.assert_close(_attend(q, k_cache, v_cache, meta), out, atol=0, rtol=0)  # built when not given
     for i, (n, table) in enumerate(zip(seq_lens, tables)):
-        alone = paged_attention(q[i:i + 1], k_cache, v_cache, _meta([n], [table]), 0.3)
+        alone = _attend(q[i:i + 1], k_cache, v_cache, _meta([n], [table]))
         torch.testing.assert_close(out[i:i + 1], alone, atol=1e-5, rtol=0)

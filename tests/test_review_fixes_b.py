@@ -2,6 +2,7 @@
 sizing errors, decode layout on the metadata."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from types import MappingProxyType, SimpleNamespace
@@ -13,16 +14,15 @@ from helpers import conversations, image
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.config import CacheConfig, EngineArgs, SchedulerConfig
 from vlm_sdk.engine import capacity
-from vlm_sdk.engine.attention_metadata import AttentionMetadata
+from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.config import DeviceBudget
 from vlm_sdk.engine.kv_cache import plan_cache
 from vlm_sdk.engine.model_runner import _patch_groups
 from vlm_sdk.models.qwen2_5_vl.image_processor import max_image_grid, max_image_patches
 from vlm_sdk.engine.scheduler import SchedulerOutput
 from vlm_sdk.errors import InputTooLongError, InvalidImageError, InvalidRequestError
-from vlm_sdk.kernels.paged_attention import paged_attention
 from vlm_sdk.model_loader import _safetensors_files, iter_safetensors, read_checkpoint
-from vlm_sdk.models.qwen2_5_vl import vision
+from vlm_sdk.layers import activation
 from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 from vlm_sdk.testing import make_tiny_checkpoint
@@ -335,7 +335,14 @@ def test_image_processor_bounds_error_says_where_each_came_from():
 
 # -- 7. dead code, docs, decode layout -------------------------------------------------------------
 
-def test_decode_layout_is_an_explicit_field_shared_by_layers():
+def test_decode_layout_is_prepared_once_per_step_by_the_torch_backend():
+    """The torch backend builds the decode groups in `prepare` (once per step), into its own frozen
+    metadata; layers read it and write nothing back."""
+    from vlm_sdk.attention.torch_backend import TorchBackend, TorchMetadata
+
+    class Layer:
+        scale = 0.3
+
     torch.manual_seed(0)
     blocks, bs, hkv, d = 8, 4, 2, 8
     k_cache, v_cache = torch.randn(blocks, bs, hkv, d), torch.randn(blocks, bs, hkv, d)
@@ -344,12 +351,18 @@ def test_decode_layout_is_an_explicit_field_shared_by_layers():
         seq_lens=torch.tensor([6, 3], dtype=torch.int32),
         block_tables=torch.tensor([[0, 1], [3, 0]], dtype=torch.int32),
         query_lens_cpu=[1, 1], seq_lens_cpu=[6, 3], max_query_len=1, max_seq_len=6)
-    assert meta.decode_layout is None
+    backend = TorchBackend()
+    prepared = backend.prepare(meta, k_cache)
+    assert isinstance(prepared, TorchMetadata) and prepared.decode_layout is not None
+    layout = prepared.decode_layout
     q = torch.randn(2, 4, d)
-    out = paged_attention(q, k_cache, v_cache, meta, 0.3)
-    layout = meta.decode_layout
-    assert layout is not None and "_decode_layout" not in vars(meta)
-    assert torch.equal(paged_attention(q, k_cache, v_cache, meta, 0.3), out) and meta.decode_layout is layout
+    k, v = torch.randn(2, hkv, d), torch.randn(2, hkv, d)
+    out = backend.forward(q, k, v, Layer(), (k_cache, v_cache), prepared)
+    assert prepared.decode_layout is layout
+    with pytest.raises(TypeError, match="prepare"):
+        backend.forward(q, k, v, Layer(), (k_cache, v_cache), meta)  # not prepared
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        prepared.decode_layout = None
     # the same as attending sequence by sequence
     for i, (table, n) in enumerate(((meta.block_tables[0], 6), (meta.block_tables[1], 3))):
         k = k_cache[table.long()].reshape(-1, hkv, d)[:n].repeat_interleave(2, dim=1)  # [n, H, D]
@@ -359,9 +372,9 @@ def test_decode_layout_is_an_explicit_field_shared_by_layers():
 
 
 def test_small_cleanups(tmp_path):
-    assert isinstance(vision._ACTIVATIONS, MappingProxyType)
+    assert isinstance(activation.ACTIVATIONS, MappingProxyType)
     with pytest.raises(TypeError):
-        vision._ACTIVATIONS["relu"] = torch.relu
+        activation.ACTIVATIONS["relu"] = torch.relu
     assert not hasattr(SchedulerOutput(), "num_tokens")
     # shards are read in file-name order whatever order the index lists them in
     for name in ("b.safetensors", "a.safetensors", "c.safetensors"):

@@ -13,7 +13,7 @@ from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.config import EngineArgs
 from vlm_sdk.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from vlm_sdk.errors import InvalidRequestError
-from vlm_sdk.kernels.ops import make_ops
+from vlm_sdk.layers.ops import make_ops
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 ON_GPU = torch.cuda.is_available()
@@ -69,7 +69,7 @@ def test_triton_hidden_states_match_torch(tiny_ckpt):
     """One forward on both kernel sets, compared before sampling: a mixed step of a whole prompt, a
     chunk over earlier context and a decode row."""
     _interpreter_or_gpu("cpu")
-    from vlm_sdk.engine.attention_metadata import AttentionMetadata
+    from vlm_sdk.attention.metadata import AttentionMetadata
     from vlm_sdk.engine.kv_cache import allocate_kv_caches
     from vlm_sdk.config import CacheConfig
 
@@ -94,6 +94,7 @@ def test_triton_hidden_states_match_torch(tiny_ckpt):
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             block_tables=torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32),
             query_lens_cpu=new, seq_lens_cpu=seq_lens, max_query_len=19, max_seq_len=33)
+        meta = model.decoder.ops.attention.prepare(meta, caches[0][0])  # each backend's own, once per step
         ids = torch.randint(0, model.vocab_size, (27,), generator=torch.Generator().manual_seed(3))
         positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, new)]).expand(3, -1)
         with torch.inference_mode():
@@ -107,7 +108,7 @@ def test_padded_decode_path_equals_torch(triton_llm, convs, torch_outputs):
     eng = triton_llm.engine
     graphs = DecodeGraphs(eng.model, eng.runner.kv_caches, max_num_seqs=4,
                           max_model_len=eng.scheduler_config.max_model_len, block_size=eng.args.block_size,
-                          device=eng.device, capture=False)
+                          device=eng.device, attention=eng.ops.attention, capture=False)
     assert graphs.sizes == [1, 2, 4]
     calls = []
     run = graphs.run

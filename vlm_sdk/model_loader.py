@@ -6,7 +6,9 @@ Weights are copied with `load_checked`. Model code describes where each checkpoi
 a `ParamSlot` per checkpoint name: a parameter (or persistent buffer) of the module, the shape the
 checkpoint tensor must have, and optionally the first row of the range it fills in a fused parameter
 (q/k/v -> qkv_proj, gate/up -> gate_up_proj); the tensor is reshaped to the parameter's trailing dims
-(a Conv3d patch-embed weight -> a Linear). `load_checked` refuses unexpected, mis-shaped, duplicated
+(a Conv3d patch-embed weight -> a Linear). A slot may take only a `Shard` of the checkpoint tensor (one
+tensor-parallel rank's slice along one dim): the tensor is checked at its full shape, then only the
+slice is copied, so a rank never keeps the whole tensor. `load_checked` refuses unexpected, mis-shaped, duplicated
 and missing tensors instead of leaving random weights behind, and checks up front that the slots
 cover every row of every parameter exactly once. It knows no model: name aliases (e.g. the
 `model.language_model.*` spelling of transformers 4.5x) come in as a `canonical` function.
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointInfo", "read_checkpoint", "text_config", "load_tokenizer", "iter_safetensors",
-    "ParamSlot", "load_checked", "config_from_dict", "ConfigInfo", "read_config",
+    "ParamSlot", "Shard", "load_checked", "config_from_dict", "ConfigInfo", "read_config",
 ]
 
 CONFIG_FILE = "config.json"
@@ -241,13 +243,37 @@ def iter_safetensors(model_dir, *, show_progress: bool = True) -> Iterator[tuple
 
 
 @dataclass(frozen=True)
+class Shard:
+    """The slice [start, start + length) along `dim` of a checkpoint tensor: what one tensor-parallel
+    rank loads (column-parallel: dim 0 of a weight; row-parallel: dim 1)."""
+    dim: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
 class ParamSlot:
-    """Where one checkpoint tensor goes: rows [row_start, row_start + shape[0]) of parameter `param`
+    """Where one checkpoint tensor goes: rows [row_start, row_start + loaded rows) of parameter `param`
     (the whole parameter when `row_start` is None), after reshaping to the parameter's trailing dims.
-    `param` is a name in the module's `state_dict()` (a parameter or a persistent buffer)."""
+    `param` is a name in the module's `state_dict()` (a parameter or a persistent buffer). With a
+    `shard`, only that slice of the tensor is loaded (`shape` is still the whole tensor's)."""
     param: str
     shape: tuple[int, ...]  # the shape the checkpoint tensor must have
     row_start: int | None = None
+    shard: Shard | None = None
+
+    def under(self, prefix: str) -> "ParamSlot":
+        """The same slot for the parameter seen from a parent module (`prefix` + param)."""
+        return ParamSlot(prefix + self.param, self.shape, self.row_start, self.shard)
+
+    @property
+    def loaded_shape(self) -> tuple[int, ...]:
+        """The shape of what is copied: `shape`, narrowed to the shard."""
+        if self.shard is None:
+            return tuple(self.shape)
+        shape = list(self.shape)
+        shape[self.shard.dim] = self.shard.length
+        return tuple(shape)
 
 
 def _identity(name: str) -> str:
@@ -301,6 +327,8 @@ def load_checked(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Ten
             if previous is not None:   # two aliases of one name, or two names tied to one weight
                 raise CheckpointError(f"tensors {previous} and {raw_name}{where} both load into {_slot_text(slot)}")
             view = target.data if slot.row_start is None else target.data[start:stop]
+            if slot.shard is not None:  # this rank's slice only
+                tensor = tensor.narrow(slot.shard.dim, slot.shard.start, slot.shard.length)
             view.copy_(tensor.reshape(view.shape))
             loaded[name] = filled[key] = raw_name
     missing = [n for n in slots if n not in loaded and (id(regions[n][0]), *regions[n][1:]) not in filled]
@@ -321,16 +349,20 @@ def _slot_regions(module: torch.nn.Module,
         if target is None:
             raise ValueError(f"slot for {name} names {slot.param!r}, which {owner} does not have")
         rows = target.shape[0] if target.dim() else 1
+        loaded = slot.loaded_shape
+        if slot.shard is not None and not (0 <= slot.shard.dim < len(slot.shape) and slot.shard.start >= 0
+                                           and slot.shard.start + slot.shard.length <= slot.shape[slot.shard.dim]):
+            raise ValueError(f"slot for {name}: {slot.shard} is outside the tensor's shape {list(slot.shape)}")
         if slot.row_start is None:
             start, stop, expect = 0, rows, target.numel()
         else:
-            start, stop = slot.row_start, slot.row_start + (slot.shape[0] if slot.shape else 1)
+            start, stop = slot.row_start, slot.row_start + (loaded[0] if loaded else 1)
             expect = (stop - start) * prod(target.shape[1:])
             if target.dim() == 0 or start < 0 or stop > rows:
                 raise ValueError(f"slot for {name}: rows [{start}, {stop}) are outside {slot.param} "
                                  f"{_shape(target)}")
-        if prod(slot.shape) != expect:
-            raise ValueError(f"slot for {name}: shape {list(slot.shape)} does not reshape into "
+        if prod(loaded) != expect:
+            raise ValueError(f"slot for {name}: shape {list(loaded)} does not reshape into "
                              f"{_slot_text(slot)} of {owner} ({_shape(target)})")
         regions[name] = (target, start, stop)
     # every parameter row is filled by exactly one region (slots naming the same region are aliases)
@@ -361,9 +393,13 @@ def _slot_regions(module: torch.nn.Module,
 
 
 def _slot_text(slot: ParamSlot) -> str:
-    if slot.row_start is None:
-        return slot.param
-    return f"{slot.param} rows [{slot.row_start}, {slot.row_start + (slot.shape[0] if slot.shape else 1)})"
+    loaded = slot.loaded_shape
+    text = slot.param if slot.row_start is None else \
+        f"{slot.param} rows [{slot.row_start}, {slot.row_start + (loaded[0] if loaded else 1)})"
+    if slot.shard is not None:
+        sh = slot.shard
+        text += f" (its dim-{sh.dim} slice [{sh.start}, {sh.start + sh.length}))"
+    return text
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""InternLM2 checkpoints (the LLM of InternVL2-8B, InternVL2.5-8B, ...) for the Qwen2 decoder.
+"""InternLM2 checkpoints (the LLM of InternVL2-8B, InternVL2.5-8B, ...) for the Llama-style decoder.
 
 InternLM2 is a Llama with other tensor names and one packed q/k/v projection. Rather than a second
 decoder, its checkpoint is streamed through `internlm2_to_llama_names`, which renames every tensor
-to the Llama/Qwen2 layout that `Qwen2Decoder.checkpoint_map` describes and splits `wqkv`:
+to the Llama/Qwen2 layout that `LlamaDecoder.checkpoint_map` describes and splits `wqkv`:
 
     InternLM2 (under prefix P)                       Llama (under out_prefix O)
     P model.tok_embeddings.weight                    O model.embed_tokens.weight
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from vlm_sdk.errors import CheckpointError
-from vlm_sdk.models.qwen2.decoder import Qwen2DecoderConfig, llm_family
+from vlm_sdk.models.common.llama_config import LlamaDecoderConfig, llm_family
 
 __all__ = ["pack_wqkv", "unpack_wqkv", "internlm2_decoder_config", "internlm2_to_llama_names"]
 
@@ -90,7 +90,7 @@ def unpack_wqkv(wqkv: Tensor,  # [(H + 2*Hkv)*D, ...]
             v.reshape(-1, *tail).contiguous())
 
 
-def internlm2_decoder_config(llm_config: Any, tie_word_embeddings: bool | None = None) -> Qwen2DecoderConfig:
+def internlm2_decoder_config(llm_config: Any, tie_word_embeddings: bool | None = None) -> LlamaDecoderConfig:
     """The decoder config of an InternLM2 `llm_config` (a generic `PretrainedConfig` from the remote-code
     config dict). `tie_word_embeddings` None: the config's own (InternLM2 defaults to a separate
     `output.weight`). Always 1-D RoPE; `rope_scaling` "dynamic" is plain RoPE in our position range."""
@@ -102,10 +102,10 @@ def internlm2_decoder_config(llm_config: Any, tie_word_embeddings: bool | None =
         raise CheckpointError(f"llm_config is a {family} config (model_type "
                               f"{getattr(llm_config, 'model_type', None)!r}), not InternLM2")
     tied = getattr(llm_config, "tie_word_embeddings", False) if tie_word_embeddings is None else tie_word_embeddings
-    return Qwen2DecoderConfig.from_hf(llm_config, tie_word_embeddings=bool(tied), mrope=False, family="internlm2")
+    return LlamaDecoderConfig.from_hf(llm_config, tie_word_embeddings=bool(tied), mrope=False, family="internlm2")
 
 
-def internlm2_to_llama_names(weights: Iterable[tuple[str, Tensor]], cfg: Qwen2DecoderConfig, prefix: str = "",
+def internlm2_to_llama_names(weights: Iterable[tuple[str, Tensor]], cfg: LlamaDecoderConfig, prefix: str = "",
                              out_prefix: str = "") -> Iterator[tuple[str, Tensor]]:
     """Stream checkpoint tensors with InternLM2 names under `prefix` renamed to the Llama names under
     `out_prefix` (table in the module docstring), wqkv split into q/k/v. Names under `prefix` that are

@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 from vlm_sdk.errors import CheckpointError
-from vlm_sdk.kernels.ops import KernelOps
+from vlm_sdk.layers.ops import KernelOps
 from vlm_sdk.model_loader import ParamSlot, config_from_dict
 from vlm_sdk.models.internlm2.weights import internlm2_decoder_config, internlm2_to_llama_names
 from vlm_sdk.models.internvl.vision import InternVisionConfig, InternVLVisionTower
 from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
-from vlm_sdk.models.qwen2.decoder import Qwen2DecoderConfig
+from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 
 # legacy spellings of the -hf layout -> transformers 5's in-memory names
 _HF_ALIASES = (("language_model.lm_head.", "lm_head."), ("language_model.model.", "model.language_model."),
@@ -84,7 +84,7 @@ class InternVLForCausalLM(DecoderVLM):
             # transformers ties by the top-level flag of InternVLConfig; the original model by llm_config's
             tie_source = llm if self.original_layout else hf_config
             tied = bool(getattr(tie_source, "tie_word_embeddings", False))
-            self.decoder_config = Qwen2DecoderConfig.from_hf(llm, tie_word_embeddings=tied, mrope=False)
+            self.decoder_config = LlamaDecoderConfig.from_hf(llm, tie_word_embeddings=tied, mrope=False)
         self._init_decoder(self.decoder_config, dtype, device, ops)  # 1-D RoPE: the decoder reads positions[0]
         self.vision = InternVLVisionTower(InternVisionConfig.from_hf(hf_config, self.hidden_size), dtype, device)
         self.requires_grad_(False)
@@ -107,10 +107,10 @@ class InternVLForCausalLM(DecoderVLM):
     def checkpoint_map(self) -> dict[str, ParamSlot]:
         """Checkpoint name (InternLM2 names after `internlm2_to_llama_names`) -> slot, relative to this module."""
         prefix = "language_model.model." if self.original_layout else "model.language_model."
-        slots = {name: ParamSlot(f"decoder.{s.param}", s.shape, s.row_start)
+        slots = {name: s.under("decoder.")
                  for name, s in self.decoder.checkpoint_map(prefix, self._lm_head_name).items()}
         layout = "original" if self.original_layout else "hf"
-        slots.update({name: ParamSlot(f"vision.{s.param}", s.shape, s.row_start)
+        slots.update({name: s.under("vision.")
                       for name, s in self.vision.checkpoint_map(layout).items()})
         return slots
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_sdk.models.qwen2.decoder import linear
+from vlm_sdk.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 PROJECTOR_LN_EPS = 1e-5  # both layouts build the projector's LayerNorm with nn.LayerNorm's default eps
 
@@ -34,8 +34,8 @@ class InternVLProjector(nn.Module):
         super().__init__()
         self.norm_weight = nn.Parameter(torch.empty(in_dim, dtype=dtype, device=device))
         self.norm_bias = nn.Parameter(torch.empty(in_dim, dtype=dtype, device=device))
-        self.linear_1 = linear(in_dim, out_dim, True, dtype, device)
-        self.linear_2 = linear(out_dim, out_dim, True, dtype, device)
+        self.linear_1 = ColumnParallelLinear(in_dim, out_dim, True, dtype, device)
+        self.linear_2 = RowParallelLinear(out_dim, out_dim, True, dtype, device)
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in_dim] -> [N, out_dim]

@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_sdk.errors import CheckpointError
-from vlm_sdk.kernels.ops import rms_norm
+from vlm_sdk.kernels.rms_norm_torch import rms_norm
+from vlm_sdk.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vlm_sdk.model_loader import ParamSlot
 from vlm_sdk.models.internvl.projector import InternVLProjector, pixel_shuffle
-from vlm_sdk.models.qwen2.decoder import linear
 
 _ACTIVATIONS = MappingProxyType({
     "gelu": F.gelu,  # exact erf GELU, as transformers' ACT2FN["gelu"] and InternVL's nn.GELU()
@@ -217,14 +217,14 @@ class InternVisionLayer(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.act = _ACTIVATIONS[cfg.hidden_act]
         self.norm1 = _Norm(cfg.norm_type, c, cfg.norm_eps, dtype, device)
-        self.qkv = linear(c, 3 * c, cfg.qkv_bias, dtype, device)
+        self.qkv = ColumnParallelLinear(c, 3 * c, cfg.qkv_bias, dtype, device)
         self.q_norm = _Norm("rms_norm", c, cfg.qk_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = _Norm("rms_norm", c, cfg.qk_norm_eps, dtype, device) if cfg.qk_norm else None
-        self.proj = linear(c, c, True, dtype, device)
+        self.proj = RowParallelLinear(c, c, True, dtype, device)
         self.ls1 = nn.Parameter(torch.empty(c, dtype=dtype, device=device))
         self.norm2 = _Norm(cfg.norm_type, c, cfg.norm_eps, dtype, device)
-        self.fc1 = linear(c, cfg.intermediate_size, True, dtype, device)
-        self.fc2 = linear(cfg.intermediate_size, c, True, dtype, device)
+        self.fc1 = ColumnParallelLinear(c, cfg.intermediate_size, True, dtype, device)
+        self.fc2 = RowParallelLinear(cfg.intermediate_size, c, True, dtype, device)
         self.ls2 = nn.Parameter(torch.empty(c, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, N, C] -> [T, N, C]
@@ -245,7 +245,7 @@ class InternVLVisionTower(nn.Module):
         self.cfg = cfg
         c, p = cfg.hidden_size, cfg.patch_size
         self.grid = cfg.image_size // p  # position-embedding grid side
-        self.patch_embed = linear(cfg.num_channels * p * p, c, True, dtype, device)
+        self.patch_embed = ColumnParallelLinear(cfg.num_channels * p * p, c, True, dtype, device)
         self.cls_token = nn.Parameter(torch.empty(1, 1, c, dtype=dtype, device=device))
         self.position_embedding = nn.Parameter(torch.empty(1, self.grid ** 2 + 1, c, dtype=dtype, device=device))
         self.layers = nn.ModuleList(InternVisionLayer(cfg, dtype, device) for _ in range(cfg.num_layers))

@@ -1,8 +1,8 @@
-"""Qwen2.5-VL: the vision tower plus the Qwen2 decoder with M-RoPE, on the paged KV cache.
+"""Qwen2.5-VL: the vision tower plus the Llama-style decoder (Qwen2 config) with M-RoPE, on the paged KV cache.
 
 Checkpoint names are the published ones (`model.layers.*`, `visual.blocks.*`, `lm_head.weight`);
 checkpoints saved by transformers 4.5x as `model.language_model.*` / `model.visual.*` are accepted too.
-q/k/v and gate/up are fused on load (see `Qwen2Decoder` and `Qwen2_5_VisionTransformer.checkpoint_map`).
+q/k/v and gate/up are fused on load (see `LlamaDecoder` and `Qwen2_5_VisionTransformer.checkpoint_map`).
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from vlm_sdk.errors import CheckpointError
-from vlm_sdk.kernels.ops import KernelOps
+from vlm_sdk.layers.ops import KernelOps
 from vlm_sdk.model_loader import ParamSlot
 from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
-from vlm_sdk.models.qwen2.decoder import Qwen2DecoderConfig
+from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.models.qwen2_5_vl.vision import Qwen2_5_VisionTransformer
 
 _ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
@@ -36,7 +36,7 @@ class Qwen2_5_VLForCausalLM(DecoderVLM):
         super().__init__()
         text = hf_config.text_config
         tied = bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
-        self._init_decoder(Qwen2DecoderConfig.from_hf(text, tie_word_embeddings=tied, mrope=True), dtype, device, ops)
+        self._init_decoder(LlamaDecoderConfig.from_hf(text, tie_word_embeddings=tied, mrope=True), dtype, device, ops)
         self.visual = Qwen2_5_VisionTransformer(hf_config.vision_config, dtype, device, ops)
         if self.visual.out_hidden_size != self.decoder_config.hidden_size:
             raise CheckpointError(f"vision_config.out_hidden_size {self.visual.out_hidden_size} != text hidden_size "
@@ -54,9 +54,9 @@ class Qwen2_5_VLForCausalLM(DecoderVLM):
 
     def checkpoint_map(self) -> dict[str, ParamSlot]:
         """Published checkpoint name -> slot, parameter names relative to this module."""
-        slots = {name: ParamSlot(f"decoder.{s.param}", s.shape, s.row_start)
+        slots = {name: s.under("decoder.")
                  for name, s in self.decoder.checkpoint_map("model.", "lm_head.weight").items()}
-        slots.update({name: ParamSlot(f"visual.{s.param}", s.shape, s.row_start)
+        slots.update({name: s.under("visual.")
                       for name, s in self.visual.checkpoint_map("visual.").items()})
         return slots
 

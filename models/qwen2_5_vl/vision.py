@@ -16,7 +16,6 @@ image (per frame). Windows and images are never mixed.
 """
 from __future__ import annotations
 
-from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -24,37 +23,35 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_sdk.model_loader import ParamSlot
-from vlm_sdk.kernels.ops import KernelOps, TorchOps, apply_rotary, rms_norm
-from vlm_sdk.models.qwen2.decoder import RMSNorm, linear
-
-_ACTIVATIONS = MappingProxyType({  # read-only: shared by every model instance
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-})
+from vlm_sdk.kernels.rms_norm_torch import rms_norm
+from vlm_sdk.kernels.rotary_torch import apply_rotary
+from vlm_sdk.layers.activation import ACTIVATIONS
+from vlm_sdk.layers.attention import SegmentAttention
+from vlm_sdk.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vlm_sdk.layers.norm import RMSNorm
+from vlm_sdk.layers.ops import KernelOps, TorchOps
 
 class VisionBlock(nn.Module):
     def __init__(self, dim: int, heads: int, inter: int, act: str, dtype: torch.dtype, device, ops: KernelOps):
         super().__init__()
         self.ops = ops
         self.heads, self.head_dim = heads, dim // heads
-        self.scale = self.head_dim ** -0.5
-        self.act = _ACTIVATIONS[act]
+        self.attn = SegmentAttention(heads, self.head_dim, self.head_dim ** -0.5, ops.attention)
+        self.act = ACTIVATIONS[act]
         self.norm1 = RMSNorm(dim, 1e-6, dtype, device)
-        self.qkv = linear(dim, 3 * dim, True, dtype, device)
-        self.proj = linear(dim, dim, True, dtype, device)
+        self.qkv = ColumnParallelLinear(dim, 3 * dim, True, dtype, device)
+        self.proj = RowParallelLinear(dim, dim, True, dtype, device)
         self.norm2 = RMSNorm(dim, 1e-6, dtype, device)
-        self.gate_up_proj = linear(dim, 2 * inter, True, dtype, device)
-        self.down_proj = linear(inter, dim, True, dtype, device)
+        self.gate_up_proj = ColumnParallelLinear(dim, 2 * inter, True, dtype, device)
+        self.down_proj = RowParallelLinear(inter, dim, True, dtype, device)
 
     def forward(self, x: torch.Tensor,  # [N, dim], window order
                 cos: torch.Tensor, sin: torch.Tensor,  # [N, 1, 1, head_dim / 2] float32
-                plan: Any) -> torch.Tensor:  # `ops.segments` of windows or of whole images
+                plan: Any) -> torch.Tensor:  # `attention.segments` of windows or of whole images
         ops, n = self.ops, x.shape[0]
         qkv = self.qkv(ops.rms_norm(x, self.norm1.weight, self.norm1.eps)).view(n, 3, self.heads, self.head_dim)
         qk = apply_rotary(qkv[:, :2].float(), cos, sin).to(x.dtype)  # [N, 2, H, D], RoPE in float32 like HF
-        attn = ops.segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], plan, self.scale)  # [N, H, D]
+        attn = self.attn(qk[:, 0], qk[:, 1], qkv[:, 2], plan)  # [N, H, D]
         x = x + self.proj(attn.reshape(n, -1))
         gate, up = self.gate_up_proj(ops.rms_norm(x, self.norm2.weight, self.norm2.eps)).chunk(2, dim=-1)
         return x + self.down_proj(self.act(gate) * up)
@@ -65,8 +62,8 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.in_dim = dim * merge_unit
         self.ln_q = RMSNorm(dim, 1e-6, dtype, device)
-        self.fc1 = linear(self.in_dim, self.in_dim, True, dtype, device)
-        self.fc2 = linear(self.in_dim, out_dim, True, dtype, device)
+        self.fc1 = ColumnParallelLinear(self.in_dim, self.in_dim, True, dtype, device)
+        self.fc2 = RowParallelLinear(self.in_dim, out_dim, True, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N / merge_unit, out_dim]
         return self.fc2(F.gelu(self.fc1(rms_norm(x, self.ln_q.weight, self.ln_q.eps).view(-1, self.in_dim))))
@@ -93,7 +90,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, spatial_dim, 2, dtype=torch.float) / spatial_dim))  # [D/4]
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         # Conv3d with kernel == stride over one patch is a matmul with the flattened kernel
-        self.patch_embed = linear(self.patch_dim, c.hidden_size, False, dtype, device)
+        self.patch_embed = ColumnParallelLinear(self.patch_dim, c.hidden_size, False, dtype, device)
         self.blocks = nn.ModuleList(VisionBlock(c.hidden_size, c.num_heads, c.intermediate_size, c.hidden_act,
                                                 dtype, device, self.ops) for _ in range(c.depth))
         self.merger = PatchMerger(c.hidden_size, c.out_hidden_size, self.merge_unit, dtype, device)
@@ -142,8 +139,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
         freqs = pos.float()[:, :, None] * self.inv_freq  # [N, 2, D/4]
         freqs = freqs.flatten(1)[:, None, None, :]  # [N, 1, 1, D/2]: h frequencies, then w frequencies
         cos, sin = freqs.cos(), freqs.sin()
-        window_plan = self.ops.segments(window_lens, device)
-        full_plan = self.ops.segments(image_lens, device)
+        window_plan = self.ops.attention.segments(window_lens, device)
+        full_plan = self.ops.attention.segments(image_lens, device)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, full_plan if i in self.fullatt_block_indexes else window_plan)
         merged = self.merger(x)  # [num_merged, out_hidden], window order

@@ -15,9 +15,10 @@ the rows past `n` padded:
     seq_lens    their lengths                0    (paged_attention_decode writes zeros)
     block rows  their block tables           stale, never read past seq_len
 
-The attention grid splits each context into `num_splits` parts fixed per size (chosen for
-max_model_len); the kernel sizes the parts from each sequence's own length, so one grid serves every
-length. Steps the graphs do not cover (prefill chunks, batches larger than the largest size) run
+The attention grid splits each context into `num_splits` parts fixed per size: each size's metadata
+is prepared by the attention backend (`AttentionBackend.prepare`, the hook the runner calls every
+step) with max_model_len as max_seq_len; the kernel sizes the parts from each sequence's own length,
+so one grid serves every length. Steps the graphs do not cover (prefill chunks, batches larger than the largest size) run
 eagerly. With `capture=False` the same buffers and padding run eagerly: the CPU tests use that to check
 the padding path that the graphs replay.
 """
@@ -28,7 +29,8 @@ import time
 
 import torch
 
-from vlm_sdk.engine.attention_metadata import AttentionMetadata
+from vlm_sdk.attention.backend import AttentionBackend
+from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.engine.block_manager import blocks_needed
 
 logger = logging.getLogger("vlm_sdk")
@@ -42,10 +44,9 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], *, max_num_seqs: int,
-                 max_model_len: int, block_size: int, device: torch.device, capture: bool = True):
-        from vlm_sdk.kernels.paged_attention_decode import choose_num_splits
-
-        self.model, self.kv_caches = model, kv_caches
+                 max_model_len: int, block_size: int, device: torch.device, attention: AttentionBackend,
+                 capture: bool = True):
+        self.model, self.kv_caches, self.attention = model, kv_caches, attention
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_num_seqs)
         biggest = self.sizes[-1]
@@ -56,8 +57,6 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(biggest, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(biggest, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(biggest + 1, dtype=torch.int32, device=device)
-        self.num_splits = {size: choose_num_splits(size, model.num_kv_heads, max_model_len, device)
-                           for size in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -69,11 +68,12 @@ class DecodeGraphs:
         return self.sizes[-1]
 
     def _meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
             query_lens_cpu=[1] * size, seq_lens_cpu=[self.max_model_len] * size,
-            max_query_len=1, max_seq_len=self.max_model_len, num_splits=self.num_splits[size])
+            max_query_len=1, max_seq_len=self.max_model_len)  # fixed per size: one grid for every length
+        return self.attention.prepare(meta, self.kv_caches[0][0])
 
     def _forward(self, size: int) -> torch.Tensor:  # [size, hidden]
         embeds = self.model.embed_tokens(self.input_ids[:size])

@@ -25,7 +25,7 @@ from vlm_sdk.engine.profiler import profile_num_tokens, profile_peak_bytes
 from vlm_sdk.engine.scheduler import Scheduler
 from vlm_sdk.engine.sequence import Sequence
 from vlm_sdk.errors import InvalidRequestError
-from vlm_sdk.kernels.ops import make_ops
+from vlm_sdk.layers.ops import make_ops
 from vlm_sdk.model_loader import iter_safetensors, load_tokenizer, read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import PromptInputs
@@ -94,7 +94,7 @@ class LLMEngine:
                 self.model, largest_image,
                 num_tokens=profile_num_tokens(args.max_num_batched_tokens, self.max_position_embeddings),
                 num_seqs=args.max_num_seqs, block_size=args.block_size, per_block=per_block, dtype=self.dtype,
-                device=self.device)
+                device=self.device, attention=self.ops.attention)
         self.cache_config = plan_cache(args, per_block, self.device, self.max_position_embeddings, peak)
         self.scheduler_config = self._scheduler_config()
         self.processor.max_image_tokens = self.scheduler_config.max_model_len
@@ -108,10 +108,11 @@ class LLMEngine:
         if self.device.type == "cuda" and self.ops.graph_safe and not args.enforce_eager:
             graphs = DecodeGraphs(self.model, kv_caches, max_num_seqs=args.max_num_seqs,
                                   max_model_len=self.scheduler_config.max_model_len, block_size=args.block_size,
-                                  device=self.device)
+                                  device=self.device, attention=self.ops.attention)
         # vision runs in groups no bigger than the image the profile measured
         self.runner = ModelRunner(self.model, kv_caches, args.block_size, self.device, self.dtype, args.seed,
-                                  max_vision_patches=largest_image.pixel_values.shape[0], graphs=graphs)
+                                  max_vision_patches=largest_image.pixel_values.shape[0], graphs=graphs,
+                                  attention=self.ops.attention)
         self.requests: dict[str, Sequence] = {}
         self._next_id = 0
         # running totals since start-up, for /metrics counters

@@ -11,8 +11,9 @@ from itertools import accumulate
 
 import torch
 
+from vlm_sdk.attention.backend import AttentionBackend
+from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.models.base import VisionLanguageModel
-from vlm_sdk.engine.attention_metadata import AttentionMetadata
 from vlm_sdk.engine.block_manager import slot_mapping
 from vlm_sdk.engine.cuda_graphs import DecodeGraphs
 from vlm_sdk.engine.sampler import Sampler
@@ -23,12 +24,15 @@ from vlm_sdk.engine.sequence import Sequence
 class ModelRunner:
     def __init__(self, model: VisionLanguageModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                 max_vision_patches: int | None = None, graphs: DecodeGraphs | None = None):
+                 max_vision_patches: int | None = None, graphs: DecodeGraphs | None = None, *,
+                 attention: AttentionBackend):
         """`max_vision_patches` (None: no limit) caps the patches of one vision-tower call: the images
         of newly scheduled sequences are encoded in groups of at most that many patches (a group
         always holds at least one image), so a step never exceeds the profiled peak of one
-        max_pixels image (`profiler.max_image_patches`)."""
+        max_pixels image (`profiler.max_image_patches`). `attention` (the model's backend) prepares
+        each step's attention metadata once, before the forward."""
         self.model = model
+        self.attention = attention
         self.max_vision_patches = max_vision_patches
         self.graphs = graphs  # replays decode steps (CUDA graphs, or their padded path eagerly)
         self.kv_caches = kv_caches
@@ -107,6 +111,7 @@ class ModelRunner:
             slot_mapping=slot_map, query_start_loc=q_start_d.int(), seq_lens=seq_lens_d.int(),
             block_tables=tables.view(batch, width).int(), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+        meta = self.attention.prepare(meta, self.kv_caches[0][0])  # the backend's per-step metadata, once
         positions = dev[flat.numel():].view(3, num_tokens)  # [3, num_tokens]
         return StepInputs(input_ids, positions, meta, sample_rows_d, sample_idx)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from vlm_sdk.config import CacheConfig
-from vlm_sdk.engine.attention_metadata import AttentionMetadata
+from vlm_sdk.attention.backend import AttentionBackend
+from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.engine.block_manager import blocks_needed
 from vlm_sdk.engine.kv_cache import allocate_kv_caches
 from vlm_sdk.multimodal.inputs import ImageInput
@@ -23,7 +24,8 @@ def profile_num_tokens(max_num_batched_tokens: int, max_position_embeddings: int
 
 @torch.inference_mode()
 def profile_peak_bytes(model, largest_image: ImageInput, *, num_tokens: int, num_seqs: int,
-                       block_size: int, per_block: int, dtype: torch.dtype, device: torch.device) -> int:
+                       block_size: int, per_block: int, dtype: torch.dtype, device: torch.device,
+                       attention: AttentionBackend) -> int:
     """Bytes allocated at the peak of a worst-case step, beyond what was allocated before it (the
     temporary cache of the profile itself excluded)."""
     torch.cuda.synchronize(device)
@@ -40,6 +42,7 @@ def profile_peak_bytes(model, largest_image: ImageInput, *, num_tokens: int, num
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
         block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
         query_lens_cpu=[num_tokens], seq_lens_cpu=[num_tokens], max_query_len=num_tokens, max_seq_len=num_tokens)
+    meta = attention.prepare(meta, caches[0][0])
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = torch.arange(num_tokens, device=device).expand(3, -1)
     hidden = model(model.embed_tokens(ids), positions, caches, meta)  # [num_tokens, hidden]

@@ -1,4 +1,4 @@
-"""What one forward pass needs to read and write the paged KV cache.
+"""What one forward pass needs to read and write the paged KV cache: `AttentionMetadata`.
 
 The cache of one layer is two tensors `[num_blocks, block_size, num_kv_heads, head_dim]` (K and V).
 Token `p` of a sequence lives in block `block_table[p // block_size]` at offset `p % block_size`;
@@ -10,6 +10,10 @@ A batch packs the new tokens of all scheduled sequences back to back:
     query_start_loc = [0, 5, 6, 9]
     seq_lens        = [5, 37, 11]      # tokens in the cache after this step, per sequence
     so seq 2 attends to its 8 earlier tokens plus its 3 new ones, causally.
+
+The runner builds this plain, backend-neutral record once per step; the attention backend's
+`prepare` then derives its own per-step metadata from it (a subclass carrying e.g. Triton's
+`num_splits` or the torch decode groups). Nothing writes into it during the forward: it is frozen.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, flat cache slot of each new token
     query_start_loc: torch.Tensor  # [batch + 1] int32, on the device
@@ -28,13 +32,6 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int  # the longest sequence; a CUDA-graph decode step is built with max_model_len here
-    # Triton decode: how many parts each sequence's context is split into. Fixed per captured batch
-    # size (a graph replays one launch grid); None: the first layer chooses it from max_seq_len.
-    num_splits: int | None = None
-    # Filled by the attention op on first use within a step, shared by all layers: for a batched
-    # decode step, the groups of similar-length sequences with their flat block ids and key masks
-    # (`kernels.paged_attention.DecodeGroup`). Builders of the metadata leave it None.
-    decode_layout: tuple | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -43,3 +40,7 @@ class AttentionMetadata:
     @property
     def decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    def fields(self) -> dict:
+        """The common fields, for a backend's subclass built from them (`AttentionBackend.prepare`)."""
+        return {name: getattr(self, name) for name in AttentionMetadata.__dataclass_fields__}

@@ -1,0 +1,100 @@
+"""The configuration of the Llama-style decoder (`LlamaDecoderConfig`) from a Qwen2, Llama or InternLM2
+text config: the three share one shape (pre-norm attention + SwiGLU layers, RMSNorm, RoPE) and differ
+only in which projections carry a bias and in their RoPE defaults. Qwen2.5-VL adds M-RoPE
+(`mrope_section`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vlm_sdk.errors import CheckpointError
+
+
+# The LLM families this decoder serves; they differ only in which projections carry a bias.
+LLM_FAMILIES = ("qwen2", "llama", "internlm2")
+# RoPE types computed as plain RoPE. "dynamic" (dynamic NTK, InternLM2 / InternVL2-8B) rescales the
+# base only for sequences longer than max_position_embeddings, and the engine caps max_model_len at
+# max_position_embeddings, so for every position we run it is exactly default RoPE.
+_PLAIN_ROPE_TYPES = ("default", "dynamic")
+# Config defaults of each family's transformers / remote-code class, for configs that omit rope_theta.
+_DEFAULT_ROPE_THETA = {"qwen2": 1e6, "llama": 1e4, "internlm2": 1e4}
+
+
+def llm_family(text_config: Any) -> str:
+    """Which of `LLM_FAMILIES` a text config is, from `model_type`, else `architectures`
+    (a generic config built from a plain dict may lack either)."""
+    model_type = getattr(text_config, "model_type", None) or ""
+    archs = [str(a) for a in (getattr(text_config, "architectures", None) or [])]
+    if model_type == "internlm2" or any(a.startswith("InternLM2") for a in archs):
+        return "internlm2"
+    if model_type == "llama" or any(a.startswith("Llama") for a in archs):
+        return "llama"
+    moe = "moe" in model_type.lower() or any("moe" in a.lower() for a in archs)  # Qwen2-MoE: other MLP
+    if not moe and (model_type.startswith("qwen2") or any(a.startswith("Qwen2") for a in archs)):
+        return "qwen2"
+    raise CheckpointError(f"LLM config model_type {model_type!r} (architectures {archs}) is not supported by the "
+                          f"Llama-style decoder (supported: Qwen2, Llama, InternLM2)")
+
+
+@dataclass(frozen=True)
+class LlamaDecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, ...] | None  # sums to head_dim // 2; None = 1-D RoPE
+    tie_word_embeddings: bool
+    attention_bias: bool = True  # q/k/v biases: Qwen2 always, Llama `attention_bias`, InternLM2 `bias`
+    o_proj_bias: bool = False  # Qwen2 never; Llama `attention_bias` and InternLM2 `bias` cover o_proj too
+
+    @classmethod
+    def from_hf(cls, text_config: Any, tie_word_embeddings: bool, mrope: bool,
+                family: str | None = None) -> "LlamaDecoderConfig":
+        """From a transformers text config, or a generic `PretrainedConfig` of a remote-code LLM
+        (v5 `rope_parameters`, or the flat `rope_scaling`/`rope_theta`). `family` (one of
+        `LLM_FAMILIES`) overrides what `llm_family` reads from the config.
+        Raises `CheckpointError` for an LLM or RoPE variant this decoder does not implement."""
+        family = family or llm_family(text_config)
+        if family not in LLM_FAMILIES:
+            raise ValueError(f"family {family!r} is not one of {LLM_FAMILIES}")
+        hidden = text_config.hidden_size
+        heads = text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or hidden // heads
+        act = getattr(text_config, "hidden_act", None) or "silu"
+        if act != "silu":
+            raise CheckpointError(f"config.json hidden_act {act!r} is not supported by the Llama-style decoder "
+                                  f"(its MLP is SwiGLU: 'silu')")
+        rope = dict(getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        supported = _PLAIN_ROPE_TYPES + (("mrope",) if mrope else ())
+        if rope_type not in supported:
+            raise CheckpointError(f"config.json rope type {rope_type!r} is not supported by the Llama-style decoder "
+                                  f"(supported: {', '.join(repr(t) for t in supported)})")
+        theta = rope.get("rope_theta", getattr(text_config, "rope_theta", None) or _DEFAULT_ROPE_THETA[family])
+        section = None
+        if mrope:
+            section = tuple(rope.get("mrope_section") or (16, 24, 24))
+            if sum(section) != head_dim // 2:
+                raise CheckpointError(f"mrope_section {list(section)} sums to {sum(section)} but head_dim // 2 is "
+                                 f"{head_dim // 2}; fix rope_parameters.mrope_section in config.json")
+        if family == "qwen2":
+            qkv_bias, o_bias = True, False
+        elif family == "llama":
+            if getattr(text_config, "mlp_bias", False):
+                raise CheckpointError("config.json mlp_bias=true (biases on the Llama MLP projections) is not "
+                                      "supported by the Llama-style decoder")
+            qkv_bias = o_bias = bool(getattr(text_config, "attention_bias", False))
+        else:  # InternLM2's remote-code config defaults `bias` to True (wqkv and wo)
+            qkv_bias = o_bias = bool(getattr(text_config, "bias", True))
+        kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+        return cls(vocab_size=text_config.vocab_size, hidden_size=hidden,
+                   intermediate_size=text_config.intermediate_size, num_layers=text_config.num_hidden_layers,
+                   num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                   rms_norm_eps=text_config.rms_norm_eps, rope_theta=float(theta), mrope_section=section,
+                   tie_word_embeddings=tie_word_embeddings, attention_bias=qkv_bias, o_proj_bias=o_bias)

@@ -1,0 +1,139 @@
+"""The Llama-style decoder on the paged KV cache: embedding, pre-norm attention + SwiGLU layers, final
+norm, LM head. Qwen2, Llama and InternLM2 configure it (`LlamaDecoderConfig`, models/common/llama_config.py);
+Qwen2.5-VL adds M-RoPE over three position axes, the others use plain RoPE (`mrope_section=None`).
+
+Every projection is a tensor-parallel-ready layer (vlm_sdk.layers; one rank by default). Fused
+projections (the checkpoint keeps them apart; `checkpoint_map` says where each lands, per rank):
+
+    qkv_proj   rows [0, H*D) = q_proj | [H*D, (H+Hkv)*D) = k_proj | [(H+Hkv)*D, (H+2Hkv)*D) = v_proj
+    gate_up    rows [0, I) = gate_proj | [I, 2I) = up_proj
+(H, Hkv, I: this rank's heads and intermediate size.) `checkpoint_map` is the published Qwen2 / Llama
+layout; InternLM2 checkpoints are renamed to it first (models/internlm2/weights.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.layers.attention import PagedAttention
+from vlm_sdk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from vlm_sdk.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vlm_sdk.layers.norm import RMSNorm
+from vlm_sdk.layers.ops import KernelOps, TorchOps
+from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.rotary import MRotaryEmbedding, RotaryInputs
+from vlm_sdk.model_loader import ParamSlot
+from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaDecoderConfig, dtype: torch.dtype, device: torch.device | str, ops: KernelOps,
+                 tp: TPGroup):
+        super().__init__()
+        self.ops = ops
+        hidden, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, device)
+        self.qkv_proj = QKVParallelLinear(hidden, d, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, dtype,
+                                          device, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5, ops.attention)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, hidden, cfg.o_proj_bias, dtype, device, tp)
+        self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, device)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], False, dtype, device, tp)
+        self.down_proj = RowParallelLinear(inter, hidden, False, dtype, device, tp)
+
+    def forward(self, x: torch.Tensor,  # [N, hidden]: the previous layer's output
+                residual: torch.Tensor | None,  # [N, hidden]: the residual stream before it; None for layer 0
+                rope: RotaryInputs, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it): the next norm adds them
+        (fused with the add), as HF's `x = x + mlp(norm(x))` does in two steps."""
+        ops, n = self.ops, x.shape[0]
+        h, hkv = self.num_heads, self.num_kv_heads
+        norm = self.input_layernorm
+        if residual is None:
+            residual, normed = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            normed, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        qkv = self.qkv_proj(normed).view(n, h + 2 * hkv, self.head_dim)  # [N, H+2Hkv, D]
+        qk = ops.rotary(qkv[:, :h + hkv], h, rope)  # [N, H+Hkv, D]
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv:]  # [N, H, D], [N, Hkv, D], [N, Hkv, D]
+        attn = self.attn(q, k, v, kv_cache, meta)  # [N, H, D]
+        norm = self.post_attention_layernorm
+        normed, residual = ops.add_rms_norm(self.o_proj(attn.reshape(n, h * self.head_dim)), residual,
+                                            norm.weight, norm.eps)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(normed))), residual
+
+
+class LlamaDecoder(nn.Module):
+    def __init__(self, cfg: LlamaDecoderConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", ops: KernelOps | None = None, tp: TPGroup = TPGroup()):
+        super().__init__()
+        self.cfg, self.tp = cfg, tp
+        self.ops = ops or TorchOps()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device, self.ops, tp)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, device)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype,
+                                                                           device, tp)
+        self.packed_head = None
+        self.requires_grad_(False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden]
+        return self.embed_tokens(input_ids)
+
+    def forward(self, inputs_embeds: torch.Tensor,  # [N, hidden]
+                positions: torch.Tensor,  # [3, N] (M-RoPE) or [N]
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:  # [N, hidden], after the final norm
+        """`meta`: the attention backend's `prepare`d metadata of this step."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} decoder layers")
+        rope = self.ops.rotary_inputs(positions, self.rotary, inputs_embeds.dtype)  # shared by every layer
+        x, residual = inputs_embeds, None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+
+    def untie_lm_head(self, weight: torch.Tensor) -> None:
+        """Give a tied decoder its own LM head (a checkpoint whose lm_head differs from the embedding);
+        `weight` is the whole `[vocab, hidden]` tensor, of which this rank keeps its rows."""
+        emb = self.embed_tokens
+        self.lm_head = ParallelLMHead(self.cfg.vocab_size, self.cfg.hidden_size, emb.weight.dtype,
+                                      emb.weight.device, self.tp)
+        self.lm_head.requires_grad_(False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(weight[emb.vocab_start:emb.vocab_stop])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab / tp] float32
+        if self.packed_head is not None:  # set after loading on the CPU (models/cpu_layout.py)
+            return self.packed_head(hidden)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [vocab / tp, hidden]
+        return F.linear(hidden, weight).float()
+
+    def checkpoint_map(self, prefix: str = "model.", lm_head: str = "lm_head.weight") -> dict[str, ParamSlot]:
+        """Checkpoint name -> where it goes (this rank's slice), for the published Qwen2 / Llama layout
+        (`model.layers.N.self_attn.q_proj...`). Our parameter names are relative to this module."""
+        cfg = self.cfg
+        hid = cfg.hidden_size
+        out = self.embed_tokens.slots("embed_tokens.weight", f"{prefix}embed_tokens.weight")
+        out[f"{prefix}norm.weight"] = ParamSlot("norm.weight", (hid,))
+        if self.lm_head is not None:
+            out.update(self.lm_head.slots("lm_head.weight", lm_head))
+        for i, layer in enumerate(self.layers):
+            src, dst = f"{prefix}layers.{i}.", f"layers.{i}."
+            attn = [f"{src}self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj")]
+            out.update(layer.qkv_proj.slots(f"{dst}qkv_proj.", [f"{a}.weight" for a in attn],
+                                            [f"{a}.bias" for a in attn] if cfg.attention_bias else None))
+            out.update(layer.o_proj.slots(f"{dst}o_proj.", f"{src}self_attn.o_proj.weight",
+                                          f"{src}self_attn.o_proj.bias" if cfg.o_proj_bias else None))
+            out.update(layer.gate_up_proj.slots(f"{dst}gate_up_proj.", [f"{src}mlp.gate_proj.weight",
+                                                                        f"{src}mlp.up_proj.weight"]))
+            out.update(layer.down_proj.slots(f"{dst}down_proj.", f"{src}mlp.down_proj.weight"))
+            out[f"{src}input_layernorm.weight"] = ParamSlot(f"{dst}input_layernorm.weight", (hid,))
+            out[f"{src}post_attention_layernorm.weight"] = ParamSlot(f"{dst}post_attention_layernorm.weight", (hid,))
+        return out

@@ -1,0 +1,91 @@
+"""The attention backend contract (`AttentionBackend`) and its choice per engine (`make_backend`).
+
+A backend owns the attention ops of one engine: writing this step's K/V into the paged cache and
+attending over it (decoder layers), and attention within segments (vision towers). It follows
+mini-sglang's `prepare_metadata` pattern:
+
+    runner, once per step:      meta = backend.prepare(AttentionMetadata(...), k_cache)
+                                (the CUDA-graph capture calls the same hook for each captured size)
+    every attention layer:      out = backend.forward(q, k, v, layer, (k_cache, v_cache), meta)
+
+`prepare` returns the backend's own subclass of `AttentionMetadata` holding what it derives once per
+step (Triton: the decode grid's `num_splits`; torch: the decode groups); `forward` reads it and writes
+nothing into it. The Triton kernels are imported when `TritonBackend` is built, so TRITON_INTERPRET is
+read then, not when vlm_sdk is imported.
+"""
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from typing import Any, Protocol
+
+import torch
+
+from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.errors import InvalidRequestError
+
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+class AttentionLayerSpec(Protocol):
+    """What a backend reads of the calling layer (`vlm_sdk.layers.attention`)."""
+    scale: float
+
+
+class AttentionBackend(ABC):
+    """The attention ops of one engine. Inputs may be strided views with a contiguous last dim.
+    Nothing here synchronises with the host on a decode step when `graph_safe` (CUDA graphs capture it)."""
+
+    name: str
+    # whether a decode step may be captured into a CUDA graph (no host reads of device data)
+    graph_safe: bool
+
+    @abstractmethod
+    def prepare(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> AttentionMetadata:
+        """This backend's per-step metadata, built once before the forward from the runner's `meta`
+        and one layer's K cache `[num_blocks, block_size, num_kv_heads, head_dim]` (every layer's has
+        this shape). `forward` needs the returned object."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor,  # [N, H, D]
+                k: torch.Tensor,  # [N, Hkv, D]
+                v: torch.Tensor,  # [N, Hkv, D]
+                layer: AttentionLayerSpec, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:  # [N, H, D]
+        """Store this step's K/V in the layer's cache (slot -1 skipped: graph padding), then causal
+        attention of the queries over their sequences' cached keys. `meta` is what `prepare` returned."""
+
+    @abstractmethod
+    def segments(self, lengths: list[int], device: torch.device) -> Any:
+        """A plan for `segment_forward` over back-to-back segments of these lengths (once per
+        vision-tower call, shared by its blocks)."""
+
+    @abstractmethod
+    def segment_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # [N, H, D]
+                        layer: AttentionLayerSpec, plan: Any) -> torch.Tensor:  # [N, H, D]
+        """Non-causal attention within each segment of the plan."""
+
+
+def default_backend(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def make_backend(backend: str | None, device: torch.device) -> AttentionBackend:
+    """The attention backend for `attention_backend` on `device` (None: Triton on CUDA, torch
+    elsewhere). Raises `InvalidRequestError` naming the setting when Triton cannot run there."""
+    backend = backend or default_backend(device)
+    if backend == "torch":
+        from vlm_sdk.attention.torch_backend import TorchBackend
+        return TorchBackend()
+    if backend != "triton":
+        raise InvalidRequestError(f"attention_backend={backend!r} is not one of {list(ATTENTION_BACKENDS)}")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise InvalidRequestError(
+            "attention_backend='triton' on the CPU needs the Triton interpreter: set TRITON_INTERPRET=1 in the "
+            "environment before starting (slow; for testing the kernels), or use attention_backend='torch'")
+    try:
+        from vlm_sdk.attention.triton_backend import TritonBackend
+        return TritonBackend()
+    except ImportError as e:
+        raise InvalidRequestError(f"attention_backend='triton' needs the triton package ({e}); install triton "
+                                  f"or use attention_backend='torch'") from e

@@ -1,0 +1,47 @@
+"""Attention layers: they own the attention's parameters (heads, scale, causal or within segments)
+and call the engine's attention backend (`vlm_sdk.attention.backend.AttentionBackend`).
+
+    PagedAttention    decoder: causal, over the paged KV cache; stores this step's K/V first
+    SegmentAttention  vision towers: non-causal within back-to-back segments (windows, images)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlm_sdk.attention.backend import AttentionBackend
+from vlm_sdk.attention.metadata import AttentionMetadata
+
+
+class PagedAttention(nn.Module):
+    causal = True
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim  # this rank's
+        self.scale = scale
+        self.backend = backend
+
+    def forward(self, q: torch.Tensor,  # [N, H, D]
+                k: torch.Tensor,  # [N, Hkv, D]
+                v: torch.Tensor,  # [N, Hkv, D]
+                kv_cache: tuple[torch.Tensor, torch.Tensor],  # this layer's K and V cache
+                meta: AttentionMetadata) -> torch.Tensor:  # [N, H, D]
+        """`meta` is the backend's `prepare`d metadata of this step."""
+        return self.backend.forward(q, k, v, self, kv_cache, meta)
+
+
+class SegmentAttention(nn.Module):
+    causal = False
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+        self.backend = backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # [N, H, D]
+                plan: Any) -> torch.Tensor:  # [N, H, D]
+        """`plan` is `backend.segments(lengths, device)`, built once per tower call."""
+        return self.backend.segment_forward(q, k, v, self, plan)

@@ -1,0 +1,46 @@
+"""The token embedding and LM head split over the vocabulary (vLLM's VocabParallelEmbedding).
+
+Rank r holds rows [start, stop) = `TPGroup.range(vocab)` (ceil(vocab / tp) rows, fewer on the last
+rank: the vocab need not divide):
+
+    embedding:  ids outside [start, stop) give zero rows; the ranks' outputs sum to the lookup
+    LM head:    logits of this rank's vocab slice `[S, stop - start]`; the ranks' slices concatenate
+
+With one rank both are the plain `nn.Embedding` lookup / `F.linear` product.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.model_loader import ParamSlot, Shard
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", tp: TPGroup = TPGroup()):
+        self.vocab_start, self.vocab_stop = tp.range(vocab_size)
+        super().__init__(self.vocab_stop - self.vocab_start, hidden_size, device="meta", dtype=dtype)
+        self.to_empty(device=device)
+        self.vocab_size, self.hidden_size, self.tp = vocab_size, hidden_size, tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden] (partial over ranks)
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        inside = (input_ids >= self.vocab_start) & (input_ids < self.vocab_stop)  # [N]
+        local = torch.where(inside, input_ids - self.vocab_start, 0)
+        return F.embedding(local, self.weight) * inside[:, None].to(self.weight.dtype)
+
+    def slots(self, param: str, name: str) -> dict[str, ParamSlot]:
+        """Checkpoint name `[vocab, hidden]` -> this rank's rows, into parameter `param`."""
+        shard = None if self.tp.size == 1 else Shard(0, self.vocab_start, self.vocab_stop - self.vocab_start)
+        return {name: ParamSlot(param, (self.vocab_size, self.hidden_size), shard=shard)}
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """An untied LM head: the weight of a vocab-parallel embedding, used as a product."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab / tp]
+        return F.linear(hidden, self.weight)

@@ -1,0 +1,107 @@
+"""Linear layers ready for tensor parallelism (vLLM's split), each loading only its own slice.
+
+    ColumnParallelLinear       y = x W^T + b, W [out, in]: rank r holds rows [r*out/tp, (r+1)*out/tp) of W
+                               and b; its output is that slice of y (gathered, or fed to a row layer)
+    MergedColumnParallelLinear several column layers fused on the output dim (gate | up): each part is
+                               split, rank r holding [gate_r | up_r]
+    QKVParallelLinear          the merged q | k | v projection, split by heads (H/tp q heads, Hkv/tp kv heads)
+    RowParallelLinear          W [out, in]: rank r holds columns [r*in/tp, (r+1)*in/tp) and takes that slice
+                               of x; the ranks' outputs are partial sums (the bias is added by rank 0 only)
+
+    column -> row composition, as in an MLP:   sum_r row_r(act(column_r(x))) == row(act(column(x)))
+
+Each layer is an `nn.Linear` over its LOCAL shape, so the forward is exactly `F.linear` (the CPU weight
+layout of models/cpu_layout.py applies unchanged). `slots(...)` gives the `ParamSlot`s that load each
+checkpoint tensor's slice for this rank (`model_loader.Shard`); with one rank they are plain slots
+(no shard). No communication happens here: summing / gathering across ranks is the next issue's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.model_loader import ParamSlot, Shard
+
+
+def _shard(tp: TPGroup, dim: int, local: int) -> Shard | None:
+    return None if tp.size == 1 else Shard(dim, tp.rank * local, local)
+
+
+class _Linear(nn.Linear):
+    """`nn.Linear` over the local shape with uninitialised storage (weights come from a checkpoint)."""
+
+    def __init__(self, in_local: int, out_local: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str, tp: TPGroup):
+        super().__init__(in_local, out_local, bias=bias, device="meta", dtype=dtype)
+        self.to_empty(device=device)
+        self.tp = tp
+
+
+class ColumnParallelLinear(_Linear):
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", tp: TPGroup = TPGroup()):
+        super().__init__(input_size, tp.split(output_size, "output features"), bias, dtype, device, tp)
+        self.input_size, self.output_size = input_size, output_size
+
+    def slots(self, param_prefix: str, weight: str, bias: str | None = None) -> dict[str, ParamSlot]:
+        """Checkpoint names `weight` `[out, in]` (and `bias` `[out]`) -> this rank's rows."""
+        local = self.out_features
+        out = {weight: ParamSlot(f"{param_prefix}weight", (self.output_size, self.input_size),
+                                 shard=_shard(self.tp, 0, local))}
+        if bias is not None:
+            out[bias] = ParamSlot(f"{param_prefix}bias", (self.output_size,), shard=_shard(self.tp, 0, local))
+        return out
+
+
+class MergedColumnParallelLinear(_Linear):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", tp: TPGroup = TPGroup()):
+        self.output_sizes = tuple(output_sizes)
+        local = [tp.split(n, "output features of each merged part") for n in output_sizes]
+        super().__init__(input_size, sum(local), bias, dtype, device, tp)
+        self.input_size, self.local_sizes = input_size, tuple(local)
+
+    def slots(self, param_prefix: str, weights: list[str], biases: list[str] | None = None) -> dict[str, ParamSlot]:
+        """Checkpoint names of the parts, in order (`[size_i, in]` weights, `[size_i]` biases) -> this
+        rank's rows of each part, placed back to back."""
+        out: dict[str, ParamSlot] = {}
+        start = 0
+        for i, (full, local) in enumerate(zip(self.output_sizes, self.local_sizes)):
+            shard = _shard(self.tp, 0, local)
+            out[weights[i]] = ParamSlot(f"{param_prefix}weight", (full, self.input_size), start, shard)
+            if biases is not None:
+                out[biases[i]] = ParamSlot(f"{param_prefix}bias", (full,), start, shard)
+            start += local
+        return out
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """Output rows `[q (H*D) | k (Hkv*D) | v (Hkv*D)]` of this rank's heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp: TPGroup = TPGroup()):
+        self.num_heads = tp.split(num_heads, "attention heads")  # local
+        self.num_kv_heads = tp.split(num_kv_heads, "KV heads")  # local
+        self.head_dim = head_dim
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+                         bias, dtype, device, tp)
+
+
+class RowParallelLinear(_Linear):
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", tp: TPGroup = TPGroup()):
+        super().__init__(tp.split(input_size, "input features"), output_size, bias, dtype, device, tp)
+        self.input_size, self.output_size = input_size, output_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in/tp] -> [N, out], partial over ranks
+        return F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+
+    def slots(self, param_prefix: str, weight: str, bias: str | None = None) -> dict[str, ParamSlot]:
+        """Checkpoint names `weight` `[out, in]` -> this rank's columns; `bias` `[out]` whole."""
+        out = {weight: ParamSlot(f"{param_prefix}weight", (self.output_size, self.input_size),
+                                 shard=_shard(self.tp, 1, self.in_features))}
+        if bias is not None:
+            out[bias] = ParamSlot(f"{param_prefix}bias", (self.output_size,))
+        return out

@@ -1,0 +1,119 @@
+"""The kernel set a model runs on between its matmuls: `TorchOps` (the reference path, every
+device) or `TritonOps` (the Triton kernels; CUDA, or the CPU under TRITON_INTERPRET=1), with the
+attention backend of the same name as `ops.attention`.
+
+Chosen once per engine (`make_ops`, from `EngineArgs.attention_backend`). The two sets differ in
+nothing else, so the torch one is the oracle for the other. The Triton kernels are imported when
+`TritonOps` is built, so TRITON_INTERPRET is read then, not when vlm_sdk is imported.
+
+    decoder layer:   rms_norm / add_rms_norm -> qkv matmul -> rotary -> attention.forward (store_kv +
+                     paged attention) -> o_proj -> add_rms_norm -> gate_up matmul -> silu_and_mul -> down
+    vision block:    attention.segments (once per image batch) ... attention.segment_forward
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+
+from vlm_sdk.attention.backend import AttentionBackend, make_backend
+from vlm_sdk.kernels.rms_norm_torch import rms_norm
+from vlm_sdk.kernels.rotary_torch import apply_rotary
+from vlm_sdk.layers.rotary import MRotaryEmbedding, RotaryInputs
+
+
+class KernelOps(ABC):
+    """The non-attention ops. Inputs may be strided views with a contiguous last dim. Nothing here
+    synchronises with the host (CUDA graphs capture a decode step)."""
+
+    def __init__(self, attention: AttentionBackend):
+        self.attention = attention
+
+    @property
+    def name(self) -> str:
+        return self.attention.name
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a decode step may be captured into a CUDA graph."""
+        return self.attention.graph_safe
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """`[N, C] -> [N, C]`: HF RMSNorm (normalise in float32, cast, scale)."""
+
+    @abstractmethod
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(rms_norm(x + residual), x + residual)`: the sum rounded to x's dtype is the new residual."""
+
+    @abstractmethod
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """`[N, 2I] -> [N, I]`: silu(gate) * up."""
+
+    @abstractmethod
+    def rotary_inputs(self, positions: torch.Tensor, rotary: MRotaryEmbedding, dtype: torch.dtype) -> RotaryInputs:
+        """Per-forward rotary state from positions `[N]` or `[3, N]`."""
+
+    @abstractmethod
+    def rotary(self, qk: torch.Tensor, num_q_heads: int, rope: RotaryInputs) -> torch.Tensor:
+        """RoPE / M-RoPE (rotate_half layout) on the q and k heads of a packed `[N, H + Hkv, D]` (the
+        first `num_q_heads` are q); returns them rotated (the same tensor, rotated in place, where
+        the set can)."""
+
+
+class TorchOps(KernelOps):
+    def __init__(self, attention: AttentionBackend | None = None):
+        super().__init__(attention or make_backend("torch", torch.device("cpu")))
+
+    def rms_norm(self, x, weight, eps):
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        s = x + residual
+        return self.rms_norm(s, weight, eps), s
+
+    def silu_and_mul(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary_inputs(self, positions, rotary, dtype):
+        cos, sin = rotary(positions, dtype)  # [N, 1, D/2]
+        return RotaryInputs(positions, rotary.inv_freq, rotary.mrope_section, cos, sin)
+
+    def rotary(self, qk, num_q_heads, rope):
+        return apply_rotary(qk, rope.cos, rope.sin)  # q and k heads in one pass
+
+
+class TritonOps(KernelOps):
+    def __init__(self, attention: AttentionBackend):
+        super().__init__(attention)
+        # imported here so that TRITON_INTERPRET is read when the set is chosen
+        from vlm_sdk.kernels import rms_norm, rotary, silu_and_mul
+        self._rms_norm = rms_norm.rms_norm
+        self._rotary = rotary.rotary_embedding
+        self._silu_and_mul = silu_and_mul.silu_and_mul
+
+    def rms_norm(self, x, weight, eps):
+        return self._rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return self._rms_norm(x, weight, eps, residual=residual)
+
+    def silu_and_mul(self, x):
+        return self._silu_and_mul(x)
+
+    def rotary_inputs(self, positions, rotary, dtype):
+        return RotaryInputs(positions, rotary.inv_freq, rotary.mrope_section)
+
+    def rotary(self, qk, num_q_heads, rope):
+        self._rotary(qk[:, :num_q_heads], qk[:, num_q_heads:], rope.positions, rope.inv_freq, rope.mrope_section)
+        return qk
+
+
+def make_ops(backend: str | None, device: torch.device) -> KernelOps:
+    """The kernel set for `attention_backend` on `device` (None: Triton on CUDA, torch elsewhere).
+    Raises `InvalidRequestError` naming the setting when Triton cannot run there (`make_backend`)."""
+    attention = make_backend(backend, device)
+    return TritonOps(attention) if attention.name == "triton" else TorchOps(attention)

@@ -1,0 +1,51 @@
+"""Rotary angle state: `MRotaryEmbedding` (RoPE, or Qwen2-VL's M-RoPE over three position axes) and
+the per-forward `RotaryInputs` every decoder layer shares. The rotation itself is the kernel set's
+(`layers.ops.KernelOps.rotary`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RotaryInputs:
+    """One forward's rotary angles, shared by every layer. Kernel sets read what they need: the torch
+    one precomputed `cos`/`sin` `[N, 1, D/2]`, the Triton one recomputes them per layer in-kernel
+    from `positions` (cheaper than reading them)."""
+    positions: torch.Tensor  # [N] or [3, N] int64
+    inv_freq: torch.Tensor  # [D/2] float32
+    mrope_section: tuple[int, ...] | None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
+class MRotaryEmbedding(nn.Module):
+    """cos/sin `[num_tokens, 1, head_dim // 2]` for 1-axis or 3-axis positions (HF
+    `Qwen2_5_VLRotaryEmbedding`; plain RoPE when `mrope_section` is None).
+
+    Frequency i of the half head dim takes its position from axis `axis_of_freq[i]`: the first
+    mrope_section[0] frequencies from t, the next mrope_section[1] from h, the rest from w.
+    """
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...] | None,
+                 device: torch.device | str):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # [D/2]
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        axes = [0] * (head_dim // 2) if mrope_section is None else \
+            [i % 3 for i, n in enumerate(mrope_section) for _ in range(n)]
+        self.register_buffer("axis_of_freq", torch.tensor(axes, dtype=torch.long, device=device), persistent=False)
+        self.mrope = mrope_section is not None
+        self.mrope_section = mrope_section
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:  # [N] plain positions
+            freqs = positions[:, None].float() * self.inv_freq  # [N, D/2]
+        elif self.mrope:  # [3, N]
+            pos = positions.gather(0, self.axis_of_freq[:, None].expand(-1, positions.shape[1]))  # [D/2, N]
+            freqs = pos.t().float() * self.inv_freq  # [N, D/2]
+        else:
+            freqs = positions[0][:, None].float() * self.inv_freq
+        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]  # [N, 1, D/2]
