@@ -179,4 +179,4 @@ def _owner(name: str, this: str) -> str:
     from vlm_sdk.models.registry import families
     owners = [f.display_name for f in families() if f.name != this and
               name in {s.name for s in f.engine_settings + f.image_settings}]
-    return f": it is a {' / '.join(owners)} setting" if owners else ""
+    return f": it belongs to {' / '.join(owners)}" if owners else ""

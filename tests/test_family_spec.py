@@ -133,3 +133,21 @@ def test_a_new_family_is_one_registry_line(tiny_ckpt, tmp_path, monkeypatch):
     assert ours.engine.memory_report.image_tokens_per_image == p.image_tokens_per_image  # plan == engine
     qwen = LLM(tiny_ckpt, num_blocks=64, max_pixels=28 * 28 * 16, show_progress=False)
     assert ours.chat(conv, params)[0].token_ids == qwen.chat(conv, params)[0].token_ids
+
+
+def test_shared_code_names_no_family():
+    """The engine, planner, server, client, config and multimodal types reach families only through
+    the registry: no family name or family setting appears in their source."""
+    import re
+    from pathlib import Path
+
+    import vlm_sdk
+    root = Path(vlm_sdk.__file__).parent
+    files = [*root.glob("engine/*.py"), *root.glob("multimodal/*.py"), *root.glob("server/*.py"),
+             *(root / n for n in ("plan.py", "plan_report.py", "config.py", "client.py", "llm.py", "async_llm.py"))]
+    words = {s.name for f in registry.families() for s in f.engine_settings + f.image_settings}
+    words |= {f.name for f in registry.families()} | {f.display_name for f in registry.families()}
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(words))) + r")\b", re.IGNORECASE)
+    hits = [f"{p.relative_to(root)}:{i}: {line.strip()}" for p in files
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not hits, "\n".join(hits)

@@ -1,7 +1,7 @@
 """InternVL on the paged KV cache against transformers' InternVLForConditionalGeneration.
 
 Prompts for transformers are built independently (its chat template, GotOcr2ImageProcessorPil for the
-tiles, placeholders expanded by hand: `vlm_sdk.reference.hf_internvl_prompt`); ours come from the
+tiles, placeholders expanded by hand: `vlm_sdk.models.internvl.reference.hf_prompt`); ours come from the
 engine's own processor, so equal prompt ids also check our tiling and expansion.
 """
 from __future__ import annotations

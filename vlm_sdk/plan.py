@@ -55,7 +55,7 @@ _UNITS = MappingProxyType({"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
                            "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
 _ENGINE_OPTIONS = ("memory_utilization", "kv_cache_memory", "num_blocks", "dtype", "block_size", "max_model_len",
                    "max_num_seqs", "max_num_batched_tokens")
-# each registered family's image option (`FamilySpec.plan_setting`), e.g. max_pixels, max_num
+# each registered family's image option (`FamilySpec.plan_setting`)
 FAMILY_OPTIONS = tuple(registry.plan_settings())
 PLAN_OPTIONS = ("device_memory", "device", *_ENGINE_OPTIONS, *FAMILY_OPTIONS, "tp", "prompt_tokens",
                 "output_tokens", "images")
@@ -85,7 +85,7 @@ class Problem:
 class MemoryPlan(MemoryTotals):
     config_path: str
     architecture: str
-    family: str                      # the registered family name, e.g. "qwen2_5_vl"
+    family: str                      # the registered family name (`FamilySpec.name`)
     device: str                      # "cpu", "cuda:0", or "device memory" when --device-memory was given
     dtype: str
     tp: int

@@ -19,8 +19,8 @@ MAX_NUM_LIMIT = 256  # tiles one image may ask for; the published models use at 
 class InternVLSpec(FamilySpec):
     name = "internvl"
     display_name = "InternVL"
-    engine_settings = (Setting("max_dynamic_patch", "InternVL: most 448x448 tiles per image (default: the "
-                                                    "checkpoint's)", maximum=MAX_NUM_LIMIT),)
+    engine_settings = (Setting("max_dynamic_patch", "most 448x448 tiles per image, the thumbnail not counted "
+                                                    "(default: the checkpoint's)", maximum=MAX_NUM_LIMIT),)
     image_settings = (Setting("max_num", "most tiles for this image (the thumbnail not counted)",
                               maximum=MAX_NUM_LIMIT),)
     plan_setting = ("max_num", "max_dynamic_patch")

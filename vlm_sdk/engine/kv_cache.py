@@ -51,7 +51,7 @@ def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_posit
                profiled_peak_bytes: int | None = None, image_setting: str | None = None) -> CacheConfig:
     """The engine's cache: on CUDA the budget is measured now (after the weights are loaded). Raises
     `InvalidRequestError`, naming the numbers and the fix, when not one block fits; `image_setting`
-    (the model family's, e.g. "max_pixels") is the setting that sizes the profiled image."""
+    (the model family's `plan_setting`) is the setting that sizes the profiled image."""
     budget = None
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

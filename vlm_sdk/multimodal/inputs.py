@@ -13,7 +13,7 @@ from vlm_sdk.errors import InvalidRequestError
 class ImageInput:
     """One preprocessed image, opaque to the engine: it hands `data` and `meta` back to the model's
     `encode_images` and counts `num_tokens` and `size`; only the model family reads `meta`."""
-    data: torch.Tensor  # the family's pixels, float32, first dim = `size` (Qwen2.5-VL: patches; InternVL: tiles)
+    data: torch.Tensor  # the family's pixels, float32, first dim = `size` (e.g. patches or tiles)
     num_tokens: int  # image tokens in the prompt
     meta: Any = None  # the family's per-image record (grid, the part's own settings, ...)
     source_size: tuple[int, int] | None = None  # (height, width) as decoded, before resizing
