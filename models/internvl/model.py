@@ -20,7 +20,6 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from vlm_sdk.engine.attention_metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.kernels.ops import KernelOps
 from vlm_sdk.model_loader import ParamSlot, config_from_dict
@@ -100,8 +99,8 @@ class InternVLForCausalLM(DecoderVLM):
         return self.vision(pixels.to(self.decoder.embed_tokens.weight.device, self.dtype))
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """`positions` `[1, N]` (`position_rows` 1): plain RoPE positions."""
+                meta) -> torch.Tensor:
+        """`positions` `[1, N]` (`position_rows` 1): the decoder gets them as plain RoPE positions `[N]`."""
         return super().forward(inputs_embeds, positions[0], kv_caches, meta)
 
     def _vision_parts(self) -> tuple[nn.Module, nn.Module]:
