@@ -18,8 +18,10 @@ class VisionLanguageModel(nn.Module, ABC):
     """A vision tower plus a decoder that runs on the paged KV cache.
 
     Attributes the engine sizes the cache with: `num_layers`, `num_kv_heads`, `head_dim`,
-    `hidden_size`, `vocab_size`.
+    `hidden_size`, `vocab_size`. `position_rows` (1, or 3 for M-RoPE) is the first dim of the
+    positions `forward` takes; `positions()` makes them from the prompt.
     """
+    position_rows: int = 1
 
     num_layers: int
     num_kv_heads: int
@@ -28,10 +30,15 @@ class VisionLanguageModel(nn.Module, ABC):
     vocab_size: int
 
     @abstractmethod
-    def encode_images(self, pixel_values: torch.Tensor,  # [num_patches, patch_dim], images back to back
-                      grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
-        """Image embeddings `[sum of image tokens, hidden_size]`, images in the order given; each image
-        contributes grid_t*grid_h*grid_w/merge^2 rows, in the order its image tokens appear."""
+    def encode_images(self, images: list[ImageInput]) -> torch.Tensor:
+        """Image embeddings `[sum of num_tokens, hidden_size]` in the model's dtype and device, images
+        in the order given, each image's rows in the order its image tokens appear. Reads each image's
+        `data` (float32, moved here) and the family's `meta`."""
+
+    def positions(self, prompt: PromptInputs, start: int, end: int) -> torch.Tensor:
+        """Positions `[position_rows, end - start]` int64 (host) of tokens start..end of a sequence
+        whose prompt is `prompt`; tokens past the prompt are generated ones. Default: 1-D, the index."""
+        return torch.arange(start, end).expand(self.position_rows, -1)
 
     @abstractmethod
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -39,7 +46,7 @@ class VisionLanguageModel(nn.Module, ABC):
 
     @abstractmethod
     def forward(self, inputs_embeds: torch.Tensor,  # [num_tokens, hidden_size]
-                positions: torch.Tensor,  # [3, num_tokens] int64 (M-RoPE t/h/w; text tokens repeat one value)
+                positions: torch.Tensor,  # [position_rows, num_tokens] int64 (from `positions()`)
                 kv_caches: list[KVCache],  # one per decoder layer
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final-norm hidden states `[num_tokens, hidden_size]`. Writes this step's K/V into the cache
@@ -68,8 +75,9 @@ class PromptProcessor(ABC):
     """What the engine needs from a family's prompt builder (`ModelFamily.processor_cls`).
 
     Built once per engine with `from_engine_args(tokenizer, image_processor, hf_config, args)`, which
-    refuses image settings of another family with `InvalidRequestError` naming the setting. The
-    engine sets the plain attribute `max_image_tokens` (its max_model_len) once it is known.
+    checks `args.mm_processor_kwargs` with its family's `engine_options` (another family's setting is
+    refused with `InvalidRequestError` naming it). The engine sets the plain attribute
+    `max_image_tokens` (its max_model_len) once it is known.
     """
 
     max_image_tokens: int | None
@@ -82,7 +90,7 @@ class PromptProcessor(ABC):
     @abstractmethod
     def largest_image(self) -> ImageInput:
         """Zero pixels of the largest image the engine's image settings allow: the CUDA memory profile
-        runs it through `encode_images`, and its first dim caps one vision-tower call."""
+        runs it through `encode_images`, and its `size` caps one vision-tower call."""
 
     @abstractmethod
     def image_setting_fixes(self, prompt: PromptInputs, capacity: int) -> dict[str, int]:

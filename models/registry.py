@@ -1,49 +1,88 @@
-"""config.json `architectures` -> the model family that serves it."""
+"""config.json `architectures` -> the model family that serves it.
+
+One line per family below: its name, the module defining `FAMILY` (a `FamilySpec`), and the
+config.json architectures it serves. Families are imported lazily by module path, so importing the
+registry imports no family; `resolve` imports only the family it returns.
+"""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from vlm_sdk.errors import CheckpointError
-from vlm_sdk.models.base import VisionLanguageModel
+from vlm_sdk.errors import CheckpointError, InvalidRequestError
+from vlm_sdk.models.family import FamilySpec
 
 
 @dataclass(frozen=True)
-class ModelFamily:
+class FamilyEntry:
     name: str  # e.g. "qwen2_5_vl"
-    model_cls: type[VisionLanguageModel]  # model_cls(hf_config, dtype=..., device=...)
+    module: str  # module path defining FAMILY
     architectures: tuple[str, ...]  # config.json names served by this family
-    image_processor_cls: type  # .from_preprocessor_config(preprocessor_config.json as a dict, hf_config)
-    processor_cls: type  # .from_engine_args(tokenizer, image_processor, hf_config, EngineArgs); messages -> PromptInputs
-    text_config: Callable[[Any], Any]  # hf_config -> the language model's config
 
 
-def _families() -> tuple[ModelFamily, ...]:
-    from vlm_sdk.model_loader import text_config
-    from vlm_sdk.models.internvl.image_processor import InternVLImageProcessor
-    from vlm_sdk.models.internvl.model import InternVLForCausalLM
-    from vlm_sdk.models.internvl.processor import InternVLProcessor
-    from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor
-    from vlm_sdk.models.qwen2_5_vl.model import Qwen2_5_VLForCausalLM
-    from vlm_sdk.models.qwen2_5_vl.processor import Qwen2_5_VLProcessor
-    return (
-        ModelFamily("qwen2_5_vl", Qwen2_5_VLForCausalLM, ("Qwen2_5_VLForConditionalGeneration",),
-                    Qwen2VLImageProcessor, Qwen2_5_VLProcessor, text_config),
-        ModelFamily("internvl", InternVLForCausalLM, ("InternVLForConditionalGeneration", "InternVLChatModel"),
-                    InternVLImageProcessor, InternVLProcessor, text_config),
-    )
+FAMILIES = (
+    FamilyEntry("qwen2_5_vl", "vlm_sdk.models.qwen2_5_vl.spec", ("Qwen2_5_VLForConditionalGeneration",)),
+    FamilyEntry("internvl", "vlm_sdk.models.internvl.spec", ("InternVLForConditionalGeneration", "InternVLChatModel")),
+)
+
+
+def load(name: str) -> FamilySpec:
+    """The family registered as `name` (imports its spec module)."""
+    for entry in FAMILIES:
+        if entry.name == name:
+            return importlib.import_module(entry.module).FAMILY
+    raise InvalidRequestError(f"unknown model family {name!r}; registered: {', '.join(family_names())}")
+
+
+def family_names() -> tuple[str, ...]:
+    return tuple(e.name for e in FAMILIES)
+
+
+def families() -> tuple[FamilySpec, ...]:
+    """Every registered family (imports each spec module)."""
+    return tuple(load(e.name) for e in FAMILIES)
 
 
 def supported_architectures() -> list[str]:
-    return [arch for fam in _families() for arch in fam.architectures]
+    return [arch for e in FAMILIES for arch in e.architectures]
 
 
-def resolve(architectures: list[str]) -> ModelFamily:
+def resolve(architectures: list[str]) -> FamilySpec:
     """The family of the first known architecture; `CheckpointError` when none is known."""
-    families = _families()
     for arch in architectures or []:
-        for fam in families:
-            if arch in fam.architectures:
-                return fam
+        for e in FAMILIES:
+            if arch in e.architectures:
+                return load(e.name)
     raise CheckpointError(f"config.json architectures {list(architectures or [])} are not supported; "
                           f"supported: {', '.join(supported_architectures())}")
+
+
+def engine_settings() -> dict[str, Any]:
+    """Setting name -> its `Setting`, over every family's engine settings (the first family to
+    declare a name gives its schema)."""
+    out: dict[str, Any] = {}
+    for fam in families():
+        for s in fam.engine_settings:
+            out.setdefault(s.name, s)
+    return out
+
+
+def plan_settings() -> dict[str, tuple[FamilySpec, str]]:
+    """Plan option -> (family, engine setting) for every family's `plan_setting`."""
+    out: dict[str, tuple[FamilySpec, str]] = {}
+    for fam in families():
+        out.setdefault(fam.plan_setting[0], (fam, fam.plan_setting[1]))
+    return out
+
+
+def engine_args(**kwargs):
+    """`EngineArgs.from_kwargs` with the registered families' engine settings (e.g. `max_pixels=`)
+    routed into `mm_processor_kwargs`, each checked against its schema (positive integer, ...); the
+    checkpoint's family refuses another family's setting when the engine starts."""
+    from vlm_sdk.config import EngineArgs
+    schemas = engine_settings()
+    for name, value in kwargs.items():
+        if name in schemas and value is not None:
+            schemas[name].check(value)
+    return EngineArgs.from_kwargs(family_settings=tuple(schemas), **kwargs)

@@ -121,7 +121,7 @@ def test_finish_frees_waiting_and_running():
 
 def test_image_token_index_follows_prompt():
     from vlm_sdk.multimodal.inputs import ImageInput
-    im = ImageInput(pixel_values=torch.zeros(16, 4), grid_thw=(1, 4, 4), num_tokens=4)
+    im = ImageInput(data=torch.zeros(16, 4), num_tokens=4)
     p = PromptInputs(token_ids=[1] * 12, images=[im, im], image_positions=[2, 8])
     seq = Sequence("x", p, SamplingParams(), _NoDetok())
     assert seq.image_token_index.tolist() == [2, 3, 4, 5, 8, 9, 10, 11]

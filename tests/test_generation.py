@@ -18,7 +18,8 @@ def llm(tiny_ckpt):
 def hf_reference(tiny_ckpt):
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
     from vlm_sdk.model_loader import read_checkpoint
-    from vlm_sdk.reference import hf_greedy, hf_image_processor, hf_prompt
+    from vlm_sdk.models.qwen2_5_vl.reference import hf_image_processor, hf_prompt
+    from vlm_sdk.testing.reference import hf_greedy
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_ckpt)
     proc = hf_image_processor(str(tiny_ckpt))

@@ -14,8 +14,8 @@ from safetensors import safe_open
 
 from vlm_sdk.model_loader import iter_safetensors, read_checkpoint, text_config
 from vlm_sdk.testing import make_bench_checkpoint, make_tiny_checkpoint
-from vlm_sdk.testing_internvl import (INTERNVL_CHATML_TEMPLATE, INTERNVL_HF_CHAT_TEMPLATE, INTERNVL_SPECIAL_TOKENS,
-                                      convert_to_original_layout)
+from vlm_sdk.models.internvl.tiny_checkpoint import (INTERNVL_CHATML_TEMPLATE, INTERNVL_HF_CHAT_TEMPLATE,
+                                                     INTERNVL_SPECIAL_TOKENS, convert_to_original_layout)
 from vlm_sdk.models.internvl.model import hf_canonical_name
 
 HEADS, KV_HEADS, HIDDEN, HEAD_DIM = 4, 2, 64, 16

@@ -62,14 +62,14 @@ def test_placeholder_counts_must_match(llm):
 def test_per_image_max_num_and_engine_max_dynamic_patch(internvl_ckpt, llm):
     wide = image(900, 300, 4)  # aspect 3: a 3x1 grid when allowed
     default = llm.engine.build_prompt(_ask(wide))
-    assert default.images[0].grid_thw == (4, 1, 1)  # 3 tiles + thumbnail (checkpoint max_num 6)
+    assert default.images[0].meta.tiles == 4  # 3 tiles + thumbnail (checkpoint max_num 6)
     own = llm.engine.build_prompt(_ask(wide, max_num=1))
-    assert own.images[0].grid_thw == (1, 1, 1) and own.image_tokens == [256]
+    assert own.images[0].meta.tiles == 1 and own.image_tokens == [256]
     capped = LLM(internvl_ckpt, max_dynamic_patch=2, show_progress=False)
-    assert capped.engine.build_prompt(_ask(wide)).images[0].grid_thw == (3, 1, 1)
-    assert capped.engine.build_prompt(_ask(wide, max_num=6)).images[0].grid_thw == (4, 1, 1)  # the part wins
+    assert capped.engine.build_prompt(_ask(wide)).images[0].meta.tiles == 3
+    assert capped.engine.build_prompt(_ask(wide, max_num=6)).images[0].meta.tiles == 4  # the part wins
     largest = capped.engine.processor.largest_image()
-    assert tuple(largest.pixel_values.shape) == (3, 3, 448, 448)
+    assert tuple(largest.data.shape) == (3, 3, 448, 448) and largest.size == 3
     assert capped.engine.runner.max_vision_patches == 3
 
 

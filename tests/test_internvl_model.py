@@ -1,7 +1,7 @@
 """InternVL on the paged KV cache against transformers' InternVLForConditionalGeneration.
 
 Prompts for transformers are built independently (its chat template, GotOcr2ImageProcessorPil for the
-tiles, placeholders expanded by hand: `vlm_sdk.reference.hf_internvl_prompt`); ours come from the
+tiles, placeholders expanded by hand: `vlm_sdk.models.internvl.reference.hf_prompt`); ours come from the
 engine's own processor, so equal prompt ids also check our tiling and expansion.
 """
 from __future__ import annotations
@@ -16,7 +16,9 @@ from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
 from vlm_sdk.models.internvl.model import InternVLForCausalLM
+from vlm_sdk.models.internvl.processor import InternVLImage
 from vlm_sdk.models.registry import resolve
+from vlm_sdk.multimodal.inputs import ImageInput
 
 MAX_TOKENS = 12
 ATOL = 1e-4
@@ -42,18 +44,18 @@ class Oracle:
 
     def __init__(self, ckpt):
         from transformers import AutoTokenizer, InternVLForConditionalGeneration
-        from vlm_sdk.reference import hf_internvl_image_processor
+        from vlm_sdk.models.internvl.reference import hf_image_processor
         self.model = InternVLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(ckpt)
-        self.image_processor = hf_internvl_image_processor(str(ckpt))
+        self.image_processor = hf_image_processor(str(ckpt))
         self.eos = read_checkpoint(ckpt).eos_token_ids
 
     def prompt(self, conv) -> dict:
-        from vlm_sdk.reference import hf_internvl_prompt
-        return hf_internvl_prompt(self.tokenizer, self.image_processor, self.model.config, conv)
+        from vlm_sdk.models.internvl.reference import hf_prompt
+        return hf_prompt(self.tokenizer, self.image_processor, self.model.config, conv)
 
     def greedy(self, conv) -> tuple[list[int], list[int]]:
-        from vlm_sdk.reference import hf_greedy
+        from vlm_sdk.testing.reference import hf_greedy
         inputs = self.prompt(conv)
         inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
         return inputs["input_ids"][0].tolist(), hf_greedy(self.model, inputs, MAX_TOKENS, self.eos)[0]
@@ -100,8 +102,10 @@ def prefill_logits(model: InternVLForCausalLM, ids: torch.Tensor,  # [L]
     meta = model.decoder.ops.attention.prepare(meta, caches[0][0])  # once per step, as the runner does
     embeds = model.embed_tokens(ids)  # [L, hidden]
     if pixel_values is not None:
-        embeds[ids == image_token_id] = model.encode_images(pixel_values, [(pixel_values.shape[0], 1, 1)])
-    hidden = model(embeds, torch.arange(n).expand(3, -1), caches, meta)  # [L, hidden]
+        tiles = pixel_values.shape[0]
+        image = ImageInput(pixel_values, tiles * 256, InternVLImage(tiles))  # the tiny config: 256 tokens per tile
+        embeds[ids == image_token_id] = model.encode_images([image])
+    hidden = model(embeds, torch.arange(n).expand(model.position_rows, -1), caches, meta)  # [L, hidden]
     return model.compute_logits(hidden)
 
 
@@ -126,10 +130,10 @@ def test_greedy_alone_equals_transformers(llm, reference, name):
 
 def test_several_tiles_per_image(llm, reference):
     prompt = llm.engine.build_prompt(conversations()["one_image"])
-    assert [im.grid_thw for im in prompt.images] == [(3, 1, 1)]
+    assert [im.meta.tiles for im in prompt.images] == [3] and [im.size for im in prompt.images] == [3]
     assert prompt.image_tokens == [3 * 256]
     two = llm.engine.build_prompt(conversations()["two_images"])
-    assert [im.grid_thw[0] for im in two.images] == [3, 1]
+    assert [im.meta.tiles for im in two.images] == [3, 1]
 
 
 def test_greedy_batched_equals_transformers(llm, reference):

@@ -233,8 +233,8 @@ def test_allowed_domain_fetch_returns_exact_bytes_and_keeps_fields(srv):
     assert parts[3] == {"type": "image_url", "image_url": PNG}
     assert out[0] == before[0]
     _, images = parse_messages(out)
-    assert [(i.source, i.min_pixels, i.max_pixels) for i in images] == [
-        (PNG, 64, 4096), (PNG, 128, 9999), (PNG, None, None)]
+    assert [(i.source, dict(i.options)) for i in images] == [
+        (PNG, {"max_pixels": 4096, "min_pixels": 64}), (PNG, {"min_pixels": 128, "max_pixels": 9999}), (PNG, {})]
     assert srv.seen == ["/img.png"] * 3
 
 

@@ -44,12 +44,12 @@ def theirs():
 
 
 def _assert_parity(mine, reference) -> None:
-    assert mine.pixel_values.dtype == torch.float32
-    assert list(mine.grid_thw) == reference["image_grid_thw"][0].tolist()
-    assert mine.pixel_values.shape == reference["pixel_values"].shape
-    diff = (mine.pixel_values - reference["pixel_values"]).abs().max().item()
+    assert mine.data.dtype == torch.float32
+    assert list(mine.meta.grid_thw) == reference["image_grid_thw"][0].tolist()
+    assert mine.data.shape == reference["pixel_values"].shape
+    diff = (mine.data - reference["pixel_values"]).abs().max().item()
     assert diff <= TOL
-    t, gh, gw = mine.grid_thw
+    t, gh, gw = mine.meta.grid_thw
     assert mine.num_tokens == t * gh * gw // 4
 
 
@@ -98,7 +98,7 @@ def test_exif_rotated_jpeg(ours, theirs, tmp_path):
     reference = theirs(ImageOps.exif_transpose(Image.open(path)), return_tensors="pt")
     mine = ours(loaded)
     _assert_parity(mine, reference)
-    assert mine.grid_thw == (1, 22, 36) and ours(raw).grid_thw == (1, 36, 22)
+    assert mine.meta.grid_thw == (1, 22, 36) and ours(raw).meta.grid_thw == (1, 36, 22)
 
 
 def test_both_config_layouts_give_the_same_processor(theirs, tmp_path):
@@ -120,7 +120,7 @@ def test_both_config_layouts_give_the_same_processor(theirs, tmp_path):
     assert (a.min_pixels, a.max_pixels) == (1000, 200_000)
     image = Image.fromarray(_content(600, 800, seed=9))
     _assert_parity(b(image), reference(image, return_tensors="pt"))
-    assert torch.equal(a(image).pixel_values, b(image).pixel_values)
+    assert torch.equal(a(image).data, b(image).data)
     assert Qwen2VLImageProcessor.from_preprocessor_config({}).max_pixels == MAX_PIXELS
 
 
@@ -135,7 +135,7 @@ def test_per_call_pixel_bounds_match_transformers_size(ours, theirs):
     for lo, hi in ((MIN_PIXELS, 100_000), (300_000, 400_000), (28 * 28, 2 * 28 * 28)):
         mine = ours(image, min_pixels=lo, max_pixels=hi)
         _assert_parity(mine, theirs(image, size={"shortest_edge": lo, "longest_edge": hi}, return_tensors="pt"))
-        assert mine.grid_thw != default.grid_thw
+        assert mine.meta.grid_thw != default.meta.grid_thw
         assert mine.num_tokens == ours.num_image_tokens(900, 1200, min_pixels=lo, max_pixels=hi)
     small = Image.fromarray(_content(40, 50, seed=11))
     mine = ours(small, min_pixels=200_000)  # min_pixels alone upsizes; max_pixels keeps its default

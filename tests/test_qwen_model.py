@@ -9,8 +9,10 @@ from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
 from vlm_sdk.models.qwen2_5_vl.model import Qwen2_5_VLForCausalLM
+from vlm_sdk.models.qwen2_5_vl.image_processor import QwenImage
 from vlm_sdk.models.qwen2_5_vl.rope_index import mrope_positions
 from vlm_sdk.models.registry import resolve
+from vlm_sdk.multimodal.inputs import ImageInput
 from vlm_sdk.testing import make_tiny_checkpoint
 
 BLOCK = 16
@@ -58,6 +60,12 @@ def pixels(grids, seed: int) -> torch.Tensor:
     return torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 14 * 14, generator=g)
 
 
+def images(pixel_values: torch.Tensor, grids) -> list[ImageInput]:
+    """`pixel_values` of `grids`, back to back, as the model's image inputs (merge 2)."""
+    parts = pixel_values.split([t * h * w for t, h, w in grids])
+    return [ImageInput(p, t * h * w // 4, QwenImage(g)) for p, g in zip(parts, grids) for t, h, w in [g]]
+
+
 class Seq:
     """One prompt prepared for our model: embeddings, M-RoPE positions, the HF reference inputs."""
 
@@ -68,7 +76,7 @@ class Seq:
         with torch.no_grad():
             embeds = model.embed_tokens(torch.tensor(ids))
             if grids:
-                embeds[torch.tensor(ids) == model.image_token_id] = model.encode_images(self.pixel_values, grids)
+                embeds[torch.tensor(ids) == model.image_token_id] = model.encode_images(images(self.pixel_values, grids))
         self.embeds = embeds
 
     def hf_kwargs(self) -> dict:
@@ -194,21 +202,21 @@ def test_encode_images_matches_hf_visual(models):
     pv = pixels(grids, seed=3)
     with torch.no_grad():
         ref = hf.model.visual(pv, grid_thw=torch.tensor(grids)).pooler_output
-        got = ours.encode_images(pv, grids)
+        got = ours.encode_images(images(pv, grids))
     assert got.shape == (24 + 32 + 4, ours.hidden_size)
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
     # an image alone gives its own rows of the packed output
     with torch.no_grad():
-        alone = ours.encode_images(pv[96:96 + 128], [GRID_B])
+        alone = ours.encode_images(images(pv[96:96 + 128], [GRID_B]))
     torch.testing.assert_close(alone, got[24:56], atol=ATOL, rtol=0)
 
 
 def test_encode_images_rejects_bad_input(models):
     _, ours, _ = models
     with pytest.raises(ValueError, match="pixel_values"):
-        ours.encode_images(pixels([GRID_A], 0)[:-1], [GRID_A])
+        ours.encode_images([ImageInput(pixels([GRID_A], 0)[:-1], 24, QwenImage(GRID_A))])
     with pytest.raises(ValueError, match="multiples of 2"):
-        ours.encode_images(pixels([(1, 3, 4)], 0), [(1, 3, 4)])
+        ours.encode_images([ImageInput(pixels([(1, 3, 4)], 0), 3, QwenImage((1, 3, 4)))])
 
 
 def test_load_weights_errors(models):

@@ -23,7 +23,8 @@ from vlm_sdk.engine.scheduler import SchedulerOutput
 from vlm_sdk.errors import InputTooLongError, InvalidImageError, InvalidRequestError
 from vlm_sdk.model_loader import _safetensors_files, iter_safetensors, read_checkpoint
 from vlm_sdk.layers import activation
-from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor
+from vlm_sdk.models.qwen2_5_vl import fixes, vision
+from vlm_sdk.models.qwen2_5_vl.image_processor import QwenImage, Qwen2VLImageProcessor
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 from vlm_sdk.testing import make_tiny_checkpoint
 
@@ -98,9 +99,9 @@ def test_min_above_max_names_where_each_came_from(limited):
 
 def test_own_min_pixels_is_recorded(limited):
     prompt = limited.engine.build_prompt(_one(image(100, 100, 1), min_pixels=28 * 28 * 16))
-    assert prompt.images[0].own_min_pixels == 28 * 28 * 16 and not prompt.images[0].own_max_pixels
+    assert prompt.images[0].meta.own_min_pixels == 28 * 28 * 16 and not prompt.images[0].meta.own_max_pixels
     plain = limited.engine.build_prompt(_one(image(100, 100, 1)))
-    assert plain.images[0].own_min_pixels is None
+    assert plain.images[0].meta.own_min_pixels is None
     # the what-if count uses each image's own min_pixels: at the current max_pixels it is the real count
     at = limited.engine.processor.image_tokens_with_max_pixels
     assert at(prompt, limited.engine.image_processor.max_pixels) == prompt.image_tokens
@@ -144,30 +145,30 @@ def test_max_pixels_fix_works_with_a_mix_of_images(tiny_ckpt):
 
 
 def test_largest_max_pixels_never_returns_its_cap_or_the_current_value():
-    assert capacity._largest_max_pixels(lambda v: 10, 50, 3136, 28) is None  # fits everywhere: not the limit
-    assert capacity._largest_max_pixels(lambda v: 100, 50, 3136, 28) is None  # fits nowhere
+    assert fixes.largest_max_pixels(lambda v: 10, 50, 3136, 28) is None  # fits everywhere: not the limit
+    assert fixes.largest_max_pixels(lambda v: 100, 50, 3136, 28) is None  # fits nowhere
     tokens = lambda v: v // 784  # noqa: E731
-    assert capacity._largest_max_pixels(tokens, 50, 3136, 28) == 50 * 784
-    assert capacity._largest_max_pixels(tokens, 50, 3136, 28, below=40 * 784) == 39 * 784
-    assert capacity._largest_max_pixels(tokens, 50, 3136, 28, below=4 * 784) is None
+    assert fixes.largest_max_pixels(tokens, 50, 3136, 28) == 50 * 784
+    assert fixes.largest_max_pixels(tokens, 50, 3136, 28, below=40 * 784) == 39 * 784
+    assert fixes.largest_max_pixels(tokens, 50, 3136, 28, below=4 * 784) is None
 
 
 def test_check_prompt_fits_offers_max_pixels_only_below_the_current():
-    img = ImageInput(torch.zeros(1, 1), (1, 2, 2), 60, source_size=(500, 500))
+    img = ImageInput(torch.zeros(1, 1), 60, QwenImage((1, 2, 2)), source_size=(500, 500))
     prompt = PromptInputs(token_ids=[0] * 70, images=[img], image_positions=[0])
     cache = CacheConfig(16, 4, 1000, "test")
     sched = SchedulerConfig(8, 64, 64, "the KV cache capacity")
-    def fixes(max_pixels):
+    def setting_fixes(max_pixels):
         def image_setting_fixes(p, capacity_tokens):
-            best = capacity.max_pixels_fix(p, capacity_tokens, lambda p, v: [10], 3136, 28, max_pixels)
+            best = fixes.max_pixels_fix(p, capacity_tokens, lambda p, v: [10], 3136, 28, max_pixels)
             return {} if best is None else {"max_pixels": best}
         return image_setting_fixes
 
     with pytest.raises(InputTooLongError) as info:  # the what-if count claims it fits at the cap
-        capacity.check_prompt_fits(prompt, cache, sched, 4096, False, fixes(200_704))
+        capacity.check_prompt_fits(prompt, cache, sched, 4096, False, setting_fixes(200_704))
     assert info.value.fixes["max_pixels"] < 200_704
     with pytest.raises(InputTooLongError) as info:  # same without the current value: the cap is no fix
-        capacity.check_prompt_fits(prompt, cache, sched, 4096, False, fixes(None))
+        capacity.check_prompt_fits(prompt, cache, sched, 4096, False, setting_fixes(None))
     assert "max_pixels" not in info.value.fixes
 
 
@@ -243,9 +244,9 @@ def test_grouped_encoding_matches_one_call(tiny_ckpt):
     calls = []
     encode = runner.model.encode_images
 
-    def counting(pixels, grids):
-        calls.append(len(grids))
-        return encode(pixels, grids)
+    def counting(images):
+        calls.append(len(images))
+        return encode(images)
 
     def embeds(limit):
         seqs = [SimpleNamespace(prompt=p, image_embeds=None) for p in prompts]
@@ -258,7 +259,7 @@ def test_grouped_encoding_matches_one_call(tiny_ckpt):
     try:
         whole, whole_calls = embeds(None)
         alone, alone_calls = embeds(1)  # every image in its own call
-        first_two = sum(im.pixel_values.shape[0] for im in prompts[0].images)
+        first_two = sum(im.size for im in prompts[0].images)
         pairs, pair_calls = embeds(first_two)
     finally:
         runner.max_vision_patches = None
@@ -297,7 +298,7 @@ def test_no_room_error_gives_the_memory_utilization_that_fits(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 45 * 2**30)
     args = EngineArgs(memory_utilization=0.7)
     with pytest.raises(InvalidRequestError) as info:
-        plan_cache(args, per_block, torch.device("cuda"), 10**6, peak)
+        plan_cache(args, per_block, torch.device("cuda"), 10**6, peak, image_setting="max_pixels")
     need = DeviceBudget(total, total - free, peak).utilization_for(per_block)
     assert need == 0.76
     msg = str(info.value)

@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from vlm_sdk.config import EngineArgs
 from vlm_sdk.engine.llm_engine import LLMEngine
 from vlm_sdk.errors import EngineDeadError, InvalidRequestError
+from vlm_sdk.models.registry import engine_args as make_engine_args
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.outputs import RequestOutput
 from vlm_sdk.sampling_params import SamplingParams
@@ -48,7 +48,7 @@ class _Stream:
 
 class AsyncLLM:
     def __init__(self, model: str, **engine_args):
-        self.engine = LLMEngine(str(model), EngineArgs.from_kwargs(**engine_args))
+        self.engine = LLMEngine(str(model), make_engine_args(**engine_args))
         self._commands: queue.Queue = queue.Queue()
         # keyed by a unique engine id, so a reused user id never receives an older request's outputs
         self._streams: dict[str, _Stream] = {}

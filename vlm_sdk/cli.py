@@ -12,9 +12,9 @@ import time
 
 from vlm_sdk.demo_checkpoint import tiny_model_dir
 from vlm_sdk.errors import VLMError
+from vlm_sdk.models import registry
 
-
-FAMILIES = ("qwen2_5_vl", "internvl")
+FAMILIES = registry.family_names()  # --family choices; the first is the default
 
 
 async def _chat_remote(args) -> int:
@@ -44,7 +44,7 @@ async def _chat(args) -> int:
     model = args.model
     if model is None:
         model = str(tiny_model_dir(family=args.family))
-        name = {"qwen2_5_vl": "Qwen2.5-VL", "internvl": "InternVL"}[args.family]
+        name = registry.load(args.family).display_name
         print(f"[vlm-sdk] no --model given: using a tiny {name}-shaped checkpoint with RANDOM weights at "
               f"{model}; its answer is gibberish. Pass --model /path/to/{name} for a real one.",
               file=sys.stderr)
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("question")
     chat.add_argument("--model", help="HF-format checkpoint directory (default: a tiny random one); with "
                       "--url, the served model name (default: the server's first)")
-    chat.add_argument("--family", choices=FAMILIES, default="qwen2_5_vl",
+    chat.add_argument("--family", choices=FAMILIES, default=FAMILIES[0],
                       help="shape of the built-in random checkpoint used without --model")
     chat.add_argument("--url", help="ask a running server (http://host:port) instead of loading a model")
     chat.add_argument("--api-key", default=os.environ.get("VLM_SDK_API_KEY"), help="with --url: bearer token "
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--device", default=None)
     bench = sub.add_parser("bench", help="our engine vs transformers generate on the same checkpoint")
     bench.add_argument("--model", help="checkpoint (default: a ~100M-parameter random one of --family)")
-    bench.add_argument("--family", choices=FAMILIES, default="qwen2_5_vl",
+    bench.add_argument("--family", choices=FAMILIES, default=FAMILIES[0],
                        help="shape of the default benchmark checkpoint (ignored with --model)")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--num-requests", type=int, default=16)

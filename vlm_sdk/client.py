@@ -6,8 +6,8 @@
             print(delta.text, end="")
 
 Messages are the ones the Python API takes: local images (`PIL.Image`, a path, raw bytes, a
-`file://` URL) are sent as base64 data URLs in OpenAI `image_url` parts, with their `min_pixels` /
-`max_pixels`; `http(s)://` and `data:` URLs pass through untouched. Failures are typed: an HTTP error
+`file://` URL) are sent as base64 data URLs in OpenAI `image_url` parts, with their per-image options
+(the part's other keys); `http(s)://` and `data:` URLs pass through untouched. Failures are typed: an HTTP error
 raises the `APIError` subclass of its status, a connection failure or timeout `APIConnectionError`.
 Importing this module does not import torch.
 """
@@ -311,9 +311,6 @@ def _is_pil(obj: Any) -> bool:
     return pil is not None and isinstance(obj, pil.Image)
 
 
-_IMAGE_SIZING = ("min_pixels", "max_pixels", "max_num")  # per-image fields, sent inside image_url
-
-
 def _is_local(src: Any) -> bool:
     if isinstance(src, str):
         return not src[:8].lower().startswith(("data:", "http://", "https://"))
@@ -322,8 +319,8 @@ def _is_local(src: Any) -> bool:
 
 def encode_messages(messages: list[dict]) -> list[dict]:
     """A copy of `messages` with every image part as an OpenAI `image_url` part whose URL is a data
-    URL (local images) or the URL given (http(s), data). Per-image `min_pixels`, `max_pixels`, `max_num`, on
-    the part or inside `image_url`, end up inside `image_url`. Blocking: call it off the event loop."""
+    URL (local images) or the URL given (http(s), data). The part's other keys (per-image options of
+    the model family, e.g. a size bound) end up inside `image_url`. Blocking: call it off the event loop."""
     out = []
     for msg in messages:
         content = msg.get("content") if isinstance(msg, dict) else None
@@ -343,12 +340,9 @@ def _encode_part(part: Any) -> Any:
         url = part.get("image_url")
         inner = dict(url) if isinstance(url, dict) else {}
         src = inner.get("url") if isinstance(url, dict) else url
-    for key in _IMAGE_SIZING:
-        if part.get(key) is not None:
-            inner[key] = part[key]
-    rest = {k: v for k, v in part.items() if k not in ("type", "image", "image_url", *_IMAGE_SIZING)}
+    inner.update({k: v for k, v in part.items() if k not in ("type", "image", "image_url") and v is not None})
     inner["url"] = to_data_url(src) if _is_local(src) else src
-    return {"type": "image_url", "image_url": inner, **rest}
+    return {"type": "image_url", "image_url": inner}
 
 
 def to_data_url(src: Any) -> str:

@@ -2,8 +2,9 @@
 frozen configs whose every number is final (no "auto" left)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
+from typing import Any, Collection, Mapping
 
 import torch
 
@@ -31,9 +32,9 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
-    min_pixels: int | None = None  # per image default; an image part's own value wins
-    max_pixels: int | None = None
-    max_dynamic_patch: int | None = None  # InternVL: most tiles per image (default: the checkpoint's)
+    # the model family's engine settings (its `FamilySpec.engine_settings`, e.g. an image size bound),
+    # checked by the family when the engine starts; an image part's own options win over them
+    mm_processor_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     max_image_pixels: int = 64_000_000  # refuse decoding anything larger (decompression bombs)
     seed: int = 0
     show_progress: bool = True
@@ -42,12 +43,18 @@ class EngineArgs:
     preemption_warning_per_minute: int = 10  # log a warning when preemptions in 60 s exceed this
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+    def from_kwargs(cls, family_settings: Collection[str] = (), **kwargs) -> "EngineArgs":
+        """`family_settings`: the names model families declare (`vlm_sdk.models.registry.engine_args`
+        passes them); such keywords go into `mm_processor_kwargs`."""
         known = {f.name for f in fields(cls)}
+        routed = {k: kwargs.pop(k) for k in list(kwargs) if k in family_settings and k not in known}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise UnknownArgumentError(f"unknown engine argument(s) {unknown}; accepted: {sorted(known)}")
-        args = cls(**kwargs)
+            raise UnknownArgumentError(f"unknown engine argument(s) {unknown}; accepted: "
+                                       f"{sorted(known | set(family_settings))}")
+        options = {**dict(kwargs.pop("mm_processor_kwargs", None) or {}),
+                   **{k: v for k, v in routed.items() if v is not None}}
+        args = cls(mm_processor_kwargs=MappingProxyType(options), **kwargs)
         args.validate()
         return args
 
@@ -57,14 +64,13 @@ class EngineArgs:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
         for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs",
-                     "max_num_batched_tokens", "min_pixels", "max_pixels", "max_dynamic_patch",
-                     "max_image_pixels", "preemption_warning_per_minute"):
+                     "max_num_batched_tokens", "max_image_pixels", "preemption_warning_per_minute"):
             positive(name)
         if not isinstance(self.memory_utilization, (int, float)) or isinstance(self.memory_utilization, bool) \
                 or not 0.0 < self.memory_utilization <= 1.0:
             raise InvalidRequestError(f"memory_utilization must be a number in (0, 1], got {self.memory_utilization!r}")
-        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
-            raise InvalidRequestError(f"min_pixels ({self.min_pixels}) must not exceed max_pixels ({self.max_pixels})")
+        if not isinstance(self.mm_processor_kwargs, Mapping):
+            raise InvalidRequestError(f"mm_processor_kwargs must be a mapping, got {self.mm_processor_kwargs!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

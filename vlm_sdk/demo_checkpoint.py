@@ -12,10 +12,13 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def tiny_model_dir(kind: str = "tiny", family: str = "qwen2_5_vl") -> Path:
+def tiny_model_dir(kind: str = "tiny", family: str | None = None) -> Path:
     """The random-weight checkpoint used when no model is given ("tiny", or "bench" ~100M), made once.
-    Built in a temporary directory and renamed into place, so a half-written one is never used."""
+    `family` defaults to the first registered one. Built in a temporary directory and renamed into place,
+    so a half-written one is never used."""
+    from vlm_sdk.models import registry
     from vlm_sdk.testing import make_bench_checkpoint, make_tiny_checkpoint
+    family = family or registry.family_names()[0]
     path = cache_dir() / f"{kind}-{family}"
     if not (path / "config.json").exists():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Sequence as Seq
 
-from vlm_sdk.config import EngineArgs
 from vlm_sdk.engine.llm_engine import LLMEngine
 from vlm_sdk.errors import InputTooLongError, InvalidRequestError, VLMError
+from vlm_sdk.models.registry import engine_args as make_engine_args
 from vlm_sdk.outputs import RequestOutput
 from vlm_sdk.sampling_params import SamplingParams
 
@@ -14,7 +14,7 @@ class LLM:
     """`LLM(model_dir, **engine_args)`; see `EngineArgs` for the settings."""
 
     def __init__(self, model: str, **engine_args):
-        self.engine = LLMEngine(str(model), EngineArgs.from_kwargs(**engine_args))
+        self.engine = LLMEngine(str(model), make_engine_args(**engine_args))
 
     def chat(self, conversations, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              ) -> list[RequestOutput]:

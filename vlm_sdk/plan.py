@@ -21,8 +21,10 @@ The activation peak is an ESTIMATE (the engine measures it on CUDA with a profil
     language model: tokens * (4 * hidden + 2 * intermediate / tp + qkv width / tp) * dtype bytes
                     + logits max_num_seqs * vocab * 4 bytes (float32),
                     tokens = min(max_num_batched_tokens, max_position_embeddings)
-    vision tower:   patches of the largest allowed image * (4 * vision hidden + 2 * vision intermediate)
-                    * dtype bytes (attention runs in fused kernels: no patches x patches scores)
+    vision tower:   vision rows (patches / tile patches) of the largest allowed image
+                    * (4 * vision hidden + 2 * vision intermediate) * dtype bytes (attention runs in
+                    fused kernels: no patches x patches scores); the family's hooks give the image
+                    (`FamilySpec.image_limits`) and the widths (`vision_activation_widths`)
     peak = max(language model, vision tower): the vision tower's buffers are freed before the LM runs.
 With --device-memory the CUDA context (~0.5 GiB) and other processes are not counted: the engine,
 which measures them, gets slightly fewer blocks.
@@ -33,27 +35,30 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
 from vlm_sdk.config import DTYPES, DeviceBudget, EngineArgs
 from vlm_sdk.engine.block_manager import blocks_needed
-from vlm_sdk.engine.capacity import _largest_max_pixels, max_model_len_fixes
+from vlm_sdk.engine.capacity import max_model_len_fixes
 from vlm_sdk.engine.kv_cache import bytes_per_block, size_cache
 from vlm_sdk.engine.memory_report import MemoryTotals, weight_bytes
 from vlm_sdk.engine.profiler import profile_num_tokens
 from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
 from vlm_sdk.model_loader import read_config
-from vlm_sdk.models.registry import resolve
+from vlm_sdk.models import registry
 
 __all__ = ["MemoryPlan", "PLAN_OPTIONS", "Problem", "plan", "parse_bytes"]
 
 _UNITS = MappingProxyType({"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                            "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
-PLAN_OPTIONS = ("device_memory", "device", "memory_utilization", "kv_cache_memory", "num_blocks", "dtype",
-            "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_pixels", "max_num",
-            "tp", "prompt_tokens", "output_tokens", "images")
+_ENGINE_OPTIONS = ("memory_utilization", "kv_cache_memory", "num_blocks", "dtype", "block_size", "max_model_len",
+                   "max_num_seqs", "max_num_batched_tokens")
+# each registered family's image option (`FamilySpec.plan_setting`)
+FAMILY_OPTIONS = tuple(registry.plan_settings())
+PLAN_OPTIONS = ("device_memory", "device", *_ENGINE_OPTIONS, *FAMILY_OPTIONS, "tp", "prompt_tokens",
+                "output_tokens", "images")
 
 
 def parse_bytes(value: int | str, name: str = "device_memory") -> int:
@@ -80,7 +85,7 @@ class Problem:
 class MemoryPlan(MemoryTotals):
     config_path: str
     architecture: str
-    family: str                      # "qwen2_5_vl" | "internvl"
+    family: str                      # the registered family name (`FamilySpec.name`)
     device: str                      # "cpu", "cuda:0", or "device memory" when --device-memory was given
     dtype: str
     tp: int
@@ -145,20 +150,22 @@ class MemoryPlan(MemoryTotals):
 
 
 def plan(config_path_or_dir, **options) -> MemoryPlan:
-    """The memory plan of a Qwen2.5-VL or InternVL config (a directory or the config.json file).
+    """The memory plan of a config of any registered family (a directory or the config.json file).
     Options (all optional): device_memory (bytes or "80GiB") or device ("cpu", "cuda:N": read its
     total), memory_utilization, kv_cache_memory, num_blocks, dtype, block_size, max_model_len,
-    max_num_seqs, max_num_batched_tokens, max_pixels (Qwen), max_num (InternVL tiles), tp, and a
-    workload prompt_tokens (text) / output_tokens / images per request. `InvalidRequestError` for a
+    max_num_seqs, max_num_batched_tokens, the family's image option (`FAMILY_OPTIONS`: the one its
+    `plan_setting` names), tp, and a workload prompt_tokens (text) / output_tokens / images per request. `InvalidRequestError` for a
     bad option, `CheckpointError` for a config the engine could not serve either."""
     unknown = sorted(set(options) - set(PLAN_OPTIONS))
     if unknown:
         raise UnknownArgumentError(f"unknown plan option(s) {unknown}; accepted: {sorted(PLAN_OPTIONS)}")
     o = dict.fromkeys(PLAN_OPTIONS) | {k: v for k, v in options.items() if v is not None}
-    engine_fields = ("memory_utilization", "kv_cache_memory", "num_blocks", "dtype", "block_size",
-                     "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_pixels")
-    args = EngineArgs.from_kwargs(**{k: o[k] for k in engine_fields if o[k] is not None},
-                                  **({} if o["max_num"] is None else {"max_dynamic_patch": o["max_num"]}))
+    args = EngineArgs.from_kwargs(**{k: o[k] for k in _ENGINE_OPTIONS if o[k] is not None})
+    plan_settings = registry.plan_settings()
+    for name, (fam, setting) in plan_settings.items():
+        if o[name] is not None:  # checked by the declaring family's schema, under the plan option's name
+            schema = next(s for s in fam.engine_settings if s.name == setting)
+            dataclasses.replace(schema, name=name).check(o[name])
     for name in ("tp", "prompt_tokens", "output_tokens", "images"):
         v = o[name]
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "tp" else 0)):
@@ -167,12 +174,13 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     tp = o["tp"] or 1
 
     info = read_config(config_path_or_dir)
-    family = resolve([info.architecture])
-    other = {"qwen2_5_vl": "max_num", "internvl": "max_pixels"}[family.name]
-    if o[other] is not None:
-        setting = "max_pixels" if other == "max_num" else "max_num"
-        raise InvalidRequestError(f"--{other.replace('_', '-')} is a setting of the other model family; this "
-                                  f"config is {info.architecture}: use --{setting.replace('_', '-')}", param=other)
+    family = registry.resolve([info.architecture])
+    option, setting = family.plan_setting
+    for other in plan_settings:
+        if other != option and o[other] is not None:
+            raise InvalidRequestError(f"--{_flag(other)} is not a setting of {family.display_name} (this config is "
+                                      f"{info.architecture}): use --{_flag(option)}", param=other)
+    family_options = {} if o[option] is None else {setting: o[option]}
 
     # device: the engine's default when neither is given (CUDA when available, else the CPU)
     device_memory, other_use = None, 0
@@ -198,8 +206,9 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     max_pos = int(family.text_config(info.hf_config).max_position_embeddings)
 
     weights = weight_bytes(model, tp)
-    image = _largest_image(family.name, info, model, args)
-    act_lm, act_vision = _activations(info.hf_config, model, family.name, image.patches, args, max_pos, dtype, tp)
+    image = family.image_limits(info.preprocessor, info.hf_config, model, family_options)
+    act_lm, act_vision = _activations(model, family.vision_activation_widths(info.hf_config, model), image.patches,
+                                      args, max_pos, dtype, tp)
     peak = max(act_lm, act_vision)
 
     # the engine's own sizing rules, on the memory it would find after loading the weights
@@ -297,82 +306,16 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
         max_concurrent_requests=concurrent, problems=tuple(problems), notes=tuple(notes))
 
 
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
 def _flags(fixes: Mapping[str, int | float], sep: str) -> str:
-    return sep.join(f"--{k.replace('_', '-')} {v}" for k, v in fixes.items())
+    return sep.join(f"--{_flag(k)} {v}" for k, v in fixes.items())
 
 
-@dataclass(frozen=True)
-class _Image:
-    """An image size the settings allow: its tokens and vision patches, in words; `value` is the
-    image setting (max_pixels / max_num) that makes it the largest."""
-    tokens: int
-    patches: int
-    text: str
-    value: int | None
-
-
-@dataclass(frozen=True)
-class _ImageLimits:
-    setting: str  # "max_pixels" (Qwen2.5-VL) | "max_num" (InternVL)
-    largest: _Image  # under the settings in effect
-    at: Callable[[int], _Image]  # the largest image under setting value v
-    candidates: Callable[[int], int | None]  # the largest setting value below the one in effect whose image fits
-
-    @property
-    def tokens(self) -> int:
-        return self.largest.tokens
-
-    @property
-    def patches(self) -> int:
-        return self.largest.patches
-
-    @property
-    def text(self) -> str:
-        return self.largest.text
-
-    def fitting(self, limit: int) -> _Image | None:
-        """The largest image of at most `limit` tokens: the allowed largest when it fits, else the one
-        a smaller setting gives (its `value` names that setting); None when none fits."""
-        if self.largest.tokens <= limit:
-            return dataclasses.replace(self.largest, value=None)
-        v = self.candidates(limit)
-        return None if v is None else self.at(v)
-
-
-def _largest_image(family: str, info, model, args: EngineArgs) -> _ImageLimits:
-    if family == "qwen2_5_vl":
-        from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor, max_image_grid
-        ip = Qwen2VLImageProcessor.from_preprocessor_config(info.preprocessor, info.hf_config)
-        max_pixels = args.max_pixels or ip.max_pixels
-        factor, unit = ip.patch_size * ip.merge_size, ip.merge_size ** 2
-
-        def at(v: int) -> _Image:
-            t, h, w = max_image_grid(ip, v)
-            return _Image(t * h * w // unit, t * h * w,
-                          f"max_pixels {v}: {h * ip.patch_size}x{w * ip.patch_size} pixels", v)
-
-        def candidates(limit: int) -> int | None:
-            return _largest_max_pixels(lambda v: at(v).tokens, limit, ip.min_pixels, factor, max_pixels)
-        return _ImageLimits("max_pixels", at(max_pixels), at, candidates)
-    from vlm_sdk.models.internvl.image_processor import InternVLImageProcessor
-    ip = InternVLImageProcessor.from_preprocessor_config(info.preprocessor, info.hf_config)
-    per_tile = model.vision.cfg.tokens_per_tile(ip.image_size)
-    grid = model.vision.cfg.grid_of(ip.image_size)
-    max_num = args.max_dynamic_patch or ip.max_num
-
-    def at(n: int) -> _Image:
-        tiles = ip.tiles_of_grid(n)
-        return _Image(tiles * per_tile, tiles * (grid * grid + 1),
-                      f"max_num {n}: {tiles} tiles of {ip.image_size}x{ip.image_size} pixels", n)
-
-    def candidates(limit: int) -> int | None:
-        ok = [n for n in range(ip.min_num, max_num) if at(n).tokens <= limit]
-        return max(ok) if ok else None
-    return _ImageLimits("max_num", at(max_num), at, candidates)
-
-
-def _activations(hf_config, model, family: str, patches: int, args: EngineArgs, max_pos: int, dtype: torch.dtype,
-                 tp: int) -> tuple[int, int]:
+def _activations(model, vision_widths: tuple[int, int], patches: int, args: EngineArgs, max_pos: int,
+                 dtype: torch.dtype, tp: int) -> tuple[int, int]:
     """(language model, vision tower) activation peak estimates in bytes; see the module docstring."""
     c = model.decoder_config
     nbytes = torch.finfo(dtype).bits // 8
@@ -380,9 +323,5 @@ def _activations(hf_config, model, family: str, patches: int, args: EngineArgs, 
     qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     lm = tokens * (4 * c.hidden_size + (2 * c.intermediate_size + qkv) // tp) * nbytes
     lm += args.max_num_seqs * c.vocab_size * 4
-    if family == "qwen2_5_vl":
-        vc = hf_config.vision_config  # Qwen2.5-VL: transformers' parsed vision config
-        dim, inter = vc.hidden_size, vc.intermediate_size
-    else:
-        dim, inter = model.vision.cfg.hidden_size, model.vision.cfg.intermediate_size
+    dim, inter = vision_widths
     return lm, patches * (4 * dim + 2 * inter) * nbytes

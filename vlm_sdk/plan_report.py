@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from vlm_sdk.engine.memory_report import format_bytes as _size, table
+from vlm_sdk.models import registry
 from vlm_sdk.plan import PLAN_OPTIONS, MemoryPlan, parse_bytes, plan
 
 
@@ -63,8 +64,13 @@ def add_plan_parser(sub) -> None:
     dev.add_argument("--device", help="read the total memory of this device (cuda:0), or 'cpu'")
     cmd.add_argument("--memory-utilization", type=float)
     cmd.add_argument("--kv-cache-memory", help="KV cache bytes (e.g. 2GiB)")
-    for name in ("num-blocks", "block-size", "max-model-len", "max-num-seqs", "max-num-batched-tokens",
-                 "max-pixels", "max-num", "tp", "prompt-tokens", "output-tokens", "images"):
+    for name in ("num-blocks", "block-size", "max-model-len", "max-num-seqs", "max-num-batched-tokens"):
+        cmd.add_argument(f"--{name}", type=int)
+    for name, (family, setting) in registry.plan_settings().items():  # each family's image option
+        schema = next(s for s in family.engine_settings if s.name == setting)
+        cmd.add_argument(f"--{name.replace('_', '-')}", type=schema.type,
+                         help=f"{family.display_name}: {schema.help} (the engine's {setting})")
+    for name in ("tp", "prompt-tokens", "output-tokens", "images"):
         cmd.add_argument(f"--{name}", type=int)
     cmd.add_argument("--dtype")
     cmd.add_argument("--json", action="store_true", help="print one JSON object")

@@ -236,7 +236,7 @@ def benchmark_against_transformers(images: list[Image.Image], max_num: int = 12,
         size={"height": ours.image_size, "width": ours.image_size},
         image_mean=list(ours.mean), image_std=list(ours.std))
 
-    from vlm_sdk.reference import best_of, pixel_report
+    from vlm_sdk.models.common.reference import best_of, pixel_report
 
     ours_s, ours_out = best_of(lambda: [ours(im) for im in images], repeats)
     theirs_s, theirs_out = best_of(lambda: theirs(images, return_tensors="pt"), repeats)

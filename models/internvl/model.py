@@ -25,8 +25,10 @@ from vlm_sdk.layers.ops import KernelOps
 from vlm_sdk.model_loader import ParamSlot, config_from_dict
 from vlm_sdk.models.internlm2.weights import internlm2_decoder_config, internlm2_to_llama_names
 from vlm_sdk.models.internvl.vision import InternVisionConfig, InternVLVisionTower
+from vlm_sdk.models.base import KVCache
 from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
+from vlm_sdk.multimodal.inputs import ImageInput
 
 # legacy spellings of the -hf layout -> transformers 5's in-memory names
 _HF_ALIASES = (("language_model.lm_head.", "lm_head."), ("language_model.model.", "model.language_model."),
@@ -85,17 +87,21 @@ class InternVLForCausalLM(DecoderVLM):
             tie_source = llm if self.original_layout else hf_config
             tied = bool(getattr(tie_source, "tie_word_embeddings", False))
             self.decoder_config = LlamaDecoderConfig.from_hf(llm, tie_word_embeddings=tied, mrope=False)
-        self._init_decoder(self.decoder_config, dtype, device, ops)  # 1-D RoPE: the decoder reads positions[0]
+        self._init_decoder(self.decoder_config, dtype, device, ops)  # 1-D RoPE (position_rows 1)
         self.vision = InternVLVisionTower(InternVisionConfig.from_hf(hf_config, self.hidden_size), dtype, device)
         self.requires_grad_(False)
 
-    def encode_images(self, pixel_values: torch.Tensor,  # [tiles, 3, S, S], images back to back
-                      grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:  # [tiles * tokens per tile, hidden]
-        tiles = sum(t for t, _, _ in grid_thw)
-        if pixel_values.dim() != 4 or pixel_values.shape[0] != tiles:
-            raise ValueError(f"InternVL encode_images takes [tiles, 3, S, S] pixels for {tiles} tiles (grids "
-                             f"{grid_thw}), got shape {list(pixel_values.shape)}")
-        return self.vision(pixel_values.to(self.dtype))
+    def encode_images(self, images: list[ImageInput]) -> torch.Tensor:  # [tiles * tokens per tile, hidden]
+        """Each image's `data` `[tiles, 3, S, S]` (the thumbnail included), images back to back."""
+        pixels = torch.cat([im.data for im in images])  # [tiles, 3, S, S]
+        if pixels.dim() != 4:
+            raise ValueError(f"InternVL encode_images takes [tiles, 3, S, S] pixels, got shape {list(pixels.shape)}")
+        return self.vision(pixels.to(self.decoder.embed_tokens.weight.device, self.dtype))
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta) -> torch.Tensor:
+        """`positions` `[1, N]` (`position_rows` 1): the decoder gets them as plain RoPE positions `[N]`."""
+        return super().forward(inputs_embeds, positions[0], kv_caches, meta)
 
     def _vision_parts(self) -> tuple[nn.Module, nn.Module]:
         return self.vision, self.vision.projector

@@ -16,6 +16,8 @@ writes `<image>\\n` before the question.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
@@ -25,10 +27,17 @@ from vlm_sdk.multimodal.messages import ImageRef, parse_messages
 from vlm_sdk.models.base import PromptProcessor
 from vlm_sdk.model_loader import config_field, text_config
 from vlm_sdk.models.internvl.image_processor import InternVLImageProcessor
+from vlm_sdk.models.internvl.spec import FAMILY
 from vlm_sdk.models.internvl.vision import InternVisionConfig
 
 IMG_CONTEXT, IMG_START, IMG_END = "<IMG_CONTEXT>", "<img>", "</img>"
-MAX_NUM_LIMIT = 256  # tiles one image may ask for; the published models use at most 40
+
+
+@dataclass(frozen=True)
+class InternVLImage:
+    """`ImageInput.meta` of an InternVL image (its `data` is `[tiles, 3, S, S]`)."""
+    tiles: int  # the thumbnail included
+    own_max_num: bool = False  # the image part set its own max_num (engine max_dynamic_patch does not apply)
 
 
 def _tokens_per_tile(hf_config, tile_size: int) -> int:
@@ -64,19 +73,17 @@ class InternVLProcessor(PromptProcessor):
                                   f"{IMG_CONTEXT} id {self.image_token_id}")
         self.tokens_per_tile = _tokens_per_tile(hf_config, image_processor.image_size)
         if max_num is not None:
-            _check_max_num(max_num, "max_dynamic_patch", "max_dynamic_patch", image_processor.min_num)
+            _check_min_num(max_num, "max_dynamic_patch", "max_dynamic_patch", image_processor.min_num)
         self.max_num = max_num
         self.max_image_pixels = max_image_pixels
         self.max_image_tokens = max_image_tokens
 
     @classmethod
     def from_engine_args(cls, tokenizer, image_processor: InternVLImageProcessor, hf_config, args):
-        for name in ("min_pixels", "max_pixels"):
-            if getattr(args, name) is not None:
-                raise InvalidRequestError(
-                    f"{name}={getattr(args, name)} is a Qwen2.5-VL setting; this checkpoint is InternVL, whose "
-                    f"images are cut into tiles: set max_dynamic_patch (most tiles per image) instead", param=name)
-        return cls(tokenizer, image_processor, hf_config, max_num=args.max_dynamic_patch,
+        """The processor for an engine's `EngineArgs`; `mm_processor_kwargs` is checked against
+        `FAMILY.engine_settings` (another family's setting is refused here)."""
+        o = FAMILY.engine_options(args.mm_processor_kwargs)
+        return cls(tokenizer, image_processor, hf_config, max_num=o.get("max_dynamic_patch"),
                    max_image_pixels=args.max_image_pixels)
 
     @property
@@ -91,7 +98,7 @@ class InternVLProcessor(PromptProcessor):
         included), for the memory profile and the vision tower's per-call tile cap."""
         tiles = self.image_processor.tiles_of_grid(self.engine_max_num)
         s = self.image_processor.image_size
-        return ImageInput(torch.zeros(tiles, 3, s, s), (tiles, 1, 1), tiles * self.tokens_per_tile)
+        return ImageInput(torch.zeros(tiles, 3, s, s), tiles * self.tokens_per_tile, InternVLImage(tiles))
 
     def __call__(self, messages) -> PromptInputs:
         template_messages, refs = parse_messages(messages)
@@ -99,22 +106,18 @@ class InternVLProcessor(PromptProcessor):
         return self.build(template_messages, images)
 
     def _image(self, index: int, ref: ImageRef) -> ImageInput:
-        for name in ("min_pixels", "max_pixels"):
-            if getattr(ref, name) is not None:
-                raise InvalidRequestError(f"image {index}: {name} is a Qwen2.5-VL setting; this is InternVL, "
-                                          f"whose images are cut into tiles: set max_num on the image part",
-                                          param=name)
-        own = ref.max_num is not None
+        own_max_num = FAMILY.image_options(ref.options, f"image {index}: ").get("max_num")
+        own = own_max_num is not None
         if own:
-            _check_max_num(ref.max_num, f"image {index}: max_num", "max_num", self.image_processor.min_num)
-        max_num = ref.max_num if own else self.engine_max_num
+            _check_min_num(own_max_num, f"image {index}: max_num", "max_num", self.image_processor.min_num)
+        max_num = own_max_num if own else self.engine_max_num
         pil = load_image(ref.source, max_image_pixels=self.max_image_pixels)
         if own:
             self._check_tokens(index, pil.height, pil.width, max_num)
         pixels = self.image_processor(pil, max_num)  # [tiles, 3, S, S]
         tiles = pixels.shape[0]
-        return ImageInput(pixels, (tiles, 1, 1), tiles * self.tokens_per_tile, source_size=(pil.height, pil.width),
-                          own_max_num=own)
+        return ImageInput(pixels, tiles * self.tokens_per_tile, InternVLImage(tiles, own),
+                          source_size=(pil.height, pil.width))
 
     def _check_tokens(self, index: int, height: int, width: int, max_num: int) -> None:
         """Refuse an image whose own max_num gives it more tokens than `max_image_tokens`, before resizing."""
@@ -151,7 +154,7 @@ class InternVLProcessor(PromptProcessor):
     def image_setting_fixes(self, prompt: PromptInputs, capacity: int) -> dict[str, int]:
         """{"max_dynamic_patch": v}: the largest engine max_num below the current one that makes the
         prompt fit `capacity` tokens (images whose part sets its own max_num keep theirs); {} if none."""
-        follow = [im for im in prompt.images if not im.own_max_num and im.source_size is not None]
+        follow = [im for im in prompt.images if not im.meta.own_max_num and im.source_size is not None]
         if not follow:
             return {}
         fixed = len(prompt.token_ids) - sum(im.num_tokens for im in follow)
@@ -165,9 +168,8 @@ class InternVLProcessor(PromptProcessor):
         return next((v for v in range(below - 1, self.image_processor.min_num - 1, -1) if fits(v)), None)
 
 
-def _check_max_num(value, name: str, param: str, min_num: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_NUM_LIMIT:
-        raise InvalidRequestError(f"{name} must be an integer from 1 to {MAX_NUM_LIMIT}, got {value!r}", param=param)
+def _check_min_num(value: int, name: str, param: str, min_num: int) -> None:
+    """`value` passed the setting's schema (1..MAX_NUM_LIMIT); it may not go below the checkpoint's min."""
     if value < min_num:
         raise InvalidRequestError(f"{name}={value} is below the checkpoint's min_dynamic_patch ({min_num}); "
                                   f"use at least {min_num}", param=param)

@@ -9,6 +9,7 @@ before any float work and does the float arithmetic once per pixel, repeating fr
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,10 +24,18 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
 
 
+@dataclass(frozen=True)
+class QwenImage:
+    """`ImageInput.meta` of a Qwen2.5-VL image."""
+    grid_thw: tuple[int, int, int]  # patches along time, height, width (before merging)
+    own_max_pixels: bool = False  # the image part set its own max_pixels (engine max_pixels does not apply)
+    own_min_pixels: int | None = None  # the image part's own min_pixels, if it set one (it wins over the engine's)
+
+
 class Qwen2VLImageProcessor:
     """Turns one RGB PIL image into `ImageInput` for the Qwen2-VL vision tower.
 
-    `pixel_values` is `[gh * gw, 3 * temporal_patch_size * patch_size**2]` float32, rows ordered
+    `data` is `[gh * gw, 3 * temporal_patch_size * patch_size**2]` float32 (meta: `QwenImage`), rows ordered
     merge-window by merge-window (the order the vision tower's patch merger expects); each row is
     laid out (channel, time, patch_row, patch_col). Defaults are those of the published checkpoints.
     """
@@ -162,7 +171,7 @@ class Qwen2VLImageProcessor:
         frames = np.empty((gh * gw, 3, T, p * p), dtype=np.float32)  # [gh*gw, 3, T, p*p]
         frames[...] = x[:, :, None, :]  # a still image: every temporal slot holds the same frame
         pixel_values = torch.from_numpy(frames.reshape(gh * gw, 3 * T * p * p))  # [gh*gw, 3*T*p*p]
-        return ImageInput(pixel_values=pixel_values, grid_thw=(1, gh, gw), num_tokens=gh * gw // (m * m))
+        return ImageInput(pixel_values, gh * gw // (m * m), QwenImage((1, gh, gw)))
 
 
 def benchmark_against_transformers(images: list[Image.Image], repeats: int = 3) -> dict:
@@ -181,12 +190,12 @@ def benchmark_against_transformers(images: list[Image.Image], repeats: int = 3) 
         temporal_patch_size=ours.temporal_patch_size, merge_size=ours.merge_size,
         image_mean=list(ours.image_mean), image_std=list(ours.image_std))
 
-    from vlm_sdk.reference import best_of, pixel_report
+    from vlm_sdk.models.common.reference import best_of, pixel_report
 
     ours_s, ours_out = best_of(lambda: [ours(im) for im in images], repeats)
     theirs_s, theirs_out = best_of(lambda: theirs(images, return_tensors="pt"), repeats)
-    ours_pixels = torch.cat([o.pixel_values for o in ours_out])  # [sum(gh*gw), 3*T*p*p]
-    ours_grids = [list(o.grid_thw) for o in ours_out]
+    ours_pixels = torch.cat([o.data for o in ours_out])  # [sum(gh*gw), 3*T*p*p]
+    ours_grids = [list(o.meta.grid_thw) for o in ours_out]
     grids_match = ours_grids == theirs_out["image_grid_thw"].tolist()
     theirs_pixels = theirs_out["pixel_values"]  # [sum(gh*gw), 3*T*p*p]
     report = pixel_report(ours_s, theirs_s, ours_pixels, theirs_pixels, grids_match, len(images))

@@ -18,6 +18,7 @@ from vlm_sdk.model_loader import ParamSlot
 from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.models.qwen2_5_vl.vision import Qwen2_5_VisionTransformer
+from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 
 _ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
@@ -31,6 +32,8 @@ def _canonical(name: str) -> str:
 
 
 class Qwen2_5_VLForCausalLM(DecoderVLM):
+    position_rows = 3  # M-RoPE: temporal, height, width
+
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  ops: KernelOps | None = None):
         super().__init__()
@@ -45,9 +48,18 @@ class Qwen2_5_VLForCausalLM(DecoderVLM):
         self.spatial_merge_size = int(hf_config.vision_config.spatial_merge_size)
         self.requires_grad_(False)
 
-    def encode_images(self, pixel_values: torch.Tensor,  # [num_patches, patch_dim]
-                      grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:  # [image tokens, hidden]
-        return self.visual(pixel_values, grid_thw)
+    def encode_images(self, images: list[ImageInput]) -> torch.Tensor:  # [image tokens, hidden]
+        """Each image's `data` `[patches, patch_dim]` and `meta.grid_thw` (a `QwenImage`)."""
+        device = self.decoder.embed_tokens.weight.device
+        pixels = torch.cat([im.data for im in images]).to(device, self.dtype)  # [patches, patch_dim]
+        return self.visual(pixels, [im.meta.grid_thw for im in images])
+
+    def positions(self, prompt: PromptInputs, start: int, end: int) -> torch.Tensor:
+        """M-RoPE positions `[3, end - start]`: the prompt's (`MRopePositions`, computed once by the
+        processor), then index + rope_delta on all three axes for generated tokens."""
+        if prompt.positions is None:  # a prompt built without the processor: text only
+            return super().positions(prompt, start, end)
+        return prompt.positions.at(start, end)
 
     def _vision_parts(self) -> tuple[nn.Module, nn.Module]:
         return self.visual, self.visual.merger

@@ -2,20 +2,24 @@
 
 Images are decoded and preprocessed, the chat template renders one `<|image_pad|>` per image, and
 each is expanded to the image's token count (grid_t*grid_h*grid_w / merge^2), so the prompt's
-length is final before scheduling. M-RoPE positions are computed here, once per request.
+length is final before scheduling. M-RoPE positions are computed here, once per request
+(`PromptInputs.positions` is an `MRopePositions`, read by the model's `positions()`).
 """
 from __future__ import annotations
 
 import torch
 
-from vlm_sdk.engine.capacity import max_pixels_fix
+import dataclasses
+
 from vlm_sdk.errors import InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders
 from vlm_sdk.multimodal.messages import ImageRef, parse_messages
 from vlm_sdk.models.base import PromptProcessor
-from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor, max_image_grid
-from vlm_sdk.models.qwen2_5_vl.rope_index import mrope_positions
+from vlm_sdk.models.qwen2_5_vl.fixes import max_pixels_fix
+from vlm_sdk.models.qwen2_5_vl.image_processor import QwenImage, Qwen2VLImageProcessor, max_image_grid
+from vlm_sdk.models.qwen2_5_vl.rope_index import MRopePositions, mrope_positions
+from vlm_sdk.models.qwen2_5_vl.spec import FAMILY
 
 
 class Qwen2_5_VLProcessor(PromptProcessor):
@@ -40,12 +44,13 @@ class Qwen2_5_VLProcessor(PromptProcessor):
 
     @classmethod
     def from_engine_args(cls, tokenizer, image_processor: Qwen2VLImageProcessor, hf_config, args):
-        """The processor for an engine's `EngineArgs`; InternVL's tile setting is refused here."""
-        if args.max_dynamic_patch is not None:
-            raise InvalidRequestError(
-                f"max_dynamic_patch={args.max_dynamic_patch} is an InternVL setting; this checkpoint is "
-                f"Qwen2.5-VL, whose images are sized by min_pixels / max_pixels", param="max_dynamic_patch")
-        return cls(tokenizer, image_processor, hf_config, min_pixels=args.min_pixels, max_pixels=args.max_pixels,
+        """The processor for an engine's `EngineArgs`; `mm_processor_kwargs` is checked against
+        `FAMILY.engine_settings` (another family's setting is refused here)."""
+        o = FAMILY.engine_options(args.mm_processor_kwargs)
+        lo, hi = o.get("min_pixels"), o.get("max_pixels")
+        if lo is not None and hi is not None and lo > hi:
+            raise InvalidRequestError(f"min_pixels ({lo}) must not exceed max_pixels ({hi})", param="min_pixels")
+        return cls(tokenizer, image_processor, hf_config, min_pixels=lo, max_pixels=hi,
                    max_image_pixels=args.max_image_pixels)
 
     @property
@@ -58,7 +63,8 @@ class Qwen2_5_VLProcessor(PromptProcessor):
         ip = self.image_processor
         t, h, w = max_image_grid(ip, self.engine_max_pixels)
         patch_dim = 3 * ip.temporal_patch_size * ip.patch_size ** 2
-        return ImageInput(torch.zeros(t * h * w, patch_dim), (t, h, w), t * h * w // ip.merge_size ** 2)
+        return ImageInput(torch.zeros(t * h * w, patch_dim), t * h * w // ip.merge_size ** 2,
+                          QwenImage((t, h, w)))  # data [patches, patch_dim]
 
     def image_setting_fixes(self, prompt: PromptInputs, capacity: int) -> dict[str, int]:
         """{"max_pixels": v}: the largest engine max_pixels below the current one that makes the prompt
@@ -82,14 +88,12 @@ class Qwen2_5_VLProcessor(PromptProcessor):
         return default, "the preprocessor default"
 
     def _image(self, index: int, ref: ImageRef) -> ImageInput:
-        if ref.max_num is not None:
-            raise InvalidRequestError(f"image {index}: max_num (a tile count) applies to InternVL checkpoints; "
-                                      f"this is Qwen2.5-VL: size the image with min_pixels / max_pixels",
-                                      param="max_num")
+        own = FAMILY.image_options(ref.options, f"image {index}: ")
+        own_min, own_max = own.get("min_pixels"), own.get("max_pixels")
         pil = load_image(ref.source, max_image_pixels=self.max_image_pixels)
         ip = self.image_processor
-        min_px, min_src = self._bound(ref.min_pixels, self.min_pixels, ip.min_pixels)
-        max_px, max_src = self._bound(ref.max_pixels, self.max_pixels, ip.max_pixels)
+        min_px, min_src = self._bound(own_min, self.min_pixels, ip.min_pixels)
+        max_px, max_src = self._bound(own_max, self.max_pixels, ip.max_pixels)
         if min_px > max_px:
             raise InvalidRequestError(
                 f"image {index}: min_pixels ({min_px}, {min_src}) is larger than max_pixels ({max_px}, "
@@ -97,8 +101,7 @@ class Qwen2_5_VLProcessor(PromptProcessor):
         self._check_tokens(index, pil.height, pil.width, min_px, min_src, max_px, max_src)
         image = ip(pil, min_pixels=min_px, max_pixels=max_px)
         image.source_size = (pil.height, pil.width)
-        image.own_max_pixels = ref.max_pixels is not None
-        image.own_min_pixels = ref.min_pixels
+        image.meta = dataclasses.replace(image.meta, own_max_pixels=own_max is not None, own_min_pixels=own_min)
         return image
 
     def _check_tokens(self, index: int, height: int, width: int, min_px: int, min_src: str, max_px: int,
@@ -141,10 +144,10 @@ class Qwen2_5_VLProcessor(PromptProcessor):
         text = self.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         token_ids, positions = expand_image_placeholders(ids, images, self.image_token_id, "<|image_pad|>")
-        mrope, delta = mrope_positions(token_ids, [im.grid_thw for im in images], self.image_token_id,
-                                       self.merge_size)
+        mrope, delta = mrope_positions(token_ids, [im.meta.grid_thw for im in images], self.image_token_id,
+                                       self.merge_size)  # [3, len(token_ids)]
         return PromptInputs(token_ids=token_ids, images=images, image_positions=positions,
-                            mrope_positions=mrope, rope_delta=delta)
+                            positions=MRopePositions(mrope, delta))
 
     def image_tokens_with_max_pixels(self, prompt: PromptInputs, max_pixels: int) -> list[int]:
         """Each image's token count if the engine's max_pixels were `max_pixels` (images whose part
@@ -152,11 +155,11 @@ class Qwen2_5_VLProcessor(PromptProcessor):
         not exceed `max_pixels`)."""
         counts = []
         for image in prompt.images:
-            if image.own_max_pixels or image.source_size is None:
+            if image.meta.own_max_pixels or image.source_size is None:
                 counts.append(image.num_tokens)
                 continue
             h, w = image.source_size
-            min_px = image.own_min_pixels if image.own_min_pixels is not None else self.min_pixels
+            min_px = image.meta.own_min_pixels if image.meta.own_min_pixels is not None else self.min_pixels
             counts.append(self.image_processor.num_image_tokens(h, w, min_pixels=min_px, max_pixels=max_pixels))
         return counts
 

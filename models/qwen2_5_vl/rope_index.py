@@ -13,7 +13,27 @@ index p (p >= len(prompt)) has position p + rope_delta on all three axes.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class MRopePositions:
+    """`PromptInputs.positions` of a Qwen2.5-VL prompt: computed once by the processor, read by the
+    model's `positions()`."""
+    table: torch.Tensor  # [3, len(token_ids)] int64
+    rope_delta: int  # decode token at index p has position p + rope_delta on all three axes
+
+    def at(self, start: int, end: int) -> torch.Tensor:
+        """Positions `[3, end - start]` of tokens start..end: the prompt's, then generated tokens'."""
+        n_prompt = self.table.shape[1]
+        parts = []
+        if start < n_prompt:
+            parts.append(self.table[:, start:min(end, n_prompt)])
+        if end > n_prompt:
+            parts.append((torch.arange(max(start, n_prompt), end) + self.rope_delta).expand(3, -1))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def _image_runs(ids: torch.Tensor, image_token_id: int) -> list[tuple[int, int]]:

@@ -114,23 +114,23 @@ def run_benchmark(args) -> int:
 
 def _run_transformers(family: str, model_dir: str, convs, max_tokens, batch_size: int, device: str) -> dict:
     from transformers import AutoTokenizer
-    from vlm_sdk import reference
+    from vlm_sdk.models import registry
+    from vlm_sdk.testing import reference
 
+    family_reference = registry.load(family).reference
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if family == "internvl":
         from transformers import InternVLForConditionalGeneration as model_cls
-        proc = reference.hf_internvl_image_processor(model_dir)
+        proc = family_reference.hf_image_processor(model_dir)
     else:
         from transformers import Qwen2_5_VLForConditionalGeneration as model_cls
-        proc = reference.hf_image_processor(model_dir)
+        proc = family_reference.hf_image_processor(model_dir)
     model = model_cls.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
     def prompt(conv):
-        if family == "internvl":
-            return reference.hf_internvl_prompt(tok, proc, model.config, conv)
-        return reference.hf_prompt(tok, proc, model.config, conv)
+        return family_reference.hf_prompt(tok, proc, model.config, conv)
 
     def run(batch_convs, batch_max):
         prompts = [prompt(c) for c in batch_convs]

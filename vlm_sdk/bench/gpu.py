@@ -356,11 +356,11 @@ def _prefill_figure(engine, cfg: GpuBenchConfig, timer: DeviceTimer, mm_rate: fl
 
     once()  # warm-up: Triton kernels compile for these shapes
     seconds = statistics.median(once() for _ in range(cfg.prefill_reps))
-    flops = prefill_flops(engine.checkpoint.hf_config, [im.grid_thw for im in prompt.images], len(prompt.token_ids))
+    flops = prefill_flops(engine.checkpoint.hf_config, [im.meta.grid_thw for im in prompt.images], len(prompt.token_ids))
     floor = sum(flops.values()) / mm_rate
     details = {"prompt_tokens": len(prompt.token_ids), "image_tokens": sum(prompt.image_tokens),
                "text_tokens": len(prompt.token_ids) - sum(prompt.image_tokens),
-               "image_grid_thw": [list(im.grid_thw) for im in prompt.images], "flops": flops, "reps": cfg.prefill_reps}
+               "image_grid_thw": [list(im.meta.grid_thw) for im in prompt.images], "flops": flops, "reps": cfg.prefill_reps}
     return _figure(f"prefill, {cfg.prefill_image}x{cfg.prefill_image} image + text", seconds * 1e3, "ms",
                    floor * 1e3, "floor", seconds / floor, "<=", PREFILL_TARGET, details)
 

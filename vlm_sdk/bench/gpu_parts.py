@@ -25,7 +25,8 @@ import torch
 
 # The tiny checkpoint's writers: the GPU benchmark writes the same tokenizer, generation and
 # preprocessor files around weights that it initialises on the device itself.
-from vlm_sdk import testing as _testing
+from vlm_sdk.models.common.tiny_checkpoint import no_hf_progress_bars
+from vlm_sdk.models.qwen2_5_vl import tiny_checkpoint as _testing
 from vlm_sdk.engine.block_manager import blocks_needed
 from vlm_sdk.errors import VLMError
 
@@ -106,7 +107,7 @@ def build_checkpoint(out: Path, shape: ModelShape, *, device: torch.device, dtyp
     opts = {**_testing._DEFAULTS, **asdict(shape), "preprocessor_layout": "nested"}
     tokenizer, ids, config = _testing.qwen_tokenizer_and_config(opts)
     out.mkdir(parents=True, exist_ok=True)
-    with _testing._no_hf_progress_bars():
+    with no_hf_progress_bars():
         # created on the device, in the target dtype: no CPU copy of the weights ever exists
         with torch.device(device):
             model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=dtype, attn_implementation="sdpa")
@@ -285,17 +286,18 @@ def paged_attention_alone(timer: DeviceTimer, *, batch: int, context: int, num_h
 def transformers_throughput(model, model_dir: str, convs: list, max_tokens: int, timer: DeviceTimer,
                             eos: list[int]) -> dict:
     """transformers generate on all conversations in one left-padded batch; prompts are built the
-    documented way (`vlm_sdk.reference`), inside the timed region as ours are."""
+    documented way (`vlm_sdk.models.qwen2_5_vl.reference`), inside the timed region as ours are."""
     from transformers import AutoTokenizer, GenerationConfig
-    from vlm_sdk import reference
+    from vlm_sdk.models.qwen2_5_vl import reference as family_reference
+    from vlm_sdk.testing import reference
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    proc = reference.hf_image_processor(model_dir)
+    proc = family_reference.hf_image_processor(model_dir)
     pad = tok.pad_token_id
 
     @torch.inference_mode()
     def generate(batch_convs, n: int) -> int:
-        prompts = [reference.hf_prompt(tok, proc, model.config, c) for c in batch_convs]
+        prompts = [family_reference.hf_prompt(tok, proc, model.config, c) for c in batch_convs]
         batch = {k: v.to(model.device) for k, v in reference.hf_batch(prompts, pad).items()}
         # min_new_tokens = max_new_tokens masks eos to the end: every row gets n tokens, as ignore_eos
         gen = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=eos,

@@ -52,7 +52,7 @@ class DecodeGraphs:
         biggest = self.sizes[-1]
         max_blocks = blocks_needed(max_model_len, block_size)
         self.input_ids = torch.zeros(biggest, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(3, biggest, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(model.position_rows, biggest, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((biggest,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(biggest, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(biggest, max_blocks, dtype=torch.int32, device=device)
@@ -101,7 +101,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor,  # [n] int64
-            positions: torch.Tensor,  # [3, n] int64
+            positions: torch.Tensor,  # [position_rows, n] int64
             slot_mapping: torch.Tensor,  # [n] int64
             seq_lens: torch.Tensor,  # [n] int32
             block_tables: torch.Tensor,  # [n, width] int32

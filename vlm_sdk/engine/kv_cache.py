@@ -48,9 +48,10 @@ def size_cache(args: EngineArgs, per_block: int, max_position_embeddings: int,
 
 
 def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_position_embeddings: int,
-               profiled_peak_bytes: int | None = None) -> CacheConfig:
+               profiled_peak_bytes: int | None = None, image_setting: str | None = None) -> CacheConfig:
     """The engine's cache: on CUDA the budget is measured now (after the weights are loaded). Raises
-    `InvalidRequestError`, naming the numbers and the fix, when not one block fits."""
+    `InvalidRequestError`, naming the numbers and the fix, when not one block fits; `image_setting`
+    (the model family's `plan_setting`) is the setting that sizes the profiled image."""
     budget = None
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -78,8 +79,9 @@ def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_posit
         f"leaves {int(args.memory_utilization * budget.total_bytes):,}; {budget.in_use_bytes:,} are in use "
         f"({in_use:,} by this engine's weights) and the profiled activation peak is "
         f"{budget.activation_peak_bytes:,} (a step of max_num_batched_tokens={args.max_num_batched_tokens} tokens, "
-        f"logits for max_num_seqs={args.max_num_seqs} rows and one max_pixels image; lowering those lowers it). "
-        f"{raise_to}, lower max_num_batched_tokens, max_num_seqs or max_pixels, or set kv_cache_memory")
+        f"logits for max_num_seqs={args.max_num_seqs} rows and one {image_setting or 'largest allowed'} image; "
+        f"lowering those lowers it). {raise_to}, lower max_num_batched_tokens, max_num_seqs or "
+        f"{image_setting or 'the image size setting'}, or set kv_cache_memory")
 
 
 def allocate_kv_caches(num_layers: int, cache: CacheConfig, num_kv_heads: int, head_dim: int,

@@ -95,7 +95,8 @@ class LLMEngine:
                 num_tokens=profile_num_tokens(args.max_num_batched_tokens, self.max_position_embeddings),
                 num_seqs=args.max_num_seqs, block_size=args.block_size, per_block=per_block, dtype=self.dtype,
                 device=self.device, attention=self.ops.attention)
-        self.cache_config = plan_cache(args, per_block, self.device, self.max_position_embeddings, peak)
+        self.cache_config = plan_cache(args, per_block, self.device, self.max_position_embeddings, peak,
+                                       image_setting=family.plan_setting[1])
         self.scheduler_config = self._scheduler_config()
         self.processor.max_image_tokens = self.scheduler_config.max_model_len
         kv_caches = allocate_or_explain(m.num_layers, self.cache_config, m.num_kv_heads, m.head_dim,
@@ -111,7 +112,7 @@ class LLMEngine:
                                   device=self.device, attention=self.ops.attention)
         # vision runs in groups no bigger than the image the profile measured
         self.runner = ModelRunner(self.model, kv_caches, args.block_size, self.device, self.dtype, args.seed,
-                                  max_vision_patches=largest_image.pixel_values.shape[0], graphs=graphs,
+                                  max_vision_patches=largest_image.size, graphs=graphs,
                                   attention=self.ops.attention)
         self.requests: dict[str, Sequence] = {}
         self._next_id = 0

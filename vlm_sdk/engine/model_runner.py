@@ -2,7 +2,10 @@
 
 Inputs are packed: the new tokens of every scheduled sequence back to back. Image embeddings are
 computed once per sequence (on the first step that needs them; the images of all such sequences go
-through the vision tower in groups of at most `max_vision_patches` patches) and scattered into the token embeddings at image-token positions, chunk by chunk.
+through the vision tower in groups of at most `max_vision_patches` rows of `ImageInput.size`) and
+scattered into the token embeddings at image-token positions, chunk by chunk. Images and positions
+are the model family's business: the runner hands `ImageInput`s to `model.encode_images` and asks
+`model.positions` for each sequence's `[position_rows, n]` positions.
 """
 from __future__ import annotations
 
@@ -29,8 +32,8 @@ class ModelRunner:
         """`max_vision_patches` (None: no limit) caps the patches of one vision-tower call: the images
         of newly scheduled sequences are encoded in groups of at most that many patches (a group
         always holds at least one image), so a step never exceeds the profiled peak of one
-        max_pixels image (`profiler.max_image_patches`). `attention` (the model's backend) prepares
-        each step's attention metadata once, before the forward."""
+        largest allowed image (`PromptProcessor.largest_image().size`). `attention` (the model's backend)
+        prepares each step's attention metadata once, before the forward."""
         self.model = model
         self.attention = attention
         self.max_vision_patches = max_vision_patches
@@ -69,10 +72,8 @@ class ModelRunner:
             return
         images = [im for seq in seqs for im in seq.prompt.images]
         outs = []
-        for group in _patch_groups([im.pixel_values.shape[0] for im in images], self.max_vision_patches):
-            chosen = [images[i] for i in group]
-            pixels = torch.cat([im.pixel_values for im in chosen]).to(self.device, self.dtype)  # [patches, dim]
-            outs.append(self.model.encode_images(pixels, [im.grid_thw for im in chosen]))  # [tokens, hidden]
+        for group in _patch_groups([im.size for im in images], self.max_vision_patches):
+            outs.append(self.model.encode_images([images[i] for i in group]))  # [tokens, hidden]
         embeds = outs[0] if len(outs) == 1 else torch.cat(outs)  # [image tokens, hidden], in image order
         for seq, part in zip(seqs, embeds.split([sum(seq.prompt.image_tokens) for seq in seqs])):
             seq.image_embeds = part
@@ -85,7 +86,7 @@ class ModelRunner:
         for i, (seq, n) in enumerate(sched.scheduled):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids.extend(seq.token_ids[start:end])
-            pos.append(_positions(seq, start, end))
+            pos.append(self.model.positions(seq.prompt, start, end))  # [position_rows, n]
             slots.extend(slot_mapping(seq.block_ids, self.block_size, start, end))
             block_tables.append(seq.block_ids)
             query_lens.append(n)
@@ -112,7 +113,7 @@ class ModelRunner:
             block_tables=tables.view(batch, width).int(), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens), max_seq_len=max(seq_lens))
         meta = self.attention.prepare(meta, self.kv_caches[0][0])  # the backend's per-step metadata, once
-        positions = dev[flat.numel():].view(3, num_tokens)  # [3, num_tokens]
+        positions = dev[flat.numel():].view(self.model.position_rows, num_tokens)  # [position_rows, num_tokens]
         return StepInputs(input_ids, positions, meta, sample_rows_d, sample_idx)
 
     def _scatter_image_embeds(self, sched: SchedulerOutput, embeds: torch.Tensor) -> None:
@@ -132,7 +133,7 @@ class ModelRunner:
 @dataclass(frozen=True)
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [3, num_tokens] int64
+    positions: torch.Tensor  # [position_rows, num_tokens] int64
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [num_sampled] int64 rows of the hidden states to sample from
     sample_idx: list[int]  # their indices in sched.scheduled
@@ -151,20 +152,3 @@ def _patch_groups(patches: list[int], limit: int | None) -> list[range]:
         total += n
     groups.append(range(start, len(patches)))
     return groups
-
-
-def _positions(seq: Sequence, start: int, end: int) -> torch.Tensor:
-    """M-RoPE positions `[3, end - start]` of tokens start..end: the prompt's precomputed ones, then
-    index + rope_delta on all three axes for generated tokens."""
-    prompt = seq.prompt
-    n_prompt = seq.num_prompt_tokens
-    parts = []
-    if start < n_prompt:
-        if prompt.mrope_positions is not None:
-            parts.append(prompt.mrope_positions[:, start:min(end, n_prompt)])
-        else:
-            parts.append(torch.arange(start, min(end, n_prompt)).expand(3, -1))
-    if end > n_prompt:
-        tail = torch.arange(max(start, n_prompt), end) + prompt.rope_delta
-        parts.append(tail.expand(3, -1))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

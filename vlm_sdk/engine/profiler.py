@@ -44,15 +44,14 @@ def profile_peak_bytes(model, largest_image: ImageInput, *, num_tokens: int, num
         query_lens_cpu=[num_tokens], seq_lens_cpu=[num_tokens], max_query_len=num_tokens, max_seq_len=num_tokens)
     meta = attention.prepare(meta, caches[0][0])
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-    positions = torch.arange(num_tokens, device=device).expand(3, -1)
+    positions = torch.arange(num_tokens, device=device).expand(model.position_rows, -1)  # [rows, num_tokens]
     hidden = model(model.embed_tokens(ids), positions, caches, meta)  # [num_tokens, hidden]
     model.compute_logits(hidden[-min(num_seqs, num_tokens):])
 
-    pixels = largest_image.pixel_values.to(device, dtype)
-    model.encode_images(pixels, [largest_image.grid_thw])
+    model.encode_images([largest_image])  # [image tokens, hidden]
     torch.cuda.synchronize(device)
 
     peak = torch.cuda.max_memory_allocated(device) - base - blocks * per_block
-    del caches, hidden, pixels
+    del caches, hidden
     torch.cuda.empty_cache()
     return max(0, peak)

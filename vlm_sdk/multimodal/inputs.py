@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -10,17 +11,17 @@ from vlm_sdk.errors import InvalidRequestError
 
 @dataclass
 class ImageInput:
-    """One preprocessed image."""
-    # Qwen2.5-VL: [num_patches, channels * temporal_patch * patch * patch]; InternVL: [tiles, 3, S, S]
-    # float32; the first dim is what the vision tower's per-call cap counts
-    pixel_values: torch.Tensor
-    grid_thw: tuple[int, int, int]  # Qwen2.5-VL: patches along time, height, width (before merging);
-    #                                 InternVL: (tiles, 1, 1)
-    num_tokens: int  # image tokens in the prompt: t*h*w / merge^2 (Qwen), tiles * tokens per tile (InternVL)
+    """One preprocessed image, opaque to the engine: it hands `data` and `meta` back to the model's
+    `encode_images` and counts `num_tokens` and `size`; only the model family reads `meta`."""
+    data: torch.Tensor  # the family's pixels, float32, first dim = `size` (e.g. patches or tiles)
+    num_tokens: int  # image tokens in the prompt
+    meta: Any = None  # the family's per-image record (grid, the part's own settings, ...)
     source_size: tuple[int, int] | None = None  # (height, width) as decoded, before resizing
-    own_max_pixels: bool = False  # the image part set its own max_pixels (engine max_pixels does not apply)
-    own_min_pixels: int | None = None  # the image part's own min_pixels, if it set one (it wins over the engine's)
-    own_max_num: bool = False  # InternVL: the image part set its own max_num (engine max_dynamic_patch does not apply)
+
+    @property
+    def size(self) -> int:
+        """Rows of `data`: what the cap on one vision-tower call counts."""
+        return int(self.data.shape[0])
 
 
 @dataclass
@@ -28,13 +29,14 @@ class PromptInputs:
     """A tokenized prompt ready to schedule.
 
     `image_positions[i]` is the index in `token_ids` of the first token of image i; its tokens are
-    `num_tokens` consecutive copies of the image token id.
+    `num_tokens` consecutive copies of the image token id. `positions` is the family's record of the
+    prompt's positions, computed once by its processor and read only by its model's `positions()`
+    (None: plain 1-D positions).
     """
     token_ids: list[int]
     images: list[ImageInput] = field(default_factory=list)
     image_positions: list[int] = field(default_factory=list)
-    mrope_positions: torch.Tensor | None = None  # [3, len(token_ids)] int64
-    rope_delta: int = 0  # decode token at index p has position p + rope_delta on all three axes
+    positions: Any = None
     preprocess_seconds: float = 0.0  # time build_prompt took (image decode, resize, tokenize)
 
     @property

@@ -1,14 +1,16 @@
 """OpenAI-style chat messages: validate them and separate the images from the text.
 
 Content is a string or a list of parts: `{"type": "text", "text"}`, `{"type": "image", "image": src}`
-or `{"type": "image_url", "image_url": {"url": src}}` (`image_url` may also be a bare string). An image
-part may carry sizing for that image alone, on the part or inside `image_url`: `min_pixels` /
-`max_pixels` (Qwen2.5-VL) or `max_num`, the most tiles (InternVL).
+or `{"type": "image_url", "image_url": {"url": src}}` (`image_url` may also be a bare string). Any
+other key of an image part, on the part or inside `image_url`, is an option for that image alone
+(`ImageRef.options`, e.g. a size bound): the model family checks them against its image settings.
+OpenAI's `detail` is ignored.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
 
 from vlm_sdk.errors import InvalidRequestError
 
@@ -18,9 +20,7 @@ ROLES = ("system", "user", "assistant")
 @dataclass(frozen=True)
 class ImageRef:
     source: Any  # PIL.Image | path | bytes | data: URL
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-    max_num: int | None = None  # InternVL: most tiles for this image (the thumbnail not counted)
+    options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # the family's image settings
 
 
 def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef]]:
@@ -68,19 +68,20 @@ def _parse_part(part: Any, where: str, images: list[ImageRef]) -> dict:
         if source is None:
             raise InvalidRequestError(f"{where}: an {kind} part needs "
                                       f"{'an image' if kind == 'image' else 'image_url.url'}")
-        images.append(ImageRef(source, _positive(part, "min_pixels", where), _positive(part, "max_pixels", where),
-                               _positive(part, "max_num", where)))
+        images.append(ImageRef(source, MappingProxyType(_options(part))))
         return {"type": "image"}
     raise InvalidRequestError(f"{where} has type {kind!r}; supported: 'text', 'image', 'image_url'")
 
 
-def _positive(part: dict, key: str, where: str) -> int | None:
-    value = part.get(key)
-    if value is None and isinstance(part.get("image_url"), dict):
-        value = part["image_url"].get(key)
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise InvalidRequestError(f"{where}: {key} must be a positive integer, got {value!r}", param=key)
-    return value
+_PART_KEYS = frozenset({"type", "image", "image_url"})
+_URL_KEYS = frozenset({"url", "detail"})  # OpenAI's detail: ignored
+
+
+def _options(part: dict) -> dict[str, Any]:
+    """The image part's other keys (the part's own win over those inside `image_url`)."""
+    url = part.get("image_url")
+    inner = {k: v for k, v in url.items() if k not in _URL_KEYS} if isinstance(url, dict) else {}
+    return {**inner, **{k: v for k, v in part.items() if k not in _PART_KEYS and k != "detail"}}
 
 
 def _short(value: Any) -> str:

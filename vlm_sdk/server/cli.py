@@ -1,7 +1,8 @@
 """`vlm-sdk serve MODEL [--host] [--port] [server settings] [engine args]`.
 
-Engine flags are made from `EngineArgs` itself (`--num-blocks`, `--kv-cache-memory`, ...), so every
-setting an error message names is a flag of the same name.
+Engine flags are made from `EngineArgs` itself (`--num-blocks`, `--kv-cache-memory`, ...) and from
+every registered model family's engine settings (`FamilySpec.engine_settings`, e.g. an image size
+bound), so every setting an error message names is a flag of the same name.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from dataclasses import MISSING, fields
 
 from vlm_sdk.config import EngineArgs
+from vlm_sdk.models import registry
 from vlm_sdk.server.config import MediaPolicy, ServerConfig
 
 _ENGINE_HELP = {
@@ -25,7 +27,7 @@ _ENGINE_HELP = {
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for f in fields(EngineArgs):
-        if f.name == "show_progress":
+        if f.name in ("show_progress", "mm_processor_kwargs"):  # the latter: one flag per family setting below
             continue
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is MISSING else f.default
@@ -39,6 +41,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             kind = str if f.name in ("dtype", "device", "attention_backend") else int
         group.add_argument(flag, dest="engine_" + f.name, type=kind, default=None, metavar=f.name.upper(),
                            help=help_text)
+    for name, setting in registry.engine_settings().items():
+        group.add_argument("--" + name.replace("_", "-"), dest="engine_" + name, type=setting.type, default=None,
+                           metavar=name.upper(), help=setting.help)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -74,7 +79,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if model is None:
         from vlm_sdk.demo_checkpoint import tiny_model_dir
         model = str(tiny_model_dir())
-        print(f"[vlm-sdk] no model given: serving a tiny Qwen2.5-VL-shaped checkpoint with RANDOM weights at "
+        name = registry.load(registry.family_names()[0]).display_name  # tiny_model_dir's default family
+        print(f"[vlm-sdk] no model given: serving a tiny {name}-shaped checkpoint with RANDOM weights at "
               f"{model}", file=sys.stderr)
     media = MediaPolicy(allowed_domains=tuple(args.allowed_media_domains),
                         allowed_local_path=args.allowed_local_media_path,

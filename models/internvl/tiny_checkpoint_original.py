@@ -19,7 +19,7 @@ import torch
 
 from vlm_sdk.model_loader import iter_safetensors
 from vlm_sdk.models.internvl.model import hf_canonical_name
-from vlm_sdk.testing import _write_json
+from vlm_sdk.models.common.tiny_checkpoint import write_json
 
 __all__ = ["convert_to_original_layout", "INTERNVL_CHATML_TEMPLATE", "INTERNVL_TOKENIZER_ATTRIBUTES"]
 
@@ -182,11 +182,11 @@ def convert_to_original_layout(hf_dir, out_dir, llm_layout: str = "auto", *, max
 
     out.mkdir(parents=True, exist_ok=True)
     _write_tensors(out, result, max_shard_size)
-    _write_json(out / "config.json", _original_config(hf, llm_out, _read_preprocessor_max_num(src)))
+    write_json(out / "config.json", _original_config(hf, llm_out, _read_preprocessor_max_num(src)))
 
     _write_original_tokenizer(src, out)
     shutil.copyfile(src / "generation_config.json", out / "generation_config.json")
-    _write_json(out / "preprocessor_config.json", _original_preprocessor_config(_side(vision["image_size"])))
+    write_json(out / "preprocessor_config.json", _original_preprocessor_config(_side(vision["image_size"])))
     return out
 
 
@@ -208,7 +208,7 @@ def _write_original_tokenizer(src: Path, out: Path) -> None:
         tok_cfg["added_tokens_decoder"].pop(str(top), None)
         tok_cfg["additional_special_tokens"] = [t for t in tok_cfg["additional_special_tokens"] if t != "<video>"]
     tok_cfg["chat_template"] = INTERNVL_CHATML_TEMPLATE
-    _write_json(out / "tokenizer_config.json", dict(sorted(tok_cfg.items())))
+    write_json(out / "tokenizer_config.json", dict(sorted(tok_cfg.items())))
     (out / "chat_template.jinja").write_text(INTERNVL_CHATML_TEMPLATE, encoding="utf-8")
 
 
@@ -321,5 +321,5 @@ def _write_tensors(out: Path, tensors: dict[str, torch.Tensor], max_shard_size) 
     for fname, names in split.filename_to_tensors.items():
         save_file({n: tensors[n] for n in names}, str(out / fname), metadata={"format": "pt"})
     if split.is_sharded:
-        _write_json(out / "model.safetensors.index.json",
+        write_json(out / "model.safetensors.index.json",
                     {"metadata": split.metadata, "weight_map": split.tensor_to_filename})

@@ -1,37 +1,22 @@
-"""Tiny Hugging Face checkpoints with random weights, for tests and benchmarks without a model hub.
+"""Tiny Qwen2.5-VL checkpoints with random weights, for tests and benchmarks without a model hub.
 
-`make_tiny_checkpoint` writes a directory that transformers itself can load: `config.json`, safetensors
+`make_tiny_qwen_checkpoint` writes a directory that transformers itself can load: `config.json`, safetensors
 weights saved by `Qwen2_5_VLForConditionalGeneration.save_pretrained`, a small byte-level BPE tokenizer
 with Qwen's special tokens and chat template, `generation_config.json` and `preprocessor_config.json`.
 transformers' model on the same directory is the correctness oracle for our implementation.
-
-`family="internvl"` writes an InternVL 2 / 2.5 / 3 checkpoint instead, in transformers' layout
-(`InternVLForConditionalGeneration`) or OpenGVLab's original remote-code layout (`InternVLChatModel`):
-see `vlm_sdk.testing_internvl`.
+Reached as `vlm_sdk.testing.make_tiny_checkpoint(path, family="qwen2_5_vl", ...)`.
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
 import torch
 
-__all__ = [
-    "make_tiny_checkpoint", "make_bench_checkpoint", "SUPPORTED_FAMILIES", "QWEN_SPECIAL_TOKENS",
-    "QWEN2_VL_CHAT_TEMPLATE",
-]
-
-SUPPORTED_FAMILIES = ("qwen2_5_vl", "internvl")
-
-# In Qwen's order; they get the ids right after the trained BPE vocabulary.
-QWEN_SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-    "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
-)
+from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, build_tokenizer, no_hf_progress_bars,
+                                                   round_up, write_json, write_tokenizer)
 
 # The chat template published with Qwen2-VL / Qwen2.5-VL Instruct.
 QWEN2_VL_CHAT_TEMPLATE = (
@@ -50,74 +35,8 @@ QWEN2_VL_CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# Qwen2's pre-tokenizer split (the same regex transformers' Qwen2Tokenizer rebuilds on load).
-_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
-    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-_BPE_VOCAB_SIZE = 1000  # 256 byte tokens + 744 merges; the special tokens come after
-
 _OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-
-# Original English text (no third-party corpus); enough distinct pairs for 744 merges.
-_CORPUS = """\
-A small red boat rests on the shore of a quiet lake. Behind it, a row of tall pine trees rises toward a pale blue sky.
-The photograph shows a busy street market in the early morning. Vendors arrange baskets of apples, oranges, lemons and green peppers.
-In the center of the image there is a wooden table with two white cups, a teapot and a plate of cookies.
-A black and white cat sleeps on a windowsill while rain runs down the glass.
-The chart compares the monthly sales of three stores. Sales grow in spring, fall in summer and rise again before the winter holidays.
-Two children are flying a bright yellow kite on a windy hill. Their shadows stretch across the grass.
-The diagram explains how water moves from the ocean to the clouds, falls as rain, and flows back to the sea through rivers.
-A man in a gray coat waits at the bus stop, reading a newspaper. A woman next to him looks at her phone.
-The screenshot contains a login form with fields for the user name and the password, and a blue button labeled Sign in.
-On the left side of the picture there is a mountain covered with snow; on the right side there is a small village with red roofs.
-Describe this image in one sentence. What color is the car? How many people are in the room? Where was this photo taken?
-The assistant answers the question clearly and briefly. If the image is unclear, the assistant says what it can and cannot see.
-You are a helpful assistant. The user asks questions about pictures, documents, tables and charts, and you answer them.
-Please read the text in the image and write it down exactly as it appears, keeping the line breaks.
-The table lists the name, age and city of five people: Anna is 34 and lives in Berlin; Carlos is 28 and lives in Madrid.
-The receipt shows the date, the store address, the items bought and the total price of 42 dollars and 17 cents.
-An old clock tower stands in the middle of the square. Pigeons gather around the fountain at its base.
-The painting uses warm colors: orange, gold and deep red. A woman in a long dress walks through a field of wheat.
-The x axis shows the year and the y axis shows the temperature in degrees. The line goes up slowly over time.
-There are four apples, three bananas and one pear in the bowl. The bowl is made of glass and sits on a marble counter.
-The dog is running after a ball in the park. Its ears are flying and its mouth is open as if it were smiling.
-This is a map of the city center. The river divides the old town in the north from the new business district in the south.
-The slide has a title, three bullet points and a small logo in the bottom right corner.
-A plane is taking off from the runway at sunset. The sky is orange and purple, and the lights of the airport are on.
-The kitchen is clean and bright. Pots hang above the stove and fresh herbs grow in small pots by the window.
-The bicycle leans against a brick wall. Its front wheel is bent and the chain is missing.
-In this photo, a group of friends is sitting around a campfire at night, telling stories and roasting marshmallows.
-The page of the book is open to a chapter about the history of printing, with a drawing of an early press.
-Question: what is written on the sign? Answer: the sign says that the road is closed for repairs until Friday.
-Question: is it day or night? Answer: it is night, because the street lamps are on and the sky is dark.
-The model looks at the image, finds the objects, and explains how they relate to each other in space.
-Each image is split into small patches; the patches become tokens that the language model reads together with the text.
-Numbers and dates: 1, 2, 3, 10, 25, 100, 2024, 3.14, 12:30, 7 June, 15 percent, first, second, third.
-Weather report: cloudy in the morning, sunny in the afternoon, with a light wind from the west and a high of 21 degrees.
-The train arrives at the station at nine o'clock. Passengers carry bags and suitcases onto the platform.
-A bowl of soup, a piece of bread and a glass of water are placed on a tray in the hospital room.
-The building has glass walls that reflect the clouds. Workers in orange helmets stand on the scaffolding.
-A butterfly with blue wings sits on a purple flower. Tiny drops of dew cover the petals.
-The graph has two lines: the first shows income and the second shows spending; they cross in the middle of the year.
-The soccer player kicks the ball toward the goal while the goalkeeper jumps to the left.
-The office desk holds a laptop, a notebook, a pen, a coffee mug and a small plant in a white pot.
-Snow falls softly on the empty street. The windows of the houses glow with warm yellow light.
-The horse stands in a green field near a wooden fence. A farmhouse and a barn are visible in the distance.
-The recipe says: mix the flour, sugar and eggs; add the milk slowly; bake for thirty minutes at 180 degrees.
-She is holding an umbrella and a shopping bag. He is pointing at something across the road.
-It's a sunny day, isn't it? They're going to the beach, and we'll meet them there. I've seen this place before.
-The museum hall is full of statues. Visitors walk slowly and read the small signs beside each work of art.
-The forest path is covered with brown leaves. A deer watches from behind a tree, ready to run.
-The boat carries fishermen back to the harbor. Seagulls circle above the nets full of fish.
-The classroom has rows of desks, a whiteboard with math problems, and a globe on the teacher's table.
-The image is blurry and dark, so it is hard to tell what the object on the floor is; it may be a shoe or a bag.
-Let me think step by step. First, count the objects. Then compare their sizes. Finally, give the answer.
-The answer is yes. The answer is no. The answer is not clear from the image. There is not enough information.
-The city skyline at night is full of lights. A bridge crosses the river, and cars move along it like small stars.
-The garden has roses, tulips and sunflowers. A stone path leads to a bench under an apple tree.
-"""
 
 _DEFAULTS: Mapping[str, Any] = MappingProxyType(dict(
     text_hidden_size=64,
@@ -154,23 +73,14 @@ _FIXED: Mapping[str, Any] = MappingProxyType(dict(
 ))
 
 
-def make_tiny_checkpoint(path, family: str = "qwen2_5_vl", seed: int = 0, **overrides) -> Path:
+def make_tiny_qwen_checkpoint(path, seed: int = 0, **overrides) -> Path:
     """Write a complete HF-format checkpoint with random weights to `path` and return it.
-
-    `family` is one of `SUPPORTED_FAMILIES`. "internvl" goes to
-    `vlm_sdk.testing_internvl.make_tiny_internvl_checkpoint` (its overrides, e.g. `layout="original"`,
-    `llm="llama"`, are described there); the rest of this docstring is about "qwen2_5_vl".
 
     Same arguments give byte-identical files. Accepted overrides: see `_DEFAULTS` (an unknown name
     raises TypeError). Layouts: config_layout "nested" is what transformers 5 writes, "flat" is the
     published Qwen2.5-VL layout (text fields top level, rope_scaling type mrope); preprocessor_layout
     "nested" writes size.shortest_edge/longest_edge, "flat" writes min_pixels/max_pixels.
     """
-    if family not in SUPPORTED_FAMILIES:
-        raise ValueError(f"unknown family {family!r}; supported families: {', '.join(SUPPORTED_FAMILIES)}")
-    if family == "internvl":
-        from vlm_sdk.testing_internvl import make_tiny_internvl_checkpoint
-        return make_tiny_internvl_checkpoint(path, seed=seed, **overrides)
     unknown = sorted(set(overrides) - set(_DEFAULTS))
     if unknown:
         raise TypeError(f"make_tiny_checkpoint() got unknown override(s) {', '.join(unknown)}; "
@@ -192,7 +102,7 @@ def make_tiny_checkpoint(path, family: str = "qwen2_5_vl", seed: int = 0, **over
 
     if opts["config_layout"] == "flat":
         nested = json.loads((out / "config.json").read_text())
-        _write_json(out / "config.json", _flat_qwen2_5_vl_config(nested, ids))
+        write_json(out / "config.json", _flat_qwen2_5_vl_config(nested, ids))
     write_qwen_side_files(out, tokenizer, ids, opts)
     return out
 
@@ -200,10 +110,10 @@ def make_tiny_checkpoint(path, family: str = "qwen2_5_vl", seed: int = 0, **over
 def qwen_tokenizer_and_config(opts: Mapping[str, Any]):
     """The test tokenizer, its special-token ids and the transformers `Qwen2_5_VLConfig` of `opts`
     (`_DEFAULTS` with overrides applied)."""
-    tokenizer = _build_tokenizer()
+    tokenizer = build_tokenizer()
     ids = {tok: tokenizer.token_to_id(tok) for tok in QWEN_SPECIAL_TOKENS}
     n_tokens = tokenizer.get_vocab_size()
-    vocab_size = opts["vocab_size"] or _round_up(n_tokens, 64)
+    vocab_size = opts["vocab_size"] or round_up(n_tokens, 64)
     if vocab_size < n_tokens:
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({n_tokens} tokens)")
     return tokenizer, ids, _qwen2_5_vl_config(opts, vocab_size, ids)
@@ -212,28 +122,22 @@ def qwen_tokenizer_and_config(opts: Mapping[str, Any]):
 def write_qwen_side_files(out: Path, tokenizer, ids: dict[str, int], opts: Mapping[str, Any]) -> None:
     """Everything of a Qwen2.5-VL checkpoint directory besides config.json and the weights: the
     tokenizer files, generation_config.json and preprocessor_config.json."""
-    _write_tokenizer(out, tokenizer)
-    _write_json(out / "generation_config.json", {
+    write_tokenizer(out, tokenizer, QWEN_SPECIAL_TOKENS, QWEN2_VL_CHAT_TEMPLATE)
+    write_json(out / "generation_config.json", {
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
         "pad_token_id": ids["<|endoftext|>"],
     })
-    _write_json(out / "preprocessor_config.json",
+    write_json(out / "preprocessor_config.json",
                 _preprocessor_config(opts["min_pixels"], opts["max_pixels"], opts["preprocessor_layout"]))
 
 
-def make_bench_checkpoint(path, seed: int = 0, *, family: str = "qwen2_5_vl", **overrides) -> Path:
+def make_bench_qwen_checkpoint(path, seed: int = 0, **overrides) -> Path:
     """The benchmark shape: Qwen2.5-VL architecture, 105,909,504 parameters, bfloat16 weights (212 MB).
 
     Text 101.4M (tied 151936 x 512 embedding = 77.8M of it), vision 4.5M. Speed does not depend on the
     weight values; vocab 151936 keeps the embedding and LM head as costly as the real ones.
-    `family="internvl"`: the InternVL equivalent, `vlm_sdk.testing_internvl.make_bench_internvl_checkpoint`.
     """
-    if family == "internvl":
-        from vlm_sdk.testing_internvl import make_bench_internvl_checkpoint
-        return make_bench_internvl_checkpoint(path, seed=seed, **overrides)
-    if family != "qwen2_5_vl":
-        raise ValueError(f"unknown family {family!r}; supported families: {', '.join(SUPPORTED_FAMILIES)}")
     bench = dict(
         text_hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408,
         vocab_size=151936, tie_word_embeddings=True, mrope_section=(8, 12, 12),
@@ -241,60 +145,7 @@ def make_bench_checkpoint(path, seed: int = 0, *, family: str = "qwen2_5_vl", **
         vision_depth=4, vision_hidden_size=256, vision_heads=4, vision_intermediate_size=512,
         fullatt_block_indexes=(3,), dtype="bfloat16",
     )
-    return make_tiny_checkpoint(path, "qwen2_5_vl", seed, **{**bench, **overrides})
-
-
-# ----------------------------------------------------------------------------------------------
-# tokenizer
-
-def _build_tokenizer(special_tokens: tuple[str, ...] = QWEN_SPECIAL_TOKENS):
-    """The byte-level BPE trained on `_CORPUS`, then `special_tokens` in order (ids from 1000 on)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
-    from tokenizers.models import BPE
-
-    tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    # The same pipeline as Qwen2's tokenizer.json (and as transformers' Qwen2Tokenizer rebuilds it).
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=_BPE_VOCAB_SIZE, show_progress=False, special_tokens=[],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
-    return tok
-
-
-def _write_tokenizer(out: Path, tok, special_tokens: tuple[str, ...] = QWEN_SPECIAL_TOKENS,
-                     chat_template: str = QWEN2_VL_CHAT_TEMPLATE, extra_config: Mapping[str, Any] | None = None) -> None:
-    """tokenizer.json, tokenizer_config.json (keys sorted; `extra_config` entries added) and chat_template.jinja."""
-    tok.save(str(out / "tokenizer.json"))
-    added = {
-        str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                  "single_word": False, "special": True}
-        for t in special_tokens
-    }
-    config = {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": added,
-        "additional_special_tokens": [t for t in special_tokens if t not in ("<|endoftext|>", "<|im_end|>")],
-        "bos_token": None,
-        "chat_template": chat_template,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "errors": "replace",
-        "model_max_length": 32768,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-        **(extra_config or {}),
-    }
-    _write_json(out / "tokenizer_config.json", dict(sorted(config.items())))
-    (out / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+    return make_tiny_qwen_checkpoint(path, seed, **{**bench, **overrides})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,7 +254,7 @@ def _preprocessor_config(min_pixels: int, max_pixels: int, layout: str) -> dict:
 def _save_model(config, out: Path, *, seed: int, init_std: float, dtype: torch.dtype, max_shard_size) -> None:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    with _no_hf_progress_bars():
+    with no_hf_progress_bars():
         model = Qwen2_5_VLForConditionalGeneration(config)
         _redraw(model, seed, init_std)
         if config.tie_word_embeddings:
@@ -431,23 +282,3 @@ def _redraw(model: torch.nn.Module, seed: int, init_std: float) -> None:
         else:
             p.fill_(1.0)
 
-
-@contextlib.contextmanager
-def _no_hf_progress_bars():
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return math.ceil(n / multiple) * multiple
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False) + "\n", encoding="utf-8")

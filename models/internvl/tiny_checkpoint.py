@@ -3,8 +3,8 @@
 `make_tiny_internvl_checkpoint(path, layout="hf")` (also reached as
 `vlm_sdk.testing.make_tiny_checkpoint(path, family="internvl", ...)`) builds transformers'
 `InternVLForConditionalGeneration` (model_type "internvl") from a tiny `InternVLConfig`, redraws every
-parameter from a private generator and saves it with `save_pretrained`, plus a tokenizer (testing.py's
-byte-level BPE with Qwen's and InternVL's special tokens), the chat template transformers' InternVL
+parameter from a private generator and saves it with `save_pretrained`, plus a tokenizer (the shared
+byte-level BPE of `models/common/tiny_checkpoint.py` with Qwen's and InternVL's special tokens), the chat template transformers' InternVL
 conversion writes, `generation_config.json` and a `GotOcr2ImageProcessor` `preprocessor_config.json`.
 transformers loads that directory and is the correctness oracle.
 
@@ -27,11 +27,11 @@ from typing import Any, Mapping
 
 import torch
 
-from vlm_sdk.testing_internvl_original import (_IMAGENET_MEAN, _IMAGENET_STD, INTERNVL_CHATML_TEMPLATE,
-                                                INTERNVL_TOKENIZER_ATTRIBUTES, _llm_layout_for,
-                                                convert_to_original_layout)
-from vlm_sdk.testing import (QWEN_SPECIAL_TOKENS, _build_tokenizer, _no_hf_progress_bars, _round_up,
-                             _write_json, _write_tokenizer)
+from vlm_sdk.models.internvl.tiny_checkpoint_original import (_IMAGENET_MEAN, _IMAGENET_STD, INTERNVL_CHATML_TEMPLATE,
+                                                            INTERNVL_TOKENIZER_ATTRIBUTES, _llm_layout_for,
+                                                            convert_to_original_layout)
+from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, build_tokenizer, no_hf_progress_bars,
+                                                   round_up, write_json, write_tokenizer)
 
 __all__ = [
     "make_tiny_internvl_checkpoint", "make_bench_internvl_checkpoint", "convert_to_original_layout",
@@ -150,20 +150,20 @@ def make_tiny_internvl_checkpoint(path, seed: int = 0, layout: str = "hf", llm: 
                                               max_shard_size=opts["max_shard_size"])
     out.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = _build_tokenizer(INTERNVL_HF_TOKENS)
+    tokenizer = build_tokenizer(INTERNVL_HF_TOKENS)
     ids = {tok: tokenizer.token_to_id(tok) for tok in INTERNVL_HF_TOKENS}
     n_tokens = tokenizer.get_vocab_size()
-    vocab_size = opts["vocab_size"] or _round_up(n_tokens, 64)
+    vocab_size = opts["vocab_size"] or round_up(n_tokens, 64)
     if vocab_size < n_tokens:
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({n_tokens} tokens)")
 
     config = _internvl_config(opts, llm, vocab_size, ids)
     _save_model(config, out, seed=seed, init_std=float(opts["init_std"]), dtype=dtype,
                 max_shard_size=opts["max_shard_size"])
-    _write_tokenizer(out, tokenizer, INTERNVL_HF_TOKENS, INTERNVL_HF_CHAT_TEMPLATE,
+    write_tokenizer(out, tokenizer, INTERNVL_HF_TOKENS, INTERNVL_HF_CHAT_TEMPLATE,
                      extra_config={**INTERNVL_TOKENIZER_ATTRIBUTES, "model_max_length": _FIXED["model_max_length"]})
-    _write_json(out / "generation_config.json", _generation_config(ids))
-    _write_json(out / "preprocessor_config.json", _hf_preprocessor_config(opts["image_size"], max_num))
+    write_json(out / "generation_config.json", _generation_config(ids))
+    write_json(out / "preprocessor_config.json", _hf_preprocessor_config(opts["image_size"], max_num))
     return out
 
 
@@ -273,7 +273,7 @@ def _save_model(config, out: Path, *, seed: int, init_std: float, dtype: torch.d
     from transformers import InternVLForConditionalGeneration
     from transformers.initialization import no_init_weights
 
-    with _no_hf_progress_bars():
+    with no_hf_progress_bars():
         with no_init_weights():  # every parameter is redrawn below; skips ~4 s on the bench shape
             model = InternVLForConditionalGeneration(config)
         model.tie_weights()  # no_init_weights also skips the tying post_init does

@@ -1,0 +1,182 @@
+"""What a model family folder provides: `FamilySpec` (one object, `FAMILY`, in `models/<family>/spec.py`)
+and the small types its hooks speak in.
+
+The engine, planner, server and CLI reach a family only through `vlm_sdk.models.registry`, and through
+it only through this interface: the family's settings (a schema: name, type, default, help, checked
+here), its classes (image processor, prompt processor, model), its planner hooks and its test fixtures
+(tiny checkpoint builder, transformers reference). Shared types carry the family's settings as opaque
+mappings: `EngineArgs.mm_processor_kwargs` (engine-wide) and `ImageRef.options` (one image part).
+"""
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from vlm_sdk.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One family setting. Values are positive integers of at most `maximum` (the only kind the two
+    families need); `default` None means "the checkpoint's" (its preprocessor config)."""
+    name: str
+    help: str
+    type: type = int
+    default: Any = None
+    maximum: int | None = None
+
+    def check(self, value: Any, where: str = "") -> Any:
+        """`value` when valid; `InvalidRequestError` (param = the setting's name) otherwise."""
+        if not isinstance(value, self.type) or isinstance(value, bool) or value < 1:
+            raise InvalidRequestError(f"{where}{self.name} must be a positive integer, got {value!r}", param=self.name)
+        if self.maximum is not None and value > self.maximum:
+            raise InvalidRequestError(f"{where}{self.name} must be an integer from 1 to {self.maximum}, got {value!r}",
+                                      param=self.name)
+        return value
+
+
+@dataclass(frozen=True)
+class ImageSize:
+    """An image size some settings allow: its image tokens, vision-tower rows (`ImageInput.size`
+    units), in words; `value` is the planner setting value that makes it the largest (None: the
+    value in effect)."""
+    tokens: int
+    patches: int
+    text: str
+    value: int | None
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """The planner's view of a family's image sizing (`FamilySpec.image_limits`): one setting
+    (`setting`, a plan option name such as "max_pixels" or "max_num") decides the largest image."""
+    setting: str
+    largest: ImageSize  # under the settings in effect
+    at: Callable[[int], ImageSize]  # the largest image under setting value v
+    candidates: Callable[[int], int | None]  # the largest value below the one in effect whose image fits
+
+    @property
+    def tokens(self) -> int:
+        return self.largest.tokens
+
+    @property
+    def patches(self) -> int:
+        return self.largest.patches
+
+    @property
+    def text(self) -> str:
+        return self.largest.text
+
+    def fitting(self, limit: int) -> ImageSize | None:
+        """The largest image of at most `limit` tokens: the allowed largest when it fits, else the one
+        a smaller setting gives (its `value` names that setting); None when none fits."""
+        if self.largest.tokens <= limit:
+            return dataclasses.replace(self.largest, value=None)
+        v = self.candidates(limit)
+        return None if v is None else self.at(v)
+
+
+class FamilySpec(ABC):
+    """One model family. A subclass sets the class attributes and implements the hooks; its module
+    (`models/<family>/spec.py`) defines `FAMILY = TheSpec()` and is named by one registry line.
+
+    Class attributes:
+        name              registry name, e.g. "qwen2_5_vl"
+        display_name      in messages, e.g. "Qwen2.5-VL"
+        engine_settings   `Setting`s of `EngineArgs.mm_processor_kwargs` (flags `--<name>`)
+        image_settings    `Setting`s an image part may carry (`ImageRef.options`)
+        plan_setting      (plan option, engine setting) the planner sizes images by, e.g.
+                          ("max_num", "max_dynamic_patch"); the plan flag is `--<plan option>`
+    """
+
+    name: str
+    display_name: str
+    engine_settings: tuple[Setting, ...] = ()
+    image_settings: tuple[Setting, ...] = ()
+    plan_setting: tuple[str, str]
+
+    # -- classes (imported when asked for: importing the spec imports no model code) -------------
+    @property
+    @abstractmethod
+    def model_cls(self) -> type:
+        """`VisionLanguageModel` subclass: `model_cls(hf_config, dtype=, device=, ops=)`."""
+
+    @property
+    @abstractmethod
+    def image_processor_cls(self) -> type:
+        """`.from_preprocessor_config(preprocessor_config.json as a dict, hf_config)`."""
+
+    @property
+    @abstractmethod
+    def processor_cls(self) -> type:
+        """`PromptProcessor` subclass: `.from_engine_args(tokenizer, image_processor, hf_config, EngineArgs)`."""
+
+    def text_config(self, hf_config: Any) -> Any:
+        """hf_config -> the language model's config (max_position_embeddings is read from it)."""
+        from vlm_sdk.model_loader import text_config
+        return text_config(hf_config)
+
+    # -- settings ----------------------------------------------------------------------------------
+    def engine_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """`EngineArgs.mm_processor_kwargs` checked against `engine_settings`: another family's
+        setting (or an unknown one) is refused naming the setting, this family and its settings."""
+        return _checked(self, options, self.engine_settings, "engine setting", "")
+
+    def image_options(self, options: Mapping[str, Any], where: str) -> dict[str, Any]:
+        """One image part's `ImageRef.options` checked against `image_settings` (`where`: "image 0: ")."""
+        return _checked(self, options, self.image_settings, "image setting", where)
+
+    # -- planner hooks -----------------------------------------------------------------------------
+    @abstractmethod
+    def image_limits(self, preprocessor: Mapping[str, Any], hf_config: Any, model: Any,
+                     options: Mapping[str, Any]) -> ImageLimits:
+        """The largest image the engine settings `options` allow (tokens, vision rows), the image a
+        setting value `v` allows, and the search for the largest value whose image fits a limit.
+        `model` is the engine's model built on the meta device."""
+
+    @abstractmethod
+    def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int]:
+        """(vision hidden size, vision MLP width) for the planner's vision activation estimate:
+        rows of the largest image * (4 * hidden + 2 * MLP width) * dtype bytes."""
+
+    # -- test fixtures (transformers needed) -------------------------------------------------------
+    @abstractmethod
+    def make_tiny_checkpoint(self, path: Path, seed: int = 0, **overrides) -> Path:
+        """A tiny random checkpoint of this family, saved by transformers (overrides: the builder's)."""
+
+    @abstractmethod
+    def make_bench_checkpoint(self, path: Path, seed: int = 0, **overrides) -> Path:
+        """A ~100M-parameter random checkpoint for benchmarks."""
+
+    @property
+    @abstractmethod
+    def reference(self) -> Any:
+        """The transformers reference module: `hf_image_processor(model_dir, **kw)` and
+        `hf_prompt(tokenizer, image_processor, config, messages) -> dict` of model inputs."""
+
+
+def _checked(family: FamilySpec, options: Mapping[str, Any], schema: tuple[Setting, ...], kind: str,
+             where: str) -> dict[str, Any]:
+    by_name = {s.name: s for s in schema}
+    out = {}
+    for name, value in options.items():
+        if value is None:
+            continue
+        if name not in by_name:
+            accepted = ", ".join(by_name) or "none"
+            raise InvalidRequestError(
+                f"{where}{name}{'' if where else f'={value!r}'} is not an {kind} of {family.display_name} (this "
+                f"checkpoint's family, {family.name}){_owner(name, family.name)}; {family.display_name} "
+                f"{kind}s: {accepted}", param=name)
+        out[name] = by_name[name].check(value, where)
+    return out
+
+
+def _owner(name: str, this: str) -> str:
+    from vlm_sdk.models.registry import families
+    owners = [f.display_name for f in families() if f.name != this and
+              name in {s.name for s in f.engine_settings + f.image_settings}]
+    return f": it belongs to {' / '.join(owners)}" if owners else ""

@@ -1,0 +1,76 @@
+"""The InternVL 2 / 2.5 / 3 family: `FAMILY`, named in `vlm_sdk.models.registry`.
+
+Images are cut into 448x448 tiles (at most max_num, plus a thumbnail); each tile is
+tokens_per_tile image tokens. Engine setting: max_dynamic_patch (most tiles per image, default the
+checkpoint's); an image part may set its own `max_num`. The planner sizes images by `--max-num`.
+Importing this module imports no model code.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, Mapping
+
+from vlm_sdk.models.family import FamilySpec, ImageLimits, ImageSize, Setting
+
+MAX_NUM_LIMIT = 256  # tiles one image may ask for; the published models use at most 40
+
+
+class InternVLSpec(FamilySpec):
+    name = "internvl"
+    display_name = "InternVL"
+    engine_settings = (Setting("max_dynamic_patch", "most 448x448 tiles per image, the thumbnail not counted "
+                                                    "(default: the checkpoint's)", maximum=MAX_NUM_LIMIT),)
+    image_settings = (Setting("max_num", "most tiles for this image (the thumbnail not counted)",
+                              maximum=MAX_NUM_LIMIT),)
+    plan_setting = ("max_num", "max_dynamic_patch")
+
+    @property
+    def model_cls(self) -> type:
+        from vlm_sdk.models.internvl.model import InternVLForCausalLM
+        return InternVLForCausalLM
+
+    @property
+    def image_processor_cls(self) -> type:
+        from vlm_sdk.models.internvl.image_processor import InternVLImageProcessor
+        return InternVLImageProcessor
+
+    @property
+    def processor_cls(self) -> type:
+        from vlm_sdk.models.internvl.processor import InternVLProcessor
+        return InternVLProcessor
+
+    def image_limits(self, preprocessor: Mapping[str, Any], hf_config: Any, model: Any,
+                     options: Mapping[str, Any]) -> ImageLimits:
+        ip = self.image_processor_cls.from_preprocessor_config(preprocessor, hf_config)
+        per_tile = model.vision.cfg.tokens_per_tile(ip.image_size)
+        grid = model.vision.cfg.grid_of(ip.image_size)
+        max_num = options.get("max_dynamic_patch") or ip.max_num
+
+        def at(n: int) -> ImageSize:
+            tiles = ip.tiles_of_grid(n)
+            return ImageSize(tiles * per_tile, tiles * (grid * grid + 1),
+                             f"max_num {n}: {tiles} tiles of {ip.image_size}x{ip.image_size} pixels", n)
+
+        def candidates(limit: int) -> int | None:  # tile counts need not shrink with max_num: scan them all
+            ok = [n for n in range(ip.min_num, max_num) if at(n).tokens <= limit]
+            return max(ok) if ok else None
+        return ImageLimits("max_num", at(max_num), at, candidates)
+
+    def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int]:
+        return model.vision.cfg.hidden_size, model.vision.cfg.intermediate_size
+
+    def make_tiny_checkpoint(self, path: Path, seed: int = 0, **overrides) -> Path:
+        from vlm_sdk.models.internvl.tiny_checkpoint import make_tiny_internvl_checkpoint
+        return make_tiny_internvl_checkpoint(path, seed=seed, **overrides)
+
+    def make_bench_checkpoint(self, path: Path, seed: int = 0, **overrides) -> Path:
+        from vlm_sdk.models.internvl.tiny_checkpoint import make_bench_internvl_checkpoint
+        return make_bench_internvl_checkpoint(path, seed=seed, **overrides)
+
+    @property
+    def reference(self) -> Any:
+        return importlib.import_module("vlm_sdk.models.internvl.reference")
+
+
+FAMILY = InternVLSpec()

@@ -1,0 +1,76 @@
+"""The Qwen2.5-VL family: `FAMILY`, named in `vlm_sdk.models.registry`.
+
+Images are resized to a multiple of 28 pixels between min_pixels and max_pixels (`smart_resize`);
+one image token per 28x28 pixels. Engine settings: min_pixels, max_pixels (defaults: the
+preprocessor config's); an image part may set its own. The planner sizes images by max_pixels.
+Importing this module imports no model code.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, Mapping
+
+from vlm_sdk.models.family import FamilySpec, ImageLimits, ImageSize, Setting
+
+_PIXELS = "pixels (width x height) an image is resized to {}: a multiple of 28x28, default the preprocessor's"
+
+
+class Qwen2_5_VLSpec(FamilySpec):
+    name = "qwen2_5_vl"
+    display_name = "Qwen2.5-VL"
+    engine_settings = (Setting("min_pixels", _PIXELS.format("at least")),
+                       Setting("max_pixels", _PIXELS.format("at most")))
+    image_settings = engine_settings  # an image part's own bounds win over the engine's
+    plan_setting = ("max_pixels", "max_pixels")
+
+    @property
+    def model_cls(self) -> type:
+        from vlm_sdk.models.qwen2_5_vl.model import Qwen2_5_VLForCausalLM
+        return Qwen2_5_VLForCausalLM
+
+    @property
+    def image_processor_cls(self) -> type:
+        from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor
+        return Qwen2VLImageProcessor
+
+    @property
+    def processor_cls(self) -> type:
+        from vlm_sdk.models.qwen2_5_vl.processor import Qwen2_5_VLProcessor
+        return Qwen2_5_VLProcessor
+
+    def image_limits(self, preprocessor: Mapping[str, Any], hf_config: Any, model: Any,
+                     options: Mapping[str, Any]) -> ImageLimits:
+        from vlm_sdk.models.qwen2_5_vl.fixes import largest_max_pixels
+        from vlm_sdk.models.qwen2_5_vl.image_processor import max_image_grid
+        ip = self.image_processor_cls.from_preprocessor_config(preprocessor, hf_config)
+        max_pixels = options.get("max_pixels") or ip.max_pixels
+        factor, unit = ip.patch_size * ip.merge_size, ip.merge_size ** 2
+
+        def at(v: int) -> ImageSize:
+            t, h, w = max_image_grid(ip, v)
+            return ImageSize(t * h * w // unit, t * h * w,
+                             f"max_pixels {v}: {h * ip.patch_size}x{w * ip.patch_size} pixels", v)
+
+        def candidates(limit: int) -> int | None:
+            return largest_max_pixels(lambda v: at(v).tokens, limit, ip.min_pixels, factor, max_pixels)
+        return ImageLimits("max_pixels", at(max_pixels), at, candidates)
+
+    def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int]:
+        vc = hf_config.vision_config  # transformers' parsed vision config
+        return vc.hidden_size, vc.intermediate_size
+
+    def make_tiny_checkpoint(self, path: Path, seed: int = 0, **overrides) -> Path:
+        from vlm_sdk.models.qwen2_5_vl.tiny_checkpoint import make_tiny_qwen_checkpoint
+        return make_tiny_qwen_checkpoint(path, seed, **overrides)
+
+    def make_bench_checkpoint(self, path: Path, seed: int = 0, **overrides) -> Path:
+        from vlm_sdk.models.qwen2_5_vl.tiny_checkpoint import make_bench_qwen_checkpoint
+        return make_bench_qwen_checkpoint(path, seed, **overrides)
+
+    @property
+    def reference(self) -> Any:
+        return importlib.import_module("vlm_sdk.models.qwen2_5_vl.reference")
+
+
+FAMILY = Qwen2_5_VLSpec()

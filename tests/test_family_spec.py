@@ -1,0 +1,153 @@
+"""The family spec contract: every registered family provides its settings schema, classes, planner
+hooks, tiny checkpoint and transformers reference; shared types carry family settings as opaque
+options, routed and checked through the registry; importing the registry imports no family."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from vlm_sdk.config import EngineArgs
+from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
+from vlm_sdk.models import registry
+from vlm_sdk.models.family import FamilySpec, Setting
+from vlm_sdk.multimodal.messages import parse_messages
+
+FAMILIES = registry.family_names()
+
+
+def test_importing_the_registry_imports_no_family():
+    code = ("import sys, vlm_sdk.models.registry as r; r.supported_architectures(); "
+            "print(sorted(m for m in sys.modules if m.startswith('vlm_sdk.models.') and m.count('.') >= 3))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_provides_the_spec(name):
+    fam = registry.load(name)
+    assert isinstance(fam, FamilySpec) and fam.name == name and fam.display_name
+    entry = next(e for e in registry.FAMILIES if e.name == name)
+    assert registry.resolve([entry.architectures[0]]) is fam
+    assert all(isinstance(s, Setting) and s.help for s in fam.engine_settings + fam.image_settings)
+    option, setting = fam.plan_setting
+    assert setting in {s.name for s in fam.engine_settings} and option
+    for cls in (fam.model_cls, fam.processor_cls, fam.image_processor_cls):
+        assert isinstance(cls, type)
+    assert fam.model_cls.position_rows in (1, 3)
+    assert callable(fam.reference.hf_prompt) and callable(fam.reference.hf_image_processor)
+
+
+def test_position_rows_per_family():
+    assert registry.load("qwen2_5_vl").model_cls.position_rows == 3  # M-RoPE t/h/w
+    assert registry.load("internvl").model_cls.position_rows == 1
+
+
+def test_engine_args_route_family_settings_into_the_options_mapping():
+    args = registry.engine_args(max_pixels=200_704, num_blocks=8)
+    assert dict(args.mm_processor_kwargs) == {"max_pixels": 200_704} and args.num_blocks == 8
+    assert dict(registry.engine_args(max_dynamic_patch=None).mm_processor_kwargs) == {}
+    with pytest.raises(UnknownArgumentError, match="max_pixels"):  # accepted names are listed
+        registry.engine_args(max_pixel=1)
+    with pytest.raises(UnknownArgumentError):  # without the registry's names, no family setting exists
+        EngineArgs.from_kwargs(max_pixels=1)
+    with pytest.raises(InvalidRequestError, match="max_pixels must be a positive integer") as info:
+        registry.engine_args(max_pixels=0)
+    assert info.value.param == "max_pixels"
+    with pytest.raises(InvalidRequestError, match="max_dynamic_patch must be an integer from 1 to 256"):
+        registry.engine_args(max_dynamic_patch=1000)
+
+
+def test_a_family_refuses_another_familys_setting_naming_it_and_its_own():
+    qwen, internvl = registry.load("qwen2_5_vl"), registry.load("internvl")
+    with pytest.raises(InvalidRequestError) as info:
+        qwen.engine_options({"max_dynamic_patch": 2})
+    msg = str(info.value)
+    for word in ("max_dynamic_patch=2", "Qwen2.5-VL", "qwen2_5_vl", "min_pixels, max_pixels", "InternVL"):
+        assert word in msg, msg
+    assert info.value.param == "max_dynamic_patch"
+    with pytest.raises(InvalidRequestError, match="image 1: min_pixels is not an image setting of InternVL.*max_num"):
+        internvl.image_options({"min_pixels": 3136}, "image 1: ")
+    with pytest.raises(InvalidRequestError, match="image 0: colour is not an image setting of Qwen2.5-VL.*max_pixels"):
+        qwen.image_options({"colour": "red"}, "image 0: ")
+    assert qwen.image_options({"max_pixels": 3136, "min_pixels": None}, "") == {"max_pixels": 3136}
+
+
+def test_image_parts_carry_their_other_keys_as_options():
+    _, refs = parse_messages([{"role": "user", "content": [
+        {"type": "image", "image": "a.png", "max_pixels": 100},
+        {"type": "image_url", "image_url": {"url": "data:x", "detail": "low", "max_num": 3}, "min_pixels": 5},
+        {"type": "image_url", "image_url": "data:y"}]}])
+    assert [dict(r.options) for r in refs] == [{"max_pixels": 100}, {"max_num": 3, "min_pixels": 5}, {}]
+    assert refs[1].source == "data:x"
+
+
+def test_server_flags_come_from_the_family_schemas():
+    from vlm_sdk.server.cli import add_engine_flags, engine_kwargs
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    for fam in registry.families():
+        for s in fam.engine_settings:
+            args = parser.parse_args([f"--{s.name.replace('_', '-')}", "4"])
+            assert engine_kwargs(args) == {s.name: 4}
+            assert dict(registry.engine_args(**engine_kwargs(args)).mm_processor_kwargs) == {s.name: 4}
+
+
+def test_plan_flags_come_from_the_family_schemas():
+    from vlm_sdk.plan import FAMILY_OPTIONS, PLAN_OPTIONS
+    assert set(FAMILY_OPTIONS) == {f.plan_setting[0] for f in registry.families()} <= set(PLAN_OPTIONS)
+
+
+def test_a_new_family_is_one_registry_line(tiny_ckpt, tmp_path, monkeypatch):
+    """A family registered by one `FamilyEntry` (its spec module found by path) serves a checkpoint
+    through the engine and the planner, with no edit to either."""
+    import json
+    import shutil
+    import types
+
+    from vlm_sdk import LLM, SamplingParams
+    from vlm_sdk.models.qwen2_5_vl.spec import Qwen2_5_VLSpec
+    from vlm_sdk.plan import plan
+
+    class NewSpec(Qwen2_5_VLSpec):  # a family reusing Qwen2.5-VL's parts under new names
+        name, display_name = "newvl", "NewVL"
+
+    module = types.ModuleType("newvl_spec")
+    module.FAMILY = NewSpec()
+    monkeypatch.setitem(sys.modules, "newvl_spec", module)
+    monkeypatch.setattr(registry, "FAMILIES", registry.FAMILIES + (
+        registry.FamilyEntry("newvl", "newvl_spec", ("NewVLForConditionalGeneration",)),))
+    ckpt = tmp_path / "newvl"
+    shutil.copytree(tiny_ckpt, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "architectures": ["NewVLForConditionalGeneration"]}))
+
+    assert registry.resolve(["NewVLForConditionalGeneration"]) is module.FAMILY
+    p = plan(ckpt, num_blocks=64, max_pixels=28 * 28 * 16)
+    assert p.family == "newvl" and p.image_tokens_per_image == 16
+    conv = [{"role": "user", "content": "Say something."}]
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    ours = LLM(ckpt, num_blocks=64, max_pixels=28 * 28 * 16, show_progress=False)
+    assert ours.engine.memory_report.image_tokens_per_image == p.image_tokens_per_image  # plan == engine
+    qwen = LLM(tiny_ckpt, num_blocks=64, max_pixels=28 * 28 * 16, show_progress=False)
+    assert ours.chat(conv, params)[0].token_ids == qwen.chat(conv, params)[0].token_ids
+
+
+def test_shared_code_names_no_family():
+    """The engine, planner, server, client, config and multimodal types reach families only through
+    the registry: no family name or family setting appears in their source."""
+    import re
+    from pathlib import Path
+
+    import vlm_sdk
+    root = Path(vlm_sdk.__file__).parent
+    files = [*root.glob("engine/*.py"), *root.glob("multimodal/*.py"), *root.glob("server/*.py"),
+             *(root / n for n in ("plan.py", "plan_report.py", "config.py", "client.py", "llm.py", "async_llm.py"))]
+    words = {s.name for f in registry.families() for s in f.engine_settings + f.image_settings}
+    words |= {f.name for f in registry.families()} | {f.display_name for f in registry.families()}
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(words))) + r")\b", re.IGNORECASE)
+    hits = [f"{p.relative_to(root)}:{i}: {line.strip()}" for p in files
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not hits, "\n".join(hits)
