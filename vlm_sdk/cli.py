@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "vs the same workload in process"))
     from vlm_sdk.server.cli import add_serve_parser, run_serve
     add_serve_parser(sub)
-    from vlm_sdk.plan_report import add_plan_parser, run_plan
+    from vlm_sdk.plan.report import add_plan_parser, run_plan
     add_plan_parser(sub)
     args = parser.parse_args(argv)
     try:

@@ -5,7 +5,7 @@
 The block count comes from the first of: `num_blocks`; `kv_cache_memory` // bytes_per_block; on CUDA,
 (memory_utilization * total device memory - memory in use after loading - profiled activation peak)
 // bytes_per_block (`DeviceBudget`); on the CPU, enough for max_num_seqs sequences of
-max_model_len tokens, at most 1 GiB. `vlm_sdk.plan` applies the same rules before anything is loaded.
+max_model_len tokens, at most 1 GiB. `vlm_sdk.plan.planner` applies the same rules before anything is loaded.
 """
 from __future__ import annotations
 
