@@ -3,6 +3,7 @@ and `vlm_sdk/`, found by setup.py, so a new model family folder cannot be silent
 editable install would still import it)."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -23,9 +24,16 @@ def _source_packages() -> set[str]:
 
 
 def test_wheel_contains_every_package(tmp_path):
+    # built from a copy: an in-tree build would leave build/ behind, whose stale files could pass the check
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for name in ("vlm_sdk", "kernels", "models"):
+        shutil.copytree(ROOT / name, src / name, ignore=skip)
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path), str(ROOT)], check=True, capture_output=True, text=True)
-    (wheel,) = tmp_path.glob("vlm_sdk-*.whl")
+                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True, text=True)
+    (wheel,) = (tmp_path / "dist").glob("vlm_sdk-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     in_wheel = {n.rsplit("/", 1)[0] for n in names if n.endswith(".py")}
     inits = {n.rsplit("/", 1)[0] for n in names if n.endswith("/__init__.py")}
