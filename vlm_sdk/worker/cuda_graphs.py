@@ -29,7 +29,7 @@ import time
 import torch
 
 from vlm_sdk.engine.attention_metadata import AttentionMetadata
-from vlm_sdk.engine.block_manager import blocks_needed
+from vlm_sdk.worker.block_table import blocks_needed
 
 logger = logging.getLogger("vlm_sdk")
 
