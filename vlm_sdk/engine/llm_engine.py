@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 
 import torch
@@ -25,6 +24,7 @@ from vlm_sdk.engine.engine_output import EngineOutput
 from vlm_sdk.engine.kv_cache import allocate_or_explain, bytes_per_block, plan_cache
 from vlm_sdk.engine.memory_report import StartupMemory, cuda_allocated, weight_bytes
 from vlm_sdk.engine.preemption_watch import PreemptionWatch, preemption_warning
+from vlm_sdk.engine.prompt_tokenizer import PromptTokenizer, PromptTooLong
 from vlm_sdk.engine.scheduler import ScheduledBatch, Scheduler
 from vlm_sdk.engine.sequence import Sequence
 from vlm_sdk.errors import InvalidRequestError
@@ -42,29 +42,6 @@ from vlm_sdk.worker.profiler import profile_num_tokens, profile_peak_bytes
 logger = logging.getLogger("vlm_sdk")
 
 
-class LockedTokenizer:
-    """Fast tokenizers raise "Already borrowed" when two threads use one at once; serialise them."""
-
-    def __init__(self, tokenizer):
-        self._tok = tokenizer
-        self._lock = threading.Lock()
-
-    def encode(self, *args, **kwargs):
-        with self._lock:
-            return self._tok.encode(*args, **kwargs)
-
-    def decode(self, *args, **kwargs):
-        with self._lock:
-            return self._tok.decode(*args, **kwargs)
-
-    def apply_chat_template(self, *args, **kwargs):
-        with self._lock:
-            return self._tok.apply_chat_template(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._tok, name)
-
-
 class LLMEngine:
     def __init__(self, model: str, args: EngineArgs):
         self.args = args
@@ -73,7 +50,7 @@ class LLMEngine:
         info = read_checkpoint(model)
         self.checkpoint = info
         family = resolve([info.architecture])
-        self.tokenizer = LockedTokenizer(load_tokenizer(model))
+        self.tokenizer = PromptTokenizer(load_tokenizer(model))  # prompt building only
         self.eos_token_ids = set(info.eos_token_ids)
 
         self.ops = make_ops(args.attention_backend, self.device)
@@ -105,6 +82,7 @@ class LLMEngine:
         self.cache_config = plan_cache(args, per_block, self.device, self.max_position_embeddings, peak)
         self.scheduler_config = self._scheduler_config()
         self.processor.max_image_tokens = self.scheduler_config.max_model_len
+        self.tokenizer.max_tokens = self.scheduler_config.max_model_len
         kv_caches = allocate_or_explain(m.num_layers, self.cache_config, m.num_kv_heads, m.head_dim,
                                         self.dtype, self.device)
         self.memory_report = self._memory_report(weights_allocated, peak, largest_image.num_tokens)
@@ -168,7 +146,10 @@ class LLMEngine:
     def build_prompt(self, messages) -> PromptInputs:
         """Validate messages, decode and preprocess images, tokenize; raise if it can never fit."""
         t0 = time.perf_counter()
-        prompt = self.processor(messages)
+        try:
+            prompt = self.processor(messages)
+        except PromptTooLong as e:  # a huge text: refused from its token count, before any conversion
+            prompt = PromptInputs(token_ids=[0] * e.num_tokens)  # what check_prompt counts
         self.check_prompt(prompt)
         prompt.preprocess_seconds = time.perf_counter() - t0
         return prompt
