@@ -25,15 +25,17 @@ from vlm_sdk.sampling_params import SamplingParams
 
 
 class _SerialDecoder:
-    """The output tokenizer's decode, serialised among output processors only (fast tokenizers
-    refuse concurrent use from several threads); prompt tokenization never takes this lock."""
+    """The output tokenizer, serialised among output processors only (fast tokenizers refuse
+    concurrent use from several threads); prompt tokenization never takes this lock. `backend` and
+    `lock` serve the detokenizer's DecodeStream path."""
 
     def __init__(self, tokenizer):
         self._tok = tokenizer
-        self._lock = threading.Lock()
+        self.backend = getattr(tokenizer, "_tokenizer", None)  # tokenizers.Tokenizer of a fast tokenizer
+        self.lock = threading.Lock()
 
     def decode(self, *args, **kwargs) -> str:
-        with self._lock:
+        with self.lock:
             return self._tok.decode(*args, **kwargs)
 
 
