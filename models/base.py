@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -35,9 +35,10 @@ class VisionLanguageModel(nn.Module, ABC):
         in the order given, each image's rows in the order its image tokens appear. Reads each image's
         `data` (float32, moved here) and the family's `meta`."""
 
-    def positions(self, prompt: PromptInputs, start: int, end: int) -> torch.Tensor:
-        """Positions `[position_rows, end - start]` int64 (host) of tokens start..end of a sequence
-        whose prompt is `prompt`; tokens past the prompt are generated ones. Default: 1-D, the index."""
+    def positions(self, prompt_positions: Any, start: int, end: int) -> torch.Tensor:
+        """Positions `[position_rows, end - start]` int64 (host) of tokens start..end of a sequence whose
+        prompt's processor left `prompt_positions` (`PromptInputs.positions`, None for none); tokens past
+        the prompt are generated ones. Default: 1-D, the index."""
         return torch.arange(start, end).expand(self.position_rows, -1)
 
     @abstractmethod

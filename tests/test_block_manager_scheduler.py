@@ -9,13 +9,8 @@ from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.sampling_params import SamplingParams
 
 
-class _NoDetok:
-    def add(self, token):
-        return ""
-
-
 def _seq(name, n_prompt):
-    return Sequence(name, PromptInputs(token_ids=list(range(n_prompt))), SamplingParams(max_tokens=100), _NoDetok())
+    return Sequence(name, PromptInputs(token_ids=list(range(n_prompt))), SamplingParams(max_tokens=100))
 
 
 def _step(sched, tokens_per_sampled=1):
@@ -119,12 +114,16 @@ def test_finish_frees_waiting_and_running():
     assert a.finish_reason == "abort" and b.status is SequenceStatus.FINISHED
 
 
-def test_image_token_index_follows_prompt():
+def test_worker_state_knows_which_images_a_step_may_still_read():
     from vlm_sdk.multimodal.inputs import ImageInput
+    from vlm_sdk.worker.io import NewRequestData
+    from vlm_sdk.worker.request_state import RequestState
     im = ImageInput(data=torch.zeros(16, 4), num_tokens=4)
-    p = PromptInputs(token_ids=[1] * 12, images=[im, im], image_positions=[2, 8])
-    seq = Sequence("x", p, SamplingParams(), _NoDetok())
-    assert seq.image_token_index.tolist() == [2, 3, 4, 5, 8, 9, 10, 11]
-    assert seq.needs_images
-    seq.num_computed_tokens = 12
-    assert not seq.needs_images
+    new = NewRequestData("x", [1] * 12, [], [im, im], [2, 8], None, SamplingParams(), [0], 0)
+    state = RequestState.from_new(new)
+    assert [state.image_end(i) for i in range(2)] == [6, 12]
+    assert state.images_needed() == [0, 1]
+    state.num_computed_tokens = 6
+    assert state.images_needed() == [1]
+    state.num_computed_tokens = 12
+    assert state.images_needed() == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from types import MappingProxyType, SimpleNamespace
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -17,9 +17,9 @@ from vlm_sdk.engine import capacity
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.config import DeviceBudget
 from vlm_sdk.engine.kv_cache import plan_cache
-from vlm_sdk.engine.model_runner import _patch_groups
+from vlm_sdk.worker.model_runner import _patch_groups
 from vlm_sdk.models.qwen2_5_vl.image_processor import max_image_grid, max_image_patches
-from vlm_sdk.engine.scheduler import SchedulerOutput
+from vlm_sdk.engine.scheduler import ScheduledBatch
 from vlm_sdk.errors import InputTooLongError, InvalidImageError, InvalidRequestError
 from vlm_sdk.model_loader import _safetensors_files, iter_safetensors, read_checkpoint
 from vlm_sdk.layers import activation
@@ -27,6 +27,8 @@ from vlm_sdk.models.qwen2_5_vl import fixes, vision
 from vlm_sdk.models.qwen2_5_vl.image_processor import QwenImage, Qwen2VLImageProcessor
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 from vlm_sdk.testing import make_tiny_checkpoint
+from vlm_sdk.worker.io import NewRequestData
+from vlm_sdk.worker.request_state import RequestState
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
 BLOCKS = 20  # 320 tokens
@@ -249,11 +251,17 @@ def test_grouped_encoding_matches_one_call(tiny_ckpt):
         return encode(images)
 
     def embeds(limit):
-        seqs = [SimpleNamespace(prompt=p, image_embeds=None) for p in prompts]
+        states = [RequestState.from_new(NewRequestData(
+            f"r{i}", p.token_ids, [], p.images, p.image_positions, p.positions, PARAMS, [], 0))
+            for i, p in enumerate(prompts)]
         runner.max_vision_patches = limit
         calls.clear()
-        runner._encode_images(seqs)
-        return [s.image_embeds for s in seqs], list(calls)
+        runner._encode_images([(s, 1) for s in states])
+        per_seq = [torch.cat([runner.encoder_cache.get(s.request_id, i) for i in range(len(s.images))])
+                   for s in states]
+        for s in states:
+            runner.encoder_cache.free(s.request_id)
+        return per_seq, list(calls)
 
     runner.model.encode_images = counting
     try:
@@ -376,7 +384,7 @@ def test_small_cleanups(tmp_path):
     assert isinstance(activation.ACTIVATIONS, MappingProxyType)
     with pytest.raises(TypeError):
         activation.ACTIVATIONS["relu"] = torch.relu
-    assert not hasattr(SchedulerOutput(), "num_tokens")
+    assert not hasattr(ScheduledBatch(), "num_tokens")
     # shards are read in file-name order whatever order the index lists them in
     for name in ("b.safetensors", "a.safetensors", "c.safetensors"):
         (tmp_path / name).write_bytes(b"")

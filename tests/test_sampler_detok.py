@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from vlm_sdk.engine.detokenizer import IncrementalDetokenizer
-from vlm_sdk.engine.sampler import Sampler
+from vlm_sdk.worker.sampler import Sampler
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.sampling_params import SamplingParams
 
@@ -63,12 +63,26 @@ def test_bad_sampling_params_are_typed_errors(bad):
         SamplingParams(**bad)
 
 
-def test_detokenizer_never_splits_utf8(tiny_ckpt):
+class _DecodeOnly:
+    """A tokenizer without a tokenizers backend: the detokenizer's window path."""
+
+    def __init__(self, tok):
+        self.decode = tok.decode
+
+
+def _detok(tok, path):
+    detok = IncrementalDetokenizer(tok if path == "stream" else _DecodeOnly(tok))
+    assert (detok._stream is not None) == (path == "stream")  # DecodeStream when the backend allows
+    return detok
+
+
+@pytest.mark.parametrize("path", ["stream", "window"])
+def test_detokenizer_never_splits_utf8(tiny_ckpt, path):
     from vlm_sdk.model_loader import load_tokenizer
     tok = load_tokenizer(tiny_ckpt)
     text = "héllo 🦙 wörld — 你好 ✓ done"
     ids = tok.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tok)
+    detok = _detok(tok, path)
     deltas = [detok.add(t) for t in ids]
     deltas.append(detok.flush())
     assert all("\ufffd" not in d for d in deltas)
@@ -76,14 +90,31 @@ def test_detokenizer_never_splits_utf8(tiny_ckpt):
     assert sum(1 for d in deltas if d == "") > 0  # multi-byte characters were held back at least once
 
 
-def test_detokenizer_on_arbitrary_ids_matches_decode(tiny_ckpt):
+@pytest.mark.parametrize("path", ["stream", "window"])
+def test_detokenizer_on_arbitrary_ids_matches_decode(tiny_ckpt, path):
     from vlm_sdk.model_loader import load_tokenizer
     tok = load_tokenizer(tiny_ckpt)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, len(tok), (300,), generator=g).tolist()
-    detok = IncrementalDetokenizer(tok)
+    detok = _detok(tok, path)
     joined = "".join(detok.add(t) for t in ids) + detok.flush()
     assert joined == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_detokenizer_falls_back_to_the_window_when_the_stream_refuses(tiny_ckpt):
+    from vlm_sdk.model_loader import load_tokenizer
+    tok = load_tokenizer(tiny_ckpt)
+    text = "héllo 🦙 wörld — 你好 ✓ done"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    first = "".join(detok.add(t) for t in ids[:7])
+
+    class Refusing:
+        def step(self, *_):
+            raise RuntimeError("Invalid prefix encountered")
+    detok._stream = Refusing()
+    rest = "".join(detok.add(t) for t in ids[7:]) + detok.flush()
+    assert detok._stream is None and first + rest == text
 
 
 def test_tiny_temperature_is_greedy_not_nan():

@@ -11,7 +11,7 @@ import torch
 from helpers import conversations
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.config import EngineArgs
-from vlm_sdk.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from vlm_sdk.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.layers.ops import make_ops
 
@@ -70,7 +70,7 @@ def test_triton_hidden_states_match_torch(tiny_ckpt):
     chunk over earlier context and a decode row."""
     _interpreter_or_gpu("cpu")
     from vlm_sdk.attention.metadata import AttentionMetadata
-    from vlm_sdk.engine.kv_cache import allocate_kv_caches
+    from vlm_sdk.worker.kv_cache import allocate_kv_caches
     from vlm_sdk.config import CacheConfig
 
     ref = LLM(tiny_ckpt, attention_backend="torch", show_progress=False).engine.model

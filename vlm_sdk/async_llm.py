@@ -2,10 +2,14 @@
 
     caller task --chat_stream--> executor: build_prompt (image decode, tokenize, size check)
                              --> command queue --> engine thread: add / abort, step(), step(), ...
-    caller task <-- asyncio.Queue per request <-- loop.call_soon_threadsafe(outputs)
+    caller task <-- asyncio.Queue per request <-- loop.call_soon_threadsafe(EngineOutputs: token ids)
+    caller task: RequestOutputState.process -> RequestOutput (detokenize, stop strings, delta)
 
 Once constructed (the constructor loads the weights on the calling thread, like `LLM`), the event
-loop runs no model or image work. Closing a stream early (`break` out of `async for`, which CPython
+loop runs no model or image work. The engine thread never touches a tokenizer: text is made in each
+stream's coroutine by the `OutputProcessor`, with a tokenizer of its own, so a long prompt being
+tokenized on the executor never holds up a step or another stream's text. A stop string found
+there queues a "stop" for the engine, which frees the request's blocks. Closing a stream early (`break` out of `async for`, which CPython
 finalises at once; `contextlib.aclosing` makes it explicit) or cancelling its task queues an abort,
 which the engine thread applies before its next step, freeing the request's KV blocks.
 """
@@ -20,7 +24,9 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from vlm_sdk.engine.llm_engine import LLMEngine
+from vlm_sdk.engine.output_processor import OutputProcessor
 from vlm_sdk.errors import EngineDeadError, InvalidRequestError
+from vlm_sdk.model_loader import load_tokenizer
 from vlm_sdk.models.registry import engine_args as make_engine_args
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.outputs import RequestOutput
@@ -49,6 +55,7 @@ class _Stream:
 class AsyncLLM:
     def __init__(self, model: str, **engine_args):
         self.engine = LLMEngine(str(model), make_engine_args(**engine_args))
+        self.output_processor = OutputProcessor(load_tokenizer(str(model)))
         self._commands: queue.Queue = queue.Queue()
         # keyed by a unique engine id, so a reused user id never receives an older request's outputs
         self._streams: dict[str, _Stream] = {}
@@ -104,6 +111,7 @@ class AsyncLLM:
         if request_id is not None and any(s.user_id == request_id for s in self._streams.values()):
             raise InvalidRequestError(f"request id {request_id!r} is already streaming")
         stream = _Stream(user_id, loop, asyncio.Queue())
+        state = self.output_processor.new_request(user_id, prompt.token_ids, params)
         with self._lock:
             self._check_alive()  # it may have stopped while the prompt was being built
             self._streams[key] = stream
@@ -115,17 +123,25 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finished
-                item.request_id = user_id
-                yield item
+                out = state.process(item)  # token ids -> text, stop strings, delta
+                if out is None:
+                    continue
+                finished = out.finished
+                if state.finished_by_stop_string:  # the engine has not finished it: tell it
+                    self._send(("abort", key, "stop"))
+                yield out
                 if finished:
                     return
         finally:
             self._streams.pop(key, None)
             if not finished:
-                with self._lock:
-                    if not (self._closed or self._dead):
-                        self._commands.put(("abort", key, None))
+                self._send(("abort", key, "abort"))
+
+    def _send(self, command: tuple) -> None:
+        """Queue a command for the engine thread unless it is gone."""
+        with self._lock:
+            if not (self._closed or self._dead):
+                self._commands.put(command)
 
     async def chat(self, messages, params: SamplingParams | None = None,
                    request_id: str | None = None) -> RequestOutput:
@@ -195,13 +211,13 @@ class AsyncLLM:
                         self._final_drain(EngineDeadError("this AsyncLLM was shut down"))
                         return
                     if cmd == "abort":
-                        engine.abort(key)
+                        engine.abort(key, payload)
                     elif cmd == "add":
                         try:
                             engine.add_request(payload[0], payload[1], request_id=key)
                         except Exception as e:  # a bad request fails its caller alone
                             self._deliver(key, e)
-                outputs = engine.step()
+                outputs = engine.step()  # token ids only: the streams make the text
                 if outputs:
                     self._deliver_many([(out.request_id, out) for out in outputs])
         except BaseException as e:  # engine failure: tell every caller, keep the cause

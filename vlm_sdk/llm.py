@@ -1,10 +1,16 @@
-"""`LLM`: offline batch chat on the caller's thread."""
+"""`LLM`: offline batch chat on the caller's thread.
+
+Each `engine.step()` returns token ids; the `OutputProcessor` (its own tokenizer) turns them into
+text on the same caller's thread, between steps, and finishes requests that hit a stop string.
+"""
 from __future__ import annotations
 
 from typing import Sequence as Seq
 
 from vlm_sdk.engine.llm_engine import LLMEngine
+from vlm_sdk.engine.output_processor import OutputProcessor
 from vlm_sdk.errors import InputTooLongError, InvalidRequestError, VLMError
+from vlm_sdk.model_loader import load_tokenizer
 from vlm_sdk.models.registry import engine_args as make_engine_args
 from vlm_sdk.outputs import RequestOutput
 from vlm_sdk.sampling_params import SamplingParams
@@ -15,6 +21,7 @@ class LLM:
 
     def __init__(self, model: str, **engine_args):
         self.engine = LLMEngine(str(model), make_engine_args(**engine_args))
+        self.output_processor = OutputProcessor(load_tokenizer(str(model)))
 
     def chat(self, conversations, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              ) -> list[RequestOutput]:
@@ -45,14 +52,21 @@ class LLM:
             except VLMError as e:
                 raise type(e)(f"conversation {i}: {e}") from e
         ids: list[str] = []
+        states = {}
         final: dict[str, RequestOutput] = {}
         try:
             for prompt, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, sp))
+                rid = self.engine.add_request(prompt, sp)
+                ids.append(rid)
+                states[rid] = self.output_processor.new_request(rid, prompt.token_ids, sp)
             while len(final) < len(ids):
-                for out in self.engine.step():
-                    if out.finished:
+                for engine_out in self.engine.step():
+                    state = states[engine_out.request_id]
+                    out = state.process(engine_out)
+                    if out is not None and out.finished:
                         final[out.request_id] = out
+                        if state.finished_by_stop_string:
+                            self.engine.abort(out.request_id, "stop")
         finally:
             for rid in ids:  # only after an exception (e.g. KeyboardInterrupt) are any still running
                 if rid not in final:

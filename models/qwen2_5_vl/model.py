@@ -18,7 +18,8 @@ from vlm_sdk.model_loader import ParamSlot
 from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.models.qwen2_5_vl.vision import Qwen2_5_VisionTransformer
-from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
+from vlm_sdk.models.qwen2_5_vl.rope_index import MRopePositions
+from vlm_sdk.multimodal.inputs import ImageInput
 
 _ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
@@ -54,12 +55,12 @@ class Qwen2_5_VLForCausalLM(DecoderVLM):
         pixels = torch.cat([im.data for im in images]).to(device, self.dtype)  # [patches, patch_dim]
         return self.visual(pixels, [im.meta.grid_thw for im in images])
 
-    def positions(self, prompt: PromptInputs, start: int, end: int) -> torch.Tensor:
+    def positions(self, prompt_positions: MRopePositions | None, start: int, end: int) -> torch.Tensor:
         """M-RoPE positions `[3, end - start]`: the prompt's (`MRopePositions`, computed once by the
         processor), then index + rope_delta on all three axes for generated tokens."""
-        if prompt.positions is None:  # a prompt built without the processor: text only
-            return super().positions(prompt, start, end)
-        return prompt.positions.at(start, end)
+        if prompt_positions is None:  # a prompt built without the processor: text only
+            return super().positions(None, start, end)
+        return prompt_positions.at(start, end)
 
     def _vision_parts(self) -> tuple[nn.Module, nn.Module]:
         return self.visual, self.visual.merger

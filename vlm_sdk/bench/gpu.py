@@ -284,7 +284,7 @@ def _attention_figure(cfg, timer, dtype, copy_bw, notes) -> dict:
 def _decode_figure(engine, cfg: GpuBenchConfig, batch: int, timer: DeviceTimer, copy_bw: float) -> dict:
     """`batch` text prompts of cfg.context tokens, prefilled until every one has its first token, then
     `decode_warmup` steps, then `decode_steps` timed engine steps (host scheduling and sampling included)."""
-    from vlm_sdk.engine.block_manager import blocks_needed
+    from vlm_sdk.worker.block_table import blocks_needed
     from vlm_sdk.multimodal.inputs import PromptInputs
     from vlm_sdk.sampling_params import SamplingParams
 

@@ -12,16 +12,7 @@ from __future__ import annotations
 from collections import deque
 
 from vlm_sdk.engine.sequence import Sequence
-
-
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    """Blocks that hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
-    return -(-num_tokens // block_size)
-
-
-def slot_mapping(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
-    """Flat cache slots of token positions start..end of a sequence holding `block_ids`."""
-    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+from vlm_sdk.worker.block_table import blocks_needed, slot_mapping
 
 
 class BlockManager:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 from vlm_sdk.config import CacheConfig, SchedulerConfig
-from vlm_sdk.engine.block_manager import blocks_needed
+from vlm_sdk.worker.block_table import blocks_needed
 from vlm_sdk.errors import CacheTooSmallError, InputTooLongError
 from vlm_sdk.multimodal.inputs import PromptInputs
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from vlm_sdk.config import CacheConfig, DeviceBudget, EngineArgs
-from vlm_sdk.engine.block_manager import blocks_needed
 from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.worker.block_table import blocks_needed
+from vlm_sdk.worker.kv_cache import allocate_kv_caches
 
 CPU_DEFAULT_CACHE_BYTES = 1 << 30
 
@@ -82,15 +83,6 @@ def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_posit
         f"logits for max_num_seqs={args.max_num_seqs} rows and one {image_setting or 'largest allowed'} image; "
         f"lowering those lowers it). {raise_to}, lower max_num_batched_tokens, max_num_seqs or "
         f"{image_setting or 'the image size setting'}, or set kv_cache_memory")
-
-
-def allocate_kv_caches(num_layers: int, cache: CacheConfig, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # zeros, not empty: batched decode reads padding slots (masked out), and masked garbage that
-    # happens to be NaN would still poison the weighted sum
-    shape = (num_layers, 2, cache.num_blocks, cache.block_size, num_kv_heads, head_dim)
-    flat = torch.zeros(shape, dtype=dtype, device=device)
-    return [(flat[i, 0], flat[i, 1]) for i in range(num_layers)]
 
 
 def allocate_or_explain(num_layers: int, cache: CacheConfig, num_kv_heads: int, head_dim: int,

@@ -1,61 +1,45 @@
 """The engine: load once, then `step()` = schedule -> run -> postprocess.
 
+    schedule:    Scheduler.schedule() on live Sequences, then worker_input() -> plain SchedulerOutput
+    run:         ModelRunner.execute(SchedulerOutput) -> ModelRunnerOutput (request id -> token)
+    postprocess: append tokens, finish on EOS / stop_token_ids / max_tokens / max_model_len
+                 -> [EngineOutput] (token ids; text is the OutputProcessor's, off this thread)
+
 Not thread-safe by itself: `LLM` drives it from the caller's thread, `AsyncLLM` from one engine
-thread. `build_prompt` touches only the tokenizer (behind a lock) and may run on any thread.
+thread. `build_prompt` touches only the prompt tokenizer (behind a lock) and may run on any thread;
+`step` never touches a tokenizer.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 
 import torch
 
 from vlm_sdk.config import EngineArgs, SchedulerConfig
-from vlm_sdk.engine.block_manager import BlockManager, blocks_needed
+from vlm_sdk.engine.block_manager import BlockManager
 from vlm_sdk.engine.capacity import check_max_model_len_fits, check_prompt_fits
-from vlm_sdk.engine.cuda_graphs import DecodeGraphs
-from vlm_sdk.engine.detokenizer import IncrementalDetokenizer
+from vlm_sdk.engine.engine_output import EngineOutput
 from vlm_sdk.engine.kv_cache import allocate_or_explain, bytes_per_block, plan_cache
 from vlm_sdk.engine.memory_report import StartupMemory, cuda_allocated, weight_bytes
-from vlm_sdk.engine.model_runner import ModelRunner
 from vlm_sdk.engine.preemption_watch import PreemptionWatch, preemption_warning
-from vlm_sdk.engine.profiler import profile_num_tokens, profile_peak_bytes
-from vlm_sdk.engine.scheduler import Scheduler
+from vlm_sdk.engine.prompt_tokenizer import PromptTokenizer, PromptTooLong
+from vlm_sdk.engine.scheduler import ScheduledBatch, Scheduler
 from vlm_sdk.engine.sequence import Sequence
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.layers.ops import make_ops
 from vlm_sdk.model_loader import iter_safetensors, load_tokenizer, read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import PromptInputs
-from vlm_sdk.outputs import RequestOutput
 from vlm_sdk.sampling_params import SamplingParams
+from vlm_sdk.worker.block_table import blocks_needed
+from vlm_sdk.worker.cuda_graphs import DecodeGraphs
+from vlm_sdk.worker.io import ModelRunnerOutput
+from vlm_sdk.worker.model_runner import ModelRunner
+from vlm_sdk.worker.profiler import profile_num_tokens, profile_peak_bytes
 
 logger = logging.getLogger("vlm_sdk")
-
-
-class LockedTokenizer:
-    """Fast tokenizers raise "Already borrowed" when two threads use one at once; serialise them."""
-
-    def __init__(self, tokenizer):
-        self._tok = tokenizer
-        self._lock = threading.Lock()
-
-    def encode(self, *args, **kwargs):
-        with self._lock:
-            return self._tok.encode(*args, **kwargs)
-
-    def decode(self, *args, **kwargs):
-        with self._lock:
-            return self._tok.decode(*args, **kwargs)
-
-    def apply_chat_template(self, *args, **kwargs):
-        with self._lock:
-            return self._tok.apply_chat_template(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._tok, name)
 
 
 class LLMEngine:
@@ -66,7 +50,7 @@ class LLMEngine:
         info = read_checkpoint(model)
         self.checkpoint = info
         family = resolve([info.architecture])
-        self.tokenizer = LockedTokenizer(load_tokenizer(model))
+        self.tokenizer = PromptTokenizer(load_tokenizer(model))  # prompt building only
         self.eos_token_ids = set(info.eos_token_ids)
 
         self.ops = make_ops(args.attention_backend, self.device)
@@ -99,6 +83,7 @@ class LLMEngine:
                                        image_setting=family.plan_setting[1])
         self.scheduler_config = self._scheduler_config()
         self.processor.max_image_tokens = self.scheduler_config.max_model_len
+        self.tokenizer.max_tokens = self.scheduler_config.max_model_len
         kv_caches = allocate_or_explain(m.num_layers, self.cache_config, m.num_kv_heads, m.head_dim,
                                         self.dtype, self.device)
         self.memory_report = self._memory_report(weights_allocated, peak, largest_image.num_tokens)
@@ -163,7 +148,10 @@ class LLMEngine:
     def build_prompt(self, messages) -> PromptInputs:
         """Validate messages, decode and preprocess images, tokenize; raise if it can never fit."""
         t0 = time.perf_counter()
-        prompt = self.processor(messages)
+        try:
+            prompt = self.processor(messages)
+        except PromptTooLong as e:  # a huge text: refused from its token count, before any conversion
+            prompt = PromptInputs(token_ids=[0] * e.num_tokens)  # what check_prompt counts
         self.check_prompt(prompt)
         prompt.preprocess_seconds = time.perf_counter() - t0
         return prompt
@@ -183,78 +171,67 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         self.check_prompt(prompt)
-        seq = Sequence(request_id, prompt, params, IncrementalDetokenizer(self.tokenizer))
+        seq = Sequence(request_id, prompt, params)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self.totals["prompt_tokens"] += seq.num_prompt_tokens
         self.totals["image_tokens"] += seq.metrics.image_tokens
         return request_id
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, reason: str = "abort") -> EngineOutput | None:
+        """Finish `request_id` now (an abort, or "stop" when the output processor found a stop
+        string), freeing its blocks; None if it is not running here."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
-        self.scheduler.finish(seq, "abort")
+        self.scheduler.finish(seq, reason)
         seq.metrics.finished_time = time.monotonic()
-        return self._output(seq, "")
+        return _output(seq, [])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- the step ---------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
+    def step(self) -> list[EngineOutput]:
+        """schedule -> run -> postprocess: one output per request that sampled a token."""
+        batch = self.scheduler.schedule()
+        if not batch.scheduled:
+            if self.scheduler.has_worker_finished():  # nothing to run: the worker still frees them
+                self.runner.execute(self.scheduler.worker_input(batch))
             return []
-        if sched.preempted:
-            self._note_preemptions(len(sched.preempted))
-        sampled = self.runner.execute(sched)
+        if batch.preempted:
+            self._note_preemptions(len(batch.preempted))
+        result = self.runner.execute(self.scheduler.worker_input(batch))
+        return self._postprocess(batch, result)
+
+    def _postprocess(self, batch: ScheduledBatch, result: ModelRunnerOutput) -> list[EngineOutput]:
         outputs = []
         now = time.monotonic()
-        for i, (seq, n) in enumerate(sched.scheduled):
+        sampled = result.sampled_token_ids
+        for seq, n in batch.scheduled:
             seq.num_computed_tokens += n
-            if seq.image_embeds is not None and not seq.needs_images:
-                seq.image_embeds = None  # prefill has read every image row
-            if i in sampled:
-                outputs.append(self._append_token(seq, sampled[i], now))
+            token = sampled.get(seq.request_id)
+            if token is not None:
+                outputs.append(self._append_token(seq, token, now))
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token: int, now: float) -> EngineOutput:
         seq.token_ids.append(token)
         self.totals["generation_tokens"] += 1
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
         seq.metrics.generated_tokens = seq.num_output_tokens
-        params, detok = seq.params, seq.detokenizer
+        params = seq.params
         reason = None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
-        new_text = detok.add(token)
-        if params.stop and _cut_at_stop(detok, len(new_text), params.stop):
-            reason = "stop"
-        elif reason is None and (seq.num_output_tokens >= params.max_tokens
-                                 or seq.num_tokens >= self.scheduler_config.max_model_len):
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.scheduler_config.max_model_len:
             reason = "length"
         if reason is not None:
-            if not detok.text_is_final:
-                detok.flush()
             self.scheduler.finish(seq, reason)
             self.requests.pop(seq.request_id, None)
             seq.metrics.finished_time = now
-            visible = len(detok.text)
-        else:
-            # hold back what could still turn out to be the start of a stop string
-            visible = len(detok.text) - (max(map(len, params.stop)) - 1 if params.stop else 0)
-        delta = detok.text[seq.num_emitted_chars:visible] if visible > seq.num_emitted_chars else ""
-        seq.num_emitted_chars += len(delta)
-        return self._output(seq, delta)
-
-    def _output(self, seq: Sequence, delta: str) -> RequestOutput:
-        """`text` is what this request's stream has shown so far: the concatenation of its deltas."""
-        return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt.token_ids,
-                             token_ids=seq.output_token_ids, text=seq.detokenizer.text[:seq.num_emitted_chars],
-                             delta_text=delta, finish_reason=seq.finish_reason,
-                             metrics=dataclasses.replace(seq.metrics))  # a snapshot: the engine moves on
+        return _output(seq, [token])
 
     def _note_preemptions(self, count: int) -> None:
         running = self.scheduler.running
@@ -285,13 +262,7 @@ class LLMEngine:
                 **{f"total_{k}": v for k, v in self.totals.items()}}
 
 
-def _cut_at_stop(detok: IncrementalDetokenizer, new_chars: int, stops: tuple[str, ...]) -> bool:
-    """If a stop string now appears in the text, cut the text just before it (for good)."""
-    text = detok.text
-    window_start = max(0, len(text) - new_chars - max(len(s) for s in stops))
-    hits = [i for s in stops if (i := text.find(s, window_start)) != -1]
-    if not hits:
-        return False
-    detok.text = text[:min(hits)]
-    detok.text_is_final = True
-    return True
+
+def _output(seq: Sequence, new_token_ids: list[int]) -> EngineOutput:
+    return EngineOutput(seq.request_id, new_token_ids, seq.finish_reason,
+                        dataclasses.replace(seq.metrics))  # a snapshot: the engine moves on

@@ -9,6 +9,11 @@ later (its generated tokens are kept). Waiting sequences are admitted FIFO while
 
 Every sequence is at most `max_model_len` tokens and `max_model_len` never exceeds the cache, so a
 sequence running alone always fits: preemption cannot loop forever.
+
+`schedule()` decides on live `Sequence`s (`ScheduledBatch`); `worker_input(batch)` turns the decision
+into the worker's plain `SchedulerOutput`: a `NewRequestData` for a sequence the worker does not hold
+(first scheduled, or resumed after a preemption), a `CachedRequestData` with only what changed for
+the others, and the ids of sequences finished or preempted since, so the worker frees their state.
 """
 from __future__ import annotations
 
@@ -18,10 +23,11 @@ from dataclasses import dataclass, field
 from vlm_sdk.config import SchedulerConfig
 from vlm_sdk.engine.block_manager import BlockManager
 from vlm_sdk.engine.sequence import Sequence, SequenceStatus
+from vlm_sdk.worker.io import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 @dataclass
-class SchedulerOutput:
+class ScheduledBatch:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute)
     preempted: list[Sequence] = field(default_factory=list)
 
@@ -33,6 +39,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._worker_finished: set[str] = set()  # held by the worker, finished since the last step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -40,8 +47,8 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self) -> ScheduledBatch:
+        out = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
 
         i = 0
@@ -77,7 +84,6 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.num_computed_tokens = 0
-        seq.image_embeds = None
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -90,6 +96,35 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.blocks.free(seq)
-        seq.image_embeds = None
+        if seq.in_worker:
+            seq.in_worker = False
+            self._worker_finished.add(seq.request_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def has_worker_finished(self) -> bool:
+        """Whether requests the worker holds finished since the last `worker_input`."""
+        return bool(self._worker_finished)
+
+    def worker_input(self, batch: ScheduledBatch) -> SchedulerOutput:
+        """The plain data the worker needs for `batch` (see the module docstring)."""
+        new, cached, counts = [], [], {}
+        preempted = set()
+        for seq in batch.preempted:
+            if seq.in_worker:
+                seq.in_worker = False
+                preempted.add(seq.request_id)
+        for seq, n in batch.scheduled:
+            counts[seq.request_id] = n
+            if not seq.in_worker:
+                p = seq.prompt
+                new.append(NewRequestData(
+                    seq.request_id, list(p.token_ids), seq.output_token_ids, p.images, p.image_positions,
+                    p.positions, seq.params, list(seq.block_ids), seq.num_computed_tokens))
+                seq.in_worker = True
+            else:
+                cached.append(CachedRequestData(seq.request_id, seq.block_ids[seq.num_blocks_sent:],
+                                                seq.num_computed_tokens, seq.token_ids[seq.num_tokens_sent:]))
+            seq.num_blocks_sent, seq.num_tokens_sent = len(seq.block_ids), seq.num_tokens
+        finished, self._worker_finished = frozenset(self._worker_finished), set()
+        return SchedulerOutput(new, cached, counts, finished, frozenset(preempted))

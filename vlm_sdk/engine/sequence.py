@@ -4,15 +4,15 @@ There is no prefill phase and no decode phase: a sequence has `token_ids` (promp
 tokens) and `num_computed_tokens`, the prefix whose K/V is in the cache. Each step the scheduler
 lets `num_computed_tokens` catch up by some tokens; when it reaches `len(token_ids)` the step also
 samples one new token. Preemption frees the blocks and sets `num_computed_tokens` back to 0.
+
+The worker holds its own copy of what it needs (`worker.io`); `in_worker`, `num_blocks_sent` and
+`num_tokens_sent` record what it has been sent, so each step sends only what changed.
 """
 from __future__ import annotations
 
 import enum
 import time
 
-import torch
-
-from vlm_sdk.engine.detokenizer import IncrementalDetokenizer
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.outputs import RequestMetrics
 from vlm_sdk.sampling_params import SamplingParams
@@ -26,7 +26,7 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt: PromptInputs, params: SamplingParams,
-                 detokenizer: IncrementalDetokenizer, arrival_time: float | None = None):
+                 arrival_time: float | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
@@ -36,19 +36,14 @@ class Sequence:
         self.block_ids: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
-        self.detokenizer = detokenizer
-        self.image_embeds: torch.Tensor | None = None  # [image tokens, hidden] while prefill still needs them
-        # image tokens' indices in the prompt, so a prefill chunk finds its rows of image_embeds
-        self.image_token_index = _image_token_index(prompt)  # [num image tokens] int64
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        self.in_worker = False  # the worker holds this request's state (sent as NewRequestData)
+        self.num_blocks_sent = 0  # block_ids[:num_blocks_sent] are in the worker's block table
+        self.num_tokens_sent = 0  # token_ids[:num_tokens_sent] are in the worker's token ids
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic(),
                                       prompt_tokens=self.num_prompt_tokens,
                                       image_tokens=sum(prompt.image_tokens),
                                       preprocess_time=prompt.preprocess_seconds)
         self.num_preemptions = 0
-        self.num_emitted_chars = 0  # text already streamed; a possible stop-string prefix waits
 
     @property
     def num_tokens(self) -> int:
@@ -63,12 +58,6 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def needs_images(self) -> bool:
-        """Whether a step that computes this sequence's next tokens may read image embeddings."""
-        n = self.image_token_index.numel()
-        return n > 0 and self.num_computed_tokens <= int(self.image_token_index[-1])
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
@@ -76,8 +65,3 @@ class Sequence:
         return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_ids})")
 
-
-def _image_token_index(prompt: PromptInputs) -> torch.Tensor:
-    index = [torch.arange(start, start + image.num_tokens)
-             for start, image in zip(prompt.image_positions, prompt.images)]
-    return torch.cat(index) if index else torch.empty(0, dtype=torch.long)

@@ -40,11 +40,11 @@ from typing import Any, Mapping
 import torch
 
 from vlm_sdk.config import DTYPES, DeviceBudget, EngineArgs
-from vlm_sdk.engine.block_manager import blocks_needed
 from vlm_sdk.engine.capacity import max_model_len_fixes
+from vlm_sdk.worker.block_table import blocks_needed
 from vlm_sdk.engine.kv_cache import bytes_per_block, size_cache
 from vlm_sdk.engine.memory_report import MemoryTotals, weight_bytes
-from vlm_sdk.engine.profiler import profile_num_tokens
+from vlm_sdk.worker.profiler import profile_num_tokens
 from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
 from vlm_sdk.model_loader import read_config
 from vlm_sdk.models import registry

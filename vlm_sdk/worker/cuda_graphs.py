@@ -31,7 +31,7 @@ import torch
 
 from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.metadata import AttentionMetadata
-from vlm_sdk.engine.block_manager import blocks_needed
+from vlm_sdk.worker.block_table import blocks_needed
 
 logger = logging.getLogger("vlm_sdk")
 

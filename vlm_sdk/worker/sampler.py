@@ -71,3 +71,10 @@ class Sampler:
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
         return logits.softmax(dim=-1)
+
+
+def skip_draws(generator: torch.Generator, num_draws: int, vocab: int) -> None:
+    """Advance a seeded request's generator past `num_draws` draws of `vocab` exponentials, the
+    draws its tokens generated before a preemption used (`Sampler` draws one per sampled token)."""
+    for _ in range(num_draws):
+        torch.empty(vocab).exponential_(1.0, generator=generator)

@@ -12,8 +12,8 @@ import torch
 from vlm_sdk.config import CacheConfig
 from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.metadata import AttentionMetadata
-from vlm_sdk.engine.block_manager import blocks_needed
-from vlm_sdk.engine.kv_cache import allocate_kv_caches
+from vlm_sdk.worker.block_table import blocks_needed
+from vlm_sdk.worker.kv_cache import allocate_kv_caches
 from vlm_sdk.multimodal.inputs import ImageInput
 
 

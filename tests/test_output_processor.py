@@ -1,0 +1,70 @@
+"""Point 7: the engine returns token ids; text, stop strings and deltas are made outside its step by
+an OutputProcessor with a tokenizer of its own, which tells the engine to finish a stopped request."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from helpers import conversations
+from server_helpers import wait_for
+from vlm_sdk import LLM, AsyncLLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    return LLM(tiny_ckpt, show_progress=False)
+
+
+class _Refuse:
+    def __getattr__(self, name):
+        raise AssertionError(f"the engine step touched the prompt tokenizer ({name})")
+
+
+def test_step_never_touches_a_tokenizer(llm):
+    engine = llm.engine
+    assert llm.output_processor.tokenizer is not engine.tokenizer._tok  # an instance of its own
+    prompts = [engine.build_prompt(c) for c in conversations().values()]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=["zzzz"])
+    prompt_tok, engine.tokenizer._tok = engine.tokenizer._tok, _Refuse()
+    try:
+        ids = [engine.add_request(p, params) for p in prompts]
+        raw = {rid: [] for rid in ids}
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert not hasattr(out, "text")  # token ids and the engine's own finish reasons only
+                raw[out.request_id].extend(out.new_token_ids)
+    finally:
+        engine.tokenizer._tok = prompt_tok
+    expected = llm.chat(list(conversations().values()), params)
+    assert [raw[rid] for rid in ids] == [o.token_ids for o in expected]
+
+
+def test_stop_string_finishes_the_request_in_the_engine(llm):
+    conv = conversations()["text"]
+    full = llm.chat(conv, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    stop = full.text[3:6]
+    cut = llm.chat(conv, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.find(stop)]
+    assert len(cut.token_ids) < len(full.token_ids)  # the engine stopped generating
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and not llm.engine.requests
+
+
+def test_async_stop_string_frees_the_engine(tiny_ckpt, llm):
+    conv = conversations()["text"]
+    full = llm.chat(conv, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))[0]
+    stop = full.text[4:7]
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, stop=[stop])
+
+    async def main():
+        async with AsyncLLM(tiny_ckpt, show_progress=False) as engine:
+            outs = [o async for o in engine.chat_stream(conv, params)]
+            freed = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: wait_for(lambda: engine.stats()["kv_blocks_used"] == 0
+                                       and engine.stats()["num_running"] == 0, timeout=10))
+            return outs, freed, engine.stats()
+
+    outs, freed, stats = asyncio.run(main())
+    assert outs[-1].finish_reason == "stop" and outs[-1].text == full.text[:full.text.find(stop)]
+    assert freed and stats["total_generation_tokens"] < 200  # finished long before max_tokens

@@ -1,0 +1,22 @@
+"""What a step returns per request: token ids and the finish reasons the engine decides itself.
+
+The engine never detokenizes: text, stop strings and stream deltas are the `OutputProcessor`'s.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vlm_sdk.outputs import RequestMetrics
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    request_id: str
+    new_token_ids: list[int]  # sampled this step (one, or none for an abort)
+    # None while running; "stop" (EOS or a stop_token_id), "length" (max_tokens, max_model_len), "abort"
+    finish_reason: str | None
+    metrics: RequestMetrics  # a snapshot: the engine moves on
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

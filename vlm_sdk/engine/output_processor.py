@@ -1,0 +1,110 @@
+"""Token ids to `RequestOutput`s, outside the engine thread: detokenization, stop strings, deltas.
+
+    engine thread: step() -> [EngineOutput(request id, new token ids, finish reason, metrics)]
+    caller side:   RequestOutputState.process(engine output) -> RequestOutput (text, delta_text, ...)
+
+`LLM` runs it on the caller's thread after each step; `AsyncLLM` in each stream's coroutine on the
+asyncio side. It owns its own tokenizer instance (never the one prompt building uses), so a long
+prompt being tokenized never holds up a stream's text. When a stop string ends a request the engine
+has not finished, `finished_by_stop_string` is set and the caller tells the engine to finish it
+(`LLMEngine.abort(request_id, "stop")`), which frees its blocks; later outputs for it are ignored.
+
+Text held back: while running, the last `max(len(stop)) - 1` characters are not streamed yet (they
+could be the start of a stop string); the final output releases them, cut before a stop string.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+from vlm_sdk.engine.detokenizer import IncrementalDetokenizer
+from vlm_sdk.engine.engine_output import EngineOutput
+from vlm_sdk.outputs import RequestOutput
+from vlm_sdk.sampling_params import SamplingParams
+
+
+class _SerialDecoder:
+    """The output tokenizer, serialised among output processors only (fast tokenizers refuse
+    concurrent use from several threads); prompt tokenization never takes this lock. `backend` and
+    `lock` serve the detokenizer's DecodeStream path."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self.backend = getattr(tokenizer, "_tokenizer", None)  # tokenizers.Tokenizer of a fast tokenizer
+        self.lock = threading.Lock()
+
+    def decode(self, *args, **kwargs) -> str:
+        with self.lock:
+            return self._tok.decode(*args, **kwargs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        """`tokenizer`: an instance of its own, loaded for this processor."""
+        self.tokenizer = tokenizer
+        self._decoder = _SerialDecoder(tokenizer)
+
+    def new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    ) -> "RequestOutputState":
+        return RequestOutputState(request_id, prompt_token_ids, params, IncrementalDetokenizer(self._decoder))
+
+
+class RequestOutputState:
+    """One request's text so far; `process` each of its engine outputs in order."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 detokenizer: IncrementalDetokenizer):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.detokenizer = detokenizer
+        self.token_ids: list[int] = []
+        self.num_emitted_chars = 0  # text already streamed; a possible stop-string prefix waits
+        self.finish_reason: str | None = None
+        self.finished_by_stop_string = False  # the engine must be told to finish it
+
+    def process(self, out: EngineOutput) -> RequestOutput | None:
+        """The `RequestOutput` for `out`; None once this request has finished (outputs the engine
+        made before it learned of a stop string)."""
+        if self.finish_reason is not None:
+            return None
+        detok, stops = self.detokenizer, self.params.stop
+        reason = out.finish_reason
+        for token in out.new_token_ids:
+            self.token_ids.append(token)
+            new_text = detok.add(token)
+            if stops and _cut_at_stop(detok, len(new_text), stops):
+                self.finished_by_stop_string = out.finish_reason is None
+                reason = "stop"
+                break
+        metrics = out.metrics
+        if reason is None:
+            visible = len(detok.text) - (max(map(len, stops)) - 1 if stops else 0)
+        elif reason == "abort":
+            visible = self.num_emitted_chars  # nothing more is shown
+        else:
+            if not detok.text_is_final:
+                detok.flush()
+            visible = len(detok.text)
+            if metrics.finished_time is None:
+                metrics = dataclasses.replace(metrics, finished_time=time.monotonic())
+        delta = detok.text[self.num_emitted_chars:visible] if visible > self.num_emitted_chars else ""
+        self.num_emitted_chars += len(delta)
+        self.finish_reason = reason
+        # `text` is what this request's stream has shown so far: the concatenation of its deltas
+        return RequestOutput(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+                             token_ids=list(self.token_ids), text=detok.text[:self.num_emitted_chars],
+                             delta_text=delta, finish_reason=reason, metrics=metrics)
+
+
+def _cut_at_stop(detok: IncrementalDetokenizer, new_chars: int, stops: tuple[str, ...]) -> bool:
+    """If a stop string now appears in the text, cut the text just before it (for good)."""
+    text = detok.text
+    window_start = max(0, len(text) - new_chars - max(len(s) for s in stops))
+    hits = [i for s in stops if (i := text.find(s, window_start)) != -1]
+    if not hits:
+        return False
+    detok.text = text[:min(hits)]
+    detok.text_is_final = True
+    return True

@@ -1,0 +1,61 @@
+"""The seam between engine and worker: what the scheduler hands the model runner, and what it gets back.
+
+Plain data only (ints, lists, tensors of pixels; no engine objects), after vLLM v1:
+
+    step k   SchedulerOutput(new_requests=[NewRequestData(a)], cached_requests=[],
+                             num_scheduled_tokens={"a": 9})
+    step k+1 SchedulerOutput(new_requests=[], cached_requests=[CachedRequestData("a", new_block_ids=[],
+                             num_computed_tokens=9, new_token_ids=[t9])], num_scheduled_tokens={"a": 1})
+    ...      finished_request_ids={"a"} once it finished or was aborted (the worker frees its state)
+
+A request is sent as `NewRequestData` the first time it is scheduled and again when it is scheduled
+after a preemption (its `output_token_ids` then hold what it generated before: recompute). The order
+of `num_scheduled_tokens` is the order the step packs its tokens in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlm_sdk.multimodal.inputs import ImageInput
+from vlm_sdk.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated before a preemption; [] for a fresh request
+    images: list[ImageInput]  # preprocessed pixels, in prompt order
+    image_positions: list[int]  # index in the prompt of image i's first token
+    prompt_positions: Any  # `PromptInputs.positions`: the model family's, read by `model.positions`
+    sampling_params: SamplingParams  # its seed, if any, seeds the request's own generator
+    block_ids: list[int]  # KV blocks held, in order
+    num_computed_tokens: int  # tokens whose K/V is already in those blocks
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the worker already holds: what changed since it was last scheduled."""
+    request_id: str
+    new_block_ids: list[int]  # appended to its block table
+    num_computed_tokens: int
+    new_token_ids: list[int]  # tokens appended by the engine (sampled ones) since it was last sent
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens this step
+    finished_request_ids: frozenset[str] = frozenset()  # finished or aborted since the last step
+    preempted_request_ids: frozenset[str] = frozenset()  # preempted this step: free, resend later
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> its new token

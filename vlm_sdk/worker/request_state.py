@@ -1,0 +1,49 @@
+"""What the worker remembers of one request between steps (built from `NewRequestData`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlm_sdk.multimodal.inputs import ImageInput
+from vlm_sdk.sampling_params import SamplingParams
+from vlm_sdk.worker.io import NewRequestData
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    token_ids: list[int]  # prompt, then generated tokens as the engine sends them
+    num_prompt_tokens: int
+    images: list[ImageInput]
+    image_positions: list[int]  # index of image i's first token
+    prompt_positions: Any  # the family's, for `model.positions`
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None  # the request's own stream of draws when it has a seed
+    pending_draws: int = 0  # draws the generator must skip before its next one (see `from_new`)
+
+    @classmethod
+    def from_new(cls, new: NewRequestData) -> "RequestState":
+        """A seeded, sampled request resumed after a preemption skips the draws its generated
+        tokens used: its next token is drawn as it would have been without the preemption."""
+        params = new.sampling_params
+        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        pending = len(new.output_token_ids) if generator is not None and not params.greedy else 0
+        return cls(new.request_id, list(new.prompt_token_ids) + list(new.output_token_ids),
+                   len(new.prompt_token_ids), new.images, new.image_positions, new.prompt_positions,
+                   params, list(new.block_ids), new.num_computed_tokens, generator, pending)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def image_end(self, image: int) -> int:
+        """Index one past image `image`'s last token."""
+        return self.image_positions[image] + self.images[image].num_tokens
+
+    def images_needed(self) -> list[int]:
+        """Images whose tokens a step starting at num_computed_tokens may still read."""
+        return [i for i in range(len(self.images)) if self.image_end(i) > self.num_computed_tokens]
