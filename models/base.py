@@ -73,9 +73,10 @@ class VisionLanguageModel(nn.Module, ABC):
 
 
 class PromptProcessor(ABC):
-    """What the engine needs from a family's prompt builder (`ModelFamily.processor_cls`).
+    """What the engine needs from a family's prompt builder (`FamilySpec.processor_cls`).
 
-    Built once per engine with `from_engine_args(tokenizer, image_processor, hf_config, args)`, which
+    Built once per engine by `FamilySpec.make_processor` (`from_engine_args(tokenizer, image_processor,
+    hf_config, args, family)`), which
     checks `args.mm_processor_kwargs` with its family's `engine_options` (another family's setting is
     refused with `InvalidRequestError` naming it). The engine sets the plain attribute
     `max_image_tokens` (its max_model_len) once it is known.

@@ -112,7 +112,13 @@ class FamilySpec(ABC):
     @property
     @abstractmethod
     def processor_cls(self) -> type:
-        """`PromptProcessor` subclass: `.from_engine_args(tokenizer, image_processor, hf_config, EngineArgs)`."""
+        """`PromptProcessor` subclass: `.from_engine_args(tokenizer, image_processor, hf_config, EngineArgs,
+        family)`."""
+
+    def make_processor(self, tokenizer: Any, image_processor: Any, hf_config: Any, args: Any) -> Any:
+        """The engine's prompt processor: this family's settings in `args.mm_processor_kwargs` checked,
+        another family's refused."""
+        return self.processor_cls.from_engine_args(tokenizer, image_processor, hf_config, args, self)
 
     def text_config(self, hf_config: Any) -> Any:
         """hf_config -> the language model's config (max_position_embeddings is read from it)."""

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlm_sdk.errors import CheckpointError, InvalidRequestError
-from vlm_sdk.models.family import FamilySpec
+
+if TYPE_CHECKING:  # families import the registry's siblings, never the reverse at run time
+    from vlm_sdk.models.family import FamilySpec
 
 
 @dataclass(frozen=True)

@@ -38,3 +38,37 @@ def test_import_linter_contracts_hold(installed_layout):
     result = _run(code, installed_layout)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert "0 broken" in result.stdout
+
+
+def test_shared_modules_reach_no_family(installed_layout):
+    """No module outside a family folder imports a registered family, directly or through others: the
+    registry imports families by module path at run time only. (The CLI may reach the GPU benchmark,
+    a Qwen2.5-VL-3B figure by design, and the fixtures in vlm_sdk.testing build any family: both are
+    held to direct imports.)"""
+    code = """
+import grimp
+from vlm_sdk.models import registry
+graph = grimp.build_graph("vlm_sdk", cache_dir=None)
+families = sorted({entry.module.rsplit(".", 1)[0] for entry in registry.FAMILIES})
+def under(module, package):
+    return module == package or module.startswith(package + ".")
+direct_only = ("vlm_sdk.cli", "vlm_sdk.testing")
+for module in sorted(graph.modules):
+    if any(under(module, p) or p.startswith(module + ".") for p in families + ["vlm_sdk.bench"]):
+        continue  # a family, the benchmarks, or a package holding them (vlm_sdk, vlm_sdk.models)
+    for family in families:
+        if any(under(module, p) for p in direct_only):
+            hits = [m for m in graph.find_modules_directly_imported_by(module) if under(m, family)]
+            if hits:
+                print(module, "->", hits)
+        else:
+            chain = graph.find_shortest_chain(importer=module, imported=family, as_packages=True)
+            if chain:
+                print(" -> ".join(chain))
+print("checked", len(graph.modules), "modules against", families)
+"""
+    result = _run(code, installed_layout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1].startswith("checked") and "qwen2_5_vl" in lines[-1], result.stdout
+    assert lines[:-1] == [], "\n".join(lines[:-1])

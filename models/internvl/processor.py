@@ -27,7 +27,6 @@ from vlm_sdk.multimodal.messages import ImageRef, parse_messages
 from vlm_sdk.models.base import PromptProcessor
 from vlm_sdk.model_loader import config_field, text_config
 from vlm_sdk.models.internvl.image_processor import InternVLImageProcessor
-from vlm_sdk.models.internvl.spec import FAMILY
 from vlm_sdk.models.internvl.vision import InternVisionConfig
 
 IMG_CONTEXT, IMG_START, IMG_END = "<IMG_CONTEXT>", "<img>", "</img>"
@@ -56,7 +55,8 @@ class InternVLProcessor(PromptProcessor):
 
     def __init__(self, tokenizer, image_processor: InternVLImageProcessor, hf_config, *,
                  max_num: int | None = None, max_image_pixels: int = 64_000_000,
-                 max_image_tokens: int | None = None):
+                 max_image_tokens: int | None = None, family):
+        self.family = family  # the FamilySpec: per-image settings are checked by it
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.original_layout = config_field(hf_config, "model_type") == "internvl_chat"
@@ -79,12 +79,13 @@ class InternVLProcessor(PromptProcessor):
         self.max_image_tokens = max_image_tokens
 
     @classmethod
-    def from_engine_args(cls, tokenizer, image_processor: InternVLImageProcessor, hf_config, args):
+    def from_engine_args(cls, tokenizer, image_processor: InternVLImageProcessor, hf_config, args, family):
         """The processor for an engine's `EngineArgs`; `mm_processor_kwargs` is checked against
-        `FAMILY.engine_settings` (another family's setting is refused here)."""
-        o = FAMILY.engine_options(args.mm_processor_kwargs)
+        `family.engine_settings` (another family's setting is refused here); `family` is this folder's
+        `FamilySpec`, passed in so that the spec may import this module and not the reverse."""
+        o = family.engine_options(args.mm_processor_kwargs)
         return cls(tokenizer, image_processor, hf_config, max_num=o.get("max_dynamic_patch"),
-                   max_image_pixels=args.max_image_pixels)
+                   max_image_pixels=args.max_image_pixels, family=family)
 
     @property
     def engine_max_num(self) -> int:
@@ -106,7 +107,7 @@ class InternVLProcessor(PromptProcessor):
         return self.build(template_messages, images)
 
     def _image(self, index: int, ref: ImageRef) -> ImageInput:
-        own_max_num = FAMILY.image_options(ref.options, f"image {index}: ").get("max_num")
+        own_max_num = self.family.image_options(ref.options, f"image {index}: ").get("max_num")
         own = own_max_num is not None
         if own:
             _check_min_num(own_max_num, f"image {index}: max_num", "max_num", self.image_processor.min_num)

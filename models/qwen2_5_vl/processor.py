@@ -19,7 +19,6 @@ from vlm_sdk.models.base import PromptProcessor
 from vlm_sdk.models.qwen2_5_vl.fixes import max_pixels_fix
 from vlm_sdk.models.qwen2_5_vl.image_processor import QwenImage, Qwen2VLImageProcessor, max_image_grid
 from vlm_sdk.models.qwen2_5_vl.rope_index import MRopePositions, mrope_positions
-from vlm_sdk.models.qwen2_5_vl.spec import FAMILY
 
 
 class Qwen2_5_VLProcessor(PromptProcessor):
@@ -32,7 +31,8 @@ class Qwen2_5_VLProcessor(PromptProcessor):
 
     def __init__(self, tokenizer, image_processor: Qwen2VLImageProcessor, hf_config, *,
                  min_pixels: int | None = None, max_pixels: int | None = None,
-                 max_image_pixels: int = 64_000_000, max_image_tokens: int | None = None):
+                 max_image_pixels: int = 64_000_000, max_image_tokens: int | None = None, family):
+        self.family = family  # the FamilySpec: per-image settings are checked by it
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.image_token_id = hf_config.image_token_id
@@ -43,15 +43,16 @@ class Qwen2_5_VLProcessor(PromptProcessor):
         self.max_image_tokens = max_image_tokens
 
     @classmethod
-    def from_engine_args(cls, tokenizer, image_processor: Qwen2VLImageProcessor, hf_config, args):
+    def from_engine_args(cls, tokenizer, image_processor: Qwen2VLImageProcessor, hf_config, args, family):
         """The processor for an engine's `EngineArgs`; `mm_processor_kwargs` is checked against
-        `FAMILY.engine_settings` (another family's setting is refused here)."""
-        o = FAMILY.engine_options(args.mm_processor_kwargs)
+        `family.engine_settings` (another family's setting is refused here); `family` is this folder's
+        `FamilySpec`, passed in so that the spec may import this module and not the reverse."""
+        o = family.engine_options(args.mm_processor_kwargs)
         lo, hi = o.get("min_pixels"), o.get("max_pixels")
         if lo is not None and hi is not None and lo > hi:
             raise InvalidRequestError(f"min_pixels ({lo}) must not exceed max_pixels ({hi})", param="min_pixels")
         return cls(tokenizer, image_processor, hf_config, min_pixels=lo, max_pixels=hi,
-                   max_image_pixels=args.max_image_pixels)
+                   max_image_pixels=args.max_image_pixels, family=family)
 
     @property
     def engine_max_pixels(self) -> int:
@@ -88,7 +89,7 @@ class Qwen2_5_VLProcessor(PromptProcessor):
         return default, "the preprocessor default"
 
     def _image(self, index: int, ref: ImageRef) -> ImageInput:
-        own = FAMILY.image_options(ref.options, f"image {index}: ")
+        own = self.family.image_options(ref.options, f"image {index}: ")
         own_min, own_max = own.get("min_pixels"), own.get("max_pixels")
         pil = load_image(ref.source, max_image_pixels=self.max_image_pixels)
         ip = self.image_processor

@@ -1,3 +1,3 @@
 """Attention: the per-step metadata type (`metadata.AttentionMetadata`) and the backends that run
-attention over the paged KV cache and within vision segments (`backend.make_backend`: torch | triton).
+attention over the paged KV cache and within vision segments (`selector.make_backend`: torch | triton).
 Imports only `vlm_sdk.kernels` below it."""

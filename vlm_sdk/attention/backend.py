@@ -1,4 +1,4 @@
-"""The attention backend contract (`AttentionBackend`) and its choice per engine (`make_backend`).
+"""The attention backend contract (`AttentionBackend`); `selector.make_backend` picks one per engine.
 
 A backend owns the attention ops of one engine: writing this step's K/V into the paged cache and
 attending over it (decoder layers), and attention within segments (vision towers). It follows
@@ -10,22 +10,16 @@ mini-sglang's `prepare_metadata` pattern:
 
 `prepare` returns the backend's own subclass of `AttentionMetadata` holding what it derives once per
 step (Triton: the decode grid's `num_splits`; torch: the decode groups); `forward` reads it and writes
-nothing into it. The Triton kernels are imported when `TritonBackend` is built, so TRITON_INTERPRET is
-read then, not when vlm_sdk is imported.
+nothing into it.
 """
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
 import torch
 
 from vlm_sdk.attention.metadata import AttentionMetadata
-from vlm_sdk.errors import InvalidRequestError
-
-ATTENTION_BACKENDS = ("torch", "triton")
-
 
 class AttentionLayerSpec(Protocol):
     """What a backend reads of the calling layer (`vlm_sdk.layers.attention`)."""
@@ -64,28 +58,3 @@ class AttentionBackend(ABC):
     def segment_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # [N, H, D]
                         layer: AttentionLayerSpec, plan: Any) -> torch.Tensor:  # [N, H, D]
         """Non-causal attention within each segment of the plan."""
-
-
-def default_backend(device: torch.device) -> str:
-    return "triton" if device.type == "cuda" else "torch"
-
-
-def make_backend(backend: str | None, device: torch.device) -> AttentionBackend:
-    """The attention backend for `attention_backend` on `device` (None: Triton on CUDA, torch
-    elsewhere). Raises `InvalidRequestError` naming the setting when Triton cannot run there."""
-    backend = backend or default_backend(device)
-    if backend == "torch":
-        from vlm_sdk.attention.torch_backend import TorchBackend
-        return TorchBackend()
-    if backend != "triton":
-        raise InvalidRequestError(f"attention_backend={backend!r} is not one of {list(ATTENTION_BACKENDS)}")
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise InvalidRequestError(
-            "attention_backend='triton' on the CPU needs the Triton interpreter: set TRITON_INTERPRET=1 in the "
-            "environment before starting (slow; for testing the kernels), or use attention_backend='torch'")
-    try:
-        from vlm_sdk.attention.triton_backend import TritonBackend
-        return TritonBackend()
-    except ImportError as e:
-        raise InvalidRequestError(f"attention_backend='triton' needs the triton package ({e}); install triton "
-                                  f"or use attention_backend='torch'") from e

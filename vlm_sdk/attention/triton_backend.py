@@ -14,7 +14,7 @@ import torch
 
 from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.metadata import AttentionMetadata
-# imported when the backend is chosen (make_backend), so that TRITON_INTERPRET is read then
+# imported when the backend is chosen (selector.make_backend), so that TRITON_INTERPRET is read then
 from vlm_sdk.kernels import paged_attention_decode, paged_prefill_attention, store_kv, varlen_attention
 
 

@@ -65,8 +65,7 @@ class LLMEngine:
                              else cuda_allocated(self.device) - allocated_before)
 
         self.image_processor = family.image_processor_cls.from_preprocessor_config(info.preprocessor, info.hf_config)
-        self.processor = family.processor_cls.from_engine_args(self.tokenizer, self.image_processor, info.hf_config,
-                                                               args)
+        self.processor = family.make_processor(self.tokenizer, self.image_processor, info.hf_config, args)
         largest_image = self.processor.largest_image()
 
         m = self.model

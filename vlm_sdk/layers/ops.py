@@ -17,7 +17,8 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
-from vlm_sdk.attention.backend import AttentionBackend, make_backend
+from vlm_sdk.attention.backend import AttentionBackend
+from vlm_sdk.attention.selector import make_backend
 from vlm_sdk.kernels.rms_norm_torch import rms_norm
 from vlm_sdk.kernels.rotary_torch import apply_rotary
 from vlm_sdk.layers.rotary import MRotaryEmbedding, RotaryInputs
