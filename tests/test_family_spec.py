@@ -181,3 +181,14 @@ def _code_words(path) -> list[tuple[int, str]]:
         elif isinstance(node, ast.alias):
             out.append((node.lineno, node.name))
     return out
+
+
+def test_a_family_setting_given_twice_must_agree():
+    """By name and in mm_processor_kwargs: the same value is one setting, different values are refused."""
+    args = registry.engine_args(max_pixels=200_704, mm_processor_kwargs={"max_pixels": 200_704})
+    assert dict(args.mm_processor_kwargs) == {"max_pixels": 200_704}
+    with pytest.raises(InvalidRequestError, match=r"max_pixels is set twice.*max_pixels=100352.*200704") as e:
+        registry.engine_args(max_pixels=100_352, mm_processor_kwargs={"max_pixels": 200_704})
+    assert e.value.param == "max_pixels"
+    with pytest.raises(InvalidRequestError, match="mm_processor_kwargs must be a mapping"):
+        registry.engine_args(mm_processor_kwargs=[("max_pixels", 1)])

@@ -52,8 +52,17 @@ class EngineArgs:
         if unknown:
             raise UnknownArgumentError(f"unknown engine argument(s) {unknown}; accepted: "
                                        f"{sorted(known | set(family_settings))}")
-        options = {**dict(kwargs.pop("mm_processor_kwargs", None) or {}),
-                   **{k: v for k, v in routed.items() if v is not None}}
+        given = kwargs.pop("mm_processor_kwargs", None) or {}
+        if not isinstance(given, Mapping):
+            raise InvalidRequestError(f"mm_processor_kwargs must be a mapping of setting -> value, got "
+                                      f"{type(given).__name__}", param="mm_processor_kwargs")
+        routed = {k: v for k, v in routed.items() if v is not None}
+        clash = sorted(k for k in routed if k in given and given[k] != routed[k])
+        if clash:
+            raise InvalidRequestError(
+                f"{clash[0]} is set twice with different values: {clash[0]}={routed[clash[0]]!r} and "
+                f"mm_processor_kwargs[{clash[0]!r}]={given[clash[0]]!r}; set it once", param=clash[0])
+        options = {**dict(given), **routed}
         args = cls(mm_processor_kwargs=MappingProxyType(options), **kwargs)
         args.validate()
         return args
