@@ -1,6 +1,6 @@
 """Package discovery. `kernels/` and `models/` install as `vlm_sdk.kernels` and `vlm_sdk.models`
 (pyproject's package-dir); every package below them and below `vlm_sdk/` is found here, so a new
-model family folder cannot be missing from the wheel (tests/test_packaging.py builds one and checks)."""
+model family folder cannot be missing from the wheel (tests/structure/test_packaging.py builds one and checks)."""
 from setuptools import find_packages, setup
 
 

@@ -13,13 +13,32 @@ if not torch.cuda.is_available():
 
 import pytest
 
+from vlm_sdk.models.registry import family_names
 from vlm_sdk.testing import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory) -> Path:
-    """Default tiny checkpoint: transformers 5 layout, one safetensors file, float32."""
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_ckpt"))
+def tiny_checkpoints(tmp_path_factory):
+    """`get(family)`: that family's default tiny checkpoint, built once per session."""
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = make_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny_{family}"), family=family)
+        return built[family]
+    return get
+
+
+@pytest.fixture(scope="session", params=family_names())
+def family_ckpt(request, tiny_checkpoints) -> tuple[str, Path]:
+    """(family name, its tiny checkpoint) for every registered family: tests of shared behaviour."""
+    return request.param, tiny_checkpoints(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tiny_checkpoints) -> Path:
+    """Default tiny checkpoint (Qwen2.5-VL): transformers 5 layout, one safetensors file, float32."""
+    return tiny_checkpoints("qwen2_5_vl")
 
 
 @pytest.fixture(scope="session")
@@ -31,9 +50,9 @@ def tiny_ckpt_flat(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def internvl_ckpt(tmp_path_factory) -> Path:
+def internvl_ckpt(tiny_checkpoints) -> Path:
     """Tiny InternVL in transformers' layout (InternVLForConditionalGeneration, Qwen2 LLM), max_num 6."""
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("internvl_hf"), family="internvl")
+    return tiny_checkpoints("internvl")
 
 
 @pytest.fixture(scope="session")

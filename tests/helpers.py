@@ -1,8 +1,14 @@
 """Shared test data: deterministic images and the four conversations the parity tests use."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 from PIL import Image
+
+TESTS = Path(__file__).resolve().parent  # tests/ (test modules sit in folders below it, by layer)
+REPO = TESTS.parent
+SAMPLE_IMAGE = REPO / "samples" / "shapes.png"
 
 
 def image(width: int, height: int, seed: int = 0) -> Image.Image:

@@ -7,7 +7,6 @@ import contextlib
 import io
 import socket
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from aiohttp import web
 from PIL import Image
 
 from vlm_sdk import LLM, SamplingParams
+from helpers import SAMPLE_IMAGE
 from vlm_sdk.client import (APIConnectionError, AsyncClient, AuthenticationError, BadRequestError, ChatDelta,
                             ContextLengthExceededError, NotFoundError, RequestTooLargeError, ServerError,
                             encode_messages, to_data_url)
@@ -22,7 +22,7 @@ from vlm_sdk.errors import InvalidImageError, VLMError
 from vlm_sdk.server.background import BackgroundServer
 from vlm_sdk.server.config import ServerConfig
 
-SAMPLE = Path(__file__).resolve().parents[1] / "samples" / "shapes.png"
+SAMPLE = SAMPLE_IMAGE
 KEY = "test-key"
 
 

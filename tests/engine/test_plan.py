@@ -1,15 +1,15 @@
 """`plan()` from config.json alone: KV arithmetic on published configs, the LMDeploy seed, and agreement
 with the engine on the tiny checkpoint (CPU)."""
 import json
-from pathlib import Path
 
 import pytest
 
+from helpers import TESTS
 from vlm_sdk.cli import main
 from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
 from vlm_sdk.plan import plan
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = TESTS / "configs"
 MIB = 1 << 20
 
 

@@ -4,11 +4,12 @@ stats and the preemption warning."""
 import logging
 
 import pytest
+import torch
 
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.config import CacheConfig, DeviceBudget, EngineArgs
 from vlm_sdk.engine.capacity import check_max_model_len_fits
-from vlm_sdk.engine.kv_cache import size_cache
+from vlm_sdk.engine.kv_cache import plan_cache, size_cache
 from vlm_sdk.engine.memory_report import weight_bytes
 from vlm_sdk.engine.preemption_watch import PreemptionWatch
 from vlm_sdk.errors import CacheTooSmallError, InvalidRequestError
@@ -239,3 +240,33 @@ def test_both_limits_below_the_prompt_need_both_settings_in_plan_and_engine(tiny
     assert problem.together == info.value.together == {"max_model_len": n, "num_blocks": -(-n // 16)}
     fixed = _llm(tiny_ckpt, **info.value.together)
     assert fixed.chat(story)[0].token_ids
+
+
+# -- the CUDA "no room for the KV cache" error ------------------------------------------------------
+
+def test_no_room_for_the_kv_cache_on_cuda_gives_the_memory_utilization_that_fits(monkeypatch):
+    total, free, per_block, peak = 80 * 2**30, 30 * 2**30, 2**20, 10 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 45 * 2**30)
+    args = EngineArgs(memory_utilization=0.7)
+    with pytest.raises(InvalidRequestError) as info:
+        plan_cache(args, per_block, torch.device("cuda"), 10**6, peak, image_setting="max_pixels")
+    need = DeviceBudget(total, total - free, peak).utilization_for(per_block)
+    assert need == 0.76
+    msg = str(info.value)
+    assert "Raise memory_utilization to at least 0.76" in msg
+    assert "max_num_batched_tokens=8192 tokens" in msg and "max_num_seqs=64 rows" in msg
+    assert "one max_pixels image" in msg
+    cache = plan_cache(EngineArgs(memory_utilization=need), per_block, torch.device("cuda"), 10**6, peak)
+    assert cache.num_blocks >= 1
+    with pytest.raises(InvalidRequestError):
+        plan_cache(EngineArgs(memory_utilization=0.75), per_block, torch.device("cuda"), 10**6, peak)
+    with pytest.raises(InvalidRequestError, match="Even memory_utilization=1"):
+        plan_cache(EngineArgs(memory_utilization=0.9), per_block, torch.device("cuda"), 10**6, 60 * 2**30)
+
+
+def test_min_memory_utilization_is_the_smallest_two_decimal_value():
+    for total, free, peak, per_block in ((100, 50, 10, 1), (1000, 500, 100, 100), (7919, 3000, 1234, 77)):
+        need = DeviceBudget(total, total - free, peak).utilization_for(per_block)
+        assert int(need * total) >= total - free + peak + per_block
+        assert int(round(need - 0.01, 2) * total) < total - free + peak + per_block

@@ -1,10 +1,10 @@
 """The README's main job (`vlm-sdk chat` on the built-in tiny model) and a small `vlm-sdk bench`."""
 import json
-from pathlib import Path
 
+from helpers import SAMPLE_IMAGE
 from vlm_sdk.cli import main
 
-SAMPLE = str(Path(__file__).resolve().parents[1] / "samples" / "shapes.png")
+SAMPLE = str(SAMPLE_IMAGE)
 
 
 def test_chat_without_model_uses_tiny_random_checkpoint(tmp_path, monkeypatch, capsys):

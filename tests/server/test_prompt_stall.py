@@ -3,7 +3,7 @@
 While one client streams, another sends a huge text prompt (refused as too long, which it can only
 be once it was parsed, templated and tokenized). The stream's largest gap between two chunks, from
 just before the big request is sent until just after it is answered, stays under 0.5 s. The suite
-sends 8 MB (tokenizing it takes ~10 s here); `python tests/test_prompt_stall.py 30` measures 30 MB.
+sends 8 MB (tokenizing it takes ~10 s here); `PYTHONPATH=tests python tests/server/test_prompt_stall.py 30` measures 30 MB.
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_long_prompt_tokenizer_path_gives_the_same_ids(tiny_ckpt, monkeypatch):
     assert wrapped.encode(text) == tok.encode(text)
 
 
-if __name__ == "__main__":  # python tests/test_prompt_stall.py [megabytes]: the full-size measurement
+if __name__ == "__main__":  # PYTHONPATH=tests python tests/server/test_prompt_stall.py [megabytes]: the full-size measurement
     import tempfile
 
     from vlm_sdk.testing import make_tiny_checkpoint

@@ -287,6 +287,24 @@ def test_tied_lm_head(tmp_path_factory):
             torch.testing.assert_close(logits, hf2(**seq.hf_kwargs()).logits[0], atol=ATOL, rtol=0)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tied_lm_head_is_compared_on_the_models_device_on_cuda(tmp_path_factory):
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("tied_cuda"), tie_word_embeddings=True)
+    cfg = read_checkpoint(ckpt).hf_config
+    weights = {k: v for k, v in iter_safetensors(ckpt, show_progress=False) if k != "lm_head.weight"}
+    embed = weights["model.embed_tokens.weight"]
+    dev = torch.device("cuda")
+    for head, untied in ((embed.clone(), False), (embed + 1, True)):
+        with torch.device(dev):
+            model = Qwen2_5_VLForCausalLM(cfg, dtype=torch.float32, device=dev)
+        model.load_weights(dict(weights, **{"lm_head.weight": head}).items())
+        assert (model.decoder.lm_head is not None) == untied
+        if untied:
+            assert model.decoder.lm_head.weight.device.type == "cuda"
+            torch.testing.assert_close(model.decoder.lm_head.weight.cpu(), head)
+
+
 def test_model_attributes(models):
     hf, ours, _ = models
     text = hf.config.text_config

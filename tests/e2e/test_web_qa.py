@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 from PIL import Image
 
+from helpers import REPO
 from vlm_sdk.client import APIError, AsyncClient
 from vlm_sdk.server.background import BackgroundServer
 from vlm_sdk.server.config import ServerConfig
@@ -24,7 +25,7 @@ from vlm_sdk.server.config import ServerConfig
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-APP_PATH = Path(__file__).resolve().parents[1] / "samples" / "web_qa" / "app.py"
+APP_PATH = REPO / "samples" / "web_qa" / "app.py"
 QUESTION = "What is in this image?"
 MAX_TOKENS = 16
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import image
+from helpers import REPO, image
 from vlm_sdk.cli import main
 from vlm_sdk.server.background import BackgroundServer
 from vlm_sdk.server.config import ServerConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 SAMPLE = str(ROOT / "samples" / "shapes.png")
 
 

@@ -122,3 +122,39 @@ def test_bad_engine_args_are_typed(tiny_ckpt):
         LLM(tiny_ckpt, num_blocks=10, max_model_len=4096, show_progress=False)
     with pytest.raises(InvalidRequestError, match="kv_cache_memory"):
         LLM(tiny_ckpt, kv_cache_memory=10, show_progress=False)
+
+
+# -- settings needed together, the limit named, the error's constructor ------------------------------
+
+def test_max_model_len_and_num_blocks_needed_together_are_named_together(tiny_ckpt):
+    llm = LLM(tiny_ckpt, num_blocks=6, max_model_len=64, show_progress=False)
+    conv = [{"role": "user", "content": "word " * 60}]
+    with pytest.raises(InputTooLongError) as info:
+        llm.chat(conv, PARAMS)
+    err = info.value
+    n, blocks = err.prompt_tokens, -(-err.prompt_tokens // 16)
+    assert n > 96 and err.fixes == {}
+    assert err.together == {"max_model_len": n, "num_blocks": blocks}
+    assert f"No single setting makes it fit; these together do: max_model_len={n}, num_blocks={blocks}" in str(err)
+    assert "max_model_len=64 (set by you)" in str(err)
+    fixed = LLM(tiny_ckpt, num_blocks=blocks, max_model_len=n, show_progress=False)
+    assert fixed.chat(conv, PARAMS)[0].token_ids
+    with pytest.raises(InputTooLongError) as info:  # the conversation index keeps them
+        llm.chat([conversations()["text"], conv], PARAMS)
+    assert info.value.together == err.together and "conversation 1" in str(info.value)
+
+
+def test_user_set_max_model_len_equal_to_the_cache_is_named(tiny_ckpt):
+    llm = LLM(tiny_ckpt, num_blocks=6, max_model_len=96, show_progress=False)
+    with pytest.raises(InputTooLongError) as info:
+        llm.chat([{"role": "user", "content": "word " * 60}], PARAMS)
+    assert "max_model_len=96 (set by you)" in str(info.value)
+    assert "max_model_len" in info.value.together
+
+
+def test_input_too_long_error_takes_positional_arguments_and_words_together_fixes():
+    old = InputTooLongError(100, [10], 50, {"num_blocks": 7}, "a reason", 2)
+    assert old.together == {} and old.conversation_index == 2
+    assert "Any one of these settings makes it fit: num_blocks=7." in str(old)
+    both = InputTooLongError(100, [], 50, {"max_pixels": 784}, "r", together={"max_model_len": 100, "num_blocks": 7})
+    assert "So do these together: max_model_len=100, num_blocks=7." in str(both)

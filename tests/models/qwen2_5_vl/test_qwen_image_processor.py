@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
+from helpers import image as make_image
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
 from vlm_sdk.models.qwen2_5_vl.image_processor import (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, Qwen2VLImageProcessor,
                                                        benchmark_against_transformers)
@@ -169,6 +170,18 @@ def test_invalid_pixel_bounds(ours):
         Qwen2VLImageProcessor(min_pixels=-1)
     with pytest.raises(InvalidImageError, match="PIL.Image.Image"):
         ours(np.zeros((4, 4, 3), np.uint8))
+
+
+def test_min_pixels_above_max_pixels_says_where_each_came_from():
+    ip = Qwen2VLImageProcessor()
+    with pytest.raises(InvalidRequestError) as info:
+        ip(make_image(64, 64), min_pixels=2_000_000)
+    assert "min_pixels (2000000, passed to this call) is larger than max_pixels (1003520, the processor " \
+           "default)" in str(info.value)
+    with pytest.raises(InvalidRequestError) as info:
+        ip.smart_resize(64, 64, max_pixels=1000)
+    assert "min_pixels (3136, the processor default) is larger than max_pixels (1000, passed to this call)" \
+           in str(info.value)
 
 
 def test_benchmark_helper_reports_parity():

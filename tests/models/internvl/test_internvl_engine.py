@@ -3,17 +3,16 @@ max_dynamic_patch fix that works, the CLI on both checkpoint layouts."""
 from __future__ import annotations
 
 import io
-from pathlib import Path
 
 import pytest
 
-from helpers import image
+from helpers import SAMPLE_IMAGE, image
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.cli import main
 from vlm_sdk.errors import InputTooLongError, InvalidImageError, InvalidRequestError
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
-SAMPLE = str(Path(__file__).resolve().parents[1] / "samples" / "shapes.png")
+SAMPLE = str(SAMPLE_IMAGE)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from vlm_sdk.errors import CheckpointError
-from vlm_sdk.model_loader import (ParamSlot, iter_safetensors, load_checked, load_tokenizer, read_checkpoint,
-                                  text_config)
+from vlm_sdk.model_loader import (ParamSlot, _safetensors_files, iter_safetensors, load_checked, load_tokenizer,
+                                  read_checkpoint, text_config)
 from vlm_sdk.testing import make_tiny_checkpoint
 
 TEXT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -132,6 +132,14 @@ def test_sharded_checkpoint_yields_every_tensor_once(tiny_ckpt, tiny_ckpt_flat):
     sharded = dict(iter_safetensors(tiny_ckpt_flat, show_progress=False))
     assert single.keys() == sharded.keys()
     assert all(torch.equal(single[k], sharded[k]) for k in single)
+
+
+def test_shards_are_read_in_file_name_order_whatever_order_the_index_lists(tmp_path):
+    for name in ("b.safetensors", "a.safetensors", "c.safetensors"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"x": "c.safetensors", "y": "a.safetensors", "z": "b.safetensors", "w": "c.safetensors"}}))
+    assert [p.name for p in _safetensors_files(tmp_path)] == ["a.safetensors", "b.safetensors", "c.safetensors"]
 
 
 def test_index_naming_a_missing_shard_is_an_error(tiny_ckpt_flat, tmp_path):

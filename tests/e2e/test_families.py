@@ -1,0 +1,85 @@
+"""Behaviour every model family shares, run on each registered family's tiny checkpoint
+(`vlm_sdk.models.registry.family_names()`): preemption and chunked prefill change no token, seeded
+sampling is reproducible alone and in a batch, stop strings and stop ids, metrics, a bad params entry."""
+import pytest
+
+from helpers import conversations
+from vlm_sdk import LLM, SamplingParams
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def llm(family_ckpt):
+    return LLM(family_ckpt[1], show_progress=False)
+
+
+def test_preemption_and_recompute_change_no_token(family_ckpt, llm):
+    convs = list(conversations().values())
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    free = llm.chat(convs, params)
+    longest = max(len(o.prompt_token_ids) + 40 for o in free)
+    need = sum(-(-(len(o.prompt_token_ids) + 40) // 16) for o in free)
+    blocks = -(-longest // 16) + 1  # the longest fits alone; all four together need `need` blocks
+    assert blocks < need
+    tight = LLM(family_ckpt[1], num_blocks=blocks, show_progress=False)
+    outs = tight.chat(convs, params)
+    stats = tight.stats()
+    assert stats["num_preemptions"] > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in free]
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+def test_chunked_prefill_changes_no_token(family_ckpt, llm):
+    convs = list(conversations().values())
+    free = llm.chat(convs, GREEDY)
+    chunked = LLM(family_ckpt[1], max_num_batched_tokens=13, show_progress=False)
+    assert [o.token_ids for o in chunked.chat(convs, GREEDY)] == [o.token_ids for o in free]
+
+
+def test_seeded_sampling_reproducible_alone_and_in_batch(llm):
+    convs = conversations()
+    seeded = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=1234)
+    alone = llm.chat(convs["one_image"], seeded)[0].token_ids
+    again = llm.chat(convs["one_image"], seeded)[0].token_ids
+    others = [SamplingParams(max_tokens=20, temperature=0.8), seeded, SamplingParams(max_tokens=7, temperature=1.0)]
+    batch = llm.chat([convs["text"], convs["one_image"], convs["two_images"]], others)
+    assert alone == again == batch[1].token_ids
+    other_seed = llm.chat(convs["one_image"], SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9,
+                                                             seed=99))[0].token_ids
+    assert other_seed != alone
+
+
+def test_stop_strings_and_stop_token_ids_end_the_output_where_they_say(llm):
+    conv = conversations()["text"]
+    full = llm.chat(conv, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    cut = llm.chat(conv, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.find(stop)]
+    tok = full.token_ids[5]
+    by_id = llm.chat(conv, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                          stop_token_ids=[tok]))[0]
+    first = full.token_ids.index(tok)
+    assert by_id.finish_reason == "stop" and by_id.token_ids == full.token_ids[:first + 1]
+
+
+def test_one_conversation_gives_one_output_with_its_metrics(llm):
+    conv = conversations()["two_images"]
+    outs = llm.chat(conv, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert len(outs) == 1
+    m = outs[0].metrics
+    assert m.prompt_tokens == len(outs[0].prompt_token_ids)
+    assert m.image_tokens > 0 and m.generated_tokens == 5 == len(outs[0].token_ids)
+    assert 0 <= m.time_to_first_token <= m.e2e_time
+
+
+def test_a_bad_sampling_params_entry_adds_no_request(llm):
+    from vlm_sdk.errors import InvalidRequestError
+    convs = [conversations()["text"], conversations()["one_image"]]
+    with pytest.raises(InvalidRequestError, match="sampling params 1"):
+        llm.chat(convs, [SamplingParams(max_tokens=4), {"max_tokens": 4}])
+    stats = llm.stats()
+    assert stats["num_running"] == stats["num_waiting"] == stats["kv_blocks_used"] == 0
+    assert not llm.engine.requests
