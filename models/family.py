@@ -160,8 +160,9 @@ class FamilySpec(ABC):
     @property
     @abstractmethod
     def reference(self) -> Any:
-        """The transformers reference module: `hf_image_processor(model_dir, **kw)` and
-        `hf_prompt(tokenizer, image_processor, config, messages) -> dict` of model inputs."""
+        """The transformers reference module: `hf_model(model_dir, dtype)` (transformers' own class, eval),
+        `hf_image_processor(model_dir, **kw)` and `hf_prompt(tokenizer, image_processor, config, messages)
+        -> dict` of model inputs."""
 
 
 def _checked(family: FamilySpec, options: Mapping[str, Any], schema: tuple[Setting, ...], kind: str,

@@ -10,6 +10,12 @@ from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.messages import parse_messages
 
 
+def hf_model(model_dir: str, dtype: torch.dtype = torch.float32):
+    """transformers' own model class on the checkpoint, in eval mode."""
+    from transformers import InternVLForConditionalGeneration
+    return InternVLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
+
+
 def hf_image_processor(model_dir: str, **kwargs):
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
     return GotOcr2ImageProcessorPil.from_pretrained(model_dir, **kwargs)

@@ -11,6 +11,12 @@ from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.messages import parse_messages
 
 
+def hf_model(model_dir: str, dtype: torch.dtype = torch.float32):
+    """transformers' own model class on the checkpoint, in eval mode."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
+
+
 def hf_image_processor(model_dir: str, **kwargs):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     return Qwen2VLImageProcessorPil.from_pretrained(model_dir, **kwargs)

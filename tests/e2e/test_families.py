@@ -1,10 +1,12 @@
 """Behaviour every model family shares, run on each registered family's tiny checkpoint
 (`vlm_sdk.models.registry.family_names()`): preemption and chunked prefill change no token, seeded
-sampling is reproducible alone and in a batch, stop strings and stop ids, metrics, a bad params entry."""
+sampling is reproducible alone and in a batch, stop strings and stop ids, metrics, a bad params entry;
+and greedy tokens equal transformers' on the same checkpoint, through each family's reference hooks."""
 import pytest
 
-from helpers import conversations
+from helpers import SAMPLE_IMAGE, conversations
 from vlm_sdk import LLM, SamplingParams
+from vlm_sdk.models import registry
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
@@ -83,3 +85,27 @@ def test_a_bad_sampling_params_entry_adds_no_request(llm):
     stats = llm.stats()
     assert stats["num_running"] == stats["num_waiting"] == stats["kv_blocks_used"] == 0
     assert not llm.engine.requests
+
+
+def test_greedy_tokens_equal_transformers_generate(family_ckpt, llm):
+    """The engine, knowing no family, against transformers' own class through the family's reference
+    (`FamilySpec.reference`): same prompt ids, same greedy tokens, for an image + text and a text-only
+    conversation batched together."""
+    from transformers import AutoTokenizer
+
+    from vlm_sdk.testing.reference import hf_batch, hf_greedy
+    family, path = family_ckpt
+    ref = registry.load(family).reference
+    convs = [[{"role": "user", "content": [{"type": "image", "image": str(SAMPLE_IMAGE)},
+                                           {"type": "text", "text": "What is in this image?"}]}],
+             [{"role": "user", "content": "Say something."}]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ours = llm.chat(convs, params)
+    model, tokenizer = ref.hf_model(str(path)), AutoTokenizer.from_pretrained(str(path))
+    image_processor = ref.hf_image_processor(str(path))
+    for conv, out in zip(convs, ours):
+        inputs = ref.hf_prompt(tokenizer, image_processor, model.config, conv)
+        assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        theirs = hf_greedy(model, hf_batch([inputs], pad), 12)[0]
+        assert out.token_ids == theirs and len(set(theirs)) > 3  # varied tokens: a real comparison

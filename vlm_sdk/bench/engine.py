@@ -119,13 +119,8 @@ def _run_transformers(family: str, model_dir: str, convs, max_tokens, batch_size
 
     family_reference = registry.load(family).reference
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if family == "internvl":
-        from transformers import InternVLForConditionalGeneration as model_cls
-        proc = family_reference.hf_image_processor(model_dir)
-    else:
-        from transformers import Qwen2_5_VLForConditionalGeneration as model_cls
-        proc = family_reference.hf_image_processor(model_dir)
-    model = model_cls.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    proc = family_reference.hf_image_processor(model_dir)
+    model = family_reference.hf_model(model_dir, dtype).to(device)
     tok = AutoTokenizer.from_pretrained(model_dir)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
