@@ -68,7 +68,7 @@ class VisionLanguageModel(nn.Module, ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str | Path | None = None) -> None:
         """Copy checkpoint tensors (published HF names) into the modules. Raises `CheckpointError`
         naming the tensor (and `source`, the checkpoint directory, when given) for a missing,
-        unexpected or mis-shaped tensor; `vlm_sdk.model_loader.load_checked` does this from a
+        unexpected or mis-shaped tensor; `vlm_sdk.weight_loading.load_checked` does this from a
         `ParamSlot` map."""
 
 

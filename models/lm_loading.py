@@ -21,7 +21,7 @@ from torch import nn
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import KernelOps
-from vlm_sdk.model_loader import ParamSlot, load_checked
+from vlm_sdk.weight_loading import ParamSlot, load_checked
 from vlm_sdk.models.base import KVCache, VisionLanguageModel
 from vlm_sdk.models.cpu_layout import PackedLMHead, column_major, use_cpu_weight_layout
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig

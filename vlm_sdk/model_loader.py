@@ -1,26 +1,15 @@
 """Reading a Hugging Face checkpoint directory: config, tokenizer, safetensors weights.
 
-Every failure is a `CheckpointError` that names the file or tensor involved.
-
-Weights are copied with `load_checked`. Model code describes where each checkpoint tensor goes with
-a `ParamSlot` per checkpoint name: a parameter (or persistent buffer) of the module, the shape the
-checkpoint tensor must have, and optionally the first row of the range it fills in a fused parameter
-(q/k/v -> qkv_proj, gate/up -> gate_up_proj); the tensor is reshaped to the parameter's trailing dims
-(a Conv3d patch-embed weight -> a Linear). A slot may take only a `Shard` of the checkpoint tensor (one
-tensor-parallel rank's slice along one dim): the tensor is checked at its full shape, then only the
-slice is copied, so a rank never keeps the whole tensor. `load_checked` refuses unexpected, mis-shaped, duplicated
-and missing tensors instead of leaving random weights behind, and checks up front that the slots
-cover every row of every parameter exactly once. It knows no model: name aliases (e.g. the
-`model.language_model.*` spelling of transformers 4.5x) come in as a `canonical` function.
+Every failure is a `CheckpointError` that names the file or tensor involved. The tensors it streams
+are copied into a model by `vlm_sdk.weight_loading.load_checked`.
 """
 from __future__ import annotations
 
 import json
 import struct
 from dataclasses import dataclass
-from math import prod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -31,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointInfo", "read_checkpoint", "text_config", "load_tokenizer", "iter_safetensors",
-    "ParamSlot", "Shard", "load_checked", "config_from_dict", "ConfigInfo", "read_config",
+    "config_from_dict", "ConfigInfo", "read_config",
 ]
 
 CONFIG_FILE = "config.json"
@@ -242,169 +231,6 @@ def iter_safetensors(model_dir, *, show_progress: bool = True) -> Iterator[tuple
                     yield name, tensor
 
 
-@dataclass(frozen=True)
-class Shard:
-    """The slice [start, start + length) along `dim` of a checkpoint tensor: what one tensor-parallel
-    rank loads (column-parallel: dim 0 of a weight; row-parallel: dim 1)."""
-    dim: int
-    start: int
-    length: int
-
-
-@dataclass(frozen=True)
-class ParamSlot:
-    """Where one checkpoint tensor goes: rows [row_start, row_start + loaded rows) of parameter `param`
-    (the whole parameter when `row_start` is None), after reshaping to the parameter's trailing dims.
-    `param` is a name in the module's `state_dict()` (a parameter or a persistent buffer). With a
-    `shard`, only that slice of the tensor is loaded (`shape` is still the whole tensor's)."""
-    param: str
-    shape: tuple[int, ...]  # the shape the checkpoint tensor must have
-    row_start: int | None = None
-    shard: Shard | None = None
-
-    def under(self, prefix: str) -> "ParamSlot":
-        """The same slot for the parameter seen from a parent module (`prefix` + param)."""
-        return ParamSlot(prefix + self.param, self.shape, self.row_start, self.shard)
-
-    @property
-    def loaded_shape(self) -> tuple[int, ...]:
-        """The shape of what is copied: `shape`, narrowed to the shard."""
-        if self.shard is None:
-            return tuple(self.shape)
-        shape = list(self.shape)
-        shape[self.shard.dim] = self.shard.length
-        return tuple(shape)
-
-
-def _identity(name: str) -> str:
-    return name
-
-
-def load_checked(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                 slots: dict[str, ParamSlot], *, ignore: frozenset[str] = frozenset(),
-                 canonical: Callable[[str], str] = _identity,
-                 source: str | Path | None = None) -> None:
-    """Copy checkpoint tensors into `module`, strictly: each into the slot `slots[canonical(name)]`.
-
-    `slots` is keyed by canonical checkpoint name; checkpoint tensors whose canonical name is in
-    `ignore` are skipped (e.g. lm_head when tied). `CheckpointError`, naming the tensor, its shape and
-    `source` (the checkpoint directory) when given, for: a tensor with no slot; a tensor whose shape is
-    not the slot's (both shapes named); a tensor given twice, also under two aliases, or two tensors
-    for one weight (slots naming the same rows are aliases, as tied weights are); and slots the
-    checkpoint never fills, unless an alias was loaded (the first 10 named, then a count).
-    Values are cast to the target's dtype and device.
-
-    Slots that name no parameter or persistent buffer, run past its rows, cannot be reshaped into it,
-    overlap, or leave rows of a parameter uncovered are a bug in the caller's map: `ValueError`, before
-    anything is copied. Persistent buffers are loaded when a slot names them, else left alone.
-    """
-    where = f" in {source}" if source is not None else ""
-    owner = type(module).__name__
-    regions = _slot_regions(module, slots)
-    loaded: dict[str, str] = {}                          # slot name -> checkpoint name
-    filled: dict[tuple[int, int, int], str] = {}         # (id(target), start, stop) -> checkpoint name
-    with torch.no_grad():
-        for raw_name, tensor in weights:
-            name = canonical(raw_name)
-            if name in ignore:
-                continue
-            read_as = "" if name == raw_name else f" (read as {name!r})"
-            slot = slots.get(name)
-            if slot is None:
-                raise CheckpointError(
-                    f"unexpected tensor {raw_name} (shape {_shape(tensor)}){where}{read_as} matches no weight "
-                    f"of {owner}: wrong architecture or config.json for these weights?")
-            if tuple(tensor.shape) != tuple(slot.shape):
-                raise CheckpointError(
-                    f"tensor {raw_name}{where} has shape {_shape(tensor)} but {owner} expects "
-                    f"{list(slot.shape)}{read_as} for {_slot_text(slot)}: config.json does not match the weights")
-            previous = loaded.get(name)
-            if previous == raw_name:
-                raise CheckpointError(f"tensor {raw_name}{where} appears twice in the checkpoint")
-            target, start, stop = regions[name]
-            key = (id(target), start, stop)
-            previous = previous or filled.get(key)
-            if previous is not None:   # two aliases of one name, or two names tied to one weight
-                raise CheckpointError(f"tensors {previous} and {raw_name}{where} both load into {_slot_text(slot)}")
-            view = target.data if slot.row_start is None else target.data[start:stop]
-            if slot.shard is not None:  # this rank's slice only
-                tensor = tensor.narrow(slot.shard.dim, slot.shard.start, slot.shard.length)
-            view.copy_(tensor.reshape(view.shape))
-            loaded[name] = filled[key] = raw_name
-    missing = [n for n in slots if n not in loaded and (id(regions[n][0]), *regions[n][1:]) not in filled]
-    if missing:
-        shown = [f"{n} {list(slots[n].shape)}" for n in missing]
-        raise CheckpointError(f"{len(missing)} tensor(s) of {owner} missing from the checkpoint{where}: "
-                              f"{_name_list(shown)}")
-
-
-def _slot_regions(module: torch.nn.Module,
-                  slots: dict[str, ParamSlot]) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """slot name -> (target tensor, first row, end row); checks the map against the module."""
-    owner = type(module).__name__
-    targets: dict[str, torch.Tensor] = module.state_dict(keep_vars=True)  # params + persistent buffers
-    regions: dict[str, tuple[torch.Tensor, int, int]] = {}
-    for name, slot in slots.items():
-        target = targets.get(slot.param)
-        if target is None:
-            raise ValueError(f"slot for {name} names {slot.param!r}, which {owner} does not have")
-        rows = target.shape[0] if target.dim() else 1
-        loaded = slot.loaded_shape
-        if slot.shard is not None and not (0 <= slot.shard.dim < len(slot.shape) and slot.shard.start >= 0
-                                           and slot.shard.start + slot.shard.length <= slot.shape[slot.shard.dim]):
-            raise ValueError(f"slot for {name}: {slot.shard} is outside the tensor's shape {list(slot.shape)}")
-        if slot.row_start is None:
-            start, stop, expect = 0, rows, target.numel()
-        else:
-            start, stop = slot.row_start, slot.row_start + (loaded[0] if loaded else 1)
-            expect = (stop - start) * prod(target.shape[1:])
-            if target.dim() == 0 or start < 0 or stop > rows:
-                raise ValueError(f"slot for {name}: rows [{start}, {stop}) are outside {slot.param} "
-                                 f"{_shape(target)}")
-        if prod(loaded) != expect:
-            raise ValueError(f"slot for {name}: shape {list(loaded)} does not reshape into "
-                             f"{_slot_text(slot)} of {owner} ({_shape(target)})")
-        regions[name] = (target, start, stop)
-    # every parameter row is filled by exactly one region (slots naming the same region are aliases)
-    covered: dict[int, set[tuple[int, int]]] = {}
-    for target, start, stop in regions.values():
-        covered.setdefault(id(target), set()).add((start, stop))
-    by_region = {(id(t), a, b): n for n, (t, a, b) in reversed(regions.items())}  # first slot per region
-    for key, spans in covered.items():
-        ordered = sorted(spans)
-        for (a0, b0), (a1, b1) in zip(ordered, ordered[1:]):
-            if a1 < b0:
-                first, second = by_region[(key, a0, b0)], by_region[(key, a1, b1)]
-                raise ValueError(f"slots for {first} and {second} overlap: {_slot_text(slots[first])} "
-                                 f"and {_slot_text(slots[second])}")
-    gaps: list[str] = []
-    for pname, param in module.named_parameters():   # tied parameters appear once
-        rows = param.shape[0] if param.dim() else 1
-        nxt = 0
-        for start, stop in sorted(covered.get(id(param), ())):
-            if start > nxt:
-                break
-            nxt = max(nxt, stop)
-        if nxt < rows:
-            gaps.append(pname if nxt == 0 else f"{pname} rows [{nxt}, {rows})")
-    if gaps:
-        raise ValueError(f"the slots leave {len(gaps)} parameter(s) of {owner} unloaded: {_name_list(gaps)}")
-    return regions
-
-
-def _slot_text(slot: ParamSlot) -> str:
-    loaded = slot.loaded_shape
-    text = slot.param if slot.row_start is None else \
-        f"{slot.param} rows [{slot.row_start}, {slot.row_start + (loaded[0] if loaded else 1)})"
-    if slot.shard is not None:
-        sh = slot.shard
-        text += f" (its dim-{sh.dim} slice [{sh.start}, {sh.start + sh.length}))"
-    return text
-
-
-# ----------------------------------------------------------------------------------------------
-# helpers
-
 def _checkpoint_dir(model_dir) -> Path:
     root = Path(model_dir).expanduser()
     if not root.exists():
@@ -501,10 +327,6 @@ def _as_ids(value: Any) -> tuple[int, ...]:
         return ()
     values = value if isinstance(value, (list, tuple)) else [value]
     return tuple(dict.fromkeys(int(v) for v in values))
-
-
-def _shape(t: torch.Tensor) -> list[int]:
-    return list(t.shape)
 
 
 def _name_list(names: list[str], limit: int = 10) -> str:

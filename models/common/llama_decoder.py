@@ -24,7 +24,7 @@ from vlm_sdk.layers.norm import RMSNorm
 from vlm_sdk.layers.ops import KernelOps, TorchOps
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.layers.rotary import MRotaryEmbedding, RotaryInputs
-from vlm_sdk.model_loader import ParamSlot
+from vlm_sdk.weight_loading import ParamSlot
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 
 

@@ -22,7 +22,8 @@ from torch import nn
 
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import KernelOps
-from vlm_sdk.model_loader import ParamSlot, config_from_dict
+from vlm_sdk.model_loader import config_from_dict
+from vlm_sdk.weight_loading import ParamSlot
 from vlm_sdk.models.internlm2.weights import internlm2_decoder_config, internlm2_to_llama_names
 from vlm_sdk.models.internvl.vision import InternVisionConfig, InternVLVisionTower
 from vlm_sdk.models.base import KVCache

@@ -32,7 +32,7 @@ from torch import nn
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.kernels.rms_norm_torch import rms_norm
 from vlm_sdk.layers.linear import ColumnParallelLinear, RowParallelLinear
-from vlm_sdk.model_loader import ParamSlot
+from vlm_sdk.weight_loading import ParamSlot
 from vlm_sdk.models.internvl.projector import InternVLProjector, pixel_shuffle
 
 _ACTIVATIONS = MappingProxyType({

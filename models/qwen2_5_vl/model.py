@@ -14,7 +14,7 @@ from torch import nn
 
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import KernelOps
-from vlm_sdk.model_loader import ParamSlot
+from vlm_sdk.weight_loading import ParamSlot
 from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.models.qwen2_5_vl.vision import Qwen2_5_VisionTransformer

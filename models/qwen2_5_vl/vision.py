@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_sdk.model_loader import ParamSlot
+from vlm_sdk.weight_loading import ParamSlot
 from vlm_sdk.kernels.rms_norm_torch import rms_norm
 from vlm_sdk.kernels.rotary_torch import apply_rotary
 from vlm_sdk.layers.activation import ACTIVATIONS

@@ -13,7 +13,7 @@ from vlm_sdk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vlm_sdk.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                    RowParallelLinear)
 from vlm_sdk.layers.parallel_state import TPGroup
-from vlm_sdk.model_loader import load_checked
+from vlm_sdk.weight_loading import load_checked
 
 HIDDEN, INTER = 8, 12
 RANKS = (TPGroup(0, 2), TPGroup(1, 2))

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from vlm_sdk.errors import CheckpointError
-from vlm_sdk.model_loader import (ParamSlot, _safetensors_files, iter_safetensors, load_checked, load_tokenizer,
-                                  read_checkpoint, text_config)
+from vlm_sdk.model_loader import _safetensors_files, iter_safetensors, load_tokenizer, read_checkpoint, text_config
+from vlm_sdk.weight_loading import ParamSlot, load_checked
 from vlm_sdk.testing import make_tiny_checkpoint
 
 TEXT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -14,7 +14,6 @@ import threading
 import time
 from urllib.parse import urlparse
 
-import pytest
 
 from server_helpers import API_KEY, post, wait_for
 from vlm_sdk.server.background import BackgroundServer

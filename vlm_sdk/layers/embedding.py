@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_sdk.layers.parallel_state import TPGroup
-from vlm_sdk.model_loader import ParamSlot, Shard
+from vlm_sdk.weight_loading import ParamSlot, Shard
 
 
 class VocabParallelEmbedding(nn.Embedding):

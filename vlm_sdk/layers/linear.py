@@ -12,7 +12,7 @@
 
 Each layer is an `nn.Linear` over its LOCAL shape, so the forward is exactly `F.linear` (the CPU weight
 layout of models/cpu_layout.py applies unchanged). `slots(...)` gives the `ParamSlot`s that load each
-checkpoint tensor's slice for this rank (`model_loader.Shard`); with one rank they are plain slots
+checkpoint tensor's slice for this rank (`weight_loading.Shard`); with one rank they are plain slots
 (no shard). No communication happens here: summing / gathering across ranks is the next issue's.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_sdk.layers.parallel_state import TPGroup
-from vlm_sdk.model_loader import ParamSlot, Shard
+from vlm_sdk.weight_loading import ParamSlot, Shard
 
 
 def _shard(tp: TPGroup, dim: int, local: int) -> Shard | None:

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, Qwen2C
 
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
-from vlm_sdk.model_loader import load_checked
+from vlm_sdk.weight_loading import load_checked
 from vlm_sdk.models.internlm2.weights import (internlm2_decoder_config, internlm2_to_llama_names, pack_wqkv,
                                               unpack_wqkv)
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig

@@ -8,7 +8,7 @@ import torch
 from transformers import InternVLConfig, InternVLForConditionalGeneration, PretrainedConfig
 
 from vlm_sdk.errors import CheckpointError
-from vlm_sdk.model_loader import load_checked
+from vlm_sdk.weight_loading import load_checked
 from vlm_sdk.models.cpu_layout import use_cpu_weight_layout
 from vlm_sdk.models.internvl.vision import InternVisionConfig, InternVLVisionTower
 
