@@ -118,16 +118,10 @@ def _agree(ckpt, options, engine_options):
     assert p.weights_bytes == weight_bytes(llm.engine.model).total
 
 
-@pytest.mark.parametrize("options", [{}, {"block_size": 8, "max_num_seqs": 3, "max_pixels": 200_000},
-                                     {"kv_cache_memory": 100_000, "max_model_len": 96}])
-def test_plan_equals_engine_qwen(tiny_ckpt, options):
-    _agree(tiny_ckpt, options, options)
-
-
-@pytest.mark.parametrize("fixture", ["internvl_ckpt", "internvl_llama_ckpt", "internvl_original_ckpt",
-                                     "internvl_internlm2_ckpt"])
+@pytest.mark.parametrize("fixture", ["internvl_llama_ckpt", "internvl_original_ckpt", "internvl_internlm2_ckpt"])
 @pytest.mark.parametrize("options", [{}, {"max_num": 2, "num_blocks": 50, "block_size": 32}])
-def test_plan_equals_engine_internvl(request, fixture, options):
+def test_plan_equals_engine_on_the_other_internvl_layouts(request, fixture, options):
+    """Each family's default layout: tests/e2e/test_family_capacity.py."""
     engine_options = {("max_dynamic_patch" if k == "max_num" else k): v for k, v in options.items()}
     _agree(request.getfixturevalue(fixture), options, engine_options)
 
