@@ -9,9 +9,20 @@ import contextlib
 import json
 import math
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Mapping
 
 # In Qwen's order; they get the ids right after the trained BPE vocabulary.
+# the language model every family's tiny checkpoint starts from (a family overrides what it must)
+TEXT_DEFAULTS: Mapping[str, Any] = MappingProxyType(dict(
+    text_hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    vocab_size=None,              # None: tokenizer size rounded up to a multiple of 64
+))
+
 QWEN_SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
     "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",

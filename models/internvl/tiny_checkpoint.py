@@ -30,7 +30,8 @@ import torch
 from vlm_sdk.models.internvl.tiny_checkpoint_original import (_IMAGENET_MEAN, _IMAGENET_STD, INTERNVL_CHATML_TEMPLATE,
                                                             INTERNVL_TOKENIZER_ATTRIBUTES, _llm_layout_for,
                                                             convert_to_original_layout)
-from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, build_tokenizer, no_hf_progress_bars,
+from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, TEXT_DEFAULTS, build_tokenizer,
+                                                   no_hf_progress_bars,
                                                    round_up, write_json, write_tokenizer)
 
 __all__ = [
@@ -60,13 +61,7 @@ INTERNVL_HF_CHAT_TEMPLATE = (
 
 
 _DEFAULTS: Mapping[str, Any] = MappingProxyType(dict(
-    # language model
-    text_hidden_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=128,
-    vocab_size=None,              # None: tokenizer size rounded up to a multiple of 64
+    **TEXT_DEFAULTS,  # language model
     max_position_embeddings=4096,
     tie_word_embeddings=False,
     # vision tower (InternViT)

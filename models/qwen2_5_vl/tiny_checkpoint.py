@@ -15,7 +15,8 @@ from typing import Any, Mapping
 
 import torch
 
-from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, build_tokenizer, no_hf_progress_bars,
+from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, TEXT_DEFAULTS, build_tokenizer,
+                                                   no_hf_progress_bars,
                                                    round_up, write_json, write_tokenizer)
 
 # The chat template published with Qwen2-VL / Qwen2.5-VL Instruct.
@@ -39,12 +40,7 @@ _OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 _DEFAULTS: Mapping[str, Any] = MappingProxyType(dict(
-    text_hidden_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=128,
-    vocab_size=None,              # None: tokenizer size rounded up to a multiple of 64
+    **TEXT_DEFAULTS,  # language model
     vision_depth=2,
     vision_hidden_size=32,
     vision_heads=2,
