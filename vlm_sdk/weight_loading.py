@@ -7,7 +7,10 @@ checkpoint tensor must have, and optionally the first row of the range it fills 
 (q/k/v -> qkv_proj, gate/up -> gate_up_proj); the tensor is reshaped to the parameter's trailing dims
 (a Conv3d patch-embed weight -> a Linear). A slot may take only a `Shard` of the checkpoint tensor (one
 tensor-parallel rank's slice along one dim): the tensor is checked at its full shape, then only the
-slice is copied, so a rank never keeps the whole tensor. `load_checked` refuses unexpected, mis-shaped, duplicated
+slice is copied, so a rank never keeps the whole tensor. A FUSED checkpoint tensor whose parts are
+split separately (Qwen's / InternViT's `attn.qkv` [3C, C]: rank r takes its heads of q, of k and of v)
+maps to a `SplitSlot`: several `ParamSlot`s of the one tensor, each with its own shard and row_start.
+`load_checked` refuses unexpected, mis-shaped, duplicated
 and missing tensors instead of leaving random weights behind, and checks up front that the slots
 cover every row of every parameter exactly once. It knows no model: name aliases (e.g. the
 `model.language_model.*` spelling of transformers 4.5x) come in as a `canonical` function.
@@ -23,7 +26,7 @@ import torch
 
 from vlm_sdk.errors import CheckpointError
 
-__all__ = ["ParamSlot", "Shard", "load_checked"]
+__all__ = ["ParamSlot", "Shard", "SplitSlot", "load_checked"]
 
 
 @dataclass(frozen=True)
@@ -60,19 +63,45 @@ class ParamSlot:
         return tuple(shape)
 
 
+@dataclass(frozen=True)
+class SplitSlot:
+    """One checkpoint tensor loaded as several slices: each part a `ParamSlot` with the whole tensor's
+    `shape` and its own `shard` (the slice it takes) and `row_start` (where the slice lands). E.g. a
+    fused q | k | v tensor [3C, C] on rank r of 2: q rows [r*C/2, ...) -> qkv rows [0, C/2), k rows
+    [C + r*C/2, ...) -> [C/2, C), v likewise -> [C, 3C/2)."""
+    parts: tuple[ParamSlot, ...]
+
+    def __post_init__(self):
+        if not self.parts or len({tuple(p.shape) for p in self.parts}) != 1:
+            raise ValueError(f"a SplitSlot needs one or more parts of one checkpoint shape, got "
+                             f"{[list(p.shape) for p in self.parts]}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape the checkpoint tensor must have (the same for every part)."""
+        return tuple(self.parts[0].shape)
+
+    def under(self, prefix: str) -> "SplitSlot":
+        return SplitSlot(tuple(p.under(prefix) for p in self.parts))
+
+
+def _parts(slot: ParamSlot | SplitSlot) -> tuple[ParamSlot, ...]:
+    return slot.parts if isinstance(slot, SplitSlot) else (slot,)
+
+
 def _identity(name: str) -> str:
     return name
 
 
 def load_checked(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                 slots: dict[str, ParamSlot], *, ignore: frozenset[str] = frozenset(),
+                 slots: dict[str, ParamSlot | SplitSlot], *, ignore: frozenset[str] = frozenset(),
                  canonical: Callable[[str], str] = _identity,
                  source: str | Path | None = None) -> None:
     """Copy checkpoint tensors into `module`, strictly: each into the slot `slots[canonical(name)]`.
 
-    `slots` is keyed by canonical checkpoint name; checkpoint tensors whose canonical name is in
-    `ignore` are skipped (e.g. lm_head when tied). `CheckpointError`, naming the tensor, its shape and
-    `source` (the checkpoint directory) when given, for: a tensor with no slot; a tensor whose shape is
+    `slots` is keyed by canonical checkpoint name (a `SplitSlot` loads one tensor as several slices);
+    checkpoint tensors whose canonical name is in `ignore` are skipped (e.g. lm_head when tied).
+    `CheckpointError`, naming the tensor, its shape and `source` (the checkpoint directory) when given, for: a tensor with no slot; a tensor whose shape is
     not the slot's (both shapes named); a tensor given twice, also under two aliases, or two tensors
     for one weight (slots naming the same rows are aliases, as tied weights are); and slots the
     checkpoint never fills, unless an alias was loaded (the first 10 named, then a count).
@@ -105,30 +134,33 @@ def load_checked(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Ten
             previous = loaded.get(name)
             if previous == raw_name:
                 raise CheckpointError(f"tensor {raw_name}{where} appears twice in the checkpoint")
-            target, start, stop = regions[name]
-            key = (id(target), start, stop)
-            previous = previous or filled.get(key)
+            keys = [(id(target), start, stop) for target, start, stop in regions[name]]
+            previous = previous or next((filled[k] for k in keys if k in filled), None)
             if previous is not None:   # two aliases of one name, or two names tied to one weight
                 raise CheckpointError(f"tensors {previous} and {raw_name}{where} both load into {_slot_text(slot)}")
-            view = target.data if slot.row_start is None else target.data[start:stop]
-            if slot.shard is not None:  # this rank's slice only
-                tensor = tensor.narrow(slot.shard.dim, slot.shard.start, slot.shard.length)
-            view.copy_(tensor.reshape(view.shape))
-            loaded[name] = filled[key] = raw_name
-    missing = [n for n in slots if n not in loaded and (id(regions[n][0]), *regions[n][1:]) not in filled]
+            for part, (target, start, stop) in zip(_parts(slot), regions[name]):
+                view = target.data if part.row_start is None else target.data[start:stop]
+                piece = tensor if part.shard is None else \
+                    tensor.narrow(part.shard.dim, part.shard.start, part.shard.length)  # this rank's slice only
+                view.copy_(piece.reshape(view.shape))
+            loaded[name] = raw_name
+            filled.update((k, raw_name) for k in keys)
+    missing = [n for n in slots if n not in loaded
+               and not all((id(t), a, b) in filled for t, a, b in regions[n])]
     if missing:
         shown = [f"{n} {list(slots[n].shape)}" for n in missing]
         raise CheckpointError(f"{len(missing)} tensor(s) of {owner} missing from the checkpoint{where}: "
                               f"{_name_list(shown)}")
 
 
-def _slot_regions(module: torch.nn.Module,
-                  slots: dict[str, ParamSlot]) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """slot name -> (target tensor, first row, end row); checks the map against the module."""
+def _slot_regions(module: torch.nn.Module, slots: dict[str, ParamSlot | SplitSlot]
+                  ) -> dict[str, list[tuple[torch.Tensor, int, int]]]:
+    """slot name -> (target tensor, first row, end row) of each of its parts; checks the map against the module."""
     owner = type(module).__name__
     targets: dict[str, torch.Tensor] = module.state_dict(keep_vars=True)  # params + persistent buffers
-    regions: dict[str, tuple[torch.Tensor, int, int]] = {}
-    for name, slot in slots.items():
+    regions: dict[str, list[tuple[torch.Tensor, int, int]]] = {}
+    entries = [(name, slot) for name, split in slots.items() for slot in _parts(split)]
+    for name, slot in entries:
         target = targets.get(slot.param)
         if target is None:
             raise ValueError(f"slot for {name} names {slot.param!r}, which {owner} does not have")
@@ -148,19 +180,22 @@ def _slot_regions(module: torch.nn.Module,
         if prod(loaded) != expect:
             raise ValueError(f"slot for {name}: shape {list(loaded)} does not reshape into "
                              f"{_slot_text(slot)} of {owner} ({_shape(target)})")
-        regions[name] = (target, start, stop)
+        regions.setdefault(name, []).append((target, start, stop))
     # every parameter row is filled by exactly one region (slots naming the same region are aliases)
     covered: dict[int, set[tuple[int, int]]] = {}
-    for target, start, stop in regions.values():
-        covered.setdefault(id(target), set()).add((start, stop))
-    by_region = {(id(t), a, b): n for n, (t, a, b) in reversed(regions.items())}  # first slot per region
+    for parts in regions.values():
+        for target, start, stop in parts:
+            covered.setdefault(id(target), set()).add((start, stop))
+    located = [((id(t), a, b), (n, slot)) for (n, slot), (t, a, b)
+               in zip(entries, (r for parts in regions.values() for r in parts))]
+    by_region = dict(reversed(located))  # first slot per region
     for key, spans in covered.items():
         ordered = sorted(spans)
         for (a0, b0), (a1, b1) in zip(ordered, ordered[1:]):
             if a1 < b0:
-                first, second = by_region[(key, a0, b0)], by_region[(key, a1, b1)]
-                raise ValueError(f"slots for {first} and {second} overlap: {_slot_text(slots[first])} "
-                                 f"and {_slot_text(slots[second])}")
+                (first, s0), (second, s1) = by_region[(key, a0, b0)], by_region[(key, a1, b1)]
+                raise ValueError(f"slots for {first} and {second} overlap: {_slot_text(s0)} "
+                                 f"and {_slot_text(s1)}")
     gaps: list[str] = []
     for pname, param in module.named_parameters():   # tied parameters appear once
         rows = param.shape[0] if param.dim() else 1
@@ -176,7 +211,9 @@ def _slot_regions(module: torch.nn.Module,
     return regions
 
 
-def _slot_text(slot: ParamSlot) -> str:
+def _slot_text(slot: ParamSlot | SplitSlot) -> str:
+    if isinstance(slot, SplitSlot):
+        return " and ".join(_slot_text(p) for p in slot.parts)
     loaded = slot.loaded_shape
     text = slot.param if slot.row_start is None else \
         f"{slot.param} rows [{slot.row_start}, {slot.row_start + (loaded[0] if loaded else 1)})"

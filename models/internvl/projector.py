@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_sdk.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.weight_loading import ParamSlot
 
 PROJECTOR_LN_EPS = 1e-5  # both layouts build the projector's LayerNorm with nn.LayerNorm's default eps
 
@@ -27,17 +29,28 @@ def pixel_shuffle(x: torch.Tensor, inv: int) -> torch.Tensor:
 
 
 class InternVLProjector(nn.Module):
-    """LayerNorm -> Linear -> act -> Linear (transformers' `multi_modal_projector`, InternVL's `mlp1`)."""
+    """LayerNorm -> Linear -> act -> Linear (transformers' `multi_modal_projector`, InternVL's `mlp1`).
+    With tensor parallelism linear_1 is column-parallel, linear_2 row-parallel (its output a partial sum)."""
 
     def __init__(self, in_dim: int, out_dim: int, act: Callable[[torch.Tensor], torch.Tensor],
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, tp: TPGroup = TPGroup()):
         super().__init__()
         self.norm_weight = nn.Parameter(torch.empty(in_dim, dtype=dtype, device=device))
         self.norm_bias = nn.Parameter(torch.empty(in_dim, dtype=dtype, device=device))
-        self.linear_1 = ColumnParallelLinear(in_dim, out_dim, True, dtype, device)
-        self.linear_2 = RowParallelLinear(out_dim, out_dim, True, dtype, device)
+        self.linear_1 = ColumnParallelLinear(in_dim, out_dim, True, dtype, device, tp)
+        self.linear_2 = RowParallelLinear(out_dim, out_dim, True, dtype, device, tp)
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in_dim] -> [N, out_dim]
         x = F.layer_norm(x, self.norm_weight.shape, self.norm_weight, self.norm_bias, PROJECTOR_LN_EPS)
         return self.linear_2(self.act(self.linear_1(x)))
+
+    def slots(self, ln: str, fc1: str, fc2: str, dst: str = "projector.") -> dict[str, ParamSlot]:
+        """Checkpoint prefixes of the LayerNorm and the two Linears -> this rank's slices, params under `dst`."""
+        n = self.norm_weight.shape[0]
+        return {
+            f"{ln}.weight": ParamSlot(f"{dst}norm_weight", (n,)),
+            f"{ln}.bias": ParamSlot(f"{dst}norm_bias", (n,)),
+            **self.linear_1.slots(f"{dst}linear_1.", f"{fc1}.weight", f"{fc1}.bias"),
+            **self.linear_2.slots(f"{dst}linear_2.", f"{fc2}.weight", f"{fc2}.bias"),
+        }

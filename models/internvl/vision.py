@@ -18,6 +18,12 @@ Fused weights. q/k/v are one Linear, rows [0, C) = q | [C, 2C) = k | [2C, 3C) = 
 layout's packed `attn.qkv` fills it whole, transformers' q_proj/k_proj/v_proj fill those rows. The
 Conv2d patch embedding (kernel = stride = patch) is a Linear over patches unfolded in the conv
 weight's (channel, row, column) order.
+
+Tensor parallelism (`tp`, one rank of size 1 by default): a layer holds its rank's heads of q, k and v
+(transformers' q_proj/k_proj/v_proj and the original packed `attn.qkv`, a `SplitSlot`, load the same
+slices), its columns of proj / fc2 and rows of fc1; the projector likewise. The residual stream, the
+norms, layer scales, embeddings and q_norm / k_norm (over the FULL hidden size, as in vLLM) are whole
+on every rank; `attention` / `mlp` return a rank's partial sum.
 """
 from __future__ import annotations
 
@@ -31,8 +37,9 @@ from torch import nn
 
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.kernels.rms_norm_torch import rms_norm
-from vlm_sdk.layers.linear import ColumnParallelLinear, RowParallelLinear
-from vlm_sdk.weight_loading import ParamSlot
+from vlm_sdk.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.weight_loading import ParamSlot, SplitSlot
 from vlm_sdk.models.internvl.projector import InternVLProjector, pixel_shuffle
 
 _ACTIVATIONS = MappingProxyType({
@@ -210,48 +217,67 @@ class _Norm(nn.Module):
 
 
 class InternVisionLayer(nn.Module):
-    def __init__(self, cfg: InternVisionConfig, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, cfg: InternVisionConfig, dtype: torch.dtype, device: torch.device | str,
+                 tp: TPGroup = TPGroup()):
         super().__init__()
         c = cfg.hidden_size
-        self.heads, self.head_dim = cfg.num_heads, c // cfg.num_heads
+        self.tp = tp
+        self.heads, self.head_dim = tp.split(cfg.num_heads, "vision attention heads"), c // cfg.num_heads  # local
         self.scale = self.head_dim ** -0.5
         self.act = _ACTIVATIONS[cfg.hidden_act]
         self.norm1 = _Norm(cfg.norm_type, c, cfg.norm_eps, dtype, device)
-        self.qkv = ColumnParallelLinear(c, 3 * c, cfg.qkv_bias, dtype, device)
+        self.qkv = QKVParallelLinear(c, self.head_dim, cfg.num_heads, cfg.num_heads, cfg.qkv_bias, dtype, device, tp)
         self.q_norm = _Norm("rms_norm", c, cfg.qk_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = _Norm("rms_norm", c, cfg.qk_norm_eps, dtype, device) if cfg.qk_norm else None
-        self.proj = RowParallelLinear(c, c, True, dtype, device)
+        self.proj = RowParallelLinear(c, c, True, dtype, device, tp)
         self.ls1 = nn.Parameter(torch.empty(c, dtype=dtype, device=device))
         self.norm2 = _Norm(cfg.norm_type, c, cfg.norm_eps, dtype, device)
-        self.fc1 = ColumnParallelLinear(c, cfg.intermediate_size, True, dtype, device)
-        self.fc2 = RowParallelLinear(cfg.intermediate_size, c, True, dtype, device)
+        self.fc1 = ColumnParallelLinear(c, cfg.intermediate_size, True, dtype, device, tp)
+        self.fc2 = RowParallelLinear(cfg.intermediate_size, c, True, dtype, device, tp)
         self.ls2 = nn.Parameter(torch.empty(c, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, N, C] -> [T, N, C]
-        t, n, c = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(c, dim=-1)  # [T, N, C] each
+    def qkv_local(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:  # [T, N, C] norm1(x) -> 3 x [T, N, C/tp]
+        """This rank's heads of q, k, v (before q_norm / k_norm)."""
+        return self.qkv(h).split(self.heads * self.head_dim, dim=-1)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """[T, N, C/tp] each (q, k normed) -> proj output [T, N, C], partial over ranks."""
+        t, n, _ = q.shape
+        q, k, v = (y.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2) for y in (q, k, v))  # [T, H/tp, N, D]
+        o = F.scaled_dot_product_attention(q, k, v, scale=self.scale)  # [T, H/tp, N, D]
+        return self.proj(o.transpose(1, 2).reshape(t, n, -1))
+
+    def attention(self, h: torch.Tensor) -> torch.Tensor:  # [T, N, C] norm1(x) -> [T, N, C], partial over ranks
+        q, k, v = self.qkv_local(h)
         if self.q_norm is not None:
+            if self.tp.size > 1:  # the norm spans every rank's heads: it needs an all-gather of q and k
+                raise NotImplementedError(f"q_norm / k_norm over the full hidden size on {self.tp.size} "
+                                          f"tensor-parallel ranks needs the q/k all-gather (not implemented yet)")
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (y.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2) for y in (q, k, v))  # [T, H, N, D]
-        o = F.scaled_dot_product_attention(q, k, v, scale=self.scale)  # [T, H, N, D]
-        x = x + self.ls1 * self.proj(o.transpose(1, 2).reshape(t, n, c))
-        return x + self.ls2 * self.fc2(self.act(self.fc1(self.norm2(x))))
+        return self.attend(q, k, v)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:  # [T, N, C] norm2(x) -> [T, N, C], partial over ranks
+        return self.fc2(self.act(self.fc1(h)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, N, C] -> [T, N, C]
+        x = x + self.ls1 * self.attention(self.norm1(x))
+        return x + self.ls2 * self.mlp(self.norm2(x))
 
 
 class InternVLVisionTower(nn.Module):
     def __init__(self, cfg: InternVisionConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", tp: TPGroup = TPGroup()):
         super().__init__()
         self.cfg = cfg
         c, p = cfg.hidden_size, cfg.patch_size
         self.grid = cfg.image_size // p  # position-embedding grid side
-        self.patch_embed = ColumnParallelLinear(cfg.num_channels * p * p, c, True, dtype, device)
+        self.patch_embed = ColumnParallelLinear(cfg.num_channels * p * p, c, True, dtype, device)  # whole on every rank
         self.cls_token = nn.Parameter(torch.empty(1, 1, c, dtype=dtype, device=device))
         self.position_embedding = nn.Parameter(torch.empty(1, self.grid ** 2 + 1, c, dtype=dtype, device=device))
-        self.layers = nn.ModuleList(InternVisionLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(InternVisionLayer(cfg, dtype, device, tp) for _ in range(cfg.num_layers))
         self.final_norm = _Norm("layer_norm", c, cfg.norm_eps, dtype, device) if cfg.final_norm else None
         self.projector = InternVLProjector(c * cfg.shuffle ** 2, cfg.text_hidden_size,
-                                           _ACTIVATIONS[cfg.projector_act], dtype, device)
+                                           _ACTIVATIONS[cfg.projector_act], dtype, device, tp)
         self.requires_grad_(False)
 
     def tokens_per_tile(self, tile_size: int) -> int:
@@ -286,8 +312,8 @@ class InternVLVisionTower(nn.Module):
         x = pixel_shuffle(x[:, 1:].reshape(t, g, g, c), self.cfg.shuffle)  # [T, g/s, g/s, C*s*s]
         return self.projector(x.reshape(-1, x.shape[-1]))  # [T * (g/s)^2, text_hidden]
 
-    def checkpoint_map(self, layout: str) -> dict[str, ParamSlot]:
-        """Checkpoint name -> slot, for the "hf" (`model.vision_tower.*`, `model.multi_modal_projector.*`)
+    def checkpoint_map(self, layout: str) -> dict[str, ParamSlot | SplitSlot]:
+        """Checkpoint name -> this rank's slot, for the "hf" (`model.vision_tower.*`, `model.multi_modal_projector.*`)
         or the "original" (`vision_model.*`, `mlp1.*`) layout; `param` is relative to this module."""
         if layout == "hf":
             names = _HF_NAMES
@@ -298,28 +324,26 @@ class InternVLVisionTower(nn.Module):
         else:
             raise ValueError(f"unknown checkpoint layout {layout!r} (expected 'hf' or 'original')")
         cfg = self.cfg
-        c, p, ch, inter = cfg.hidden_size, cfg.patch_size, cfg.num_channels, cfg.intermediate_size
-        v, proj_in, text = names["vision"], c * cfg.shuffle ** 2, cfg.text_hidden_size
+        c, p, ch = cfg.hidden_size, cfg.patch_size, cfg.num_channels
+        v = names["vision"]
         out = {
             f"{v}{names['cls']}": ParamSlot("cls_token", (1, 1, c)),
             f"{v}{names['patch']}.weight": ParamSlot("patch_embed.weight", (c, ch, p, p)),
             f"{v}{names['patch']}.bias": ParamSlot("patch_embed.bias", (c,)),
             f"{v}{names['pos']}": ParamSlot("position_embedding", (1, self.grid ** 2 + 1, c)),
         }
-        for i in range(cfg.num_layers):
+        for i, layer in enumerate(self.layers):
             src, dst = f"{v}{names['layer']}.{i}.", f"layers.{i}."
             if layout == "hf":
-                for row, name in enumerate(("q_proj", "k_proj", "v_proj")):
-                    out[f"{src}attention.{name}.weight"] = ParamSlot(f"{dst}qkv.weight", (c, c), row * c)
-                    if cfg.qkv_bias:
-                        out[f"{src}attention.{name}.bias"] = ParamSlot(f"{dst}qkv.bias", (c,), row * c)
-            else:
-                out[f"{src}attn.qkv.weight"] = ParamSlot(f"{dst}qkv.weight", (3 * c, c))
-                if cfg.qkv_bias:
-                    out[f"{src}attn.qkv.bias"] = ParamSlot(f"{dst}qkv.bias", (3 * c,))
-            for ours, shape in (("proj", (c, c)), ("fc1", (inter, c)), ("fc2", (c, inter))):
-                out[f"{src}{names[ours]}.weight"] = ParamSlot(f"{dst}{ours}.weight", shape)
-                out[f"{src}{names[ours]}.bias"] = ParamSlot(f"{dst}{ours}.bias", shape[:1])
+                parts = [f"{src}attention.{name}" for name in ("q_proj", "k_proj", "v_proj")]
+                out.update(layer.qkv.slots(f"{dst}qkv.", [f"{n}.weight" for n in parts],
+                                           [f"{n}.bias" for n in parts] if cfg.qkv_bias else None))
+            else:  # the packed q | k | v tensor: each part split by heads
+                out.update(layer.qkv.fused_slots(f"{dst}qkv.", f"{src}attn.qkv.weight",
+                                                 f"{src}attn.qkv.bias" if cfg.qkv_bias else None))
+            for ours in ("proj", "fc1", "fc2"):
+                out.update(getattr(layer, ours).slots(f"{dst}{ours}.", f"{src}{names[ours]}.weight",
+                                                      f"{src}{names[ours]}.bias"))
             norms = ["norm1", "norm2"] + (["q_norm", "k_norm"] if cfg.qk_norm else [])
             for ours in norms:
                 out[f"{src}{names[ours]}.weight"] = ParamSlot(f"{dst}{ours}.weight", (c,))
@@ -330,15 +354,7 @@ class InternVLVisionTower(nn.Module):
         if self.final_norm is not None:
             out[f"{v}layernorm.weight"] = ParamSlot("final_norm.weight", (c,))
             out[f"{v}layernorm.bias"] = ParamSlot("final_norm.bias", (c,))
-        ln, fc1, fc2 = names["mlp_ln"], names["mlp_fc1"], names["mlp_fc2"]
-        out.update({
-            f"{ln}.weight": ParamSlot("projector.norm_weight", (proj_in,)),
-            f"{ln}.bias": ParamSlot("projector.norm_bias", (proj_in,)),
-            f"{fc1}.weight": ParamSlot("projector.linear_1.weight", (text, proj_in)),
-            f"{fc1}.bias": ParamSlot("projector.linear_1.bias", (text,)),
-            f"{fc2}.weight": ParamSlot("projector.linear_2.weight", (text, text)),
-            f"{fc2}.bias": ParamSlot("projector.linear_2.bias", (text,)),
-        })
+        out.update(self.projector.slots(names["mlp_ln"], names["mlp_fc1"], names["mlp_fc2"]))
         return out
 
 

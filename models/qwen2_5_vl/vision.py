@@ -13,6 +13,11 @@ raster order after the merger:
 
 Window blocks attend within their window; blocks in `fullatt_block_indexes` attend within the whole
 image (per frame). Windows and images are never mixed.
+
+Tensor parallelism (`tp`, one rank of size 1 by default): each block holds its rank's heads of q/k/v
+(the fused `attn.qkv` checkpoint tensor is split per part, a `SplitSlot`), its columns of proj, its
+rows of gate/up and its columns of down; the merger's fc1 / fc2 likewise. The residual stream, the
+norms and patch_embed are whole on every rank; `attention` / `mlp` return a rank's partial sum.
 """
 from __future__ import annotations
 
@@ -22,48 +27,74 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_sdk.weight_loading import ParamSlot
+from vlm_sdk.weight_loading import ParamSlot, SplitSlot
 from vlm_sdk.kernels.rms_norm_torch import rms_norm
 from vlm_sdk.kernels.rotary_torch import apply_rotary
 from vlm_sdk.layers.activation import ACTIVATIONS
 from vlm_sdk.layers.attention import SegmentAttention
-from vlm_sdk.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vlm_sdk.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                   RowParallelLinear)
 from vlm_sdk.layers.norm import RMSNorm
 from vlm_sdk.layers.ops import KernelOps, TorchOps
+from vlm_sdk.layers.parallel_state import TPGroup
+
 
 class VisionBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, inter: int, act: str, dtype: torch.dtype, device, ops: KernelOps):
+    def __init__(self, dim: int, heads: int, inter: int, act: str, dtype: torch.dtype, device, ops: KernelOps,
+                 tp: TPGroup = TPGroup()):
         super().__init__()
         self.ops = ops
-        self.heads, self.head_dim = heads, dim // heads
-        self.attn = SegmentAttention(heads, self.head_dim, self.head_dim ** -0.5, ops.attention)
+        self.heads, self.head_dim = tp.split(heads, "vision attention heads"), dim // heads  # heads: this rank's
+        self.attn = SegmentAttention(self.heads, self.head_dim, self.head_dim ** -0.5, ops.attention)
         self.act = ACTIVATIONS[act]
         self.norm1 = RMSNorm(dim, 1e-6, dtype, device)
-        self.qkv = ColumnParallelLinear(dim, 3 * dim, True, dtype, device)
-        self.proj = RowParallelLinear(dim, dim, True, dtype, device)
+        self.qkv = QKVParallelLinear(dim, self.head_dim, heads, heads, True, dtype, device, tp)
+        self.proj = RowParallelLinear(dim, dim, True, dtype, device, tp)
         self.norm2 = RMSNorm(dim, 1e-6, dtype, device)
-        self.gate_up_proj = ColumnParallelLinear(dim, 2 * inter, True, dtype, device)
-        self.down_proj = RowParallelLinear(inter, dim, True, dtype, device)
+        self.gate_up_proj = MergedColumnParallelLinear(dim, [inter, inter], True, dtype, device, tp)
+        self.down_proj = RowParallelLinear(inter, dim, True, dtype, device, tp)
+
+    def attention(self, h: torch.Tensor,  # [N, dim], norm1(x)
+                  cos: torch.Tensor, sin: torch.Tensor, plan: Any) -> torch.Tensor:  # [N, dim], partial over ranks
+        n = h.shape[0]
+        qkv = self.qkv(h).view(n, 3, self.heads, self.head_dim)  # [N, 3, H/tp, D]
+        qk = apply_rotary(qkv[:, :2].float(), cos, sin).to(h.dtype)  # [N, 2, H/tp, D], RoPE in float32 like HF
+        attn = self.attn(qk[:, 0], qk[:, 1], qkv[:, 2], plan)  # [N, H/tp, D]
+        return self.proj(attn.reshape(n, -1))
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:  # [N, dim], norm2(x) -> [N, dim], partial over ranks
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)  # [N, inter/tp] each
+        return self.down_proj(self.act(gate) * up)
 
     def forward(self, x: torch.Tensor,  # [N, dim], window order
                 cos: torch.Tensor, sin: torch.Tensor,  # [N, 1, 1, head_dim / 2] float32
                 plan: Any) -> torch.Tensor:  # `attention.segments` of windows or of whole images
-        ops, n = self.ops, x.shape[0]
-        qkv = self.qkv(ops.rms_norm(x, self.norm1.weight, self.norm1.eps)).view(n, 3, self.heads, self.head_dim)
-        qk = apply_rotary(qkv[:, :2].float(), cos, sin).to(x.dtype)  # [N, 2, H, D], RoPE in float32 like HF
-        attn = self.attn(qk[:, 0], qk[:, 1], qkv[:, 2], plan)  # [N, H, D]
-        x = x + self.proj(attn.reshape(n, -1))
-        gate, up = self.gate_up_proj(ops.rms_norm(x, self.norm2.weight, self.norm2.eps)).chunk(2, dim=-1)
-        return x + self.down_proj(self.act(gate) * up)
+        ops = self.ops
+        x = x + self.attention(ops.rms_norm(x, self.norm1.weight, self.norm1.eps), cos, sin, plan)
+        return x + self.mlp(ops.rms_norm(x, self.norm2.weight, self.norm2.eps))
+
+    def slots(self, src: str, dst: str) -> dict[str, ParamSlot | SplitSlot]:
+        """Checkpoint names under `src` (`visual.blocks.N.`) -> this rank's slices, params under `dst`."""
+        e = self.norm1.weight.shape[0]
+        return {
+            f"{src}norm1.weight": ParamSlot(f"{dst}norm1.weight", (e,)),
+            f"{src}norm2.weight": ParamSlot(f"{dst}norm2.weight", (e,)),
+            **self.qkv.fused_slots(f"{dst}qkv.", f"{src}attn.qkv.weight", f"{src}attn.qkv.bias"),
+            **self.proj.slots(f"{dst}proj.", f"{src}attn.proj.weight", f"{src}attn.proj.bias"),
+            **self.gate_up_proj.slots(f"{dst}gate_up_proj.", [f"{src}mlp.gate_proj.weight", f"{src}mlp.up_proj.weight"],
+                                      [f"{src}mlp.gate_proj.bias", f"{src}mlp.up_proj.bias"]),
+            **self.down_proj.slots(f"{dst}down_proj.", f"{src}mlp.down_proj.weight", f"{src}mlp.down_proj.bias"),
+        }
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, dim: int, out_dim: int, merge_unit: int, dtype: torch.dtype, device):
+    def __init__(self, dim: int, out_dim: int, merge_unit: int, dtype: torch.dtype, device,
+                 tp: TPGroup = TPGroup()):
         super().__init__()
         self.in_dim = dim * merge_unit
         self.ln_q = RMSNorm(dim, 1e-6, dtype, device)
-        self.fc1 = ColumnParallelLinear(self.in_dim, self.in_dim, True, dtype, device)
-        self.fc2 = RowParallelLinear(self.in_dim, out_dim, True, dtype, device)
+        self.fc1 = ColumnParallelLinear(self.in_dim, self.in_dim, True, dtype, device, tp)
+        self.fc2 = RowParallelLinear(self.in_dim, out_dim, True, dtype, device, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N / merge_unit, out_dim]
         return self.fc2(F.gelu(self.fc1(rms_norm(x, self.ln_q.weight, self.ln_q.eps).view(-1, self.in_dim))))
@@ -71,7 +102,7 @@ class PatchMerger(nn.Module):
 
 class Qwen2_5_VisionTransformer(nn.Module):
     def __init__(self, vision_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 ops: KernelOps | None = None):
+                 ops: KernelOps | None = None, tp: TPGroup = TPGroup()):
         super().__init__()
         c = vision_config
         self.ops = ops or TorchOps()
@@ -89,11 +120,11 @@ class Qwen2_5_VisionTransformer(nn.Module):
         spatial_dim = head_dim // 2
         inv_freq = 1.0 / (theta ** (torch.arange(0, spatial_dim, 2, dtype=torch.float) / spatial_dim))  # [D/4]
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
-        # Conv3d with kernel == stride over one patch is a matmul with the flattened kernel
+        # Conv3d with kernel == stride over one patch is a matmul with the flattened kernel; whole on every rank
         self.patch_embed = ColumnParallelLinear(self.patch_dim, c.hidden_size, False, dtype, device)
         self.blocks = nn.ModuleList(VisionBlock(c.hidden_size, c.num_heads, c.intermediate_size, c.hidden_act,
-                                                dtype, device, self.ops) for _ in range(c.depth))
-        self.merger = PatchMerger(c.hidden_size, c.out_hidden_size, self.merge_unit, dtype, device)
+                                                dtype, device, self.ops, tp) for _ in range(c.depth))
+        self.merger = PatchMerger(c.hidden_size, c.out_hidden_size, self.merge_unit, dtype, device, tp)
         self.requires_grad_(False)
 
     def _layout(self, grid_thw: list[tuple[int, int, int]]):
@@ -148,33 +179,17 @@ class Qwen2_5_VisionTransformer(nn.Module):
         out[window_index] = merged  # back to raster order
         return out
 
-    def checkpoint_map(self, prefix: str = "visual.") -> dict[str, ParamSlot]:
-        """Checkpoint name (published layout: `visual.blocks.N.attn.qkv.weight`) -> where it goes."""
-        e, mu = self.dim, self.merge_unit
+    def checkpoint_map(self, prefix: str = "visual.") -> dict[str, ParamSlot | SplitSlot]:
+        """Checkpoint name (published layout: `visual.blocks.N.attn.qkv.weight`) -> where this rank's
+        slice goes."""
+        e, m = self.dim, self.merger
         out = {
             f"{prefix}patch_embed.proj.weight": ParamSlot(
                 "patch_embed.weight", (e, self.in_channels, self.temporal_patch_size, self.patch_size, self.patch_size)),
             f"{prefix}merger.ln_q.weight": ParamSlot("merger.ln_q.weight", (e,)),
-            f"{prefix}merger.mlp.0.weight": ParamSlot("merger.fc1.weight", (e * mu, e * mu)),
-            f"{prefix}merger.mlp.0.bias": ParamSlot("merger.fc1.bias", (e * mu,)),
-            f"{prefix}merger.mlp.2.weight": ParamSlot("merger.fc2.weight", (self.out_hidden_size, e * mu)),
-            f"{prefix}merger.mlp.2.bias": ParamSlot("merger.fc2.bias", (self.out_hidden_size,)),
+            **m.fc1.slots("merger.fc1.", f"{prefix}merger.mlp.0.weight", f"{prefix}merger.mlp.0.bias"),
+            **m.fc2.slots("merger.fc2.", f"{prefix}merger.mlp.2.weight", f"{prefix}merger.mlp.2.bias"),
         }
         for i, block in enumerate(self.blocks):
-            src, dst = f"{prefix}blocks.{i}.", f"blocks.{i}."
-            inter = block.down_proj.in_features
-            out.update({
-                f"{src}norm1.weight": ParamSlot(f"{dst}norm1.weight", (e,)),
-                f"{src}norm2.weight": ParamSlot(f"{dst}norm2.weight", (e,)),
-                f"{src}attn.qkv.weight": ParamSlot(f"{dst}qkv.weight", (3 * e, e)),
-                f"{src}attn.qkv.bias": ParamSlot(f"{dst}qkv.bias", (3 * e,)),
-                f"{src}attn.proj.weight": ParamSlot(f"{dst}proj.weight", (e, e)),
-                f"{src}attn.proj.bias": ParamSlot(f"{dst}proj.bias", (e,)),
-                f"{src}mlp.gate_proj.weight": ParamSlot(f"{dst}gate_up_proj.weight", (inter, e), 0),
-                f"{src}mlp.gate_proj.bias": ParamSlot(f"{dst}gate_up_proj.bias", (inter,), 0),
-                f"{src}mlp.up_proj.weight": ParamSlot(f"{dst}gate_up_proj.weight", (inter, e), inter),
-                f"{src}mlp.up_proj.bias": ParamSlot(f"{dst}gate_up_proj.bias", (inter,), inter),
-                f"{src}mlp.down_proj.weight": ParamSlot(f"{dst}down_proj.weight", (e, inter)),
-                f"{src}mlp.down_proj.bias": ParamSlot(f"{dst}down_proj.bias", (e,)),
-            })
+            out.update(block.slots(f"{prefix}blocks.{i}.", f"blocks.{i}."))
         return out

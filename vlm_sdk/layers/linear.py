@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_sdk.layers.parallel_state import TPGroup
-from vlm_sdk.weight_loading import ParamSlot, Shard
+from vlm_sdk.weight_loading import ParamSlot, Shard, SplitSlot
 
 
 def _shard(tp: TPGroup, dim: int, local: int) -> Shard | None:
@@ -74,6 +74,27 @@ class MergedColumnParallelLinear(_Linear):
             if biases is not None:
                 out[biases[i]] = ParamSlot(f"{param_prefix}bias", (full,), start, shard)
             start += local
+        return out
+
+    def fused_slots(self, param_prefix: str, weight: str, bias: str | None = None
+                    ) -> dict[str, ParamSlot | SplitSlot]:
+        """One checkpoint tensor holding the parts back to back (`weight` `[sum sizes, in]`, `bias`
+        `[sum sizes]`: Qwen's / InternViT's fused `attn.qkv`) -> this rank's slice of each part, back to
+        back (a `SplitSlot`); with one rank, the whole tensor (a plain slot)."""
+        total = sum(self.output_sizes)
+        names = {weight: ("weight", (total, self.input_size))}
+        if bias is not None:
+            names[bias] = ("bias", (total,))
+        if self.tp.size == 1:
+            return {name: ParamSlot(f"{param_prefix}{param}", shape) for name, (param, shape) in names.items()}
+        out: dict[str, ParamSlot | SplitSlot] = {}
+        for name, (param, shape) in names.items():
+            parts, src, dst = [], 0, 0
+            for full, local in zip(self.output_sizes, self.local_sizes):
+                shard = Shard(0, src + self.tp.rank * local, local)  # this rank's rows of the part
+                parts.append(ParamSlot(f"{param_prefix}{param}", shape, dst, shard))
+                src, dst = src + full, dst + local
+            out[name] = SplitSlot(tuple(parts))
         return out
 
 
