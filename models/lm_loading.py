@@ -51,7 +51,8 @@ class DecoderVLM(VisionLanguageModel):
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
-        return self.decoder(inputs_embeds, positions, kv_caches, meta)
+        # [position_rows, N]: the decoder takes 1-D RoPE positions as [N], M-RoPE ones as [3, N]
+        return self.decoder(inputs_embeds, positions[0] if self.position_rows == 1 else positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.decoder.compute_logits(hidden)

@@ -26,7 +26,6 @@ from vlm_sdk.model_loader import config_from_dict
 from vlm_sdk.weight_loading import ParamSlot
 from vlm_sdk.models.internlm2.weights import internlm2_decoder_config, internlm2_to_llama_names
 from vlm_sdk.models.internvl.vision import InternVisionConfig, InternVLVisionTower
-from vlm_sdk.models.base import KVCache
 from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.multimodal.inputs import ImageInput
@@ -98,11 +97,6 @@ class InternVLForCausalLM(DecoderVLM):
         if pixels.dim() != 4:
             raise ValueError(f"InternVL encode_images takes [tiles, 3, S, S] pixels, got shape {list(pixels.shape)}")
         return self.vision(pixels.to(self.decoder.embed_tokens.weight.device, self.dtype))
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta) -> torch.Tensor:
-        """`positions` `[1, N]` (`position_rows` 1): the decoder gets them as plain RoPE positions `[N]`."""
-        return super().forward(inputs_embeds, positions[0], kv_caches, meta)
 
     def _vision_parts(self) -> tuple[nn.Module, nn.Module]:
         return self.vision, self.vision.projector
