@@ -41,6 +41,10 @@ class EngineArgs:
     attention_backend: str | None = None  # "triton" (default on CUDA) or "torch" (default on the CPU)
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of from captured CUDA graphs
     preemption_warning_per_minute: int = 10  # log a warning when preemptions in 60 s exceed this
+    # tensor parallelism: the model split over this many ranks (GPUs), one worker process per rank
+    tensor_parallel_size: int = 1
+    shard_vision: bool = True  # under tensor parallelism: split the vision tower too (False: a copy per rank)
+    distributed_timeout: float = 600.0  # seconds a rank waits for its peers in a collective before failing
 
     @classmethod
     def from_kwargs(cls, family_settings: Collection[str] = (), **kwargs) -> "EngineArgs":
@@ -73,7 +77,8 @@ class EngineArgs:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
         for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs",
-                     "max_num_batched_tokens", "max_image_pixels", "preemption_warning_per_minute"):
+                     "max_num_batched_tokens", "max_image_pixels", "preemption_warning_per_minute",
+                     "tensor_parallel_size"):
             positive(name)
         if not isinstance(self.memory_utilization, (int, float)) or isinstance(self.memory_utilization, bool) \
                 or not 0.0 < self.memory_utilization <= 1.0:
@@ -86,7 +91,11 @@ class EngineArgs:
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         if self.attention_backend is not None and self.attention_backend not in ("torch", "triton"):
             raise InvalidRequestError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
-        for name in ("show_progress", "enforce_eager"):
+        t = self.distributed_timeout
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
+            raise InvalidRequestError(f"distributed_timeout must be a positive number of seconds, got {t!r}",
+                                      param="distributed_timeout")
+        for name in ("show_progress", "enforce_eager", "shard_vision"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

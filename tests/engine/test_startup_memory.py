@@ -9,8 +9,8 @@ import torch
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.config import CacheConfig, DeviceBudget, EngineArgs
 from vlm_sdk.engine.capacity import check_max_model_len_fits
-from vlm_sdk.engine.kv_cache import plan_cache, size_cache
-from vlm_sdk.engine.memory_report import weight_bytes
+from vlm_sdk.worker.kv_cache import plan_cache, size_cache
+from vlm_sdk.worker.weights import weight_bytes
 from vlm_sdk.engine.preemption_watch import PreemptionWatch
 from vlm_sdk.errors import CacheTooSmallError, InvalidRequestError
 from vlm_sdk.plan import plan

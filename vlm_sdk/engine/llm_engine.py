@@ -1,7 +1,8 @@
 """The engine: load once, then `step()` = schedule -> run -> postprocess.
 
     schedule:    Scheduler.schedule() on live Sequences, then worker_input() -> plain SchedulerOutput
-    run:         ModelRunner.execute(SchedulerOutput) -> ModelRunnerOutput (request id -> token)
+    run:         executor.execute(SchedulerOutput): every rank runs the step (vlm_sdk/executor/);
+                 rank 0 samples -> ModelRunnerOutput (request id -> token)
     postprocess: append tokens, finish on EOS / stop_token_ids / max_tokens / max_model_len
                  -> [EngineOutput] (token ids; text is the OutputProcessor's, off this thread)
 
@@ -15,29 +16,24 @@ import dataclasses
 import logging
 import time
 
-import torch
-
 from vlm_sdk.config import EngineArgs, SchedulerConfig
 from vlm_sdk.engine.block_manager import BlockManager
 from vlm_sdk.engine.capacity import check_max_model_len_fits, check_prompt_fits
 from vlm_sdk.engine.engine_output import EngineOutput
-from vlm_sdk.engine.kv_cache import allocate_or_explain, bytes_per_block, plan_cache
-from vlm_sdk.engine.memory_report import StartupMemory, cuda_allocated, weight_bytes
+from vlm_sdk.engine.memory_report import RankMemory, StartupMemory
 from vlm_sdk.engine.preemption_watch import PreemptionWatch, preemption_warning
 from vlm_sdk.engine.prompt_tokenizer import PromptTokenizer, PromptTooLong
 from vlm_sdk.engine.scheduler import ScheduledBatch, Scheduler
 from vlm_sdk.engine.sequence import Sequence
 from vlm_sdk.errors import InvalidRequestError
-from vlm_sdk.layers.ops import make_ops
-from vlm_sdk.model_loader import iter_safetensors, load_tokenizer, read_checkpoint
+from vlm_sdk.executor import make_executor
+from vlm_sdk.model_loader import load_tokenizer, read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.sampling_params import SamplingParams
 from vlm_sdk.worker.block_table import blocks_needed
-from vlm_sdk.worker.cuda_graphs import DecodeGraphs
 from vlm_sdk.worker.io import ModelRunnerOutput
-from vlm_sdk.worker.model_runner import ModelRunner
-from vlm_sdk.worker.profiler import profile_num_tokens, profile_peak_bytes
+from vlm_sdk.worker.worker import RankLoad
 
 logger = logging.getLogger("vlm_sdk")
 
@@ -45,64 +41,71 @@ logger = logging.getLogger("vlm_sdk")
 class LLMEngine:
     def __init__(self, model: str, args: EngineArgs):
         self.args = args
-        self.device = args.resolve_device()
-        self.dtype = args.resolve_dtype(self.device)
         info = read_checkpoint(model)
         self.checkpoint = info
         family = resolve([info.architecture])
         self.tokenizer = PromptTokenizer(load_tokenizer(model))  # prompt building only
         self.eos_token_ids = set(info.eos_token_ids)
+        # rank 0's worker in this process; under tensor parallelism one more process per rank
+        self.executor = make_executor(model, args, info.hf_config, family)
+        try:
+            self._start(info, family)
+        except BaseException:
+            self.executor.shutdown()
+            raise
 
-        self.ops = make_ops(args.attention_backend, self.device)
-        t0 = time.perf_counter()
-        allocated_before = cuda_allocated(self.device)
-        with torch.device(self.device):
-            self.model = family.model_cls(info.hf_config, dtype=self.dtype, device=self.device, ops=self.ops)
-        self.model.load_weights(iter_safetensors(model, show_progress=args.show_progress), source=info.model_dir)
-        self.model.eval()
-        self.load_seconds = time.perf_counter() - t0
-        weights_allocated = (None if allocated_before is None
-                             else cuda_allocated(self.device) - allocated_before)
-
+    def _start(self, info, family) -> None:
+        """Size the KV cache on every rank (the smallest any rank can hold), allocate it, and build the
+        scheduler on rank 0's figures."""
+        args, executor = self.args, self.executor
+        driver = executor.driver
+        self.device, self.dtype = driver.device, driver.dtype
+        loads = executor.collective_rpc("load_report")
         self.image_processor = family.image_processor_cls.from_preprocessor_config(info.preprocessor, info.hf_config)
         self.processor = family.make_processor(self.tokenizer, self.image_processor, info.hf_config, args)
         largest_image = self.processor.largest_image()
-
-        m = self.model
         self.max_position_embeddings = int(getattr(family.text_config(info.hf_config), "max_position_embeddings"))
-        per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, args.block_size, self.dtype)
-        peak = None
-        if self.device.type == "cuda":  # measured even when the cache size is given: the report shows it
-            peak = profile_peak_bytes(
-                self.model, largest_image,
-                num_tokens=profile_num_tokens(args.max_num_batched_tokens, self.max_position_embeddings),
-                num_seqs=args.max_num_seqs, block_size=args.block_size, per_block=per_block, dtype=self.dtype,
-                device=self.device, attention=self.ops.attention)
-        self.cache_config = plan_cache(args, per_block, self.device, self.max_position_embeddings, peak,
-                                       image_setting=family.plan_setting[1])
+        # measured on CUDA even when the cache size is given: the report shows it
+        peaks = executor.collective_rpc("profile_peak", largest_image, self.max_position_embeddings)
+        caches = executor.collective_rpc("size_cache", self.max_position_embeddings, family.plan_setting[1])
+        self.cache_config = min(caches, key=lambda c: c.num_blocks)  # every rank holds this many blocks
         self.scheduler_config = self._scheduler_config()
         self.processor.max_image_tokens = self.scheduler_config.max_model_len
         self.tokenizer.max_tokens = self.scheduler_config.max_model_len
-        kv_caches = allocate_or_explain(m.num_layers, self.cache_config, m.num_kv_heads, m.head_dim,
-                                        self.dtype, self.device)
-        self.memory_report = self._memory_report(weights_allocated, peak, largest_image.num_tokens)
+        # vision runs in groups no bigger than the image the profile measured
+        executor.collective_rpc("init_cache", self.cache_config, self.scheduler_config.max_model_len,
+                                largest_image.size)
+        self.memory_report = self._memory_report(loads, peaks, [c.num_blocks for c in caches],
+                                                 largest_image.num_tokens)
         logger.info("%s", self.memory_report.format())
         self.block_manager = BlockManager(self.cache_config.num_blocks, args.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        graphs = None
-        if self.device.type == "cuda" and self.ops.graph_safe and not args.enforce_eager:
-            graphs = DecodeGraphs(self.model, kv_caches, max_num_seqs=args.max_num_seqs,
-                                  max_model_len=self.scheduler_config.max_model_len, block_size=args.block_size,
-                                  device=self.device, attention=self.ops.attention)
-        # vision runs in groups no bigger than the image the profile measured
-        self.runner = ModelRunner(self.model, kv_caches, args.block_size, self.device, self.dtype, args.seed,
-                                  max_vision_patches=largest_image.size, graphs=graphs,
-                                  attention=self.ops.attention)
         self.requests: dict[str, Sequence] = {}
         self._next_id = 0
         # running totals since start-up, for /metrics counters
         self.totals = {"prompt_tokens": 0, "image_tokens": 0, "generation_tokens": 0}
         self.preemptions = PreemptionWatch(args.preemption_warning_per_minute)
+
+    # rank 0's parts, for reports, benchmarks and tests
+    @property
+    def model(self):
+        return self.executor.driver.model
+
+    @property
+    def runner(self):
+        return self.executor.driver.runner
+
+    @property
+    def ops(self):
+        return self.executor.driver.ops
+
+    @property
+    def load_seconds(self) -> float:
+        return self.memory_report.load_seconds
+
+    def shutdown(self) -> None:
+        """End every rank (tensor parallelism); nothing to do with one. Idempotent."""
+        self.executor.shutdown()
 
     def _scheduler_config(self) -> SchedulerConfig:
         cache, args = self.cache_config, self.args
@@ -126,22 +129,28 @@ class LLMEngine:
                                "No cache this device holds reaches the full length.")
         return SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len, source)
 
-    def _memory_report(self, weights_allocated: int | None, peak: int | None, image_tokens: int) -> StartupMemory:
-        cache, sched, m = self.cache_config, self.scheduler_config, self.model
-        w = weight_bytes(m)
+    def _memory_report(self, loads: list[RankLoad], peaks: list[int | None], rank_blocks: list[int],
+                       image_tokens: int) -> StartupMemory:
+        """Rank 0's figures (every rank holds the same cache; under tensor parallelism `ranks` has each
+        rank's weights and the blocks it could have held)."""
+        cache, sched, load = self.cache_config, self.scheduler_config, loads[0]
         budget = cache.budget
+        w = load.weights
+        ranks = tuple(RankMemory(r.rank, r.device, r.weights.total, peak, blocks)
+                      for r, peak, blocks in zip(loads, peaks, rank_blocks)) if len(loads) > 1 else ()
         return StartupMemory(
             device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             weights_language_model_bytes=w.language_model, weights_vision_bytes=w.vision,
-            weights_projector_bytes=w.projector, weights_allocated_bytes=weights_allocated,
-            activation_peak_bytes=peak, device_memory_bytes=budget.total_bytes if budget else None,
+            weights_projector_bytes=w.projector, weights_allocated_bytes=load.weights_allocated_bytes,
+            activation_peak_bytes=peaks[0], device_memory_bytes=budget.total_bytes if budget else None,
             device_in_use_bytes=budget.in_use_bytes if budget else None,
-            memory_utilization=self.args.memory_utilization, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
-            head_dim=m.head_dim, block_size=cache.block_size, kv_bytes_per_token=cache.bytes_per_token,
-            kv_bytes_per_block=cache.bytes_per_block, num_blocks=cache.num_blocks, cache_source=cache.source,
-            max_model_len=sched.max_model_len, max_model_len_source=sched.max_model_len_source,
-            max_position_embeddings=self.max_position_embeddings, image_tokens_per_image=image_tokens,
-            load_seconds=self.load_seconds)
+            memory_utilization=self.args.memory_utilization, num_layers=load.num_layers,
+            num_kv_heads=load.num_kv_heads, head_dim=load.head_dim, block_size=cache.block_size,
+            kv_bytes_per_token=cache.bytes_per_token, kv_bytes_per_block=cache.bytes_per_block,
+            num_blocks=cache.num_blocks, cache_source=cache.source, max_model_len=sched.max_model_len,
+            max_model_len_source=sched.max_model_len_source, max_position_embeddings=self.max_position_embeddings,
+            image_tokens_per_image=image_tokens, load_seconds=max(r.load_seconds for r in loads),
+            tensor_parallel_size=len(loads), ranks=ranks)
 
     # -- requests ---------------------------------------------------------------------------------
     def build_prompt(self, messages) -> PromptInputs:
@@ -195,12 +204,12 @@ class LLMEngine:
         """schedule -> run -> postprocess: one output per request that sampled a token."""
         batch = self.scheduler.schedule()
         if not batch.scheduled:
-            if self.scheduler.has_worker_finished():  # nothing to run: the worker still frees them
-                self.runner.execute(self.scheduler.worker_input(batch))
+            if self.scheduler.has_worker_finished():  # nothing to run: the workers still free them
+                self.executor.execute(self.scheduler.worker_input(batch))
             return []
         if batch.preempted:
             self._note_preemptions(len(batch.preempted))
-        result = self.runner.execute(self.scheduler.worker_input(batch))
+        result = self.executor.execute(self.scheduler.worker_input(batch))
         return self._postprocess(batch, result)
 
     def _postprocess(self, batch: ScheduledBatch, result: ModelRunnerOutput) -> list[EngineOutput]:

@@ -11,34 +11,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
-
-
-@dataclass(frozen=True)
-class WeightBytes:
-    """Parameter bytes per rank by part; with `tp` the language model's matrices (2-D parameters,
-    embeddings and lm_head included) are split across ranks, its norms and biases and the whole
-    vision side are counted on every rank."""
-    language_model: int
-    vision: int
-    projector: int
-
-    @property
-    def total(self) -> int:
-        return self.language_model + self.vision + self.projector
-
-
-def weight_bytes(model, tp: int = 1) -> WeightBytes:
-    """`model` is a `VisionLanguageModel` (real or on the meta device: only shapes and dtypes are read)."""
-    groups = model.parameter_groups()
-    lm = groups["language_model"]
-    return WeightBytes(_nbytes(p for p in lm if p.dim() >= 2) // tp + _nbytes(p for p in lm if p.dim() < 2),
-                       _nbytes(groups["vision"]), _nbytes(groups["projector"]))
-
-
-def _nbytes(params) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
-
 
 def format_bytes(n: int | None) -> str:
     if n is None:
@@ -77,6 +49,16 @@ class MemoryTotals:
 
 
 @dataclass(frozen=True)
+class RankMemory:
+    """One tensor-parallel rank at start-up."""
+    rank: int
+    device: str
+    weights_bytes: int  # its slice of the model
+    activation_peak_bytes: int | None  # CUDA: its profiled peak
+    num_blocks_possible: int  # the KV blocks it could hold alone (every rank gets the smallest of these)
+
+
+@dataclass(frozen=True)
 class StartupMemory(MemoryTotals):
     device: str
     dtype: str
@@ -101,6 +83,8 @@ class StartupMemory(MemoryTotals):
     max_position_embeddings: int
     image_tokens_per_image: int  # tokens of the largest image the image settings allow
     load_seconds: float
+    tensor_parallel_size: int = 1  # the figures above are per rank (rank 0's) when > 1
+    ranks: tuple[RankMemory, ...] = ()  # under tensor parallelism: every rank's own figures
 
     def to_dict(self) -> dict:
         return asdict(self) | {"weights_bytes": self.weights_bytes, "capacity_tokens": self.capacity_tokens,
@@ -114,7 +98,9 @@ class StartupMemory(MemoryTotals):
                 if self.activation_peak_bytes is not None else
                 "not measured (the CPU cache is not carved out of device memory)")
         rows = [
-            ("device / dtype", f"{self.device}, {self.dtype}"),
+            ("device / dtype", f"{self.device}, {self.dtype}"
+             + (f"; tensor parallel over {self.tensor_parallel_size} ranks: figures are per rank (rank 0's)"
+                if self.tensor_parallel_size > 1 else "")),
             ("weights", f"{format_bytes(self.weights_bytes)}: language model "
              f"{format_bytes(self.weights_language_model_bytes)}, vision tower {format_bytes(self.weights_vision_bytes)}, "
              f"projector {format_bytes(self.weights_projector_bytes)}{loaded}; loaded in {self.load_seconds:.1f} s"),
@@ -134,8 +120,10 @@ class StartupMemory(MemoryTotals):
                 else f"; max_position_embeddings {self.max_position_embeddings:,}") + ")"),
             ("largest image", f"{self.image_tokens_per_image:,} tokens"),
         ]
+        for r in self.ranks:
+            peak = "" if r.activation_peak_bytes is None else f", activation peak {format_bytes(r.activation_peak_bytes)}"
+            rows.append((f"rank {r.rank}", f"{r.device}: weights {format_bytes(r.weights_bytes)}{peak}; could hold "
+                         f"{r.num_blocks_possible:,} blocks" + (" (the smallest: every rank holds this many)"
+                                                               if r.num_blocks_possible == self.num_blocks else "")))
         return "KV cache and memory at start-up:\n" + table(rows)
 
-
-def cuda_allocated(device: torch.device) -> int | None:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None

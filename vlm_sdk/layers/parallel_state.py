@@ -60,15 +60,18 @@ class TPGroup:
         return torch.cat(parts, dim=dim)
 
 
-def init_tp_group(rank: int, size: int, init_method: str, timeout_s: float, device: torch.device) -> TPGroup:
-    """Join the `size`-rank process group at `init_method` ("tcp://host:port", or "env://" under
-    torchrun) as `rank`, and return its `TPGroup`. NCCL on CUDA, gloo on the CPU. A collective that
-    waits longer than `timeout_s` for a peer raises (a dead or hung rank turns into an error)."""
+def init_tp_group(rank: int, size: int, init_method: str | None, timeout_s: float, device: torch.device,
+                  store: Any = None) -> TPGroup:
+    """Join the `size`-rank process group as `rank` (at `init_method`: "tcp://host:port", or "env://"
+    under torchrun; or through an already connected `store`), and return its `TPGroup`. NCCL on CUDA,
+    gloo on the CPU. A collective that waits longer than `timeout_s` for a peer raises (a dead or hung
+    rank turns into an error)."""
     from datetime import timedelta
     if size == 1:
         return TPGroup()
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout_s), **kwargs)
+    where = {"store": store} if store is not None else {"init_method": init_method}
+    dist.init_process_group(backend, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s),
+                            **where, **kwargs)
     return TPGroup(rank, size, dist.group.WORLD)

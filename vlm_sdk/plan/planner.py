@@ -42,8 +42,9 @@ import torch
 from vlm_sdk.config import DTYPES, DeviceBudget, EngineArgs
 from vlm_sdk.engine.capacity import max_model_len_fixes
 from vlm_sdk.worker.block_table import blocks_needed
-from vlm_sdk.engine.kv_cache import bytes_per_block, size_cache
-from vlm_sdk.engine.memory_report import MemoryTotals, weight_bytes
+from vlm_sdk.worker.kv_cache import bytes_per_block, size_cache
+from vlm_sdk.engine.memory_report import MemoryTotals
+from vlm_sdk.worker.weights import weight_bytes
 from vlm_sdk.worker.profiler import profile_num_tokens
 from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
 from vlm_sdk.model_loader import read_config

@@ -32,12 +32,14 @@ class ModelRunner:
     def __init__(self, model: VisionLanguageModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, dtype: torch.dtype, seed: int = 0,
                  max_vision_patches: int | None = None, graphs: DecodeGraphs | None = None, *,
-                 attention: AttentionBackend):
+                 attention: AttentionBackend, samples: bool = True):
         """`max_vision_patches` (None: no limit) caps the patches of one vision-tower call: the images
         of newly scheduled requests are encoded in groups of at most that many patches (a group
         always holds at least one image), so a step never exceeds the profiled peak of the largest
         image (`largest_image().size` of the family's processor). `attention` (the model's backend)
-        prepares each step's attention metadata once, before the forward."""
+        prepares each step's attention metadata once, before the forward. `samples` False: a
+        tensor-parallel rank other than 0, which computes the logits (their gather is a collective) but
+        leaves sampling to rank 0 and returns an empty output."""
         self.model = model
         self.attention = attention
         self.max_vision_patches = max_vision_patches
@@ -47,6 +49,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.sampler = Sampler(seed)
+        self.samples = samples
         self.requests: dict[str, RequestState] = {}
         self.encoder_cache = EncoderCache()
 
@@ -90,6 +93,8 @@ class ModelRunner:
         if not step.sample_idx:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[step.sample_rows])  # [num_sampled, vocab]
+        if not self.samples:
+            return ModelRunnerOutput()
         states = [scheduled[i][0] for i in step.sample_idx]
         for s in states:
             if s.pending_draws:

@@ -1,0 +1,25 @@
+"""Between the engine and the workers: how many ranks there are, where they run, and how a step
+reaches all of them (`make_executor`; executor.py has the interface)."""
+from __future__ import annotations
+
+from vlm_sdk.executor.executor import Executor, InProcessExecutor
+from vlm_sdk.executor.launch import check_tensor_parallel_size, rank_devices
+from vlm_sdk.executor.torchrun import run_torchrun_rank, torchrun_rank
+
+__all__ = ["Executor", "make_executor", "check_tensor_parallel_size"]
+
+
+def make_executor(model_dir: str, args, hf_config, family) -> Executor:
+    """One rank in this process; or, with `tensor_parallel_size` > 1, ranks started by torchrun (when
+    its environment is set) or spawned here, one per device. The size is checked first (it must
+    split the model's heads; on CUDA, one GPU per rank): refused with the sizes that would work."""
+    device = args.resolve_device()
+    size = args.tensor_parallel_size
+    check_tensor_parallel_size(family, hf_config, size, args.shard_vision)
+    if size == 1:
+        return InProcessExecutor(model_dir, args, device)
+    if torchrun_rank() is not None:
+        return run_torchrun_rank(model_dir, args, device)
+    from vlm_sdk.executor.multiproc import MultiprocExecutor
+    return MultiprocExecutor(model_dir, args, rank_devices(device, size))
+

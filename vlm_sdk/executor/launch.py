@@ -1,0 +1,55 @@
+"""Checks before any rank starts: does the model split into `tensor_parallel_size` parts, and is
+there a device for every rank?"""
+from __future__ import annotations
+
+import torch
+
+from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.layers.parallel_state import TPGroup
+
+_CANDIDATES = range(1, 17)  # the sizes offered when one is refused
+
+
+def _split_error(family, hf_config, size: int, shard_vision: bool) -> str | None:
+    """Why the model cannot be split into `size` ranks (the layer's own words), or None when it can:
+    the model is built on the meta device at that size, so every layer checks its own split."""
+    if size == 1:
+        return None
+    try:
+        family.model_cls(hf_config, dtype=torch.float32, device="meta", tp=TPGroup(0, size),
+                         shard_vision=shard_vision)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def tensor_parallel_sizes(family, hf_config, shard_vision: bool, limit: int | None = None) -> list[int]:
+    """The sizes from 1 to 16 (and at most `limit`) that split this model."""
+    return [n for n in _CANDIDATES if (limit is None or n <= limit)
+            and _split_error(family, hf_config, n, shard_vision) is None]
+
+
+def check_tensor_parallel_size(family, hf_config, size: int, shard_vision: bool = True) -> None:
+    """`InvalidRequestError` naming why `size` does not split the model and the sizes that do."""
+    why = _split_error(family, hf_config, size, shard_vision)
+    if why is None:
+        return
+    works = ", ".join(map(str, tensor_parallel_sizes(family, hf_config, shard_vision)))
+    raise InvalidRequestError(f"tensor_parallel_size={size} does not split this model: {why}. Sizes that work: "
+                              f"{works}", param="tensor_parallel_size")
+
+
+def rank_devices(device: torch.device, size: int) -> list[torch.device]:
+    """Rank r's device: on CUDA the GPU `index + r` of the one asked for (cuda = cuda:0), each rank its
+    own; on the CPU every rank shares it."""
+    if device.type != "cuda":
+        return [device] * size
+    first = device.index or 0
+    visible = torch.cuda.device_count()
+    if first + size > visible:
+        fits = visible - first
+        raise InvalidRequestError(
+            f"tensor_parallel_size={size} needs {size} GPUs (one per rank, from cuda:{first}) but only {visible} "
+            f"are visible (CUDA_VISIBLE_DEVICES selects them): use a size of at most {fits}, or more GPUs",
+            param="tensor_parallel_size")
+    return [torch.device("cuda", first + r) for r in range(size)]

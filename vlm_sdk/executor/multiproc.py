@@ -1,0 +1,191 @@
+"""Tensor parallelism on one machine: rank 0 in this process, one spawned process per other rank.
+
+    start-up   rank 0 opens a TCPStore on a free local port and spawns ranks 1..N-1 (torch.multiprocessing,
+               "spawn"); each connects and marks itself started, while rank 0 watches their processes
+               (a rank that dies before joining fails start-up at once, not after a rendezvous timeout);
+               then every rank joins the groups (ranks.join_ranks) and loads its slice
+    steps      collective_rpc: broadcast the command, run it here, gather replies (not for `execute`)
+    failure    a rank that raises logs its traceback, reports a `RankFailure` on the error queue and
+               exits; rank 0's next collective fails ("connection closed" on gloo; NCCL after
+               distributed_timeout), and is raised as EngineDeadError naming the rank and its error. A
+               watcher thread sees a rank's process end at once and calls the failure callback, so an
+               idle engine and its open requests learn of it too.
+    shutdown   SHUTDOWN to every rank and a join; ranks still alive after that are terminated, then
+               killed. Rank processes also end themselves when this process disappears.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import os
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from vlm_sdk.errors import EngineDeadError
+from vlm_sdk.executor.executor import Executor, FailureCallback
+from vlm_sdk.executor.ranks import (LOCALHOST, SHUTDOWN, Command, RankFailure, broadcast_command, gather_replies,
+                                    join_ranks, spawned_rank_main)
+from vlm_sdk.worker.worker import Worker
+
+logger = logging.getLogger("vlm_sdk")
+
+_JOIN_SECONDS = 10.0  # a rank's time to leave after SHUTDOWN before it is terminated
+_REPORT_SECONDS = 3.0  # how long a failed collective waits for the failed rank's report
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, model_dir: str, args, devices: list[torch.device]):
+        """`devices[r]`: rank r's device (one GPU per rank on CUDA; the CPU for every rank otherwise)."""
+        size = args.tensor_parallel_size
+        ctx = mp.get_context("spawn")
+        self._errors = ctx.Queue()
+        self._failures: dict[int, RankFailure] = {}
+        self._lock = threading.Lock()
+        self._callback: FailureCallback | None = None
+        self._dead: EngineDeadError | None = None
+        self._closing = False
+        self._control = None
+        timeout = timedelta(seconds=args.distributed_timeout)
+        store = dist.TCPStore(LOCALHOST, 0, size, is_master=True, wait_for_workers=False, timeout=timeout)
+        self._procs = []
+        for rank in range(1, size):
+            index = devices[rank].index if devices[rank].type == "cuda" else None
+            proc = ctx.Process(target=spawned_rank_main, name=f"vlm-tp-rank-{rank}", daemon=True,
+                               args=(model_dir, args, rank, size, store.port, index, self._errors, os.getpid()))
+            proc.start()
+            self._procs.append(proc)
+        try:
+            self._wait_started(store, size, args.distributed_timeout)
+            tp, self._control = join_ranks(0, size, None, args.distributed_timeout, devices[0], store)
+            self.driver = Worker(model_dir, args, devices[0], tp)
+        except BaseException as e:
+            err = self._explain(e)
+            self._terminate()
+            if err is e:
+                raise
+            raise err from e
+        threading.Thread(target=self._watch, name="vlm-tp-watch", daemon=True).start()
+
+    # -- calls --------------------------------------------------------------------------------------
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        if self._dead is not None:
+            raise self._dead
+        reply = method != "execute"
+        try:
+            broadcast_command(Command(method, args, reply), self._control)
+            result = getattr(self.driver, method)(*args)
+            return gather_replies(result, self.world_size, self._control) if reply else [result]
+        except BaseException as e:
+            err = self._explain(e)
+            if err is e:
+                raise
+            raise err from e
+
+    def set_failure_callback(self, callback: FailureCallback) -> None:
+        self._callback = callback
+        if self._dead is not None:
+            callback(self._dead)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        if self._dead is None and self._control is not None and all(p.is_alive() for p in self._procs):
+            try:
+                broadcast_command(Command(SHUTDOWN), self._control)
+            except Exception:  # noqa: BLE001 - a rank is gone: the join below ends the rest
+                pass
+        self._terminate()
+
+    # -- failures ----------------------------------------------------------------------------------
+    def _wait_started(self, store, size: int, timeout_s: float) -> None:
+        keys = [f"started/{r}" for r in range(1, size)]
+        deadline = time.monotonic() + timeout_s
+        while not store.check(keys):
+            dead = [p for p in self._procs if not p.is_alive()]
+            if dead:
+                raise EngineDeadError(f"{dead[0].name} exited with code {dead[0].exitcode} before joining")
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"tensor-parallel ranks did not start within distributed_timeout="
+                                      f"{timeout_s:g} s")
+            time.sleep(0.05)
+
+    def _collect(self, wait_s: float) -> None:
+        """Move reported failures from the queue into `_failures`, waiting up to `wait_s` for the first."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                failure = self._errors.get(timeout=max(0.0, deadline - time.monotonic()))
+            except (queue.Empty, OSError, ValueError):
+                return
+            with self._lock:
+                self._failures.setdefault(failure.rank, failure)
+            deadline = time.monotonic()  # take what is queued already, wait no longer
+
+    def _explain(self, exc: BaseException) -> BaseException:
+        """A failed call: an EngineDeadError naming the failed rank when one did (`exc` as its cause),
+        else `exc` itself (rank 0's own error)."""
+        if isinstance(exc, EngineDeadError) and "tensor-parallel rank" in str(exc):
+            return exc
+        ranks_dead = any(not p.is_alive() for p in self._procs)
+        peer_error = isinstance(exc, (RuntimeError, dist.DistBackendError)) and not isinstance(exc, EngineDeadError)
+        if not (ranks_dead or peer_error or self._failures):
+            return exc
+        self._collect(_REPORT_SECONDS if not self._failures else 0.0)
+        err = self._death_error(exc)
+        with self._lock:
+            self._dead = self._dead or err
+        return self._dead
+
+    def _death_error(self, exc: BaseException | None) -> EngineDeadError:
+        with self._lock:
+            failures = sorted(self._failures.values(), key=lambda f: f.rank)
+        if failures:
+            what = "; ".join(f.describe() for f in failures) + " (its traceback is in the log)"
+        else:
+            gone = [f"{p.name} exited with code {p.exitcode}" for p in self._procs if not p.is_alive()]
+            what = "; ".join(gone) if gone else f"a tensor-parallel collective failed: {exc!r}"
+        return EngineDeadError(f"{what}; every rank is needed for each step, so the engine stopped. "
+                               f"Restart it (and see that rank's log for why it failed)")
+
+    def _watch(self) -> None:
+        """A rank process ended while nobody was shutting down: the engine is dead; say so at once."""
+        multiprocessing.connection.wait([p.sentinel for p in self._procs])
+        if self._closing:
+            return
+        self._collect(_REPORT_SECONDS)
+        err = self._death_error(None)
+        with self._lock:
+            if self._closing:
+                return
+            self._dead = self._dead or err
+        logger.error("%s", self._dead)
+        if self._callback is not None:
+            self._callback(self._dead)
+
+    def _terminate(self) -> None:
+        """End every rank process: join, then terminate, then kill; and leave the process group."""
+        deadline = time.monotonic() + _JOIN_SECONDS
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+        self._closing = True
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a failed group may refuse a clean exit
+                pass

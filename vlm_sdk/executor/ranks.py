@@ -1,0 +1,145 @@
+"""What every tensor-parallel rank runs: joining the process groups, and the command loop of ranks > 0.
+
+Two process groups join the ranks (both over `init_method`):
+
+    tensor group   NCCL on CUDA (one GPU per rank), gloo on the CPU: the layers' all-reduces and the
+                   logits' all-gather; a peer that does not answer within `distributed_timeout` fails
+                   the collective
+    control group  gloo, over the CPU: rank 0 broadcasts each command, plain data only
+                   (`Command(method, args, reply)`), and gathers replies when the command wants them.
+                   No timeout that an idle engine could reach: ranks > 0 wait here between requests.
+
+A rank > 0 runs `serve_commands`: receive a command, call `Worker.<method>(*args)`, reply if asked,
+until `shutdown`. Any exception ends the rank's process (after logging it and, when rank 0 spawned
+it, reporting it on the error queue): its peers' next collective then fails at once ("connection
+closed") instead of waiting, and rank 0 names the rank and its error.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vlm_sdk.layers.parallel_state import TPGroup, init_tp_group
+
+logger = logging.getLogger("vlm_sdk")
+
+SHUTDOWN = "shutdown"
+LOCALHOST = "127.0.0.1"
+# the control group never times out on its own: an idle engine sends no command for hours
+_CONTROL_TIMEOUT = timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class Command:
+    method: str  # a `Worker` method, or SHUTDOWN
+    args: tuple = ()
+    reply: bool = True  # gather every rank's result to rank 0
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """A rank's error, as reported on the error queue (the exception object may not pickle)."""
+    rank: int
+    error_type: str
+    message: str
+    traceback: str
+
+    def describe(self) -> str:
+        return f"tensor-parallel rank {self.rank} failed: {self.error_type}: {self.message}"
+
+
+def join_ranks(rank: int, size: int, init_method: str | None, timeout_s: float, device: torch.device,
+               store: Any = None) -> tuple[TPGroup, Any]:
+    """Join the tensor group (returned as this rank's `TPGroup`) and the control group, at
+    `init_method` or through `store`."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tp = init_tp_group(rank, size, init_method, timeout_s, device, store)
+    control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+    return tp, control
+
+
+def broadcast_command(command: Command, control) -> None:
+    """Rank 0: send `command` to every other rank."""
+    dist.broadcast_object_list([command], src=0, group=control)
+
+
+def gather_replies(result: Any, size: int, control) -> list[Any]:
+    """Rank 0: every rank's reply to the last command, in rank order (rank 0's is `result`)."""
+    out: list[Any] = [None] * size
+    dist.gather_object(result, out, dst=0, group=control)
+    return out
+
+
+def serve_commands(worker, control) -> None:
+    """Rank > 0: run rank 0's commands on `worker` until SHUTDOWN."""
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=control)
+        command: Command = box[0]
+        if command.method == SHUTDOWN:
+            return
+        result = getattr(worker, command.method)(*command.args)
+        if command.reply:
+            dist.gather_object(result, None, dst=0, group=control)
+
+
+def run_rank(model_dir: str, args, rank: int, size: int, init_method: str | None, device: torch.device,
+             errors=None, store_port: int | None = None) -> None:
+    """A rank > 0 from start to end: join (at `init_method`, or at rank 0's store on `store_port`),
+    load its slice, serve commands. On any error: log it, put a `RankFailure` on `errors` (when given)
+    and end the process at once."""
+    from vlm_sdk.worker.worker import Worker  # the model stack is imported in the rank's own process
+    try:
+        store = None
+        if store_port is not None:
+            store = dist.TCPStore(LOCALHOST, store_port, size, is_master=False,
+                                  timeout=timedelta(seconds=args.distributed_timeout))
+            store.set(f"started/{rank}", "1")  # rank 0 waits for these while watching the processes
+        tp, control = join_ranks(rank, size, init_method, args.distributed_timeout, device, store)
+        worker = Worker(model_dir, args, device, tp)
+        serve_commands(worker, control)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach rank 0 and end this rank
+        failure = RankFailure(rank, type(e).__name__, str(e), traceback.format_exc())
+        logger.error("%s\n%s", failure.describe(), failure.traceback)
+        if errors is not None:
+            errors.put(failure)
+            errors.close()
+            errors.join_thread()  # flushed before the process ends
+        os._exit(1)
+    _leave()
+
+
+def _leave() -> None:
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the group may already be gone with a peer
+        pass
+
+
+def spawned_rank_main(model_dir: str, args, rank: int, size: int, store_port: int, device_index: int | None,
+                      errors, parent_pid: int) -> None:
+    """Entry of a rank process spawned by rank 0 (`MultiprocExecutor`), which hosts the store."""
+    logging.basicConfig(level=logging.INFO, format=f"[vlm-sdk rank {rank}] %(levelname)s %(message)s")
+    _exit_with_parent(parent_pid)
+    device = torch.device("cpu") if device_index is None else torch.device("cuda", device_index)
+    run_rank(model_dir, args, rank, size, None, device, errors, store_port)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this process when rank 0's process is gone (killed without a chance to shut us down):
+    no orphaned rank keeps a GPU."""
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, name="vlm-parent-watch", daemon=True).start()

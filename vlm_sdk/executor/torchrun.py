@@ -1,0 +1,77 @@
+"""Tensor parallelism under torchrun (one or several machines): every process runs the same entry point
+(`python -m vlm_sdk.serve ...`, a script making an `LLM`, ...) and torchrun's environment says which rank
+it is (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+
+Rank 0 becomes the engine with a `TorchrunExecutor`; every other rank serves rank 0's commands inside
+the engine's constructor and leaves the process (SystemExit(0)) when rank 0 shuts down, so the rest of
+the entry point (an HTTP server, a script) runs on rank 0 only. A rank's failure ends its process;
+torchrun then stops the others, and rank 0's failed collective says so.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from vlm_sdk.errors import EngineDeadError, InvalidRequestError
+from vlm_sdk.executor.executor import Executor
+from vlm_sdk.executor.ranks import SHUTDOWN, Command, broadcast_command, gather_replies, join_ranks, run_rank
+from vlm_sdk.worker.worker import Worker
+
+
+def torchrun_rank() -> tuple[int, int, int] | None:
+    """(RANK, WORLD_SIZE, LOCAL_RANK) when this process was started by torchrun, else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def run_torchrun_rank(model_dir: str, args, device: torch.device) -> Executor:
+    """Rank 0: its executor. Ranks > 0: serve rank 0 until it shuts down, then leave the process."""
+    rank, world, local = torchrun_rank()
+    size = args.tensor_parallel_size
+    if world != size:
+        raise InvalidRequestError(f"torchrun started {world} processes but tensor_parallel_size={size}: every "
+                                  f"process is one rank, so start {size} (--nnodes x --nproc-per-node) or set "
+                                  f"--tensor-parallel-size {world}", param="tensor_parallel_size")
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+    if rank != 0:
+        run_rank(model_dir, args, rank, size, "env://", device)
+        raise SystemExit(0)
+    return TorchrunExecutor(model_dir, args, device)
+
+
+class TorchrunExecutor(Executor):
+    def __init__(self, model_dir: str, args, device: torch.device):
+        tp, self._control = join_ranks(0, args.tensor_parallel_size, "env://", args.distributed_timeout, device)
+        self.driver = Worker(model_dir, args, device, tp)
+        self._dead: EngineDeadError | None = None
+        self._closed = False
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        if self._dead is not None:
+            raise self._dead
+        reply = method != "execute"
+        try:
+            broadcast_command(Command(method, args, reply), self._control)
+            result = getattr(self.driver, method)(*args)
+            return gather_replies(result, self.world_size, self._control) if reply else [result]
+        except RuntimeError as e:
+            self._dead = EngineDeadError(f"a tensor-parallel collective failed ({e}); a rank has failed or hung: "
+                                         f"its log (torchrun prints each rank's) says why. Restart the job")
+            raise self._dead from e
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        import torch.distributed as dist
+        if self._dead is None:
+            try:
+                broadcast_command(Command(SHUTDOWN), self._control)
+            except RuntimeError:
+                pass
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,120 @@
+"""One rank's share of the engine: its slice of the model, its KV cache and its model runner.
+
+With one rank the engine holds a single `Worker` in its own process. Under tensor parallelism there is
+one per rank, each in its own process (vlm_sdk/executor/), and rank 0's executor calls the same method
+on every rank in the same order, so the collectives inside (the layers' all-reduces, the logits'
+all-gather) line up:
+
+    Worker(...)             build this rank's slice of the model and load it from the checkpoint
+    load_report()           what this rank holds (weights by part, KV heads) -> RankLoad
+    profile_peak(...)       CUDA: the activation peak of the worst-case step on this rank
+    size_cache(...)         the KV blocks this rank could hold (the engine takes the smallest of all ranks)
+    init_cache(cache, ...)  allocate exactly that cache, capture CUDA graphs, build the model runner
+    execute(sched)          one step; only rank 0 samples (the others return an empty output)
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from vlm_sdk.config import CacheConfig, EngineArgs
+from vlm_sdk.layers.ops import make_ops
+from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
+from vlm_sdk.models.registry import resolve
+from vlm_sdk.multimodal.inputs import ImageInput
+from vlm_sdk.worker.cuda_graphs import DecodeGraphs
+from vlm_sdk.worker.io import ModelRunnerOutput, SchedulerOutput
+from vlm_sdk.worker.kv_cache import allocate_or_explain, bytes_per_block, plan_cache
+from vlm_sdk.worker.model_runner import ModelRunner
+from vlm_sdk.worker.profiler import profile_num_tokens, profile_peak_bytes
+from vlm_sdk.worker.weights import WeightBytes, weight_bytes
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """What one rank holds after loading."""
+    rank: int
+    device: str
+    weights: WeightBytes  # this rank's parameter bytes by part
+    weights_allocated_bytes: int | None  # CUDA: memory_allocated growth while building and loading
+    load_seconds: float
+    num_layers: int
+    num_kv_heads: int  # this rank's KV heads (what its cache holds per layer)
+    head_dim: int
+    bytes_per_block: int  # this rank's KV bytes per block (its KV heads, every layer, K and V)
+
+
+class Worker:
+    def __init__(self, model_dir: str, args: EngineArgs, device: torch.device, tp: TPGroup = TPGroup()):
+        """Build this rank's slice of the model on `device` and load its weights."""
+        self.args, self.device, self.tp = args, device, tp
+        self.dtype = args.resolve_dtype(device)
+        info = read_checkpoint(model_dir)
+        family = resolve([info.architecture])
+        self.ops = make_ops(args.attention_backend, device)
+        t0 = time.perf_counter()
+        before = _allocated(device)
+        parallel = {"tp": tp, "shard_vision": args.shard_vision} if tp.size > 1 else {}
+        with torch.device(device):
+            self.model = family.model_cls(info.hf_config, dtype=self.dtype, device=device, ops=self.ops,
+                                          **parallel)
+        # only rank 0 shows a progress bar: the others load the same files at the same pace
+        self.model.load_weights(iter_safetensors(model_dir, show_progress=args.show_progress and tp.rank == 0),
+                                source=info.model_dir)
+        self.model.eval()
+        self.load_seconds = time.perf_counter() - t0
+        self.weights_allocated = None if before is None else _allocated(device) - before
+        m = self.model
+        self.bytes_per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, args.block_size, self.dtype)
+        self.peak: int | None = None  # CUDA: the profiled activation peak
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.runner: ModelRunner | None = None
+
+    def load_report(self) -> RankLoad:
+        m = self.model
+        return RankLoad(self.tp.rank, str(self.device), weight_bytes(m), self.weights_allocated, self.load_seconds,
+                        m.num_layers, m.num_kv_heads, m.head_dim, self.bytes_per_block)
+
+    def profile_peak(self, largest_image: ImageInput, max_position_embeddings: int) -> int | None:
+        """CUDA: the activation peak (bytes) of a full `max_num_batched_tokens` step with its logits and
+        the largest image through the vision tower; None on the CPU (nothing is carved out there)."""
+        if self.device.type != "cuda":
+            return None
+        args = self.args
+        self.peak = profile_peak_bytes(
+            self.model, largest_image,
+            num_tokens=profile_num_tokens(args.max_num_batched_tokens, max_position_embeddings),
+            num_seqs=args.max_num_seqs, block_size=args.block_size, per_block=self.bytes_per_block,
+            dtype=self.dtype, device=self.device, attention=self.ops.attention)
+        return self.peak
+
+    def size_cache(self, max_position_embeddings: int, image_setting: str | None) -> CacheConfig:
+        """The cache this rank can hold under the settings (on CUDA: its own device budget, after its
+        profiled peak)."""
+        return plan_cache(self.args, self.bytes_per_block, self.device, max_position_embeddings, self.peak,
+                          image_setting=image_setting)
+
+    def init_cache(self, cache: CacheConfig, max_model_len: int, max_vision_patches: int) -> None:
+        """Allocate `cache` (the block count every rank agreed on), capture the decode graphs (CUDA)
+        and build the model runner. `max_vision_patches`: the profiled image's size, the largest
+        vision-tower call a step makes."""
+        m, args = self.model, self.args
+        self.kv_caches = allocate_or_explain(m.num_layers, cache, m.num_kv_heads, m.head_dim, self.dtype,
+                                             self.device)
+        graphs = None
+        if self.device.type == "cuda" and self.ops.graph_safe and not args.enforce_eager:
+            graphs = DecodeGraphs(m, self.kv_caches, max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
+                                  block_size=args.block_size, device=self.device, attention=self.ops.attention)
+        self.runner = ModelRunner(m, self.kv_caches, args.block_size, self.device, self.dtype, args.seed,
+                                  max_vision_patches=max_vision_patches, graphs=graphs,
+                                  attention=self.ops.attention, samples=self.tp.rank == 0)
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(sched)
+
+
+def _allocated(device: torch.device) -> int | None:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
