@@ -68,6 +68,8 @@ class AsyncLLM:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="vlm-engine", daemon=True)
         self._thread.start()
+        # a tensor-parallel rank that dies fails every open request at once, even mid-step or idle
+        self.engine.executor.set_failure_callback(self._on_rank_failure)
 
     async def __aenter__(self) -> "AsyncLLM":
         return self
@@ -76,7 +78,8 @@ class AsyncLLM:
         await self.shutdown()
 
     async def shutdown(self) -> None:
-        """Abort what is running (its streams end with finish_reason "abort") and stop the thread."""
+        """Abort what is running (its streams end with finish_reason "abort"), stop the thread and end
+        every tensor-parallel rank process."""
         with self._lock:
             if self._closed:
                 return
@@ -209,7 +212,10 @@ class AsyncLLM:
                         for rid in list(engine.requests):
                             self._deliver(rid, engine.abort(rid))
                         self._final_drain(EngineDeadError("this AsyncLLM was shut down"))
+                        engine.shutdown()
                         return
+                    if cmd == "fail":  # a rank died while this thread waited for work
+                        raise payload
                     if cmd == "abort":
                         engine.abort(key, payload)
                     elif cmd == "add":
@@ -228,6 +234,18 @@ class AsyncLLM:
             for key in list(self._streams):
                 self._deliver(key, err)
             self._final_drain(err)
+            engine.shutdown()
+
+    def _on_rank_failure(self, err: EngineDeadError) -> None:
+        """From the executor's watcher thread: a rank process ended. Fail every open stream now (the
+        engine thread may be blocked in a collective until distributed_timeout) and wake the thread."""
+        with self._lock:
+            if self._closed or self._dead is not None:
+                return
+            self._dead = err
+            self._commands.put(("fail", None, err))
+        for key in list(self._streams):
+            self._deliver(key, err)
 
     def _final_drain(self, err: EngineDeadError) -> None:
         """Fail whatever was queued before the thread ends; the lock keeps anything new out."""

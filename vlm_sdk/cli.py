@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--num-requests", type=int, default=16)
     bench.add_argument("--hf-batch-size", type=int, default=8)
     bench.add_argument("--device", default=None)
+    bench.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                       help="> 1: our engine on this many ranks against one rank (time per step), not transformers")
     from vlm_sdk.bench.gpu import add_arguments as add_gpu_bench_arguments
     add_gpu_bench_arguments(bench)
     from vlm_sdk.bench.serve import add_arguments as add_bench_serve_arguments

@@ -23,6 +23,17 @@ class LLM:
         self.engine = LLMEngine(str(model), make_engine_args(**engine_args))
         self.output_processor = OutputProcessor(load_tokenizer(str(model)))
 
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel rank processes (with one rank there is nothing to end). Also done
+        when the interpreter exits; call it (or use `with LLM(...)`) to free the GPUs sooner."""
+        self.engine.shutdown()
+
     def chat(self, conversations, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              ) -> list[RequestOutput]:
         """Run every conversation to completion; outputs in input order. A single conversation (a list

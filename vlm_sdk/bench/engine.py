@@ -72,6 +72,8 @@ def run_benchmark(args) -> int:
                     "image_sizes": IMAGE_SIZES[family], "max_tokens": max_tokens,
                     "torch_threads": torch.get_num_threads()}
 
+    if args.tensor_parallel_size > 1:
+        return _run_tp_comparison(args, report, convs, max_tokens)
     report["preprocess"] = _preprocess_report(family, model_dir, images)
 
     llm = LLM(model_dir, device=device, show_progress=False)
@@ -109,6 +111,54 @@ def run_benchmark(args) -> int:
               f"{same}/{len(convs)}")
         print(f"  image preprocessing per image ({sizes}): ours {pre['ours_ms_per_image']:.2f} ms, transformers "
               f"{pre['transformers_ms_per_image']:.2f} ms (max abs diff {pre['max_abs_diff']:.2e})")
+    return 0
+
+
+def _timed_engine(model_dir: str, device: str, convs, max_tokens, **engine_args) -> dict:
+    """Our engine on the workload: seconds, engine steps, tokens; the engine is shut down after."""
+    from vlm_sdk import LLM, SamplingParams
+    llm = LLM(model_dir, device=device, show_progress=False, **engine_args)
+    try:
+        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+        llm.chat(convs[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+        engine, steps = llm.engine, [0]
+        step = engine.step
+
+        def counted():
+            steps[0] += 1
+            return step()
+        engine.step = counted  # the instance attribute shadows the method for this run only
+        t0 = time.perf_counter()
+        outs = llm.chat(convs, params)
+        seconds = time.perf_counter() - t0
+        return {"seconds": seconds, "steps": steps[0], "ms_per_step": 1000 * seconds / steps[0],
+                "tokens": [o.token_ids for o in outs], "tokens_per_s": sum(max_tokens) / seconds,
+                "kv_blocks": engine.cache_config.num_blocks, "weights_bytes_per_rank": engine.memory_report.weights_bytes}
+    finally:
+        llm.shutdown()
+
+
+def _run_tp_comparison(args, report: dict, convs, max_tokens) -> int:
+    """`--tensor-parallel-size N`: the same workload on one rank and on N, in this run; the cost of the
+    collectives and of sending each step to the other ranks shows as time per engine step."""
+    n = args.tensor_parallel_size
+    one = _timed_engine(report["model"], report["device"], convs, max_tokens)
+    many = _timed_engine(report["model"], report["device"], convs, max_tokens, tensor_parallel_size=n)
+    same = sum(a == b for a, b in zip(one.pop("tokens"), many.pop("tokens")))
+    report.update({"tp1": one, f"tp{n}": many, "tensor_parallel_size": n,
+                   "ms_per_step_ratio": many["ms_per_step"] / one["ms_per_step"],
+                   "identical_greedy_share": same / len(convs)})
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+        return 0
+    print(f"model {report['model']} ({report['family']}) on {report['device']}, {report['torch_threads']} threads, "
+          f"{len(convs)} requests, max_tokens {min(max_tokens)}..{max(max_tokens)}")
+    for name, r in (("tp=1", one), (f"tp={n}", many)):
+        print(f"  {name:<6} {r['seconds']:7.2f} s  {r['steps']:4d} steps  {r['ms_per_step']:7.2f} ms/step  "
+              f"{r['tokens_per_s']:8.1f} tokens/s  weights/rank {r['weights_bytes_per_rank'] / 2**20:.1f} MiB  "
+              f"KV blocks {r['kv_blocks']}")
+    print(f"  time per step tp={n} / tp=1: {report['ms_per_step_ratio']:.2f}x; identical greedy outputs: "
+          f"{same}/{len(convs)}")
     return 0
 
 

@@ -54,11 +54,15 @@ class MultiprocExecutor(Executor):
         self._control = None
         timeout = timedelta(seconds=args.distributed_timeout)
         store = dist.TCPStore(LOCALHOST, 0, size, is_master=True, wait_for_workers=False, timeout=timeout)
+        # CPU ranks share this machine's cores: each takes its share (rank 0's is restored at shutdown)
+        self._threads = torch.get_num_threads()
+        threads = max(1, self._threads // size) if devices[0].type == "cpu" else self._threads
+        torch.set_num_threads(threads)
         self._procs = []
         for rank in range(1, size):
             index = devices[rank].index if devices[rank].type == "cuda" else None
             proc = ctx.Process(target=spawned_rank_main, name=f"vlm-tp-rank-{rank}", daemon=True,
-                               args=(model_dir, args, rank, size, store.port, index, self._errors, os.getpid()))
+                               args=(model_dir, args, rank, size, store.port, index, self._errors, os.getpid(), threads))
             proc.start()
             self._procs.append(proc)
         try:
@@ -184,6 +188,7 @@ class MultiprocExecutor(Executor):
                 p.kill()
                 p.join(2.0)
         self._closing = True
+        torch.set_num_threads(self._threads)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -127,10 +127,12 @@ def _leave() -> None:
 
 
 def spawned_rank_main(model_dir: str, args, rank: int, size: int, store_port: int, device_index: int | None,
-                      errors, parent_pid: int) -> None:
-    """Entry of a rank process spawned by rank 0 (`MultiprocExecutor`), which hosts the store."""
+                      errors, parent_pid: int, cpu_threads: int) -> None:
+    """Entry of a rank process spawned by rank 0 (`MultiprocExecutor`), which hosts the store.
+    `cpu_threads`: this rank's share of the cores (CPU ranks split them instead of each taking all)."""
     logging.basicConfig(level=logging.INFO, format=f"[vlm-sdk rank {rank}] %(levelname)s %(message)s")
     _exit_with_parent(parent_pid)
+    torch.set_num_threads(cpu_threads)
     device = torch.device("cpu") if device_index is None else torch.device("cuda", device_index)
     run_rank(model_dir, args, rank, size, None, device, errors, store_port)
 

@@ -6,16 +6,18 @@ Everything the engine decides is decided here by the engine's own code: config.j
 the engine's `kv_cache.size_cache`, and every fix from `CacheConfig.fixes_for` (the start-up refusal
 and the too-long error use it too). Units: bytes unless a name says tokens / blocks / pixels.
 
-    kv_bytes_per_token = layers * 2 (K, V) * (kv_heads / tp) * head_dim * dtype bytes
+    kv_bytes_per_token = layers * 2 (K, V) * kv heads per rank * head_dim * dtype bytes
+                         (kv_heads / tp; 1 when tp > kv_heads: each rank keeps a copy of one KV head)
     kv_bytes_per_block = kv_bytes_per_token * block_size
     num_blocks         = num_blocks | kv_cache_memory // per_block
                          | (device memory * memory_utilization - in use - activation peak) // per_block
                          | the CPU default (max_num_seqs full-length sequences, at most 1 GiB)
     in use             = weights, plus with --device cuda:N what is in use on it now
 
-Weights per rank with `tp`: the language model's matrices (2-D parameters, embeddings and lm_head
-included) are divided by tp; its norms/biases (1-D), the vision tower and the projector are counted
-whole on every rank (a simplification: a real TP engine shards some of these too).
+Weights per rank with `tp`: the model is built on the meta device as rank 0 of `tp` ranks builds it
+(vlm_sdk/executor/launch.py checks the same split), so its parameters are exactly one rank's: the
+language model split by heads, intermediate size and vocabulary, norms whole, and the vision tower
+and projector split too unless `shard_vision` is False (then whole on every rank).
 
 The activation peak is an ESTIMATE (the engine measures it on CUDA with a profiling forward):
     language model: tokens * (4 * hidden + 2 * intermediate / tp + qkv width / tp) * dtype bytes
@@ -47,6 +49,8 @@ from vlm_sdk.engine.memory_report import MemoryTotals
 from vlm_sdk.worker.weights import weight_bytes
 from vlm_sdk.worker.profiler import profile_num_tokens
 from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
+from vlm_sdk.executor.launch import check_tensor_parallel_size
+from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.model_loader import read_config
 from vlm_sdk.models import registry
 
@@ -55,7 +59,7 @@ __all__ = ["MemoryPlan", "PLAN_OPTIONS", "Problem", "plan", "parse_bytes"]
 _UNITS = MappingProxyType({"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                            "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
 _ENGINE_OPTIONS = ("memory_utilization", "kv_cache_memory", "num_blocks", "dtype", "block_size", "max_model_len",
-                   "max_num_seqs", "max_num_batched_tokens")
+                   "max_num_seqs", "max_num_batched_tokens", "shard_vision")
 # each registered family's image option (`FamilySpec.plan_setting`)
 FAMILY_OPTIONS = tuple(registry.plan_settings())
 PLAN_OPTIONS = ("device_memory", "device", *_ENGINE_OPTIONS, *FAMILY_OPTIONS, "tp", "prompt_tokens",
@@ -195,18 +199,15 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
             other_use = device_memory - free
     dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
 
-    with torch.device("meta"):  # the engine's own modules, no memory: counts can never disagree
-        model = family.model_cls(info.hf_config, dtype=dtype, device="meta")
-    layers, kv_heads, head_dim = model.num_layers, model.num_kv_heads, model.head_dim
-    if kv_heads % tp:
-        raise InvalidRequestError(f"tp={tp} does not divide the model's {kv_heads} KV heads; use a tp that "
-                                  f"divides {kv_heads} (e.g. {max(d for d in range(1, tp) if kv_heads % d == 0)})",
-                                  param="tp")
-    kv_heads //= tp
+    check_tensor_parallel_size(family, info.hf_config, tp, args.shard_vision)  # the engine's refusal
+    with torch.device("meta"):  # the engine's own modules (rank 0's), no memory: counts can never disagree
+        model = family.model_cls(info.hf_config, dtype=dtype, device="meta", tp=TPGroup(0, tp),
+                                 shard_vision=args.shard_vision)
+    layers, kv_heads, head_dim = model.num_layers, model.num_kv_heads, model.head_dim  # kv_heads: per rank
     per_block = bytes_per_block(layers, kv_heads, head_dim, args.block_size, dtype)
     max_pos = int(family.text_config(info.hf_config).max_position_embeddings)
 
-    weights = weight_bytes(model, tp)
+    weights = weight_bytes(model)  # one rank's parameters
     image = family.image_limits(info.preprocessor, info.hf_config, model, family_options)
     act_lm, act_vision = _activations(model, family.vision_activation_widths(info.hf_config, model), image.patches,
                                       args, max_pos, dtype, tp)

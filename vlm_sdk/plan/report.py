@@ -1,6 +1,7 @@
 """Formatting a `MemoryPlan` for people (a table) and machines (JSON), and the `vlm-sdk plan` command."""
 from __future__ import annotations
 
+import argparse
 import json
 
 from vlm_sdk.engine.memory_report import format_bytes as _size, table
@@ -70,7 +71,11 @@ def add_plan_parser(sub) -> None:
         schema = next(s for s in family.engine_settings if s.name == setting)
         cmd.add_argument(f"--{name.replace('_', '-')}", type=schema.type,
                          help=f"{family.display_name}: {schema.help} (the engine's {setting})")
-    for name in ("tp", "prompt-tokens", "output-tokens", "images"):
+    cmd.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int,
+                     help="tensor-parallel ranks: figures are per rank, as the engine's start-up report shows them")
+    cmd.add_argument("--shard-vision", action=argparse.BooleanOptionalAction, default=None,
+                     help="with --tp: split the vision tower over the ranks (the default) or not")
+    for name in ("prompt-tokens", "output-tokens", "images"):
         cmd.add_argument(f"--{name}", type=int)
     cmd.add_argument("--dtype")
     cmd.add_argument("--json", action="store_true", help="print one JSON object")

@@ -21,7 +21,13 @@ _ENGINE_HELP = {
     "max_model_len": "longest sequence (prompt + output) in tokens",
     "attention_backend": "'triton' (default on CUDA) or 'torch' (the reference path, default on the CPU)",
     "enforce_eager": "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
+    "tensor_parallel_size": "split the model over this many ranks (GPUs), one process each (default 1); "
+                            "under torchrun, the number of processes it starts",
+    "shard_vision": "under tensor parallelism, split the vision tower over the ranks too (default; "
+                    "--no-shard-vision gives every rank a whole copy)",
+    "distributed_timeout": "seconds a tensor-parallel rank waits for its peers before the engine fails (default 600)",
 }
+_ALIASES = {"tensor_parallel_size": ("--tp",)}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -32,15 +38,15 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is MISSING else f.default
         help_text = _ENGINE_HELP.get(f.name, f"default {default}")
-        if isinstance(default, bool):  # an on/off switch: present means True
-            group.add_argument(flag, dest="engine_" + f.name, action="store_const", const=True, default=None,
+        if isinstance(default, bool):  # an on/off switch: --name / --no-name
+            group.add_argument(flag, dest="engine_" + f.name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
             continue
         kind = {"float": float, "int": int}.get(type(default).__name__) if default is not None else None
         if kind is None:
             kind = str if f.name in ("dtype", "device", "attention_backend") else int
-        group.add_argument(flag, dest="engine_" + f.name, type=kind, default=None, metavar=f.name.upper(),
-                           help=help_text)
+        group.add_argument(flag, *_ALIASES.get(f.name, ()), dest="engine_" + f.name, type=kind, default=None,
+                           metavar=f.name.upper(), help=help_text)
     for name, setting in registry.engine_settings().items():
         group.add_argument("--" + name.replace("_", "-"), dest="engine_" + name, type=setting.type, default=None,
                            metavar=name.upper(), help=setting.help)

@@ -6,9 +6,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class WeightBytes:
-    """Parameter bytes per rank by part; with `tp` the language model's matrices (2-D parameters,
-    embeddings and lm_head included) are split across ranks, its norms and biases and the whole
-    vision side are counted on every rank."""
+    """Parameter bytes of one rank by part (under tensor parallelism, its slices)."""
     language_model: int
     vision: int
     projector: int
@@ -18,12 +16,11 @@ class WeightBytes:
         return self.language_model + self.vision + self.projector
 
 
-def weight_bytes(model, tp: int = 1) -> WeightBytes:
-    """`model` is a `VisionLanguageModel` (real or on the meta device: only shapes and dtypes are read)."""
+def weight_bytes(model) -> WeightBytes:
+    """`model` is a `VisionLanguageModel`, real or on the meta device (only shapes and dtypes are
+    read), built for one rank: its parameters are that rank's."""
     groups = model.parameter_groups()
-    lm = groups["language_model"]
-    return WeightBytes(_nbytes(p for p in lm if p.dim() >= 2) // tp + _nbytes(p for p in lm if p.dim() < 2),
-                       _nbytes(groups["vision"]), _nbytes(groups["projector"]))
+    return WeightBytes(_nbytes(groups["language_model"]), _nbytes(groups["vision"]), _nbytes(groups["projector"]))
 
 
 def _nbytes(params) -> int:
