@@ -102,7 +102,9 @@ class FamilySpec(ABC):
     @property
     @abstractmethod
     def model_cls(self) -> type:
-        """`VisionLanguageModel` subclass: `model_cls(hf_config, dtype=, device=, ops=)`."""
+        """`VisionLanguageModel` subclass: `model_cls(hf_config, dtype=, device=, ops=, tp=TPGroup(),
+        shard_vision=True)` (`tp`: this rank's tensor-parallel group; `shard_vision` False replicates the
+        vision tower and projector on every rank)."""
 
     @property
     @abstractmethod

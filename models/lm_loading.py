@@ -4,7 +4,9 @@ contract) and its loading: the tied LM head and the CPU layout.
 Shared by every family, because these questions are the decoder's, not the vision tower's:
 - a config that ties lm_head to the token embedding may still ship `lm_head.weight`. A copy of the
   embedding is dropped; a different matrix is used as the head, as transformers does (it then leaves
-  the two untied);
+  the two untied). Under tensor parallelism each rank compares only its vocab rows, and the ranks
+  all-reduce the verdict so that all untie or none (a head differing only in rank 1's rows must untie
+  rank 0 too, or the ranks would compute logits from different matrices);
 - on the CPU, Linear weights are re-laid column-major and the LM head pre-packed once loaded
   (`models/cpu_layout.py`).
 """
@@ -20,7 +22,9 @@ from torch import nn
 
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
+from vlm_sdk.layers.linear import kv_head_split
 from vlm_sdk.layers.ops import KernelOps
+from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.weight_loading import ParamSlot, load_checked
 from vlm_sdk.models.base import KVCache, VisionLanguageModel
 from vlm_sdk.models.cpu_layout import PackedLMHead, column_major, use_cpu_weight_layout
@@ -32,13 +36,21 @@ logger = logging.getLogger(__name__)
 
 class DecoderVLM(VisionLanguageModel):
     """The decoder half of `VisionLanguageModel` for families whose LLM is a `LlamaDecoder`: a
-    subclass calls `_init_decoder` and names its vision tower and projector in `_vision_parts`."""
+    subclass calls `_init_decoder` and names its vision tower and projector in `_vision_parts`.
+
+    Under tensor parallelism (`tp`) `num_kv_heads` is this rank's KV head count (what its KV cache
+    holds); `compute_logits` returns the whole vocab on every rank. `vision_tp` is the group a family
+    builds its vision tower and projector with: `tp` when `shard_vision`, else `TPGroup()` (every rank
+    holds and runs the whole tower)."""
 
     def _init_decoder(self, cfg: LlamaDecoderConfig, dtype: torch.dtype, device: torch.device | str,
-                      ops: KernelOps | None) -> None:
+                      ops: KernelOps | None, tp: TPGroup = TPGroup(), shard_vision: bool = True) -> None:
         self.decoder_config = cfg
-        self.decoder = LlamaDecoder(cfg, dtype, device, ops)
-        self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        self.tp, self.shard_vision = tp, shard_vision
+        self.vision_tp = tp if shard_vision else TPGroup()
+        self.decoder = LlamaDecoder(cfg, dtype, device, ops, tp)
+        self.num_layers, self.head_dim = cfg.num_layers, cfg.head_dim
+        self.num_kv_heads = kv_head_split(cfg.num_kv_heads, tp)[1]  # this rank's: what its KV cache holds
         self.hidden_size, self.vocab_size = cfg.hidden_size, cfg.vocab_size
         self.dtype = dtype
 
@@ -69,33 +81,39 @@ def load_with_lm_head(model: nn.Module, decoder: LlamaDecoder, weights: Iterable
                       slots: dict[str, ParamSlot], *, lm_head: str, canonical: Callable[[str], str],
                       source: str | Path | None) -> None:
     """`load_checked` into `model`; when `decoder` is tied, a checkpoint tensor named `lm_head` (after
-    `canonical`) is checked against the embedding instead of loaded, and unties the decoder if it differs."""
+    `canonical`) is checked against the embedding instead of loaded, and unties the decoder if it differs
+    (on every rank when it differs on any: the verdict is all-reduced over `decoder.tp`).
+
+    `weights` may hold lazy tensors (`model_loader.iter_safetensors(lazy=True)`): only this rank's rows
+    of the head are read."""
     if decoder.lm_head is not None:
         load_checked(model, weights, slots, canonical=canonical, source=source)
         return
-    head: list[torch.Tensor] = []
+    emb_layer = decoder.embed_tokens
+    start, stop = emb_layer.vocab_start, emb_layer.vocab_stop
+    expected = (emb_layer.vocab_size, emb_layer.hidden_size)  # the whole tensor; this rank holds its rows
+    head: list[torch.Tensor] = []  # this rank's rows of the checkpoint's head
 
     def without_head():
         for name, tensor in weights:
-            if canonical(name) == lm_head:
-                head.append(tensor)
-            else:
+            if canonical(name) != lm_head:
                 yield name, tensor
+                continue
+            if tuple(tensor.shape) != expected:
+                where = f" in {source}" if source is not None else ""
+                raise CheckpointError(f"tensor {lm_head}{where} has shape {list(tensor.shape)} but "
+                                      f"{type(model).__name__} expects {list(expected)} (tied to the token "
+                                      f"embedding): config.json does not match the weights")
+            # read now, while a lazy tensor's file is open; checkpoint tensors are on the CPU
+            head.append(tensor.narrow(0, start, stop - start))
 
     load_checked(model, without_head(), slots, canonical=canonical, source=source)
-    if not head:
+    if not head:  # the same on every rank: all read the same files
         return
-    emb_layer = decoder.embed_tokens
-    expected = (emb_layer.vocab_size, emb_layer.hidden_size)  # the whole tensor; this rank holds its rows
-    if tuple(head[0].shape) != expected:
-        where = f" in {source}" if source is not None else ""
-        raise CheckpointError(f"tensor {lm_head}{where} has shape {list(head[0].shape)} but {type(model).__name__} "
-                              f"expects {list(expected)} (tied to the token embedding): config.json does not "
-                              f"match the weights")
     emb = emb_layer.weight
-    # this rank's rows (all of them at tensor-parallel size 1); checkpoint tensors are on the CPU
-    mine = head[0][emb_layer.vocab_start:emb_layer.vocab_stop]
-    if not torch.equal(mine.to(emb.device, emb.dtype), emb):
+    differs = torch.tensor([0.0 if torch.equal(head[0].to(emb.device, emb.dtype), emb) else 1.0],
+                           device=emb.device)
+    if decoder.tp.all_reduce(differs).item() > 0:  # any rank's rows differ: every rank unties
         logger.warning("config.json ties lm_head to the token embedding but the checkpoint's %s differs from it; "
                        "using the checkpoint's %s (as transformers does)", lm_head, lm_head)
         decoder.untie_lm_head(head[0])

@@ -1,7 +1,9 @@
 """Reading a Hugging Face checkpoint directory: config, tokenizer, safetensors weights.
 
 Every failure is a `CheckpointError` that names the file or tensor involved. The tensors it streams
-are copied into a model by `vlm_sdk.weight_loading.load_checked`.
+are copied into a model by `vlm_sdk.weight_loading.load_checked`. Under tensor parallelism the stream
+is lazy (`iter_safetensors(lazy=True)`): each item is a `SafetensorsTensor` (shape and dtype from the
+header, `narrow` reads only a slice from the file), so a rank reads only its slices.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointInfo", "read_checkpoint", "text_config", "load_tokenizer", "iter_safetensors",
-    "config_from_dict", "ConfigInfo", "read_config",
+    "config_from_dict", "ConfigInfo", "read_config", "SafetensorsTensor",
 ]
 
 CONFIG_FILE = "config.json"
@@ -192,8 +194,46 @@ def load_tokenizer(model_dir, *, require_chat_template: bool = True):
     return tok
 
 
-def iter_safetensors(model_dir, *, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (checkpoint name, CPU tensor) for every tensor, each exactly once, shard by shard."""
+_SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
+                       "F16": "float16", "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32",
+                       "F64": "float64", "I64": "int64", "U64": "uint64", "F8_E4M3": "float8_e4m3fn",
+                       "F8_E5M2": "float8_e5m2"}
+
+
+class SafetensorsTensor:
+    """One tensor of an open safetensors file, not read yet: `shape` and `dtype` from the header;
+    `narrow(dim, start, length)` reads only that slice (safetensors' `get_slice`), `materialize()` the
+    whole tensor, both as CPU tensors. Read it before the stream moves on to the next tensor (the
+    file may be closed after that). `vlm_sdk.weight_loading.load_checked` takes these in place of
+    tensors (its `LazyTensor` protocol)."""
+
+    def __init__(self, handle: Any, name: str, path: Path):
+        self._handle, self.name, self.path = handle, name, path
+        self._slice = handle.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+        kind = self._slice.get_dtype()
+        self.dtype = getattr(torch, _SAFETENSORS_DTYPES.get(kind, ""), None)
+        if not isinstance(self.dtype, torch.dtype):
+            raise CheckpointError(f"tensor {name} in {path} has dtype {kind}, which torch cannot hold")
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def materialize(self) -> torch.Tensor:
+        return self._handle.get_tensor(self.name)
+
+    def __repr__(self) -> str:
+        return f"SafetensorsTensor({self.name!r}, shape={list(self.shape)}, dtype={self.dtype})"
+
+
+def iter_safetensors(model_dir, *, show_progress: bool = True, lazy: bool = False
+                     ) -> Iterator[tuple[str, "torch.Tensor | SafetensorsTensor"]]:
+    """Yield (checkpoint name, CPU tensor) for every tensor, each exactly once, shard by shard.
+
+    `lazy`: yield a `SafetensorsTensor` instead, which reads nothing until narrowed or materialized: a
+    tensor-parallel rank loads only its slices (`load_checked` narrows each to the rank's shard)."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
@@ -226,7 +266,7 @@ def iter_safetensors(model_dir, *, show_progress: bool = True) -> Iterator[tuple
                 raise CheckpointError(f"cannot open {f}: {e}") from e
             with handle:
                 for name in handle.keys():
-                    tensor = handle.get_tensor(name)
+                    tensor = SafetensorsTensor(handle, name, f) if lazy else handle.get_tensor(name)
                     bar.update(headers[f][name])
                     yield name, tensor
 

@@ -14,19 +14,43 @@ maps to a `SplitSlot`: several `ParamSlot`s of the one tensor, each with its own
 and missing tensors instead of leaving random weights behind, and checks up front that the slots
 cover every row of every parameter exactly once. It knows no model: name aliases (e.g. the
 `model.language_model.*` spelling of transformers 4.5x) come in as a `canonical` function.
+
+The checkpoint tensors may be lazy (a `LazyTensor`, e.g. `model_loader.iter_safetensors(lazy=True)`):
+a slot with a shard reads only the shard from the file, a slot without one the whole tensor; so under
+tensor parallelism a rank reads (not just keeps) only its slices.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol, Union
 
 import torch
 
 from vlm_sdk.errors import CheckpointError
 
-__all__ = ["ParamSlot", "Shard", "SplitSlot", "load_checked"]
+__all__ = ["ParamSlot", "Shard", "SplitSlot", "LazyTensor", "materialize", "load_checked"]
+
+
+class LazyTensor(Protocol):
+    """A checkpoint tensor not read yet (`model_loader.SafetensorsTensor`)."""
+    shape: torch.Size
+    dtype: torch.dtype
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Read only the slice [start, start + length) along `dim`."""
+
+    def materialize(self) -> torch.Tensor:
+        """Read the whole tensor."""
+
+
+CheckpointTensor = Union[torch.Tensor, LazyTensor]
+
+
+def materialize(tensor: CheckpointTensor) -> torch.Tensor:
+    """The whole tensor: `tensor` itself, or a lazy one read."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.materialize()
 
 
 @dataclass(frozen=True)
@@ -93,7 +117,7 @@ def _identity(name: str) -> str:
     return name
 
 
-def load_checked(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+def load_checked(module: torch.nn.Module, weights: Iterable[tuple[str, CheckpointTensor]],
                  slots: dict[str, ParamSlot | SplitSlot], *, ignore: frozenset[str] = frozenset(),
                  canonical: Callable[[str], str] = _identity,
                  source: str | Path | None = None) -> None:
@@ -140,7 +164,7 @@ def load_checked(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Ten
                 raise CheckpointError(f"tensors {previous} and {raw_name}{where} both load into {_slot_text(slot)}")
             for part, (target, start, stop) in zip(_parts(slot), regions[name]):
                 view = target.data if part.row_start is None else target.data[start:stop]
-                piece = tensor if part.shard is None else \
+                piece = materialize(tensor) if part.shard is None else \
                     tensor.narrow(part.shard.dim, part.shard.start, part.shard.length)  # this rank's slice only
                 view.copy_(piece.reshape(view.shape))
             loaded[name] = raw_name

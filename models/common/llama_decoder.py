@@ -9,6 +9,11 @@ projections (the checkpoint keeps them apart; `checkpoint_map` says where each l
     gate_up    rows [0, I) = gate_proj | [I, 2I) = up_proj
 (H, Hkv, I: this rank's heads and intermediate size.) `checkpoint_map` is the published Qwen2 / Llama
 layout; InternLM2 checkpoints are renamed to it first (models/internlm2/weights.py).
+
+Tensor parallelism (`tp`): q heads split, KV heads split or replicated (`layers.linear.kv_head_split`),
+gate/up column- and o_proj/down row-parallel: two all-reduces per layer (after o_proj, after down), one
+in the vocab-parallel embedding, and one all-gather of the logits, so `compute_logits` returns the whole
+vocab on every rank. The residual stream and the norms are whole on every rank.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from torch import nn
 
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.layers.attention import PagedAttention
-from vlm_sdk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from vlm_sdk.layers.embedding import ParallelLMHead, VocabParallelEmbedding, gather_vocab
 from vlm_sdk.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from vlm_sdk.layers.norm import RMSNorm
 from vlm_sdk.layers.ops import KernelOps, TorchOps
@@ -99,21 +104,24 @@ class LlamaDecoder(nn.Module):
             x, residual = layer(x, residual, rope, kv_cache, meta)
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
-    def untie_lm_head(self, weight: torch.Tensor) -> None:
+    def untie_lm_head(self, rows: torch.Tensor) -> None:
         """Give a tied decoder its own LM head (a checkpoint whose lm_head differs from the embedding);
-        `weight` is the whole `[vocab, hidden]` tensor, of which this rank keeps its rows."""
+        `rows` are this rank's rows `[stop - start, hidden]` of the checkpoint's `[vocab, hidden]` head."""
         emb = self.embed_tokens
         self.lm_head = ParallelLMHead(self.cfg.vocab_size, self.cfg.hidden_size, emb.weight.dtype,
                                       emb.weight.device, self.tp)
         self.lm_head.requires_grad_(False)
         with torch.no_grad():
-            self.lm_head.weight.copy_(weight[emb.vocab_start:emb.vocab_stop])
+            self.lm_head.weight.copy_(rows)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab / tp] float32
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
         if self.packed_head is not None:  # set after loading on the CPU (models/cpu_layout.py)
-            return self.packed_head(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [vocab / tp, hidden]
-        return F.linear(hidden, weight).float()
+            local = self.packed_head(hidden)  # [S, vocab / tp]
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [vocab / tp, hidden]
+            local = F.linear(hidden, weight)  # [S, vocab / tp]
+        # gathered in the model's dtype (half the bytes of float32 in bf16; the cast is exact either way)
+        return gather_vocab(local, self.tp, self.cfg.vocab_size).float()  # [S, vocab]
 
     def checkpoint_map(self, prefix: str = "model.", lm_head: str = "lm_head.weight") -> dict[str, ParamSlot]:
         """Checkpoint name -> where it goes (this rank's slice), for the published Qwen2 / Llama layout

@@ -18,6 +18,11 @@ gs=G + 2)`, G = num_heads // num_kv_heads): for KV head h, the G query heads h*G
 key head h, then value head h, each head_dim rows. Query head h*G + g attending to KV head h is the
 same pairing as Llama's `repeat_kv`, so the split q/k/v need no further reordering.
 
+Lazy checkpoints (`iter_safetensors(lazy=True)`, tensor parallelism): a lazy wqkv is split into three
+lazy parts (`_WqkvPart`); narrowing one to a rank's rows reads only the KV groups those rows lie in
+(a rank's q heads and KV heads are whole groups, or one group's part when KV heads are replicated),
+so no rank reads the whole wqkv.
+
 The remote modeling code is never imported: the layout above is all we take from it.
 """
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch import Tensor
 
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig, llm_family
+from vlm_sdk.weight_loading import CheckpointTensor, LazyTensor, materialize
 
 __all__ = ["pack_wqkv", "unpack_wqkv", "internlm2_decoder_config", "internlm2_to_llama_names"]
 
@@ -90,6 +96,31 @@ def unpack_wqkv(wqkv: Tensor,  # [(H + 2*Hkv)*D, ...]
             v.reshape(-1, *tail).contiguous())
 
 
+class _WqkvPart:
+    """q (`part` 0), k (1) or v (2) of a lazy wqkv, itself lazy (`weight_loading.LazyTensor`)."""
+
+    def __init__(self, wqkv: LazyTensor, part: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.wqkv, self.part = wqkv, part
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.groups = _groups(num_heads, num_kv_heads)
+        self.rows_per_group = (self.groups if part == 0 else 1) * head_dim  # this part's rows in one KV group
+        self.shape = torch.Size([num_kv_heads * self.rows_per_group, *wqkv.shape[1:]])
+        self.dtype = wqkv.dtype
+
+    def narrow(self, dim: int, start: int, length: int) -> Tensor:
+        if dim != 0:  # a column slice needs every row: not a slice any layer takes of q/k/v
+            return self.materialize().narrow(dim, start, length)
+        per, d = self.rows_per_group, self.head_dim
+        first, stop = start // per, -(-(start + length) // per)  # the KV groups the rows lie in
+        group_rows = (self.groups + 2) * d
+        block = self.wqkv.narrow(0, first * group_rows, (stop - first) * group_rows)  # [(stop-first)*(G+2)*D, ...]
+        part = unpack_wqkv(block, (stop - first) * self.groups, stop - first, d)[self.part]
+        return part.narrow(0, start - first * per, length)
+
+    def materialize(self) -> Tensor:
+        return unpack_wqkv(materialize(self.wqkv), self.num_heads, self.num_kv_heads, self.head_dim)[self.part]
+
+
 def internlm2_decoder_config(llm_config: Any, tie_word_embeddings: bool | None = None) -> LlamaDecoderConfig:
     """The decoder config of an InternLM2 `llm_config` (a generic `PretrainedConfig` from the remote-code
     config dict). `tie_word_embeddings` None: the config's own (InternLM2 defaults to a separate
@@ -105,12 +136,13 @@ def internlm2_decoder_config(llm_config: Any, tie_word_embeddings: bool | None =
     return LlamaDecoderConfig.from_hf(llm_config, tie_word_embeddings=bool(tied), mrope=False, family="internlm2")
 
 
-def internlm2_to_llama_names(weights: Iterable[tuple[str, Tensor]], cfg: LlamaDecoderConfig, prefix: str = "",
-                             out_prefix: str = "") -> Iterator[tuple[str, Tensor]]:
+def internlm2_to_llama_names(weights: Iterable[tuple[str, CheckpointTensor]], cfg: LlamaDecoderConfig,
+                             prefix: str = "", out_prefix: str = "") -> Iterator[tuple[str, CheckpointTensor]]:
     """Stream checkpoint tensors with InternLM2 names under `prefix` renamed to the Llama names under
     `out_prefix` (table in the module docstring), wqkv split into q/k/v. Names under `prefix` that are
     not InternLM2 weights, and names outside it, pass through unchanged, so `load_checked` reports them
-    under their checkpoint name. A wqkv whose shape does not fit `cfg` raises `CheckpointError`."""
+    under their checkpoint name. A wqkv whose shape does not fit `cfg` raises `CheckpointError`. Lazy
+    tensors stay lazy (a wqkv's parts are `_WqkvPart`s)."""
     h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     rows = (h + 2 * hkv) * d
     for name, tensor in weights:
@@ -135,7 +167,9 @@ def internlm2_to_llama_names(weights: Iterable[tuple[str, Tensor]], cfg: LlamaDe
                     f"tensor {name} has shape {list(tensor.shape)} but an InternLM2 wqkv {kind} for {h} heads, "
                     f"{hkv} KV heads of dim {d} and hidden size {cfg.hidden_size} must be {expected}: "
                     f"config.json does not match the weights")
-            for proj, part in zip(("q_proj", "k_proj", "v_proj"), unpack_wqkv(tensor, h, hkv, d)):
+            parts = unpack_wqkv(tensor, h, hkv, d) if isinstance(tensor, Tensor) else \
+                [_WqkvPart(tensor, i, h, hkv, d) for i in range(3)]  # lazy: each rank reads its groups only
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts):
                 yield f"{layer}self_attn.{proj}.{kind}", part
         elif leaf in _LAYER_RENAMES:
             yield layer + _LAYER_RENAMES[leaf], tensor

@@ -11,6 +11,9 @@ Two checkpoint layouts, told apart by config.json `model_type`:
                      vision_model.*  mlp1.*  language_model.model.*  language_model.lm_head.weight
                      (an InternLM2 LLM: language_model.model.tok_embeddings / attention.wqkv / ...,
                      language_model.output.weight; its grouped wqkv is unpacked while streaming)
+
+Tensor parallelism: `tp` shards the decoder; InternViT and the mlp1 projector are sharded with the same
+group when `shard_vision`, else each rank holds and runs them whole (`DecoderVLM.vision_tp`).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from torch import nn
 
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import KernelOps
+from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.model_loader import config_from_dict
 from vlm_sdk.weight_loading import ParamSlot
 from vlm_sdk.models.internlm2.weights import internlm2_decoder_config, internlm2_to_llama_names
@@ -74,7 +78,7 @@ def _llm_config(hf_config: Any, original: bool) -> tuple[Any, str]:
 
 class InternVLForCausalLM(DecoderVLM):
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 ops: KernelOps | None = None):
+                 ops: KernelOps | None = None, tp: TPGroup = TPGroup(), shard_vision: bool = True):
         """`ops` runs the decoder (the InternViT tiles are equal-length: batched SDPA serves them)."""
         super().__init__()
         self.original_layout = getattr(hf_config, "model_type", None) == "internvl_chat"
@@ -87,8 +91,9 @@ class InternVLForCausalLM(DecoderVLM):
             tie_source = llm if self.original_layout else hf_config
             tied = bool(getattr(tie_source, "tie_word_embeddings", False))
             self.decoder_config = LlamaDecoderConfig.from_hf(llm, tie_word_embeddings=tied, mrope=False)
-        self._init_decoder(self.decoder_config, dtype, device, ops)  # 1-D RoPE (position_rows 1)
-        self.vision = InternVLVisionTower(InternVisionConfig.from_hf(hf_config, self.hidden_size), dtype, device)
+        self._init_decoder(self.decoder_config, dtype, device, ops, tp, shard_vision)  # 1-D RoPE (position_rows 1)
+        self.vision = InternVLVisionTower(InternVisionConfig.from_hf(hf_config, self.hidden_size), dtype, device,
+                                          self.vision_tp)
         self.requires_grad_(False)
 
     def encode_images(self, images: list[ImageInput]) -> torch.Tensor:  # [tiles * tokens per tile, hidden]

@@ -30,7 +30,7 @@ def pixel_shuffle(x: torch.Tensor, inv: int) -> torch.Tensor:
 
 class InternVLProjector(nn.Module):
     """LayerNorm -> Linear -> act -> Linear (transformers' `multi_modal_projector`, InternVL's `mlp1`).
-    With tensor parallelism linear_1 is column-parallel, linear_2 row-parallel (its output a partial sum)."""
+    With tensor parallelism linear_1 is column-parallel, linear_2 row-parallel (its output all-reduced)."""
 
     def __init__(self, in_dim: int, out_dim: int, act: Callable[[torch.Tensor], torch.Tensor],
                  dtype: torch.dtype, device: torch.device | str, tp: TPGroup = TPGroup()):

@@ -21,9 +21,11 @@ weight's (channel, row, column) order.
 
 Tensor parallelism (`tp`, one rank of size 1 by default): a layer holds its rank's heads of q, k and v
 (transformers' q_proj/k_proj/v_proj and the original packed `attn.qkv`, a `SplitSlot`, load the same
-slices), its columns of proj / fc2 and rows of fc1; the projector likewise. The residual stream, the
-norms, layer scales, embeddings and q_norm / k_norm (over the FULL hidden size, as in vLLM) are whole
-on every rank; `attention` / `mlp` return a rank's partial sum.
+slices), its columns of proj / fc2 and rows of fc1; the projector likewise. proj, fc2 and the
+projector's linear_2 all-reduce their outputs (`RowParallelLinear`), so `attention` / `mlp` return the
+whole sum on every rank. The residual stream, norm1 / norm2, layer scales and embeddings are whole on
+every rank. q_norm / k_norm normalise over the FULL hidden size (all heads): each rank holds its slice
+of their weights, and the ranks all-reduce one sum of squares per token (`InternVisionLayer.qk_norm`).
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from vlm_sdk.errors import CheckpointError
 from vlm_sdk.kernels.rms_norm_torch import rms_norm
 from vlm_sdk.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from vlm_sdk.layers.parallel_state import TPGroup
-from vlm_sdk.weight_loading import ParamSlot, SplitSlot
+from vlm_sdk.weight_loading import ParamSlot, Shard, SplitSlot
 from vlm_sdk.models.internvl.projector import InternVLProjector, pixel_shuffle
 
 _ACTIVATIONS = MappingProxyType({
@@ -227,8 +229,9 @@ class InternVisionLayer(nn.Module):
         self.act = _ACTIVATIONS[cfg.hidden_act]
         self.norm1 = _Norm(cfg.norm_type, c, cfg.norm_eps, dtype, device)
         self.qkv = QKVParallelLinear(c, self.head_dim, cfg.num_heads, cfg.num_heads, cfg.qkv_bias, dtype, device, tp)
-        self.q_norm = _Norm("rms_norm", c, cfg.qk_norm_eps, dtype, device) if cfg.qk_norm else None
-        self.k_norm = _Norm("rms_norm", c, cfg.qk_norm_eps, dtype, device) if cfg.qk_norm else None
+        local = self.heads * self.head_dim  # this rank's columns of q and k
+        self.q_norm = _Norm("rms_norm", local, cfg.qk_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = _Norm("rms_norm", local, cfg.qk_norm_eps, dtype, device) if cfg.qk_norm else None
         self.proj = RowParallelLinear(c, c, True, dtype, device, tp)
         self.ls1 = nn.Parameter(torch.empty(c, dtype=dtype, device=device))
         self.norm2 = _Norm(cfg.norm_type, c, cfg.norm_eps, dtype, device)
@@ -241,22 +244,38 @@ class InternVisionLayer(nn.Module):
         return self.qkv(h).split(self.heads * self.head_dim, dim=-1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """[T, N, C/tp] each (q, k normed) -> proj output [T, N, C], partial over ranks."""
+        """[T, N, C/tp] each (q, k normed) -> proj output [T, N, C], summed over the ranks."""
         t, n, _ = q.shape
         q, k, v = (y.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2) for y in (q, k, v))  # [T, H/tp, N, D]
         o = F.scaled_dot_product_attention(q, k, v, scale=self.scale)  # [T, H/tp, N, D]
         return self.proj(o.transpose(1, 2).reshape(t, n, -1))
 
-    def attention(self, h: torch.Tensor) -> torch.Tensor:  # [T, N, C] norm1(x) -> [T, N, C], partial over ranks
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_norm(q), k_norm(k) over the full hidden size C, of this rank's columns [T, N, C/tp] each.
+
+        Across ranks: an all-reduce of each token's sum of squares of q and of k (one [T, N, 2] float32
+        tensor, one call), then each rank scales its own columns by its slice of the weights. Chosen over
+        vLLM's all-gather of q and k (norm the whole [T, N, C], split again): it moves 2 numbers per token
+        instead of 2*C*(tp-1)/tp, keeps the heads local (no gather, no re-split), and is the same
+        arithmetic as `rms_norm` (float32 mean of squares, weight * (x * rsqrt(mean + eps)).to(dtype)):
+        equal to tp=1 up to the order of the float32 sum."""
+        if self.tp.size == 1:
+            return self.q_norm(q), self.k_norm(k)
+        if not self.tp.communicates:  # summing over the ranks is the point: an identity would be wrong
+            raise ValueError(f"q_norm / k_norm over the full hidden size need the {self.tp.size} ranks' process "
+                             f"group (TPGroup.group); to compose ranks by hand, norm the gathered q and k")
+        squares = torch.stack([q.float().square().sum(-1), k.float().square().sum(-1)], dim=-1)  # [T, N, 2]
+        inv = torch.rsqrt(self.tp.all_reduce(squares) / (q.shape[-1] * self.tp.size) + self.q_norm.eps)  # [T, N, 2]
+        return (self.q_norm.weight * (q.float() * inv[..., :1]).to(q.dtype),  # [T, N, C/tp]
+                self.k_norm.weight * (k.float() * inv[..., 1:]).to(k.dtype))
+
+    def attention(self, h: torch.Tensor) -> torch.Tensor:  # [T, N, C] norm1(x) -> [T, N, C], summed over ranks
         q, k, v = self.qkv_local(h)
         if self.q_norm is not None:
-            if self.tp.size > 1:  # the norm spans every rank's heads: it needs an all-gather of q and k
-                raise NotImplementedError(f"q_norm / k_norm over the full hidden size on {self.tp.size} "
-                                          f"tensor-parallel ranks needs the q/k all-gather (not implemented yet)")
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.qk_norm(q, k)
         return self.attend(q, k, v)
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:  # [T, N, C] norm2(x) -> [T, N, C], partial over ranks
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:  # [T, N, C] norm2(x) -> [T, N, C], summed over ranks
         return self.fc2(self.act(self.fc1(h)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, N, C] -> [T, N, C]
@@ -344,11 +363,15 @@ class InternVLVisionTower(nn.Module):
             for ours in ("proj", "fc1", "fc2"):
                 out.update(getattr(layer, ours).slots(f"{dst}{ours}.", f"{src}{names[ours]}.weight",
                                                       f"{src}{names[ours]}.bias"))
-            norms = ["norm1", "norm2"] + (["q_norm", "k_norm"] if cfg.qk_norm else [])
-            for ours in norms:
+            for ours in ("norm1", "norm2"):
                 out[f"{src}{names[ours]}.weight"] = ParamSlot(f"{dst}{ours}.weight", (c,))
-                if ours.startswith("norm") and cfg.norm_type == "layer_norm":
+                if cfg.norm_type == "layer_norm":
                     out[f"{src}{names[ours]}.bias"] = ParamSlot(f"{dst}{ours}.bias", (c,))
+            if cfg.qk_norm:  # this rank's columns, as q and k
+                local = layer.heads * layer.head_dim
+                shard = None if layer.tp.size == 1 else Shard(0, layer.tp.rank * local, local)
+                for ours in ("q_norm", "k_norm"):
+                    out[f"{src}{names[ours]}.weight"] = ParamSlot(f"{dst}{ours}.weight", (c,), shard=shard)
             out[f"{src}{names['ls1']}"] = ParamSlot(f"{dst}ls1", (c,))
             out[f"{src}{names['ls2']}"] = ParamSlot(f"{dst}ls2", (c,))
         if self.final_norm is not None:

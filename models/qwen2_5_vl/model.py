@@ -3,6 +3,9 @@
 Checkpoint names are the published ones (`model.layers.*`, `visual.blocks.*`, `lm_head.weight`);
 checkpoints saved by transformers 4.5x as `model.language_model.*` / `model.visual.*` are accepted too.
 q/k/v and gate/up are fused on load (see `LlamaDecoder` and `Qwen2_5_VisionTransformer.checkpoint_map`).
+
+Tensor parallelism: `tp` shards the decoder; the vision tower (its merger included) is sharded with the
+same group when `shard_vision`, else each rank holds and runs the whole tower (`DecoderVLM.vision_tp`).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from torch import nn
 
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import KernelOps
+from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.weight_loading import ParamSlot
 from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
@@ -36,12 +40,13 @@ class Qwen2_5_VLForCausalLM(DecoderVLM):
     position_rows = 3  # M-RoPE: temporal, height, width
 
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 ops: KernelOps | None = None):
+                 ops: KernelOps | None = None, tp: TPGroup = TPGroup(), shard_vision: bool = True):
         super().__init__()
         text = hf_config.text_config
         tied = bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
-        self._init_decoder(LlamaDecoderConfig.from_hf(text, tie_word_embeddings=tied, mrope=True), dtype, device, ops)
-        self.visual = Qwen2_5_VisionTransformer(hf_config.vision_config, dtype, device, ops)
+        self._init_decoder(LlamaDecoderConfig.from_hf(text, tie_word_embeddings=tied, mrope=True), dtype, device, ops,
+                           tp, shard_vision)
+        self.visual = Qwen2_5_VisionTransformer(hf_config.vision_config, dtype, device, ops, self.vision_tp)
         if self.visual.out_hidden_size != self.decoder_config.hidden_size:
             raise CheckpointError(f"vision_config.out_hidden_size {self.visual.out_hidden_size} != text hidden_size "
                                   f"{self.decoder_config.hidden_size}")

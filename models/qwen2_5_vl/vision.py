@@ -17,7 +17,8 @@ image (per frame). Windows and images are never mixed.
 Tensor parallelism (`tp`, one rank of size 1 by default): each block holds its rank's heads of q/k/v
 (the fused `attn.qkv` checkpoint tensor is split per part, a `SplitSlot`), its columns of proj, its
 rows of gate/up and its columns of down; the merger's fc1 / fc2 likewise. The residual stream, the
-norms and patch_embed are whole on every rank; `attention` / `mlp` return a rank's partial sum.
+norms and patch_embed are whole on every rank; proj, down_proj and the merger's fc2 all-reduce their
+outputs (`RowParallelLinear`), so `attention` / `mlp` / the merger return the whole sum on every rank.
 """
 from __future__ import annotations
 
@@ -55,14 +56,14 @@ class VisionBlock(nn.Module):
         self.down_proj = RowParallelLinear(inter, dim, True, dtype, device, tp)
 
     def attention(self, h: torch.Tensor,  # [N, dim], norm1(x)
-                  cos: torch.Tensor, sin: torch.Tensor, plan: Any) -> torch.Tensor:  # [N, dim], partial over ranks
+                  cos: torch.Tensor, sin: torch.Tensor, plan: Any) -> torch.Tensor:  # [N, dim], summed over ranks
         n = h.shape[0]
         qkv = self.qkv(h).view(n, 3, self.heads, self.head_dim)  # [N, 3, H/tp, D]
         qk = apply_rotary(qkv[:, :2].float(), cos, sin).to(h.dtype)  # [N, 2, H/tp, D], RoPE in float32 like HF
         attn = self.attn(qk[:, 0], qk[:, 1], qkv[:, 2], plan)  # [N, H/tp, D]
         return self.proj(attn.reshape(n, -1))
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:  # [N, dim], norm2(x) -> [N, dim], partial over ranks
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:  # [N, dim], norm2(x) -> [N, dim], summed over ranks
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)  # [N, inter/tp] each
         return self.down_proj(self.act(gate) * up)
 

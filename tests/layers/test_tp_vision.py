@@ -177,9 +177,11 @@ def _qkv(t: dict[str, torch.Tensor], src: str, layout: str, what: str) -> torch.
 def _compose_layer(layers, x: torch.Tensor, qk_norm: bool) -> torch.Tensor:  # [T, N, C] by hand across ranks
     h = layers[0].norm1(x)
     parts = [layer.qkv_local(h) for layer in layers]  # per rank: q, k, v [T, N, C/2]
-    if qk_norm:  # the norm spans both ranks' heads: gather, norm with the whole weight, split back
-        q = layers[0].q_norm(torch.cat([p[0] for p in parts], dim=-1)).chunk(2, dim=-1)
-        k = layers[0].k_norm(torch.cat([p[1] for p in parts], dim=-1)).chunk(2, dim=-1)
+    if qk_norm:  # the norm spans both ranks' heads: gather q, k and the weights' slices, norm, split back
+        def normed(i: int, norm: str) -> tuple[torch.Tensor, ...]:
+            weight = torch.cat([getattr(layer, norm).weight for layer in layers])  # [C]
+            return rms_norm(torch.cat([p[i] for p in parts], dim=-1), weight, layers[0].q_norm.eps).chunk(2, dim=-1)
+        q, k = normed(0, "q_norm"), normed(1, "k_norm")
         parts = [(q[r], k[r], parts[r][2]) for r in range(2)]
     x1 = x + layers[0].ls1 * sum(layer.attend(*p) for layer, p in zip(layers, parts))
     h2 = layers[0].norm2(x1)
@@ -224,15 +226,19 @@ def test_internvl_vision_ranks_hold_their_slices_and_compose_to_the_unsharded_la
 
 
 def test_internvl_qk_norm_spans_every_ranks_heads(tmp_path):
-    """q_norm / k_norm normalise over the full hidden size: whole on every rank; composing by hand
-    gathers q and k first. A rank alone refuses to run them (the all-gather is the next issue's)."""
+    """q_norm / k_norm normalise over the full hidden size: each rank holds its columns of their weights;
+    composing by hand gathers q and k first. A rank without a process group refuses to run them (its
+    all-reduce of the sums of squares would be an identity: a silently wrong norm). The real
+    all-reduce is checked over gloo in tests/models/test_tp_models.py."""
     ckpt = make_tiny_checkpoint(tmp_path, family="internvl", use_qk_norm=True, vision_depth=1)
     full, t = _internvl(ckpt, "hf", TPGroup())
     ranks = [_internvl(ckpt, "hf", tp)[0] for tp in RANKS]
     layers = [tower.layers[0] for tower in ranks]
     src = "model.vision_tower.encoder.layer.0.attention."
-    assert all(torch.equal(layer.q_norm.weight, t[f"{src}q_norm.weight"]) for layer in layers)
+    for r, layer in enumerate(layers):
+        assert torch.equal(layer.q_norm.weight, _rows(t[f"{src}q_norm.weight"], r))
+        assert torch.equal(layer.k_norm.weight, _rows(t[f"{src}k_norm.weight"], r))
     x = torch.randn(2, 5, full.cfg.hidden_size, generator=torch.Generator().manual_seed(0))  # [T, N, C]
     torch.testing.assert_close(_compose_layer(layers, x, True), full.layers[0](x), **TOL)
-    with pytest.raises(NotImplementedError, match="q/k all-gather"):
+    with pytest.raises(ValueError, match="need the 2 ranks' process group"):
         layers[1](x)
