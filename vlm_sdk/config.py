@@ -99,6 +99,13 @@ class EngineArgs:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
+    def __reduce__(self):
+        """Pickled as plain fields (a mappingproxy does not pickle): tensor-parallel rank processes
+        receive the args they run with."""
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        state["mm_processor_kwargs"] = dict(self.mm_processor_kwargs)
+        return _engine_args_from_state, (state,)
+
     def resolve_device(self) -> torch.device:
         if self.device is None:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -122,6 +129,10 @@ class EngineArgs:
         if self.dtype is None:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+
+def _engine_args_from_state(state: dict) -> EngineArgs:
+    return EngineArgs(**{**state, "mm_processor_kwargs": MappingProxyType(state["mm_processor_kwargs"])})
 
 
 @dataclass(frozen=True)

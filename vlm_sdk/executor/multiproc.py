@@ -19,8 +19,10 @@ import logging
 import multiprocessing.connection
 import os
 import queue
+import sys
 import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -38,6 +40,24 @@ logger = logging.getLogger("vlm_sdk")
 
 _JOIN_SECONDS = 10.0  # a rank's time to leave after SHUTDOWN before it is terminated
 _REPORT_SECONDS = 3.0  # how long a failed collective waits for the failed rank's report
+
+
+@contextmanager
+def _caller_script_hidden():
+    """Spawned processes re-run the caller's `__main__` script unless it hides behind `if __name__ ==
+    "__main__":`; a rank needs nothing from it (its target and arguments are vlm_sdk's), so while the
+    ranks start, `__main__` does not say where it came from and a plain script works too."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__spec__ = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
 
 
 class MultiprocExecutor(Executor):
@@ -59,12 +79,14 @@ class MultiprocExecutor(Executor):
         threads = max(1, self._threads // size) if devices[0].type == "cpu" else self._threads
         torch.set_num_threads(threads)
         self._procs = []
-        for rank in range(1, size):
-            index = devices[rank].index if devices[rank].type == "cuda" else None
-            proc = ctx.Process(target=spawned_rank_main, name=f"vlm-tp-rank-{rank}", daemon=True,
-                               args=(model_dir, args, rank, size, store.port, index, self._errors, os.getpid(), threads))
-            proc.start()
-            self._procs.append(proc)
+        with _caller_script_hidden():
+            for rank in range(1, size):
+                index = devices[rank].index if devices[rank].type == "cuda" else None
+                proc = ctx.Process(target=spawned_rank_main, name=f"vlm-tp-rank-{rank}", daemon=True,
+                                   args=(model_dir, args, rank, size, store.port, index, self._errors, os.getpid(),
+                                         threads))
+                proc.start()
+                self._procs.append(proc)
         try:
             self._wait_started(store, size, args.distributed_timeout)
             tp, self._control = join_ranks(0, size, None, args.distributed_timeout, devices[0], store)

@@ -57,12 +57,12 @@ class Worker:
         self.ops = make_ops(args.attention_backend, device)
         t0 = time.perf_counter()
         before = _allocated(device)
-        parallel = {"tp": tp, "shard_vision": args.shard_vision} if tp.size > 1 else {}
         with torch.device(device):
-            self.model = family.model_cls(info.hf_config, dtype=self.dtype, device=device, ops=self.ops,
-                                          **parallel)
+            self.model = family.model_cls(info.hf_config, dtype=self.dtype, device=device, ops=self.ops, tp=tp,
+                                          shard_vision=args.shard_vision)
         # only rank 0 shows a progress bar: the others load the same files at the same pace
-        self.model.load_weights(iter_safetensors(model_dir, show_progress=args.show_progress and tp.rank == 0),
+        self.model.load_weights(iter_safetensors(model_dir, show_progress=args.show_progress and tp.rank == 0,
+                                                 lazy=tp.size > 1),  # a rank reads only its slices
                                 source=info.model_dir)
         self.model.eval()
         self.load_seconds = time.perf_counter() - t0
