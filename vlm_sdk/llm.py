@@ -78,6 +78,7 @@ class LLM:
                         final[out.request_id] = out
                         if state.finished_by_stop_string:
                             self.engine.abort(out.request_id, "stop")
+            self.engine.release_finished()
         finally:
             for rid in ids:  # only after an exception (e.g. KeyboardInterrupt) are any still running
                 if rid not in final:

@@ -197,7 +197,15 @@ class LLMEngine:
         return _output(seq, [])
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, or finished ones whose state the workers still hold: one more `step`
+        frees it on every rank (an idle engine keeps nothing of a finished request)."""
+        return self.scheduler.has_unfinished() or self.scheduler.has_worker_finished()
+
+    def release_finished(self) -> None:
+        """Nothing left to run: let every rank drop the state of the finished requests now, not at the
+        next request's first step."""
+        if not self.scheduler.has_unfinished() and self.scheduler.has_worker_finished():
+            self.step()
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:

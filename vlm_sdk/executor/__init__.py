@@ -3,7 +3,7 @@ reaches all of them (`make_executor`; executor.py has the interface)."""
 from __future__ import annotations
 
 from vlm_sdk.executor.executor import Executor, InProcessExecutor
-from vlm_sdk.executor.launch import check_tensor_parallel_size, rank_devices
+from vlm_sdk.executor.launch import check_no_group_yet, check_tensor_parallel_size, rank_devices
 from vlm_sdk.executor.torchrun import run_torchrun_rank, torchrun_rank
 
 __all__ = ["Executor", "make_executor", "check_tensor_parallel_size"]
@@ -18,6 +18,7 @@ def make_executor(model_dir: str, args, hf_config, family) -> Executor:
     check_tensor_parallel_size(family, hf_config, size, args.shard_vision)
     if size == 1:
         return InProcessExecutor(model_dir, args, device)
+    check_no_group_yet()
     if torchrun_rank() is not None:
         return run_torchrun_rank(model_dir, args, device)
     from vlm_sdk.executor.multiproc import MultiprocExecutor

@@ -39,6 +39,16 @@ def check_tensor_parallel_size(family, hf_config, size: int, shard_vision: bool 
                               f"{works}", param="tensor_parallel_size")
 
 
+def check_no_group_yet() -> None:
+    """torch.distributed holds one default process group per process: one tensor-parallel engine at a time."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        raise InvalidRequestError(
+            "a tensor-parallel engine is already running in this process (torch.distributed holds one process "
+            "group per process): shut it down first (LLM.shutdown(), or `with LLM(...)`), or run one engine "
+            "per process", param="tensor_parallel_size")
+
+
 def rank_devices(device: torch.device, size: int) -> list[torch.device]:
     """Rank r's device: on CUDA the GPU `index + r` of the one asked for (cuda = cuda:0), each rank its
     own; on the CPU every rank shares it."""

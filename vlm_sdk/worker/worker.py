@@ -11,6 +11,7 @@ all-gather) line up:
     size_cache(...)         the KV blocks this rank could hold (the engine takes the smallest of all ranks)
     init_cache(cache, ...)  allocate exactly that cache, capture CUDA graphs, build the model runner
     execute(sched)          one step; only rank 0 samples (the others return an empty output)
+    held_state()            requests and image embeddings this rank still keeps (tests, leak checks)
 """
 from __future__ import annotations
 
@@ -114,6 +115,11 @@ class Worker:
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(sched)
+
+    def held_state(self) -> tuple[int, int]:
+        """(requests this rank keeps state for, image embeddings it keeps): both 0 once every request
+        has finished or been aborted, on every rank."""
+        return len(self.runner.requests), len(self.runner.encoder_cache)
 
 
 def _allocated(device: torch.device) -> int | None:

@@ -1,0 +1,113 @@
+"""Tensor parallelism through the engine on the CPU (gloo): tensor_parallel_size=2 gives the tokens of
+one rank, for every family, under batching and preemption; the size is checked before any rank
+starts; `plan --tp 2` equals the engine's per-rank figures; ranks hold no state after requests end."""
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from vlm_sdk import LLM, SamplingParams
+from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.executor.launch import rank_devices
+from vlm_sdk.plan import plan
+from vlm_sdk.testing import make_tiny_checkpoint
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+# a cache small enough that a batch of eight prompts preempts (InternVL: one 256-token tile per image)
+CACHE = {"qwen2_5_vl": {"num_blocks": 24}, "internvl": {"num_blocks": 80, "max_dynamic_patch": 1}}
+
+
+def _image(w: int, h: int, colour: tuple[int, int, int]) -> Image.Image:
+    im = Image.new("RGB", (w, h), colour)
+    im.paste((255 - colour[0], colour[1], 255 - colour[2]), (w // 4, h // 4, w // 2, h // 2))
+    return im
+
+
+def _conversations() -> list:
+    one = [{"role": "user", "content": [{"type": "image", "image": _image(64, 48, (200, 30, 30))},
+                                        {"type": "text", "text": "What is this?"}]}]
+    two = [{"role": "user", "content": [{"type": "image", "image": _image(56, 56, (20, 120, 220))},
+                                        {"type": "text", "text": "and"},
+                                        {"type": "image", "image": _image(90, 40, (30, 200, 60))},
+                                        {"type": "text", "text": "Compare them."}]}]
+    text = [{"role": "user", "content": "Tell me about lakes."}]
+    turns = [*one, {"role": "assistant", "content": "A red square."}, {"role": "user", "content": "Why red?"}]
+    return [one, two, text, turns]
+
+
+def test_two_ranks_give_the_tokens_of_one(family_ckpt):
+    """Text, one image, two images and a multi-turn conversation, alone, batched with preemption, and
+    seeded sampling; per-rank memory figures, which `plan --tp 2` predicts exactly."""
+    family, ckpt = family_ckpt
+    one = LLM(ckpt, show_progress=False, **CACHE[family])
+    with LLM(ckpt, show_progress=False, tensor_parallel_size=2, **CACHE[family]) as two:
+        convs = _conversations()
+        for conv in convs:
+            assert two.chat(conv, GREEDY)[0].token_ids == one.chat(conv, GREEDY)[0].token_ids
+        batch = convs * 2
+        params = [SamplingParams(max_tokens=24 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(len(batch))]
+        assert [o.token_ids for o in two.chat(batch, params)] == [o.token_ids for o in one.chat(batch, params)]
+        assert two.stats()["num_preemptions"] > 0, "the batch was meant to preempt"
+        # every rank let go of every request and image
+        assert two.engine.executor.collective_rpc("held_state") == [(0, 0), (0, 0)]
+        assert two.stats()["kv_blocks_used"] == 0
+        seeded = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7)
+        assert two.chat(convs[0], seeded)[0].token_ids == one.chat(convs[0], seeded)[0].token_ids
+
+        report = two.memory_report
+        num_blocks = CACHE[family]["num_blocks"]
+        assert report.tensor_parallel_size == 2 and [r.rank for r in report.ranks] == [0, 1]
+        assert all(r.num_blocks_possible == num_blocks for r in report.ranks)
+        assert "rank 1" in report.format()
+        # each rank holds half of the KV heads (2 -> 1) and about half of the weights
+        assert report.kv_bytes_per_block * 2 == one.memory_report.kv_bytes_per_block
+        assert report.weights_bytes < 0.7 * one.memory_report.weights_bytes
+        planned = plan(ckpt, tp=2, num_blocks=num_blocks)
+        assert (planned.num_blocks, planned.kv_bytes_per_block, planned.weights_bytes) == \
+            (report.num_blocks, report.kv_bytes_per_block, report.weights_bytes)
+
+
+def test_plan_matches_the_cpu_default_cache_per_rank(tiny_ckpt):
+    """The CPU default cache is sized from the per-rank block bytes: plan --tp 2 gives the same count."""
+    with LLM(tiny_ckpt, show_progress=False, tensor_parallel_size=2, max_model_len=512, max_num_seqs=4) as llm:
+        engine_blocks = llm.engine.cache_config.num_blocks
+        per_block = llm.memory_report.kv_bytes_per_block
+    planned = plan(tiny_ckpt, tp=2, max_model_len=512, max_num_seqs=4, device="cpu")
+    assert (planned.num_blocks, planned.kv_bytes_per_block) == (engine_blocks, per_block)
+
+
+def test_fewer_kv_heads_than_ranks(tmp_path):
+    """One KV head on two ranks: each rank keeps a copy of it (vLLM's rule), tokens unchanged."""
+    ckpt = make_tiny_checkpoint(tmp_path / "kv1", "qwen2_5_vl", num_kv_heads=1)
+    conv = _conversations()[1]
+    want = LLM(ckpt, show_progress=False).chat(conv, GREEDY)[0].token_ids
+    with LLM(ckpt, show_progress=False, tensor_parallel_size=2) as two:
+        assert two.memory_report.num_kv_heads == 1
+        assert two.chat(conv, GREEDY)[0].token_ids == want
+
+
+def test_replicated_vision_tower_gives_the_same_tokens(internvl_ckpt):
+    conv = _conversations()[1]
+    want = LLM(internvl_ckpt, show_progress=False).chat(conv, GREEDY)[0].token_ids
+    with LLM(internvl_ckpt, show_progress=False, tensor_parallel_size=2, shard_vision=False) as two:
+        assert two.memory_report.weights_vision_bytes > 0
+        assert two.chat(conv, GREEDY)[0].token_ids == want
+
+
+def test_a_size_that_does_not_split_the_heads_is_refused_before_any_rank_starts(tiny_ckpt):
+    with pytest.raises(InvalidRequestError) as e:
+        LLM(tiny_ckpt, show_progress=False, tensor_parallel_size=3)
+    msg = str(e.value)
+    assert "tensor_parallel_size=3" in msg and "(4) is not divisible" in msg and "Sizes that work: 1, 2" in msg
+    assert e.value.param == "tensor_parallel_size"
+    with pytest.raises(InvalidRequestError, match="tensor_parallel_size=3"):
+        plan(tiny_ckpt, tp=3)
+
+
+def test_more_ranks_than_visible_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(InvalidRequestError, match=r"needs 4 GPUs .* only 2 are visible.* at most 2"):
+        rank_devices(torch.device("cuda"), 4)
+    assert rank_devices(torch.device("cuda:0"), 2) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert rank_devices(torch.device("cpu"), 2) == [torch.device("cpu")] * 2
