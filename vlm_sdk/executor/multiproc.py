@@ -4,7 +4,8 @@
                "spawn"); each connects and marks itself started, while rank 0 watches their processes
                (a rank that dies before joining fails start-up at once, not after a rendezvous timeout);
                then every rank joins the groups (ranks.join_ranks) and loads its slice
-    steps      collective_rpc: broadcast the command, run it here, gather replies (not for `execute`)
+    steps      collective_rpc (group.py): broadcast the command, run it here, gather replies (not for
+               `execute`); heartbeats while idle
     failure    a rank that raises logs its traceback, reports a `RankFailure` on the error queue and
                exits; rank 0's next collective fails ("connection closed" on gloo; NCCL after
                distributed_timeout), and is raised as EngineDeadError naming the rank and its error. A
@@ -24,16 +25,15 @@ import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vlm_sdk.errors import EngineDeadError
-from vlm_sdk.executor.executor import Executor, FailureCallback
-from vlm_sdk.executor.ranks import (LOCALHOST, SHUTDOWN, Command, RankFailure, broadcast_command, gather_replies,
-                                    join_ranks, spawned_rank_main)
+from vlm_sdk.executor.executor import FailureCallback
+from vlm_sdk.executor.group import GroupExecutor
+from vlm_sdk.executor.ranks import LOCALHOST, RankFailure, join_ranks, spawned_rank_main
 from vlm_sdk.worker.worker import Worker
 
 logger = logging.getLogger("vlm_sdk")
@@ -60,16 +60,17 @@ def _caller_script_hidden():
             main.__dict__.update(saved)
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(GroupExecutor):
     def __init__(self, model_dir: str, args, devices: list[torch.device]):
         """`devices[r]`: rank r's device (one GPU per rank on CUDA; the CPU for every rank otherwise)."""
         size = args.tensor_parallel_size
         ctx = mp.get_context("spawn")
+        self._init_group_state()
+        self._timeout_s = args.distributed_timeout
         self._errors = ctx.Queue()
         self._failures: dict[int, RankFailure] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _failures and _closing
         self._callback: FailureCallback | None = None
-        self._dead: EngineDeadError | None = None
         self._closing = False
         self._control = None
         timeout = timedelta(seconds=args.distributed_timeout)
@@ -98,21 +99,7 @@ class MultiprocExecutor(Executor):
                 raise
             raise err from e
         threading.Thread(target=self._watch, name="vlm-tp-watch", daemon=True).start()
-
-    # -- calls --------------------------------------------------------------------------------------
-    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        if self._dead is not None:
-            raise self._dead
-        reply = method != "execute"
-        try:
-            broadcast_command(Command(method, args, reply), self._control)
-            result = getattr(self.driver, method)(*args)
-            return gather_replies(result, self.world_size, self._control) if reply else [result]
-        except BaseException as e:
-            err = self._explain(e)
-            if err is e:
-                raise
-            raise err from e
+        self._start_heartbeat()
 
     def set_failure_callback(self, callback: FailureCallback) -> None:
         self._callback = callback
@@ -124,12 +111,8 @@ class MultiprocExecutor(Executor):
             if self._closing:
                 return
             self._closing = True
-        if self._dead is None and self._control is not None and all(p.is_alive() for p in self._procs):
-            try:
-                broadcast_command(Command(SHUTDOWN), self._control)
-            except Exception:  # noqa: BLE001 - a rank is gone: the join below ends the rest
-                pass
-        self._terminate()
+        graceful = self._control is not None and all(p.is_alive() for p in self._procs) and self._send_shutdown()
+        self._terminate(graceful)
 
     # -- failures ----------------------------------------------------------------------------------
     def _wait_started(self, store, size: int, timeout_s: float) -> None:
@@ -165,10 +148,9 @@ class MultiprocExecutor(Executor):
         peer_error = isinstance(exc, (RuntimeError, dist.DistBackendError)) and not isinstance(exc, EngineDeadError)
         if not (ranks_dead or peer_error or self._failures):
             return exc
-        self._collect(_REPORT_SECONDS if not self._failures else 0.0)
+        self._collect(0.0 if self._failures else _REPORT_SECONDS if ranks_dead else 1.0)
         err = self._death_error(exc)
-        with self._lock:
-            self._dead = self._dead or err
+        self._dead = self._dead or err
         return self._dead
 
     def _death_error(self, exc: BaseException | None) -> EngineDeadError:
@@ -178,7 +160,9 @@ class MultiprocExecutor(Executor):
             what = "; ".join(f.describe() for f in failures) + " (its traceback is in the log)"
         else:
             gone = [f"{p.name} exited with code {p.exitcode}" for p in self._procs if not p.is_alive()]
-            what = "; ".join(gone) if gone else f"a tensor-parallel collective failed: {exc!r}"
+            what = "; ".join(gone) if gone else (
+                f"a tensor-parallel collective failed while every rank process is alive: a rank is hung or the "
+                f"link between ranks broke (distributed_timeout={self._timeout_s:g} s): {exc!r}")
         return EngineDeadError(f"{what}; every rank is needed for each step, so the engine stopped. "
                                f"Restart it (and see that rank's log for why it failed)")
 
@@ -192,14 +176,15 @@ class MultiprocExecutor(Executor):
         with self._lock:
             if self._closing:
                 return
-            self._dead = self._dead or err
+        self._dead = self._dead or err
         logger.error("%s", self._dead)
         if self._callback is not None:
             self._callback(self._dead)
 
-    def _terminate(self) -> None:
-        """End every rank process: join, then terminate, then kill; and leave the process group."""
-        deadline = time.monotonic() + _JOIN_SECONDS
+    def _terminate(self, graceful: bool = False) -> None:
+        """End every rank process: after SHUTDOWN (`graceful`) a join first, then terminate, then kill;
+        and leave the process group."""
+        deadline = time.monotonic() + (_JOIN_SECONDS if graceful else 0.0)
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in self._procs:

@@ -7,7 +7,8 @@ Two process groups join the ranks (both over `init_method`):
                    the collective
     control group  gloo, over the CPU: rank 0 broadcasts each command, plain data only
                    (`Command(method, args, reply)`), and gathers replies when the command wants them.
-                   No timeout that an idle engine could reach: ranks > 0 wait here between requests.
+                   Same timeout: a hung rank fails rank 0's next command; an idle rank 0 sends
+                   heartbeats (NOOP) so that its ranks, waiting here, do not time out.
 
 A rank > 0 runs `serve_commands`: receive a command, call `Worker.<method>(*args)`, reply if asked,
 until `shutdown`. Any exception ends the rank's process (after logging it and, when rank 0 spawned
@@ -33,9 +34,8 @@ from vlm_sdk.layers.parallel_state import TPGroup, init_tp_group
 logger = logging.getLogger("vlm_sdk")
 
 SHUTDOWN = "shutdown"
+NOOP = "noop"  # rank 0's heartbeat while idle (executor/group.py)
 LOCALHOST = "127.0.0.1"
-# the control group never times out on its own: an idle engine sends no command for hours
-_CONTROL_TIMEOUT = timedelta(days=365)
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def join_ranks(rank: int, size: int, init_method: str | None, timeout_s: float, 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     tp = init_tp_group(rank, size, init_method, timeout_s, device, store)
-    control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     return tp, control
 
 
@@ -88,6 +88,8 @@ def serve_commands(worker, control) -> None:
         command: Command = box[0]
         if command.method == SHUTDOWN:
             return
+        if command.method == NOOP:
+            continue
         result = getattr(worker, command.method)(*command.args)
         if command.reply:
             dist.gather_object(result, None, dst=0, group=control)

@@ -10,13 +10,13 @@ torchrun then stops the others, and rank 0's failed collective says so.
 from __future__ import annotations
 
 import os
-from typing import Any
-
 import torch
+import torch.distributed as dist
 
 from vlm_sdk.errors import EngineDeadError, InvalidRequestError
 from vlm_sdk.executor.executor import Executor
-from vlm_sdk.executor.ranks import SHUTDOWN, Command, broadcast_command, gather_replies, join_ranks, run_rank
+from vlm_sdk.executor.group import GroupExecutor
+from vlm_sdk.executor.ranks import join_ranks, run_rank
 from vlm_sdk.worker.worker import Worker
 
 
@@ -43,35 +43,30 @@ def run_torchrun_rank(model_dir: str, args, device: torch.device) -> Executor:
     return TorchrunExecutor(model_dir, args, device)
 
 
-class TorchrunExecutor(Executor):
+class TorchrunExecutor(GroupExecutor):
     def __init__(self, model_dir: str, args, device: torch.device):
+        self._init_group_state()
+        self._timeout_s = args.distributed_timeout
         tp, self._control = join_ranks(0, args.tensor_parallel_size, "env://", args.distributed_timeout, device)
         self.driver = Worker(model_dir, args, device, tp)
-        self._dead: EngineDeadError | None = None
         self._closed = False
+        self._start_heartbeat()
 
-    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        if self._dead is not None:
-            raise self._dead
-        reply = method != "execute"
-        try:
-            broadcast_command(Command(method, args, reply), self._control)
-            result = getattr(self.driver, method)(*args)
-            return gather_replies(result, self.world_size, self._control) if reply else [result]
-        except RuntimeError as e:
-            self._dead = EngineDeadError(f"a tensor-parallel collective failed ({e}); a rank has failed or hung: "
-                                         f"its log (torchrun prints each rank's) says why. Restart the job")
-            raise self._dead from e
+    def _explain(self, exc: BaseException) -> BaseException:
+        if not isinstance(exc, RuntimeError) or isinstance(exc, EngineDeadError):
+            return exc
+        self._dead = self._dead or EngineDeadError(
+            f"a tensor-parallel collective failed ({exc}); a rank has failed or hung: its log (torchrun prints "
+            f"each rank's) says why. Restart the job")
+        return self._dead
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        import torch.distributed as dist
-        if self._dead is None:
-            try:
-                broadcast_command(Command(SHUTDOWN), self._control)
-            except RuntimeError:
-                pass
+        self._send_shutdown()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group may refuse a clean exit
+                pass
