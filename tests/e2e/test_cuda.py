@@ -59,3 +59,15 @@ def test_plan_agrees_with_engine_within_3_percent_and_report_is_measured(tiny_ck
     assert r.device_memory_bytes == torch.cuda.mem_get_info()[1]
     assert planned.weights_bytes == r.weights_bytes and planned.kv_bytes_per_block == r.kv_bytes_per_block
 
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
+def test_two_gpus_with_cuda_graphs_give_the_tokens_of_one(tiny_ckpt):
+    """NCCL between two GPUs; decode steps replay CUDA graphs that captured the all-reduces."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    convs = conversations()
+    want = [o.token_ids for o in LLM(tiny_ckpt, device="cuda", dtype="float32", show_progress=False).chat(convs, params)]
+    with LLM(tiny_ckpt, device="cuda", dtype="float32", show_progress=False, tensor_parallel_size=2) as two:
+        assert two.engine.runner.graphs is not None
+        assert [o.token_ids for o in two.chat(convs, params)] == want
+        assert [r.device for r in two.memory_report.ranks] == ["cuda:0", "cuda:1"]

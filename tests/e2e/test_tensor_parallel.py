@@ -87,6 +87,16 @@ def test_fewer_kv_heads_than_ranks(tmp_path):
         assert two.chat(conv, GREEDY)[0].token_ids == want
 
 
+@pytest.mark.parametrize("llm_kind", ["internlm2", "llama"])
+def test_internvl_llms_under_tensor_parallelism(llm_kind, internvl_internlm2_ckpt, internvl_llama_ckpt):
+    """InternVL's other language models on two ranks: InternLM2 (its packed wqkv split per rank) and Llama."""
+    ckpt = internvl_internlm2_ckpt if llm_kind == "internlm2" else internvl_llama_ckpt
+    conv = _conversations()[3]
+    want = LLM(ckpt, show_progress=False, max_dynamic_patch=1).chat(conv, GREEDY)[0].token_ids
+    with LLM(ckpt, show_progress=False, max_dynamic_patch=1, tensor_parallel_size=2) as two:
+        assert two.chat(conv, GREEDY)[0].token_ids == want
+
+
 def test_replicated_vision_tower_gives_the_same_tokens(internvl_ckpt):
     conv = _conversations()[1]
     want = LLM(internvl_ckpt, show_progress=False).chat(conv, GREEDY)[0].token_ids
