@@ -2,8 +2,9 @@
 
 For each family's benchmark checkpoint (`vlm_sdk.testing.make_bench_checkpoint`: the real vocab and
 LM widths, a small vision tower) it times `model.encode_images` on one large image (Qwen2.5-VL: 1288 x
-980 pixels, resized under max_pixels 28*28*1280; InternVL: 1344 x 896 at max_num 6 -> 3 x 2 tiles +
-thumbnail) on the CPU, float32, each mode in a fresh process:
+980 pixels, resized under max_pixels 28*28*1280 to 5,084 patches, 1,271 image tokens; InternVL: 1344 x
+896 at max_num 6 -> 3 x 2 tiles + thumbnail, 1,792 image tokens) on the CPU, float32, each mode in a
+fresh process:
 
     tp=1                  one process, every core (the same machine, one rank)
     tp=1, 1 thread        one process, one core: what one rank of the TP runs below has
