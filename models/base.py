@@ -20,6 +20,11 @@ class VisionLanguageModel(nn.Module, ABC):
     Attributes the engine sizes the cache with: `num_layers`, `num_kv_heads`, `head_dim`,
     `hidden_size`, `vocab_size`. `position_rows` (1, or 3 for M-RoPE) is the first dim of the
     positions `forward` takes; `positions()` makes them from the prompt.
+
+    Under tensor parallelism (a model built with `tp=TPGroup(rank, size, group)`) every rank runs
+    every method on the same inputs and gets the same outputs (`encode_images`, `embed_tokens`,
+    `forward` and `compute_logits` are whole on every rank: the layers all-reduce and gather);
+    `num_kv_heads` is this rank's count, the heads its KV cache holds.
     """
     position_rows: int = 1
 
@@ -55,8 +60,8 @@ class VisionLanguageModel(nn.Module, ABC):
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[num_sampled, hidden_size] -> [num_sampled, vocab_size]` float32; called only on the rows
-        that are sampled."""
+        """`[num_sampled, hidden_size] -> [num_sampled, vocab_size]` float32 (the whole vocab on every
+        rank under tensor parallelism); called only on the rows that are sampled."""
 
     @abstractmethod
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:

@@ -39,20 +39,34 @@ class DecoderVLM(VisionLanguageModel):
     subclass calls `_init_decoder` and names its vision tower and projector in `_vision_parts`.
 
     Under tensor parallelism (`tp`) `num_kv_heads` is this rank's KV head count (what its KV cache
-    holds); `compute_logits` returns the whole vocab on every rank. `vision_tp` is the group a family
-    builds its vision tower and projector with: `tp` when `shard_vision`, else `TPGroup()` (every rank
-    holds and runs the whole tower)."""
+    holds); `compute_logits` returns the whole vocab on every rank. A family builds its vision tower and
+    projector with `_build_vision`: sharded over `tp` when `shard_vision`, else (or when the tower's
+    heads or widths do not split over the ranks, e.g. InternViT-6B's 25 heads) whole on every rank;
+    `vision_tp` is the group it got."""
 
     def _init_decoder(self, cfg: LlamaDecoderConfig, dtype: torch.dtype, device: torch.device | str,
                       ops: KernelOps | None, tp: TPGroup = TPGroup(), shard_vision: bool = True) -> None:
         self.decoder_config = cfg
         self.tp, self.shard_vision = tp, shard_vision
-        self.vision_tp = tp if shard_vision else TPGroup()
+        self.vision_tp = tp if shard_vision else TPGroup()  # `_build_vision` may fall back to TPGroup()
         self.decoder = LlamaDecoder(cfg, dtype, device, ops, tp)
         self.num_layers, self.head_dim = cfg.num_layers, cfg.head_dim
         self.num_kv_heads = kv_head_split(cfg.num_kv_heads, tp)[1]  # this rank's: what its KV cache holds
         self.hidden_size, self.vocab_size = cfg.hidden_size, cfg.vocab_size
         self.dtype = dtype
+
+    def _build_vision(self, build: Callable[[TPGroup, torch.device | str], nn.Module],
+                      device: torch.device | str) -> nn.Module:
+        """`build(group, device)`: the vision tower with its projector. Sharded over `tp` when asked and
+        its sizes split over the ranks (tried first on the meta device, which allocates nothing), else
+        whole on every rank, logged: a tower that cannot be split still runs, replicated."""
+        if self.vision_tp.size > 1:
+            try:
+                build(self.vision_tp, "meta")
+            except ValueError as e:  # tp.split: heads or a width not divisible by the ranks
+                logger.warning("the vision tower is replicated on every tensor-parallel rank, not sharded: %s", e)
+                self.vision_tp = TPGroup()
+        return build(self.vision_tp, device)
 
     @abstractmethod
     def _vision_parts(self) -> tuple[nn.Module, nn.Module]:

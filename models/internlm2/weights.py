@@ -21,7 +21,7 @@ same pairing as Llama's `repeat_kv`, so the split q/k/v need no further reorderi
 Lazy checkpoints (`iter_safetensors(lazy=True)`, tensor parallelism): a lazy wqkv is split into three
 lazy parts (`_WqkvPart`); narrowing one to a rank's rows reads only the KV groups those rows lie in
 (a rank's q heads and KV heads are whole groups, or one group's part when KV heads are replicated),
-so no rank reads the whole wqkv.
+once for the three parts (`_LazyWqkv` keeps the last block), so no rank reads the whole wqkv.
 
 The remote modeling code is never imported: the layout above is all we take from it.
 """
@@ -35,7 +35,7 @@ from torch import Tensor
 
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig, llm_family
-from vlm_sdk.weight_loading import CheckpointTensor, LazyTensor, materialize
+from vlm_sdk.weight_loading import CheckpointTensor, LazyTensor
 
 __all__ = ["pack_wqkv", "unpack_wqkv", "internlm2_decoder_config", "internlm2_to_llama_names"]
 
@@ -96,29 +96,45 @@ def unpack_wqkv(wqkv: Tensor,  # [(H + 2*Hkv)*D, ...]
             v.reshape(-1, *tail).contiguous())
 
 
+class _LazyWqkv:
+    """A lazy wqkv and the last block of whole KV groups read from it: a rank's q, k and v lie in the
+    same groups, so the three parts read the file once."""
+
+    def __init__(self, wqkv: LazyTensor, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.wqkv, self.num_heads, self.num_kv_heads, self.head_dim = wqkv, num_heads, num_kv_heads, head_dim
+        self.groups = _groups(num_heads, num_kv_heads)
+        self._last: tuple[int, int, tuple[Tensor, Tensor, Tensor]] | None = None
+
+    def groups_of(self, first: int, stop: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(q, k, v) of KV groups [first, stop), unpacked."""
+        if self._last is None or self._last[:2] != (first, stop):
+            rows = (self.groups + 2) * self.head_dim  # one group's rows
+            block = self.wqkv.narrow(0, first * rows, (stop - first) * rows)  # [(stop-first)*(G+2)*D, ...]
+            self._last = (first, stop, unpack_wqkv(block, (stop - first) * self.groups, stop - first, self.head_dim))
+        return self._last[2]
+
+    def parts(self) -> list["_WqkvPart"]:
+        return [_WqkvPart(self, i) for i in range(3)]
+
+
 class _WqkvPart:
     """q (`part` 0), k (1) or v (2) of a lazy wqkv, itself lazy (`weight_loading.LazyTensor`)."""
 
-    def __init__(self, wqkv: LazyTensor, part: int, num_heads: int, num_kv_heads: int, head_dim: int):
-        self.wqkv, self.part = wqkv, part
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.groups = _groups(num_heads, num_kv_heads)
-        self.rows_per_group = (self.groups if part == 0 else 1) * head_dim  # this part's rows in one KV group
-        self.shape = torch.Size([num_kv_heads * self.rows_per_group, *wqkv.shape[1:]])
-        self.dtype = wqkv.dtype
+    def __init__(self, source: _LazyWqkv, part: int):
+        self.source, self.part = source, part
+        self.rows_per_group = (source.groups if part == 0 else 1) * source.head_dim  # this part's rows in a group
+        self.shape = torch.Size([source.num_kv_heads * self.rows_per_group, *source.wqkv.shape[1:]])
+        self.dtype = source.wqkv.dtype
 
     def narrow(self, dim: int, start: int, length: int) -> Tensor:
         if dim != 0:  # a column slice needs every row: not a slice any layer takes of q/k/v
             return self.materialize().narrow(dim, start, length)
-        per, d = self.rows_per_group, self.head_dim
+        per = self.rows_per_group
         first, stop = start // per, -(-(start + length) // per)  # the KV groups the rows lie in
-        group_rows = (self.groups + 2) * d
-        block = self.wqkv.narrow(0, first * group_rows, (stop - first) * group_rows)  # [(stop-first)*(G+2)*D, ...]
-        part = unpack_wqkv(block, (stop - first) * self.groups, stop - first, d)[self.part]
-        return part.narrow(0, start - first * per, length)
+        return self.source.groups_of(first, stop)[self.part].narrow(0, start - first * per, length)
 
     def materialize(self) -> Tensor:
-        return unpack_wqkv(materialize(self.wqkv), self.num_heads, self.num_kv_heads, self.head_dim)[self.part]
+        return self.source.groups_of(0, self.source.num_kv_heads)[self.part]
 
 
 def internlm2_decoder_config(llm_config: Any, tie_word_embeddings: bool | None = None) -> LlamaDecoderConfig:
@@ -168,7 +184,7 @@ def internlm2_to_llama_names(weights: Iterable[tuple[str, CheckpointTensor]], cf
                     f"{hkv} KV heads of dim {d} and hidden size {cfg.hidden_size} must be {expected}: "
                     f"config.json does not match the weights")
             parts = unpack_wqkv(tensor, h, hkv, d) if isinstance(tensor, Tensor) else \
-                [_WqkvPart(tensor, i, h, hkv, d) for i in range(3)]  # lazy: each rank reads its groups only
+                _LazyWqkv(tensor, h, hkv, d).parts()  # lazy: each rank reads its KV groups only, once
             for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts):
                 yield f"{layer}self_attn.{proj}.{kind}", part
         elif leaf in _LAYER_RENAMES:

@@ -13,7 +13,8 @@ Two checkpoint layouts, told apart by config.json `model_type`:
                      language_model.output.weight; its grouped wqkv is unpacked while streaming)
 
 Tensor parallelism: `tp` shards the decoder; InternViT and the mlp1 projector are sharded with the same
-group when `shard_vision`, else each rank holds and runs them whole (`DecoderVLM.vision_tp`).
+group when `shard_vision`, else each rank holds and runs them whole (`DecoderVLM._build_vision`; also
+when the tower does not split: InternViT-6B, of InternVL2.5-78B, has 25 heads).
 """
 from __future__ import annotations
 
@@ -92,8 +93,8 @@ class InternVLForCausalLM(DecoderVLM):
             tied = bool(getattr(tie_source, "tie_word_embeddings", False))
             self.decoder_config = LlamaDecoderConfig.from_hf(llm, tie_word_embeddings=tied, mrope=False)
         self._init_decoder(self.decoder_config, dtype, device, ops, tp, shard_vision)  # 1-D RoPE (position_rows 1)
-        self.vision = InternVLVisionTower(InternVisionConfig.from_hf(hf_config, self.hidden_size), dtype, device,
-                                          self.vision_tp)
+        vision_cfg = InternVisionConfig.from_hf(hf_config, self.hidden_size)
+        self.vision = self._build_vision(lambda group, dev: InternVLVisionTower(vision_cfg, dtype, dev, group), device)
         self.requires_grad_(False)
 
     def encode_images(self, images: list[ImageInput]) -> torch.Tensor:  # [tiles * tokens per tile, hidden]

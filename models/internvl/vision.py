@@ -265,6 +265,7 @@ class InternVisionLayer(nn.Module):
             raise ValueError(f"q_norm / k_norm over the full hidden size need the {self.tp.size} ranks' process "
                              f"group (TPGroup.group); to compose ranks by hand, norm the gathered q and k")
         squares = torch.stack([q.float().square().sum(-1), k.float().square().sum(-1)], dim=-1)  # [T, N, 2]
+        # one eps for both: q_norm and k_norm are built with the same (cfg.qk_norm_eps)
         inv = torch.rsqrt(self.tp.all_reduce(squares) / (q.shape[-1] * self.tp.size) + self.q_norm.eps)  # [T, N, 2]
         return (self.q_norm.weight * (q.float() * inv[..., :1]).to(q.dtype),  # [T, N, C/tp]
                 self.k_norm.weight * (k.float() * inv[..., 1:]).to(k.dtype))

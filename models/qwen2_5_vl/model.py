@@ -5,7 +5,7 @@ checkpoints saved by transformers 4.5x as `model.language_model.*` / `model.visu
 q/k/v and gate/up are fused on load (see `LlamaDecoder` and `Qwen2_5_VisionTransformer.checkpoint_map`).
 
 Tensor parallelism: `tp` shards the decoder; the vision tower (its merger included) is sharded with the
-same group when `shard_vision`, else each rank holds and runs the whole tower (`DecoderVLM.vision_tp`).
+same group when `shard_vision`, else each rank holds and runs the whole tower (`DecoderVLM._build_vision`).
 """
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ class Qwen2_5_VLForCausalLM(DecoderVLM):
         tied = bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
         self._init_decoder(LlamaDecoderConfig.from_hf(text, tie_word_embeddings=tied, mrope=True), dtype, device, ops,
                            tp, shard_vision)
-        self.visual = Qwen2_5_VisionTransformer(hf_config.vision_config, dtype, device, ops, self.vision_tp)
+        self.visual = self._build_vision(
+            lambda group, dev: Qwen2_5_VisionTransformer(hf_config.vision_config, dtype, dev, ops, group), device)
         if self.visual.out_hidden_size != self.decoder_config.hidden_size:
             raise CheckpointError(f"vision_config.out_hidden_size {self.visual.out_hidden_size} != text hidden_size "
                                   f"{self.decoder_config.hidden_size}")

@@ -147,3 +147,30 @@ def test_llama_decoder_on_two_ranks_loads_half_of_every_split_tensor():
         start, stop = (0, 151) if tp.rank == 0 else (151, 301)
         assert torch.equal(dec.embed_tokens.weight, sd["model.embed_tokens.weight"][start:stop])
         assert torch.equal(dec.lm_head.weight, sd["lm_head.weight"][start:stop])
+
+
+def test_kv_heads_split_or_replicated_per_rank():
+    """Hkv % tp == 0: each rank its Hkv/tp heads; Hkv < tp and tp % Hkv == 0: one head per rank, rank r
+    taking head r // (tp / Hkv) (the KV head of all its query heads); otherwise refused with the numbers."""
+    heads, d = 8, 2
+    g = torch.Generator().manual_seed(5)
+    for kv_heads, tp_size in ((2, 2), (2, 4), (1, 2), (1, 4), (4, 2)):
+        q = torch.randn(heads * d, HIDDEN, generator=g)
+        k, v = (torch.randn(kv_heads * d, HIDDEN, generator=g) for _ in range(2))
+        for rank in range(tp_size):
+            tp = TPGroup(rank, tp_size)
+            qkv = QKVParallelLinear(HIDDEN, d, heads, kv_heads, False, tp=tp)
+            load_checked(qkv, [("q", q), ("k", k), ("v", v)], qkv.slots("", ["q", "k", "v"]))
+            local_q = heads // tp_size
+            first_q = rank * local_q
+            kv = list(range(first_q * kv_heads // heads, (first_q + local_q - 1) * kv_heads // heads + 1))
+            assert qkv.num_kv_heads == len(kv) == max(1, kv_heads // tp_size)  # the KV heads of its query heads
+            rows = torch.cat([torch.arange(h * d, (h + 1) * d) for h in kv])
+            assert torch.equal(qkv.weight, torch.cat([q[first_q * d:(first_q + local_q) * d], k[rows], v[rows]]))
+    with pytest.raises(ValueError, match=r"KV heads \(3\) and the tensor-parallel size \(2\)"):
+        QKVParallelLinear(HIDDEN, d, 6, 3, False, tp=TPGroup(0, 2))
+    with pytest.raises(ValueError, match=r"KV heads \(2\) and the tensor-parallel size \(3\)"):
+        QKVParallelLinear(HIDDEN, d, 6, 2, False, tp=TPGroup(0, 3))
+    from vlm_sdk.layers.linear import tp_sizes_that_work
+    assert tp_sizes_that_work(28, 4, upto=8) == [1, 2, 4]  # Qwen2.5-VL-7B: 28 heads, 4 KV heads
+    assert tp_sizes_that_work(64, 8, upto=16) == [1, 2, 4, 8, 16]

@@ -58,17 +58,19 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, init_method: 
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0,
-                 collective_timeout_s: float = 120.0, threads_per_rank: int | None = None) -> list[Any]:
+                 collective_timeout_s: float = 120.0, threads_per_rank: int | None = None,
+                 spawn_one: bool = False) -> list[Any]:
     """`fn(tp: TPGroup, *args)` on `world_size` spawned CPU ranks over gloo; their results in rank order.
 
     `timeout_s` bounds the whole run (spawn and imports included); `collective_timeout_s` is the
     process group's timeout, after which a collective waiting on a dead peer raises in the survivor.
     `threads_per_rank` defaults to the cores divided among the ranks (at least 1). Raises
     `RuntimeError` with the failing rank's traceback, or `TimeoutError` naming the ranks still running.
-    With `world_size` 1, `fn` runs here with `TPGroup()`."""
+    With `world_size` 1, `fn` runs here with `TPGroup()`, unless `spawn_one` (a fresh process, as a
+    benchmark's baseline wants)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if world_size == 1:
+    if world_size == 1 and not spawn_one:
         return [fn(TPGroup(), *args)]
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")

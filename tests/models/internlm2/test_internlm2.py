@@ -243,3 +243,52 @@ def test_rope_types_and_unsupported_configs():
     for config, message in refused:
         with pytest.raises(CheckpointError, match=message):
             LlamaDecoderConfig.from_hf(config, tie_word_embeddings=False, mrope=False)
+
+
+class _Lazy:
+    """A lazy checkpoint tensor over `t` that records the rows each read covers."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.shape, self.dtype, self.reads = t, t.shape, t.dtype, []
+
+    def narrow(self, dim, start, length):
+        self.reads.append((dim, start, length))
+        return self.t.narrow(dim, start, length).clone()
+
+    def materialize(self):
+        self.reads.append("whole")
+        return self.t.clone()
+
+
+@pytest.mark.parametrize("kv_heads,tp", [(2, 2), (4, 2), (1, 2), (2, 4)])
+def test_lazy_wqkv_parts_read_only_the_ranks_kv_groups(kv_heads, tp):
+    """Each rank's slices of the lazy q / k / v (as its `QKVParallelLinear` slots take them, KV heads
+    split or replicated) equal the eager unpack's, and come from one read of just its KV groups."""
+    from vlm_sdk.layers.linear import QKVParallelLinear
+    from vlm_sdk.layers.parallel_state import TPGroup
+
+    heads, d = 8, 3
+    hidden = heads * d
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n * d, hidden, generator=g) for n in (heads, kv_heads, kv_heads))
+    cfg = LlamaDecoderConfig.from_hf(LlamaConfig(**{**DIMS, "num_attention_heads": heads, "hidden_size": hidden,
+                                                    "num_key_value_heads": kv_heads}),
+                                     tie_word_embeddings=False, mrope=False)
+    wqkv = pack_wqkv(q, k, v, heads, kv_heads, d)
+    rows_per_group = (heads // kv_heads + 2) * d
+    for rank in range(tp):
+        lazy = _Lazy(wqkv)
+        parts = dict(internlm2_to_llama_names([("model.layers.0.attention.wqkv.weight", lazy)], cfg))
+        slots = QKVParallelLinear(hidden, d, heads, kv_heads, False, tp=TPGroup(rank, tp)).slots(
+            "", [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"])
+        for (name, part), whole in zip(parts.items(), (q, k, v)):
+            shard = slots[name].shard
+            assert part.shape == whole.shape
+            assert torch.equal(part.narrow(0, shard.start, shard.length), whole.narrow(0, shard.start, shard.length))
+        first = rank * (heads // tp) // (heads // kv_heads)  # the KV group of its first query head
+        groups = max(1, kv_heads // tp)
+        assert lazy.reads == [(0, first * rows_per_group, groups * rows_per_group)]
+    assert torch.equal(_Lazy(wqkv).materialize(), wqkv)
+    eager = unpack_wqkv(wqkv, heads, kv_heads, d)
+    lazy_parts = [p for _, p in internlm2_to_llama_names([("model.layers.0.attention.wqkv.weight", _Lazy(wqkv))], cfg)]
+    assert all(torch.equal(p.materialize(), e) for p, e in zip(lazy_parts, eager))
