@@ -38,11 +38,16 @@ def test_weights_of_qwen_3b_and_7b():
     assert 8.1e9 < plan(CONFIGS / "qwen2_5_vl_7b.json", dtype="bfloat16", num_blocks=1).weights_bytes / 2 < 8.4e9
 
 
-def test_tp_must_divide_kv_heads():
-    with pytest.raises(InvalidRequestError, match="tp=3"):
+def test_tp_must_split_the_heads():
+    """16 query heads, 2 KV heads: 3 ranks are refused with the sizes that work; 4 ranks each keep a
+    copy of one KV head (as vLLM does), so the per-rank KV bytes halve from tp=2 to tp=4 no more."""
+    with pytest.raises(InvalidRequestError, match=r"tensor_parallel_size=3 .*attention heads \(16\) .*"
+                                                  r"Sizes that work: 1, 2, 4, 8, 16"):
         plan(CONFIGS / "qwen2_5_vl_3b.json", dtype="bfloat16", num_blocks=1, tp=3)
-    with pytest.raises(InvalidRequestError, match="tp=4"):
-        plan(CONFIGS / "qwen2_5_vl_3b.json", dtype="bfloat16", num_blocks=1, tp=4)
+    per_rank = {tp: plan(CONFIGS / "qwen2_5_vl_3b.json", dtype="bfloat16", num_blocks=1, tp=tp) for tp in (1, 2, 4)}
+    assert per_rank[2].kv_bytes_per_block * 2 == per_rank[1].kv_bytes_per_block
+    assert per_rank[4].kv_bytes_per_block == per_rank[2].kv_bytes_per_block
+    assert per_rank[4].weights_bytes < per_rank[2].weights_bytes < per_rank[1].weights_bytes
     with pytest.raises(UnknownArgumentError):
         plan(CONFIGS / "qwen2_5_vl_3b.json", num_blokcs=1)
 

@@ -2,6 +2,8 @@
 there a device for every rank?"""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from vlm_sdk.errors import InvalidRequestError
@@ -15,11 +17,16 @@ def _split_error(family, hf_config, size: int, shard_vision: bool) -> str | None
     the model is built on the meta device at that size, so every layer checks its own split."""
     if size == 1:
         return None
+    quiet = logging.getLogger("vlm_sdk.models")  # the ranks say it when they build the model for real
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         family.model_cls(hf_config, dtype=torch.float32, device="meta", tp=TPGroup(0, size),
                          shard_vision=shard_vision)
     except ValueError as e:
         return str(e)
+    finally:
+        quiet.setLevel(level)
     return None
 
 
