@@ -171,6 +171,3 @@ def test_kv_heads_split_or_replicated_per_rank():
         QKVParallelLinear(HIDDEN, d, 6, 3, False, tp=TPGroup(0, 2))
     with pytest.raises(ValueError, match=r"KV heads \(2\) and the tensor-parallel size \(3\)"):
         QKVParallelLinear(HIDDEN, d, 6, 2, False, tp=TPGroup(0, 3))
-    from vlm_sdk.layers.linear import tp_sizes_that_work
-    assert tp_sizes_that_work(28, 4, upto=8) == [1, 2, 4]  # Qwen2.5-VL-7B: 28 heads, 4 KV heads
-    assert tp_sizes_that_work(64, 8, upto=16) == [1, 2, 4, 8, 16]

@@ -3,7 +3,10 @@
     start-up   rank 0 opens a TCPStore on a free local port and spawns ranks 1..N-1 (torch.multiprocessing,
                "spawn"); each connects and marks itself started, while rank 0 watches their processes
                (a rank that dies before joining fails start-up at once, not after a rendezvous timeout);
-               then every rank joins the groups (ranks.join_ranks) and loads its slice
+               then every rank joins the groups (ranks.join_ranks), loads its slice and marks itself
+               loaded; the first command waits for the slowest load (up to an hour, or
+               distributed_timeout if longer), so ranks loading at different speeds never meet the
+               collective timeout
     steps      collective_rpc (group.py): broadcast the command, run it here, gather replies (not for
                `execute`); heartbeats while idle
     failure    a rank that raises logs its traceback, reports a `RankFailure` on the error queue and
@@ -39,7 +42,8 @@ from vlm_sdk.worker.worker import Worker
 logger = logging.getLogger("vlm_sdk")
 
 _JOIN_SECONDS = 10.0  # a rank's time to leave after SHUTDOWN before it is terminated
-_REPORT_SECONDS = 3.0  # how long a failed collective waits for the failed rank's report
+_REPORT_SECONDS = 3.0
+_LOAD_SECONDS = 3600.0  # the longest a rank may take to load its slice (or distributed_timeout if longer)  # how long a failed collective waits for the failed rank's report
 
 
 @contextmanager
@@ -89,9 +93,11 @@ class MultiprocExecutor(GroupExecutor):
                 proc.start()
                 self._procs.append(proc)
         try:
-            self._wait_started(store, size, args.distributed_timeout)
+            self._wait_for(store, "started", size, args.distributed_timeout)
             tp, self._control = join_ranks(0, size, None, args.distributed_timeout, devices[0], store)
             self.driver = Worker(model_dir, args, devices[0], tp)
+            # ranks finish loading at their own pace: the first command waits for the last of them
+            self._wait_for(store, "loaded", size, max(args.distributed_timeout, _LOAD_SECONDS))
         except BaseException as e:
             err = self._explain(e)
             self._terminate()
@@ -115,16 +121,17 @@ class MultiprocExecutor(GroupExecutor):
         self._terminate(graceful)
 
     # -- failures ----------------------------------------------------------------------------------
-    def _wait_started(self, store, size: int, timeout_s: float) -> None:
-        keys = [f"started/{r}" for r in range(1, size)]
+    def _wait_for(self, store, stage: str, size: int, timeout_s: float) -> None:
+        """Until every rank > 0 set the store key `stage/r` ("started", "loaded"), watching their processes."""
+        keys = [f"{stage}/{r}" for r in range(1, size)]
         deadline = time.monotonic() + timeout_s
         while not store.check(keys):
             dead = [p for p in self._procs if not p.is_alive()]
             if dead:
-                raise EngineDeadError(f"{dead[0].name} exited with code {dead[0].exitcode} before joining")
+                raise EngineDeadError(f"{dead[0].name} exited with code {dead[0].exitcode} before it {stage}")
             if time.monotonic() > deadline:
-                raise EngineDeadError(f"tensor-parallel ranks did not start within distributed_timeout="
-                                      f"{timeout_s:g} s")
+                late = [k.split("/")[1] for k in keys if not store.check([k])]
+                raise EngineDeadError(f"tensor-parallel rank(s) {', '.join(late)} not {stage} after {timeout_s:g} s")
             time.sleep(0.05)
 
     def _collect(self, wait_s: float) -> None:

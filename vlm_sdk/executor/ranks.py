@@ -109,6 +109,8 @@ def run_rank(model_dir: str, args, rank: int, size: int, init_method: str | None
             store.set(f"started/{rank}", "1")  # rank 0 waits for these while watching the processes
         tp, control = join_ranks(rank, size, init_method, args.distributed_timeout, device, store)
         worker = Worker(model_dir, args, device, tp)
+        if store is not None:
+            store.set(f"loaded/{rank}", "1")
         serve_commands(worker, control)
     except BaseException as e:  # noqa: BLE001 - every failure must reach rank 0 and end this rank
         failure = RankFailure(rank, type(e).__name__, str(e), traceback.format_exc())

@@ -127,11 +127,6 @@ def kv_head_split(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
                      f"other (KV heads are split over the ranks, or each replicated on tp / KV heads ranks)")
 
 
-def tp_sizes_that_work(num_heads: int, num_kv_heads: int, upto: int = 64) -> list[int]:
-    """Tensor-parallel sizes up to `upto` that split these attention heads (for error messages)."""
-    return [n for n in range(1, upto + 1)
-            if num_heads % n == 0 and (num_kv_heads % n == 0 or n % num_kv_heads == 0)]
-
 
 class QKVParallelLinear(MergedColumnParallelLinear):
     """Output rows `[q (H*D) | k (Hkv*D) | v (Hkv*D)]` of this rank's heads (H, Hkv local: `num_heads`,
