@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 import time
@@ -13,6 +12,7 @@ import time
 from vlm_sdk.demo_checkpoint import tiny_model_dir
 from vlm_sdk.errors import VLMError
 from vlm_sdk.models import registry
+from vlm_sdk.server.cli import show_engine_logs
 
 FAMILIES = registry.family_names()  # --family choices; the first is the default
 
@@ -77,25 +77,8 @@ async def _chat(args) -> int:
     return 0
 
 
-class _StderrHandler(logging.Handler):
-    """Writes to whatever sys.stderr is when a record comes (not the one at start-up)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        print(self.format(record), file=sys.stderr, flush=True)
-
-
-def _show_engine_logs() -> None:
-    """The engine's start-up memory report and warnings go to stderr unless the caller set up logging."""
-    log = logging.getLogger("vlm_sdk")
-    if not log.handlers and not logging.getLogger().handlers:
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("[vlm-sdk] %(levelname)s %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-
-
 def main(argv: list[str] | None = None) -> int:
-    _show_engine_logs()
+    show_engine_logs()
     parser = argparse.ArgumentParser(prog="vlm-sdk", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     chat = sub.add_parser("chat", help="ask one question, optionally about images, and stream the answer")

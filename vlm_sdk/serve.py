@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from vlm_sdk.cli import main
+from vlm_sdk.server.cli import serve_main
 
 if __name__ == "__main__":
-    sys.exit(main(["serve", *sys.argv[1:]]))
+    sys.exit(serve_main(sys.argv[1:]))

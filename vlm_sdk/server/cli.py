@@ -7,6 +7,7 @@ bound), so every setting an error message names is a flag of the same name.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from dataclasses import MISSING, fields
 
@@ -57,7 +58,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def add_serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (POST /v1/chat/completions)")
+    add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server (POST /v1/chat/completions)"))
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="HF-format checkpoint directory (default: the tiny random one)")
     d = ServerConfig()
     p.add_argument("--host", default=d.host)
@@ -96,3 +100,34 @@ def run_serve(args: argparse.Namespace) -> int:
                           served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
                           limit_images=args.limit_images, shutdown_timeout=args.shutdown_timeout, media=media)
     return serve(model, config, **engine_kwargs(args))
+
+
+class _StderrHandler(logging.Handler):
+    """Writes to whatever sys.stderr is when a record comes (not the one at start-up)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr, flush=True)
+
+
+def show_engine_logs() -> None:
+    """The engine's start-up memory report and warnings go to stderr unless the caller set up logging."""
+    log = logging.getLogger("vlm_sdk")
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("[vlm-sdk] %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
+def serve_main(argv: list[str]) -> int:
+    """`vlm-sdk serve` without the rest of the CLI: `python -m vlm_sdk.serve`'s body."""
+    from vlm_sdk.errors import VLMError
+    show_engine_logs()
+    parser = argparse.ArgumentParser(prog="python -m vlm_sdk.serve", description="OpenAI-compatible HTTP server "
+                                     "(the same as vlm-sdk serve; torchrun's entry point)")
+    add_serve_arguments(parser)
+    try:
+        return run_serve(parser.parse_args(argv))
+    except VLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
