@@ -116,8 +116,9 @@ def test_a_size_that_does_not_split_the_heads_is_refused_before_any_rank_starts(
 
 
 def test_more_ranks_than_visible_gpus_is_refused(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    with pytest.raises(InvalidRequestError, match=r"needs 4 GPUs .* only 2 are visible.* at most 2"):
-        rank_devices(torch.device("cuda"), 4)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    with pytest.raises(InvalidRequestError, match=r"needs 4 GPUs .* only 3 are visible.*sizes that work here: "
+                                                  r"1, 2 \(at most 3\)"):
+        rank_devices(torch.device("cuda"), 4, lambda limit: [n for n in (1, 2, 4) if n <= limit])
     assert rank_devices(torch.device("cuda:0"), 2) == [torch.device("cuda", 0), torch.device("cuda", 1)]
     assert rank_devices(torch.device("cpu"), 2) == [torch.device("cpu")] * 2

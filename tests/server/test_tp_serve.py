@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -177,9 +176,9 @@ def test_aborted_streams_leave_no_state_on_any_rank(tiny_ckpt):
     assert asyncio.run(main()) == [(0, 0), (0, 0)]
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
 def test_torchrun_runs_the_server_one_process_per_rank(tiny_ckpt):
-    proc, url = _start(["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "vlm_sdk.serve",
+    # `torchrun` is `python -m torch.distributed.run`; the module form needs nothing on PATH
+    proc, url = _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "vlm_sdk.serve",
                         str(tiny_ckpt), "--port", "0", "--served-model-name", "m", "--tensor-parallel-size", "2"])
     try:
         events = _events(_stream(url, 8))

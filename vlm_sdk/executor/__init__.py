@@ -3,7 +3,8 @@ reaches all of them (`make_executor`; executor.py has the interface)."""
 from __future__ import annotations
 
 from vlm_sdk.executor.executor import Executor, InProcessExecutor
-from vlm_sdk.executor.launch import check_no_group_yet, check_tensor_parallel_size, rank_devices
+from vlm_sdk.executor.launch import (check_no_group_yet, check_tensor_parallel_size, rank_devices,
+                                     tensor_parallel_sizes)
 from vlm_sdk.executor.torchrun import run_torchrun_rank, torchrun_rank
 
 __all__ = ["Executor", "make_executor", "check_tensor_parallel_size"]
@@ -22,5 +23,7 @@ def make_executor(model_dir: str, args, hf_config, family) -> Executor:
     if torchrun_rank() is not None:
         return run_torchrun_rank(model_dir, args, device)
     from vlm_sdk.executor.multiproc import MultiprocExecutor
-    return MultiprocExecutor(model_dir, args, rank_devices(device, size))
+    devices = rank_devices(device, size,
+                           lambda limit: tensor_parallel_sizes(family, hf_config, args.shard_vision, limit))
+    return MultiprocExecutor(model_dir, args, devices)
 
