@@ -1,6 +1,11 @@
 """Shared test data: deterministic images and the four conversations the parity tests use."""
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,3 +40,20 @@ def conversations() -> dict[str, list[dict]]:
                        {"role": "assistant", "content": "A colourful square."},
                        {"role": "user", "content": "Which colour is most common?"}],
     }
+
+
+def start_server(cmd: list[str], timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """Run a server command (its own process group, killed with it on failure) until it prints the URL
+    it serves at; (process, "http://127.0.0.1:PORT")."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        match = re.search(r"at (http://127\.0\.0\.1:\d+)", line)
+        if match:
+            return proc, match.group(1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError(f"server did not start: {proc.stderr.read()[-3000:]}")

@@ -65,7 +65,7 @@ def test_plan_agrees_with_engine_within_3_percent_and_report_is_measured(tiny_ck
 def test_two_gpus_with_cuda_graphs_give_the_tokens_of_one(tiny_ckpt):
     """NCCL between two GPUs; decode steps replay CUDA graphs that captured the all-reduces."""
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    convs = conversations()
+    convs = list(conversations().values())
     want = [o.token_ids for o in LLM(tiny_ckpt, device="cuda", dtype="float32", show_progress=False).chat(convs, params)]
     with LLM(tiny_ckpt, device="cuda", dtype="float32", show_progress=False, tensor_parallel_size=2) as two:
         assert two.engine.runner.graphs is not None

@@ -1,8 +1,6 @@
 """`vlm-sdk serve` as a process: SIGTERM stops new work, lets in-flight requests finish within
 --shutdown-timeout, aborts what is left (its stream still ends properly), and exits 0."""
 import json
-import os
-import re
 import signal
 import subprocess
 import sys
@@ -10,23 +8,11 @@ import time
 import urllib.error
 import urllib.request
 
-import pytest
+from helpers import start_server
 
 
 def _start(model, *flags) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "vlm_sdk.cli", "serve", str(model), "--port", "0", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        match = re.search(r"at (http://127\.0\.0\.1:\d+)", line)
-        if match:
-            return proc, match.group(1)
-    proc.kill()
-    pytest.fail(f"server did not start: {proc.stderr.read()}")
+    return start_server([sys.executable, "-m", "vlm_sdk.cli", "serve", str(model), "--port", "0", *flags], timeout=60)
 
 
 def _open_stream(url: str, max_tokens: int):

@@ -7,9 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -18,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import start_server
 from vlm_sdk import AsyncLLM, LLM, SamplingParams
 from vlm_sdk.errors import EngineDeadError
 
@@ -45,21 +44,6 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _start(cmd: list[str], timeout: float = 120) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        match = re.search(r"at (http://127\.0\.0\.1:\d+)", line)
-        if match:
-            return proc, match.group(1)
-    os.killpg(proc.pid, signal.SIGKILL)
-    pytest.fail(f"server did not start: {proc.stderr.read()[-3000:]}")
-
-
 def _stream(url: str, max_tokens: int):
     body = {"model": "m", "messages": HELLO, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
@@ -85,7 +69,7 @@ def _rank_processes(server_pid: int) -> list[int]:
 
 
 def test_server_on_two_ranks_streams_and_sigterm_ends_every_rank(tiny_ckpt):
-    proc, url = _start([sys.executable, "-m", "vlm_sdk.cli", "serve", str(tiny_ckpt), "--port", "0",
+    proc, url = start_server([sys.executable, "-m", "vlm_sdk.cli", "serve", str(tiny_ckpt), "--port", "0",
                         "--served-model-name", "m", "--tensor-parallel-size", "2"])
     try:
         ranks = _rank_processes(proc.pid)
@@ -106,7 +90,7 @@ def test_server_on_two_ranks_streams_and_sigterm_ends_every_rank(tiny_ckpt):
 
 
 def test_killing_a_rank_mid_stream_fails_every_stream(tiny_ckpt):
-    proc, url = _start([sys.executable, "-m", "vlm_sdk.cli", "serve", str(tiny_ckpt), "--port", "0",
+    proc, url = start_server([sys.executable, "-m", "vlm_sdk.cli", "serve", str(tiny_ckpt), "--port", "0",
                         "--served-model-name", "m", "--tensor-parallel-size", "2"])
     try:
         streams = [_stream(url, 3000) for _ in range(2)]
@@ -178,7 +162,7 @@ def test_aborted_streams_leave_no_state_on_any_rank(tiny_ckpt):
 
 def test_torchrun_runs_the_server_one_process_per_rank(tiny_ckpt):
     # `torchrun` is `python -m torch.distributed.run`; the module form needs nothing on PATH
-    proc, url = _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "vlm_sdk.serve",
+    proc, url = start_server([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "vlm_sdk.serve",
                         str(tiny_ckpt), "--port", "0", "--served-model-name", "m", "--tensor-parallel-size", "2"])
     try:
         events = _events(_stream(url, 8))
