@@ -3,6 +3,8 @@ one rank, for every family, under batching and preemption; the size is checked b
 starts; `plan --tp 2` equals the engine's per-rank figures; ranks hold no state after requests end."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from PIL import Image
@@ -103,6 +105,18 @@ def test_replicated_vision_tower_gives_the_same_tokens(internvl_ckpt):
     with LLM(internvl_ckpt, show_progress=False, tensor_parallel_size=2, shard_vision=False) as two:
         assert two.memory_report.weights_vision_bytes > 0
         assert two.chat(conv, GREEDY)[0].token_ids == want
+
+
+def test_a_start_up_refusal_on_every_rank_ends_every_rank_process(tiny_ckpt):
+    """kv_cache_memory below one block: every rank refuses while sizing its cache; the user gets the
+    refusal with its numbers (not a hang, not a rank's traceback) and no rank process is left."""
+    import multiprocessing
+    before = set(multiprocessing.active_children())
+    t0 = time.monotonic()
+    with pytest.raises(InvalidRequestError, match=r"kv_cache_memory=100 bytes holds no KV block"):
+        LLM(tiny_ckpt, show_progress=False, tensor_parallel_size=2, kv_cache_memory=100)
+    assert time.monotonic() - t0 < 60
+    assert [p for p in multiprocessing.active_children() if p not in before] == []
 
 
 def test_a_size_that_does_not_split_the_heads_is_refused_before_any_rank_starts(tiny_ckpt):

@@ -28,6 +28,7 @@ class GroupExecutor(Executor):
         self._serving = False  # heartbeats start with the first step, once start-up is over
         self._stopped = threading.Event()
         self._dead: BaseException | None = None
+        self._broken = False  # a call failed part-way: the ranks may wait in different collectives
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         with self._rpc_lock:
@@ -40,6 +41,7 @@ class GroupExecutor(Executor):
                 result = getattr(self.driver, method)(*args)
                 out = gather_replies(result, self.world_size, self._control) if reply else [result]
             except BaseException as e:
+                self._broken = True
                 err = self._explain(e)
                 if err is e:
                     raise
@@ -55,7 +57,7 @@ class GroupExecutor(Executor):
         """SHUTDOWN to every rank; False when the group is already broken."""
         self._stopped.set()
         with self._rpc_lock:
-            if self._dead is not None:
+            if self._dead is not None or self._broken:
                 return False
             try:
                 broadcast_command(Command(SHUTDOWN), self._control)
