@@ -5,6 +5,7 @@ text on the same caller's thread, between steps, and finishes requests that hit 
 """
 from __future__ import annotations
 
+import weakref
 from typing import Sequence as Seq
 
 from vlm_sdk.engine.llm_engine import LLMEngine
@@ -22,6 +23,8 @@ class LLM:
     def __init__(self, model: str, **engine_args):
         self.engine = LLMEngine(str(model), make_engine_args(**engine_args))
         self.output_processor = OutputProcessor(load_tokenizer(str(model)))
+        # an LLM dropped without shutdown() still ends its rank processes when it is collected
+        weakref.finalize(self, self.engine.shutdown)
 
     def __enter__(self) -> "LLM":
         return self

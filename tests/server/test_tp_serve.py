@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -142,6 +143,29 @@ def test_a_hung_rank_fails_the_step_after_the_distributed_timeout(tiny_ckpt):
     finally:
         llm.shutdown()
     assert not rank.is_alive()
+
+
+def test_ranks_end_when_the_engine_process_is_killed(tiny_ckpt, tmp_path):
+    """SIGKILL of rank 0's process gives it no chance to shut down: its ranks notice and exit."""
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import multiprocessing, sys, time\n"
+        "from vlm_sdk import LLM\n"
+        f"llm = LLM({str(tiny_ckpt)!r}, show_progress=False, tensor_parallel_size=2)\n"
+        "print(*[p.pid for p in multiprocessing.active_children() if p.name.startswith('vlm-tp-rank')], flush=True)\n"
+        "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        ranks = [int(pid) for pid in proc.stdout.readline().split()]
+        assert len(ranks) == 1 and _alive(ranks[0])
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in ranks if _alive(p)], "a rank outlived the engine's process"
+    finally:
+        proc.kill()
 
 
 def test_aborted_streams_leave_no_state_on_any_rank(tiny_ckpt):
