@@ -134,6 +134,7 @@ def test_a_hung_rank_fails_the_step_after_the_distributed_timeout(tiny_ckpt):
     llm = LLM(tiny_ckpt, show_progress=False, tensor_parallel_size=2, distributed_timeout=3)
     rank = llm.engine.executor._procs[0]
     try:
+        time.sleep(5)  # idle longer than the timeout: the heartbeats keep the ranks waiting
         assert llm.chat(HELLO, SamplingParams(max_tokens=4))[0].token_ids
         os.kill(rank.pid, signal.SIGSTOP)  # alive, never answers
         t0 = time.monotonic()

@@ -25,7 +25,7 @@ class GroupExecutor(Executor):
     def _init_group_state(self) -> None:
         self._rpc_lock = threading.Lock()
         self._last_command = time.monotonic()
-        self._serving = False  # heartbeats start with the first step, once start-up is over
+        self._serving = False  # heartbeats start after the first command: every rank has loaded by then
         self._stopped = threading.Event()
         self._dead: BaseException | None = None
         self._broken = False  # a call failed part-way: the ranks may wait in different collectives
@@ -35,7 +35,6 @@ class GroupExecutor(Executor):
             if self._dead is not None:
                 raise self._dead
             reply = method != "execute"
-            self._serving = self._serving or not reply
             try:
                 broadcast_command(Command(method, args, reply), self._control)
                 result = getattr(self.driver, method)(*args)
@@ -48,6 +47,7 @@ class GroupExecutor(Executor):
                 raise err from e
             finally:
                 self._last_command = time.monotonic()
+            self._serving = True
             return out
 
     def _explain(self, exc: BaseException) -> BaseException:
