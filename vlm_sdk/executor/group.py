@@ -56,13 +56,16 @@ class GroupExecutor(Executor):
     def _send_shutdown(self) -> bool:
         """SHUTDOWN to every rank; False when the group is already broken."""
         self._stopped.set()
-        with self._rpc_lock:
+        if not self._rpc_lock.acquire(timeout=5.0):  # a call is stuck in a collective: do not wait for it
+            return False
+        try:
             if self._dead is not None or self._broken:
                 return False
-            try:
-                broadcast_command(Command(SHUTDOWN), self._control)
-            except Exception:  # noqa: BLE001 - a rank is gone
-                return False
+            broadcast_command(Command(SHUTDOWN), self._control)
+        except Exception:  # noqa: BLE001 - a rank is gone
+            return False
+        finally:
+            self._rpc_lock.release()
         return True
 
     def _start_heartbeat(self) -> None:
