@@ -2,6 +2,7 @@
 frozen configs whose every number is final (no "auto" left)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Collection, Mapping
@@ -13,6 +14,20 @@ from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
 DTYPES = MappingProxyType({"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
                            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16})
+
+
+_UNITS = MappingProxyType({"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+                           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+
+
+def parse_bytes(value: int | str, name: str = "device_memory") -> int:
+    """80GiB, 6784MiB, 1.5GB or a plain integer -> bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InvalidRequestError(f"{name}={value!r} is not a size: use e.g. 80GiB, 6784MiB, 40GB or bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 @dataclass(frozen=True)

@@ -34,14 +34,12 @@ which measures them, gets slightly fewer blocks.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, Mapping
 
 import torch
 
-from vlm_sdk.config import DTYPES, DeviceBudget, EngineArgs
+from vlm_sdk.config import DTYPES, DeviceBudget, EngineArgs, parse_bytes
 from vlm_sdk.engine.capacity import max_model_len_fixes
 from vlm_sdk.worker.block_table import blocks_needed
 from vlm_sdk.worker.kv_cache import bytes_per_block, size_cache
@@ -54,26 +52,14 @@ from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.model_loader import read_config
 from vlm_sdk.models import registry
 
-__all__ = ["MemoryPlan", "PLAN_OPTIONS", "Problem", "plan", "parse_bytes"]
+__all__ = ["MemoryPlan", "PLAN_OPTIONS", "Problem", "plan"]
 
-_UNITS = MappingProxyType({"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-                           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
 _ENGINE_OPTIONS = ("memory_utilization", "kv_cache_memory", "num_blocks", "dtype", "block_size", "max_model_len",
                    "max_num_seqs", "max_num_batched_tokens", "shard_vision")
 # each registered family's image option (`FamilySpec.plan_setting`)
 FAMILY_OPTIONS = tuple(registry.plan_settings())
 PLAN_OPTIONS = ("device_memory", "device", *_ENGINE_OPTIONS, *FAMILY_OPTIONS, "tp", "prompt_tokens",
                 "output_tokens", "images")
-
-
-def parse_bytes(value: int | str, name: str = "device_memory") -> int:
-    """80GiB, 6784MiB, 1.5GB or a plain integer -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise InvalidRequestError(f"{name}={value!r} is not a size: use e.g. 80GiB, 6784MiB, 40GB or bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ import json
 
 from vlm_sdk.engine.memory_report import format_bytes as _size, table
 from vlm_sdk.models import registry
-from vlm_sdk.plan.planner import PLAN_OPTIONS, MemoryPlan, parse_bytes, plan
+from vlm_sdk.config import parse_bytes
+from vlm_sdk.plan.planner import PLAN_OPTIONS, MemoryPlan, plan
 
 
 def _problem_lines(title: str, problems) -> list[str]:
