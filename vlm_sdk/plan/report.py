@@ -68,8 +68,9 @@ _HELP = {
                      "model's max_position_embeddings)",
     "max-num-seqs": "most requests running at once (default 64); sizes the logits part of the activation peak",
     "max-num-batched-tokens": "most tokens one engine step computes (default 8192); sizes the activation peak",
-    "prompt-tokens": "workload: TEXT tokens per request only; images are not counted here but by --images, each "
-                     "at the largest size the image setting allows (the 'largest allowed image' row)",
+    "prompt-tokens": "workload: TEXT tokens per request only; images are not counted here: each of --images is "
+                     "counted at the largest allowed size (the 'largest allowed image' row, set by the family's "
+                     "image setting)",
     "output-tokens": "workload: tokens generated per request (max_tokens); counted in the request's length",
     "images": "workload: images per request, each counted at the largest allowed size",
 }
