@@ -89,7 +89,9 @@ class FamilySpec(ABC):
         engine_settings   `Setting`s of `EngineArgs.mm_processor_kwargs` (flags `--<name>`)
         image_settings    `Setting`s an image part may carry (`ImageRef.options`)
         plan_setting      (plan option, engine setting) the planner sizes images by, e.g.
-                          ("max_num", "max_dynamic_patch"); the plan flag is `--<plan option>`
+                          ("max_dynamic_patch", "max_dynamic_patch"); the plan flag is `--<plan option>`.
+                          One vocabulary: the plan option IS the engine setting's name, so a fix
+                          `plan` prints pastes into `vlm-sdk serve` and `LLM(...)`
     """
 
     name: str

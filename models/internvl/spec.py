@@ -2,7 +2,8 @@
 
 Images are cut into 448x448 tiles (at most max_num, plus a thumbnail); each tile is
 tokens_per_tile image tokens. Engine setting: max_dynamic_patch (most tiles per image, default the
-checkpoint's); an image part may set its own `max_num`. The planner sizes images by `--max-num`.
+checkpoint's); an image part may set its own `max_num`. The planner sizes images by the engine setting
+(`--max-dynamic-patch`), so a fix it prints pastes into `vlm-sdk serve` and `LLM(...)`.
 Importing this module imports no model code.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ class InternVLSpec(FamilySpec):
                                                     "(default: the checkpoint's)", maximum=MAX_NUM_LIMIT),)
     image_settings = (Setting("max_num", "most tiles for this image (the thumbnail not counted)",
                               maximum=MAX_NUM_LIMIT),)
-    plan_setting = ("max_num", "max_dynamic_patch")
+    plan_setting = ("max_dynamic_patch", "max_dynamic_patch")
 
     @property
     def model_cls(self) -> type:
@@ -50,12 +51,12 @@ class InternVLSpec(FamilySpec):
         def at(n: int) -> ImageSize:
             tiles = ip.tiles_of_grid(n)
             return ImageSize(tiles * per_tile, tiles * (grid * grid + 1),
-                             f"max_num {n}: {tiles} tiles of {ip.image_size}x{ip.image_size} pixels", n)
+                             f"max_dynamic_patch {n}: {tiles} tiles of {ip.image_size}x{ip.image_size} pixels", n)
 
         def candidates(limit: int) -> int | None:  # tile counts need not shrink with max_num: scan them all
             ok = [n for n in range(ip.min_num, max_num) if at(n).tokens <= limit]
             return max(ok) if ok else None
-        return ImageLimits("max_num", at(max_num), at, candidates)
+        return ImageLimits("max_dynamic_patch", at(max_num), at, candidates)
 
     def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int]:
         return model.vision.cfg.hidden_size, model.vision.cfg.intermediate_size

@@ -65,7 +65,7 @@ def test_two_ranks_give_the_tokens_of_one(family_ckpt):
         # each rank holds half of the KV heads (2 -> 1) and about half of the weights
         assert report.kv_bytes_per_block * 2 == one.memory_report.kv_bytes_per_block
         assert report.weights_bytes < 0.7 * one.memory_report.weights_bytes
-        planned = plan(ckpt, tp=2, num_blocks=num_blocks)
+        planned = plan(ckpt, device=str(one.engine.device), tp=2, num_blocks=num_blocks)
         assert (planned.num_blocks, planned.kv_bytes_per_block, planned.weights_bytes) == \
             (report.num_blocks, report.kv_bytes_per_block, report.weights_bytes)
 
@@ -126,7 +126,7 @@ def test_a_size_that_does_not_split_the_heads_is_refused_before_any_rank_starts(
     assert "tensor_parallel_size=3" in msg and "(4) is not divisible" in msg and "Sizes that work: 1, 2" in msg
     assert e.value.param == "tensor_parallel_size"
     with pytest.raises(InvalidRequestError, match="tensor_parallel_size=3"):
-        plan(tiny_ckpt, tp=3)
+        plan(tiny_ckpt, device="cpu", tp=3)
 
 
 def test_more_ranks_than_visible_gpus_is_refused(monkeypatch):

@@ -17,25 +17,25 @@ MIB = 1 << 20
     ("qwen2_5_vl_3b", 36, 2, 36_864), ("qwen2_5_vl_7b", 28, 4, 57_344),
     ("internvl2_8b", 32, 8, 131_072), ("internvl3_8b_hf", 28, 4, 57_344)])
 def test_kv_bytes_of_published_configs(name, layers, kv_heads, per_token):
-    p = plan(CONFIGS / f"{name}.json", dtype="bfloat16", num_blocks=10)
+    p = plan(CONFIGS / f"{name}.json", dtype="bfloat16", device_memory="80GiB", num_blocks=10)
     assert (p.num_layers, p.num_kv_heads, p.head_dim) == (layers, kv_heads, 128)
     assert p.kv_bytes_per_token == per_token == layers * 2 * kv_heads * 128 * 2
     assert p.kv_bytes_per_block == per_token * 16
-    half = plan(CONFIGS / f"{name}.json", dtype="bfloat16", num_blocks=10, tp=2)
+    half = plan(CONFIGS / f"{name}.json", dtype="bfloat16", device_memory="80GiB", num_blocks=10, tp=2)
     assert half.kv_bytes_per_token * 2 == per_token and half.num_kv_heads * 2 == kv_heads
     assert half.weights_language_model_bytes < p.weights_language_model_bytes
 
 
 def test_internvl2_8b_block_and_weights():
-    p = plan(CONFIGS / "internvl2_8b.json", dtype="bfloat16", block_size=64, num_blocks=1)
+    p = plan(CONFIGS / "internvl2_8b.json", dtype="bfloat16", device_memory="80GiB", block_size=64, num_blocks=1)
     assert p.kv_bytes_per_block == 8_388_608
     assert 7.9e9 < p.weights_bytes / 2 < 8.2e9  # ~8.1B parameters in bf16
     assert p.image_tokens_per_image == 13 * 256  # max_dynamic_patch 12 + thumbnail
 
 
 def test_weights_of_qwen_3b_and_7b():
-    assert 3.6e9 < plan(CONFIGS / "qwen2_5_vl_3b.json", dtype="bfloat16", num_blocks=1).weights_bytes / 2 < 3.9e9
-    assert 8.1e9 < plan(CONFIGS / "qwen2_5_vl_7b.json", dtype="bfloat16", num_blocks=1).weights_bytes / 2 < 8.4e9
+    assert 3.6e9 < plan(CONFIGS / "qwen2_5_vl_3b.json", dtype="bfloat16", device_memory="80GiB", num_blocks=1).weights_bytes / 2 < 3.9e9
+    assert 8.1e9 < plan(CONFIGS / "qwen2_5_vl_7b.json", dtype="bfloat16", device_memory="80GiB", num_blocks=1).weights_bytes / 2 < 8.4e9
 
 
 def test_tp_must_split_the_heads():
@@ -43,28 +43,30 @@ def test_tp_must_split_the_heads():
     copy of one KV head (as vLLM does), so the per-rank KV bytes halve from tp=2 to tp=4 no more."""
     with pytest.raises(InvalidRequestError, match=r"tensor_parallel_size=3 .*attention heads \(16\) .*"
                                                   r"Sizes that work: 1, 2, 4, 8, 16"):
-        plan(CONFIGS / "qwen2_5_vl_3b.json", dtype="bfloat16", num_blocks=1, tp=3)
-    per_rank = {tp: plan(CONFIGS / "qwen2_5_vl_3b.json", dtype="bfloat16", num_blocks=1, tp=tp) for tp in (1, 2, 4)}
+        plan(CONFIGS / "qwen2_5_vl_3b.json", dtype="bfloat16", device_memory="80GiB", num_blocks=1, tp=3)
+    per_rank = {tp: plan(CONFIGS / "qwen2_5_vl_3b.json", dtype="bfloat16", device_memory="80GiB", num_blocks=1, tp=tp) for tp in (1, 2, 4)}
     assert per_rank[2].kv_bytes_per_block * 2 == per_rank[1].kv_bytes_per_block
     assert per_rank[4].kv_bytes_per_block == per_rank[2].kv_bytes_per_block
     assert per_rank[4].weights_bytes < per_rank[2].weights_bytes < per_rank[1].weights_bytes
     with pytest.raises(UnknownArgumentError):
         plan(CONFIGS / "qwen2_5_vl_3b.json", num_blokcs=1)
+    with pytest.raises(UnknownArgumentError, match="max_num: use max_dynamic_patch"):
+        plan(CONFIGS / "internvl2_8b.json", device_memory="80GiB", max_num=4)
 
 
 def test_lmdeploy_seed_scenario():
     budget = int((6784 - 5061) * MIB * 0.1)
-    p = plan(CONFIGS / "internvl2_8b.json", dtype="bfloat16", block_size=64, kv_cache_memory=budget,
-             prompt_tokens=118, images=1, output_tokens=0)
+    p = plan(CONFIGS / "internvl2_8b.json", dtype="bfloat16", device_memory="24GiB", block_size=64,
+             kv_cache_memory=budget, prompt_tokens=118, images=1, output_tokens=0)
     assert (p.num_blocks, p.capacity_tokens) == (21, 1344)
     assert p.request_tokens == 3446 and p.max_concurrent_requests == 0
-    # 13 tiles (3328 tokens) do not fit 1344 tokens alone; max_num 4 (4 tiles + thumbnail) does
+    # 13 tiles (3328 tokens) do not fit 1344 tokens alone; max_dynamic_patch 4 (4 tiles + thumbnail) does
     assert (p.image_tokens_per_image, p.largest_fitting_image_tokens) == (3328, 1280)
-    assert "max_num 4" in p.largest_fitting_image
+    assert "max_dynamic_patch 4" in p.largest_fitting_image
     [problem] = [pr for pr in p.problems if "3446" in pr.message]
     assert problem.fixes["num_blocks"] >= 54
     assert problem.fixes["kv_cache_memory"] == problem.fixes["num_blocks"] * 8_388_608
-    fixed = plan(CONFIGS / "internvl2_8b.json", dtype="bfloat16", block_size=64,
+    fixed = plan(CONFIGS / "internvl2_8b.json", dtype="bfloat16", device_memory="24GiB", block_size=64,
                  kv_cache_memory=problem.fixes["kv_cache_memory"], prompt_tokens=3446)
     assert fixed.num_blocks >= 54 and fixed.max_concurrent_requests == 1 and not fixed.problems
 
@@ -104,6 +106,8 @@ def test_cli_json_and_table(capsys):
     assert out["kv_bytes_per_token"] == 36_864 and out["max_concurrent_requests"] == 64
     assert out["problems"] == [] and out["notes"] == [] and out["largest_fitting_image_tokens"] > 0
     assert main(["plan", str(CONFIGS / "internvl2_8b.json"), "--dtype", "bf16", "--block-size", "64",
-                 "--kv-cache-memory", str(int(1723 * MIB * 0.1)), "--prompt-tokens", "3446"]) == 0
+                 "--device-memory", "24GiB", "--kv-cache-memory", f"{int(1723 * MIB * 0.1)}B",
+                 "--prompt-tokens", "3446"]) == 0
     table = capsys.readouterr().out
     assert "KV capacity" in table and "1,344 tokens" in table and "num_blocks=54" in table
+    assert "--kv-cache-memory 432MiB" in table  # 54 blocks x 8 MiB, with its unit: pastes into serve / LLM

@@ -119,17 +119,16 @@ def _agree(ckpt, options, engine_options):
 
 
 @pytest.mark.parametrize("fixture", ["internvl_llama_ckpt", "internvl_original_ckpt", "internvl_internlm2_ckpt"])
-@pytest.mark.parametrize("options", [{}, {"max_num": 2, "num_blocks": 50, "block_size": 32}])
+@pytest.mark.parametrize("options", [{}, {"max_dynamic_patch": 2, "num_blocks": 50, "block_size": 32}])
 def test_plan_equals_engine_on_the_other_internvl_layouts(request, fixture, options):
     """Each family's default layout: tests/e2e/test_family_capacity.py."""
-    engine_options = {("max_dynamic_patch" if k == "max_num" else k): v for k, v in options.items()}
-    _agree(request.getfixturevalue(fixture), options, engine_options)
+    _agree(request.getfixturevalue(fixture), options, options)  # plan takes the engine's setting names
 
 
 def test_plan_refuses_the_other_familys_image_setting(tiny_ckpt, internvl_ckpt):
-    with pytest.raises(InvalidRequestError, match="--max-num is not a setting of Qwen2.5-VL.*use --max-pixels"):
-        plan(tiny_ckpt, max_num=3)
-    with pytest.raises(InvalidRequestError, match="use --max-num"):
+    with pytest.raises(InvalidRequestError, match="--max-dynamic-patch is not a setting of Qwen2.5-VL.*use --max-pixels"):
+        plan(tiny_ckpt, max_dynamic_patch=3)
+    with pytest.raises(InvalidRequestError, match="use --max-dynamic-patch"):
         plan(internvl_ckpt, max_pixels=200_000)
 
 

@@ -33,7 +33,7 @@ def test_every_family_provides_the_spec(name):
     assert registry.resolve([entry.architectures[0]]) is fam
     assert all(isinstance(s, Setting) and s.help for s in fam.engine_settings + fam.image_settings)
     option, setting = fam.plan_setting
-    assert setting in {s.name for s in fam.engine_settings} and option
+    assert setting in {s.name for s in fam.engine_settings} and option == setting  # one vocabulary (issue 20)
     for cls in (fam.model_cls, fam.processor_cls, fam.image_processor_cls):
         assert isinstance(cls, type)
     assert fam.model_cls.position_rows in (1, 3)
@@ -125,7 +125,7 @@ def test_a_new_family_is_one_registry_line(tiny_ckpt, tmp_path, monkeypatch):
     (ckpt / "config.json").write_text(json.dumps({**config, "architectures": ["NewVLForConditionalGeneration"]}))
 
     assert registry.resolve(["NewVLForConditionalGeneration"]) is module.FAMILY
-    p = plan(ckpt, num_blocks=64, max_pixels=28 * 28 * 16)
+    p = plan(ckpt, device="cpu", num_blocks=64, max_pixels=28 * 28 * 16)
     assert p.family == "newvl" and p.image_tokens_per_image == 16
     conv = [{"role": "user", "content": "Say something."}]
     params = SamplingParams(max_tokens=4, temperature=0.0)

@@ -13,6 +13,9 @@ and the too-long error use it too). Units: bytes unless a name says tokens / blo
                          | (device memory * memory_utilization - in use - activation peak) // per_block
                          | the CPU default (max_num_seqs full-length sequences, at most 1 GiB)
     in use             = weights, plus with --device cuda:N what is in use on it now
+    fits               in use + activation peak + num_blocks * per_block <= device memory (or host RAM
+                       with --device cpu): else a problem naming the largest num_blocks / kv_cache_memory
+                       that fits (`device.py`). With no device given and no GPU here, `plan` refuses.
 
 Weights per rank with `tp`: the model is built on the meta device as rank 0 of `tp` ranks builds it
 (vlm_sdk/executor/launch.py checks the same split), so its parameters are exactly one rank's: the
@@ -39,7 +42,7 @@ from typing import Any, Mapping
 
 import torch
 
-from vlm_sdk.config import DTYPES, DeviceBudget, EngineArgs, parse_bytes
+from vlm_sdk.config import DTYPES, DeviceBudget, EngineArgs
 from vlm_sdk.engine.capacity import max_model_len_fixes
 from vlm_sdk.worker.block_table import blocks_needed
 from vlm_sdk.worker.kv_cache import bytes_per_block, size_cache
@@ -51,6 +54,8 @@ from vlm_sdk.executor.launch import check_tensor_parallel_size
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.model_loader import read_config
 from vlm_sdk.models import registry
+from vlm_sdk.plan import device as _device
+from vlm_sdk.plan.device import DEVICE_HINT, Memory, cache_fit_problem, parse_size, size_text
 
 __all__ = ["MemoryPlan", "PLAN_OPTIONS", "Problem", "plan"]
 
@@ -58,15 +63,15 @@ _ENGINE_OPTIONS = ("memory_utilization", "kv_cache_memory", "num_blocks", "dtype
                    "max_num_seqs", "max_num_batched_tokens", "shard_vision")
 # each registered family's image option (`FamilySpec.plan_setting`)
 FAMILY_OPTIONS = tuple(registry.plan_settings())
-PLAN_OPTIONS = ("device_memory", "device", *_ENGINE_OPTIONS, *FAMILY_OPTIONS, "tp", "prompt_tokens",
-                "output_tokens", "images")
+PLAN_OPTIONS = ("device_memory", "device", "host_memory", *_ENGINE_OPTIONS, *FAMILY_OPTIONS, "tp",
+                "prompt_tokens", "output_tokens", "images")
 
 
 @dataclass(frozen=True)
 class Problem:
     message: str
-    fixes: Mapping[str, int | float] = field(default_factory=dict)  # setting -> a value that solves it
-    together: Mapping[str, int | float] = field(default_factory=dict)  # settings that only solve it all at once
+    fixes: Mapping[str, int | float | str] = field(default_factory=dict)  # setting -> a value that solves it
+    together: Mapping[str, int | float | str] = field(default_factory=dict)  # settings that only solve it together
 
     def to_dict(self) -> dict:
         return {"message": self.message, "fixes": dict(self.fixes), "together": dict(self.together)}
@@ -78,6 +83,7 @@ class MemoryPlan(MemoryTotals):
     architecture: str
     family: str                      # the registered family name (`FamilySpec.name`)
     device: str                      # "cpu", "cuda:0", or "device memory" when --device-memory was given
+    host_memory_bytes: int | None    # --device cpu: the RAM weights + activations + KV cache are checked against
     dtype: str
     tp: int
     # weights, bytes per rank
@@ -142,16 +148,21 @@ class MemoryPlan(MemoryTotals):
 
 def plan(config_path_or_dir, **options) -> MemoryPlan:
     """The memory plan of a config of any registered family (a directory or the config.json file).
-    Options (all optional): device_memory (bytes or "80GiB") or device ("cpu", "cuda:N": read its
-    total), memory_utilization, kv_cache_memory, num_blocks, dtype, block_size, max_model_len,
-    max_num_seqs, max_num_batched_tokens, the family's image option (`FAMILY_OPTIONS`: the one its
-    `plan_setting` names), tp, and a workload prompt_tokens (text) / output_tokens / images per request. `InvalidRequestError` for a
-    bad option, `CheckpointError` for a config the engine could not serve either."""
+    Where: device_memory ("80GiB", or an int of bytes) or device ("cpu"; "cuda:N": read its total);
+    one of them is required on a machine without a GPU (with one, its GPU is planned). host_memory
+    (with device="cpu"; default this machine's RAM). Settings (the engine's names and units):
+    memory_utilization, kv_cache_memory ("2GiB" or bytes), num_blocks, dtype, block_size,
+    max_model_len, max_num_seqs, max_num_batched_tokens, the family's image setting (`FAMILY_OPTIONS`:
+    max_pixels, max_dynamic_patch), tp, shard_vision, and a workload per request: prompt_tokens (text
+    only), images (each at the largest allowed size), output_tokens. `InvalidRequestError` for a bad
+    option, `CheckpointError` for a config the engine could not serve either."""
     unknown = sorted(set(options) - set(PLAN_OPTIONS))
     if unknown:
-        raise UnknownArgumentError(f"unknown plan option(s) {unknown}; accepted: {sorted(PLAN_OPTIONS)}")
+        hints = "".join(f"; {k}: use {_image_field_hints()[k]}" for k in unknown if k in _image_field_hints())
+        raise UnknownArgumentError(f"unknown plan option(s) {unknown}{hints}; accepted: {sorted(PLAN_OPTIONS)}")
     o = dict.fromkeys(PLAN_OPTIONS) | {k: v for k, v in options.items() if v is not None}
-    args = EngineArgs.from_kwargs(**{k: o[k] for k in _ENGINE_OPTIONS if o[k] is not None})
+    sizes = {k: parse_size(o[k], k) for k in ("device_memory", "kv_cache_memory", "host_memory") if o[k] is not None}
+    args = EngineArgs.from_kwargs(**{k: sizes.get(k, o[k]) for k in _ENGINE_OPTIONS if o[k] is not None})
     plan_settings = registry.plan_settings()
     for name, (fam, setting) in plan_settings.items():
         if o[name] is not None:  # checked by the declaring family's schema, under the plan option's name
@@ -173,16 +184,7 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
                                       f"{info.architecture}): use --{_flag(option)}", param=other)
     family_options = {} if o[option] is None else {setting: o[option]}
 
-    # device: the engine's default when neither is given (CUDA when available, else the CPU)
-    device_memory, other_use = None, 0
-    if o["device_memory"] is not None:
-        device_memory, device = parse_bytes(o["device_memory"]), "device memory"
-    else:
-        dev = EngineArgs(device=o["device"]).resolve_device()
-        device = str(dev)
-        if dev.type == "cuda":  # what is in use now (CUDA context, other processes) stays in use
-            free, device_memory = torch.cuda.mem_get_info(dev)
-            other_use = device_memory - free
+    device, device_memory, other_use, host_memory = _where(o, sizes)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
 
     check_tensor_parallel_size(family, info.hf_config, tp, args.shard_vision)  # the engine's refusal
@@ -203,6 +205,10 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     budget = None if device_memory is None else DeviceBudget(device_memory, other_use + weights.total, peak)
     cache = size_cache(args, per_block, max_pos, budget)
     blocks = max(cache.num_blocks, 0)
+    memory = (Memory(device_memory, other_use, "device memory") if device_memory is not None else
+              Memory(host_memory, 0, "host RAM"))
+    if budget is None:  # the CPU: grow-the-cache fixes are bounded by host RAM (sizing rules stay the engine's)
+        cache = dataclasses.replace(cache, budget=DeviceBudget(host_memory, weights.total, peak))
     capacity = blocks * args.block_size
     max_model_len = args.max_model_len or min(max_pos, capacity)
     longest = min(capacity, max_pos, max_model_len)
@@ -210,6 +216,10 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
 
     problems: list[Problem] = []  # the engine would refuse to start, or a request would be refused
     notes: list[Problem] = []  # it runs, but below what the settings ask for
+    too_big = cache_fit_problem(memory, weights.total, peak, blocks, per_block, cache.rule, cache.source) \
+        if blocks >= 1 and (device_memory is None or cache.rule != "memory_utilization") else None
+    if too_big is not None:  # memory_utilization sizes the cache to fit by construction
+        problems.append(Problem(*too_big))
     if blocks < 1:
         fixes = cache.fixes_for(1)
         problems.append(Problem(f"no room for one KV block ({per_block:,} bytes) with {cache.source}"
@@ -280,6 +290,7 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
 
     return MemoryPlan(
         config_path=str(info.config_path), architecture=info.architecture, family=family.name, device=device,
+        host_memory_bytes=host_memory,
         dtype=str(dtype).removeprefix("torch."), tp=tp, weights_language_model_bytes=weights.language_model,
         weights_vision_bytes=weights.vision, weights_projector_bytes=weights.projector,
         activation_language_model_bytes=act_lm, activation_vision_bytes=act_vision, num_layers=layers,
@@ -294,12 +305,51 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
         max_concurrent_requests=concurrent, problems=tuple(problems), notes=tuple(notes))
 
 
+def _where(o: dict, sizes: dict) -> tuple[str, int | None, int, int | None]:
+    """(device in words, device memory or None on the CPU, bytes in use on it now, host RAM on the CPU)."""
+    if o["device_memory"] is not None and o["device"] is not None:
+        raise InvalidRequestError(f"device_memory and device={o['device']!r} are both set: give one "
+                                  f"({DEVICE_HINT})", param="device")
+    if o["device_memory"] is not None:
+        where = ("device memory", sizes["device_memory"], 0, None)
+    elif o["device"] is None and not torch.cuda.is_available():
+        raise InvalidRequestError(f"plan for which device? This machine has no GPU: give {DEVICE_HINT}",
+                                  param="device")
+    else:
+        dev = EngineArgs(device=o["device"]).resolve_device()  # no device given: this machine's GPU
+        if dev.type == "cpu":
+            where = ("cpu", None, 0, sizes.get("host_memory") or _device.host_memory_bytes())
+        else:  # what is in use now (CUDA context, other processes) stays in use
+            free, total = torch.cuda.mem_get_info(dev)
+            where = (str(dev), total, total - free, None)
+    if o["host_memory"] is not None and where[0] != "cpu":
+        raise InvalidRequestError("host_memory is the RAM of a CPU plan: give it with --device cpu", param="host_memory")
+    return where
+
+
+def _image_field_hints() -> dict[str, str]:
+    """An image part's own field that is not an engine setting -> the engine setting plan takes instead."""
+    out = {}
+    for fam in registry.families():
+        engine = {s.name for s in fam.engine_settings}
+        for s in fam.image_settings:
+            if s.name not in engine:
+                out.setdefault(s.name, f"{fam.plan_setting[0]} ({s.name} is only an image part's own field in "
+                                       f"{fam.display_name})")
+    return out
+
+
 def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-def _flags(fixes: Mapping[str, int | float], sep: str) -> str:
-    return sep.join(f"--{_flag(k)} {v}" for k, v in fixes.items())
+def _value(name: str, v) -> str:
+    """A fix's value as its flag takes it: sizes with a unit (an int of bytes -> 432MiB)."""
+    return size_text(v) if name == "kv_cache_memory" and isinstance(v, int) else str(v)
+
+
+def _flags(fixes: Mapping[str, int | float | str], sep: str) -> str:
+    return sep.join(f"--{_flag(k)} {_value(k, v)}" for k, v in fixes.items())
 
 
 def _activations(model, vision_widths: tuple[int, int], patches: int, args: EngineArgs, max_pos: int,

@@ -6,17 +6,16 @@ import json
 
 from vlm_sdk.engine.memory_report import format_bytes as _size, table
 from vlm_sdk.models import registry
-from vlm_sdk.config import parse_bytes
-from vlm_sdk.plan.planner import PLAN_OPTIONS, MemoryPlan, plan
+from vlm_sdk.plan.planner import PLAN_OPTIONS, MemoryPlan, _value, plan
 
 
 def _problem_lines(title: str, problems) -> list[str]:
     if not problems:
         return [f"{title}: none"]
     def listed(pr) -> str:
-        parts = [", ".join(f"{k}={v}" for k, v in pr.fixes.items())] if pr.fixes else []
+        parts = [", ".join(f"{k}={_value(k, v)}" for k, v in pr.fixes.items())] if pr.fixes else []
         if pr.together:
-            parts.append("together: " + " + ".join(f"{k}={v}" for k, v in pr.together.items()))
+            parts.append("together: " + " + ".join(f"{k}={_value(k, v)}" for k, v in pr.together.items()))
         return f"  [fixes: {'; '.join(parts)}]" if parts else ""
     return [f"{title}:"] + [f"  - {pr.message}{listed(pr)}" for pr in problems]
 
@@ -27,6 +26,9 @@ def format_plan(p: MemoryPlan) -> str:
         device_memory = f"{_size(p.device_memory_bytes)} x memory_utilization {p.memory_utilization}"
         if p.device_in_use_bytes is not None:
             device_memory += f"; {_size(p.device_in_use_bytes)} in use on it now"
+    elif p.host_memory_bytes:
+        device_memory = (f"host RAM {_size(p.host_memory_bytes)} (weights + activation peak + KV cache are "
+                         f"checked against it)")
     rows = [
         ("model", f"{p.architecture} ({p.config_path})"),
         ("device / dtype / tp", f"{p.device}, {p.dtype}, tp={p.tp}"),
@@ -57,35 +59,62 @@ def format_plan(p: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
+_SIZE = "a size with a unit: 80GiB, 6784MiB, 40GB, 180709785B (a bare number is refused)"
+_HELP = {
+    "num-blocks": "KV cache blocks (overrides --kv-cache-memory and --memory-utilization); checked against the "
+                  "device: a cache that does not fit beside the weights and activations is a problem",
+    "block-size": "tokens per KV block (default 16)",
+    "max-model-len": "longest sequence (prompt + output) in tokens (default: what the cache holds, at most the "
+                     "model's max_position_embeddings)",
+    "max-num-seqs": "most requests running at once (default 64); sizes the logits part of the activation peak",
+    "max-num-batched-tokens": "most tokens one engine step computes (default 8192); sizes the activation peak",
+    "prompt-tokens": "workload: TEXT tokens per request only; images are not counted here: each of --images is "
+                     "counted at the largest allowed size (the 'largest allowed image' row, set by the family's "
+                     "image setting)",
+    "output-tokens": "workload: tokens generated per request (max_tokens); counted in the request's length",
+    "images": "workload: images per request, each counted at the largest allowed size",
+}
+
+
 def add_plan_parser(sub) -> None:
-    cmd = sub.add_parser("plan", help="how memory would be split (weights, activations, KV cache) and what "
-                         "fits, from config.json alone")
+    cmd = sub.add_parser(
+        "plan", help="how memory would be split (weights, activations, KV cache) and what fits, from config.json alone",
+        description="Plan memory from config.json alone (nothing is loaded). Give the device: --device-memory 24GiB "
+                    "(a GPU of that much memory, bfloat16) or --device cpu / cuda:N; without either, this machine's "
+                    "GPU, and on a machine with no GPU plan refuses and asks. Options are the engine's settings, with "
+                    "the same names and units as vlm-sdk serve and LLM(...): a fix plan prints pastes into either.")
     cmd.add_argument("model", help="checkpoint directory or its config.json")
     dev = cmd.add_mutually_exclusive_group()
-    dev.add_argument("--device-memory", help="device memory to plan for, e.g. 80GiB")
-    dev.add_argument("--device", help="read the total memory of this device (cuda:0), or 'cpu'")
-    cmd.add_argument("--memory-utilization", type=float)
-    cmd.add_argument("--kv-cache-memory", help="KV cache bytes (e.g. 2GiB)")
+    dev.add_argument("--device-memory", help=f"plan a device of this much memory, e.g. 24GiB ({_SIZE}); bfloat16 "
+                     "unless --dtype says otherwise")
+    dev.add_argument("--device", help="plan this device: cuda:N (reads its total memory and what is in use on it) "
+                     "or cpu (float32 by default; weights + activations + KV cache checked against host RAM)")
+    cmd.add_argument("--host-memory", help=f"with --device cpu: the host RAM to check against (default: this "
+                     f"machine's, /proc/meminfo MemTotal); {_SIZE}")
+    cmd.add_argument("--memory-utilization", type=float, help="share of TOTAL device memory (like vLLM's "
+                     "gpu_memory_utilization, not LMDeploy's share of free memory) for weights + activations + KV "
+                     "cache (default 0.9); sizes the cache when neither --num-blocks nor --kv-cache-memory is set")
+    cmd.add_argument("--kv-cache-memory", help=f"KV cache size, e.g. 2GiB ({_SIZE}); overrides "
+                     "--memory-utilization; checked against the device")
     for name in ("num-blocks", "block-size", "max-model-len", "max-num-seqs", "max-num-batched-tokens"):
-        cmd.add_argument(f"--{name}", type=int)
+        cmd.add_argument(f"--{name}", type=int, help=_HELP[name])
     for name, (family, setting) in registry.plan_settings().items():  # each family's image option
         schema = next(s for s in family.engine_settings if s.name == setting)
         cmd.add_argument(f"--{name.replace('_', '-')}", type=schema.type,
-                         help=f"{family.display_name}: {schema.help} (the engine's {setting})")
+                         help=f"{family.display_name} only: {schema.help} (the engine setting {setting}, as in "
+                              f"vlm-sdk serve and LLM(...))")
     cmd.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int,
                      help="tensor-parallel ranks: figures are per rank, as the engine's start-up report shows them")
     cmd.add_argument("--shard-vision", action=argparse.BooleanOptionalAction, default=None,
                      help="with --tp: split the vision tower over the ranks (the default) or not")
     for name in ("prompt-tokens", "output-tokens", "images"):
-        cmd.add_argument(f"--{name}", type=int)
-    cmd.add_argument("--dtype")
+        cmd.add_argument(f"--{name}", type=int, help=_HELP[name])
+    cmd.add_argument("--dtype", help="weights and KV cache dtype: bfloat16 / float16 / float32 (default bfloat16 on "
+                     "a GPU, float32 on the CPU, as the engine)")
     cmd.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run_plan(args) -> int:
-    options = {k: getattr(args, k) for k in PLAN_OPTIONS}
-    if args.kv_cache_memory is not None:
-        options["kv_cache_memory"] = parse_bytes(args.kv_cache_memory, "kv_cache_memory")
-    result = plan(args.model, **options)
+    result = plan(args.model, **{k: getattr(args, k) for k in PLAN_OPTIONS})
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
     return 0

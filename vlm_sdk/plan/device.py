@@ -1,0 +1,102 @@
+"""What `plan` plans for, and whether the cache fits there.
+
+    device      --device-memory SIZE (a device of that much memory, bfloat16 by default)
+                | --device cuda[:N] (its total memory, and what is in use on it now)
+                | --device cpu (host RAM: MemTotal of /proc/meminfo, or --host-memory SIZE)
+                | nothing: this machine's GPU; with no GPU, `plan` refuses and asks for one of the above
+    fits        in use + weights + activation peak + KV cache <= device (or host) memory
+
+Sizes: an int is bytes; a string needs a unit (24GiB, 6784MiB, 1.5GB, 180709785B): `--device-memory 24`
+is refused with the sizes it may have meant, never read as 24 bytes.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from vlm_sdk.config import parse_bytes
+from vlm_sdk.engine.memory_report import format_bytes
+from vlm_sdk.errors import InvalidRequestError
+
+__all__ = ["DEVICE_HINT", "cache_fit_problem", "host_memory_bytes", "parse_size", "size_text"]
+
+DEVICE_HINT = ("--device-memory 24GiB (device_memory=\"24GiB\": a GPU of that much memory, bfloat16), or "
+               "--device cpu (device=\"cpu\": this machine's CPU, float32, checked against its RAM)")
+_SIZE_OPTIONS = ("device_memory", "kv_cache_memory", "host_memory")
+
+
+def parse_size(value: int | str, name: str) -> int:
+    """An int is bytes; a string must carry a unit. `InvalidRequestError` (param=name) otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InvalidRequestError(f"{name}={value!r} is not a size: use e.g. {name}=\"24GiB\" (or an int of bytes)",
+                                  param=name)
+    if isinstance(value, str) and re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", value):
+        n = float(value)
+        meant = f"{value.strip()}GiB" if n < 4096 else f"{value.strip()}B (bytes) or {size_text(int(n), exact=False)}"
+        raise InvalidRequestError(
+            f"{name}={value!r} has no unit: write e.g. --{name.replace('_', '-')} {meant} ({name}=\"{meant.split()[0]}\"; "
+            f"units: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB; an int in Python is bytes)", param=name)
+    n = parse_bytes(value, name)
+    if n < 1:
+        raise InvalidRequestError(f"{name}={value!r} must be a positive size, e.g. 24GiB", param=name)
+    return n
+
+
+def size_text(n: int, exact: bool = True) -> str:
+    """Bytes as a size every entry point accepts: the largest binary unit that divides `n` exactly
+    (8388608 -> 8MiB), else `n`B; with exact=False, rounded down to 2 decimals of the largest unit."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and (n % scale == 0 or not exact):
+            return f"{n // scale}{unit}" if n % scale == 0 else f"{int(n * 100 / scale) / 100}{unit}"
+    return f"{n}B"
+
+
+def host_memory_bytes() -> int:
+    """This machine's RAM (MemTotal of /proc/meminfo; else the sysconf page count)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Where the plan runs: `total` bytes, of which `other_use` is taken before the model loads."""
+    total: int
+    other_use: int
+    what: str  # "device memory" | "host RAM"
+
+
+def cache_fit_problem(mem: Memory, weights: int, peak: int, num_blocks: int, per_block: int, rule: str,
+                      source: str):
+    """(message, fixes) when the KV cache does not fit beside the weights and the activation peak,
+    naming the largest num_blocks / kv_cache_memory that does (only settings that would take effect:
+    num_blocks overrides kv_cache_memory); None when it fits."""
+    cache = num_blocks * per_block
+    room = mem.total - mem.other_use - weights - peak
+    if cache <= room:
+        return None
+    used = f"{format_bytes(weights)} of weights"
+    if mem.other_use:
+        used += f", {format_bytes(mem.other_use)} already in use"
+    head = (f"the KV cache of {num_blocks:,} blocks = {format_bytes(cache)} ({source}) does not fit in "
+            f"{format_bytes(mem.total)} of {mem.what} beside {used} and the {format_bytes(peak)} activation peak "
+            f"(an estimate)")
+    fit = max(room, 0) // per_block
+    if room <= 0:
+        return (f"{head}: the weights and the activation peak alone need {format_bytes(mem.total - room)}, more "
+                f"than the {mem.what}, even without a KV cache; plan more memory, a smaller --dtype or more --tp", {})
+    if fit < 1:
+        return (f"{head}: not one {per_block:,}-byte block fits in the {format_bytes(room)} left; lower "
+                f"--max-num-batched-tokens / --max-num-seqs / the image size setting, or plan more memory", {})
+    fixes: dict[str, int | str] = {}
+    if rule != "num_blocks":
+        fixes["kv_cache_memory"] = fit * per_block
+    fixes["num_blocks"] = fit
+    return (f"{head}: {format_bytes(room)} is left for it; the largest that fits is num_blocks={fit} "
+            f"(kv_cache_memory={size_text(fit * per_block)} = {format_bytes(fit * per_block)})", fixes)
