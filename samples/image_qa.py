@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from vlm_sdk.errors import VLMError
+from vlm_sdk.outputs import terminal_text  # control characters in model text shown as escapes
 
 
 async def ask_server(url: str, api_key: str | None, messages: list, max_tokens: int) -> None:
@@ -24,7 +25,7 @@ async def ask_server(url: str, api_key: str | None, messages: list, max_tokens: 
     usage = None
     async with AsyncClient(url, api_key) as client:
         async for delta in client.chat_stream(messages, max_tokens=max_tokens, temperature=0.0):
-            print(delta.text, end="", flush=True)
+            print(terminal_text(delta.text), end="", flush=True)
             usage = delta.usage or usage
     print()
     if usage is not None:
@@ -37,7 +38,7 @@ async def ask_in_process(model: str, messages: list, max_tokens: int) -> None:
     last = None
     async with AsyncLLM(model, show_progress=False) as engine:
         async for out in engine.chat_stream(messages, SamplingParams(max_tokens=max_tokens, temperature=0.0)):
-            print(out.delta_text, end="", flush=True)
+            print(terminal_text(out.delta_text), end="", flush=True)
             last = out
     print()
     print(f"[{len(last.prompt_token_ids)} prompt tokens (image included), {len(last.token_ids)} generated]",

@@ -89,18 +89,19 @@ class AsyncLLM:
         self._prep.shutdown(wait=False)
 
     # -- public API -------------------------------------------------------------------------------
-    async def build_prompt(self, messages) -> PromptInputs:
+    async def build_prompt(self, messages, params: SamplingParams | None = None) -> PromptInputs:
         """Validate, decode images and tokenize off the event loop; raises the request's own error
-        (`InvalidRequestError`, `InvalidImageError`, `InputTooLongError`) before anything is queued."""
+        (`InvalidRequestError`, `InvalidImageError`, `InputTooLongError`, whose fixes fit the prompt
+        and `params.max_tokens`) before anything is queued."""
         self._check_alive()
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._prep, self.engine.build_prompt, messages)
+        return await loop.run_in_executor(self._prep, self.engine.build_prompt, messages, params)
 
     async def chat_stream(self, messages, params: SamplingParams | None = None,
                           request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as tokens arrive; the last one has `finish_reason` set."""
         params = _check_params(params)
-        prompt = await self.build_prompt(messages)
+        prompt = await self.build_prompt(messages, params)
         async for out in self.generate(prompt, params, request_id):
             yield out
 

@@ -12,6 +12,7 @@ import time
 from vlm_sdk.demo_checkpoint import tiny_model_dir
 from vlm_sdk.errors import VLMError
 from vlm_sdk.models import registry
+from vlm_sdk.outputs import terminal_text
 from vlm_sdk.server.cli import show_engine_logs
 
 FAMILIES = registry.family_names()  # --family choices; the first is the default
@@ -24,7 +25,7 @@ async def _chat_remote(args) -> int:
     content = [{"type": "image", "image": p} for p in args.image] + [{"type": "text", "text": args.question}]
     async with AsyncClient(args.url, args.api_key) as client:
         t = await timed_stream(client, [{"role": "user", "content": content}],
-                               lambda piece: print(piece, end="", flush=True), model=args.model,
+                               lambda piece: print(terminal_text(piece), end="", flush=True), model=args.model,
                                max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     tps = 1.0 / t.tpot_s if t.tpot_s else float("nan")
     print()
@@ -60,7 +61,7 @@ async def _chat(args) -> int:
         last = None
         t0 = time.monotonic()
         async for out in engine.chat_stream(messages, params):
-            print(out.delta_text, end="", flush=True)
+            print(terminal_text(out.delta_text), end="", flush=True)  # no raw control bytes
             peak_blocks = max(peak_blocks, engine.stats()["kv_blocks_used"])
             last = out
         stats = engine.stats()

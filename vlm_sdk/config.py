@@ -9,7 +9,8 @@ from typing import Any, Collection, Mapping
 
 import torch
 
-from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
+from vlm_sdk.errors import (InvalidRequestError, UnknownArgumentError, fixes_text, flag_text,  # noqa: F401 (re-exported)
+                            format_size, setting_text)
 
 DTYPES = MappingProxyType({"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
                            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -20,30 +21,44 @@ _UNITS = MappingProxyType({"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
                            "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
 
 
-def parse_bytes(value: int | str, name: str = "device_memory") -> int:
-    """80GiB, 6784MiB, 1.5GB or a plain integer -> bytes."""
+def parse_bytes(value: int | str, name: str = "device_memory", *, unit_required: bool = False) -> int:
+    """80GiB, 6784MiB, 1.5GB, 4096B or a plain integer -> bytes. With `unit_required`, a string
+    without a unit ("24") is refused with an example (an int is always bytes)."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _UNITS:
-        raise InvalidRequestError(f"{name}={value!r} is not a size: use e.g. 80GiB, 6784MiB, 40GB or bytes")
+        raise InvalidRequestError(f"{name}={value!r} is not a size: use e.g. 80GiB, 6784MiB, 40GB or bytes",
+                                  param=name)
+    if unit_required and not m.group(2):
+        flag = "--" + name.replace("_", "-")
+        raise InvalidRequestError(f"{name}={value!r} has no unit: write the size with one, e.g. {name}='8GiB' "
+                                  f"({flag} 8GiB), '512MiB', or '{m.group(1)}B' for {m.group(1)} bytes", param=name)
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+DEFAULT_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass(frozen=True)
 class EngineArgs:
     """Everything a user may set on `LLM(...)` / `AsyncLLM(...)`. None means "choose for me".
 
-    KV capacity comes from the first of `num_blocks`, `kv_cache_memory` (bytes), or, on CUDA,
-    `memory_utilization` of device memory minus weights and the profiled activation peak; on the
-    CPU the default is enough for max_num_seqs sequences of max_model_len tokens, at most 1 GiB.
+    KV capacity comes from the first of `num_blocks`, `kv_cache_memory` (bytes as an int, or a size
+    string with a unit: "8GiB", "512MiB"), or, on CUDA, `memory_utilization` (default 0.9) of the
+    device's TOTAL memory minus what is in use (weights, other processes) and the profiled activation
+    peak; on the CPU the default is enough for max_num_seqs sequences of max_model_len tokens, at most
+    1 GiB, and memory_utilization is refused (there is no device memory to take a share of).
+
+    After construction `kv_cache_memory` is always an int (bytes) and `memory_utilization` a float
+    (the default resolved); `memory_utilization_given` says whether the user set it.
     """
     dtype: str | None = None  # float32 on CPU, bfloat16 on CUDA
     device: str | None = None  # "cuda" when available, else "cpu"
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    memory_utilization: float = 0.9
+    kv_cache_memory: int | str | None = None  # bytes, or "8GiB"; an int after construction
+    memory_utilization: float | None = None  # CUDA only; None: DEFAULT_MEMORY_UTILIZATION
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
@@ -60,6 +75,19 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     shard_vision: bool = True  # under tensor parallelism: split the vision tower too (False: a copy per rank)
     distributed_timeout: float = 600.0  # seconds a rank waits for its peers in a collective before failing
+    # start even when the largest image the image settings allow cannot fit in max_model_len (a warning
+    # instead of the refusal; such images are then refused per request)
+    allow_unfit_images: bool = False
+
+    def __post_init__(self):
+        """Resolve the two settings that have a user-facing spelling and a working value."""
+        if isinstance(self.kv_cache_memory, str):
+            object.__setattr__(self, "kv_cache_memory",
+                               parse_bytes(self.kv_cache_memory, "kv_cache_memory", unit_required=True))
+        given = self.memory_utilization is not None
+        object.__setattr__(self, "memory_utilization_given", given)
+        if not given:
+            object.__setattr__(self, "memory_utilization", DEFAULT_MEMORY_UTILIZATION)
 
     @classmethod
     def from_kwargs(cls, family_settings: Collection[str] = (), **kwargs) -> "EngineArgs":
@@ -110,7 +138,7 @@ class EngineArgs:
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise InvalidRequestError(f"distributed_timeout must be a positive number of seconds, got {t!r}",
                                       param="distributed_timeout")
-        for name in ("show_progress", "enforce_eager", "shard_vision"):
+        for name in ("show_progress", "enforce_eager", "shard_vision", "allow_unfit_images"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -119,17 +147,34 @@ class EngineArgs:
         receive the args they run with."""
         state = {f.name: getattr(self, f.name) for f in fields(self)}
         state["mm_processor_kwargs"] = dict(self.mm_processor_kwargs)
+        if not self.memory_utilization_given:
+            state["memory_utilization"] = None
         return _engine_args_from_state, (state,)
+
+    def check_cpu_settings(self) -> None:
+        """memory_utilization is a share of a CUDA device's memory: on the CPU it would size nothing."""
+        if self.memory_utilization_given:
+            raise InvalidRequestError(
+                f"memory_utilization={self.memory_utilization} applies to CUDA devices only (a share of the GPU's "
+                f"total memory); this engine runs on the CPU, where the KV cache is num_blocks, kv_cache_memory or "
+                f"the CPU default (max_num_seqs sequences of max_model_len tokens, at most 1 GiB). Leave "
+                f"memory_utilization out, or size the cache with e.g. kv_cache_memory='2GiB' "
+                f"(--kv-cache-memory 2GiB)", param="memory_utilization")
 
     def resolve_device(self) -> torch.device:
         if self.device is None:
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            if device.type == "cpu":
+                self.check_cpu_settings()
+            return device
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError) as e:
             raise InvalidRequestError(f"device={self.device!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'") from e
         if device.type not in ("cpu", "cuda"):
             raise InvalidRequestError(f"device={self.device!r}: only 'cpu' and 'cuda' are supported")
+        if device.type == "cpu":
+            self.check_cpu_settings()
         if device.type == "cuda":
             if not torch.cuda.is_available():
                 raise InvalidRequestError(f"device={self.device!r} was asked for but no CUDA device is available; "

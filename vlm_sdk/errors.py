@@ -3,6 +3,45 @@ with the numbers involved, and which setting changes the outcome."""
 from __future__ import annotations
 
 import re
+from typing import Mapping
+
+
+# -- settings as messages print them -------------------------------------------------------------
+
+def format_size(n: int) -> str:
+    """Bytes as the exact size string `parse_bytes` reads back: "8GiB", "168MiB", "12KiB", "1000B"."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n}B"
+
+
+# settings whose values are sizes: printed with a unit, so that a fix pastes into LLM(...), vlm-sdk serve
+# and vlm-sdk plan alike (each of which refuses a size string without a unit)
+SIZE_SETTINGS = ("kv_cache_memory", "device_memory")
+
+
+def setting_text(name: str, value) -> str:
+    """One setting as `LLM(...)` takes it: num_blocks=30, kv_cache_memory='168MiB'."""
+    if name in SIZE_SETTINGS and isinstance(value, int) and not isinstance(value, bool):
+        return f"{name}={format_size(value)!r}"
+    return f"{name}={value!r}"
+
+
+def flag_text(name: str, value) -> str:
+    """The same setting as a `vlm-sdk serve` / `vlm-sdk plan` flag: --num-blocks 30, --kv-cache-memory 168MiB."""
+    if name in SIZE_SETTINGS and isinstance(value, int) and not isinstance(value, bool):
+        value = format_size(value)
+    return f"--{name.replace('_', '-')} {value}"
+
+
+def fixes_text(fixes: Mapping[str, object], sep: str = "; ") -> str:
+    """Settings for messages, in both spellings: "num_blocks=30; kv_cache_memory='168MiB' (flags:
+    --num-blocks 30 | --kv-cache-memory 168MiB)"."""
+    if not fixes:
+        return ""
+    return (sep.join(setting_text(k, v) for k, v in fixes.items())
+            + " (flags: " + " | ".join(flag_text(k, v) for k, v in fixes.items()) + ")")
 
 
 class VLMError(Exception):
@@ -33,12 +72,16 @@ class InputTooLongError(InvalidRequestError):
     `prompt_tokens` counts every prompt token, image tokens included; `image_tokens` lists the tokens
     of each image in order; `capacity_tokens` is how many tokens one sequence may hold; `fixes` maps
     a setting name to a value, each of which alone would make this request fit; `together` (possibly
-    empty) maps settings that must all be applied at once to make it fit.
+    empty) maps settings that must all be applied at once to make it fit. The fixes fit the whole
+    request: the prompt and `output_tokens` more (the request's `max_tokens`; when that is None, i.e.
+    not set, a default room the message names; fewer only where max_position_embeddings allows no
+    more). `output_tokens` None: fixes sized for the prompt alone (no output room stated).
     """
 
     def __init__(self, prompt_tokens: int, image_tokens: list[int], capacity_tokens: int,
                  fixes: dict[str, int], limit_reason: str, conversation_index: int | None = None,
-                 together: dict[str, int] | None = None):
+                 together: dict[str, int] | None = None, max_tokens: int | None = None,
+                 output_tokens: int | None = None):
         self.prompt_tokens = prompt_tokens
         self.image_tokens = list(image_tokens)
         self.capacity_tokens = capacity_tokens
@@ -46,7 +89,22 @@ class InputTooLongError(InvalidRequestError):
         self.limit_reason = limit_reason
         self.conversation_index = conversation_index
         self.together = dict(together or {})
+        self.max_tokens = max_tokens
+        self.output_tokens = output_tokens
         super().__init__(self._message())
+
+    def _room(self) -> str:
+        """What output the fixes leave room for, in words ("" when not stated)."""
+        out, asked = self.output_tokens, self.max_tokens
+        if out is None:
+            return ""
+        if asked is None:
+            return (f" with room for {out} output tokens (max_tokens is not set; set it to size these "
+                    f"for your output)")
+        if out >= asked:
+            return f" with its max_tokens={asked} output tokens"
+        return (f" with room for {out} of its max_tokens={asked} output tokens (the model's "
+                f"max_position_embeddings allows no more)")
 
     def _message(self) -> str:
         where = "" if self.conversation_index is None else f"conversation {self.conversation_index}: "
@@ -58,21 +116,38 @@ class InputTooLongError(InvalidRequestError):
             parts = f"{text_tokens} text tokens, no images"
         msg = (f"{where}prompt is {self.prompt_tokens} tokens ({parts}) but this engine holds at most "
                f"{self.capacity_tokens} tokens per sequence ({self.limit_reason}).")
-        both = ", ".join(f"{k}={v}" for k, v in self.together.items())
+        both = ", ".join(setting_text(k, v) for k, v in self.together.items())
+        room = self._room()
         if self.fixes:
-            opts = "; ".join(f"{k}={v}" for k, v in self.fixes.items())
-            msg += f" Any one of these settings makes it fit: {opts}."
+            msg += f" Any one of these settings makes it fit{room}: {fixes_text(self.fixes)}."
             if both:
                 msg += f" So do these together: {both}."
         elif both:
-            msg += f" No single setting makes it fit; these together do: {both}."
+            msg += f" No single setting makes it fit; these together do{room}: {both}."
         else:
             msg += " No single setting makes it fit: shorten the prompt or use fewer images."
         return msg
 
     def with_conversation(self, index: int) -> "InputTooLongError":
         return InputTooLongError(self.prompt_tokens, self.image_tokens, self.capacity_tokens,
-                                 self.fixes, self.limit_reason, index, together=self.together)
+                                 self.fixes, self.limit_reason, index, together=self.together,
+                                 max_tokens=self.max_tokens, output_tokens=self.output_tokens)
+
+
+class UnfitImagesError(InvalidRequestError):
+    """The engine cannot start: the largest image its image settings allow (`image_tokens`) cannot fit
+    in one sequence of `max_model_len` tokens, so every request with such an image would be refused.
+    `fixes` maps each setting to a value that alone makes it fit (the family's image setting: the
+    largest value whose image fits; max_model_len or the cache settings); `together`: settings that
+    only do it all at once. `EngineArgs.allow_unfit_images` turns the refusal into a warning."""
+
+    def __init__(self, message: str, image_tokens: int, max_model_len: int, fixes: dict[str, int | float],
+                 together: dict[str, int | float] | None = None, param: str | None = None):
+        super().__init__(message, param=param)
+        self.image_tokens = image_tokens
+        self.max_model_len = max_model_len
+        self.fixes = dict(fixes)
+        self.together = dict(together or {})
 
 
 class CacheTooSmallError(InvalidRequestError):

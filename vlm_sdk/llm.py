@@ -58,7 +58,7 @@ class LLM:
         prompts = []
         for i, conv in enumerate(conversations):
             try:
-                prompts.append(self.engine.build_prompt(conv))
+                prompts.append(self.engine.build_prompt(conv, params[i]))
             except InputTooLongError as e:
                 raise e.with_conversation(i) from None
             except InvalidRequestError as e:

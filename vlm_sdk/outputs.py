@@ -39,3 +39,26 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+# bidirectional-text controls: shown as escapes too, so a model cannot reorder what the terminal shows
+_BIDI = frozenset(range(0x202A, 0x202F)) | frozenset(range(0x2066, 0x206A))
+
+
+def terminal_text(text: str) -> str:
+    """Model text made safe to write to a terminal: newlines and tabs kept; every other control
+    character (C0, DEL, C1: \\x1c, \\x05, \\x1b of escape sequences, \\r), bidi controls, lone
+    surrogates and U+FFFD (what the detokenizer puts where the model's bytes were not valid UTF-8)
+    are written as visible Python-style escapes (\\x1c, \\u202e, \\ufffd). Per character, so stream
+    deltas may be escaped one by one."""
+    out = []
+    for ch in text:
+        c = ord(ch)
+        if ch in "\n\t" or (0x20 <= c < 0x7F) or (c >= 0xA0 and c not in _BIDI and c != 0xFFFD
+                                                   and not 0xD800 <= c <= 0xDFFF):
+            out.append(ch)
+        elif c < 0x100:
+            out.append(f"\\x{c:02x}")
+        else:
+            out.append(f"\\u{c:04x}")
+    return "".join(out)

@@ -10,6 +10,9 @@ from vlm_sdk.errors import InvalidRequestError
 MIN_TEMPERATURE = 1e-5
 # what torch.Generator.manual_seed accepts
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+# output tokens of a request that does not say; None ("not set") runs to max_model_len instead, and the
+# too-long error then sizes its fixes for this many
+DEFAULT_MAX_TOKENS = 256
 
 
 def _is_int(value) -> bool:
@@ -51,8 +54,8 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or any(not _is_int(t) or t < 0 for t in ids):
             _refuse("stop_token_ids", "must be a list of token ids (integers >= 0)", self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            _refuse("max_tokens", "must be an integer >= 1", self.max_tokens)
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            _refuse("max_tokens", "must be an integer >= 1 (or None: up to max_model_len)", self.max_tokens)
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             _refuse("temperature", "must be a finite number >= 0 (0 = greedy)", self.temperature)
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:

@@ -11,12 +11,12 @@ import torch
 from helpers import conversations, image
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.worker.weights import weight_bytes
-from vlm_sdk.errors import InputTooLongError, InvalidImageError, InvalidRequestError, VLMError
+from vlm_sdk.errors import InputTooLongError, InvalidImageError, InvalidRequestError, UnfitImagesError, VLMError
 from vlm_sdk.model_loader import read_config
 from vlm_sdk.models import registry
 from vlm_sdk.plan import plan
 
-PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)  # a fixed request runs all 4
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_too_long_error_numbers_and_every_fix_runs_the_same_conversation(family_
     block = llm.stats()["kv_block_size"]
     blocks = (n - sum(images) + sum(images) // 2) // block  # the text and about half the image
     assert blocks * block < n
-    small = LLM(path, num_blocks=blocks, show_progress=False)
+    small = LLM(path, num_blocks=blocks, allow_unfit_images=True, show_progress=False)  # below the largest image
     with pytest.raises(InputTooLongError) as info:
         small.chat(_big_conv(), PARAMS)
     err = info.value
@@ -60,15 +60,15 @@ def test_too_long_error_numbers_and_every_fix_runs_the_same_conversation(family_
         assert str(number) in msg
     # num_blocks sized this cache and overrides kv_cache_memory, so kv_cache_memory is no fix here
     assert set(err.fixes) == {"num_blocks", setting}
-    assert err.fixes["num_blocks"] == -(-n // block)
+    assert err.fixes["num_blocks"] == -(-(n + 4) // block)  # the prompt and its max_tokens
     assert small.stats()["kv_blocks_used"] == 0
     for key, value in err.fixes.items():
         assert f"{key}={value}" in msg
-        fixed = LLM(path, show_progress=False, **{"num_blocks": blocks, key: value})
-        if key == setting:  # the smaller images fit the same cache
-            assert len(fixed.engine.build_prompt(_big_conv()).token_ids) <= err.capacity_tokens
+        fixed = LLM(path, show_progress=False, allow_unfit_images=True, **{"num_blocks": blocks, key: value})
+        if key == setting:  # the smaller images fit the same cache, with room for the output
+            assert len(fixed.engine.build_prompt(_big_conv()).token_ids) + 4 <= err.capacity_tokens
         out = fixed.chat(_big_conv(), PARAMS)[0]
-        assert out.finish_reason in ("stop", "length") and len(out.token_ids) >= 1
+        assert out.finish_reason == "length" and len(out.token_ids) == 4  # all its max_tokens
     # the refusal left nothing behind: the same engine serves the next request
     assert len(small.chat(conversations()["text"], PARAMS)[0].token_ids) >= 1
     assert small.stats()["kv_blocks_used"] == 0
@@ -155,8 +155,13 @@ def test_plan_equals_engine_with_the_familys_own_plan_setting(family_ckpt, famil
             plan(path, device="cpu").image_tokens_per_image
     else:
         plan_options = engine_options = options
+    p = plan(path, device="cpu", **plan_options)
+    if p.image_tokens_per_image > p.max_model_len:  # the engine refuses exactly these settings at start-up
+        with pytest.raises(UnfitImagesError):
+            LLM(str(path), device="cpu", show_progress=False, **engine_options)
+        engine_options = {**engine_options, "allow_unfit_images": True}
     llm = LLM(str(path), device="cpu", show_progress=False, **engine_options)
-    p, r = plan(path, device="cpu", **plan_options), llm.memory_report
+    r = llm.memory_report
     for key in ("num_blocks", "capacity_tokens", "kv_bytes_per_block", "kv_bytes_per_token", "block_size",
                 "weights_language_model_bytes", "weights_vision_bytes", "weights_projector_bytes",
                 "max_model_len", "image_tokens_per_image"):

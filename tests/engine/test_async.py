@@ -101,7 +101,7 @@ def test_too_long_fails_only_its_caller(tiny_ckpt, expected):
     convs = conversations()
 
     async def main():
-        async with AsyncLLM(tiny_ckpt, num_blocks=12, show_progress=False) as engine:
+        async with AsyncLLM(tiny_ckpt, num_blocks=12, allow_unfit_images=True, show_progress=False) as engine:
             ok = asyncio.create_task(engine.chat(convs["text"], LONG))
             with pytest.raises(InputTooLongError) as info:
                 await engine.chat([{"role": "user", "content": "many words " * 150}], LONG)

@@ -36,7 +36,10 @@ def test_refusal_names_the_numbers_and_every_suggested_value_starts(tiny_ckpt):
                  "largest max_model_len that fits is 160", "max_model_len=160; num_blocks=63"):
         assert text in msg, text
     for key, value in err.fixes.items():
-        llm = _llm(tiny_ckpt, **{"num_blocks": 10, "max_model_len": 1000, key: value})
+        # max_model_len=160 starts a text engine; images of the largest allowed size (256 tokens) would
+        # not fit it, which the start-up refuses unless told to accept (tests/server/test_fixes_across_...)
+        unfit = {"allow_unfit_images": True} if key == "max_model_len" else {}
+        llm = _llm(tiny_ckpt, **{"num_blocks": 10, "max_model_len": 1000, key: value, **unfit})
         assert llm.stats()["max_model_len"] == value if key == "max_model_len" else 1000
         assert llm.stats()["kv_blocks_total"] == (value if key == "num_blocks" else 10)
         assert llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2))[0].token_ids
@@ -135,7 +138,7 @@ def test_plan_refuses_the_other_familys_image_setting(tiny_ckpt, internvl_ckpt):
 # -- runtime ------------------------------------------------------------------------------------------
 
 def test_stats_free_blocks_and_largest_prompt_now(tiny_ckpt):
-    llm = _llm(tiny_ckpt, num_blocks=12, max_model_len=128)
+    llm = _llm(tiny_ckpt, num_blocks=12, max_model_len=128, allow_unfit_images=True)
     s = llm.stats()
     assert (s["kv_blocks_free"], s["largest_prompt_tokens_now"]) == (12, 128)  # capped at max_model_len
     engine = llm.engine
@@ -152,7 +155,7 @@ def test_stats_free_blocks_and_largest_prompt_now(tiny_ckpt):
 
 
 def test_preemptions_are_counted_and_warned_about(tiny_ckpt, caplog):
-    llm = _llm(tiny_ckpt, num_blocks=8, max_model_len=128, preemption_warning_per_minute=1)
+    llm = _llm(tiny_ckpt, num_blocks=8, max_model_len=128, preemption_warning_per_minute=1, allow_unfit_images=True)
     convs = [[{"role": "user", "content": f"Tell me story number {i}."}] for i in range(4)]
     with caplog.at_level(logging.WARNING, logger="vlm_sdk"):
         outs = llm.chat(convs, SamplingParams(max_tokens=50, ignore_eos=True))
@@ -191,14 +194,15 @@ def test_preemption_watch_threshold_window_and_rate_limit():
 
 def test_too_long_error_offers_the_same_fixes_as_plan(tiny_ckpt):
     from vlm_sdk.errors import InputTooLongError
-    llm = _llm(tiny_ckpt, num_blocks=3)
+    llm = _llm(tiny_ckpt, num_blocks=3, allow_unfit_images=True)
     story = [{"role": "user", "content": "Tell me a story about the sea. " * 8}]
     with pytest.raises(InputTooLongError) as info:
-        llm.chat(story)
+        llm.chat(story, SamplingParams(max_tokens=20))
     n = info.value.prompt_tokens
-    planned = plan(tiny_ckpt, device="cpu", num_blocks=3, prompt_tokens=n, output_tokens=0)
-    [problem] = [pr for pr in planned.problems if f"request of {n} tokens" in pr.message]
-    assert problem.fixes == info.value.fixes == {"num_blocks": -(-n // 16)}
+    # both fit the whole request: the prompt and its 20 output tokens
+    planned = plan(tiny_ckpt, device="cpu", num_blocks=3, prompt_tokens=n, output_tokens=20)
+    [problem] = [pr for pr in planned.problems if f"request of {n + 20} tokens" in pr.message]
+    assert problem.fixes == info.value.fixes == {"num_blocks": -(-(n + 20) // 16)}
 
 
 def test_too_long_error_on_a_device_budget_offers_memory_utilization():
@@ -214,25 +218,28 @@ def test_too_long_error_on_a_device_budget_offers_memory_utilization():
     with pytest.raises(InputTooLongError) as info:
         check_prompt_fits(PromptInputs(token_ids=[1] * n), cache, sched, 128_000, False)
     fixes = info.value.fixes
-    assert fixes == cache.fixes_for(-(-n // 16)) and set(fixes) == {"memory_utilization", "kv_cache_memory",
-                                                                    "num_blocks"}
+    # max_tokens not set: sized for the prompt and 256 output tokens, and the message says so
+    assert info.value.output_tokens == 256 and "room for 256 output tokens" in str(info.value)
+    assert fixes == cache.fixes_for(-(-(n + 256) // 16)) and set(fixes) == {"memory_utilization", "kv_cache_memory",
+                                                                            "num_blocks"}
     bigger = size_cache(EngineArgs(memory_utilization=fixes["memory_utilization"]), per_block, 0, budget)
-    assert bigger.capacity_tokens >= n
+    assert bigger.capacity_tokens >= n + 256
 
 
 def test_both_limits_below_the_prompt_need_both_settings_in_plan_and_engine(tiny_ckpt):
     from vlm_sdk.errors import InputTooLongError
-    llm = _llm(tiny_ckpt, num_blocks=3, max_model_len=40)
+    llm = _llm(tiny_ckpt, num_blocks=3, max_model_len=40, allow_unfit_images=True)
     story = [{"role": "user", "content": "Tell me a story about the sea. " * 8}]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
     with pytest.raises(InputTooLongError) as info:
-        llm.chat(story)
-    n = info.value.prompt_tokens
-    planned = plan(tiny_ckpt, device="cpu", num_blocks=3, max_model_len=40, prompt_tokens=n, output_tokens=0)
+        llm.chat(story, params)
+    n = info.value.prompt_tokens + 20  # the whole request
+    planned = plan(tiny_ckpt, device="cpu", num_blocks=3, max_model_len=40, prompt_tokens=n - 20, output_tokens=20)
     [problem] = [pr for pr in planned.problems if f"request of {n} tokens" in pr.message]
     assert problem.fixes == info.value.fixes == {}
     assert problem.together == info.value.together == {"max_model_len": n, "num_blocks": -(-n // 16)}
-    fixed = _llm(tiny_ckpt, **info.value.together)
-    assert fixed.chat(story)[0].token_ids
+    fixed = _llm(tiny_ckpt, **info.value.together, allow_unfit_images=True)
+    assert len(fixed.chat(story, params)[0].token_ids) == 20
 
 
 # -- the CUDA "no room for the KV cache" error ------------------------------------------------------

@@ -6,15 +6,17 @@ import pytest
 
 from helpers import conversations, image
 from vlm_sdk import LLM, SamplingParams
+from vlm_sdk.config import format_size
 from vlm_sdk.errors import InputTooLongError, InvalidRequestError, VLMError
 
-PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)  # a fixed request: runs all 4
 BLOCKS = 6  # 96 tokens: too few for two images
 
 
 @pytest.fixture(scope="module")
 def small(tiny_ckpt):
-    return LLM(tiny_ckpt, num_blocks=BLOCKS, show_progress=False)
+    # its largest allowed image (256 tokens) does not fit 96: per-request refusals need the flag
+    return LLM(tiny_ckpt, num_blocks=BLOCKS, allow_unfit_images=True, show_progress=False)
 
 
 def _big_conv():
@@ -37,30 +39,37 @@ def test_error_numbers_message_and_each_fix(tiny_ckpt, small):
         assert str(number) in msg
     # num_blocks sized this cache and overrides kv_cache_memory, so kv_cache_memory is no fix here
     assert set(err.fixes) == {"num_blocks", "max_pixels"}
-    assert err.fixes["num_blocks"] == -(-err.prompt_tokens // 16)
+    # the fixes fit the whole request: the prompt and its max_tokens=4
+    assert err.fixes["num_blocks"] == -(-(err.prompt_tokens + 4) // 16)
+    assert err.output_tokens == err.max_tokens == 4 and "with its max_tokens=4 output tokens" in msg
     for key, value in err.fixes.items():
-        assert f"{key}={value}" in msg
-        fixed = LLM(tiny_ckpt, show_progress=False, **{"num_blocks": BLOCKS, key: value})
+        assert f"{key}={value}" in msg and f"--{key.replace('_', '-')} {value}" in msg
+        fixed = LLM(tiny_ckpt, show_progress=False, allow_unfit_images=True, **{"num_blocks": BLOCKS, key: value})
         out = fixed.chat(_big_conv(), PARAMS)[0]
-        assert out.finish_reason in ("stop", "length") and len(out.token_ids) >= 1
-    # max_pixels is the largest that fits: one more step of 28x28 pixels does not
+        assert out.finish_reason == "length" and len(out.token_ids) == 4  # all its max_tokens
+    # max_pixels is the largest that leaves room for the 4 output tokens: one more 28x28 step does not
     text_tokens = err.prompt_tokens - sum(err.image_tokens)
     at = small.engine.processor.image_tokens_with_max_pixels
-    assert text_tokens + sum(at(reference, err.fixes["max_pixels"])) <= err.capacity_tokens
-    assert text_tokens + sum(at(reference, err.fixes["max_pixels"] + 28 * 28)) > err.capacity_tokens
+    assert text_tokens + sum(at(reference, err.fixes["max_pixels"])) + 4 <= err.capacity_tokens
+    assert text_tokens + sum(at(reference, err.fixes["max_pixels"] + 28 * 28)) + 4 > err.capacity_tokens
 
 
 def test_kv_cache_memory_sized_cache_offers_kv_cache_memory(tiny_ckpt, small):
     per_block = small.stats()["kv_bytes_per_block"]
-    llm = LLM(tiny_ckpt, kv_cache_memory=BLOCKS * per_block + per_block // 2, show_progress=False)
+    llm = LLM(tiny_ckpt, kv_cache_memory=BLOCKS * per_block + per_block // 2, allow_unfit_images=True,
+              show_progress=False)
     with pytest.raises(InputTooLongError) as info:
         llm.chat(_big_conv(), PARAMS)
     fixes = info.value.fixes
     assert set(fixes) == {"num_blocks", "kv_cache_memory", "max_pixels"}
     assert fixes["kv_cache_memory"] == fixes["num_blocks"] * per_block
-    fixed = LLM(tiny_ckpt, kv_cache_memory=fixes["kv_cache_memory"], show_progress=False)
-    assert fixed.stats()["kv_blocks_total"] == fixes["num_blocks"]
-    assert len(fixed.chat(_big_conv(), PARAMS)[0].token_ids) >= 1
+    # printed with a unit, exactly: it pastes into LLM(...) as a string and into --kv-cache-memory
+    printed = format_size(fixes["kv_cache_memory"])
+    assert f"kv_cache_memory={printed!r}" in str(info.value) and f"--kv-cache-memory {printed}" in str(info.value)
+    for value in (fixes["kv_cache_memory"], printed):
+        fixed = LLM(tiny_ckpt, kv_cache_memory=value, show_progress=False)
+        assert fixed.stats()["kv_blocks_total"] == fixes["num_blocks"]
+        assert len(fixed.chat(_big_conv(), PARAMS)[0].token_ids) == 4
 
 
 def test_checks_every_conversation_first_and_names_it(small):
@@ -74,14 +83,15 @@ def test_checks_every_conversation_first_and_names_it(small):
 
 def test_max_model_len_fix(tiny_ckpt):
     conv = conversations()["one_image"]
-    llm = LLM(tiny_ckpt, max_model_len=32, show_progress=False)
+    llm = LLM(tiny_ckpt, max_model_len=32, allow_unfit_images=True, show_progress=False)
     with pytest.raises(InputTooLongError) as info:
         llm.chat(conv, PARAMS)
     err = info.value
     assert err.capacity_tokens == 32 and "max_model_len=32" in str(err)
-    assert err.fixes["max_model_len"] == err.prompt_tokens
-    out = LLM(tiny_ckpt, max_model_len=err.fixes["max_model_len"] + 4, show_progress=False).chat(conv, PARAMS)[0]
-    assert len(out.token_ids) >= 1
+    assert err.fixes["max_model_len"] == err.prompt_tokens + 4  # the prompt and its max_tokens
+    fixed = LLM(tiny_ckpt, max_model_len=err.fixes["max_model_len"], allow_unfit_images=True, show_progress=False)
+    out = fixed.chat(conv, PARAMS)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
 
 
 def test_bad_engine_args_are_typed(tiny_ckpt):
@@ -96,25 +106,28 @@ def test_bad_engine_args_are_typed(tiny_ckpt):
 # -- settings needed together, the limit named, the error's constructor ------------------------------
 
 def test_max_model_len_and_num_blocks_needed_together_are_named_together(tiny_ckpt):
-    llm = LLM(tiny_ckpt, num_blocks=6, max_model_len=64, show_progress=False)
+    llm = LLM(tiny_ckpt, num_blocks=6, max_model_len=64, allow_unfit_images=True, show_progress=False)
     conv = [{"role": "user", "content": "word " * 60}]
     with pytest.raises(InputTooLongError) as info:
         llm.chat(conv, PARAMS)
     err = info.value
-    n, blocks = err.prompt_tokens, -(-err.prompt_tokens // 16)
+    n = err.prompt_tokens + 4  # the whole request
+    blocks = -(-n // 16)
     assert n > 96 and err.fixes == {}
     assert err.together == {"max_model_len": n, "num_blocks": blocks}
-    assert f"No single setting makes it fit; these together do: max_model_len={n}, num_blocks={blocks}" in str(err)
+    assert (f"No single setting makes it fit; these together do with its max_tokens=4 output tokens: "
+            f"max_model_len={n}, num_blocks={blocks}") in str(err)
     assert "max_model_len=64 (set by you)" in str(err)
-    fixed = LLM(tiny_ckpt, num_blocks=blocks, max_model_len=n, show_progress=False)
-    assert fixed.chat(conv, PARAMS)[0].token_ids
+    # the other settings kept (the flag too: max_model_len stays below the largest image)
+    fixed = LLM(tiny_ckpt, num_blocks=blocks, max_model_len=n, allow_unfit_images=True, show_progress=False)
+    assert len(fixed.chat(conv, PARAMS)[0].token_ids) == 4
     with pytest.raises(InputTooLongError) as info:  # the conversation index keeps them
         llm.chat([conversations()["text"], conv], PARAMS)
     assert info.value.together == err.together and "conversation 1" in str(info.value)
 
 
 def test_user_set_max_model_len_equal_to_the_cache_is_named(tiny_ckpt):
-    llm = LLM(tiny_ckpt, num_blocks=6, max_model_len=96, show_progress=False)
+    llm = LLM(tiny_ckpt, num_blocks=6, max_model_len=96, allow_unfit_images=True, show_progress=False)
     with pytest.raises(InputTooLongError) as info:
         llm.chat([{"role": "user", "content": "word " * 60}], PARAMS)
     assert "max_model_len=96 (set by you)" in str(info.value)
@@ -124,6 +137,6 @@ def test_user_set_max_model_len_equal_to_the_cache_is_named(tiny_ckpt):
 def test_input_too_long_error_takes_positional_arguments_and_words_together_fixes():
     old = InputTooLongError(100, [10], 50, {"num_blocks": 7}, "a reason", 2)
     assert old.together == {} and old.conversation_index == 2
-    assert "Any one of these settings makes it fit: num_blocks=7." in str(old)
+    assert "Any one of these settings makes it fit: num_blocks=7 (flags: --num-blocks 7)." in str(old)
     both = InputTooLongError(100, [], 50, {"max_pixels": 784}, "r", together={"max_model_len": 100, "num_blocks": 7})
     assert "So do these together: max_model_len=100, num_blocks=7." in str(both)

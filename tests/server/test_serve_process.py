@@ -88,6 +88,6 @@ def test_port_in_use_is_a_plain_error(tiny_ckpt, capsys):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert main(["serve", str(tiny_ckpt), "--port", str(port), "--num-blocks", "8"]) == 2
+        assert main(["serve", str(tiny_ckpt), "--port", str(port), "--num-blocks", "8", "--allow-unfit-images"]) == 2
     err = capsys.readouterr().err
     assert f"127.0.0.1:{port}" in err and "--port" in err and "Traceback" not in err

@@ -19,7 +19,7 @@ MAX_BODY = 1024 * 1024
 def srv(tiny_ckpt):
     config = ServerConfig(port=0, api_key=API_KEY, limit_images=LIMIT_IMAGES, max_request_bytes=MAX_BODY,
                           served_model_name="tiny")
-    with BackgroundServer(tiny_ckpt, config, num_blocks=BLOCKS) as s:
+    with BackgroundServer(tiny_ckpt, config, num_blocks=BLOCKS, allow_unfit_images=True) as s:
         yield s
 
 

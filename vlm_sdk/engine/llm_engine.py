@@ -16,9 +16,10 @@ import dataclasses
 import logging
 import time
 
-from vlm_sdk.config import EngineArgs, SchedulerConfig
+from vlm_sdk.config import EngineArgs, SchedulerConfig, fixes_text
 from vlm_sdk.engine.block_manager import BlockManager
 from vlm_sdk.engine.capacity import check_max_model_len_fits, check_prompt_fits
+from vlm_sdk.engine.image_fit import check_largest_image_fits
 from vlm_sdk.engine.engine_output import EngineOutput
 from vlm_sdk.engine.memory_report import RankMemory, StartupMemory
 from vlm_sdk.engine.preemption_watch import PreemptionWatch, preemption_warning
@@ -69,7 +70,14 @@ class LLMEngine:
         peaks = executor.collective_rpc("profile_peak", largest_image, self.max_position_embeddings)
         caches = executor.collective_rpc("size_cache", self.max_position_embeddings, family.plan_setting[1])
         self.cache_config = min(caches, key=lambda c: c.num_blocks)  # every rank holds this many blocks
+        if args.memory_utilization_given and self.cache_config.rule != "memory_utilization":
+            logger.warning("memory_utilization=%s has no effect: %s sizes the KV cache", args.memory_utilization,
+                           "num_blocks" if self.cache_config.rule == "num_blocks" else "kv_cache_memory")
         self.scheduler_config = self._scheduler_config()
+        check_largest_image_fits(family.image_limits(info.preprocessor, info.hf_config, driver.model,
+                                                     dict(args.mm_processor_kwargs)),
+                                 family.plan_setting[1], self.cache_config, self.scheduler_config,
+                                 self.max_position_embeddings, args)
         self.processor.max_image_tokens = self.scheduler_config.max_model_len
         self.tokenizer.max_tokens = self.scheduler_config.max_model_len
         # vision runs in groups no bigger than the image the profile measured
@@ -121,8 +129,7 @@ class LLMEngine:
             source = ("the KV cache capacity" if max_len == cache.capacity_tokens
                       else "the model's max_position_embeddings")
             if max_len < self.max_position_embeddings:
-                fixes = "; ".join(f"{k}={v}" for k, v in cache.fixes_for(
-                    blocks_needed(self.max_position_embeddings, cache.block_size)).items())
+                fixes = fixes_text(cache.fixes_for(blocks_needed(self.max_position_embeddings, cache.block_size)))
                 logger.warning("max_model_len is %d, the KV cache capacity, below the model's max_position_"
                                "embeddings %d; sequences stop there. %s", max_len, self.max_position_embeddings,
                                f"For the full length set any one of: {fixes}" if fixes else
@@ -153,20 +160,25 @@ class LLMEngine:
             tensor_parallel_size=len(loads), ranks=ranks)
 
     # -- requests ---------------------------------------------------------------------------------
-    def build_prompt(self, messages) -> PromptInputs:
-        """Validate messages, decode and preprocess images, tokenize; raise if it can never fit."""
+    def build_prompt(self, messages, params: SamplingParams | None = None) -> PromptInputs:
+        """Validate messages, decode and preprocess images, tokenize; raise if it can never fit (the
+        fixes the error names fit the prompt and `params.max_tokens`)."""
         t0 = time.perf_counter()
         try:
             prompt = self.processor(messages)
         except PromptTooLong as e:  # a huge text: refused from its token count, before any conversion
             prompt = PromptInputs(token_ids=[0] * e.num_tokens)  # what check_prompt counts
-        self.check_prompt(prompt)
+        self.check_prompt(prompt, params)
         prompt.preprocess_seconds = time.perf_counter() - t0
         return prompt
 
-    def check_prompt(self, prompt: PromptInputs) -> None:
+    def check_prompt(self, prompt: PromptInputs, params: SamplingParams | None = None) -> None:
+        """`InputTooLongError` when the prompt can never fit; its fixes fit the whole request (the prompt
+        and the max_tokens of `params`, default `SamplingParams()`'s)."""
+        params = params or SamplingParams()
         check_prompt_fits(prompt, self.cache_config, self.scheduler_config, self.max_position_embeddings,
-                          self.args.max_model_len is not None, self.processor.image_setting_fixes)
+                          self.args.max_model_len is not None, self.processor.image_setting_fixes,
+                          params.max_tokens)
 
     def add_request(self, prompt: PromptInputs, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -178,7 +190,7 @@ class LLMEngine:
             self._next_id += 1
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        self.check_prompt(prompt)
+        self.check_prompt(prompt, params)
         seq = Sequence(request_id, prompt, params)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -241,7 +253,8 @@ class LLMEngine:
         reason = None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.scheduler_config.max_model_len:
+        elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) \
+                or seq.num_tokens >= self.scheduler_config.max_model_len:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)

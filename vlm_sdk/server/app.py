@@ -144,7 +144,7 @@ class OpenAIServer:
         body = await self._read_json(request)
         req = protocol.parse_chat_request(body, self.model_name, self.max_model_len, self.config.limit_images)
         messages = await self.media.resolve_messages(req.messages)
-        prompt = await self.engine.build_prompt(messages)
+        prompt = await self.engine.build_prompt(messages, req.params)
         if req.num_images:
             self.metrics.image_preprocess.observe(prompt.preprocess_seconds)
         gen = self.engine.generate(prompt, req.params)

@@ -17,8 +17,12 @@ from vlm_sdk.server.config import MediaPolicy, ServerConfig
 
 _ENGINE_HELP = {
     "num_blocks": "KV cache blocks (overrides kv_cache_memory and memory_utilization)",
-    "kv_cache_memory": "KV cache size in bytes",
-    "memory_utilization": "CUDA: share of GPU memory for weights + activations + KV cache",
+    "kv_cache_memory": "KV cache size with a unit, e.g. 8GiB, 512MiB (4096B for bytes); overrides memory_utilization",
+    "memory_utilization": "CUDA only (refused on the CPU): share of the GPU's TOTAL memory for weights + activations "
+                          "+ KV cache, like vLLM's gpu_memory_utilization, not of free memory like LMDeploy's "
+                          "cache_max_entry_count (default 0.9)",
+    "allow_unfit_images": "start even if the largest image the image settings allow cannot fit in max_model_len "
+                          "(a warning instead of the refusal; such images are refused per request)",
     "max_model_len": "longest sequence (prompt + output) in tokens",
     "attention_backend": "'triton' (default on CUDA) or 'torch' (the reference path, default on the CPU)",
     "enforce_eager": "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
@@ -29,6 +33,9 @@ _ENGINE_HELP = {
     "distributed_timeout": "seconds a tensor-parallel rank waits for its peers before the engine fails (default 600)",
 }
 _ALIASES = {"tensor_parallel_size": ("--tp",)}
+# flags whose EngineArgs default (None) does not tell their type; the rest follow their default's type
+_FLAG_TYPES = {"dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
+               "memory_utilization": float}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -43,9 +50,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest="engine_" + f.name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
             continue
-        kind = {"float": float, "int": int}.get(type(default).__name__) if default is not None else None
-        if kind is None:
-            kind = str if f.name in ("dtype", "device", "attention_backend") else int
+        kind = _FLAG_TYPES.get(f.name) or ({"float": float, "int": int}.get(type(default).__name__)
+                                            if default is not None else int)
         group.add_argument(flag, *_ALIASES.get(f.name, ()), dest="engine_" + f.name, type=kind, default=None,
                            metavar=f.name.upper(), help=help_text)
     for name, setting in registry.engine_settings().items():

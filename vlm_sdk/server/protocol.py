@@ -79,8 +79,9 @@ class ChatRequest:
 
 
 def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_images: int) -> ChatRequest:
-    """Validate a decoded JSON body. `max_tokens` defaults to what the context allows (the engine
-    stops at max_model_len), as in vLLM."""
+    """Validate a decoded JSON body. `max_tokens` left out is None: as long as the context allows (the
+    engine stops at max_model_len), as in vLLM; a too-long error then sizes its fixes for
+    `DEFAULT_MAX_TOKENS` output tokens and says so."""
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got a JSON {_json_type(body)}")
     model = body.get("model")
@@ -142,7 +143,7 @@ def _sampling_params(body: dict, max_model_len: int) -> SamplingParams:
     if isinstance(kwargs.get("stop_token_ids"), list):
         kwargs["stop_token_ids"] = [_json_int(t) for t in kwargs["stop_token_ids"]]
     max_tokens = body.get(name)
-    kwargs["max_tokens"] = max_model_len if max_tokens is None else _json_int(max_tokens)
+    kwargs["max_tokens"] = None if max_tokens is None else _json_int(max_tokens)
     try:
         return SamplingParams(**kwargs)
     except InvalidRequestError as e:

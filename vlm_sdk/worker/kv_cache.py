@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from vlm_sdk.config import CacheConfig, DeviceBudget, EngineArgs
+from vlm_sdk.config import CacheConfig, DeviceBudget, EngineArgs, format_size
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.worker.block_table import blocks_needed
 
@@ -63,11 +63,12 @@ def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_posit
     if cache.rule == "kv_cache_memory":
         raise InvalidRequestError(
             f"kv_cache_memory={args.kv_cache_memory:,} bytes holds no KV block: one block of "
-            f"{args.block_size} tokens takes {per_block:,} bytes; set kv_cache_memory >= {per_block:,}")
+            f"{args.block_size} tokens takes {per_block:,} bytes; set kv_cache_memory >= {format_size(per_block)} "
+            f"(--kv-cache-memory {format_size(per_block)})")
     if budget is None:  # the CPU default, with one block above its 1 GiB cap
         raise InvalidRequestError(
             f"one KV block of {args.block_size} tokens takes {per_block:,} bytes, more than the CPU default "
-            f"cache of {CPU_DEFAULT_CACHE_BYTES:,} bytes: set num_blocks, kv_cache_memory >= {per_block:,}, or a "
+            f"cache of {CPU_DEFAULT_CACHE_BYTES:,} bytes: set num_blocks, kv_cache_memory >= {format_size(per_block)}, or a "
             f"smaller block_size")
     in_use = torch.cuda.memory_allocated(device)
     need = budget.utilization_for(per_block)
@@ -111,7 +112,7 @@ def allocate_or_explain(num_layers: int, cache: CacheConfig, num_kv_heads: int, 
         fits = max(0, (free - peak) // cache.bytes_per_block)
         setting = ("lower memory_utilization (other processes may have taken memory since it was measured)"
                    if cache.rule == "memory_utilization" else
-                   f"set num_blocks <= {fits} or kv_cache_memory <= {fits * cache.bytes_per_block:,}")
+                   f"set num_blocks <= {fits} or kv_cache_memory <= {format_size(fits * cache.bytes_per_block)}")
         raise InvalidRequestError(
             f"allocating the KV cache of {cache.num_blocks} blocks x {cache.bytes_per_block:,} bytes = "
             f"{cache.num_blocks * cache.bytes_per_block:,} bytes ({cache.source}) ran out of device memory: "

@@ -73,19 +73,20 @@ def test_per_image_max_num_and_engine_max_dynamic_patch(internvl_ckpt, llm):
 def test_too_long_prompt_names_the_largest_max_dynamic_patch_that_fits(internvl_ckpt):
     """The fix's value: the most tiles that fit, and it runs (the message, the engine going on and every
     fix running are checked for every family in tests/e2e/test_family_capacity.py)."""
-    small = LLM(internvl_ckpt, num_blocks=60, show_progress=False)  # 960 tokens
+    small = LLM(internvl_ckpt, num_blocks=60, allow_unfit_images=True, show_progress=False)  # 960 tokens
     conv = _ask(image(1200, 400, 7))  # 3x1 grid + thumbnail = 4 tiles = 1024 image tokens
     with pytest.raises(InputTooLongError) as info:
         small.chat(conv, PARAMS)
     err = info.value
     assert err.image_tokens == [1024] and err.capacity_tokens == 960
     assert err.fixes["max_dynamic_patch"] == 2  # 2 tiles + thumbnail fit; 3 tiles do not
+    # the smaller max_dynamic_patch also makes the largest allowed image fit: no allow_unfit_images needed
     fixed = LLM(internvl_ckpt, num_blocks=60, max_dynamic_patch=err.fixes["max_dynamic_patch"], show_progress=False)
     assert len(fixed.chat(conv, PARAMS)[0].token_ids) >= 1
 
 
 def test_own_max_num_too_big_for_max_model_len_is_refused_before_resizing(internvl_ckpt):
-    small = LLM(internvl_ckpt, num_blocks=60, show_progress=False)
+    small = LLM(internvl_ckpt, num_blocks=60, allow_unfit_images=True, show_progress=False)
     with pytest.raises(InvalidImageError, match="at most 2") as info:
         small.chat(_ask(image(1200, 400, 7), max_num=6), PARAMS)
     assert info.value.param == "max_num"

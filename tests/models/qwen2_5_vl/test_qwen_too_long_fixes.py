@@ -25,14 +25,14 @@ def _one(img, **bounds):
 
 @pytest.fixture(scope="module")
 def ten_blocks(tiny_ckpt):
-    llm = LLM(tiny_ckpt, num_blocks=10, show_progress=False)  # 160 tokens
+    llm = LLM(tiny_ckpt, num_blocks=10, allow_unfit_images=True, show_progress=False)  # 160 tokens
     llm.engine.processor.max_image_tokens = llm.engine.scheduler_config.max_model_len
     return llm
 
 
 def test_image_too_big_under_the_engines_bounds_is_input_too_long_with_a_max_pixels_fix(tiny_ckpt):
     """An image too big under the engine's own bounds is the prompt check's business (with fixes)."""
-    llm = LLM(tiny_ckpt, num_blocks=6, show_progress=False)
+    llm = LLM(tiny_ckpt, num_blocks=6, allow_unfit_images=True, show_progress=False)
     llm.engine.processor.max_image_tokens = llm.engine.scheduler_config.max_model_len
     big = [{"role": "user", "content": [{"type": "image", "image": image(400, 300, 5)},
                                         {"type": "image", "image": image(250, 250, 6)},
@@ -64,12 +64,12 @@ def test_max_pixels_fix_works_with_a_mix_of_images(tiny_ckpt):
         {"type": "image", "image": image(120, 120, 3), "min_pixels": 28 * 28 * 16},  # 16 tokens, floor
         {"type": "image", "image": image(400, 300, 5)},
         {"type": "text", "text": "Compare."}]}]
-    llm = LLM(tiny_ckpt, num_blocks=6, show_progress=False)
+    llm = LLM(tiny_ckpt, num_blocks=6, allow_unfit_images=True, show_progress=False)
     with pytest.raises(InputTooLongError) as info:
         llm.chat(mixed, PARAMS)
     best = info.value.fixes["max_pixels"]
     assert 28 * 28 * 16 <= best < llm.engine.image_processor.max_pixels
-    fixed = LLM(tiny_ckpt, num_blocks=6, max_pixels=best, show_progress=False)
+    fixed = LLM(tiny_ckpt, num_blocks=6, max_pixels=best, allow_unfit_images=True, show_progress=False)
     assert fixed.chat(mixed, PARAMS)[0].token_ids
 
 
@@ -94,8 +94,8 @@ def test_check_prompt_fits_offers_max_pixels_only_below_the_current():
         return image_setting_fixes
 
     with pytest.raises(InputTooLongError) as info:  # the what-if count claims it fits at the cap
-        capacity.check_prompt_fits(prompt, cache, sched, 4096, False, setting_fixes(200_704))
+        capacity.check_prompt_fits(prompt, cache, sched, 4096, False, setting_fixes(200_704), max_tokens=4)
     assert info.value.fixes["max_pixels"] < 200_704
     with pytest.raises(InputTooLongError) as info:  # same without the current value: the cap is no fix
-        capacity.check_prompt_fits(prompt, cache, sched, 4096, False, setting_fixes(None))
+        capacity.check_prompt_fits(prompt, cache, sched, 4096, False, setting_fixes(None), max_tokens=4)
     assert "max_pixels" not in info.value.fixes
