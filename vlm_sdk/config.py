@@ -9,8 +9,7 @@ from typing import Any, Collection, Mapping
 
 import torch
 
-from vlm_sdk.errors import (InvalidRequestError, UnknownArgumentError, fixes_text, flag_text,  # noqa: F401 (re-exported)
-                            format_size, setting_text)
+from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
 
 DTYPES = MappingProxyType({"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
                            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -22,19 +21,25 @@ _UNITS = MappingProxyType({"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
 
 
 def parse_bytes(value: int | str, name: str = "device_memory", *, unit_required: bool = False) -> int:
-    """80GiB, 6784MiB, 1.5GB, 4096B or a plain integer -> bytes. With `unit_required`, a string
-    without a unit ("24") is refused with an example (an int is always bytes)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise InvalidRequestError(f"{name}={value!r} is not a size: use e.g. 80GiB, 6784MiB, 40GB or bytes",
+    """80GiB, 6784MiB, 1.5GB, 4096B or an int of bytes -> bytes. With `unit_required`, a string
+    without a unit ("24") is refused with an example: 24GiB for a small number, 180709785B for a large
+    one (an int is always bytes). `InvalidRequestError` (param=name) for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InvalidRequestError(f"{name}={value!r} is not a size: use e.g. {name}='8GiB' (or an int of bytes)",
                                   param=name)
-    if unit_required and not m.group(2):
-        flag = "--" + name.replace("_", "-")
-        raise InvalidRequestError(f"{name}={value!r} has no unit: write the size with one, e.g. {name}='8GiB' "
-                                  f"({flag} 8GiB), '512MiB', or '{m.group(1)}B' for {m.group(1)} bytes", param=name)
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InvalidRequestError(f"{name}={value!r} is not a size: use e.g. 80GiB, 6784MiB, 40GB or 4096B",
+                                  param=name)
+    number, unit = m.groups()
+    if unit_required and not unit:
+        meant = f"{number}GiB" if float(number) < 4096 else f"{number}B"
+        raise InvalidRequestError(
+            f"{name}={value!r} has no unit: write e.g. --{name.replace('_', '-')} {meant} ({name}='{meant}'; "
+            f"units: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB; an int in Python is bytes)", param=name)
+    return int(float(number) * _UNITS[unit.lower()])
 
 
 DEFAULT_MEMORY_UTILIZATION = 0.9

@@ -13,7 +13,8 @@ from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.models import registry
 from vlm_sdk.plan import device as plan_device
 from vlm_sdk.plan import plan
-from vlm_sdk.plan.device import parse_size, size_text
+from vlm_sdk.errors import format_size
+from vlm_sdk.plan.device import parse_size
 
 CONFIGS = TESTS / "configs"
 QWEN_3B = CONFIGS / "qwen2_5_vl_3b.json"
@@ -56,9 +57,9 @@ def test_kv_cache_memory_too_big_for_the_device_names_both_settings():
     [problem] = _fit_problems(p)
     largest = (24 * GIB - p.weights_bytes - p.activation_peak_bytes) // p.kv_bytes_per_block
     assert problem.fixes == {"kv_cache_memory": largest * p.kv_bytes_per_block, "num_blocks": largest}
-    assert "40.00 GiB" in problem.message and f"kv_cache_memory={size_text(largest * p.kv_bytes_per_block)}" \
+    assert "40.00 GiB" in problem.message and f"kv_cache_memory={format_size(largest * p.kv_bytes_per_block)}" \
         in problem.message
-    for value in (problem.fixes["kv_cache_memory"], size_text(problem.fixes["kv_cache_memory"])):  # int or unit
+    for value in (problem.fixes["kv_cache_memory"], format_size(problem.fixes["kv_cache_memory"])):  # int or unit
         fixed = plan(QWEN_3B, device_memory="24GiB", kv_cache_memory=value, block_size=64)
         assert fixed.num_blocks == largest and not _fit_problems(fixed)
 
@@ -162,4 +163,4 @@ def test_units_in_plan_and_its_cli(capsys):
     assert as_int.num_blocks == as_unit.num_blocks == 21
     with pytest.raises(InvalidRequestError, match="no unit"):
         plan(INTERNVL2_8B, device_memory="24GiB", kv_cache_memory="180709785")
-    assert size_text(8_388_608) == "8MiB" and size_text(54 * 8_388_608) == "432MiB" and size_text(1000) == "1000B"
+    assert format_size(8_388_608) == "8MiB" and format_size(54 * 8_388_608) == "432MiB" and format_size(1000) == "1000B"

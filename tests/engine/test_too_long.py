@@ -6,7 +6,7 @@ import pytest
 
 from helpers import conversations, image
 from vlm_sdk import LLM, SamplingParams
-from vlm_sdk.config import format_size
+from vlm_sdk.errors import format_size
 from vlm_sdk.errors import InputTooLongError, InvalidRequestError, VLMError
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)  # a fixed request: runs all 4

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from vlm_sdk.config import CacheConfig, SchedulerConfig, fixes_text
+from vlm_sdk.config import CacheConfig, SchedulerConfig
 from vlm_sdk.worker.block_table import blocks_needed
-from vlm_sdk.errors import CacheTooSmallError, InputTooLongError
+from vlm_sdk.errors import CacheTooSmallError, InputTooLongError, fixes_text
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.sampling_params import DEFAULT_MAX_TOKENS
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 
-from vlm_sdk.config import CacheConfig, EngineArgs, SchedulerConfig, fixes_text, setting_text
-from vlm_sdk.errors import UnfitImagesError
+from vlm_sdk.config import CacheConfig, EngineArgs, SchedulerConfig
+from vlm_sdk.errors import UnfitImagesError, fixes_text, setting_text
 from vlm_sdk.models.family import ImageLimits
 from vlm_sdk.sampling_params import DEFAULT_MAX_TOKENS
 from vlm_sdk.worker.block_table import blocks_needed

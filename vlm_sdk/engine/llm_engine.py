@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import time
 
-from vlm_sdk.config import EngineArgs, SchedulerConfig, fixes_text
+from vlm_sdk.config import EngineArgs, SchedulerConfig
 from vlm_sdk.engine.block_manager import BlockManager
 from vlm_sdk.engine.capacity import check_max_model_len_fits, check_prompt_fits
 from vlm_sdk.engine.image_fit import check_largest_image_fits
@@ -26,7 +26,7 @@ from vlm_sdk.engine.preemption_watch import PreemptionWatch, preemption_warning
 from vlm_sdk.engine.prompt_tokenizer import PromptTokenizer, PromptTooLong
 from vlm_sdk.engine.scheduler import ScheduledBatch, Scheduler
 from vlm_sdk.engine.sequence import Sequence
-from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.errors import InvalidRequestError, fixes_text
 from vlm_sdk.executor import make_executor
 from vlm_sdk.model_loader import load_tokenizer, read_checkpoint
 from vlm_sdk.models.registry import resolve

@@ -12,14 +12,13 @@ is refused with the sizes it may have meant, never read as 24 bytes.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
 from vlm_sdk.config import parse_bytes
 from vlm_sdk.engine.memory_report import format_bytes
-from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.errors import InvalidRequestError, format_size
 
-__all__ = ["DEVICE_HINT", "cache_fit_problem", "host_memory_bytes", "parse_size", "size_text"]
+__all__ = ["DEVICE_HINT", "cache_fit_problem", "host_memory_bytes", "parse_size"]
 
 DEVICE_HINT = ("--device-memory 24GiB (device_memory=\"24GiB\": a GPU of that much memory, bfloat16), or "
                "--device cpu (device=\"cpu\": this machine's CPU, float32, checked against its RAM)")
@@ -27,29 +26,11 @@ _SIZE_OPTIONS = ("device_memory", "kv_cache_memory", "host_memory")
 
 
 def parse_size(value: int | str, name: str) -> int:
-    """An int is bytes; a string must carry a unit. `InvalidRequestError` (param=name) otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise InvalidRequestError(f"{name}={value!r} is not a size: use e.g. {name}=\"24GiB\" (or an int of bytes)",
-                                  param=name)
-    if isinstance(value, str) and re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", value):
-        n = float(value)
-        meant = f"{value.strip()}GiB" if n < 4096 else f"{value.strip()}B (bytes) or {size_text(int(n), exact=False)}"
-        raise InvalidRequestError(
-            f"{name}={value!r} has no unit: write e.g. --{name.replace('_', '-')} {meant} ({name}=\"{meant.split()[0]}\"; "
-            f"units: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB; an int in Python is bytes)", param=name)
-    n = parse_bytes(value, name)
+    """A plan size: an int of bytes, or a string with a unit (`config.parse_bytes`), at least 1 byte."""
+    n = parse_bytes(value, name, unit_required=True)
     if n < 1:
         raise InvalidRequestError(f"{name}={value!r} must be a positive size, e.g. 24GiB", param=name)
     return n
-
-
-def size_text(n: int, exact: bool = True) -> str:
-    """Bytes as a size every entry point accepts: the largest binary unit that divides `n` exactly
-    (8388608 -> 8MiB), else `n`B; with exact=False, rounded down to 2 decimals of the largest unit."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale and (n % scale == 0 or not exact):
-            return f"{n // scale}{unit}" if n % scale == 0 else f"{int(n * 100 / scale) / 100}{unit}"
-    return f"{n}B"
 
 
 def host_memory_bytes() -> int:
@@ -99,4 +80,4 @@ def cache_fit_problem(mem: Memory, weights: int, peak: int, num_blocks: int, per
         fixes["kv_cache_memory"] = fit * per_block
     fixes["num_blocks"] = fit
     return (f"{head}: {format_bytes(room)} is left for it; the largest that fits is num_blocks={fit} "
-            f"(kv_cache_memory={size_text(fit * per_block)} = {format_bytes(fit * per_block)})", fixes)
+            f"(kv_cache_memory={format_size(fit * per_block)} = {format_bytes(fit * per_block)})", fixes)

@@ -49,13 +49,13 @@ from vlm_sdk.worker.kv_cache import bytes_per_block, size_cache
 from vlm_sdk.engine.memory_report import MemoryTotals
 from vlm_sdk.worker.weights import weight_bytes
 from vlm_sdk.worker.profiler import profile_num_tokens
-from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
+from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError, format_size
 from vlm_sdk.executor.launch import check_tensor_parallel_size
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.model_loader import read_config
 from vlm_sdk.models import registry
 from vlm_sdk.plan import device as _device
-from vlm_sdk.plan.device import DEVICE_HINT, Memory, cache_fit_problem, parse_size, size_text
+from vlm_sdk.plan.device import DEVICE_HINT, Memory, cache_fit_problem, parse_size
 
 __all__ = ["MemoryPlan", "PLAN_OPTIONS", "Problem", "plan"]
 
@@ -345,7 +345,7 @@ def _flag(name: str) -> str:
 
 def _value(name: str, v) -> str:
     """A fix's value as its flag takes it: sizes with a unit (an int of bytes -> 432MiB)."""
-    return size_text(v) if name == "kv_cache_memory" and isinstance(v, int) else str(v)
+    return format_size(v) if name == "kv_cache_memory" and isinstance(v, int) else str(v)
 
 
 def _flags(fixes: Mapping[str, int | float | str], sep: str) -> str:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from vlm_sdk.config import CacheConfig, DeviceBudget, EngineArgs, format_size
-from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.config import CacheConfig, DeviceBudget, EngineArgs
+from vlm_sdk.errors import InvalidRequestError, format_size
 from vlm_sdk.worker.block_table import blocks_needed
 
 CPU_DEFAULT_CACHE_BYTES = 1 << 30
