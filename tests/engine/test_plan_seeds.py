@@ -32,7 +32,9 @@ def test_lmdeploy_input_length_error_seed(capsys):
     assert main(argv) == 0
     table = capsys.readouterr().out
     for piece in ("21 = 168.00 MiB", "1,344 tokens", "3,446 tokens per request", "--kv-cache-memory 432MiB",
-                  "--num-blocks 54", "--max-dynamic-patch 3", "set --max-dynamic-patch 4"):
+                  "--num-blocks 54", "--max-dynamic-patch 3",
+                  # the image problem: the engine's start-up fixes (256 tokens left beside the image)
+                  "set --max-dynamic-patch 3, or --kv-cache-memory 448MiB, or --num-blocks 56"):
         assert piece in table, piece
     # each fix, applied, makes the request fit
     for fix in ({"kv_cache_memory": "432MiB"}, {"num_blocks": 54}, {"max_dynamic_patch": 3}):

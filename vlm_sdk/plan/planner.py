@@ -44,6 +44,7 @@ import torch
 
 from vlm_sdk.config import DTYPES, DeviceBudget, EngineArgs
 from vlm_sdk.engine.capacity import max_model_len_fixes
+from vlm_sdk.engine.image_fit import unfit_image_fixes
 from vlm_sdk.worker.block_table import blocks_needed
 from vlm_sdk.worker.kv_cache import bytes_per_block, size_cache
 from vlm_sdk.engine.memory_report import MemoryTotals
@@ -239,12 +240,16 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
                              f"max_position_embeddings {max_pos}"
                              + (f"; for the full length set {_flags(grow, ', or ')}" if grow else
                                 "; no cache this device holds reaches the full length"), grow))
-    if image.tokens > longest >= 1:
-        fix = fits_alone.value if fits_alone is not None else None
-        problems.append(Problem(f"the largest allowed image ({image.tokens} tokens) does not fit alone in the "
-                                f"longest request ({longest} tokens)"
-                                + (f": set --{image.setting.replace('_', '-')} {fix}" if fix else ""),
-                                {image.setting: fix} if fix else {}))
+    if image.tokens > longest >= 1:  # the engine refuses to start (engine/image_fit.py): the same fixes
+        fixes, together, room = unfit_image_fixes(image, image.setting, cache, longest, max_pos,
+                                                  args.max_model_len is not None)
+        text = f"the largest allowed image ({image.tokens} tokens) does not fit alone in the longest request " \
+               f"({longest} tokens); each fix leaves {room} tokens for a request's text and output"
+        if fixes:
+            text += f": set {_flags(fixes, ', or ')}"
+        if together:
+            text += f"; or together {_flags(together, ' ')}"
+        problems.append(Problem(text, fixes, together))
 
     concurrent = None
     workload = (o["prompt_tokens"], o["output_tokens"], o["images"])
