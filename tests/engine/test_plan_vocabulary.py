@@ -73,9 +73,9 @@ def test_a_printed_image_fix_pastes_into_serve_and_llm_and_the_request_generates
 
 
 def test_every_printed_cache_fix_is_accepted_by_serve_and_the_engine():
-    """The LMDeploy seed in plan: each alternative it prints is an engine setting. --num-blocks and
-    --max-dynamic-patch parse with the serve parser; --kv-cache-memory (432MiB) parses with plan's and
-    gives the fixed cache."""
+    """The LMDeploy seed in plan: each alternative it prints is an engine setting that parses with the
+    serve parser and passes the engine's argument check; --kv-cache-memory (432MiB) also gives plan the
+    fixed cache."""
     p = plan(INTERNVL2_8B, device_memory="24GiB", block_size=64, kv_cache_memory="180709785B",
              prompt_tokens=118, images=1, output_tokens=0)
     [problem] = [pr for pr in p.problems if "3446 tokens" in pr.message]
@@ -84,14 +84,14 @@ def test_every_printed_cache_fix_is_accepted_by_serve_and_the_engine():
     serve = _parser(add_serve_parser)
     for flag, value in alternatives:
         name = flag[2:].replace("-", "_")
+        kwargs = engine_kwargs(serve.parse_args(["serve", "m", flag, value]))
+        args = registry.engine_args(**kwargs)  # accepted by the engine's own argument check
         if name == "kv_cache_memory":
-            assert value == "432MiB"
+            assert value == "432MiB" and args.kv_cache_memory == problem.fixes[name] == 432 << 20
             assert plan(INTERNVL2_8B, device_memory="24GiB", block_size=64, kv_cache_memory=value,
                         prompt_tokens=3446).max_concurrent_requests == 1
-            continue
-        kwargs = engine_kwargs(serve.parse_args(["serve", "m", flag, value]))
-        assert kwargs == {name: int(value)} == {name: problem.fixes[name]}
-        registry.engine_args(**kwargs)  # accepted by the engine's own argument check
+        else:
+            assert kwargs == {name: int(value)} == {name: problem.fixes[name]}
 
 
 def test_plan_help_describes_every_option(capsys):
