@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 from helpers import REPO
 
@@ -31,7 +32,7 @@ def test_run_creates_and_uses_a_project_venv(tmp_path):
 
 def test_an_active_environment_or_PYTHON_is_used_instead(tmp_path):
     shutil.copy(REPO / "run", tmp_path / "run")
-    chosen = shutil.which("python3")
+    chosen = sys.executable  # a real interpreter (a pyenv shim on PATH would report another path)
     out = _run(tmp_path, "python", "-c", "import sys; print(sys.executable)", env={"PYTHON": chosen})
     assert out.returncode == 0 and not (tmp_path / ".venv").exists()
     assert os.path.realpath(out.stdout.strip()) == os.path.realpath(chosen)
