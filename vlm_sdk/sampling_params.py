@@ -33,7 +33,7 @@ def _refuse(name: str, rule: str, value) -> None:
 class SamplingParams:
     """temperature 0 (or below 1e-5) is greedy. A `seed` gives this request its own random stream, so
     its samples do not depend on which other requests share the batch."""
-    max_tokens: int = 256
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k cut

@@ -7,8 +7,8 @@ import time
 
 import pytest
 import torch
-from PIL import Image
 
+from helpers import image
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.executor.launch import rank_devices
@@ -20,18 +20,12 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 CACHE = {"qwen2_5_vl": {"num_blocks": 24}, "internvl": {"num_blocks": 80, "max_dynamic_patch": 1}}
 
 
-def _image(w: int, h: int, colour: tuple[int, int, int]) -> Image.Image:
-    im = Image.new("RGB", (w, h), colour)
-    im.paste((255 - colour[0], colour[1], 255 - colour[2]), (w // 4, h // 4, w // 2, h // 2))
-    return im
-
-
 def _conversations() -> list:
-    one = [{"role": "user", "content": [{"type": "image", "image": _image(64, 48, (200, 30, 30))},
+    one = [{"role": "user", "content": [{"type": "image", "image": image(64, 48, 1)},
                                         {"type": "text", "text": "What is this?"}]}]
-    two = [{"role": "user", "content": [{"type": "image", "image": _image(56, 56, (20, 120, 220))},
+    two = [{"role": "user", "content": [{"type": "image", "image": image(56, 56, 2)},
                                         {"type": "text", "text": "and"},
-                                        {"type": "image", "image": _image(90, 40, (30, 200, 60))},
+                                        {"type": "image", "image": image(90, 40, 3)},
                                         {"type": "text", "text": "Compare them."}]}]
     text = [{"role": "user", "content": "Tell me about lakes."}]
     turns = [*one, {"role": "assistant", "content": "A red square."}, {"role": "user", "content": "Why red?"}]

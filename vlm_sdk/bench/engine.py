@@ -59,7 +59,6 @@ def _preprocess_report(family: str, model_dir: str, images: list[Image.Image]) -
 
 
 def run_benchmark(args) -> int:
-    from vlm_sdk import LLM, SamplingParams
     from vlm_sdk.demo_checkpoint import tiny_model_dir
     from vlm_sdk.model_loader import read_checkpoint
     from vlm_sdk.models.registry import resolve
@@ -76,18 +75,10 @@ def run_benchmark(args) -> int:
         return _run_tp_comparison(args, report, convs, max_tokens)
     report["preprocess"] = _preprocess_report(family, model_dir, images)
 
-    llm = LLM(model_dir, device=device, show_progress=False)
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
-    llm.chat(convs[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.chat(convs, params)
-    ours_s = time.perf_counter() - t0
-    ours_tokens = [o.token_ids for o in outs]
+    report["ours"] = _timed_engine(model_dir, device, convs, max_tokens)
+    ours_tokens = report["ours"].pop("tokens")
+    ours_s = report["ours"]["seconds"]
     useful = sum(max_tokens)
-    report["ours"] = {"seconds": ours_s, "generated_tokens": sum(len(t) for t in ours_tokens),
-                      "tokens_per_s": useful / ours_s, "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
-                      "stats": llm.stats()}
-    del llm
 
     hf = _run_transformers(family, model_dir, convs, max_tokens, args.hf_batch_size, device)
     report["transformers"] = {k: v for k, v in hf.items() if k != "tokens"}
@@ -115,7 +106,8 @@ def run_benchmark(args) -> int:
 
 
 def _timed_engine(model_dir: str, device: str, convs, max_tokens, **engine_args) -> dict:
-    """Our engine on the workload: seconds, engine steps, tokens; the engine is shut down after."""
+    """Our engine on the workload (after a warm-up): seconds, engine steps, tokens, the engine's stats;
+    the engine is shut down after."""
     from vlm_sdk import LLM, SamplingParams
     llm = LLM(model_dir, device=device, show_progress=False, **engine_args)
     try:
@@ -131,8 +123,10 @@ def _timed_engine(model_dir: str, device: str, convs, max_tokens, **engine_args)
         t0 = time.perf_counter()
         outs = llm.chat(convs, params)
         seconds = time.perf_counter() - t0
-        return {"seconds": seconds, "steps": steps[0], "ms_per_step": 1000 * seconds / steps[0],
-                "tokens": [o.token_ids for o in outs], "tokens_per_s": sum(max_tokens) / seconds,
+        tokens = [o.token_ids for o in outs]
+        return {"seconds": seconds, "steps": steps[0], "ms_per_step": 1000 * seconds / steps[0], "tokens": tokens,
+                "generated_tokens": sum(len(t) for t in tokens), "tokens_per_s": sum(max_tokens) / seconds,
+                "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs), "stats": llm.stats(),
                 "kv_blocks": engine.cache_config.num_blocks, "weights_bytes_per_rank": engine.memory_report.weights_bytes}
     finally:
         llm.shutdown()
