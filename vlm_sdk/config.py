@@ -43,6 +43,10 @@ def parse_bytes(value: int | str, name: str = "device_memory", *, unit_required:
 
 
 DEFAULT_MEMORY_UTILIZATION = 0.9
+# vision embeddings kept for reuse after their request has passed the image (the encoder cache):
+# about 28 of Qwen2.5-VL-7B's largest images (1280 tokens x 3584 x 2 bytes), or 256 448x448 images
+# of a 3B model; 0 turns the cache off
+DEFAULT_ENCODER_CACHE_MEMORY = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -83,12 +87,20 @@ class EngineArgs:
     # start even when the largest image the image settings allow cannot fit in max_model_len (a warning
     # instead of the refusal; such images are then refused per request)
     allow_unfit_images: bool = False
+    # prefix caching: full KV blocks are kept, keyed by their tokens, their images' content and
+    # settings, and everything before them; a prompt that starts the same way reuses them
+    enable_prefix_caching: bool = True
+    encoder_cache_memory: int | str = DEFAULT_ENCODER_CACHE_MEMORY  # bytes, or "256MiB"; 0: no encoder cache
 
     def __post_init__(self):
         """Resolve the two settings that have a user-facing spelling and a working value."""
         if isinstance(self.kv_cache_memory, str):
             object.__setattr__(self, "kv_cache_memory",
                                parse_bytes(self.kv_cache_memory, "kv_cache_memory", unit_required=True))
+        if isinstance(self.encoder_cache_memory, str):  # "0" (off) needs no unit
+            e = self.encoder_cache_memory
+            object.__setattr__(self, "encoder_cache_memory", 0 if e.strip() == "0" else
+                               parse_bytes(e, "encoder_cache_memory", unit_required=True))
         given = self.memory_utilization is not None
         object.__setattr__(self, "memory_utilization_given", given)
         if not given:
@@ -128,6 +140,10 @@ class EngineArgs:
                      "max_num_batched_tokens", "max_image_pixels", "preemption_warning_per_minute",
                      "tensor_parallel_size"):
             positive(name)
+        e = self.encoder_cache_memory
+        if not isinstance(e, int) or isinstance(e, bool) or e < 0:
+            raise InvalidRequestError(f"encoder_cache_memory must be a size of 0 or more (e.g. '256MiB'; 0 turns the "
+                                      f"encoder cache off), got {e!r}", param="encoder_cache_memory")
         if not isinstance(self.memory_utilization, (int, float)) or isinstance(self.memory_utilization, bool) \
                 or not 0.0 < self.memory_utilization <= 1.0:
             raise InvalidRequestError(f"memory_utilization must be a number in (0, 1], got {self.memory_utilization!r}")
@@ -143,7 +159,7 @@ class EngineArgs:
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise InvalidRequestError(f"distributed_timeout must be a positive number of seconds, got {t!r}",
                                       param="distributed_timeout")
-        for name in ("show_progress", "enforce_eager", "shard_vision", "allow_unfit_images"):
+        for name in ("show_progress", "enforce_eager", "shard_vision", "allow_unfit_images", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -12,6 +12,7 @@ class RequestMetrics:
     prompt_tokens: int = 0
     image_tokens: int = 0
     generated_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache when the request was first scheduled
     preprocess_time: float = 0.0  # seconds spent decoding images and building the prompt
 
     @property
@@ -39,6 +40,11 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens whose KV came from the prefix cache (vLLM's name); 0 until first scheduled."""
+        return self.metrics.cached_tokens if self.metrics is not None else 0
 
 
 # bidirectional-text controls: shown as escapes too, so a model cannot reorder what the terminal shows

@@ -20,10 +20,17 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
+        self.hit_tokens = 0  # prompt tokens found in the prefix cache, since start-up
+        self.query_tokens = 0  # prompt tokens looked up
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold reusable content (evicted when a fresh block is needed)."""
+        return 0
 
     @property
     def num_used_blocks(self) -> int:

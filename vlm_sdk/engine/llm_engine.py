@@ -274,10 +274,12 @@ class LLMEngine:
         self.preemptions.record(count, describe)
 
     def stats(self) -> dict:
-        """Live numbers: KV blocks used and free, the longest prompt that would fit in the free blocks
-        right now (0 when the cache is full; never above max_model_len), preemptions (all, and in
-        the last minute), queue lengths and token totals since start-up."""
-        bm = self.block_manager
+        """Live numbers: KV blocks used and free (`kv_blocks_cached`: free blocks that still hold
+        reusable prefix content; they count as free), the longest prompt that would fit in the free
+        blocks right now (0 when the cache is full; never above max_model_len), preemptions (all, and
+        in the last minute), queue lengths, prefix- and encoder-cache hits and lookups, and token
+        totals since start-up."""
+        bm, enc = self.block_manager, self.runner.encoder_cache  # rank 0's encoder cache (every rank's is alike)
         largest_now = min(bm.num_free_blocks * bm.block_size, self.scheduler_config.max_model_len)
         return {"kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
                 "kv_blocks_free": bm.num_free_blocks, "kv_block_size": bm.block_size,
@@ -288,6 +290,9 @@ class LLMEngine:
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_preemptions_last_minute": self.preemptions.count_last_minute(),
+                "prefix_cache_hit_tokens": bm.hit_tokens, "prefix_cache_query_tokens": bm.query_tokens,
+                "kv_blocks_cached": bm.num_cached_free_blocks, "encoder_cache_hits": enc.hits,
+                "encoder_cache_queries": enc.queries, "encoder_cache_bytes": enc.num_bytes,
                 **{f"total_{k}": v for k, v in self.totals.items()}}
 
 

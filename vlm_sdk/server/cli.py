@@ -23,6 +23,9 @@ _ENGINE_HELP = {
                           "cache_max_entry_count (default 0.9)",
     "allow_unfit_images": "start even if the largest image the image settings allow cannot fit in max_model_len "
                           "(a warning instead of the refusal; such images are refused per request)",
+    "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before (text and images, keyed by "
+                             "content; default on; --no-enable-prefix-caching turns it off)",
+    "encoder_cache_memory": "vision embeddings kept for reuse, e.g. 256MiB (default); 0 turns the encoder cache off",
     "max_model_len": "longest sequence (prompt + output) in tokens",
     "attention_backend": "'triton' (default on CUDA) or 'torch' (the reference path, default on the CPU)",
     "enforce_eager": "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
@@ -35,7 +38,7 @@ _ENGINE_HELP = {
 _ALIASES = {"tensor_parallel_size": ("--tp",)}
 # flags whose EngineArgs default (None) does not tell their type; the rest follow their default's type
 _FLAG_TYPES = {"dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
-               "memory_utilization": float}
+               "encoder_cache_memory": str, "memory_utilization": float}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:

@@ -13,6 +13,9 @@ import torch
 class EncoderCache:
     def __init__(self):
         self._embeds: dict[tuple[str, int], torch.Tensor] = {}  # -> [image tokens, hidden]
+        self.hits = 0  # images whose embeddings were found here (the vision tower skipped)
+        self.queries = 0  # images looked up
+        self.num_bytes = 0  # held for reuse
 
     def __contains__(self, key: tuple[str, int]) -> bool:
         return key in self._embeds
