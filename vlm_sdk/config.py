@@ -220,23 +220,30 @@ def _engine_args_from_state(state: dict) -> EngineArgs:
 class DeviceBudget:
     """The device memory a `memory_utilization` cache is carved from (bytes):
 
-        kv_cache_bytes = memory_utilization * total - in_use - activation_peak
+        kv_cache_bytes = memory_utilization * total - in_use - activation_peak - encoder_cache
 
     `in_use` is what is taken before the cache: weights, the CUDA context, other processes (the engine
-    measures it; `plan` counts the weights, plus the device's current use with `--device cuda:N`)."""
+    measures it; `plan` counts the weights, plus the device's current use with `--device cuda:N`).
+    `encoder_cache` is `encoder_cache_memory`: the vision embeddings kept for reuse grow into it while
+    the engine runs, after the KV cache is allocated, so it is set aside before the KV cache is sized."""
     total_bytes: int
     in_use_bytes: int
     activation_peak_bytes: int
+    encoder_cache_bytes: int = 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Taken before the KV cache: in use, the activation peak and the encoder cache."""
+        return self.in_use_bytes + self.activation_peak_bytes + self.encoder_cache_bytes
 
     def blocks(self, memory_utilization: float, bytes_per_block: int) -> int:
         """KV blocks that fit; may be < 1."""
-        return (int(memory_utilization * self.total_bytes) - self.in_use_bytes
-                - self.activation_peak_bytes) // bytes_per_block
+        return (int(memory_utilization * self.total_bytes) - self.reserved_bytes) // bytes_per_block
 
     def utilization_for(self, cache_bytes: int) -> float:
         """The smallest memory_utilization (2 decimals, rounded up) leaving `cache_bytes` for the cache;
         above 1 when the device cannot hold it at all."""
-        need = self.in_use_bytes + self.activation_peak_bytes + cache_bytes
+        need = self.reserved_bytes + cache_bytes
         hundredths = -(-need * 100 // self.total_bytes)
         if int(hundredths / 100 * self.total_bytes) < need:  # float rounding at an exact boundary
             hundredths += 1

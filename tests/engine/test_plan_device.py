@@ -36,7 +36,7 @@ def no_gpu(monkeypatch):
 def test_num_blocks_too_big_for_the_device_is_a_problem_with_the_largest_that_fits(capsys):
     p = plan(QWEN_3B, device_memory="24GiB", num_blocks=20000, block_size=64)
     [problem] = _fit_problems(p)
-    largest = (24 * GIB - p.weights_bytes - p.activation_peak_bytes) // p.kv_bytes_per_block
+    largest = (24 * GIB - p.weights_bytes - p.activation_peak_bytes - p.encoder_cache_bytes) // p.kv_bytes_per_block
     assert 1000 < largest < 20000
     assert problem.fixes == {"num_blocks": largest}  # num_blocks overrides kv_cache_memory: only it would help
     for piece in ("20,000 blocks", "43.95 GiB", "24.00 GiB", "of weights", "activation peak",
@@ -55,7 +55,7 @@ def test_num_blocks_too_big_for_the_device_is_a_problem_with_the_largest_that_fi
 def test_kv_cache_memory_too_big_for_the_device_names_both_settings():
     p = plan(QWEN_3B, device_memory="24GiB", kv_cache_memory="40GiB", block_size=64)
     [problem] = _fit_problems(p)
-    largest = (24 * GIB - p.weights_bytes - p.activation_peak_bytes) // p.kv_bytes_per_block
+    largest = (24 * GIB - p.weights_bytes - p.activation_peak_bytes - p.encoder_cache_bytes) // p.kv_bytes_per_block
     assert problem.fixes == {"kv_cache_memory": largest * p.kv_bytes_per_block, "num_blocks": largest}
     assert "40.00 GiB" in problem.message and f"kv_cache_memory={format_size(largest * p.kv_bytes_per_block)}" \
         in problem.message
@@ -77,7 +77,7 @@ def test_the_gpu_of_this_machine_counts_what_is_in_use_on_it(monkeypatch):
     p = plan(QWEN_3B, num_blocks=20000, block_size=64)
     assert p.device == "cuda" and p.device_in_use_bytes == 4 * GIB and p.dtype == "bfloat16"
     [problem] = _fit_problems(p)
-    largest = (20 * GIB - p.weights_bytes - p.activation_peak_bytes) // p.kv_bytes_per_block
+    largest = (20 * GIB - p.weights_bytes - p.activation_peak_bytes - p.encoder_cache_bytes) // p.kv_bytes_per_block
     assert problem.fixes == {"num_blocks": largest} and "4.00 GiB" in problem.message
 
 
@@ -100,8 +100,8 @@ def test_without_a_gpu_plan_asks_for_a_device(no_gpu, capsys):
 def test_cpu_plan_is_checked_against_host_ram(tiny_ckpt, monkeypatch):
     p = plan(tiny_ckpt, device="cpu", num_blocks=40)
     assert p.host_memory_bytes == plan_device.host_memory_bytes() and not p.problems
-    # a host with room for 10.5 blocks beside the weights and the activation peak
-    host = p.weights_bytes + p.activation_peak_bytes + 21 * p.kv_bytes_per_block // 2
+    # a host with room for 10.5 blocks beside the weights, the activation peak and the encoder cache
+    host = p.weights_bytes + p.activation_peak_bytes + p.encoder_cache_bytes + 21 * p.kv_bytes_per_block // 2
     monkeypatch.setattr(plan_device, "host_memory_bytes", lambda: host)
     small = plan(tiny_ckpt, device="cpu", num_blocks=40)
     [problem] = _fit_problems(small)

@@ -1,13 +1,14 @@
 """Start-up and runtime memory: the breakdown the engine logs, its refusal of a max_model_len the cache
 cannot hold (each suggested value then starts), plan == engine on every tiny checkpoint layout, the live
 stats and the preemption warning."""
+import dataclasses
 import logging
 
 import pytest
 import torch
 
 from vlm_sdk import LLM, SamplingParams
-from vlm_sdk.config import CacheConfig, DeviceBudget, EngineArgs
+from vlm_sdk.config import DEFAULT_ENCODER_CACHE_MEMORY, CacheConfig, DeviceBudget, EngineArgs
 from vlm_sdk.engine.capacity import check_max_model_len_fits
 from vlm_sdk.worker.kv_cache import plan_cache, size_cache
 from vlm_sdk.worker.weights import weight_bytes
@@ -106,8 +107,24 @@ def test_startup_report_is_logged_and_matches_what_was_loaded(tiny_ckpt, caplog)
         assert piece in text, piece
     d = r.to_dict()
     for key in ("kv_bytes_per_token", "kv_bytes_per_block", "num_blocks", "capacity_tokens", "weights_bytes",
-                "activation_peak_bytes"):
+                "activation_peak_bytes", "encoder_cache_bytes"):
         assert key in d
+    # the encoder cache: its bound, the default here; on the CPU it is not carved out of anything
+    assert d["encoder_cache_bytes"] == r.encoder_cache_bytes == DEFAULT_ENCODER_CACHE_MEMORY
+    [line] = [ln for ln in text.splitlines() if ln.startswith("encoder cache")]
+    assert "256.00 MiB" in line and "encoder_cache_memory" in line and "beside the KV cache" in line
+
+
+def test_startup_report_encoder_cache_off_and_set_aside_on_cuda(tiny_ckpt):
+    r = _llm(tiny_ckpt, num_blocks=40, encoder_cache_memory="8MiB").memory_report
+    assert r.to_dict()["encoder_cache_bytes"] == 8 << 20
+    off = _llm(tiny_ckpt, num_blocks=40, encoder_cache_memory=0).memory_report
+    assert off.to_dict()["encoder_cache_bytes"] == 0 and "encoder_cache_memory=0" in off.format()
+    # the wording of a cache sized by memory_utilization (CUDA), on the figures of a CPU report
+    cuda = dataclasses.replace(r, device_memory_bytes=24 * GIB, device_in_use_bytes=16 * GIB,
+                               cache_source="memory_utilization=0.9 of 25,769,803,776 bytes, after ...")
+    [line] = [ln for ln in cuda.format().splitlines() if ln.startswith("encoder cache")]
+    assert "8.00 MiB" in line and "set aside from the memory_utilization budget before the KV cache" in line
 
 
 def _agree(ckpt, options, engine_options):
@@ -116,7 +133,7 @@ def _agree(ckpt, options, engine_options):
     r = llm.memory_report
     for key in ("num_blocks", "capacity_tokens", "kv_bytes_per_block", "kv_bytes_per_token", "block_size",
                 "weights_language_model_bytes", "weights_vision_bytes", "weights_projector_bytes",
-                "max_model_len", "image_tokens_per_image"):
+                "max_model_len", "image_tokens_per_image", "encoder_cache_bytes"):
         assert getattr(p, key) == getattr(r, key), key
     assert p.weights_bytes == weight_bytes(llm.engine.model).total
 

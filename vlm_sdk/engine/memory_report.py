@@ -3,6 +3,8 @@
     weights     bytes of the loaded parameters by part (and, on CUDA, what loading allocated)
     activation  the peak of the profiling forward (CUDA `max_memory_allocated`; not measured on the CPU,
                 where the cache is not carved out of device memory)
+    encoder     encoder_cache_memory: the most bytes of vision embeddings kept for reuse (on CUDA set
+                aside from the memory_utilization budget before the KV cache is sized)
     KV cache    bytes per token and per block, the blocks allocated, their token capacity
 
 The engine logs `format()` once the cache is allocated; `LLM.memory_report` keeps it.
@@ -26,6 +28,16 @@ def table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def encoder_cache_text(num_bytes: int, cache_source: str) -> str:
+    """The encoder cache's line, shared with `vlm-sdk plan`. A KV cache sized by memory_utilization
+    (`kv_cache.size_cache` names the rule first in `cache_source`) had the bound set aside first."""
+    if num_bytes == 0:
+        return "off (encoder_cache_memory=0: every image goes through the vision tower)"
+    where = ("set aside from the memory_utilization budget before sizing the KV cache"
+             if cache_source.startswith("memory_utilization=") else "taken as images arrive, beside the KV cache")
+    return f"up to {format_bytes(num_bytes)} of vision embeddings kept for reuse (encoder_cache_memory); {where}"
+
+
 class MemoryTotals:
     """Totals shared by the plan (`MemoryPlan`) and the measured start-up (`StartupMemory`)."""
     weights_language_model_bytes: int
@@ -34,6 +46,7 @@ class MemoryTotals:
     num_blocks: int
     block_size: int
     kv_bytes_per_block: int
+    encoder_cache_bytes: int  # the encoder cache's bound (encoder_cache_memory); 0: no encoder cache
 
     @property
     def weights_bytes(self) -> int:
@@ -70,6 +83,7 @@ class StartupMemory(MemoryTotals):
     device_memory_bytes: int | None  # CUDA: total device memory
     device_in_use_bytes: int | None  # CUDA: in use before the cache (this process and others)
     memory_utilization: float
+    encoder_cache_bytes: int  # encoder_cache_memory; on CUDA set aside before the KV cache is sized
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -109,6 +123,7 @@ class StartupMemory(MemoryTotals):
         if self.device_memory_bytes is not None:
             rows.append(("device memory", f"{format_bytes(self.device_memory_bytes)} x memory_utilization "
                          f"{self.memory_utilization}; {format_bytes(self.device_in_use_bytes)} in use before the cache"))
+        rows.append(("encoder cache", encoder_cache_text(self.encoder_cache_bytes, self.cache_source)))
         rows += [
             ("KV per token", f"{self.kv_bytes_per_token:,} B ({self.num_layers} layers x 2 x {self.num_kv_heads} KV "
              f"heads x {self.head_dim} x {self.dtype})"),

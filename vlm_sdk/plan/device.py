@@ -4,7 +4,7 @@
                 | --device cuda[:N] (its total memory, and what is in use on it now)
                 | --device cpu (host RAM: MemTotal of /proc/meminfo, or --host-memory SIZE)
                 | nothing: this machine's GPU; with no GPU, `plan` refuses and asks for one of the above
-    fits        in use + weights + activation peak + KV cache <= device (or host) memory
+    fits        in use + weights + activation peak + encoder cache + KV cache <= device (or host) memory
 
 Sizes: an int is bytes; a string needs a unit (24GiB, 6784MiB, 1.5GB, 180709785B): `--device-memory 24`
 is refused with the sizes it may have meant, never read as 24 bytes.
@@ -54,27 +54,31 @@ class Memory:
 
 
 def cache_fit_problem(mem: Memory, weights: int, peak: int, num_blocks: int, per_block: int, rule: str,
-                      source: str):
-    """(message, fixes) when the KV cache does not fit beside the weights and the activation peak,
-    naming the largest num_blocks / kv_cache_memory that does (only settings that would take effect:
-    num_blocks overrides kv_cache_memory); None when it fits."""
+                      source: str, encoder: int = 0):
+    """(message, fixes) when the KV cache does not fit beside the weights, the activation peak and the
+    encoder cache (`encoder` bytes, its bound), naming the largest num_blocks / kv_cache_memory that
+    does (only settings that would take effect: num_blocks overrides kv_cache_memory); None when it fits."""
     cache = num_blocks * per_block
-    room = mem.total - mem.other_use - weights - peak
+    room = mem.total - mem.other_use - weights - peak - encoder
     if cache <= room:
         return None
     used = f"{format_bytes(weights)} of weights"
     if mem.other_use:
         used += f", {format_bytes(mem.other_use)} already in use"
+    enc = f", the {format_bytes(encoder)} encoder cache (encoder_cache_memory)" if encoder else ""
     head = (f"the KV cache of {num_blocks:,} blocks = {format_bytes(cache)} ({source}) does not fit in "
-            f"{format_bytes(mem.total)} of {mem.what} beside {used} and the {format_bytes(peak)} activation peak "
-            f"(an estimate)")
+            f"{format_bytes(mem.total)} of {mem.what} beside {used}{enc} and the {format_bytes(peak)} activation "
+            f"peak (an estimate)")
     fit = max(room, 0) // per_block
     if room <= 0:
-        return (f"{head}: the weights and the activation peak alone need {format_bytes(mem.total - room)}, more "
-                f"than the {mem.what}, even without a KV cache; plan more memory, a smaller --dtype or more --tp", {})
+        return (f"{head}: the weights, the activation peak{' and the encoder cache' if encoder else ''} alone need "
+                f"{format_bytes(mem.total - room)}, more than the {mem.what}, even without a KV cache; plan more "
+                f"memory, a smaller --dtype or more --tp" + (", or lower --encoder-cache-memory" if encoder else ""),
+                {})
     if fit < 1:
         return (f"{head}: not one {per_block:,}-byte block fits in the {format_bytes(room)} left; lower "
-                f"--max-num-batched-tokens / --max-num-seqs / the image size setting, or plan more memory", {})
+                f"--max-num-batched-tokens / --max-num-seqs / the image size setting"
+                + (" / --encoder-cache-memory" if encoder else "") + ", or plan more memory", {})
     fixes: dict[str, int | str] = {}
     if rule != "num_blocks":
         fixes["kv_cache_memory"] = fit * per_block

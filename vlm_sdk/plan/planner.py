@@ -10,12 +10,16 @@ and the too-long error use it too). Units: bytes unless a name says tokens / blo
                          (kv_heads / tp; 1 when tp > kv_heads: each rank keeps a copy of one KV head)
     kv_bytes_per_block = kv_bytes_per_token * block_size
     num_blocks         = num_blocks | kv_cache_memory // per_block
-                         | (device memory * memory_utilization - in use - activation peak) // per_block
+                         | (device memory * memory_utilization - in use - activation peak
+                            - encoder_cache_memory) // per_block
                          | the CPU default (max_num_seqs full-length sequences, at most 1 GiB)
     in use             = weights, plus with --device cuda:N what is in use on it now
-    fits               in use + activation peak + num_blocks * per_block <= device memory (or host RAM
-                       with --device cpu): else a problem naming the largest num_blocks / kv_cache_memory
-                       that fits (`device.py`). With no device given and no GPU here, `plan` refuses.
+    fits               in use + activation peak + encoder cache + num_blocks * per_block <= device memory
+                       (or host RAM with --device cpu): else a problem naming the largest num_blocks /
+                       kv_cache_memory that fits (`device.py`). With no device given and no GPU here,
+                       `plan` refuses.
+The encoder cache (vision embeddings kept for reuse) counts at its bound, encoder_cache_memory: it
+fills while the engine serves, so the engine sets it aside before sizing the KV cache, as here.
 
 Weights per rank with `tp`: the model is built on the meta device as rank 0 of `tp` ranks builds it
 (vlm_sdk/executor/launch.py checks the same split), so its parameters are exactly one rank's: the
@@ -61,7 +65,7 @@ from vlm_sdk.plan.device import DEVICE_HINT, Memory, cache_fit_problem, parse_si
 __all__ = ["MemoryPlan", "PLAN_OPTIONS", "Problem", "plan"]
 
 _ENGINE_OPTIONS = ("memory_utilization", "kv_cache_memory", "num_blocks", "dtype", "block_size", "max_model_len",
-                   "max_num_seqs", "max_num_batched_tokens", "shard_vision")
+                   "max_num_seqs", "max_num_batched_tokens", "shard_vision", "encoder_cache_memory")
 # each registered family's image option (`FamilySpec.plan_setting`)
 FAMILY_OPTIONS = tuple(registry.plan_settings())
 PLAN_OPTIONS = ("device_memory", "device", "host_memory", *_ENGINE_OPTIONS, *FAMILY_OPTIONS, "tp",
@@ -106,6 +110,7 @@ class MemoryPlan(MemoryTotals):
     device_memory_bytes: int | None
     device_in_use_bytes: int | None  # --device cuda:N: in use on it now (CUDA context, other processes)
     memory_utilization: float
+    encoder_cache_bytes: int         # encoder_cache_memory: set aside before the KV cache (0: off)
     # what fits
     max_position_embeddings: int     # tokens
     max_model_len: int               # tokens; the user's value, else min(max_position_embeddings, capacity)
@@ -152,7 +157,8 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     Where: device_memory ("80GiB", or an int of bytes) or device ("cpu"; "cuda:N": read its total);
     one of them is required on a machine without a GPU (with one, its GPU is planned). host_memory
     (with device="cpu"; default this machine's RAM). Settings (the engine's names and units):
-    memory_utilization, kv_cache_memory ("2GiB" or bytes), num_blocks, dtype, block_size,
+    memory_utilization, kv_cache_memory ("2GiB" or bytes), encoder_cache_memory ("256MiB", bytes, or 0
+    for none), num_blocks, dtype, block_size,
     max_model_len, max_num_seqs, max_num_batched_tokens, the family's image setting (`FAMILY_OPTIONS`:
     max_pixels, max_dynamic_patch), tp, shard_vision, and a workload per request: prompt_tokens (text
     only), images (each at the largest allowed size), output_tokens. `InvalidRequestError` for a bad
@@ -203,13 +209,14 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     peak = max(act_lm, act_vision)
 
     # the engine's own sizing rules, on the memory it would find after loading the weights
-    budget = None if device_memory is None else DeviceBudget(device_memory, other_use + weights.total, peak)
+    encoder = args.encoder_cache_memory
+    budget = None if device_memory is None else DeviceBudget(device_memory, other_use + weights.total, peak, encoder)
     cache = size_cache(args, per_block, max_pos, budget)
     blocks = max(cache.num_blocks, 0)
     memory = (Memory(device_memory, other_use, "device memory") if device_memory is not None else
               Memory(host_memory, 0, "host RAM"))
     if budget is None:  # the CPU: grow-the-cache fixes are bounded by host RAM (sizing rules stay the engine's)
-        cache = dataclasses.replace(cache, budget=DeviceBudget(host_memory, weights.total, peak))
+        cache = dataclasses.replace(cache, budget=DeviceBudget(host_memory, weights.total, peak, encoder))
     capacity = blocks * args.block_size
     max_model_len = args.max_model_len or min(max_pos, capacity)
     longest = min(capacity, max_pos, max_model_len)
@@ -217,7 +224,7 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
 
     problems: list[Problem] = []  # the engine would refuse to start, or a request would be refused
     notes: list[Problem] = []  # it runs, but below what the settings ask for
-    too_big = cache_fit_problem(memory, weights.total, peak, blocks, per_block, cache.rule, cache.source) \
+    too_big = cache_fit_problem(memory, weights.total, peak, blocks, per_block, cache.rule, cache.source, encoder) \
         if blocks >= 1 and (device_memory is None or cache.rule != "memory_utilization") else None
     if too_big is not None:  # memory_utilization sizes the cache to fit by construction
         problems.append(Problem(*too_big))
@@ -302,7 +309,8 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
         num_kv_heads=kv_heads, head_dim=head_dim, block_size=args.block_size, kv_bytes_per_token=cache.bytes_per_token,
         kv_bytes_per_block=per_block, num_blocks=blocks, cache_source=cache.source, device_memory_bytes=device_memory,
         device_in_use_bytes=other_use if device_memory is not None and o["device_memory"] is None else None,
-        memory_utilization=args.memory_utilization, max_position_embeddings=max_pos, max_model_len=max_model_len,
+        memory_utilization=args.memory_utilization, encoder_cache_bytes=encoder, max_position_embeddings=max_pos,
+        max_model_len=max_model_len,
         max_num_seqs=args.max_num_seqs, image_tokens_per_image=image.tokens, largest_image=image.text,
         largest_fitting_image_tokens=fits_alone.tokens if fits_alone else 0,
         largest_fitting_image=fits_alone.text if fits_alone else "none: not even the smallest image fits",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from vlm_sdk.engine.memory_report import format_bytes as _size, table
+from vlm_sdk.engine.memory_report import encoder_cache_text, format_bytes as _size, table
 from vlm_sdk.models import registry
 from vlm_sdk.plan.planner import PLAN_OPTIONS, MemoryPlan, _value, plan
 
@@ -39,6 +39,7 @@ def format_plan(p: MemoryPlan) -> str:
         ("weights: total per rank", _size(p.weights_bytes)),
         ("activation peak (estimate)", f"{_size(p.activation_peak_bytes)}: LM step "
          f"{_size(p.activation_language_model_bytes)}, vision {_size(p.activation_vision_bytes)}"),
+        ("encoder cache", encoder_cache_text(p.encoder_cache_bytes, p.cache_source)),
         ("KV per token", f"{p.kv_bytes_per_token:,} B ({p.num_layers} layers x 2 x {p.num_kv_heads} KV heads x "
          f"{p.head_dim} x {p.dtype})"),
         ("KV per block", f"{p.kv_bytes_per_block:,} B ({p.block_size} tokens)"),
@@ -96,6 +97,9 @@ def add_plan_parser(sub) -> None:
                      "cache (default 0.9); sizes the cache when neither --num-blocks nor --kv-cache-memory is set")
     cmd.add_argument("--kv-cache-memory", help=f"KV cache size, e.g. 2GiB ({_SIZE}); overrides "
                      "--memory-utilization; checked against the device")
+    cmd.add_argument("--encoder-cache-memory", help=f"the most vision embeddings kept for reuse across requests "
+                     f"(the encoder cache), e.g. 256MiB (the default; {_SIZE}), 0 for none; counted beside the "
+                     "weights and activations, and set aside before --memory-utilization sizes the KV cache")
     for name in ("num-blocks", "block-size", "max-model-len", "max-num-seqs", "max-num-batched-tokens"):
         cmd.add_argument(f"--{name}", type=int, help=_HELP[name])
     for name, (family, setting) in registry.plan_settings().items():  # each family's image option

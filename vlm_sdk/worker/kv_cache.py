@@ -4,9 +4,10 @@ the smallest block count any rank can hold: every rank then allocates that many)
     bytes_per_block = num_layers * 2 (K, V) * block_size * num_kv_heads * head_dim * dtype bytes
 
 The block count comes from the first of: `num_blocks`; `kv_cache_memory` // bytes_per_block; on CUDA,
-(memory_utilization * total device memory - memory in use after loading - profiled activation peak)
-// bytes_per_block (`DeviceBudget`); on the CPU, enough for max_num_seqs sequences of
-max_model_len tokens, at most 1 GiB. `vlm_sdk.plan.planner` applies the same rules before anything is loaded.
+(memory_utilization * total device memory - memory in use after loading - profiled activation peak
+- encoder_cache_memory) // bytes_per_block (`DeviceBudget`: the encoder cache fills while serving, after
+the KV cache is allocated, so its bound is set aside first); on the CPU, enough for max_num_seqs
+sequences of max_model_len tokens, at most 1 GiB. `vlm_sdk.plan.planner` applies the same rules before anything is loaded.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def size_cache(args: EngineArgs, per_block: int, max_position_embeddings: int,
         u = args.memory_utilization
         return CacheConfig(args.block_size, budget.blocks(u, per_block), per_block,
                            f"memory_utilization={u} of {budget.total_bytes:,} bytes, after {budget.in_use_bytes:,} "
-                           f"in use and a {budget.activation_peak_bytes:,}-byte activation peak",
+                           f"in use, a {budget.activation_peak_bytes:,}-byte activation peak and a "
+                           f"{budget.encoder_cache_bytes:,}-byte encoder cache",
                            "memory_utilization", budget)
     useful_tokens = args.max_num_seqs * (args.max_model_len or max_position_embeddings)
     blocks = min(CPU_DEFAULT_CACHE_BYTES // per_block, blocks_needed(useful_tokens, args.block_size))
@@ -56,7 +58,7 @@ def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_posit
     budget = None
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = DeviceBudget(total, total - free, profiled_peak_bytes or 0)
+        budget = DeviceBudget(total, total - free, profiled_peak_bytes or 0, args.encoder_cache_memory)
     cache = size_cache(args, per_block, max_position_embeddings, budget)
     if cache.num_blocks >= 1:
         return cache
@@ -82,8 +84,9 @@ def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_posit
         f"({in_use:,} by this engine's weights) and the profiled activation peak is "
         f"{budget.activation_peak_bytes:,} (a step of max_num_batched_tokens={args.max_num_batched_tokens} tokens, "
         f"logits for max_num_seqs={args.max_num_seqs} rows and one {image_setting or 'largest allowed'} image; "
-        f"lowering those lowers it). {raise_to}, lower max_num_batched_tokens, max_num_seqs or "
-        f"{image_setting or 'the image size setting'}, or set kv_cache_memory")
+        f"lowering those lowers it); encoder_cache_memory sets aside {budget.encoder_cache_bytes:,}. {raise_to}, "
+        f"lower max_num_batched_tokens, max_num_seqs, {image_setting or 'the image size setting'} or "
+        f"encoder_cache_memory, or set kv_cache_memory")
 
 
 def allocate_kv_caches(num_layers: int, cache: CacheConfig, num_kv_heads: int, head_dim: int,
@@ -108,12 +111,15 @@ def allocate_or_explain(num_layers: int, cache: CacheConfig, num_kv_heads: int, 
             raise
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
+        # the activation peak and the encoder cache still need their share of what is free
         peak = cache.budget.activation_peak_bytes if cache.budget else 0
-        fits = max(0, (free - peak) // cache.bytes_per_block)
+        encoder = cache.budget.encoder_cache_bytes if cache.budget else 0
+        fits = max(0, (free - peak - encoder) // cache.bytes_per_block)
         setting = ("lower memory_utilization (other processes may have taken memory since it was measured)"
                    if cache.rule == "memory_utilization" else
                    f"set num_blocks <= {fits} or kv_cache_memory <= {format_size(fits * cache.bytes_per_block)}")
         raise InvalidRequestError(
             f"allocating the KV cache of {cache.num_blocks} blocks x {cache.bytes_per_block:,} bytes = "
             f"{cache.num_blocks * cache.bytes_per_block:,} bytes ({cache.source}) ran out of device memory: "
-            f"{free:,} bytes are free and the activation peak needs {peak:,} of them; {setting}") from e
+            f"{free:,} bytes are free and the activation peak needs {peak:,} of them, the encoder cache "
+            f"{encoder:,}; {setting}") from e
