@@ -1,6 +1,6 @@
 """`vlm-sdk chat` streams an answer (in process, or from a server with --url); `vlm-sdk bench` compares
-our engine with transformers (`--gpu`: the Qwen2.5-VL-3B GPU figures); `vlm-sdk bench-serve` measures a
-server over HTTP."""
+our engine with transformers (`--gpu`: the Qwen2.5-VL-3B GPU figures; `--multi-turn`: prefix caching and
+the encoder cache on vs off); `vlm-sdk bench-serve` measures a server over HTTP."""
 from __future__ import annotations
 
 import argparse
@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="> 1: our engine on this many ranks against one rank (time per step), not transformers")
     from vlm_sdk.bench.gpu import add_arguments as add_gpu_bench_arguments
     add_gpu_bench_arguments(bench)
+    from vlm_sdk.bench.prefix_cache import add_arguments as add_multi_turn_arguments
+    add_multi_turn_arguments(bench)
     from vlm_sdk.bench.serve import add_arguments as add_bench_serve_arguments
     add_bench_serve_arguments(sub.add_parser("bench-serve", help="throughput and latency of a server over HTTP, "
                                              "vs the same workload in process"))
@@ -127,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
             from vlm_sdk.bench.serve import run_bench_serve
             return run_bench_serve(args)
         from vlm_sdk.bench import gpu as bench_gpu
+        from vlm_sdk.bench import prefix_cache
+        if args.multi_turn:
+            bench_gpu.reject_without_gpu(args)
+            return prefix_cache.run_multi_turn(args)
+        prefix_cache.reject_without_multi_turn(args)
         if args.gpu:
             return bench_gpu.run_gpu_benchmark(args, sys.argv[1:] if argv is None else list(argv))
         bench_gpu.reject_without_gpu(args)
