@@ -124,7 +124,7 @@ def test_startup_report_encoder_cache_off_and_set_aside_on_cuda(tiny_ckpt):
     cuda = dataclasses.replace(r, device_memory_bytes=24 * GIB, device_in_use_bytes=16 * GIB,
                                cache_source="memory_utilization=0.9 of 25,769,803,776 bytes, after ...")
     [line] = [ln for ln in cuda.format().splitlines() if ln.startswith("encoder cache")]
-    assert "8.00 MiB" in line and "set aside from the memory_utilization budget before the KV cache" in line
+    assert "8.00 MiB" in line and "set aside from the memory_utilization budget before sizing the KV cache" in line
 
 
 def _agree(ckpt, options, engine_options):

@@ -84,9 +84,10 @@ def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_posit
         f"({in_use:,} by this engine's weights) and the profiled activation peak is "
         f"{budget.activation_peak_bytes:,} (a step of max_num_batched_tokens={args.max_num_batched_tokens} tokens, "
         f"logits for max_num_seqs={args.max_num_seqs} rows and one {image_setting or 'largest allowed'} image; "
-        f"lowering those lowers it); encoder_cache_memory sets aside {budget.encoder_cache_bytes:,}. {raise_to}, "
-        f"lower max_num_batched_tokens, max_num_seqs, {image_setting or 'the image size setting'} or "
-        f"encoder_cache_memory, or set kv_cache_memory")
+        f"lowering those lowers it)"
+        + (f"; encoder_cache_memory sets aside {budget.encoder_cache_bytes:,}" if budget.encoder_cache_bytes else "")
+        + f". {raise_to}, lower max_num_batched_tokens, max_num_seqs, {image_setting or 'the image size setting'}"
+        + (" or encoder_cache_memory" if budget.encoder_cache_bytes else "") + ", or set kv_cache_memory")
 
 
 def allocate_kv_caches(num_layers: int, cache: CacheConfig, num_kv_heads: int, head_dim: int,
