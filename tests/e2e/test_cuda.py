@@ -4,6 +4,7 @@ import torch
 
 from helpers import conversations
 from vlm_sdk import LLM, SamplingParams
+from vlm_sdk.config import DEFAULT_ENCODER_CACHE_MEMORY
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -58,6 +59,9 @@ def test_plan_agrees_with_engine_within_3_percent_and_report_is_measured(tiny_ck
     assert r.weights_allocated_bytes >= r.weights_bytes  # allocator rounding only adds
     assert r.device_memory_bytes == torch.cuda.mem_get_info()[1]
     assert planned.weights_bytes == r.weights_bytes and planned.kv_bytes_per_block == r.kv_bytes_per_block
+    # both set the encoder cache aside before sizing the KV cache
+    assert planned.encoder_cache_bytes == r.encoder_cache_bytes == DEFAULT_ENCODER_CACHE_MEMORY
+    assert "set aside from the memory_utilization budget" in r.format()
 
 
 
