@@ -116,3 +116,20 @@ def test_a_preempted_sequence_finds_its_own_blocks_when_it_returns():
     out = sched.schedule()
     assert out.scheduled[0][0] is b and b.num_computed_tokens == 8  # its two full blocks were still cached
     assert b.metrics.cached_tokens == 0  # the figure of its first start
+
+
+def test_a_cache_full_of_cached_blocks_admits_a_prompt_that_needs_every_block():
+    """Capacity: cached-but-free blocks are free; a new prompt reclaims them all, no preemption."""
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=16,
+                                      max_model_len_source="test"), bm)
+    for i in range(2):
+        s = _seq(f"old{i}", range(100 * i, 100 * i + 8))
+        _run(bm, s)
+        bm.free(s)
+    assert bm.num_cached_free_blocks == 4 and bm.num_free_blocks == 4 and bm.num_used_blocks == 0
+    big = _seq("big", range(500, 515))
+    sched.add(big)
+    out = sched.schedule()
+    assert out.scheduled == [(big, 15)] and not out.preempted
+    assert len(big.block_ids) == 4 and bm.num_cached_free_blocks == 0
