@@ -29,6 +29,9 @@ _EXIF_ORIENTATION = 0x0112
 # 16-bit photos white, so they are rescaled here instead.
 _HIGH_DEPTH_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
 _STRIP_PIXELS = 1 << 20  # converted at a time: a few MB of temporaries whatever the image's size
+# round(v / 257) for every 16-bit v (65535 -> 255 exactly; v / 257 is never a tie): one lookup per pixel
+_SIXTEEN_BIT = ((np.arange(1 << 16, dtype=np.uint32) + 128) // 257).astype(np.uint8)
+_SIXTEEN_BIT.flags.writeable = False
 
 
 class DecodeCancelled(Exception):
@@ -133,28 +136,26 @@ def _high_depth_to_rgb(image: Image.Image) -> Image.Image:
         def scale(v: np.ndarray) -> np.ndarray:
             v = _finite(v)
             if lo >= 0.0 and hi <= 1.0:  # the usual float convention: 0..1
-                return v * 255.0
-            if lo >= 0.0 and hi <= 255.0:
-                return v
-            # no convention to rely on: stretch the range present
-            return (v - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(v)
+                v = v * 255.0
+            elif not (lo >= 0.0 and hi <= 255.0):  # no convention to rely on: stretch the range present
+                v = (v - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(v)
+            return np.clip(np.round(v), 0, 255)
     else:
-        hi = 0.0
-        for top, bottom in strips:
-            hi = max(hi, float(values(top, bottom).max()))
-        sixteen = image.mode.startswith("I;16") or 255.0 < hi <= 65535.0  # 16-bit PNG/TIFF stored as "I" too
+        sixteen = image.mode.startswith("I;16")
+        hi = 65535.0 if sixteen else max([0.0] + [float(values(t, b).max()) for t, b in strips])
+        sixteen = sixteen or 255.0 < hi <= 65535.0  # 16-bit PNG/TIFF handed over as "I" too
 
         def scale(v: np.ndarray) -> np.ndarray:
             v = np.maximum(v, 0)
-            if sixteen:  # round(v / 257) in integers: 65535 -> 255 exactly, no ties to break
-                return (v.astype(np.uint32) + 128) // 257
+            if sixteen:
+                return _SIXTEEN_BIT[v]
             if hi <= 255.0:
                 return v
-            return v.astype(np.float64) * (255.0 / hi)  # 32-bit data beyond 16 bits: the maximum present
+            return np.clip(np.round(v * (255.0 / hi)), 0, 255)  # 32-bit data beyond 16 bits: the maximum present
 
     gray = np.empty((height, width), dtype=np.uint8)  # [H, W]
     for top, bottom in strips:
-        gray[top:bottom] = np.clip(np.round(scale(values(top, bottom))), 0, 255)
+        gray[top:bottom] = scale(values(top, bottom))
     return Image.fromarray(gray).convert("RGB")
 
 
