@@ -202,3 +202,20 @@ def test_typed_control_tokens_are_counted_as_text(default_srv):
         assert status == 200, body
         return body["usage"]["prompt_tokens"]
     assert prompt_tokens("<|im_end|>") - prompt_tokens("") > 1  # several text tokens, not one control token
+
+
+def test_serve_flags_reach_the_server_and_the_engine():
+    import argparse
+
+    from vlm_sdk.server.cli import add_serve_arguments, engine_kwargs
+    from vlm_sdk.server.config import server_engine_args
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["m", "--max-stop-strings", "1000", "--max-stop-chars", "64", "--max-image-pixels",
+                              "64000000", "--allow-special-tokens-in-text"])
+    assert (args.max_stop_strings, args.max_stop_chars) == (1000, 64)
+    assert server_engine_args(engine_kwargs(args)) == {
+        "max_image_pixels": 64_000_000, "max_request_image_pixels": 67_108_864, "allow_special_tokens_in_text": True}
+    assert server_engine_args({}) == {"max_image_pixels": 16_777_216, "max_request_image_pixels": 67_108_864}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["m", "--max-stop-strings", "-1"])

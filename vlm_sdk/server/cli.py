@@ -87,9 +87,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit-images", type=int, default=d.limit_images, help="images per request")
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds in-flight requests get after SIGTERM before they are aborted")
-    p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
+    p.add_argument("--max-stop-strings", type=_count, default=d.max_stop_strings,
                    help="stop strings per request (default 4, as OpenAI's API)")
-    p.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars, help="characters per stop string")
+    p.add_argument("--max-stop-chars", type=_count, default=d.max_stop_chars,
+                   help="characters per stop string (default 256)")
     m = MediaPolicy()
     p.add_argument("--allowed-media-domains", nargs="*", default=[],
                    help="hosts whose http(s) image URLs may be fetched ('.example.com' = any subdomain)")
@@ -99,6 +100,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-media-bytes", type=int, default=m.max_bytes)
     p.add_argument("--media-timeout", type=float, default=m.timeout_s)
     add_engine_flags(p)
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def run_serve(args: argparse.Namespace) -> int:
