@@ -142,7 +142,8 @@ class OpenAIServer:
             raise APIError(503, "the server is shutting down or its engine has stopped; retry on another "
                                 "replica", "server_error", None, "unavailable")
         body = await self._read_json(request)
-        req = protocol.parse_chat_request(body, self.model_name, self.max_model_len, self.config.limit_images)
+        req = protocol.parse_chat_request(body, self.model_name, self.max_model_len, self.config.limit_images,
+                                          self.config.max_stop_strings, self.config.max_stop_chars)
         messages = await self.media.resolve_messages(req.messages)
         prompt = await self.engine.build_prompt(messages, req.params)
         if req.num_images:
