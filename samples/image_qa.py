@@ -24,16 +24,14 @@ import argparse
 import asyncio
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, NamedTuple
 
 from vlm_sdk.errors import VLMError
 from vlm_sdk.outputs import terminal_text  # control characters in model text shown as escapes
 
 
-@dataclass(frozen=True)
-class Turn:
+class Turn(NamedTuple):  # not a dataclass: one fails when this file is loaded by path, as the tests do
     answer: str
     prompt_tokens: int  # image tokens included
     cached_tokens: int | None  # of prompt_tokens, served from the prefix cache; None: the server did not say

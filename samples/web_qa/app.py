@@ -25,6 +25,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from aiohttp import web
 
@@ -40,8 +41,7 @@ class FormError(ValueError):
     """The posted form cannot be asked: the message says what to fix."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Question:
+class Question(NamedTuple):  # not a dataclass: one fails when this file is loaded by path, as the tests do
     image: bytes
     history: list[tuple[str, str]]  # earlier (question, answer) turns, oldest first
     question: str

@@ -11,7 +11,6 @@ import io
 import json
 import os
 import re
-import sys
 import threading
 import time
 from pathlib import Path
@@ -39,7 +38,6 @@ META = re.compile(r"first token (\d+) ms · (\d+) of (\d+) prompt tokens cached 
 def _load_app_module():
     spec = importlib.util.spec_from_file_location("web_qa_app", APP_PATH)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # as an import would: dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
