@@ -86,7 +86,7 @@ class LLMEngine:
         self.memory_report = self._memory_report(loads, peaks, [c.num_blocks for c in caches],
                                                  largest_image.num_tokens)
         logger.info("%s", self.memory_report.format())
-        self.block_manager = BlockManager(self.cache_config.num_blocks, args.block_size)
+        self.block_manager = BlockManager(self.cache_config.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.requests: dict[str, Sequence] = {}
         self._next_id = 0
