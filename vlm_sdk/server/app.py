@@ -178,7 +178,7 @@ class OpenAIServer:
         self._observe(timing, out)
         return web.json_response(protocol.completion_body(
             protocol.new_completion_id(), self.model_name, out.text, out.finish_reason,
-            len(out.prompt_token_ids), len(out.token_ids)))
+            len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens))
 
     async def _stream(self, request: web.Request, req: protocol.ChatRequest, gen, out,
                       timing: "_Timing") -> web.StreamResponse:
@@ -211,7 +211,7 @@ class OpenAIServer:
         else:
             self._observe(timing, out)
             if req.include_usage:
-                await send(chunks.usage(len(out.prompt_token_ids), len(out.token_ids)))
+                await send(chunks.usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens))
         await send(chunks.done())
         await resp.write_eof()
         return resp

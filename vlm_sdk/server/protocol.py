@@ -186,17 +186,20 @@ def new_completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage object; `cached_tokens` are the prompt tokens served from the prefix cache
+    (counted inside `prompt_tokens`, as OpenAI counts them)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_body(cid: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
-                    completion_tokens: int) -> dict:
+                    completion_tokens: int, cached_tokens: int) -> dict:
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                          "finish_reason": finish_reason}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 class ChunkWriter:
@@ -224,8 +227,9 @@ class ChunkWriter:
     def finish(self, reason: str) -> str:
         return self.event(chunk_body(self.cid, self.model, self.created, {}, reason, self.include_usage))
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
-        return self.event(usage_chunk_body(self.cid, self.model, self.created, prompt_tokens, completion_tokens))
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> str:
+        return self.event(usage_chunk_body(self.cid, self.model, self.created, prompt_tokens, completion_tokens,
+                                           cached_tokens))
 
     @staticmethod
     def done() -> str:
@@ -241,6 +245,7 @@ def chunk_body(cid: str, model: str, created: int, delta: dict, finish_reason: s
     return body
 
 
-def usage_chunk_body(cid: str, model: str, created: int, prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_chunk_body(cid: str, model: str, created: int, prompt_tokens: int, completion_tokens: int,
+                     cached_tokens: int) -> dict:
     return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
