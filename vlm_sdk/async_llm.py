@@ -1,6 +1,6 @@
 """`AsyncLLM`: the engine on its own thread, streamed to asyncio callers.
 
-    caller task --chat_stream--> executor: build_prompt (image decode, tokenize, size check)
+    caller task --chat_stream--> prep pool: build_prompt (image decode, tokenize, size check)
                              --> command queue --> engine thread: add / abort, step(), step(), ...
     caller task <-- asyncio.Queue per request <-- loop.call_soon_threadsafe(EngineOutputs: token ids)
     caller task: RequestOutputState.process -> RequestOutput (detokenize, stop strings, delta)
@@ -12,6 +12,11 @@ tokenized on the executor never holds up a step or another stream's text. A stop
 there queues a "stop" for the engine, which frees the request's blocks. Closing a stream early (`break` out of `async for`, which CPython
 finalises at once; `contextlib.aclosing` makes it explicit) or cancelling its task queues an abort,
 which the engine thread applies before its next step, freeing the request's KV blocks.
+
+Prompt building has two pools: requests with images or a long text (LONG_TEXT_CHARS) go to the heavy
+one, the rest to the text one, so a text prompt never waits behind image decoding. A caller that goes
+away while its prompt is built (a server client that disconnects cancels its handler) cancels it: not
+started, it never runs; running, the images it has not decoded yet are skipped.
 """
 from __future__ import annotations
 
@@ -21,14 +26,17 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import AsyncIterator
 
 from vlm_sdk.engine.llm_engine import LLMEngine
 from vlm_sdk.engine.output_processor import OutputProcessor
+from vlm_sdk.engine.prompt_tokenizer import LONG_TEXT_CHARS
 from vlm_sdk.errors import EngineDeadError, InvalidRequestError
 from vlm_sdk.model_loader import load_tokenizer
 from vlm_sdk.models.registry import engine_args as make_engine_args
 from vlm_sdk.multimodal.inputs import PromptInputs
+from vlm_sdk.multimodal.messages import measure
 from vlm_sdk.outputs import RequestOutput
 from vlm_sdk.sampling_params import SamplingParams
 
@@ -38,6 +46,10 @@ def _check_params(params) -> SamplingParams:
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
     return params
+
+
+# stop strings of more characters than this get their matcher built on the text pool, not the loop
+_LOOP_STOP_CHARS = 4096
 
 
 def _put_all(batch: list) -> None:
@@ -60,7 +72,8 @@ class AsyncLLM:
         # keyed by a unique engine id, so a reused user id never receives an older request's outputs
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
-        self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vlm-prep")
+        self._text_prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vlm-prep-text")
+        self._heavy_prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vlm-prep-heavy")
         # guards _dead/_closed against the enqueueing of commands: nothing is queued after the engine
         # thread's final drain, so no caller waits on a thread that is gone
         self._lock = threading.Lock()
@@ -86,7 +99,8 @@ class AsyncLLM:
             self._closed = True
             self._commands.put(("stop", None, None))
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-        self._prep.shutdown(wait=False)
+        self._text_prep.shutdown(wait=False, cancel_futures=True)
+        self._heavy_prep.shutdown(wait=False, cancel_futures=True)
 
     # -- public API -------------------------------------------------------------------------------
     async def build_prompt(self, messages, params: SamplingParams | None = None) -> PromptInputs:
@@ -94,8 +108,16 @@ class AsyncLLM:
         (`InvalidRequestError`, `InvalidImageError`, `InputTooLongError`, whose fixes fit the prompt
         and `params.max_tokens`) before anything is queued."""
         self._check_alive()
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._prep, self.engine.build_prompt, messages, params)
+        chars, images = measure(messages)
+        pool = self._heavy_prep if images or chars >= LONG_TEXT_CHARS else self._text_prep
+        cancelled = threading.Event()
+        job = asyncio.get_running_loop().run_in_executor(
+            pool, partial(self.engine.build_prompt, messages, params, cancelled=cancelled))
+        try:
+            return await job  # cancelled here, a job not started yet is dropped from the pool's queue
+        except asyncio.CancelledError:
+            cancelled.set()  # a running one skips the images it has not decoded
+            raise
 
     async def chat_stream(self, messages, params: SamplingParams | None = None,
                           request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -112,10 +134,14 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         key = f"async-{next(self._ids)}"
         user_id = request_id or key
+        new_state = partial(self.output_processor.new_request, user_id, prompt.token_ids, params)
+        if sum(map(len, params.stop)) > _LOOP_STOP_CHARS:  # their automaton takes a while to build
+            state = await loop.run_in_executor(self._text_prep, new_state)
+        else:
+            state = new_state()
         if request_id is not None and any(s.user_id == request_id for s in self._streams.values()):
             raise InvalidRequestError(f"request id {request_id!r} is already streaming")
         stream = _Stream(user_id, loop, asyncio.Queue())
-        state = self.output_processor.new_request(user_id, prompt.token_ids, params)
         with self._lock:
             self._check_alive()  # it may have stopped while the prompt was being built
             self._streams[key] = stream

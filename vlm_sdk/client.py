@@ -103,13 +103,18 @@ class Usage:
     prompt_tokens: int  # image tokens included
     completion_tokens: int
     total_tokens: int
+    # prompt tokens served from the server's prefix cache (`prompt_tokens_details.cached_tokens`, part of
+    # prompt_tokens); None when the server does not report it, which is not the same as none cached
+    cached_tokens: int | None = None
 
     @classmethod
     def from_json(cls, data: Any) -> "Usage | None":
         if not isinstance(data, dict):
             return None
         p, c = int(data.get("prompt_tokens") or 0), int(data.get("completion_tokens") or 0)
-        return cls(p, c, int(data.get("total_tokens") or p + c))
+        details = data.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return cls(p, c, int(data.get("total_tokens") or p + c), None if cached is None else int(cached))
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,13 @@ class EngineArgs:
     # checked by the family when the engine starts; an image part's own options win over them
     mm_processor_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     max_image_pixels: int = 64_000_000  # refuse decoding anything larger (decompression bombs)
+    # the pixels of all of one request's images together, checked from their headers before any is
+    # decoded; None: no limit beyond max_image_pixels per image (`vlm-sdk serve` sets one)
+    max_request_image_pixels: int | None = None
+    # special tokens (<|im_end|>, <|im_start|>, ...) written in message text are read as control
+    # tokens, as the template's own are; off (the default), they are plain text, so a user cannot end
+    # their turn and forge another role's
+    allow_special_tokens_in_text: bool = False
     seed: int = 0
     show_progress: bool = True
     attention_backend: str | None = None  # "triton" (default on CUDA) or "torch" (default on the CPU)
@@ -137,7 +144,8 @@ class EngineArgs:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
         for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs",
-                     "max_num_batched_tokens", "max_image_pixels", "preemption_warning_per_minute",
+                     "max_num_batched_tokens", "max_image_pixels", "max_request_image_pixels",
+                     "preemption_warning_per_minute",
                      "tensor_parallel_size"):
             positive(name)
         e = self.encoder_cache_memory
@@ -159,7 +167,8 @@ class EngineArgs:
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise InvalidRequestError(f"distributed_timeout must be a positive number of seconds, got {t!r}",
                                       param="distributed_timeout")
-        for name in ("show_progress", "enforce_eager", "shard_vision", "allow_unfit_images", "enable_prefix_caching"):
+        for name in ("show_progress", "enforce_eager", "shard_vision", "allow_unfit_images", "enable_prefix_caching",
+                     "allow_special_tokens_in_text"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -76,13 +76,16 @@ class InputTooLongError(InvalidRequestError):
     request: the prompt and `output_tokens` more (the request's `max_tokens`; when that is None, i.e.
     not set, a default room the message names; fewer only where max_position_embeddings allows no
     more). `output_tokens` None: fixes sized for the prompt alone (no output room stated).
+    `at_least`: the text was refused before it was tokenized whole, so `prompt_tokens` is a lower
+    bound and no fix is offered.
     """
 
     def __init__(self, prompt_tokens: int, image_tokens: list[int], capacity_tokens: int,
                  fixes: dict[str, int], limit_reason: str, conversation_index: int | None = None,
                  together: dict[str, int] | None = None, max_tokens: int | None = None,
-                 output_tokens: int | None = None):
+                 output_tokens: int | None = None, at_least: bool = False):
         self.prompt_tokens = prompt_tokens
+        self.at_least = at_least
         self.image_tokens = list(image_tokens)
         self.capacity_tokens = capacity_tokens
         self.fixes = dict(fixes)
@@ -108,6 +111,11 @@ class InputTooLongError(InvalidRequestError):
 
     def _message(self) -> str:
         where = "" if self.conversation_index is None else f"conversation {self.conversation_index}: "
+        if self.at_least:
+            return (f"{where}prompt text is more than {self.prompt_tokens} tokens (counting stopped there, before "
+                    f"the whole text was tokenized) but this engine holds at most {self.capacity_tokens} tokens per "
+                    f"sequence ({self.limit_reason}). Shorten the text: it is too long to count in full, so no "
+                    f"setting is offered.")
         text_tokens = self.prompt_tokens - sum(self.image_tokens)
         if self.image_tokens:
             imgs = ", ".join(str(n) for n in self.image_tokens)
@@ -131,7 +139,8 @@ class InputTooLongError(InvalidRequestError):
     def with_conversation(self, index: int) -> "InputTooLongError":
         return InputTooLongError(self.prompt_tokens, self.image_tokens, self.capacity_tokens,
                                  self.fixes, self.limit_reason, index, together=self.together,
-                                 max_tokens=self.max_tokens, output_tokens=self.output_tokens)
+                                 max_tokens=self.max_tokens, output_tokens=self.output_tokens,
+                                 at_least=self.at_least)
 
 
 class UnfitImagesError(InvalidRequestError):

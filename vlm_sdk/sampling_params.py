@@ -8,6 +8,9 @@ from vlm_sdk.errors import InvalidRequestError
 
 # below this a temperature would overflow float32 logits / T; it means "greedy" in practice
 MIN_TEMPERATURE = 1e-5
+# the smallest normal float32: the sampler compares top_p as a float32, where a smaller value can
+# become 0 (and 0 masks every token); nobody means a nucleus that small
+MIN_TOP_P = 1.1754943508222875e-38
 # what torch.Generator.manual_seed accepts
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
 # output tokens of a request that does not say; None ("not set") runs to max_model_len instead, and the
@@ -58,8 +61,9 @@ class SamplingParams:
             _refuse("max_tokens", "must be an integer >= 1 (or None: up to max_model_len)", self.max_tokens)
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             _refuse("temperature", "must be a finite number >= 0 (0 = greedy)", self.temperature)
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            _refuse("top_p", "must be a number in (0, 1]", self.top_p)
+        if not _is_number(self.top_p) or not MIN_TOP_P <= self.top_p <= 1.0:
+            _refuse("top_p", f"must be a number in (0, 1], at least {MIN_TOP_P:.4g} (below it float32 sampling "
+                             f"rounds it to 0)", self.top_p)
         if not _is_int(self.top_k) or self.top_k < -1:
             _refuse("top_k", "must be an integer >= 0 (0 or -1 disables it)", self.top_k)
         if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):

@@ -22,6 +22,7 @@ import torch
 
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.image_io import load_image
+from vlm_sdk.multimodal.image_key import image_key
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders
 from vlm_sdk.multimodal.messages import ImageRef, parse_messages
 from vlm_sdk.models.base import PromptProcessor
@@ -118,7 +119,7 @@ class InternVLProcessor(PromptProcessor):
         pixels = self.image_processor(pil, max_num)  # [tiles, 3, S, S]
         tiles = pixels.shape[0]
         return ImageInput(pixels, tiles * self.tokens_per_tile, InternVLImage(tiles, own),
-                          source_size=(pil.height, pil.width))
+                          source_size=(pil.height, pil.width), key=image_key(pil, max_num=max_num))
 
     def _check_tokens(self, index: int, height: int, width: int, max_num: int) -> None:
         """Refuse an image whose own max_num gives it more tokens than `max_image_tokens`, before resizing."""

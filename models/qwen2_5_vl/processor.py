@@ -13,6 +13,7 @@ import dataclasses
 
 from vlm_sdk.errors import InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.image_io import load_image
+from vlm_sdk.multimodal.image_key import image_key
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders
 from vlm_sdk.multimodal.messages import ImageRef, parse_messages
 from vlm_sdk.models.base import PromptProcessor
@@ -102,6 +103,7 @@ class Qwen2_5_VLProcessor(PromptProcessor):
         self._check_tokens(index, pil.height, pil.width, min_px, min_src, max_px, max_src)
         image = ip(pil, min_pixels=min_px, max_pixels=max_px)
         image.source_size = (pil.height, pil.width)
+        image.key = image_key(pil, min_pixels=min_px, max_pixels=max_px)  # the grid follows from these
         image.meta = dataclasses.replace(image.meta, own_max_pixels=own_max is not None, own_min_pixels=own_min)
         return image
 

@@ -1,14 +1,20 @@
-"""A one-page web app: pick an image, type a question, press Ask, watch the answer stream in.
+"""A one-page web app: a chat about one image. Pick an image, ask, watch the answer stream in, ask
+follow-up questions about the same image; "New image" starts over.
 
     python samples/web_qa/app.py --url http://127.0.0.1:8000 [--api-key K]   # a running `vlm-sdk serve`
     python samples/web_qa/app.py                                            # starts a server here
     # then open http://127.0.0.1:8080 (--host / --port to change)
 
 Without --url a server is started in this process on the tiny checkpoint with RANDOM weights
-(gibberish answers). The browser posts the image and question to POST /api/ask (multipart form:
-`image`, `question`, optional `max_tokens`, `temperature` (default 0)); the answer comes back as
-server-sent events: `{"text": ...}` per piece, then `{"done": true, "finish_reason", "usage"}`, or
-`{"error": message}`. Closing the page mid-answer closes the upstream stream, which aborts the request.
+(gibberish answers). The app keeps no state: the page holds the conversation and posts all of it with
+each question to POST /api/ask (multipart form: `image`, `question`, `history` (JSON: the earlier
+turns, `[{"question", "answer"}, ...]`), optional `max_tokens`, `temperature` (default 0)). The app
+sends the server the whole conversation, image first, as a chat client does: the server's prefix
+cache recognises the part it has seen, so a follow-up's first token comes sooner. The answer comes
+back as server-sent events: `{"text": ...}` per piece, then `{"done": true, "finish_reason", "usage"
+(with `cached_tokens`: prompt tokens served from the prefix cache), "time_to_first_token" (seconds,
+from the app's request to the first piece of text)}`, or `{"error": message}`. Closing the page
+mid-answer closes the upstream stream, which aborts the request.
 """
 from __future__ import annotations
 
@@ -17,7 +23,9 @@ import contextlib
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
+from typing import NamedTuple
 
 from aiohttp import web
 
@@ -26,10 +34,64 @@ from vlm_sdk.client import APIError, AsyncClient
 HERE = Path(__file__).resolve().parent
 MAX_UPLOAD_BYTES = 20 << 20
 CLIENT = web.AppKey("client", AsyncClient)
+HISTORY_SHAPE = 'history must be a JSON array of {"question": text, "answer": text} objects'
 
 
-def _bad(message: str) -> web.Response:
-    return web.json_response({"error": message}, status=400)
+class FormError(ValueError):
+    """The posted form cannot be asked: the message says what to fix."""
+
+
+class Question(NamedTuple):  # not a dataclass: one fails when this file is loaded by path, as the tests do
+    image: bytes
+    history: list[tuple[str, str]]  # earlier (question, answer) turns, oldest first
+    question: str
+    max_tokens: int
+    temperature: float
+
+    def messages(self) -> list[dict]:
+        """The whole conversation: the image goes with the first question, as when it was first asked,
+        so every turn's prompt starts with the previous turn's."""
+        questions = [q for q, _ in self.history] + [self.question]
+        messages = [{"role": "user", "content": [{"type": "image", "image": self.image},
+                                                 {"type": "text", "text": questions[0]}]}]
+        for (_, answer), question in zip(self.history, questions[1:]):
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+        return messages
+
+
+async def read_question(request: web.Request) -> Question:
+    try:
+        form = await request.post()
+    except web.HTTPRequestEntityTooLarge:
+        raise FormError(f"the upload is over the limit of {MAX_UPLOAD_BYTES >> 20} MB") from None
+    except ValueError as e:  # not a form at all
+        raise FormError(f"expected a multipart form with fields image and question ({e})") from None
+    image, question = form.get("image"), str(form.get("question") or "").strip()
+    if not isinstance(image, web.FileField):
+        raise FormError("choose an image first")
+    data = image.file.read()
+    if not data:
+        raise FormError(f"the file {image.filename!r} is empty")
+    if not question:
+        raise FormError("type a question first")
+    try:
+        max_tokens = int(form.get("max_tokens") or 64)
+        temperature = float(form.get("temperature") or 0.0)
+    except ValueError:
+        raise FormError("max_tokens must be an integer and temperature a number") from None
+    return Question(data, parse_history(str(form.get("history") or "[]")), question, max_tokens, temperature)
+
+
+def parse_history(raw: str) -> list[tuple[str, str]]:
+    try:
+        turns = json.loads(raw)
+    except ValueError:
+        raise FormError(HISTORY_SHAPE) from None
+    if not isinstance(turns, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("question"), str) and isinstance(t.get("answer"), str)
+            for t in turns):
+        raise FormError(HISTORY_SHAPE)
+    return [(t["question"], t["answer"]) for t in turns]
 
 
 async def index(request: web.Request) -> web.FileResponse:
@@ -38,48 +100,34 @@ async def index(request: web.Request) -> web.FileResponse:
 
 async def ask(request: web.Request) -> web.StreamResponse:
     try:
-        form = await request.post()
-    except web.HTTPRequestEntityTooLarge:
-        return _bad(f"the upload is over the limit of {MAX_UPLOAD_BYTES >> 20} MB")
-    except ValueError as e:  # not a form at all
-        return _bad(f"expected a multipart form with fields image and question ({e})")
-    image, question = form.get("image"), str(form.get("question") or "").strip()
-    if not isinstance(image, web.FileField):
-        return _bad("choose an image first")
-    data = image.file.read()
-    if not data:
-        return _bad(f"the file {image.filename!r} is empty")
-    if not question:
-        return _bad("type a question first")
-    try:
-        max_tokens = int(form.get("max_tokens") or 64)
-        temperature = float(form.get("temperature") or 0.0)
-    except ValueError:
-        return _bad("max_tokens must be an integer and temperature a number")
-
-    messages = [{"role": "user", "content": [{"type": "image", "image": data},
-                                             {"type": "text", "text": question}]}]
+        q = await read_question(request)
+    except FormError as e:
+        return web.json_response({"error": str(e)}, status=400)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
 
     async def send(event: dict) -> None:
         await resp.write(f"data: {json.dumps(event)}\n\n".encode())
 
-    finish_reason, usage = None, None
-    stream = request.app[CLIENT].chat_stream(messages, max_tokens=max_tokens, temperature=temperature)
+    finish_reason, usage, first_text = None, None, None
+    start = time.perf_counter()
+    stream = request.app[CLIENT].chat_stream(q.messages(), max_tokens=q.max_tokens, temperature=q.temperature)
     # aclosing: when the browser goes away, write() raises and closing the stream drops the upstream
     # connection at once, so the server aborts the request and frees its KV blocks
     async with contextlib.aclosing(stream):
         try:
             async for delta in stream:
                 if delta.text:
+                    first_text = first_text or time.perf_counter()
                     await send({"text": delta.text})
                 finish_reason = delta.finish_reason or finish_reason
                 usage = delta.usage or usage
         except APIError as e:
             await send({"error": e.message})
             return resp
-    await send({"done": True, "finish_reason": finish_reason,
+    # an answer with no text at all: its first token came no later than the end
+    ttft = (first_text or time.perf_counter()) - start
+    await send({"done": True, "finish_reason": finish_reason, "time_to_first_token": ttft,
                 "usage": dataclasses.asdict(usage) if usage else None})
     return resp
 

@@ -2,6 +2,7 @@
 CLI commands: `vlm-sdk chat --url` and `vlm-sdk bench-serve --json`."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,48 @@ def test_image_qa_sample_over_http(srv):
     proc = run_sample("image_qa.py", "--url", srv.url, "--image", SAMPLE, "--max-tokens", "6", "What is this?")
     assert proc.stdout.strip()  # the (random-weight) answer
     assert "prompt tokens" in proc.stderr and "6 generated" in proc.stderr
+
+
+TURN = re.compile(r"\[turn (\d+): (\d+) prompt tokens \(image included\), (\d+) cached; "
+                  r"time to first token (\d+) ms; (\d+) generated\]")
+
+
+def turns(stderr: str) -> list[dict]:
+    """The figures line after each answer."""
+    return [dict(zip(("turn", "prompt", "cached", "ttft_ms", "generated"), map(int, m.groups())))
+            for m in TURN.finditer(stderr)]
+
+
+def assert_follow_ups_reuse_the_conversation(proc: subprocess.CompletedProcess, block_size: int) -> None:
+    got = turns(proc.stderr)
+    assert [t["turn"] for t in got] == [1, 2, 3] and all(t["generated"] == 6 for t in got), proc.stderr
+    assert "[turn 2] Which shape is largest?" in proc.stderr and "[turn 3] What colour is it?" in proc.stderr
+    for before, after in zip(got, got[1:]):
+        # each turn sends the whole conversation again: a longer prompt that starts with the previous one,
+        # so at least the previous prompt's full blocks come from the prefix cache
+        assert after["prompt"] > before["prompt"]
+        assert before["prompt"] // block_size * block_size <= after["cached"] < after["prompt"], got
+
+
+def test_image_qa_follow_ups_over_http(srv):
+    proc = run_sample("image_qa.py", "--url", srv.url, "--image", SAMPLE, "--max-tokens", "6", "What is this?",
+                      "--follow-up", "Which shape is largest?", "--follow-up", "What colour is it?")
+    assert proc.stdout.strip()
+    assert_follow_ups_reuse_the_conversation(proc, srv.stats()["kv_block_size"])
+    assert srv.stats()["kv_blocks_used"] == 0
+
+
+def test_image_qa_follow_ups_in_process(tiny_ckpt):
+    proc = run_sample("image_qa.py", "--model", str(tiny_ckpt), "--image", SAMPLE, "--max-tokens", "6",
+                      "What is this?", "--follow-up", "Which shape is largest?", "--follow-up", "What colour is it?")
+    assert turns(proc.stderr)[0]["cached"] == 0  # a fresh engine: nothing cached before the first turn
+    assert_follow_ups_reuse_the_conversation(proc, 16)  # EngineArgs.block_size's default
+
+
+def test_image_qa_refuses_an_empty_follow_up(srv):
+    proc = subprocess.run([sys.executable, str(ROOT / "samples" / "image_qa.py"), "--url", srv.url,
+                           "--follow-up", " "], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "needs some text" in proc.stderr
 
 
 def test_openai_sample_over_http(srv):

@@ -1,5 +1,7 @@
 """samples/web_qa in a real headless Chromium (Playwright): upload an image, ask, watch the answer stream
-in; the error paths show the app's or the server's message; a client that leaves aborts upstream."""
+in; follow-up questions continue the conversation, served from the prefix cache, each answer showing
+its time to first token and cached prompt tokens; "New image" starts over; the error paths show the
+app's or the server's message; a client that leaves aborts upstream."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +10,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -17,7 +20,7 @@ import pytest
 from aiohttp import web
 from PIL import Image
 
-from helpers import REPO
+from helpers import REPO, image
 from vlm_sdk.client import APIError, AsyncClient
 from vlm_sdk.server.background import BackgroundServer
 from vlm_sdk.server.config import ServerConfig
@@ -28,6 +31,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 APP_PATH = REPO / "samples" / "web_qa" / "app.py"
 QUESTION = "What is in this image?"
 MAX_TOKENS = 16
+# the line under each answer
+META = re.compile(r"first token (\d+) ms · (\d+) of (\d+) prompt tokens cached · (\d+) tokens \((\w+)\)")
 
 
 def _load_app_module():
@@ -37,14 +42,21 @@ def _load_app_module():
     return module
 
 
-def _png() -> bytes:
+def _png(image: Image.Image | None = None) -> bytes:
     buf = io.BytesIO()
-    Image.new("RGB", (64, 48), (200, 40, 30)).save(buf, "PNG")
+    (image or Image.new("RGB", (64, 48), (200, 40, 30))).save(buf, "PNG")
     return buf.getvalue()
 
 
-def _messages(image: bytes, question: str = QUESTION) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
+def _messages(image: bytes, question: str = QUESTION, *earlier: tuple[str, str]) -> list[dict]:
+    """A chat about `image`: the `earlier` (question, answer) turns, then `question`; the image goes with
+    the first question."""
+    questions = [q for q, _ in earlier] + [question]
+    messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "text", "text": questions[0]}]}]
+    for (_, answer), q in zip(earlier, questions[1:]):
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": q}]
+    return messages
 
 
 class HoldingClient(AsyncClient):
@@ -151,42 +163,120 @@ def png_path(tmp_path) -> Path:
     return path
 
 
-def _ask(page, image: Path | None, question: str = QUESTION) -> None:
+
+def _ask(page, image: Path | None, question: str = QUESTION, max_tokens: int = MAX_TOKENS) -> None:
     if image is not None:
         page.set_input_files("#image", str(image))
     page.fill("#question", question)
-    page.fill("#max_tokens", str(MAX_TOKENS))
+    page.fill("#max_tokens", str(max_tokens))
     page.click("#ask")
+
+
+def _turn(page, n: int):
+    """The n-th turn (from 1) on the page."""
+    return page.locator("#chat .turn").nth(n - 1)
+
+
+def _answered(page, n: int) -> dict:
+    """Wait for the n-th answer to finish; its text and the figures under it."""
+    meta = _turn(page, n).locator(".meta")
+    page.wait_for_function(f"document.querySelectorAll('#chat .turn .meta')[{n - 1}]?.textContent.length > 0")
+    match = META.fullmatch(meta.text_content())
+    assert match, meta.text_content()
+    ttft, cached, prompt, tokens = map(int, match.groups()[:4])
+    return {"answer": _turn(page, n).locator(".answer").text_content(), "ttft_ms": ttft, "cached": cached,
+            "prompt": prompt, "tokens": tokens, "finish_reason": match.group(5)}
+
+
+def _reference(web_qa, server, messages: list[dict], max_tokens: int = MAX_TOKENS):
+    async def go():
+        async with AsyncClient(server.url) as client:
+            return await client.chat(messages, max_tokens=max_tokens, temperature=0)
+    return web_qa.call(go())
 
 
 def test_answer_streams_into_the_page(page, server, web_qa, png_path):
     HoldingClient.hold.set()  # the app gets the first piece of the answer, then nothing until cleared
     try:
         _ask(page, png_path)
-        page.wait_for_function("document.getElementById('answer').textContent.length > 0")
-        first = page.text_content("#answer")
+        page.wait_for_function("document.querySelector('#chat .turn .answer')?.textContent.length > 0")
+        first = _turn(page, 1).locator(".answer").text_content()
         assert page.text_content("#status") == "streaming…"
+        assert page.is_disabled("#ask")
     finally:
         HoldingClient.hold.clear()
-    page.wait_for_function("document.getElementById('status').textContent.startsWith('done')")
-    answer = page.text_content("#answer")
-
-    async def reference():
-        async with AsyncClient(server.url) as client:
-            return await client.chat(_messages(png_path.read_bytes()), max_tokens=MAX_TOKENS, temperature=0)
-    ref = web_qa.call(reference())
-    assert answer == ref.text  # temperature 0 is the app's default: the page gets the greedy answer
+    turn = _answered(page, 1)
+    ref = _reference(web_qa, server, _messages(png_path.read_bytes()))
+    assert turn["answer"] == ref.text  # temperature 0 is the app's default: the page gets the greedy answer
     assert page.text_content("#status") == f"done ({ref.usage.completion_tokens} tokens)"
+    assert (turn["tokens"], turn["prompt"], turn["finish_reason"]) == \
+        (ref.usage.completion_tokens, ref.usage.prompt_tokens, ref.finish_reason)
     # streamed: the page showed the first piece on its own, and the rest was added to it
-    assert answer.startswith(first) and len(first) < len(answer), (first, answer)
+    assert turn["answer"].startswith(first) and len(first) < len(turn["answer"]), (first, turn["answer"])
     assert page.is_visible("#preview")
+    assert page.is_disabled("#image") and page.input_value("#question") == ""  # ready for a follow-up
+
+
+def test_follow_ups_keep_the_conversation(page, server, web_qa, tmp_path):
+    """Three turns about one image: each answer is the server's greedy answer to the whole conversation,
+    image included; turns 2 and 3 find the earlier turns' prompts in the prefix cache. "New image"
+    starts a conversation about another image."""
+    path = tmp_path / "blobs.png"
+    path.write_bytes(_png(image(96, 64, seed=7)))
+    questions = ["Describe the picture.", "Which colour covers most of it?", "Is anything written on it?"]
+    turns = []
+    for n, question in enumerate(questions, 1):
+        _ask(page, path if n == 1 else None, question)  # the image is chosen once
+        turns.append(_answered(page, n))
+        assert page.locator("#chat .turn").count() == n
+    block = server.stats()["kv_block_size"]
+    for before, after in zip(turns, turns[1:]):
+        # each prompt starts with the previous one: at least its full blocks are reused
+        assert after["prompt"] > before["prompt"]
+        assert before["prompt"] // block * block <= after["cached"] < after["prompt"], turns
+    assert all(t["ttft_ms"] >= 0 and t["tokens"] == MAX_TOKENS for t in turns)  # shown for every answer
+
+    # the page sent the whole conversation, image first: the same answers as the client asking for it itself
+    earlier = []
+    for question, turn in zip(questions, turns):
+        ref = _reference(web_qa, server, _messages(path.read_bytes(), question, *earlier))
+        assert (turn["answer"], turn["prompt"]) == (ref.text, ref.usage.prompt_tokens), question
+        earlier.append((question, turn["answer"]))
+
+    page.click("#new")
+    assert page.locator("#chat .turn").count() == 0 and page.is_enabled("#image")
+    assert page.input_value("#image") == "" and not page.is_visible("#preview")
+    other = tmp_path / "other.png"
+    other.write_bytes(_png(image(80, 80, seed=8)))
+    _ask(page, other, questions[1])
+    turn = _answered(page, 1)
+    ref = _reference(web_qa, server, _messages(other.read_bytes(), questions[1]))
+    assert (turn["answer"], turn["prompt"]) == (ref.text, ref.usage.prompt_tokens)  # no earlier turns sent
+
+
+def test_new_image_mid_answer_aborts_it(page, server, web_qa, png_path):
+    before = _wait_idle(server)["total_generation_tokens"]
+    HoldingClient.hold.set()
+    try:
+        _ask(page, png_path, "Tell me everything.", max_tokens=2000)
+        page.wait_for_function("document.querySelector('#chat .turn .answer')?.textContent.length > 0")
+        page.click("#new")
+        assert page.locator("#chat .turn").count() == 0 and page.is_enabled("#image")
+    finally:
+        HoldingClient.hold.clear()  # the app's next write finds the page gone and closes the upstream stream
+    page.wait_for_function("!document.getElementById('ask').disabled")
+    assert page.text_content("#status") == ""
+    stats = _wait_idle(server)
+    assert stats["num_running"] == 0 and stats["kv_blocks_used"] == 0, stats
+    assert stats["total_generation_tokens"] - before < 1000, "the abandoned answer ran on upstream"
 
 
 def test_no_image_shows_the_apps_error(page):
     _ask(page, None)
     page.wait_for_function("document.getElementById('status').className === 'error'")
     assert page.text_content("#status") == "choose an image first"
-    assert page.text_content("#answer") == ""
+    assert page.locator("#chat .turn").count() == 0  # nothing was answered
+    assert page.input_value("#question") == QUESTION  # kept, to ask again
 
 
 def test_non_image_file_shows_the_servers_message(page, server, web_qa, tmp_path):
@@ -204,6 +294,7 @@ def test_non_image_file_shows_the_servers_message(page, server, web_qa, tmp_path
     page.wait_for_function("document.getElementById('status').className === 'error'")
     assert page.text_content("#status") == err.message
     assert "cannot identify an image" in err.message
+    assert page.locator("#chat .turn").count() == 0 and page.is_enabled("#image")  # choose another
 
 
 def test_bad_forms_get_400_json(web_qa):
@@ -212,17 +303,22 @@ def test_bad_forms_get_400_json(web_qa):
             async with session.post(web_qa.url + "/api/ask", data=form) as resp:
                 return resp.status, await resp.json()
 
-    def form(image: bytes | None, question: str) -> aiohttp.FormData:
+    def form(image: bytes | None, question: str, history: str | None = None) -> aiohttp.FormData:
         f = aiohttp.FormData()
         if image is not None:
             f.add_field("image", image, filename="x.png", content_type="image/png")
         f.add_field("question", question)
+        if history is not None:
+            f.add_field("history", history)
         return f
 
     status, body = web_qa.call(post(form(_png(), "   ")))
     assert (status, body) == (400, {"error": "type a question first"})
     status, body = web_qa.call(post(form(b"\0" * (21 << 20), QUESTION)))
     assert status == 400 and "over the limit of 20 MB" in body["error"]
+    shape = 'history must be a JSON array of {"question": text, "answer": text} objects'
+    for history in ("not json", '{"question": "q", "answer": "a"}', '[{"question": "q"}]', '[["q", "a"]]'):
+        assert web_qa.call(post(form(_png(), QUESTION, history))) == (400, {"error": shape}), history
 
 
 def test_leaving_mid_answer_aborts_upstream(web_qa, server):

@@ -36,7 +36,8 @@ def test_allocation_exact_block_ids_and_free():
     assert b.block_ids == [2] and bm.num_free_blocks == 2
     bm.free(a)
     assert a.block_ids == [] and bm.num_free_blocks == 5
-    assert bm.allocate(b, 4 * 3) and b.block_ids == [2, 4, 5]  # free list is FIFO: 4, 5 before 0, 1, 3
+    # blocks without cached content go to the front of the free queue, in order: 0, 1, 3, then 4, 5
+    assert bm.allocate(b, 4 * 3) and b.block_ids == [2, 0, 1]
 
 
 def test_token_budget_chunks_prefill_and_decodes_first():

@@ -4,6 +4,7 @@ request's KV blocks. A small aiohttp fake covers only error shapes the real serv
 on demand (a non-JSON error body, an error inside a stream)."""
 import asyncio
 import contextlib
+import dataclasses
 import io
 import socket
 import time
@@ -16,7 +17,7 @@ from PIL import Image
 from vlm_sdk import LLM, SamplingParams
 from helpers import SAMPLE_IMAGE
 from vlm_sdk.client import (APIConnectionError, AsyncClient, AuthenticationError, BadRequestError, ChatDelta,
-                            ContextLengthExceededError, NotFoundError, RequestTooLargeError, ServerError,
+                            ContextLengthExceededError, NotFoundError, RequestTooLargeError, ServerError, Usage,
                             encode_messages, to_data_url)
 from vlm_sdk.errors import InvalidImageError, VLMError
 from vlm_sdk.server.background import BackgroundServer
@@ -72,7 +73,12 @@ def test_chat_and_stream_agree_with_the_engine(srv, tiny_ckpt):
     assert all(isinstance(d, ChatDelta) for d in deltas)
     assert "".join(d.text for d in deltas) == result.text
     assert [d.finish_reason for d in deltas if d.finish_reason] == ["length"]
-    assert deltas[-1].usage == result.usage and all(d.usage is None for d in deltas[:-1])
+    assert all(d.usage is None for d in deltas[:-1])
+    # the same counts, except what the stream found cached: the first request left its prompt in the cache
+    assert dataclasses.replace(deltas[-1].usage, cached_tokens=None) == dataclasses.replace(result.usage,
+                                                                                          cached_tokens=None)
+    assert result.usage.cached_tokens == 0  # this server had not seen the prompt before
+    assert 0 <= deltas[-1].usage.cached_tokens < deltas[-1].usage.prompt_tokens
     assert srv.stats()["kv_blocks_used"] == 0
 
 
@@ -104,6 +110,14 @@ def test_every_image_form_is_sent(srv, tmp_path):
     full = out["PIL"].usage.prompt_tokens
     assert out["jpeg"].usage.prompt_tokens == full
     assert out["small"].usage.prompt_tokens == out["small inner"].usage.prompt_tokens < full
+
+
+def test_usage_reads_cached_tokens():
+    assert Usage.from_json({"prompt_tokens": 90, "completion_tokens": 4,
+                            "prompt_tokens_details": {"cached_tokens": 64}}) == Usage(90, 4, 94, 64)
+    # a server that does not report it says nothing about the cache: None, not 0
+    assert Usage.from_json({"prompt_tokens": 90, "completion_tokens": 4}).cached_tokens is None
+    assert Usage.from_json({"prompt_tokens": 90, "prompt_tokens_details": None}).cached_tokens is None
 
 
 def test_encode_messages_shapes_and_mime():

@@ -388,3 +388,43 @@ def test_file_url_other_refusals(files):
     if hasattr(os, "mkfifo"):
         os.mkfifo(files / "allowed" / "fifo")
         refused(f"file://{files}/allowed/fifo", "not a regular file", allowed_local_path=root)
+
+
+def test_file_url_symlinked_directory_refused(files):
+    os.symlink(files / "outside", files / "allowed" / "linkdir")
+    msg = refused(f"file://{files}/allowed/linkdir/secret.png", "symbolic link", "'linkdir'",
+                  allowed_local_path=str(files / "allowed"))
+    assert "outside" in msg
+
+
+def test_file_url_component_swapped_for_a_link_never_reads_outside(files):
+    """Issue 18: a directory swapped for a symlink between a realpath check and the open read a file
+    outside the root. The path is now opened a component at a time without following links."""
+    root = files / "allowed"
+    sub, parked, link = root / "sub", root / "sub-parked", root / "sub-link"
+    sub.mkdir()
+    (sub / "img.png").write_bytes(PNG)
+    (files / "outside" / "img.png").write_bytes(b"secret")
+    link.symlink_to(files / "outside")
+    stop = threading.Event()
+
+    def swap() -> None:  # sub: the real directory, then a link to outside, and back, as fast as it goes
+        while not stop.is_set():
+            os.rename(sub, parked)
+            os.rename(link, sub)
+            os.rename(sub, link)
+            os.rename(parked, sub)
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    read, refusals = [], 0
+    try:
+        for _ in range(300):
+            try:
+                read.append(one(f"file://{sub}/img.png", allowed_local_path=str(root)))
+            except InvalidImageError:
+                refusals += 1
+    finally:
+        stop.set()
+        swapper.join()
+    assert b"secret" not in read
+    assert set(read) <= {PNG} and len(read) + refusals == 300

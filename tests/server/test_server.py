@@ -50,6 +50,7 @@ def test_openai_client_non_streaming_with_image(srv, reference):
     assert reference.metrics.image_tokens > 0
     assert resp.usage.completion_tokens == len(reference.token_ids)
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    assert resp.usage.prompt_tokens_details.cached_tokens == 0  # the first request this server sees
     assert resp.model == "tiny" and resp.id.startswith("chatcmpl-")
 
 
@@ -65,6 +66,8 @@ def test_openai_client_streaming_with_image_and_usage(srv, reference):
     assert finishes == [reference.finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(reference.prompt_token_ids)
     assert chunks[-1].usage.completion_tokens == len(reference.token_ids)
+    # the same prompt as the previous test's: what it left in the prefix cache may serve this one
+    assert 0 <= chunks[-1].usage.prompt_tokens_details.cached_tokens < chunks[-1].usage.prompt_tokens
     assert all(c.usage is None for c in chunks[:-1])
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # it really streamed
 
@@ -216,7 +219,10 @@ def test_metrics_parse_and_move_with_load(srv):
                  "vlm_sdk_num_requests_running", "vlm_sdk_num_requests_waiting", "vlm_sdk_num_preemptions_total",
                  "vlm_sdk_prompt_tokens_total", "vlm_sdk_image_tokens_total", "vlm_sdk_generation_tokens_total",
                  "vlm_sdk_time_to_first_token_seconds_count", "vlm_sdk_time_per_output_token_seconds_count",
-                 "vlm_sdk_e2e_request_latency_seconds_count", "vlm_sdk_image_preprocess_seconds_count"):
+                 "vlm_sdk_e2e_request_latency_seconds_count", "vlm_sdk_image_preprocess_seconds_count",
+                 "vlm_sdk_prefix_cache_hit_tokens_total", "vlm_sdk_prefix_cache_query_tokens_total",
+                 "vlm_sdk_kv_blocks_cached", "vlm_sdk_encoder_cache_hits_total",
+                 "vlm_sdk_encoder_cache_queries_total", "vlm_sdk_encoder_cache_bytes"):
         assert (name, None) in before, name
     assert before[("vlm_sdk_kv_blocks_total", None)] == srv.stats()["kv_blocks_total"]
     assert before[("vlm_sdk_kv_blocks_free", None)] == srv.stats()["kv_blocks_total"]

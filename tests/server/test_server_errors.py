@@ -70,8 +70,6 @@ CASES = [
      ["invalid base64"]),
     ("not_an_image", _with(messages=image_message(PNG_NOT)), 400, "invalid_image", "messages",
      ["cannot identify an image"]),
-    ("placeholder_without_image", _with(messages=[{"role": "user", "content": "look <|image_pad|> here"}]), 400,
-     None, None, ["image placeholders", "<|image_pad|>"]),
     ("too_many_images", _with(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": SMALL}}] * (LIMIT_IMAGES + 1)}]), 400, "too_many_images",
      "messages", [str(LIMIT_IMAGES + 1), f"at most {LIMIT_IMAGES}", "--limit-images"]),

@@ -6,6 +6,7 @@ import torch
 
 from helpers import conversations
 from vlm_sdk import LLM, SamplingParams
+from vlm_sdk.worker.encoder_cache import EncoderCache
 from vlm_sdk.worker.io import NewRequestData
 from vlm_sdk.worker.model_runner import _patch_groups
 from vlm_sdk.worker.request_state import RequestState
@@ -37,12 +38,10 @@ def test_grouped_encoding_equals_one_call_and_the_engine_still_generates(tiny_ck
             f"r{i}", p.token_ids, [], p.images, p.image_positions, p.positions, PARAMS, [], 0))
             for i, p in enumerate(prompts)]
         runner.max_vision_patches = limit
+        runner.encoder_cache = EncoderCache(0)  # every call goes through the tower
         calls.clear()
         runner._encode_images([(s, 1) for s in states])
-        per_seq = [torch.cat([runner.encoder_cache.get(s.request_id, i) for i in range(len(s.images))])
-                   for s in states]
-        for s in states:
-            runner.encoder_cache.free(s.request_id)
+        per_seq = [torch.cat([s.image_embeds[i] for i in range(len(s.images))]) for s in states]
         return per_seq, list(calls)
 
     runner.model.encode_images = counting

@@ -90,6 +90,14 @@ def check_prompt_fits(prompt: PromptInputs, cache: CacheConfig, sched: Scheduler
                             together=together, max_tokens=max_tokens, output_tokens=room)
 
 
+def text_too_long(min_tokens: int, cache: CacheConfig, sched: SchedulerConfig,
+                  max_model_len_is_user_set: bool) -> InputTooLongError:
+    """The error for a text refused before it was tokenized whole: at least `min_tokens` tokens."""
+    return InputTooLongError(prompt_tokens=min_tokens, image_tokens=[], capacity_tokens=sched.max_model_len,
+                             fixes={}, limit_reason=describe_limit(cache, sched, max_model_len_is_user_set),
+                             at_least=True)
+
+
 def describe_limit(cache: CacheConfig, sched: SchedulerConfig, max_model_len_is_user_set: bool | None = None) -> str:
     """The limit in words; max_model_len is named when it is below the cache or the user set it."""
     if max_model_len_is_user_set is None:

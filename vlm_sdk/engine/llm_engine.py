@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 
 from vlm_sdk.config import EngineArgs, SchedulerConfig
 from vlm_sdk.engine.block_manager import BlockManager
-from vlm_sdk.engine.capacity import check_max_model_len_fits, check_prompt_fits
+from vlm_sdk.engine.capacity import check_max_model_len_fits, check_prompt_fits, text_too_long
 from vlm_sdk.engine.image_fit import check_largest_image_fits
 from vlm_sdk.engine.engine_output import EngineOutput
 from vlm_sdk.engine.memory_report import RankMemory, StartupMemory
 from vlm_sdk.engine.preemption_watch import PreemptionWatch, preemption_warning
+from vlm_sdk.engine.prompt_guard import PromptGuard
 from vlm_sdk.engine.prompt_tokenizer import PromptTokenizer, PromptTooLong
 from vlm_sdk.engine.scheduler import ScheduledBatch, Scheduler
 from vlm_sdk.engine.sequence import Sequence
@@ -45,7 +47,9 @@ class LLMEngine:
         info = read_checkpoint(model)
         self.checkpoint = info
         family = resolve([info.architecture])
-        self.tokenizer = PromptTokenizer(load_tokenizer(model))  # prompt building only
+        # prompt building only
+        self.tokenizer = PromptTokenizer(load_tokenizer(model), not args.allow_special_tokens_in_text)
+        self.guard = PromptGuard(self.tokenizer, args.max_image_pixels, args.max_request_image_pixels)
         self.eos_token_ids = set(info.eos_token_ids)
         # rank 0's worker in this process; under tensor parallelism one more process per rank
         self.executor = make_executor(model, args, info.hf_config, family)
@@ -86,7 +90,7 @@ class LLMEngine:
         self.memory_report = self._memory_report(loads, peaks, [c.num_blocks for c in caches],
                                                  largest_image.num_tokens)
         logger.info("%s", self.memory_report.format())
-        self.block_manager = BlockManager(self.cache_config.num_blocks, args.block_size)
+        self.block_manager = BlockManager(self.cache_config.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.requests: dict[str, Sequence] = {}
         self._next_id = 0
@@ -161,13 +165,18 @@ class LLMEngine:
             tensor_parallel_size=len(loads), ranks=ranks)
 
     # -- requests ---------------------------------------------------------------------------------
-    def build_prompt(self, messages, params: SamplingParams | None = None) -> PromptInputs:
+    def build_prompt(self, messages, params: SamplingParams | None = None,
+                     cancelled: threading.Event | None = None) -> PromptInputs:
         """Validate messages, decode and preprocess images, tokenize; raise if it can never fit (the
-        fixes the error names fit the prompt and `params.max_tokens`)."""
+        fixes the error names fit the prompt and `params.max_tokens`). Once `cancelled` is set, the
+        images not decoded yet raise `DecodeCancelled` instead (see `PromptGuard`)."""
         t0 = time.perf_counter()
         try:
-            prompt = self.processor(messages)
+            prompt = self.processor(self.guard.prepare(messages, cancelled))
         except PromptTooLong as e:  # a huge text: refused from its token count, before any conversion
+            if not e.exact:
+                raise text_too_long(e.num_tokens, self.cache_config, self.scheduler_config,
+                                    self.args.max_model_len is not None) from None
             prompt = PromptInputs(token_ids=[0] * e.num_tokens)  # what check_prompt counts
         self.check_prompt(prompt, params)
         prompt.preprocess_seconds = time.perf_counter() - t0

@@ -9,8 +9,9 @@ prompt being tokenized never holds up a stream's text. When a stop string ends a
 has not finished, `finished_by_stop_string` is set and the caller tells the engine to finish it
 (`LLMEngine.abort(request_id, "stop")`), which frees its blocks; later outputs for it are ignored.
 
-Text held back: while running, the last `max(len(stop)) - 1` characters are not streamed yet (they
-could be the start of a stop string); the final output releases them, cut before a stop string.
+Stop strings are matched by a `StopMatcher` (engine/stop_strings.py), whose cost per character does
+not grow with their number. Text held back: while running, the trailing characters that could still
+begin a stop string are not streamed yet; the final output releases them, cut before a stop string.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import time
 
 from vlm_sdk.engine.detokenizer import IncrementalDetokenizer
 from vlm_sdk.engine.engine_output import EngineOutput
+from vlm_sdk.engine.stop_strings import StopMatcher
 from vlm_sdk.outputs import RequestOutput
 from vlm_sdk.sampling_params import SamplingParams
 
@@ -63,29 +65,29 @@ class RequestOutputState:
         self.num_emitted_chars = 0  # text already streamed; a possible stop-string prefix waits
         self.finish_reason: str | None = None
         self.finished_by_stop_string = False  # the engine must be told to finish it
+        self.stops = StopMatcher(params.stop) if params.stop else None
 
     def process(self, out: EngineOutput) -> RequestOutput | None:
         """The `RequestOutput` for `out`; None once this request has finished (outputs the engine
         made before it learned of a stop string)."""
         if self.finish_reason is not None:
             return None
-        detok, stops = self.detokenizer, self.params.stop
+        detok = self.detokenizer
         reason = out.finish_reason
         for token in out.new_token_ids:
             self.token_ids.append(token)
-            new_text = detok.add(token)
-            if stops and _cut_at_stop(detok, len(new_text), stops):
+            if self._stopped_by(detok.add(token)):
                 self.finished_by_stop_string = out.finish_reason is None
                 reason = "stop"
                 break
         metrics = out.metrics
         if reason is None:
-            visible = len(detok.text) - (max(map(len, stops)) - 1 if stops else 0)
+            visible = len(detok.text) - (self.stops.hold if self.stops else 0)
         elif reason == "abort":
             visible = self.num_emitted_chars  # nothing more is shown
         else:
-            if not detok.text_is_final:
-                detok.flush()
+            if not detok.text_is_final and self._stopped_by(detok.flush()):
+                reason = "stop"
             visible = len(detok.text)
             if metrics.finished_time is None:
                 metrics = dataclasses.replace(metrics, finished_time=time.monotonic())
@@ -97,14 +99,14 @@ class RequestOutputState:
                              token_ids=list(self.token_ids), text=detok.text[:self.num_emitted_chars],
                              delta_text=delta, finish_reason=reason, metrics=metrics)
 
-
-def _cut_at_stop(detok: IncrementalDetokenizer, new_chars: int, stops: tuple[str, ...]) -> bool:
-    """If a stop string now appears in the text, cut the text just before it (for good)."""
-    text = detok.text
-    window_start = max(0, len(text) - new_chars - max(len(s) for s in stops))
-    hits = [i for s in stops if (i := text.find(s, window_start)) != -1]
-    if not hits:
-        return False
-    detok.text = text[:min(hits)]
-    detok.text_is_final = True
-    return True
+    def _stopped_by(self, new_text: str) -> bool:
+        """Feed the text just appended; on a stop string, cut the text before it (for good)."""
+        if self.stops is None or not new_text:
+            return False
+        start = self.stops.feed(new_text)
+        if start is None:
+            return False
+        detok = self.detokenizer
+        detok.text = detok.text[:start]
+        detok.text_is_final = True
+        return True

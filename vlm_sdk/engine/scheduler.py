@@ -5,7 +5,9 @@ Running sequences go first, in the order they started; each asks for all its unc
 budget. When the pool has too few free blocks, the most recently started running sequence is
 preempted: its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
 later (its generated tokens are kept). Waiting sequences are admitted FIFO while budget, blocks and
-`max_num_seqs` allow, and not at all in a step that had to preempt.
+`max_num_seqs` allow, and not at all in a step that had to preempt. A sequence that starts or
+restarts shares the blocks of its longest cached prefix and computes only the rest
+(`BlockManager.start`); a preempted sequence may find its own blocks still cached when it returns.
 
 Every sequence is at most `max_model_len` tokens and `max_model_len` never exceeds the cache, so a
 sequence running alone always fits: preemption cannot loop forever.
@@ -70,8 +72,8 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                if not self.blocks.allocate(seq, n):
+                n = self.blocks.start(seq, budget)  # its cached prefix is not computed again
+                if n is None:
                     break
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import time
 
+from vlm_sdk.engine.block_hash import ImageSpan
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.outputs import RequestMetrics
 from vlm_sdk.sampling_params import SamplingParams
@@ -44,6 +45,12 @@ class Sequence:
                                       image_tokens=sum(prompt.image_tokens),
                                       preprocess_time=prompt.preprocess_seconds)
         self.num_preemptions = 0
+        # prefix caching (engine.block_manager): the hashes of the full blocks of token_ids so far, and
+        # how many of block_ids have been offered to the cache
+        self.image_spans = [ImageSpan(p, p + im.num_tokens, im.key) for p, im in zip(prompt.image_positions,
+                                                                                   prompt.images)]
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,8 @@ import binascii
 import io
 import os
 import re
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 from urllib.request import url2pathname
@@ -26,6 +28,46 @@ _EXIF_ORIENTATION = 0x0112
 # Modes whose samples do not fit 8 bits; PIL's own convert("RGB") clips them at 255, which turns most
 # 16-bit photos white, so they are rescaled here instead.
 _HIGH_DEPTH_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
+_STRIP_PIXELS = 1 << 20  # converted at a time: a few MB of temporaries whatever the image's size
+# round(v / 257) for every 16-bit v (65535 -> 255 exactly; v / 257 is never a tie): one lookup per pixel
+_SIXTEEN_BIT = ((np.arange(1 << 16, dtype=np.uint32) + 128) // 257).astype(np.uint8)
+_SIXTEEN_BIT.flags.writeable = False
+
+
+class DecodeCancelled(Exception):
+    """The request an `OpenedImage` belongs to was abandoned before its pixels were decoded."""
+
+
+@dataclass(frozen=True)
+class OpenedImage:
+    """An image whose header was read and checked (`open_image`) and whose pixels are decoded only
+    when `load_image` takes it, so that a request's images are sized up before any is decoded.
+    `data`: the encoded bytes (None for a PIL image given as one). `cancelled`: set when whoever
+    asked for the request went away; `load_image` then raises `DecodeCancelled` instead of decoding."""
+    image: Image.Image
+    what: str
+    data: bytes | None = None
+    cancelled: threading.Event | None = None
+
+    @property
+    def pixels(self) -> int:
+        return self.image.size[0] * self.image.size[1]
+
+
+def open_image(source: object, *, max_image_pixels: int = 64_000_000,
+               cancelled: threading.Event | None = None) -> OpenedImage:
+    """Read `source` and its header, refuse it (`InvalidImageError`) if it is unreadable or over
+    `max_image_pixels`; no pixel is decoded."""
+    if isinstance(source, OpenedImage):
+        _check_size(source.image.size, max_image_pixels, source.what)
+        return source
+    if isinstance(source, Image.Image):
+        what, data, image = _describe(source), None, source
+    else:
+        data, what = _read_source(source)
+        image = _open(data, what)
+    _check_size(image.size, max_image_pixels, what)
+    return OpenedImage(image, what, data, cancelled)
 
 
 def load_image(source: object, *, max_image_pixels: int = 64_000_000) -> Image.Image:
@@ -33,9 +75,18 @@ def load_image(source: object, *, max_image_pixels: int = 64_000_000) -> Image.I
 
     The pixel count is checked against `max_image_pixels` from the header, before any pixel is
     decoded. The image is fully decoded here so that corrupt data fails in this call. A PIL image
-    that is already RGB and upright may be returned as the same object.
+    that is already RGB and upright may be returned as the same object. An `OpenedImage` whose
+    request was cancelled raises `DecodeCancelled`.
     """
-    if isinstance(source, Image.Image):
+    if isinstance(source, OpenedImage):
+        if source.cancelled is not None and source.cancelled.is_set():
+            raise DecodeCancelled(source.what)
+        # decoded from its bytes afresh: the header-only image stays small while the request's
+        # messages (which hold it) live on, so one request holds one decoded image at a time
+        image = source.image if source.data is None else _open(source.data, source.what)
+        _check_size(image.size, max_image_pixels, source.what)
+        _decode(image, source.what)
+    elif isinstance(source, Image.Image):
         image = source
         _check_size(image.size, max_image_pixels, _describe(source))
         _decode(image, _describe(source))
@@ -67,27 +118,49 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def _high_depth_to_rgb(image: Image.Image) -> Image.Image:
-    values = np.asarray(image)
+    """16/32-bit gray to 8-bit RGB, a strip of rows at a time: whole-image float64 copies of an
+    8000x8000 16-bit image took ~1.5 GB each, so two such requests ran a server into gigabytes."""
+    width, height = image.size
+    rows = max(1, _STRIP_PIXELS // max(width, 1))
+    strips = [(top, min(height, top + rows)) for top in range(0, height, rows)]
+
+    def values(top: int, bottom: int) -> np.ndarray:  # [rows, W], the mode's own dtype
+        return np.asarray(image.crop((0, top, width, bottom)))
+
     if image.mode == "F":
-        values = np.nan_to_num(values.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
-        lo, hi = float(values.min()), float(values.max())
-        if lo >= 0.0 and hi <= 1.0:  # the usual float convention: 0..1
-            scaled = values * 255.0
-        elif lo >= 0.0 and hi <= 255.0:
-            scaled = values
-        else:  # no convention to rely on: stretch the range present
-            scaled = (values - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(values)
+        lo, hi = np.inf, -np.inf
+        for top, bottom in strips:
+            v = _finite(values(top, bottom))
+            lo, hi = min(lo, float(v.min())), max(hi, float(v.max()))
+
+        def scale(v: np.ndarray) -> np.ndarray:
+            v = _finite(v)
+            if lo >= 0.0 and hi <= 1.0:  # the usual float convention: 0..1
+                v = v * 255.0
+            elif not (lo >= 0.0 and hi <= 255.0):  # no convention to rely on: stretch the range present
+                v = (v - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(v)
+            return np.clip(np.round(v), 0, 255)
     else:
-        values = np.clip(values.astype(np.float64), 0.0, None)
-        hi = float(values.max()) if values.size else 0.0
-        if image.mode.startswith("I;16") or 255.0 < hi <= 65535.0:
-            scaled = values / 257.0  # 65535 -> 255 exactly; 16-bit PNG/TIFF stored as "I" lands here too
-        elif hi <= 255.0:
-            scaled = values
-        else:  # 32-bit data beyond 16 bits: scale by the maximum present
-            scaled = values * (255.0 / hi)
-    gray = np.clip(np.round(scaled), 0, 255).astype(np.uint8)  # [H, W]
+        sixteen = image.mode.startswith("I;16")
+        hi = 65535.0 if sixteen else max([0.0] + [float(values(t, b).max()) for t, b in strips])
+        sixteen = sixteen or 255.0 < hi <= 65535.0  # 16-bit PNG/TIFF handed over as "I" too
+
+        def scale(v: np.ndarray) -> np.ndarray:
+            v = np.maximum(v, 0)
+            if sixteen:
+                return _SIXTEEN_BIT[v]
+            if hi <= 255.0:
+                return v
+            return np.clip(np.round(v * (255.0 / hi)), 0, 255)  # 32-bit data beyond 16 bits: the maximum present
+
+    gray = np.empty((height, width), dtype=np.uint8)  # [H, W]
+    for top, bottom in strips:
+        gray[top:bottom] = scale(values(top, bottom))
     return Image.fromarray(gray).convert("RGB")
+
+
+def _finite(v: np.ndarray) -> np.ndarray:
+    return np.nan_to_num(v.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _read_source(source: object) -> tuple[bytes, str]:
@@ -125,6 +198,9 @@ def _read_file(path: Path, what: str) -> tuple[bytes, str]:
         raise InvalidImageError(f"{what} is a directory, not an image file.") from None
     except OSError as exc:
         raise InvalidImageError(f"cannot read image file {what}: {exc}") from exc
+    except ValueError as exc:  # a NUL character, or a lone surrogate the file system cannot encode
+        raise InvalidImageError(f"cannot read image file {what}: the path is not a valid file name ({exc}); "
+                                f"pass a path without NUL characters or invalid Unicode.") from None
 
 
 def _file_url_path(url: str) -> Path:
@@ -170,7 +246,8 @@ def _check_size(size: tuple[int, int], max_image_pixels: int, what: str) -> None
     if width * height > max_image_pixels:
         raise InvalidImageError(
             f"image from {what} is {width}x{height} = {width * height} pixels, over the limit of "
-            f"{max_image_pixels} pixels; downscale it or raise the setting max_image_pixels.")
+            f"{max_image_pixels} pixels; downscale it or raise the setting max_image_pixels "
+            f"(flag --max-image-pixels).")
 
 
 def _decode(image: Image.Image, what: str) -> None:

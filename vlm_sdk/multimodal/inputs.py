@@ -12,11 +12,15 @@ from vlm_sdk.errors import InvalidRequestError
 @dataclass
 class ImageInput:
     """One preprocessed image, opaque to the engine: it hands `data` and `meta` back to the model's
-    `encode_images` and counts `num_tokens` and `size`; only the model family reads `meta`."""
+    `encode_images` and counts `num_tokens` and `size`; only the model family reads `meta`. Equal
+    `key`s promise equal vision embeddings and equal positions for the image's tokens."""
     data: torch.Tensor  # the family's pixels, float32, first dim = `size` (e.g. patches or tiles)
     num_tokens: int  # image tokens in the prompt
     meta: Any = None  # the family's per-image record (grid, the part's own settings, ...)
     source_size: tuple[int, int] | None = None  # (height, width) as decoded, before resizing
+    # `multimodal.image_key.image_key` of the decoded pixels and the settings that shaped `data`; None:
+    # not cacheable (the prefix cache stops before its first token, the encoder cache skips it)
+    key: bytes | None = None
 
     @property
     def size(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from vlm_sdk.errors import InvalidRequestError
 
@@ -38,6 +38,7 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef]]:
             raise InvalidRequestError(f"message {i} has role {role!r}; supported roles are {list(ROLES)}")
         content = msg["content"]
         if isinstance(content, str):
+            _check_text(content, f"message {i}")
             out.append({"role": role, "content": content})
             continue
         if not isinstance(content, (list, tuple)):
@@ -58,6 +59,7 @@ def _parse_part(part: Any, where: str, images: list[ImageRef]) -> dict:
         text = part.get("text")
         if not isinstance(text, str):
             raise InvalidRequestError(f"{where}: a text part needs a string 'text', got {_short(text)}")
+        _check_text(text, where)
         return {"type": "text", "text": text}
     if kind in ("image", "image_url"):
         if kind == "image":
@@ -71,6 +73,19 @@ def _parse_part(part: Any, where: str, images: list[ImageRef]) -> dict:
         images.append(ImageRef(source, MappingProxyType(_options(part))))
         return {"type": "image"}
     raise InvalidRequestError(f"{where} has type {kind!r}; supported: 'text', 'image', 'image_url'")
+
+
+def _check_text(text: str, where: str) -> None:
+    """Text must be encodable as UTF-8: a lone surrogate (half of a pair, e.g. from a JSON "\\ud800")
+    would fail deep inside the template or the tokenizer."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{where}: the text holds a lone surrogate U+{ord(text[e.start]):04X} at character "
+                                  f"{e.start}, which is not a character; send valid Unicode (the two halves of a "
+                                  f"surrogate pair together, or the character itself)") from None
 
 
 _PART_KEYS = frozenset({"type", "image", "image_url"})
@@ -87,3 +102,54 @@ def _options(part: dict) -> dict[str, Any]:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def map_parts(messages: Any, text: Callable[[str], str] | None = None,
+              image: Callable[[Any], Any] | None = None) -> Any:
+    """A copy of `messages` with each text (string content or text part) replaced by `text(t)` and
+    each image source by `image(source)`, in prompt order. Anything malformed is passed through as it
+    is, for `parse_messages` to refuse with its own message."""
+    if not isinstance(messages, (list, tuple)):
+        return messages
+    out = []
+    for msg in messages:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if isinstance(content, str):
+            out.append({**msg, "content": text(content)} if text else msg)
+        elif isinstance(content, (list, tuple)):
+            out.append({**msg, "content": [_map_part(p, text, image) for p in content]})
+        else:
+            out.append(msg)
+    return out
+
+
+def _map_part(part: Any, text, image) -> Any:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and text and isinstance(part.get("text"), str):
+        return {**part, "text": text(part["text"])}
+    if kind == "image" and image and part.get("image") is not None:
+        return {**part, "image": image(part["image"])}
+    if kind == "image_url" and image:
+        url = part.get("image_url")
+        if isinstance(url, dict) and url.get("url") is not None:
+            return {**part, "image_url": {**url, "url": image(url["url"])}}
+        if url is not None and not isinstance(url, dict):
+            return {**part, "image_url": image(url)}
+    return part
+
+
+def measure(messages: Any) -> tuple[int, int]:
+    """(characters of text, image parts) of `messages`, without copying anything."""
+    chars = images = 0
+    for msg in messages if isinstance(messages, (list, tuple)) else ():
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, (list, tuple)):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    chars += len(part["text"])
+                elif kind in ("image", "image_url"):
+                    images += 1
+    return chars, images

@@ -142,7 +142,8 @@ class OpenAIServer:
             raise APIError(503, "the server is shutting down or its engine has stopped; retry on another "
                                 "replica", "server_error", None, "unavailable")
         body = await self._read_json(request)
-        req = protocol.parse_chat_request(body, self.model_name, self.max_model_len, self.config.limit_images)
+        req = protocol.parse_chat_request(body, self.model_name, self.max_model_len, self.config.limit_images,
+                                          self.config.max_stop_strings, self.config.max_stop_chars)
         messages = await self.media.resolve_messages(req.messages)
         prompt = await self.engine.build_prompt(messages, req.params)
         if req.num_images:
@@ -177,7 +178,7 @@ class OpenAIServer:
         self._observe(timing, out)
         return web.json_response(protocol.completion_body(
             protocol.new_completion_id(), self.model_name, out.text, out.finish_reason,
-            len(out.prompt_token_ids), len(out.token_ids)))
+            len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens))
 
     async def _stream(self, request: web.Request, req: protocol.ChatRequest, gen, out,
                       timing: "_Timing") -> web.StreamResponse:
@@ -210,7 +211,7 @@ class OpenAIServer:
         else:
             self._observe(timing, out)
             if req.include_usage:
-                await send(chunks.usage(len(out.prompt_token_ids), len(out.token_ids)))
+                await send(chunks.usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens))
         await send(chunks.done())
         await resp.write_eof()
         return resp

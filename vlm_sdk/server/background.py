@@ -7,7 +7,7 @@ import threading
 
 from vlm_sdk.async_llm import AsyncLLM
 from vlm_sdk.server.app import OpenAIServer
-from vlm_sdk.server.config import ServerConfig
+from vlm_sdk.server.config import ServerConfig, server_engine_args
 from vlm_sdk.server.runner import ServerRunner, served_name
 
 
@@ -41,7 +41,7 @@ class BackgroundServer:
 
     def __enter__(self) -> "BackgroundServer":
         self.engine_args.setdefault("show_progress", False)
-        self.engine = AsyncLLM(self.model, **self.engine_args)
+        self.engine = AsyncLLM(self.model, **server_engine_args(self.engine_args))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vlm-server", daemon=True)
         self._thread.start()

@@ -34,6 +34,12 @@ _ENGINE_HELP = {
     "shard_vision": "under tensor parallelism, split the vision tower over the ranks too (default; "
                     "--no-shard-vision gives every rank a whole copy)",
     "distributed_timeout": "seconds a tensor-parallel rank waits for its peers before the engine fails (default 600)",
+    "max_image_pixels": "largest image, in pixels, checked from its header before decoding (serve's default "
+                        "16777216 = 4096x4096; the Python API's 64000000)",
+    "max_request_image_pixels": "the pixels of all of a request's images together, checked before any is decoded "
+                                "(serve's default 67108864; none in the Python API)",
+    "allow_special_tokens_in_text": "read special tokens written in message text (<|im_end|>, ...) as control tokens; "
+                                    "by default they are plain text, so a user cannot forge another role's turn",
 }
 _ALIASES = {"tensor_parallel_size": ("--tp",)}
 # flags whose EngineArgs default (None) does not tell their type; the rest follow their default's type
@@ -81,6 +87,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit-images", type=int, default=d.limit_images, help="images per request")
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds in-flight requests get after SIGTERM before they are aborted")
+    p.add_argument("--max-stop-strings", type=_count, default=d.max_stop_strings,
+                   help="stop strings per request (default 4, as OpenAI's API)")
+    p.add_argument("--max-stop-chars", type=_count, default=d.max_stop_chars,
+                   help="characters per stop string (default 256)")
     m = MediaPolicy()
     p.add_argument("--allowed-media-domains", nargs="*", default=[],
                    help="hosts whose http(s) image URLs may be fetched ('.example.com' = any subdomain)")
@@ -90,6 +100,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-media-bytes", type=int, default=m.max_bytes)
     p.add_argument("--media-timeout", type=float, default=m.timeout_s)
     add_engine_flags(p)
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -107,7 +124,8 @@ def run_serve(args: argparse.Namespace) -> int:
                         max_bytes=args.max_media_bytes, timeout_s=args.media_timeout)
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
-                          limit_images=args.limit_images, shutdown_timeout=args.shutdown_timeout, media=media)
+                          limit_images=args.limit_images, shutdown_timeout=args.shutdown_timeout, media=media,
+                          max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars)
     return serve(model, config, **engine_kwargs(args))
 
 

@@ -5,6 +5,19 @@ from dataclasses import dataclass, field
 
 MiB = 1 << 20
 
+# Engine settings a server sets unless told otherwise, because its clients are not trusted. Images
+# are decoded whole before the model's own resize: 4096x4096 is above what the models can use
+# (Qwen2.5-VL's default max_pixels is 12,845,056; InternVL tiles any size into at most 12 448x448
+# tiles), and a request's images together may hold four such images (8 at 2896x2896).
+SERVER_MAX_IMAGE_PIXELS = 4096 * 4096  # 16,777,216
+SERVER_MAX_REQUEST_IMAGE_PIXELS = 4 * SERVER_MAX_IMAGE_PIXELS  # 67,108,864
+
+
+def server_engine_args(engine_args: dict) -> dict:
+    """`engine_args` with the server's image limits wherever they were not given."""
+    return {"max_image_pixels": SERVER_MAX_IMAGE_PIXELS,
+            "max_request_image_pixels": SERVER_MAX_REQUEST_IMAGE_PIXELS, **engine_args}
+
 
 @dataclass(frozen=True)
 class MediaPolicy:
@@ -32,4 +45,6 @@ class ServerConfig:
     max_request_bytes: int = 32 * MiB  # larger bodies get 413
     limit_images: int = 8  # images per request
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    max_stop_strings: int = 4  # per request, as OpenAI's API allows
+    max_stop_chars: int = 256  # per stop string
     media: MediaPolicy = field(default_factory=MediaPolicy)

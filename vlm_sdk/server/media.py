@@ -10,12 +10,14 @@ could make it read cloud metadata (169.254.169.254), internal services or local 
   connect (DNS rebinding) cannot slip through; IP-literal hosts, which aiohttp never resolves, are
   checked before each hop;
 * bodies are capped in bytes while streaming, and the whole fetch (all hops) in time;
-* `file://` is read only inside one allowed directory, after resolving symlinks and `..`; bare paths
+* `file://` is read only inside one allowed directory, opened one component at a time from the
+  directory's descriptor without following any symbolic link (no check-then-open race); bare paths
   and other schemes are refused.
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import os
 import socket
@@ -243,30 +245,77 @@ class MediaFetcher:
         if parsed.netloc not in ("", "localhost"):
             raise InvalidImageError(f"file URL {_clip(source)} names host {parsed.netloc!r}; only "
                                     f"local files ('file:///abs/path') are read")
-        real = os.path.realpath(url2pathname(unquote(parsed.path)))
-        real_root = os.path.realpath(root)
-        if os.path.commonpath([real_root, real]) != real_root:
+        path = url2pathname(unquote(parsed.path))
+        if "\0" in path:
+            raise InvalidImageError(f"file URL {_clip(source)} holds a NUL character (%00), which no file name has")
+        parts = _parts_beneath(path, root)
+        if parts is None:
             raise InvalidImageError(f"file URL {_clip(source)} is outside the directory that the server "
                                     f"setting --allowed-local-media-path allows")
-        return await asyncio.to_thread(self._read_capped, real, source)
+        return await asyncio.to_thread(self._read_beneath, root, parts, source)
 
-    def _read_capped(self, path: str, source: str) -> bytes:
-        cap = self.policy.max_bytes
+    def _read_beneath(self, root: str, parts: list[str], source: str) -> bytes:
+        """Open `parts` one by one from the root's descriptor, never following a symbolic link, so a
+        component swapped for a link after any check cannot lead outside the root (a realpath check
+        followed by an open could be raced that way)."""
         try:
-            # O_NONBLOCK: opening a FIFO must not hang; O_NOFOLLOW: the checked real path must not
-            # have been swapped for a symlink since.
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            fd = os.open(os.path.realpath(root), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise InvalidImageError(f"cannot open the directory that the server setting "
+                                    f"--allowed-local-media-path names: {exc.strerror or exc}") from None
+        try:
+            if not parts:
+                raise InvalidImageError(f"file URL {_clip(source)} is not a regular file (a directory, FIFO or device)")
+            for i, name in enumerate(parts):
+                last = i == len(parts) - 1
+                # O_NONBLOCK: opening a FIFO must not hang
+                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_NONBLOCK if last else os.O_DIRECTORY)
+                try:
+                    nxt = os.open(name, flags, dir_fd=fd)
+                except OSError as exc:
+                    raise self._open_error(source, name, fd, exc) from None
+                except ValueError as exc:  # a lone surrogate the file system cannot encode
+                    raise InvalidImageError(f"file URL {_clip(source)} is not a valid file name ({exc})") from None
                 os.close(fd)
-                raise InvalidImageError(f"file URL {_clip(source)} is not a regular file (a directory, "
-                                        f"FIFO or device)")
-            with open(fd, "rb") as f:
-                data = f.read(cap + 1)
-        except FileNotFoundError:
-            raise InvalidImageError(f"file URL {_clip(source)}: no such file") from None
+                fd = nxt
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise InvalidImageError(f"file URL {_clip(source)} is not a regular file (a directory, FIFO or device)")
+            with open(fd, "rb", closefd=False) as f:
+                data = f.read(self.policy.max_bytes + 1)
         except OSError as exc:
             raise InvalidImageError(f"cannot read file URL {_clip(source)}: {exc.strerror or exc}") from None
-        if len(data) > cap:
-            raise InvalidImageError(f"file URL {_clip(source)} is over the limit of {cap} bytes per image "
-                                    f"(server setting --max-media-bytes)")
+        finally:
+            os.close(fd)
+        if len(data) > self.policy.max_bytes:
+            raise InvalidImageError(f"file URL {_clip(source)} is over the limit of {self.policy.max_bytes} bytes per "
+                                    f"image (server setting --max-media-bytes)")
         return data
+
+    @staticmethod
+    def _open_error(source: str, name: str, dir_fd: int, exc: OSError) -> InvalidImageError:
+        try:
+            link = stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        except OSError:
+            link = False
+        if link:
+            return InvalidImageError(f"file URL {_clip(source)} passes through the symbolic link {name!r}; links are "
+                                     f"not followed, so that nothing outside the directory that the server setting "
+                                     f"--allowed-local-media-path allows is read")
+        if exc.errno == errno.ENOENT:
+            return InvalidImageError(f"file URL {_clip(source)}: no such file")
+        if exc.errno == errno.ENOTDIR:
+            return InvalidImageError(f"file URL {_clip(source)}: {name!r} is not a directory")
+        return InvalidImageError(f"cannot read file URL {_clip(source)}: {exc.strerror or exc}")
+
+
+def _parts_beneath(path: str, root: str) -> list[str] | None:
+    """The components of `path` below `root` (as given, or with its links resolved: the operator's
+    own path), '..' resolved in the text; None when it is not below the root."""
+    path = os.path.normpath(path)
+    if not os.path.isabs(path):
+        return None
+    for base in dict.fromkeys((os.path.normpath(os.path.abspath(root)), os.path.realpath(root))):
+        if os.path.commonpath([base, path]) == base:
+            rel = os.path.relpath(path, base)
+            return [] if rel == "." else rel.split(os.sep)
+    return None

@@ -57,6 +57,18 @@ class _EngineCollector:
         yield counter("prompt_tokens", "prompt tokens admitted, image tokens included", s["total_prompt_tokens"])
         yield counter("image_tokens", "image tokens admitted", s["total_image_tokens"])
         yield counter("generation_tokens", "tokens generated", s["total_generation_tokens"])
+        # caches: hit / query is the hit rate (a rate of the two counters in PromQL)
+        yield counter("prefix_cache_hit_tokens", "prompt tokens whose KV came from the prefix cache",
+                      s["prefix_cache_hit_tokens"])
+        yield counter("prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache",
+                      s["prefix_cache_query_tokens"])
+        yield gauge("kv_blocks_cached", "free KV blocks still holding reusable prefix content (counted in "
+                    "kv_blocks_free: reclaimed when a request needs a fresh block)", s["kv_blocks_cached"])
+        yield counter("encoder_cache_hits", "images whose vision embeddings came from the encoder cache",
+                      s["encoder_cache_hits"])
+        yield counter("encoder_cache_queries", "images looked up in the encoder cache", s["encoder_cache_queries"])
+        yield gauge("encoder_cache_bytes", "bytes of vision embeddings held by the encoder cache",
+                    s["encoder_cache_bytes"])
 
 
 class ServerMetrics:

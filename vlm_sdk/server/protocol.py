@@ -78,10 +78,12 @@ class ChatRequest:
     num_images: int
 
 
-def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_images: int) -> ChatRequest:
+def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_images: int,
+                       max_stop_strings: int = 4, max_stop_chars: int = 256) -> ChatRequest:
     """Validate a decoded JSON body. `max_tokens` left out is None: as long as the context allows (the
     engine stops at max_model_len), as in vLLM; a too-long error then sizes its fixes for
-    `DEFAULT_MAX_TOKENS` output tokens and says so."""
+    `DEFAULT_MAX_TOKENS` output tokens and says so. At most `max_stop_strings` stop strings of at most
+    `max_stop_chars` characters each."""
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got a JSON {_json_type(body)}")
     model = body.get("model")
@@ -117,6 +119,7 @@ def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_
         include_usage = opts.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise bad_request("'stream_options.include_usage' must be true or false", "stream_options")
+    _check_stop(body.get("stop"), max_stop_strings, max_stop_chars)
     params = _sampling_params(body, max_model_len)
     return ChatRequest(messages, params, stream, include_usage, num_images)
 
@@ -128,6 +131,18 @@ def count_images(messages: list) -> int:
         if isinstance(content, list):
             count += sum(1 for p in content if isinstance(p, dict) and p.get("type") in ("image", "image_url"))
     return count
+
+
+def _check_stop(stop, max_count: int, max_chars: int) -> None:
+    """A request's stop strings within the server's caps (their type is SamplingParams' to check)."""
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    if len(stops) > max_count:
+        raise bad_request(f"'stop' has {len(stops)} strings; this server accepts at most {max_count} per request "
+                          f"(server setting --max-stop-strings)", "stop", "too_many_stop_strings")
+    for i, s in enumerate(stops):
+        if isinstance(s, str) and len(s) > max_chars:
+            raise bad_request(f"'stop' string {i} is {len(s)} characters; this server accepts at most {max_chars} "
+                              f"per stop string (server setting --max-stop-chars)", "stop", "stop_string_too_long")
 
 
 # fields copied into SamplingParams as they are (it validates them and names the field on error)
@@ -171,17 +186,20 @@ def new_completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage object; `cached_tokens` are the prompt tokens served from the prefix cache
+    (counted inside `prompt_tokens`, as OpenAI counts them)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_body(cid: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
-                    completion_tokens: int) -> dict:
+                    completion_tokens: int, cached_tokens: int) -> dict:
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                          "finish_reason": finish_reason}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 class ChunkWriter:
@@ -209,8 +227,9 @@ class ChunkWriter:
     def finish(self, reason: str) -> str:
         return self.event(chunk_body(self.cid, self.model, self.created, {}, reason, self.include_usage))
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
-        return self.event(usage_chunk_body(self.cid, self.model, self.created, prompt_tokens, completion_tokens))
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> str:
+        return self.event(usage_chunk_body(self.cid, self.model, self.created, prompt_tokens, completion_tokens,
+                                           cached_tokens))
 
     @staticmethod
     def done() -> str:
@@ -226,6 +245,7 @@ def chunk_body(cid: str, model: str, created: int, delta: dict, finish_reason: s
     return body
 
 
-def usage_chunk_body(cid: str, model: str, created: int, prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_chunk_body(cid: str, model: str, created: int, prompt_tokens: int, completion_tokens: int,
+                     cached_tokens: int) -> dict:
     return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from vlm_sdk.async_llm import AsyncLLM
 from vlm_sdk.server.app import OpenAIServer
-from vlm_sdk.server.config import ServerConfig
+from vlm_sdk.server.config import ServerConfig, server_engine_args
 
 logger = logging.getLogger("vlm_sdk.server")
 
@@ -71,7 +71,7 @@ class ServerRunner:
 
 def serve(model: str, config: ServerConfig, **engine_args) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, return 0."""
-    engine = AsyncLLM(model, **engine_args)
+    engine = AsyncLLM(model, **server_engine_args(engine_args))
     return asyncio.run(_serve(engine, config, served_name(model, config)))
 
 

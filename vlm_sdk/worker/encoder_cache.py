@@ -1,38 +1,55 @@
-"""Image embeddings on the worker, keyed by (request id, image index).
+"""Vision embeddings kept for reuse, keyed by image (`ImageInput.key`: pixels + the settings that
+shaped them), bounded by bytes, least recently used evicted first.
 
-Filled on the first step that computes a request's image tokens (every image the request still
-needs, encoded together with the other such requests' images); an entry is dropped once prefill has
-computed its image's last token, and all of a request's entries when it finishes or is preempted
-(a preempted request recomputes from token 0 and encodes its images again).
+A request holds the embeddings of each image it still needs in its own `RequestState` (from the
+step that first needs them until prefill passes the image's last token), whether they came from
+here or from the vision tower; this cache is what outlives the request: a later turn of the same
+conversation, or another user sending the same image, skips the vision tower.
+
+Under tensor parallelism every rank keeps its own copy with the same capacity and sees the same
+steps, so every rank hits and misses on the same images and the vision tower's collectives line up.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
 
 class EncoderCache:
-    def __init__(self):
-        self._embeds: dict[tuple[str, int], torch.Tensor] = {}  # -> [image tokens, hidden]
-        self.hits = 0  # images whose embeddings were found here (the vision tower skipped)
-        self.queries = 0  # images looked up
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes  # 0: nothing is kept
+        self._embeds: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # key -> [image tokens, hidden]
+        self.hits = 0  # lookups answered here (the vision tower skipped)
+        self.queries = 0  # lookups
         self.num_bytes = 0  # held for reuse
-
-    def __contains__(self, key: tuple[str, int]) -> bool:
-        return key in self._embeds
 
     def __len__(self) -> int:
         return len(self._embeds)
 
-    def get(self, request_id: str, image: int) -> torch.Tensor | None:
-        return self._embeds.get((request_id, image))
+    def get(self, key: bytes | None) -> torch.Tensor | None:
+        """The embeddings of image `key` (a lookup, counted), marked most recently used; None if absent."""
+        self.queries += 1
+        embeds = None if key is None else self._embeds.get(key)
+        if embeds is not None:
+            self._embeds.move_to_end(key)
+            self.hits += 1
+        return embeds
 
-    def put(self, request_id: str, image: int, embeds: torch.Tensor) -> None:
-        self._embeds[(request_id, image)] = embeds
+    def count_hit(self) -> None:
+        """A lookup answered without the cache: a second request in the same step with an image the
+        step encodes anyway (it too skips the vision tower)."""
+        self.queries += 1
+        self.hits += 1
 
-    def drop(self, request_id: str, image: int) -> None:
-        self._embeds.pop((request_id, image), None)
-
-    def free(self, request_id: str) -> None:
-        """Drop every entry of `request_id` (finished, aborted or preempted)."""
-        for key in [k for k in self._embeds if k[0] == request_id]:
-            del self._embeds[key]
+    def put(self, key: bytes | None, embeds: torch.Tensor) -> None:
+        """Keep `embeds` (its own storage: not a view into a larger tensor), evicting the least recently
+        used; an image larger than the whole capacity is not kept."""
+        size = embeds.numel() * embeds.element_size()
+        if key is None or size > self.capacity_bytes or key in self._embeds:
+            return
+        while self.num_bytes + size > self.capacity_bytes:
+            _, old = self._embeds.popitem(last=False)
+            self.num_bytes -= old.numel() * old.element_size()
+        self._embeds[key] = embeds
+        self.num_bytes += size

@@ -7,8 +7,11 @@ Inputs are packed: the new tokens of every scheduled request back to back, in th
 `num_scheduled_tokens`. Image embeddings are computed on the first step that needs them (the
 images of all such requests go through the vision tower in groups of at most `max_vision_patches`
 rows of `ImageInput.size`; images and positions are the model family's business: `model.encode_images`,
-`model.positions`), kept in the `EncoderCache`, and scattered into the token embeddings at image-token
-positions, chunk by chunk; an image's entry is dropped once prefill has passed its last token.
+`model.positions`), held by the request (`RequestState.image_embeds`) and kept for reuse in the
+`EncoderCache` (by image key: pixels and settings), and scattered into the token embeddings at
+image-token positions, chunk by chunk; a request lets go of an image once prefill has passed its last
+token. A request whose cached prefix ends inside an image takes the rest of that image's rows from
+embeddings of the same key (the cache's, or the vision tower's again), never from another image.
 """
 from __future__ import annotations
 
@@ -32,14 +35,15 @@ class ModelRunner:
     def __init__(self, model: VisionLanguageModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, dtype: torch.dtype, seed: int = 0,
                  max_vision_patches: int | None = None, graphs: DecodeGraphs | None = None, *,
-                 attention: AttentionBackend, samples: bool = True):
+                 attention: AttentionBackend, samples: bool = True, encoder_cache_bytes: int = 0):
         """`max_vision_patches` (None: no limit) caps the patches of one vision-tower call: the images
         of newly scheduled requests are encoded in groups of at most that many patches (a group
         always holds at least one image), so a step never exceeds the profiled peak of the largest
         image (`largest_image().size` of the family's processor). `attention` (the model's backend)
         prepares each step's attention metadata once, before the forward. `samples` False: a
         tensor-parallel rank other than 0, which computes the logits (their gather is a collective) but
-        leaves sampling to rank 0 and returns an empty output."""
+        leaves sampling to rank 0 and returns an empty output. `encoder_cache_bytes`: the vision
+        embeddings kept for reuse by image key (0: none)."""
         self.model = model
         self.attention = attention
         self.max_vision_patches = max_vision_patches
@@ -51,16 +55,14 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.samples = samples
         self.requests: dict[str, RequestState] = {}
-        self.encoder_cache = EncoderCache()
+        self.encoder_cache = EncoderCache(encoder_cache_bytes)
 
     # -- state ------------------------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> list[tuple[RequestState, int]]:
         """Apply the step's changes to the per-request state; the scheduled (state, tokens) in order."""
         for rid in sched.finished_request_ids | sched.preempted_request_ids:
             self.requests.pop(rid, None)
-            self.encoder_cache.free(rid)
         for new in sched.new_requests:
-            self.encoder_cache.free(new.request_id)
             self.requests[new.request_id] = RequestState.from_new(new)
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
@@ -104,28 +106,46 @@ class ModelRunner:
         return ModelRunnerOutput({s.request_id: t for s, t in zip(states, tokens)})
 
     def _encode_images(self, scheduled: list[tuple[RequestState, int]]) -> None:
-        """Encode every still-needed image of the scheduled requests that lack one in the cache."""
-        todo = []  # (state, image index), in request then image order
+        """Give every still-needed image of the scheduled requests its embeddings: from the encoder
+        cache, or through the vision tower (each distinct image once per step when the cache is on)."""
+        cache = self.encoder_cache
+        todo: dict[object, list[tuple[RequestState, int]]] = {}  # image -> its (state, index), in order
         for state, _ in scheduled:
-            needed = state.images_needed()
-            if any((state.request_id, i) not in self.encoder_cache for i in needed):
-                todo.extend((state, i) for i in needed)
+            for i in state.images_needed():
+                if i in state.image_embeds:
+                    continue
+                key = state.images[i].key if cache.capacity_bytes else None
+                if key is not None and key in todo:  # the same image, encoded by this step anyway
+                    cache.count_hit()
+                    todo[key].append((state, i))
+                    continue
+                embeds = cache.get(key) if cache.capacity_bytes else None
+                if embeds is not None:
+                    state.image_embeds[i] = embeds
+                else:
+                    todo[key if key is not None else (state.request_id, i)] = [(state, i)]
         if not todo:
             return
-        images = [state.images[i] for state, i in todo]
+        owners = list(todo.values())
+        images = [state.images[i] for state, i in (o[0] for o in owners)]
         outs = []
         for group in _patch_groups([im.size for im in images], self.max_vision_patches):
             outs.append(self.model.encode_images([images[i] for i in group]))  # [tokens, hidden]
         embeds = outs[0] if len(outs) == 1 else torch.cat(outs)  # [image tokens, hidden], in image order
-        for (state, i), part in zip(todo, embeds.split([im.num_tokens for im in images])):
-            self.encoder_cache.put(state.request_id, i, part)
+        parts = embeds.split([im.num_tokens for im in images])
+        for image, users, part in zip(images, owners, parts):
+            if len(parts) > 1:
+                part = part.clone()  # its own storage: what the cache keeps is what it counts
+            cache.put(image.key, part)
+            for state, i in users:
+                state.image_embeds[i] = part
 
     def _drop_passed_images(self, scheduled: list[tuple[RequestState, int]]) -> None:
         for state, n in scheduled:
             end = state.num_computed_tokens + n
-            for i in range(len(state.images)):
+            for i in list(state.image_embeds):
                 if state.image_end(i) <= end:
-                    self.encoder_cache.drop(state.request_id, i)
+                    del state.image_embeds[i]
 
     def _prepare(self, scheduled: list[tuple[RequestState, int]]) -> StepInputs:
         """Pack the step's inputs on the host and move them to the device in one copy."""
@@ -172,7 +192,7 @@ class ModelRunner:
         for s, n in scheduled:
             start, end = s.num_computed_tokens, s.num_computed_tokens + n
             for i, first in enumerate(s.image_positions):
-                cached = self.encoder_cache.get(s.request_id, i)  # [image tokens, hidden]
+                cached = s.image_embeds.get(i)  # [image tokens, hidden]
                 lo, hi = max(start, first), min(end, s.image_end(i))
                 if cached is not None and hi > lo:
                     embeds[row + lo - start:row + hi - start] = cached[lo - first:hi - first].to(embeds.dtype)

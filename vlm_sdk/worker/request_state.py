@@ -1,7 +1,7 @@
 """What the worker remembers of one request between steps (built from `NewRequestData`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +24,9 @@ class RequestState:
     num_computed_tokens: int
     generator: torch.Generator | None  # the request's own stream of draws when it has a seed
     pending_draws: int = 0  # draws the generator must skip before its next one (see `from_new`)
+    # image index -> its embeddings [image tokens, hidden], from the first step that needs them until
+    # prefill passes the image's last token
+    image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "RequestState":

@@ -11,7 +11,7 @@ all-gather) line up:
     size_cache(...)         the KV blocks this rank could hold (the engine takes the smallest of all ranks)
     init_cache(cache, ...)  allocate exactly that cache, capture CUDA graphs, build the model runner
     execute(sched)          one step; only rank 0 samples (the others return an empty output)
-    held_state()            requests and image embeddings this rank still keeps (tests, leak checks)
+    held_state()            requests and image embeddings requests still hold here (tests, leak checks)
 """
 from __future__ import annotations
 
@@ -111,15 +111,17 @@ class Worker:
                                   block_size=args.block_size, device=self.device, attention=self.ops.attention)
         self.runner = ModelRunner(m, self.kv_caches, args.block_size, self.device, self.dtype, args.seed,
                                   max_vision_patches=max_vision_patches, graphs=graphs,
-                                  attention=self.ops.attention, samples=self.tp.rank == 0)
+                                  attention=self.ops.attention, samples=self.tp.rank == 0,
+                                  encoder_cache_bytes=args.encoder_cache_memory)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(sched)
 
     def held_state(self) -> tuple[int, int]:
-        """(requests this rank keeps state for, image embeddings it keeps): both 0 once every request
-        has finished or been aborted, on every rank."""
-        return len(self.runner.requests), len(self.runner.encoder_cache)
+        """(requests this rank keeps state for, image embeddings requests hold): both 0 once every
+        request has finished or been aborted, on every rank (the encoder cache's reusable entries are
+        not held by any request)."""
+        return len(self.runner.requests), sum(len(s.image_embeds) for s in self.runner.requests.values())
 
 
 def _allocated(device: torch.device) -> int | None:
