@@ -16,8 +16,9 @@ encoder_cache_memory 256 MiB) and "off" (enable_prefix_caching=False, encoder_ca
                  the last token, so throughput includes preprocessing; TTFT from each request's arrival.
                  The figure: output tokens/s on / off.
 
-The modes alternate (on first in even rounds, off first in odd ones) because this kind of machine's
-speed drifts between minutes; each engine has a warm-up conversation on its own image first. Greedy
+The modes take turns, moments apart (each turn of a conversation on one engine, then on the other;
+many-users runs on first in even rounds, off first in odd ones), because this kind of machine's speed
+drifts between minutes; both engines have a warm-up conversation on an image no timed request uses. Greedy
 answers on and off are compared token for token (they must be equal: caching is exact).
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ SYSTEM_PROMPT = ("You are a careful visual assistant for a shop's catalogue team
 class MultiTurnConfig:
     turns: int = 4
     answer_tokens: int = 16  # tokens of each answer kept in the history
-    rounds: int = 3  # conversations per mode (the figure is their median)
+    rounds: int = 5  # conversations per mode (each turn's figure is its median over them)
     users: int = 64
     user_tokens: int = 8
     user_rounds: int = 1  # many-users runs per mode
@@ -119,18 +120,24 @@ def _ttft(out) -> float:
     return m.preprocess_time + m.time_to_first_token
 
 
-def _conversation(llm, image, cfg: MultiTurnConfig) -> list[dict]:
-    """One conversation, turn by turn, each answer appended to the history as the client would."""
-    messages, turns = [], []
+def _conversations(engines: dict, image, cfg: MultiTurnConfig, round_index: int) -> dict[str, list[dict]]:
+    """The same conversation with each engine, in lockstep: turn t on one engine, then on the other
+    (which goes first alternates), so both samples of a turn are taken moments apart and a busy spell
+    of a shared machine falls on both. Each answer joins its own history, as a client sends it."""
+    history = {mode: [] for mode in engines}
+    turns: dict[str, list[dict]] = {mode: [] for mode in engines}
     for t in range(cfg.turns):
         question = QUESTIONS[t % len(QUESTIONS)]
         content = [{"type": "image", "image": image}, {"type": "text", "text": question}] if t == 0 else question
-        messages.append({"role": "user", "content": content})
-        [out] = llm.chat([messages], _params(cfg.answer_tokens))
-        turns.append({"ttft_s": _ttft(out), "preprocess_s": out.metrics.preprocess_time,
-                      "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.num_cached_tokens,
-                      "tokens": list(out.token_ids)})
-        messages.append({"role": "assistant", "content": out.text})
+        modes = list(engines) if (round_index + t) % 2 == 0 else list(engines)[::-1]
+        for mode in modes:
+            messages = history[mode]
+            messages.append({"role": "user", "content": content})
+            [out] = engines[mode].chat([messages], _params(cfg.answer_tokens))
+            turns[mode].append({"ttft_s": _ttft(out), "preprocess_s": out.metrics.preprocess_time,
+                                "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.num_cached_tokens,
+                                "tokens": list(out.token_ids)})
+            messages.append({"role": "assistant", "content": out.text})
     return turns
 
 
@@ -160,13 +167,12 @@ def run(model_dir: str, device: str, cfg: MultiTurnConfig) -> dict:
     side = (cfg.image_size, cfg.image_size)
     engines = {mode: LLM(model_dir, device=device, show_progress=False, **kw) for mode, kw in MODES.items()}
     try:
-        for i, llm in enumerate(engines.values()):  # warm-up, each on an image no timed request uses
-            _conversation(llm, _images([side], seed=1000 + i)[0], dataclasses.replace(cfg, turns=2, answer_tokens=2))
+        # warm-up on an image no timed request uses
+        _conversations(engines, _images([side], seed=1000)[0], dataclasses.replace(cfg, turns=2, answer_tokens=2), 0)
         convs: dict[str, list] = {"on": [], "off": []}
-        for r, order in _orders(cfg.rounds):
-            image = _images([side], seed=r)[0]
-            for mode in order:
-                convs[mode].append(_conversation(engines[mode], image, cfg))
+        for r in range(cfg.rounds):
+            for mode, turns in _conversations(engines, _images([side], seed=r)[0], cfg, r).items():
+                convs[mode].append(turns)
         users: dict[str, list] = {"on": [], "off": []}
         for r, order in _orders(cfg.user_rounds):
             image = _images([side], seed=500 + r)[0]
