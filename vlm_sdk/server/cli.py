@@ -81,9 +81,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit-images", type=int, default=d.limit_images, help="images per request")
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds in-flight requests get after SIGTERM before they are aborted")
+    p.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
+                   help="seconds a connection may stay open without a complete request head, idle or "
+                        "sending its headers slowly")
+    p.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                   help="seconds a request body may take to arrive (408 after)")
+    p.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open connections at once; more are answered 503 and closed")
     m = MediaPolicy()
     p.add_argument("--allowed-media-domains", nargs="*", default=[],
-                   help="hosts whose http(s) image URLs may be fetched ('.example.com' = any subdomain)")
+                   help="hosts whose http(s) image URLs may be fetched, separated by spaces or commas "
+                        "('.example.com' = any subdomain)")
     p.add_argument("--allowed-local-media-path", default=None, help="file:// image URLs are read only under it")
     p.add_argument("--allow-private-media-addresses", action="store_true",
                    help="let media URLs resolve to loopback/private/link-local addresses")
@@ -107,7 +115,9 @@ def run_serve(args: argparse.Namespace) -> int:
                         max_bytes=args.max_media_bytes, timeout_s=args.media_timeout)
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
-                          limit_images=args.limit_images, shutdown_timeout=args.shutdown_timeout, media=media)
+                          limit_images=args.limit_images, shutdown_timeout=args.shutdown_timeout, media=media,
+                          keep_alive_timeout=args.keep_alive_timeout, body_timeout=args.body_timeout,
+                          max_connections=args.max_connections)
     return serve(model, config, **engine_kwargs(args))
 
 

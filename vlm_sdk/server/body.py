@@ -1,0 +1,99 @@
+"""A chat request's body, from the socket to a JSON value the handlers can walk safely.
+
+Bounded before any work: a `Content-Length` over the limit is refused (413) before a byte is read,
+the whole body must arrive within `body_timeout` (408; a slow sender otherwise holds a connection and
+a handler forever). Then JSON that is well-formed but unusable is refused with a 400 too, instead of
+failing deep inside the server: nesting deeper than `MAX_JSON_DEPTH` (Python's decoder stops near
+1,000 levels with a RecursionError, and everything that walks the value afterwards would recurse as
+deep), integers longer than Python converts (ValueError), and strings holding lone surrogates (a
+`\\ud800` escape, or CESU-8 bytes, which `json.loads` passes through; no tokenizer can encode them).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+from aiohttp import web
+
+from vlm_sdk.server.protocol import APIError, bad_request
+
+# a chat request needs 6 levels (body, messages, message, content, part, image_url); fields we ignore
+# (metadata, response_format schemas) get room to spare
+MAX_JSON_DEPTH = 64
+# bodies above this are decoded off the loop: a 20 MB base64 image takes tens of ms to parse
+_INLINE_JSON_BYTES = 256 * 1024
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than this server's limit of {limit} bytes (server "
+                         f"setting --max-request-bytes); send smaller or fewer images",
+                    "invalid_request_error", None, "request_too_large")
+
+
+async def read_json(request: web.Request, max_bytes: int, timeout_s: float):
+    """The decoded body of `request`, or an APIError (400, 408, 413) that says what to fix."""
+    length = request.content_length
+    if length is not None and length > max_bytes:
+        raise too_large(max_bytes)
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout_s)  # 413 past client_max_size (chunked bodies)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s (server setting "
+                            f"--body-timeout)", "invalid_request_error", None, "request_timeout") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large(max_bytes) from None
+    except web.RequestPayloadError as e:  # a broken chunked encoding, gzip stream or short body
+        raise bad_request(f"the request body could not be read: {one_line(str(e))}") from None
+    if not raw:
+        raise bad_request("the request body is empty; send a JSON object")
+    if len(raw) > _INLINE_JSON_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(None, decode_json, raw)
+    return decode_json(raw)
+
+
+def decode_json(raw: bytes):
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise bad_request(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") \
+            from None
+    except UnicodeDecodeError:
+        raise bad_request("the request body is not UTF-8 text; send a JSON object") from None
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError as e:  # an integer past sys.get_int_max_str_digits()
+        raise bad_request(f"the request body holds a number JSON cannot carry here: {one_line(str(e))}") from None
+    check_tree(value)
+    return value
+
+
+def check_tree(value) -> None:
+    """Refuse nesting deeper than MAX_JSON_DEPTH and strings that are not valid Unicode; `param` is
+    the top-level field the problem is under. Iterative: the value may be 1,000 levels deep."""
+    stack = [(value, 1, None)]
+    while stack:
+        node, depth, field = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep(field)
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, item in items:
+            where = key if depth == 1 and isinstance(node, dict) else field
+            for text in (key, item):
+                if isinstance(text, str) and not text.isascii() and _SURROGATE.search(text):
+                    raise bad_request(f"a string under {where or 'the body'!r} holds a lone UTF-16 surrogate "
+                                      f"(such as \\ud800), which is not a Unicode character; send valid UTF-8 "
+                                      f"text", where, "invalid_unicode")
+            if isinstance(item, (dict, list)):
+                stack.append((item, depth + 1, where))
+
+
+def _too_deep(field: str | None = None) -> APIError:
+    return bad_request(f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep; a "
+                       f"chat request needs 6", field, "json_too_deep")
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."
