@@ -96,3 +96,11 @@ def test_protocol_errors_are_counted_in_metrics(srv):
     raw_http(srv.url, CASES[0][1])
     status, text, _ = raw_http(srv.url, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert status == 200 and 'vlm_sdk_request_errors_total{model_name="tiny",status="400"}' in text
+
+
+def test_bearer_scheme_is_case_insensitive(srv):
+    for header in (f"bearer {API_KEY}", f"BEARER {API_KEY}", f"Bearer   {API_KEY} "):
+        assert raw_http(srv.url, post_bytes(BODY, key=None, extra=f"Authorization: {header}\r\n".encode()))[0] == 200
+    for header in (f"Basic {API_KEY}", f"Bearer{API_KEY}", API_KEY):
+        status, body, _ = raw_http(srv.url, post_bytes(BODY, key=None, extra=f"Authorization: {header}\r\n".encode()))
+        assert status == 401 and body["error"]["code"] == "invalid_api_key", header

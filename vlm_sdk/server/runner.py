@@ -53,6 +53,11 @@ class ServerRunner:
         host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{self.port}"
 
+    @property
+    def open_connections(self) -> int:
+        server = self._runner.server if self._runner is not None else None
+        return len(server.connections) if server is not None else 0
+
     async def start(self) -> str:
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its request
         self._runner = LimitedAppRunner(self.server.app, handler_cancellation=True, access_log=None,
