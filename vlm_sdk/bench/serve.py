@@ -86,6 +86,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternate HTTP and in-process this many times")
     p.add_argument("--device", default=None, help="device of the engines started here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--soak", type=float, default=None, metavar="SECONDS",
+                   help="instead: mixed traffic (streams, images, aborts, bad requests) for this long, then "
+                        "outcomes, the server's RSS slope and the KV blocks left (vlm_sdk/bench/soak.py)")
+    p.add_argument("--request-timeout", type=float, default=120.0, help="--soak: a request unanswered this long is lost")
+    p.add_argument("--seed", type=int, default=0, help="--soak: the random mix")
 
 
 def run_bench_serve(args) -> int:
@@ -93,6 +98,9 @@ def run_bench_serve(args) -> int:
     from vlm_sdk.client import to_data_url
     from vlm_sdk.errors import InvalidRequestError
 
+    if args.soak is not None:
+        from vlm_sdk.bench.soak import run_soak
+        return run_soak(args)
     if min(args.num_requests, args.concurrency, args.max_tokens, args.rounds) < 1:
         raise InvalidRequestError("--num-requests, --concurrency, --max-tokens and --rounds must each be >= 1")
     model_dir = args.model or (None if args.url else str(tiny_model_dir()))
