@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import os
 import sys
 import time
@@ -14,7 +13,7 @@ from vlm_sdk.demo_checkpoint import tiny_model_dir
 from vlm_sdk.errors import VLMError
 from vlm_sdk.models import registry
 from vlm_sdk.outputs import terminal_text
-from vlm_sdk.server.cli import show_engine_logs
+from vlm_sdk.server.cli import exit_soon, show_engine_logs
 
 FAMILIES = registry.family_names()  # --family choices; the first is the default
 
@@ -124,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_serve(args)
         if args.command == "chat":
             return asyncio.run(_chat(args))
+        if args.command == "bench-serve" and args.soak is not None:
+            from vlm_sdk.bench.soak import run_soak
+            return run_soak(args)
         if args.command == "bench-serve":
             from vlm_sdk.bench.serve import run_bench_serve
             return run_bench_serve(args)
@@ -143,13 +145,6 @@ def run() -> None:
     code = main()
     exit_soon()
     sys.exit(code)
-
-
-def exit_soon() -> None:
-    """Call just before the process exits: without it the interpreter finalises torch's and
-    transformers' objects one by one, 1-2 s on a busy VM, which `vlm-sdk serve` would spend after
-    SIGTERM on top of --shutdown-timeout. Frozen objects are left to the OS instead."""
-    gc.freeze()
 
 
 if __name__ == "__main__":

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from vlm_sdk.cli import exit_soon
-from vlm_sdk.server.cli import serve_main
+from vlm_sdk.server.cli import exit_soon, serve_main
 
 if __name__ == "__main__":
     code = serve_main(sys.argv[1:])

@@ -98,9 +98,6 @@ def run_bench_serve(args) -> int:
     from vlm_sdk.client import to_data_url
     from vlm_sdk.errors import InvalidRequestError
 
-    if args.soak is not None:
-        from vlm_sdk.bench.soak import run_soak
-        return run_soak(args)
     if min(args.num_requests, args.concurrency, args.max_tokens, args.rounds) < 1:
         raise InvalidRequestError("--num-requests, --concurrency, --max-tokens and --rounds must each be >= 1")
     model_dir = args.model or (None if args.url else str(tiny_model_dir()))
