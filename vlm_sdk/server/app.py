@@ -1,14 +1,16 @@
 """The OpenAI-compatible HTTP server: aiohttp handlers over one `AsyncLLM`.
 
     POST /v1/chat/completions
-      read body (413 over --max-request-bytes) -> JSON (400) -> parse_chat_request (400/404)
+      read body (server/body.py: 413 over --max-request-bytes, from Content-Length before reading;
+        408 past --body-timeout) -> JSON (400: also too deep, lone surrogates) -> parse_chat_request (400/404)
       -> MediaFetcher: http(s)/file image sources to bytes under the media policy (400)
       -> AsyncLLM.build_prompt, off the loop: decode, resize, tokenize, fit check (400)
       -> AsyncLLM.generate: wait for the first output, so that every refusal is still an HTTP status
       -> one JSON body, or SSE chunks ending in [DONE]
     GET /v1/models, GET /health (503 once the engine stopped or shutdown began), GET /metrics
 
-The loop never runs model or image work. A client that goes away cancels its handler (aiohttp's
+Below the app, server/connections.py answers aiohttp's own protocol errors in the same error shape
+and caps connections. The loop never runs model or image work. A client that goes away cancels its handler (aiohttp's
 handler_cancellation), which closes the generator and aborts the request, freeing its KV blocks.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ from aiohttp import web
 from vlm_sdk.async_llm import AsyncLLM
 from vlm_sdk.errors import EngineDeadError, VLMError
 from vlm_sdk.server import protocol
-from vlm_sdk.server.body import read_json, too_large
+from vlm_sdk.server.body import read_json
 from vlm_sdk.server.config import ServerConfig
 from vlm_sdk.server.media import MediaFetcher
 from vlm_sdk.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -64,8 +66,6 @@ class OpenAIServer:
             return await handler(request)
         except APIError as e:
             return self._error_response(e)
-        except web.HTTPRequestEntityTooLarge:
-            return self._error_response(too_large(self.config.max_request_bytes))
         except web.HTTPException as e:  # routing: 404 unknown path, 405 wrong method
             if e.status < 400:
                 raise
