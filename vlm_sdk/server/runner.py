@@ -1,10 +1,11 @@
 """Running the server: `ServerRunner` binds it to a socket, `serve` runs `vlm-sdk serve` (signals,
 graceful drain). `vlm_sdk.server.background.BackgroundServer` runs one on a thread of its own.
 
-Shutdown order on SIGTERM/SIGINT: stop listening, close idle connections and refuse new chat
-requests (503), give in-flight requests up to `shutdown_timeout` seconds to finish, abort the rest
-(streams get finish_reason "abort" and [DONE]), then cancel whatever handler is still stuck on a
-client that does not read, and stop the engine thread. Every stage after the drain is bounded, so
+Shutdown order on SIGTERM/SIGINT: stop listening and refuse new chat requests (503; connections
+stay open until the end, as aiohttp stops reading a body being uploaded on a closing one), give
+in-flight requests up to `shutdown_timeout` seconds to finish, abort the rest (streams get
+finish_reason "abort" and [DONE]), then cancel whatever handler is still stuck on a client that does
+not read, and stop the engine thread. Every stage after the drain is bounded, so
 the process exits within `shutdown_timeout` + 2 s whatever the clients do.
 
 Engine death (an internal error, a lost tensor-parallel rank): the engine fails every open request
@@ -71,7 +72,7 @@ class ServerRunner:
         return self.url
 
     async def stop(self, drain_s: float | None = None) -> None:
-        """Drain: stop listening, close idle connections, refuse new requests, wait up to `drain_s`
+        """Drain: stop listening, refuse new requests, wait up to `drain_s`
         (default shutdown_timeout) for in-flight ones, then stop the engine, which ends what is left
         with finish_reason "abort" (streams still get their last chunk and [DONE]), and close the
         connections, cancelling handlers stuck on clients that do not read."""
@@ -81,7 +82,6 @@ class ServerRunner:
         drain_s = self.config.shutdown_timeout if drain_s is None else drain_s
         for site in list(self._runner.sites):
             await site.stop()
-        self._runner.server.pre_shutdown()  # idle keep-alive connections close now, busy ones after their answer
         if not await self.server.wait_idle(drain_s):
             logger.warning("%d request(s) still running after %g s (--shutdown-timeout): aborting them",
                            self.server.in_flight, drain_s)
