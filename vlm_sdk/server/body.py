@@ -24,6 +24,7 @@ MAX_JSON_DEPTH = 64
 # bodies above this are decoded off the loop: a 20 MB base64 image takes tens of ms to parse
 _INLINE_JSON_BYTES = 256 * 1024
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def too_large(limit: int) -> APIError:
@@ -55,7 +56,9 @@ async def read_json(request: web.Request, max_bytes: int, timeout_s: float):
 
 def decode_json(raw: bytes):
     try:
-        value = json.loads(raw)
+        # UTF-8 only (RFC 8259): json.loads(bytes) would also take UTF-16/32 and pass CESU-8 surrogates
+        text = raw.decode("utf-8-sig")
+        value = json.loads(text)
     except json.JSONDecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") \
             from None
@@ -65,28 +68,43 @@ def decode_json(raw: bytes):
         raise _too_deep() from None
     except ValueError as e:  # an integer past sys.get_int_max_str_digits()
         raise bad_request(f"the request body holds a number JSON cannot carry here: {one_line(str(e))}") from None
-    check_tree(value)
+    # a lone surrogate can now only come from a \uD800-\uDFFF escape: most bodies have none
+    check_tree(value, strings=_SURROGATE_ESCAPE.search(text) is not None)
     return value
 
 
-def check_tree(value) -> None:
-    """Refuse nesting deeper than MAX_JSON_DEPTH and strings that are not valid Unicode; `param` is
-    the top-level field the problem is under. Iterative: the value may be 1,000 levels deep."""
-    stack = [(value, 1, None)]
-    while stack:
-        node, depth, field = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise _too_deep(field)
-        items = node.items() if isinstance(node, dict) else enumerate(node)
-        for key, item in items:
-            where = key if depth == 1 and isinstance(node, dict) else field
-            for text in (key, item):
-                if isinstance(text, str) and not text.isascii() and _SURROGATE.search(text):
-                    raise bad_request(f"a string under {where or 'the body'!r} holds a lone UTF-16 surrogate "
-                                      f"(such as \\ud800), which is not a Unicode character; send valid UTF-8 "
-                                      f"text", where, "invalid_unicode")
-            if isinstance(item, (dict, list)):
-                stack.append((item, depth + 1, where))
+def check_tree(value, strings: bool = True) -> None:
+    """Refuse nesting deeper than MAX_JSON_DEPTH and (with `strings`) strings that are not valid
+    Unicode; `param` is the top-level field the problem is under. Level by level with comprehensions,
+    not recursion: the value may be 1,000 levels deep or hold millions of numbers."""
+    fields = value.items() if isinstance(value, dict) else [(None, value)]
+    kept = (dict, list, str) if strings else (dict, list)  # numbers, booleans and null need no look
+    for field, top in fields:
+        if strings and isinstance(field, str):
+            _check_strings([field], None)  # a broken name cannot be the param
+        level, depth = [top] if type(top) in kept else [], 2 if isinstance(value, dict) else 1
+        while level:
+            if strings:
+                _check_strings([x for x in level if type(x) is str], field)
+                level = [x for x in level if type(x) is not str]
+            if level and depth > MAX_JSON_DEPTH:
+                raise _too_deep(field)
+            below = []
+            for node in level:
+                if type(node) is dict:
+                    if strings:
+                        _check_strings(list(node), field)
+                    node = node.values()
+                below += [x for x in node if type(x) in kept]
+            level, depth = below, depth + 1
+
+
+def _check_strings(texts: list, field: str | None) -> None:
+    for text in texts:
+        if not text.isascii() and _SURROGATE.search(text):
+            raise bad_request(f"a string under {field or 'the body'!r} holds a lone UTF-16 surrogate (such as "
+                              f"\\ud800), which is not a Unicode character; send valid UTF-8 text", field,
+                              "invalid_unicode")
 
 
 def _too_deep(field: str | None = None) -> APIError:
