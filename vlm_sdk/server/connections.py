@@ -57,7 +57,7 @@ class _Protocol(web.RequestHandler):
                            "malformed_request")
         if request.writer.output_size > 0:  # as aiohttp's: a response has begun, the connection is broken
             raise ConnectionError("response already started; cannot send the error")
-        if isinstance(self._manager, _Server):
+        if self._manager is not None:  # None once the connection is lost
             self._manager.on_error(err.status)
         resp = web.json_response(err.body(), status=err.status)
         resp.force_close()
