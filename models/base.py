@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -12,6 +13,14 @@ from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+@dataclass(frozen=True)
+class StepImages:
+    """The image-token rows of one step (chunked prefill may carry any part of an image): which rows
+    of the packed step they are, and their rows of `encode_images`' output."""
+    rows: torch.Tensor  # [n] int64 on the model's device: indices into the step's packed tokens
+    embeds: torch.Tensor  # [n, width] the images' rows, width as `encode_images` returns it
 
 
 class VisionLanguageModel(nn.Module, ABC):
@@ -36,9 +45,11 @@ class VisionLanguageModel(nn.Module, ABC):
 
     @abstractmethod
     def encode_images(self, images: list[ImageInput]) -> torch.Tensor:
-        """Image embeddings `[sum of num_tokens, hidden_size]` in the model's dtype and device, images
-        in the order given, each image's rows in the order its image tokens appear. Reads each image's
-        `data` (float32, moved here) and the family's `meta`."""
+        """Image embeddings `[sum of num_tokens, width]` in the model's dtype and device, images in the
+        order given, each image's rows in the order its image tokens appear. Reads each image's `data`
+        (float32, moved here) and the family's `meta`. `width` is hidden_size, or more for a family
+        that carries more per image token into its decoder (DeepStack's features of earlier vision
+        layers): the engine only caches, slices and hands back rows (`forward`'s `images`)."""
 
     def positions(self, prompt_positions: Any, start: int, end: int) -> torch.Tensor:
         """Positions `[position_rows, end - start]` int64 (host) of tokens start..end of a sequence whose
@@ -51,12 +62,14 @@ class VisionLanguageModel(nn.Module, ABC):
         """`[num_tokens] -> [num_tokens, hidden_size]`."""
 
     @abstractmethod
-    def forward(self, inputs_embeds: torch.Tensor,  # [num_tokens, hidden_size]
+    def forward(self, inputs_embeds: torch.Tensor,  # [num_tokens, hidden_size], from `embed_tokens`
                 positions: torch.Tensor,  # [position_rows, num_tokens] int64 (from `positions()`)
                 kv_caches: list[KVCache],  # one per decoder layer
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Final-norm hidden states `[num_tokens, hidden_size]`. Writes this step's K/V into the cache
-        slots named by `meta.slot_mapping` before attending."""
+                meta: AttentionMetadata,
+                images: StepImages | None = None) -> torch.Tensor:
+        """Final-norm hidden states `[num_tokens, hidden_size]`. The image rows of this step replace
+        the embeddings of their image tokens (`inputs_embeds` may be written in place). Writes this
+        step's K/V into the cache slots named by `meta.slot_mapping` before attending."""
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

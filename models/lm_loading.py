@@ -26,7 +26,7 @@ from vlm_sdk.layers.linear import kv_head_split
 from vlm_sdk.layers.ops import KernelOps
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.weight_loading import ParamSlot, load_checked
-from vlm_sdk.models.base import KVCache, VisionLanguageModel
+from vlm_sdk.models.base import KVCache, StepImages, VisionLanguageModel
 from vlm_sdk.models.cpu_layout import PackedLMHead, column_major, use_cpu_weight_layout
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.models.common.llama_decoder import LlamaDecoder
@@ -76,7 +76,9 @@ class DecoderVLM(VisionLanguageModel):
         return self.decoder.embed(input_ids)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, images: StepImages | None = None) -> torch.Tensor:
+        if images is not None:
+            inputs_embeds[images.rows] = images.embeds.to(inputs_embeds.dtype)  # [n, hidden] rows
         # [position_rows, N]: the decoder takes 1-D RoPE positions as [N], M-RoPE ones as [3, N]
         return self.decoder(inputs_embeds, positions[0] if self.position_rows == 1 else positions, kv_caches, meta)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -69,3 +70,44 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def raw_http(url: str, data: bytes, timeout: float = 10.0) -> tuple[int | None, dict | str, float]:
+    """Send `data` as it is, no HTTP client in between, and read one response: (status, decoded JSON or
+    text, seconds until the answer). Status None: the server closed the connection without answering."""
+    host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=timeout) as conn:
+        conn.sendall(data)
+        return read_response(conn) + (time.monotonic() - t0,)
+
+
+def read_response(conn: socket.socket) -> tuple[int | None, dict | str]:
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None, buf.decode(errors="replace")
+        buf += chunk
+    head, body = buf.split(b"\r\n\r\n", 1)
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    length = int(headers.get("content-length", -1))
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    text = body.decode(errors="replace")
+    try:
+        return int(lines[0].split()[1]), json.loads(text)
+    except json.JSONDecodeError:
+        return int(lines[0].split()[1]), text
+
+
+def post_bytes(body: bytes, key: str | bytes | None = API_KEY, extra: bytes = b"") -> bytes:
+    """A whole POST /v1/chat/completions request as bytes on the wire."""
+    key = key.encode() if isinstance(key, str) else key
+    auth = b"Authorization: Bearer %s\r\n" % key if key else b""
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n" + auth
+            + extra + b"Content-Length: %d\r\n\r\n" % len(body) + body)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,8 @@ from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.multimodal.messages import measure
 from vlm_sdk.outputs import RequestOutput
 from vlm_sdk.sampling_params import SamplingParams
+
+logger = logging.getLogger("vlm_sdk")
 
 
 def _check_params(params) -> SamplingParams:
@@ -79,6 +82,7 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
         self._closed = False
+        self._death_callbacks: list = []
         self._thread = threading.Thread(target=self._run, name="vlm-engine", daemon=True)
         self._thread.start()
         # a tensor-parallel rank that dies fails every open request at once, even mid-step or idle
@@ -90,17 +94,30 @@ class AsyncLLM:
     async def __aexit__(self, *exc) -> None:
         await self.shutdown()
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, timeout: float | None = None) -> bool:
         """Abort what is running (its streams end with finish_reason "abort"), stop the thread and end
-        every tensor-parallel rank process."""
+        every tensor-parallel rank process. With `timeout`, wait at most that long for the engine
+        thread (a step stuck in a kernel or a collective cannot be interrupted; the thread is a
+        daemon and does not keep the process alive); False if it had not ended by then."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._commands.put(("stop", None, None))
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            if not self._closed:
+                self._closed = True
+                self._commands.put(("stop", None, None))
         self._text_prep.shutdown(wait=False, cancel_futures=True)
         self._heavy_prep.shutdown(wait=False, cancel_futures=True)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        return not self._thread.is_alive()
+
+    def on_death(self, callback) -> None:
+        """Call `callback(error)` once if the engine dies (an internal error or a lost rank; not on
+        `shutdown`), from an engine-owned thread, after every open request has been failed: a
+        server exits then, so that its supervisor restarts it. Runs now if it is already dead."""
+        with self._lock:
+            dead = self._dead
+            if dead is None:
+                self._death_callbacks.append(callback)
+        if dead is not None:
+            callback(dead)
 
     # -- public API -------------------------------------------------------------------------------
     async def build_prompt(self, messages, params: SamplingParams | None = None) -> PromptInputs:
@@ -182,8 +199,13 @@ class AsyncLLM:
         return last
 
     def stats(self) -> dict:
-        """Live KV and queue numbers (see `LLMEngine.stats`)."""
-        return self.engine.stats()
+        """Live KV and queue numbers (see `LLMEngine.stats`). Once the engine is dead its requests
+        have been failed, so none counts as running or waiting, even while a stuck thread has not
+        yet cleared the scheduler."""
+        s = self.engine.stats()
+        if self._dead is not None:
+            s.update(num_running=0, num_waiting=0)
+        return s
 
     @property
     def memory_report(self):
@@ -254,14 +276,37 @@ class AsyncLLM:
                 if outputs:
                     self._deliver_many([(out.request_id, out) for out in outputs])
         except BaseException as e:  # engine failure: tell every caller, keep the cause
+            with self._lock:
+                rank_failure = self._dead is not None  # that rank has logged its own traceback
+                self._dead = self._dead or e
+            if rank_failure:
+                logger.error("the engine stopped: %s", e)
+            else:
+                logger.error("the engine stopped after an internal error; every open request fails",
+                             exc_info=e)
             err = EngineDeadError(f"the engine stopped after an internal error: {e!r}")
             err.__cause__ = e
-            with self._lock:
-                self._dead = e
             for key in list(self._streams):
                 self._deliver(key, err)
             self._final_drain(err)
+            self._release_requests()
             engine.shutdown()
+            self._announce_death(e)
+
+    def _release_requests(self) -> None:
+        """Finish what the dead engine still holds, so that its queues and KV blocks read as empty;
+        its bookkeeping may be half-updated by the failed step, so a failure here changes nothing."""
+        try:
+            for rid in list(self.engine.requests):
+                self.engine.abort(rid)
+        except Exception as e:
+            logger.warning("could not clear the dead engine's requests: %r", e)
+
+    def _announce_death(self, err: BaseException) -> None:
+        with self._lock:
+            callbacks, self._death_callbacks = self._death_callbacks, []
+        for callback in callbacks:
+            callback(err)
 
     def _on_rank_failure(self, err: EngineDeadError) -> None:
         """From the executor's watcher thread: a rank process ended. Fail every open stream now (the
@@ -273,6 +318,8 @@ class AsyncLLM:
             self._commands.put(("fail", None, err))
         for key in list(self._streams):
             self._deliver(key, err)
+        # the engine thread may stay in a collective until distributed_timeout: announce now
+        self._announce_death(err)
 
     def _final_drain(self, err: EngineDeadError) -> None:
         """Fail whatever was queued before the thread ends; the lock keeps anything new out."""

@@ -13,7 +13,7 @@ from vlm_sdk.demo_checkpoint import tiny_model_dir
 from vlm_sdk.errors import VLMError
 from vlm_sdk.models import registry
 from vlm_sdk.outputs import terminal_text
-from vlm_sdk.server.cli import show_engine_logs
+from vlm_sdk.server.cli import exit_soon, show_engine_logs
 
 FAMILIES = registry.family_names()  # --family choices; the first is the default
 
@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_serve(args)
         if args.command == "chat":
             return asyncio.run(_chat(args))
+        if args.command == "bench-serve" and args.soak is not None:
+            from vlm_sdk.bench.soak import run_soak
+            return run_soak(args)
         if args.command == "bench-serve":
             from vlm_sdk.bench.serve import run_bench_serve
             return run_bench_serve(args)
@@ -144,5 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The `vlm-sdk` console script and `python -m vlm_sdk.cli`: `main()`, then exit."""
+    code = main()
+    exit_soon()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

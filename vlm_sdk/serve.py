@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import sys
 
-from vlm_sdk.server.cli import serve_main
+from vlm_sdk.server.cli import exit_soon, serve_main
 
 if __name__ == "__main__":
-    sys.exit(serve_main(sys.argv[1:]))
+    code = serve_main(sys.argv[1:])
+    exit_soon()
+    sys.exit(code)

@@ -248,6 +248,15 @@ def test_domain_not_allowed_refused_without_request(srv):
     assert srv.seen == []
 
 
+def test_allowed_domains_separated_by_commas_or_spaces(srv):
+    """`--allowed-media-domains a,b` names two hosts (it was read as one, "a,b", and refused both)."""
+    assert MediaPolicy(allowed_domains=("evil.test, images.test", "x.test")).allowed_domains == (
+        "evil.test", "images.test", "x.test")
+    assert MediaPolicy(allowed_domains="a.test b.test").allowed_domains == ("a.test", "b.test")
+    assert one(f"http://images.test:{srv.port}/img.png", allowed_domains=("evil.test,images.test",),
+               allow_private_addresses=True) == PNG
+
+
 def test_host_resolving_to_loopback_refused_by_default(srv):
     msg = refused(f"http://images.test:{srv.port}/img.png", "'images.test'", "127.0.0.1", "loopback",
                   "--allow-private-media-addresses", allowed_domains=("images.test",))
@@ -262,7 +271,8 @@ def test_host_resolving_to_loopback_refused_by_default(srv):
     ("127.0.0.1", "127.0.0.1", "loopback"), ("[::1]", "::1", "loopback"),
     ("[::ffff:127.0.0.1]", "::ffff:7f00:1", "loopback"), ("10.1.2.3", "10.1.2.3", "private"),
     ("169.254.169.254", "169.254.169.254", "link-local"), ("0.0.0.0", "0.0.0.0", "unspecified"),
-    ("224.0.0.1", "224.0.0.1", "multicast")])
+    ("224.0.0.1", "224.0.0.1", "multicast"), ("[fec0::1]", "fec0::1", "site-local"),
+    ("[feff:ffff::1]", "feff:ffff::1", "site-local")])
 def test_ip_literals_checked_before_connecting(srv, host, addr, kind):
     bare = host.strip("[]")
     refused(f"http://{host}:{srv.port}/img.png", addr, kind, "--allow-private-media-addresses",

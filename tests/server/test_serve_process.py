@@ -91,3 +91,56 @@ def test_port_in_use_is_a_plain_error(tiny_ckpt, capsys):
         assert main(["serve", str(tiny_ckpt), "--port", str(port), "--num-blocks", "8", "--allow-unfit-images"]) == 2
     err = capsys.readouterr().err
     assert f"127.0.0.1:{port}" in err and "--port" in err and "Traceback" not in err
+
+
+def test_sigterm_exits_within_the_timeout_whatever_the_clients_do(tiny_ckpt):
+    """A stream whose client stops reading, a slow-header and a slow-body sender, idle connections:
+    none of them may hold the process past --shutdown-timeout + 2 s (issue 18, point 5)."""
+    import socket
+    import threading
+    timeout = 1.0
+    proc, url = _start(tiny_ckpt, "--served-model-name", "m", "--shutdown-timeout", str(timeout),
+                       "--keep-alive-timeout", "60", "--body-timeout", "60", "--num-blocks", "300")
+    host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+    conns, stop = [], threading.Event()
+
+    def connect(small_buffer: bool = False) -> socket.socket:
+        conn = socket.socket()
+        if small_buffer:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        conn.connect((host, int(port)))
+        conns.append(conn)
+        return conn
+
+    def trickle(conn: socket.socket) -> None:
+        while not stop.wait(0.1):
+            try:
+                conn.sendall(b"a")
+            except OSError:
+                return
+
+    try:
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4000,
+                           "ignore_eos": True, "stream": True}).encode()
+        connect(small_buffer=True).sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
+                                           b"\r\n\r\n%s" % (len(body), body))  # and never read
+        slow_head = connect()
+        slow_head.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        slow_body = connect()
+        slow_body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
+        for conn in (slow_head, slow_body):
+            threading.Thread(target=trickle, args=(conn,), daemon=True).start()
+        for _ in range(20):
+            connect()
+        time.sleep(1.0)  # the stream's socket buffers fill; its handler blocks on writing
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        elapsed = time.monotonic() - t0
+        assert code == 0, proc.stderr.read()[-2000:]
+        assert elapsed < timeout + 2.0, elapsed
+    finally:
+        stop.set()
+        for conn in conns:
+            conn.close()
+        proc.kill()

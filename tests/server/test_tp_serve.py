@@ -116,14 +116,8 @@ def test_killing_a_rank_mid_stream_fails_every_stream(tiny_ckpt):
             errors = [e for e in events if e != "[DONE]" and "error" in e]
             assert errors, f"no error event: {events[-3:]}"
             assert "engine has stopped" in errors[0]["error"]["message"]  # the cause is in the server log
-        try:
-            urllib.request.urlopen(url + "/health", timeout=5)
-            healthy = True
-        except urllib.error.HTTPError as e:
-            healthy = e.code != 503
-        assert not healthy
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        # a dead engine is not served on: the process exits non-zero, for its supervisor to restart
+        assert proc.wait(timeout=30) == 1
         log = proc.stderr.read()
         assert "vlm-tp-rank-1 exited with code -9" in log, log[-2000:]
     finally:

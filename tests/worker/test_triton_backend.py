@@ -143,8 +143,7 @@ def test_triton_on_cpu_without_interpreter_names_the_fix(monkeypatch):
 def test_internvl_triton_greedy_equals_torch(internvl_ckpt):
     """An InternVL checkpoint (Qwen2 LLM, 1-D RoPE from row 0 of the positions) on the Triton decoder."""
     _interpreter_or_gpu("cpu")
-    from test_internvl_model import conversations as internvl_conversations
-    convs = [internvl_conversations()["text"]]  # a short prompt: the interpreter is slow
+    convs = [conversations()["text"]]  # a short prompt: the interpreter is slow
     greedy = SamplingParams(max_tokens=4, temperature=0.0)
     ref = LLM(internvl_ckpt, attention_backend="torch", show_progress=False).chat(convs, greedy)
     tri = LLM(internvl_ckpt, attention_backend="triton", num_blocks=128, show_progress=False).chat(convs, greedy)

@@ -86,6 +86,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternate HTTP and in-process this many times")
     p.add_argument("--device", default=None, help="device of the engines started here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--soak", type=float, default=None, metavar="SECONDS",
+                   help="instead: mixed traffic (streams, images, aborts, bad requests) for this long, then "
+                        "outcomes, the server's RSS slope and the KV blocks left (vlm_sdk/bench/soak.py)")
+    p.add_argument("--request-timeout", type=float, default=120.0, help="--soak: a request unanswered this long is lost")
+    p.add_argument("--seed", type=int, default=0, help="--soak: the random mix")
 
 
 def run_bench_serve(args) -> int:

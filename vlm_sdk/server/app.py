@@ -1,38 +1,37 @@
 """The OpenAI-compatible HTTP server: aiohttp handlers over one `AsyncLLM`.
 
     POST /v1/chat/completions
-      read body (413 over --max-request-bytes) -> JSON (400) -> parse_chat_request (400/404)
+      read body (server/body.py: 413 over --max-request-bytes, from Content-Length before reading;
+        408 past --body-timeout) -> JSON (400: also too deep, lone surrogates) -> parse_chat_request (400/404)
       -> MediaFetcher: http(s)/file image sources to bytes under the media policy (400)
       -> AsyncLLM.build_prompt, off the loop: decode, resize, tokenize, fit check (400)
       -> AsyncLLM.generate: wait for the first output, so that every refusal is still an HTTP status
       -> one JSON body, or SSE chunks ending in [DONE]
     GET /v1/models, GET /health (503 once the engine stopped or shutdown began), GET /metrics
 
-The loop never runs model or image work. A client that goes away cancels its handler (aiohttp's
+Below the app, server/connections.py answers aiohttp's own protocol errors in the same error shape
+and caps connections. The loop never runs model or image work. A client that goes away cancels its handler (aiohttp's
 handler_cancellation), which closes the generator and aborts the request, freeing its KV blocks.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 
 from aiohttp import web
 
 from vlm_sdk.async_llm import AsyncLLM
-from vlm_sdk.errors import VLMError
+from vlm_sdk.errors import EngineDeadError, VLMError
 from vlm_sdk.server import protocol
+from vlm_sdk.server.body import read_json
 from vlm_sdk.server.config import ServerConfig
 from vlm_sdk.server.media import MediaFetcher
 from vlm_sdk.server.metrics import CONTENT_TYPE, ServerMetrics
-from vlm_sdk.server.protocol import APIError, bad_request
+from vlm_sdk.server.protocol import APIError
 
 logger = logging.getLogger("vlm_sdk.server")
-
-# bodies above this are decoded off the loop: a 20 MB base64 image takes tens of ms to parse
-_INLINE_JSON_BYTES = 256 * 1024
 
 
 class OpenAIServer:
@@ -67,11 +66,6 @@ class OpenAIServer:
             return await handler(request)
         except APIError as e:
             return self._error_response(e)
-        except web.HTTPRequestEntityTooLarge:
-            return self._error_response(APIError(
-                413, f"the request body is larger than this server's limit of {self.config.max_request_bytes} "
-                     f"bytes (server setting --max-request-bytes); send smaller or fewer images",
-                "invalid_request_error", None, "request_too_large"))
         except web.HTTPException as e:  # routing: 404 unknown path, 405 wrong method
             if e.status < 400:
                 raise
@@ -88,15 +82,20 @@ class OpenAIServer:
 
     def _error_response(self, e: APIError) -> web.Response:
         self.metrics.error(e.status)
-        return web.json_response(e.body(), status=e.status)
+        resp = web.json_response(e.body(), status=e.status)
+        if e.status in (408, 413):  # the rest of the body is not wanted; don't wait for it on this connection
+            resp.force_close()
+        return resp
 
     def _check_auth(self, request: web.Request) -> None:
         key = self.config.api_key
         if key is None:
             return
-        header = request.headers.get("Authorization", "")
-        given = header[7:] if header.startswith("Bearer ") else ""
-        if not hmac.compare_digest(given.encode(), key.encode()):
+        # aiohttp decodes header bytes that are not UTF-8 as surrogates: compare bytes, never re-encode
+        # strictly; the scheme is case-insensitive (RFC 7235)
+        scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+        given = given.strip().encode("utf-8", "surrogateescape") if scheme.lower() == "bearer" else b""
+        if not hmac.compare_digest(given, key.encode("utf-8", "surrogateescape")):
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
                                 "server was started with (--api-key)", "authentication_error", None,
                            "invalid_api_key")
@@ -141,7 +140,7 @@ class OpenAIServer:
         if self.draining or not self.engine.is_alive:
             raise APIError(503, "the server is shutting down or its engine has stopped; retry on another "
                                 "replica", "server_error", None, "unavailable")
-        body = await self._read_json(request)
+        body = await read_json(request, self.config.max_request_bytes, self.config.body_timeout)
         req = protocol.parse_chat_request(body, self.model_name, self.max_model_len, self.config.limit_images,
                                           self.config.max_stop_strings, self.config.max_stop_chars)
         messages = await self.media.resolve_messages(req.messages)
@@ -157,20 +156,6 @@ class OpenAIServer:
             return await self._complete(req, gen, first, timing)
         finally:
             await gen.aclose()  # a no-op once finished; otherwise aborts and frees the blocks
-
-    async def _read_json(self, request: web.Request):
-        raw = await request.read()  # raises 413 past client_max_size
-        if not raw:
-            raise bad_request("the request body is empty; send a JSON object")
-        try:
-            if len(raw) > _INLINE_JSON_BYTES:
-                return await asyncio.get_running_loop().run_in_executor(None, json.loads, raw)
-            return json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise bad_request(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") \
-                from None
-        except UnicodeDecodeError:
-            raise bad_request("the request body is not UTF-8 text; send a JSON object") from None
 
     async def _complete(self, req: protocol.ChatRequest, gen, out, timing: "_Timing") -> web.Response:
         while not out.finished:
@@ -204,7 +189,7 @@ class OpenAIServer:
             return resp
         except Exception as e:  # headers are sent: report in-band, as OpenAI does
             err = protocol.error_from_exception(e)
-            if err.status >= 500:
+            if err.status >= 500 and not isinstance(e, EngineDeadError):  # the engine logs its own death
                 logger.error("stream %s failed: %r", cid, e)
             self.metrics.error(err.status)
             await send(chunks.event(err.body()))

@@ -7,6 +7,7 @@ bound), so every setting an error message names is a flag of the same name.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 from dataclasses import MISSING, fields
@@ -91,9 +92,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop strings per request (default 4, as OpenAI's API)")
     p.add_argument("--max-stop-chars", type=_count, default=d.max_stop_chars,
                    help="characters per stop string (default 256)")
+    p.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
+                   help="seconds a connection may stay open without a complete request head, idle or "
+                        "sending its headers slowly")
+    p.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                   help="seconds a request body may take to arrive (408 after)")
+    p.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open connections at once; more are answered 503 and closed")
     m = MediaPolicy()
     p.add_argument("--allowed-media-domains", nargs="*", default=[],
-                   help="hosts whose http(s) image URLs may be fetched ('.example.com' = any subdomain)")
+                   help="hosts whose http(s) image URLs may be fetched, separated by spaces or commas "
+                        "('.example.com' = any subdomain)")
     p.add_argument("--allowed-local-media-path", default=None, help="file:// image URLs are read only under it")
     p.add_argument("--allow-private-media-addresses", action="store_true",
                    help="let media URLs resolve to loopback/private/link-local addresses")
@@ -125,7 +134,10 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
                           limit_images=args.limit_images, shutdown_timeout=args.shutdown_timeout, media=media,
+                          keep_alive_timeout=args.keep_alive_timeout, body_timeout=args.body_timeout,
+                          max_connections=args.max_connections,
                           max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars)
+
     return serve(model, config, **engine_kwargs(args))
 
 
@@ -144,6 +156,13 @@ def show_engine_logs() -> None:
         handler.setFormatter(logging.Formatter("[vlm-sdk] %(levelname)s %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
+
+
+def exit_soon() -> None:
+    """Call just before the process exits: without it the interpreter finalises torch's and
+    transformers' objects one by one, 1-2 s on a busy VM, which `vlm-sdk serve` would spend after
+    SIGTERM on top of --shutdown-timeout. Frozen objects are left to the OS instead."""
+    gc.freeze()
 
 
 def serve_main(argv: list[str]) -> int:

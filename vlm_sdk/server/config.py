@@ -1,6 +1,7 @@
 """What `vlm-sdk serve` is told: network, auth, request limits and the media policy."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 MiB = 1 << 20
@@ -35,6 +36,13 @@ class MediaPolicy:
     timeout_s: float = 10.0  # whole download, redirects included
     max_redirects: int = 5
 
+    def __post_init__(self):
+        # "a.com,b.com" or "a.com b.com" (one flag value, one config string) names two hosts: read as
+        # one, it would fail closed and leave the operator puzzled by a flag they did set
+        domains = (self.allowed_domains,) if isinstance(self.allowed_domains, str) else self.allowed_domains
+        object.__setattr__(self, "allowed_domains",
+                           tuple(host for d in domains for host in re.split(r"[\s,]+", d) if host))
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -47,4 +55,9 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     max_stop_strings: int = 4  # per request, as OpenAI's API allows
     max_stop_chars: int = 256  # per stop string
+    # connections: an open one must complete a request head within keep_alive_timeout of opening or
+    # of its last response (idle and slow-header clients alike), and its body within body_timeout
+    keep_alive_timeout: float = 5.0
+    body_timeout: float = 60.0
+    max_connections: int = 1024  # more are answered 503 and closed before being read
     media: MediaPolicy = field(default_factory=MediaPolicy)

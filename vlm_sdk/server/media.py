@@ -58,8 +58,9 @@ def _address_problem(address: str) -> str | None:
         embedded = ip.ipv4_mapped or ip.sixtofour
         if embedded is not None:
             ip = embedded
-    for kind in ("unspecified", "loopback", "link_local", "multicast", "private", "reserved"):
-        if getattr(ip, f"is_{kind}"):
+    # site_local: fec0::/10, deprecated (RFC 3879) but still routed inside some networks; IPv6 only
+    for kind in ("unspecified", "loopback", "link_local", "site_local", "multicast", "private", "reserved"):
+        if getattr(ip, f"is_{kind}", False):
             return kind.replace("_", "-")
     return None if ip.is_global else "non-global"
 
@@ -159,6 +160,8 @@ class MediaFetcher:
                                         f"{self.policy.timeout_s:g} s (redirects included; the server "
                                         f"setting --media-timeout raises it)") from None
         if head.startswith("file://"):
+            if "\x00" in unquote(source):  # no file name holds one; every os call would raise ValueError
+                raise InvalidImageError(f"file URL {_clip(source)} holds a NUL byte (%00), which no file name can")
             return await self._read_file(source)
         raise InvalidImageError(f"{_SOURCES}; got {_clip(source)} (bare paths are never read)")
 

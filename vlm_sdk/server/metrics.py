@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "vlm_sdk_"
@@ -75,6 +75,8 @@ class ServerMetrics:
     def __init__(self, stats: Callable[[], dict], model_name: str):
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(stats, model_name))
+        # process_resident_memory_bytes and friends (Linux): what a soak run watches for leaks
+        ProcessCollector(registry=self.registry)
         labels = ["model_name"]
 
         def histogram(name, doc, buckets):

@@ -22,7 +22,7 @@ import torch
 
 from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.metadata import AttentionMetadata
-from vlm_sdk.models.base import VisionLanguageModel
+from vlm_sdk.models.base import StepImages, VisionLanguageModel
 from vlm_sdk.worker.block_table import slot_mapping
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs
 from vlm_sdk.worker.encoder_cache import EncoderCache
@@ -89,8 +89,8 @@ class ModelRunner:
                                      meta.block_tables)  # [num_seqs, hidden]
         else:
             embeds = self.model.embed_tokens(step.input_ids)  # [num_tokens, hidden]
-            self._scatter_image_embeds(scheduled, embeds)
-            hidden = self.model(embeds, step.positions, self.kv_caches, step.meta)  # [num_tokens, hidden]
+            hidden = self.model(embeds, step.positions, self.kv_caches, step.meta,
+                                self._step_images(scheduled))  # [num_tokens, hidden]
         self._drop_passed_images(scheduled)
         if not step.sample_idx:
             return ModelRunnerOutput()
@@ -185,18 +185,23 @@ class ModelRunner:
         positions = dev[flat.numel():].view(self.model.position_rows, num_tokens)  # [position_rows, num_tokens]
         return StepInputs(input_ids, positions, meta, sample_rows_d, sample_idx)
 
-    def _scatter_image_embeds(self, scheduled: list[tuple[RequestState, int]], embeds: torch.Tensor) -> None:
-        """Write the cached image rows that fall in this step's chunk of each request into `embeds`
-        ([num_tokens, hidden], the packed token embeddings)."""
+    def _step_images(self, scheduled: list[tuple[RequestState, int]]) -> StepImages | None:
+        """The held image rows that fall in this step's chunk of each request, and where they go in
+        the packed step; None when the step has no image token."""
+        rows, parts = [], []
         row = 0
         for s, n in scheduled:
             start, end = s.num_computed_tokens, s.num_computed_tokens + n
-            for i, first in enumerate(s.image_positions):
-                cached = s.image_embeds.get(i)  # [image tokens, hidden]
+            for i, embeds in s.image_embeds.items():  # [image tokens, width]
+                first = s.image_positions[i]
                 lo, hi = max(start, first), min(end, s.image_end(i))
-                if cached is not None and hi > lo:
-                    embeds[row + lo - start:row + hi - start] = cached[lo - first:hi - first].to(embeds.dtype)
+                if hi > lo:
+                    rows.append(torch.arange(row + lo - start, row + hi - start))
+                    parts.append(embeds[lo - first:hi - first])
             row += n
+        if not parts:
+            return None
+        return StepImages(torch.cat(rows).to(self.device, non_blocking=True), torch.cat(parts))  # [n], [n, width]
 
 
 @dataclass(frozen=True)
