@@ -13,7 +13,8 @@ def test_multi_turn_bench_prints_both_ratios(tiny_ckpt, capsys):
     assert main(["bench", "--multi-turn", "--model", str(tiny_ckpt), *SMALL]) == 0
     out = capsys.readouterr().out
     for piece in ("multi-turn: 2 conversation(s) per mode of 3 turns about one 448x448 image",
-                  "TTFT of turns 2-3 (their medians summed), on/off: ", "target <= 0.3x", "identical answers on and off: 6/6",
+                  "TTFT of turns 2-3 (their medians summed), on/off: ", "target <= 0.3x",
+                  "identical answers on and off: 6/6",
                   "many users: 3 requests at once sharing one system prompt", "throughput on/off: ",
                   "identical outputs: 3/3", "KV blocks in use after: 0"):
         assert piece in out, piece

@@ -73,11 +73,13 @@ _OPTIONS = tuple(f.name for f in dataclasses.fields(MultiTurnConfig))
 def add_arguments(bench) -> None:
     """`--multi-turn` and its options, on the `vlm-sdk bench` parser."""
     d = MultiTurnConfig()
-    g = bench.add_argument_group("prefix caching and encoder cache, on vs off (issue 15; vlm_sdk/bench/prefix_cache.py)")
+    g = bench.add_argument_group("prefix caching and encoder cache, on vs off (issue 15; "
+                                 "vlm_sdk/bench/prefix_cache.py)")
     g.add_argument("--multi-turn", action="store_true", help="time multi-turn image chat and many users sharing a "
                    "system prompt and image, with caching on and off, instead of the transformers comparison")
     g.add_argument("--turns", type=int, help=f"with --multi-turn: turns per conversation (default {d.turns})")
-    g.add_argument("--answer-tokens", type=int, help=f"with --multi-turn: tokens per answer (default {d.answer_tokens})")
+    g.add_argument("--answer-tokens", type=int, help=f"with --multi-turn: tokens per answer "
+                   f"(default {d.answer_tokens})")
     g.add_argument("--rounds", type=int, help=f"with --multi-turn: conversations per mode (default {d.rounds})")
     g.add_argument("--users", type=int, help=f"with --multi-turn: requests sharing one system prompt and image "
                    f"(default {d.users})")
@@ -260,14 +262,14 @@ def format_report(r: dict) -> str:
                  f"different questions, {cfg['user_tokens']} tokens each ({cfg['user_rounds']} run(s) per mode)")
     for mode in ("on", "off"):
         m = mu[mode]
-        lines.append(f"  {mode:<3} {m['seconds']:7.2f} s  {m['tokens_per_s']:8.1f} tokens/s  {m['requests_per_s']:6.2f} "
-                     f"requests/s  TTFT p50 {m['ttft_p50_s'] * 1000:7.0f} ms, max {m['ttft_max_s'] * 1000:7.0f} ms  "
+        lines.append(f"  {mode:<3} {m['seconds']:7.2f} s  {m['tokens_per_s']:8.1f} tokens/s  "
+                     f"{m['requests_per_s']:6.2f} requests/s  TTFT p50 {m['ttft_p50_s'] * 1000:7.0f} ms, max {m['ttft_max_s'] * 1000:7.0f} ms  "
                      f"cached {m['cached_tokens']:,}/{m['prompt_tokens']:,} prompt tokens")
     lines.append(f"  throughput on/off: {mu['throughput_ratio']:.2f}x; TTFT p50 on/off: {mu['ttft_p50_ratio']:.2f}x; "
                  f"identical outputs: {mu['identical_outputs']}/{mu['outputs']}")
     s = r["stats"]["on"]
     lines.append(f"  engine 'on' since start: prefix cache {s.get('prefix_cache_hit_tokens', 0):,}/"
-                 f"{s.get('prefix_cache_query_tokens', 0):,} tokens hit, encoder cache {s.get('encoder_cache_hits', 0)}/"
-                 f"{s.get('encoder_cache_queries', 0)} images hit; KV blocks in use after: {s['kv_blocks_used']}")
+                 f"{s.get('prefix_cache_query_tokens', 0):,} tokens hit, encoder cache "
+                 f"{s.get('encoder_cache_hits', 0)}/{s.get('encoder_cache_queries', 0)} images hit; KV blocks in use after: {s['kv_blocks_used']}")
     lines.append(f"whole benchmark (both engines loaded, warm-ups included): {r['wall_s']:.0f} s")
     return "\n".join(lines)

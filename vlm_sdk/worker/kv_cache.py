@@ -7,7 +7,8 @@ The block count comes from the first of: `num_blocks`; `kv_cache_memory` // byte
 (memory_utilization * total device memory - memory in use after loading - profiled activation peak
 - encoder_cache_memory) // bytes_per_block (`DeviceBudget`: the encoder cache fills while serving, after
 the KV cache is allocated, so its bound is set aside first); on the CPU, enough for max_num_seqs
-sequences of max_model_len tokens, at most 1 GiB. `vlm_sdk.plan.planner` applies the same rules before anything is loaded.
+sequences of max_model_len tokens, at most 1 GiB. `vlm_sdk.plan.planner` applies the same rules
+before anything is loaded.
 """
 from __future__ import annotations
 
