@@ -13,7 +13,7 @@ from vlm_sdk.demo_checkpoint import tiny_model_dir
 from vlm_sdk.errors import VLMError
 from vlm_sdk.models import registry
 from vlm_sdk.outputs import terminal_text
-from vlm_sdk.server.cli import exit_soon, show_engine_logs
+from vlm_sdk.server.cli import exit_now, show_engine_logs
 
 FAMILIES = registry.family_names()  # --family choices; the first is the default
 
@@ -149,9 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """The `vlm-sdk` console script and `python -m vlm_sdk.cli`: `main()`, then exit."""
-    code = main()
-    exit_soon()
-    sys.exit(code)
+    exit_now(main())
 
 
 if __name__ == "__main__":

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from vlm_sdk.server.cli import exit_soon, serve_main
+from vlm_sdk.server.cli import exit_now, serve_main
 
 if __name__ == "__main__":
-    code = serve_main(sys.argv[1:])
-    exit_soon()
-    sys.exit(code)
+    exit_now(serve_main(sys.argv[1:]))

@@ -7,10 +7,11 @@ bound), so every setting an error message names is a flag of the same name.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
+import os
 import sys
 from dataclasses import MISSING, fields
+from typing import NoReturn
 
 from vlm_sdk.config import EngineArgs
 from vlm_sdk.models import registry
@@ -158,11 +159,19 @@ def show_engine_logs() -> None:
         log.setLevel(logging.INFO)
 
 
-def exit_soon() -> None:
-    """Call just before the process exits: without it the interpreter finalises torch's and
-    transformers' objects one by one, 1-2 s on a busy VM, which `vlm-sdk serve` would spend after
-    SIGTERM on top of --shutdown-timeout. Frozen objects are left to the OS instead."""
-    gc.freeze()
+def exit_now(code: int | None) -> NoReturn:
+    """End the process with `code` (None: 0) once the command is done. The interpreter's own
+    finalisation of torch's and transformers' objects takes 1-2 s on a busy VM, which `vlm-sdk serve`
+    would spend after SIGTERM on top of --shutdown-timeout (and freezing them instead makes nanobind,
+    under triton, print hundreds of "leaked" lines at exit): flush what was written, then leave the
+    memory to the OS. Every rank process and thread the command started was joined before it returned."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be written anyway
+            pass
+    os._exit(code or 0)
 
 
 def serve_main(argv: list[str]) -> int:
