@@ -1,7 +1,11 @@
-"""The configuration of the Llama-style decoder (`LlamaDecoderConfig`) from a Qwen2, Llama or InternLM2
-text config: the three share one shape (pre-norm attention + SwiGLU layers, RMSNorm, RoPE) and differ
-only in which projections carry a bias and in their RoPE defaults. Qwen2.5-VL adds M-RoPE
-(`mrope_section`).
+"""The configuration of the Llama-style decoder (`LlamaDecoderConfig`) from a Qwen2, Qwen3, Llama or
+InternLM2 text config: they share one shape (pre-norm attention + SwiGLU layers, RMSNorm, RoPE) and differ
+only in which projections carry a bias, in their RoPE defaults and, for Qwen3, a per-head RMSNorm of q
+and k (`qk_norm`). Qwen2.5-VL adds M-RoPE (`mrope_section`); Qwen3-VL interleaves its frequencies
+(`mrope_interleaved`).
+
+Both config.json layouts are read: transformers 5's `rope_parameters` (rope_theta, mrope_section,
+mrope_interleaved inside) and the published files' `rope_scaling` + `rope_theta` beside it.
 """
 from __future__ import annotations
 
@@ -9,16 +13,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlm_sdk.errors import CheckpointError
+from vlm_sdk.kernels.rotary_torch import check_mrope_section
 
 
-# The LLM families this decoder serves; they differ only in which projections carry a bias.
-LLM_FAMILIES = ("qwen2", "llama", "internlm2")
+# The LLM families this decoder serves; they differ in which projections carry a bias and Qwen3's q/k norm.
+LLM_FAMILIES = ("qwen2", "qwen3", "llama", "internlm2")
 # RoPE types computed as plain RoPE. "dynamic" (dynamic NTK, InternLM2 / InternVL2-8B) rescales the
 # base only for sequences longer than max_position_embeddings, and the engine caps max_model_len at
 # max_position_embeddings, so for every position we run it is exactly default RoPE.
 _PLAIN_ROPE_TYPES = ("default", "dynamic")
 # Config defaults of each family's transformers / remote-code class, for configs that omit rope_theta.
-_DEFAULT_ROPE_THETA = {"qwen2": 1e6, "llama": 1e4, "internlm2": 1e4}
+_DEFAULT_ROPE_THETA = {"qwen2": 1e6, "qwen3": 1e4, "llama": 1e4, "internlm2": 1e4}
+_DEFAULT_ROPE_THETA_OF_TYPE = {"qwen3_vl_text": 5e5}  # Qwen3VLTextConfig's, unlike plain Qwen3's
+# The M-RoPE split transformers falls back to when rope parameters name none (Qwen2.5-VL's, Qwen3-VL's).
+_DEFAULT_MROPE_SECTION = {"qwen2": (16, 24, 24), "qwen3": (24, 20, 20)}
 
 
 def llm_family(text_config: Any) -> str:
@@ -33,8 +41,10 @@ def llm_family(text_config: Any) -> str:
     moe = "moe" in model_type.lower() or any("moe" in a.lower() for a in archs)  # Qwen2-MoE: other MLP
     if not moe and (model_type.startswith("qwen2") or any(a.startswith("Qwen2") for a in archs)):
         return "qwen2"
+    if not moe and (model_type.startswith("qwen3") or any(a.startswith("Qwen3") for a in archs)):
+        return "qwen3"
     raise CheckpointError(f"LLM config model_type {model_type!r} (architectures {archs}) is not supported by the "
-                          f"Llama-style decoder (supported: Qwen2, Llama, InternLM2)")
+                          f"Llama-style decoder (supported: Qwen2, Qwen3, Llama, InternLM2)")
 
 
 @dataclass(frozen=True)
@@ -50,8 +60,10 @@ class LlamaDecoderConfig:
     rope_theta: float
     mrope_section: tuple[int, ...] | None  # sums to head_dim // 2; None = 1-D RoPE
     tie_word_embeddings: bool
-    attention_bias: bool = True  # q/k/v biases: Qwen2 always, Llama `attention_bias`, InternLM2 `bias`
-    o_proj_bias: bool = False  # Qwen2 never; Llama `attention_bias` and InternLM2 `bias` cover o_proj too
+    attention_bias: bool = True  # q/k/v biases: Qwen2 always, Qwen3 / Llama `attention_bias`, InternLM2 `bias`
+    o_proj_bias: bool = False  # Qwen2 never; Qwen3 / Llama `attention_bias` and InternLM2 `bias` cover o_proj too
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of each q and k head before RoPE
+    mrope_interleaved: bool = False  # Qwen3-VL's frequency layout (kernels/rotary_torch.py); M-RoPE only
 
     @classmethod
     def from_hf(cls, text_config: Any, tie_word_embeddings: bool, mrope: bool,
@@ -76,19 +88,18 @@ class LlamaDecoderConfig:
         if rope_type not in supported:
             raise CheckpointError(f"config.json rope type {rope_type!r} is not supported by the Llama-style decoder "
                                   f"(supported: {', '.join(repr(t) for t in supported)})")
-        theta = rope.get("rope_theta", getattr(text_config, "rope_theta", None) or _DEFAULT_ROPE_THETA[family])
-        section = None
-        if mrope:
-            section = tuple(rope.get("mrope_section") or (16, 24, 24))
-            if sum(section) != head_dim // 2:
-                raise CheckpointError(f"mrope_section {list(section)} sums to {sum(section)} but head_dim // 2 is "
-                                 f"{head_dim // 2}; fix rope_parameters.mrope_section in config.json")
+        model_type = getattr(text_config, "model_type", None) or ""
+        theta = rope.get("rope_theta", getattr(text_config, "rope_theta", None)
+                         or _DEFAULT_ROPE_THETA_OF_TYPE.get(model_type, _DEFAULT_ROPE_THETA[family]))
+        section, interleaved = _mrope_layout(rope, family, head_dim) if mrope else (None, False)
         if family == "qwen2":
             qkv_bias, o_bias = True, False
         elif family == "llama":
             if getattr(text_config, "mlp_bias", False):
                 raise CheckpointError("config.json mlp_bias=true (biases on the Llama MLP projections) is not "
                                       "supported by the Llama-style decoder")
+            qkv_bias = o_bias = bool(getattr(text_config, "attention_bias", False))
+        elif family == "qwen3":  # one `attention_bias` for q/k/v/o, off in every published Qwen3
             qkv_bias = o_bias = bool(getattr(text_config, "attention_bias", False))
         else:  # InternLM2's remote-code config defaults `bias` to True (wqkv and wo)
             qkv_bias = o_bias = bool(getattr(text_config, "bias", True))
@@ -97,4 +108,21 @@ class LlamaDecoderConfig:
                    intermediate_size=text_config.intermediate_size, num_layers=text_config.num_hidden_layers,
                    num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                    rms_norm_eps=text_config.rms_norm_eps, rope_theta=float(theta), mrope_section=section,
-                   tie_word_embeddings=tie_word_embeddings, attention_bias=qkv_bias, o_proj_bias=o_bias)
+                   tie_word_embeddings=tie_word_embeddings, attention_bias=qkv_bias, o_proj_bias=o_bias,
+                   qk_norm=family == "qwen3", mrope_interleaved=interleaved)
+
+
+def _mrope_layout(rope: dict, family: str, head_dim: int) -> tuple[tuple[int, ...], bool]:
+    """(mrope_section, mrope_interleaved) from the rope parameters. transformers' Qwen3-VL interleaves
+    whatever the config says, so a Qwen3 config that omits `mrope_interleaved` is interleaved; one that
+    sets it is taken at its word, as vLLM does."""
+    section = tuple(int(s) for s in rope.get("mrope_section") or _DEFAULT_MROPE_SECTION.get(family, (16, 24, 24)))
+    interleaved = bool(rope.get("mrope_interleaved", family == "qwen3"))
+    if sum(section) != head_dim // 2:
+        raise CheckpointError(f"mrope_section {list(section)} sums to {sum(section)} but head_dim // 2 is "
+                              f"{head_dim // 2}; fix rope_parameters.mrope_section in config.json")
+    try:
+        check_mrope_section(section, interleaved, head_dim // 2)
+    except ValueError as e:
+        raise CheckpointError(f"{e}; fix rope_parameters.mrope_section in config.json") from None
+    return section, interleaved

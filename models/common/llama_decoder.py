@@ -1,6 +1,11 @@
 """The Llama-style decoder on the paged KV cache: embedding, pre-norm attention + SwiGLU layers, final
-norm, LM head. Qwen2, Llama and InternLM2 configure it (`LlamaDecoderConfig`, models/common/llama_config.py);
-Qwen2.5-VL adds M-RoPE over three position axes, the others use plain RoPE (`mrope_section=None`).
+norm, LM head. Qwen2, Qwen3, Llama and InternLM2 configure it (`LlamaDecoderConfig`,
+models/common/llama_config.py); Qwen2.5-VL adds M-RoPE over three position axes, Qwen3-VL interleaved
+M-RoPE, the others use plain RoPE (`mrope_section=None`). Qwen3 (`qk_norm`) RMS-normalises each q and k
+head before RoPE: the kernel set does it with the rotation (`KernelOps.rotary`).
+
+DeepStack (Qwen3-VL): `forward(..., deepstack=(rows, features))` adds `features[i]` to the residual
+stream at `rows` after layer i, as transformers' `Qwen3VLTextModel._deepstack_process` does.
 
 Every projection is a tensor-parallel-ready layer (vlm_sdk.layers; one rank by default). Fused
 projections (the checkpoint keeps them apart; `checkpoint_map` says where each lands, per rank):
@@ -45,6 +50,9 @@ class LlamaDecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5, ops.attention)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, hidden, cfg.o_proj_bias, dtype, device, tp)
+        # per head, so replicated under tensor parallelism and applied with no collective
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, device)
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], False, dtype, device, tp)
         self.down_proj = RowParallelLinear(inter, hidden, False, dtype, device, tp)
@@ -63,7 +71,8 @@ class LlamaDecoderLayer(nn.Module):
         else:
             normed, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         qkv = self.qkv_proj(normed).view(n, h + 2 * hkv, self.head_dim)  # [N, H+2Hkv, D]
-        qk = ops.rotary(qkv[:, :h + hkv], h, rope)  # [N, H+Hkv, D]
+        qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        qk = ops.rotary(qkv[:, :h + hkv], h, rope, qk_norm)  # [N, H+Hkv, D]
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv:]  # [N, H, D], [N, Hkv, D], [N, Hkv, D]
         attn = self.attn(q, k, v, kv_cache, meta)  # [N, H, D]
         norm = self.post_attention_layernorm
@@ -82,7 +91,8 @@ class LlamaDecoder(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device, self.ops, tp)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, device)
+        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, device,
+                                       interleaved=cfg.mrope_interleaved)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype,
                                                                            device, tp)
         self.packed_head = None
@@ -94,14 +104,24 @@ class LlamaDecoder(nn.Module):
     def forward(self, inputs_embeds: torch.Tensor,  # [N, hidden]
                 positions: torch.Tensor,  # [3, N] (M-RoPE) or [N]
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:  # [N, hidden], after the final norm
-        """`meta`: the attention backend's `prepare`d metadata of this step."""
+                meta: AttentionMetadata,
+                deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
+                ) -> torch.Tensor:  # [N, hidden], after the final norm
+        """`meta`: the attention backend's `prepare`d metadata of this step. `deepstack`: (rows `[n]`
+        int64, features per level `[n, hidden]`): after layer i < len(features), the residual stream
+        at `rows` gets features[i] added (Qwen3-VL: rows are this step's image tokens)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} decoder layers")
+        rows, features = deepstack if deepstack is not None else (None, [])
+        if len(features) > len(self.layers):
+            raise ValueError(f"got {len(features)} DeepStack levels for {len(self.layers)} decoder layers")
         rope = self.ops.rotary_inputs(positions, self.rotary, inputs_embeds.dtype)  # shared by every layer
         x, residual = inputs_embeds, None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, rope, kv_cache, meta)
+            if i < len(features):
+                # the stream is x + residual; x is this layer's fresh MLP output, so adding in place is safe
+                x.index_add_(0, rows, features[i].to(x.dtype))  # [N, hidden] += at rows [n, hidden]
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def untie_lm_head(self, rows: torch.Tensor) -> None:
@@ -143,5 +163,8 @@ class LlamaDecoder(nn.Module):
                                                                         f"{src}mlp.up_proj.weight"]))
             out.update(layer.down_proj.slots(f"{dst}down_proj.", f"{src}mlp.down_proj.weight"))
             out[f"{src}input_layernorm.weight"] = ParamSlot(f"{dst}input_layernorm.weight", (hid,))
+            if cfg.qk_norm:
+                out[f"{src}self_attn.q_norm.weight"] = ParamSlot(f"{dst}q_norm.weight", (cfg.head_dim,))
+                out[f"{src}self_attn.k_norm.weight"] = ParamSlot(f"{dst}k_norm.weight", (cfg.head_dim,))
             out[f"{src}post_attention_layernorm.weight"] = ParamSlot(f"{dst}post_attention_layernorm.weight", (hid,))
         return out

@@ -6,7 +6,8 @@ Chosen once per engine (`make_ops`, from `EngineArgs.attention_backend`). The tw
 nothing else, so the torch one is the oracle for the other. The Triton kernels are imported when
 `TritonOps` is built, so TRITON_INTERPRET is read then, not when vlm_sdk is imported.
 
-    decoder layer:   rms_norm / add_rms_norm -> qkv matmul -> rotary -> attention.forward (store_kv +
+    decoder layer:   rms_norm / add_rms_norm -> qkv matmul -> rotary (with Qwen3's q/k norm first) ->
+                     attention.forward (store_kv +
                      paged attention) -> o_proj -> add_rms_norm -> gate_up matmul -> silu_and_mul -> down
     vision block:    attention.segments (once per image batch) ... attention.segment_forward
 """
@@ -58,10 +59,12 @@ class KernelOps(ABC):
         """Per-forward rotary state from positions `[N]` or `[3, N]`."""
 
     @abstractmethod
-    def rotary(self, qk: torch.Tensor, num_q_heads: int, rope: RotaryInputs) -> torch.Tensor:
+    def rotary(self, qk: torch.Tensor, num_q_heads: int, rope: RotaryInputs,
+               qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
         """RoPE / M-RoPE (rotate_half layout) on the q and k heads of a packed `[N, H + Hkv, D]` (the
         first `num_q_heads` are q); returns them rotated (the same tensor, rotated in place, where
-        the set can)."""
+        the set can). `qk_norm` = (q weight `[D]`, k weight `[D]`, eps): each head RMS-normalised over
+        D first (Qwen3's q_norm / k_norm), so a rank's heads need nothing from another rank."""
 
 
 class TorchOps(KernelOps):
@@ -81,9 +84,15 @@ class TorchOps(KernelOps):
 
     def rotary_inputs(self, positions, rotary, dtype):
         cos, sin = rotary(positions, dtype)  # [N, 1, D/2]
-        return RotaryInputs(positions, rotary.inv_freq, rotary.mrope_section, cos, sin)
+        return RotaryInputs(positions, rotary.inv_freq, rotary.mrope_section, cos, sin, rotary.interleaved)
 
-    def rotary(self, qk, num_q_heads, rope):
+    def rotary(self, qk, num_q_heads, rope, qk_norm=None):
+        if qk_norm is not None:
+            q_weight, k_weight, eps = qk_norm
+            n, _, d = qk.shape
+            q = rms_norm(qk[:, :num_q_heads].reshape(-1, d), q_weight, eps)  # [N*H, D]
+            k = rms_norm(qk[:, num_q_heads:].reshape(-1, d), k_weight, eps)  # [N*Hkv, D]
+            qk = torch.cat((q.view(n, -1, d), k.view(n, -1, d)), dim=1)  # [N, H+Hkv, D]
         return apply_rotary(qk, rope.cos, rope.sin)  # q and k heads in one pass
 
 
@@ -106,10 +115,12 @@ class TritonOps(KernelOps):
         return self._silu_and_mul(x)
 
     def rotary_inputs(self, positions, rotary, dtype):
-        return RotaryInputs(positions, rotary.inv_freq, rotary.mrope_section)
+        return RotaryInputs(positions, rotary.inv_freq, rotary.mrope_section, mrope_interleaved=rotary.interleaved)
 
-    def rotary(self, qk, num_q_heads, rope):
-        self._rotary(qk[:, :num_q_heads], qk[:, num_q_heads:], rope.positions, rope.inv_freq, rope.mrope_section)
+    def rotary(self, qk, num_q_heads, rope, qk_norm=None):
+        q_weight, k_weight, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
+        self._rotary(qk[:, :num_q_heads], qk[:, num_q_heads:], rope.positions, rope.inv_freq, rope.mrope_section,
+                     rope.mrope_interleaved, q_weight, k_weight, eps)
         return qk
 
 

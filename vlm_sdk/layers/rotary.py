@@ -1,12 +1,14 @@
-"""Rotary angle state: `MRotaryEmbedding` (RoPE, or Qwen2-VL's M-RoPE over three position axes) and
-the per-forward `RotaryInputs` every decoder layer shares. The rotation itself is the kernel set's
-(`layers.ops.KernelOps.rotary`)."""
+"""Rotary angle state: `MRotaryEmbedding` (RoPE, or M-RoPE over three position axes, contiguous as
+Qwen2-VL's or interleaved as Qwen3-VL's) and the per-forward `RotaryInputs` every decoder layer shares.
+The rotation itself is the kernel set's (`layers.ops.KernelOps.rotary`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from vlm_sdk.kernels.rotary_torch import mrope_axes
 
 
 @dataclass(frozen=True)
@@ -19,26 +21,31 @@ class RotaryInputs:
     mrope_section: tuple[int, ...] | None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    mrope_interleaved: bool = False  # the section's layout (kernels/rotary_torch.py)
 
 
 class MRotaryEmbedding(nn.Module):
     """cos/sin `[num_tokens, 1, head_dim // 2]` for 1-axis or 3-axis positions (HF
-    `Qwen2_5_VLRotaryEmbedding`; plain RoPE when `mrope_section` is None).
+    `Qwen2_5_VLRotaryEmbedding`, or `Qwen3VLTextRotaryEmbedding` when `interleaved`; plain RoPE when
+    `mrope_section` is None).
 
-    Frequency i of the half head dim takes its position from axis `axis_of_freq[i]`: the first
-    mrope_section[0] frequencies from t, the next mrope_section[1] from h, the rest from w.
+    Frequency i of the half head dim takes its position from axis `axis_of_freq[i]`
+    (`kernels.rotary_torch.mrope_axes`): contiguous, the first mrope_section[0] frequencies from t, the
+    next mrope_section[1] from h, the rest from w; interleaved, t h w t h w ...
     """
 
     def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...] | None,
-                 device: torch.device | str):
+                 device: torch.device | str, interleaved: bool = False):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # [D/2]
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
-        axes = [0] * (head_dim // 2) if mrope_section is None else \
-            [i % 3 for i, n in enumerate(mrope_section) for _ in range(n)]
+        if mrope_section is not None and sum(mrope_section) != head_dim // 2:
+            raise ValueError(f"mrope_section {tuple(mrope_section)} must sum to head_dim // 2 = {head_dim // 2}")
+        axes = [0] * (head_dim // 2) if mrope_section is None else mrope_axes(tuple(mrope_section), interleaved)
         self.register_buffer("axis_of_freq", torch.tensor(axes, dtype=torch.long, device=device), persistent=False)
         self.mrope = mrope_section is not None
         self.mrope_section = mrope_section
+        self.interleaved = interleaved and self.mrope
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.dim() == 1:  # [N] plain positions
