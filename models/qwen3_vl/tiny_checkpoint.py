@@ -6,7 +6,7 @@ saved by `Qwen3VLForConditionalGeneration.save_pretrained` (the published names:
 Qwen3-VL chat template, `generation_config.json` and `preprocessor_config.json` (patch 16).
 Reached as `vlm_sdk.testing.make_tiny_checkpoint(path, family="qwen3_vl", ...)`.
 
-The tiny shape keeps what distinguishes Qwen3-VL: head_dim (32) differs from hidden / heads (16), three
+The tiny shape keeps what distinguishes Qwen3-VL: head_dim (16) differs from hidden / heads (12), three
 decoder layers with two DeepStack levels (so one layer gets none), a DeepStack level that is not the
 last vision block, and a learned position grid (8x8) that images both shrink and stretch.
 """
@@ -22,16 +22,17 @@ import torch
 from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, TEXT_DEFAULTS, build_tokenizer,
                                                    no_hf_progress_bars, round_up, write_json, write_tokenizer)
 
-# The image and text parts of the chat template published with Qwen3-VL Instruct (its tool-call and
-# reasoning branches left out): no default system prompt, a system message's text parts only.
+# The chat template published with Qwen3-VL Instruct, its tool-call branches left out: no default
+# system prompt; a first system message's text parts; then user turns (images, videos, text) and
+# assistant turns (text only); a later system message is not rendered, as in the published one.
 QWEN3_VL_CHAT_TEMPLATE = (
     "{%- if messages[0].role == 'system' -%}{{- '<|im_start|>system\\n' -}}"
     "{%- if messages[0].content is string -%}{{- messages[0].content -}}{%- else -%}"
     "{%- for content in messages[0].content -%}{%- if 'text' in content -%}{{- content.text -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
     "{%- set image_count = namespace(value=0) -%}{%- set video_count = namespace(value=0) -%}"
-    "{%- for message in messages -%}{%- if not (loop.first and message.role == 'system') -%}"
-    "{{- '<|im_start|>' + message.role + '\\n' -}}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'user' -%}{{- '<|im_start|>user\\n' -}}"
     "{%- if message.content is string -%}{{- message.content -}}{%- else -%}"
     "{%- for content in message.content -%}"
     "{%- if content.type == 'image' or 'image' in content or 'image_url' in content -%}"
@@ -43,14 +44,20 @@ QWEN3_VL_CHAT_TEMPLATE = (
     "{%- if add_vision_id -%}Video {{ video_count.value }}: {% endif -%}"
     "<|vision_start|><|video_pad|><|vision_end|>"
     "{%- elif 'text' in content -%}{{- content.text -}}{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- elif message.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if message.content is string -%}{{- message.content -}}{%- else -%}"
+    "{%- for content in message.content -%}{%- if 'text' in content -%}{{- content.text -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}{{- '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
 _DEFAULTS: Mapping[str, Any] = MappingProxyType(dict(
-    **{**TEXT_DEFAULTS, "num_layers": 3},  # language model; one layer past the DeepStack levels
-    head_dim=32,                  # not hidden / heads: Qwen3 sets it on its own (Qwen3-VL-4B: 128, not 80)
-    mrope_section=(6, 5, 5),      # Qwen3-VL's 24/20/20 of 64, scaled to head_dim / 2 = 16
+    # language model: one layer past the DeepStack levels; 16-wide heads keep a KV block as small as
+    # the other families' (the shared capacity tests fit 96 tokens in 100,000 bytes)
+    **{**TEXT_DEFAULTS, "text_hidden_size": 48, "num_layers": 3},
+    head_dim=16,                  # not hidden / heads (12): Qwen3 sets it on its own (Qwen3-VL-4B: 128, not 80)
+    mrope_section=(4, 2, 2),      # interleaved: h at frequencies 1, 4, w at 2, 5, t at the rest (0, 3, 6, 7)
     vision_depth=3,
     vision_hidden_size=32,
     vision_heads=2,
