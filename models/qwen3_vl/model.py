@@ -80,7 +80,8 @@ class Qwen3VLForCausalLM(DecoderVLM):
                 raise ValueError(f"image rows are {rows.shape[1]} wide; this model's encode_images gives "
                                  f"{hidden} * (1 + {self.deepstack_levels} DeepStack levels)")
             inputs_embeds[images.rows] = rows[:, :hidden]
-            deepstack = (images.rows, list(rows[:, hidden:].split(hidden, dim=1)))  # levels [n, hidden] each
+            if self.deepstack_levels:
+                deepstack = (images.rows, list(rows[:, hidden:].split(hidden, dim=1)))  # levels [n, hidden] each
         return self.decoder(inputs_embeds, positions, kv_caches, meta, deepstack=deepstack)
 
     def positions(self, prompt_positions: MRopePositions | None, start: int, end: int) -> torch.Tensor:

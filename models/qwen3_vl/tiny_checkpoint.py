@@ -156,7 +156,8 @@ def _config(o: Mapping[str, Any], vocab_size: int, ids: dict[str, int]):
     if sum(section) != head_dim // 2:
         raise ValueError(f"mrope_section={section} must sum to head_dim/2 = {head_dim // 2}")
     if o["vision_hidden_size"] % o["vision_heads"]:
-        raise ValueError(f"vision_hidden_size={o['vision_hidden_size']} must divide by vision_heads={o['vision_heads']}")
+        raise ValueError(f"vision_hidden_size={o['vision_hidden_size']} must divide by "
+                         f"vision_heads={o['vision_heads']}")
     bad = [i for i in o["deepstack_visual_indexes"] if not 0 <= i < o["vision_depth"]]
     if bad or len(o["deepstack_visual_indexes"]) > o["num_layers"]:
         raise ValueError(f"deepstack_visual_indexes {list(o['deepstack_visual_indexes'])}: each must be a vision "

@@ -16,7 +16,8 @@ SYSTEM = "You answer questions about pictures carefully, briefly and in plain wo
 # 300x200 Qwen3-VL's 54 tokens end where a block does)
 IMAGE_SIZE = (320, 200)
 # a per-image setting that changes that image's patches: fewer pixels, or fewer tiles
-SMALLER = {"qwen2_5_vl": {"max_pixels": 28 * 28 * 16}, "internvl": {"max_num": 1}, "qwen3_vl": {"max_pixels": 32 * 32 * 16}}
+SMALLER = {"qwen2_5_vl": {"max_pixels": 28 * 28 * 16}, "internvl": {"max_num": 1},
+           "qwen3_vl": {"max_pixels": 32 * 32 * 16}}
 
 
 @pytest.fixture(scope="module")

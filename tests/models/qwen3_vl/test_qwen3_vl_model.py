@@ -305,3 +305,17 @@ def test_tied_lm_head(tmp_path_factory):
     (logits,) = run_step(ours, new_cache(ours), [(seq.chunk(0, n), blocks_for(n), n)])
     with torch.no_grad():
         torch.testing.assert_close(logits, hf(**seq.hf_kwargs()).logits[0], atol=ATOL, rtol=0)
+
+
+def test_a_tower_without_deepstack_levels(tmp_path_factory):
+    """deepstack_visual_indexes [] (the config allows it): image rows are hidden wide, nothing is added."""
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_vl_no_deepstack"), family="qwen3_vl",
+                                deepstack_visual_indexes=())
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    ours = build(ckpt)
+    seq = Seq(ours, *prompt(hf.config, "two_images"))
+    assert ours.deepstack_levels == 0 and seq.image_embeds.shape[1] == ours.hidden_size
+    n = len(seq.ids)
+    (logits,) = run_step(ours, new_cache(ours), [(seq.chunk(0, n), blocks_for(n), n)])
+    with torch.no_grad():
+        torch.testing.assert_close(logits, hf(**seq.hf_kwargs()).logits[0], atol=ATOL, rtol=0)

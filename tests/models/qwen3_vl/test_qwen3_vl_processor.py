@@ -52,6 +52,8 @@ def test_patch_geometry_comes_from_the_vision_config_and_must_agree_with_it(info
     bare = {k: v for k, v in info.preprocessor.items() if k not in ("patch_size", "merge_size", "temporal_patch_size")}
     ip = cls.from_preprocessor_config(bare, info.hf_config)
     assert (ip.patch_size, ip.merge_size, ip.temporal_patch_size) == (16, 2, 2)
+    bounds = cls.from_preprocessor_config({}, info.hf_config)  # none given: the published Qwen3-VL bounds
+    assert (bounds.min_pixels, bounds.max_pixels, bounds.patch_size) == (256 * 256, 4096 * 4096, 16)
     with pytest.raises(CheckpointError, match="patch_size 14 differs from config.json vision_config.patch_size 16"):
         cls.from_preprocessor_config({**info.preprocessor, "patch_size": 14}, info.hf_config)
 
@@ -61,7 +63,8 @@ def test_prompt_ids_equal_transformers(ckpt, info):
     ip = fam.image_processor_cls.from_preprocessor_config(info.preprocessor, info.hf_config)
     processor = fam.make_processor(load_tokenizer(ckpt), ip, info.hf_config, EngineArgs())
     conv = [{"role": "system", "content": "Be brief."},
-            {"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image", "image": image(300, 200)},
+            {"role": "user", "content": [{"type": "text", "text": "Compare"},
+                                         {"type": "image", "image": image(300, 200)},
                                          {"type": "text", "text": "with"}, {"type": "image", "image": image(90, 150)}]}]
     ours = processor(conv)
     ref = fam.reference.hf_prompt(AutoTokenizer.from_pretrained(str(ckpt)), fam.reference.hf_image_processor(str(ckpt)),
@@ -120,20 +123,26 @@ def test_positions_equal_get_rope_index(hf_model, case):
     assert len(ids) + delta == int(ours.max()) + 1  # decode continues one past the largest position
 
 
-def test_the_processor_hands_the_model_those_positions(ckpt, info):
+def test_the_processors_positions_equal_get_rope_index_on_its_prompt(ckpt, info):
     fam = load("qwen3_vl")
     ip = fam.image_processor_cls.from_preprocessor_config(info.preprocessor, info.hf_config)
     prompt = fam.make_processor(load_tokenizer(ckpt), ip, info.hf_config, EngineArgs())(
-        [{"role": "user", "content": [{"type": "image", "image": image(300, 200)}, {"type": "text", "text": "Hi"}]}])
-    want, delta = mrope_positions(prompt.token_ids, [im.meta.grid_thw for im in prompt.images],
-                                  info.hf_config.image_token_id, MERGE)
-    assert torch.equal(prompt.positions.table, want) and prompt.positions.rope_delta == delta
+        [{"role": "user", "content": [{"type": "image", "image": image(300, 200)}, {"type": "text", "text": "and"},
+                                      {"type": "image", "image": image(64, 200)}, {"type": "text", "text": "Hi"}]}])
+    with torch.device("meta"):  # get_rope_index reads only the config
+        hf = Qwen3VLModel(info.hf_config)
+    input_ids = torch.tensor([prompt.token_ids])
+    ref, delta = hf.get_rope_index(input_ids, mm_token_type_ids=(input_ids == info.hf_config.image_token_id).int(),
+                                   image_grid_thw=torch.tensor([im.meta.grid_thw for im in prompt.images]))
+    assert torch.equal(prompt.positions.table, ref[:, 0]) and prompt.positions.rope_delta == int(delta.item())
 
 
 def test_preprocessor_layouts_read_alike(info):
     cls = load("qwen3_vl").image_processor_cls
     flat = {k: v for k, v in info.preprocessor.items() if k != "size"}
-    flat.update(min_pixels=info.preprocessor["size"]["shortest_edge"], max_pixels=info.preprocessor["size"]["longest_edge"])
-    a, b = cls.from_preprocessor_config(info.preprocessor, info.hf_config), cls.from_preprocessor_config(flat, info.hf_config)
+    size = info.preprocessor["size"]
+    flat.update(min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
+    a = cls.from_preprocessor_config(info.preprocessor, info.hf_config)
+    b = cls.from_preprocessor_config(flat, info.hf_config)
     assert (a.min_pixels, a.max_pixels, a.image_mean) == (b.min_pixels, b.max_pixels, b.image_mean) == (
         64 * 64, 32 * 32 * 256, (0.5, 0.5, 0.5))
