@@ -1,5 +1,6 @@
 """rotary_embedding (Triton) against rotary_embedding_ref, and the reference against the decoder's
-MRotaryEmbedding + apply_rotary and a naive per-frequency formula."""
+MRotaryEmbedding + apply_rotary, a naive per-frequency formula and transformers' Qwen3-VL (interleaved
+M-RoPE after the per-head q/k RMSNorm)."""
 from __future__ import annotations
 
 import math
@@ -20,8 +21,10 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 # (num_heads, num_kv_heads, head_dim): GQA 1, 2 and 8 over head_dim 64, 80 and 128
 HEADS = [(4, 4, 64), (4, 2, 80), (8, 1, 128)]
 SECTIONS = {64: (8, 12, 12), 80: (8, 16, 16), 128: (16, 24, 24), 16: (2, 3, 3)}
-# plain: [N] positions; mrope: [3, N] with distinct t/h/w rows; text: [3, N] without a section (row 0)
-MODES = ["plain", "mrope", "text"]
+INTERLEAVED = {64: (12, 10, 10), 80: (14, 13, 13), 128: (24, 20, 20), 16: (3, 3, 2)}  # Qwen3-VL's split at 128
+# plain: [N] positions; mrope: [3, N] with distinct t/h/w rows; interleaved: the same, Qwen3-VL's layout;
+# text: [3, N] without a section (row 0)
+MODES = ["plain", "mrope", "interleaved", "text"]
 
 
 def need_triton(device: str) -> None:
@@ -41,24 +44,35 @@ def make_positions(mode: str, n: int, g: torch.Generator) -> torch.Tensor:
 
 
 def section_for(mode: str, head_dim: int) -> tuple[int, ...] | None:
-    return SECTIONS[head_dim] if mode == "mrope" else None
+    return {"mrope": SECTIONS, "interleaved": INTERLEAVED}[mode][head_dim] if mode in ("mrope", "interleaved") else None
+
+
+def norm_weights(head_dim: int, g: torch.Generator, device="cpu", dtype=torch.float32) -> dict:
+    """The q/k RMSNorm keywords of `rotary_embedding`: weights [D] each."""
+    q, k = (1 + 0.3 * torch.randn(head_dim, generator=g) for _ in range(2))
+    return dict(q_norm_weight=q.to(device, dtype), k_norm_weight=k.to(device, dtype), norm_eps=1e-6)
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", HEADS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("num_tokens", [1, 19])
-def test_rotary_matches_ref(device, dtype, num_heads, num_kv_heads, head_dim, mode, num_tokens):
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["", "qk_norm"])
+def test_rotary_matches_ref(device, dtype, num_heads, num_kv_heads, head_dim, mode, num_tokens, qk_norm):
     need_triton(device)
     g = torch.Generator().manual_seed(1000 * num_heads + 10 * head_dim + MODES.index(mode) + 7 * num_tokens)
     positions = make_positions(mode, num_tokens, g).to(device)
     inv_freq = inv_freq_for(head_dim).to(device)
     section = section_for(mode, head_dim)
+    norm = norm_weights(head_dim, g, device, dtype) if qk_norm else {}
     h, hkv = num_heads, num_kv_heads
     qkv = torch.randn(num_tokens, h + 2 * hkv, head_dim, generator=g).to(device, dtype)  # [N, H+2Hkv, D]
+    if qk_norm:  # heads of different scales: the norm must undo each one's own
+        qkv *= torch.logspace(-1, 1, h + 2 * hkv, dtype=torch.float32)[:, None].to(device, dtype)
     ours, ref = qkv.clone(), qkv.clone()
-    rotary_embedding(ours[:, :h], ours[:, h:h + hkv], positions, inv_freq, section)
-    rotary_embedding_ref(ref[:, :h], ref[:, h:h + hkv], positions, inv_freq, section)
+    interleaved = mode == "interleaved"
+    rotary_embedding(ours[:, :h], ours[:, h:h + hkv], positions, inv_freq, section, interleaved, **norm)
+    rotary_embedding_ref(ref[:, :h], ref[:, h:h + hkv], positions, inv_freq, section, interleaved, **norm)
     tol = TOL[dtype]
     torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
     assert torch.equal(ours[:, h + hkv:], qkv[:, h + hkv:])  # v untouched
@@ -79,41 +93,49 @@ def test_rotary_int32_and_transposed_positions(device, dtype):
     torch.testing.assert_close(ours, ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("head_dim,mrope,positions_rows", [
-    (128, False, 1), (128, True, 3), (128, True, 1), (128, False, 3),
-    (16, False, 1), (16, True, 3), (64, True, 3), (80, True, 3)])
-def test_ref_matches_decoder_rotary(head_dim, mrope, positions_rows):
+@pytest.mark.parametrize("head_dim,layout,positions_rows", [
+    (128, None, 1), (128, "mrope", 3), (128, "mrope", 1), (128, None, 3), (16, None, 1), (16, "mrope", 3),
+    (64, "mrope", 3), (80, "mrope", 3), (128, "interleaved", 3), (128, "interleaved", 1), (16, "interleaved", 3),
+    (64, "interleaved", 3), (80, "interleaved", 3)])
+def test_ref_matches_decoder_rotary(head_dim, layout, positions_rows):
     """The reference is what the torch backend runs: it must agree with MRotaryEmbedding + apply_rotary
-    for plain RoPE, M-RoPE, [N] positions given to an M-RoPE model and [3, N] positions without a section."""
-    g = torch.Generator().manual_seed(head_dim + 2 * mrope + positions_rows)
+    for plain RoPE, M-RoPE (contiguous and interleaved), [N] positions given to an M-RoPE model and
+    [3, N] positions without a section."""
+    g = torch.Generator().manual_seed(head_dim + 2 * (layout is not None) + positions_rows)
     n, h, hkv = 13, 4, 2
-    section = SECTIONS[head_dim] if mrope else None
+    section, interleaved = section_for(layout, head_dim) if layout else None, layout == "interleaved"
     positions = make_positions("plain" if positions_rows == 1 else "mrope", n, g)
-    rope = MRotaryEmbedding(head_dim, 1e6, section, "cpu")
+    rope = MRotaryEmbedding(head_dim, 1e6, section, "cpu", interleaved=interleaved)
     cos, sin = rope(positions, torch.float32)  # [N, 1, D/2]
     qkv = torch.randn(n, h + 2 * hkv, head_dim, generator=g)  # [N, H+2Hkv, D]
     expected = apply_rotary(qkv[:, :h + hkv], cos, sin)
     ours = qkv.clone()
-    rotary_embedding_ref(ours[:, :h], ours[:, h:h + hkv], positions, rope.inv_freq, section)
+    rotary_embedding_ref(ours[:, :h], ours[:, h:h + hkv], positions, rope.inv_freq, section, interleaved)
     torch.testing.assert_close(ours[:, :h + hkv], expected, atol=1e-6, rtol=1e-6)
     assert torch.equal(ours[:, h + hkv:], qkv[:, h + hkv:])
     if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():  # and so must the kernel
         dev = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
         kern = qkv.clone().to(dev)
-        rotary_embedding(kern[:, :h], kern[:, h:h + hkv], positions.to(dev), rope.inv_freq.to(dev), section)
+        rotary_embedding(kern[:, :h], kern[:, h:h + hkv], positions.to(dev), rope.inv_freq.to(dev), section,
+                         interleaved)
         torch.testing.assert_close(kern[:, :h + hkv].cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_ref_matches_naive_formula():
+# the position row of each of 8 frequencies, written out: contiguous (2, 3, 3) and Qwen3-VL's interleaved (3, 3, 2)
+NAIVE_LAYOUTS = {"contiguous": ((2, 3, 3), False, [0, 0, 1, 1, 1, 2, 2, 2]),
+                 "interleaved": ((3, 3, 2), True, [0, 1, 2, 0, 1, 2, 0, 1])}
+
+
+@pytest.mark.parametrize("layout", list(NAIVE_LAYOUTS))
+def test_ref_matches_naive_formula(layout):
     g = torch.Generator().manual_seed(5)
     n, h, d = 7, 3, 16
-    section = (2, 3, 3)
+    section, interleaved, row_of = NAIVE_LAYOUTS[layout]
     positions = make_positions("mrope", n, g)
     inv_freq = inv_freq_for(d, 1e4)
     q, k = torch.randn(n, h, d, generator=g), torch.randn(n, 1, d, generator=g)
     q_ref, k_ref = q.clone(), k.clone()
-    rotary_embedding_ref(q_ref, k_ref, positions, inv_freq, section)
-    row_of = [s % 3 for s, size in enumerate(section) for _ in range(size)]
+    rotary_embedding_ref(q_ref, k_ref, positions, inv_freq, section, interleaved)
     for x, got in ((q, q_ref), (k, k_ref)):
         want = torch.empty_like(x, dtype=torch.float64)
         for t in range(n):
@@ -124,6 +146,39 @@ def test_ref_matches_naive_formula():
                 want[t, :, i] = x1 * c - x2 * s
                 want[t, :, i + d // 2] = x2 * c + x1 * s
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim,section", [(128, (24, 20, 20)), (16, (3, 3, 2))])
+def test_matches_transformers_qwen3_vl(head_dim, section):
+    """Qwen3-VL's per-head q/k RMSNorm then interleaved M-RoPE as transformers computes them (float32):
+    MRotaryEmbedding's angles, the reference and the kernel."""
+    from transformers import Qwen3VLTextConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import (Qwen3VLTextRMSNorm, Qwen3VLTextRotaryEmbedding,
+                                                                apply_rotary_pos_emb)
+    g = torch.Generator().manual_seed(head_dim)
+    n, h, hkv, d, theta = 11, 4, 2, head_dim, 5e6
+    cfg = Qwen3VLTextConfig(hidden_size=4 * d, num_attention_heads=h, num_key_value_heads=hkv, head_dim=d,
+                            rope_parameters={"rope_type": "default", "rope_theta": theta,
+                                             "mrope_section": list(section), "mrope_interleaved": True})
+    positions = make_positions("mrope", n, g)  # [3, N]
+    q, k = torch.randn(1, h, n, d, generator=g) * 3, torch.randn(1, hkv, n, d, generator=g) * 0.2  # HF [B, H, N, D]
+    norm = norm_weights(d, g)
+    q_norm, k_norm = Qwen3VLTextRMSNorm(d, norm["norm_eps"]), Qwen3VLTextRMSNorm(d, norm["norm_eps"])
+    with torch.no_grad():
+        q_norm.weight.copy_(norm["q_norm_weight"])
+        k_norm.weight.copy_(norm["k_norm_weight"])
+        cos, sin = Qwen3VLTextRotaryEmbedding(cfg)(q, positions[:, None])  # [1, N, D]
+        want_q, want_k = (x[0].transpose(0, 1) for x in apply_rotary_pos_emb(q_norm(q), k_norm(k), cos, sin))
+    rope = MRotaryEmbedding(d, theta, section, "cpu", interleaved=True)
+    ours_cos, ours_sin = rope(positions, torch.float32)  # [N, 1, D/2]
+    torch.testing.assert_close(torch.cat((ours_cos, ours_cos), -1)[:, 0], cos[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.cat((ours_sin, ours_sin), -1)[:, 0], sin[0], atol=1e-6, rtol=0)
+    kernels = [rotary_embedding_ref] + ([rotary_embedding] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+    for kernel in kernels:
+        ours_q, ours_k = q[0].transpose(0, 1).clone(), k[0].transpose(0, 1).clone()  # [N, H, D]
+        kernel(ours_q, ours_k, positions, rope.inv_freq, section, True, **norm)
+        torch.testing.assert_close(ours_q, want_q, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours_k, want_k, atol=1e-5, rtol=1e-5)
 
 
 def test_rotary_rejects_bad_inputs():
@@ -137,3 +192,12 @@ def test_rotary_rejects_bad_inputs():
         rotary_embedding(q, k, pos, inv[:4])
     with pytest.raises(ValueError, match="dtype"):
         rotary_embedding(q, k.double(), pos, inv)
+    with pytest.raises(ValueError, match=r"interleaved mrope_section \(2, 4, 2\)"):  # h would need frequency 10 of 8
+        rotary_embedding(q, k, pos[None].expand(3, -1), inv, (2, 4, 2), True)
+    norm = norm_weights(16, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="go together"):
+        rotary_embedding(q, k, pos, inv, q_norm_weight=norm["q_norm_weight"])
+    with pytest.raises(ValueError, match="q's dtype"):
+        rotary_embedding(q, k, pos, inv, **{**norm, "k_norm_weight": norm["k_norm_weight"].half()})
+    with pytest.raises(ValueError, match=r"q_norm_weight must be a contiguous \[16\]"):
+        rotary_embedding(q, k, pos, inv, **{**norm, "q_norm_weight": norm["q_norm_weight"][:8]})

@@ -6,9 +6,9 @@ Chosen once per engine (`make_ops`, from `EngineArgs.attention_backend`). The tw
 nothing else, so the torch one is the oracle for the other. The Triton kernels are imported when
 `TritonOps` is built, so TRITON_INTERPRET is read then, not when vlm_sdk is imported.
 
-    decoder layer:   rms_norm / add_rms_norm -> qkv matmul -> rotary (with Qwen3's q/k norm first) ->
-                     attention.forward (store_kv +
-                     paged attention) -> o_proj -> add_rms_norm -> gate_up matmul -> silu_and_mul -> down
+    decoder layer:   rms_norm / add_rms_norm -> qkv matmul -> rotary (Qwen3: q/k norm fused in) ->
+                     attention.forward (store_kv + paged attention) -> o_proj -> add_rms_norm ->
+                     gate_up matmul -> silu_and_mul -> down
     vision block:    attention.segments (once per image batch) ... attention.segment_forward
 """
 from __future__ import annotations
