@@ -11,8 +11,13 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True)
 OFF = {"enable_prefix_caching": False, "encoder_cache_memory": 0}
 SYSTEM = "You answer questions about pictures carefully, briefly and in plain words. " * 3
-# a per-image setting that changes a 300x200 image's patches: fewer pixels, or fewer tiles
-SMALLER = {"qwen2_5_vl": {"max_pixels": 28 * 28 * 16}, "internvl": {"max_num": 1}}
+# (width, height) of the image these prompts ask about: in every family's tiny checkpoint its tokens end
+# inside a KV block that the question also fills, so a cached prefix can end inside the image (at
+# 300x200 Qwen3-VL's 54 tokens end where a block does)
+IMAGE_SIZE = (320, 200)
+# a per-image setting that changes that image's patches: fewer pixels, or fewer tiles
+SMALLER = {"qwen2_5_vl": {"max_pixels": 28 * 28 * 16}, "internvl": {"max_num": 1},
+           "qwen3_vl": {"max_pixels": 32 * 32 * 16}}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +40,7 @@ def _tokens(outs):
 
 def test_batched_greedy_and_seeded_outputs_equal_with_caching_off(engines):
     on, off = engines
-    img = image(300, 200, 11)
+    img = image(*IMAGE_SIZE, 11)
     convs = [_ask(img, q) for q in ("What is it?", "Which colours?", "Is it a photo?")]
     for params in (GREEDY, SEEDED):
         want = _tokens(off.chat(convs, params))
@@ -82,7 +87,7 @@ def test_a_cached_prefix_ending_inside_an_image_changes_no_token(family_ckpt, en
     """B arrives while A's prefill is part-way through their shared image: B's cached prefix ends inside
     it, and B takes the image's other rows from the same image's embeddings (cached, or encoded again)."""
     _, off = engines
-    img = image(300, 200, 13)
+    img = image(*IMAGE_SIZE, 13)
     a, b = _ask(img, "What is it?"), _ask(img, "Why?")
     llm = LLM(family_ckpt[1], max_num_batched_tokens=13, show_progress=False,
               **({} if encoder_cache else {"encoder_cache_memory": 0}))
@@ -113,7 +118,7 @@ def _image_start(llm, conv) -> int:
 def test_images_differing_in_one_pixel_or_in_settings_share_only_the_text_before_them(family_ckpt, engines):
     on, _ = engines
     llm = LLM(family_ckpt[1], show_progress=False)  # an empty cache of its own
-    img = image(300, 200, 14)
+    img = image(*IMAGE_SIZE, 14)
     changed = img.copy()
     changed.putpixel((7, 9), tuple((c + 1) % 256 for c in img.getpixel((7, 9))))
     start = _image_start(llm, _ask(img, "What is it?"))

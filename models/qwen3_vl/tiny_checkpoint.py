@@ -1,0 +1,257 @@
+"""Tiny Qwen3-VL checkpoints with random weights, for tests and benchmarks without a model hub.
+
+`make_tiny_qwen3_vl_checkpoint` writes a directory transformers itself loads: `config.json`, safetensors
+saved by `Qwen3VLForConditionalGeneration.save_pretrained` (the published names: `model.language_model.*`,
+`model.visual.*`, `lm_head.weight`), the shared test tokenizer with Qwen's special tokens and a
+Qwen3-VL chat template, `generation_config.json` and `preprocessor_config.json` (patch 16).
+Reached as `vlm_sdk.testing.make_tiny_checkpoint(path, family="qwen3_vl", ...)`.
+
+The tiny shape keeps what distinguishes Qwen3-VL: head_dim (16) differs from hidden / heads (12), three
+decoder layers with two DeepStack levels (so one layer gets none), a DeepStack level that is not the
+last vision block, and a learned position grid (8x8) that images both shrink and stretch.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import torch
+
+from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, TEXT_DEFAULTS, build_tokenizer,
+                                                   no_hf_progress_bars, round_up, write_json, write_tokenizer)
+
+# The chat template published with Qwen3-VL Instruct, its tool-call branches left out: no default
+# system prompt; a first system message's text parts; then user turns (images, videos, text) and
+# assistant turns (text only); a later system message is not rendered, as in the published one.
+QWEN3_VL_CHAT_TEMPLATE = (
+    "{%- if messages[0].role == 'system' -%}{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0].content is string -%}{{- messages[0].content -}}{%- else -%}"
+    "{%- for content in messages[0].content -%}{%- if 'text' in content -%}{{- content.text -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- set image_count = namespace(value=0) -%}{%- set video_count = namespace(value=0) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'user' -%}{{- '<|im_start|>user\\n' -}}"
+    "{%- if message.content is string -%}{{- message.content -}}{%- else -%}"
+    "{%- for content in message.content -%}"
+    "{%- if content.type == 'image' or 'image' in content or 'image_url' in content -%}"
+    "{%- set image_count.value = image_count.value + 1 -%}"
+    "{%- if add_vision_id -%}Picture {{ image_count.value }}: {% endif -%}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif content.type == 'video' or 'video' in content -%}"
+    "{%- set video_count.value = video_count.value + 1 -%}"
+    "{%- if add_vision_id -%}Video {{ video_count.value }}: {% endif -%}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{%- elif 'text' in content -%}{{- content.text -}}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- elif message.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if message.content is string -%}{{- message.content -}}{%- else -%}"
+    "{%- for content in message.content -%}{%- if 'text' in content -%}{{- content.text -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}{{- '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+_DEFAULTS: Mapping[str, Any] = MappingProxyType(dict(
+    # language model: one layer past the DeepStack levels; 16-wide heads keep a KV block as small as
+    # the other families' (the shared capacity tests fit 96 tokens in 100,000 bytes)
+    **{**TEXT_DEFAULTS, "text_hidden_size": 48, "num_layers": 3},
+    head_dim=16,                  # not hidden / heads (12): Qwen3 sets it on its own (Qwen3-VL-4B: 128, not 80)
+    mrope_section=(4, 2, 2),      # interleaved: h at frequencies 1, 4, w at 2, 5, t at the rest (0, 3, 6, 7)
+    vision_depth=3,
+    vision_hidden_size=32,
+    vision_heads=2,
+    vision_intermediate_size=64,
+    deepstack_visual_indexes=(0, 1),
+    num_position_embeddings=64,   # an 8x8 learned grid (published: 48x48)
+    tie_word_embeddings=False,
+    max_position_embeddings=4096,
+    min_pixels=64 * 64,
+    max_pixels=32 * 32 * 256,
+    init_std=0.2,
+    config_layout="nested",
+    preprocessor_layout="nested",
+    max_shard_size=None,          # e.g. "200KB" forces sharded safetensors + model.safetensors.index.json
+    dtype="float32",              # dtype of the saved weights ("bfloat16" for the benchmark checkpoint)
+))
+
+_FIXED: Mapping[str, Any] = MappingProxyType(dict(
+    rope_theta=5_000_000.0,
+    rms_norm_eps=1e-6,
+    patch_size=16,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    image_mean=(0.5, 0.5, 0.5),
+    image_std=(0.5, 0.5, 0.5),
+))
+
+
+def make_tiny_qwen3_vl_checkpoint(path, seed: int = 0, **overrides) -> Path:
+    """Write a complete HF-format Qwen3-VL checkpoint with random weights to `path` and return it.
+
+    Same arguments give byte-identical files. Accepted overrides: see `_DEFAULTS` (an unknown name
+    raises TypeError). Layouts: config_layout "nested" is what transformers 5 writes
+    (`text_config.rope_parameters`), "flat" the published one (`text_config.rope_scaling` + `rope_theta`,
+    written by transformers 4.57); preprocessor_layout "nested" writes size.shortest_edge/longest_edge
+    (as the published Qwen3-VL checkpoints do), "flat" writes min_pixels/max_pixels.
+    """
+    unknown = sorted(set(overrides) - set(_DEFAULTS))
+    if unknown:
+        raise TypeError(f"make_tiny_checkpoint() got unknown override(s) {', '.join(unknown)}; "
+                        f"accepted: {', '.join(sorted(_DEFAULTS))}")
+    opts = {**_DEFAULTS, **overrides}
+    for key, allowed in (("config_layout", ("nested", "flat")), ("preprocessor_layout", ("nested", "flat"))):
+        if opts[key] not in allowed:
+            raise ValueError(f"{key}={opts[key]!r}; use one of {allowed}")
+    dtype = getattr(torch, str(opts["dtype"]), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype={opts['dtype']!r} is not a torch floating dtype name")
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    ids = {tok: tokenizer.token_to_id(tok) for tok in QWEN_SPECIAL_TOKENS}
+    n_tokens = tokenizer.get_vocab_size()
+    vocab_size = opts["vocab_size"] or round_up(n_tokens, 64)
+    if vocab_size < n_tokens:
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({n_tokens} tokens)")
+    config = _config(opts, vocab_size, ids)
+    _save_model(config, out, seed=seed, init_std=float(opts["init_std"]), dtype=dtype,
+                max_shard_size=opts["max_shard_size"])
+    if opts["config_layout"] == "flat":
+        write_json(out / "config.json", _published_config(json.loads((out / "config.json").read_text())))
+
+    write_tokenizer(out, tokenizer, QWEN_SPECIAL_TOKENS, QWEN3_VL_CHAT_TEMPLATE)
+    write_json(out / "generation_config.json", {
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "pad_token_id": ids["<|endoftext|>"],
+    })
+    write_json(out / "preprocessor_config.json",
+               _preprocessor_config(opts["min_pixels"], opts["max_pixels"], opts["preprocessor_layout"]))
+    return out
+
+
+def make_bench_qwen3_vl_checkpoint(path, seed: int = 0, **overrides) -> Path:
+    """The benchmark shape: Qwen3-VL architecture, ~100M parameters (the tied 151936 x 512 embedding is
+    77.8M of them), bfloat16 weights. Speed does not depend on the weight values; vocab 151936 keeps
+    the embedding and LM head as costly as the real ones."""
+    bench = dict(
+        text_hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408,
+        vocab_size=151936, tie_word_embeddings=True, mrope_section=(12, 10, 10),
+        max_position_embeddings=32768, min_pixels=64 * 64, max_pixels=32 * 32 * 1280,
+        vision_depth=4, vision_hidden_size=256, vision_heads=4, vision_intermediate_size=512,
+        deepstack_visual_indexes=(1, 2), num_position_embeddings=2304, dtype="bfloat16",
+    )
+    return make_tiny_qwen3_vl_checkpoint(path, seed, **{**bench, **overrides})
+
+
+def _config(o: Mapping[str, Any], vocab_size: int, ids: dict[str, int]):
+    from transformers import Qwen3VLConfig
+
+    hidden, heads, kv_heads, head_dim = o["text_hidden_size"], o["num_heads"], o["num_kv_heads"], o["head_dim"]
+    if heads % kv_heads:
+        raise ValueError(f"num_heads={heads} must divide by num_kv_heads={kv_heads}")
+    section = list(o["mrope_section"])
+    if sum(section) != head_dim // 2:
+        raise ValueError(f"mrope_section={section} must sum to head_dim/2 = {head_dim // 2}")
+    if o["vision_hidden_size"] % o["vision_heads"]:
+        raise ValueError(f"vision_hidden_size={o['vision_hidden_size']} must divide by "
+                         f"vision_heads={o['vision_heads']}")
+    bad = [i for i in o["deepstack_visual_indexes"] if not 0 <= i < o["vision_depth"]]
+    if bad or len(o["deepstack_visual_indexes"]) > o["num_layers"]:
+        raise ValueError(f"deepstack_visual_indexes {list(o['deepstack_visual_indexes'])}: each must be a vision "
+                         f"block (vision_depth={o['vision_depth']}), at most one per decoder layer "
+                         f"(num_layers={o['num_layers']})")
+    side = round(o["num_position_embeddings"] ** 0.5)
+    if side * side != o["num_position_embeddings"]:
+        raise ValueError(f"num_position_embeddings={o['num_position_embeddings']} must be a square")
+
+    eot, im_end = ids["<|endoftext|>"], ids["<|im_end|>"]
+    text = dict(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=o["intermediate_size"],
+        num_hidden_layers=o["num_layers"], num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, hidden_act="silu", max_position_embeddings=o["max_position_embeddings"],
+        rms_norm_eps=_FIXED["rms_norm_eps"], attention_bias=False, attention_dropout=0.0,
+        rope_parameters={"rope_type": "default", "rope_theta": _FIXED["rope_theta"], "mrope_section": section,
+                         "mrope_interleaved": True},
+        bos_token_id=eot, eos_token_id=im_end, pad_token_id=eot,
+    )
+    vision = dict(
+        depth=o["vision_depth"], hidden_size=o["vision_hidden_size"], hidden_act="gelu_pytorch_tanh",
+        intermediate_size=o["vision_intermediate_size"], num_heads=o["vision_heads"], in_channels=3,
+        patch_size=_FIXED["patch_size"], temporal_patch_size=_FIXED["temporal_patch_size"],
+        spatial_merge_size=_FIXED["spatial_merge_size"], out_hidden_size=hidden,
+        num_position_embeddings=o["num_position_embeddings"],
+        deepstack_visual_indexes=list(o["deepstack_visual_indexes"]),
+    )
+    return Qwen3VLConfig(
+        text_config=text, vision_config=vision,
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=bool(o["tie_word_embeddings"]),
+    )
+
+
+def _published_config(nested: dict) -> dict:
+    """The layout of the published Qwen3-VL config.json (transformers 4.57): the text config keeps its
+    own section but spells RoPE as `rope_scaling` + `rope_theta`; the vision config's model_type is
+    "qwen3_vl" and it carries no rope settings."""
+    text = dict(nested["text_config"])
+    rope = dict(text.pop("rope_parameters"))
+    text["rope_theta"] = rope.pop("rope_theta")
+    text["rope_scaling"] = rope  # rope_type, mrope_section, mrope_interleaved
+    text["dtype"] = nested.get("dtype", "float32")
+    vision = dict(nested["vision_config"])
+    vision.pop("rope_parameters", None)
+    vision["model_type"] = "qwen3_vl"
+    flat = {**nested, "text_config": dict(sorted(text.items())), "vision_config": dict(sorted(vision.items())),
+            "transformers_version": "4.57.0.dev0"}
+    flat.pop("dtype", None)
+    return dict(sorted(flat.items()))
+
+
+def _preprocessor_config(min_pixels: int, max_pixels: int, layout: str) -> dict:
+    common = {
+        "image_mean": list(_FIXED["image_mean"]),
+        "image_std": list(_FIXED["image_std"]),
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "merge_size": _FIXED["spatial_merge_size"],
+        "patch_size": _FIXED["patch_size"],
+        "processor_class": "Qwen3VLProcessor",
+        "temporal_patch_size": _FIXED["temporal_patch_size"],
+    }
+    if layout == "flat":
+        return {**common, "min_pixels": min_pixels, "max_pixels": max_pixels}
+    return {**common, "size": {"longest_edge": max_pixels, "shortest_edge": min_pixels}}
+
+
+def _save_model(config, out: Path, *, seed: int, init_std: float, dtype: torch.dtype, max_shard_size) -> None:
+    from transformers import Qwen3VLForConditionalGeneration
+
+    with no_hf_progress_bars():
+        model = Qwen3VLForConditionalGeneration(config)
+        _redraw(model, seed, init_std)
+        if config.tie_word_embeddings:
+            # transformers 5 keeps two parameters here; equal values make the checkpoint truly tied
+            with torch.no_grad():
+                model.lm_head.weight.copy_(model.get_input_embeddings().weight)
+        model.to(dtype)
+        kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+        model.save_pretrained(out, **kwargs)
+
+
+@torch.no_grad()
+def _redraw(model: torch.nn.Module, seed: int, init_std: float) -> None:
+    """Matrices (embeddings, the patch conv, the position grid) ~ N(0, init_std); biases ~ N(0, 0.02);
+    norm weights (RMSNorm, LayerNorm, q/k norm) ~ 1 + N(0, 0.1), so that a norm applied with the wrong
+    weight shows. transformers' own init (std 0.02) gives near-constant greedy tokens; 0.2 makes them
+    vary. A private generator keeps the global RNG untouched; named_parameters' order is fixed."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():       # tied parameters appear once
+        if p.ndim >= 2:
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * init_std)
+        elif name.endswith("bias"):
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02)
+        else:
+            p.copy_(1.0 + torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.1)

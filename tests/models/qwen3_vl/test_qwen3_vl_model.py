@@ -1,0 +1,321 @@
+"""Qwen3VLForCausalLM on the paged KV cache against transformers' Qwen3VLForConditionalGeneration (float32):
+prefill logits within 1e-4 for text only, one image, two images of different sizes and an image at the
+start, on both kernel sets; decode logits and greedy tokens equal to `generate`; chunked prefill that
+splits an image (its DeepStack rows split with it) equal to one prefill; batched prefill and decode."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import Qwen3VLForConditionalGeneration
+
+from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.errors import CheckpointError
+from vlm_sdk.layers.ops import make_ops
+from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
+from vlm_sdk.models.base import StepImages
+from vlm_sdk.models.qwen2_5_vl.image_processor import QwenImage
+from vlm_sdk.models.qwen2_5_vl.rope_index import mrope_positions
+from vlm_sdk.models.qwen3_vl.model import Qwen3VLForCausalLM
+from vlm_sdk.multimodal.inputs import ImageInput
+from vlm_sdk.testing import make_tiny_checkpoint
+
+BLOCK = 16
+NUM_BLOCKS = 16
+ATOL = 1e-4
+GRID_A, GRID_B = (1, 8, 12), (1, 16, 6)  # 24 and 24 image tokens, 4x6 and 8x3 merged: different shapes
+
+
+def build(ckpt, ops=None) -> Qwen3VLForCausalLM:
+    model = Qwen3VLForCausalLM(read_checkpoint(ckpt).hf_config, ops=ops)
+    model.load_weights(iter_safetensors(ckpt, show_progress=False), source=ckpt)
+    return model
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoints):
+    return tiny_checkpoints("qwen3_vl")
+
+
+@pytest.fixture(scope="module")
+def models(ckpt):
+    """transformers' model (the oracle) and ours on the same checkpoint directory."""
+    return Qwen3VLForConditionalGeneration.from_pretrained(str(ckpt), dtype=torch.float32).eval(), build(ckpt)
+
+
+def prompt(cfg, name: str) -> tuple[list[int], list[tuple[int, int, int]]]:
+    img, vs, ve = cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id
+
+    def image(grid):
+        t, h, w = grid
+        return [vs] + [img] * (t * h * w // 4) + [ve]
+    if name == "text":
+        return [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], []
+    if name == "one_image":
+        return [7, 8] + image(GRID_A) + [10, 11, 12, 13], [GRID_A]
+    if name == "two_images":
+        return [7] + image(GRID_A) + [20, 21] + image(GRID_B) + [30, 31, 32], [GRID_A, GRID_B]
+    if name == "image_at_start":
+        return image(GRID_B)[1:] + [40, 41, 42, 43], [GRID_B]
+    raise KeyError(name)
+
+
+def pixels(grids, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 16 * 16, generator=g)
+
+
+class Seq:
+    """One prompt prepared for our model: token embeddings, the image rows (as the runner hands them
+    over), M-RoPE positions, the transformers inputs."""
+
+    def __init__(self, model, ids: list[int], grids, seed: int = 0):
+        self.ids, self.grids, self.img = ids, grids, model.image_token_id
+        self.pixel_values = pixels(grids, seed) if grids else None
+        self.positions, self.delta = mrope_positions(ids, grids, model.image_token_id, model.spatial_merge_size)
+        ids_t = torch.tensor(ids)
+        self.image_rows = (ids_t == model.image_token_id).nonzero().flatten()  # [n]
+        with torch.no_grad():
+            self.embeds = model.embed_tokens(ids_t)  # [L, hidden]
+            self.image_embeds = None
+            if grids:
+                parts = self.pixel_values.split([t * h * w for t, h, w in grids])
+                images = [ImageInput(p, t * h * w // 4, QwenImage(g)) for p, g in zip(parts, grids) for t, h, w in [g]]
+                self.image_embeds = model.encode_images(images)  # [n, hidden * (1 + levels)]
+
+    def chunk(self, start: int, end: int):
+        """(embeds, positions, StepImages | None) of tokens start..end."""
+        keep = (self.image_rows >= start) & (self.image_rows < end)
+        images = None
+        if bool(keep.any()):
+            images = StepImages(self.image_rows[keep] - start, self.image_embeds[keep])
+        return self.embeds[start:end].clone(), self.positions[:, start:end], images
+
+    def hf_kwargs(self) -> dict:
+        input_ids = torch.tensor([self.ids])
+        kw = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+        if self.grids:
+            kw.update(pixel_values=self.pixel_values, image_grid_thw=torch.tensor(self.grids),
+                      mm_token_type_ids=(input_ids == self.img).int())
+        return kw
+
+
+def new_cache(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (NUM_BLOCKS, BLOCK, model.num_kv_heads, model.head_dim)
+    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.num_layers)]
+
+
+def run_step(model, kv, items):
+    """items: ((embeds [q, hidden], positions [3, q], StepImages | None), block ids, seq_len after this
+    step) per sequence. Returns the logits of every new token, split per sequence."""
+    slots, tables, rows, embeds = [], [], [], []
+    q_lens = [part[0].shape[0] for part, _, _ in items]
+    seq_lens = [s for _, _, s in items]
+    width = max(len(b) for _, b, _ in items)
+    offset = 0
+    for ((_, _, images), blocks, seq_len), q in zip(items, q_lens):
+        p = torch.arange(seq_len - q, seq_len)
+        slots.append(torch.tensor(blocks)[p // BLOCK] * BLOCK + p % BLOCK)
+        tables.append(blocks + [0] * (width - len(blocks)))
+        if images is not None:
+            rows.append(images.rows + offset)
+            embeds.append(images.embeds)
+        offset += q
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        query_start_loc=torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        query_lens_cpu=q_lens, seq_lens_cpu=seq_lens, max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+    meta = model.decoder.ops.attention.prepare(meta, kv[0][0])  # once per step, as the runner does
+    images = StepImages(torch.cat(rows), torch.cat(embeds)) if rows else None
+    with torch.no_grad():
+        hidden = model(torch.cat([part[0] for part, _, _ in items]),
+                       torch.cat([part[1] for part, _, _ in items], dim=1), kv, meta, images)
+        logits = model.compute_logits(hidden)
+    return list(logits.split(q_lens))
+
+
+def decode_item(model, seq: Seq, token: int, index: int, blocks):
+    """The 1-token step for the token at sequence index `index`: position index + rope_delta on all axes."""
+    with torch.no_grad():
+        e = model.embed_tokens(torch.tensor([token]))
+    return (e, torch.full((3, 1), index + seq.delta, dtype=torch.int64), None), blocks, index + 1
+
+
+def hf_generate(hf, seq: Seq, steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy tokens and the logits of each generated step (step 0 = last prompt position)."""
+    with torch.no_grad():
+        out = hf.generate(**seq.hf_kwargs(), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(seq.ids):].tolist(), [step[0] for step in out.logits]
+
+
+def blocks_for(n: int) -> list[int]:
+    return list(range(-(-n // BLOCK)))
+
+
+@pytest.mark.parametrize("name", ["text", "one_image", "two_images", "image_at_start"])
+def test_prefill_matches_transformers(models, name):
+    hf, ours = models
+    seq = Seq(ours, *prompt(hf.config, name))
+    n = len(seq.ids)
+    (logits,) = run_step(ours, new_cache(ours), [(seq.chunk(0, n), blocks_for(n), n)])
+    with torch.no_grad():
+        ref = hf(**seq.hf_kwargs()).logits[0]
+    assert logits.dtype == torch.float32 and logits.shape == (n, ours.vocab_size)
+    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
+
+
+def test_deepstack_features_are_used(models):
+    """The same prompt without the DeepStack columns gives other logits after the image: the levels
+    reach the decoder (and the test above compares something DeepStack changes)."""
+    hf, ours = models
+    seq = Seq(ours, *prompt(hf.config, "one_image"))
+    n = len(seq.ids)
+    embeds, positions, images = seq.chunk(0, n)
+    (full,) = run_step(ours, new_cache(ours), [((embeds, positions, images), blocks_for(n), n)])
+    zeroed = images.embeds.clone()
+    zeroed[:, ours.hidden_size:] = 0
+    (plain,) = run_step(ours, new_cache(ours), [((seq.embeds.clone(), positions, StepImages(images.rows, zeroed)),
+                                                 blocks_for(n), n)])
+    assert (full[-1] - plain[-1]).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="DeepStack levels"):
+        run_step(ours, new_cache(ours), [((embeds, positions, StepImages(images.rows, zeroed[:, :ours.hidden_size])),
+                                          blocks_for(n), n)])
+
+
+@pytest.mark.parametrize("split", [10, 20, 29])  # inside the first image: 2, 12 and 21 of its 24 rows
+def test_chunked_prefill_splitting_an_image_equals_one_prefill(models, split):
+    hf, ours = models
+    seq = Seq(ours, *prompt(hf.config, "two_images"))
+    n = len(seq.ids)
+    blocks = [5, 2, 7, 0, 9]
+    (full,) = run_step(ours, new_cache(ours), [(seq.chunk(0, n), blocks, n)])
+    kv = new_cache(ours)
+    run_step(ours, kv, [(seq.chunk(0, split), blocks, split)])
+    (rest,) = run_step(ours, kv, [(seq.chunk(split, n), blocks, n)])
+    torch.testing.assert_close(rest, full[split:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["text", "two_images"])
+def test_decode_matches_transformers_generate(models, name):
+    hf, ours = models
+    seq = Seq(ours, *prompt(hf.config, name))
+    n = len(seq.ids)
+    tokens, ref_logits = hf_generate(hf, seq, steps=4)
+    blocks = blocks_for(n + 4)
+    kv = new_cache(ours)
+    (logits,) = run_step(ours, kv, [(seq.chunk(0, n), blocks, n)])
+    assert int(logits[-1].argmax()) == tokens[0]
+    torch.testing.assert_close(logits[-1], ref_logits[0], atol=ATOL, rtol=0)
+    for step in range(1, 4):
+        (logits,) = run_step(ours, kv, [decode_item(ours, seq, tokens[step - 1], n + step - 1, blocks)])
+        assert int(logits[0].argmax()) == tokens[step]
+        torch.testing.assert_close(logits[0], ref_logits[step], atol=ATOL, rtol=0)
+
+
+def test_batched_prefill_then_batched_decode(models):
+    hf, ours = models
+    a = Seq(ours, *prompt(hf.config, "one_image"), seed=1)
+    b = Seq(ours, *prompt(hf.config, "image_at_start"), seed=2)
+    blocks_a, blocks_b = [3, 0, 6], [1, 4]  # 32 + 1 and 29 + 1 tokens
+    na, nb = len(a.ids), len(b.ids)
+    tok_a, ref_a = hf_generate(hf, a, steps=2)
+    tok_b, ref_b = hf_generate(hf, b, steps=2)
+    kv = new_cache(ours)
+    la, lb = run_step(ours, kv, [(a.chunk(0, na), blocks_a, na), (b.chunk(0, nb), blocks_b, nb)])
+    with torch.no_grad():
+        torch.testing.assert_close(la, hf(**a.hf_kwargs()).logits[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(lb, hf(**b.hf_kwargs()).logits[0], atol=ATOL, rtol=0)
+    da, db = run_step(ours, kv, [decode_item(ours, a, tok_a[0], na, blocks_a),
+                                 decode_item(ours, b, tok_b[0], nb, blocks_b)])
+    torch.testing.assert_close(da[0], ref_a[1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(db[0], ref_b[1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["text", "two_images"])
+def test_triton_kernel_set_prefill_matches_transformers(models, ckpt, name):
+    """The Triton kernel set (q/k norm fused into the in-kernel rotary, interleaved M-RoPE, varlen vision
+    attention); on the CPU through the interpreter."""
+    import os
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+    hf, _ = models
+    ours = build(ckpt, ops=make_ops("triton", torch.device("cpu")))
+    seq = Seq(ours, *prompt(hf.config, name))
+    n = len(seq.ids)
+    (logits,) = run_step(ours, new_cache(ours), [(seq.chunk(0, n), blocks_for(n), n)])
+    with torch.no_grad():
+        torch.testing.assert_close(logits, hf(**seq.hf_kwargs()).logits[0], atol=ATOL, rtol=0)
+
+
+def test_model_attributes_and_parameter_groups(models):
+    hf, ours = models
+    text = hf.config.text_config
+    assert (ours.num_layers, ours.num_kv_heads, ours.head_dim, ours.hidden_size, ours.vocab_size) == (
+        text.num_hidden_layers, text.num_key_value_heads, text.head_dim, text.hidden_size, text.vocab_size)
+    assert ours.head_dim != ours.hidden_size // text.num_attention_heads  # Qwen3's own head_dim is used
+    assert ours.decoder_config.qk_norm and ours.decoder_config.mrope_interleaved
+    assert ours.deepstack_levels == 2 and not any(p.requires_grad for p in ours.parameters())
+    groups = ours.parameter_groups()
+    projector = sum(p.numel() for p in groups["projector"])
+    assert projector == sum(p.numel() for n, p in hf.model.visual.named_parameters() if "merger" in n)
+    total = sum(p.numel() for g in groups.values() for p in g)
+    assert total == sum(p.numel() for p in hf.parameters())
+
+
+def test_load_weights_errors(models, ckpt):
+    hf, _ = models
+    weights = dict(iter_safetensors(ckpt, show_progress=False))
+    fresh = lambda: Qwen3VLForCausalLM(hf.config)  # noqa: E731
+    name = "model.language_model.layers.1.self_attn.q_norm.weight"
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        fresh().load_weights({k: v for k, v in weights.items() if k != name}.items())
+    name = "model.visual.deepstack_merger_list.1.norm.weight"
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + r".*\[4\].*\[128\]"):
+        fresh().load_weights(dict(weights, **{name: torch.zeros(4)}).items())
+    qwen2_text = copy.deepcopy(hf.config)
+    qwen2_text.text_config.model_type = "qwen2"  # a Qwen2 LLM has no q/k norm to load
+    with pytest.raises(CheckpointError, match="not a Qwen3 LLM"):
+        Qwen3VLForCausalLM(qwen2_text, device="meta")
+
+
+def test_published_layout_and_sharded_files_load_the_same(models, tmp_path_factory):
+    """The published config.json (text_config.rope_scaling + rope_theta), several safetensors files and
+    the flat preprocessor config, same seed: same decoder config, same weights."""
+    _, ours = models
+    flat = make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_vl_flat"), family="qwen3_vl", config_layout="flat",
+                                preprocessor_layout="flat", max_shard_size="200KB")
+    assert len(list(flat.glob("*.safetensors"))) > 1
+    other = build(flat)
+    assert other.decoder_config == ours.decoder_config
+    for (n1, p1), (n2, p2) in zip(ours.named_parameters(), other.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2)
+
+
+def test_tied_lm_head(tmp_path_factory):
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_vl_tied"), family="qwen3_vl", tie_word_embeddings=True)
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    ours = build(ckpt)
+    assert ours.decoder.lm_head is None
+    seq = Seq(ours, *prompt(hf.config, "one_image"))
+    n = len(seq.ids)
+    (logits,) = run_step(ours, new_cache(ours), [(seq.chunk(0, n), blocks_for(n), n)])
+    with torch.no_grad():
+        torch.testing.assert_close(logits, hf(**seq.hf_kwargs()).logits[0], atol=ATOL, rtol=0)
+
+
+def test_a_tower_without_deepstack_levels(tmp_path_factory):
+    """deepstack_visual_indexes [] (the config allows it): image rows are hidden wide, nothing is added."""
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_vl_no_deepstack"), family="qwen3_vl",
+                                deepstack_visual_indexes=())
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    ours = build(ckpt)
+    seq = Seq(ours, *prompt(hf.config, "two_images"))
+    assert ours.deepstack_levels == 0 and seq.image_embeds.shape[1] == ours.hidden_size
+    n = len(seq.ids)
+    (logits,) = run_step(ours, new_cache(ours), [(seq.chunk(0, n), blocks_for(n), n)])
+    with torch.no_grad():
+        torch.testing.assert_close(logits, hf(**seq.hf_kwargs()).logits[0], atol=ATOL, rtol=0)
