@@ -20,13 +20,21 @@ from vlm_sdk.errors import InvalidRequestError
 
 @dataclass(frozen=True)
 class Setting:
-    """One family setting. Values are positive integers of at most `maximum` (the only kind the two
-    families need); `default` None means "the checkpoint's" (its preprocessor config)."""
+    """One family setting. Values are positive integers of at most `maximum` (the only kind the
+    families need); `default` None means "the checkpoint's" (its preprocessor config). `detail` is the
+    part of the help true of this family only (e.g. "a multiple of 28x28"): several families may
+    declare one setting name, and its flag's help (`registry.engine_settings`) then gives each
+    family's detail beside its name."""
     name: str
     help: str
     type: type = int
     default: Any = None
     maximum: int | None = None
+    detail: str = ""
+
+    @property
+    def full_help(self) -> str:
+        return f"{self.help}; {self.detail}" if self.detail else self.help
 
     def check(self, value: Any, where: str = "") -> Any:
         """`value` when valid; `InvalidRequestError` (param = the setting's name) otherwise."""
@@ -92,6 +100,8 @@ class FamilySpec(ABC):
                           ("max_dynamic_patch", "max_dynamic_patch"); the plan flag is `--<plan option>`.
                           One vocabulary: the plan option IS the engine setting's name, so a fix
                           `plan` prints pastes into `vlm-sdk serve` and `LLM(...)`
+        bench_image_sizes (width, height) of the `vlm-sdk bench` workload's images, used in turn: sizes
+                          that exercise the family's own image sizing (one tile, several tiles, ...)
     """
 
     name: str
@@ -99,6 +109,7 @@ class FamilySpec(ABC):
     engine_settings: tuple[Setting, ...] = ()
     image_settings: tuple[Setting, ...] = ()
     plan_setting: tuple[str, str]
+    bench_image_sizes: tuple[tuple[int, int], ...]
 
     # -- classes (imported when asked for: importing the spec imports no model code) -------------
     @property
@@ -151,6 +162,13 @@ class FamilySpec(ABC):
     def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int]:
         """(vision hidden size, vision MLP width) for the planner's vision activation estimate:
         rows of the largest image * (4 * hidden + 2 * MLP width) * dtype bytes."""
+
+    # -- benchmarks (transformers needed) ---------------------------------------------------------
+    @abstractmethod
+    def benchmark_preprocessing(self, preprocessor: Mapping[str, Any], hf_config: Any, images: list) -> dict:
+        """This family's image preprocessing, configured by the checkpoint (preprocessor_config.json as a
+        dict, hf_config), against transformers' on the same PIL `images`: at least `ours_ms_per_image`,
+        `transformers_ms_per_image` and `max_abs_diff` (`models/common/reference.pixel_report`)."""
 
     # -- test fixtures (transformers needed) -------------------------------------------------------
     @abstractmethod

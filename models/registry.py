@@ -6,6 +6,7 @@ registry imports no family; `resolve` imports only the family it returns.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from vlm_sdk.errors import CheckpointError, InvalidRequestError
 
 if TYPE_CHECKING:  # families import the registry's siblings, never the reverse at run time
-    from vlm_sdk.models.family import FamilySpec
+    from vlm_sdk.models.family import FamilySpec, Setting
 
 
 @dataclass(frozen=True)
@@ -61,14 +62,32 @@ def resolve(architectures: list[str]) -> FamilySpec:
                           f"supported: {', '.join(supported_architectures())}")
 
 
-def engine_settings() -> dict[str, Any]:
-    """Setting name -> its `Setting`, over every family's engine settings (the first family to
-    declare a name gives its schema)."""
-    out: dict[str, Any] = {}
+def engine_settings() -> dict[str, Setting]:
+    """Setting name -> one schema over every family declaring it (the flags are made from these): the
+    first declaring family's check, and a help true for each family (`shared_setting`)."""
+    declared: dict[str, list[tuple[FamilySpec, Setting]]] = {}
     for fam in families():
         for s in fam.engine_settings:
-            out.setdefault(s.name, s)
-    return out
+            declared.setdefault(s.name, []).append((fam, s))
+    return {name: shared_setting(pairs) for name, pairs in declared.items()}
+
+
+def shared_setting(declared: list[tuple[FamilySpec, Setting]]) -> Setting:
+    """The schema of one setting name from its (family, Setting) declarations: the common help once,
+    then each distinct `detail` with the families that declare it ("a multiple of 28x28
+    (Qwen2.5-VL); a multiple of 32x32 (Qwen3-VL)"); where the helps themselves differ, each family's
+    whole help beside its name. A help one family wrote never speaks for another."""
+    first = declared[0][1]
+    if len({s.help for _, s in declared}) > 1:
+        text = "; ".join(f"{fam.display_name}: {s.full_help}" for fam, s in declared)
+    elif len({s.detail for _, s in declared}) == 1:
+        text = first.full_help
+    else:
+        owners: dict[str, list[str]] = {}
+        for fam, s in declared:
+            owners.setdefault(s.detail, []).append(fam.display_name)
+        text = first.help + "; " + "; ".join(f"{d} ({', '.join(names)})" for d, names in owners.items() if d)
+    return dataclasses.replace(first, help=text, detail="")
 
 
 def plan_settings() -> dict[str, tuple[FamilySpec, str]]:

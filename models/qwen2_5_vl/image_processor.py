@@ -174,17 +174,21 @@ class Qwen2VLImageProcessor:
         return ImageInput(pixel_values, gh * gw // (m * m), QwenImage((1, gh, gw)))
 
 
-def benchmark_against_transformers(images: list[Image.Image], repeats: int = 3) -> dict:
+def benchmark_against_transformers(images: list[Image.Image], repeats: int = 3,
+                                   ours: Qwen2VLImageProcessor | None = None) -> dict:
     """Time this processor against transformers' `Qwen2VLImageProcessorPil` on the same images.
 
-    Ours is timed one call per image (how the engine uses it); transformers is timed on the whole
-    list in one call, its fastest path. Each figure is the best of `repeats` passes.
+    `ours` (default: the published Qwen2.5-VL settings) is a configured processor, e.g. a checkpoint's;
+    transformers' gets the same pixel bounds, patch geometry and normalisation, so a subclass with
+    another patch size (Qwen3-VL's 16) is compared with transformers at that size. Ours is timed one
+    call per image (how the engine uses it); transformers is timed on the whole list in one call, its
+    fastest path. Each figure is the best of `repeats` passes.
     """
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     if not images:
         raise ValueError("benchmark_against_transformers needs at least one image.")
-    ours = Qwen2VLImageProcessor()
+    ours = ours or Qwen2VLImageProcessor()
     theirs = Qwen2VLImageProcessorPil(
         min_pixels=ours.min_pixels, max_pixels=ours.max_pixels, patch_size=ours.patch_size,
         temporal_patch_size=ours.temporal_patch_size, merge_size=ours.merge_size,
@@ -199,7 +203,7 @@ def benchmark_against_transformers(images: list[Image.Image], repeats: int = 3) 
     grids_match = ours_grids == theirs_out["image_grid_thw"].tolist()
     theirs_pixels = theirs_out["pixel_values"]  # [sum(gh*gw), 3*T*p*p]
     report = pixel_report(ours_s, theirs_s, ours_pixels, theirs_pixels, grids_match, len(images))
-    return {**report, "grids_match": grids_match}
+    return {**report, "grids_match": grids_match, "patch_size": ours.patch_size}
 
 
 def max_image_grid(image_processor, max_pixels: int) -> tuple[int, int, int]:

@@ -35,6 +35,20 @@ def test_bench_json_on_tiny_model(tiny_ckpt, capsys):
     assert report["ours"]["stats"]["kv_blocks_used"] == 0
 
 
+def test_bench_json_on_tiny_qwen3_vl(tiny_checkpoints, capsys):
+    """The bench reaches the family only through its spec: its image sizes and its preprocessing
+    hook, which compares with transformers at Qwen3-VL's patch 16."""
+    ckpt = tiny_checkpoints("qwen3_vl")
+    assert main(["bench", "--model", str(ckpt), "--num-requests", "2", "--hf-batch-size", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["family"] == "qwen3_vl" and report["image_sizes"] == [[448, 448]]
+    assert report["ours"]["tokens_per_s"] > 0 and report["transformers"]["tokens_per_s"] > 0
+    pre = report["preprocess"]
+    assert pre["max_abs_diff"] <= 1e-6 and pre["grids_match"] and pre["patch_size"] == 16
+    assert 2 * 196 < report["ours"]["prompt_tokens"] < 2 * 196 + 100  # 448 / 32 = 14: 14 * 14 tokens
+    assert report["identical_greedy_share"] == 1.0
+
+
 def test_chat_without_model_on_the_tiny_internvl(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("VLM_SDK_CACHE", str(tmp_path))
     assert main(["chat", "--family", "internvl", "--image", SAMPLE, "--max-tokens", "4", "What is it?"]) == 0

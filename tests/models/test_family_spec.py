@@ -37,6 +37,7 @@ def test_every_family_provides_the_spec(name):
     for cls in (fam.model_cls, fam.processor_cls, fam.image_processor_cls):
         assert isinstance(cls, type)
     assert fam.model_cls.position_rows in (1, 3)
+    assert fam.bench_image_sizes and all(w > 0 and h > 0 for w, h in fam.bench_image_sizes)
     assert callable(fam.reference.hf_prompt) and callable(fam.reference.hf_image_processor)
 
 
@@ -145,9 +146,11 @@ def test_shared_code_names_no_family():
     from vlm_sdk import kernels
     root = Path(vlm_sdk.__file__).parent
     # every shared module: all of vlm_sdk/ but the benchmarks (the GPU bench is a Qwen2.5-VL-3B figure by
-    # design) and the test fixtures, plus the family-neutral parts of models/ and all of kernels/
+    # design) and the test fixtures, plus the family-neutral parts of models/ and all of kernels/; the
+    # engine bench (`vlm-sdk bench --family F`) serves every family, so it is shared code too
     models = Path(registry.__file__).parent
     files = [p for p in root.rglob("*.py") if p.relative_to(root).parts[0] not in ("bench", "testing")]
+    files += [root / "bench" / "engine.py"]
     files += [models / "base.py", models / "family.py", *(models / "common").glob("*.py"),
               *Path(kernels.__file__).parent.glob("*.py")]
     words = {s.name for f in registry.families() for s in f.engine_settings + f.image_settings}
@@ -192,3 +195,35 @@ def test_a_family_setting_given_twice_must_agree():
     assert e.value.param == "max_pixels"
     with pytest.raises(InvalidRequestError, match="mm_processor_kwargs must be a mapping"):
         registry.engine_args(mm_processor_kwargs=[("max_pixels", 1)])
+
+
+def test_a_setting_several_families_declare_has_a_help_true_for_each():
+    """`--max-pixels` is Qwen2.5-VL's (28x28 cells) and Qwen3-VL's (32x32): the flag names both units,
+    each beside its family, and says the common part once."""
+    max_pixels = registry.engine_settings()["max_pixels"].help
+    owners = [f for f in registry.families() if "max_pixels" in {s.name for s in f.engine_settings}]
+    assert len(owners) >= 2
+    for fam in owners:
+        own = next(s for s in fam.engine_settings if s.name == "max_pixels")
+        assert f"{own.detail} ({fam.display_name}" in max_pixels or f", {fam.display_name}" in max_pixels
+    assert max_pixels.count("resized to at most") == 1
+    assert "28x28 pixels (Qwen2.5-VL)" in max_pixels and "32x32 pixels (Qwen3-VL)" in max_pixels
+
+
+def test_shared_setting_merges_details_and_keeps_differing_helps_apart():
+    class A:
+        display_name = "A"
+
+    class B:
+        display_name = "B"
+
+    class C:
+        display_name = "C"
+    same = Setting("n", "count", detail="even")
+    assert registry.shared_setting([(A, same)]).help == "count; even"
+    assert registry.shared_setting([(A, same), (B, same)]).help == "count; even"
+    odd = Setting("n", "count", detail="odd", maximum=9)
+    merged = registry.shared_setting([(A, same), (B, odd), (C, same)])
+    assert merged.help == "count; even (A, C); odd (B)" and merged.maximum is None  # the first's check
+    other = Setting("n", "tiles", detail="square")
+    assert registry.shared_setting([(A, same), (B, other)]).help == "A: count; even; B: tiles; square"

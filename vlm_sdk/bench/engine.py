@@ -1,11 +1,12 @@
 """`vlm-sdk bench`: our engine against transformers `generate`, in one process, same checkpoint.
 
 Workload: N requests, each one image and a short question, max_tokens spread evenly over 16..128,
-greedy, eos ignored so both sides produce exactly max_tokens tokens per request. Qwen2.5-VL: every
-image 448x448. InternVL: 448x448 and 1920x1080 in turn (1 tile, and 2 tiles + thumbnail at max_num
-6). Ours gets all requests at once (continuous batching); transformers runs static batches (left
-padded), each generating until its longest request is done. Both timings include image
-preprocessing and tokenization. Tokens/s counts only the tokens each request asked for.
+greedy, eos ignored so both sides produce exactly max_tokens tokens per request. The images take the
+family's `bench_image_sizes` in turn (Qwen2.5-VL and Qwen3-VL: every image 448x448; InternVL:
+448x448 and 1920x1080, 1 tile and 2 tiles + thumbnail at max_num 6); the preprocessing comparison
+is the family's `benchmark_preprocessing` hook. Ours gets all requests at once (continuous
+batching); transformers runs static batches (left padded), each generating until its longest
+request is done. Both timings include image preprocessing and tokenization. Tokens/s counts only the tokens each request asked for.
 """
 from __future__ import annotations
 
@@ -30,13 +31,9 @@ def _images(sizes: list[tuple[int, int]], seed: int = 0) -> list[Image.Image]:
     return images
 
 
-IMAGE_SIZES = {"qwen2_5_vl": [(448, 448)], "internvl": [(448, 448), (1920, 1080)]}
-
-
-def _workload(n: int, family: str):
+def _workload(n: int, sizes: list[tuple[int, int]]):
     questions = ["What is in this image?", "Describe the picture.", "What colours do you see?",
                  "Is there any text?"]
-    sizes = IMAGE_SIZES[family]
     images = _images([sizes[i % len(sizes)] for i in range(n)])
     max_tokens = [int(round(x)) for x in np.linspace(16, 128, n)]
     random.Random(0).shuffle(max_tokens)
@@ -46,34 +43,24 @@ def _workload(n: int, family: str):
     return images, convs, max_tokens
 
 
-def _preprocess_report(family: str, model_dir: str, images: list[Image.Image]) -> dict:
-    """Our image preprocessing against transformers' on the workload's images (pixels and time)."""
-    if family == "internvl":
-        from vlm_sdk.model_loader import read_checkpoint
-        from vlm_sdk.models.internvl.image_processor import InternVLImageProcessor, benchmark_against_transformers
-        info = read_checkpoint(model_dir)
-        max_num = InternVLImageProcessor.from_preprocessor_config(info.preprocessor, info.hf_config).max_num
-        return {**benchmark_against_transformers(images, max_num=max_num), "max_num": max_num}
-    from vlm_sdk.models.qwen2_5_vl.image_processor import benchmark_against_transformers
-    return benchmark_against_transformers(images)
-
-
 def run_benchmark(args) -> int:
     from vlm_sdk.demo_checkpoint import tiny_model_dir
     from vlm_sdk.model_loader import read_checkpoint
     from vlm_sdk.models.registry import resolve
 
     model_dir = args.model or str(tiny_model_dir("bench", args.family))
-    family = resolve([read_checkpoint(model_dir).architecture]).name
-    images, convs, max_tokens = _workload(args.num_requests, family)
+    info = read_checkpoint(model_dir)
+    spec = resolve([info.architecture])
+    family, image_sizes = spec.name, [tuple(size) for size in spec.bench_image_sizes]
+    images, convs, max_tokens = _workload(args.num_requests, image_sizes)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     report: dict = {"model": model_dir, "family": family, "device": device, "num_requests": args.num_requests,
-                    "image_sizes": IMAGE_SIZES[family], "max_tokens": max_tokens,
+                    "image_sizes": image_sizes, "max_tokens": max_tokens,
                     "torch_threads": torch.get_num_threads()}
 
     if args.tensor_parallel_size > 1:
         return _run_tp_comparison(args, report, convs, max_tokens)
-    report["preprocess"] = _preprocess_report(family, model_dir, images)
+    report["preprocess"] = spec.benchmark_preprocessing(info.preprocessor, info.hf_config, images)
 
     report["ours"] = _timed_engine(model_dir, device, convs, max_tokens)
     ours_tokens = report["ours"].pop("tokens")
@@ -91,7 +78,7 @@ def run_benchmark(args) -> int:
         print(json.dumps(report, indent=2, default=str))
     else:
         pre = report["preprocess"]
-        sizes = " and ".join(f"{w}x{h}" for w, h in IMAGE_SIZES[family])
+        sizes = " and ".join(f"{w}x{h}" for w, h in image_sizes)
         print(f"model {model_dir} ({family}) on {device}, {torch.get_num_threads()} threads, {args.num_requests} "
               f"requests with {sizes} images ({report['ours']['prompt_tokens']} prompt tokens), "
               f"max_tokens {min(max_tokens)}..{max(max_tokens)} ({useful} tokens in all)")

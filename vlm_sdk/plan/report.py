@@ -102,10 +102,11 @@ def add_plan_parser(sub) -> None:
                      "weights and activations, and set aside before --memory-utilization sizes the KV cache")
     for name in ("num-blocks", "block-size", "max-model-len", "max-num-seqs", "max-num-batched-tokens"):
         cmd.add_argument(f"--{name}", type=int, help=_HELP[name])
-    for name, (family, setting) in registry.plan_settings().items():  # each family's image option
-        schema = next(s for s in family.engine_settings if s.name == setting)
-        cmd.add_argument(f"--{name.replace('_', '-')}", type=schema.type,
-                         help=f"{family.display_name} only: {schema.help} (the engine setting {setting}, as in "
+    schemas = registry.engine_settings()  # one help true for every family declaring a setting
+    for name, (_, setting) in registry.plan_settings().items():  # each family's image option
+        owners = " / ".join(f.display_name for f in registry.families() if f.plan_setting[0] == name)
+        cmd.add_argument(f"--{name.replace('_', '-')}", type=schemas[setting].type,
+                         help=f"{owners} only: {schemas[setting].help} (the engine setting {setting}, as in "
                               f"vlm-sdk serve and LLM(...))")
     cmd.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int,
                      help="tensor-parallel ranks: figures are per rank, as the engine's start-up report shows them")
