@@ -165,3 +165,43 @@ def round_up(n: int, multiple: int) -> int:
 
 def write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False) + "\n", encoding="utf-8")
+
+def save_random_model(model_cls, config, out: Path, *, seed: int, init_std: float, dtype, max_shard_size,
+                      norm_std: float | None) -> None:
+    """Build transformers' `model_cls(config)`, `redraw` its weights and save it (tied heads saved equal)."""
+    import torch
+
+    with no_hf_progress_bars():
+        model = model_cls(config)
+        redraw(model, seed, init_std, norm_std)
+        if config.tie_word_embeddings:
+            # transformers 5 keeps two parameters here; equal values make the checkpoint truly tied
+            with torch.no_grad():
+                model.lm_head.weight.copy_(model.get_input_embeddings().weight)
+        model.to(dtype)
+        kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+        model.save_pretrained(out, **kwargs)
+
+
+def redraw(model, seed: int, init_std: float, norm_std: float | None) -> None:
+    """Matrices (embeddings, convs, position grids) ~ N(0, init_std); biases ~ N(0, 0.02); other 1-D
+    parameters (norm weights, layer scales) = 1 + N(0, norm_std), so that one loaded into the wrong place
+    shows, or exactly 1 with `norm_std` None (no draw). transformers' own init (std 0.02) gives
+    near-constant greedy tokens; 0.2 makes them vary. A private generator keeps the global RNG untouched;
+    named_parameters' order is fixed, so a seed gives the same checkpoint every time."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied parameters appear once
+            if p.ndim < 2 and not name.endswith("bias") and norm_std is None:
+                p.fill_(1.0)
+                continue
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if p.ndim >= 2:
+                p.copy_(noise * init_std)
+            elif name.endswith("bias"):
+                p.copy_(noise * 0.02)
+            else:
+                p.copy_(1.0 + norm_std * noise)
+

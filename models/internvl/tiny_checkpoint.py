@@ -31,8 +31,8 @@ from vlm_sdk.models.internvl.tiny_checkpoint_original import (_IMAGENET_MEAN, _I
                                                             INTERNVL_TOKENIZER_ATTRIBUTES, _llm_layout_for,
                                                             convert_to_original_layout)
 from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, TEXT_DEFAULTS, build_tokenizer,
-                                                   no_hf_progress_bars,
-                                                   round_up, write_json, write_tokenizer)
+                                                   no_hf_progress_bars, redraw, round_up, write_json,
+                                                   write_tokenizer)
 
 __all__ = [
     "make_tiny_internvl_checkpoint", "make_bench_internvl_checkpoint", "convert_to_original_layout",
@@ -272,7 +272,7 @@ def _save_model(config, out: Path, *, seed: int, init_std: float, dtype: torch.d
         with no_init_weights():  # every parameter is redrawn below; skips ~4 s on the bench shape
             model = InternVLForConditionalGeneration(config)
         model.tie_weights()  # no_init_weights also skips the tying post_init does
-        _redraw(model, seed, init_std)
+        redraw(model, seed, init_std, norm_std=0.1)
         if config.tie_word_embeddings:
             emb, head = model.get_input_embeddings().weight, model.lm_head.weight
             if head is not emb:  # transformers ties them to one parameter; keep equal values if it ever does not
@@ -281,18 +281,3 @@ def _save_model(config, out: Path, *, seed: int, init_std: float, dtype: torch.d
         model.to(dtype)
         kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
         model.save_pretrained(out, **kwargs)
-
-
-@torch.no_grad()
-def _redraw(model: torch.nn.Module, seed: int, init_std: float) -> None:
-    """Matrices ~ N(0, init_std); biases ~ N(0, 0.02); other 1-D parameters = 1 + 0.1 * N(0, 1), so a norm
-    weight or layer scale loaded into the wrong place (or not at all) changes the output."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():       # tied parameters appear once
-        noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-        if p.ndim >= 2:
-            p.copy_(noise * init_std)
-        elif name.endswith("bias"):
-            p.copy_(noise * 0.02)
-        else:
-            p.copy_(1.0 + 0.1 * noise)

@@ -16,8 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, TEXT_DEFAULTS, build_tokenizer,
-                                                   no_hf_progress_bars,
-                                                   round_up, write_json, write_tokenizer)
+                                                   round_up, save_random_model, write_json, write_tokenizer)
 
 # The chat template published with Qwen2-VL / Qwen2.5-VL Instruct.
 QWEN2_VL_CHAT_TEMPLATE = (
@@ -93,8 +92,9 @@ def make_tiny_qwen_checkpoint(path, seed: int = 0, **overrides) -> Path:
     out.mkdir(parents=True, exist_ok=True)
 
     tokenizer, ids, config = qwen_tokenizer_and_config(opts)
-    _save_model(config, out, seed=seed, init_std=float(opts["init_std"]), dtype=dtype,
-                max_shard_size=opts["max_shard_size"])
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    save_random_model(Qwen2_5_VLForConditionalGeneration, config, out, seed=seed, init_std=float(opts["init_std"]), dtype=dtype,
+                      max_shard_size=opts["max_shard_size"], norm_std=None)
 
     if opts["config_layout"] == "flat":
         nested = json.loads((out / "config.json").read_text())
@@ -242,39 +242,3 @@ def _preprocessor_config(min_pixels: int, max_pixels: int, layout: str) -> dict:
     return {**common, "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
             "resample": 3, "rescale_factor": 1 / 255,
             "size": {"longest_edge": max_pixels, "shortest_edge": min_pixels}}
-
-
-# ----------------------------------------------------------------------------------------------
-# weights
-
-def _save_model(config, out: Path, *, seed: int, init_std: float, dtype: torch.dtype, max_shard_size) -> None:
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    with no_hf_progress_bars():
-        model = Qwen2_5_VLForConditionalGeneration(config)
-        _redraw(model, seed, init_std)
-        if config.tie_word_embeddings:
-            # transformers 5 keeps two parameters here; equal values make the checkpoint truly tied
-            with torch.no_grad():
-                model.lm_head.weight.copy_(model.get_input_embeddings().weight)
-        model.to(dtype)
-        kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-        model.save_pretrained(out, **kwargs)
-
-
-@torch.no_grad()
-def _redraw(model: torch.nn.Module, seed: int, init_std: float) -> None:
-    """Matrices (embeddings and the conv included) ~ N(0, init_std); norms = 1; biases ~ N(0, 0.02).
-
-    transformers' own init (std 0.02) gives near-constant greedy tokens; 0.2 makes them vary.
-    A private generator keeps the global RNG untouched; named_parameters' order is fixed.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():       # tied parameters appear once
-        if p.ndim >= 2:
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * init_std)
-        elif name.endswith("bias"):
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02)
-        else:
-            p.fill_(1.0)
-

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import torch
 
 from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, TEXT_DEFAULTS, build_tokenizer,
-                                                   no_hf_progress_bars, round_up, write_json, write_tokenizer)
+                                                   round_up, save_random_model, write_json, write_tokenizer)
 
 # The chat template published with Qwen3-VL Instruct, its tool-call branches left out: no default
 # system prompt; a first system message's text parts; then user turns (images, videos, text) and
@@ -116,8 +116,9 @@ def make_tiny_qwen3_vl_checkpoint(path, seed: int = 0, **overrides) -> Path:
     if vocab_size < n_tokens:
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({n_tokens} tokens)")
     config = _config(opts, vocab_size, ids)
-    _save_model(config, out, seed=seed, init_std=float(opts["init_std"]), dtype=dtype,
-                max_shard_size=opts["max_shard_size"])
+    from transformers import Qwen3VLForConditionalGeneration
+    save_random_model(Qwen3VLForConditionalGeneration, config, out, seed=seed, init_std=float(opts["init_std"]), dtype=dtype,
+                      max_shard_size=opts["max_shard_size"], norm_std=0.1)
     if opts["config_layout"] == "flat":
         write_json(out / "config.json", _published_config(json.loads((out / "config.json").read_text())))
 
@@ -224,34 +225,3 @@ def _preprocessor_config(min_pixels: int, max_pixels: int, layout: str) -> dict:
     if layout == "flat":
         return {**common, "min_pixels": min_pixels, "max_pixels": max_pixels}
     return {**common, "size": {"longest_edge": max_pixels, "shortest_edge": min_pixels}}
-
-
-def _save_model(config, out: Path, *, seed: int, init_std: float, dtype: torch.dtype, max_shard_size) -> None:
-    from transformers import Qwen3VLForConditionalGeneration
-
-    with no_hf_progress_bars():
-        model = Qwen3VLForConditionalGeneration(config)
-        _redraw(model, seed, init_std)
-        if config.tie_word_embeddings:
-            # transformers 5 keeps two parameters here; equal values make the checkpoint truly tied
-            with torch.no_grad():
-                model.lm_head.weight.copy_(model.get_input_embeddings().weight)
-        model.to(dtype)
-        kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-        model.save_pretrained(out, **kwargs)
-
-
-@torch.no_grad()
-def _redraw(model: torch.nn.Module, seed: int, init_std: float) -> None:
-    """Matrices (embeddings, the patch conv, the position grid) ~ N(0, init_std); biases ~ N(0, 0.02);
-    norm weights (RMSNorm, LayerNorm, q/k norm) ~ 1 + N(0, 0.1), so that a norm applied with the wrong
-    weight shows. transformers' own init (std 0.02) gives near-constant greedy tokens; 0.2 makes them
-    vary. A private generator keeps the global RNG untouched; named_parameters' order is fixed."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():       # tied parameters appear once
-        if p.ndim >= 2:
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * init_std)
-        elif name.endswith("bias"):
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02)
-        else:
-            p.copy_(1.0 + torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.1)
