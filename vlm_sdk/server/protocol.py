@@ -28,6 +28,27 @@ UNSUPPORTED = {  # field -> the values that mean "off", which are all we can hon
     "functions": (None,),
     "audio": (None,),
 }
+# the rest of OpenAI's chat request (openai's CompletionCreateParams; README "Request fields") that this
+# server cannot honour, refused rather than dropped: a client that asked for tools, JSON or audio must
+# not take free text for an answer. Values listed are those that ask for nothing beyond plain text.
+UNSUPPORTED.update({
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),  # until structured outputs land
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),  # no served family has a reasoning budget to set
+    "verbosity": (None,),
+    "moderation": (None,),
+    "store": (None, False),  # nothing is stored: there is no API to fetch a completion back
+    "service_tier": (None, "auto", "default"),
+    "prompt_cache_retention": (None, "in_memory"),  # the prefix cache lives in memory only
+    "prompt_cache_options": (None,),  # breakpoints and TTLs: the prefix cache is automatic
+})
+# accepted and without effect by their definition: metadata and user ids tag a request (nothing is
+# stored or billed), prompt_cache_key routes to a cache (ours matches any shared prefix by content),
+# parallel_tool_calls only concerns tools (refused above)
+ACCEPTED_TAGS = ("metadata", "user", "safety_identifier", "prompt_cache_key", "parallel_tool_calls")
 
 
 class APIError(Exception):

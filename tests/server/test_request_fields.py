@@ -1,0 +1,98 @@
+"""Every field of OpenAI's chat request (the installed `openai` package's `CompletionCreateParams`) is
+honoured or refused with 400 unsupported_parameter naming it: none is dropped in silence. A field the
+openai package adds later fails `test_every_field_is_classified` until it is given a row here."""
+import typing
+
+import pytest
+from openai.types.chat import completion_create_params
+
+from vlm_sdk.server.protocol import APIError, parse_chat_request
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+BASE = {"model": "m", "messages": MESSAGES}
+
+# honoured: a value the server acts on (or, for tags, accepts by definition: see protocol.ACCEPTED_TAGS)
+HONOURED = {
+    "messages": MESSAGES, "model": "m", "max_tokens": 5, "max_completion_tokens": 5, "temperature": 0.5,
+    "top_p": 0.9, "seed": 3, "stop": ["x"], "stream": True, "stream_options": {"include_usage": True},
+    "metadata": {"k": "v"}, "user": "u1", "safety_identifier": "s1", "prompt_cache_key": "k",
+    "parallel_tool_calls": False, "tool_choice": "none", "function_call": "none",
+    "response_format": {"type": "text"}, "modalities": ["text"], "store": False, "service_tier": "auto",
+    "prompt_cache_retention": "in_memory",
+}
+# refused: a value that asks for what this server cannot do
+REFUSED = {
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    "tool_choice": "required", "functions": [{"name": "f"}], "function_call": "auto",
+    "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
+    "response_format": {"type": "json_object"}, "prediction": {"type": "content", "content": "x"},
+    "web_search_options": {}, "reasoning_effort": "low", "verbosity": "low",
+    "moderation": {"model": "omni-moderation-latest"}, "store": True, "service_tier": "flex",
+    "prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": "30m"},
+}
+# sampling fields other branches of issue 17 implement: refused until they land, honoured after
+ELSEWHERE = {"n": 2, "logprobs": True, "top_logprobs": 3, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+             "logit_bias": {"1": 5}}
+
+
+def _openai_fields() -> set[str]:
+    return set(typing.get_type_hints(completion_create_params.CompletionCreateParamsBase))
+
+
+def _parse(body):
+    return parse_chat_request(body, "m", max_model_len=100, limit_images=4)
+
+
+def test_every_field_is_classified():
+    fields = _openai_fields()
+    assert "tools" in fields and "response_format" in fields  # the field list really is OpenAI's
+    missing = sorted(fields - set(HONOURED) - set(REFUSED) - set(ELSEWHERE))
+    assert not missing, f"OpenAI chat fields neither honoured nor refused here: {missing}"
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_field_is_a_400_naming_it(name):
+    with pytest.raises(APIError) as e:
+        _parse({**BASE, name: REFUSED[name]})
+    assert e.value.status == 400
+    body = e.value.body()["error"]
+    assert (body["code"], body["param"], body["type"]) == ("unsupported_parameter", name, "invalid_request_error")
+    assert repr(name) in body["message"] or f"'{name}'" in body["message"]
+
+
+@pytest.mark.parametrize("name", sorted(HONOURED))
+def test_honoured_field_is_accepted(name):
+    _parse({**BASE, name: HONOURED[name]})
+
+
+def test_honoured_fields_reach_the_request():
+    req = _parse({**BASE, "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3,
+                  "stop": ["x"], "stream": True, "stream_options": {"include_usage": True}})
+    p = req.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.seed, tuple(p.stop)) == (7, 0.5, 0.9, 3, ("x",))
+    assert req.stream and req.include_usage
+
+
+@pytest.mark.parametrize("name", sorted(ELSEWHERE))
+def test_sampling_field_is_honoured_or_refused(name):
+    try:
+        _parse({**BASE, name: ELSEWHERE[name]})
+    except APIError as e:
+        assert (e.status, e.param, e.code) == (400, name, "unsupported_parameter")
+
+
+def test_json_mode_over_http_is_a_400_through_the_openai_client(tiny_ckpt):
+    """What the issue's user saw: response_format json_object answered 200 with free text."""
+    import openai
+
+    from vlm_sdk.server.background import BackgroundServer
+    from vlm_sdk.server.config import ServerConfig
+    with BackgroundServer(tiny_ckpt, ServerConfig(port=0, served_model_name="tiny"), num_blocks=8,
+                          allow_unfit_images=True) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                           response_format={"type": "json_object"})
+        assert e.value.code == "unsupported_parameter" and e.value.param == "response_format"
+        ok = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, user="u1")
+        assert ok.choices[0].finish_reason == "length"
