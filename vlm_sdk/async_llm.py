@@ -70,7 +70,7 @@ class _Stream:
 class AsyncLLM:
     def __init__(self, model: str, **engine_args):
         self.engine = LLMEngine(str(model), make_engine_args(**engine_args))
-        self.output_processor = OutputProcessor(load_tokenizer(str(model)))
+        self.output_processor = OutputProcessor(load_tokenizer(self.engine.checkpoint.model_dir))
         self._commands: queue.Queue = queue.Queue()
         # keyed by a unique engine id, so a reused user id never receives an older request's outputs
         self._streams: dict[str, _Stream] = {}

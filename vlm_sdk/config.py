@@ -98,6 +98,8 @@ class EngineArgs:
     # settings, and everything before them; a prompt that starts the same way reuses them
     enable_prefix_caching: bool = True
     encoder_cache_memory: int | str = DEFAULT_ENCODER_CACHE_MEMORY  # bytes, or "256MiB"; 0: no encoder cache
+    # the branch, tag or commit of a model given as a Hub id ("Org/Name"; vlm_sdk/hub.py); None: main
+    revision: str | None = None
 
     def __post_init__(self):
         """Resolve the two settings that have a user-facing spelling and a working value."""

@@ -177,6 +177,18 @@ class CheckpointError(VLMError):
     unexpected or mis-shaped tensor. The message names the file or tensor."""
 
 
+class ModelNotFoundError(CheckpointError):
+    """A model given as a Hugging Face Hub id ("Org/Name") that cannot be had: not in the hub cache
+    while offline, not on the Hub, gated, or at an unknown revision. The message says where it looked
+    (`cache_dir`) and what to do."""
+
+    def __init__(self, message: str, repo_id: str, revision: str | None, cache_dir: str):
+        super().__init__(message)
+        self.repo_id = repo_id
+        self.revision = revision
+        self.cache_dir = cache_dir
+
+
 class EngineDeadError(VLMError):
     """The engine loop stopped after an internal failure; the message carries the original cause."""
 

@@ -22,7 +22,7 @@ class LLM:
 
     def __init__(self, model: str, **engine_args):
         self.engine = LLMEngine(str(model), make_engine_args(**engine_args))
-        self.output_processor = OutputProcessor(load_tokenizer(str(model)))
+        self.output_processor = OutputProcessor(load_tokenizer(self.engine.checkpoint.model_dir))
         # an LLM dropped without shutdown() still ends its rank processes when it is collected
         weakref.finalize(self, self.engine.shutdown)
 

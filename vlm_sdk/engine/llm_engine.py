@@ -30,6 +30,7 @@ from vlm_sdk.engine.scheduler import ScheduledBatch, Scheduler
 from vlm_sdk.engine.sequence import Sequence
 from vlm_sdk.errors import InvalidRequestError, fixes_text
 from vlm_sdk.executor import make_executor
+from vlm_sdk.hub import resolve_model
 from vlm_sdk.model_loader import load_tokenizer, read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import PromptInputs
@@ -44,6 +45,7 @@ logger = logging.getLogger("vlm_sdk")
 class LLMEngine:
     def __init__(self, model: str, args: EngineArgs):
         self.args = args
+        model = resolve_model(model, args.revision)  # a Hub id -> its snapshot directory
         info = read_checkpoint(model)
         self.checkpoint = info
         family = resolve([info.architecture])

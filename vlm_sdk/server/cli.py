@@ -40,12 +40,13 @@ _ENGINE_HELP = {
                         "16777216 = 4096x4096; the Python API's 64000000)",
     "max_request_image_pixels": "the pixels of all of a request's images together, checked before any is decoded "
                                 "(serve's default 67108864; none in the Python API)",
+    "revision": "branch, tag or commit of a model given as a Hub id 'Org/Name' (default: main)",
     "allow_special_tokens_in_text": "read special tokens written in message text (<|im_end|>, ...) as control tokens; "
                                     "by default they are plain text, so a user cannot forge another role's turn",
 }
 _ALIASES = {"tensor_parallel_size": ("--tp",)}
 # flags whose EngineArgs default (None) does not tell their type; the rest follow their default's type
-_FLAG_TYPES = {"dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
+_FLAG_TYPES = {"revision": str, "dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
                "encoder_cache_memory": str, "memory_utilization": float}
 
 
@@ -79,12 +80,14 @@ def add_serve_parser(sub) -> None:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", help="HF-format checkpoint directory (default: the tiny random one)")
+    p.add_argument("model", nargs="?", help="HF-format checkpoint directory or Hugging Face Hub id 'Org/Name' "
+                                             "(default: the tiny random one)")
     d = ServerConfig()
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port, help="0 picks a free port (printed at start-up)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    p.add_argument("--served-model-name", default=None, help="name clients pass as 'model' (default: dir name)")
+    p.add_argument("--served-model-name", default=None, help="name clients pass as 'model' (default: the Hub id as given, "
+                                                                      "else the directory's name)")
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
     p.add_argument("--limit-images", type=int, default=d.limit_images, help="images per request")
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,

@@ -18,11 +18,11 @@ import asyncio
 import logging
 import signal
 import sys
-from pathlib import Path
 
 from aiohttp import web
 
 from vlm_sdk.async_llm import AsyncLLM
+from vlm_sdk.hub import display_name
 from vlm_sdk.server.app import OpenAIServer
 from vlm_sdk.server.config import ServerConfig, server_engine_args
 from vlm_sdk.server.connections import LimitedAppRunner
@@ -36,7 +36,7 @@ EXIT_ENGINE_DEAD = 1
 
 
 def served_name(model: str, config: ServerConfig) -> str:
-    return config.served_model_name or Path(model).resolve().name
+    return config.served_model_name or display_name(model)
 
 
 class ServerRunner:
