@@ -126,3 +126,10 @@ def test_serve_a_missing_id_offline_exits_with_the_typed_message(tmp_path):
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert str(tmp_path / "empty" / "hub") in done.stderr and "HF_HUB_OFFLINE" in done.stderr
+
+
+def test_served_model_name_overrides_the_id():
+    from vlm_sdk.server.config import ServerConfig
+    from vlm_sdk.server.runner import served_name
+    assert served_name(REPO, ServerConfig()) == REPO
+    assert served_name(REPO, ServerConfig(served_model_name="m")) == "m"
