@@ -46,6 +46,7 @@ class OutputProcessor:
         """`tokenizer`: an instance of its own, loaded for this processor."""
         self.tokenizer = tokenizer
         self._decoder = _SerialDecoder(tokenizer)
+        self.lock = self._decoder.lock  # held by anyone else who uses `tokenizer` (the server's logprobs)
 
     def new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     ) -> "RequestOutputState":
