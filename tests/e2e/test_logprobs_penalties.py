@@ -90,3 +90,21 @@ def test_logit_bias_forces_a_token_and_min_tokens_holds_back_eos(llm):
     held = llm.chat(CONV, SamplingParams(max_tokens=20, temperature=0.0, logit_bias={eos: 100}, min_tokens=6))[0]
     assert len(held.token_ids) == 7 and held.token_ids[-1] == eos and eos not in held.token_ids[:6]
     assert held.finish_reason == "stop"
+
+
+def test_preemption_changes_no_penalized_token_nor_logprob(tiny_ckpt, llm):
+    """A resumed request rebuilds its history from the engine's tokens: the same penalties, draws, logprobs."""
+    from helpers import conversations
+    convs = list(conversations().values())
+    params = SamplingParams(max_tokens=30, temperature=0.9, seed=11, ignore_eos=True, logprobs=2,
+                            presence_penalty=0.8, repetition_penalty=1.2, logit_bias={3: 2.0})
+    free = llm.chat(convs, params)
+    need = sum(-(-(len(o.prompt_token_ids) + 30) // 16) for o in free)
+    blocks = max(-(-(len(o.prompt_token_ids) + 30) // 16) for o in free) + 1
+    assert blocks < need
+    tight = LLM(tiny_ckpt, num_blocks=blocks, allow_unfit_images=True, show_progress=False)
+    outs = tight.chat(convs, params)
+    assert tight.stats()["num_preemptions"] > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in free]
+    for a, b in zip(outs, free):
+        assert [x.logprob for x in a.logprobs] == pytest.approx([x.logprob for x in b.logprobs], abs=1e-4)
