@@ -12,6 +12,7 @@ _EXPORTS = {
     "SamplingParams": "vlm_sdk.sampling_params",
     "RequestOutput": "vlm_sdk.outputs",
     "RequestMetrics": "vlm_sdk.outputs",
+    "TokenLogprob": "vlm_sdk.outputs",
     "EngineArgs": "vlm_sdk.config",
 }
 __all__ = list(_EXPORTS)

@@ -24,6 +24,16 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's logprob and the `SamplingParams.logprobs` most likely tokens (best first),
+    in the distribution it was drawn from: after penalties, temperature, top-k and top-p (a token they
+    cut has logprob -inf). A greedy token's distribution is the softmax of its penalized logits."""
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+
+
 @dataclass
 class RequestOutput:
     """`text` and `token_ids` hold everything generated so far; `delta_text` what is new since the
@@ -36,6 +46,8 @@ class RequestOutput:
     delta_text: str
     finish_reason: str | None
     metrics: RequestMetrics = field(repr=False, default=None)
+    # with SamplingParams(logprobs=k): one per token of `token_ids`; None otherwise
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

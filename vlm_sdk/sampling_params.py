@@ -16,6 +16,10 @@ SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
 # output tokens of a request that does not say; None ("not set") runs to max_model_len instead, and the
 # too-long error then sizes its fixes for this many
 DEFAULT_MAX_TOKENS = 256
+# OpenAI's limits: top_logprobs 0-20, presence/frequency penalties in [-2, 2], logit_bias in [-100, 100]
+MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 
 
 def _is_int(value) -> bool:
@@ -44,6 +48,15 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # None: no logprobs; k (0-20): each generated token's logprob and the k most likely alternatives,
+    # of the distribution the token was drawn from (after penalties, temperature, top-k and top-p)
+    logprobs: int | None = None
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted once per time a token was already generated
+    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in prompt or output (vLLM's / HF's)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
+    # token id -> bias added to its logit; stored as sorted (id, bias) pairs so the dataclass stays hashable
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self):
         # accept lists and a single string for convenience, keep the dataclass hashable
@@ -70,7 +83,42 @@ class SamplingParams:
             _refuse("seed", f"must be an integer from {SEED_MIN} to {SEED_MAX} or None", self.seed)
         if not isinstance(self.ignore_eos, bool):
             _refuse("ignore_eos", "must be True or False", self.ignore_eos)
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            _refuse("logprobs", f"must be an integer from 0 to {MAX_LOGPROBS} or None", self.logprobs)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                _refuse(name, f"must be a number from {-MAX_PENALTY:g} to {MAX_PENALTY:g}", value)
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            _refuse("repetition_penalty", "must be a finite number > 0 (1 = off)", self.repetition_penalty)
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            _refuse("min_tokens", "must be an integer >= 0", self.min_tokens)
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """A logit_bias dict (or pairs) as sorted (token id, bias) pairs, each checked."""
+    if bias is None:
+        return ()
+    items = bias.items() if isinstance(bias, dict) else bias
+    if not isinstance(items, (list, tuple)) and not isinstance(bias, dict):
+        _refuse("logit_bias", "must map token ids to numbers", bias)
+    pairs = {}
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            _refuse("logit_bias", "must map token ids to numbers", bias)
+        token, value = item
+        if not _is_int(token) or token < 0:
+            _refuse("logit_bias", "keys must be token ids (integers >= 0)", token)
+        if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            _refuse("logit_bias", f"values must be numbers from {-MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}", value)
+        pairs[token] = float(value)
+    return tuple(sorted(pairs.items()))

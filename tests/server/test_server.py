@@ -324,3 +324,59 @@ def test_health_is_503_once_the_engine_stopped(tiny_ckpt):
         assert status == 503 and "engine has stopped" in json.loads(text)["error"]["message"]
         status, body = post(s.url, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
         assert status == 503 and body["error"]["type"] == "server_error"
+
+
+def _direct_logprobs(tiny_ckpt, prompt: list[int], generated: list[int]):
+    """transformers' log-softmax [len(generated), vocab] at the positions that chose `generated`."""
+    import torch
+
+    from vlm_sdk.models import registry
+    model = registry.load("qwen2_5_vl").reference.hf_model(str(tiny_ckpt)).float()
+    with torch.inference_mode():
+        ids = torch.tensor([prompt + generated])  # [1, len]
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()  # [len, vocab]
+    return logits[len(prompt) - 1:len(prompt) - 1 + len(generated)].log_softmax(-1)
+
+
+def test_logprobs_in_openai_shape_streaming_and_not(srv, tiny_ckpt):
+    client = _client(srv)
+    msgs = [{"role": "user", "content": "Say something."}]
+    resp = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens == 8
+    assert "".join(c.token for c in content) == resp.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 3 and bytes(c.bytes).decode("utf-8", "replace") == c.token
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob  # greedy: the best
+    # the chosen tokens' logprobs against transformers on the same prompt and tokens
+    llm_out = LLM(tiny_ckpt, show_progress=False).chat(msgs, SamplingParams(max_tokens=8, temperature=0.0,
+                                                                            ignore_eos=True))[0]
+    direct = _direct_logprobs(tiny_ckpt, llm_out.prompt_token_ids, llm_out.token_ids)
+    assert [c.logprob for c in content] == pytest.approx(
+        [direct[j, t].item() for j, t in enumerate(llm_out.token_ids)], abs=1e-3)
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True,
+                                            extra_body={"ignore_eos": True})
+    streamed = [c for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    plain = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_penalties_and_logit_bias_over_http(srv, tiny_ckpt):
+    client = _client(srv)
+    msgs = [{"role": "user", "content": "Say something."}]
+    forced = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0,
+                                            logit_bias={"42": 100}, logprobs=True)
+    assert [c.bytes for c in forced.choices[0].logprobs.content] == [forced.choices[0].logprobs.content[0].bytes] * 4
+    # every field reaches the sampler: the reply equals the Python API's with the same settings
+    fields = dict(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={"7": 3, "11": -5})
+    extra = dict(ignore_eos=True, repetition_penalty=1.3, min_tokens=2)
+    reply = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=0, **fields,
+                                           extra_body=extra).choices[0].message.content
+    params = SamplingParams(max_tokens=16, temperature=0.0, **{**fields, "logit_bias": {7: 3, 11: -5}}, **extra)
+    llm = LLM(tiny_ckpt, show_progress=False)
+    assert reply == llm.chat(msgs, params)[0].text
+    assert reply != llm.chat(msgs, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].text

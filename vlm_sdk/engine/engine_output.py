@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vlm_sdk.outputs import RequestMetrics
+from vlm_sdk.outputs import RequestMetrics, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,7 @@ class EngineOutput:
     # None while running; "stop" (EOS or a stop_token_id), "length" (max_tokens, max_model_len), "abort"
     finish_reason: str | None
     metrics: RequestMetrics  # a snapshot: the engine moves on
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token when the request asked for them
 
     @property
     def finished(self) -> bool:

@@ -204,6 +204,9 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         self.check_prompt(prompt, params)
         seq = Sequence(request_id, prompt, params)
+        if params.min_tokens:
+            eos = () if params.ignore_eos else tuple(sorted(self.eos_token_ids))
+            seq.min_tokens_stop_ids = tuple(params.stop_token_ids) + eos
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self.totals["prompt_tokens"] += seq.num_prompt_tokens
@@ -252,7 +255,9 @@ class LLMEngine:
             seq.num_computed_tokens += n
             token = sampled.get(seq.request_id)
             if token is not None:
-                outputs.append(self._append_token(seq, token, now))
+                out = self._append_token(seq, token, now)
+                logprob = result.logprobs.get(seq.request_id)
+                outputs.append(out if logprob is None else dataclasses.replace(out, new_logprobs=[logprob]))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> EngineOutput:

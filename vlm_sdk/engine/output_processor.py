@@ -46,6 +46,7 @@ class OutputProcessor:
         """`tokenizer`: an instance of its own, loaded for this processor."""
         self.tokenizer = tokenizer
         self._decoder = _SerialDecoder(tokenizer)
+        self.lock = self._decoder.lock  # held by anyone else who uses `tokenizer` (the server's logprobs)
 
     def new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     ) -> "RequestOutputState":
@@ -62,6 +63,7 @@ class RequestOutputState:
         self.params = params
         self.detokenizer = detokenizer
         self.token_ids: list[int] = []
+        self.logprobs: list | None = [] if params.wants_logprobs else None  # TokenLogprob per token
         self.num_emitted_chars = 0  # text already streamed; a possible stop-string prefix waits
         self.finish_reason: str | None = None
         self.finished_by_stop_string = False  # the engine must be told to finish it
@@ -74,8 +76,10 @@ class RequestOutputState:
             return None
         detok = self.detokenizer
         reason = out.finish_reason
-        for token in out.new_token_ids:
+        for k, token in enumerate(out.new_token_ids):
             self.token_ids.append(token)
+            if self.logprobs is not None and out.new_logprobs:
+                self.logprobs.append(out.new_logprobs[k])
             if self._stopped_by(detok.add(token)):
                 self.finished_by_stop_string = out.finish_reason is None
                 reason = "stop"
@@ -97,7 +101,8 @@ class RequestOutputState:
         # `text` is what this request's stream has shown so far: the concatenation of its deltas
         return RequestOutput(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
                              token_ids=list(self.token_ids), text=detok.text[:self.num_emitted_chars],
-                             delta_text=delta, finish_reason=reason, metrics=metrics)
+                             delta_text=delta, finish_reason=reason, metrics=metrics,
+                             logprobs=None if self.logprobs is None else list(self.logprobs))
 
     def _stopped_by(self, new_text: str) -> bool:
         """Feed the text just appended; on a stop string, cut the text before it (for good)."""

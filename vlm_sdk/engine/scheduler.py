@@ -122,7 +122,8 @@ class Scheduler:
                 p = seq.prompt
                 new.append(NewRequestData(
                     seq.request_id, list(p.token_ids), seq.output_token_ids, p.images, p.image_positions,
-                    p.positions, seq.params, list(seq.block_ids), seq.num_computed_tokens))
+                    p.positions, seq.params, list(seq.block_ids), seq.num_computed_tokens,
+                    seq.min_tokens_stop_ids))
                 seq.in_worker = True
             else:
                 cached.append(CachedRequestData(seq.request_id, seq.block_ids[seq.num_blocks_sent:],

@@ -26,6 +26,7 @@ from vlm_sdk.async_llm import AsyncLLM
 from vlm_sdk.errors import EngineDeadError, VLMError
 from vlm_sdk.server import protocol
 from vlm_sdk.server.body import read_json
+from vlm_sdk.server.logprobs import TokenSpeller
 from vlm_sdk.server.config import ServerConfig
 from vlm_sdk.server.media import MediaFetcher
 from vlm_sdk.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -55,6 +56,15 @@ class OpenAIServer:
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.prometheus)
         self.app.on_cleanup.append(self._close_media)
+        self._speller: TokenSpeller | None = None
+
+    @property
+    def speller(self) -> TokenSpeller:
+        """Token ids as OpenAI's logprob entries, with the output tokenizer (built on first use)."""
+        if self._speller is None:
+            processor = self.engine.output_processor
+            self._speller = TokenSpeller(processor.tokenizer, processor.lock)
+        return self._speller
 
     async def _close_media(self, _app) -> None:
         await self.media.close()
@@ -161,9 +171,10 @@ class OpenAIServer:
         while not out.finished:
             out = await gen.__anext__()
         self._observe(timing, out)
+        logprobs = None if out.logprobs is None else self.speller.content(out.logprobs)
         return web.json_response(protocol.completion_body(
             protocol.new_completion_id(), self.model_name, out.text, out.finish_reason,
-            len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens))
+            len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens, logprobs))
 
     async def _stream(self, request: web.Request, req: protocol.ChatRequest, gen, out,
                       timing: "_Timing") -> web.StreamResponse:
@@ -177,9 +188,14 @@ class OpenAIServer:
             await resp.write(line.encode())
 
         await send(chunks.role())
+        num_logprobs_sent = 0
         try:
             while True:
-                if out.delta_text:
+                if out.logprobs is not None and len(out.logprobs) > num_logprobs_sent:
+                    # every token's logprobs once, with the text that has come since the last chunk
+                    await send(chunks.content(out.delta_text, self.speller.content(out.logprobs[num_logprobs_sent:])))
+                    num_logprobs_sent = len(out.logprobs)
+                elif out.delta_text:
                     await send(chunks.content(out.delta_text))
                 if out.finished:
                     await send(chunks.finish(out.finish_reason))

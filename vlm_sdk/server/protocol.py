@@ -13,16 +13,11 @@ from dataclasses import dataclass
 
 from vlm_sdk.errors import (EngineDeadError, InputTooLongError, InvalidImageError, InvalidRequestError,
                             VLMError)
-from vlm_sdk.sampling_params import SamplingParams
+from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # fields whose non-default value we cannot honour (other unknown fields are accepted and change nothing)
 UNSUPPORTED = {  # field -> the values that mean "off", which are all we can honour
     "n": (1, None),
-    "logprobs": (False, None),
-    "top_logprobs": (0, None),
-    "presence_penalty": (0, 0.0, None),
-    "frequency_penalty": (0, 0.0, None),
-    "logit_bias": (None, {}),
     "tools": (None,),
     "tool_choice": (None, "none"),
     "functions": (None,),
@@ -167,17 +162,21 @@ def _check_stop(stop, max_count: int, max_chars: int) -> None:
 
 
 # fields copied into SamplingParams as they are (it validates them and names the field on error)
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
 
 
 def _sampling_params(body: dict, max_model_len: int) -> SamplingParams:
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     kwargs = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
-    for k in ("top_k", "seed"):
+    for k in ("top_k", "seed", "min_tokens"):
         if k in kwargs:
             kwargs[k] = _json_int(kwargs[k])
     if isinstance(kwargs.get("stop_token_ids"), list):
         kwargs["stop_token_ids"] = [_json_int(t) for t in kwargs["stop_token_ids"]]
+    kwargs["logprobs"] = _logprobs(body)
+    if body.get("logit_bias") is not None:
+        kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
     max_tokens = body.get(name)
     kwargs["max_tokens"] = None if max_tokens is None else _json_int(max_tokens)
     try:
@@ -186,6 +185,32 @@ def _sampling_params(body: dict, max_model_len: int) -> SamplingParams:
         if e.param == "max_tokens" and name != "max_tokens":  # reported under the name the client sent
             raise bad_request(str(e).replace("'max_tokens'", f"'{name}'", 1), name) from None
         raise bad_request(str(e), e.param) from None
+
+
+def _logprobs(body: dict) -> int | None:
+    """OpenAI's pair: `logprobs` true turns them on, `top_logprobs` (0-20) needs it."""
+    on, top = body.get("logprobs"), body.get("top_logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise bad_request(f"'logprobs' must be true or false, got {_clip(repr(on))}", "logprobs")
+    if top is not None and not on:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    top = _json_int(top) if top is not None else 0
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS:
+        raise bad_request(f"'top_logprobs' must be an integer from 0 to {MAX_LOGPROBS}, got {_clip(repr(top))}",
+                          "top_logprobs")
+    return top if on else None
+
+
+def _logit_bias(bias) -> dict[int, object]:
+    """JSON object keys are strings: {"1234": -100} maps token 1234 (SamplingParams checks the values)."""
+    if not isinstance(bias, dict):
+        raise bad_request("'logit_bias' must be an object mapping token ids to numbers from -100 to 100", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise bad_request(f"'logit_bias' keys must be token ids (digits), got {_clip(repr(key))}", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def _json_int(value):
@@ -216,9 +241,9 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def completion_body(cid: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
-                    completion_tokens: int, cached_tokens: int) -> dict:
+                    completion_tokens: int, cached_tokens: int, logprobs: dict | None = None) -> dict:
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                          "finish_reason": finish_reason}],
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
@@ -242,7 +267,11 @@ class ChunkWriter:
         return self.event(chunk_body(self.cid, self.model, self.created, {"role": "assistant", "content": ""},
                                      None, self.include_usage))
 
-    def content(self, text: str) -> str:
+    def content(self, text: str, logprobs: dict | None = None) -> str:
+        if logprobs is not None:  # the rare case: a body of its own
+            body = chunk_body(self.cid, self.model, self.created, {"content": text}, None, self.include_usage)
+            body["choices"][0]["logprobs"] = logprobs
+            return self.event(body)
         return self._content_prefix + json.dumps(text) + self._content_suffix
 
     def finish(self, reason: str) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlm_sdk.multimodal.inputs import ImageInput
+from vlm_sdk.outputs import TokenLogprob
 from vlm_sdk.sampling_params import SamplingParams
 
 
@@ -32,6 +33,9 @@ class NewRequestData:
     sampling_params: SamplingParams  # its seed, if any, seeds the request's own generator
     block_ids: list[int]  # KV blocks held, in order
     num_computed_tokens: int  # tokens whose K/V is already in those blocks
+    # what `min_tokens` masks until it is reached: stop_token_ids, and EOS unless ignore_eos (the engine
+    # knows the checkpoint's EOS ids, the worker does not); () when min_tokens is 0
+    min_tokens_stop_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -59,3 +63,4 @@ class SchedulerOutput:
 @dataclass(frozen=True)
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> its new token
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # only requests that asked for them

@@ -102,8 +102,11 @@ class ModelRunner:
             if s.pending_draws:
                 skip_draws(s.generator, s.pending_draws, logits.shape[1])
                 s.pending_draws = 0
-        tokens = self.sampler(logits, [s.params for s in states], [s.generator for s in states])
-        return ModelRunnerOutput({s.request_id: t for s, t in zip(states, tokens)})
+        histories = [(s.token_ids, s.num_prompt_tokens, s.min_tokens_stop_ids) for s in states]
+        tokens, logprobs = self.sampler.sample(logits, [s.params for s in states], [s.generator for s in states],
+                                               histories)
+        return ModelRunnerOutput({s.request_id: t for s, t in zip(states, tokens)},
+                                 {s.request_id: lp for s, lp in zip(states, logprobs) if lp is not None})
 
     def _encode_images(self, scheduled: list[tuple[RequestState, int]]) -> None:
         """Give every still-needed image of the scheduled requests its embeddings: from the encoder

@@ -1,4 +1,5 @@
-"""Turn the logits of the sampled rows into next tokens: greedy, temperature, top-k, top-p, seed.
+"""Turn the logits of the sampled rows into next tokens: penalties, greedy, temperature, top-k, top-p,
+seed, and the logprobs of what was drawn.
 
 A request with a seed draws from its own `torch.Generator`, so its tokens depend only on its own
 logits, never on which other requests share the batch. Requests without one share the engine's
@@ -9,7 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from vlm_sdk.outputs import TokenLogprob
 from vlm_sdk.sampling_params import SamplingParams
+from vlm_sdk.worker.penalties import apply_penalties, needs_edit
+
+# per row: (prompt + generated token ids, number of prompt tokens, the ids min_tokens masks)
+History = tuple[list[int], int, tuple[int, ...]]
 
 
 class Sampler:
@@ -24,10 +30,23 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor,  # [num_seqs, vocab] float32
                  params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int]:
+                 generators: list[torch.Generator | None],
+                 histories: list[History] | None = None) -> list[int]:
+        return self.sample(logits, params, generators, histories)[0]
+
+    def sample(self, logits: torch.Tensor,  # [num_seqs, vocab] float32
+               params: list[SamplingParams],
+               generators: list[torch.Generator | None],
+               histories: list[History] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The next token of each row, and its `TokenLogprob` where the row's params ask for one."""
+        if histories is not None and any(needs_edit(p, len(h[0]) - h[1]) for p, h in zip(params, histories)):
+            logits = logits.float().clone()  # [num_seqs, vocab]; the caller's logits stay as they were
+            apply_penalties(logits, params, histories)
         tokens = logits.argmax(dim=-1)  # [num_seqs]
+        want = [i for i, p in enumerate(params) if p.wants_logprobs]
         if all(p.greedy for p in params):
-            return tokens.tolist()
+            logprobs = logits[want].float().log_softmax(dim=-1) if want else None  # [len(want), vocab]
+            return tokens.tolist(), self._pack(tokens, logprobs, want, params)
         dev = logits.device
         rows = [i for i, p in enumerate(params) if not p.greedy]
         probs = self._probs(logits[rows].float(), [params[i] for i in rows])  # [len(rows), vocab], on dev
@@ -48,9 +67,36 @@ class Sampler:
                     q[j] = torch.empty(probs.shape[1]).exponential_(1.0, generator=generators[i]).to(dev)
         sampled = (probs / q).argmax(dim=-1)  # [len(rows)]
         if len(rows) == len(params):
-            return sampled.tolist()
-        tokens[torch.tensor(rows, device=dev)] = sampled
-        return tokens.tolist()
+            tokens = sampled
+        else:
+            tokens[torch.tensor(rows, device=dev)] = sampled
+        logprobs = None
+        if want:
+            # sampled rows: the log of what they were drawn from; greedy rows: their log-softmax
+            logprobs = logits[want].float().log_softmax(dim=-1)  # [len(want), vocab]
+            pos = {i: j for j, i in enumerate(rows)}
+            drawn = [k for k, i in enumerate(want) if i in pos]
+            if drawn:
+                src = torch.tensor([pos[want[k]] for k in drawn], device=dev)
+                logprobs[torch.tensor(drawn, device=dev)] = probs[src].log()
+        return tokens.tolist(), self._pack(tokens, logprobs, want, params)
+
+    @staticmethod
+    def _pack(tokens: torch.Tensor,  # [num_seqs]
+              logprobs: torch.Tensor | None,  # [len(want), vocab]
+              want: list[int], params: list[SamplingParams]) -> list[TokenLogprob | None]:
+        out: list[TokenLogprob | None] = [None] * len(params)
+        if not want:
+            return out
+        k = max(params[i].logprobs for i in want)
+        chosen = logprobs.gather(1, tokens[want][:, None])[:, 0].tolist()  # [len(want)]
+        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()  # one copy to the host for all rows
+        token_list = tokens.tolist()
+        for j, i in enumerate(want):
+            n = params[i].logprobs
+            out[i] = TokenLogprob(token_list[i], chosen[j], tuple(zip(top_ids[j][:n], top_vals[j][:n])))
+        return out
 
     @staticmethod
     def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -1,0 +1,59 @@
+"""`RequestOutput.logprobs` in OpenAI's shape: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
+
+A token's `bytes` are its own bytes, which may be part of a UTF-8 character (byte-level BPE splits
+them); `token` is those bytes decoded with replacement. Token ids are looked up once and cached.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from functools import lru_cache
+
+from vlm_sdk.outputs import TokenLogprob
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (what Qwen's tokenizers spell their tokens in), reversed."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class TokenSpeller:
+    """Token id -> (text, bytes) with the output tokenizer; `lock` is the one its other users hold."""
+
+    def __init__(self, tokenizer, lock: threading.Lock):
+        self.tokenizer, self.lock = tokenizer, lock
+        self.cache: dict[int, tuple[str, list[int]]] = {}
+
+    def spell(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self.cache.get(token_id)
+        if hit is not None:
+            return hit
+        with self.lock:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            table = _byte_decoder()
+            if isinstance(piece, str) and piece and all(ch in table for ch in piece):
+                raw = bytes(table[ch] for ch in piece)
+            else:  # not byte-level (or a special token spelled outside the alphabet): its decoded text
+                raw = self.tokenizer.decode([token_id]).encode("utf-8")
+        hit = (raw.decode("utf-8", errors="replace"), list(raw))
+        if len(self.cache) < 1 << 20:
+            self.cache[token_id] = hit
+        return hit
+
+    def entry(self, token_id: int, logprob: float) -> dict:
+        text, raw = self.spell(token_id)
+        # JSON has no -inf: a token top-k/top-p cut gets OpenAI's floor value instead
+        return {"token": text, "logprob": logprob if math.isfinite(logprob) else -9999.0, "bytes": raw}
+
+    def content(self, logprobs: list[TokenLogprob]) -> dict:
+        return {"content": [{**self.entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [self.entry(t, v) for t, v in lp.top_logprobs]} for lp in logprobs]}
