@@ -28,7 +28,8 @@ class RequestMetrics:
 class RequestOutput:
     """`text` and `token_ids` hold everything generated so far; `delta_text` what is new since the
     previous output of this request. `finish_reason` is None while running, then "stop", "length" or
-    "abort"."""
+    "abort". With `SamplingParams(n=k)` a stream interleaves the k samples, told apart by `index`; the
+    output `chat` returns is sample 0 with all k final samples in `outputs` (index order)."""
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -36,6 +37,8 @@ class RequestOutput:
     delta_text: str
     finish_reason: str | None
     metrics: RequestMetrics = field(repr=False, default=None)
+    index: int = 0  # which of the request's n samples
+    outputs: list["RequestOutput"] | None = field(repr=False, default=None)  # set by chat(): every sample
 
     @property
     def finished(self) -> bool:

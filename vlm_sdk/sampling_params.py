@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vlm_sdk.errors import InvalidRequestError
 
@@ -44,6 +44,8 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # parallel samples of one prompt, built (and its image encoded) once; sample i draws from seed + i
+    n: int = 1
 
     def __post_init__(self):
         # accept lists and a single string for convenience, keep the dataclass hashable
@@ -70,6 +72,16 @@ class SamplingParams:
             _refuse("seed", f"must be an integer from {SEED_MIN} to {SEED_MAX} or None", self.seed)
         if not isinstance(self.ignore_eos, bool):
             _refuse("ignore_eos", "must be True or False", self.ignore_eos)
+        if not _is_int(self.n) or self.n < 1:
+            _refuse("n", "must be an integer >= 1", self.n)
+
+    def sample(self, i: int) -> "SamplingParams":
+        """The params of sample i of n: one sample, seed + i (wrapped into the seed range), so n seeded
+        samples differ from each other and each is reproducible."""
+        seed = self.seed
+        if seed is not None and i:
+            seed = (seed + i - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
+        return replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:
