@@ -111,3 +111,15 @@ def test_leaving_a_stream_aborts_every_choice(srv):
     running = asyncio.run(leave())
     assert running >= 1  # still generating when the client left
     assert wait_for(lambda: srv.stats()["num_running"] == 0 and srv.stats()["kv_blocks_used"] == 0)
+
+
+def test_max_n_flag():
+    import argparse
+
+    from vlm_sdk.server.cli import add_serve_arguments
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert parser.parse_args(["m"]).max_n == ServerConfig().max_n == 8
+    assert parser.parse_args(["m", "--max-n", "3"]).max_n == 3
+    with pytest.raises(SystemExit):  # 0 would refuse every request
+        parser.parse_args(["m", "--max-n", "0"])
