@@ -123,3 +123,14 @@ def test_max_n_flag():
     assert parser.parse_args(["m", "--max-n", "3"]).max_n == 3
     with pytest.raises(SystemExit):  # 0 would refuse every request
         parser.parse_args(["m", "--max-n", "0"])
+
+
+def test_prebuilt_chunks_carry_the_index():
+    import json
+
+    from vlm_sdk.server.protocol import ChunkWriter, chunk_body
+    writer = ChunkWriter("chatcmpl-1", "tiny", 5, True)
+    for index in (0, 3):
+        line = writer.content('a"b', index)
+        assert json.loads(line[6:-2]) == chunk_body("chatcmpl-1", "tiny", 5, {"content": 'a"b'}, None, True, index)
+        assert json.loads(writer.finish("stop", index)[6:-2])["choices"][0]["index"] == index
