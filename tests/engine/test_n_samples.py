@@ -87,3 +87,13 @@ def test_async_n_interleaves_and_close_aborts_all(tiny_ckpt):
     assert len({tuple(s.token_ids) for s in full.outputs}) == 3
     assert seen == {0, 1, 2}
     assert not left and stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+def test_without_prefix_caching_the_image_is_still_encoded_once(tiny_ckpt):
+    llm = LLM(tiny_ckpt, show_progress=False, enable_prefix_caching=False)
+    before = llm.stats()
+    [out] = llm.chat(conversations()["one_image"], SEEDED)
+    after = llm.stats()
+    assert len(out.outputs) == 3 and after["prefix_cache_hit_tokens"] == before["prefix_cache_hit_tokens"]
+    assert after["encoder_cache_queries"] - before["encoder_cache_queries"] == 3
+    assert after["encoder_cache_hits"] - before["encoder_cache_hits"] == 2
