@@ -105,11 +105,10 @@ def test_leaving_a_stream_aborts_every_choice(srv):
                 async for line in resp.content:
                     seen += line.startswith(b"data: ") and b'"content":"' in line
                     if seen >= 6:
-                        break
-        return srv.stats()["num_running"]
+                        return srv.stats()["num_running"]  # read before the connection closes
 
     running = asyncio.run(leave())
-    assert running >= 1  # still generating when the client left
+    assert running == 3  # every choice still generating when the client left
     assert wait_for(lambda: srv.stats()["num_running"] == 0 and srv.stats()["kv_blocks_used"] == 0)
 
 
@@ -134,3 +133,20 @@ def test_prebuilt_chunks_carry_the_index():
         line = writer.content('a"b', index)
         assert json.loads(line[6:-2]) == chunk_body("chatcmpl-1", "tiny", 5, {"content": 'a"b'}, None, True, index)
         assert json.loads(writer.finish("stop", index)[6:-2])["choices"][0]["index"] == index
+
+
+def test_async_client_reads_every_choice(srv):
+    from vlm_sdk.client import AsyncClient
+
+    async def main():
+        async with AsyncClient(srv.url, API_KEY) as client:
+            kw = dict(max_tokens=10, temperature=1.0, seed=11, ignore_eos=True, n=3)
+            whole = await client.chat(MESSAGES, **kw)
+            texts = ["", "", ""]
+            async for delta in client.chat_stream(MESSAGES, **kw):
+                texts[delta.index] += delta.text
+            return whole, texts
+
+    whole, texts = asyncio.run(main())
+    assert len(set(whole.texts)) == 3 and whole.text == whole.texts[0]
+    assert texts == list(whole.texts)
