@@ -97,3 +97,29 @@ def test_without_prefix_caching_the_image_is_still_encoded_once(tiny_ckpt):
     assert len(out.outputs) == 3 and after["prefix_cache_hit_tokens"] == before["prefix_cache_hit_tokens"]
     assert after["encoder_cache_queries"] - before["encoder_cache_queries"] == 3
     assert after["encoder_cache_hits"] - before["encoder_cache_hits"] == 2
+
+
+def test_async_samples_join_the_same_step(tiny_ckpt):
+    """One `add` command for the n samples: the engine thread cannot step between them, so the
+    first's prompt blocks are there for the others in the step that schedules them all."""
+    async def main():
+        async with AsyncLLM(tiny_ckpt, show_progress=False) as engine:
+            steps, added_at = [0], []
+            real_step, real_add = engine.engine.step, engine.engine.add_request
+
+            def step():
+                steps[0] += 1
+                return real_step()
+
+            def add(*args, **kw):
+                added_at.append(steps[0])
+                return real_add(*args, **kw)
+            engine.engine.step, engine.engine.add_request = step, add
+            for _ in range(3):  # other requests in flight, so the engine thread is busy stepping
+                asyncio.ensure_future(engine.chat(conversations()["text"], SamplingParams(max_tokens=30)))
+            await asyncio.sleep(0.2)
+            out = await engine.chat(conversations()["one_image"], SEEDED)
+            return added_at, out
+
+    added_at, out = asyncio.run(main())
+    assert len(out.outputs) == 3 and len(set(added_at[-3:])) == 1
