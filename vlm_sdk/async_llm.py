@@ -146,43 +146,53 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptInputs, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a prompt made by `build_prompt`. Closing the iterator early aborts the request."""
+        """Stream a prompt made by `build_prompt`. Closing the iterator early aborts the request. With
+        `params.n` > 1 the n samples (`params.sample(i)`: seed + i) stream interleaved, told apart by
+        `index`, until all have finished; closing it aborts all of them."""
         params = _check_params(params)
         loop = asyncio.get_running_loop()
-        key = f"async-{next(self._ids)}"
-        user_id = request_id or key
-        new_state = partial(self.output_processor.new_request, user_id, prompt.token_ids, params)
+        keys = [f"async-{next(self._ids)}" for _ in range(params.n)]
+        user_id = request_id or keys[0]
+        samples = [params.sample(i) for i in range(params.n)] if params.n > 1 else [params]
+        new_states = partial(self._new_states, user_id, prompt.token_ids, keys, samples)
         if sum(map(len, params.stop)) > _LOOP_STOP_CHARS:  # their automaton takes a while to build
-            state = await loop.run_in_executor(self._text_prep, new_state)
+            states = await loop.run_in_executor(self._text_prep, new_states)
         else:
-            state = new_state()
+            states = new_states()
         if request_id is not None and any(s.user_id == request_id for s in self._streams.values()):
             raise InvalidRequestError(f"request id {request_id!r} is already streaming")
-        stream = _Stream(user_id, loop, asyncio.Queue())
+        stream = _Stream(user_id, loop, asyncio.Queue())  # one queue for the n samples
         with self._lock:
             self._check_alive()  # it may have stopped while the prompt was being built
-            self._streams[key] = stream
-            self._commands.put(("add", key, (prompt, params)))
-        finished = False
+            for key in keys:
+                self._streams[key] = stream
+            # one command: the n samples join the same step, so the first's prompt blocks (and its
+            # encoded image) are hit by the others instead of being computed n times
+            self._commands.put(("add", keys, (prompt, samples)))
+        running = set(keys)
         try:
-            while True:
+            while running:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
-                    finished = True
                     raise item
+                state = states[item.request_id]
                 out = state.process(item)  # token ids -> text, stop strings, delta
                 if out is None:
                     continue
-                finished = out.finished
                 if state.finished_by_stop_string:  # the engine has not finished it: tell it
-                    self._send(("abort", key, "stop"))
+                    self._send(("abort", item.request_id, "stop"))
+                if out.finished:
+                    running.discard(item.request_id)
                 yield out
-                if finished:
-                    return
         finally:
-            self._streams.pop(key, None)
-            if not finished:
+            for key in keys:
+                self._streams.pop(key, None)
+            for key in running:  # closed early or failed: every sample still running is aborted
                 self._send(("abort", key, "abort"))
+
+    def _new_states(self, user_id: str, prompt_ids: list[int], keys: list[str], samples: list) -> dict:
+        return {key: self.output_processor.new_request(user_id, prompt_ids, sp, index=i)
+                for i, (key, sp) in enumerate(zip(keys, samples))}
 
     def _send(self, command: tuple) -> None:
         """Queue a command for the engine thread unless it is gone."""
@@ -192,11 +202,16 @@ class AsyncLLM:
 
     async def chat(self, messages, params: SamplingParams | None = None,
                    request_id: str | None = None) -> RequestOutput:
-        last = None
+        """The final output; with `params.n` > 1 it is sample 0, and `outputs` holds all n."""
+        final: dict[int, RequestOutput] = {}
         async for out in self.chat_stream(messages, params, request_id):
-            last = out
-        last.delta_text = last.text
-        return last
+            if out.finished:
+                final[out.index] = out
+        outputs = [final[i] for i in sorted(final)]
+        for out in outputs:
+            out.delta_text = out.text
+        outputs[0].outputs = outputs
+        return outputs[0]
 
     def stats(self) -> dict:
         """Live KV and queue numbers (see `LLMEngine.stats`). Once the engine is dead its requests
@@ -268,10 +283,7 @@ class AsyncLLM:
                     if cmd == "abort":
                         engine.abort(key, payload)
                     elif cmd == "add":
-                        try:
-                            engine.add_request(payload[0], payload[1], request_id=key)
-                        except Exception as e:  # a bad request fails its caller alone
-                            self._deliver(key, e)
+                        self._add(key, *payload)
                 outputs = engine.step()  # token ids only: the streams make the text
                 if outputs:
                     self._deliver_many([(out.request_id, out) for out in outputs])
@@ -292,6 +304,18 @@ class AsyncLLM:
             self._release_requests()
             engine.shutdown()
             self._announce_death(e)
+
+    def _add(self, keys: list[str], prompt: PromptInputs, samples: list) -> None:
+        """Add a request's samples; a bad request fails its caller alone, and none of its samples runs."""
+        added = []
+        try:
+            for key, sp in zip(keys, samples):
+                self.engine.add_request(prompt, sp, request_id=key)
+                added.append(key)
+        except Exception as e:
+            for key in added:
+                self.engine.abort(key)
+            self._deliver(keys[0], e)
 
     def _release_requests(self) -> None:
         """Finish what the dead engine still holds, so that its queues and KV blocks read as empty;
@@ -331,4 +355,4 @@ class AsyncLLM:
                 except queue.Empty:
                     return
                 if cmd == "add":
-                    self._deliver(key, err)
+                    self._deliver(key[0], err)

@@ -125,6 +125,7 @@ class ChatResult:
     model: str
     id: str
     latency_s: float  # wall time of the call, image encoding included
+    texts: tuple[str, ...] = ()  # with n=k (an extra body field): the k choices' texts, index order
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,7 @@ class ChatDelta:
     text: str  # the new piece of the answer; may be ""
     finish_reason: str | None = None  # set on the delta that ends the choice
     usage: Usage | None = None  # set on the final usage-only delta
+    index: int = 0  # which choice, with n=k: a stream interleaves the k choices
 
 
 class AsyncClient:
@@ -185,9 +187,11 @@ class AsyncClient:
             data = await _json_or_raise(resp)
         try:
             choice = data["choices"][0]
+            ordered = sorted(data["choices"], key=lambda c: c.get("index") or 0)
+            texts = tuple(c["message"].get("content") or "" for c in ordered)
             return ChatResult(choice["message"].get("content") or "", choice.get("finish_reason"),
                               Usage.from_json(data.get("usage")), data.get("model", body["model"]),
-                              data.get("id", ""), time.perf_counter() - t0)
+                              data.get("id", ""), time.perf_counter() - t0, texts)
         except (KeyError, IndexError, TypeError, AttributeError):
             raise APIError(f"unexpected chat completion: {json.dumps(data)[:200]}", status=200) from None
 
@@ -281,7 +285,7 @@ def _delta(data: str) -> ChatDelta:
         return ChatDelta("", None, Usage.from_json(chunk.get("usage")))
     choice = choices[0]
     return ChatDelta((choice.get("delta") or {}).get("content") or "", choice.get("finish_reason"),
-                     Usage.from_json(chunk.get("usage")))
+                     Usage.from_json(chunk.get("usage")), choice.get("index") or 0)
 
 
 async def _sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:

@@ -41,7 +41,8 @@ class LLM:
              ) -> list[RequestOutput]:
         """Run every conversation to completion; outputs in input order. A single conversation (a list
         of message dicts) is accepted too. Every conversation is checked before any runs: an invalid
-        or too-long one raises, naming its index, and nothing is run."""
+        or too-long one raises, naming its index, and nothing is run. With `SamplingParams(n=k)` each
+        output is sample 0 and its `outputs` holds the k samples (seed + i for sample i)."""
         if _is_single_conversation(conversations):
             conversations = [conversations]
         if not isinstance(conversations, (list, tuple)) or not conversations:
@@ -65,15 +66,20 @@ class LLM:
                 raise type(e)(f"conversation {i}: {e}", param=e.param) from e
             except VLMError as e:
                 raise type(e)(f"conversation {i}: {e}") from e
-        ids: list[str] = []
+        groups: list[list[str]] = []  # per conversation, the engine ids of its n samples
         states = {}
         final: dict[str, RequestOutput] = {}
         try:
             for prompt, sp in zip(prompts, params):
-                rid = self.engine.add_request(prompt, sp)
-                ids.append(rid)
-                states[rid] = self.output_processor.new_request(rid, prompt.token_ids, sp)
-            while len(final) < len(ids):
+                # the n samples of a prompt join the same step: the first's blocks serve the others
+                samples = [sp.sample(i) for i in range(sp.n)] if sp.n > 1 else [sp]
+                group = []
+                for i, sample in enumerate(samples):
+                    rid = self.engine.add_request(prompt, sample)
+                    group.append(rid)
+                    states[rid] = self.output_processor.new_request(rid, prompt.token_ids, sample, index=i)
+                groups.append(group)
+            while len(final) < len(states):
                 for engine_out in self.engine.step():
                     state = states[engine_out.request_id]
                     out = state.process(engine_out)
@@ -83,12 +89,17 @@ class LLM:
                             self.engine.abort(out.request_id, "stop")
             self.engine.release_finished()
         finally:
-            for rid in ids:  # only after an exception (e.g. KeyboardInterrupt) are any still running
+            for rid in states:  # only after an exception (e.g. KeyboardInterrupt) are any still running
                 if rid not in final:
                     self.engine.abort(rid)
-        results = [final[rid] for rid in ids]
-        for out in results:
-            out.delta_text = out.text  # one output per request: its delta is all of it
+        results = []
+        for group in groups:
+            outputs = [final[rid] for rid in group]
+            for out in outputs:
+                out.delta_text = out.text  # one output per request: its delta is all of it
+                out.request_id = group[0]  # the samples are one request
+            outputs[0].outputs = outputs
+            results.append(outputs[0])
         return results
 
     def stats(self) -> dict:

@@ -38,7 +38,8 @@ class TokenLogprob:
 class RequestOutput:
     """`text` and `token_ids` hold everything generated so far; `delta_text` what is new since the
     previous output of this request. `finish_reason` is None while running, then "stop", "length" or
-    "abort"."""
+    "abort". With `SamplingParams(n=k)` a stream interleaves the k samples, told apart by `index`; the
+    output `chat` returns is sample 0 with all k final samples in `outputs` (index order)."""
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -48,6 +49,8 @@ class RequestOutput:
     metrics: RequestMetrics = field(repr=False, default=None)
     # with SamplingParams(logprobs=k): one per token of `token_ids`; None otherwise
     logprobs: list[TokenLogprob] | None = None
+    index: int = 0  # which of the request's n samples
+    outputs: list["RequestOutput"] | None = field(repr=False, default=None)  # set by chat(): every sample
 
     @property
     def finished(self) -> bool:

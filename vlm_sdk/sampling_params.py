@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vlm_sdk.errors import InvalidRequestError
 
@@ -57,6 +57,8 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
     # token id -> bias added to its logit; stored as sorted (id, bias) pairs so the dataclass stays hashable
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    # parallel samples of one prompt, built (and its image encoded) once; sample i draws from seed + i
+    n: int = 1
 
     def __post_init__(self):
         # accept lists and a single string for convenience, keep the dataclass hashable
@@ -94,10 +96,20 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             _refuse("min_tokens", "must be an integer >= 0", self.min_tokens)
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if not _is_int(self.n) or self.n < 1:
+            _refuse("n", "must be an integer >= 1", self.n)
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
+
+    def sample(self, i: int) -> "SamplingParams":
+        """The params of sample i of n: one sample, seed + i (wrapped into the seed range), so n seeded
+        samples differ from each other and each is reproducible."""
+        seed = self.seed
+        if seed is not None and i:
+            seed = (seed + i - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
+        return replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

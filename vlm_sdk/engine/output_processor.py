@@ -49,8 +49,10 @@ class OutputProcessor:
         self.lock = self._decoder.lock  # held by anyone else who uses `tokenizer` (the server's logprobs)
 
     def new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    ) -> "RequestOutputState":
-        return RequestOutputState(request_id, prompt_token_ids, params, IncrementalDetokenizer(self._decoder))
+                    index: int = 0) -> "RequestOutputState":
+        state = RequestOutputState(request_id, prompt_token_ids, params, IncrementalDetokenizer(self._decoder))
+        state.index = index  # sample `index` of the request's n
+        return state
 
 
 class RequestOutputState:
@@ -67,6 +69,7 @@ class RequestOutputState:
         self.num_emitted_chars = 0  # text already streamed; a possible stop-string prefix waits
         self.finish_reason: str | None = None
         self.finished_by_stop_string = False  # the engine must be told to finish it
+        self.index = 0
         self.stops = StopMatcher(params.stop) if params.stop else None
 
     def process(self, out: EngineOutput) -> RequestOutput | None:
@@ -102,7 +105,8 @@ class RequestOutputState:
         return RequestOutput(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
                              token_ids=list(self.token_ids), text=detok.text[:self.num_emitted_chars],
                              delta_text=delta, finish_reason=reason, metrics=metrics,
-                             logprobs=None if self.logprobs is None else list(self.logprobs))
+                             logprobs=None if self.logprobs is None else list(self.logprobs),
+                             index=self.index)
 
     def _stopped_by(self, new_text: str) -> bool:
         """Feed the text just appended; on a stop string, cut the text before it (for good)."""

@@ -152,7 +152,8 @@ class OpenAIServer:
                                 "replica", "server_error", None, "unavailable")
         body = await read_json(request, self.config.max_request_bytes, self.config.body_timeout)
         req = protocol.parse_chat_request(body, self.model_name, self.max_model_len, self.config.limit_images,
-                                          self.config.max_stop_strings, self.config.max_stop_chars)
+                                          self.config.max_stop_strings, self.config.max_stop_chars,
+                                          self.config.max_n)
         messages = await self.media.resolve_messages(req.messages)
         prompt = await self.engine.build_prompt(messages, req.params)
         if req.num_images:
@@ -168,13 +169,26 @@ class OpenAIServer:
             await gen.aclose()  # a no-op once finished; otherwise aborts and frees the blocks
 
     async def _complete(self, req: protocol.ChatRequest, gen, out, timing: "_Timing") -> web.Response:
-        while not out.finished:
+        final = {}  # index -> final output; with n > 1 the choices finish in any order
+        while True:
+            if out.finished:
+                final[out.index] = out
+                if len(final) == req.params.n:
+                    self._observe(timing, out)  # the request's latencies once, at its last choice
+                    break
+                self.metrics.finished(out.finish_reason)  # every choice's finish reason
             out = await gen.__anext__()
-        self._observe(timing, out)
-        logprobs = None if out.logprobs is None else self.speller.content(out.logprobs)
-        return web.json_response(protocol.completion_body(
-            protocol.new_completion_id(), self.model_name, out.text, out.finish_reason,
-            len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens, logprobs))
+        outputs = [final[i] for i in range(req.params.n)]
+        first = outputs[0]
+
+        def logprobs(o):
+            return None if o.logprobs is None else self.speller.content(o.logprobs)
+        # the prompt is counted once: it was built once and the other choices shared its blocks
+        body = protocol.completion_body(
+            protocol.new_completion_id(), self.model_name, first.text, first.finish_reason,
+            len(first.prompt_token_ids), sum(len(o.token_ids) for o in outputs), first.num_cached_tokens,
+            logprobs(first))
+        return web.json_response(protocol.with_choices(body, outputs, logprobs) if len(outputs) > 1 else body)
 
     async def _stream(self, request: web.Request, req: protocol.ChatRequest, gen, out,
                       timing: "_Timing") -> web.StreamResponse:
@@ -187,21 +201,29 @@ class OpenAIServer:
         async def send(line: str) -> None:
             await resp.write(line.encode())
 
-        await send(chunks.role())
-        num_logprobs_sent = 0
+        n = req.params.n
+        for index in range(n):  # OpenAI opens every choice with its role
+            await send(chunks.role(index))
+        final = {}  # index -> final output
+        logprobs_sent = [0] * n  # per choice: its tokens whose logprobs were streamed
         try:
             while True:
-                if out.logprobs is not None and len(out.logprobs) > num_logprobs_sent:
+                i = out.index
+                if out.logprobs is not None and len(out.logprobs) > logprobs_sent[i]:
                     # every token's logprobs once, with the text that has come since the last chunk
-                    await send(chunks.content(out.delta_text, self.speller.content(out.logprobs[num_logprobs_sent:])))
-                    num_logprobs_sent = len(out.logprobs)
+                    await send(chunks.content(out.delta_text, self.speller.content(out.logprobs[logprobs_sent[i]:]), i))
+                    logprobs_sent[i] = len(out.logprobs)
                 elif out.delta_text:
-                    await send(chunks.content(out.delta_text))
+                    await send(chunks.content(out.delta_text, index=i))
                 if out.finished:
-                    await send(chunks.finish(out.finish_reason))
-                    break
+                    await send(chunks.finish(out.finish_reason, out.index))
+                    final[out.index] = out
+                    if len(final) == n:
+                        self._observe(timing, out)  # the request's latencies once, at its last choice
+                        break
+                    self.metrics.finished(out.finish_reason)  # every choice's finish reason
                 out = await gen.__anext__()
-        except ConnectionResetError:  # the client left; closing the generator aborts the request
+        except ConnectionResetError:  # the client left; closing the generator aborts every choice
             return resp
         except Exception as e:  # headers are sent: report in-band, as OpenAI does
             err = protocol.error_from_exception(e)
@@ -210,9 +232,10 @@ class OpenAIServer:
             self.metrics.error(err.status)
             await send(chunks.event(err.body()))
         else:
-            self._observe(timing, out)
-            if req.include_usage:
-                await send(chunks.usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens))
+            if req.include_usage:  # the prompt counted once, the completions of every choice
+                first = final[0]
+                await send(chunks.usage(len(first.prompt_token_ids), sum(len(o.token_ids) for o in final.values()),
+                                        first.num_cached_tokens))
         await send(chunks.done())
         await resp.write_eof()
         return resp

@@ -96,6 +96,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop strings per request (default 4, as OpenAI's API)")
     p.add_argument("--max-stop-chars", type=_count, default=d.max_stop_chars,
                    help="characters per stop string (default 256)")
+    p.add_argument("--max-n", type=_positive, default=d.max_n,
+                   help="choices ('n') per request, each a sequence in the batch (default 8)")
     p.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
                    help="seconds a connection may stay open without a complete request head, idle or "
                         "sending its headers slowly")
@@ -122,6 +124,13 @@ def _count(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:  # 0 would refuse every request, even n=1
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from vlm_sdk.server.runner import serve
     model = args.model
@@ -140,7 +149,8 @@ def run_serve(args: argparse.Namespace) -> int:
                           limit_images=args.limit_images, shutdown_timeout=args.shutdown_timeout, media=media,
                           keep_alive_timeout=args.keep_alive_timeout, body_timeout=args.body_timeout,
                           max_connections=args.max_connections,
-                          max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars)
+                          max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
+                          max_n=args.max_n)
 
     return serve(model, config, **engine_kwargs(args))
 

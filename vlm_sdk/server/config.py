@@ -55,6 +55,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     max_stop_strings: int = 4  # per request, as OpenAI's API allows
     max_stop_chars: int = 256  # per stop string
+    max_n: int = 8  # choices per request: each is a sequence in the batch
     # connections: an open one must complete a request head within keep_alive_timeout of opening or
     # of its last response (idle and slow-header clients alike), and its body within body_timeout
     keep_alive_timeout: float = 5.0

@@ -17,7 +17,6 @@ from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # fields whose non-default value we cannot honour (other unknown fields are accepted and change nothing)
 UNSUPPORTED = {  # field -> the values that mean "off", which are all we can honour
-    "n": (1, None),
     "tools": (None,),
     "tool_choice": (None, "none"),
     "functions": (None,),
@@ -95,11 +94,11 @@ class ChatRequest:
 
 
 def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_images: int,
-                       max_stop_strings: int = 4, max_stop_chars: int = 256) -> ChatRequest:
+                       max_stop_strings: int = 4, max_stop_chars: int = 256, max_n: int = 8) -> ChatRequest:
     """Validate a decoded JSON body. `max_tokens` left out is None: as long as the context allows (the
     engine stops at max_model_len), as in vLLM; a too-long error then sizes its fixes for
     `DEFAULT_MAX_TOKENS` output tokens and says so. At most `max_stop_strings` stop strings of at most
-    `max_stop_chars` characters each."""
+    `max_stop_chars` characters each, and at most `max_n` choices."""
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got a JSON {_json_type(body)}")
     model = body.get("model")
@@ -137,6 +136,9 @@ def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_
             raise bad_request("'stream_options.include_usage' must be true or false", "stream_options")
     _check_stop(body.get("stop"), max_stop_strings, max_stop_chars)
     params = _sampling_params(body, max_model_len)
+    if params.n > max_n:  # each choice is a sequence in the batch: a cap keeps one request from filling it
+        raise bad_request(f"'n' is {params.n}; this server accepts at most {max_n} choices per request "
+                          f"(server setting --max-n)", "n", "too_many_choices")
     return ChatRequest(messages, params, stream, include_usage, num_images)
 
 
@@ -163,13 +165,13 @@ def _check_stop(stop, max_count: int, max_chars: int) -> None:
 
 # fields copied into SamplingParams as they are (it validates them and names the field on error)
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "n")
 
 
 def _sampling_params(body: dict, max_model_len: int) -> SamplingParams:
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     kwargs = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
-    for k in ("top_k", "seed", "min_tokens"):
+    for k in ("top_k", "seed", "min_tokens", "n"):
         if k in kwargs:
             kwargs[k] = _json_int(kwargs[k])
     if isinstance(kwargs.get("stop_token_ids"), list):
@@ -248,6 +250,18 @@ def completion_body(cid: str, model: str, text: str, finish_reason: str, prompt_
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
+def with_choices(body: dict, outputs: list, logprobs=lambda out: None) -> dict:
+    """A completion body with every one of n choices, in index order, each made as `completion_body`
+    makes choice 0 (`logprobs(out)`: its logprobs object, or None); the usage it holds already counts
+    the prompt once."""
+    def choice(out) -> dict:
+        made = completion_body(body["id"], body["model"], out.text, out.finish_reason, 0, 0, 0,
+                               logprobs(out))["choices"][0]
+        return {**made, "index": out.index}
+    body["choices"] = [choice(out) for out in outputs]
+    return body
+
+
 class ChunkWriter:
     """SSE lines of one streamed completion. Only the delta text changes between chunks, so the rest
     of each line is formatted once: per token the server then encodes one short string."""
@@ -257,25 +271,26 @@ class ChunkWriter:
         head = json.dumps({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model},
                           separators=(",", ":"))[:-1]
         tail = ',"usage":null}' if include_usage else "}"
-        self._content_prefix = "data: " + head + ',"choices":[{"index":0,"delta":{"content":'
+        self._content_prefix = "data: " + head + ',"choices":[{"index":'
         self._content_suffix = '},"logprobs":null,"finish_reason":null}]' + tail + "\n\n"
 
     def event(self, payload: dict) -> str:
         return "data: " + json.dumps(payload, separators=(",", ":")) + "\n\n"
 
-    def role(self) -> str:
+    def role(self, index: int = 0) -> str:
         return self.event(chunk_body(self.cid, self.model, self.created, {"role": "assistant", "content": ""},
-                                     None, self.include_usage))
+                                     None, self.include_usage, index))
 
-    def content(self, text: str, logprobs: dict | None = None) -> str:
+    def content(self, text: str, logprobs: dict | None = None, index: int = 0) -> str:
         if logprobs is not None:  # the rare case: a body of its own
-            body = chunk_body(self.cid, self.model, self.created, {"content": text}, None, self.include_usage)
+            body = chunk_body(self.cid, self.model, self.created, {"content": text}, None, self.include_usage,
+                              index)
             body["choices"][0]["logprobs"] = logprobs
             return self.event(body)
-        return self._content_prefix + json.dumps(text) + self._content_suffix
+        return f'{self._content_prefix}{index},"delta":{{"content":{json.dumps(text)}{self._content_suffix}'
 
-    def finish(self, reason: str) -> str:
-        return self.event(chunk_body(self.cid, self.model, self.created, {}, reason, self.include_usage))
+    def finish(self, reason: str, index: int = 0) -> str:
+        return self.event(chunk_body(self.cid, self.model, self.created, {}, reason, self.include_usage, index))
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> str:
         return self.event(usage_chunk_body(self.cid, self.model, self.created, prompt_tokens, completion_tokens,
@@ -287,9 +302,9 @@ class ChunkWriter:
 
 
 def chunk_body(cid: str, model: str, created: int, delta: dict, finish_reason: str | None,
-               include_usage: bool) -> dict:
+               include_usage: bool, index: int = 0) -> dict:
     body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
     if include_usage:
         body["usage"] = None
     return body
