@@ -79,6 +79,19 @@ def test_streamed_choices_carry_their_index(srv):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_every_choice_has_its_own_logprobs_plain_and_streamed(srv):
+    whole = _create(srv, n=2, logprobs=True, top_logprobs=2)
+    for c in whole.choices:
+        assert len(c.logprobs.content) == 10 and all(len(e.top_logprobs) == 2 for e in c.logprobs.content)
+    assert [e.token for e in whole.choices[0].logprobs.content] != [e.token for e in whole.choices[1].logprobs.content]
+    streamed = [[], []]
+    for chunk in _create(srv, n=2, logprobs=True, top_logprobs=2, stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                streamed[choice.index] += [e.token for e in choice.logprobs.content]
+    assert streamed == [[e.token for e in c.logprobs.content] for c in whole.choices]
+
+
 def test_max_n_and_bad_n_are_400(srv):
     with pytest.raises(openai.BadRequestError) as info:
         _create(srv, n=MAX_N + 1)

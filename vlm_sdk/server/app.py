@@ -211,10 +211,11 @@ class OpenAIServer:
                 i = out.index
                 if out.logprobs is not None and len(out.logprobs) > logprobs_sent[i]:
                     # every token's logprobs once, with the text that has come since the last chunk
-                    await send(chunks.content(out.delta_text, self.speller.content(out.logprobs[logprobs_sent[i]:]), i))
+                    entries = self.speller.content(out.logprobs[logprobs_sent[i]:])
+                    await send(chunks.content(out.delta_text, i, entries))
                     logprobs_sent[i] = len(out.logprobs)
                 elif out.delta_text:
-                    await send(chunks.content(out.delta_text, index=i))
+                    await send(chunks.content(out.delta_text, i))
                 if out.finished:
                     await send(chunks.finish(out.finish_reason, out.index))
                     final[out.index] = out

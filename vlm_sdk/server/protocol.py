@@ -281,7 +281,7 @@ class ChunkWriter:
         return self.event(chunk_body(self.cid, self.model, self.created, {"role": "assistant", "content": ""},
                                      None, self.include_usage, index))
 
-    def content(self, text: str, logprobs: dict | None = None, index: int = 0) -> str:
+    def content(self, text: str, index: int = 0, logprobs: dict | None = None) -> str:
         if logprobs is not None:  # the rare case: a body of its own
             body = chunk_body(self.cid, self.model, self.created, {"content": text}, None, self.include_usage,
                               index)
