@@ -72,15 +72,3 @@ class BlockPool:
         if self.block_hash[block] is None and h not in self.cached:
             self.block_hash[block] = h
             self.cached[h] = block
-
-    def clear_cache(self) -> int:
-        """Forget every cached block that no sequence holds; the number forgotten."""
-        forgotten = 0
-        for block in self._free:
-            h = self.block_hash[block]
-            if h is not None:
-                del self.cached[h]
-                self.block_hash[block] = None
-                forgotten += 1
-        self.num_cached_free = 0
-        return forgotten
