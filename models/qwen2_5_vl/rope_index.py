@@ -36,6 +36,14 @@ class MRopePositions:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
+def prompt_positions_at(prompt_positions: MRopePositions | None, start: int, end: int) -> torch.Tensor:
+    """A Qwen model's `positions()`: the prompt's M-RoPE table (then index + rope_delta for generated
+    tokens), or the plain index on all three axes for a prompt built without the processor (text only)."""
+    if prompt_positions is None:
+        return torch.arange(start, end).expand(3, -1)
+    return prompt_positions.at(start, end)
+
+
 def _image_runs(ids: torch.Tensor, image_token_id: int) -> list[tuple[int, int]]:
     """(start, end) of each maximal run of image tokens."""
     is_img = (ids == image_token_id).to(torch.int8)  # [L]

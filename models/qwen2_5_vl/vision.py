@@ -40,6 +40,20 @@ from vlm_sdk.layers.ops import KernelOps, TorchOps
 from vlm_sdk.layers.parallel_state import TPGroup
 
 
+
+def check_patch_grids(pixel_values: torch.Tensor, grid_thw, patch_dim: int, merge: int) -> list[tuple[int, int, int]]:
+    """The grids as int tuples; `ValueError` when the pixels are not `[sum of t*h*w, patch_dim]` or a grid's
+    h or w is not a multiple of the merge size."""
+    grid_thw = [tuple(int(v) for v in g) for g in grid_thw]
+    expected = sum(t * h * w for t, h, w in grid_thw)
+    if pixel_values.shape != (expected, patch_dim):
+        raise ValueError(f"pixel_values has shape {list(pixel_values.shape)} but grids {grid_thw} need "
+                         f"[{expected}, {patch_dim}]")
+    for t, h, w in grid_thw:
+        if h % merge or w % merge:
+            raise ValueError(f"image grid {(t, h, w)}: h and w must be multiples of {merge}")
+    return grid_thw
+
 class VisionBlock(nn.Module):
     def __init__(self, dim: int, heads: int, inter: int, act: str, dtype: torch.dtype, device, ops: KernelOps,
                  tp: TPGroup = TPGroup()):
@@ -155,14 +169,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor,  # [num_patches, patch_dim]
                 grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:  # [num_patches / merge^2, out_hidden]
-        grid_thw = [tuple(int(v) for v in g) for g in grid_thw]
-        expected = sum(t * h * w for t, h, w in grid_thw)
-        if pixel_values.shape != (expected, self.patch_dim):
-            raise ValueError(f"pixel_values has shape {list(pixel_values.shape)} but grids {grid_thw} need "
-                             f"[{expected}, {self.patch_dim}]")
-        for t, h, w in grid_thw:
-            if h % self.merge or w % self.merge:
-                raise ValueError(f"image grid {(t, h, w)}: h and w must be multiples of {self.merge}")
+        grid_thw = check_patch_grids(pixel_values, grid_thw, self.patch_dim, self.merge)
         device = self.patch_embed.weight.device
         window_index, pos, window_lens, image_lens = self._layout(grid_thw)
         window_index, pos = window_index.to(device), pos.to(device)

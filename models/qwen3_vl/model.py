@@ -30,7 +30,7 @@ from vlm_sdk.weight_loading import ParamSlot
 from vlm_sdk.models.base import KVCache, StepImages
 from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
-from vlm_sdk.models.qwen2_5_vl.rope_index import MRopePositions
+from vlm_sdk.models.qwen2_5_vl.rope_index import MRopePositions, prompt_positions_at
 from vlm_sdk.models.qwen3_vl.vision import Qwen3VLVisionTransformer
 from vlm_sdk.multimodal.inputs import ImageInput
 
@@ -87,9 +87,7 @@ class Qwen3VLForCausalLM(DecoderVLM):
     def positions(self, prompt_positions: MRopePositions | None, start: int, end: int) -> torch.Tensor:
         """M-RoPE positions `[3, end - start]`: the prompt's (`MRopePositions`, computed once by the
         processor), then index + rope_delta on all three axes for generated tokens."""
-        if prompt_positions is None:  # a prompt built without the processor: text only
-            return super().positions(None, start, end)
-        return prompt_positions.at(start, end)
+        return prompt_positions_at(prompt_positions, start, end)
 
     def _vision_parts(self) -> tuple[nn.Module, nn.Module]:
         return self.visual, self.visual.projector

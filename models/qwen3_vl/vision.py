@@ -37,6 +37,7 @@ from vlm_sdk.layers.attention import SegmentAttention
 from vlm_sdk.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from vlm_sdk.layers.ops import KernelOps, TorchOps
 from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.models.qwen2_5_vl.vision import check_patch_grids
 from vlm_sdk.weight_loading import ParamSlot, SplitSlot
 
 LN_EPS = 1e-6  # transformers builds every LayerNorm of this tower with eps 1e-6
@@ -203,14 +204,7 @@ class Qwen3VLVisionTransformer(nn.Module):
                 grid_thw: list[tuple[int, int, int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(merged tokens `[num_patches / merge^2, out_hidden]`, one `[num_patches / merge^2, out_hidden]`
         per DeepStack level), tokens in the images' order, each image's in its merge blocks' raster order."""
-        grid_thw = [tuple(int(v) for v in g) for g in grid_thw]
-        expected = sum(t * h * w for t, h, w in grid_thw)
-        if pixel_values.shape != (expected, self.patch_dim):
-            raise ValueError(f"pixel_values has shape {list(pixel_values.shape)} but grids {grid_thw} need "
-                             f"[{expected}, {self.patch_dim}]")
-        for t, h, w in grid_thw:
-            if h % self.merge or w % self.merge:
-                raise ValueError(f"image grid {(t, h, w)}: h and w must be multiples of {self.merge}")
+        grid_thw = check_patch_grids(pixel_values, grid_thw, self.patch_dim, self.merge)
         device = self.patch_embed.weight.device
         x = self.patch_embed(pixel_values.to(device=device, dtype=self.patch_embed.weight.dtype))  # [N, dim]
         pos, rows_cols = self._grid_positions(grid_thw, device)  # [N, dim] float32, [N, 2]
