@@ -197,6 +197,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.n > 1:  # one engine request is one sequence; LLM / AsyncLLM expand n
+            raise InvalidRequestError(f"n={params.n}: LLMEngine.add_request runs one sample; add "
+                                      f"params.sample(i) for i in range(n) (as LLM and AsyncLLM do)", param="n")
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
