@@ -159,6 +159,9 @@ class AsyncLLM:
             states = await loop.run_in_executor(self._text_prep, new_states)
         else:
             states = new_states()
+        # structured outputs: compiled (or found in the cache) here, never on the engine thread
+        grammar = (await loop.run_in_executor(self._text_prep, self.engine.compile_grammar, params)
+                   if params.grammar is not None else None)
         if request_id is not None and any(s.user_id == request_id for s in self._streams.values()):
             raise InvalidRequestError(f"request id {request_id!r} is already streaming")
         stream = _Stream(user_id, loop, asyncio.Queue())  # one queue for the n samples
@@ -168,7 +171,7 @@ class AsyncLLM:
                 self._streams[key] = stream
             # one command: the n samples join the same step, so the first's prompt blocks (and its
             # encoded image) are hit by the others instead of being computed n times
-            self._commands.put(("add", keys, (prompt, samples)))
+            self._commands.put(("add", keys, (prompt, samples, grammar)))
         running = set(keys)
         try:
             while running:
@@ -305,12 +308,12 @@ class AsyncLLM:
             engine.shutdown()
             self._announce_death(e)
 
-    def _add(self, keys: list[str], prompt: PromptInputs, samples: list) -> None:
+    def _add(self, keys: list[str], prompt: PromptInputs, samples: list, grammar) -> None:
         """Add a request's samples; a bad request fails its caller alone, and none of its samples runs."""
         added = []
         try:
             for key, sp in zip(keys, samples):
-                self.engine.add_request(prompt, sp, request_id=key)
+                self.engine.add_request(prompt, sp, request_id=key, grammar=grammar)
                 added.append(key)
         except Exception as e:
             for key in added:

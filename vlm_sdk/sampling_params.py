@@ -1,6 +1,7 @@
 """Per-request sampling and stopping settings."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 
@@ -59,6 +60,12 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     # parallel samples of one prompt, built (and its image encoded) once; sample i draws from seed + i
     n: int = 1
+    # constrained output (the engine compiles it with llguidance; docs/structured_outputs.md): OpenAI's
+    # {"type": "json_object"} / {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}, or
+    # one of {"json": schema} | {"json_object": True} | {"regex": str} | {"choice": [str, ...]} |
+    # {"grammar": Lark or GBNF text}. Either is stored as a `StructuredOutputs`; at most one may be set.
+    response_format: "dict | StructuredOutputs | None" = None
+    structured_outputs: "dict | StructuredOutputs | None" = None
 
     def __post_init__(self):
         # accept lists and a single string for convenience, keep the dataclass hashable
@@ -98,6 +105,18 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if not _is_int(self.n) or self.n < 1:
             _refuse("n", "must be an integer >= 1", self.n)
+        fmt = _from_response_format(self.response_format)
+        structured = _from_structured_outputs(self.structured_outputs)
+        if fmt is not None and structured is not None:
+            _refuse("structured_outputs", "cannot be combined with a response_format other than text",
+                    self.response_format)
+        object.__setattr__(self, "response_format", fmt)
+        object.__setattr__(self, "structured_outputs", structured)
+
+    @property
+    def grammar(self) -> "StructuredOutputs | None":
+        """The constraint on the output, from either field; None: free text."""
+        return self.response_format or self.structured_outputs
 
     @property
     def wants_logprobs(self) -> bool:
@@ -134,3 +153,86 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
             _refuse("logit_bias", f"values must be numbers from {-MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}", value)
         pairs[token] = float(value)
     return tuple(sorted(pairs.items()))
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What the output must match, as text the grammar engine compiles. `kind`: "json" (`text` is a
+    JSON Schema serialised compactly; json_object is {"type":"object"}), "regex", "choice" (`text`
+    is the JSON list of the allowed strings) or "grammar" (Lark or GBNF). `param`: the request field
+    it came from, which errors name."""
+    kind: str
+    text: str
+    param: str = "structured_outputs"
+
+
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _schema_text(schema, name: str) -> str:
+    if isinstance(schema, str):  # already JSON text
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            _refuse(name, f"must be a JSON Schema (an object), and this string is not JSON ({e})", schema)
+    if not isinstance(schema, (dict, bool)):
+        _refuse(name, "must be a JSON Schema (an object)", schema)
+    try:  # key order kept: it is the order properties are generated in
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        _refuse(name, f"must hold JSON values only ({e})", schema)
+
+
+def _from_response_format(value) -> StructuredOutputs | None:
+    """OpenAI's response_format; {"type": "text"} (or None) is free text."""
+    if value is None or isinstance(value, StructuredOutputs):
+        return value
+    name = "response_format"
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        _refuse(name, 'must be an object like {"type": "json_object"}', value)
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs("json", '{"type":"object"}', name)
+    if kind != "json_schema":
+        _refuse(f"{name}.type", 'must be "text", "json_object" or "json_schema"', kind)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        _refuse(f"{name}.json_schema", 'must be an object {"name", "schema", "strict"}', spec)
+    if not isinstance(spec.get("name", ""), str):
+        _refuse(f"{name}.json_schema.name", "must be a string", spec.get("name"))
+    if spec.get("strict") not in (None, True, False):
+        _refuse(f"{name}.json_schema.strict", "must be true or false", spec.get("strict"))
+    # no schema: any JSON value (OpenAI makes it optional); strict or not, the schema is enforced
+    schema = spec.get("schema", {})
+    return StructuredOutputs("json", _schema_text(schema, f"{name}.json_schema.schema"), name)
+
+
+def _from_structured_outputs(value) -> StructuredOutputs | None:
+    if value is None or isinstance(value, StructuredOutputs):
+        return value
+    name = "structured_outputs"
+    if not isinstance(value, dict):
+        _refuse(name, f"must be an object with one of the keys {', '.join(_KINDS)}", value)
+    unknown = [k for k in value if k not in _KINDS]
+    if unknown:
+        _refuse(name, f"takes one of the keys {', '.join(_KINDS)}; unknown key {unknown[0]!r}", value)
+    given = [k for k in _KINDS if value.get(k) not in (None, False)]
+    if len(given) != 1:
+        _refuse(name, f"must set exactly one of {', '.join(_KINDS)}", value)
+    kind = given[0]
+    arg, field_name = value[kind], f"{name}.{kind}"
+    if kind == "json":
+        return StructuredOutputs("json", _schema_text(arg, field_name), name)
+    if kind == "json_object":
+        if arg is not True:
+            _refuse(field_name, "must be true", arg)
+        return StructuredOutputs("json", '{"type":"object"}', name)
+    if kind == "choice":
+        if not isinstance(arg, (list, tuple)) or not arg or any(not isinstance(c, str) or not c for c in arg):
+            _refuse(field_name, "must be a non-empty list of non-empty strings", arg)
+        return StructuredOutputs("choice", json.dumps(list(arg), ensure_ascii=False), name)
+    if not isinstance(arg, str) or not arg:
+        _refuse(field_name, "must be a non-empty string", arg)
+    return StructuredOutputs(kind, arg, name)

@@ -28,6 +28,7 @@ from vlm_sdk.engine.prompt_guard import PromptGuard
 from vlm_sdk.engine.prompt_tokenizer import PromptTokenizer, PromptTooLong
 from vlm_sdk.engine.scheduler import ScheduledBatch, Scheduler
 from vlm_sdk.engine.sequence import Sequence
+from vlm_sdk.engine.structured_output import Grammar, GrammarCompiler, MaskFiller, accept
 from vlm_sdk.errors import InvalidRequestError, fixes_text
 from vlm_sdk.executor import make_executor
 from vlm_sdk.hub import resolve_model
@@ -53,6 +54,9 @@ class LLMEngine:
         self.tokenizer = PromptTokenizer(load_tokenizer(model), not args.allow_special_tokens_in_text)
         self.guard = PromptGuard(self.tokenizer, args.max_image_pixels, args.max_request_image_pixels)
         self.eos_token_ids = set(info.eos_token_ids)
+        vocab_size = int(family.text_config(info.hf_config).vocab_size)  # the logits' width
+        self.grammars = GrammarCompiler(self.tokenizer.wrapped, vocab_size, sorted(self.eos_token_ids))
+        self._fill_masks = MaskFiller(vocab_size)
         # rank 0's worker in this process; under tensor parallelism one more process per rank
         self.executor = make_executor(model, args, info.hf_config, family)
         try:
@@ -173,6 +177,7 @@ class LLMEngine:
         fixes the error names fit the prompt and `params.max_tokens`). Once `cancelled` is set, the
         images not decoded yet raise `DecodeCancelled` instead (see `PromptGuard`)."""
         t0 = time.perf_counter()
+        self.compile_grammar(params)  # a bad schema fails before any image is decoded
         try:
             prompt = self.processor(self.guard.prepare(messages, cancelled))
         except PromptTooLong as e:  # a huge text: refused from its token count, before any conversion
@@ -192,8 +197,17 @@ class LLMEngine:
                           self.args.max_model_len is not None, self.processor.image_setting_fixes,
                           params.max_tokens)
 
+    def compile_grammar(self, params: SamplingParams | None) -> Grammar | None:
+        """The compiled grammar of `params`' structured output (None without one); cached, thread-safe:
+        AsyncLLM compiles on a prep thread, so the engine thread only copies its start state.
+        Raises `InvalidRequestError` naming the field when it cannot be compiled."""
+        if params is None or params.grammar is None:
+            return None
+        return self.grammars.compile(params.grammar)
+
     def add_request(self, prompt: PromptInputs, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, grammar: Grammar | None = None) -> str:
+        """`grammar`: `compile_grammar(params)` done beforehand (else it is compiled here, if needed)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -206,7 +220,11 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         self.check_prompt(prompt, params)
+        if params.grammar is not None and grammar is None:
+            grammar = self.compile_grammar(params)
         seq = Sequence(request_id, prompt, params)
+        if grammar is not None:
+            seq.matcher = grammar.matcher()
         if params.min_tokens:
             eos = () if params.ignore_eos else tuple(sorted(self.eos_token_ids))
             seq.min_tokens_stop_ids = tuple(params.stop_token_ids) + eos
@@ -247,7 +265,12 @@ class LLMEngine:
             return []
         if batch.preempted:
             self._note_preemptions(len(batch.preempted))
-        result = self.executor.execute(self.scheduler.worker_input(batch))
+        work = self.scheduler.worker_input(batch)
+        masks = self._fill_masks([(seq.request_id, seq.matcher) for seq, n in batch.scheduled
+                                  if seq.matcher is not None and seq.num_computed_tokens + n == seq.num_tokens])
+        if masks is not None:
+            work = dataclasses.replace(work, grammar_bitmask=masks)
+        result = self.executor.execute(work)
         return self._postprocess(batch, result)
 
     def _postprocess(self, batch: ScheduledBatch, result: ModelRunnerOutput) -> list[EngineOutput]:
@@ -273,6 +296,8 @@ class LLMEngine:
         reason = None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
+        elif seq.matcher is not None and (reason := accept(seq.matcher, token)) is not None:
+            pass  # the grammar is complete ("stop"), or was broken ("abort")
         elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) \
                 or seq.num_tokens >= self.scheduler_config.max_model_len:
             reason = "length"

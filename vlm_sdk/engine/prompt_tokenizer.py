@@ -167,6 +167,11 @@ class PromptTokenizer:
             raise PromptTooLong(n)
         return ids
 
+    @property
+    def wrapped(self):
+        """The transformers tokenizer inside (for tools that need its own type, e.g. llguidance)."""
+        return self._tok
+
     def decode(self, *args, **kwargs):
         with self._lock:
             return self._tok.decode(*args, **kwargs)

@@ -46,6 +46,7 @@ class Sequence:
                                       preprocess_time=prompt.preprocess_seconds)
         self.num_preemptions = 0
         self.min_tokens_stop_ids: tuple[int, ...] = ()  # set by the engine (it knows the EOS ids)
+        self.matcher = None  # structured outputs: the llguidance matcher of its grammar (engine/structured_output.py)
         # prefix caching (engine.block_manager): the hashes of the full blocks of token_ids so far, and
         # how many of block_ids have been offered to the cache
         self.image_spans = [ImageSpan(p, p + im.num_tokens, im.key) for p, im in zip(prompt.image_positions,

@@ -23,11 +23,10 @@ UNSUPPORTED = {  # field -> the values that mean "off", which are all we can hon
     "audio": (None,),
 }
 # the rest of OpenAI's chat request (openai's CompletionCreateParams; README "Request fields") that this
-# server cannot honour, refused rather than dropped: a client that asked for tools, JSON or audio must
+# server cannot honour, refused rather than dropped: a client that asked for tools or audio must
 # not take free text for an answer. Values listed are those that ask for nothing beyond plain text.
 UNSUPPORTED.update({
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),  # until structured outputs land
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "web_search_options": (None,),
@@ -165,7 +164,10 @@ def _check_stop(stop, max_count: int, max_chars: int) -> None:
 
 # fields copied into SamplingParams as they are (it validates them and names the field on error)
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "n")
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "n",
+                    "response_format", "structured_outputs")
+# vLLM's older names for structured_outputs' keys, accepted so its clients work unchanged
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def _sampling_params(body: dict, max_model_len: int) -> SamplingParams:
@@ -177,6 +179,11 @@ def _sampling_params(body: dict, max_model_len: int) -> SamplingParams:
     if isinstance(kwargs.get("stop_token_ids"), list):
         kwargs["stop_token_ids"] = [_json_int(t) for t in kwargs["stop_token_ids"]]
     kwargs["logprobs"] = _logprobs(body)
+    guided = {key: body[name] for name, key in _GUIDED.items() if body.get(name) is not None}
+    if guided:
+        if "structured_outputs" in kwargs:
+            raise bad_request("use 'structured_outputs' or the guided_* fields, not both", "structured_outputs")
+        kwargs["structured_outputs"] = guided
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
     max_tokens = body.get(name)

@@ -48,12 +48,21 @@ class CachedRequestData:
 
 
 @dataclass(frozen=True)
+class GrammarBitmask:
+    """Structured outputs: the tokens each constrained request may sample this step, one bit per token
+    (bit t of word w allows token 32w + t; llguidance's layout). The other sampled rows are free."""
+    request_ids: tuple[str, ...]
+    bitmask: Any  # torch.Tensor [len(request_ids), ceil(vocab / 32)] int32, on the host
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens this step
     finished_request_ids: frozenset[str] = frozenset()  # finished or aborted since the last step
     preempted_request_ids: frozenset[str] = frozenset()  # preempted this step: free, resend later
+    grammar_bitmask: GrammarBitmask | None = None  # masks of the constrained requests that sample now
 
     @property
     def total_num_scheduled_tokens(self) -> int:

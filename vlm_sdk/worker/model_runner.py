@@ -29,6 +29,7 @@ from vlm_sdk.worker.encoder_cache import EncoderCache
 from vlm_sdk.worker.io import ModelRunnerOutput, SchedulerOutput
 from vlm_sdk.worker.request_state import RequestState
 from vlm_sdk.worker.sampler import Sampler, skip_draws
+from vlm_sdk.worker.token_mask import apply_token_bitmask
 
 
 class ModelRunner:
@@ -98,6 +99,10 @@ class ModelRunner:
         if not self.samples:
             return ModelRunnerOutput()
         states = [scheduled[i][0] for i in step.sample_idx]
+        if sched.grammar_bitmask is not None:  # structured outputs: only the constrained rows change
+            row_of = {s.request_id: j for j, s in enumerate(states)}
+            apply_token_bitmask(logits, [row_of[r] for r in sched.grammar_bitmask.request_ids],
+                                sched.grammar_bitmask.bitmask)
         for s in states:
             if s.pending_draws:
                 skip_draws(s.generator, s.pending_draws, logits.shape[1])
