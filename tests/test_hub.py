@@ -88,6 +88,15 @@ def test_paths_are_not_ids():
     assert display_name("Qwen/Qwen2.5-VL-3B-Instruct") == "Qwen/Qwen2.5-VL-3B-Instruct"
 
 
+def test_plan_takes_an_id_and_reads_its_config_only(hub, capsys):
+    from vlm_sdk.cli import main
+    assert main(["plan", REPO, "--revision", OLD_SHA, "--device-memory", "24GiB", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config_path"].startswith(str(hub / "models--TinyOrg--tiny-vl" / "snapshots" / OLD_SHA))
+    assert main(["plan", "TinyOrg/not-cached", "--device-memory", "24GiB"]) == 2
+    assert "not in the hub cache" in capsys.readouterr().err
+
+
 def test_llm_runs_from_an_id(hub):
     from vlm_sdk import LLM, SamplingParams
     with LLM(REPO, revision=OLD_SHA, num_blocks=16, allow_unfit_images=True) as llm:

@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     add_gpu_bench_arguments(bench)
     from vlm_sdk.bench.prefix_cache import add_arguments as add_multi_turn_arguments
     add_multi_turn_arguments(bench)
+    from vlm_sdk.bench.structured import add_arguments as add_structured_arguments
+    add_structured_arguments(bench)
     from vlm_sdk.bench.serve import add_arguments as add_bench_serve_arguments
     add_bench_serve_arguments(sub.add_parser("bench-serve", help="throughput and latency of a server over HTTP, "
                                              "vs the same workload in process"))
@@ -132,7 +134,12 @@ def main(argv: list[str] | None = None) -> int:
             from vlm_sdk.bench.serve import run_bench_serve
             return run_bench_serve(args)
         from vlm_sdk.bench import gpu as bench_gpu
-        from vlm_sdk.bench import prefix_cache
+        from vlm_sdk.bench import prefix_cache, structured
+        if args.structured:
+            bench_gpu.reject_without_gpu(args)
+            prefix_cache.reject_without_multi_turn(args)
+            return structured.run_structured(args)
+        structured.reject_without_structured(args)
         if args.multi_turn:
             bench_gpu.reject_without_gpu(args)
             return prefix_cache.run_multi_turn(args)

@@ -31,11 +31,15 @@ def display_name(model: str) -> str:
     return model if is_hub_id(model) else Path(model).expanduser().resolve().name
 
 
-def resolve_model(model: str, revision: str | None = None) -> str:
+# what `vlm-sdk plan` reads: the model's configs, not its weights
+CONFIG_FILES = ["config.json", "preprocessor_config.json", "generation_config.json"]
+
+
+def resolve_model(model: str, revision: str | None = None, configs_only: bool = False) -> str:
     """The local directory for `model`: the path itself when it exists, else the Hub snapshot of the
     id at `revision` (a branch, tag or commit; default main), downloaded into the hub cache unless
-    it is there or HF_HUB_OFFLINE is set. A path that does not exist and is no id is returned as is,
-    for the loader to report."""
+    it is there or HF_HUB_OFFLINE is set (`configs_only`: only its `CONFIG_FILES`). A path that does
+    not exist and is no id is returned as is, for the loader to report."""
     model = str(model)
     if not is_hub_id(model):
         if revision is not None:
@@ -57,6 +61,8 @@ def resolve_model(model: str, revision: str | None = None) -> str:
 
     try:
         # offline, ask the cache only: huggingface_hub would otherwise try the network first
+        if configs_only:
+            return snapshot_download(model, revision=revision, local_files_only=offline, allow_patterns=CONFIG_FILES)
         return snapshot_download(model, revision=revision, local_files_only=offline, ignore_patterns=IGNORE_PATTERNS)
     except GatedRepoError as e:
         raise fail(f"{where} is gated on the Hub", "Accept its terms on huggingface.co, then set HF_TOKEN or run "

@@ -68,3 +68,17 @@ def test_async_stop_string_frees_the_engine(tiny_ckpt, llm):
     outs, freed, stats = asyncio.run(main())
     assert outs[-1].finish_reason == "stop" and outs[-1].text == full.text[:full.text.find(stop)]
     assert freed and stats["total_generation_tokens"] < 200  # finished long before max_tokens
+
+
+def test_min_tokens_holds_back_stop_strings(llm):
+    """As in vLLM: a stop string that ends before min_tokens tokens is kept as text."""
+    conv = [{"role": "user", "content": "Say something."}]
+    greedy = dict(max_tokens=16, temperature=0.0, ignore_eos=True)
+    base = llm.chat(conv, SamplingParams(**greedy))[0]
+    stop = llm.tokenizer.decode(base.token_ids[1:3])
+    assert stop.strip() and base.text.find(stop) < len(llm.tokenizer.decode(base.token_ids[:3]))
+    early = llm.chat(conv, SamplingParams(**greedy, stop=[stop]))[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) <= 3 and stop not in early.text
+    held = llm.chat(conv, SamplingParams(**greedy, stop=[stop], min_tokens=8))[0]
+    assert len(held.token_ids) >= 8 and held.text.startswith(llm.tokenizer.decode(base.token_ids[:3]))
+    assert held.token_ids == base.token_ids[:len(held.token_ids)]

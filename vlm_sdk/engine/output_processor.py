@@ -112,9 +112,15 @@ class RequestOutputState:
         """Feed the text just appended; on a stop string, cut the text before it (for good)."""
         if self.stops is None or not new_text:
             return False
-        start = self.stops.feed(new_text)
-        if start is None:
-            return False
+        while True:
+            seen = self.stops.seen
+            start = self.stops.feed(new_text)
+            if start is None:
+                return False
+            if len(self.token_ids) >= self.params.min_tokens:
+                break
+            # as in vLLM, min_tokens holds back stop strings too: one ending before then is text
+            new_text = new_text[self.stops.seen - seen:]
         detok = self.detokenizer
         detok.text = detok.text[:start]
         detok.text_is_final = True

@@ -56,6 +56,11 @@ class StopMatcher:
         self._seen = 0  # characters fed so far
 
     @property
+    def seen(self) -> int:
+        """Characters fed so far (a `feed` that finds a stop string stops right after it)."""
+        return self._seen
+
+    @property
     def hold(self) -> int:
         return self._depth[self._state]
 

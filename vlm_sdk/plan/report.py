@@ -84,7 +84,9 @@ def add_plan_parser(sub) -> None:
                     "(a GPU of that much memory, bfloat16) or --device cpu / cuda:N; without either, this machine's "
                     "GPU, and on a machine with no GPU plan refuses and asks. Options are the engine's settings, with "
                     "the same names and units as vlm-sdk serve and LLM(...): a fix plan prints pastes into either.")
-    cmd.add_argument("model", help="checkpoint directory or its config.json")
+    cmd.add_argument("model", help="checkpoint directory, its config.json, or a Hub id (Org/Name: only its config "
+                     "files are fetched, or read from the hub cache)")
+    cmd.add_argument("--revision", help="with a Hub id: the branch, tag or commit (default main)")
     dev = cmd.add_mutually_exclusive_group()
     dev.add_argument("--device-memory", help=f"plan a device of this much memory, e.g. 24GiB ({_SIZE}); bfloat16 "
                      "unless --dtype says otherwise")
@@ -120,6 +122,8 @@ def add_plan_parser(sub) -> None:
 
 
 def run_plan(args) -> int:
-    result = plan(args.model, **{k: getattr(args, k) for k in PLAN_OPTIONS})
+    from vlm_sdk.hub import resolve_model
+    model = resolve_model(args.model, args.revision, configs_only=True)  # a local path as it is
+    result = plan(model, **{k: getattr(args, k) for k in PLAN_OPTIONS})
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
     return 0
