@@ -3,6 +3,7 @@ one rank, for every family, under batching and preemption; the size is checked b
 starts; `plan --tp 2` equals the engine's per-rank figures; ranks hold no state after requests end."""
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -73,6 +74,16 @@ def test_plan_matches_the_cpu_default_cache_per_rank(tiny_ckpt):
         per_block = llm.memory_report.kv_bytes_per_block
     planned = plan(tiny_ckpt, tp=2, max_model_len=512, max_num_seqs=4, device="cpu")
     assert (planned.num_blocks, planned.kv_bytes_per_block) == (engine_blocks, per_block)
+
+
+def test_structured_output_masks_reach_the_sampling_rank(tiny_ckpt):
+    """The grammar bitmask travels in the step's plain data to every rank; rank 0 applies it."""
+    regex = r"[a-z]{3}-[0-9]{2}"
+    with LLM(tiny_ckpt, show_progress=False, tensor_parallel_size=2, max_model_len=256, max_num_seqs=4) as llm:
+        outs = llm.chat([[{"role": "user", "content": "code?"}]] * 2,
+                        [SamplingParams(temperature=1.0, seed=s, max_tokens=16, structured_outputs={"regex": regex})
+                         for s in range(2)])
+    assert all(re.fullmatch(regex, o.text) and o.finish_reason == "stop" for o in outs)
 
 
 def test_fewer_kv_heads_than_ranks(tmp_path):
