@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     add_multi_turn_arguments(bench)
     from vlm_sdk.bench.structured import add_arguments as add_structured_arguments
     add_structured_arguments(bench)
+    from vlm_sdk.bench.host_overhead import add_arguments as add_host_overhead_arguments
+    add_host_overhead_arguments(bench)
     from vlm_sdk.bench.serve import add_arguments as add_bench_serve_arguments
     add_bench_serve_arguments(sub.add_parser("bench-serve", help="throughput and latency of a server over HTTP, "
                                              "vs the same workload in process"))
@@ -134,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
             from vlm_sdk.bench.serve import run_bench_serve
             return run_bench_serve(args)
         from vlm_sdk.bench import gpu as bench_gpu
-        from vlm_sdk.bench import prefix_cache, structured
+        from vlm_sdk.bench import host_overhead, prefix_cache, structured
+        if args.host_overhead:
+            bench_gpu.reject_without_gpu(args)
+            return host_overhead.run_host_overhead(args)
+        host_overhead.reject_without_host_overhead(args)
         if args.structured:
             bench_gpu.reject_without_gpu(args)
             prefix_cache.reject_without_multi_turn(args)
