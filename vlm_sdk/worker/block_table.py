@@ -1,8 +1,12 @@
-"""Block arithmetic shared by the engine's block pool and the worker's slot mapping.
+"""Block arithmetic shared by the engine's block pool and the worker's slot mapping, and the worker's
+persistent block tables.
 
     block_size = 4, block ids [7, 2, 5]: token 8 goes to slot 5 * 4 + 0 = 20
 """
 from __future__ import annotations
+
+import numpy as np
+import torch
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -13,3 +17,97 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 def slot_mapping(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
     """Flat cache slots of token positions start..end of a sequence holding `block_ids`."""
     return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+class BlockTables:
+    """One row of block ids per request the worker holds, kept between steps on the host and on the
+    device, and changed only where a step changes them:
+
+        add(ids) -> row     a new (or resumed) request takes a free row: its ids, zeros after them
+        append(row, ids)    a running request's new blocks: only those entries are written
+        remove(row)         the row is free for the next request
+        flush()             the step's changed entries reach the device table (one copy and one
+                            scatter, none when nothing changed)
+
+    A step reads its rows in its own order from the device (`device.index_select(0, rows)`), and its
+    slots from the host mirror (numpy, no Python list per step). Rows past a request's blocks hold
+    zeros, as the padded tables of a step did. With `growable` (no CUDA graph holds the device
+    table's address) the table doubles when it runs out of rows or columns; otherwise its size is
+    fixed: `max_rows` is `max_num_seqs` and `max_blocks` covers `max_model_len`.
+    """
+
+    def __init__(self, max_rows: int, max_blocks: int, device: torch.device, *, growable: bool = False):
+        self.device, self.growable = device, growable
+        self._alloc(max(max_rows, 1), max(max_blocks, 1))
+        self.free_rows = list(range(self.max_rows - 1, -1, -1))  # pop() hands out row 0 first
+        self._pending: list[tuple[int, np.ndarray]] = []  # (flat index of the first entry, its values)
+
+    def _alloc(self, rows: int, cols: int) -> None:
+        pin = self.device.type == "cuda"
+        host = torch.zeros(rows, cols, dtype=torch.int32, pin_memory=pin)  # [rows, cols]
+        old = getattr(self, "host_np", None)
+        if old is not None:
+            host.numpy()[:old.shape[0], :old.shape[1]] = old
+        self.host, self.host_np = host, host.numpy()
+        # its own storage on the CPU too, so the CPU tests run the same incremental updates
+        self.device_table = host.to(self.device) if self.device.type != "cpu" else host.clone()  # [rows, cols]
+        self.num_blocks = np.zeros(rows, dtype=np.int64) if old is None else \
+            np.concatenate([self.num_blocks, np.zeros(rows - old.shape[0], dtype=np.int64)])
+        self.max_rows, self.max_blocks = rows, cols
+
+    def _fit(self, rows: int, cols: int) -> None:
+        if rows <= self.max_rows and cols <= self.max_blocks:
+            return
+        if not self.growable:
+            raise ValueError(f"block table of {self.max_rows} rows x {self.max_blocks} blocks cannot hold "
+                             f"{rows} rows x {cols} blocks")
+        old_rows = self.max_rows
+        self._pending.clear()  # the new device table is a copy of the whole host table
+        self._alloc(max(rows, 2 * old_rows if rows > old_rows else old_rows),
+                    max(cols, 2 * self.max_blocks if cols > self.max_blocks else self.max_blocks))
+        self.free_rows = list(range(self.max_rows - 1, old_rows - 1, -1)) + self.free_rows
+
+    def add(self, block_ids: list[int]) -> int:
+        if not self.free_rows:
+            self._fit(self.max_rows + 1, self.max_blocks)
+        self._fit(self.max_rows, len(block_ids))
+        row = self.free_rows.pop()
+        old = int(self.num_blocks[row])
+        values = np.zeros(max(old, len(block_ids)), dtype=np.int32)  # zeros over the last occupant's
+        values[:len(block_ids)] = block_ids
+        self._write(row, 0, values)
+        self.num_blocks[row] = len(block_ids)
+        return row
+
+    def append(self, row: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        start = int(self.num_blocks[row])
+        self._fit(self.max_rows, start + len(block_ids))
+        self._write(row, start, np.asarray(block_ids, dtype=np.int32))
+        self.num_blocks[row] = start + len(block_ids)
+
+    def remove(self, row: int) -> None:
+        self.free_rows.append(row)  # its entries stay until the next occupant overwrites them
+
+    def _write(self, row: int, col: int, values: np.ndarray) -> None:
+        self.host_np[row, col:col + len(values)] = values
+        self._pending.append((row * self.max_blocks + col, values))
+
+    def flush(self) -> None:
+        """Copy the entries changed since the last flush to the device table."""
+        if not self._pending:
+            return
+        index = np.concatenate([np.arange(s, s + len(v)) for s, v in self._pending])  # [changed]
+        values = np.concatenate([v for _, v in self._pending])  # [changed]
+        both = torch.from_numpy(np.stack([index, values.astype(np.int64)]))  # [2, changed] int64
+        if self.device.type == "cuda":
+            both = both.pin_memory()
+        dev = both.to(self.device, non_blocking=True)  # [2, changed]
+        self.device_table.view(-1).index_copy_(0, dev[0], dev[1].int())
+        self._pending.clear()
+
+    def rows(self, rows: np.ndarray) -> torch.Tensor:  # [len(rows), max blocks of those rows] int32
+        """The host rows in this order, cut to their widest (tests and the host path)."""
+        width = int(self.num_blocks[rows].max()) if len(rows) else 0
+        return torch.from_numpy(self.host_np[rows, :width])

@@ -50,7 +50,7 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_num_seqs)
         biggest = self.sizes[-1]
-        max_blocks = blocks_needed(max_model_len, block_size)
+        self.max_blocks = max_blocks = blocks_needed(max_model_len, block_size)
         self.input_ids = torch.zeros(biggest, dtype=torch.int64, device=device)
         self.positions = torch.zeros(model.position_rows, biggest, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((biggest,), -1, dtype=torch.int64, device=device)

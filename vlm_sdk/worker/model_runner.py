@@ -16,14 +16,14 @@ embeddings of the same key (the cache's, or the vision tower's again), never fro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
 
+import numpy as np
 import torch
 
 from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.models.base import StepImages, VisionLanguageModel
-from vlm_sdk.worker.block_table import slot_mapping
+from vlm_sdk.worker.block_table import BlockTables
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs
 from vlm_sdk.worker.encoder_cache import EncoderCache
 from vlm_sdk.worker.io import ModelRunnerOutput, SchedulerOutput
@@ -57,20 +57,58 @@ class ModelRunner:
         self.samples = samples
         self.requests: dict[str, RequestState] = {}
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
+        # one row per held request, changed only where a step changes it; fixed in size when a CUDA graph
+        # gathers from it (the graphs' max batch and max_model_len), else grown as needed
+        if graphs is not None:
+            self.tables = BlockTables(graphs.max_batch, graphs.max_blocks, device)
+        else:
+            self.tables = BlockTables(8, 16, device, growable=True)
+        # per row: position - token index of its generated tokens, on each position row (M-RoPE: the
+        # prompt's rope_delta; 1-D: 0), so a decode step's positions are one vectorised add
+        self._pos_delta = np.zeros((self.tables.max_rows, model.position_rows), dtype=np.int64)
+        self._linear = np.zeros(self.tables.max_rows, dtype=bool)  # whether the row's delta applies
+        self._staging = [None, None]  # two pinned host buffers, used in turns (see `_upload`)
+        self._turn = 0
 
     # -- state ------------------------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> list[tuple[RequestState, int]]:
-        """Apply the step's changes to the per-request state; the scheduled (state, tokens) in order."""
+        """Apply the step's changes to the per-request state and the block tables (new block ids only);
+        the scheduled (state, tokens) in order."""
         for rid in sched.finished_request_ids | sched.preempted_request_ids:
-            self.requests.pop(rid, None)
+            self._release(rid)
         for new in sched.new_requests:
-            self.requests[new.request_id] = RequestState.from_new(new)
+            self._release(new.request_id)
+            state = RequestState.from_new(new)
+            state.row = self.tables.add(state.block_ids)
+            self._set_position_delta(state)
+            self.requests[new.request_id] = state
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
-            state.block_ids.extend(cached.new_block_ids)
+            if cached.new_block_ids:
+                state.block_ids.extend(cached.new_block_ids)
+                self.tables.append(state.row, cached.new_block_ids)
             state.token_ids.extend(cached.new_token_ids)
             state.num_computed_tokens = cached.num_computed_tokens
         return [(self.requests[rid], n) for rid, n in sched.num_scheduled_tokens.items()]
+
+    def _release(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self.tables.remove(state.row)
+
+    def _set_position_delta(self, state: RequestState) -> None:
+        """Generated tokens sit at index + a constant on every position row (the family's positions of
+        the first two generated indices tell it); a family where they do not takes the slow path."""
+        rows = self.tables.max_rows
+        if self._pos_delta.shape[0] < rows:  # the tables grew
+            self._pos_delta = np.concatenate([self._pos_delta, np.zeros((rows - self._pos_delta.shape[0],
+                                                                         self._pos_delta.shape[1]), np.int64)])
+            self._linear = np.concatenate([self._linear, np.zeros(rows - self._linear.shape[0], bool)])
+        p = state.num_prompt_tokens
+        pos = self.model.positions(state.prompt_positions, p, p + 2).numpy()  # [position_rows, 2]
+        delta = pos - np.array([p, p + 1])  # [position_rows, 2]
+        self._linear[state.row] = bool((delta[:, 0] == delta[:, 1]).all())
+        self._pos_delta[state.row] = delta[:, 0]
 
     # -- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -156,42 +194,71 @@ class ModelRunner:
                     del state.image_embeds[i]
 
     def _prepare(self, scheduled: list[tuple[RequestState, int]]) -> StepInputs:
-        """Pack the step's inputs on the host and move them to the device in one copy."""
-        ids, pos, slots, block_tables = [], [], [], []
-        query_lens, seq_lens, sample_rows, sample_idx = [], [], [], []
-        row = 0
+        """Pack the step's inputs with numpy from the persistent tables (no Python loop per token or per
+        block), move them to the device in one copy, and gather the step's block-table rows there."""
+        batch = len(scheduled)
+        ids, rows, starts, counts, totals, slow = [], [], [], [], [], []
         for i, (s, n) in enumerate(scheduled):
-            start, end = s.num_computed_tokens, s.num_computed_tokens + n
-            ids.extend(s.token_ids[start:end])
-            pos.append(self.model.positions(s.prompt_positions, start, end))  # [position_rows, n]
-            slots.extend(slot_mapping(s.block_ids, self.block_size, start, end))
-            block_tables.append(s.block_ids)
-            query_lens.append(n)
-            seq_lens.append(end)
-            row += n
-            if end == s.num_tokens:
-                sample_rows.append(row - 1)
-                sample_idx.append(i)
-        num_tokens, batch = row, len(query_lens)
-        width = max(len(b) for b in block_tables)
-        q_start = [0, *accumulate(query_lens)]
-        # one int64 host buffer: ids | slots | q_start | seq_lens | sample rows | tables, then positions
-        flat = torch.tensor(ids + slots + q_start + seq_lens + sample_rows
-                            + [b for t in block_tables for b in t + [0] * (width - len(t))], dtype=torch.int64)
-        host = torch.cat([flat, torch.cat(pos, dim=1).flatten()])
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
-        parts = dev[:flat.numel()].split([num_tokens, num_tokens, batch + 1, batch, len(sample_rows),
-                                          batch * width])
-        input_ids, slot_map, q_start_d, seq_lens_d, sample_rows_d, tables = parts
+            start = s.num_computed_tokens
+            if n == 1:
+                ids.append(s.token_ids[start])
+            else:
+                ids.extend(s.token_ids[start:start + n])
+            rows.append(s.row)
+            starts.append(start)
+            counts.append(n)
+            totals.append(len(s.token_ids))
+            if start < s.num_prompt_tokens:
+                slow.append(i)  # prompt tokens: the family's positions (M-RoPE tables, images)
+        row_arr = np.array(rows, dtype=np.int64)  # [batch]
+        start_arr = np.array(starts, dtype=np.int64)  # [batch]
+        n_arr = np.array(counts, dtype=np.int64)  # [batch]
+        end_arr = start_arr + n_arr  # [batch]
+        q_start = np.zeros(batch + 1, dtype=np.int64)  # [batch + 1]
+        np.cumsum(n_arr, out=q_start[1:])
+        num_tokens = int(q_start[-1])
+        if num_tokens == batch:  # decode only: token i is request i's
+            tok_req, tok_pos = np.arange(batch), start_arr  # [num_tokens]
+        else:
+            tok_req = np.repeat(np.arange(batch), n_arr)  # [num_tokens]
+            tok_pos = start_arr[tok_req] + np.arange(num_tokens) - q_start[tok_req]  # [num_tokens]
+        tok_row = row_arr[tok_req]  # [num_tokens]
+        bs = self.block_size
+        slots = self.tables.host_np[tok_row, tok_pos // bs].astype(np.int64) * bs + tok_pos % bs  # [num_tokens]
+        sample_idx = np.flatnonzero(end_arr == np.array(totals, dtype=np.int64))  # [num_sampled]
+        sample_rows = q_start[1:][sample_idx] - 1  # [num_sampled]
+        positions = tok_pos[None, :] + self._pos_delta[tok_row].T  # [position_rows, num_tokens]
+        for i in slow + [i for i in np.flatnonzero(~self._linear[row_arr]).tolist() if i not in slow]:
+            s, lo, hi = scheduled[i][0], int(q_start[i]), int(q_start[i + 1])
+            positions[:, lo:hi] = self.model.positions(s.prompt_positions, starts[i], starts[i] + counts[i]).numpy()
+        width = int(self.tables.num_blocks[row_arr].max())
+        parts = [np.array(ids, dtype=np.int64), slots, q_start, end_arr, sample_rows, row_arr, positions.reshape(-1)]
+        sizes = [num_tokens, num_tokens, batch + 1, batch, len(sample_rows), batch]
+        dev = self._upload(parts)
+        input_ids, slot_map, q_start_d, seq_lens_d, sample_rows_d, rows_d, pos_d = dev.split(
+            sizes + [positions.size])
+        self.tables.flush()  # new block ids since the last step: only those entries
+        tables = self.tables.device_table.index_select(0, rows_d)[:, :width]  # [batch, width] int32
         meta = AttentionMetadata(
             slot_mapping=slot_map, query_start_loc=q_start_d.int(), seq_lens=seq_lens_d.int(),
-            block_tables=tables.view(batch, width).int(), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+            block_tables=tables, query_lens_cpu=counts, seq_lens_cpu=end_arr.tolist(),
+            max_query_len=int(n_arr.max()), max_seq_len=int(end_arr.max()))
         meta = self.attention.prepare(meta, self.kv_caches[0][0])  # the backend's per-step metadata, once
-        positions = dev[flat.numel():].view(self.model.position_rows, num_tokens)  # [position_rows, num_tokens]
-        return StepInputs(input_ids, positions, meta, sample_rows_d, sample_idx)
+        return StepInputs(input_ids, pos_d.view(self.model.position_rows, num_tokens), meta, sample_rows_d,
+                          sample_idx.tolist())
+
+    def _upload(self, parts: list[np.ndarray]) -> torch.Tensor:  # [sum of sizes] int64, on the device
+        """One int64 host buffer (pinned on CUDA, grown as needed) -> the device in one copy. Two
+        buffers in turns: the copy of step t may still be in flight while step t+1 is packed."""
+        total = sum(p.size for p in parts)
+        if self.device.type != "cuda":
+            return torch.from_numpy(np.concatenate(parts))
+        buf = self._staging[self._turn]
+        if buf is None or buf.numel() < total:
+            buf = self._staging[self._turn] = torch.empty(max(total, 4096) * 2, dtype=torch.int64, pin_memory=True)
+        self._turn ^= 1
+        np.concatenate(parts, out=buf.numpy()[:total])
+        return buf[:total].to(self.device, non_blocking=True)
 
     def _step_images(self, scheduled: list[tuple[RequestState, int]]) -> StepImages | None:
         """The held image rows that fall in this step's chunk of each request, and where they go in

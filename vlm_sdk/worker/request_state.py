@@ -28,6 +28,7 @@ class RequestState:
     # image index -> its embeddings [image tokens, hidden], from the first step that needs them until
     # prefill passes the image's last token
     image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    row: int = -1  # its row in the runner's `BlockTables` (set by the runner)
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "RequestState":

@@ -1,0 +1,85 @@
+"""The worker's persistent block tables: a step writes only the entries it changes, the device table
+follows the host mirror after `flush`, a reused row reads zeros past its blocks, and the runner's
+packed step inputs (numpy over the tables) equal the per-token reference packing."""
+import numpy as np
+import pytest
+import torch
+
+from vlm_sdk.worker.block_table import BlockTables, slot_mapping
+
+CPU = torch.device("cpu")
+
+
+def test_rows_are_written_incrementally_and_flushed():
+    t = BlockTables(4, 8, CPU)
+    a = t.add([7, 2, 5])
+    b = t.add([1])
+    assert (a, b) == (0, 1)
+    assert [len(v) for _, v in t._pending] == [3, 1]
+    t.flush()
+    assert t._pending == [] and torch.equal(t.device_table, t.host)
+    t.append(a, [9])
+    assert [(s, v.tolist()) for s, v in t._pending] == [(a * 8 + 3, [9])]  # only the new entry
+    t.flush()
+    assert t.device_table[a, :4].tolist() == [7, 2, 5, 9] and torch.equal(t.device_table, t.host)
+    t.flush()  # nothing changed: nothing to copy
+    assert torch.equal(t.rows(np.array([b, a])), torch.tensor([[1, 0, 0, 0], [7, 2, 5, 9]], dtype=torch.int32))
+
+
+def test_reused_row_reads_zeros_past_its_blocks():
+    t = BlockTables(2, 8, CPU)
+    a = t.add([3, 4, 5, 6])
+    t.remove(a)
+    assert t.add([8]) == a
+    t.flush()
+    assert t.device_table[a, :5].tolist() == [8, 0, 0, 0, 0]
+
+
+def test_fixed_tables_refuse_to_grow_and_growable_ones_keep_their_rows():
+    fixed = BlockTables(1, 2, CPU)
+    fixed.add([1, 2])
+    with pytest.raises(ValueError, match="cannot hold"):
+        fixed.add([3])
+    grow = BlockTables(1, 2, CPU, growable=True)
+    a = grow.add([1, 2])
+    b = grow.add([3, 4, 5])
+    grow.append(a, [6, 7, 8])
+    grow.flush()
+    assert grow.max_rows >= 2 and grow.max_blocks >= 5
+    assert grow.device_table[a, :5].tolist() == [1, 2, 6, 7, 8] and grow.device_table[b, :3].tolist() == [3, 4, 5]
+    assert torch.equal(grow.device_table, grow.host)
+
+
+def test_runner_packing_equals_the_per_token_reference(tiny_ckpt):
+    """A mixed step (a prefill chunk, decodes) packed by `_prepare` against the old list-based packing."""
+    from vlm_sdk import LLM, SamplingParams
+    llm = LLM(str(tiny_ckpt), device="cpu", show_progress=False, block_size=4)
+    eng, seen = llm.engine, []
+    runner = eng.runner
+    prepare = runner._prepare
+
+    def checked(scheduled):
+        step = prepare(scheduled)
+        ids, slots, tables, pos = [], [], [], []
+        for s, n in scheduled:
+            a, b = s.num_computed_tokens, s.num_computed_tokens + n
+            ids += s.token_ids[a:b]
+            slots += slot_mapping(s.block_ids, runner.block_size, a, b)
+            tables.append(s.block_ids)
+            pos.append(runner.model.positions(s.prompt_positions, a, b))
+        width = max(map(len, tables))
+        assert step.input_ids.tolist() == ids and step.meta.slot_mapping.tolist() == slots
+        assert step.meta.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables]
+        assert torch.equal(step.positions, torch.cat(pos, dim=1))
+        seen.append(step.meta.max_query_len)
+        return step
+    runner._prepare = checked
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        eng.add_request(eng.build_prompt([{"role": "user", "content": "hello " * (3 + 5 * i)}]), params)
+    for _ in range(3):
+        eng.step()
+    eng.add_request(eng.build_prompt([{"role": "user", "content": "late " * 9}]), params)  # joins decodes
+    while eng.has_unfinished():
+        eng.step()
+    assert 1 in seen and max(seen) > 1
