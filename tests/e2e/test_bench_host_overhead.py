@@ -5,8 +5,8 @@ import json
 from vlm_sdk.cli import main
 
 SMALL = ["--ho-batches", "1,3", "--ho-steps", "3", "--ho-prompt-len", "20"]
-PARTS = {"schedule", "worker_input", "runner_update_states", "runner_prepare", "graph_buffers", "sampler",
-         "engine_postprocess"}
+PARTS = {"schedule", "worker_input", "runner_update_states", "runner_prepare", "runner_graph_step", "graph_run",
+         "sampler", "engine_postprocess"}
 
 
 def test_host_overhead_bench_reports_each_batch(tiny_ckpt, capsys):

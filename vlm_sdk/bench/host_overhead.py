@@ -7,8 +7,9 @@ A real engine on the tiny checkpoint (CPU; the model's size does not matter here
 copies into the static buffers as a replay, then the no-op forward instead of the replay).
 
 What a step includes: the scheduler (`schedule`, `worker_input`), the runner's `_update_states`,
-`_prepare` (packing ids / positions / slots / block tables and their host-to-device copy),
-the attention backend's `prepare`, the writes into the graph buffers, the sampler's Python path on
+the packing of the step's inputs (ids / positions / slots / block tables; `_prepare` on eager steps,
+`_run_graph` on graph steps) and their host-to-device copy, the attention backend's `prepare` (eager
+steps), the writes into the graph buffers (`graph_run`), the sampler's Python path on
 logits of `LOGITS_WIDTH` columns (greedy argmax, its tokens read back), and the engine's
 `_postprocess` (append, stop checks). What it does not include: the model (embedding, layers,
 lm_head are no-ops returning preallocated tensors), the vocabulary-wide sampler math (device work
@@ -129,8 +130,10 @@ def measure(model_dir: str, batch: int, steps: int, prompt_len: int) -> dict:
         timers.wrap(sched, "schedule", "schedule")
         timers.wrap(sched, "worker_input", "worker_input")
         timers.wrap(runner, "_update_states", "runner_update_states")
-        timers.wrap(runner, "_prepare", "runner_prepare")
-        timers.wrap(runner.graphs, "run", "graph_buffers")
+        timers.wrap(runner, "_prepare", "runner_prepare")  # eager steps' packing (prefill, mixed)
+        if hasattr(runner, "_run_graph"):  # decode steps packed straight into the graphs' inputs
+            timers.wrap(runner, "_run_graph", "runner_graph_step")  # graph_run included
+        timers.wrap(runner.graphs, "run", "graph_run")
         timers.wrap(runner.sampler, "sample", "sampler")
         timers.wrap(engine, "_postprocess", "engine_postprocess")
         params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)  # up to max_model_len

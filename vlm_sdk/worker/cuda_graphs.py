@@ -10,10 +10,17 @@ the rows past `n` padded:
 
     rows        0 .. n-1 (real)              n .. size-1 (padding)
     input_ids   the new tokens               0
-    positions   their positions              0
     slot        their cache slots            -1   (store_kv skips it: no cache write)
+    table_rows  their rows in `tables`       0    (read only up to seq_len: not at all)
     seq_lens    their lengths                0    (paged_attention_decode writes zeros)
-    block rows  their block tables           stale, never read past seq_len
+    positions   their positions              0
+
+These five are views of ONE int64 device buffer `[5 + position_rows - 1, biggest]`, and the runner
+packs a step straight into a pinned host copy of it (`stage`): the step's inputs reach the graph in
+one host-to-device copy, padding included. The block tables are not copied per step at all: they
+live in `tables` (`BlockTables`: one row per request, updated only where blocks are added) and the
+graph gathers the step's rows itself (`index_select` by `table_rows`, captured with the rest), as it
+converts the lengths to int32.
 
 The attention grid splits each context into `num_splits` parts fixed per size: each size's metadata
 is prepared by the attention backend (`AttentionBackend.prepare`, the hook the runner calls every
@@ -27,11 +34,12 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.metadata import AttentionMetadata
-from vlm_sdk.worker.block_table import blocks_needed
+from vlm_sdk.worker.block_table import BlockTables, blocks_needed
 
 logger = logging.getLogger("vlm_sdk")
 
@@ -51,12 +59,17 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_num_seqs)
         biggest = self.sizes[-1]
         self.max_blocks = max_blocks = blocks_needed(max_model_len, block_size)
-        self.input_ids = torch.zeros(biggest, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(model.position_rows, biggest, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((biggest,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(biggest, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(biggest, max_blocks, dtype=torch.int32, device=device)
+        rows = 4 + model.position_rows
+        self.inputs = torch.zeros(rows, biggest, dtype=torch.int64, device=device)  # [4 + position_rows, biggest]
+        self.inputs[1].fill_(-1)  # padding slots: what the graphs hold between steps too
+        self.input_ids, self.slot_mapping, self.table_rows, self.seq_lens = self.inputs[:4]  # [biggest] each
+        self.positions = self.inputs[4:]  # [position_rows, biggest]
+        self.tables = BlockTables(biggest, max_blocks, device)  # the runner's: one row per request
         self.query_start_loc = torch.arange(biggest + 1, dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        # two host copies used in turns: step t's copy may still be in flight while step t+1 is staged
+        self._host = [torch.zeros(rows, biggest, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -70,7 +83,8 @@ class DecodeGraphs:
     def _meta(self, size: int) -> AttentionMetadata:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
-            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
+            seq_lens=self.seq_lens[:size].int(),  # [size] int32
+            block_tables=self.tables.device_table.index_select(0, self.table_rows[:size]),  # [size, max_blocks]
             query_lens_cpu=[1] * size, seq_lens_cpu=[self.max_model_len] * size,
             max_query_len=1, max_seq_len=self.max_model_len)  # fixed per size: one grid for every length
         return self.attention.prepare(meta, self.kv_caches[0][0])
@@ -99,25 +113,27 @@ class DecodeGraphs:
     def covers(self, batch: int) -> bool:
         return batch <= self.max_batch
 
+    def size_for(self, n: int) -> int:
+        return next(s for s in self.sizes if s >= n)
+
+    def stage(self, n: int) -> np.ndarray:  # [4 + position_rows, size] int64, a pinned host view
+        """The host copy to pack a step of `n` sequences into, rows `n..size` already padded: fill
+        `[0, :n]` ids, `[1, :n]` slots, `[2, :n]` table rows, `[3, :n]` lengths, `[4:, :n]` positions,
+        then `run(n)`."""
+        host = self._host[self._turn].numpy()
+        size = self.size_for(n)
+        host[:, n:size] = 0
+        host[1, n:size] = -1
+        return host[:, :size]
+
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor,  # [n] int64
-            positions: torch.Tensor,  # [position_rows, n] int64
-            slot_mapping: torch.Tensor,  # [n] int64
-            seq_lens: torch.Tensor,  # [n] int32
-            block_tables: torch.Tensor,  # [n, width] int32
-            ) -> torch.Tensor:  # [n, hidden]
-        n = input_ids.shape[0]
-        size = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:, :n].copy_(positions)
-        self.slot_mapping[:n].copy_(slot_mapping)
-        self.seq_lens[:n].copy_(seq_lens)
-        self.block_tables[:n, :block_tables.shape[1]].copy_(block_tables)
-        if size > n:
-            self.input_ids[n:size].zero_()
-            self.positions[:, n:size].zero_()
-            self.slot_mapping[n:size].fill_(-1)
-            self.seq_lens[n:size].zero_()
+    def run(self, n: int) -> torch.Tensor:  # [n, hidden]
+        """Copy the staged step into the graph's inputs (one copy) and replay the graph of its size."""
+        size = self.size_for(n)
+        host = self._host[self._turn]
+        self._turn ^= 1
+        self.inputs.copy_(host, non_blocking=True)  # all of it: ~(4 + rows) * 8 B a row, one contiguous copy
+        self.tables.flush()  # block ids added since the last step: only those entries
         if size in self.graphs:
             self.graphs[size].replay()
             return self.outputs[size][:n]

@@ -59,16 +59,18 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         # one row per held request, changed only where a step changes it; fixed in size when a CUDA graph
         # gathers from it (the graphs' max batch and max_model_len), else grown as needed
-        if graphs is not None:
-            self.tables = BlockTables(graphs.max_batch, graphs.max_blocks, device)
-        else:
-            self.tables = BlockTables(8, 16, device, growable=True)
+        self._tables = BlockTables(8, 16, device, growable=True)  # `tables` without graphs
         # per row: position - token index of its generated tokens, on each position row (M-RoPE: the
         # prompt's rope_delta; 1-D: 0), so a decode step's positions are one vectorised add
-        self._pos_delta = np.zeros((self.tables.max_rows, model.position_rows), dtype=np.int64)
-        self._linear = np.zeros(self.tables.max_rows, dtype=bool)  # whether the row's delta applies
+        self._pos_delta = np.zeros((0, model.position_rows), dtype=np.int64)
+        self._linear = np.zeros(0, dtype=bool)  # whether the row's delta applies
         self._staging = [None, None]  # two pinned host buffers, used in turns (see `_upload`)
         self._turn = 0
+
+    @property
+    def tables(self) -> BlockTables:
+        """The block tables: the graphs' (fixed size: they gather from it) when decode steps replay."""
+        return self.graphs.tables if self.graphs is not None else self._tables
 
     # -- state ------------------------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> list[tuple[RequestState, int]]:
@@ -119,24 +121,28 @@ class ModelRunner:
         if not scheduled:
             return ModelRunnerOutput()
         self._encode_images(scheduled)
-        step = self._prepare(scheduled)
-        if self.graphs is not None and step.meta.decode_only and self.graphs.covers(len(scheduled)) \
-                and not any(s.num_computed_tokens < s.num_prompt_tokens for s, _ in scheduled):
-            # generated tokens only: no image rows to scatter, so the captured forward covers it
-            meta = step.meta
-            hidden = self.graphs.run(step.input_ids, step.positions, meta.slot_mapping, meta.seq_lens,
-                                     meta.block_tables)  # [num_seqs, hidden]
+        if self.graphs is not None and self.graphs.covers(len(scheduled)) \
+                and all(n == 1 and s.num_prompt_tokens <= s.num_computed_tokens == len(s.token_ids) - 1
+                        for s, n in scheduled):
+            # generated tokens only: no image rows to scatter, so the captured forward covers it; every
+            # row samples (its one token is its last)
+            hidden = self._run_graph(scheduled)  # [num_seqs, hidden]
+            sample_idx = list(range(len(scheduled)))
+            self._drop_passed_images(scheduled)
+            logits = self.model.compute_logits(hidden)  # [num_seqs, vocab]
         else:
+            step = self._prepare(scheduled)
             embeds = self.model.embed_tokens(step.input_ids)  # [num_tokens, hidden]
             hidden = self.model(embeds, step.positions, self.kv_caches, step.meta,
                                 self._step_images(scheduled))  # [num_tokens, hidden]
-        self._drop_passed_images(scheduled)
-        if not step.sample_idx:
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[step.sample_rows])  # [num_sampled, vocab]
+            self._drop_passed_images(scheduled)
+            sample_idx = step.sample_idx
+            if not sample_idx:
+                return ModelRunnerOutput()
+            logits = self.model.compute_logits(hidden[step.sample_rows])  # [num_sampled, vocab]
         if not self.samples:
             return ModelRunnerOutput()
-        states = [scheduled[i][0] for i in step.sample_idx]
+        states = [scheduled[i][0] for i in sample_idx]
         if sched.grammar_bitmask is not None:  # structured outputs: only the constrained rows change
             row_of = {s.request_id: j for j, s in enumerate(states)}
             apply_token_bitmask(logits, [row_of[r] for r in sched.grammar_bitmask.request_ids],
@@ -246,6 +252,23 @@ class ModelRunner:
         meta = self.attention.prepare(meta, self.kv_caches[0][0])  # the backend's per-step metadata, once
         return StepInputs(input_ids, pos_d.view(self.model.position_rows, num_tokens), meta, sample_rows_d,
                           sample_idx.tolist())
+
+    def _run_graph(self, scheduled: list[tuple[RequestState, int]]) -> torch.Tensor:  # [n, hidden]
+        """A decode step packed straight into the graphs' staged inputs (one copy), then replayed."""
+        n = len(scheduled)
+        host = self.graphs.stage(n)  # [4 + position_rows, size] int64
+        rows = np.fromiter((s.row for s, _ in scheduled), dtype=np.int64, count=n)  # [n]
+        pos = np.fromiter((s.num_computed_tokens for s, _ in scheduled), dtype=np.int64, count=n)  # [n]
+        host[0, :n] = [s.token_ids[s.num_computed_tokens] for s, _ in scheduled]
+        bs = self.block_size
+        host[1, :n] = self.tables.host_np[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        host[2, :n] = rows
+        host[3, :n] = pos + 1
+        host[4:, :n] = pos[None, :] + self._pos_delta[rows].T
+        for i in np.flatnonzero(~self._linear[rows]).tolist():  # a family whose positions are not index + delta
+            s = scheduled[i][0]
+            host[4:, i] = self.model.positions(s.prompt_positions, int(pos[i]), int(pos[i]) + 1)[:, 0].numpy()
+        return self.graphs.run(n)
 
     def _upload(self, parts: list[np.ndarray]) -> torch.Tensor:  # [sum of sizes] int64, on the device
         """One int64 host buffer (pinned on CUDA, grown as needed) -> the device in one copy. Two
