@@ -107,8 +107,10 @@ class StartupMemory(MemoryTotals):
     def format(self) -> str:
         loaded = (f"; {format_bytes(self.weights_allocated_bytes)} allocated by loading"
                   if self.weights_allocated_bytes is not None else "")
-        peak = (format_bytes(self.activation_peak_bytes) + " (profiling forward: a full max_num_batched_tokens "
-                "step with its logits, and the largest image through the vision tower)"
+        peak = (format_bytes(self.activation_peak_bytes) + " (profiled: a full max_num_batched_tokens step "
+                "beside the largest image's held embeddings, logits and sampler temporaries (top-k/top-p, "
+                "penalties, logprobs) at max_num_seqs rows, the largest image through the vision tower, "
+                "and the decode CUDA graphs' pool)"
                 if self.activation_peak_bytes is not None else
                 "not measured (the CPU cache is not carved out of device memory)")
         rows = [

@@ -1,20 +1,42 @@
 """Measure the activation peak of the largest step before sizing the KV cache on CUDA.
 
 The cache gets what is left of `memory_utilization * total` after the weights and this peak, so the
-profile must run the worst case the scheduler can produce: `max_num_batched_tokens` new tokens in
-one forward, logits for `max_num_seqs` rows, and the largest image the engine's settings allow
-through the vision tower (the model family's processor builds it: `largest_image()`).
+profile must run the worst case the scheduler can produce, with everything that is alive at once:
+
+    held images    the largest image's embeddings (`largest_image()` of the family's processor), kept
+                   by a request across the chunks of its prefill while other steps run
+    LLM step       `max_num_batched_tokens` new tokens in one forward
+    logits         `max_num_seqs` rows of the full vocabulary
+    sampler        those rows through the sampler with every per-row edit on: penalties, temperature,
+                   top-k, top-p and logprobs (its [rows, vocab] temporaries)
+    vision tower   the largest image through it (its own peak, after the step)
+    graph pool     with CUDA graphs: the memory pool the decode graphs keep for good, measured as the
+                   peak of a decode forward of the largest captured batch (`graph_batch`) and added on
+                   top, since eager steps run beside the pool
+
+`ProfiledPeak` keeps the parts apart for the start-up report. `meter` measures memory: CUDA's
+allocator statistics by default; the CPU tests pass one that counts live tensor bytes, so what is
+counted is checked without a GPU.
 """
 from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
 
 import torch
 
 from vlm_sdk.config import CacheConfig
 from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.sampling_params import SamplingParams
 from vlm_sdk.worker.block_table import blocks_needed
 from vlm_sdk.worker.kv_cache import allocate_kv_caches
+from vlm_sdk.worker.sampler import Sampler
 from vlm_sdk.multimodal.inputs import ImageInput
+
+# the sampler's worst row: every edit that makes a [rows, vocab] temporary
+WORST_ROW = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1, presence_penalty=0.5,
+                           logprobs=5, max_tokens=16)
 
 
 def profile_num_tokens(max_num_batched_tokens: int, max_position_embeddings: int) -> int:
@@ -22,36 +44,94 @@ def profile_num_tokens(max_num_batched_tokens: int, max_position_embeddings: int
     return min(max_num_batched_tokens, max_position_embeddings)
 
 
-@torch.inference_mode()
-def profile_peak_bytes(model, largest_image: ImageInput, *, num_tokens: int, num_seqs: int,
-                       block_size: int, per_block: int, dtype: torch.dtype, device: torch.device,
-                       attention: AttentionBackend) -> int:
-    """Bytes allocated at the peak of a worst-case step, beyond what was allocated before it (the
-    temporary cache of the profile itself excluded)."""
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
+class CudaMeter:
+    """Peak bytes allocated on a CUDA device since `reset()`, beyond what was allocated then."""
 
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def reset(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - self.base
+
+
+@dataclass(frozen=True)
+class ProfiledPeak:
+    step_bytes: int  # held image + LLM step + logits + sampler, and the vision tower: the larger peak
+    graph_pool_bytes: int  # the decode graphs' pool (0 without graphs)
+
+    @property
+    def total(self) -> int:
+        return self.step_bytes + self.graph_pool_bytes
+
+
+@torch.inference_mode()
+def profile_peak(model, largest_image: ImageInput, *, num_tokens: int, num_seqs: int, block_size: int,
+                 per_block: int, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
+                 graph_batch: int | None = None, meter=None) -> ProfiledPeak:
+    """The worst-case step's peak (module docstring), the profile's own temporary cache excluded."""
+    meter = meter or CudaMeter(device)
+    meter.reset()
     blocks = blocks_needed(num_tokens, block_size)
     cache = CacheConfig(block_size, blocks, per_block, "profile")
     caches = allocate_kv_caches(model.num_layers, cache, model.num_kv_heads, model.head_dim, dtype, device)
+    held = model.encode_images([largest_image])  # [image tokens, width]: held across chunks
+    hidden = _forward(model, caches, attention, [num_tokens], device)  # [num_tokens, hidden]
+    rows = hidden[-1:].expand(num_seqs, -1)  # [num_seqs, hidden]: max_num_seqs rows, however few tokens
+    logits = model.compute_logits(rows)  # [num_seqs, vocab]
+    _sample_worst(logits)
+    del hidden, rows, logits, held
+    model.encode_images([largest_image])  # [image tokens, hidden]: the tower's own peak
+    step = max(0, meter.peak() - blocks * per_block)
+    pool = 0
+    if graph_batch:
+        meter.reset()  # the caches stay: the pool is measured beyond them
+        _forward(model, caches, attention, [1] * graph_batch, device)  # [graph_batch, hidden]
+        pool = max(0, meter.peak())
+    del caches
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return ProfiledPeak(step, pool)
+
+
+def profile_peak_bytes(model, largest_image: ImageInput, **kwargs) -> int:
+    """`profile_peak(...).total`: the bytes the KV cache must leave free."""
+    return profile_peak(model, largest_image, **kwargs).total
+
+
+def _forward(model, caches, attention: AttentionBackend, query_lens: list[int], device) -> torch.Tensor:
+    """One step of sequences with these new-token counts, each alone in consecutive blocks from 0
+    (the profile's cache holds one sequence of the step's tokens; decode rows share its first slots)."""
+    n = sum(query_lens)
+    block_size = caches[0][0].shape[1]
+    seq_lens = query_lens if len(query_lens) == 1 else [1] * len(query_lens)
+    width = blocks_needed(max(seq_lens), block_size)
+    q_start = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)  # [B + 1]
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens, device=device),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
-        query_lens_cpu=[num_tokens], seq_lens_cpu=[num_tokens], max_query_len=num_tokens, max_seq_len=num_tokens)
+        slot_mapping=torch.arange(n, device=device) if len(query_lens) == 1 else torch.zeros(n, dtype=torch.long,
+                                                                                            device=device),
+        query_start_loc=q_start.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.arange(width, dtype=torch.int32, device=device).expand(len(seq_lens), -1).contiguous(),
+        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens), max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens))
     meta = attention.prepare(meta, caches[0][0])
-    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-    positions = torch.arange(num_tokens, device=device).expand(model.position_rows, -1)  # [rows, num_tokens]
-    hidden = model(model.embed_tokens(ids), positions, caches, meta)  # [num_tokens, hidden]
-    model.compute_logits(hidden[-min(num_seqs, num_tokens):])
+    ids = torch.zeros(n, dtype=torch.long, device=device)
+    positions = torch.arange(n, device=device).expand(model.position_rows, -1)  # [rows, n]
+    return model(model.embed_tokens(ids), positions, caches, meta)  # [n, hidden]
 
-    model.encode_images([largest_image])  # [image tokens, hidden]
-    torch.cuda.synchronize(device)
 
-    peak = torch.cuda.max_memory_allocated(device) - base - blocks * per_block
-    del caches, hidden
-    torch.cuda.empty_cache()
-    return max(0, peak)
+def _sample_worst(logits: torch.Tensor) -> None:  # logits [rows, vocab]
+    rows = logits.shape[0]
+    histories = [([0, 1, 2, 3], 2, ()) for _ in range(rows)]  # two generated tokens: penalties apply
+    sampler = Sampler(0)
+    # the sampler's signature differs by whether rows pass their generators (issue 19 moves them)
+    if "generators" in inspect.signature(sampler.sample).parameters:
+        sampler.sample(logits, [WORST_ROW] * rows, [None] * rows, histories)
+    else:
+        sampler.sample(logits, [WORST_ROW] * rows, histories)

@@ -89,7 +89,8 @@ class Worker:
             self.model, largest_image,
             num_tokens=profile_num_tokens(args.max_num_batched_tokens, max_position_embeddings),
             num_seqs=args.max_num_seqs, block_size=args.block_size, per_block=self.bytes_per_block,
-            dtype=self.dtype, device=self.device, attention=self.ops.attention)
+            dtype=self.dtype, device=self.device, attention=self.ops.attention,
+            graph_batch=args.max_num_seqs if self.ops.graph_safe and not args.enforce_eager else None)
         return self.peak
 
     def size_cache(self, max_position_embeddings: int, image_setting: str | None) -> CacheConfig:

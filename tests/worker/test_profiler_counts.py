@@ -1,0 +1,89 @@
+"""What the start-up memory profile counts (issue 19 point 6), checked on the CPU with a meter that
+counts live tensor bytes instead of CUDA's allocator: the sampler's temporaries at max_num_seqs rows
+(however few tokens the profiled step has), the held image embeddings and the CUDA-graph pool."""
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from vlm_sdk.worker.kv_cache import bytes_per_block
+from vlm_sdk.worker.profiler import profile_peak
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages that ops created and that are still alive; the peak since `reset`."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.top = self.base = 0
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                ptr, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+                if ptr and ptr not in self.seen:
+                    self.seen.add(ptr)
+                    self.live += size
+                    self.top = max(self.top, self.live)
+                    weakref.finalize(t, self._free, ptr, size)
+        return out
+
+    def _free(self, ptr, size):
+        self.seen.discard(ptr)
+        self.live -= size
+
+    def reset(self):
+        self.base = self.top = self.live
+
+    def peak(self):
+        return self.top - self.base
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt):
+    from vlm_sdk import LLM
+    llm = LLM(str(tiny_ckpt), device="cpu", show_progress=False)
+    return llm.engine
+
+
+def _profile(engine, num_seqs, graph_batch=None):
+    m = engine.model
+    per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, 16, engine.dtype)
+    meter = LiveBytes()
+    with meter:
+        return profile_peak(m, engine.processor.largest_image(), num_tokens=8, num_seqs=num_seqs, block_size=16,
+                            per_block=per_block, dtype=engine.dtype, device=engine.device,
+                            attention=engine.ops.attention, graph_batch=graph_batch, meter=meter)
+
+
+def test_the_sampler_share_grows_with_max_num_seqs_beyond_the_step_tokens(engine):
+    vocab = engine.model.vocab_size
+    few, many = _profile(engine, 4), _profile(engine, 4096)  # the tiny vocabulary: many rows to pass the image
+    row = vocab * 4  # one float32 row of logits
+    # 4092 more rows: the logits and at least two sampler temporaries per row (penalised copy, probs),
+    # though the step has only 8 tokens (the profile once took logits of min(num_seqs, tokens) rows)
+    assert many.step_bytes - few.step_bytes >= 4092 * 3 * row
+    assert few.step_bytes >= 4 * 2 * row and few.graph_pool_bytes == 0
+
+
+def test_graph_pool_is_counted_and_grows_with_the_captured_batch(engine):
+    small, big = _profile(engine, 4, graph_batch=8), _profile(engine, 4, graph_batch=64)
+    hidden = engine.model.hidden_size * torch.finfo(engine.dtype).bits // 8
+    assert small.graph_pool_bytes >= 8 * hidden and big.graph_pool_bytes >= 64 * hidden
+    assert big.graph_pool_bytes > small.graph_pool_bytes
+    assert big.total == big.step_bytes + big.graph_pool_bytes
+
+
+def test_held_image_embeddings_are_alive_during_the_step(engine, monkeypatch):
+    """The largest image's embeddings are still held while the LLM step, logits and sampler run."""
+    m, alive = engine.model, []
+    encode, compute_logits = m.encode_images, m.compute_logits
+    held = []
+    monkeypatch.setattr(m, "encode_images", lambda images: held.append(weakref.ref(out := encode(images))) or out)
+    monkeypatch.setattr(m, "compute_logits", lambda h: alive.append(held[0]() is not None) or compute_logits(h))
+    _profile(engine, 4)
+    assert alive == [True]
