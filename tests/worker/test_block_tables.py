@@ -83,3 +83,17 @@ def test_runner_packing_equals_the_per_token_reference(tiny_ckpt):
     while eng.has_unfinished():
         eng.step()
     assert 1 in seen and max(seen) > 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_flush_brings_the_device_table_to_the_pinned_host_mirror():
+    dev = torch.device("cuda")
+    t = BlockTables(4, 8, dev)
+    a = t.add([7, 2, 5])
+    t.flush()
+    t.append(a, [9, 4])
+    t.flush()
+    torch.cuda.synchronize()
+    assert torch.equal(t.device_table.cpu(), t.host) and t.host.is_pinned()
+    assert t.device_table.index_select(0, torch.tensor([a], device=dev))[0, :5].tolist() == [7, 2, 5, 9, 4]

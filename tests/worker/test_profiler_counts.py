@@ -87,3 +87,22 @@ def test_held_image_embeddings_are_alive_during_the_step(engine, monkeypatch):
     monkeypatch.setattr(m, "compute_logits", lambda h: alive.append(held[0]() is not None) or compute_logits(h))
     _profile(engine, 4)
     assert alive == [True]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_profile_counts_the_graph_pool_and_the_sampler_rows(tiny_ckpt):
+    """On a GPU with CUDA's own allocator statistics: the graph pool is measured, and more
+    max_num_seqs rows raise the step's peak by at least their logits."""
+    from vlm_sdk import LLM
+    eng = LLM(str(tiny_ckpt), device="cuda", dtype="float32", num_blocks=64, show_progress=False).engine
+    m = eng.model
+    per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, 16, eng.dtype)
+
+    def run(num_seqs, graph_batch):
+        return profile_peak(m, eng.processor.largest_image(), num_tokens=8, num_seqs=num_seqs, block_size=16,
+                            per_block=per_block, dtype=eng.dtype, device=eng.device, attention=eng.ops.attention,
+                            graph_batch=graph_batch)
+    few, many = run(4, 8), run(4096, 8)
+    assert few.graph_pool_bytes > 0 and many.graph_pool_bytes > 0
+    assert many.step_bytes - few.step_bytes >= 4092 * m.vocab_size * 4
