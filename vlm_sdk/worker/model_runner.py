@@ -120,17 +120,16 @@ class ModelRunner:
         scheduled = self._update_states(sched)
         if not scheduled:
             return ModelRunnerOutput()
-        self._encode_images(scheduled)
         if self.graphs is not None and self.graphs.covers(len(scheduled)) \
                 and all(n == 1 and s.num_prompt_tokens <= s.num_computed_tokens == len(s.token_ids) - 1
                         for s, n in scheduled):
-            # generated tokens only: no image rows to scatter, so the captured forward covers it; every
-            # row samples (its one token is its last)
+            # generated tokens only: every image is behind them (none to encode, scatter or drop), so the
+            # captured forward covers the step; every row samples (its one token is its last)
             hidden = self._run_graph(scheduled)  # [num_seqs, hidden]
             sample_idx = list(range(len(scheduled)))
-            self._drop_passed_images(scheduled)
             logits = self.model.compute_logits(hidden)  # [num_seqs, vocab]
         else:
+            self._encode_images(scheduled)
             step = self._prepare(scheduled)
             embeds = self.model.embed_tokens(step.input_ids)  # [num_tokens, hidden]
             hidden = self.model(embeds, step.positions, self.kv_caches, step.meta,
