@@ -97,3 +97,44 @@ def test_cuda_flush_brings_the_device_table_to_the_pinned_host_mirror():
     torch.cuda.synchronize()
     assert torch.equal(t.device_table.cpu(), t.host) and t.host.is_pinned()
     assert t.device_table.index_select(0, torch.tensor([a], device=dev))[0, :5].tolist() == [7, 2, 5, 9, 4]
+
+
+@pytest.mark.parametrize("ckpt", ["tiny_ckpt", "internvl_ckpt"])  # 3 position rows (M-RoPE) and 1
+def test_graph_step_staging_equals_the_eager_packing(ckpt, request):
+    """Decode steps staged straight into the graphs' input buffer hold what `_prepare` packs for the
+    same step (ids, slots, lengths, positions, and the block-table rows they gather); the staged step
+    then runs eagerly from `_prepare`'s inputs, so the outputs equal a run without graphs."""
+    from vlm_sdk import LLM, SamplingParams
+    from vlm_sdk.worker.cuda_graphs import DecodeGraphs
+    llm = LLM(str(request.getfixturevalue(ckpt)), device="cpu", show_progress=False, block_size=4)
+    eng = llm.engine
+    runner = eng.runner
+    params = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    convs = [[{"role": "user", "content": "hi " * (2 + 3 * i)}] for i in range(3)]
+    plain = [o.token_ids for o in llm.chat(convs, params)]
+    graphs = DecodeGraphs(eng.model, runner.kv_caches, max_num_seqs=4, max_model_len=eng.scheduler_config.max_model_len,
+                          block_size=4, device=eng.device, attention=eng.ops.attention, capture=False)
+    seen, last = [], {}
+    run_graph = runner._run_graph
+
+    def remember(scheduled):
+        last["scheduled"] = scheduled
+        return run_graph(scheduled)
+
+    def staged_run(n):
+        host = torch.from_numpy(graphs._host[graphs._turn].numpy()[:, :n].copy())  # [4 + rows, n]
+        step = runner._prepare(last["scheduled"])
+        assert host[0].tolist() == step.input_ids.tolist() and host[1].tolist() == step.meta.slot_mapping.tolist()
+        assert host[3].tolist() == step.meta.seq_lens.tolist() and torch.equal(host[4:], step.positions)
+        width = step.meta.block_tables.shape[1]
+        assert torch.equal(graphs.tables.device_table.index_select(0, host[2])[:, :width], step.meta.block_tables)
+        seen.append(n)
+        embeds = runner.model.embed_tokens(step.input_ids)
+        return runner.model(embeds, step.positions, runner.kv_caches, step.meta)  # [n, hidden]
+    runner._run_graph, graphs.run = remember, staged_run
+    runner.graphs = graphs
+    try:
+        assert [o.token_ids for o in llm.chat(convs, params)] == plain
+    finally:
+        runner.graphs = None
+    assert 3 in seen

@@ -48,7 +48,7 @@ class ModelRunner:
         self.model = model
         self.attention = attention
         self.max_vision_patches = max_vision_patches
-        self.graphs = graphs  # replays decode steps (CUDA graphs, or their padded path eagerly)
+        self._graphs = graphs  # replays decode steps (CUDA graphs, or their padded path eagerly)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -66,6 +66,18 @@ class ModelRunner:
         self._linear = np.zeros(0, dtype=bool)  # whether the row's delta applies
         self._staging = [None, None]  # two pinned host buffers, used in turns (see `_upload`)
         self._turn = 0
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self._graphs
+
+    @graphs.setter
+    def graphs(self, graphs: DecodeGraphs | None) -> None:
+        """Swapped only while no request is held (tests, the host-overhead bench): the rows of held
+        requests live in the current `tables`, which the graphs replace."""
+        if getattr(self, "requests", None):
+            raise RuntimeError(f"cannot swap the decode graphs while {len(self.requests)} requests are held")
+        self._graphs = graphs
 
     @property
     def tables(self) -> BlockTables:
