@@ -4,7 +4,11 @@ Fed plain data (`worker.io.SchedulerOutput`), it keeps its own `RequestState` pe
 ids, block table, seeded generator) and returns `ModelRunnerOutput` (request id -> sampled token).
 
 Inputs are packed: the new tokens of every scheduled request back to back, in the order of
-`num_scheduled_tokens`. Image embeddings are computed on the first step that needs them (the
+`num_scheduled_tokens`, with numpy from state kept between steps (no Python loop per token or per
+block): each held request owns a row of `BlockTables` (only new block ids are written; the device
+table gets them in one flush) and the offset of its generated tokens' positions. A decode step that
+CUDA graphs replay is packed straight into the graphs' pinned input buffer (`DecodeGraphs.stage`,
+one copy); other steps go through `_prepare` (one copy, the table rows gathered on the device). Image embeddings are computed on the first step that needs them (the
 images of all such requests go through the vision tower in groups of at most `max_vision_patches`
 rows of `ImageInput.size`; images and positions are the model family's business: `model.encode_images`,
 `model.positions`), held by the request (`RequestState.image_embeds`) and kept for reuse in the
