@@ -15,7 +15,7 @@ the rows past `n` padded:
     seq_lens    their lengths                0    (paged_attention_decode writes zeros)
     positions   their positions              0
 
-These five are views of ONE int64 device buffer `[5 + position_rows - 1, biggest]`, and the runner
+These five are views of ONE int64 device buffer `[4 + position_rows, biggest]`, and the runner
 packs a step straight into a pinned host copy of it (`stage`): the step's inputs reach the graph in
 one host-to-device copy, padding included. The block tables are not copied per step at all: they
 live in `tables` (`BlockTables`: one row per request, updated only where blocks are added) and the
@@ -69,6 +69,8 @@ class DecodeGraphs:
         pin = device.type == "cuda"
         # two host copies used in turns: step t's copy may still be in flight while step t+1 is staged
         self._host = [torch.zeros(rows, biggest, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        for host in self._host:
+            host[1].fill_(-1)  # every row past a step's size is padding too when the whole buffer is copied
         self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}

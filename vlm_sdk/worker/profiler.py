@@ -83,7 +83,7 @@ def profile_peak(model, largest_image: ImageInput, *, num_tokens: int, num_seqs:
     caches = allocate_kv_caches(model.num_layers, cache, model.num_kv_heads, model.head_dim, dtype, device)
     held = model.encode_images([largest_image])  # [image tokens, width]: held across chunks
     hidden = _forward(model, caches, attention, [num_tokens], device)  # [num_tokens, hidden]
-    rows = hidden[-1:].expand(num_seqs, -1)  # [num_seqs, hidden]: max_num_seqs rows, however few tokens
+    rows = hidden[-1:].expand(num_seqs, -1).contiguous()  # [num_seqs, hidden]: max_num_seqs rows, however few tokens
     logits = model.compute_logits(rows)  # [num_seqs, vocab]
     _sample_worst(logits)
     del hidden, rows, logits, held
