@@ -139,13 +139,15 @@ def kernel_functions() -> dict[str, object]:
     import pkgutil
 
     import triton
+    from triton.runtime.interpreter import InterpretedFunction
     import vlm_sdk.kernels as package
     found = {}
     for info in pkgutil.iter_modules(package.__path__):
         module = importlib.import_module(f"vlm_sdk.kernels.{info.name}")
         for attr, value in vars(module).items():
-            if (isinstance(value, triton.runtime.JITFunction) and attr.endswith("_kernel")
-                    and value.__module__ == module.__name__):
+            # compiled, or interpreted under TRITON_INTERPRET=1 (the in-process CPU tests)
+            if (isinstance(value, (triton.runtime.JITFunction, InterpretedFunction)) and attr.endswith("_kernel")
+                    and getattr(value, "fn", value).__module__ == module.__name__):
                 found[f"{info.name}.{attr}"] = value
     return found
 
