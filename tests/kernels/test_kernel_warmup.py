@@ -1,0 +1,94 @@
+"""The start-up warm-up (vlm_sdk/worker/kernel_warmup.py): its steps stay within the engine's limits
+and reach every kernel variant; on the CPU it runs the tiny model through the Triton kernels (the
+interpreter) and launches each kernel in each of its constexpr variants; on CUDA, after it, a varied
+workload compiles nothing."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from aot_compile import kernel_functions
+from helpers import conversations
+from vlm_sdk import LLM, SamplingParams
+from vlm_sdk.worker.kernel_warmup import run_warmup, warmup_steps
+
+
+@pytest.mark.parametrize("max_model_len,max_tokens,cache_tokens", [
+    (32768, 8192, 10 ** 6), (4096, 2048, 1024), (100, 8192, 10 ** 6), (40, 40, 64)])
+def test_steps_fit_the_limits_and_cover_both_tiles(max_model_len, max_tokens, cache_tokens):
+    steps = warmup_steps(max_model_len, max_tokens, cache_tokens)
+    limit = min(max_model_len, cache_tokens)
+    for s in steps:
+        assert len(s.query_lens) == len(s.seq_lens)
+        assert all(0 < q <= n <= limit for q, n in zip(s.query_lens, s.seq_lens)), s
+        assert sum(s.query_lens) <= max_tokens, s
+    prefill = [max(s.query_lens) for s in steps if max(s.query_lens) > 1]
+    assert min(prefill) <= 64  # the 64-row tile (kernels/flash_config.py)
+    if min(limit, max_tokens) > 65:
+        assert max(prefill) > 64  # and the 128-row one
+    mixed = [s for s in steps if 1 in s.query_lens and max(s.query_lens) > 1]
+    assert mixed
+    decode = [s for s in steps if max(s.query_lens) == 1]
+    assert min(max(s.seq_lens) for s in decode) == 1  # one split: the direct write
+    if limit >= 1024:
+        assert max(max(s.seq_lens) for s in decode) >= 1024  # split (>= 256 keys a split) + merge
+
+
+class _Spy:
+    """Records each launch of a kernel, then runs it."""
+
+    def __init__(self, fn, sink: list):
+        self.fn, self.sink = fn, sink
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.sink.append((self.fn.__name__, kwargs))
+            return self.fn[grid](*args, **kwargs)
+        return launch
+
+
+def test_warmup_runs_every_text_kernel_variant_cpu(tiny_ckpt, monkeypatch):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1")
+    llm = LLM(tiny_ckpt, device="cpu", attention_backend="triton", max_num_seqs=4, num_blocks=64,
+              show_progress=False)
+    launches: list = []
+    import importlib
+    for name, fn in kernel_functions().items():
+        module, attr = name.split(".")
+        monkeypatch.setattr(importlib.import_module(f"vlm_sdk.kernels.{module}"), attr, _Spy(fn, launches))
+    seconds = run_warmup(llm.engine.runner, max_model_len=llm.engine.scheduler_config.max_model_len,
+                         max_num_batched_tokens=2048)
+    assert seconds > 0
+    seen = {name for name, _ in launches}
+    assert seen == {"_decode_split_kernel", "_decode_merge_kernel", "_paged_prefill_kernel", "_store_kv_kernel",
+                    "_rotary_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel"}
+    assert {kw["DIRECT"] for name, kw in launches if name == "_decode_split_kernel"} == {True, False}
+    assert {kw["HAS_RESIDUAL"] for name, kw in launches if name == "_rms_norm_kernel"} == {True, False}
+
+
+def _compiled_variants() -> int:
+    """Kernels compiled in this process so far: the JIT caches of every kernel, every device."""
+    return sum(len(cache[0]) for fn in kernel_functions().values() for cache in fn.device_caches.values())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_no_compilation_after_warmup_cuda(tiny_ckpt, dtype):
+    """Start an engine (profile, graph capture, warm-up), then serve a varied workload: batch sizes
+    1..n, short and long prompts and outputs (block tables of different widths), images, a batch
+    larger than the largest CUDA graph (eager decode), chunked prefill mixed with decodes."""
+    llm = LLM(tiny_ckpt, device="cuda", dtype=dtype, attention_backend="triton", max_num_seqs=8,
+              max_num_batched_tokens=256, show_progress=False)
+    after_start = _compiled_variants()
+    assert after_start > 0
+    convs = conversations()
+    text, image, images = convs["text"], convs["one_image"], convs["two_images"]
+    long_text = [{"role": "user", "content": "count: " + " ".join(str(i) for i in range(300))}]
+    for batch, max_tokens in ((1, 3), (2, 40), (5, 17), (8, 9), (12, 5)):
+        chosen = [[text, image, images, long_text][i % 4] for i in range(batch)]
+        llm.chat(chosen, [SamplingParams(max_tokens=max_tokens + i, temperature=0.0) for i in range(batch)])
+    assert _compiled_variants() == after_start, "Triton compiled new kernel variants while serving"
