@@ -76,13 +76,14 @@ def _compiled_variants() -> int:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_no_compilation_after_warmup_cuda(tiny_ckpt, dtype):
-    """Start an engine (profile, graph capture, warm-up), then serve a varied workload: batch sizes
-    1..n, short and long prompts and outputs (block tables of different widths), images, a batch
-    larger than the largest CUDA graph (eager decode), chunked prefill mixed with decodes."""
-    llm = LLM(tiny_ckpt, device="cuda", dtype=dtype, attention_backend="triton", max_num_seqs=8,
-              max_num_batched_tokens=256, show_progress=False)
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_no_compilation_after_warmup_cuda(tiny_ckpt, enforce_eager):
+    """Start an engine (memory profile, graph capture, warm-up), then serve a varied workload: batches of
+    1 to 12 requests (8 at a time), prompts of 42 to 1119 tokens (block tables 3 to 75 blocks wide), one
+    and two images, outputs of 3 to 51 tokens, the long prompt chunked (256-token budget) beside decodes;
+    decode steps from CUDA graphs, or eagerly at every batch size."""
+    llm = LLM(tiny_ckpt, device="cuda", dtype="bfloat16", attention_backend="triton", max_num_seqs=8,
+              max_num_batched_tokens=256, enforce_eager=enforce_eager, show_progress=False)
     after_start = _compiled_variants()
     assert after_start > 0
     convs = conversations()
