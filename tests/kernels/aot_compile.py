@@ -233,11 +233,11 @@ def main(argv: list[str]) -> int:
                 try:
                     src, options, target = _source(fn, args, kwargs, arch)
                     key = (arch, src.hash(), repr(sorted(options.__dict__.items())))
-                    if key in done:
-                        row.update(done[key], same_as=done[key]["case"])
-                    else:
-                        row.update(compile_source(src, options, target))
-                        done[key] = dict(row)
+                    if key not in done:
+                        done[key] = dict(compile_source(src, options, target), first_case=case)
+                    result = dict(done[key])
+                    first = result.pop("first_case")
+                    row.update(result, **({"same_binary_as": first} if first != case else {}))
                 except Exception as e:  # reported per row: one kernel failing must not hide the others
                     row["error"] = f"{type(e).__name__}: {e}"[:2000]
                 print(json.dumps(row, default=str), flush=True)
