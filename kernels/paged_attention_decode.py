@@ -38,7 +38,9 @@ _MERGE_BLOCK_S = 64  # next_power_of_2(_MAX_SPLITS)
 
 # per-step ints are not specialised (a value of 1 or a multiple of 16 would compile a new variant
 # while serving): the split count, and the block-table row stride (its width grows with the longest sequence)
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+# (the index tensors, views of per-step buffers, are not specialised on their alignment either)
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         out_ptr, part_out_ptr, part_lse_ptr,

@@ -72,7 +72,8 @@ def _attend_tiles(acc, acc2, l_i, m_i, q, q2,  # fp32 acc [BLOCK_M, BLOCK_D] and
     return acc, acc2, l_i, m_i
 
 
-@triton.jit
+# cu_seqlens may be a view of a packed buffer: not specialised on its alignment (no compile while serving)
+@triton.jit(do_not_specialize_on_alignment=["cu_seqlens"])
 def _varlen_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens,
                              stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                              stride_on, stride_oh, qk_scale,

@@ -178,6 +178,32 @@ def record(call: Callable[[], None]) -> list:
     return launches
 
 
+class JitKeys:
+    """The JIT cache key Triton's CUDA binder gives a launch (its specialisation and launch options):
+    two launches with the same key share one compiled kernel. Works on any tensors (meta, CPU), for
+    compiled or interpreted kernels; compiles nothing."""
+
+    def __init__(self, arch: int = 90):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        self.backend = make_backend(GPUTarget("cuda", arch, 32))
+        self.binders: dict[str, object] = {}
+
+    def __call__(self, fn, args, kwargs) -> tuple[str, str, str]:
+        import triton
+        from triton.runtime.jit import create_function_from_signature
+        name = fn.__name__
+        if name not in self.binders:
+            # under TRITON_INTERPRET=1 the module holds an InterpretedFunction: bind through a
+            # JITFunction over the same Python function and do_not_specialize list
+            jit = fn if isinstance(fn, triton.runtime.JITFunction) else triton.runtime.JITFunction(
+                fn.fn, do_not_specialize=fn.kwargs.get("do_not_specialize"),
+                do_not_specialize_on_alignment=fn.kwargs.get("do_not_specialize_on_alignment"))
+            self.binders[name] = create_function_from_signature(jit.signature, jit.params, self.backend)
+        _, specialization, options = self.binders[name](*args, **kwargs)
+        return name, repr(specialization), repr(sorted(options.items()))
+
+
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
 

@@ -4,12 +4,13 @@ interpreter) and launches each kernel in each of its constexpr variants; on CUDA
 workload compiles nothing."""
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
 import torch
 
-from aot_compile import kernel_functions
+from aot_compile import JitKeys, kernel_functions
 from helpers import conversations
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.worker.kernel_warmup import run_warmup, warmup_steps
@@ -37,36 +38,49 @@ def test_steps_fit_the_limits_and_cover_both_tiles(max_model_len, max_tokens, ca
 
 
 class _Spy:
-    """Records each launch of a kernel, then runs it."""
+    """Records each launch of a kernel (its constexprs and JIT cache key), then runs it."""
 
-    def __init__(self, fn, sink: list):
-        self.fn, self.sink = fn, sink
+    def __init__(self, fn, sink: list, key: JitKeys):
+        self.fn, self.sink, self.key = fn, sink, key
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.sink.append((self.fn.__name__, kwargs))
+            self.sink.append((self.fn.__name__, kwargs, self.key(self.fn, args, kwargs)))
             return self.fn[grid](*args, **kwargs)
         return launch
 
 
 def test_warmup_runs_every_text_kernel_variant_cpu(tiny_ckpt, monkeypatch):
+    """The warm-up launches every text kernel in each constexpr variant; after it and the largest-image
+    encode of the CUDA memory profile, serving text and image prompts (one chunked beside decodes) adds
+    no JIT cache key (Triton's CUDA binder on the real launch arguments): nothing would compile."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1")
     llm = LLM(tiny_ckpt, device="cpu", attention_backend="triton", max_num_seqs=4, num_blocks=64,
-              show_progress=False)
+              max_num_batched_tokens=64, show_progress=False)
     launches: list = []
-    import importlib
+    key = JitKeys()
     for name, fn in kernel_functions().items():
         module, attr = name.split(".")
-        monkeypatch.setattr(importlib.import_module(f"vlm_sdk.kernels.{module}"), attr, _Spy(fn, launches))
+        monkeypatch.setattr(importlib.import_module(f"vlm_sdk.kernels.{module}"), attr, _Spy(fn, launches, key))
     seconds = run_warmup(llm.engine.runner, max_model_len=llm.engine.scheduler_config.max_model_len,
-                         max_num_batched_tokens=2048)
+                         max_num_batched_tokens=64)
     assert seconds > 0
-    seen = {name for name, _ in launches}
+    seen = {name for name, _, _ in launches}
     assert seen == {"_decode_split_kernel", "_decode_merge_kernel", "_paged_prefill_kernel", "_store_kv_kernel",
                     "_rotary_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel"}
-    assert {kw["DIRECT"] for name, kw in launches if name == "_decode_split_kernel"} == {True, False}
-    assert {kw["HAS_RESIDUAL"] for name, kw in launches if name == "_rms_norm_kernel"} == {True, False}
+    assert {kw["DIRECT"] for name, kw, _ in launches if name == "_decode_split_kernel"} == {True, False}
+    assert {kw["HAS_RESIDUAL"] for name, kw, _ in launches if name == "_rms_norm_kernel"} == {True, False}
+
+    # what the CUDA memory profile runs before the warm-up: the largest image through the vision tower
+    llm.engine.runner.model.encode_images([llm.engine.processor.largest_image()])
+    warm = {k for _, _, k in launches}
+    launches.clear()
+    convs = conversations()
+    llm.chat([convs["text"], convs["one_image"], convs["text"]],  # the image prompt (112 tokens) is chunked
+             [SamplingParams(max_tokens=n, temperature=0.0) for n in (2, 3, 5)])
+    new = {k for name, _, k in launches if k not in warm}
+    assert not new, "\n".join(map(str, sorted(new)))
 
 
 def _compiled_variants() -> int:

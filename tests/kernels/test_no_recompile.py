@@ -14,12 +14,8 @@ import itertools
 
 import pytest
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import make_backend
-from triton.runtime.jit import create_function_from_signature
 
-from aot_compile import BF16, META, QWEN25_7B, QWEN25_VIT, _cache, _ints, _qkv, kernel_functions, record
+from aot_compile import BF16, META, QWEN25_7B, QWEN25_VIT, JitKeys, _cache, _qkv, kernel_functions, record
 from vlm_sdk.kernels import (paged_attention_decode, paged_prefill_attention, rms_norm, rotary, silu_and_mul,
                              store_kv, varlen_attention)
 
@@ -30,6 +26,16 @@ PER_STEP_INTS = {
     "_paged_prefill_kernel": {"stride_tb"},
     "_rotary_kernel": {"stride_pos_row"},
 }
+# kernel -> pointer arguments not specialised on alignment: index tensors that may be views into a
+# packed per-step buffer at any offset (the runner's _prepare splits one int64 buffer into ids | slots |
+# ... | positions, so the slots and positions start 8 bytes off a 16-byte boundary after an odd count)
+UNALIGNED_POINTERS = {
+    "_store_kv_kernel": {"slot_ptr"},
+    "_rotary_kernel": {"pos_ptr"},
+    "_decode_split_kernel": {"block_tables_ptr", "seq_lens_ptr"},
+    "_paged_prefill_kernel": {"block_tables", "cu_seqlens_q", "seq_lens"},
+    "_varlen_attention_kernel": {"cu_seqlens"},
+}
 # kernel -> compiled variants one model may launch (what the warm-up must run): decode direct or
 # split; prefill/varlen tiles of 64 or 128 query rows (flash_launch_config); norm with or without
 # the residual add
@@ -38,46 +44,55 @@ VARIANTS = {"_decode_split_kernel": 2, "_decode_merge_kernel": 1, "_paged_prefil
             "_silu_and_mul_kernel": 1}
 
 
-def _do_not_specialize(fn) -> set[str]:
-    """The names a kernel does not specialise, whether Triton built it compiled or interpreted."""
-    names = getattr(fn, "do_not_specialize", None)
+def _jit_list(fn, name: str = "do_not_specialize") -> set[str]:
+    """A kernel's do_not_specialize(_on_alignment) names, whether Triton built it compiled or interpreted."""
+    names = getattr(fn, name, None)
     if names is None:  # InterpretedFunction (TRITON_INTERPRET=1) keeps the jit arguments as kwargs
-        names = fn.kwargs.get("do_not_specialize") or []
+        names = fn.kwargs.get(name) or []
     return set(names)
-
-
-def _as_jit(fn) -> triton.runtime.JITFunction:
-    """A JITFunction over the same Python function (under the interpreter the module holds an
-    InterpretedFunction); only its binder is used, nothing is compiled."""
-    if isinstance(fn, triton.runtime.JITFunction):
-        return fn
-    return triton.runtime.JITFunction(fn.fn, do_not_specialize=fn.kwargs.get("do_not_specialize"))
 
 
 @pytest.mark.parametrize("kernel", sorted(PER_STEP_INTS))
 def test_per_step_ints_are_not_specialised(kernel):
     fn = {f.__name__: f for f in kernel_functions().values()}[kernel]
-    missing = PER_STEP_INTS[kernel] - _do_not_specialize(fn)
+    missing = PER_STEP_INTS[kernel] - _jit_list(fn)
     assert not missing, f"{kernel} specialises per-step ints {sorted(missing)}: add them to do_not_specialize"
 
 
+@pytest.mark.parametrize("kernel", sorted(UNALIGNED_POINTERS))
+def test_step_index_pointers_are_not_specialised_on_alignment(kernel):
+    fn = {f.__name__: f for f in kernel_functions().values()}[kernel]
+    missing = UNALIGNED_POINTERS[kernel] - _jit_list(fn, "do_not_specialize_on_alignment")
+    assert not missing, (f"{kernel} specialises the alignment of {sorted(missing)}: add them to "
+                         "do_not_specialize_on_alignment")
+
+
+def _step_ints(n: int, offset: int, dtype=torch.int32) -> torch.Tensor:
+    """n ints that start `offset` elements into a packed buffer (any alignment), as _prepare makes them."""
+    return torch.empty(offset + n, dtype=dtype, device=META)[offset:]
+
+
 def _workload():
-    """Launcher calls a serving run makes for one model: every combination of the per-step sizes."""
+    """Launcher calls a serving run makes for one model: every combination of the per-step sizes, the
+    step's index tensors at aligned and unaligned offsets of a packed buffer."""
     s = QWEN25_7B
     kc, vc = _cache(s)
     scale = s.head_dim ** -0.5
     graph_positions = torch.empty(3, 4096, dtype=torch.int64, device=META)  # a CUDA-graph buffer
     for batch, width, splits in itertools.product((1, 3, 16, 17, 64), (1, 2, 16, 17, 2048), (1, 2, 7, 16, 64)):
         q, _, _ = _qkv(batch, s.heads, s.kv_heads, s.head_dim)
-        yield lambda: paged_attention_decode.paged_attention_decode(q, kc, vc, _ints(batch, width), _ints(batch),
+        tables = _step_ints(batch * width, batch).view(batch, width)
+        yield lambda: paged_attention_decode.paged_attention_decode(q, kc, vc, tables, _step_ints(batch, splits),
                                                                     scale, num_splits=splits)
     for tokens, batch, width in itertools.product((1, 16, 17, 64, 65, 2048), (1, 2, 16), (1, 16, 17, 300)):
         q, k, v = _qkv(tokens, s.heads, s.kv_heads, s.head_dim)
+        tables = _step_ints(batch * width, tokens).view(batch, width)
         yield lambda: paged_prefill_attention.paged_prefill_attention(
-            q, kc, vc, _ints(batch, width), _ints(batch + 1), _ints(batch), tokens, scale)
-        yield lambda: store_kv.store_kv(k, v, kc, vc, torch.empty(tokens, dtype=torch.int64, device=META))
+            q, kc, vc, tables, _step_ints(batch + 1, batch), _step_ints(batch, tokens + 1), tokens, scale)
+        yield lambda: store_kv.store_kv(k, v, kc, vc, _step_ints(tokens, tokens, torch.int64))
         inv_freq = torch.empty(s.head_dim // 2, device=META)
-        for positions in (torch.empty(3, tokens, dtype=torch.int64, device=META), graph_positions[:, :tokens]):
+        packed = _step_ints(3 * tokens, 2 * tokens + batch, torch.int64).view(3, tokens)
+        for positions in (torch.empty(3, tokens, dtype=torch.int64, device=META), graph_positions[:, :tokens], packed):
             yield lambda: rotary.rotary_embedding(q, k, positions, inv_freq, mrope_section=(16, 24, 24))
         x = torch.empty(tokens, s.hidden, dtype=BF16, device=META)
         w = torch.empty(s.hidden, dtype=BF16, device=META)
@@ -87,19 +102,16 @@ def _workload():
     _, heads, head_dim, _, _ = QWEN25_VIT
     for patches, segments, max_len in ((16, 1, 16), (64, 1, 64), (256, 4, 64), (256, 1, 256), (4096, 3, 4000)):
         q, k, v = torch.empty(patches, 3, heads, head_dim, dtype=BF16, device=META).unbind(1)
-        yield lambda: varlen_attention.varlen_attention(q, k, v, _ints(segments + 1), max_len, head_dim ** -0.5)
+        for offset in (0, 1, 3):
+            yield lambda: varlen_attention.varlen_attention(q, k, v, _step_ints(segments + 1, offset), max_len,
+                                                            head_dim ** -0.5)
 
 
 def test_varied_workload_stays_within_the_warm_variants():
-    backend = make_backend(GPUTarget("cuda", 90, 32))
-    binders = {}
+    key = JitKeys()
     keys: dict[str, set] = {}
     for call in _workload():
         for fn, args, kwargs in record(call):
-            jit = _as_jit(fn)
-            if fn.__name__ not in binders:
-                binders[fn.__name__] = create_function_from_signature(jit.signature, jit.params, backend)
-            _, specialization, options = binders[fn.__name__](*args, **kwargs)
-            keys.setdefault(fn.__name__, set()).add((repr(specialization), repr(sorted(options.items()))))
+            keys.setdefault(fn.__name__, set()).add(key(fn, args, kwargs))
     counts = {name: len(k) for name, k in keys.items()}
     assert counts == VARIANTS, f"distinct JIT cache keys per kernel {counts}, the warm-up compiles {VARIANTS}"
