@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import re
@@ -111,6 +112,15 @@ def cases() -> list[tuple[str, str, Callable[[], None]]]:
                                 mrope_interleaved=True, q_norm_weight=w, k_norm_weight=w)
     out.append(("rotary", f"{QWEN3_8B.name} q/k norm interleaved", rope_qk_norm))
 
+    def rope_vision(name=QWEN25_VIT[0], heads=QWEN25_VIT[1], head_dim=QWEN25_VIT[2]):
+        """The vision towers' 2-D RoPE: [2, N] (row, column) positions, two sections of D/4."""
+        q, k, _ = torch.empty(4096, 3, heads, head_dim, dtype=BF16, device=META).unbind(1)
+        rotary.rotary_embedding(q, k, torch.empty(2, 4096, dtype=torch.int64, device=META),
+                                torch.empty(head_dim // 2, device=META),
+                                mrope_section=(head_dim // 4, head_dim // 4))
+    if _accepts(rope_vision):  # the rotary launcher takes [2, N] positions once the vision RoPE is on it
+        out.append(("rotary", f"{QWEN25_VIT[0]} 2-D vision", rope_vision))
+
     for name, heads, head_dim, _, _ in (QWEN25_VIT, INTERNVIT_300M):
         def varlen(heads=heads, head_dim=head_dim, max_len=4096):
             qkv = torch.empty(8192, 3, heads, head_dim, dtype=BF16, device=META)
@@ -130,7 +140,24 @@ def cases() -> list[tuple[str, str, Callable[[], None]]]:
             silu_and_mul.silu_and_mul(torch.empty(256, 2 * inter, dtype=BF16, device=META))
         out += [("rms_norm", name, norm), ("rms_norm", f"{name} + residual", lambda f=norm: f(residual=True)),
                 ("silu_and_mul", name, swiglu)]
+    if importlib.util.find_spec("vlm_sdk.kernels.token_bitmask") is not None:  # structured outputs' mask
+        from vlm_sdk.kernels import token_bitmask
+
+        def bitmask(dtype=torch.float32, vocab=151936):
+            logits = torch.empty(64, vocab, dtype=dtype, device=META)
+            token_bitmask.apply_token_bitmask_(logits, _ints(64), _ints(64, -(-vocab // 32)))
+        out += [("token_bitmask", "151,936 vocab fp32 logits", bitmask),
+                ("token_bitmask", "151,936 vocab bf16 logits", lambda f=bitmask: f(BF16))]
     return out
+
+
+def _accepts(call: Callable[[], None]) -> bool:
+    """Whether a launcher takes these arguments (its checks raise ValueError before any launch)."""
+    try:
+        record(call)
+    except ValueError:
+        return False
+    return True
 
 
 def kernel_functions() -> dict[str, object]:
