@@ -1,0 +1,136 @@
+"""Sampling on the logits' device (issue 19, point 4): seeded draws from device generators keyed by
+(seed, draw index), top-k / top-p among candidates against the full-sort reference, batched penalties."""
+import pytest
+import torch
+
+from vlm_sdk.sampling_params import SamplingParams
+from vlm_sdk.worker.sampler import Sampler, draw_seed
+from vlm_sdk.worker.top_k_top_p import filtered_probs, filtered_probs_reference
+
+CUDA_MARKS = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_MARKS)]
+
+
+def cuda(test):
+    for mark in CUDA_MARKS:
+        test = mark(test)
+    return test
+
+
+def _history(num_output: int) -> tuple[list[int], int, tuple[int, ...]]:
+    return [5, 6, 7] + [1] * num_output, 3, ()
+
+
+def _tokens(sampler, logits, params, num_output):
+    return sampler(logits, params, [_history(num_output)] * len(params))
+
+
+def test_draw_seeds_are_distinct_across_seeds_samples_and_indices():
+    """n samples use seeds s + i: no (seed, index) pair may reuse another's stream."""
+    pairs = {((s + i) % 2 ** 64, t) for s in (0, 1, 2 ** 63, 2 ** 64 - 1, -5) for i in range(4) for t in range(64)}
+    assert len({draw_seed(s, t) for s, t in pairs}) == len(pairs)
+    assert draw_seed(7, 3) == draw_seed(7, 3) and 0 <= draw_seed(-(2 ** 63), 0) < 2 ** 64
+
+
+def _seeded_run(device, at, companions, steps=6):
+    """Tokens of a seeded top-k/top-p row over `steps` successive draws, at row `at` among `companions`."""
+    torch.manual_seed(0)
+    mine = torch.randn(1, 300, device=device)  # [1, vocab]
+    others = torch.randn(len(companions), 300, device=device) * 3  # [len(companions), vocab]
+    batch = torch.cat([others[:at], mine, others[at:]])  # [rows, vocab]
+    params = companions[:at] + [SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=1234)] + companions[at:]
+    sampler = Sampler(99)
+    return [_tokens(sampler, batch, params, t)[at] for t in range(steps)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_tokens_do_not_depend_on_batch_companions_nor_position(device):
+    alone = _seeded_run(device, 0, [])
+    plain = SamplingParams(temperature=1.0)
+    greedy = SamplingParams(temperature=0.0)
+    other_seed = SamplingParams(temperature=0.5, top_k=3, seed=1)
+    for companions, at in (([plain, greedy], 0), ([plain, other_seed, greedy, plain], 2), ([other_seed], 1)):
+        assert _seeded_run(device, at, companions) == alone
+    assert len(set(alone)) > 1  # successive draws differ
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_resumed_request_draws_on_as_if_never_preempted(device):
+    """After a preemption the runner rebuilds the request with its output so far; a fresh sampler
+    (nothing saved, nothing replayed) draws its next token exactly as the uninterrupted one."""
+    torch.manual_seed(3)
+    logits = torch.randn(1, 500, device=device)  # [1, vocab]
+    p = [SamplingParams(temperature=1.0, seed=42)]
+    steady = Sampler(0)
+    run = [_tokens(steady, logits, p, t)[0] for t in range(8)]
+    resumed = [_tokens(Sampler(5), logits, p, t)[0] for t in range(4, 8)]
+    assert resumed == run[4:]
+
+
+@cuda
+def test_seeded_draws_use_generators_on_the_logits_device():
+    """No vocabulary of draws on the host: every generator the sampler made lives on the GPU."""
+    logits = torch.randn(4, 151936, device="cuda")  # [rows, vocab]
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(3)] + [SamplingParams(temperature=1.0)]
+    sampler = Sampler(0)
+    sampler(logits, params, [_history(2)] * 4)
+    assert {g.device.type for g in list(sampler.seeded.values()) + list(sampler.generators.values())} == {"cuda"}
+
+
+def _mixed_params():
+    return [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.3, top_p=0.8),
+            SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_k=30, top_p=0.5),
+            SamplingParams(temperature=2.0, top_p=0.97), SamplingParams(temperature=1.0, top_k=199),
+            SamplingParams(temperature=1.0, top_p=1e-6)]
+
+
+@pytest.mark.parametrize("candidates", [4, 16, 1024])
+@pytest.mark.parametrize("scale", [0.3, 3.0])  # flat rows send top-p past small candidate sets
+def test_filtered_probs_match_the_full_sort_reference(candidates, scale):
+    torch.manual_seed(int(scale * 10) + candidates)
+    params = _mixed_params()
+    logits = torch.randn(len(params), 200) * scale  # [rows, vocab]
+    before = logits.clone()
+    new = filtered_probs(logits, params, candidates)
+    ref = filtered_probs_reference(logits, params)
+    assert torch.equal(new > 0, ref > 0)  # the same tokens kept
+    torch.testing.assert_close(new, ref, atol=1e-6, rtol=1e-5)
+    assert torch.equal(logits, before)
+
+
+def test_rows_without_filters_keep_the_whole_tempered_distribution():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 64)  # [rows, vocab]
+    params = [SamplingParams(temperature=0.5), SamplingParams(temperature=1.0, top_k=2), SamplingParams()]
+    probs = filtered_probs(logits, params, candidates=8)
+    torch.testing.assert_close(probs[0], (logits[0] / 0.5).softmax(-1))
+    assert int((probs[1] > 0).sum()) == 2
+    torch.testing.assert_close(probs[2], logits[2].softmax(-1))
+
+
+def test_top_p_looks_past_the_candidates_only_when_it_must(monkeypatch):
+    """A peaked row's nucleus lies inside 4 candidates; a flat one's does not: only the flat row takes
+    the full sort."""
+    import vlm_sdk.worker.top_k_top_p as tkp
+    calls = []
+    real = tkp.filtered_probs_reference
+    monkeypatch.setattr(tkp, "filtered_probs_reference", lambda lg, ps: calls.append(lg.shape[0]) or real(lg, ps))
+    peaked = torch.full((1, 100), -10.0)
+    peaked[0, :3] = torch.tensor([5.0, 4.0, 3.0])
+    flat = torch.zeros(1, 100)
+    p = [SamplingParams(temperature=1.0, top_p=0.9)] * 2
+    probs = tkp.filtered_probs(torch.cat([peaked, flat]), p, candidates=4)
+    assert calls == [1]
+    assert int((probs[0] > 0).sum()) <= 3 and int((probs[1] > 0).sum()) == 90
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampled_frequencies_follow_the_reference_distribution(device):
+    torch.manual_seed(5)
+    row = torch.randn(1, 40, device=device) * 2  # [1, vocab]
+    p = SamplingParams(temperature=0.8, top_p=0.85, top_k=12)
+    n = 6000
+    tokens = torch.tensor(Sampler(1, candidates=8)(row.expand(n, -1).contiguous(), [p] * n))
+    freq = torch.bincount(tokens, minlength=40).float() / n
+    ref = filtered_probs_reference(row.cpu(), [p])[0]
+    assert torch.allclose(freq, ref, atol=0.03) and set(tokens.tolist()) <= set(ref.nonzero()[:, 0].tolist())

@@ -1,0 +1,99 @@
+"""The distribution a sampled row draws from: temperature, then top-k and top-p, as probabilities.
+
+`filtered_probs` looks for each row's kept tokens among its `candidates` most likely ones
+(`torch.topk`, sorted) instead of sorting the whole vocabulary: a top-k row keeps at most k of them,
+and a top-p row's nucleus is nearly always far smaller than 1,024 tokens. A row whose nucleus might
+reach past the candidates (top-p only, the candidates' mass still below top_p: a flat distribution)
+takes the full sort of `filtered_probs_reference` (today's algorithm, kept as the oracle); finding
+out whether any row needs it is the one host sync of this module, paid only when a top-p-only row
+is in the batch.
+
+Same distribution as the reference: the top-p mass is that of the whole tempered distribution (not
+renormalised after top-k), the token that crosses top_p stays, and the kept tokens are renormalised.
+Only ties at the cut may keep a different one of equal tokens (topk and sort order ties their own way).
+
+Memory per row (float32, vocabulary V, C candidates): the reference holds about 12 [V] temporaries
+(sorted logits, their int64 order, ranks mask, sorted probs, cumsum, mass before, masked copy, the
+-inf canvas and its scatter, softmax: ~44 V bytes, 6.7 MB at V = 151,936); `filtered_probs` holds
+the tempered probabilities and the scattered result (8 V bytes, 1.2 MB) plus ~30 C bytes of candidates.
+"""
+from __future__ import annotations
+
+import torch
+
+from vlm_sdk.sampling_params import SamplingParams
+
+CANDIDATES = 1024  # the top-p nucleus is looked for among this many most likely tokens first
+
+
+def filtered_probs(logits: torch.Tensor,  # [rows, vocab] float32, not edited
+                   params: list[SamplingParams], candidates: int = CANDIDATES) -> torch.Tensor:
+    """[rows, vocab] probabilities after temperature, top-k and top-p (zero outside what is kept)."""
+    dev = logits.device
+    vocab = logits.shape[1]
+    probs = _tempered_probs(logits, params)  # [rows, vocab]
+    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_ps = [p.top_p for p in params]
+    rows = [i for i, (k, p) in enumerate(zip(top_ks, top_ps)) if k < vocab or p < 1.0]
+    if not rows:
+        return probs
+    # enough candidates for the largest top-k, and `candidates` for rows with top-p alone
+    kc = min(vocab, max(top_ks[i] if top_ks[i] < vocab else candidates for i in rows))
+    every = len(rows) == len(params)
+    sub = probs if every else probs[torch.tensor(rows, device=dev)]  # [len(rows), vocab]
+    k_t = torch.tensor([top_ks[i] for i in rows], device=dev)[:, None]  # [len(rows), 1]
+    p_t = torch.tensor([_mass_cut(top_ps[i]) for i in rows], dtype=probs.dtype, device=dev)[:, None]  # [len(rows), 1]
+    vals, idx = sub.topk(kc, dim=-1)  # [len(rows), kc] each, most likely first
+    mass_before = vals.cumsum(dim=-1) - vals  # [len(rows), kc]
+    keep = (torch.arange(kc, device=dev)[None, :] < k_t) & (mass_before < p_t)  # a prefix of each row
+    # the candidates do not hold the whole nucleus: no top-k within them and their mass below top_p
+    # (then the first token past them would still be kept)
+    short = (k_t[:, 0] > kc) & (mass_before[:, -1] + vals[:, -1] < p_t[:, 0])  # [len(rows)]
+    kept = vals.masked_fill_(~keep, 0.0)  # [len(rows), kc]
+    sub = sub.zero_().scatter_(1, idx, kept)  # in place: sub's storage is reused
+    sub /= sub.sum(dim=-1, keepdim=True)
+    if kc < vocab and any(top_ks[i] > kc and top_ps[i] < 1.0 for i in rows) and bool(short.any()):
+        far = short.nonzero()[:, 0]  # [num_short]
+        rows_t = far if every else torch.tensor(rows, device=dev)[far]
+        sub[far] = filtered_probs_reference(logits[rows_t], [params[rows[j]] for j in far.tolist()])
+    if not every:
+        probs[torch.tensor(rows, device=dev)] = sub
+    return probs
+
+
+def _mass_cut(top_p: float) -> float:
+    """top_p 1 cuts nothing: without this, a float32 cumsum that rounds up to 1.0 before the last
+    tokens dropped a tail of a top-k row (the reference did, before issue 19)."""
+    return top_p if top_p < 1.0 else float("inf")
+
+
+def _tempered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """softmax(logits / temperature) in one [rows, vocab] buffer (softmax's own steps, in place)."""
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)[:, None]
+    x = logits / temps  # [rows, vocab], the only full-size allocation
+    x -= x.amax(dim=-1, keepdim=True)
+    x.exp_()
+    x /= x.sum(dim=-1, keepdim=True)
+    return x
+
+
+def filtered_probs_reference(logits: torch.Tensor,  # [rows, vocab] float32
+                             params: list[SamplingParams]) -> torch.Tensor:
+    """The full-vocabulary sort (the sampler before issue 19): the oracle of `filtered_probs`."""
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)[:, None]
+    logits = logits / temps
+    vocab = logits.shape[-1]
+    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_ps = [p.top_p for p in params]
+    if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [rows, vocab]
+        ranks = torch.arange(vocab, device=dev)[None, :]
+        drop = ranks >= torch.tensor(top_ks, device=dev)[:, None]
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it stays)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop |= mass_before >= torch.tensor([_mass_cut(p) for p in top_ps], dtype=logits.dtype, device=dev)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits.softmax(dim=-1)
