@@ -157,3 +157,52 @@ def test_batched_penalties_match_the_per_row_reference():
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-6)
     assert torch.equal(ours[1], logits[1]) and ours[2, 7] == ours[2, 8] == float("-inf")
     assert not torch.equal(ours[4], logits[4])  # a bias with no history still applies
+
+
+def test_sampler_bench_runs_small_and_reports_every_scenario(capsys):
+    """`vlm-sdk bench --sampler` at a toy size: one row per (logits shape, scenario), both paths timed,
+    and the path before issue 19 still samples inside each row's kept tokens."""
+    import json
+
+    from vlm_sdk.bench.sampler import SamplerBenchConfig, bench_logits, sample_before_issue_19, scenarios
+    from vlm_sdk.cli import main
+    from vlm_sdk.worker.penalties import apply_penalties_reference
+    assert main(["bench", "--sampler", "--sampler-rows", "3", "--sampler-vocab", "3000", "--sampler-repeats", "1",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cfg = SamplerBenchConfig(rows=3, vocab=3000)
+    assert (out["rows"], out["vocab"]) == (3, 3000)
+    assert [(r["shape"], r["scenario"]) for r in out["results"]] == [
+        (shape, name) for shape in ("peaked", "flat") for name, _, _ in scenarios(cfg)]
+    assert all(r["before_ms"] > 0 and r["now_ms"] > 0 for r in out["results"])
+    logits = bench_logits("peaked", 3, 3000)
+    for _, params, hist in scenarios(cfg):
+        histories = hist or [([1, 2], 1, ())] * 3
+        tokens = sample_before_issue_19(Sampler(0), logits, params, histories)
+        edited = logits.clone()
+        apply_penalties_reference(edited, params, histories)
+        kept = filtered_probs_reference(edited, params)
+        assert all(kept[i, t] > 0 for i, t in enumerate(tokens))
+
+
+@cuda
+def test_sampling_before_the_tokens_never_syncs_the_host():
+    """Penalties, top-k (+ top-p within it), seeded and shared draws and the race queue behind the
+    forward without one host sync (the tokens' copy at the end is the sampler's only one; a top-p-only
+    row adds the check of whether its nucleus fits the candidates)."""
+    from vlm_sdk.worker.penalties import apply_penalties
+    logits = torch.randn(8, 151936, device="cuda")  # [rows, vocab]
+    params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=i if i % 2 else None,
+                             repetition_penalty=1.2, logit_bias={3: 1.0}, min_tokens=4) for i in range(8)]
+    histories = [([1, 2, 3, 4], 2, (5,))] * 8
+    sampler = Sampler(0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        edited = logits.clone()
+        apply_penalties(edited, params, histories)
+        probs = filtered_probs(edited, params)
+        q = sampler._exponentials(probs.shape, [p.seed for p in params], [2] * 8, logits.device)
+        torch.div(probs, q, out=q).argmax(dim=-1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

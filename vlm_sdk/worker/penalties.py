@@ -13,6 +13,7 @@ from collections import Counter
 import torch
 
 from vlm_sdk.sampling_params import SamplingParams
+from vlm_sdk.worker.device_lists import to_device
 
 
 def needs_edit(p: SamplingParams, num_output: int) -> bool:
@@ -64,9 +65,8 @@ def apply_penalties(logits: torch.Tensor,  # [num_seqs, vocab] float32, edited i
     if not n_rep + n_add + len(ban_rows):
         return
     dev = logits.device
-    idx = torch.tensor(rep_rows + rep_toks + add_rows + add_toks + ban_rows + ban_toks,
-                       dtype=torch.long).to(dev, non_blocking=True)  # [2 x pairs]
-    vals = torch.tensor(rep_vals + add_vals, dtype=logits.dtype).to(dev, non_blocking=True)  # [n_rep + n_add]
+    idx = to_device(rep_rows + rep_toks + add_rows + add_toks + ban_rows + ban_toks, torch.long, dev)  # [2 x pairs]
+    vals = to_device(rep_vals + add_vals, logits.dtype, dev)  # [n_rep + n_add]
     rows, toks = idx[:n_rep], idx[n_rep:2 * n_rep]  # [n_rep] each
     if n_rep:  # each (row, token) once: the gather reads logits before any write
         seen = logits[rows, toks]  # [n_rep]

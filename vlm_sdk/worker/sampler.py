@@ -16,6 +16,7 @@ import torch
 
 from vlm_sdk.outputs import TokenLogprob
 from vlm_sdk.sampling_params import SamplingParams
+from vlm_sdk.worker.device_lists import to_device
 from vlm_sdk.worker.penalties import apply_penalties, needs_edit
 from vlm_sdk.worker.top_k_top_p import CANDIDATES, filtered_probs
 
@@ -54,12 +55,13 @@ class Sampler:
         tokens = logits.argmax(dim=-1)  # [num_seqs]
         want = [i for i, p in enumerate(params) if p.wants_logprobs]
         if all(p.greedy for p in params):
-            logprobs = logits[want].float().log_softmax(dim=-1) if want else None  # [len(want), vocab]
+            logprobs = logits[to_device(want, torch.long, logits.device)].float().log_softmax(dim=-1) \
+                if want else None  # [len(want), vocab]
             return tokens.tolist(), self._pack(tokens, logprobs, want, params)
         dev = logits.device
         rows = [i for i, p in enumerate(params) if not p.greedy]
         every = len(rows) == len(params)
-        probs = filtered_probs(logits.float() if every else logits[rows].float(), [params[i] for i in rows],
+        probs = filtered_probs(logits.float() if every else logits[to_device(rows, torch.long, dev)].float(), [params[i] for i in rows],
                                self.candidates)  # [len(rows), vocab], on dev
         q = self._exponentials(probs.shape, [params[i].seed for i in rows],
                                [0 if histories is None else len(histories[i][0]) - histories[i][1] for i in rows],
@@ -69,16 +71,16 @@ class Sampler:
         if every:
             tokens = sampled
         else:
-            tokens[torch.tensor(rows, device=dev)] = sampled
+            tokens[to_device(rows, torch.long, dev)] = sampled
         logprobs = None
         if want:
             # sampled rows: the log of what they were drawn from; greedy rows: their log-softmax
-            logprobs = logits[want].float().log_softmax(dim=-1)  # [len(want), vocab]
+            logprobs = logits[to_device(want, torch.long, dev)].float().log_softmax(dim=-1)  # [len(want), vocab]
             pos = {i: j for j, i in enumerate(rows)}
             drawn = [k for k, i in enumerate(want) if i in pos]
             if drawn:
-                src = torch.tensor([pos[want[k]] for k in drawn], device=dev)
-                logprobs[torch.tensor(drawn, device=dev)] = probs[src].log()
+                src = to_device([pos[want[k]] for k in drawn], torch.long, dev)
+                logprobs[to_device(drawn, torch.long, dev)] = probs[src].log()
         return tokens.tolist(), self._pack(tokens, logprobs, want, params)
 
     def _exponentials(self, shape: torch.Size, seeds: list[int | None], draws: list[int],
@@ -93,7 +95,7 @@ class Sampler:
         if len(shared) == len(seeds):  # the usual case: one call, no index tensors to upload
             return q.exponential_(1.0, generator=self._generator(self.generators, device))
         if shared:
-            q[torch.tensor(shared, device=device)] = torch.empty(len(shared), shape[1], device=device).exponential_(
+            q[to_device(shared, torch.long, device)] = torch.empty(len(shared), shape[1], device=device).exponential_(
                 1.0, generator=self._generator(self.generators, device))
         g = self._generator(self.seeded, device)
         for j, (seed, n) in enumerate(zip(seeds, draws)):
@@ -109,7 +111,7 @@ class Sampler:
         if not want:
             return out
         k = max(params[i].logprobs for i in want)
-        chosen = logprobs.gather(1, tokens[want][:, None])[:, 0].tolist()  # [len(want)]
+        chosen = logprobs.gather(1, tokens[to_device(want, torch.long, tokens.device)][:, None])[:, 0].tolist()
         top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
         top_vals, top_ids = top_vals.tolist(), top_ids.tolist()  # one copy to the host for all rows
         token_list = tokens.tolist()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from vlm_sdk.sampling_params import SamplingParams
+from vlm_sdk.worker.device_lists import to_device
 
 CANDIDATES = 1024  # the top-p nucleus is looked for among this many most likely tokens first
 
@@ -40,9 +41,10 @@ def filtered_probs(logits: torch.Tensor,  # [rows, vocab] float32, not edited
     # enough candidates for the largest top-k, and `candidates` for rows with top-p alone
     kc = min(vocab, max(top_ks[i] if top_ks[i] < vocab else candidates for i in rows))
     every = len(rows) == len(params)
-    sub = probs if every else probs[torch.tensor(rows, device=dev)]  # [len(rows), vocab]
-    k_t = torch.tensor([top_ks[i] for i in rows], device=dev)[:, None]  # [len(rows), 1]
-    p_t = torch.tensor([_mass_cut(top_ps[i]) for i in rows], dtype=probs.dtype, device=dev)[:, None]  # [len(rows), 1]
+    rows_t = None if every else to_device(rows, torch.long, dev)  # [len(rows)]
+    sub = probs if every else probs[rows_t]  # [len(rows), vocab]
+    k_t = to_device([top_ks[i] for i in rows], torch.long, dev)[:, None]  # [len(rows), 1]
+    p_t = to_device([_mass_cut(top_ps[i]) for i in rows], probs.dtype, dev)[:, None]  # [len(rows), 1]
     vals, idx = sub.topk(kc, dim=-1)  # [len(rows), kc] each, most likely first
     mass_before = vals.cumsum(dim=-1) - vals  # [len(rows), kc]
     keep = (torch.arange(kc, device=dev)[None, :] < k_t) & (mass_before < p_t)  # a prefix of each row
@@ -54,10 +56,9 @@ def filtered_probs(logits: torch.Tensor,  # [rows, vocab] float32, not edited
     sub /= sub.sum(dim=-1, keepdim=True)
     if kc < vocab and any(top_ks[i] > kc and top_ps[i] < 1.0 for i in rows) and bool(short.any()):
         far = short.nonzero()[:, 0]  # [num_short]
-        rows_t = far if every else torch.tensor(rows, device=dev)[far]
-        sub[far] = filtered_probs_reference(logits[rows_t], [params[rows[j]] for j in far.tolist()])
+        sub[far] = filtered_probs_reference(logits[far if every else rows_t[far]], [params[rows[j]] for j in far.tolist()])
     if not every:
-        probs[torch.tensor(rows, device=dev)] = sub
+        probs[rows_t] = sub
     return probs
 
 
@@ -69,7 +70,7 @@ def _mass_cut(top_p: float) -> float:
 
 def _tempered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """softmax(logits / temperature) in one [rows, vocab] buffer (softmax's own steps, in place)."""
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)[:, None]
+    temps = to_device([p.temperature for p in params], logits.dtype, logits.device)[:, None]  # [rows, 1]
     x = logits / temps  # [rows, vocab], the only full-size allocation
     x -= x.amax(dim=-1, keepdim=True)
     x.exp_()
