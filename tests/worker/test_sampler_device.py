@@ -113,14 +113,14 @@ def test_top_p_looks_past_the_candidates_only_when_it_must(monkeypatch):
     the full sort."""
     import vlm_sdk.worker.top_k_top_p as tkp
     calls = []
-    real = tkp.filtered_probs_reference
-    monkeypatch.setattr(tkp, "filtered_probs_reference", lambda lg, ps: calls.append(lg.shape[0]) or real(lg, ps))
+    real = tkp._keep
+    monkeypatch.setattr(tkp, "_keep", lambda vals, k, p: calls.append(tuple(vals.shape)) or real(vals, k, p))
     peaked = torch.full((1, 100), -10.0)
     peaked[0, :3] = torch.tensor([5.0, 4.0, 3.0])
     flat = torch.zeros(1, 100)
     p = [SamplingParams(temperature=1.0, top_p=0.9)] * 2
     probs = tkp.filtered_probs(torch.cat([peaked, flat]), p, candidates=4)
-    assert calls == [1]
+    assert calls == [(2, 4), (1, 100)]  # both rows among 4 candidates, then the flat one fully sorted
     assert int((probs[0] > 0).sum()) <= 3 and int((probs[1] > 0).sum()) == 90
 
 

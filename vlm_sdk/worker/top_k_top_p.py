@@ -4,18 +4,20 @@
 (`torch.topk`, sorted) instead of sorting the whole vocabulary: a top-k row keeps at most k of them,
 and a top-p row's nucleus is nearly always far smaller than 1,024 tokens. A row whose nucleus might
 reach past the candidates (top-p only, the candidates' mass still below top_p: a flat distribution)
-takes the full sort of `filtered_probs_reference` (today's algorithm, kept as the oracle); finding
-out whether any row needs it is the one host sync of this module, paid only when a top-p-only row
-is in the batch.
+is cut again from a sort of its whole row; finding out whether any row needs that is the one host
+sync of this module, paid only when a top-p-only row is in the batch.
 
-Same distribution as the reference: the top-p mass is that of the whole tempered distribution (not
-renormalised after top-k), the token that crosses top_p stays, and the kept tokens are renormalised.
-Only ties at the cut may keep a different one of equal tokens (topk and sort order ties their own way).
+Same distribution as `filtered_probs_reference` (the sampler's full sort before issue 19, kept as the
+oracle): the top-p mass is that of the whole tempered distribution (not renormalised after top-k),
+the token that crosses top_p stays, the kept tokens are renormalised; top_p 1 cuts nothing. Only ties
+at the cut may keep a different one of equal tokens (topk and sort order ties their own way).
 
-Memory per row (float32, vocabulary V, C candidates): the reference holds about 12 [V] temporaries
-(sorted logits, their int64 order, ranks mask, sorted probs, cumsum, mass before, masked copy, the
--inf canvas and its scatter, softmax: ~44 V bytes, 6.7 MB at V = 151,936); `filtered_probs` holds
-the tempered probabilities and the scattered result (8 V bytes, 1.2 MB) plus ~30 C bytes of candidates.
+Memory per row (float32, vocabulary V, C candidates), besides the logits: the reference holds about
+a dozen [V] temporaries at its peak (sorted logits and their int64 order, the drop mask, sorted probs,
+cumsum, mass before, the masked copy, the -inf canvas, the softmax: ~40 V bytes); `filtered_probs`
+holds one [V] buffer (the tempered probabilities, cut in place: 4 V bytes, 0.6 MB at V = 151,936)
+plus ~30 C bytes of candidates; a row sent to the full sort adds ~30 V bytes while it is cut.
+`vlm-sdk bench --sampler` measures the sampler's peak (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -46,20 +48,44 @@ def filtered_probs(logits: torch.Tensor,  # [rows, vocab] float32, not edited
     k_t = to_device([top_ks[i] for i in rows], torch.long, dev)[:, None]  # [len(rows), 1]
     p_t = to_device([_mass_cut(top_ps[i]) for i in rows], probs.dtype, dev)[:, None]  # [len(rows), 1]
     vals, idx = sub.topk(kc, dim=-1)  # [len(rows), kc] each, most likely first
-    mass_before = vals.cumsum(dim=-1) - vals  # [len(rows), kc]
-    keep = (torch.arange(kc, device=dev)[None, :] < k_t) & (mass_before < p_t)  # a prefix of each row
-    # the candidates do not hold the whole nucleus: no top-k within them and their mass below top_p
-    # (then the first token past them would still be kept)
-    short = (k_t[:, 0] > kc) & (mass_before[:, -1] + vals[:, -1] < p_t[:, 0])  # [len(rows)]
-    kept = vals.masked_fill_(~keep, 0.0)  # [len(rows), kc]
-    sub = sub.zero_().scatter_(1, idx, kept)  # in place: sub's storage is reused
-    sub /= sub.sum(dim=-1, keepdim=True)
-    if kc < vocab and any(top_ks[i] > kc and top_ps[i] < 1.0 for i in rows) and bool(short.any()):
-        far = short.nonzero()[:, 0]  # [num_short]
-        sub[far] = filtered_probs_reference(logits[far if every else rows_t[far]], [params[rows[j]] for j in far.tolist()])
+    keep, mass = _keep(vals, k_t, p_t)  # [len(rows), kc], [len(rows)]
+    far = None
+    if kc < vocab and any(top_ks[i] > kc and top_ps[i] < 1.0 for i in rows):
+        # the candidates may not hold the whole nucleus: no top-k within them and their mass below
+        # top_p (then the first token past them would still be kept); those rows sort everything
+        short = (k_t[:, 0] > kc) & (mass < p_t[:, 0])  # [len(rows)]
+        if bool(short.any()):  # the host sync of this module
+            far = short.nonzero()[:, 0]  # [num_far]
+            full = sub[far]  # [num_far, vocab], their tempered probabilities before the cut below
+    sub = _scatter_kept(sub, vals, idx, keep)
+    if far is not None:
+        vals, idx = full.sort(dim=-1, descending=True)  # [num_far, vocab] each
+        keep, _ = _keep(vals, k_t[far], p_t[far])
+        sub[far] = _scatter_kept(full, vals, idx, keep)
     if not every:
         probs[rows_t] = sub
     return probs
+
+
+def _keep(vals: torch.Tensor,  # [n, c] probabilities, most likely first
+          k_t: torch.Tensor,  # [n, 1] top-k
+          p_t: torch.Tensor,  # [n, 1] top-p mass cut
+          ) -> tuple[torch.Tensor, torch.Tensor]:  # [n, c] bool, a prefix of each row; [n] mass of the c
+    """Keep rank r while r < top_k and the mass before it is below top_p (the crossing token stays)."""
+    mass_before = vals.cumsum(dim=-1)  # [n, c]
+    total = mass_before[:, -1].clone()  # [n]
+    mass_before -= vals
+    keep = (torch.arange(vals.shape[1], device=vals.device)[None, :] < k_t) & (mass_before < p_t)
+    return keep, total
+
+
+def _scatter_kept(out: torch.Tensor,  # [n, vocab], overwritten
+                  vals: torch.Tensor, idx: torch.Tensor,  # [n, c] each
+                  keep: torch.Tensor) -> torch.Tensor:  # [n, c] bool
+    """`out` zero but for the kept candidates, renormalised (vals is edited)."""
+    out = out.zero_().scatter_(1, idx, vals.masked_fill_(~keep, 0.0))
+    out /= out.sum(dim=-1, keepdim=True)
+    return out
 
 
 def _mass_cut(top_p: float) -> float:
