@@ -97,8 +97,11 @@ def _peak_bytes(fn) -> int | None:
     """Peak resident memory above the current one while `fn` runs (None where Linux cannot say)."""
     try:
         # glibc serves large blocks with mmap and returns them at free, so the resident peak sees
-        # every temporary; a fixed threshold stops it from raising that limit after the first frees
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD, 64 KiB
+        # every temporary; a fixed threshold stops it from raising that limit after the first frees,
+        # and trimming returns what earlier frees left resident in the heap
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD, 64 KiB
+        libc.malloc_trim(0)  # free heap pages leave the resident set: reusing them counts again
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM, the peak resident set
     except (OSError, AttributeError):

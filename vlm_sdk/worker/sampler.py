@@ -21,6 +21,17 @@ from vlm_sdk.worker.penalties import apply_penalties, needs_edit
 from vlm_sdk.worker.top_k_top_p import CANDIDATES, filtered_probs
 
 # per row: (prompt + generated token ids, number of prompt tokens, the ids min_tokens masks)
+
+# the sampler's [rows, vocab] temporaries at their peak, bytes per row and vocabulary entry (float32;
+# `vlm-sdk bench --sampler` measures them): a draw holds the probabilities and the exponentials (8),
+# penalties add the edited copy (4), logprobs their log-softmax and the drawn rows' log (8), a top-p
+# row whose nucleus passes the candidates its full sort (~20): 40 bounds all at once
+PEAK_BYTES_PER_ENTRY = 40
+
+
+def peak_bytes(num_rows: int, vocab: int) -> int:
+    """An upper bound of the device memory one `Sampler.sample` call allocates beside its logits."""
+    return num_rows * vocab * PEAK_BYTES_PER_ENTRY
 History = tuple[list[int], int, tuple[int, ...]]
 
 
@@ -80,7 +91,7 @@ class Sampler:
             drawn = [k for k, i in enumerate(want) if i in pos]
             if drawn:
                 src = to_device([pos[want[k]] for k in drawn], torch.long, dev)
-                logprobs[to_device(drawn, torch.long, dev)] = probs[src].log()
+                logprobs[to_device(drawn, torch.long, dev)] = probs[src].log_()  # a gathered copy: log in place
         return tokens.tolist(), self._pack(tokens, logprobs, want, params)
 
     def _exponentials(self, shape: torch.Size, seeds: list[int | None], draws: list[int],
