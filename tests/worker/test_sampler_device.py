@@ -1,5 +1,7 @@
 """Sampling on the logits' device (issue 19, point 4): seeded draws from device generators keyed by
 (seed, draw index), top-k / top-p among candidates against the full-sort reference, batched penalties."""
+import os
+
 import pytest
 import torch
 
@@ -21,6 +23,12 @@ def _history(num_output: int) -> tuple[list[int], int, tuple[int, ...]]:
     return [5, 6, 7] + [1] * num_output, 3, ()
 
 
+# the draw: torch generators, or the Triton race kernel (on the CPU in the interpreter)
+RACES = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="Triton needs a GPU or the interpreter"))]
+
+
 def _tokens(sampler, logits, params, num_output):
     return sampler(logits, params, [_history(num_output)] * len(params))
 
@@ -32,38 +40,40 @@ def test_draw_seeds_are_distinct_across_seeds_samples_and_indices():
     assert draw_seed(7, 3) == draw_seed(7, 3) and 0 <= draw_seed(-(2 ** 63), 0) < 2 ** 64
 
 
-def _seeded_run(device, at, companions, steps=6):
+def _seeded_run(device, at, companions, race="torch", steps=6):
     """Tokens of a seeded top-k/top-p row over `steps` successive draws, at row `at` among `companions`."""
     torch.manual_seed(0)
     mine = torch.randn(1, 300, device=device)  # [1, vocab]
     others = torch.randn(len(companions), 300, device=device) * 3  # [len(companions), vocab]
     batch = torch.cat([others[:at], mine, others[at:]])  # [rows, vocab]
     params = companions[:at] + [SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=1234)] + companions[at:]
-    sampler = Sampler(99)
+    sampler = Sampler(99, race_kernel=race == "triton")
     return [_tokens(sampler, batch, params, t)[at] for t in range(steps)]
 
 
+@pytest.mark.parametrize("race", RACES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_seeded_tokens_do_not_depend_on_batch_companions_nor_position(device):
-    alone = _seeded_run(device, 0, [])
+def test_seeded_tokens_do_not_depend_on_batch_companions_nor_position(device, race):
+    alone = _seeded_run(device, 0, [], race)
     plain = SamplingParams(temperature=1.0)
     greedy = SamplingParams(temperature=0.0)
     other_seed = SamplingParams(temperature=0.5, top_k=3, seed=1)
     for companions, at in (([plain, greedy], 0), ([plain, other_seed, greedy, plain], 2), ([other_seed], 1)):
-        assert _seeded_run(device, at, companions) == alone
+        assert _seeded_run(device, at, companions, race) == alone
     assert len(set(alone)) > 1  # successive draws differ
 
 
+@pytest.mark.parametrize("race", RACES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_resumed_request_draws_on_as_if_never_preempted(device):
+def test_a_resumed_request_draws_on_as_if_never_preempted(device, race):
     """After a preemption the runner rebuilds the request with its output so far; a fresh sampler
     (nothing saved, nothing replayed) draws its next token exactly as the uninterrupted one."""
     torch.manual_seed(3)
     logits = torch.randn(1, 500, device=device)  # [1, vocab]
     p = [SamplingParams(temperature=1.0, seed=42)]
-    steady = Sampler(0)
+    steady = Sampler(0, race_kernel=race == "triton")
     run = [_tokens(steady, logits, p, t)[0] for t in range(8)]
-    resumed = [_tokens(Sampler(5), logits, p, t)[0] for t in range(4, 8)]
+    resumed = [_tokens(Sampler(5, race_kernel=race == "triton"), logits, p, t)[0] for t in range(4, 8)]
     assert resumed == run[4:]
 
 
@@ -124,13 +134,17 @@ def test_top_p_looks_past_the_candidates_only_when_it_must(monkeypatch):
     assert int((probs[0] > 0).sum()) <= 3 and int((probs[1] > 0).sum()) == 90
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_sampled_frequencies_follow_the_reference_distribution(device):
+# 6000 rows: the race kernel's distribution is checked on a GPU only (the interpreter takes a minute;
+# tests/kernels/test_exponential_race.py checks its tokens equal its reference's on the CPU)
+@pytest.mark.parametrize("device,race", [("cpu", "torch"), pytest.param("cuda", "torch", marks=CUDA_MARKS),
+                                         pytest.param("cuda", "triton", marks=CUDA_MARKS)])
+def test_sampled_frequencies_follow_the_reference_distribution(device, race):
     torch.manual_seed(5)
     row = torch.randn(1, 40, device=device) * 2  # [1, vocab]
     p = SamplingParams(temperature=0.8, top_p=0.85, top_k=12)
     n = 6000
-    tokens = torch.tensor(Sampler(1, candidates=8)(row.expand(n, -1).contiguous(), [p] * n))
+    sampler = Sampler(1, candidates=8, race_kernel=race == "triton")
+    tokens = torch.tensor(sampler(row.expand(n, -1).contiguous(), [p] * n))
     freq = torch.bincount(tokens, minlength=40).float() / n
     ref = filtered_probs_reference(row.cpu(), [p])[0]
     assert torch.allclose(freq, ref, atol=0.03) and set(tokens.tolist()) <= set(ref.nonzero()[:, 0].tolist())
@@ -204,6 +218,8 @@ def test_sampling_before_the_tokens_never_syncs_the_host():
         probs = filtered_probs(edited, params)
         q = sampler._exponentials(probs.shape, [p.seed for p in params], [2] * 8, logits.device)
         torch.div(probs, q, out=q).argmax(dim=-1)
+        from vlm_sdk.kernels.exponential_race import exponential_race  # the CUDA path's draw
+        exponential_race(probs, sampler._race_keys([p.seed for p in params], [2] * 8, logits.device))
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

@@ -4,11 +4,13 @@ seed, and the logprobs of what was drawn.
 Everything stays on the logits' device: on CUDA a batch of 64 sampled rows never copies its 64 x
 vocab logits, nor any vocabulary of random draws, between host and device; the only copies to the
 host are the tokens (and asked-for logprobs) at the end. A request with a seed draws token i of its
-output from a device generator seeded with (seed, i) (`draw_seed`), so its tokens depend only on its
-own logits, never on which other requests share the batch, and a request resumed after a preemption
-draws on as if nothing happened, with nothing to replay or save. Requests without one share the
-engine's generator. Top-k / top-p look among the most likely tokens instead of sorting the whole
-vocabulary (`top_k_top_p.py`, memory per row there).
+output with the key (seed, i) (`draw_seed`), so its tokens depend only on its own logits, never on
+which other requests share the batch, and a request resumed after a preemption draws on as if
+nothing happened, with nothing to replay or save. Requests without one share the engine's generator.
+The draw is the exponential race: on CUDA one Triton launch for all rows (`kernels/exponential_race.py`,
+Philox keyed per row), on the CPU torch generators (a device generator reseeded per seeded row).
+Top-k / top-p look among the most likely tokens instead of sorting the whole vocabulary
+(`top_k_top_p.py`, memory per row there).
 """
 from __future__ import annotations
 
@@ -36,11 +38,14 @@ History = tuple[list[int], int, tuple[int, ...]]
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, candidates: int = CANDIDATES):
+    def __init__(self, seed: int = 0, candidates: int = CANDIDATES, race_kernel: bool | None = None):
         """`seed`: the stream of the rows without a seed of their own. `candidates`: how many most
-        likely tokens top-p looks among before it falls back to a full sort (see `top_k_top_p`)."""
+        likely tokens top-p looks among before it falls back to a full sort (see `top_k_top_p`).
+        `race_kernel`: draw with the Triton exponential race (`kernels/exponential_race.py`: Philox in
+        the kernel, one launch for every row, no [rows, vocab] of draws); None: on CUDA only."""
         self.seed = seed
         self.candidates = candidates
+        self.race_kernel = race_kernel
         self.generators: dict[torch.device, torch.Generator] = {}  # the shared one, per logits device
         self.seeded: dict[torch.device, torch.Generator] = {}  # reseeded for each seeded row's draw
 
@@ -74,11 +79,15 @@ class Sampler:
         every = len(rows) == len(params)
         probs = filtered_probs(logits.float() if every else logits[to_device(rows, torch.long, dev)].float(), [params[i] for i in rows],
                                self.candidates)  # [len(rows), vocab], on dev
-        q = self._exponentials(probs.shape, [params[i].seed for i in rows],
-                               [0 if histories is None else len(histories[i][0]) - histories[i][1] for i in rows],
-                               dev)  # [len(rows), vocab]
-        # the exponential race: argmax p/q with q ~ Exp(1) draws exactly from p, one RNG call per row
-        sampled = torch.div(probs, q, out=q).argmax(dim=-1)  # [len(rows)]
+        seeds = [params[i].seed for i in rows]
+        draws = [0 if histories is None else len(histories[i][0]) - histories[i][1] for i in rows]
+        # the exponential race: argmax p/q with q ~ Exp(1) draws exactly from p
+        if self.race_kernel or (self.race_kernel is None and dev.type == "cuda"):
+            from vlm_sdk.kernels.exponential_race import exponential_race  # Triton: imported where used
+            sampled = exponential_race(probs, self._race_keys(seeds, draws, dev))  # [len(rows)]
+        else:
+            q = self._exponentials(probs.shape, seeds, draws, dev)  # [len(rows), vocab]
+            sampled = torch.div(probs, q, out=q).argmax(dim=-1)  # [len(rows)]
         if every:
             tokens = sampled
         else:
@@ -93,6 +102,21 @@ class Sampler:
                 src = to_device([pos[want[k]] for k in drawn], torch.long, dev)
                 logprobs[to_device(drawn, torch.long, dev)] = probs[src].log_()  # a gathered copy: log in place
         return tokens.tolist(), self._pack(tokens, logprobs, want, params)
+
+    def _race_keys(self, seeds: list[int | None], draws: list[int], device: torch.device) -> torch.Tensor:
+        """[rows] int64 Philox keys of the race kernel: a seeded row's is `draw_seed(seed, draw)`
+        (the same token whatever the batch or a preemption); the others come from the shared generator
+        on the device (no host draw)."""
+        shared = [j for j, s in enumerate(seeds) if s is None]
+        gen = self._generator(self.generators, device)
+        if len(shared) == len(seeds):
+            return torch.randint(-2 ** 63, 2 ** 63 - 1, (len(seeds),), generator=gen, device=device)
+        keys = to_device([0 if s is None else _signed64(draw_seed(s, n)) for s, n in zip(seeds, draws)],
+                         torch.int64, device)  # [rows]
+        if shared:
+            keys[to_device(shared, torch.long, device)] = torch.randint(
+                -2 ** 63, 2 ** 63 - 1, (len(shared),), generator=gen, device=device)
+        return keys
 
     def _exponentials(self, shape: torch.Size, seeds: list[int | None], draws: list[int],
                       device: torch.device) -> torch.Tensor:
@@ -133,6 +157,10 @@ class Sampler:
 
 
 _MASK64 = (1 << 64) - 1
+
+
+def _signed64(x: int) -> int:
+    return x - (1 << 64) if x >> 63 else x
 
 
 def draw_seed(seed: int, index: int) -> int:
