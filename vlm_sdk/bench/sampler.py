@@ -64,7 +64,8 @@ def sample_before_issue_19(sampler: Sampler, logits: torch.Tensor,  # [rows, voc
             1.0, generator=sampler._generator(sampler.generators, dev))
     for j, p in enumerate(params):
         if p.seed is not None:  # the request's own CPU generator drew a whole vocabulary on the host
-            q[j] = torch.empty(probs.shape[1]).exponential_(1.0, generator=torch.Generator().manual_seed(p.seed)).to(dev)
+            own = torch.Generator().manual_seed(p.seed)
+            q[j] = torch.empty(probs.shape[1]).exponential_(1.0, generator=own).to(dev)  # [vocab]
     return (probs / q).argmax(dim=-1).tolist()
 
 

@@ -23,18 +23,19 @@ from vlm_sdk.worker.penalties import apply_penalties, needs_edit
 from vlm_sdk.worker.top_k_top_p import CANDIDATES, filtered_probs
 
 # per row: (prompt + generated token ids, number of prompt tokens, the ids min_tokens masks)
+History = tuple[list[int], int, tuple[int, ...]]
 
 # the sampler's [rows, vocab] temporaries at their peak, bytes per row and vocabulary entry (float32;
 # `vlm-sdk bench --sampler` measures them): a draw holds the probabilities and the exponentials (8),
 # penalties add the edited copy (4), logprobs their log-softmax and the drawn rows' log (8), a top-p
-# row whose nucleus passes the candidates its full sort (~20): 40 bounds all at once
+# row whose nucleus passes the candidates its full sort (~20): 40 bounds all at once (the race kernel,
+# on CUDA, needs no exponentials: 4 less)
 PEAK_BYTES_PER_ENTRY = 40
 
 
 def peak_bytes(num_rows: int, vocab: int) -> int:
     """An upper bound of the device memory one `Sampler.sample` call allocates beside its logits."""
     return num_rows * vocab * PEAK_BYTES_PER_ENTRY
-History = tuple[list[int], int, tuple[int, ...]]
 
 
 class Sampler:
@@ -77,8 +78,8 @@ class Sampler:
         dev = logits.device
         rows = [i for i, p in enumerate(params) if not p.greedy]
         every = len(rows) == len(params)
-        probs = filtered_probs(logits.float() if every else logits[to_device(rows, torch.long, dev)].float(), [params[i] for i in rows],
-                               self.candidates)  # [len(rows), vocab], on dev
+        mine = logits if every else logits[to_device(rows, torch.long, dev)]  # [len(rows), vocab]
+        probs = filtered_probs(mine.float(), [params[i] for i in rows], self.candidates)  # [len(rows), vocab]
         seeds = [params[i].seed for i in rows]
         draws = [0 if histories is None else len(histories[i][0]) - histories[i][1] for i in rows]
         # the exponential race: argmax p/q with q ~ Exp(1) draws exactly from p
