@@ -14,7 +14,7 @@ handful of constexpr choices, and this warm-up runs each once through the real m
     every CUDA-graph batch size     compiled by the capture's own eager pass; replayed once here
 
 The norms (with and without the residual add), rotary, store_kv and silu_and_mul run inside each of
-these. The vision tower's kernels are compiled by the CUDA memory profile, which encodes the largest
+these; the sampler's draw and the structured-output mask run once on the last step's logits. The vision tower's kernels are compiled by the CUDA memory profile, which encodes the largest
 image (`Worker.profile_peak`, before this); a small image's full-attention segment of <= 64 patches
 (Qwen3-VL has no windows) would still compile the 64-row varlen tile on first use.
 
@@ -27,6 +27,9 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from vlm_sdk.sampling_params import SamplingParams
+from vlm_sdk.worker.token_mask import apply_token_bitmask
 
 from vlm_sdk.attention.metadata import AttentionMetadata
 
@@ -87,7 +90,12 @@ def run_warmup(runner, *, max_model_len: int, max_num_batched_tokens: int) -> fl
     for step in warmup_steps(max_model_len, max_num_batched_tokens, cache_tokens):
         ids, positions, meta = _step_inputs(step, runner.block_size, model.position_rows, runner.device)
         hidden = model(model.embed_tokens(ids), positions, kv_caches, runner.attention.prepare(meta, k_cache))
-        model.compute_logits(hidden[-len(step.seq_lens):])
+        logits = model.compute_logits(hidden[-len(step.seq_lens):])  # [seqs, vocab]
+    # the sampler's kernels on those logits: the draw and the structured-output mask (no token kept)
+    runner.sampler.sample(logits, [SamplingParams(temperature=1.0, seed=0)] * logits.shape[0],
+                          [([0], 1, ())] * logits.shape[0])
+    words = (logits.shape[1] + 31) // 32
+    apply_token_bitmask(logits, [0], torch.full((1, words), -1, dtype=torch.int32))
     if runner.graphs is not None:
         for size in runner.graphs.sizes:
             graph = runner.graphs.graphs.get(size)
