@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import io
 import json
 import re
@@ -140,14 +139,18 @@ def cases() -> list[tuple[str, str, Callable[[], None]]]:
             silu_and_mul.silu_and_mul(torch.empty(256, 2 * inter, dtype=BF16, device=META))
         out += [("rms_norm", name, norm), ("rms_norm", f"{name} + residual", lambda f=norm: f(residual=True)),
                 ("silu_and_mul", name, swiglu)]
-    if importlib.util.find_spec("vlm_sdk.kernels.token_bitmask") is not None:  # structured outputs' mask
-        from vlm_sdk.kernels import token_bitmask
+    from vlm_sdk.kernels import exponential_race, token_bitmask
 
-        def bitmask(dtype=torch.float32, vocab=151936):
-            logits = torch.empty(64, vocab, dtype=dtype, device=META)
-            token_bitmask.apply_token_bitmask_(logits, _ints(64), _ints(64, -(-vocab // 32)))
-        out += [("token_bitmask", "151,936 vocab fp32 logits", bitmask),
-                ("token_bitmask", "151,936 vocab bf16 logits", lambda f=bitmask: f(BF16))]
+    def bitmask(dtype=torch.float32, vocab=151936):  # structured outputs' mask
+        logits = torch.empty(64, vocab, dtype=dtype, device=META)
+        token_bitmask.apply_token_bitmask_(logits, _ints(64), _ints(64, -(-vocab // 32)))
+    out += [("token_bitmask", "151,936 vocab fp32 logits", bitmask),
+            ("token_bitmask", "151,936 vocab bf16 logits", lambda f=bitmask: f(BF16))]
+
+    def race(vocab=151936):  # the sampler's draw: fp32 probabilities, one int64 key per row
+        probs = torch.empty(64, vocab, dtype=torch.float32, device=META)
+        exponential_race.exponential_race(probs, torch.empty(64, dtype=torch.int64, device=META))
+    out += [("exponential_race", "64 rows x 151,936 vocab", race)]
     return out
 
 

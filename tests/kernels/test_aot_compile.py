@@ -11,7 +11,6 @@ registers and spills. About 30 s on two CPU cores.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,8 +22,7 @@ import pytest
 HERE = Path(__file__).parent
 ARCHS = ("sm_90", "sm_80")
 MODULES = ("paged_attention_decode", "paged_prefill_attention", "store_kv", "rotary", "varlen_attention",
-           "rms_norm", "silu_and_mul") + (
-    ("token_bitmask",) if importlib.util.find_spec("vlm_sdk.kernels.token_bitmask") is not None else ())
+           "rms_norm", "silu_and_mul", "token_bitmask", "exponential_race")
 # Known: rotary's precise tl.cos / tl.sin bring libdevice's Payne-Hanek reduction (its slow path for
 # angles past ~1e5 keeps a 28-byte local array), and ptxas 13.4 (what triton 3.9 runs for sm_90)
 # spills 8-16 bytes around it at the 28-head tile; ptxas 12.9 for sm_80 does not. Strict: a fix
