@@ -24,6 +24,7 @@ from PIL import Image
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.image_io import to_rgb
 from vlm_sdk.multimodal.inputs import ImageInput
+from vlm_sdk.multimodal.pixels import byte_table, images_to_device
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -46,27 +47,14 @@ def pixels_to_device(images: list[ImageInput], temporal_patch_size: int, device:
     """The images' patches as the tower takes them. uint8 `data` (the processor's) travels as bytes
     (pinned on CUDA, copied without blocking) and is normalised on the device through its `pixel_lut`,
     the one frame repeated `temporal_patch_size` times; float `data` (already normalised, all frames) is
-    only copied and cast."""
-    device = torch.device(device)
+    only copied and cast (`multimodal.pixels.images_to_device`)."""
     if all(im.data.dtype != torch.uint8 for im in images):
-        return torch.cat([im.data for im in images]).to(device, dtype)  # [patches, patch_dim]
-    luts = [im.meta.pixel_lut for im in images]
-    if any(im.data.dtype != torch.uint8 for im in images) or any(lut is None for lut in luts):
-        raise ValueError("images mix byte and float pixels, or byte pixels come without their pixel_lut")
-    if any(lut is not luts[0] and not torch.equal(lut, luts[0]) for lut in luts[1:]):
-        # different processors' settings: each image through its own table
-        return torch.cat([pixels_to_device([im], temporal_patch_size, device, dtype) for im in images])
-    host = torch.cat([im.data for im in images])  # [patches, 3 * p * p] uint8
-    if device.type == "cuda":
-        host = host.pin_memory()  # an asynchronous copy needs page-locked memory
-    raw = host.to(device, non_blocking=True)
-    n, channels = raw.shape[0], luts[0].shape[0]
-    table = luts[0].to(device, dtype).view(-1)  # [channels * 256]: float32 values rounded once to dtype
-    offsets = torch.arange(0, 256 * channels, 256, dtype=torch.int32, device=device)  # [channels]
-    index = raw.view(n, channels, -1).to(torch.int32) + offsets[:, None]  # [N, channels, p*p]
-    frame = table.index_select(0, index.view(-1)).view(n, channels, 1, -1)  # [N, channels, 1, p*p]
+        return images_to_device([im.data for im in images], [None] * len(images), device, dtype)
+    data = [im.data.view(im.data.shape[0], 3, 1, -1) if im.data.dtype == torch.uint8 else im.data
+            for im in images]  # bytes [n, 3, 1 frame, p*p]
+    frame = images_to_device(data, [im.meta.pixel_lut for im in images], device, dtype)  # [N, 3, 1, p*p]
     # a still image: every temporal slot holds the same frame
-    return frame.expand(-1, -1, temporal_patch_size, -1).reshape(n, -1)  # [N, channels * T * p*p]
+    return frame.expand(-1, -1, temporal_patch_size, -1).reshape(frame.shape[0], -1)  # [N, 3 * T * p*p]
 
 
 class Qwen2VLImageProcessor:
@@ -96,14 +84,8 @@ class Qwen2VLImageProcessor:
         self.rescale_factor = float(rescale_factor)
         self.resample = int(resample)
         self.min_pixels, self.max_pixels = self._pixel_bounds(min_pixels, max_pixels, defaults=False)
-        # float32 like transformers' normalize, which casts mean/std to the image dtype
-        self._mean = np.array(self.image_mean, dtype=np.float32).reshape(1, 3, 1)  # [1, 3, 1]
-        self._std = np.array(self.image_std, dtype=np.float32).reshape(1, 3, 1)  # [1, 3, 1]
-        # transformers' order and dtypes, once per byte value: float64 rescale, cast to float32, float32
-        # subtract and divide; the device turns the uploaded bytes into these values (`pixels_to_device`)
-        values = np.arange(256, dtype=np.float64)[None, None, :] * self.rescale_factor  # [1, 1, 256]
-        lut = (values.astype(np.float32) - self._mean) / self._std  # [1, 3, 256] float32
-        self._pixel_lut = torch.from_numpy(np.ascontiguousarray(lut[0]))  # [3, 256]
+        # transformers' arithmetic once per byte value; the device turns the uploaded bytes into these
+        self._pixel_lut = torch.from_numpy(byte_table(self.image_mean, self.image_std, self.rescale_factor))  # [3, 256]
 
     @classmethod
     def from_preprocessor_config(cls, d: dict, hf_config=None) -> "Qwen2VLImageProcessor":
