@@ -59,7 +59,7 @@ class MRotaryEmbedding(nn.Module):
 
 
 class VisionRotaryEmbedding(MRotaryEmbedding):
-    """The vision towers' 2-D RoPE (transformers' `Qwen2_5_VisionRotaryEmbedding`, also Qwen3-VL's) as
+    """The vision towers' 2-D RoPE (transformers' `Qwen2_5_VLVisionRotaryEmbedding`, also Qwen3-VL's) as
     M-RoPE with two contiguous sections: positions `[2, N]` = (patch row, patch column); frequency
     i < D/4 turns with the row and the rest with the column, both over the tower's own
     f = 1 / theta^(arange(0, D/2, 2) / (D/2)) `[D/4]`, so `inv_freq` is cat(f, f) `[D/2]`. Either kernel

@@ -1,7 +1,7 @@
 """Image bytes to normalised pixels where the model runs: the families' processors hand out resized
 uint8 pixels with a `[C, 256]` table of transformers' float value of every (channel, byte), and the
 model turns them into floats on its device. An image's bytes are 1/4 of its float32 pixels (1/8 where
-the float layout repeats a frame, Qwen's two temporal slots); the copy from pinned memory does not block.
+the float layout repeats a frame in two temporal slots); the copy from pinned memory does not block.
 
     byte_table:      float64 x * rescale_factor, cast to float32, then float32 (x - mean) / std: the
                      operations and dtypes of transformers' rescale + normalize, once per byte value
