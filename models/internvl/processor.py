@@ -102,7 +102,8 @@ class InternVLProcessor(PromptProcessor):
         included), for the memory profile and the vision tower's per-call tile cap."""
         tiles = self.image_processor.tiles_of_grid(self.engine_max_num)
         s = self.image_processor.image_size
-        return ImageInput(torch.zeros(tiles, 3, s, s), tiles * self.tokens_per_tile, InternVLImage(tiles))
+        return ImageInput(torch.zeros(tiles, 3, s, s, dtype=torch.uint8), tiles * self.tokens_per_tile,
+                          InternVLImage(tiles, pixel_lut=self.image_processor.pixel_lut))  # bytes, as images come
 
     def __call__(self, messages) -> PromptInputs:
         template_messages, refs = parse_messages(messages)

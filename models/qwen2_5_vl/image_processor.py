@@ -85,7 +85,7 @@ class Qwen2VLImageProcessor:
         self.resample = int(resample)
         self.min_pixels, self.max_pixels = self._pixel_bounds(min_pixels, max_pixels, defaults=False)
         # transformers' arithmetic once per byte value; the device turns the uploaded bytes into these
-        self._pixel_lut = torch.from_numpy(byte_table(self.image_mean, self.image_std, self.rescale_factor))  # [3, 256]
+        self.pixel_lut = torch.from_numpy(byte_table(self.image_mean, self.image_std, self.rescale_factor))  # [3, 256]
 
     @classmethod
     def from_preprocessor_config(cls, d: dict, hf_config=None) -> "Qwen2VLImageProcessor":
@@ -184,7 +184,7 @@ class Qwen2VLImageProcessor:
         patches = pixels.reshape(gh // m, m, p, gw // m, m, p, 3)  # [gh/m, m, p, gw/m, m, p, 3]
         patches = np.ascontiguousarray(patches.transpose(0, 3, 1, 4, 6, 2, 5))  # [gh/m, gw/m, m, m, 3, p, p]
         pixel_bytes = torch.from_numpy(patches.reshape(gh * gw, 3 * p * p))  # [gh*gw, 3*p*p] uint8, one frame
-        return ImageInput(pixel_bytes, gh * gw // (m * m), QwenImage((1, gh, gw), pixel_lut=self._pixel_lut))
+        return ImageInput(pixel_bytes, gh * gw // (m * m), QwenImage((1, gh, gw), pixel_lut=self.pixel_lut))
 
     def normalized(self, image: ImageInput) -> torch.Tensor:  # [gh*gw, 3*T*p*p] float32
         """The patches as transformers' processor returns them (on the host; the model does this on its
