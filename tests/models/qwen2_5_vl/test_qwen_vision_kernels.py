@@ -24,9 +24,9 @@ def need_triton() -> None:
         pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1 (tests/conftest.py sets it)")
 
 
-def tower(ckpt, backend: str, dtype=torch.float32) -> Qwen2_5_VisionTransformer:
+def tower(ckpt, backend: str, dtype=torch.float32, device: str = "cpu") -> Qwen2_5_VisionTransformer:
     vc = read_checkpoint(ckpt).hf_config.vision_config
-    t = Qwen2_5_VisionTransformer(vc, dtype=dtype, ops=make_ops(backend, torch.device("cpu")))
+    t = Qwen2_5_VisionTransformer(vc, dtype=dtype, device=device, ops=make_ops(backend, torch.device(device)))
     weights = ((k, v.to(dtype)) for k, v in iter_safetensors(ckpt, show_progress=False) if k.startswith("visual."))
     load_checked(t, weights, t.checkpoint_map("visual."))
     return t.eval()
@@ -77,3 +77,18 @@ def test_float16_triton_set_close_to_torch_set(tiny_ckpt):
     for out in (ref, got):
         assert (out.float() - ref32).abs().max().item() <= 3e-3 * scale
     assert (got.float() - ref.float()).abs().max().item() <= 3e-3 * scale
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bfloat16_tower_compiled_kernels_close_to_float32(tiny_ckpt):
+    """On a GPU: the compiled kernels in bfloat16 (the dtype served) within bfloat16's reach of the
+    float32 torch result, as the torch set's bfloat16 is."""
+    pv = pixels(2)
+    with torch.no_grad():
+        ref32 = tower(tiny_ckpt, "torch")(pv, GRIDS)
+        got = tower(tiny_ckpt, "triton", torch.bfloat16, "cuda")(pv.cuda().bfloat16(), GRIDS).float().cpu()
+        ref = tower(tiny_ckpt, "torch", torch.bfloat16, "cuda")(pv.cuda().bfloat16(), GRIDS).float().cpu()
+    scale = ref32.abs().max().item()
+    assert (ref - ref32).abs().max().item() <= 3e-2 * scale
+    assert (got - ref32).abs().max().item() <= 3e-2 * scale
