@@ -95,7 +95,8 @@ class InternVLForCausalLM(DecoderVLM):
             self.decoder_config = LlamaDecoderConfig.from_hf(llm, tie_word_embeddings=tied, mrope=False)
         self._init_decoder(self.decoder_config, dtype, device, ops, tp, shard_vision)  # 1-D RoPE (position_rows 1)
         vision_cfg = InternVisionConfig.from_hf(hf_config, self.hidden_size)
-        self.vision = self._build_vision(lambda group, dev: InternVLVisionTower(vision_cfg, dtype, dev, group), device)
+        self.vision = self._build_vision(lambda group, dev: InternVLVisionTower(vision_cfg, dtype, dev, group, ops),
+                                         device)
         self.requires_grad_(False)
 
     def encode_images(self, images: list[ImageInput]) -> torch.Tensor:  # [tiles * tokens per tile, hidden]
