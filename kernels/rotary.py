@@ -73,7 +73,9 @@ def _rotate_heads(x_ptr, stride_h, num_heads, half_dim, cos, sin,  # cos, sin: [
         tl.store(ptr2, out2.to(dtype), mask=mask)
 
 
-@triton.jit
+# [3, N] positions: the row stride is the step's token count, not specialised (no compile while serving)
+# positions may be a view into a packed step buffer at any offset: not specialised on alignment either
+@triton.jit(do_not_specialize=["stride_pos_row"], do_not_specialize_on_alignment=["pos_ptr"])
 def _rotary_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr, q_norm_ptr, k_norm_ptr, eps,
                    stride_qn, stride_qh, stride_kn, stride_kh, stride_pos_row, stride_pos_n,
                    num_heads, num_kv_heads, half_dim,
