@@ -33,9 +33,14 @@ _LOG2E = 1.4426950408889634
 # a split shorter than this costs more in the merge and launch than it wins in parallelism
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64
+_MERGE_BLOCK_S = 64  # next_power_of_2(_MAX_SPLITS)
 
 
-@triton.jit
+# per-step ints are not specialised (a value of 1 or a multiple of 16 would compile a new variant
+# while serving): the split count, and the block-table row stride (its width grows with the longest sequence)
+# (the index tensors, views of per-step buffers, are not specialised on their alignment either)
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         out_ptr, part_out_ptr, part_lse_ptr,
@@ -118,7 +123,7 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + row, lse, mask=mask_g)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
         part_out_ptr, part_lse_ptr, out_ptr, num_splits,
         stride_ob, stride_oh,
@@ -252,7 +257,9 @@ def paged_attention_decode(q: torch.Tensor,  # [B, H, D], last dim contiguous
     if not direct:
         _decode_merge_kernel[(batch, num_heads)](
             part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+            # one BLOCK_S for every split count up to _MAX_SPLITS: the count varies per step, and a
+            # constexpr that follows it would compile a new merge kernel while serving
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(_MERGE_BLOCK_S, triton.next_power_of_2(num_splits)),
             num_warps=4)
     return out
 

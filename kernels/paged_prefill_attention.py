@@ -65,7 +65,10 @@ def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/
     return acc, l_i, m_i
 
 
-@triton.jit
+# the block-table row stride (its width) varies per step: not specialised, or it compiles while serving
+# (nor the index tensors' alignment: they may be views of a packed per-step buffer)
+@triton.jit(do_not_specialize=["stride_tb"],
+            do_not_specialize_on_alignment=["block_tables", "cu_seqlens_q", "seq_lens"])
 def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seqlens_q, seq_lens,
                           stride_qn, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                           stride_on, stride_oh, stride_tb, qk_scale,

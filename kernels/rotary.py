@@ -3,7 +3,8 @@ and k, optionally after Qwen3's per-head RMSNorm of q and k (fused: one read and
 
     q:         [num_tokens, num_heads, head_dim]      strided views of one packed qkv
     k:         [num_tokens, num_kv_heads, head_dim]   [N, H + 2Hkv, D] tensor; last dim contiguous
-    positions: [num_tokens] (plain RoPE) or [3, num_tokens] (M-RoPE rows t, h, w) int64 / int32
+    positions: [num_tokens] (plain RoPE) or [3, num_tokens] (M-RoPE rows t, h, w) int64 / int32, or
+               [2, num_tokens] with a two-part contiguous section (rows 0 and 1 only)
     inv_freq:  [head_dim // 2] float32
     q_norm_weight, k_norm_weight: [head_dim] (optional, together)
 
@@ -13,6 +14,10 @@ cos/sin and the rotation are computed in float32 and stored in the tensor dtype.
 D/2 frequencies a position row from `mrope_section`, contiguous or interleaved (`mrope_interleaved`):
 the layouts are spelled out in rotary_torch.py (`mrope_axes`). Without a section, [3, N] positions use
 row 0 (text-only M-RoPE).
+
+The vision towers' 2-D RoPE (Qwen2.5-VL, Qwen3-VL) is this kernel with positions [2, N] = (patch row,
+patch column), mrope_section (D/4, D/4) and inv_freq = cat(f, f) for the tower's f [D/4]: frequency i
+< D/4 turns with the row, the rest with the column (`layers.rotary.VisionRotaryEmbedding`).
 
 With the norm weights, each head is first normalised as HF's RMSNorm over head_dim does (float32 sum of
 squares, the normalised head rounded to the dtype, times the weight, rounded again), then rotated: what
@@ -68,7 +73,9 @@ def _rotate_heads(x_ptr, stride_h, num_heads, half_dim, cos, sin,  # cos, sin: [
         tl.store(ptr2, out2.to(dtype), mask=mask)
 
 
-@triton.jit
+# [3, N] positions: the row stride is the step's token count, not specialised (no compile while serving)
+# positions may be a view into a packed step buffer at any offset: not specialised on alignment either
+@triton.jit(do_not_specialize=["stride_pos_row"], do_not_specialize_on_alignment=["pos_ptr"])
 def _rotary_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr, q_norm_ptr, k_norm_ptr, eps,
                    stride_qn, stride_qh, stride_kn, stride_kh, stride_pos_row, stride_pos_n,
                    num_heads, num_kv_heads, half_dim,
@@ -84,7 +91,10 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr, q_norm_ptr, k_norm_ptr, 
         pos = tl.zeros([BLOCK_HALF], tl.float32) + pos_t
     else:
         pos_h = tl.load(pos_ptr + stride_pos_row + token * stride_pos_n).to(tl.float32)
-        pos_w = tl.load(pos_ptr + 2 * stride_pos_row + token * stride_pos_n).to(tl.float32)
+        if 3 * len(INTERLEAVED_ENDS) + len(SECTION_ENDS) > 2:  # interleaved, or 3+ contiguous sections
+            pos_w = tl.load(pos_ptr + 2 * stride_pos_row + token * stride_pos_n).to(tl.float32)
+        else:  # two contiguous sections read rows 0 and 1 only: [2, N] positions (the vision towers' h, w)
+            pos_w = pos_h
         row = tl.zeros([BLOCK_HALF], tl.int32)  # which position row each frequency reads
         if len(INTERLEAVED_ENDS) == 0:
             for s in tl.static_range(1, len(SECTION_ENDS)):
@@ -116,8 +126,11 @@ def _check(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: 
         raise ValueError(f"q and k must share a dtype in {_DTYPES}, got {q.dtype} and {k.dtype}")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q and k need a contiguous last dim")
-    if positions.dtype not in (torch.int64, torch.int32) or positions.shape not in ((n,), (3, n)):
-        raise ValueError(f"positions must be [{n}] or [3, {n}] int64, got {tuple(positions.shape)} {positions.dtype}")
+    two_rows = mrope_section is not None and not mrope_interleaved and len(mrope_section) <= 2
+    shapes = ((n,), (3, n), (2, n)) if two_rows else ((n,), (3, n))
+    if positions.dtype not in (torch.int64, torch.int32) or positions.shape not in shapes:
+        raise ValueError(f"positions must be [{n}] or [3, {n}] int64 ([2, {n}] too with a two-part contiguous "
+                         f"mrope_section), got {tuple(positions.shape)} {positions.dtype}")
     if inv_freq.shape != (d // 2,) or inv_freq.dtype != torch.float32:
         raise ValueError(f"inv_freq must be [{d // 2}] float32, got {tuple(inv_freq.shape)} {inv_freq.dtype}")
     if mrope_section is not None:

@@ -24,7 +24,9 @@ from vlm_sdk.kernels.paged_attention import write_kv_cache
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@triton.jit
+# the slots may be a view into a packed step buffer at any 8-byte offset: not specialised on their
+# alignment, or an odd token count before them would compile another variant while serving
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kn, stride_kh, stride_vn, stride_vh,
                      num_kv_heads, head_dim,

@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     add_structured_arguments(bench)
     from vlm_sdk.bench.host_overhead import add_arguments as add_host_overhead_arguments
     add_host_overhead_arguments(bench)
+    from vlm_sdk.bench.sampler import add_arguments as add_sampler_bench_arguments
+    add_sampler_bench_arguments(bench)
     from vlm_sdk.bench.serve import add_arguments as add_bench_serve_arguments
     add_bench_serve_arguments(sub.add_parser("bench-serve", help="throughput and latency of a server over HTTP, "
                                              "vs the same workload in process"))
@@ -135,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench-serve":
             from vlm_sdk.bench.serve import run_bench_serve
             return run_bench_serve(args)
+        if args.sampler:
+            from vlm_sdk.bench.sampler import main as run_sampler_bench
+            return run_sampler_bench(args)
         from vlm_sdk.bench import gpu as bench_gpu
         from vlm_sdk.bench import host_overhead, prefix_cache, structured
         if args.host_overhead:

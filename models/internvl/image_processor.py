@@ -7,6 +7,10 @@ bicubic resize of the original image when there is more than one tile, then x * 
 cast to float32 and (x - mean) / std in float32. The rescale and normalise depend only on a pixel's
 byte and channel, so they are done once per (channel, byte) into a 3x256 lookup table built with
 exactly those operations, and the tiles are a table gather: the same float32 bits, far less work.
+
+The engine's path keeps the bytes (`tile_bytes`: uint8 tiles, 1/4 of the float32 bytes) and does that
+gather on the model's device (`multimodal.pixels`, with `pixel_lut`); `__call__` gives the float tiles
+on the host (transformers' output, for comparisons and benchmarks).
 """
 from __future__ import annotations
 
@@ -99,6 +103,7 @@ class InternVLImageProcessor:
         m = np.array(self.mean, dtype=np.float32)[:, None]  # [3, 1]
         s = np.array(self.std, dtype=np.float32)[:, None]  # [3, 1]
         self._lut = np.ascontiguousarray((x[None, :] - m) / s, dtype=np.float32)  # [3, 256]
+        self.pixel_lut = torch.from_numpy(self._lut)  # [3, 256] float32, shared by every image's meta
         self._candidates: dict[tuple[int, int], list[tuple[int, int]]] = {}
 
     @classmethod
@@ -196,7 +201,32 @@ class InternVLImageProcessor:
         """Tiles an image cut into `n` grid tiles becomes: plus the thumbnail when there is more than one."""
         return n + 1 if (self.use_thumbnail and n > 1) else n
 
-    def __call__(self, image: Image.Image, max_num: int | None = None) -> torch.Tensor:
+    def __call__(self, image: Image.Image, max_num: int | None = None) -> torch.Tensor:  # [tiles, 3, s, s] float32
+        tiles, thumb = self._tiles(image, max_num)
+        n = tiles.shape[0] * tiles.shape[1]
+        s = self.image_size
+        out = np.empty((n + (thumb is not None), 3, s, s), dtype=np.float32)  # [tiles, 3, s, s]
+        out_tiles = out[:n].reshape(tiles.shape)  # view
+        for c in range(3):
+            np.take(self._lut[c], tiles[:, :, c], out=out_tiles[:, :, c])
+        if thumb is not None:
+            for c in range(3):
+                np.take(self._lut[c], thumb[:, :, c], out=out[n, c])
+        return torch.from_numpy(out)
+
+    def tile_bytes(self, image: Image.Image, max_num: int | None = None) -> torch.Tensor:  # [tiles, 3, s, s] uint8
+        """The tiles before the rescale and normalisation: `pixel_lut` maps them to `__call__`'s values."""
+        tiles, thumb = self._tiles(image, max_num)
+        n = tiles.shape[0] * tiles.shape[1]
+        s = self.image_size
+        out = np.empty((n + (thumb is not None), 3, s, s), dtype=np.uint8)  # [tiles, 3, s, s]
+        out[:n].reshape(tiles.shape)[...] = tiles
+        if thumb is not None:
+            out[n] = thumb.transpose(2, 0, 1)
+        return torch.from_numpy(out)
+
+    def _tiles(self, image: Image.Image, max_num: int | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The resized image as [rows, cols, 3, s, s] uint8 tiles (a view) and the [s, s, 3] thumbnail (or None)."""
         if not isinstance(image, Image.Image):
             raise InvalidImageError(f"the image processor takes a PIL.Image.Image, got {type(image).__name__}; "
                                     f"use vlm_sdk.multimodal.image_io.load_image to decode other sources.")
@@ -206,18 +236,10 @@ class InternVLImageProcessor:
         rows, cols = self.grid(width, height, max_num)
         s = self.image_size
         n = rows * cols
-        thumb = self.tiles_of_grid(n) > n
         resized = np.asarray(image.resize((s * cols, s * rows), resample=self.resample))  # [s*rows, s*cols, 3]
         tiles = resized.reshape(rows, s, cols, s, 3).transpose(0, 2, 4, 1, 3)  # [rows, cols, 3, s, s] (view)
-        out = np.empty((n + thumb, 3, s, s), dtype=np.float32)  # [tiles, 3, s, s]
-        out_tiles = out[:n].reshape(rows, cols, 3, s, s)  # view
-        for c in range(3):
-            np.take(self._lut[c], tiles[:, :, c], out=out_tiles[:, :, c])
-        if thumb:
-            small = np.asarray(image.resize((s, s), resample=self.resample))  # [s, s, 3]
-            for c in range(3):
-                np.take(self._lut[c], small[:, :, c], out=out[n, c])
-        return torch.from_numpy(out)
+        thumb = np.asarray(image.resize((s, s), resample=self.resample)) if self.tiles_of_grid(n) > n else None
+        return tiles, thumb  # thumb: [s, s, 3]
 
 
 def benchmark_against_transformers(images: list[Image.Image], max_num: int = 12, repeats: int = 3,

@@ -34,6 +34,7 @@ from vlm_sdk.models.internvl.vision import InternVisionConfig, InternVLVisionTow
 from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.multimodal.inputs import ImageInput
+from vlm_sdk.multimodal.pixels import images_to_device
 
 # legacy spellings of the -hf layout -> transformers 5's in-memory names
 _HF_ALIASES = (("language_model.lm_head.", "lm_head."), ("language_model.model.", "model.language_model."),
@@ -94,15 +95,19 @@ class InternVLForCausalLM(DecoderVLM):
             self.decoder_config = LlamaDecoderConfig.from_hf(llm, tie_word_embeddings=tied, mrope=False)
         self._init_decoder(self.decoder_config, dtype, device, ops, tp, shard_vision)  # 1-D RoPE (position_rows 1)
         vision_cfg = InternVisionConfig.from_hf(hf_config, self.hidden_size)
-        self.vision = self._build_vision(lambda group, dev: InternVLVisionTower(vision_cfg, dtype, dev, group), device)
+        self.vision = self._build_vision(lambda group, dev: InternVLVisionTower(vision_cfg, dtype, dev, group, ops),
+                                         device)
         self.requires_grad_(False)
 
     def encode_images(self, images: list[ImageInput]) -> torch.Tensor:  # [tiles * tokens per tile, hidden]
-        """Each image's `data` `[tiles, 3, S, S]` (the thumbnail included), images back to back."""
-        pixels = torch.cat([im.data for im in images])  # [tiles, 3, S, S]
-        if pixels.dim() != 4:
-            raise ValueError(f"InternVL encode_images takes [tiles, 3, S, S] pixels, got shape {list(pixels.shape)}")
-        return self.vision(pixels.to(self.decoder.embed_tokens.weight.device, self.dtype))
+        """Each image's `data` `[tiles, 3, S, S]` (the thumbnail included; uint8 with `meta.pixel_lut`, or
+        float), images back to back."""
+        if any(im.data.dim() != 4 for im in images):
+            raise ValueError(f"InternVL encode_images takes [tiles, 3, S, S] pixels, got shapes "
+                             f"{[list(im.data.shape) for im in images]}")
+        tables = [getattr(im.meta, "pixel_lut", None) for im in images]  # [3, 256] each, for byte tiles
+        return self.vision(images_to_device([im.data for im in images], tables,
+                                            self.decoder.embed_tokens.weight.device, self.dtype))
 
     def _vision_parts(self) -> tuple[nn.Module, nn.Module]:
         return self.vision, self.vision.projector

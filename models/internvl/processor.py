@@ -16,7 +16,7 @@ writes `<image>\\n` before the question.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,8 @@ class InternVLImage:
     """`ImageInput.meta` of an InternVL image (its `data` is `[tiles, 3, S, S]`)."""
     tiles: int  # the thumbnail included
     own_max_num: bool = False  # the image part set its own max_num (engine max_dynamic_patch does not apply)
+    # [3, 256] float32 when `data` is uint8 tiles: the normalised value of each (channel, byte)
+    pixel_lut: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 def _tokens_per_tile(hf_config, tile_size: int) -> int:
@@ -100,7 +102,8 @@ class InternVLProcessor(PromptProcessor):
         included), for the memory profile and the vision tower's per-call tile cap."""
         tiles = self.image_processor.tiles_of_grid(self.engine_max_num)
         s = self.image_processor.image_size
-        return ImageInput(torch.zeros(tiles, 3, s, s), tiles * self.tokens_per_tile, InternVLImage(tiles))
+        return ImageInput(torch.zeros(tiles, 3, s, s, dtype=torch.uint8), tiles * self.tokens_per_tile,
+                          InternVLImage(tiles, pixel_lut=self.image_processor.pixel_lut))  # bytes, as images come
 
     def __call__(self, messages) -> PromptInputs:
         template_messages, refs = parse_messages(messages)
@@ -116,9 +119,10 @@ class InternVLProcessor(PromptProcessor):
         pil = load_image(ref.source, max_image_pixels=self.max_image_pixels)
         if own:
             self._check_tokens(index, pil.height, pil.width, max_num)
-        pixels = self.image_processor(pil, max_num)  # [tiles, 3, S, S]
+        pixels = self.image_processor.tile_bytes(pil, max_num)  # [tiles, 3, S, S] uint8: normalised on the device
         tiles = pixels.shape[0]
-        return ImageInput(pixels, tiles * self.tokens_per_tile, InternVLImage(tiles, own),
+        return ImageInput(pixels, tiles * self.tokens_per_tile,
+                          InternVLImage(tiles, own, pixel_lut=self.image_processor.pixel_lut),
                           source_size=(pil.height, pil.width), key=image_key(pil, max_num=max_num))
 
     def _check_tokens(self, index: int, height: int, width: int, max_num: int) -> None:

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_sdk.errors import CheckpointError
-from vlm_sdk.kernels.rms_norm_torch import rms_norm
 from vlm_sdk.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vlm_sdk.layers.ops import KernelOps, TorchOps
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.weight_loading import ParamSlot, Shard, SplitSlot
 from vlm_sdk.models.internvl.projector import InternVLProjector, pixel_shuffle
@@ -204,37 +204,39 @@ class InternVisionConfig:
 
 
 class _Norm(nn.Module):
-    """LayerNorm (weight + bias) or RMSNorm (weight only), weights left for the checkpoint."""
+    """LayerNorm (weight + bias) or RMSNorm (weight only, the kernel set's `rms_norm`: InternViT-6B's
+    norms), weights left for the checkpoint."""
 
-    def __init__(self, kind: str, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, kind: str, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str,
+                 ops: KernelOps | None = None):
         super().__init__()
-        self.kind, self.eps = kind, eps
+        self.kind, self.eps, self.ops = kind, eps, ops or TorchOps()
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(dim, dtype=dtype, device=device)) if kind == "layer_norm" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "rms_norm":
-            return rms_norm(x, self.weight, self.eps)
+        if self.kind == "rms_norm":  # [..., C] rows
+            return self.ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
 class InternVisionLayer(nn.Module):
     def __init__(self, cfg: InternVisionConfig, dtype: torch.dtype, device: torch.device | str,
-                 tp: TPGroup = TPGroup()):
+                 tp: TPGroup = TPGroup(), ops: KernelOps | None = None):
         super().__init__()
         c = cfg.hidden_size
         self.tp = tp
         self.heads, self.head_dim = tp.split(cfg.num_heads, "vision attention heads"), c // cfg.num_heads  # local
         self.scale = self.head_dim ** -0.5
         self.act = _ACTIVATIONS[cfg.hidden_act]
-        self.norm1 = _Norm(cfg.norm_type, c, cfg.norm_eps, dtype, device)
+        self.norm1 = _Norm(cfg.norm_type, c, cfg.norm_eps, dtype, device, ops)
         self.qkv = QKVParallelLinear(c, self.head_dim, cfg.num_heads, cfg.num_heads, cfg.qkv_bias, dtype, device, tp)
         local = self.heads * self.head_dim  # this rank's columns of q and k
-        self.q_norm = _Norm("rms_norm", local, cfg.qk_norm_eps, dtype, device) if cfg.qk_norm else None
-        self.k_norm = _Norm("rms_norm", local, cfg.qk_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.q_norm = _Norm("rms_norm", local, cfg.qk_norm_eps, dtype, device, ops) if cfg.qk_norm else None
+        self.k_norm = _Norm("rms_norm", local, cfg.qk_norm_eps, dtype, device, ops) if cfg.qk_norm else None
         self.proj = RowParallelLinear(c, c, True, dtype, device, tp)
         self.ls1 = nn.Parameter(torch.empty(c, dtype=dtype, device=device))
-        self.norm2 = _Norm(cfg.norm_type, c, cfg.norm_eps, dtype, device)
+        self.norm2 = _Norm(cfg.norm_type, c, cfg.norm_eps, dtype, device, ops)
         self.fc1 = ColumnParallelLinear(c, cfg.intermediate_size, True, dtype, device, tp)
         self.fc2 = RowParallelLinear(cfg.intermediate_size, c, True, dtype, device, tp)
         self.ls2 = nn.Parameter(torch.empty(c, dtype=dtype, device=device))
@@ -286,15 +288,16 @@ class InternVisionLayer(nn.Module):
 
 class InternVLVisionTower(nn.Module):
     def __init__(self, cfg: InternVisionConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", tp: TPGroup = TPGroup()):
+                 device: torch.device | str = "cpu", tp: TPGroup = TPGroup(), ops: KernelOps | None = None):
         super().__init__()
         self.cfg = cfg
+        ops = ops or TorchOps()
         c, p = cfg.hidden_size, cfg.patch_size
         self.grid = cfg.image_size // p  # position-embedding grid side
         self.patch_embed = ColumnParallelLinear(cfg.num_channels * p * p, c, True, dtype, device)  # whole on every rank
         self.cls_token = nn.Parameter(torch.empty(1, 1, c, dtype=dtype, device=device))
         self.position_embedding = nn.Parameter(torch.empty(1, self.grid ** 2 + 1, c, dtype=dtype, device=device))
-        self.layers = nn.ModuleList(InternVisionLayer(cfg, dtype, device, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(InternVisionLayer(cfg, dtype, device, tp, ops) for _ in range(cfg.num_layers))
         self.final_norm = _Norm("layer_norm", c, cfg.norm_eps, dtype, device) if cfg.final_norm else None
         self.projector = InternVLProjector(c * cfg.shuffle ** 2, cfg.text_hidden_size,
                                            _ACTIVATIONS[cfg.projector_act], dtype, device, tp)

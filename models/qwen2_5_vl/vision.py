@@ -19,6 +19,17 @@ Tensor parallelism (`tp`, one rank of size 1 by default): each block holds its r
 rows of gate/up and its columns of down; the merger's fc1 / fc2 likewise. The residual stream, the
 norms and patch_embed are whole on every rank; proj, down_proj and the merger's fc2 all-reduce their
 outputs (`RowParallelLinear`), so `attention` / `mlp` / the merger return the whole sum on every rank.
+
+Kernels (the model's kernel set, `layers.ops`; the torch set is the reference): the 2-D RoPE is
+`ops.rotary` in place on the q and k heads of the qkv output (`VisionRotaryEmbedding`: M-RoPE with a row
+and a column section, float32 math as HF's); the gated SiLU MLP is `ops.silu_and_mul` on the fused
+gate|up output; every residual add is fused into the RMSNorm that follows it (`ops.add_rms_norm`):
+norm2 after the attention, and the next block's norm1 (after the last block, the merger's ln_q) after the
+MLP, so the stream travels between blocks as (normed h, residual):
+
+    h = norm1_0(x), r = x
+    block i:  h, r = add_rms_norm(attention(h), r, norm2_i);  h, r = add_rms_norm(mlp(h), r, next norm)
+    merger:   fc2(gelu(fc1(h viewed [N/4, 4*dim])))
 """
 from __future__ import annotations
 
@@ -30,7 +41,6 @@ from torch import nn
 
 from vlm_sdk.weight_loading import ParamSlot, SplitSlot
 from vlm_sdk.kernels.rms_norm_torch import rms_norm
-from vlm_sdk.kernels.rotary_torch import apply_rotary
 from vlm_sdk.layers.activation import ACTIVATIONS
 from vlm_sdk.layers.attention import SegmentAttention
 from vlm_sdk.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
@@ -38,6 +48,7 @@ from vlm_sdk.layers.linear import (ColumnParallelLinear, MergedColumnParallelLin
 from vlm_sdk.layers.norm import RMSNorm
 from vlm_sdk.layers.ops import KernelOps, TorchOps
 from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.rotary import RotaryInputs, VisionRotaryEmbedding
 
 
 
@@ -62,6 +73,7 @@ class VisionBlock(nn.Module):
         self.heads, self.head_dim = tp.split(heads, "vision attention heads"), dim // heads  # heads: this rank's
         self.attn = SegmentAttention(self.heads, self.head_dim, self.head_dim ** -0.5, ops.attention)
         self.act = ACTIVATIONS[act]
+        self.fused_silu = act == "silu"  # silu(gate) * up in one kernel
         self.norm1 = RMSNorm(dim, 1e-6, dtype, device)
         self.qkv = QKVParallelLinear(dim, self.head_dim, heads, heads, True, dtype, device, tp)
         self.proj = RowParallelLinear(dim, dim, True, dtype, device, tp)
@@ -70,23 +82,25 @@ class VisionBlock(nn.Module):
         self.down_proj = RowParallelLinear(inter, dim, True, dtype, device, tp)
 
     def attention(self, h: torch.Tensor,  # [N, dim], norm1(x)
-                  cos: torch.Tensor, sin: torch.Tensor, plan: Any) -> torch.Tensor:  # [N, dim], summed over ranks
-        n = h.shape[0]
-        qkv = self.qkv(h).view(n, 3, self.heads, self.head_dim)  # [N, 3, H/tp, D]
-        qk = apply_rotary(qkv[:, :2].float(), cos, sin).to(h.dtype)  # [N, 2, H/tp, D], RoPE in float32 like HF
-        attn = self.attn(qk[:, 0], qk[:, 1], qkv[:, 2], plan)  # [N, H/tp, D]
-        return self.proj(attn.reshape(n, -1))
+                  rope: RotaryInputs, plan: Any) -> torch.Tensor:  # [N, dim], summed over ranks
+        return attend(self, h, rope, plan)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:  # [N, dim], norm2(x) -> [N, dim], summed over ranks
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)  # [N, inter/tp] each
+        gate_up = self.gate_up_proj(h)  # [N, 2 * inter/tp]: this rank's gate | up
+        if self.fused_silu:
+            return self.down_proj(self.ops.silu_and_mul(gate_up))  # [N, inter/tp] -> [N, dim]
+        gate, up = gate_up.chunk(2, dim=-1)  # [N, inter/tp] each
         return self.down_proj(self.act(gate) * up)
 
-    def forward(self, x: torch.Tensor,  # [N, dim], window order
-                cos: torch.Tensor, sin: torch.Tensor,  # [N, 1, 1, head_dim / 2] float32
-                plan: Any) -> torch.Tensor:  # `attention.segments` of windows or of whole images
+    def forward(self, h: torch.Tensor,  # [N, dim] norm1(residual), window order
+                residual: torch.Tensor,  # [N, dim] the stream x
+                rope: RotaryInputs, plan: Any,  # plan: `attention.segments` of windows or of whole images
+                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(next_norm(x'), x') for x' = this block's output: x + attn, then + mlp, each add fused into
+        the norm after it."""
         ops = self.ops
-        x = x + self.attention(ops.rms_norm(x, self.norm1.weight, self.norm1.eps), cos, sin, plan)
-        return x + self.mlp(ops.rms_norm(x, self.norm2.weight, self.norm2.eps))
+        h, residual = ops.add_rms_norm(self.attention(h, rope, plan), residual, self.norm2.weight, self.norm2.eps)
+        return ops.add_rms_norm(self.mlp(h), residual, next_norm.weight, next_norm.eps)
 
     def slots(self, src: str, dst: str) -> dict[str, ParamSlot | SplitSlot]:
         """Checkpoint names under `src` (`visual.blocks.N.`) -> this rank's slices, params under `dst`."""
@@ -102,6 +116,18 @@ class VisionBlock(nn.Module):
         }
 
 
+def attend(block: nn.Module, h: torch.Tensor,  # [N, dim] norm1(x)
+           rope: RotaryInputs, plan: Any) -> torch.Tensor:  # [N, dim], summed over ranks
+    """qkv -> 2-D RoPE on q and k (the kernel set's, in place where it can) -> segment attention -> proj:
+    the attention of a Qwen2.5-VL or Qwen3-VL vision block (`block`: heads, head_dim, qkv, ops, attn, proj)."""
+    n, heads, d = h.shape[0], block.heads, block.head_dim
+    qkv = block.qkv(h).view(n, 3 * heads, d)  # [N, 3H/tp, D]: q heads, k heads, v heads
+    # float32 angles: the torch set rotates in float32 (HF's vision RoPE) and returns float32
+    qk = block.ops.rotary(qkv[:, :2 * heads], heads, rope).to(h.dtype)  # [N, 2H/tp, D]
+    attn = block.attn(qk[:, :heads], qk[:, heads:], qkv[:, 2 * heads:], plan)  # [N, H/tp, D]
+    return block.proj(attn.reshape(n, -1))
+
+
 class PatchMerger(nn.Module):
     def __init__(self, dim: int, out_dim: int, merge_unit: int, dtype: torch.dtype, device,
                  tp: TPGroup = TPGroup()):
@@ -112,7 +138,10 @@ class PatchMerger(nn.Module):
         self.fc2 = RowParallelLinear(self.in_dim, out_dim, True, dtype, device, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N / merge_unit, out_dim]
-        return self.fc2(F.gelu(self.fc1(rms_norm(x, self.ln_q.weight, self.ln_q.eps).view(-1, self.in_dim))))
+        return self.project(rms_norm(x, self.ln_q.weight, self.ln_q.eps))
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:  # [N, dim] ln_q(x) -> [N / merge_unit, out_dim]
+        return self.fc2(F.gelu(self.fc1(h.view(-1, self.in_dim))))
 
 
 class Qwen2_5_VisionTransformer(nn.Module):
@@ -129,12 +158,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
         self.fullatt_block_indexes = frozenset(c.fullatt_block_indexes)
         self.out_hidden_size = c.out_hidden_size
         self.patch_dim = c.in_channels * c.temporal_patch_size * c.patch_size ** 2
-        head_dim = c.hidden_size // c.num_heads
         rope = getattr(c, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", 10000.0)
-        spatial_dim = head_dim // 2
-        inv_freq = 1.0 / (theta ** (torch.arange(0, spatial_dim, 2, dtype=torch.float) / spatial_dim))  # [D/4]
-        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.rotary = VisionRotaryEmbedding(c.hidden_size // c.num_heads, rope.get("rope_theta", 10000.0), device)
         # Conv3d with kernel == stride over one patch is a matmul with the flattened kernel; whole on every rank
         self.patch_embed = ColumnParallelLinear(self.patch_dim, c.hidden_size, False, dtype, device)
         self.blocks = nn.ModuleList(VisionBlock(c.hidden_size, c.num_heads, c.intermediate_size, c.hidden_act,
@@ -175,14 +200,15 @@ class Qwen2_5_VisionTransformer(nn.Module):
         window_index, pos = window_index.to(device), pos.to(device)
         patch_order = (window_index[:, None] * self.merge_unit + torch.arange(self.merge_unit, device=device)).flatten()
         x = self.patch_embed(pixel_values.to(device=device, dtype=self.patch_embed.weight.dtype)[patch_order])
-        freqs = pos.float()[:, :, None] * self.inv_freq  # [N, 2, D/4]
-        freqs = freqs.flatten(1)[:, None, None, :]  # [N, 1, 1, D/2]: h frequencies, then w frequencies
-        cos, sin = freqs.cos(), freqs.sin()
+        rope = self.ops.rotary_inputs(pos.t(), self.rotary, torch.float32)  # positions [2, N]: (h, w)
         window_plan = self.ops.attention.segments(window_lens, device)
         full_plan = self.ops.attention.segments(image_lens, device)
+        norms = [block.norm1 for block in self.blocks] + [self.merger.ln_q]  # the norm after each residual add
+        h, residual = self.ops.rms_norm(x, norms[0].weight, norms[0].eps), x  # [N, dim] each
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, full_plan if i in self.fullatt_block_indexes else window_plan)
-        merged = self.merger(x)  # [num_merged, out_hidden], window order
+            plan = full_plan if i in self.fullatt_block_indexes else window_plan
+            h, residual = block(h, residual, rope, plan, norms[i + 1])
+        merged = self.merger.project(h)  # [num_merged, out_hidden], window order
         out = torch.empty_like(merged)
         out[window_index] = merged  # back to raster order
         return out

@@ -30,6 +30,7 @@ from vlm_sdk.weight_loading import ParamSlot
 from vlm_sdk.models.base import KVCache, StepImages
 from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
+from vlm_sdk.models.qwen2_5_vl.image_processor import pixels_to_device
 from vlm_sdk.models.qwen2_5_vl.rope_index import MRopePositions, prompt_positions_at
 from vlm_sdk.models.qwen3_vl.vision import Qwen3VLVisionTransformer
 from vlm_sdk.multimodal.inputs import ImageInput
@@ -66,7 +67,7 @@ class Qwen3VLForCausalLM(DecoderVLM):
     def encode_images(self, images: list[ImageInput]) -> torch.Tensor:  # [image tokens, hidden * (1 + levels)]
         """Each image's `data` `[patches, patch_dim]` and `meta.grid_thw` (a `QwenImage`)."""
         device = self.decoder.embed_tokens.weight.device
-        pixels = torch.cat([im.data for im in images]).to(device, self.dtype)  # [patches, patch_dim]
+        pixels = pixels_to_device(images, self.visual.temporal_patch_size, device, self.dtype)  # [patches, patch_dim]
         merged, levels = self.visual(pixels, [im.meta.grid_thw for im in images])
         return torch.cat([merged, *levels], dim=1)
 

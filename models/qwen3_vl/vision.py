@@ -20,6 +20,10 @@ of the fused `attn.qkv` (a `SplitSlot`), its columns of proj and linear_fc2, its
 merger likewise (fc1 rows, fc2 columns). proj, linear_fc2 and the mergers' fc2 all-reduce their outputs
 (`RowParallelLinear`). The residual stream, the LayerNorms, patch_embed and pos_embed are whole on every
 rank.
+
+Kernels: the 2-D RoPE is the kernel set's `ops.rotary` in place on q and k (Qwen2.5-VL's `attend`).
+The rest has no kernel of the set: the norms are LayerNorms (with bias; the set's fused add+norm is an
+RMSNorm) and the MLP is an ungated tanh-GELU (nothing for `silu_and_mul`), so they stay torch ops.
 """
 from __future__ import annotations
 
@@ -31,13 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_sdk.errors import CheckpointError
-from vlm_sdk.kernels.rotary_torch import apply_rotary
 from vlm_sdk.layers.activation import ACTIVATIONS
 from vlm_sdk.layers.attention import SegmentAttention
 from vlm_sdk.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from vlm_sdk.layers.ops import KernelOps, TorchOps
 from vlm_sdk.layers.parallel_state import TPGroup
-from vlm_sdk.models.qwen2_5_vl.vision import check_patch_grids
+from vlm_sdk.layers.rotary import RotaryInputs, VisionRotaryEmbedding
+from vlm_sdk.models.qwen2_5_vl.vision import attend, check_patch_grids
 from vlm_sdk.weight_loading import ParamSlot, SplitSlot
 
 LN_EPS = 1e-6  # transformers builds every LayerNorm of this tower with eps 1e-6
@@ -70,6 +74,7 @@ class VisionBlock(nn.Module):
     def __init__(self, dim: int, heads: int, inter: int, act: str, dtype: torch.dtype, device, ops: KernelOps,
                  tp: TPGroup = TPGroup()):
         super().__init__()
+        self.ops = ops
         self.heads, self.head_dim = tp.split(heads, "vision attention heads"), dim // heads  # heads: this rank's
         self.attn = SegmentAttention(self.heads, self.head_dim, self.head_dim ** -0.5, ops.attention)
         self.act = ACTIVATIONS[act]
@@ -81,14 +86,9 @@ class VisionBlock(nn.Module):
         self.fc2 = RowParallelLinear(inter, dim, True, dtype, device, tp)
 
     def forward(self, x: torch.Tensor,  # [N, dim]
-                cos: torch.Tensor, sin: torch.Tensor,  # [N, 1, 1, head_dim / 2] float32
+                rope: RotaryInputs,  # the 2-D RoPE of the patches (row, column)
                 plan: Any) -> torch.Tensor:  # `attention.segments` of the frames
-        h = self.norm1(x)
-        n = h.shape[0]
-        qkv = self.qkv(h).view(n, 3, self.heads, self.head_dim)  # [N, 3, H/tp, D]
-        qk = apply_rotary(qkv[:, :2].float(), cos, sin).to(h.dtype)  # [N, 2, H/tp, D], RoPE in float32 like HF
-        attn = self.attn(qk[:, 0], qk[:, 1], qkv[:, 2], plan)  # [N, H/tp, D]
-        x = x + self.proj(attn.reshape(n, -1))  # [N, dim], summed over ranks
+        x = x + attend(self, self.norm1(x), rope, plan)  # [N, dim], summed over ranks
         return x + self.fc2(self.act(self.fc1(self.norm2(x))))
 
     def slots(self, src: str, dst: str) -> dict[str, ParamSlot | SplitSlot]:
@@ -165,12 +165,8 @@ class Qwen3VLVisionTransformer(nn.Module):
         if c.hidden_size % c.num_heads or (c.hidden_size // c.num_heads) % 4:
             raise CheckpointError(f"config.json vision_config.hidden_size {c.hidden_size} over num_heads {c.num_heads} "
                                   f"must give a head_dim divisible by 4 (its halves rotate by patch row and column)")
-        head_dim = c.hidden_size // c.num_heads
         rope = getattr(c, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", 10000.0)
-        spatial_dim = head_dim // 2
-        inv_freq = 1.0 / (theta ** (torch.arange(0, spatial_dim, 2, dtype=torch.float) / spatial_dim))  # [D/4]
-        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.rotary = VisionRotaryEmbedding(c.hidden_size // c.num_heads, rope.get("rope_theta", 10000.0), device)
         # Conv3d with kernel == stride over one patch is a matmul with the flattened kernel; whole on every rank
         self.patch_embed = ColumnParallelLinear(self.patch_dim, c.hidden_size, True, dtype, device)
         self.pos_embed = nn.Parameter(torch.empty(c.num_position_embeddings, c.hidden_size, dtype=dtype,
@@ -209,13 +205,11 @@ class Qwen3VLVisionTransformer(nn.Module):
         x = self.patch_embed(pixel_values.to(device=device, dtype=self.patch_embed.weight.dtype))  # [N, dim]
         pos, rows_cols = self._grid_positions(grid_thw, device)  # [N, dim] float32, [N, 2]
         x = x + pos.to(x.dtype)
-        freqs = rows_cols.float()[:, :, None] * self.inv_freq  # [N, 2, D/4]
-        freqs = freqs.flatten(1)[:, None, None, :]  # [N, 1, 1, D/2]: row frequencies, then column ones
-        cos, sin = freqs.cos(), freqs.sin()
+        rope = self.ops.rotary_inputs(rows_cols.t(), self.rotary, torch.float32)  # positions [2, N]: (row, column)
         plan = self.ops.attention.segments([h * w for t, h, w in grid_thw for _ in range(t)], device)
         levels = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, plan)
+            x = block(x, rope, plan)
             if i in self.deepstack_visual_indexes:
                 levels.append(self.projector.deepstack[self.deepstack_visual_indexes.index(i)](x))
         return self.projector.merger(x), levels

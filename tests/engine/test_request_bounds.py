@@ -123,7 +123,7 @@ def test_top_p_that_float32_rounds_to_zero_refused():
             SamplingParams(top_p=bad)
         assert isinstance(info.value, VLMError) and info.value.param == "top_p"
     logits = torch.randn(3, 40)
-    assert Sampler(0)(logits, [SamplingParams(top_p=MIN_TOP_P)] * 3, [None] * 3) == logits.argmax(-1).tolist()
+    assert Sampler(0)(logits, [SamplingParams(top_p=MIN_TOP_P)] * 3) == logits.argmax(-1).tolist()
 
 
 # -- images: sized up before decoding, decoded one at a time, cancellable -------------------------

@@ -28,7 +28,7 @@ def test_penalties_match_a_direct_computation_and_leave_other_rows_alone():
                             logit_bias={5: 2.0, 6: -1.0}, logprobs=VOCAB // 5)
     plain = SamplingParams(temperature=0.0, logprobs=3)
     before = logits.clone()
-    tokens, lps = Sampler(0).sample(logits, [plain, edited, plain], [None] * 3, [history] * 3)
+    tokens, lps = Sampler(0).sample(logits, [plain, edited, plain], [history] * 3)
     direct = _direct(logits[1], edited, *history[:2]).log_softmax(-1)  # [vocab]
     assert tokens[1] == direct.argmax().item()
     assert lps[1].logprob == pytest.approx(direct[tokens[1]].item(), abs=1e-5)
@@ -43,9 +43,9 @@ def test_min_tokens_masks_stop_ids_until_reached():
     logits = torch.zeros(1, VOCAB)
     logits[0, 7] = 10.0  # EOS, say, would win
     p = SamplingParams(temperature=0.0, min_tokens=2)
-    assert Sampler(0)(logits, [p], [None], [([1, 2, 3], 3, (7,))]) != [7]
-    assert Sampler(0)(logits, [p], [None], [([1, 2, 3, 8], 3, (7,))]) != [7]
-    assert Sampler(0)(logits, [p], [None], [([1, 2, 3, 8, 8], 3, (7,))]) == [7]
+    assert Sampler(0)(logits, [p], [([1, 2, 3], 3, (7,))]) != [7]
+    assert Sampler(0)(logits, [p], [([1, 2, 3, 8], 3, (7,))]) != [7]
+    assert Sampler(0)(logits, [p], [([1, 2, 3, 8, 8], 3, (7,))]) == [7]
 
 
 def test_sampled_logprobs_are_of_the_tempered_top_p_distribution_and_seeds_still_hold():
@@ -55,9 +55,8 @@ def test_sampled_logprobs_are_of_the_tempered_top_p_distribution_and_seeds_still
     p = SamplingParams(temperature=0.5, top_p=0.8, seed=3, logprobs=SMALL)
     other = SamplingParams(temperature=1.0, presence_penalty=1.0, logit_bias={0: 5})
     hist = ([0, 1], 1, ())
-    alone = Sampler(0).sample(logits[:1], [p], [torch.Generator().manual_seed(3)], [hist])
-    batch = Sampler(5).sample(logits, [p, other, other, other], [torch.Generator().manual_seed(3), None, None, None],
-                              [hist] * 4)
+    alone = Sampler(0).sample(logits[:1], [p], [hist])
+    batch = Sampler(5).sample(logits, [p, other, other, other], [hist] * 4)
     assert alone[0][0] == batch[0][0] and alone[1][0] == batch[1][0]  # same token and logprobs in a batch
     lp = alone[1][0]
     probs = dict(lp.top_logprobs)

@@ -13,6 +13,8 @@ from vlm_sdk.kernels.paged_attention_decode import (choose_num_splits, paged_att
 
 devices = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])]
+# fp16 on the CPU: the interpreter's stand-in for bf16 (its bf16 tl.dot is wrong: numpy has no bf16)
+CPU_DTYPES = [torch.float32, torch.float16]
 CUDA_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # 0: a CUDA-graph padding row; 1: a single key; 32: ends exactly on a block boundary (8, 16, 32);
 # 37, 150: end mid-block and mid-tile, 150 spans three 64-key tiles
@@ -95,7 +97,7 @@ def _naive(q, k_cache, v_cache, tables, seq_lens, scale):
 @pytest.mark.parametrize("device", devices)
 def test_decode_matches_reference(device, group, num_kv_heads, head_dim, block_size, num_splits):
     _skip_unless_runnable(device)
-    dtypes = [torch.float32] if device == "cpu" else CUDA_DTYPES
+    dtypes = CPU_DTYPES if device == "cpu" else CUDA_DTYPES
     for i, dtype in enumerate(dtypes):
         q, k_cache, v_cache, tables, seq_lens = _make_inputs(
             SEQ_LENS, group, num_kv_heads, head_dim, block_size, dtype, device,

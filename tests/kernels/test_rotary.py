@@ -14,7 +14,9 @@ from vlm_sdk.kernels.rotary_torch import apply_rotary  # the torch backend's rot
 from vlm_sdk.layers.rotary import MRotaryEmbedding
 
 CUDA_MARKS = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-CASES = [pytest.param("cpu", torch.float32, id="cpu-fp32")] + [
+# fp16 on the CPU: the interpreter's stand-in for bf16 (numpy has no bf16, and the interpreter
+# computes bf16 wrongly), so the half-precision rounding paths run in the suite
+CASES = [pytest.param("cpu", torch.float32, id="cpu-fp32"), pytest.param("cpu", torch.float16, id="cpu-fp16")] + [
     pytest.param("cuda", dt, marks=CUDA_MARKS, id=f"cuda-{str(dt)[6:]}")
     for dt in (torch.bfloat16, torch.float16, torch.float32)]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}

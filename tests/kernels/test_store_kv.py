@@ -10,8 +10,11 @@ from vlm_sdk.kernels.paged_attention import write_kv_cache
 from vlm_sdk.kernels.store_kv import store_kv, store_kv_ref
 
 CUDA_MARKS = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-# (device, k/v dtype, cache dtype): the CPU runs the interpreter in float32 only
-CASES = [pytest.param("cpu", torch.float32, torch.float32, id="cpu-fp32")] + [
+# (device, k/v dtype, cache dtype): the CPU runs the interpreter in float32 and float16 (the stand-in
+# for bf16 there: numpy has no bf16), also casting fp32 rows into an fp16 cache
+CASES = [pytest.param("cpu", torch.float32, torch.float32, id="cpu-fp32"),
+         pytest.param("cpu", torch.float16, torch.float16, id="cpu-fp16"),
+         pytest.param("cpu", torch.float32, torch.float16, id="cpu-fp32-fp16")] + [
     pytest.param("cuda", src, dst, marks=CUDA_MARKS, id=f"cuda-{str(src)[6:]}-{str(dst)[6:]}")
     for src, dst in [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.float32),
                      (torch.float32, torch.bfloat16), (torch.float32, torch.float16)]]

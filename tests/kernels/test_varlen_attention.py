@@ -8,20 +8,23 @@ import os
 import pytest
 import torch
 
-from vlm_sdk.kernels.varlen_attention import varlen_attention, varlen_attention_ref
+from vlm_sdk.kernels.varlen_attention import head_split, varlen_attention, varlen_attention_ref
 
 devices = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda,
                                               pytest.mark.skipif(not torch.cuda.is_available(),
                                                                  reason="needs a CUDA device")])]
 
+# fp16 on the CPU: the interpreter's stand-in for bf16 (its bf16 tl.dot is wrong: numpy has no bf16)
+CPU_DTYPES = [torch.float32, torch.float16]
 SEGMENTS = {
     # a single token, lengths off and on the 32-key tile, a window-sized one
     "mixed": [1, 37, 64, 5, 16],
     "one_long": [150],
     "single_token": [1],
 }
-# (num_heads, num_kv_heads, head_dim); Qwen2.5-VL's vision tower is head_dim 80, no GQA
-CONFIGS = [(4, 4, 64), (4, 4, 80), (2, 2, 128), (4, 2, 80)]
+# (num_heads, num_kv_heads, head_dim); Qwen2.5-VL's vision tower is head_dim 80, no GQA; 72 and 40 have a
+# partly masked tail (64 + 16, 32 + 16)
+CONFIGS = [(4, 4, 64), (4, 4, 80), (2, 2, 128), (4, 2, 80), (2, 1, 72), (2, 2, 40)]
 
 
 def _skip_without_triton(device: str) -> None:
@@ -67,7 +70,7 @@ def test_kernel_matches_reference(device, segments, config):
     _skip_without_triton(device)
     num_heads, num_kv_heads, head_dim = config
     lengths = SEGMENTS[segments]
-    dtypes = [torch.float32] if device == "cpu" else [torch.bfloat16, torch.float16, torch.float32]
+    dtypes = CPU_DTYPES if device == "cpu" else [torch.bfloat16, torch.float16, torch.float32]
     for dtype in dtypes:
         q, k, v, cu = _make_batch(lengths, num_heads, num_kv_heads, head_dim, dtype, device,
                                   seed=10 * list(SEGMENTS).index(segments) + CONFIGS.index(config))
@@ -108,3 +111,14 @@ def test_rejects_bad_inputs():
         varlen_attention(q, k, v, cu, 3, 0.1, out=torch.empty(5, 4, 32))
     with pytest.raises(ValueError, match="cu_seqlens"):
         varlen_attention(q, k, v, cu.float(), 3, 0.1)
+
+
+@pytest.mark.parametrize("head_dim,split", [(80, (64, 16)), (64, (64, 0)), (128, (128, 0)), (96, (64, 32)),
+                                            (72, (64, 16)), (40, (32, 16)), (100, (128, 0)), (16, (16, 0)),
+                                            (8, (16, 0))])
+def test_head_split_covers_the_head_with_least_padding(head_dim, split):
+    """80 runs as 64 + 16 columns (no padding; one 128 block would be 1.6x the dot math); a split that
+    saves nothing (100 -> 64 + 64) keeps one block."""
+    assert head_split(head_dim) == split
+    lo, tail = split
+    assert lo + tail >= head_dim and lo & (lo - 1) == 0 and (tail == 0 or tail >= 16)

@@ -129,8 +129,8 @@ def test_qwen_vision_ranks_hold_their_slices_and_compose_to_the_unsharded_block(
     n, dim, heads = 16, vc.hidden_size, vc.num_heads
     d = dim // heads
     x = torch.randn(n, dim, generator=g)  # [N, dim]
-    angles = torch.randn(n, 1, 1, d // 2, generator=g)  # [N, 1, 1, D/2]
-    cos, sin = angles.cos(), angles.sin()
+    positions = torch.randint(0, 30, (2, n), generator=g)  # [2, N] patch row, column
+    rope = full.ops.rotary_inputs(positions, full.rotary, torch.float32)
     plan = full.ops.attention.segments([8, 8], x.device)
     blocks = [tower.blocks[0] for tower in ranks]
     h = rms_norm(x, blocks[0].norm1.weight, blocks[0].norm1.eps)
@@ -138,10 +138,13 @@ def test_qwen_vision_ranks_hold_their_slices_and_compose_to_the_unsharded_block(
     torch.testing.assert_close(qkv, full.blocks[0].qkv(h).view(n, 3, heads, d), **TOL)
     zero = torch.zeros(1, dim // 2)  # a rank's input columns
     assert torch.equal(blocks[0].proj(zero)[0], blocks[0].proj.bias) and not blocks[1].proj(zero).any()
-    x1 = x + sum(b.attention(h, cos, sin, plan) for b in blocks)  # row partials summed, bias once
+    x1 = x + sum(b.attention(h, rope, plan) for b in blocks)  # row partials summed, bias once
     h2 = rms_norm(x1, blocks[0].norm2.weight, blocks[0].norm2.eps)
     out = x1 + sum(b.mlp(h2) for b in blocks)
-    torch.testing.assert_close(out, full.blocks[0](x, cos, sin, plan), **TOL)
+    nxt = full.blocks[1].norm1  # the block hands on (next norm1(out), out)
+    full_h, full_out = full.blocks[0](h, x, rope, plan, nxt)
+    torch.testing.assert_close(full_out, out, **TOL)
+    torch.testing.assert_close(full_h, rms_norm(out, nxt.weight, nxt.eps), **TOL)
     torch.testing.assert_close(sum(tower.merger(x) for tower in ranks), full.merger(x), **TOL)
 
 

@@ -9,7 +9,9 @@ nothing else, so the torch one is the oracle for the other. The Triton kernels a
     decoder layer:   rms_norm / add_rms_norm -> qkv matmul -> rotary (Qwen3: q/k norm fused in) ->
                      attention.forward (store_kv + paged attention) -> o_proj -> add_rms_norm ->
                      gate_up matmul -> silu_and_mul -> down
-    vision block:    attention.segments (once per image batch) ... attention.segment_forward
+    vision block:    attention.segments (once per image batch); qkv matmul -> rotary (2-D RoPE, float32
+                     angles) -> attention.segment_forward -> proj -> add_rms_norm -> gate_up matmul ->
+                     silu_and_mul -> down -> add_rms_norm (next block's norm1) where the tower has them
 """
 from __future__ import annotations
 
@@ -63,7 +65,8 @@ class KernelOps(ABC):
                qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
         """RoPE / M-RoPE (rotate_half layout) on the q and k heads of a packed `[N, H + Hkv, D]` (the
         first `num_q_heads` are q); returns them rotated (the same tensor, rotated in place, where
-        the set can). `qk_norm` = (q weight `[D]`, k weight `[D]`, eps): each head RMS-normalised over
+        the set can; the torch set returns a new tensor, float32 when the angles are, as the vision
+        towers ask for their float32 rotation). `qk_norm` = (q weight `[D]`, k weight `[D]`, eps): each head RMS-normalised over
         D first (Qwen3's q_norm / k_norm), so a rank's heads need nothing from another rank."""
 
 

@@ -56,3 +56,20 @@ class MRotaryEmbedding(nn.Module):
         else:
             freqs = positions[0][:, None].float() * self.inv_freq
         return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]  # [N, 1, D/2]
+
+
+class VisionRotaryEmbedding(MRotaryEmbedding):
+    """The vision towers' 2-D RoPE (transformers' `Qwen2_5_VLVisionRotaryEmbedding`, also Qwen3-VL's) as
+    M-RoPE with two contiguous sections: positions `[2, N]` = (patch row, patch column); frequency
+    i < D/4 turns with the row and the rest with the column, both over the tower's own
+    f = 1 / theta^(arange(0, D/2, 2) / (D/2)) `[D/4]`, so `inv_freq` is cat(f, f) `[D/2]`. Either kernel
+    set rotates with it (`KernelOps.rotary`); angles in float32 (`rotary_inputs(..., torch.float32)`)
+    give HF's float32 rotation."""
+
+    def __init__(self, head_dim: int, theta: float, device: torch.device | str):
+        if head_dim % 4:
+            raise ValueError(f"vision head_dim {head_dim} must be divisible by 4 (row and column halves)")
+        super().__init__(head_dim, theta, (head_dim // 4, head_dim // 4), device)
+        spatial = head_dim // 2
+        f = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))  # [D/4]
+        self.inv_freq.copy_(torch.cat((f, f)).to(self.inv_freq.device))  # [D/2]

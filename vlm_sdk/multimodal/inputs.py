@@ -14,7 +14,7 @@ class ImageInput:
     """One preprocessed image, opaque to the engine: it hands `data` and `meta` back to the model's
     `encode_images` and counts `num_tokens` and `size`; only the model family reads `meta`. Equal
     `key`s promise equal vision embeddings and equal positions for the image's tokens."""
-    data: torch.Tensor  # the family's pixels, float32, first dim = `size` (e.g. patches or tiles)
+    data: torch.Tensor  # the family's pixels (float32, or bytes it converts on its device), first dim = `size`
     num_tokens: int  # image tokens in the prompt
     meta: Any = None  # the family's per-image record (grid, the part's own settings, ...)
     source_size: tuple[int, int] | None = None  # (height, width) as decoded, before resizing

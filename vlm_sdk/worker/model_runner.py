@@ -1,7 +1,7 @@
 """Runs one scheduled step on the model: vision stage, LLM forward over the paged cache, sampling.
 
 Fed plain data (`worker.io.SchedulerOutput`), it keeps its own `RequestState` per request (token
-ids, block table, seeded generator) and returns `ModelRunnerOutput` (request id -> sampled token).
+ids, block table) and returns `ModelRunnerOutput` (request id -> sampled token).
 
 Inputs are packed: the new tokens of every scheduled request back to back, in the order of
 `num_scheduled_tokens`, with numpy from state kept between steps (no Python loop per token or per
@@ -32,7 +32,7 @@ from vlm_sdk.worker.cuda_graphs import DecodeGraphs
 from vlm_sdk.worker.encoder_cache import EncoderCache
 from vlm_sdk.worker.io import ModelRunnerOutput, SchedulerOutput
 from vlm_sdk.worker.request_state import RequestState
-from vlm_sdk.worker.sampler import Sampler, skip_draws
+from vlm_sdk.worker.sampler import Sampler
 from vlm_sdk.worker.token_mask import apply_token_bitmask
 
 
@@ -162,13 +162,8 @@ class ModelRunner:
             row_of = {s.request_id: j for j, s in enumerate(states)}
             apply_token_bitmask(logits, [row_of[r] for r in sched.grammar_bitmask.request_ids],
                                 sched.grammar_bitmask.bitmask)
-        for s in states:
-            if s.pending_draws:
-                skip_draws(s.generator, s.pending_draws, logits.shape[1])
-                s.pending_draws = 0
         histories = [(s.token_ids, s.num_prompt_tokens, s.min_tokens_stop_ids) for s in states]
-        tokens, logprobs = self.sampler.sample(logits, [s.params for s in states], [s.generator for s in states],
-                                               histories)
+        tokens, logprobs = self.sampler.sample(logits, [s.params for s in states], histories)
         return ModelRunnerOutput({s.request_id: t for s, t in zip(states, tokens)},
                                  {s.request_id: lp for s, lp in zip(states, logprobs) if lp is not None})
 

@@ -22,9 +22,7 @@ class RequestState:
     params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
-    generator: torch.Generator | None  # the request's own stream of draws when it has a seed
     min_tokens_stop_ids: tuple[int, ...] = ()  # see NewRequestData
-    pending_draws: int = 0  # draws the generator must skip before its next one (see `from_new`)
     # image index -> its embeddings [image tokens, hidden], from the first step that needs them until
     # prefill passes the image's last token
     image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -32,15 +30,11 @@ class RequestState:
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "RequestState":
-        """A seeded, sampled request resumed after a preemption skips the draws its generated
-        tokens used: its next token is drawn as it would have been without the preemption."""
         params = new.sampling_params
-        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        pending = len(new.output_token_ids) if generator is not None and not params.greedy else 0
         return cls(new.request_id, list(new.prompt_token_ids) + list(new.output_token_ids),
                    len(new.prompt_token_ids), new.images, new.image_positions, new.prompt_positions,
-                   params, list(new.block_ids), new.num_computed_tokens, generator,
-                   new.min_tokens_stop_ids, pending)
+                   params, list(new.block_ids), new.num_computed_tokens,
+                   new.min_tokens_stop_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -1,10 +1,16 @@
 """Turn the logits of the sampled rows into next tokens: penalties, greedy, temperature, top-k, top-p,
 seed, and the logprobs of what was drawn.
 
-A request with a seed draws from its own `torch.Generator`, so its tokens depend only on its own
-logits, never on which other requests share the batch. Requests without one share the engine's
-generator. Everything but the seeded draws stays on the logits' device: on CUDA a batch of 64
-sampled rows never copies its 64 x vocab logits to the host.
+Everything stays on the logits' device: on CUDA a batch of 64 sampled rows never copies its 64 x
+vocab logits, nor any vocabulary of random draws, between host and device; the only copies to the
+host are the tokens (and asked-for logprobs) at the end. A request with a seed draws token i of its
+output with the key (seed, i) (`draw_seed`), so its tokens depend only on its own logits, never on
+which other requests share the batch, and a request resumed after a preemption draws on as if
+nothing happened, with nothing to replay or save. Requests without one share the engine's generator.
+The draw is the exponential race: on CUDA one Triton launch for all rows (`kernels/exponential_race.py`,
+Philox keyed per row), on the CPU torch generators (a device generator reseeded per seeded row).
+Top-k / top-p look among the most likely tokens instead of sorting the whole vocabulary
+(`top_k_top_p.py`, memory per row there).
 """
 from __future__ import annotations
 
@@ -12,74 +18,126 @@ import torch
 
 from vlm_sdk.outputs import TokenLogprob
 from vlm_sdk.sampling_params import SamplingParams
+from vlm_sdk.worker.device_lists import to_device
 from vlm_sdk.worker.penalties import apply_penalties, needs_edit
+from vlm_sdk.worker.top_k_top_p import CANDIDATES, filtered_probs
 
 # per row: (prompt + generated token ids, number of prompt tokens, the ids min_tokens masks)
 History = tuple[list[int], int, tuple[int, ...]]
 
+# the sampler's [rows, vocab] temporaries at their peak, bytes per row and vocabulary entry (float32;
+# `vlm-sdk bench --sampler` measures them): a draw holds the probabilities and the exponentials (8),
+# penalties add the edited copy (4), logprobs their log-softmax and the drawn rows' log (8), a top-p
+# row whose nucleus passes the candidates its full sort (~20): 40 bounds all at once (the race kernel,
+# on CUDA, needs no exponentials: 4 less)
+PEAK_BYTES_PER_ENTRY = 40
+
+
+def peak_bytes(num_rows: int, vocab: int) -> int:
+    """An upper bound of the device memory one `Sampler.sample` call allocates beside its logits."""
+    return num_rows * vocab * PEAK_BYTES_PER_ENTRY
+
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, candidates: int = CANDIDATES, race_kernel: bool | None = None):
+        """`seed`: the stream of the rows without a seed of their own. `candidates`: how many most
+        likely tokens top-p looks among before it falls back to a full sort (see `top_k_top_p`).
+        `race_kernel`: draw with the Triton exponential race (`kernels/exponential_race.py`: Philox in
+        the kernel, one launch for every row, no [rows, vocab] of draws); None: on CUDA only."""
         self.seed = seed
+        self.candidates = candidates
+        self.race_kernel = race_kernel
         self.generators: dict[torch.device, torch.Generator] = {}  # the shared one, per logits device
+        self.seeded: dict[torch.device, torch.Generator] = {}  # reseeded for each seeded row's draw
 
-    def _shared(self, device: torch.device) -> torch.Generator:
-        if device not in self.generators:
-            self.generators[device] = torch.Generator(device).manual_seed(self.seed)
-        return self.generators[device]
+    def _generator(self, table: dict[torch.device, torch.Generator], device: torch.device) -> torch.Generator:
+        if device not in table:
+            table[device] = torch.Generator(device).manual_seed(self.seed)
+        return table[device]
 
     def __call__(self, logits: torch.Tensor,  # [num_seqs, vocab] float32
                  params: list[SamplingParams],
-                 generators: list[torch.Generator | None],
                  histories: list[History] | None = None) -> list[int]:
-        return self.sample(logits, params, generators, histories)[0]
+        return self.sample(logits, params, histories)[0]
 
     def sample(self, logits: torch.Tensor,  # [num_seqs, vocab] float32
                params: list[SamplingParams],
-               generators: list[torch.Generator | None],
                histories: list[History] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
-        """The next token of each row, and its `TokenLogprob` where the row's params ask for one."""
+        """The next token of each row, and its `TokenLogprob` where the row's params ask for one.
+        A seeded row's draw is the `len(token_ids) - num_prompt` th of its request (0 without
+        `histories`)."""
         if histories is not None and any(needs_edit(p, len(h[0]) - h[1]) for p, h in zip(params, histories)):
             logits = logits.float().clone()  # [num_seqs, vocab]; the caller's logits stay as they were
             apply_penalties(logits, params, histories)
         tokens = logits.argmax(dim=-1)  # [num_seqs]
         want = [i for i, p in enumerate(params) if p.wants_logprobs]
         if all(p.greedy for p in params):
-            logprobs = logits[want].float().log_softmax(dim=-1) if want else None  # [len(want), vocab]
+            logprobs = logits[to_device(want, torch.long, logits.device)].float().log_softmax(dim=-1) \
+                if want else None  # [len(want), vocab]
             return tokens.tolist(), self._pack(tokens, logprobs, want, params)
         dev = logits.device
         rows = [i for i, p in enumerate(params) if not p.greedy]
-        probs = self._probs(logits[rows].float(), [params[i] for i in rows])  # [len(rows), vocab], on dev
-        # the exponential race (argmax p/q, q ~ Exp(1)) draws exactly from p with one RNG call per row:
-        # rows without a seed draw together from the shared generator; a seeded row draws from its own
-        # (CPU) generator, so its tokens do not depend on the batch or the device
-        shared = [j for j, i in enumerate(rows) if generators[i] is None]
-        if shared:
-            draws = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(1.0, generator=self._shared(dev))
-        if len(shared) == len(rows):  # the usual case: no index tensors to upload
-            q = draws
+        every = len(rows) == len(params)
+        mine = logits if every else logits[to_device(rows, torch.long, dev)]  # [len(rows), vocab]
+        probs = filtered_probs(mine.float(), [params[i] for i in rows], self.candidates)  # [len(rows), vocab]
+        seeds = [params[i].seed for i in rows]
+        draws = [0 if histories is None else len(histories[i][0]) - histories[i][1] for i in rows]
+        # the exponential race: argmax p/q with q ~ Exp(1) draws exactly from p
+        if self.race_kernel or (self.race_kernel is None and dev.type == "cuda"):
+            from vlm_sdk.kernels.exponential_race import exponential_race  # Triton: imported where used
+            sampled = exponential_race(probs, self._race_keys(seeds, draws, dev))  # [len(rows)]
         else:
-            q = torch.empty_like(probs)
-            if shared:
-                q[torch.tensor(shared, device=dev)] = draws
-            for j, i in enumerate(rows):
-                if generators[i] is not None:
-                    q[j] = torch.empty(probs.shape[1]).exponential_(1.0, generator=generators[i]).to(dev)
-        sampled = (probs / q).argmax(dim=-1)  # [len(rows)]
-        if len(rows) == len(params):
+            q = self._exponentials(probs.shape, seeds, draws, dev)  # [len(rows), vocab]
+            sampled = torch.div(probs, q, out=q).argmax(dim=-1)  # [len(rows)]
+        if every:
             tokens = sampled
         else:
-            tokens[torch.tensor(rows, device=dev)] = sampled
+            tokens[to_device(rows, torch.long, dev)] = sampled
         logprobs = None
         if want:
             # sampled rows: the log of what they were drawn from; greedy rows: their log-softmax
-            logprobs = logits[want].float().log_softmax(dim=-1)  # [len(want), vocab]
+            logprobs = logits[to_device(want, torch.long, dev)].float().log_softmax(dim=-1)  # [len(want), vocab]
             pos = {i: j for j, i in enumerate(rows)}
             drawn = [k for k, i in enumerate(want) if i in pos]
             if drawn:
-                src = torch.tensor([pos[want[k]] for k in drawn], device=dev)
-                logprobs[torch.tensor(drawn, device=dev)] = probs[src].log()
+                src = to_device([pos[want[k]] for k in drawn], torch.long, dev)
+                logprobs[to_device(drawn, torch.long, dev)] = probs[src].log_()  # a gathered copy: log in place
         return tokens.tolist(), self._pack(tokens, logprobs, want, params)
+
+    def _race_keys(self, seeds: list[int | None], draws: list[int], device: torch.device) -> torch.Tensor:
+        """[rows] int64 Philox keys of the race kernel: a seeded row's is `draw_seed(seed, draw)`
+        (the same token whatever the batch or a preemption); the others come from the shared generator
+        on the device (no host draw)."""
+        shared = [j for j, s in enumerate(seeds) if s is None]
+        gen = self._generator(self.generators, device)
+        if len(shared) == len(seeds):
+            return torch.randint(-2 ** 63, 2 ** 63 - 1, (len(seeds),), generator=gen, device=device)
+        keys = to_device([0 if s is None else _signed64(draw_seed(s, n)) for s, n in zip(seeds, draws)],
+                         torch.int64, device)  # [rows]
+        if shared:
+            keys[to_device(shared, torch.long, device)] = torch.randint(
+                -2 ** 63, 2 ** 63 - 1, (len(shared),), generator=gen, device=device)
+        return keys
+
+    def _exponentials(self, shape: torch.Size, seeds: list[int | None], draws: list[int],
+                      device: torch.device) -> torch.Tensor:
+        """[rows, vocab] Exp(1) draws on `device`. Rows without a seed draw together from the shared
+        generator; a seeded row draws its `draws[j]`-th vector from a device generator seeded with
+        (seed, draw index): its tokens depend on neither the batch nor a preemption (a resumed request
+        draws its next token from the same seed and index), and no vocabulary of draws is made on the
+        host or copied to the device."""
+        q = torch.empty(shape, device=device)  # [rows, vocab]
+        shared = [j for j, s in enumerate(seeds) if s is None]
+        if len(shared) == len(seeds):  # the usual case: one call, no index tensors to upload
+            return q.exponential_(1.0, generator=self._generator(self.generators, device))
+        if shared:
+            q[to_device(shared, torch.long, device)] = torch.empty(len(shared), shape[1], device=device).exponential_(
+                1.0, generator=self._generator(self.generators, device))
+        g = self._generator(self.seeded, device)
+        for j, (seed, n) in enumerate(zip(seeds, draws)):
+            if seed is not None:
+                q[j].exponential_(1.0, generator=g.manual_seed(draw_seed(seed, n)))  # a view: fills q's row
+        return q
 
     @staticmethod
     def _pack(tokens: torch.Tensor,  # [num_seqs]
@@ -89,7 +147,7 @@ class Sampler:
         if not want:
             return out
         k = max(params[i].logprobs for i in want)
-        chosen = logprobs.gather(1, tokens[want][:, None])[:, 0].tolist()  # [len(want)]
+        chosen = logprobs.gather(1, tokens[to_device(want, torch.long, tokens.device)][:, None])[:, 0].tolist()
         top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
         top_vals, top_ids = top_vals.tolist(), top_ids.tolist()  # one copy to the host for all rows
         token_list = tokens.tolist()
@@ -98,29 +156,19 @@ class Sampler:
             out[i] = TokenLogprob(token_list[i], chosen[j], tuple(zip(top_ids[j][:n], top_vals[j][:n])))
         return out
 
-    @staticmethod
-    def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        dev = logits.device
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)[:, None]
-        logits = logits / temps
-        vocab = logits.shape[-1]
-        top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        top_ps = [p.top_p for p in params]
-        if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
-            sorted_logits, order = logits.sort(dim=-1, descending=True)  # [rows, vocab]
-            ranks = torch.arange(vocab, device=dev)[None, :]
-            drop = ranks >= torch.tensor(top_ks, device=dev)[:, None]
-            sorted_probs = sorted_logits.softmax(dim=-1)
-            # keep the smallest prefix whose mass reaches top_p (the token crossing it stays)
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop |= mass_before >= torch.tensor(top_ps, dtype=logits.dtype, device=dev)[:, None]
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-        return logits.softmax(dim=-1)
+
+_MASK64 = (1 << 64) - 1
 
 
-def skip_draws(generator: torch.Generator, num_draws: int, vocab: int) -> None:
-    """Advance a seeded request's generator past `num_draws` draws of `vocab` exponentials, the
-    draws its tokens generated before a preemption used (`Sampler` draws one per sampled token)."""
-    for _ in range(num_draws):
-        torch.empty(vocab).exponential_(1.0, generator=generator)
+def _signed64(x: int) -> int:
+    return x - (1 << 64) if x >> 63 else x
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The generator seed of draw `index` of a request seeded `seed`: splitmix64 of seed + (index + 1)
+    x the golden ratio, a bijection, so draws of seeds s and s + i (n samples) never share a seed
+    within 2^64 / golden draws. CUDA's Philox takes all 64 bits; the CPU's mt19937 the low 32."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)

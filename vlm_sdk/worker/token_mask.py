@@ -15,6 +15,13 @@ def allowed_tokens(bitmask: torch.Tensor,  # [rows, words] int32, bit t of word 
 def apply_token_bitmask(logits: torch.Tensor,  # [num_sampled, vocab], edited in place
                         rows: list[int],  # the constrained rows of `logits`, one per bitmask row
                         bitmask: torch.Tensor) -> None:  # [len(rows), words] int32, on the host
+    """On CUDA one Triton launch writes -inf in place (kernels/token_bitmask.py: no [rows, vocab]
+    temporaries); elsewhere torch, which is also its reference."""
+    if logits.is_cuda:
+        from vlm_sdk.kernels.token_bitmask import apply_token_bitmask_
+        index = torch.tensor(rows, dtype=torch.int32).pin_memory().to(logits.device, non_blocking=True)  # [n]
+        apply_token_bitmask_(logits, index, bitmask.pin_memory().to(logits.device, non_blocking=True))
+        return
     vocab = logits.shape[1]
     allowed = allowed_tokens(bitmask.to(logits.device, non_blocking=True), vocab)  # [len(rows), vocab]
     if len(rows) == logits.shape[0] and rows == list(range(len(rows))):

@@ -9,7 +9,8 @@ all-gather) line up:
     load_report()           what this rank holds (weights by part, KV heads) -> RankLoad
     profile_peak(...)       CUDA: the activation peak of the worst-case step on this rank
     size_cache(...)         the KV blocks this rank could hold (the engine takes the smallest of all ranks)
-    init_cache(cache, ...)  allocate exactly that cache, capture CUDA graphs, build the model runner
+    init_cache(cache, ...)  allocate exactly that cache, capture CUDA graphs, build the model runner,
+                            compile every Triton kernel variant (CUDA: kernel_warmup.py)
     execute(sched)          one step; only rank 0 samples (the others return an empty output)
     held_state()            requests and image embeddings requests still hold here (tests, leak checks)
 """
@@ -28,6 +29,7 @@ from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import ImageInput
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs
 from vlm_sdk.worker.io import ModelRunnerOutput, SchedulerOutput
+from vlm_sdk.worker.kernel_warmup import warm_up_kernels
 from vlm_sdk.worker.kv_cache import allocate_or_explain, bytes_per_block, plan_cache
 from vlm_sdk.worker.model_runner import ModelRunner
 from vlm_sdk.worker.profiler import profile_num_tokens, profile_peak_bytes
@@ -114,6 +116,7 @@ class Worker:
                                   max_vision_patches=max_vision_patches, graphs=graphs,
                                   attention=self.ops.attention, samples=self.tp.rank == 0,
                                   encoder_cache_bytes=args.encoder_cache_memory)
+        warm_up_kernels(self.runner, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(sched)

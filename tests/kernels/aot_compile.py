@@ -1,0 +1,306 @@
+"""Ahead-of-time compile of every Triton kernel of vlm_sdk.kernels for NVIDIA targets, on a machine
+without a GPU: `python tests/kernels/aot_compile.py --arch 90 --arch 80` prints one JSON line per
+(kernel, case, arch) with the registers and spill bytes ptxas reports.
+
+How the launch parameters are found: each case calls the kernel's own launcher on "meta" tensors of a
+production shape (bfloat16, the model's real head counts, strides and block size), with the module's
+kernels swapped for recorders, so the grid-independent part of the launch (constexprs, block sizes,
+num_warps / num_stages, the specialisation of pointers and ints) is exactly what the launcher would
+pass on a GPU. Each recorded launch is then specialised by Triton's own binder for the CUDA backend
+and compiled with `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`; ptxas (shipped
+inside triton) runs with -v, and its log gives the spills. A CompiledKernel's n_spills is only filled
+when a driver loads the binary, hence the log. Run with TRITON_INTERPRET unset (the kernels must be
+JITFunctions) and a fresh TRITON_CACHE_DIR (a cache hit skips ptxas and its log).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+BF16 = torch.bfloat16
+BLOCK_SIZE = 16  # EngineArgs.block_size default
+META = "meta"
+
+
+@dataclass(frozen=True)
+class TextShape:
+    """A language model's attention and MLP sizes."""
+    name: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+
+
+# GQA groups 7 and 8 at head_dim 128 (Qwen2.5-VL-7B and -3B), and Qwen3-VL-8B (q/k norm, interleaved M-RoPE)
+QWEN25_7B = TextShape("qwen2.5-vl-7b", 28, 4, 128, 3584, 18944)
+QWEN25_3B = TextShape("qwen2.5-vl-3b", 16, 2, 128, 2048, 11008)
+QWEN3_8B = TextShape("qwen3-vl-8b", 32, 8, 128, 4096, 12288)
+TEXT_SHAPES = (QWEN25_7B, QWEN25_3B)
+# vision towers: (name, heads, head_dim, hidden, intermediate); no GQA
+QWEN25_VIT = ("qwen2.5-vl-vit", 16, 80, 1280, 3420)
+INTERNVIT_300M = ("internvit-300m", 16, 64, 1024, 4096)
+
+
+def _qkv(n: int, heads: int, kv_heads: int, head_dim: int):
+    """q, k, v as the decoder makes them: views of one packed [n, H + 2Hkv, D] projection."""
+    qkv = torch.empty(n, heads + 2 * kv_heads, head_dim, dtype=BF16, device=META)
+    return qkv.split([heads, kv_heads, kv_heads], dim=1)
+
+
+def _cache(shape: TextShape, num_blocks: int = 4096):
+    size = (num_blocks, BLOCK_SIZE, shape.kv_heads, shape.head_dim)
+    return torch.empty(size, dtype=BF16, device=META), torch.empty(size, dtype=BF16, device=META)
+
+
+def _ints(*size: int) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int32, device=META)
+
+
+def cases() -> list[tuple[str, str, Callable[[], None]]]:
+    """(module, case name, a call of the module's launcher at a production shape)."""
+    from vlm_sdk.kernels import (paged_attention_decode, paged_prefill_attention, rms_norm, rotary,
+                                 silu_and_mul, store_kv, varlen_attention)
+    out: list[tuple[str, str, Callable[[], None]]] = []
+    max_blocks = 32768 // BLOCK_SIZE
+    for s in TEXT_SHAPES:
+        def decode(s=s, splits=1):
+            q, _, _ = _qkv(64, s.heads, s.kv_heads, s.head_dim)
+            kc, vc = _cache(s)
+            paged_attention_decode.paged_attention_decode(q, kc, vc, _ints(64, max_blocks), _ints(64),
+                                                          s.head_dim ** -0.5, num_splits=splits)
+
+        def prefill(s=s, max_q=2048):
+            q, _, _ = _qkv(4096, s.heads, s.kv_heads, s.head_dim)
+            kc, vc = _cache(s)
+            paged_prefill_attention.paged_prefill_attention(q, kc, vc, _ints(4, max_blocks), _ints(5), _ints(4),
+                                                            max_q, s.head_dim ** -0.5)
+
+        def kv(s=s):
+            _, k, v = _qkv(256, s.heads, s.kv_heads, s.head_dim)
+            kc, vc = _cache(s)
+            store_kv.store_kv(k, v, kc, vc, torch.empty(256, dtype=torch.int64, device=META))
+
+        def rope(s=s):
+            q, k, _ = _qkv(256, s.heads, s.kv_heads, s.head_dim)
+            rotary.rotary_embedding(q, k, torch.empty(3, 256, dtype=torch.int64, device=META),
+                                    torch.empty(s.head_dim // 2, device=META), mrope_section=(16, 24, 24))
+
+        out += [("paged_attention_decode", f"{s.name} direct", decode),
+                ("paged_attention_decode", f"{s.name} 8 splits", lambda d=decode: d(splits=8)),
+                ("paged_prefill_attention", f"{s.name} chunk 2048", prefill),
+                ("paged_prefill_attention", f"{s.name} chunk 64", lambda p=prefill: p(max_q=64)),
+                ("store_kv", s.name, kv),
+                ("rotary", f"{s.name} mrope", rope)]
+
+    def rope_qk_norm(s=QWEN3_8B):
+        q, k, _ = _qkv(256, s.heads, s.kv_heads, s.head_dim)
+        w = torch.empty(s.head_dim, dtype=BF16, device=META)
+        rotary.rotary_embedding(q, k, torch.empty(3, 256, dtype=torch.int64, device=META),
+                                torch.empty(s.head_dim // 2, device=META), mrope_section=(24, 20, 20),
+                                mrope_interleaved=True, q_norm_weight=w, k_norm_weight=w)
+    out.append(("rotary", f"{QWEN3_8B.name} q/k norm interleaved", rope_qk_norm))
+
+    def rope_vision(name=QWEN25_VIT[0], heads=QWEN25_VIT[1], head_dim=QWEN25_VIT[2]):
+        """The vision towers' 2-D RoPE: [2, N] (row, column) positions, two sections of D/4."""
+        q, k, _ = torch.empty(4096, 3, heads, head_dim, dtype=BF16, device=META).unbind(1)
+        rotary.rotary_embedding(q, k, torch.empty(2, 4096, dtype=torch.int64, device=META),
+                                torch.empty(head_dim // 2, device=META),
+                                mrope_section=(head_dim // 4, head_dim // 4))
+    if _accepts(rope_vision):  # the rotary launcher takes [2, N] positions once the vision RoPE is on it
+        out.append(("rotary", f"{QWEN25_VIT[0]} 2-D vision", rope_vision))
+
+    for name, heads, head_dim, _, _ in (QWEN25_VIT, INTERNVIT_300M):
+        def varlen(heads=heads, head_dim=head_dim, max_len=4096):
+            qkv = torch.empty(8192, 3, heads, head_dim, dtype=BF16, device=META)
+            q, k, v = qkv.unbind(1)  # the vision towers' layout
+            varlen_attention.varlen_attention(q, k, v, _ints(9), max_len, head_dim ** -0.5)
+        out += [("varlen_attention", f"{name} full 4096", varlen),
+                ("varlen_attention", f"{name} window 64", lambda f=varlen: f(max_len=64))]
+
+    for name, hidden, inter in ((QWEN25_7B.name, 3584, 18944), (QWEN25_3B.name, 2048, 11008),
+                                (QWEN25_VIT[0], 1280, 3420)):
+        def norm(hidden=hidden, residual=False):
+            x = torch.empty(256, hidden, dtype=BF16, device=META)
+            rms_norm.rms_norm(x, torch.empty(hidden, dtype=BF16, device=META), 1e-6,
+                              residual=torch.empty_like(x) if residual else None)
+
+        def swiglu(inter=inter):
+            silu_and_mul.silu_and_mul(torch.empty(256, 2 * inter, dtype=BF16, device=META))
+        out += [("rms_norm", name, norm), ("rms_norm", f"{name} + residual", lambda f=norm: f(residual=True)),
+                ("silu_and_mul", name, swiglu)]
+    from vlm_sdk.kernels import exponential_race, token_bitmask
+
+    def bitmask(dtype=torch.float32, vocab=151936):  # structured outputs' mask
+        logits = torch.empty(64, vocab, dtype=dtype, device=META)
+        token_bitmask.apply_token_bitmask_(logits, _ints(64), _ints(64, -(-vocab // 32)))
+    out += [("token_bitmask", "151,936 vocab fp32 logits", bitmask),
+            ("token_bitmask", "151,936 vocab bf16 logits", lambda f=bitmask: f(BF16))]
+
+    def race(vocab=151936):  # the sampler's draw: fp32 probabilities, one int64 key per row
+        probs = torch.empty(64, vocab, dtype=torch.float32, device=META)
+        exponential_race.exponential_race(probs, torch.empty(64, dtype=torch.int64, device=META))
+    out += [("exponential_race", "64 rows x 151,936 vocab", race)]
+    return out
+
+
+def _accepts(call: Callable[[], None]) -> bool:
+    """Whether a launcher takes these arguments (its checks raise ValueError before any launch)."""
+    try:
+        record(call)
+    except ValueError:
+        return False
+    return True
+
+
+def kernel_functions() -> dict[str, object]:
+    """Every top-level Triton kernel (a JITFunction named *_kernel) of vlm_sdk.kernels, by qualified name."""
+    import importlib
+    import pkgutil
+
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+    import vlm_sdk.kernels as package
+    found = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"vlm_sdk.kernels.{info.name}")
+        for attr, value in vars(module).items():
+            # compiled, or interpreted under TRITON_INTERPRET=1 (the in-process CPU tests)
+            if (isinstance(value, (triton.runtime.JITFunction, InterpretedFunction)) and attr.endswith("_kernel")
+                    and getattr(value, "fn", value).__module__ == module.__name__):
+                found[f"{info.name}.{attr}"] = value
+    return found
+
+
+class _Recorder:
+    """Stands in for a JITFunction: `kernel[grid](*args, **kwargs)` records the launch instead."""
+
+    def __init__(self, fn, sink: list):
+        self.fn, self.sink = fn, sink
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.sink.append((self.fn, args, kwargs))
+
+
+def record(call: Callable[[], None]) -> list:
+    """The launches `call` makes, as (JITFunction, args, kwargs), the kernels swapped back afterwards."""
+    import importlib
+    launches: list = []
+    kernels = kernel_functions()
+    modules = {name: importlib.import_module(f"vlm_sdk.kernels.{name.split('.')[0]}") for name in kernels}
+    try:
+        for name, fn in kernels.items():
+            setattr(modules[name], name.split(".")[1], _Recorder(fn, launches))
+        call()
+    finally:
+        for name, fn in kernels.items():
+            setattr(modules[name], name.split(".")[1], fn)
+    return launches
+
+
+class JitKeys:
+    """The JIT cache key Triton's CUDA binder gives a launch (its specialisation and launch options):
+    two launches with the same key share one compiled kernel. Works on any tensors (meta, CPU), for
+    compiled or interpreted kernels; compiles nothing."""
+
+    def __init__(self, arch: int = 90):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        self.backend = make_backend(GPUTarget("cuda", arch, 32))
+        self.binders: dict[str, object] = {}
+
+    def __call__(self, fn, args, kwargs) -> tuple[str, str, str]:
+        import triton
+        from triton.runtime.jit import create_function_from_signature
+        name = fn.__name__
+        if name not in self.binders:
+            # under TRITON_INTERPRET=1 the module holds an InterpretedFunction: bind through a
+            # JITFunction over the same Python function and do_not_specialize list
+            jit = fn if isinstance(fn, triton.runtime.JITFunction) else triton.runtime.JITFunction(
+                fn.fn, do_not_specialize=fn.kwargs.get("do_not_specialize"),
+                do_not_specialize_on_alignment=fn.kwargs.get("do_not_specialize_on_alignment"))
+            self.binders[name] = create_function_from_signature(jit.signature, jit.params, self.backend)
+        _, specialization, options = self.binders[name](*args, **kwargs)
+        return name, repr(specialization), repr(sorted(options.items()))
+
+
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+
+
+def _source(fn, args, kwargs, arch: int):
+    """(ASTSource, options, target) of one recorded launch, specialised by Triton's own binder as a
+    launch on sm_<arch> would be."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return ASTSource(fn, signature, constexprs, attrs), options, target
+
+
+def compile_source(src, options, target) -> dict:
+    """Compile for `target`; registers and spill bytes from ptxas's -v log."""
+    import triton
+    from triton import knobs
+    knobs.nvidia.dump_ptxas_log = True
+    log = io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(log):
+        compiled = triton.compile(src, target=target, options=options.__dict__)
+    seconds = time.perf_counter() - t0
+    text = log.getvalue()
+    spills = [int(a) + int(b) for a, b in _SPILLS.findall(text)]
+    regs = [int(r) for r in _REGS.findall(text)]
+    if not spills or not regs:
+        raise RuntimeError(f"no ptxas -v report for {src.name} (a cache hit? use a fresh TRITON_CACHE_DIR):\n"
+                           f"{text}")
+    return {"regs": max(regs), "spill_bytes": max(spills), "seconds": round(seconds, 2),
+            "num_warps": compiled.metadata.num_warps, "num_stages": compiled.metadata.num_stages,
+            "constexprs": {src.fn.arg_names[k[0]]: v for k, v in src.constants.items()}}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, action="append", required=True, help="compute capability, e.g. 90")
+    parser.add_argument("--only", default=None, help="compile only the cases of this kernel module")
+    opts = parser.parse_args(argv)
+    done: dict[tuple, dict] = {}  # one compile per distinct specialisation (cases may share a binary)
+    for module, case, call in cases():
+        if opts.only and module != opts.only:
+            continue
+        for fn, args, kwargs in record(call):
+            for arch in opts.arch:
+                row = {"module": module, "kernel": fn.__name__, "case": case, "arch": f"sm_{arch}"}
+                try:
+                    src, options, target = _source(fn, args, kwargs, arch)
+                    key = (arch, src.hash(), repr(sorted(options.__dict__.items())))
+                    if key not in done:
+                        done[key] = dict(compile_source(src, options, target), first_case=case)
+                    result = dict(done[key])
+                    first = result.pop("first_case")
+                    row.update(result, **({"same_binary_as": first} if first != case else {}))
+                except Exception as e:  # reported per row: one kernel failing must not hide the others
+                    row["error"] = f"{type(e).__name__}: {e}"[:2000]
+                print(json.dumps(row, default=str), flush=True)
+    # what the suite checks coverage against: every kernel the package defines
+    print(json.dumps({"kernels": sorted(fn.__name__ for fn in kernel_functions().values())}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
