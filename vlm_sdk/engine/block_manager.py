@@ -59,11 +59,14 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Give `seq` the blocks its next `num_new_tokens` need; False (and nothing taken) if too few free."""
-        need = self.num_new_blocks(seq, num_new_tokens)
-        if need > self.pool.num_free:
-            return False
-        seq.block_ids.extend(self.pool.take(need))
-        self._commit(seq, seq.num_computed_tokens + num_new_tokens)
+        total, size = seq.num_computed_tokens + num_new_tokens, self.block_size
+        need = -(-total // size) - len(seq.block_ids)
+        if need > 0:
+            if need > self.pool.num_free:
+                return False
+            seq.block_ids.extend(self.pool.take(need))
+        if self.enable_prefix_caching and total // size > seq.num_cached_blocks:  # a block filled up
+            self._commit(seq, total)
         return True
 
     def start(self, seq: Sequence, budget: int) -> int | None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from vlm_sdk.outputs import RequestMetrics, TokenLogprob
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # made per request per step: slots, not frozen, keep it cheap
 class EngineOutput:
     request_id: str
     new_token_ids: list[int]  # sampled this step (one, or none for an abort)

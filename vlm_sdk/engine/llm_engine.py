@@ -276,35 +276,40 @@ class LLMEngine:
     def _postprocess(self, batch: ScheduledBatch, result: ModelRunnerOutput) -> list[EngineOutput]:
         outputs = []
         now = time.monotonic()
-        sampled = result.sampled_token_ids
+        sampled, logprobs = result.sampled_token_ids, result.logprobs
         for seq, n in batch.scheduled:
             seq.num_computed_tokens += n
             token = sampled.get(seq.request_id)
             if token is not None:
                 out = self._append_token(seq, token, now)
-                logprob = result.logprobs.get(seq.request_id)
-                outputs.append(out if logprob is None else dataclasses.replace(out, new_logprobs=[logprob]))
+                if logprobs:
+                    logprob = logprobs.get(seq.request_id)
+                    if logprob is not None:
+                        out.new_logprobs = [logprob]
+                outputs.append(out)
+        self.totals["generation_tokens"] += len(outputs)
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> EngineOutput:
+        """Per generated token, on the engine thread at every step: kept to plain attribute work."""
         seq.token_ids.append(token)
-        self.totals["generation_tokens"] += 1
-        if seq.metrics.first_token_time is None:
-            seq.metrics.first_token_time = now
-        seq.metrics.generated_tokens = seq.num_output_tokens
-        params = seq.params
+        metrics, params = seq.metrics, seq.params
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        metrics.generated_tokens = num_output
         reason = None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
         elif seq.matcher is not None and (reason := accept(seq.matcher, token)) is not None:
             pass  # the grammar is complete ("stop"), or was broken ("abort")
-        elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) \
-                or seq.num_tokens >= self.scheduler_config.max_model_len:
+        elif (params.max_tokens is not None and num_output >= params.max_tokens) \
+                or len(seq.token_ids) >= self.scheduler_config.max_model_len:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self.requests.pop(seq.request_id, None)
-            seq.metrics.finished_time = now
+            metrics.finished_time = now
         return _output(seq, [token])
 
     def _note_preemptions(self, count: int) -> None:
@@ -344,4 +349,4 @@ class LLMEngine:
 
 def _output(seq: Sequence, new_token_ids: list[int]) -> EngineOutput:
     return EngineOutput(seq.request_id, new_token_ids, seq.finish_reason,
-                        dataclasses.replace(seq.metrics))  # a snapshot: the engine moves on
+                        seq.metrics.snapshot())  # the engine moves on

@@ -54,10 +54,16 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.blocks.allocate(seq, n):
+        running, allocate, scheduled = self.running, self.blocks.allocate, out.scheduled
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if allocate(seq, n):  # the usual case, kept lean: it runs for every sequence every step
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            while not allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
