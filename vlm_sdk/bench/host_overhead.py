@@ -4,7 +4,9 @@ A real engine on the tiny checkpoint (CPU; the model's size does not matter here
 (greedy, eos ignored) until all of them decode; then `--ho-steps` decode steps are timed, one
 `LLMEngine.step()` each. The runner is given the CUDA path's host side: the Triton backend's
 `prepare` (host ints only) and the decode graphs' buffers (`DecodeGraphs(capture=False)`: the same
-copies into the static buffers as a replay, then the no-op forward instead of the replay).
+copies into the static buffers as a replay), with a no-op standing in for each captured graph: on a
+GPU a replay is one launch whose attention metadata was prepared at capture, so neither the
+forward's Python nor the backend's per-size `prepare` runs on a graph step.
 
 What a step includes: the scheduler (`schedule`, `worker_input`), the runner's `_update_states`,
 the packing of the step's inputs (ids / positions / slots / block tables; `_prepare` on eager steps,
@@ -112,9 +114,20 @@ def _cuda_host_path(engine, batch: int) -> None:
     runner = engine.runner
     backend = TritonBackend()  # its prepare reads host ints only: no kernel runs here
     runner.attention = backend
-    runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, max_num_seqs=batch,
-                                 max_model_len=engine.scheduler_config.max_model_len, block_size=BLOCK_SIZE,
-                                 device=torch.device("cpu"), attention=backend, capture=False)
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, max_num_seqs=batch,
+                          max_model_len=engine.scheduler_config.max_model_len, block_size=BLOCK_SIZE,
+                          device=torch.device("cpu"), attention=backend, capture=False)
+    for size in graphs.sizes:  # "captured": a replay that does nothing, its output preallocated
+        graphs.graphs[size] = _NoOpGraph()
+        graphs.outputs[size] = torch.zeros(size, runner.model.hidden_size)  # [size, hidden]
+    runner.graphs = graphs
+
+
+class _NoOpGraph:
+    """Stands in for a captured CUDA graph: the model is a no-op here, so its replay is too."""
+
+    def replay(self) -> None:
+        pass
 
 
 def measure(model_dir: str, batch: int, steps: int, prompt_len: int) -> dict:
