@@ -6,26 +6,29 @@ from __future__ import annotations
 import torch
 
 
-def allowed_tokens(bitmask: torch.Tensor,  # [rows, words] int32, bit t of word w = token 32w + t
-                   vocab: int) -> torch.Tensor:  # [rows, vocab] bool
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
-    return ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
+def _forbidden_bits(device: torch.device) -> torch.Tensor:  # [256, 8] bool
+    """Row b: which of a byte's 8 bits are clear (bit k of byte b of word w is token 32w + 8b + k on a
+    little-endian host, llguidance's layout read as bytes)."""
+    return ((torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1) == 0
+
+
+def forbidden_tokens(bitmask: torch.Tensor,  # [rows, words] int32, bit t of word w = token 32w + t
+                     vocab: int) -> torch.Tensor:  # [rows, vocab] bool: True where the grammar forbids
+    table = _forbidden_bits(bitmask.device)
+    return table[bitmask.contiguous().view(torch.uint8).long()].flatten(1)[:, :vocab]
 
 
 def apply_token_bitmask(logits: torch.Tensor,  # [num_sampled, vocab], edited in place
                         rows: list[int],  # the constrained rows of `logits`, one per bitmask row
                         bitmask: torch.Tensor) -> None:  # [len(rows), words] int32, on the host
     """On CUDA one Triton launch writes -inf in place (kernels/token_bitmask.py: no [rows, vocab]
-    temporaries); elsewhere torch, which is also its reference."""
+    temporaries); elsewhere torch, a byte lookup and an in-place fill per constrained row (no copy of
+    the rows), which is also the kernel's reference here."""
     if logits.is_cuda:
         from vlm_sdk.kernels.token_bitmask import apply_token_bitmask_
         index = torch.tensor(rows, dtype=torch.int32).pin_memory().to(logits.device, non_blocking=True)  # [n]
         apply_token_bitmask_(logits, index, bitmask.pin_memory().to(logits.device, non_blocking=True))
         return
-    vocab = logits.shape[1]
-    allowed = allowed_tokens(bitmask.to(logits.device, non_blocking=True), vocab)  # [len(rows), vocab]
-    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
-        logits.masked_fill_(~allowed, float("-inf"))
-        return
-    index = torch.tensor(rows, device=logits.device)  # [len(rows)]
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    forbidden = forbidden_tokens(bitmask.to(logits.device), logits.shape[1])  # [len(rows), vocab]
+    for j, r in enumerate(rows):
+        logits[r].masked_fill_(forbidden[j], float("-inf"))
