@@ -7,16 +7,21 @@ The chunk is the tail of the sequence: query j sits at position seq_len - q_len 
 One op thus serves whole prompts (seq_len == q_len), chunked prefill and prefix-cache hits (seq_len > q_len) and
 decode rows (q_len 1) of a mixed batch; q_len 0 rows write nothing.
 
-Kernel shape (FlashAttention-2 forward): grid (B, H, cdiv(max_query_len, BLOCK_M)); a program owns BLOCK_M queries
-of one sequence and one query head and streams that sequence's keys in BLOCK_N tiles with an fp32 online softmax,
-so nothing of size seq_len is materialised. Tiles past the tile's last query position are never visited (causal),
-and the loop is split in two: tiles entirely at or before the tile's first query position need no causal mask,
-only the few tiles on the diagonal pay for it. Keys are gathered per key position through the block table, so any
-block_size works (not only multiples of BLOCK_N); it is a compile-time constant (one per cache layout), which turns
-the page arithmetic into shifts for powers of two. One program per query head (rather than folding the GQA group
-into the M dimension) keeps the indexing trivial and the tile full for long chunks; the G heads sharing a KV head
-read the same pages, which the L2 cache absorbs. Programs past their sequence's chunk exit at once, so a padded
-max_query_len (CUDA graphs) costs only empty programs. No host synchronisation: lengths are read in the kernel.
+Kernel shape (FlashAttention-2 forward): grid (T, Hkv) over a list of T (sequence, first query) tiles
+(`prefill_tiles`: only the real tiles of a step, built from host lengths; without one, `dense_tiles` covers
+every (sequence, tile) pair up to max_query_len and the tiles past a chunk exit at once). A program owns
+QUERY_TILE queries of one sequence with all GROUP query heads of one KV head, stacked as the rows of its
+M tile (row r: query r // GROUP, head r % GROUP; GQA packing), so each K/V tile is read once per KV head,
+not once per query head, and a short chunk still fills the tile (a decode row alone: GROUP rows, not 1 of
+64). It streams the sequence's keys in BLOCK_N tiles with an fp32 online softmax, so nothing of size
+seq_len is materialised. Tiles past the tile's last query position are never visited (causal), and the
+loop is split in two: tiles entirely at or before the tile's first query position need no causal mask,
+only the few tiles on the diagonal pay for it. Keys are gathered per key position through the block
+table, so any block_size works (not only multiples of BLOCK_N); it is a compile-time constant (one per
+cache layout), which turns the page arithmetic into shifts for powers of two. For 63 decode rows beside
+one 8k chunk (16q/2kv) the old grid (B, H, cdiv(max_q, BLOCK_M)) launched 64 x 16 x 64 = 65,536 programs;
+the backend now sends the decode rows to the decode kernel and launches 512 x 2 = 1,024 here. No host
+synchronisation: lengths are read in the kernel.
 """
 from __future__ import annotations
 
