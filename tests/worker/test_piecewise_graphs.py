@@ -50,7 +50,7 @@ def _caches(model, device, dtype):
 def _compare(model, device, dtype, capture, steps, tol):
     dec = model.decoder
     caches = _caches(model, device, dtype)
-    graphs = PiecewiseGraphs(dec, caches, max_num_batched_tokens=64, position_rows=3, device=torch.device(device),
+    graphs = PiecewiseGraphs(dec, caches, max_num_batched_tokens=64, device=torch.device(device),
                              dtype=dtype, capture=capture)
     for ctx, new in steps:
         meta, positions = _mixed_step(ctx, new, device)

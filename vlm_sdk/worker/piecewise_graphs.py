@@ -21,8 +21,11 @@ the same code the plain forward runs, so `capture=False` (same buffers, run eage
 the plain forward. Not covered: DeepStack (Qwen3-VL adds image features at step-dependent rows after the
 first layers: such steps run the plain forward), and tensor parallelism is untested here.
 
-Memory: each bucket keeps its pieces' outputs alive (q/k/v/residual per layer boundary, from the graphs'
-shared pool, largest bucket first so the smaller ones reuse it).
+Memory: the pieces hand over through fixed buffers sized for the largest bucket (q, k, v: the attention's
+inputs; the residual stream; the attention's output), copied at each piece's end, so a piece's own
+temporaries are dead once it ends and the graphs' shared pool reuses them for the next piece: held
+are those buffers, one piece's temporaries and each bucket's rotary inputs and final hidden states,
+not L layers' worth of activations.
 """
 from __future__ import annotations
 
@@ -51,21 +54,26 @@ class PiecewiseGraphs:
     `LlamaDecoder`, `meta` the attention backend's prepared metadata for the step's real rows."""
 
     def __init__(self, decoder, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], *, max_num_batched_tokens: int,
-                 position_rows: int, device: torch.device, dtype: torch.dtype, capture: bool = True):
+                 device: torch.device, dtype: torch.dtype, capture: bool = True):
         self.decoder, self.kv_caches = decoder, kv_caches
         self.sizes = piecewise_sizes(max_num_batched_tokens)
         biggest = self.sizes[-1]
         layer = decoder.layers[0]
         hidden = decoder.cfg.hidden_size
         self.embeds = torch.zeros(biggest, hidden, dtype=dtype, device=device)  # [biggest, hidden]
-        shape = (position_rows, biggest) if position_rows > 1 else (biggest,)
+        # what the decoder takes: [3, N] for M-RoPE, [N] for plain RoPE
+        shape = (3, biggest) if decoder.cfg.mrope_section is not None else (biggest,)
         self.positions = torch.zeros(shape, dtype=torch.int64, device=device)  # [rows, biggest] or [biggest]
-        # what the attention writes and the next piece reads (rows past a step's n: stale padding, never read back)
-        self.attn = torch.zeros(biggest, layer.num_heads, layer.head_dim, dtype=dtype,
-                                device=device)  # [biggest, H, D]
+        h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        # the hand-over between pieces and the attention (rows past a step's n: stale padding, never read back)
+        self.q = torch.zeros(biggest, h, d, dtype=dtype, device=device)  # [biggest, H, D]
+        self.k = torch.zeros(biggest, hkv, d, dtype=dtype, device=device)  # [biggest, Hkv, D]
+        self.v = torch.zeros(biggest, hkv, d, dtype=dtype, device=device)  # [biggest, Hkv, D]
+        self.residual = torch.zeros(biggest, hidden, dtype=dtype, device=device)  # [biggest, hidden]
+        self.attn = torch.zeros(biggest, h, d, dtype=dtype, device=device)  # [biggest, H, D]
         self.capture = capture
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.outputs: dict[int, list[tuple]] = {}
+        self.outputs: dict[int, tuple] = {}  # size -> (its rotary inputs, its final hidden states)
         self.capture_seconds = 0.0
         if capture:
             self._capture_all(device)
@@ -77,42 +85,48 @@ class PiecewiseGraphs:
         return next(s for s in self.sizes if s >= n)
 
     def _pieces(self, size: int) -> list[Callable[[tuple], tuple]]:
-        """The L + 1 pieces of bucket `size`; each takes the previous piece's outputs (() for piece 0)."""
+        """The L + 1 pieces of bucket `size`. Piece 0 returns the rotary inputs (shared by the later
+        pieces: they take it as their argument); the others return nothing but the last, which returns
+        the final hidden states [size, hidden]."""
         dec = self.decoder
         layers = dec.layers
-        embeds, positions, attn = self.embeds[:size], self.positions[..., :size], self.attn[:size]
+        embeds, positions = self.embeds[:size], self.positions[..., :size]
+        q_buf, k_buf, v_buf, res_buf, attn = (t[:size] for t in (self.q, self.k, self.v, self.residual, self.attn))
 
-        def first(_prev):
+        def hand_over(q, k, v, residual):
+            q_buf.copy_(q)
+            k_buf.copy_(k)
+            v_buf.copy_(v)
+            res_buf.copy_(residual)
+
+        def first(_rope):
             rope = dec.ops.rotary_inputs(positions, dec.rotary, embeds.dtype)
-            return (rope, *layers[0].pre_attention(embeds, None, rope))
+            hand_over(*layers[0].pre_attention(embeds, None, rope))
+            return rope
 
         def middle(i):
-            def piece(prev):
-                rope, residual = prev[0], prev[4]
-                x, residual = layers[i - 1].post_attention(attn, residual)
-                return (rope, *layers[i].pre_attention(x, residual, rope))
+            def piece(rope):
+                x, residual = layers[i - 1].post_attention(attn, res_buf)
+                hand_over(*layers[i].pre_attention(x, residual, rope))
             return piece
 
-        def last(prev):
-            x, residual = layers[-1].post_attention(attn, prev[4])
-            return (dec.ops.add_rms_norm(x, residual, dec.norm.weight, dec.norm.eps)[0],)
+        def last(_rope):
+            x, residual = layers[-1].post_attention(attn, res_buf)
+            return dec.ops.add_rms_norm(x, residual, dec.norm.weight, dec.norm.eps)[0]
         return [first] + [middle(i) for i in range(1, len(layers))] + [last]
 
-    def _attend(self, i: int, prev: tuple, n: int, meta: AttentionMetadata) -> None:
+    def _attend(self, i: int, n: int, meta: AttentionMetadata) -> None:
         """Layer i's attention on the step's n real rows, eagerly, into the attention buffer."""
-        _, q, k, v, _ = prev
-        out = self.decoder.layers[i].attn(q[:n], k[:n], v[:n], self.kv_caches[i], meta)  # [n, H, D]
+        out = self.decoder.layers[i].attn(self.q[:n], self.k[:n], self.v[:n], self.kv_caches[i], meta)  # [n, H, D]
         self.attn[:n].copy_(out)
 
-    def _eager(self, size: int, n: int, meta: AttentionMetadata) -> tuple:
-        pieces, outs = self._pieces(size), []
-        prev: tuple = ()
-        for i, piece in enumerate(pieces):
-            prev = piece(prev)
-            outs.append(prev)
-            if i < len(pieces) - 1:
-                self._attend(i, prev, n, meta)
-        return outs
+    def _eager(self, size: int, n: int, meta: AttentionMetadata) -> torch.Tensor:  # [size, hidden]
+        pieces = self._pieces(size)
+        rope = pieces[0](None)
+        for i, piece in enumerate(pieces[1:]):
+            self._attend(i, n, meta)
+            out = piece(rope)
+        return out
 
     @torch.inference_mode()
     def _capture_all(self, device: torch.device) -> None:
@@ -123,19 +137,20 @@ class PiecewiseGraphs:
         pool = None
         for size in reversed(self.sizes):
             pieces = self._pieces(size)
-            prev: tuple = ()
-            for piece in pieces:  # warm-up
-                prev = piece(prev)
+            rope = pieces[0](None)  # warm-up
+            for piece in pieces[1:]:
+                piece(rope)
             torch.cuda.synchronize(device)
-            graphs, outs, prev = [], [], ()
-            for piece in pieces:
+            graphs = []
+            for i, piece in enumerate(pieces):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    prev = piece(prev)
+                    result = piece(rope)
+                if i == 0:
+                    rope = result  # the captured rotary inputs, read by every later piece
                 pool = graph.pool()
                 graphs.append(graph)
-                outs.append(prev)
-            self.graphs[size], self.outputs[size] = graphs, outs
+            self.graphs[size], self.outputs[size] = graphs, (rope, result)
         torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - t0
         logger.info("captured piecewise CUDA graphs for %d token counts %s in %.1f s", len(self.sizes), self.sizes,
@@ -152,10 +167,10 @@ class PiecewiseGraphs:
         self.positions[..., :n].copy_(positions)
         self.positions[..., n:size].zero_()
         if size not in self.graphs:
-            return self._eager(size, n, meta)[-1][0][:n]
-        graphs, outs = self.graphs[size], self.outputs[size]
+            return self._eager(size, n, meta)[:n]
+        graphs = self.graphs[size]
         for i, graph in enumerate(graphs):
+            if i:
+                self._attend(i - 1, n, meta)
             graph.replay()
-            if i < len(graphs) - 1:
-                self._attend(i, outs[i], n, meta)
-        return outs[-1][0][:n]
+        return self.outputs[size][1][:n]
