@@ -110,6 +110,8 @@ class LlamaDecoder(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype,
                                                                            device, tp)
         self.packed_head = None
+        # set by the worker when piecewise CUDA graphs are on (vlm_sdk/worker/piecewise_graphs.py)
+        self.piecewise = None
         self.requires_grad_(False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden]
@@ -129,6 +131,9 @@ class LlamaDecoder(nn.Module):
         rows, features = deepstack if deepstack is not None else (None, [])
         if len(features) > len(self.layers):
             raise ValueError(f"got {len(features)} DeepStack levels for {len(self.layers)} decoder layers")
+        pw = self.piecewise  # its graphs hold the engine's caches: other caches (the profile) run plainly
+        if pw is not None and not features and kv_caches is pw.kv_caches and pw.covers(inputs_embeds.shape[0]):
+            return pw.run(inputs_embeds, positions, meta)
         rope = self.ops.rotary_inputs(positions, self.rotary, inputs_embeds.dtype)  # shared by every layer
         x, residual = inputs_embeds, None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):

@@ -92,3 +92,28 @@ def test_piecewise_captured_equals_plain_forward_cuda(tiny_ckpt):
     graphs = _compare(model, "cuda", torch.float32, True, STEPS, dict(rtol=1e-4, atol=1e-4))
     assert sorted(graphs.graphs) == [16, 32, 64]
     assert all(len(g) == model.num_layers + 1 for g in graphs.graphs.values())
+
+
+def test_engine_steps_through_the_piecewise_path_cpu(tiny_ckpt):
+    """The decoder's hook (`LlamaDecoder.piecewise`, set by the worker with piecewise_cuda_graphs on
+    CUDA): whole requests, images included, give the same tokens through the pieces (run eagerly here)."""
+    from helpers import conversations
+    from vlm_sdk import SamplingParams
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    c = conversations()
+    convs = [c["text"], c["one_image"]]
+    llm = LLM(tiny_ckpt, attention_backend="torch", show_progress=False)
+    ref = [o.token_ids for o in llm.chat(convs, greedy)]
+    eng = llm.engine
+    dec = eng.model.decoder
+    pw = PiecewiseGraphs(dec, eng.runner.kv_caches, max_num_batched_tokens=eng.args.max_num_batched_tokens,
+                         device=eng.device, dtype=dec.embed_tokens.weight.dtype, capture=False)
+    calls = []
+    run = pw.run
+    pw.run = lambda embeds, *a: calls.append(embeds.shape[0]) or run(embeds, *a)
+    dec.piecewise = pw
+    try:
+        assert [o.token_ids for o in llm.chat(convs, greedy)] == ref
+    finally:
+        dec.piecewise = None
+    assert calls and max(calls) > 1  # prefill steps went through it
