@@ -138,7 +138,9 @@ def query_tile(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) 
     128, of 1 16 rows). One value per device and dtype, so a backend fixes it before it knows a
     layer's head count, and a model compiles one prefill variant. fp32 (exact dots on the FMA units,
     a parity path) and the interpreter: 4 queries (test-sized chunks span several tiles)."""
-    if torch.device(device).type != "cuda" or dtype == torch.float32:
+    # the CPU is the interpreter; any other device ("meta" included: the ahead-of-time compile check)
+    # gets the GPU tile, as in flash_launch_config
+    if torch.device(device).type == "cpu" or dtype == torch.float32:
         return 4
     return 16
 
