@@ -117,3 +117,22 @@ def test_engine_steps_through_the_piecewise_path_cpu(tiny_ckpt):
     finally:
         dec.piecewise = None
     assert calls and max(calls) > 1  # prefill steps went through it
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engine_with_piecewise_cuda_graphs_equals_torch(tiny_ckpt):
+    """piecewise_cuda_graphs=True: the worker captures the pieces after the decode graphs; prefill and
+    mixed steps replay them (float32; a near-tie may flip one conversation)."""
+    from helpers import conversations
+    from vlm_sdk import SamplingParams
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    c = conversations()
+    convs = [c["text"], c["one_image"], c["two_images"]]
+    ref = [o.token_ids for o in LLM(tiny_ckpt, attention_backend="torch", show_progress=False).chat(convs, greedy)]
+    llm = LLM(tiny_ckpt, device="cuda", dtype="float32", attention_backend="triton", num_blocks=64,
+              piecewise_cuda_graphs=True, show_progress=False)
+    pw = llm.engine.model.decoder.piecewise
+    assert pw is not None and pw.graphs
+    outs = [o.token_ids for o in llm.chat(convs, greedy)]
+    assert sum(a == b for a, b in zip(outs, ref)) >= len(convs) - 1
