@@ -94,9 +94,12 @@ def test_piecewise_captured_equals_plain_forward_cuda(tiny_ckpt):
     assert all(len(g) == model.num_layers + 1 for g in graphs.graphs.values())
 
 
-def test_engine_steps_through_the_piecewise_path_cpu(tiny_ckpt):
+@pytest.mark.parametrize("ckpt", ["tiny_ckpt", "internvl_ckpt"])
+def test_engine_steps_through_the_piecewise_path_cpu(request, ckpt):
     """The decoder's hook (`LlamaDecoder.piecewise`, set by the worker with piecewise_cuda_graphs on
-    CUDA): whole requests, images included, give the same tokens through the pieces (run eagerly here)."""
+    CUDA): whole requests, images included, give the same tokens through the pieces (run eagerly here);
+    Qwen2.5-VL's M-RoPE positions [3, N] and InternVL's 1-D [N]."""
+    tiny_ckpt = request.getfixturevalue(ckpt)
     from helpers import conversations
     from vlm_sdk import SamplingParams
     greedy = SamplingParams(max_tokens=4, temperature=0.0)
