@@ -25,6 +25,7 @@ synchronisation: lengths are read in the kernel.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
@@ -150,9 +151,13 @@ def prefill_tiles(query_lens: list[int], query_tile_len: int, device,
     """The (sequence, first query) pairs of the real tiles of a step, from host lengths (no sync):
     cdiv(q_len, query_tile_len) per sequence, none for empty ones. `seqs` restricts it to those rows
     (e.g. a mixed step's prefill rows; indices into the step's tables)."""
-    rows = range(len(query_lens)) if seqs is None else seqs
-    pairs = [(b, t) for b in rows for t in range(0, query_lens[b], query_tile_len)]
-    flat = torch.tensor(pairs, dtype=torch.int32).view(-1, 2)  # [T, 2]
+    rows = np.arange(len(query_lens)) if seqs is None else np.asarray(seqs, dtype=np.int64)  # [R]
+    lens = np.asarray(query_lens, dtype=np.int64)[rows] if len(rows) else np.zeros(0, np.int64)  # [R]
+    per_row = -(-lens // query_tile_len)  # [R] tiles of each row
+    first = np.cumsum(per_row) - per_row  # [R] index of each row's first tile
+    seq = np.repeat(rows, per_row)  # [T]
+    start = (np.arange(seq.shape[0]) - np.repeat(first, per_row)) * query_tile_len  # [T]
+    flat = torch.from_numpy(np.stack([seq, start], axis=1).astype(np.int32))  # [T, 2]
     return flat.to(device, non_blocking=True)
 
 
