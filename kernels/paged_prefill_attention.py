@@ -7,19 +7,25 @@ The chunk is the tail of the sequence: query j sits at position seq_len - q_len 
 One op thus serves whole prompts (seq_len == q_len), chunked prefill and prefix-cache hits (seq_len > q_len) and
 decode rows (q_len 1) of a mixed batch; q_len 0 rows write nothing.
 
-Kernel shape (FlashAttention-2 forward): grid (B, H, cdiv(max_query_len, BLOCK_M)); a program owns BLOCK_M queries
-of one sequence and one query head and streams that sequence's keys in BLOCK_N tiles with an fp32 online softmax,
-so nothing of size seq_len is materialised. Tiles past the tile's last query position are never visited (causal),
-and the loop is split in two: tiles entirely at or before the tile's first query position need no causal mask,
-only the few tiles on the diagonal pay for it. Keys are gathered per key position through the block table, so any
-block_size works (not only multiples of BLOCK_N); it is a compile-time constant (one per cache layout), which turns
-the page arithmetic into shifts for powers of two. One program per query head (rather than folding the GQA group
-into the M dimension) keeps the indexing trivial and the tile full for long chunks; the G heads sharing a KV head
-read the same pages, which the L2 cache absorbs. Programs past their sequence's chunk exit at once, so a padded
-max_query_len (CUDA graphs) costs only empty programs. No host synchronisation: lengths are read in the kernel.
+Kernel shape (FlashAttention-2 forward): grid (T, Hkv) over a list of T (sequence, first query) tiles
+(`prefill_tiles`: only the real tiles of a step, built from host lengths; without one, `dense_tiles` covers
+every (sequence, tile) pair up to max_query_len and the tiles past a chunk exit at once). A program owns
+QUERY_TILE queries of one sequence with all GROUP query heads of one KV head, stacked as the rows of its
+M tile (row r: query r // GROUP, head r % GROUP; GQA packing), so each K/V tile is read once per KV head,
+not once per query head, and a short chunk still fills the tile (a decode row alone: GROUP rows, not 1 of
+64). It streams the sequence's keys in BLOCK_N tiles with an fp32 online softmax, so nothing of size
+seq_len is materialised. Tiles past the tile's last query position are never visited (causal), and the
+loop is split in two: tiles entirely at or before the tile's first query position need no causal mask,
+only the few tiles on the diagonal pay for it. Keys are gathered per key position through the block
+table, so any block_size works (not only multiples of BLOCK_N); it is a compile-time constant (one per
+cache layout), which turns the page arithmetic into shifts for powers of two. For 63 decode rows beside
+one 8k chunk (16q/2kv) the old grid (B, H, cdiv(max_q, BLOCK_M)) launched 64 x 16 x 64 = 65,536 programs;
+the backend now sends the decode rows to the decode kernel and launches 512 x 2 = 1,024 here. No host
+synchronisation: lengths are read in the kernel.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
@@ -68,33 +74,42 @@ def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/
 # the block-table row stride (its width) varies per step: not specialised, or it compiles while serving
 # (nor the index tensors' alignment: they may be views of a packed per-step buffer)
 @triton.jit(do_not_specialize=["stride_tb"],
-            do_not_specialize_on_alignment=["block_tables", "cu_seqlens_q", "seq_lens"])
-def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seqlens_q, seq_lens,
+            do_not_specialize_on_alignment=["block_tables", "cu_seqlens_q", "seq_lens", "tiles"])
+def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seqlens_q, seq_lens, tiles,
                           stride_qn, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                           stride_on, stride_oh, stride_tb, qk_scale,
-                          BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          QUERY_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    tile_m = tl.program_id(2)
+    # tiles[pid] = (sequence, first query of the tile within its chunk); rows of the M tile are
+    # (query, head of this KV head's group) pairs, query-major: row r = query r // GROUP, head r % GROUP
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tiles + 2 * pid)
+    q0 = tl.load(tiles + 2 * pid + 1)
     q_start = tl.load(cu_seqlens_q + seq)
     q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
-    if tile_m * BLOCK_M >= q_len:
+    if q0 >= q_len:  # a dense tile list (no host lengths) past this chunk's end
         return
     seq_len = tl.load(seq_lens + seq)
     context_len = seq_len - q_len  # keys before the chunk
 
-    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the chunk
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = q0 + offs_r // GROUP  # [BLOCK_M] query index within the chunk
+    heads = kv_head * GROUP + offs_r % GROUP  # [BLOCK_M] query head of each row
     offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < q_len
+    # rows past QUERY_TILE * GROUP pad BLOCK_M to a power of two (a group of 7 fills 56 of 64)
+    mask_m = (offs_r < QUERY_TILE * GROUP) & (offs_m < q_len)
     mask_d = offs_d < HEAD_DIM
     # 64-bit scalar bases, 32-bit offsets within the chunk: 64-bit index vectors cost registers (spills)
-    q_base = q_ptr + q_start.to(tl.int64) * stride_qn + head * stride_qh
-    q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :],
+    q_base = q_ptr + q_start.to(tl.int64) * stride_qn
+    q = tl.load(q_base + offs_m[:, None] * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-    q_pos = context_len + offs_m  # [BLOCK_M]
+    first_pos = context_len + q0
+    last_pos = context_len + tl.minimum(q0 + QUERY_TILE, q_len) - 1
+    # padding rows take the first query's position, so every row sees key 0 and its max stays finite
+    q_pos = tl.where(mask_m, context_len + offs_m, first_pos)  # [BLOCK_M]
 
-    kv_head = head // GROUP
     k_base = k_cache + kv_head * stride_kh
     v_base = v_cache + kv_head * stride_vh
     table_row = block_tables + seq.to(tl.int64) * stride_tb
@@ -102,8 +117,6 @@ def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seq
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    first_pos = context_len + tile_m * BLOCK_M
-    last_pos = context_len + tl.minimum((tile_m + 1) * BLOCK_M, q_len) - 1
     # whole tiles every query of this tile may see: no causal mask
     unmasked_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_row, q_pos, offs_d, mask_d,
@@ -115,9 +128,46 @@ def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seq
                                   unmasked_end, last_pos + 1, BLOCK_SIZE, True, BLOCK_N, INPUT_PRECISION)
 
     acc = acc / l_i[:, None]
-    out_base = out_ptr + q_start.to(tl.int64) * stride_on + head * stride_oh
-    tl.store(out_base + offs_m[:, None] * stride_on + offs_d[None, :],
+    out_base = out_ptr + q_start.to(tl.int64) * stride_on
+    tl.store(out_base + offs_m[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def query_tile(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Queries per program, each with all `group` heads of one KV head: the M tile holds
+    next_power_of_2(query_tile * group) rows (CUDA: a group of 8 fills a 128-row tile, of 7 112 of
+    128, of 1 16 rows). One value per device and dtype, so a backend fixes it before it knows a
+    layer's head count, and a model compiles one prefill variant. fp32 (exact dots on the FMA units,
+    a parity path) and the interpreter: 4 queries (test-sized chunks span several tiles)."""
+    # the CPU is the interpreter; any other device ("meta" included: the ahead-of-time compile check)
+    # gets the GPU tile, as in flash_launch_config
+    if torch.device(device).type == "cpu" or dtype == torch.float32:
+        return 4
+    return 16
+
+
+def prefill_tiles(query_lens: list[int], query_tile_len: int, device,
+                  seqs: list[int] | None = None) -> torch.Tensor:  # [T, 2] int32
+    """The (sequence, first query) pairs of the real tiles of a step, from host lengths (no sync):
+    cdiv(q_len, query_tile_len) per sequence, none for empty ones. `seqs` restricts it to those rows
+    (e.g. a mixed step's prefill rows; indices into the step's tables)."""
+    rows = np.arange(len(query_lens)) if seqs is None else np.asarray(seqs, dtype=np.int64)  # [R]
+    lens = np.asarray(query_lens, dtype=np.int64)[rows] if len(rows) else np.zeros(0, np.int64)  # [R]
+    per_row = -(-lens // query_tile_len)  # [R] tiles of each row
+    first = np.cumsum(per_row) - per_row  # [R] index of each row's first tile
+    seq = np.repeat(rows, per_row)  # [T]
+    start = (np.arange(seq.shape[0]) - np.repeat(first, per_row)) * query_tile_len  # [T]
+    flat = torch.from_numpy(np.stack([seq, start], axis=1).astype(np.int32))  # [T, 2]
+    return flat.to(device, non_blocking=True)
+
+
+def dense_tiles(batch: int, max_query_len: int, query_tile_len: int, device) -> torch.Tensor:  # [T, 2] int32
+    """Every (sequence, tile) pair up to max_query_len, built on the device (no host lengths, graph-safe):
+    tiles past a chunk's end exit at once."""
+    per_seq = triton.cdiv(max_query_len, query_tile_len)
+    seq = torch.arange(batch, dtype=torch.int32, device=device).repeat_interleave(per_seq)  # [B * per_seq]
+    start = torch.arange(per_seq, dtype=torch.int32, device=device).repeat(batch) * query_tile_len
+    return torch.stack([seq, start], dim=1)  # [T, 2]
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out):
@@ -155,22 +205,37 @@ def paged_prefill_attention(q: torch.Tensor,  # [N, H, D] packed query chunks (s
                             max_query_len: int,
                             scale: float,
                             out: torch.Tensor | None = None,  # [N, H, D]
+                            tiles: torch.Tensor | None = None,  # [T, 2] int32 (prefill_tiles), or None
+                            query_tile_len: int | None = None,  # the tiles' step (query_tile); with `tiles`
                             ) -> torch.Tensor:  # [N, H, D]
+    """`tiles` (from `prefill_tiles` with `query_tile_len` queries each) launches only the real tiles;
+    without, every (sequence, tile) pair up to max_query_len is launched (`dense_tiles`)."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     batch, num_heads, head_dim = seq_lens.shape[0], q.shape[1], q.shape[2]
     if batch == 0 or max_query_len <= 0 or q.shape[0] == 0:
         return out
+    if (tiles is None) != (query_tile_len is None):
+        raise ValueError("tiles and query_tile_len go together")
+    if tiles is None:
+        query_tile_len = query_tile(q.device, q.dtype)
+        tiles = dense_tiles(batch, max_query_len, query_tile_len, q.device)
+    if tiles.dim() != 2 or tiles.shape[1] != 2 or tiles.dtype != torch.int32 or not tiles.is_contiguous():
+        raise ValueError(f"tiles must be contiguous int32 [T, 2], got {tuple(tiles.shape)} {tiles.dtype}")
+    if tiles.shape[0] == 0:
+        return out
+    group = num_heads // k_cache.shape[2]
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_n, num_warps, num_stages = flash_launch_config(q, max_query_len, block_d)
-    grid = (batch, num_heads, triton.cdiv(max_query_len, block_m))
+    block_m = max(16, triton.next_power_of_2(query_tile_len * group))
+    _, block_n, num_warps, num_stages = flash_launch_config(q, block_m, block_d)
+    grid = (tiles.shape[0], k_cache.shape[2])
     _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, tiles,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0), scale * _LOG2E, BLOCK_SIZE=k_cache.shape[1],
-        GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=group, HEAD_DIM=head_dim, QUERY_TILE=query_tile_len, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages)
     return out

@@ -86,6 +86,9 @@ class EngineArgs:
     show_progress: bool = True
     attention_backend: str | None = None  # "triton" (default on CUDA) or "torch" (default on the CPU)
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of from captured CUDA graphs
+    # CUDA, off until measured on a GPU: steps with prefill rows replay piecewise CUDA graphs around eager
+    # attention (worker/piecewise_graphs.py); its buffers and graph pool are outside the memory profile
+    piecewise_cuda_graphs: bool = False
     preemption_warning_per_minute: int = 10  # log a warning when preemptions in 60 s exceed this
     # tensor parallelism: the model split over this many ranks (GPUs), one worker process per rank
     tensor_parallel_size: int = 1
@@ -169,7 +172,7 @@ class EngineArgs:
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise InvalidRequestError(f"distributed_timeout must be a positive number of seconds, got {t!r}",
                                       param="distributed_timeout")
-        for name in ("show_progress", "enforce_eager", "shard_vision", "allow_unfit_images", "enable_prefix_caching",
+        for name in ("show_progress", "enforce_eager", "piecewise_cuda_graphs", "shard_vision", "allow_unfit_images", "enable_prefix_caching",
                      "allow_special_tokens_in_text"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -63,6 +63,16 @@ class LlamaDecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it): the next norm adds them
         (fused with the add), as HF's `x = x + mlp(norm(x))` does in two steps."""
+        q, k, v, residual = self.pre_attention(x, residual, rope)
+        attn = self.attn(q, k, v, kv_cache, meta)  # [N, H, D]
+        return self.post_attention(attn, residual)
+
+    # the two halves around the attention call: piecewise CUDA graphs (vlm_sdk/worker/piecewise_graphs.py)
+    # capture them and run the attention between them eagerly
+    def pre_attention(self, x: torch.Tensor,  # [N, hidden]
+                      residual: torch.Tensor | None,  # [N, hidden] or None for layer 0
+                      rope: RotaryInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [N, H, D], k [N, Hkv, D], v [N, Hkv, D], the residual stream [N, hidden]): norm, qkv, rotary."""
         ops, n = self.ops, x.shape[0]
         h, hkv = self.num_heads, self.num_kv_heads
         norm = self.input_layernorm
@@ -73,10 +83,14 @@ class LlamaDecoderLayer(nn.Module):
         qkv = self.qkv_proj(normed).view(n, h + 2 * hkv, self.head_dim)  # [N, H+2Hkv, D]
         qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         qk = ops.rotary(qkv[:, :h + hkv], h, rope, qk_norm)  # [N, H+Hkv, D]
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv:]  # [N, H, D], [N, Hkv, D], [N, Hkv, D]
-        attn = self.attn(q, k, v, kv_cache, meta)  # [N, H, D]
+        return qk[:, :h], qk[:, h:], qkv[:, h + hkv:], residual  # [N, H, D], [N, Hkv, D], [N, Hkv, D], [N, hidden]
+
+    def post_attention(self, attn: torch.Tensor,  # [N, H, D]
+                       residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, hidden] x 2
+        """o_proj, the add + norm, the MLP: (the MLP output, the residual stream before it)."""
+        ops, n = self.ops, attn.shape[0]
         norm = self.post_attention_layernorm
-        normed, residual = ops.add_rms_norm(self.o_proj(attn.reshape(n, h * self.head_dim)), residual,
+        normed, residual = ops.add_rms_norm(self.o_proj(attn.reshape(n, self.num_heads * self.head_dim)), residual,
                                             norm.weight, norm.eps)
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(normed))), residual
 
@@ -96,6 +110,8 @@ class LlamaDecoder(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype,
                                                                            device, tp)
         self.packed_head = None
+        # set by the worker when piecewise CUDA graphs are on (vlm_sdk/worker/piecewise_graphs.py)
+        self.piecewise = None
         self.requires_grad_(False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden]
@@ -115,6 +131,9 @@ class LlamaDecoder(nn.Module):
         rows, features = deepstack if deepstack is not None else (None, [])
         if len(features) > len(self.layers):
             raise ValueError(f"got {len(features)} DeepStack levels for {len(self.layers)} decoder layers")
+        pw = self.piecewise  # its graphs hold the engine's caches: other caches (the profile) run plainly
+        if pw is not None and not features and kv_caches is pw.kv_caches and pw.covers(inputs_embeds.shape[0]):
+            return pw.run(inputs_embeds, positions, meta)
         rope = self.ops.rotary_inputs(positions, self.rotary, inputs_embeds.dtype)  # shared by every layer
         x, residual = inputs_embeds, None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):

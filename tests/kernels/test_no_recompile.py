@@ -33,13 +33,13 @@ UNALIGNED_POINTERS = {
     "_store_kv_kernel": {"slot_ptr"},
     "_rotary_kernel": {"pos_ptr"},
     "_decode_split_kernel": {"block_tables_ptr", "seq_lens_ptr"},
-    "_paged_prefill_kernel": {"block_tables", "cu_seqlens_q", "seq_lens"},
+    "_paged_prefill_kernel": {"block_tables", "cu_seqlens_q", "seq_lens", "tiles"},
     "_varlen_attention_kernel": {"cu_seqlens"},
 }
 # kernel -> compiled variants one model may launch (what the warm-up must run): decode direct or
-# split; prefill/varlen tiles of 64 or 128 query rows (flash_launch_config); norm with or without
+# split; prefill: one tile (query_tile); varlen tiles of 64 or 128 query rows (flash_launch_config); norm with or without
 # the residual add
-VARIANTS = {"_decode_split_kernel": 2, "_decode_merge_kernel": 1, "_paged_prefill_kernel": 2,
+VARIANTS = {"_decode_split_kernel": 2, "_decode_merge_kernel": 1, "_paged_prefill_kernel": 1,
             "_varlen_attention_kernel": 2, "_rotary_kernel": 1, "_store_kv_kernel": 1, "_rms_norm_kernel": 2,
             "_silu_and_mul_kernel": 1}
 

@@ -28,6 +28,7 @@ from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import ImageInput
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs
+from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs
 from vlm_sdk.worker.io import ModelRunnerOutput, SchedulerOutput
 from vlm_sdk.worker.kernel_warmup import warm_up_kernels
 from vlm_sdk.worker.kv_cache import allocate_or_explain, bytes_per_block, plan_cache
@@ -112,6 +113,9 @@ class Worker:
         if self.device.type == "cuda" and self.ops.graph_safe and not args.enforce_eager:
             graphs = DecodeGraphs(m, self.kv_caches, max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                                   block_size=args.block_size, device=self.device, attention=self.ops.attention)
+            if args.piecewise_cuda_graphs and self.tp.size == 1:  # after the decode graphs' capture
+                m.decoder.piecewise = PiecewiseGraphs(m.decoder, self.kv_caches, device=self.device, dtype=self.dtype,
+                                                      max_num_batched_tokens=args.max_num_batched_tokens)
         self.runner = ModelRunner(m, self.kv_caches, args.block_size, self.device, self.dtype, args.seed,
                                   max_vision_patches=max_vision_patches, graphs=graphs,
                                   attention=self.ops.attention, samples=self.tp.rank == 0,

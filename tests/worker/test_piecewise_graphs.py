@@ -1,0 +1,141 @@
+"""Piecewise graphs (vlm_sdk/worker/piecewise_graphs.py): the decoder's pieces around eager attention
+equal the plain forward on mixed steps; on the CPU with capture=False (same buffers, run eagerly), on
+CUDA captured."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from vlm_sdk import LLM
+from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.config import CacheConfig
+from vlm_sdk.worker.kv_cache import allocate_kv_caches
+from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
+
+BLOCK = 16
+
+
+def _mixed_step(ctx, new, device):
+    """Metadata of one step: sequences with `ctx` earlier tokens and `new` tokens each (decode rows where
+    new is 1), blocks laid out one sequence after the other."""
+    tables, nxt = [], 0
+    for c, n in zip(ctx, new):
+        blocks = -(-(c + n) // BLOCK)
+        tables.append(list(range(nxt, nxt + blocks)))
+        nxt += blocks
+    width = max(len(t) for t in tables)
+    slots = [t[p // BLOCK] * BLOCK + p % BLOCK for c, n, t in zip(ctx, new, tables) for p in range(c, c + n)]
+    seq_lens = [c + n for c, n in zip(ctx, new)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=device),
+        query_start_loc=torch.tensor([0] + new, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        query_lens_cpu=list(new), seq_lens_cpu=seq_lens, max_query_len=max(new), max_seq_len=max(seq_lens))
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, new)]).expand(3, -1).to(device)  # [3, N]
+    return meta, positions
+
+
+def _caches(model, device, dtype):
+    caches = allocate_kv_caches(model.num_layers, CacheConfig(BLOCK, 16, 0, "test"), model.num_kv_heads,
+                                model.head_dim, dtype, torch.device(device))
+    for i, (k, v) in enumerate(caches):  # the same earlier K/V for every run
+        k.copy_(torch.randn(k.shape, generator=torch.Generator().manual_seed(2 * i)))
+        v.copy_(torch.randn(v.shape, generator=torch.Generator().manual_seed(2 * i + 1)))
+    return caches
+
+
+def _compare(model, device, dtype, capture, steps, tol):
+    dec = model.decoder
+    caches = _caches(model, device, dtype)
+    graphs = PiecewiseGraphs(dec, caches, max_num_batched_tokens=64, device=torch.device(device),
+                             dtype=dtype, capture=capture)
+    for ctx, new in steps:
+        meta, positions = _mixed_step(ctx, new, device)
+        meta = dec.ops.attention.prepare(meta, caches[0][0])
+        ids = torch.randint(0, model.vocab_size, (sum(new),), generator=torch.Generator().manual_seed(sum(new)))
+        embeds = model.embed_tokens(ids.to(device))
+        with torch.inference_mode():
+            ref = dec(embeds, positions, [(k.clone(), v.clone()) for k, v in caches], meta)
+            out = graphs.run(embeds, positions, meta)
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, **tol)
+    return graphs
+
+
+# (earlier tokens, new tokens) per sequence: decode rows beside a whole prompt and a chunk (27 tokens:
+# the 32 bucket), then a smaller step in the same bucket (stale padding rows), then a 64-token step
+STEPS = [([30, 0, 21, 47], [1, 19, 6, 1]), ([5, 12], [1, 17]), ([0, 40], [40, 24])]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_piecewise_eager_equals_plain_forward_cpu(tiny_ckpt, backend):
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1")
+    model = LLM(tiny_ckpt, attention_backend=backend, show_progress=False).engine.model
+    graphs = _compare(model, "cpu", torch.float32, False, STEPS, dict(rtol=1e-5, atol=1e-5))
+    assert graphs.sizes == [16, 32, 64] and not graphs.graphs
+
+
+def test_piecewise_sizes():
+    assert piecewise_sizes(64) == [16, 32, 64]
+    assert piecewise_sizes(2048)[-1] == 2048 and piecewise_sizes(100) == [16, 32, 64, 100]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_piecewise_captured_equals_plain_forward_cuda(tiny_ckpt):
+    model = LLM(tiny_ckpt, device="cuda", dtype="float32", attention_backend="triton", enforce_eager=True,
+                show_progress=False).engine.model
+    graphs = _compare(model, "cuda", torch.float32, True, STEPS, dict(rtol=1e-4, atol=1e-4))
+    assert sorted(graphs.graphs) == [16, 32, 64]
+    assert all(len(g) == model.num_layers + 1 for g in graphs.graphs.values())
+
+
+@pytest.mark.parametrize("ckpt", ["tiny_ckpt", "internvl_ckpt"])
+def test_engine_steps_through_the_piecewise_path_cpu(request, ckpt):
+    """The decoder's hook (`LlamaDecoder.piecewise`, set by the worker with piecewise_cuda_graphs on
+    CUDA): whole requests, images included, give the same tokens through the pieces (run eagerly here);
+    Qwen2.5-VL's M-RoPE positions [3, N] and InternVL's 1-D [N]."""
+    tiny_ckpt = request.getfixturevalue(ckpt)
+    from helpers import conversations
+    from vlm_sdk import SamplingParams
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    c = conversations()
+    convs = [c["text"], c["one_image"]]
+    llm = LLM(tiny_ckpt, attention_backend="torch", show_progress=False)
+    ref = [o.token_ids for o in llm.chat(convs, greedy)]
+    eng = llm.engine
+    dec = eng.model.decoder
+    pw = PiecewiseGraphs(dec, eng.runner.kv_caches, max_num_batched_tokens=eng.args.max_num_batched_tokens,
+                         device=eng.device, dtype=dec.embed_tokens.weight.dtype, capture=False)
+    calls = []
+    run = pw.run
+    pw.run = lambda embeds, *a: calls.append(embeds.shape[0]) or run(embeds, *a)
+    dec.piecewise = pw
+    try:
+        assert [o.token_ids for o in llm.chat(convs, greedy)] == ref
+    finally:
+        dec.piecewise = None
+    assert calls and max(calls) > 1  # prefill steps went through it
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engine_with_piecewise_cuda_graphs_equals_torch(tiny_ckpt):
+    """piecewise_cuda_graphs=True: the worker captures the pieces after the decode graphs; prefill and
+    mixed steps replay them (float32; a near-tie may flip one conversation)."""
+    from helpers import conversations
+    from vlm_sdk import SamplingParams
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    c = conversations()
+    convs = [c["text"], c["one_image"], c["two_images"]]
+    ref = [o.token_ids for o in LLM(tiny_ckpt, attention_backend="torch", show_progress=False).chat(convs, greedy)]
+    llm = LLM(tiny_ckpt, device="cuda", dtype="float32", attention_backend="triton", num_blocks=64,
+              piecewise_cuda_graphs=True, show_progress=False)
+    pw = llm.engine.model.decoder.piecewise
+    assert pw is not None and pw.graphs
+    outs = [o.token_ids for o in llm.chat(convs, greedy)]
+    assert sum(a == b for a, b in zip(outs, ref)) >= len(convs) - 1
