@@ -6,8 +6,7 @@ specialise the ints that vary per step (`do_not_specialize`: split counts, block
 positions' row stride; tests/kernels/test_no_recompile.py), so what is left to vary per model is a
 handful of constexpr choices, and this warm-up runs each once through the real model forward:
 
-    prefill, chunk <= 64 tokens     prefill tile of 64 query rows (`flash_launch_config`)
-    prefill, chunk > 64 tokens      tile of 128 rows
+    prefill, short and long chunk   the prefill kernel (one tile shape: queries x the GQA group)
     mixed: 1 decode row + a chunk   short and long chunk (the backend's mixed path, whatever it launches)
     decode, short context           one split: the decode kernel writes the output directly
     decode, long context            several splits + the merge kernel
