@@ -169,3 +169,18 @@ def test_n_samples_each_follow_the_grammar(llm):
     for sample in out.outputs:
         assert sample.finish_reason == "stop"
         jsonschema.validate(json.loads(sample.text), PERSON)
+
+
+def test_preemption_changes_no_constrained_token(tiny_ckpt, llm):
+    """A preempted constrained request keeps its matcher (its output tokens are kept and recomputed),
+    so it generates exactly what it does with room to spare."""
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=60, response_format=schema_format())
+              for s in range(4)]
+    free = llm.chat([CONV] * 4, params)
+    longest = max(len(o.prompt_token_ids) + 60 for o in free)
+    blocks = -(-longest // 16) + 1  # the longest fits alone; four at once do not
+    tight = LLM(tiny_ckpt, num_blocks=blocks, allow_unfit_images=True, show_progress=False)
+    outs = tight.chat([CONV] * 4, params)
+    assert tight.stats()["num_preemptions"] > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in free]
+    assert tight.stats()["kv_blocks_used"] == 0
