@@ -25,17 +25,11 @@ from vlm_sdk.worker.top_k_top_p import CANDIDATES, filtered_probs
 # per row: (prompt + generated token ids, number of prompt tokens, the ids min_tokens masks)
 History = tuple[list[int], int, tuple[int, ...]]
 
-# the sampler's [rows, vocab] temporaries at their peak, bytes per row and vocabulary entry (float32;
+# The sampler's [rows, vocab] temporaries at their peak, bytes per row and vocabulary entry (float32;
 # `vlm-sdk bench --sampler` measures them): a draw holds the probabilities and the exponentials (8),
 # penalties add the edited copy (4), logprobs their log-softmax and the drawn rows' log (8), a top-p
-# row whose nucleus passes the candidates its full sort (~20): 40 bounds all at once (the race kernel,
-# on CUDA, needs no exponentials: 4 less)
-PEAK_BYTES_PER_ENTRY = 40
-
-
-def peak_bytes(num_rows: int, vocab: int) -> int:
-    """An upper bound of the device memory one `Sampler.sample` call allocates beside its logits."""
-    return num_rows * vocab * PEAK_BYTES_PER_ENTRY
+# row whose nucleus passes the candidates its full sort (~20); the race kernel, on CUDA, needs no
+# exponentials. The memory profile runs the sampler on max_num_seqs rows (worker/profiler.py).
 
 
 class Sampler:
