@@ -60,7 +60,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     # parallel samples of one prompt, built (and its image encoded) once; sample i draws from seed + i
     n: int = 1
-    # constrained output (the engine compiles it with llguidance; docs/structured_outputs.md): OpenAI's
+    # constrained output (engine/structured_output.py, README "Structured outputs"): OpenAI's
     # {"type": "json_object"} / {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}, or
     # one of {"json": schema} | {"json_object": True} | {"regex": str} | {"choice": [str, ...]} |
     # {"grammar": Lark or GBNF text}. Either is stored as a `StructuredOutputs`; at most one may be set.
@@ -112,6 +112,9 @@ class SamplingParams:
                     self.response_format)
         object.__setattr__(self, "response_format", fmt)
         object.__setattr__(self, "structured_outputs", structured)
+        if self.min_tokens and self.grammar is not None:  # a complete grammar allows only EOS, which it masks
+            _refuse("min_tokens", "cannot be combined with structured outputs (the output ends where the grammar "
+                                  "does); leave min_tokens out", self.min_tokens)
 
     @property
     def grammar(self) -> "StructuredOutputs | None":

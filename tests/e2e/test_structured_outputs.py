@@ -81,14 +81,15 @@ def test_mask_leaves_other_rows_of_the_batch_alone(llm):
     free = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
             SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)]
     alone = llm.chat([CONV] * 2, free)
-    constrained = [SamplingParams(temperature=1.0, seed=s, max_tokens=60, response_format=schema_format())
+    constrained = [SamplingParams(temperature=1.0, seed=s, max_tokens=200, response_format=schema_format())
                    for s in range(3)]
     mixed = llm.chat([CONV] * 5, [free[0], constrained[0], free[1], constrained[1], constrained[2]])
     assert mixed[0].token_ids == alone[0].token_ids
     assert mixed[2].token_ids == alone[1].token_ids
-    for out in (mixed[1], mixed[3], mixed[4]):
-        if out.finish_reason == "stop":
-            jsonschema.validate(json.loads(out.text), PERSON)
+    done = [out for out in (mixed[1], mixed[3], mixed[4]) if out.finish_reason == "stop"]
+    assert len(done) == 3
+    for out in done:
+        jsonschema.validate(json.loads(out.text), PERSON)
 
 
 def test_logprobs_are_of_the_constrained_distribution(llm):
@@ -135,11 +136,14 @@ def test_bad_schema_regex_and_field_are_refused_naming_them(llm):
     assert e.value.param == "structured_outputs.choice"
     with pytest.raises(InvalidRequestError):
         SamplingParams(response_format={"type": "json_object"}, structured_outputs={"regex": "a"})
+    with pytest.raises(InvalidRequestError) as e:  # the grammar's end would be masked: refused, not ignored
+        SamplingParams(min_tokens=10, structured_outputs={"choice": ["yes", "no"]})
+    assert e.value.param == "min_tokens"
     assert llm.engine.stats()["kv_blocks_used"] == 0  # nothing was left running
 
 
 def test_compiled_once_and_off_the_engine_thread(tiny_ckpt):
-    params = SamplingParams(temperature=1.0, seed=2, max_tokens=80, response_format=schema_format())
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=200, response_format=schema_format())
     threads = []
 
     async def main():
@@ -157,9 +161,9 @@ def test_compiled_once_and_off_the_engine_thread(tiny_ckpt):
     outs, compiles = asyncio.run(main())
     assert compiles == 1  # four requests, one schema: one compile, the rest from the cache
     assert threads and all(name != "vlm-engine" for name in threads)
+    assert all(out.finish_reason == "stop" for out in outs)
     for out in outs:
-        if out.finish_reason == "stop":
-            jsonschema.validate(json.loads(out.text), PERSON)
+        jsonschema.validate(json.loads(out.text), PERSON)
 
 
 def test_n_samples_each_follow_the_grammar(llm):

@@ -23,3 +23,10 @@ def test_mask_equals_the_kernel_reference_on_the_constrained_rows_only():
         for token in (0, 31, 32, 517, vocab - 1):
             allowed = (int(bitmask[j, token // 32]) >> (token % 32)) & 1
             assert bool(forbidden[j, token]) == (not allowed)
+
+
+def test_logits_wider_than_the_grammar_vocabulary_forbid_the_rest():
+    logits = torch.zeros(2, 70)  # [2, 70]: the bitmask covers 64 tokens
+    bitmask = torch.full((1, 2), -1, dtype=torch.int32)  # every covered token allowed
+    apply_token_bitmask(logits, [1], bitmask)
+    assert torch.isinf(logits[1, 64:]).all() and (logits[1, :64] == 0).all() and (logits[0] == 0).all()

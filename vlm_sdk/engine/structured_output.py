@@ -77,10 +77,12 @@ class GrammarCompiler:
                 try:
                     self._ll_tokenizer = llguidance.hf.from_tokenizer(
                         self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
-                except ValueError as e:
-                    raise InvalidRequestError(
+                except ValueError as e:  # kept: every later request gets the answer without the retry
+                    self._ll_tokenizer = InvalidRequestError(
                         f"structured outputs need a fast (tokenizers-backed) tokenizer; this model's "
-                        f"{type(self.hf_tokenizer).__name__} cannot be used: {e}") from None
+                        f"{type(self.hf_tokenizer).__name__} cannot be used: {e}")
+            if isinstance(self._ll_tokenizer, InvalidRequestError):
+                raise self._ll_tokenizer
             return self._ll_tokenizer
 
     def compile(self, spec: StructuredOutputs) -> Grammar:
@@ -100,14 +102,14 @@ class GrammarCompiler:
         try:  # outside the lock: other prep threads go on with other grammars
             grammar = Grammar(self._build(spec))
         except BaseException as e:
-            pending.set_exception(e)
-            raise
-        finally:
             with self._lock:
                 self._pending.pop(spec, None)
-        with self._lock:
+            pending.set_exception(e)
+            raise
+        with self._lock:  # cached and no longer pending at once: nobody can find neither
             self.compiles += 1
             self._cache[spec] = grammar
+            self._pending.pop(spec, None)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         pending.set_result(grammar)

@@ -70,7 +70,7 @@ class DecodeGraphs:
         # two host copies used in turns: step t's copy may still be in flight while step t+1 is staged
         self._host = [torch.zeros(rows, biggest, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         for host in self._host:
-            host[1].fill_(-1)  # every row past a step's size is padding too when the whole buffer is copied
+            host[1].fill_(-1)  # slots start as padding (-1: no cache write); a graph reads only its size's columns
         self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}

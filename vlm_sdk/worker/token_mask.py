@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from vlm_sdk.worker.device_lists import to_device
+
 
 def _forbidden_bits(device: torch.device) -> torch.Tensor:  # [256, 8] bool
     """Row b: which of a byte's 8 bits are clear (bit k of byte b of word w is token 32w + 8b + k on a
@@ -26,9 +28,12 @@ def apply_token_bitmask(logits: torch.Tensor,  # [num_sampled, vocab], edited in
     the rows), which is also the kernel's reference here."""
     if logits.is_cuda:
         from vlm_sdk.kernels.token_bitmask import apply_token_bitmask_
-        index = torch.tensor(rows, dtype=torch.int32).pin_memory().to(logits.device, non_blocking=True)  # [n]
-        apply_token_bitmask_(logits, index, bitmask.pin_memory().to(logits.device, non_blocking=True))
+        apply_token_bitmask_(logits, to_device(rows, torch.int32, logits.device),  # [n]
+                             bitmask.to(logits.device, non_blocking=True))
         return
-    forbidden = forbidden_tokens(bitmask.to(logits.device), logits.shape[1])  # [len(rows), vocab]
+    vocab = logits.shape[1]
+    forbidden = forbidden_tokens(bitmask.to(logits.device), vocab)  # [len(rows), <= vocab]
+    if forbidden.shape[1] < vocab:  # logits wider than the grammar's vocabulary: the rest is forbidden
+        forbidden = torch.nn.functional.pad(forbidden, (0, vocab - forbidden.shape[1]), value=True)
     for j, r in enumerate(rows):
         logits[r].masked_fill_(forbidden[j], float("-inf"))
