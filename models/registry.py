@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vlm_sdk.errors import CheckpointError, InvalidRequestError
 

@@ -3,8 +3,6 @@ produce every token, the constrained outputs are checked against their grammar, 
 its figures; they are timings, so nothing here asserts a speed (BENCHMARKS.md has the real run)."""
 import json
 
-import pytest
-
 from vlm_sdk.cli import main
 
 SMALL = ["--so-requests", "4", "--so-tokens", "6", "--so-rounds", "1"]

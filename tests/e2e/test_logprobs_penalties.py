@@ -20,7 +20,6 @@ def llm(tiny_ckpt):
 @pytest.fixture(scope="module")
 def hf_logits(tiny_ckpt):
     """(prompt ids, generated ids) -> transformers' float32 logits [len(generated), vocab] that chose them."""
-    from transformers import AutoTokenizer
     ref = registry.load("qwen2_5_vl").reference
     model = ref.hf_model(str(tiny_ckpt)).float()
 
