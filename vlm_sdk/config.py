@@ -89,6 +89,10 @@ class EngineArgs:
     # CUDA, off until measured on a GPU: steps with prefill rows replay piecewise CUDA graphs around eager
     # attention (worker/piecewise_graphs.py); its buffers and graph pool are outside the memory profile
     piecewise_cuda_graphs: bool = False
+    # schedule and launch step t+1 while step t runs, its sampled ids kept on the device for t+1's inputs
+    # (vlm_sdk/engine/llm_engine.py); None: on CUDA with one rank. A request that finishes computes one
+    # token more, which is dropped; steps sampling a grammar- or penalty-bound request run synchronously
+    async_scheduling: bool | None = None
     preemption_warning_per_minute: int = 10  # log a warning when preemptions in 60 s exceed this
     # tensor parallelism: the model split over this many ranks (GPUs), one worker process per rank
     tensor_parallel_size: int = 1
@@ -172,6 +176,9 @@ class EngineArgs:
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise InvalidRequestError(f"distributed_timeout must be a positive number of seconds, got {t!r}",
                                       param="distributed_timeout")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise InvalidRequestError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}",
+                                      param="async_scheduling")
         for name in ("show_progress", "enforce_eager", "piecewise_cuda_graphs", "shard_vision", "allow_unfit_images", "enable_prefix_caching",
                      "allow_special_tokens_in_text"):
             if not isinstance(getattr(self, name), bool):
@@ -195,6 +202,18 @@ class EngineArgs:
                 f"the CPU default (max_num_seqs sequences of max_model_len tokens, at most 1 GiB). Leave "
                 f"memory_utilization out, or size the cache with e.g. kv_cache_memory='2GiB' "
                 f"(--kv-cache-memory 2GiB)", param="memory_utilization")
+
+    def resolve_async_scheduling(self, device: torch.device, tensor_parallel_size: int) -> bool:
+        """Whether steps are scheduled asynchronously: `async_scheduling`, or by default on CUDA with one
+        rank (on the CPU a step's work is done when it returns: there is nothing to overlap)."""
+        if self.async_scheduling is None:
+            return device.type == "cuda" and tensor_parallel_size == 1
+        if self.async_scheduling and tensor_parallel_size > 1:
+            raise InvalidRequestError(
+                f"async_scheduling=True needs tensor_parallel_size=1 (got {tensor_parallel_size}): the next step's "
+                f"ids stay on rank 0's device. Leave async_scheduling unset (or False) with tensor parallelism",
+                param="async_scheduling")
+        return self.async_scheduling
 
     def resolve_device(self) -> torch.device:
         if self.device is None:

@@ -122,10 +122,11 @@ def test_graph_step_staging_equals_the_eager_packing(ckpt, request):
         return run_graph(scheduled)
 
     def staged_run(n):
-        host = torch.from_numpy(graphs._host[graphs._turn].numpy()[:, :n].copy())  # [4 + rows, n]
+        host = torch.from_numpy(graphs._host[graphs._turn].numpy()[:, :n].copy())  # [5 + rows, n]
         step = runner._prepare(last["scheduled"])
         assert host[0].tolist() == step.input_ids.tolist() and host[1].tolist() == step.meta.slot_mapping.tolist()
-        assert host[3].tolist() == step.meta.seq_lens.tolist() and torch.equal(host[4:], step.positions)
+        assert host[3].tolist() == step.meta.seq_lens.tolist() and torch.equal(host[5:], step.positions)
+        assert host[4].tolist() == [-1] * n  # synchronous steps: every id is on the host
         width = step.meta.block_tables.shape[1]
         assert torch.equal(graphs.tables.device_table.index_select(0, host[2])[:, :width], step.meta.block_tables)
         seen.append(n)

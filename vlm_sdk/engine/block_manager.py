@@ -111,7 +111,9 @@ class BlockManager:
         """Offer the blocks that the first `num_tokens` tokens fill to the cache."""
         if not self.enable_prefix_caching:
             return
-        full = num_tokens // self.block_size
+        # a token still on the device (asynchronous scheduling) cannot be hashed yet: its block is
+        # offered by a later step, once the token has arrived
+        full = min(num_tokens, seq.num_tokens) // self.block_size
         if full <= seq.num_cached_blocks:
             return
         extend_block_hashes(seq.block_hashes, seq.token_ids, seq.image_spans, self.block_size, full * self.block_size)

@@ -6,6 +6,18 @@
     postprocess: append tokens, finish on EOS / stop_token_ids / max_tokens / max_model_len
                  -> [EngineOutput] (token ids; text is the OutputProcessor's, off this thread)
 
+Asynchronous scheduling (`EngineArgs.async_scheduling`, on by default on CUDA with one rank): the
+step is launched without waiting for it (`executor.execute_async`), and the previous step's output is
+read and post-processed while it runs:
+
+    step() call k:   schedule(k) -> launch(k) -> read(k-1) -> postprocess(k-1) -> outputs of k-1
+    device:          ... | step k-1 | step k     (the host work of call k+1 runs under step k)
+
+Scheduling step k+1 before step k's tokens are known, a decoding sequence asks for the token still
+on the device (`Sequence.num_inflight`; the runner takes its id from the device); a sequence that
+finishes at step k has computed one token more in step k+1, which is dropped. A step that samples a
+request whose grammar or penalties need its every token on the host is read at once.
+
 Not thread-safe by itself: `LLM` drives it from the caller's thread, `AsyncLLM` from one engine
 thread. `build_prompt` touches only the prompt tokenizer (behind a lock) and may run on any thread;
 `step` never touches a tokenizer.
@@ -27,7 +39,7 @@ from vlm_sdk.engine.preemption_watch import PreemptionWatch, preemption_warning
 from vlm_sdk.engine.prompt_guard import PromptGuard
 from vlm_sdk.engine.prompt_tokenizer import PromptTokenizer, PromptTooLong
 from vlm_sdk.engine.scheduler import ScheduledBatch, Scheduler
-from vlm_sdk.engine.sequence import Sequence
+from vlm_sdk.engine.sequence import Sequence, SequenceStatus
 from vlm_sdk.engine.structured_output import Grammar, GrammarCompiler, MaskFiller, accept
 from vlm_sdk.errors import InvalidRequestError, fixes_text
 from vlm_sdk.executor import make_executor
@@ -38,6 +50,7 @@ from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.sampling_params import SamplingParams
 from vlm_sdk.worker.block_table import blocks_needed
 from vlm_sdk.worker.io import ModelRunnerOutput
+from vlm_sdk.worker.pending_output import PendingOutput
 from vlm_sdk.worker.worker import RankLoad
 
 logger = logging.getLogger("vlm_sdk")
@@ -103,6 +116,8 @@ class LLMEngine:
         # running totals since start-up, for /metrics counters
         self.totals = {"prompt_tokens": 0, "image_tokens": 0, "generation_tokens": 0}
         self.preemptions = PreemptionWatch(args.preemption_warning_per_minute)
+        self.async_scheduling = args.resolve_async_scheduling(self.device, executor.world_size)
+        self._inflight: tuple[ScheduledBatch, PendingOutput] | None = None  # launched, output not read
 
     # rank 0's parts, for reports, benchmarks and tests
     @property
@@ -225,6 +240,8 @@ class LLMEngine:
         seq = Sequence(request_id, prompt, params)
         if grammar is not None:
             seq.matcher = grammar.matcher()
+        seq.sync_sampling = grammar is not None or params.min_tokens > 0 or params.repetition_penalty != 1.0 \
+            or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
         if params.min_tokens:
             eos = () if params.ignore_eos else tuple(sorted(self.eos_token_ids))
             seq.min_tokens_stop_ids = tuple(params.stop_token_ids) + eos
@@ -247,12 +264,17 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """Requests to run, or finished ones whose state the workers still hold: one more `step`
         frees it on every rank (an idle engine keeps nothing of a finished request)."""
-        return self.scheduler.has_unfinished() or self.scheduler.has_worker_finished()
+        return self.scheduler.has_unfinished() or self.scheduler.has_worker_finished() or self._inflight is not None
 
     def release_finished(self) -> None:
-        """Nothing left to run: let every rank drop the state of the finished requests now, not at the
-        next request's first step."""
-        if not self.scheduler.has_unfinished() and self.scheduler.has_worker_finished():
+        """Nothing left to run: read the last launched step (its tokens belong to finished requests:
+        dropped) and let every rank drop the state of the finished requests now, not at the next
+        request's first step."""
+        if self.scheduler.has_unfinished():
+            return
+        if self._inflight is not None:
+            self._read_inflight()
+        if self.scheduler.has_worker_finished():
             self.step()
 
     # -- the step ---------------------------------------------------------------------------------
@@ -260,27 +282,58 @@ class LLMEngine:
         """schedule -> run -> postprocess: one output per request that sampled a token."""
         batch = self.scheduler.schedule()
         if not batch.scheduled:
+            if self._inflight is not None:  # its finished requests are freed on the ranks next step
+                return self._read_inflight()
             if self.scheduler.has_worker_finished():  # nothing to run: the workers still free them
                 self.executor.execute(self.scheduler.worker_input(batch))
             return []
         if batch.preempted:
             self._note_preemptions(len(batch.preempted))
         work = self.scheduler.worker_input(batch)
-        masks = self._fill_masks([(seq.request_id, seq.matcher) for seq, n in batch.scheduled
-                                  if seq.matcher is not None and seq.num_computed_tokens + n == seq.num_tokens])
+        masks = self._fill_masks([(seq.request_id, seq.matcher) for seq, n in batch.scheduled if seq.matcher
+                                  is not None and seq.num_computed_tokens + n == seq.num_tokens + seq.num_inflight])
         if masks is not None:
             work = dataclasses.replace(work, grammar_bitmask=masks)
-        result = self.executor.execute(work)
-        return self._postprocess(batch, result)
+        read_now = self._launched(batch)
+        if not self.async_scheduling:
+            return self._postprocess(batch, self.executor.execute(work))
+        pending = self.executor.execute_async(work)
+        outputs = self._read_inflight() if self._inflight is not None else []
+        self._inflight = (batch, pending)
+        if read_now:
+            outputs += self._read_inflight()
+        return outputs
+
+    @staticmethod
+    def _launched(batch: ScheduledBatch) -> bool:
+        """Move the scheduled sequences' computed tokens on; count the tokens the step samples as on
+        their way. Whether a sampled sequence needs its token on the host before the next schedule."""
+        read_now = False
+        for seq, n in batch.scheduled:
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens + seq.num_inflight:  # the step samples its next token
+                seq.num_inflight += 1
+                if seq.sync_sampling:
+                    read_now = True
+        return read_now
+
+    def _read_inflight(self) -> list[EngineOutput]:
+        """Wait for the launched step and post-process it."""
+        batch, pending = self._inflight
+        self._inflight = None
+        return self._postprocess(batch, pending.result())
 
     def _postprocess(self, batch: ScheduledBatch, result: ModelRunnerOutput) -> list[EngineOutput]:
         outputs = []
         now = time.monotonic()
         sampled, logprobs = result.sampled_token_ids, result.logprobs
+        finished = SequenceStatus.FINISHED
         for seq, n in batch.scheduled:
-            seq.num_computed_tokens += n
             token = sampled.get(seq.request_id)
             if token is not None:
+                seq.num_inflight -= 1
+                if seq.status is finished:  # finished (or aborted) while this token was on its way: dropped
+                    continue
                 out = self._append_token(seq, token, now)
                 if logprobs:
                     logprob = logprobs.get(seq.request_id)

@@ -12,6 +12,10 @@ restarts shares the blocks of its longest cached prefix and computes only the re
 Every sequence is at most `max_model_len` tokens and `max_model_len` never exceeds the cache, so a
 sequence running alone always fits: preemption cannot loop forever.
 
+Asynchronous scheduling: a sequence whose last sampled token is still on the device (`num_inflight`)
+asks for that token too, and is left out when that token is certain to be its last (max_tokens or
+max_model_len reached); a waiting sequence is admitted only once its tokens have all arrived.
+
 `schedule()` decides on live `Sequence`s (`ScheduledBatch`); `worker_input(batch)` turns the decision
 into the worker's plain `SchedulerOutput`: a `NewRequestData` for a sequence the worker does not hold
 (first scheduled, or resumed after a preemption), a `CachedRequestData` with only what changed for
@@ -57,7 +61,10 @@ class Scheduler:
         running, allocate, scheduled = self.running, self.blocks.allocate, out.scheduled
         while i < len(running) and budget > 0:
             seq = running[i]
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            n = min(len(seq.token_ids) + seq.num_inflight - seq.num_computed_tokens, budget)
+            if seq.num_inflight and self._ends_with_inflight(seq):
+                i += 1
+                continue
             if allocate(seq, n):  # the usual case, kept lean: it runs for every sequence every step
                 scheduled.append((seq, n))
                 budget -= n
@@ -78,6 +85,8 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
+                if seq.num_inflight:  # preempted while its token was on the device: restart with it
+                    break
                 n = self.blocks.start(seq, budget)  # its cached prefix is not computed again
                 if n is None:
                     break
@@ -87,6 +96,11 @@ class Scheduler:
                 out.scheduled.append((seq, n))
                 budget -= n
         return out
+
+    def _ends_with_inflight(self, seq: Sequence) -> bool:
+        """Whether the tokens on their way take `seq` to max_model_len or max_tokens: nothing to compute."""
+        total, limit = seq.num_tokens + seq.num_inflight, seq.params.max_tokens
+        return total >= self.config.max_model_len or (limit is not None and total - seq.num_prompt_tokens >= limit)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -7,6 +7,10 @@ samples one new token. Preemption frees the blocks and sets `num_computed_tokens
 
 The worker holds its own copy of what it needs (`worker.io`); `in_worker`, `num_blocks_sent` and
 `num_tokens_sent` record what it has been sent, so each step sends only what changed.
+
+Under asynchronous scheduling `num_computed_tokens` moves when a step is launched and may run one
+ahead of `token_ids`: the token at index `len(token_ids)` was sampled by a launched step and is still
+on the device (`num_inflight`); the next step computes it from there (`worker.model_runner`).
 """
 from __future__ import annotations
 
@@ -47,6 +51,11 @@ class Sequence:
         self.num_preemptions = 0
         self.min_tokens_stop_ids: tuple[int, ...] = ()  # set by the engine (it knows the EOS ids)
         self.matcher = None  # structured outputs: the llguidance matcher of its grammar (engine/structured_output.py)
+        # asynchronous scheduling: tokens sampled by launched steps that have not reached the host yet
+        # (0 or 1 between steps; 2 while step t+1 is launched before step t's token is read), and whether
+        # a step that samples it must be read at once (its grammar or penalties need its every token)
+        self.num_inflight = 0
+        self.sync_sampling = False
         # prefix caching (engine.block_manager): the hashes of the full blocks of token_ids so far, and
         # how many of block_ids have been offered to the cache
         self.image_spans = [ImageSpan(p, p + im.num_tokens, im.key) for p, im in zip(prompt.image_positions,

@@ -31,6 +31,8 @@ _ENGINE_HELP = {
     "max_model_len": "longest sequence (prompt + output) in tokens",
     "attention_backend": "'triton' (default on CUDA) or 'torch' (the reference path, default on the CPU)",
     "enforce_eager": "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
+    "async_scheduling": "schedule and launch the next step while this one runs (default: on with CUDA and one "
+                        "rank; --no-async-scheduling turns it off)",
     "tensor_parallel_size": "split the model over this many ranks (GPUs), one process each (default 1); "
                             "under torchrun, the number of processes it starts",
     "shard_vision": "under tensor parallelism, split the vision tower over the ranks too (default; "
@@ -45,6 +47,7 @@ _ENGINE_HELP = {
                                     "by default they are plain text, so a user cannot forge another role's turn",
 }
 _ALIASES = {"tensor_parallel_size": ("--tp",)}
+_SWITCHES = {"async_scheduling"}  # on/off switches whose default (None) means "decided by the device"
 # flags whose EngineArgs default (None) does not tell their type; the rest follow their default's type
 _FLAG_TYPES = {"revision": str, "dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
                "encoder_cache_memory": str, "memory_utilization": float}
@@ -58,7 +61,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is MISSING else f.default
         help_text = _ENGINE_HELP.get(f.name, f"default {default}")
-        if isinstance(default, bool):  # an on/off switch: --name / --no-name
+        if isinstance(default, bool) or f.name in _SWITCHES:  # an on/off switch: --name / --no-name
             group.add_argument(flag, dest="engine_" + f.name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
             continue

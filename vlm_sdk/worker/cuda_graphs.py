@@ -13,14 +13,20 @@ the rows past `n` padded:
     slot        their cache slots            -1   (store_kv skips it: no cache write)
     table_rows  their rows in `tables`       0    (read only up to seq_len: not at all)
     seq_lens    their lengths                0    (paged_attention_decode writes zeros)
+    token_src   -1, or the row of `sampled_tokens` holding the token (asynchronous scheduling)   -1
     positions   their positions              0
 
-These five are views of ONE int64 device buffer `[4 + position_rows, biggest]`, and the runner
+These six are views of ONE int64 device buffer `[5 + position_rows, biggest]`, and the runner
 packs a step straight into a pinned host copy of it (`stage`): the step's inputs reach the graph in
 one host-to-device copy, padding included. The block tables are not copied per step at all: they
 live in `tables` (`BlockTables`: one row per request, updated only where blocks are added) and the
 graph gathers the step's rows itself (`index_select` by `table_rows`, captured with the rest), as it
 converts the lengths to int32.
+
+Under asynchronous scheduling a step is packed before the previous one's tokens reach the host: the
+runner copies each step's sampled tokens into `sampled_tokens` (a static device buffer) and marks a
+row whose token is still on the device with its index there (`token_src`); the graph picks those ids
+itself (`torch.where`, captured), so no host sync and no extra copy sits between two steps.
 
 The attention grid splits each context into `num_splits` parts fixed per size: each size's metadata
 is prepared by the attention backend (`AttentionBackend.prepare`, the hook the runner calls every
@@ -59,11 +65,13 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_num_seqs)
         biggest = self.sizes[-1]
         self.max_blocks = max_blocks = blocks_needed(max_model_len, block_size)
-        rows = 4 + model.position_rows
-        self.inputs = torch.zeros(rows, biggest, dtype=torch.int64, device=device)  # [4 + position_rows, biggest]
+        rows = 5 + model.position_rows
+        self.inputs = torch.zeros(rows, biggest, dtype=torch.int64, device=device)  # [5 + position_rows, biggest]
         self.inputs[1].fill_(-1)  # padding slots: what the graphs hold between steps too
-        self.input_ids, self.slot_mapping, self.table_rows, self.seq_lens = self.inputs[:4]  # [biggest] each
-        self.positions = self.inputs[4:]  # [position_rows, biggest]
+        self.inputs[4].fill_(-1)  # every id from input_ids
+        self.input_ids, self.slot_mapping, self.table_rows, self.seq_lens, self.token_src = self.inputs[:5]  # [biggest] each
+        self.positions = self.inputs[5:]  # [position_rows, biggest]
+        self.sampled_tokens = torch.zeros(biggest, dtype=torch.int64, device=device)  # the last step's, by row
         self.tables = BlockTables(biggest, max_blocks, device)  # the runner's: one row per request
         self.query_start_loc = torch.arange(biggest + 1, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
@@ -71,6 +79,7 @@ class DecodeGraphs:
         self._host = [torch.zeros(rows, biggest, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         for host in self._host:
             host[1].fill_(-1)  # slots start as padding (-1: no cache write); a graph reads only its size's columns
+            host[4].fill_(-1)
         self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -91,8 +100,12 @@ class DecodeGraphs:
             max_query_len=1, max_seq_len=self.max_model_len)  # fixed per size: one grid for every length
         return self.attention.prepare(meta, self.kv_caches[0][0])
 
+    def _input_ids(self, size: int) -> torch.Tensor:  # [size] int64
+        src = self.token_src[:size]  # [size]
+        return torch.where(src >= 0, self.sampled_tokens.index_select(0, src.clamp(min=0)), self.input_ids[:size])
+
     def _forward(self, size: int) -> torch.Tensor:  # [size, hidden]
-        embeds = self.model.embed_tokens(self.input_ids[:size])
+        embeds = self.model.embed_tokens(self._input_ids(size))
         return self.model(embeds, self.positions[:, :size], self.kv_caches, self._meta(size))
 
     @torch.inference_mode()
@@ -118,14 +131,15 @@ class DecodeGraphs:
     def size_for(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
 
-    def stage(self, n: int) -> np.ndarray:  # [4 + position_rows, size] int64, a pinned host view
+    def stage(self, n: int) -> np.ndarray:  # [5 + position_rows, size] int64, a pinned host view
         """The host copy to pack a step of `n` sequences into, rows `n..size` already padded: fill
-        `[0, :n]` ids, `[1, :n]` slots, `[2, :n]` table rows, `[3, :n]` lengths, `[4:, :n]` positions,
-        then `run(n)`."""
+        `[0, :n]` ids, `[1, :n]` slots, `[2, :n]` table rows, `[3, :n]` lengths, `[4, :n]` token
+        sources (-1: the id in row 0), `[5:, :n]` positions, then `run(n)`."""
         host = self._host[self._turn].numpy()
         size = self.size_for(n)
         host[:, n:size] = 0
         host[1, n:size] = -1
+        host[4, n:size] = -1
         return host[:, :size]
 
     @torch.inference_mode()

@@ -31,6 +31,7 @@ from vlm_sdk.worker.block_table import BlockTables
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs
 from vlm_sdk.worker.encoder_cache import EncoderCache
 from vlm_sdk.worker.io import ModelRunnerOutput, SchedulerOutput
+from vlm_sdk.worker.pending_output import PendingOutput
 from vlm_sdk.worker.request_state import RequestState
 from vlm_sdk.worker.sampler import Sampler
 from vlm_sdk.worker.token_mask import apply_token_bitmask
@@ -40,7 +41,8 @@ class ModelRunner:
     def __init__(self, model: VisionLanguageModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, dtype: torch.dtype, seed: int = 0,
                  max_vision_patches: int | None = None, graphs: DecodeGraphs | None = None, *,
-                 attention: AttentionBackend, samples: bool = True, encoder_cache_bytes: int = 0):
+                 attention: AttentionBackend, samples: bool = True, encoder_cache_bytes: int = 0,
+                 keep_sampled: bool = False):
         """`max_vision_patches` (None: no limit) caps the patches of one vision-tower call: the images
         of newly scheduled requests are encoded in groups of at most that many patches (a group
         always holds at least one image), so a step never exceeds the profiled peak of the largest
@@ -48,7 +50,9 @@ class ModelRunner:
         prepares each step's attention metadata once, before the forward. `samples` False: a
         tensor-parallel rank other than 0, which computes the logits (their gather is a collective) but
         leaves sampling to rank 0 and returns an empty output. `encoder_cache_bytes`: the vision
-        embeddings kept for reuse by image key (0: none)."""
+        embeddings kept for reuse by image key (0: none). `keep_sampled` (asynchronous scheduling):
+        each step's sampled tokens stay on the device, where the next step takes the ids the engine
+        has not sent yet (a request whose computed tokens reach past its known ones)."""
         self.model = model
         self.attention = attention
         self.max_vision_patches = max_vision_patches
@@ -70,6 +74,9 @@ class ModelRunner:
         self._linear = np.zeros(0, dtype=bool)  # whether the row's delta applies
         self._staging = [None, None]  # two pinned host buffers, used in turns (see `_upload`)
         self._turn = 0
+        self.keep_sampled = keep_sampled
+        self._sampled = torch.zeros(0, dtype=torch.int64, device=device)  # without graphs: the last step's tokens
+        self._last_rows: dict[str, int] = {}  # request id -> its row there, for the last step's samplers
 
     @property
     def graphs(self) -> DecodeGraphs | None:
@@ -129,15 +136,22 @@ class ModelRunner:
         self._pos_delta[state.row] = delta[:, 0]
 
     # -- the step ---------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Compute the scheduled tokens; sample one token for each request whose computed tokens
         catch up with all its tokens this step."""
+        return self.execute_async(sched).result()
+
+    @torch.inference_mode()
+    def execute_async(self, sched: SchedulerOutput) -> PendingOutput:
+        """`execute`, returning as soon as the step is queued on the device: its output arrives by
+        `PendingOutput.result()`. A request whose last token is still on its way (sampled by the
+        previous step, not yet sent by the engine) reads it from the device (`keep_sampled`)."""
         scheduled = self._update_states(sched)
         if not scheduled:
-            return ModelRunnerOutput()
+            self._last_rows = {}
+            return PendingOutput.done(ModelRunnerOutput())
         if self.graphs is not None and self.graphs.covers(len(scheduled)) \
-                and all(n == 1 and s.num_prompt_tokens <= s.num_computed_tokens == len(s.token_ids) - 1
+                and all(n == 1 and s.num_prompt_tokens <= s.num_computed_tokens >= len(s.token_ids) - 1
                         for s, n in scheduled):
             # generated tokens only: every image is behind them (none to encode, scatter or drop), so the
             # captured forward covers the step; every row samples (its one token is its last)
@@ -153,19 +167,45 @@ class ModelRunner:
             self._drop_passed_images(scheduled)
             sample_idx = step.sample_idx
             if not sample_idx:
-                return ModelRunnerOutput()
+                self._last_rows = {}
+                return PendingOutput([], None, self.device)  # its event: the step's buffers free again
             logits = self.model.compute_logits(hidden[step.sample_rows])  # [num_sampled, vocab]
         if not self.samples:
-            return ModelRunnerOutput()
+            return PendingOutput.done(ModelRunnerOutput())
         states = [scheduled[i][0] for i in sample_idx]
+        counts = [scheduled[i][1] for i in sample_idx]
         if sched.grammar_bitmask is not None:  # structured outputs: only the constrained rows change
             row_of = {s.request_id: j for j, s in enumerate(states)}
             apply_token_bitmask(logits, [row_of[r] for r in sched.grammar_bitmask.request_ids],
                                 sched.grammar_bitmask.bitmask)
         histories = [(s.token_ids, s.num_prompt_tokens, s.min_tokens_stop_ids) for s in states]
-        tokens, logprobs = self.sampler.sample(logits, [s.params for s in states], histories)
-        return ModelRunnerOutput({s.request_id: t for s, t in zip(states, tokens)},
-                                 {s.request_id: lp for s, lp in zip(states, logprobs) if lp is not None})
+        # the output index each row draws: its history may lack the token still on its way
+        draws = [s.num_computed_tokens + n - s.num_prompt_tokens for s, n in zip(states, counts)]
+        sampled = self.sampler.sample_on_device(logits, [s.params for s in states], histories, draws)
+        if self.keep_sampled:
+            self._keep(states, sampled.tokens)
+        return PendingOutput([s.request_id for s in states], sampled, self.device)
+
+    def _keep(self, states: list[RequestState], tokens: torch.Tensor) -> None:  # tokens [rows] int64
+        """The step's tokens into the static buffer the next step reads ids from (the graphs' when
+        they replay decode steps: captured, they read it by address)."""
+        if self.graphs is not None:
+            buf = self.graphs.sampled_tokens
+        else:
+            if self._sampled.numel() < len(states):
+                self._sampled = torch.zeros(max(2 * self._sampled.numel(), len(states), 8), dtype=torch.int64,
+                                            device=self.device)
+            buf = self._sampled
+        buf[:len(states)].copy_(tokens)
+        self._last_rows = {s.request_id: j for j, s in enumerate(states)}
+
+    def _token_source(self, state: RequestState) -> int:
+        """The row of the last step's sampled tokens holding `state`'s next token."""
+        row = self._last_rows.get(state.request_id)
+        if row is None:
+            raise RuntimeError(f"request {state.request_id!r}: token {state.num_computed_tokens} was neither sent "
+                               f"by the engine ({len(state.token_ids)} known) nor sampled by the last step")
+        return row
 
     def _encode_images(self, scheduled: list[tuple[RequestState, int]]) -> None:
         """Give every still-needed image of the scheduled requests its embeddings: from the encoder
@@ -213,17 +253,23 @@ class ModelRunner:
         """Pack the step's inputs with numpy from the persistent tables (no Python loop per token or per
         block), move them to the device in one copy, and gather the step's block-table rows there."""
         batch = len(scheduled)
-        ids, rows, starts, counts, totals, slow = [], [], [], [], [], []
+        ids, rows, starts, counts, known, slow = [], [], [], [], [], []
+        fill_at, fill_src = [], []  # tokens still on the device: their index in the step, their source row
         for i, (s, n) in enumerate(scheduled):
             start = s.num_computed_tokens
             if n == 1:
-                ids.append(s.token_ids[start])
+                if start < len(s.token_ids):
+                    ids.append(s.token_ids[start])
+                else:  # sampled by the last step, not sent yet (asynchronous scheduling)
+                    fill_at.append(len(ids))
+                    fill_src.append(self._token_source(s))
+                    ids.append(0)
             else:
                 ids.extend(s.token_ids[start:start + n])
             rows.append(s.row)
             starts.append(start)
             counts.append(n)
-            totals.append(len(s.token_ids))
+            known.append(len(s.token_ids))
             if start < s.num_prompt_tokens:
                 slow.append(i)  # prompt tokens: the family's positions (M-RoPE tables, images)
         row_arr = np.array(rows, dtype=np.int64)  # [batch]
@@ -241,7 +287,7 @@ class ModelRunner:
         tok_row = row_arr[tok_req]  # [num_tokens]
         bs = self.block_size
         slots = self.tables.host_np[tok_row, tok_pos // bs].astype(np.int64) * bs + tok_pos % bs  # [num_tokens]
-        sample_idx = np.flatnonzero(end_arr == np.array(totals, dtype=np.int64))  # [num_sampled]
+        sample_idx = np.flatnonzero(end_arr >= np.array(known, dtype=np.int64))  # [num_sampled]
         sample_rows = q_start[1:][sample_idx] - 1  # [num_sampled]
         positions = tok_pos[None, :] + self._pos_delta[tok_row].T  # [position_rows, num_tokens]
         for i in slow + [i for i in np.flatnonzero(~self._linear[row_arr]).tolist() if i not in slow]:
@@ -249,10 +295,14 @@ class ModelRunner:
             positions[:, lo:hi] = self.model.positions(s.prompt_positions, starts[i], starts[i] + counts[i]).numpy()
         width = int(self.tables.num_blocks[row_arr].max())
         parts = [np.array(ids, dtype=np.int64), slots, q_start, end_arr, sample_rows, row_arr, positions.reshape(-1)]
-        sizes = [num_tokens, num_tokens, batch + 1, batch, len(sample_rows), batch]
+        sizes = [num_tokens, num_tokens, batch + 1, batch, len(sample_rows), batch, positions.size]
+        if fill_at:
+            parts += [np.array(fill_at, dtype=np.int64), np.array(fill_src, dtype=np.int64)]
+            sizes += [len(fill_at), len(fill_at)]
         dev = self._upload(parts)
-        input_ids, slot_map, q_start_d, seq_lens_d, sample_rows_d, rows_d, pos_d = dev.split(
-            sizes + [positions.size])
+        input_ids, slot_map, q_start_d, seq_lens_d, sample_rows_d, rows_d, pos_d, *fill = dev.split(sizes)
+        if fill:
+            input_ids[fill[0]] = self._last_sampled().index_select(0, fill[1])
         self.tables.flush()  # new block ids since the last step: only those entries
         tables = self.tables.device_table.index_select(0, rows_d)[:, :width]  # [batch, width] int32
         meta = AttentionMetadata(
@@ -266,19 +316,28 @@ class ModelRunner:
     def _run_graph(self, scheduled: list[tuple[RequestState, int]]) -> torch.Tensor:  # [n, hidden]
         """A decode step packed straight into the graphs' staged inputs (one copy), then replayed."""
         n = len(scheduled)
-        host = self.graphs.stage(n)  # [4 + position_rows, size] int64
+        host = self.graphs.stage(n)  # [5 + position_rows, size] int64
         rows = np.fromiter((s.row for s, _ in scheduled), dtype=np.int64, count=n)  # [n]
         pos = np.fromiter((s.num_computed_tokens for s, _ in scheduled), dtype=np.int64, count=n)  # [n]
-        host[0, :n] = [s.token_ids[s.num_computed_tokens] for s, _ in scheduled]
+        if not self._last_rows:  # every id on the host
+            host[0, :n] = [s.token_ids[s.num_computed_tokens] for s, _ in scheduled]
+            host[4, :n] = -1
+        else:  # asynchronous scheduling: the graph takes ids sampled by the last step from the device
+            on_device = [s.num_computed_tokens >= len(s.token_ids) for s, _ in scheduled]
+            host[0, :n] = [0 if d else s.token_ids[s.num_computed_tokens] for d, (s, _) in zip(on_device, scheduled)]
+            host[4, :n] = [self._token_source(s) if d else -1 for d, (s, _) in zip(on_device, scheduled)]
         bs = self.block_size
         host[1, :n] = self.tables.host_np[rows, pos // bs].astype(np.int64) * bs + pos % bs
         host[2, :n] = rows
         host[3, :n] = pos + 1
-        host[4:, :n] = pos[None, :] + self._pos_delta[rows].T
+        host[5:, :n] = pos[None, :] + self._pos_delta[rows].T
         for i in np.flatnonzero(~self._linear[rows]).tolist():  # a family whose positions are not index + delta
             s = scheduled[i][0]
-            host[4:, i] = self.model.positions(s.prompt_positions, int(pos[i]), int(pos[i]) + 1)[:, 0].numpy()
+            host[5:, i] = self.model.positions(s.prompt_positions, int(pos[i]), int(pos[i]) + 1)[:, 0].numpy()
         return self.graphs.run(n)
+
+    def _last_sampled(self) -> torch.Tensor:  # [rows] int64: the last step's tokens, by row
+        return self.graphs.sampled_tokens if self.graphs is not None else self._sampled
 
     def _upload(self, parts: list[np.ndarray]) -> torch.Tensor:  # [sum of sizes] int64, on the device
         """One int64 host buffer (pinned on CUDA, grown as needed) -> the device in one copy. Two

@@ -20,6 +20,7 @@ from vlm_sdk.outputs import TokenLogprob
 from vlm_sdk.sampling_params import SamplingParams
 from vlm_sdk.worker.device_lists import to_device
 from vlm_sdk.worker.penalties import apply_penalties, needs_edit
+from vlm_sdk.worker.sampled_tokens import SampledTokens
 from vlm_sdk.worker.top_k_top_p import CANDIDATES, filtered_probs
 
 # per row: (prompt + generated token ids, number of prompt tokens, the ids min_tokens masks)
@@ -56,10 +57,20 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor,  # [num_seqs, vocab] float32
                params: list[SamplingParams],
-               histories: list[History] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
-        """The next token of each row, and its `TokenLogprob` where the row's params ask for one.
-        A seeded row's draw is the `len(token_ids) - num_prompt` th of its request (0 without
-        `histories`)."""
+               histories: list[History] | None = None,
+               draws: list[int] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The next token of each row, and its `TokenLogprob` where the row's params ask for one
+        (`sample_on_device`, then read back: waits for the device)."""
+        return self.sample_on_device(logits, params, histories, draws).lists()
+
+    def sample_on_device(self, logits: torch.Tensor,  # [num_seqs, vocab] float32
+                         params: list[SamplingParams],
+                         histories: list[History] | None = None,
+                         draws: list[int] | None = None) -> SampledTokens:
+        """The rows' tokens (and asked-for logprobs) on the logits' device; nothing waits for the device.
+        `draws[i]`: which output token of its request row i draws (a seeded row's key); default
+        `len(token_ids) - num_prompt` of its history (0 without `histories`). Under asynchronous
+        scheduling the runner passes it: the history then lacks the token still on its way."""
         if histories is not None and any(needs_edit(p, len(h[0]) - h[1]) for p, h in zip(params, histories)):
             logits = logits.float().clone()  # [num_seqs, vocab]; the caller's logits stay as they were
             apply_penalties(logits, params, histories)
@@ -68,20 +79,22 @@ class Sampler:
         if all(p.greedy for p in params):
             logprobs = logits[to_device(want, torch.long, logits.device)].float().log_softmax(dim=-1) \
                 if want else None  # [len(want), vocab]
-            return tokens.tolist(), self._pack(tokens, logprobs, want, params)
+            return SampledTokens.gather(tokens, logprobs, want, params)
         dev = logits.device
         rows = [i for i, p in enumerate(params) if not p.greedy]
         every = len(rows) == len(params)
         mine = logits if every else logits[to_device(rows, torch.long, dev)]  # [len(rows), vocab]
         probs = filtered_probs(mine.float(), [params[i] for i in rows], self.candidates)  # [len(rows), vocab]
         seeds = [params[i].seed for i in rows]
-        draws = [0 if histories is None else len(histories[i][0]) - histories[i][1] for i in rows]
+        if draws is None:
+            draws = [len(h[0]) - h[1] for h in histories] if histories is not None else [0] * len(params)
+        row_draws = [draws[i] for i in rows]
         # the exponential race: argmax p/q with q ~ Exp(1) draws exactly from p
         if self.race_kernel or (self.race_kernel is None and dev.type == "cuda"):
             from vlm_sdk.kernels.exponential_race import exponential_race  # Triton: imported where used
-            sampled = exponential_race(probs, self._race_keys(seeds, draws, dev))  # [len(rows)]
+            sampled = exponential_race(probs, self._race_keys(seeds, row_draws, dev))  # [len(rows)]
         else:
-            q = self._exponentials(probs.shape, seeds, draws, dev)  # [len(rows), vocab]
+            q = self._exponentials(probs.shape, seeds, row_draws, dev)  # [len(rows), vocab]
             sampled = torch.div(probs, q, out=q).argmax(dim=-1)  # [len(rows)]
         if every:
             tokens = sampled
@@ -96,7 +109,7 @@ class Sampler:
             if drawn:
                 src = to_device([pos[want[k]] for k in drawn], torch.long, dev)
                 logprobs[to_device(drawn, torch.long, dev)] = probs[src].log_()  # a gathered copy: log in place
-        return tokens.tolist(), self._pack(tokens, logprobs, want, params)
+        return SampledTokens.gather(tokens, logprobs, want, params)
 
     def _race_keys(self, seeds: list[int | None], draws: list[int], device: torch.device) -> torch.Tensor:
         """[rows] int64 Philox keys of the race kernel: a seeded row's is `draw_seed(seed, draw)`
@@ -132,24 +145,6 @@ class Sampler:
             if seed is not None:
                 q[j].exponential_(1.0, generator=g.manual_seed(draw_seed(seed, n)))  # a view: fills q's row
         return q
-
-    @staticmethod
-    def _pack(tokens: torch.Tensor,  # [num_seqs]
-              logprobs: torch.Tensor | None,  # [len(want), vocab]
-              want: list[int], params: list[SamplingParams]) -> list[TokenLogprob | None]:
-        out: list[TokenLogprob | None] = [None] * len(params)
-        if not want:
-            return out
-        k = max(params[i].logprobs for i in want)
-        chosen = logprobs.gather(1, tokens[to_device(want, torch.long, tokens.device)][:, None])[:, 0].tolist()
-        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()  # one copy to the host for all rows
-        token_list = tokens.tolist()
-        for j, i in enumerate(want):
-            n = params[i].logprobs
-            out[i] = TokenLogprob(token_list[i], chosen[j], tuple(zip(top_ids[j][:n], top_vals[j][:n])))
-        return out
-
 
 _MASK64 = (1 << 64) - 1
 

@@ -33,6 +33,7 @@ from vlm_sdk.worker.io import ModelRunnerOutput, SchedulerOutput
 from vlm_sdk.worker.kernel_warmup import warm_up_kernels
 from vlm_sdk.worker.kv_cache import allocate_or_explain, bytes_per_block, plan_cache
 from vlm_sdk.worker.model_runner import ModelRunner
+from vlm_sdk.worker.pending_output import PendingOutput
 from vlm_sdk.worker.profiler import profile_num_tokens, profile_peak_bytes
 from vlm_sdk.worker.weights import WeightBytes, weight_bytes
 
@@ -119,11 +120,15 @@ class Worker:
         self.runner = ModelRunner(m, self.kv_caches, args.block_size, self.device, self.dtype, args.seed,
                                   max_vision_patches=max_vision_patches, graphs=graphs,
                                   attention=self.ops.attention, samples=self.tp.rank == 0,
-                                  encoder_cache_bytes=args.encoder_cache_memory)
+                                  encoder_cache_bytes=args.encoder_cache_memory,
+                                  keep_sampled=args.resolve_async_scheduling(self.device, self.tp.size))
         warm_up_kernels(self.runner, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(sched)
+
+    def execute_async(self, sched: SchedulerOutput) -> PendingOutput:
+        return self.runner.execute_async(sched)
 
     def held_state(self) -> tuple[int, int]:
         """(requests this rank keeps state for, image embeddings requests hold): both 0 once every

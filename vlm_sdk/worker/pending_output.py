@@ -1,0 +1,50 @@
+"""A launched step whose sampled tokens are on their way to the host (asynchronous scheduling).
+
+    runner.execute_async(sched) -> PendingOutput     the step is queued on the device; nothing waited
+    ...                                              the engine schedules and launches the next step
+    pending.result() -> ModelRunnerOutput            waits for this step's event, reads its tokens
+
+Every step records its event, sampling or not: `result()` is also what tells the runner that the
+step's pinned host buffers (staged inputs, used in turns of two) are free to be packed again.
+"""
+from __future__ import annotations
+
+import torch
+
+from vlm_sdk.worker.io import ModelRunnerOutput
+from vlm_sdk.worker.sampled_tokens import SampledTokens
+
+
+class PendingOutput:
+    def __init__(self, request_ids: list[str], sampled: SampledTokens | None, device: torch.device):
+        """`request_ids`: the sampled rows' requests, in row order. Queues the host copies and records
+        the step's event (CUDA)."""
+        self._request_ids, self._sampled, self._output = request_ids, sampled, None
+        self._event = None
+        if sampled is not None:
+            sampled.start_copy()
+        if device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    @classmethod
+    def done(cls, output: ModelRunnerOutput) -> "PendingOutput":
+        """An output already on the host (a rank that does not sample, an empty step, an executor
+        without asynchronous steps)."""
+        pending = cls([], None, torch.device("cpu"))
+        pending._output = output
+        return pending
+
+    def result(self) -> ModelRunnerOutput:
+        """The step's `ModelRunnerOutput`, once its copies have landed (waits for the device)."""
+        if self._output is None:
+            if self._event is not None:
+                self._event.synchronize()
+            if self._sampled is None:
+                self._output = ModelRunnerOutput()
+            else:
+                tokens, logprobs = self._sampled.lists()
+                ids = self._request_ids
+                self._output = ModelRunnerOutput(dict(zip(ids, tokens)),
+                                                 {r: lp for r, lp in zip(ids, logprobs) if lp is not None})
+        return self._output
