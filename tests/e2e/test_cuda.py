@@ -75,3 +75,18 @@ def test_two_gpus_with_cuda_graphs_give_the_tokens_of_one(tiny_ckpt):
         assert two.engine.runner.graphs is not None
         assert [o.token_ids for o in two.chat(convs, params)] == want
         assert [r.device for r in two.memory_report.ranks] == ["cuda:0", "cuda:1"]
+
+
+def test_async_scheduling_on_cuda_graphs_gives_the_synchronous_tokens(tiny_ckpt):
+    """On by default on CUDA: decode steps replay graphs that take their ids from the device while the
+    host schedules the next step; tokens (greedy, seeded, logprobs) equal the synchronous engine's."""
+    convs = list(conversations().values()) * 3
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.8, seed=9, logprobs=2)] * 6
+    sync = LLM(tiny_ckpt, device="cuda", dtype="float32", num_blocks=512, async_scheduling=False,
+               show_progress=False).chat(convs, params)
+    llm = LLM(tiny_ckpt, device="cuda", dtype="float32", num_blocks=512, show_progress=False)
+    assert llm.engine.async_scheduling and llm.engine.runner.graphs is not None
+    outs = llm.chat(convs, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
+    assert llm.stats()["kv_blocks_used"] == 0 and llm.engine.executor.driver.held_state() == (0, 0)
