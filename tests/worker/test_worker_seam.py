@@ -14,7 +14,7 @@ from vlm_sdk.engine.block_manager import BlockManager
 from vlm_sdk.engine.scheduler import Scheduler
 from vlm_sdk.engine.sequence import Sequence
 from vlm_sdk.multimodal.inputs import PromptInputs
-from vlm_sdk.worker.io import CachedRequestData, NewRequestData, SchedulerOutput
+from vlm_sdk.worker.io import NO_IDS, CachedRequestData, NewRequestData, SchedulerOutput
 
 PLAIN = (int, str, float, bool, type(None), torch.Tensor, SamplingParams)
 
@@ -64,7 +64,8 @@ def test_scheduler_sends_new_then_only_changes_then_frees():
     assert first.output_token_ids == [] and first.block_ids == [0, 1] and first.num_computed_tokens == 0
     out = _run(s)  # a decodes its sampled token 7; b continues its prefill
     assert not out.new_requests and out.num_scheduled_tokens == {"a": 1, "b": 3}
-    assert out.cached_requests == [CachedRequestData("a", [], 5, [7]), CachedRequestData("b", [], 1, [])]
+    # nothing added: the shared empty NO_IDS, not a new list per request per step
+    assert out.cached_requests == [CachedRequestData("a", NO_IDS, 5, [7]), CachedRequestData("b", NO_IDS, 1, NO_IDS)]
     # a grows past its blocks while b holds 2 of the 5: the pool runs dry and b (the latest) is preempted
     for _ in range(20):
         out = _run(s)

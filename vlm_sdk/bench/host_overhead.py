@@ -147,7 +147,7 @@ def measure(model_dir: str, batch: int, steps: int, prompt_len: int) -> dict:
         if hasattr(runner, "_run_graph"):  # decode steps packed straight into the graphs' inputs
             timers.wrap(runner, "_run_graph", "runner_graph_step")  # graph_run included
         timers.wrap(runner.graphs, "run", "graph_run")
-        timers.wrap(runner.sampler, "sample", "sampler")
+        timers.wrap(runner.sampler, "sample_on_device", "sampler")
         timers.wrap(engine, "_postprocess", "engine_postprocess")
         params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)  # up to max_model_len
         for i in range(batch):

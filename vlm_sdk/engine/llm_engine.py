@@ -118,6 +118,7 @@ class LLMEngine:
         self.preemptions = PreemptionWatch(args.preemption_warning_per_minute)
         self.async_scheduling = args.resolve_async_scheduling(self.device, executor.world_size)
         self._inflight: tuple[ScheduledBatch, PendingOutput] | None = None  # launched, output not read
+        self._constrained: dict[str, Sequence] = {}  # live requests with a grammar: their masks are filled
 
     # rank 0's parts, for reports, benchmarks and tests
     @property
@@ -242,6 +243,12 @@ class LLMEngine:
             seq.matcher = grammar.matcher()
         seq.sync_sampling = grammar is not None or params.min_tokens > 0 or params.repetition_penalty != 1.0 \
             or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        # what `_append_token` checks per token, resolved once
+        seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        seq.length_limit = min(self.scheduler_config.max_model_len, seq.num_prompt_tokens + params.max_tokens
+                               if params.max_tokens is not None else self.scheduler_config.max_model_len)
+        if grammar is not None:
+            self._constrained[request_id] = seq
         if params.min_tokens:
             eos = () if params.ignore_eos else tuple(sorted(self.eos_token_ids))
             seq.min_tokens_stop_ids = tuple(params.stop_token_ids) + eos
@@ -258,6 +265,7 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq, reason)
+        self._constrained.pop(request_id, None)
         seq.metrics.finished_time = time.monotonic()
         return _output(seq, [])
 
@@ -290,10 +298,11 @@ class LLMEngine:
         if batch.preempted:
             self._note_preemptions(len(batch.preempted))
         work = self.scheduler.worker_input(batch)
-        masks = self._fill_masks([(seq.request_id, seq.matcher) for seq, n in batch.scheduled if seq.matcher
-                                  is not None and seq.num_computed_tokens + n == seq.num_tokens + seq.num_inflight])
-        if masks is not None:
-            work = dataclasses.replace(work, grammar_bitmask=masks)
+        if self._constrained:
+            masks = self._fill_masks([(seq.request_id, seq.matcher) for seq, n in batch.scheduled if seq.matcher
+                                      is not None and seq.num_computed_tokens + n == seq.num_tokens + seq.num_inflight])
+            if masks is not None:
+                work = dataclasses.replace(work, grammar_bitmask=masks)
         read_now = self._launched(batch)
         if not self.async_scheduling:
             return self._postprocess(batch, self.executor.execute(work))
@@ -311,7 +320,7 @@ class LLMEngine:
         read_now = False
         for seq, n in batch.scheduled:
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens + seq.num_inflight:  # the step samples its next token
+            if seq.num_computed_tokens == len(seq.token_ids) + seq.num_inflight:  # the step samples its next token
                 seq.num_inflight += 1
                 if seq.sync_sampling:
                     read_now = True
@@ -344,26 +353,26 @@ class LLMEngine:
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> EngineOutput:
-        """Per generated token, on the engine thread at every step: kept to plain attribute work."""
-        seq.token_ids.append(token)
-        metrics, params = seq.metrics, seq.params
+        """Per generated token, on the engine thread at every step: kept to plain attribute work
+        (`stop_ids` and `length_limit` were resolved by `add_request`)."""
+        token_ids, metrics = seq.token_ids, seq.metrics
+        token_ids.append(token)
         if metrics.first_token_time is None:
             metrics.first_token_time = now
-        num_output = len(seq.token_ids) - seq.num_prompt_tokens
-        metrics.generated_tokens = num_output
+        metrics.generated_tokens = len(token_ids) - seq.num_prompt_tokens
         reason = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        if token in seq.stop_ids:  # stop_token_ids, and EOS unless ignore_eos
             reason = "stop"
         elif seq.matcher is not None and (reason := accept(seq.matcher, token)) is not None:
             pass  # the grammar is complete ("stop"), or was broken ("abort")
-        elif (params.max_tokens is not None and num_output >= params.max_tokens) \
-                or len(seq.token_ids) >= self.scheduler_config.max_model_len:
+        elif len(token_ids) >= seq.length_limit:  # max_tokens, or max_model_len
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self.requests.pop(seq.request_id, None)
+            self._constrained.pop(seq.request_id, None)
             metrics.finished_time = now
-        return _output(seq, [token])
+        return EngineOutput(seq.request_id, [token], seq.finish_reason, metrics.snapshot())
 
     def _note_preemptions(self, count: int) -> None:
         running = self.scheduler.running

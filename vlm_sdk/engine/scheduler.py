@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from vlm_sdk.config import SchedulerConfig
 from vlm_sdk.engine.block_manager import BlockManager
 from vlm_sdk.engine.sequence import Sequence, SequenceStatus
-from vlm_sdk.worker.io import CachedRequestData, NewRequestData, SchedulerOutput
+from vlm_sdk.worker.io import NO_IDS, CachedRequestData, NewRequestData, SchedulerOutput
 
 
 @dataclass
@@ -59,13 +59,19 @@ class Scheduler:
 
         i = 0
         running, allocate, scheduled = self.running, self.blocks.allocate, out.scheduled
+        size = self.blocks.block_size
+        caching = self.blocks.enable_prefix_caching
         while i < len(running) and budget > 0:
             seq = running[i]
             n = min(len(seq.token_ids) + seq.num_inflight - seq.num_computed_tokens, budget)
             if seq.num_inflight and self._ends_with_inflight(seq):
                 i += 1
                 continue
-            if allocate(seq, n):  # the usual case, kept lean: it runs for every sequence every step
+            total = seq.num_computed_tokens + n
+            # the usual case, kept lean (it runs for every sequence every step): the blocks held suffice and
+            # none fills up, so `allocate` would change nothing
+            if (total <= len(seq.block_ids) * size and not (caching and total // size > seq.num_cached_blocks)) \
+                    or allocate(seq, n):
                 scheduled.append((seq, n))
                 budget -= n
                 i += 1
@@ -138,6 +144,7 @@ class Scheduler:
                 preempted.add(seq.request_id)
         for seq, n in batch.scheduled:
             counts[seq.request_id] = n
+            num_blocks, num_tokens = len(seq.block_ids), len(seq.token_ids)
             if not seq.in_worker:
                 p = seq.prompt
                 new.append(NewRequestData(
@@ -146,8 +153,10 @@ class Scheduler:
                     seq.min_tokens_stop_ids))
                 seq.in_worker = True
             else:
-                cached.append(CachedRequestData(seq.request_id, seq.block_ids[seq.num_blocks_sent:],
-                                                seq.num_computed_tokens, seq.token_ids[seq.num_tokens_sent:]))
-            seq.num_blocks_sent, seq.num_tokens_sent = len(seq.block_ids), seq.num_tokens
+                cached.append(CachedRequestData(
+                    seq.request_id, seq.block_ids[seq.num_blocks_sent:] if num_blocks > seq.num_blocks_sent else NO_IDS,
+                    seq.num_computed_tokens, seq.token_ids[seq.num_tokens_sent:] if num_tokens > seq.num_tokens_sent
+                    else NO_IDS))
+            seq.num_blocks_sent, seq.num_tokens_sent = num_blocks, num_tokens
         finished, self._worker_finished = frozenset(self._worker_finished), set()
         return SchedulerOutput(new, cached, counts, finished, frozenset(preempted))

@@ -137,9 +137,10 @@ class DecodeGraphs:
         sources (-1: the id in row 0), `[5:, :n]` positions, then `run(n)`."""
         host = self._host[self._turn].numpy()
         size = self.size_for(n)
-        host[:, n:size] = 0
-        host[1, n:size] = -1
-        host[4, n:size] = -1
+        if n < size:
+            host[:, n:size] = 0
+            host[1, n:size] = -1
+            host[4, n:size] = -1
         return host[:, :size]
 
     @torch.inference_mode()

@@ -27,6 +27,7 @@ import torch
 from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.models.base import StepImages, VisionLanguageModel
+from vlm_sdk.sampling_params import SamplingParams
 from vlm_sdk.worker.block_table import BlockTables
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs
 from vlm_sdk.worker.encoder_cache import EncoderCache
@@ -72,11 +73,15 @@ class ModelRunner:
         # prompt's rope_delta; 1-D: 0), so a decode step's positions are one vectorised add
         self._pos_delta = np.zeros((0, model.position_rows), dtype=np.int64)
         self._linear = np.zeros(0, dtype=bool)  # whether the row's delta applies
+        self._nonlinear = 0  # held requests whose delta does not apply (their positions are the family's, per step)
         self._staging = [None, None]  # two pinned host buffers, used in turns (see `_upload`)
         self._turn = 0
         self.keep_sampled = keep_sampled
         self._sampled = torch.zeros(0, dtype=torch.int64, device=device)  # without graphs: the last step's tokens
         self._last_rows: dict[str, int] = {}  # request id -> its row there, for the last step's samplers
+        # how many held requests draw at random / ask for logprobs / edit their logits: when none does, the
+        # sampler skips its per-row scans for them
+        self._held_kinds = [0, 0, 0]
 
     @property
     def graphs(self) -> DecodeGraphs | None:
@@ -104,6 +109,7 @@ class ModelRunner:
         for new in sched.new_requests:
             self._release(new.request_id)
             state = RequestState.from_new(new)
+            self._count_kinds(state.params, 1)
             state.row = self.tables.add(state.block_ids)
             self._set_position_delta(state)
             self.requests[new.request_id] = state
@@ -120,6 +126,15 @@ class ModelRunner:
         state = self.requests.pop(request_id, None)
         if state is not None:
             self.tables.remove(state.row)
+            self._count_kinds(state.params, -1)
+            self._nonlinear -= not state.linear_positions
+
+    def _count_kinds(self, p: SamplingParams, sign: int) -> None:
+        kinds = self._held_kinds
+        kinds[0] += sign * (not p.greedy)
+        kinds[1] += sign * p.wants_logprobs
+        kinds[2] += sign * (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                            or bool(p.logit_bias) or p.min_tokens > 0)
 
     def _set_position_delta(self, state: RequestState) -> None:
         """Generated tokens sit at index + a constant on every position row (the family's positions of
@@ -132,8 +147,10 @@ class ModelRunner:
         p = state.num_prompt_tokens
         pos = self.model.positions(state.prompt_positions, p, p + 2).numpy()  # [position_rows, 2]
         delta = pos - np.array([p, p + 1])  # [position_rows, 2]
-        self._linear[state.row] = bool((delta[:, 0] == delta[:, 1]).all())
+        self._linear[state.row] = linear = bool((delta[:, 0] == delta[:, 1]).all())
         self._pos_delta[state.row] = delta[:, 0]
+        state.linear_positions = linear
+        self._nonlinear += not linear
 
     # -- the step ---------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -178,10 +195,14 @@ class ModelRunner:
             row_of = {s.request_id: j for j, s in enumerate(states)}
             apply_token_bitmask(logits, [row_of[r] for r in sched.grammar_bitmask.request_ids],
                                 sched.grammar_bitmask.bitmask)
-        histories = [(s.token_ids, s.num_prompt_tokens, s.min_tokens_stop_ids) for s in states]
+        draws_at_random, logprobs, edits = self._held_kinds
+        histories = [(s.token_ids, s.num_prompt_tokens, s.min_tokens_stop_ids) for s in states] if edits else None
         # the output index each row draws: its history may lack the token still on its way
-        draws = [s.num_computed_tokens + n - s.num_prompt_tokens for s, n in zip(states, counts)]
-        sampled = self.sampler.sample_on_device(logits, [s.params for s in states], histories, draws)
+        draws = [s.num_computed_tokens + n - s.num_prompt_tokens for s, n in zip(states, counts)] \
+            if draws_at_random else None
+        sampled = self.sampler.sample_on_device(logits, [s.params for s in states], histories, draws,
+                                                may_edit=bool(edits), may_want_logprobs=bool(logprobs),
+                                                may_draw=bool(draws_at_random))
         if self.keep_sampled:
             self._keep(states, sampled.tokens)
         return PendingOutput([s.request_id for s in states], sampled, self.device)
@@ -321,16 +342,21 @@ class ModelRunner:
         pos = np.fromiter((s.num_computed_tokens for s, _ in scheduled), dtype=np.int64, count=n)  # [n]
         if not self._last_rows:  # every id on the host
             host[0, :n] = [s.token_ids[s.num_computed_tokens] for s, _ in scheduled]
-            host[4, :n] = -1
+            if self.keep_sampled:
+                host[4, :n] = -1
         else:  # asynchronous scheduling: the graph takes ids sampled by the last step from the device
             on_device = [s.num_computed_tokens >= len(s.token_ids) for s, _ in scheduled]
             host[0, :n] = [0 if d else s.token_ids[s.num_computed_tokens] for d, (s, _) in zip(on_device, scheduled)]
             host[4, :n] = [self._token_source(s) if d else -1 for d, (s, _) in zip(on_device, scheduled)]
-        bs = self.block_size
-        host[1, :n] = self.tables.host_np[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        block, offset = np.divmod(pos, self.block_size)  # [n] each
+        slots = host[1, :n]
+        np.multiply(self.tables.host_np[rows, block], self.block_size, out=slots)
+        slots += offset
         host[2, :n] = rows
-        host[3, :n] = pos + 1
-        host[5:, :n] = pos[None, :] + self._pos_delta[rows].T
+        np.add(pos, 1, out=host[3, :n])
+        np.add(self._pos_delta[rows].T, pos, out=host[5:, :n])
+        if self._nonlinear == 0:
+            return self.graphs.run(n)
         for i in np.flatnonzero(~self._linear[rows]).tolist():  # a family whose positions are not index + delta
             s = scheduled[i][0]
             host[5:, i] = self.model.positions(s.prompt_positions, int(pos[i]), int(pos[i]) + 1)[:, 0].numpy()

@@ -27,6 +27,7 @@ class RequestState:
     # prefill passes the image's last token
     image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
     row: int = -1  # its row in the runner's `BlockTables` (set by the runner)
+    linear_positions: bool = True  # its generated tokens' positions are index + a constant (set by the runner)
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "RequestState":

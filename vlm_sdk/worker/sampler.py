@@ -66,17 +66,22 @@ class Sampler:
     def sample_on_device(self, logits: torch.Tensor,  # [num_seqs, vocab] float32
                          params: list[SamplingParams],
                          histories: list[History] | None = None,
-                         draws: list[int] | None = None) -> SampledTokens:
+                         draws: list[int] | None = None, *,
+                         may_edit: bool = True, may_want_logprobs: bool = True,
+                         may_draw: bool = True) -> SampledTokens:
         """The rows' tokens (and asked-for logprobs) on the logits' device; nothing waits for the device.
         `draws[i]`: which output token of its request row i draws (a seeded row's key); default
         `len(token_ids) - num_prompt` of its history (0 without `histories`). Under asynchronous
-        scheduling the runner passes it: the history then lacks the token still on its way."""
-        if histories is not None and any(needs_edit(p, len(h[0]) - h[1]) for p, h in zip(params, histories)):
+        scheduling the runner passes it: the history then lacks the token still on its way.
+        `may_*` False: the caller knows no row edits its logits / asks for logprobs / draws at random
+        (the runner counts its requests' kinds), so the per-row scans for them are skipped."""
+        if may_edit and histories is not None and any(needs_edit(p, len(h[0]) - h[1])
+                                                      for p, h in zip(params, histories)):
             logits = logits.float().clone()  # [num_seqs, vocab]; the caller's logits stay as they were
             apply_penalties(logits, params, histories)
         tokens = logits.argmax(dim=-1)  # [num_seqs]
-        want = [i for i, p in enumerate(params) if p.wants_logprobs]
-        if all(p.greedy for p in params):
+        want = [i for i, p in enumerate(params) if p.wants_logprobs] if may_want_logprobs else []
+        if not may_draw or all(p.greedy for p in params):
             logprobs = logits[to_device(want, torch.long, logits.device)].float().log_softmax(dim=-1) \
                 if want else None  # [len(want), vocab]
             return SampledTokens.gather(tokens, logprobs, want, params)
