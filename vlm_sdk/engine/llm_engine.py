@@ -243,7 +243,7 @@ class LLMEngine:
             seq.matcher = grammar.matcher()
         seq.sync_sampling = grammar is not None or params.min_tokens > 0 or params.repetition_penalty != 1.0 \
             or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-        # what `_append_token` checks per token, resolved once
+        # what `_postprocess` checks per token, resolved once
         seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         seq.length_limit = min(self.scheduler_config.max_model_len, seq.num_prompt_tokens + params.max_tokens
                                if params.max_tokens is not None else self.scheduler_config.max_model_len)
@@ -264,9 +264,7 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
-        self.scheduler.finish(seq, reason)
-        self._constrained.pop(request_id, None)
-        seq.metrics.finished_time = time.monotonic()
+        self._finish(seq, reason, time.monotonic())
         return _output(seq, [])
 
     def has_unfinished(self) -> bool:
@@ -333,46 +331,48 @@ class LLMEngine:
         return self._postprocess(batch, pending.result())
 
     def _postprocess(self, batch: ScheduledBatch, result: ModelRunnerOutput) -> list[EngineOutput]:
+        """Append each sampled token and decide whether it finishes its request. Runs for every
+        sequence at every step on the engine thread: plain attribute work, inlined (`stop_ids` and
+        `length_limit` were resolved by `add_request`; the output processor copies the metrics)."""
         outputs = []
         now = time.monotonic()
         sampled, logprobs = result.sampled_token_ids, result.logprobs
         finished = SequenceStatus.FINISHED
         for seq, n in batch.scheduled:
             token = sampled.get(seq.request_id)
-            if token is not None:
-                seq.num_inflight -= 1
-                if seq.status is finished:  # finished (or aborted) while this token was on its way: dropped
-                    continue
-                out = self._append_token(seq, token, now)
-                if logprobs:
-                    logprob = logprobs.get(seq.request_id)
-                    if logprob is not None:
-                        out.new_logprobs = [logprob]
-                outputs.append(out)
+            if token is None:
+                continue
+            seq.num_inflight -= 1
+            if seq.status is finished:  # finished (or aborted) while this token was on its way: dropped
+                continue
+            token_ids, metrics = seq.token_ids, seq.metrics
+            token_ids.append(token)
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            num_output = metrics.generated_tokens = len(token_ids) - seq.num_prompt_tokens
+            reason = None
+            if token in seq.stop_ids:  # stop_token_ids, and EOS unless ignore_eos
+                reason = "stop"
+            elif seq.matcher is not None and (reason := accept(seq.matcher, token)) is not None:
+                pass  # the grammar is complete ("stop"), or was broken ("abort")
+            elif len(token_ids) >= seq.length_limit:  # max_tokens, or max_model_len
+                reason = "length"
+            if reason is not None:
+                self._finish(seq, reason, now)
+            out = EngineOutput(seq.request_id, [token], reason, metrics, num_output)
+            if logprobs:
+                logprob = logprobs.get(seq.request_id)
+                if logprob is not None:
+                    out.new_logprobs = [logprob]
+            outputs.append(out)
         self.totals["generation_tokens"] += len(outputs)
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> EngineOutput:
-        """Per generated token, on the engine thread at every step: kept to plain attribute work
-        (`stop_ids` and `length_limit` were resolved by `add_request`)."""
-        token_ids, metrics = seq.token_ids, seq.metrics
-        token_ids.append(token)
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.generated_tokens = len(token_ids) - seq.num_prompt_tokens
-        reason = None
-        if token in seq.stop_ids:  # stop_token_ids, and EOS unless ignore_eos
-            reason = "stop"
-        elif seq.matcher is not None and (reason := accept(seq.matcher, token)) is not None:
-            pass  # the grammar is complete ("stop"), or was broken ("abort")
-        elif len(token_ids) >= seq.length_limit:  # max_tokens, or max_model_len
-            reason = "length"
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            self.requests.pop(seq.request_id, None)
-            self._constrained.pop(seq.request_id, None)
-            metrics.finished_time = now
-        return EngineOutput(seq.request_id, [token], seq.finish_reason, metrics.snapshot())
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        self.scheduler.finish(seq, reason)
+        self.requests.pop(seq.request_id, None)
+        self._constrained.pop(seq.request_id, None)
+        seq.metrics.finished_time = now
 
     def _note_preemptions(self, count: int) -> None:
         running = self.scheduler.running
@@ -410,5 +410,4 @@ class LLMEngine:
 
 
 def _output(seq: Sequence, new_token_ids: list[int]) -> EngineOutput:
-    return EngineOutput(seq.request_id, new_token_ids, seq.finish_reason,
-                        seq.metrics.snapshot())  # the engine moves on
+    return EngineOutput(seq.request_id, new_token_ids, seq.finish_reason, seq.metrics, seq.num_output_tokens)

@@ -15,7 +15,6 @@ begin a stop string are not streamed yet; the final output releases them, cut be
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 
@@ -87,7 +86,10 @@ class RequestOutputState:
                 self.finished_by_stop_string = out.finish_reason is None
                 reason = "stop"
                 break
-        metrics = out.metrics
+        metrics = out.metrics.snapshot()  # the engine's, as of this output (it moves on: EngineOutput)
+        metrics.generated_tokens = out.num_generated
+        if out.finish_reason is None:
+            metrics.finished_time = None  # it may have finished at a later step already
         if reason is None:
             visible = len(detok.text) - (self.stops.hold if self.stops else 0)
         elif reason == "abort":
@@ -97,7 +99,7 @@ class RequestOutputState:
                 reason = "stop"
             visible = len(detok.text)
             if metrics.finished_time is None:
-                metrics = dataclasses.replace(metrics, finished_time=time.monotonic())
+                metrics.finished_time = time.monotonic()
         delta = detok.text[self.num_emitted_chars:visible] if visible > self.num_emitted_chars else ""
         self.num_emitted_chars += len(delta)
         self.finish_reason = reason

@@ -82,6 +82,7 @@ class ModelRunner:
         # how many held requests draw at random / ask for logprobs / edit their logits: when none does, the
         # sampler skips its per-row scans for them
         self._held_kinds = [0, 0, 0]
+        self._num_behind = 0  # see `_update_states`
 
     @property
     def graphs(self) -> DecodeGraphs | None:
@@ -103,9 +104,12 @@ class ModelRunner:
     # -- state ------------------------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> list[tuple[RequestState, int]]:
         """Apply the step's changes to the per-request state and the block tables (new block ids only);
-        the scheduled (state, tokens) in order."""
-        for rid in sched.finished_request_ids | sched.preempted_request_ids:
-            self._release(rid)
+        the scheduled (state, tokens) in order. Counts the scheduled requests not at their last token
+        (`_num_behind`: in their prompt, or recomputing after a preemption): a decode step has none."""
+        if sched.finished_request_ids or sched.preempted_request_ids:
+            for rid in sched.finished_request_ids | sched.preempted_request_ids:
+                self._release(rid)
+        behind = 0
         for new in sched.new_requests:
             self._release(new.request_id)
             state = RequestState.from_new(new)
@@ -113,13 +117,18 @@ class ModelRunner:
             state.row = self.tables.add(state.block_ids)
             self._set_position_delta(state)
             self.requests[new.request_id] = state
+            behind += state.num_computed_tokens + 1 < max(len(state.token_ids), state.num_prompt_tokens + 1)
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
             if cached.new_block_ids:
                 state.block_ids.extend(cached.new_block_ids)
                 self.tables.append(state.row, cached.new_block_ids)
-            state.token_ids.extend(cached.new_token_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            if cached.new_token_ids:
+                state.token_ids.extend(cached.new_token_ids)
+            computed = state.num_computed_tokens = cached.num_computed_tokens
+            # behind: prompt tokens left, or generated ones to recompute (one short of the last is the last)
+            behind += computed < state.num_prompt_tokens or computed + 1 < len(state.token_ids)
+        self._num_behind = behind
         return [(self.requests[rid], n) for rid, n in sched.num_scheduled_tokens.items()]
 
     def _release(self, request_id: str) -> None:
@@ -167,9 +176,8 @@ class ModelRunner:
         if not scheduled:
             self._last_rows = {}
             return PendingOutput.done(ModelRunnerOutput())
-        if self.graphs is not None and self.graphs.covers(len(scheduled)) \
-                and all(n == 1 and s.num_prompt_tokens <= s.num_computed_tokens >= len(s.token_ids) - 1
-                        for s, n in scheduled):
+        if self.graphs is not None and self._num_behind == 0 and self.graphs.covers(len(scheduled)) \
+                and sched.total_num_scheduled_tokens == len(scheduled):  # one token each, every one the last
             # generated tokens only: every image is behind them (none to encode, scatter or drop), so the
             # captured forward covers the step; every row samples (its one token is its last)
             hidden = self._run_graph(scheduled)  # [num_seqs, hidden]
