@@ -12,7 +12,8 @@ PARTS = {"schedule", "worker_input", "runner_update_states", "runner_prepare", "
 def test_host_overhead_bench_reports_each_batch(tiny_ckpt, capsys):
     assert main(["bench", "--host-overhead", "--model", str(tiny_ckpt), "--json", *SMALL]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert [x["batch"] for x in r["results"]] == [1, 3]
+    # each batch twice: the synchronous engine, and asynchronous scheduling (CUDA's default)
+    assert [(x["batch"], x["async_scheduling"]) for x in r["results"]] == [(1, False), (1, True), (3, False), (3, True)]
     for x in r["results"]:
         assert (x["steps"], x["prompt_len"]) == (3, 20)
         assert set(x["parts_mean_ms"]) == PARTS and all(v >= 0 for v in x["parts_mean_ms"].values())

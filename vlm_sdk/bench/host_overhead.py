@@ -88,7 +88,7 @@ def _no_op_model(model, batch: int, max_tokens: int) -> None:
     model.compute_logits = lambda h: logits[:h.shape[0]]  # [num_sampled, LOGITS_WIDTH]
 
 
-def _engine(model_dir: str, batch: int, prompt_len: int, steps: int):
+def _engine(model_dir: str, batch: int, prompt_len: int, steps: int, async_scheduling: bool):
     from vlm_sdk.config import EngineArgs
     from vlm_sdk.engine.llm_engine import LLMEngine
     budget = max(8192, prompt_len)
@@ -97,7 +97,7 @@ def _engine(model_dir: str, batch: int, prompt_len: int, steps: int):
     blocks = batch * (-(-max_len // BLOCK_SIZE)) + 8
     args = EngineArgs(device="cpu", max_num_seqs=batch, num_blocks=blocks, block_size=BLOCK_SIZE,
                       max_model_len=max_len, max_num_batched_tokens=budget, show_progress=False,
-                      allow_unfit_images=True)  # text requests only
+                      allow_unfit_images=True, async_scheduling=async_scheduling)  # text requests only
     quiet = logging.getLogger("vlm_sdk")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # the start-up report and the unfit-image warning are not the bench's
@@ -130,11 +130,13 @@ class _NoOpGraph:
         pass
 
 
-def measure(model_dir: str, batch: int, steps: int, prompt_len: int) -> dict:
-    """Median / mean ms per decode step at `batch` and the mean ms of each part."""
+def measure(model_dir: str, batch: int, steps: int, prompt_len: int, async_scheduling: bool = False) -> dict:
+    """Median / mean ms per decode step at `batch` and the mean ms of each part. `async_scheduling`:
+    the engine as it runs on CUDA (ids of the last step taken from the device, its output read one
+    step later); here nothing runs in between, so the figure is the host work itself."""
     from vlm_sdk import SamplingParams
     from vlm_sdk.multimodal.inputs import PromptInputs
-    engine = _engine(model_dir, batch, prompt_len, steps + 8)
+    engine = _engine(model_dir, batch, prompt_len, steps + 8, async_scheduling)
     try:
         _no_op_model(engine.model, batch, engine.scheduler_config.max_num_batched_tokens)
         _cuda_host_path(engine, batch)
@@ -165,7 +167,7 @@ def measure(model_dir: str, batch: int, steps: int, prompt_len: int) -> dict:
             times.append(time.perf_counter() - t0)
             if len(outs) != batch:
                 raise AssertionError(f"a decode step of batch {batch} returned {len(outs)} tokens")
-        return {"batch": batch, "steps": steps, "prompt_len": prompt_len,
+        return {"batch": batch, "async_scheduling": async_scheduling, "steps": steps, "prompt_len": prompt_len,
                 "median_ms_per_step": 1e3 * statistics.median(times), "mean_ms_per_step": 1e3 * statistics.mean(times),
                 "parts_mean_ms": {k: 1e3 * v / steps for k, v in timers.seconds.items()}}
     finally:
@@ -188,7 +190,7 @@ def run_host_overhead(args) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        results = [measure(model_dir, b, steps, prompt_len) for b in batches]
+        results = [measure(model_dir, b, steps, prompt_len, mode) for b in batches for mode in (False, True)]
     finally:
         torch.set_num_threads(threads)
     for r in results:
@@ -206,6 +208,7 @@ def run_host_overhead(args) -> int:
         parts = ", ".join(f"{k} {v:.3f}" for k, v in r["parts_mean_ms"].items())
         target = "" if r["target_ms"] is None else \
             f"  target < {r['target_ms']} ms: {'met' if r['meets_target'] else 'not met'}"
-        print(f"  batch {r['batch']:4d}: median {r['median_ms_per_step']:.3f} ms/step{target}")
+        mode = "async" if r["async_scheduling"] else "sync "
+        print(f"  batch {r['batch']:4d} {mode}: median {r['median_ms_per_step']:.3f} ms/step{target}")
         print(f"              mean parts (ms): {parts}")
     return 0

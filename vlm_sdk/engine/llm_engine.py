@@ -245,8 +245,7 @@ class LLMEngine:
             or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
         # what `_postprocess` checks per token, resolved once
         seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        seq.length_limit = min(self.scheduler_config.max_model_len, seq.num_prompt_tokens + params.max_tokens
-                               if params.max_tokens is not None else self.scheduler_config.max_model_len)
+        seq.length_limit = min(seq.length_limit, self.scheduler_config.max_model_len)
         if grammar is not None:
             self._constrained[request_id] = seq
         if params.min_tokens:

@@ -57,36 +57,31 @@ class Scheduler:
         out = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
 
-        i = 0
         running, allocate, scheduled = self.running, self.blocks.allocate, out.scheduled
         size = self.blocks.block_size
         caching = self.blocks.enable_prefix_caching
-        while i < len(running) and budget > 0:
-            seq = running[i]
+        # preemption removes sequences from the end of `running` only: the iterator stops before them
+        for seq in running:
+            if budget <= 0:
+                break
             n = min(len(seq.token_ids) + seq.num_inflight - seq.num_computed_tokens, budget)
-            if seq.num_inflight and self._ends_with_inflight(seq):
-                i += 1
-                continue
+            if seq.num_inflight and len(seq.token_ids) + seq.num_inflight >= seq.length_limit:
+                continue  # the token on its way is its last (max_tokens or max_model_len): nothing to compute
             total = seq.num_computed_tokens + n
             # the usual case, kept lean (it runs for every sequence every step): the blocks held suffice and
             # none fills up, so `allocate` would change nothing
-            if (total <= len(seq.block_ids) * size and not (caching and total // size > seq.num_cached_blocks)) \
-                    or allocate(seq, n):
-                scheduled.append((seq, n))
-                budget -= n
-                i += 1
-                continue
-            while not allocate(seq, n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
+            if (total > len(seq.block_ids) * size or (caching and total // size > seq.num_cached_blocks)) \
+                    and not allocate(seq, n):
+                while not allocate(seq, n):
+                    victim = running[-1]
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:  # it preempted itself
                     break
-            if seq.status is not SequenceStatus.RUNNING:  # it preempted itself
-                break
-            out.scheduled.append((seq, n))
+            scheduled.append((seq, n))
             budget -= n
-            i += 1
 
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -102,11 +97,6 @@ class Scheduler:
                 out.scheduled.append((seq, n))
                 budget -= n
         return out
-
-    def _ends_with_inflight(self, seq: Sequence) -> bool:
-        """Whether the tokens on their way take `seq` to max_model_len or max_tokens: nothing to compute."""
-        total, limit = seq.num_tokens + seq.num_inflight, seq.params.max_tokens
-        return total >= self.config.max_model_len or (limit is not None and total - seq.num_prompt_tokens >= limit)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -15,6 +15,7 @@ on the device (`num_inflight`); the next step computes it from there (`worker.mo
 from __future__ import annotations
 
 import enum
+import sys
 import time
 
 from vlm_sdk.engine.block_hash import ImageSpan
@@ -56,10 +57,10 @@ class Sequence:
         # a step that samples it must be read at once (its grammar or penalties need its every token)
         self.num_inflight = 0
         self.sync_sampling = False
-        # set by the engine (it knows the EOS ids and max_model_len): the tokens that finish it as "stop",
-        # and the length at which it finishes as "length" (max_tokens or max_model_len, the nearer)
+        # the tokens that finish it as "stop" (set by the engine: it knows the EOS ids), and the length at
+        # which it finishes as "length" (max_tokens here; the engine caps it at max_model_len)
         self.stop_ids: frozenset[int] = frozenset()
-        self.length_limit = 0
+        self.length_limit = self.num_prompt_tokens + params.max_tokens if params.max_tokens is not None else sys.maxsize
         # prefix caching (engine.block_manager): the hashes of the full blocks of token_ids so far, and
         # how many of block_ids have been offered to the cache
         self.image_spans = [ImageSpan(p, p + im.num_tokens, im.key) for p, im in zip(prompt.image_positions,

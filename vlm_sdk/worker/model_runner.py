@@ -353,9 +353,19 @@ class ModelRunner:
             if self.keep_sampled:
                 host[4, :n] = -1
         else:  # asynchronous scheduling: the graph takes ids sampled by the last step from the device
-            on_device = [s.num_computed_tokens >= len(s.token_ids) for s, _ in scheduled]
-            host[0, :n] = [0 if d else s.token_ids[s.num_computed_tokens] for d, (s, _) in zip(on_device, scheduled)]
-            host[4, :n] = [self._token_source(s) if d else -1 for d, (s, _) in zip(on_device, scheduled)]
+            ids, src, last = [], [], self._last_rows
+            for s, _ in scheduled:
+                c = s.num_computed_tokens
+                if c < len(s.token_ids):
+                    ids.append(s.token_ids[c])
+                    src.append(-1)
+                else:
+                    ids.append(0)
+                    src.append(last.get(s.request_id, -2))
+            if -2 in src:  # neither sent nor sampled by the last step: a bookkeeping error, named
+                self._token_source(scheduled[src.index(-2)][0])
+            host[0, :n] = ids
+            host[4, :n] = src
         block, offset = np.divmod(pos, self.block_size)  # [n] each
         slots = host[1, :n]
         np.multiply(self.tables.host_np[rows, block], self.block_size, out=slots)
