@@ -233,6 +233,11 @@ def test_max_model_len_is_never_passed(tiny_ckpt):
     assert_clean(llm)
 
 
+def test_refused_with_tensor_parallelism_before_any_rank_starts(tiny_ckpt):
+    with pytest.raises(InvalidRequestError, match="async_scheduling=True needs tensor_parallel_size=1"):
+        LLM(tiny_ckpt, tensor_parallel_size=2, async_scheduling=True, show_progress=False)
+
+
 def test_the_setting():
     cpu = EngineArgs().resolve_device()
     assert EngineArgs().resolve_async_scheduling(cpu, 1) is False  # nothing to overlap on the CPU

@@ -70,6 +70,8 @@ class LLMEngine:
         vocab_size = int(family.text_config(info.hf_config).vocab_size)  # the logits' width
         self.grammars = GrammarCompiler(self.tokenizer.wrapped, vocab_size, sorted(self.eos_token_ids))
         self._fill_masks = MaskFiller(vocab_size)
+        # refused before any rank starts (async_scheduling=True with tensor parallelism)
+        args.resolve_async_scheduling(args.resolve_device(), args.tensor_parallel_size)
         # rank 0's worker in this process; under tensor parallelism one more process per rank
         self.executor = make_executor(model, args, info.hf_config, family)
         try:
