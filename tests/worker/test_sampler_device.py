@@ -237,10 +237,13 @@ def test_measured_peak_of_the_worst_case_and_of_a_plain_draw():
     flat, peaked = bench_logits("flat", rows, vocab), bench_logits("peaked", rows, vocab)
     sampler = Sampler(0)
     sampler.sample(flat, worst, hist)  # warm-up: first-call allocations are not the sampler's
-    measured = _peak_bytes(lambda: sampler.sample(flat, worst, hist))
-    if measured is None:
+    if _peak_bytes(lambda: None) is None:
         pytest.skip("no /proc/self/clear_refs here")
+    # the least of three: other threads of a long test process (tokenizers, llguidance, torch) may add
+    # resident pages while one call runs; they only ever add
+    measured = min(_peak_bytes(lambda: sampler.sample(flat, worst, hist)) for _ in range(3))
     assert 20 * rows * vocab < measured <= 48 * rows * vocab
     plain = [SamplingParams(temperature=0.8, top_p=0.9)] * rows
     sampler.sample(peaked, plain)
-    assert _peak_bytes(lambda: sampler.sample(peaked, plain)) < 12 * rows * vocab  # bytes: ~9 per entry
+    plain_peak = min(_peak_bytes(lambda: sampler.sample(peaked, plain)) for _ in range(3))
+    assert plain_peak < 12 * rows * vocab  # bytes: ~8 per entry alone; one of a full suite's runs read 12.1
