@@ -18,10 +18,12 @@ def _positive(x) -> bool:
 
 def test_tiny_run_reports_every_figure(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("VLM_SDK_CACHE", str(tmp_path))
-    assert main(["bench", "--gpu", "--tiny", "--json"]) == 0
+    # the engine as it runs on CUDA: asynchronous scheduling (off by default on the CPU)
+    assert main(["bench", "--gpu", "--tiny", "--json", "--async-scheduling"]) == 0
     report = json.loads(capsys.readouterr().out)
 
-    assert report["command"] == "vlm-sdk bench --gpu --tiny --json"
+    assert report["command"] == "vlm-sdk bench --gpu --tiny --json --async-scheduling"
+    assert report["async_scheduling"] is True
     assert report["device"] and report["preset"] == "tiny" and report["torch"] == torch.__version__
     assert _positive(report["reference_rates"]["copy_GBps"]) and _positive(report["reference_rates"]["matmul_TFLOPs"])
     model = report["model"]
@@ -105,6 +107,8 @@ def test_decode_weight_bytes_reads_the_head_once():
 def test_gpu_options_are_refused_without_gpu(capsys):
     assert main(["bench", "--tiny", "--context", "64"]) == 2
     assert "--tiny, --context only apply with --gpu" in capsys.readouterr().err
+    assert main(["bench", "--no-async-scheduling"]) == 2
+    assert "--async-scheduling only apply with --gpu" in capsys.readouterr().err
 
 
 def test_gpu_refuses_cpu_benchmark_checkpoint(capsys):

@@ -26,6 +26,7 @@ smoke test runs, well under a minute); its figures check the plumbing, not the t
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import json
@@ -87,6 +88,7 @@ class GpuBenchConfig:
     max_num_batched_tokens: int = 8192  # the engine's default
     block_size: int = 16
     seed: int = 0
+    async_scheduling: bool | None = None  # None: the engine's default (on with CUDA and one rank)
 
     def decode_max_tokens(self, batch: int) -> int:
         """Tokens each decode sequence may generate: the first ones to finish prefill decode while the
@@ -127,7 +129,7 @@ TINY_RUN = GpuBenchConfig(
 # command line
 
 _GPU_ONLY = ("tiny", "decode_batches", "context", "decode_steps", "requests", "max_tokens", "attn_batch",
-             "attn_context", "memory_utilization")
+             "attn_context", "memory_utilization", "async_scheduling")
 
 
 def add_arguments(bench) -> None:
@@ -144,6 +146,9 @@ def add_arguments(bench) -> None:
     g.add_argument("--attn-batch", type=int, help="with --gpu: paged_attention_decode sequences (default 16)")
     g.add_argument("--attn-context", type=int, help="with --gpu: their cached tokens (default 4096)")
     g.add_argument("--memory-utilization", type=float, help="with --gpu: our engine's share (default 0.45)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --gpu: our engine's asynchronous scheduling (default: the engine's, on with CUDA); "
+                        "--no-async-scheduling measures the synchronous engine for the comparison")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -155,7 +160,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def reject_without_gpu(args) -> None:
     """GPU options without --gpu would be silently ignored by the CPU benchmark: refuse them."""
-    given = [f"--{n.replace('_', '-')}" for n in _GPU_ONLY if getattr(args, n, None) not in (None, False)]
+    given = [f"--{n.replace('_', '-')}" for n in _GPU_ONLY
+             if getattr(args, n, None) is not None and not (n == "tiny" and args.tiny is False)]
     if given:
         raise GpuBenchError(f"{', '.join(given)} only apply with --gpu")
 
@@ -223,6 +229,7 @@ def run(cfg: GpuBenchConfig, command: str) -> dict:
 
         planned = plan(ckpt, **plan_options(_engine_kwargs(cfg, device)))
         llm = LLM(ckpt, **_engine_kwargs(cfg, device))
+        report["async_scheduling"] = llm.engine.async_scheduling
         engine = llm.engine
         report["plan_vs_engine"] = plan_vs_engine(planned, engine)
         report["engine"] = {"load_seconds": engine.load_seconds, "kv_blocks": engine.cache_config.num_blocks,
@@ -255,6 +262,8 @@ def _engine_kwargs(cfg: GpuBenchConfig, device: torch.device) -> dict:
                   max_num_seqs=max(max(cfg.decode_batches), cfg.requests), show_progress=False)
     if cfg.attention_backend is not None:
         kwargs["attention_backend"] = cfg.attention_backend
+    if cfg.async_scheduling is not None:
+        kwargs["async_scheduling"] = cfg.async_scheduling
     if device.type == "cuda":
         kwargs["memory_utilization"] = cfg.memory_utilization
     return kwargs
