@@ -28,7 +28,8 @@ Grid: one program per token. The angles depend only on the token, so each progra
 then all k heads, in [BLOCK_H, BLOCK_HALF] tiles; v, which sits between and after them in the packed
 tensor, is never touched. A tile holds whole heads, so the norm's sum of squares needs no second pass.
 No cos/sin cache is built on the host, so nothing is allocated or copied per call and the launcher is
-capture-safe.
+capture-safe; cos/sin come from `_cos_sin` (a float64 quadrant reduction and short polynomials), not
+libdevice's cosf/sinf, whose reduction of huge arguments spilled registers on sm_90.
 """
 from __future__ import annotations
 
@@ -73,6 +74,30 @@ def _rotate_heads(x_ptr, stride_h, num_heads, half_dim, cos, sin,  # cos, sin: [
         tl.store(ptr2, out2.to(dtype), mask=mask)
 
 
+_HALF_PI = tl.constexpr(1.5707963267948966)  # float64: the quadrant reduction runs in float64
+
+
+@triton.jit
+def _cos_sin(angle):  # angle: float32, any size -> (cos, sin) float32
+    """cos and sin of float32 angles without libdevice's cosf/sinf: their reduction of huge arguments
+    (Payne-Hanek) keeps an array in local memory, which spilled 8 bytes on sm_90. Here the angle is
+    reduced to r in [-pi/4, pi/4] and a quadrant in float64 (exact for the angles positions reach:
+    |angle| 1e7 loses ~1e-9 rad), and cos r / sin r are Taylor polynomials to r^10 / r^11 (error below
+    2e-9 there, under float32's rounding): within ~1 ulp of torch's cos / sin of the same float32 angle."""
+    a = angle.to(tl.float64)
+    k = tl.floor(a * (1.0 / _HALF_PI) + 0.5)
+    r = (a - k * _HALF_PI).to(tl.float32)
+    quadrant = k.to(tl.int32) & 3
+    r2 = r * r
+    c = 1.0 + r2 * (-1.0 / 2 + r2 * (1.0 / 24 + r2 * (-1.0 / 720 + r2 * (1.0 / 40320 + r2 * (-1.0 / 3628800)))))
+    s = r * (1.0 + r2 * (-1.0 / 6 + r2 * (1.0 / 120 + r2 * (-1.0 / 5040 + r2 * (1.0 / 362880
+                                                                               + r2 * (-1.0 / 39916800))))))
+    # angle = r + quadrant * pi/2: cos, sin turn by a quarter per quadrant
+    cos = tl.where(quadrant == 0, c, tl.where(quadrant == 1, -s, tl.where(quadrant == 2, -c, s)))
+    sin = tl.where(quadrant == 0, s, tl.where(quadrant == 1, c, tl.where(quadrant == 2, -s, -c)))
+    return cos, sin
+
+
 # [3, N] positions: the row stride is the step's token count, not specialised (no compile while serving)
 # positions may be a view into a packed step buffer at any offset: not specialised on alignment either
 @triton.jit(do_not_specialize=["stride_pos_row"], do_not_specialize_on_alignment=["pos_ptr"])
@@ -104,9 +129,7 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr, q_norm_ptr, k_norm_ptr, 
             row = tl.where((lane == 1) & (offs_d < INTERLEAVED_ENDS[0]), 1, row)
             row = tl.where((lane == 2) & (offs_d < INTERLEAVED_ENDS[1]), 2, row)
         pos = tl.where(row == 0, pos_t, tl.where(row == 1, pos_h, pos_w))  # [BLOCK_HALF]
-    angle = pos * inv_freq
-    cos = tl.cos(angle)
-    sin = tl.sin(angle)
+    cos, sin = _cos_sin(pos * inv_freq)  # the float32 angle, as HF's inv_freq x position
     _rotate_heads(q_ptr + token * stride_qn, stride_qh, num_heads, half_dim, cos, sin, q_norm_ptr, eps,
                   HAS_NORM, BLOCK_HQ, BLOCK_HALF)
     _rotate_heads(k_ptr + token * stride_kn, stride_kh, num_kv_heads, half_dim, cos, sin, k_norm_ptr, eps,
