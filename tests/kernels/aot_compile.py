@@ -151,6 +151,13 @@ def cases() -> list[tuple[str, str, Callable[[], None]]]:
         probs = torch.empty(64, vocab, dtype=torch.float32, device=META)
         exponential_race.exponential_race(probs, torch.empty(64, dtype=torch.int64, device=META))
     out += [("exponential_race", "64 rows x 151,936 vocab", race)]
+    from vlm_sdk.kernels import top_p_cut
+
+    def nucleus(vocab=151936):  # top-p past the sampler's candidates, on the device
+        probs = torch.empty(64, vocab, dtype=torch.float32, device=META)
+        top_p_cut.top_p_cut_(probs, torch.empty(64, dtype=torch.bool, device=META),
+                             torch.empty(64, dtype=torch.float32, device=META))
+    out += [("top_p_cut", "64 rows x 151,936 vocab", nucleus)]
     return out
 
 

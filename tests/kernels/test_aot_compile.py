@@ -22,11 +22,7 @@ import pytest
 HERE = Path(__file__).parent
 ARCHS = ("sm_90", "sm_80")
 MODULES = ("paged_attention_decode", "paged_prefill_attention", "store_kv", "rotary", "varlen_attention",
-           "rms_norm", "silu_and_mul", "token_bitmask", "exponential_race")
-# Known: rotary's precise tl.cos / tl.sin bring libdevice's Payne-Hanek reduction (its slow path for
-# angles past ~1e5 keeps a 28-byte local array), and ptxas 13.4 (what triton 3.9 runs for sm_90)
-# spills 8-16 bytes around it at the 28-head tile; ptxas 12.9 for sm_80 does not. Strict: a fix
-# (e.g. a range reduction that keeps the slow path out) must remove this mark.
+           "rms_norm", "silu_and_mul", "token_bitmask", "exponential_race", "top_p_cut")
 # (module, arch) -> why it spills, as a strict xfail; empty: none does (the rotary kernel's sm_90 spill,
 # libdevice's huge-argument cosf/sinf path, went with its own cos/sin: kernels/rotary.py `_cos_sin`)
 KNOWN_SPILLS: dict[tuple[str, str], str] = {}

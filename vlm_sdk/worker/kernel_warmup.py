@@ -13,7 +13,7 @@ handful of constexpr choices, and this warm-up runs each once through the real m
     every CUDA-graph batch size     compiled by the capture's own eager pass; replayed once here
 
 The norms (with and without the residual add), rotary, store_kv and silu_and_mul run inside each of
-these; the sampler's draw and the structured-output mask run once on the last step's logits. The vision tower's kernels are compiled by the CUDA memory profile, which encodes the largest
+these; the sampler's draw, its top-p cut and the structured-output mask run once on the last step's logits. The vision tower's kernels are compiled by the CUDA memory profile, which encodes the largest
 image (`Worker.profile_peak`, before this); a small image's full-attention segment of <= 64 patches
 (Qwen3-VL has no windows) would still compile the 64-row varlen tile on first use.
 
@@ -93,6 +93,8 @@ def run_warmup(runner, *, max_model_len: int, max_num_batched_tokens: int) -> fl
     # the sampler's kernels on those logits: the draw and the structured-output mask (no token kept)
     runner.sampler.sample(logits, [SamplingParams(temperature=1.0, seed=0)] * logits.shape[0],
                           [([0], 1, ())] * logits.shape[0])
+    # top-p alone: the nucleus cut past the candidates (kernels/top_p_cut.py) runs for every such batch
+    runner.sampler.sample(logits, [SamplingParams(temperature=1.0, top_p=0.9)] * logits.shape[0])
     words = (logits.shape[1] + 31) // 32
     apply_token_bitmask(logits, [0], torch.full((1, words), -1, dtype=torch.int32))
     if runner.graphs is not None:

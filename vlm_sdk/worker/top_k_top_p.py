@@ -4,8 +4,9 @@
 (`torch.topk`, sorted) instead of sorting the whole vocabulary: a top-k row keeps at most k of them,
 and a top-p row's nucleus is nearly always far smaller than 1,024 tokens. A row whose nucleus might
 reach past the candidates (top-p only, the candidates' mass still below top_p: a flat distribution)
-is cut again from a sort of its whole row; finding out whether any row needs that is the one host
-sync of this module, paid only when a top-p-only row is in the batch.
+is cut again on the device (`kernels/top_p_cut.py`: the largest threshold whose mass reaches top_p,
+by bisection, no host sync) on CUDA, or from a sort of its whole row on the CPU, which learns on the
+host whether any row needs it (a sync only the CPU path makes; the CPU has no overlap to lose).
 
 Same distribution as `filtered_probs_reference` (the sampler's full sort before issue 19, kept as the
 oracle): the top-p mass is that of the whole tempered distribution (not renormalised after top-k),
@@ -30,8 +31,12 @@ CANDIDATES = 1024  # the top-p nucleus is looked for among this many most likely
 
 
 def filtered_probs(logits: torch.Tensor,  # [rows, vocab] float32, not edited
-                   params: list[SamplingParams], candidates: int = CANDIDATES) -> torch.Tensor:
-    """[rows, vocab] probabilities after temperature, top-k and top-p (zero outside what is kept)."""
+                   params: list[SamplingParams], candidates: int = CANDIDATES,
+                   device_cut: bool | None = None) -> torch.Tensor:
+    """[rows, vocab] probabilities after temperature, top-k and top-p (zero outside what is kept).
+    `device_cut`: cut the nuclei that pass the candidates on the device (`kernels/top_p_cut.py`, no
+    host sync) instead of from a full sort; None: on CUDA (the CPU has no overlap to lose, and keeps
+    the sort's exact prefix at ties)."""
     dev = logits.device
     vocab = logits.shape[1]
     probs = _tempered_probs(logits, params)  # [rows, vocab]
@@ -52,9 +57,18 @@ def filtered_probs(logits: torch.Tensor,  # [rows, vocab] float32, not edited
     far = None
     if kc < vocab and any(top_ks[i] > kc and top_ps[i] < 1.0 for i in rows):
         # the candidates may not hold the whole nucleus: no top-k within them and their mass below
-        # top_p (then the first token past them would still be kept); those rows sort everything
+        # top_p (then the first token past them would still be kept)
         short = (k_t[:, 0] > kc) & (mass < p_t[:, 0])  # [len(rows)]
-        if bool(short.any()):  # the host sync of this module
+        if device_cut if device_cut is not None else dev.type == "cuda":
+            from vlm_sdk.kernels.top_p_cut import top_p_cut_  # Triton: imported where used
+            top_p_cut_(sub, short, p_t[:, 0].contiguous())  # short rows cut, the others zeroed
+            sub.scatter_(1, idx, vals.masked_fill_(~(keep | short[:, None]), 0.0))
+            sub /= sub.sum(dim=-1, keepdim=True)
+            if not every:
+                probs[rows_t] = sub
+            return probs
+        # on the CPU: those rows sort everything
+        if bool(short.any()):  # the host sync of the CPU path
             far = short.nonzero()[:, 0]  # [num_far]
             full = sub[far]  # [num_far, vocab], their tempered probabilities before the cut below
     sub = _scatter_kept(sub, vals, idx, keep)
