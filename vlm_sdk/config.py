@@ -86,8 +86,8 @@ class EngineArgs:
     show_progress: bool = True
     attention_backend: str | None = None  # "triton" (default on CUDA) or "torch" (default on the CPU)
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of from captured CUDA graphs
-    # CUDA, off until measured on a GPU: steps with prefill rows replay piecewise CUDA graphs around eager
-    # attention (worker/piecewise_graphs.py); its buffers and graph pool are outside the memory profile
+    # CUDA, off until run on a GPU: steps with prefill rows replay piecewise CUDA graphs around eager
+    # attention (worker/piecewise_graphs.py); the memory profile counts their buffers and pool when on
     piecewise_cuda_graphs: bool = False
     # schedule and launch step t+1 while step t runs, its sampled ids kept on the device for t+1's inputs
     # (vlm_sdk/engine/llm_engine.py); None: on CUDA with one rank. A request that finishes computes one

@@ -50,14 +50,15 @@ def engine(tiny_ckpt):
     return llm.engine
 
 
-def _profile(engine, num_seqs, graph_batch=None):
+def _profile(engine, num_seqs, graph_batch=None, piecewise_tokens=None):
     m = engine.model
     per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, 16, engine.dtype)
     meter = LiveBytes()
     with meter:
         return profile_peak(m, engine.processor.largest_image(), num_tokens=8, num_seqs=num_seqs, block_size=16,
                             per_block=per_block, dtype=engine.dtype, device=engine.device,
-                            attention=engine.ops.attention, graph_batch=graph_batch, meter=meter)
+                            attention=engine.ops.attention, graph_batch=graph_batch,
+                            piecewise_tokens=piecewise_tokens, meter=meter)
 
 
 def test_the_sampler_share_grows_with_max_num_seqs_beyond_the_step_tokens(engine):
@@ -76,6 +77,28 @@ def test_graph_pool_is_counted_and_grows_with_the_captured_batch(engine):
     assert small.graph_pool_bytes >= 8 * hidden and big.graph_pool_bytes >= 64 * hidden
     assert big.graph_pool_bytes > small.graph_pool_bytes
     assert big.total == big.step_bytes + big.graph_pool_bytes
+
+
+def test_piecewise_graphs_are_counted_buffers_outputs_and_pool(engine):
+    """With piecewise graphs: their fixed buffers and per-bucket outputs (arithmetic) plus a pool bounded
+    by a plain forward of the budget's tokens (measured); nothing without them."""
+    from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs, held_bytes
+    m = engine.model
+    off, on = _profile(engine, 4), _profile(engine, 4, piecewise_tokens=8)
+    layer = m.decoder.layers[0]
+    held = held_bytes(8, m.decoder.cfg.hidden_size, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                      m.position_rows, engine.dtype)
+    assert off.piecewise_bytes == 0
+    assert on.piecewise_bytes > held > 0 and on.total == on.step_bytes + on.graph_pool_bytes + on.piecewise_bytes
+    # the arithmetic bounds what the graphs really allocate for their buffers (capture=False: no pool)
+    meter = LiveBytes()
+    with meter:
+        meter.reset()
+        graphs = PiecewiseGraphs(m.decoder, engine.runner.kv_caches, max_num_batched_tokens=8, device=engine.device,
+                                 dtype=engine.dtype, capture=False)
+        buffers = meter.peak()
+    assert 0 < buffers <= held
+    del graphs
 
 
 def test_held_image_embeddings_are_alive_during_the_step(engine, monkeypatch):

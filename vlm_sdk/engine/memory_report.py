@@ -110,7 +110,7 @@ class StartupMemory(MemoryTotals):
         peak = (format_bytes(self.activation_peak_bytes) + " (profiled: a full max_num_batched_tokens step "
                 "beside the largest image's held embeddings, logits and sampler temporaries (top-k/top-p, "
                 "penalties, logprobs) at max_num_seqs rows, the largest image through the vision tower, "
-                "and the decode CUDA graphs' pool)"
+                "the decode CUDA graphs' pool, and the piecewise graphs' buffers and pool when on)"
                 if self.activation_peak_bytes is not None else
                 "not measured (the CPU cache is not carved out of device memory)")
         rows = [

@@ -49,6 +49,21 @@ def piecewise_sizes(max_num_batched_tokens: int) -> list[int]:
     return sizes + [max_num_batched_tokens]
 
 
+def held_bytes(max_num_batched_tokens: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+               position_rows: int, dtype: torch.dtype) -> int:
+    """What the graphs hold for good besides their pool's temporaries, an upper bound: the hand-over
+    buffers at the largest bucket (embeddings, residual, q, k, v, attention output, positions), and
+    per bucket its final hidden states and rotary inputs (cos and sin, float32, with the torch set):
+
+        N = max_num_batched_tokens, S = sum of the buckets (< 2 N), e = dtype bytes
+        N * (2 hidden + 2 H D + 2 Hkv D) * e + N * 8 * position_rows + S * (hidden * e + 4 D)
+    """
+    e = torch.finfo(dtype).bits // 8
+    n, total = max_num_batched_tokens, sum(piecewise_sizes(max_num_batched_tokens))
+    return (n * (2 * hidden + 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim) * e + n * 8 * position_rows
+            + total * (hidden * e + 4 * head_dim))
+
+
 class PiecewiseGraphs:
     """`run(embeds, positions, meta)` for any step of at most `sizes[-1]` tokens; `decoder` is a
     `LlamaDecoder`, `meta` the attention backend's prepared metadata for the step's real rows."""

@@ -13,6 +13,9 @@ profile must run the worst case the scheduler can produce, with everything that 
     graph pool     with CUDA graphs: the memory pool the decode graphs keep for good, measured as the
                    peak of a decode forward of the largest captured batch (`graph_batch`) and added on
                    top, since eager steps run beside the pool
+    piecewise      with piecewise graphs (`piecewise_tokens`): their fixed buffers and per-bucket outputs
+                   (`piecewise_graphs.held_bytes`, arithmetic) and their pool, bounded by the peak of a
+                   plain forward of `piecewise_tokens` tokens (a piece is a part of one layer's work)
 
 `ProfiledPeak` keeps the parts apart for the start-up report. `meter` measures memory: CUDA's
 allocator statistics by default; the CPU tests pass one that counts live tensor bytes, so what is
@@ -31,6 +34,7 @@ from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.sampling_params import SamplingParams
 from vlm_sdk.worker.block_table import blocks_needed
 from vlm_sdk.worker.kv_cache import allocate_kv_caches
+from vlm_sdk.worker.piecewise_graphs import held_bytes
 from vlm_sdk.worker.sampler import Sampler
 from vlm_sdk.multimodal.inputs import ImageInput
 
@@ -65,16 +69,17 @@ class CudaMeter:
 class ProfiledPeak:
     step_bytes: int  # held image + LLM step + logits + sampler, and the vision tower: the larger peak
     graph_pool_bytes: int  # the decode graphs' pool (0 without graphs)
+    piecewise_bytes: int = 0  # the piecewise graphs' buffers, outputs and pool (0 without them)
 
     @property
     def total(self) -> int:
-        return self.step_bytes + self.graph_pool_bytes
+        return self.step_bytes + self.graph_pool_bytes + self.piecewise_bytes
 
 
 @torch.inference_mode()
 def profile_peak(model, largest_image: ImageInput, *, num_tokens: int, num_seqs: int, block_size: int,
                  per_block: int, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
-                 graph_batch: int | None = None, meter=None) -> ProfiledPeak:
+                 graph_batch: int | None = None, piecewise_tokens: int | None = None, meter=None) -> ProfiledPeak:
     """The worst-case step's peak (module docstring), the profile's own temporary cache excluded."""
     meter = meter or CudaMeter(device)
     meter.reset()
@@ -94,10 +99,18 @@ def profile_peak(model, largest_image: ImageInput, *, num_tokens: int, num_seqs:
         meter.reset()  # the caches stay: the pool is measured beyond them
         _forward(model, caches, attention, [1] * graph_batch, device)  # [graph_batch, hidden]
         pool = max(0, meter.peak())
+    piecewise = 0
+    if piecewise_tokens:
+        meter.reset()
+        _forward(model, caches, attention, [min(piecewise_tokens, blocks * block_size)], device)
+        layer = model.decoder.layers[0]
+        piecewise = max(0, meter.peak()) + held_bytes(
+            piecewise_tokens, model.decoder.cfg.hidden_size, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+            model.position_rows, dtype)
     del caches
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return ProfiledPeak(step, pool)
+    return ProfiledPeak(step, pool, piecewise)
 
 
 def profile_peak_bytes(model, largest_image: ImageInput, **kwargs) -> int:

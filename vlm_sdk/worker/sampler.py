@@ -31,6 +31,7 @@ History = tuple[list[int], int, tuple[int, ...]]
 # penalties add the edited copy (4), logprobs their log-softmax and the drawn rows' log (8), a top-p
 # row whose nucleus passes the candidates its full sort (~20); the race kernel, on CUDA, needs no
 # exponentials. The memory profile runs the sampler on max_num_seqs rows (worker/profiler.py).
+WORST_BYTES_PER_ENTRY = 40  # the sum above, what the planner counts per row and entry (measured 34-40 B on the CPU)
 
 
 class Sampler:

@@ -89,12 +89,15 @@ class Worker:
         if self.device.type != "cuda":
             return None
         args = self.args
+        graphs = self.ops.graph_safe and not args.enforce_eager  # as init_cache decides
         self.peak = profile_peak_bytes(
             self.model, largest_image,
             num_tokens=profile_num_tokens(args.max_num_batched_tokens, max_position_embeddings),
             num_seqs=args.max_num_seqs, block_size=args.block_size, per_block=self.bytes_per_block,
             dtype=self.dtype, device=self.device, attention=self.ops.attention,
-            graph_batch=args.max_num_seqs if self.ops.graph_safe and not args.enforce_eager else None)
+            graph_batch=args.max_num_seqs if graphs else None,
+            piecewise_tokens=args.max_num_batched_tokens if graphs and args.piecewise_cuda_graphs and self.tp.size == 1
+            else None)
         return self.peak
 
     def size_cache(self, max_position_embeddings: int, image_setting: str | None) -> CacheConfig:
