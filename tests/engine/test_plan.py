@@ -3,6 +3,7 @@ with the engine on the tiny checkpoint (CPU)."""
 import json
 
 import pytest
+import torch
 
 from helpers import TESTS
 from vlm_sdk.cli import main
@@ -112,3 +113,29 @@ def test_cli_json_and_table(capsys):
     table = capsys.readouterr().out
     assert "KV capacity" in table and "1,344 tokens" in table and "num_blocks=54" in table
     assert "--kv-cache-memory 432MiB" in table  # 54 blocks x 8 MiB, with its unit: pastes into serve / LLM
+
+
+def test_activation_estimate_counts_what_the_engine_profile_counts():
+    """The planner's language-model peak adds, as the engine's profile does: the sampler's temporaries at
+    max_num_seqs rows, the largest image's held embeddings, on a GPU the decode graphs' pool (not with
+    enforce_eager, nor on the CPU) and, when on, the piecewise graphs' buffers and pool."""
+    from vlm_sdk.worker.piecewise_graphs import held_bytes
+    from vlm_sdk.worker.sampler import WORST_BYTES_PER_ENTRY
+    cfg = CONFIGS / "qwen2_5_vl_3b.json"
+    gpu = dict(device_memory="80GiB")
+    base = plan(cfg, enforce_eager=True, **gpu)
+    vocab, hidden, seqs = 151936, 2048, 64
+    more_rows = plan(cfg, enforce_eager=True, max_num_seqs=2 * seqs, **gpu)
+    assert more_rows.activation_language_model_bytes - base.activation_language_model_bytes == \
+        seqs * vocab * (4 + WORST_BYTES_PER_ENTRY)  # logits + sampler per row
+    graphs = plan(cfg, **gpu)
+    pool = graphs.activation_language_model_bytes - base.activation_language_model_bytes
+    assert seqs * hidden * 2 < pool < 64 * 2**20  # a decode forward of 64 rows: more than their hidden states
+    piecewise = plan(cfg, piecewise_cuda_graphs=True, **gpu)
+    extra = piecewise.activation_language_model_bytes - graphs.activation_language_model_bytes
+    assert extra > held_bytes(8192, hidden, 16, 2, 128, 3, torch.bfloat16) > 0
+    small = plan(cfg, enforce_eager=True, max_pixels=200704, **gpu)  # the largest image: 256 tokens
+    assert base.activation_language_model_bytes - small.activation_language_model_bytes == \
+        (base.image_tokens_per_image - 256) * hidden * 2  # its held embeddings, bf16
+    assert plan(cfg, device="cpu", host_memory="512GiB").activation_language_model_bytes == \
+        plan(cfg, device="cpu", host_memory="512GiB", enforce_eager=True).activation_language_model_bytes

@@ -27,8 +27,13 @@ language model split by heads, intermediate size and vocabulary, norms whole, an
 and projector split too unless `shard_vision` is False (then whole on every rank).
 
 The activation peak is an ESTIMATE (the engine measures it on CUDA with a profiling forward):
-    language model: tokens * (4 * hidden + 2 * intermediate / tp + qkv width / tp) * dtype bytes
-                    + logits max_num_seqs * vocab * 4 bytes (float32),
+    language model: forward(tokens) + max_num_seqs * vocab * (4 (float32 logits) + 40 (the sampler's
+                    worst row: penalties, top-k/top-p, logprobs; worker/sampler.py))
+                    + the largest image's tokens * hidden * dtype bytes (held across prefill chunks)
+                    + on a GPU without enforce_eager: forward(max_num_seqs) (the decode graphs' pool)
+                      and with piecewise_cuda_graphs: forward(max_num_batched_tokens) + their buffers
+                      (`piecewise_graphs.held_bytes`),
+                    forward(n) = n * (4 * hidden + 2 * intermediate / tp + qkv width / tp) * dtype bytes,
                     tokens = min(max_num_batched_tokens, max_position_embeddings)
     vision tower:   vision rows (patches / tile patches) of the largest allowed image
                     * (4 * vision hidden + 2 * vision intermediate) * dtype bytes (attention runs in
@@ -53,7 +58,9 @@ from vlm_sdk.worker.block_table import blocks_needed
 from vlm_sdk.worker.kv_cache import bytes_per_block, size_cache
 from vlm_sdk.engine.memory_report import MemoryTotals
 from vlm_sdk.worker.weights import weight_bytes
+from vlm_sdk.worker.piecewise_graphs import held_bytes
 from vlm_sdk.worker.profiler import profile_num_tokens
+from vlm_sdk.worker.sampler import WORST_BYTES_PER_ENTRY as SAMPLER_BYTES_PER_ENTRY
 from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError, format_size
 from vlm_sdk.executor.launch import check_tensor_parallel_size
 from vlm_sdk.layers.parallel_state import TPGroup
@@ -65,7 +72,8 @@ from vlm_sdk.plan.device import DEVICE_HINT, Memory, cache_fit_problem, parse_si
 __all__ = ["MemoryPlan", "PLAN_OPTIONS", "Problem", "plan"]
 
 _ENGINE_OPTIONS = ("memory_utilization", "kv_cache_memory", "num_blocks", "dtype", "block_size", "max_model_len",
-                   "max_num_seqs", "max_num_batched_tokens", "shard_vision", "encoder_cache_memory")
+                   "max_num_seqs", "max_num_batched_tokens", "shard_vision", "encoder_cache_memory",
+                   "enforce_eager", "piecewise_cuda_graphs")
 # each registered family's image option (`FamilySpec.plan_setting`)
 FAMILY_OPTIONS = tuple(registry.plan_settings())
 PLAN_OPTIONS = ("device_memory", "device", "host_memory", *_ENGINE_OPTIONS, *FAMILY_OPTIONS, "tp",
@@ -205,7 +213,7 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     weights = weight_bytes(model)  # one rank's parameters
     image = family.image_limits(info.preprocessor, info.hf_config, model, family_options)
     act_lm, act_vision = _activations(model, family.vision_activation_widths(info.hf_config, model), image.patches,
-                                      args, max_pos, dtype, tp)
+                                      args, max_pos, dtype, tp, image.tokens, cuda_graphs=device != "cpu")
     peak = max(act_lm, act_vision)
 
     # the engine's own sizing rules, on the memory it would find after loading the weights
@@ -366,13 +374,28 @@ def _flags(fixes: Mapping[str, int | float | str], sep: str) -> str:
 
 
 def _activations(model, vision_widths: tuple[int, int], patches: int, args: EngineArgs, max_pos: int,
-                 dtype: torch.dtype, tp: int) -> tuple[int, int]:
-    """(language model, vision tower) activation peak estimates in bytes; see the module docstring."""
+                 dtype: torch.dtype, tp: int, image_tokens: int, cuda_graphs: bool) -> tuple[int, int]:
+    """(language model, vision tower) activation peak estimates in bytes; see the module docstring.
+    The language model's counts what the engine's profile runs beside its step (worker/profiler.py):
+    the logits and the sampler's temporaries at max_num_seqs rows, the largest image's embeddings held
+    across chunks, and on a GPU the CUDA graphs' memory (the decode graphs' pool: a decode forward of
+    max_num_seqs tokens; the piecewise graphs', when on: `piecewise_graphs.held_bytes` and a forward of
+    the token budget)."""
     c = model.decoder_config
     nbytes = torch.finfo(dtype).bits // 8
     tokens = profile_num_tokens(args.max_num_batched_tokens, max_pos)
     qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    lm = tokens * (4 * c.hidden_size + (2 * c.intermediate_size + qkv) // tp) * nbytes
-    lm += args.max_num_seqs * c.vocab_size * 4
+
+    def forward(n: int) -> int:  # the estimated peak of a forward of n tokens
+        return n * (4 * c.hidden_size + (2 * c.intermediate_size + qkv) // tp) * nbytes
+    lm = forward(tokens)
+    lm += args.max_num_seqs * c.vocab_size * (4 + SAMPLER_BYTES_PER_ENTRY)  # logits (float32) + sampler
+    lm += image_tokens * c.hidden_size * nbytes  # the largest image's embeddings, held across chunks
+    if cuda_graphs and not args.enforce_eager:
+        lm += forward(args.max_num_seqs)  # the decode graphs' pool
+        if args.piecewise_cuda_graphs and tp == 1:
+            lm += forward(args.max_num_batched_tokens) + held_bytes(
+                args.max_num_batched_tokens, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                model.position_rows, dtype)
     dim, inter = vision_widths
     return lm, patches * (4 * dim + 2 * inter) * nbytes

@@ -37,7 +37,8 @@ def format_plan(p: MemoryPlan) -> str:
         ("weights: vision tower", _size(p.weights_vision_bytes)),
         ("weights: projector", _size(p.weights_projector_bytes)),
         ("weights: total per rank", _size(p.weights_bytes)),
-        ("activation peak (estimate)", f"{_size(p.activation_peak_bytes)}: LM step "
+        ("activation peak (estimate)", f"{_size(p.activation_peak_bytes)}: LM step with logits, sampler, "
+         f"held image and CUDA graphs' memory "
          f"{_size(p.activation_language_model_bytes)}, vision {_size(p.activation_vision_bytes)}"),
         ("encoder cache", encoder_cache_text(p.encoder_cache_bytes, p.cache_source)),
         ("KV per token", f"{p.kv_bytes_per_token:,} B ({p.num_layers} layers x 2 x {p.num_kv_heads} KV heads x "
@@ -110,6 +111,10 @@ def add_plan_parser(sub) -> None:
         cmd.add_argument(f"--{name.replace('_', '-')}", type=schemas[setting].type,
                          help=f"{owners} only: {schemas[setting].help} (the engine setting {setting}, as in "
                               f"vlm-sdk serve and LLM(...))")
+    cmd.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                     help="no CUDA graphs: the decode graphs' pool is not counted (on a GPU it is by default)")
+    cmd.add_argument("--piecewise-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                     help="count the piecewise CUDA graphs' buffers and pool (off by default, as the engine)")
     cmd.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int,
                      help="tensor-parallel ranks: figures are per rank, as the engine's start-up report shows them")
     cmd.add_argument("--shard-vision", action=argparse.BooleanOptionalAction, default=None,
