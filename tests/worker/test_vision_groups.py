@@ -8,17 +8,17 @@ from helpers import conversations
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.worker.encoder_cache import EncoderCache
 from vlm_sdk.worker.io import NewRequestData
-from vlm_sdk.worker.model_runner import _patch_groups
+from vlm_sdk.worker.step_images import patch_groups
 from vlm_sdk.worker.request_state import RequestState
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
 
 
 def test_patch_groups_hold_at_most_the_limit_and_a_big_image_alone():
-    assert _patch_groups([4, 4, 4], None) == [range(0, 3)]
-    assert _patch_groups([4, 4, 4], 8) == [range(0, 2), range(2, 3)]
-    assert _patch_groups([10, 2, 2, 10], 4) == [range(0, 1), range(1, 3), range(3, 4)]  # a big one alone
-    assert _patch_groups([], 4) == [range(0, 0)]
+    assert patch_groups([4, 4, 4], None) == [range(0, 3)]
+    assert patch_groups([4, 4, 4], 8) == [range(0, 2), range(2, 3)]
+    assert patch_groups([10, 2, 2, 10], 4) == [range(0, 1), range(1, 3), range(3, 4)]  # a big one alone
+    assert patch_groups([], 4) == [range(0, 0)]
 
 
 def test_grouped_encoding_equals_one_call_and_the_engine_still_generates(tiny_ckpt):

@@ -26,7 +26,7 @@ import torch
 
 from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.metadata import AttentionMetadata
-from vlm_sdk.models.base import StepImages, VisionLanguageModel
+from vlm_sdk.models.base import VisionLanguageModel
 from vlm_sdk.sampling_params import SamplingParams
 from vlm_sdk.worker.block_table import BlockTables
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs
@@ -35,6 +35,7 @@ from vlm_sdk.worker.io import ModelRunnerOutput, SchedulerOutput
 from vlm_sdk.worker.pending_output import PendingOutput
 from vlm_sdk.worker.request_state import RequestState
 from vlm_sdk.worker.sampler import Sampler
+from vlm_sdk.worker.step_images import drop_passed_images, encode_images, step_images
 from vlm_sdk.worker.token_mask import apply_token_bitmask
 
 
@@ -188,8 +189,8 @@ class ModelRunner:
             step = self._prepare(scheduled)
             embeds = self.model.embed_tokens(step.input_ids)  # [num_tokens, hidden]
             hidden = self.model(embeds, step.positions, self.kv_caches, step.meta,
-                                self._step_images(scheduled))  # [num_tokens, hidden]
-            self._drop_passed_images(scheduled)
+                                step_images(scheduled, self.device))  # [num_tokens, hidden]
+            drop_passed_images(scheduled)
             sample_idx = step.sample_idx
             if not sample_idx:
                 self._last_rows = {}
@@ -237,46 +238,7 @@ class ModelRunner:
         return row
 
     def _encode_images(self, scheduled: list[tuple[RequestState, int]]) -> None:
-        """Give every still-needed image of the scheduled requests its embeddings: from the encoder
-        cache, or through the vision tower (each distinct image once per step when the cache is on)."""
-        cache = self.encoder_cache
-        todo: dict[object, list[tuple[RequestState, int]]] = {}  # image -> its (state, index), in order
-        for state, _ in scheduled:
-            for i in state.images_needed():
-                if i in state.image_embeds:
-                    continue
-                key = state.images[i].key if cache.capacity_bytes else None
-                if key is not None and key in todo:  # the same image, encoded by this step anyway
-                    cache.count_hit()
-                    todo[key].append((state, i))
-                    continue
-                embeds = cache.get(key) if cache.capacity_bytes else None
-                if embeds is not None:
-                    state.image_embeds[i] = embeds
-                else:
-                    todo[key if key is not None else (state.request_id, i)] = [(state, i)]
-        if not todo:
-            return
-        owners = list(todo.values())
-        images = [state.images[i] for state, i in (o[0] for o in owners)]
-        outs = []
-        for group in _patch_groups([im.size for im in images], self.max_vision_patches):
-            outs.append(self.model.encode_images([images[i] for i in group]))  # [tokens, hidden]
-        embeds = outs[0] if len(outs) == 1 else torch.cat(outs)  # [image tokens, hidden], in image order
-        parts = embeds.split([im.num_tokens for im in images])
-        for image, users, part in zip(images, owners, parts):
-            if len(parts) > 1:
-                part = part.clone()  # its own storage: what the cache keeps is what it counts
-            cache.put(image.key, part)
-            for state, i in users:
-                state.image_embeds[i] = part
-
-    def _drop_passed_images(self, scheduled: list[tuple[RequestState, int]]) -> None:
-        for state, n in scheduled:
-            end = state.num_computed_tokens + n
-            for i in list(state.image_embeds):
-                if state.image_end(i) <= end:
-                    del state.image_embeds[i]
+        encode_images(self.model, self.encoder_cache, self.max_vision_patches, scheduled)
 
     def _prepare(self, scheduled: list[tuple[RequestState, int]]) -> StepInputs:
         """Pack the step's inputs with numpy from the persistent tables (no Python loop per token or per
@@ -396,25 +358,6 @@ class ModelRunner:
         np.concatenate(parts, out=buf.numpy()[:total])
         return buf[:total].to(self.device, non_blocking=True)
 
-    def _step_images(self, scheduled: list[tuple[RequestState, int]]) -> StepImages | None:
-        """The held image rows that fall in this step's chunk of each request, and where they go in
-        the packed step; None when the step has no image token."""
-        rows, parts = [], []
-        row = 0
-        for s, n in scheduled:
-            start, end = s.num_computed_tokens, s.num_computed_tokens + n
-            for i, embeds in s.image_embeds.items():  # [image tokens, width]
-                first = s.image_positions[i]
-                lo, hi = max(start, first), min(end, s.image_end(i))
-                if hi > lo:
-                    rows.append(torch.arange(row + lo - start, row + hi - start))
-                    parts.append(embeds[lo - first:hi - first])
-            row += n
-        if not parts:
-            return None
-        return StepImages(torch.cat(rows).to(self.device, non_blocking=True), torch.cat(parts))  # [n], [n, width]
-
-
 @dataclass(frozen=True)
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
@@ -422,18 +365,3 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [num_sampled] int64 rows of the hidden states to sample from
     sample_idx: list[int]  # their indices in the scheduled list
-
-
-def _patch_groups(patches: list[int], limit: int | None) -> list[range]:
-    """Consecutive runs of image indices whose patches sum to at most `limit` (a run always holds at
-    least one image, however large); one run of all images when there is no limit."""
-    if limit is None:
-        return [range(len(patches))]
-    groups, start, total = [], 0, 0
-    for i, n in enumerate(patches):
-        if i > start and total + n > limit:
-            groups.append(range(start, i))
-            start, total = i, 0
-        total += n
-    groups.append(range(start, len(patches)))
-    return groups
