@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from tolerance import assert_reduction_close, attention_terms
 from vlm_sdk.kernels.varlen_attention import head_split, varlen_attention, varlen_attention_ref
 
 devices = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda,
@@ -60,7 +61,8 @@ def test_reference_matches_naive_formula(segments):
     lengths = SEGMENTS[segments]
     q, k, v, cu = _make_batch(lengths, 2, 1, 16, torch.float32, "cpu", seed=1)
     out = varlen_attention_ref(q, k, v, cu, max(lengths), 0.3)
-    torch.testing.assert_close(out.double(), _naive(q, k, v, cu, 0.3), atol=1e-5, rtol=1e-5)
+    assert_reduction_close(out.double(), _naive(q, k, v, cu, 0.3), attention_terms(16, max(lengths)), torch.float32,
+                           roundings=2)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "h{}_kv{}_d{}".format(*c))
@@ -79,8 +81,7 @@ def test_kernel_matches_reference(device, segments, config):
         assert varlen_attention(q, k, v, cu, max(lengths), scale, out=out) is out
         ref = varlen_attention_ref(q, k, v, cu, max(lengths), scale)
         assert not out.isnan().any()
-        tol = 1e-4 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+        assert_reduction_close(out.float(), ref.float(), attention_terms(head_dim, max(lengths)), dtype, roundings=2)
 
 
 @pytest.mark.parametrize("device", devices)
@@ -97,8 +98,7 @@ def test_unbind_views_and_allocated_out(device):
     out = varlen_attention(q, k, v, cu, 64, 80 ** -0.5)
     assert out.is_contiguous() and out.shape == q.shape
     ref = varlen_attention_ref(q, k, v, cu, 64, 80 ** -0.5)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    assert_reduction_close(out.float(), ref.float(), attention_terms(80, max(lengths)), dtype, roundings=2)
 
 
 def test_rejects_bad_inputs():

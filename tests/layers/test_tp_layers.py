@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_sdk.errors import CheckpointError
+from tolerance import assert_reduction_close
 from vlm_sdk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vlm_sdk.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                    RowParallelLinear)
@@ -57,7 +58,7 @@ def test_column_and_row_layers_hold_their_slice_and_compose_to_the_unsharded_mlp
         assert torch.equal(mlp.down.weight, t["down.weight"][:, rows])
         assert torch.equal(mlp.down.bias, t["down.bias"])  # whole; added by rank 0 only
         partials.append(mlp(x))
-    torch.testing.assert_close(partials[0] + partials[1], full(x), rtol=1e-5, atol=1e-5)
+    assert_reduction_close(partials[0] + partials[1], full(x), INTER)  # down's sum split in two
     assert torch.equal(full(x), F.linear(F.gelu(F.linear(x, t["up.weight"], t["up.bias"])), t["down.weight"],
                                          t["down.bias"]))  # one rank: the plain layers
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from tolerance import assert_reduction_close, layer_terms
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.kernels.rms_norm_torch import rms_norm
 from vlm_sdk.layers.linear import QKVParallelLinear
@@ -21,7 +22,13 @@ from vlm_sdk.testing import make_tiny_checkpoint
 from vlm_sdk.weight_loading import ParamSlot, Shard, SplitSlot, load_checked
 
 RANKS = (TPGroup(0, 2), TPGroup(1, 2))
-TOL = dict(rtol=1e-5, atol=1e-5)
+# One vision block composed by hand against the whole block (tests/tolerance.py): a block's chain of the
+# tiny towers (width 32, MLP 64, at most 16 tokens here) plus the projector's two matmuls (inputs 4 x 32).
+TERMS = layer_terms(hidden=32, intermediate=64, tokens=16) + 4 * 32 + 4 * 32
+
+
+def close(actual, expected):
+    assert_reduction_close(actual, expected, TERMS)
 
 
 def _rows(t: torch.Tensor, rank: int, parts: int = 1) -> torch.Tensor:
@@ -135,7 +142,7 @@ def test_qwen_vision_ranks_hold_their_slices_and_compose_to_the_unsharded_block(
     blocks = [tower.blocks[0] for tower in ranks]
     h = rms_norm(x, blocks[0].norm1.weight, blocks[0].norm1.eps)
     qkv = torch.cat([b.qkv(h).view(n, 3, heads // 2, d) for b in blocks], dim=2)  # per head group
-    torch.testing.assert_close(qkv, full.blocks[0].qkv(h).view(n, 3, heads, d), **TOL)
+    close(qkv, full.blocks[0].qkv(h).view(n, 3, heads, d))
     zero = torch.zeros(1, dim // 2)  # a rank's input columns
     assert torch.equal(blocks[0].proj(zero)[0], blocks[0].proj.bias) and not blocks[1].proj(zero).any()
     x1 = x + sum(b.attention(h, rope, plan) for b in blocks)  # row partials summed, bias once
@@ -143,9 +150,9 @@ def test_qwen_vision_ranks_hold_their_slices_and_compose_to_the_unsharded_block(
     out = x1 + sum(b.mlp(h2) for b in blocks)
     nxt = full.blocks[1].norm1  # the block hands on (next norm1(out), out)
     full_h, full_out = full.blocks[0](h, x, rope, plan, nxt)
-    torch.testing.assert_close(full_out, out, **TOL)
-    torch.testing.assert_close(full_h, rms_norm(out, nxt.weight, nxt.eps), **TOL)
-    torch.testing.assert_close(sum(tower.merger(x) for tower in ranks), full.merger(x), **TOL)
+    close(out, full_out)
+    close(rms_norm(out, nxt.weight, nxt.eps), full_h)
+    close(sum(tower.merger(x) for tower in ranks), full.merger(x))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,10 +229,10 @@ def test_internvl_vision_ranks_hold_their_slices_and_compose_to_the_unsharded_la
     q, k, v = full.layers[0].qkv_local(full.layers[0].norm1(x))
     local = [layer.qkv_local(layers[0].norm1(x)) for layer in layers]
     for i, whole in enumerate((q, k, v)):  # column outputs concatenated per head group
-        torch.testing.assert_close(torch.cat([part[i] for part in local], dim=-1), whole, **TOL)
-    torch.testing.assert_close(_compose_layer(layers, x, full.cfg.qk_norm), full.layers[0](x), **TOL)
+        close(torch.cat([part[i] for part in local], dim=-1), whole)
+    close(_compose_layer(layers, x, full.cfg.qk_norm), full.layers[0](x))
     y = torch.randn(7, full.projector.norm_weight.shape[0], generator=g)
-    torch.testing.assert_close(sum(tower.projector(y) for tower in ranks), full.projector(y), **TOL)
+    close(sum(tower.projector(y) for tower in ranks), full.projector(y))
 
 
 def test_internvl_qk_norm_spans_every_ranks_heads(tmp_path):
@@ -242,6 +249,6 @@ def test_internvl_qk_norm_spans_every_ranks_heads(tmp_path):
         assert torch.equal(layer.q_norm.weight, _rows(t[f"{src}q_norm.weight"], r))
         assert torch.equal(layer.k_norm.weight, _rows(t[f"{src}k_norm.weight"], r))
     x = torch.randn(2, 5, full.cfg.hidden_size, generator=torch.Generator().manual_seed(0))  # [T, N, C]
-    torch.testing.assert_close(_compose_layer(layers, x, True), full.layers[0](x), **TOL)
+    close(_compose_layer(layers, x, True), full.layers[0](x))
     with pytest.raises(ValueError, match="need the 2 ranks' process group"):
         layers[1](x)

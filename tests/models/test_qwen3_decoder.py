@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3VLConfig, Qwen3VLTextConfig, Qwen3VLTextModel
 
+from tolerance import assert_reduction_close, forward_terms
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import make_ops
@@ -22,7 +23,6 @@ from vlm_sdk.models.common.llama_decoder import LlamaDecoder
 from vlm_sdk.testing.distributed import run_on_ranks
 from vlm_sdk.weight_loading import load_checked
 
-ATOL = 1e-4
 BLOCK = 16
 DIMS = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256)
@@ -30,6 +30,12 @@ DIMS = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_lay
 ROPE = {"rope_type": "default", "rope_theta": 5e4, "mrope_section": [3, 3, 2], "mrope_interleaved": True}
 LEVELS = 2  # DeepStack features after layers 0 and 1 of 3
 TEXT_BEFORE, GRID, TEXT_AFTER = 5, (4, 4), 4  # 5 text tokens, a 4 x 4 image, 4 text tokens: 25 > one block
+# the decoder's chain (tests/tolerance.py): 3 layers of DIMS over at most 32 tokens; no tower, no head
+TERMS = forward_terms(layers=3, hidden=64, intermediate=96, tokens=32, head_dim=16) - 64
+
+
+def close(actual, expected):
+    assert_reduction_close(actual, expected, TERMS)
 
 
 def hf_model(seed: int = 0) -> Qwen3VLTextModel:
@@ -119,13 +125,13 @@ def test_matches_transformers(hf, backend, deepstack, chunk):
             inside = (rows >= start) & (rows < end)  # this chunk's image rows, relative to the chunk
             step = (rows[inside] - start, [f[inside] for f in feats])
         outs.append(run(dec, kv, ids[start:end], positions[:, start:end], start, blocks, step))
-    torch.testing.assert_close(torch.cat(outs), ref, atol=ATOL, rtol=0)
+    close(torch.cat(outs), ref)
     for token in (7, 299):  # decode: index + rope delta on all three axes, no image rows
         next_pos = positions[0, -1] + 1
         ids, positions = torch.cat((ids, torch.tensor([token]))), torch.cat((positions, next_pos.expand(3, 1)), dim=1)
         out = run(dec, kv, ids[-1:], positions[:, -1:], len(ids) - 1, blocks)
         ref = hf_hidden(hf, ids, positions, rows if deepstack else None, feats)
-        torch.testing.assert_close(out[0], ref[-1], atol=ATOL, rtol=0)
+        close(out[0], ref[-1])
 
 
 @pytest.mark.parametrize("change", ["contiguous", "no_qk_norm"])
@@ -167,7 +173,7 @@ def test_two_ranks_equal_one(hf):
     for r in results:
         assert r["heads"] == DIMS["num_attention_heads"] // 2  # sharded heads, whole per-head norm weights
         assert torch.equal(r["q_norm"], hf.state_dict()["layers.0.self_attn.q_norm.weight"])
-        torch.testing.assert_close(r["hidden"], expected, atol=1e-5, rtol=0)
+        close(r["hidden"], expected)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,14 +18,20 @@ def _run(cwd, *args, env=None) -> subprocess.CompletedProcess:
 
 
 def test_run_creates_and_uses_a_project_venv(tmp_path):
+    """What `run` promises of the venv, whatever the machine's python3 has installed: it is created in
+    .venv, it is the interpreter `run python` uses, it has a working pip, it sees the system's
+    site-packages (so a package already installed there is not downloaded again), and it is reused."""
     shutil.copy(REPO / "run", tmp_path / "run")
-    probe = ("import sys, torch; from pip import __version__ as pip; "
-             "print(sys.prefix, sys.prefix != sys.base_prefix, torch.__version__, pip)")
+    probe = ("import site, sys, sysconfig; from pip import __version__ as pip; "
+             "base = sysconfig.get_paths(vars={'base': sys.base_prefix, 'platbase': sys.base_prefix})['purelib']; "
+             "print(sys.prefix, sys.prefix != sys.base_prefix, base in sys.path, pip)")
     first = _run(tmp_path, "python", "-c", probe)
     assert first.returncode == 0, first.stderr
-    prefix, in_venv, torch_version, pip_version = first.stdout.split()
+    prefix, in_venv, sees_system, pip_version = first.stdout.split()
     assert os.path.realpath(prefix) == os.path.realpath(tmp_path / ".venv") and in_venv == "True"
-    assert torch_version and pip_version  # the system's torch is seen, and pip works inside
+    assert sees_system == "True", "the venv must see the system's site-packages (--system-site-packages)"
+    assert pip_version
+    assert "include-system-site-packages = true" in (tmp_path / ".venv" / "pyvenv.cfg").read_text()
     again = _run(tmp_path, "python", "-c", "import sys; print(sys.prefix)")  # reused, not recreated
     assert again.returncode == 0 and os.path.realpath(again.stdout.strip()) == os.path.realpath(tmp_path / ".venv")
 
@@ -36,3 +42,13 @@ def test_an_active_environment_or_PYTHON_is_used_instead(tmp_path):
     out = _run(tmp_path, "python", "-c", "import sys; print(sys.executable)", env={"PYTHON": chosen})
     assert out.returncode == 0 and not (tmp_path / ".venv").exists()
     assert os.path.realpath(out.stdout.strip()) == os.path.realpath(chosen)
+
+
+def test_ci_runs_the_readme_test_command_in_an_isolated_venv():
+    """CI (`.ci/run`) calls the README's test command, in a .venv that does not see the system's packages:
+    a test leaning on something installed on the CI image fails there, not on a user's fresh machine."""
+    ci = (REPO / ".ci" / "run").read_text()
+    readme = (REPO / "README.md").read_text()
+    assert "./run test" in readme and ci.rstrip().splitlines()[-1] == "./run test"
+    creates = [line.strip() for line in ci.splitlines() if "-m venv" in line]
+    assert creates == ["python3 -m venv .venv"], creates  # no --system-site-packages

@@ -11,6 +11,7 @@ import torch
 from einops import rearrange
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, Qwen2Config
 
+from tolerance import assert_reduction_close, forward_terms
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.weight_loading import load_checked
@@ -22,7 +23,12 @@ from vlm_sdk.models.common.llama_decoder import LlamaDecoder
 # published InternLM2 dicts carry `rope_scaling`, which transformers 5 warns about on every config built
 pytestmark = pytest.mark.filterwarnings("ignore:`rope_scaling` is deprecated:FutureWarning")
 
-ATOL = 1e-4
+# the decoder's chain (tests/tolerance.py): 2 layers of DIMS over at most 16 tokens, and the head
+TERMS = forward_terms(layers=2, hidden=64, intermediate=96, tokens=16, head_dim=8)
+
+
+def close(actual, expected):
+    assert_reduction_close(actual, expected, TERMS)
 BLOCK = 16
 DIMS = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
@@ -100,13 +106,13 @@ def assert_matches_hf(dec: LlamaDecoder, hf: LlamaForCausalLM, steps: int = 3) -
     ids = list(PROMPT)
     logits = run_step(dec, kv, ids, 0, blocks, axes=1)  # [20, vocab]
     with torch.no_grad():
-        torch.testing.assert_close(logits, hf(torch.tensor([ids])).logits[0], atol=ATOL, rtol=0)
+        close(logits, hf(torch.tensor([ids])).logits[0])
     for _ in range(steps):
         ids.append(int(logits[-1].argmax()))
         logits = run_step(dec, kv, ids[-1:], len(ids) - 1, blocks, axes=3)  # [1, vocab]
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0, -1]
-        torch.testing.assert_close(logits[0], ref, atol=ATOL, rtol=0)
+        close(logits[0], ref)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,17 +7,27 @@ import pytest
 import torch
 from transformers import InternVLConfig, InternVLForConditionalGeneration, PretrainedConfig
 
+from tolerance import assert_reduction_close, forward_terms
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.weight_loading import load_checked
 from vlm_sdk.models.cpu_layout import use_cpu_weight_layout
 from vlm_sdk.models.internvl.vision import InternVisionConfig, InternVLVisionTower
 
-ATOL = 1e-5
 TEXT_HIDDEN = 64
 TEXT = dict(model_type="qwen2", hidden_size=TEXT_HIDDEN, num_hidden_layers=1, num_attention_heads=4,
             num_key_value_heads=2, intermediate_size=64, vocab_size=64)
 VISION = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
               image_size=32, patch_size=4)  # an 8x8 patch grid -> 16 tokens per 32px tile
+# the towers' chain here (tests/tolerance.py): 4 x 4 x 3 = 48-input patches, at most 3 blocks of width 32
+# (MLP 64) over at most 145 tokens a tile (48-pixel tiles), a projector of inputs 128 + 64
+TERMS = forward_terms(layers=0, hidden=0, intermediate=0, tokens=0, patch=4 * 4 * 3, vision_layers=3,
+                      vision_hidden=32, vision_intermediate=64, vision_tokens=145, merger=192)
+
+
+def close(actual, expected):
+    assert_reduction_close(actual, expected, TERMS)
+
+
 PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")
 
 
@@ -85,7 +95,7 @@ def test_hf_layout_matches_transformers(case):
     px = pixels(3, 32)
     out = hf_tower(hf)(px)
     assert out.shape == (3 * 16, TEXT_HIDDEN)
-    torch.testing.assert_close(out, reference(hf, px), atol=ATOL, rtol=0)
+    close(out, reference(hf, px))
 
 
 @pytest.mark.parametrize("layer, used", [(-2, 2), (1, 1), (0, 0), (-4, 0)])
@@ -98,7 +108,7 @@ def test_feature_layer_selects_hidden_state(layer, used):
     # transformers 5.23 turns vision_feature_layer 0 into output_hidden_states=0, which captures nothing
     # (hidden_states is None); asking for all hidden states gives the tuple it then indexes
     kwargs = {"output_hidden_states": True} if layer == 0 else {}
-    torch.testing.assert_close(tower(px), reference(hf, px, **kwargs), atol=ATOL, rtol=0)
+    close(tower(px), reference(hf, px, **kwargs))
 
 
 @pytest.mark.parametrize("layer, norm_used", [(-1, True), (3, False), (-2, False)])
@@ -109,7 +119,7 @@ def test_final_layernorm_without_mean_pooling(layer, norm_used):
     tower = hf_tower(hf)
     assert tower.cfg.final_norm and tower.cfg.final_norm_used == norm_used
     px = pixels(2, 32)
-    torch.testing.assert_close(tower(px), reference(hf, px), atol=ATOL, rtol=0)
+    close(tower(px), reference(hf, px))
 
 
 @pytest.mark.parametrize("config_side, tile_side", [(16, 32), (32, 16), (16, 48)])
@@ -119,7 +129,7 @@ def test_position_embedding_interpolation(config_side, tile_side):
     px = pixels(2, tile_side)
     out = tower(px)
     assert out.shape == (2 * tower.tokens_per_tile(tile_side), TEXT_HIDDEN)
-    torch.testing.assert_close(out, reference(hf, px), atol=ATOL, rtol=0)
+    close(out, reference(hf, px))
 
 
 def test_tiles_are_independent_and_in_order():
@@ -128,7 +138,7 @@ def test_tiles_are_independent_and_in_order():
     px = pixels(4, 32)
     out = tower(px)
     per_tile = torch.cat([tower(px[i:i + 1]) for i in range(4)])
-    torch.testing.assert_close(out, per_tile, atol=ATOL, rtol=0)
+    close(out, per_tile)
 
 
 def test_cpu_weight_layout_keeps_results():
@@ -137,7 +147,7 @@ def test_cpu_weight_layout_keeps_results():
     use_cpu_weight_layout(tower)
     assert not tower.layers[0].qkv.weight.is_contiguous()
     px = pixels(2, 32)
-    torch.testing.assert_close(tower(px), reference(hf, px), atol=ATOL, rtol=0)
+    close(tower(px), reference(hf, px))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,7 +224,7 @@ def test_original_layout_matches_transformers(case):
     assert "vision_model.encoder.layers.0.attn.qkv.weight" in weights and "mlp1.3.bias" in weights
     tower = tower_for(cfg, weights, "original")
     px = pixels(3, 32)
-    torch.testing.assert_close(tower(px), reference(hf, px), atol=ATOL, rtol=0)
+    close(tower(px), reference(hf, px))
     hf_cfg = InternVisionConfig.from_hf(hf.config, TEXT_HIDDEN)
     assert {f: getattr(cfg, f) for f in ("layers_used", "norm_type", "qkv_bias", "qk_norm", "image_size")} == \
         {f: getattr(hf_cfg, f) for f in ("layers_used", "norm_type", "qkv_bias", "qk_norm", "image_size")}

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
+from tolerance import assert_reduction_close, forward_terms
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
@@ -17,8 +18,15 @@ from vlm_sdk.testing import make_tiny_checkpoint
 
 BLOCK = 16
 NUM_BLOCKS = 12
-ATOL = 1e-4
+# the tiny Qwen2.5-VL's chain (tests/tolerance.py): 1,176-input patches, 2 blocks of width 32 over at most
+# 128 patches, a merger of inputs 128 + 128, 2 layers of width 64 (MLP 128) over at most 80 tokens, the head
+TERMS = forward_terms(layers=2, hidden=64, intermediate=128, tokens=80, head_dim=16, patch=1176, vision_layers=2,
+                      vision_hidden=32, vision_intermediate=64, vision_tokens=128, merger=256)
 GRID_A, GRID_B = (1, 8, 12), (1, 16, 8)  # 24 and 32 image tokens; 4x6 and 8x4 merged -> several windows
+
+
+def close(actual, expected):
+    assert_reduction_close(actual, expected, TERMS)
 
 
 def load_pair(ckpt):
@@ -142,7 +150,7 @@ def test_prefill_matches_hf(models, name):
     with torch.no_grad():
         ref = hf(**seq.hf_kwargs()).logits[0]
     assert logits.dtype == torch.float32 and logits.shape == (n, ours.vocab_size)
-    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
+    close(logits, ref)
 
 
 def test_chunked_prefill_equals_one_prefill(models):
@@ -154,7 +162,7 @@ def test_chunked_prefill_equals_one_prefill(models):
     kv = new_cache(ours)
     run_step(ours, kv, [(seq.embeds[:10], seq.positions[:, :10], blocks, 10)])
     (rest,) = run_step(ours, kv, [(seq.embeds[10:], seq.positions[:, 10:], blocks, n)])
-    torch.testing.assert_close(rest, full[10:], atol=ATOL, rtol=0)
+    close(rest, full[10:])
 
 
 @pytest.mark.parametrize("name", ["text", "two_images"])
@@ -166,11 +174,11 @@ def test_decode_matches_hf_generate(models, name):
     blocks = list(range(-(-(n + 3) // BLOCK)))
     kv = new_cache(ours)
     (logits,) = run_step(ours, kv, [(seq.embeds, seq.positions, blocks, n)])
-    torch.testing.assert_close(logits[-1], ref_logits[0], atol=ATOL, rtol=0)
+    close(logits[-1], ref_logits[0])
     for step in (1, 2):
         (logits,) = run_step(ours, kv, [decode_item(ours, seq, tokens[step - 1], n + step - 1, blocks)])
         assert int(logits[0].argmax()) == tokens[step]
-        torch.testing.assert_close(logits[0], ref_logits[step], atol=ATOL, rtol=0)
+        close(logits[0], ref_logits[step])
 
 
 def test_batched_prefill_then_batched_decode(models):
@@ -185,15 +193,15 @@ def test_batched_prefill_then_batched_decode(models):
     kv = new_cache(ours)
     la, lb = run_step(ours, kv, [(a.embeds, a.positions, blocks_a, na), (b.embeds, b.positions, blocks_b, nb)])
     (alone_a,) = run_step(ours, new_cache(ours), [(a.embeds, a.positions, [0, 1], na)])
-    torch.testing.assert_close(la, alone_a, atol=ATOL, rtol=0)
+    close(la, alone_a)
     with torch.no_grad():
-        torch.testing.assert_close(la, hf(**a.hf_kwargs()).logits[0], atol=ATOL, rtol=0)
-        torch.testing.assert_close(lb, hf(**b.hf_kwargs()).logits[0], atol=ATOL, rtol=0)
+        close(la, hf(**a.hf_kwargs()).logits[0])
+        close(lb, hf(**b.hf_kwargs()).logits[0])
     # one decode step for both: the batched decode path of paged_attention
     da, db = run_step(ours, kv, [decode_item(ours, a, tok_a[0], na, blocks_a),
                                  decode_item(ours, b, tok_b[0], nb, blocks_b)])
-    torch.testing.assert_close(da[0], ref_a[1], atol=ATOL, rtol=0)
-    torch.testing.assert_close(db[0], ref_b[1], atol=ATOL, rtol=0)
+    close(da[0], ref_a[1])
+    close(db[0], ref_b[1])
 
 
 def test_encode_images_matches_hf_visual(models):
@@ -204,11 +212,11 @@ def test_encode_images_matches_hf_visual(models):
         ref = hf.model.visual(pv, grid_thw=torch.tensor(grids)).pooler_output
         got = ours.encode_images(images(pv, grids))
     assert got.shape == (24 + 32 + 4, ours.hidden_size)
-    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+    close(got, ref)
     # an image alone gives its own rows of the packed output
     with torch.no_grad():
         alone = ours.encode_images(images(pv[96:96 + 128], [GRID_B]))
-    torch.testing.assert_close(alone, got[24:56], atol=ATOL, rtol=0)
+    close(alone, got[24:56])
 
 
 def test_encode_images_rejects_bad_input(models):
@@ -277,14 +285,14 @@ def test_tied_lm_head(tmp_path_factory):
         with torch.no_grad():
             hf.lm_head.weight.copy_(embed)
             ref = hf(**seq.hf_kwargs()).logits[0]
-        torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
+        close(logits, ref)
     # a tied config whose checkpoint carries a different lm_head: transformers uses it, so do we
     if not torch.equal(weights.get("lm_head.weight", embed), embed):
         hf2, ours, _ = load_pair(ckpt)
         assert ours.decoder.lm_head is not None
         seq, logits = logits_of(ours)
         with torch.no_grad():
-            torch.testing.assert_close(logits, hf2(**seq.hf_kwargs()).logits[0], atol=ATOL, rtol=0)
+            close(logits, hf2(**seq.hf_kwargs()).logits[0])
 
 
 @pytest.mark.cuda

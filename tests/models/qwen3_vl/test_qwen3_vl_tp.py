@@ -1,6 +1,6 @@
 """Qwen3-VL under tensor parallelism on two CPU ranks over gloo: prefill logits of an image prompt (the
 vision tower and its DeepStack mergers sharded or replicated, q/k norm per head on each rank's heads, the
-DeepStack features added on every rank) equal the one-rank model's within 1e-5; each rank reads only its
+DeepStack features added on every rank) equal the one-rank model's within the rounding of another summation order; each rank reads only its
 slices (`lazy=True`). The one-rank model equals transformers (test_qwen3_vl_model.py)."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from helpers import image
+from tolerance import assert_reduction_close, forward_terms
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.config import EngineArgs
 from vlm_sdk.layers.parallel_state import TPGroup
@@ -18,6 +19,10 @@ from vlm_sdk.testing import make_tiny_checkpoint
 from vlm_sdk.testing.distributed import run_on_ranks
 
 BLOCK = 16
+# The tiny Qwen3-VL's prefill chain (tests/tolerance.py): 1,536-input patches, 3 blocks of width 32 over at
+# most 64 patches, mergers of inputs 128 + 128, 3 layers of width 48, MLP 128, head_dim 16, <= 128 tokens.
+TERMS = forward_terms(layers=3, hidden=48, intermediate=128, tokens=128, head_dim=16, patch=1536, vision_layers=3,
+                      vision_hidden=32, vision_intermediate=64, vision_tokens=64, merger=256)
 CASES = {"sharded_vision": True, "replicated_vision": False}  # name -> shard_vision
 
 
@@ -71,5 +76,5 @@ def test_two_ranks_equal_one_rank(results, name):
     for r in ranks:
         got = r[name]
         assert got["num_kv_heads"] == 1 and got["vision_heads"] == (1 if CASES[name] else 2)
-        torch.testing.assert_close(got["images"], one["images"], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got["logits"], one["logits"], rtol=1e-5, atol=1e-5)
+        assert_reduction_close(got["images"], one["images"], TERMS)
+        assert_reduction_close(got["logits"], one["logits"], TERMS)
