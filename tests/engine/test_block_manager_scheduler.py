@@ -117,7 +117,7 @@ def test_finish_frees_waiting_and_running():
 
 def test_worker_state_knows_which_images_a_step_may_still_read():
     from vlm_sdk.multimodal.inputs import ImageInput
-    from vlm_sdk.worker.io import NewRequestData
+    from vlm_sdk.protocol.scheduler_output import NewRequestData
     from vlm_sdk.worker.request_state import RequestState
     im = ImageInput(data=torch.zeros(16, 4), num_tokens=4)
     new = NewRequestData("x", [1] * 12, [], [im, im], [2, 8], None, SamplingParams(), [0], 0)

@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 
+from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.config import DEFAULT_ENCODER_CACHE_MEMORY, CacheConfig, DeviceBudget, EngineArgs
 from vlm_sdk.engine.capacity import check_max_model_len_fits
@@ -96,7 +97,7 @@ def test_startup_report_is_logged_and_matches_what_was_loaded(tiny_ckpt, caplog)
         llm = _llm(tiny_ckpt, num_blocks=40)
     [text] = [r.getMessage() for r in caplog.records if "KV cache and memory at start-up" in r.getMessage()]
     r = llm.memory_report
-    model = llm.engine.model
+    model = local_worker(llm.engine).model
     assert r.weights_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
     assert r.weights_projector_bytes > 0 and r.weights_vision_bytes > 0
     assert (r.num_blocks, r.block_size, r.capacity_tokens) == (40, 16, 640)
@@ -135,7 +136,7 @@ def _agree(ckpt, options, engine_options):
                 "weights_language_model_bytes", "weights_vision_bytes", "weights_projector_bytes",
                 "max_model_len", "image_tokens_per_image", "encoder_cache_bytes"):
         assert getattr(p, key) == getattr(r, key), key
-    assert p.weights_bytes == weight_bytes(llm.engine.model).total
+    assert p.weights_bytes == weight_bytes(local_worker(llm.engine).model).total
 
 
 @pytest.mark.parametrize("fixture", ["internvl_llama_ckpt", "internvl_original_ckpt", "internvl_internlm2_ckpt"])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tolerance import assert_reduction_close, forward_terms
+from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.config import CacheConfig
@@ -77,7 +78,7 @@ DECODER_TERMS = forward_terms(layers=2, hidden=64, intermediate=128, tokens=64, 
 def test_piecewise_eager_equals_plain_forward_cpu(tiny_ckpt, backend):
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1")
-    model = LLM(tiny_ckpt, attention_backend=backend, show_progress=False).engine.model
+    model = local_worker(LLM(tiny_ckpt, attention_backend=backend, show_progress=False).engine).model
     graphs = _compare(model, "cpu", torch.float32, False, STEPS)
     assert graphs.sizes == [16, 32, 64] and not graphs.graphs
 
@@ -90,8 +91,8 @@ def test_piecewise_sizes():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_piecewise_captured_equals_plain_forward_cuda(tiny_ckpt):
-    model = LLM(tiny_ckpt, device="cuda", dtype="float32", attention_backend="triton", enforce_eager=True,
-                show_progress=False).engine.model
+    model = local_worker(LLM(tiny_ckpt, device="cuda", dtype="float32", attention_backend="triton", enforce_eager=True,
+                show_progress=False).engine).model
     graphs = _compare(model, "cuda", torch.float32, True, STEPS)
     assert sorted(graphs.graphs) == [16, 32, 64]
     assert all(len(g) == model.num_layers + 1 for g in graphs.graphs.values())
@@ -111,8 +112,8 @@ def test_engine_steps_through_the_piecewise_path_cpu(request, ckpt):
     llm = LLM(tiny_ckpt, attention_backend="torch", show_progress=False)
     ref = [o.token_ids for o in llm.chat(convs, greedy)]
     eng = llm.engine
-    dec = eng.model.decoder
-    pw = PiecewiseGraphs(dec, eng.runner.kv_caches, max_num_batched_tokens=eng.args.max_num_batched_tokens,
+    dec = local_worker(eng).model.decoder
+    pw = PiecewiseGraphs(dec, local_worker(eng).runner.kv_caches, max_num_batched_tokens=eng.args.max_num_batched_tokens,
                          device=eng.device, dtype=dec.embed_tokens.weight.dtype, capture=False)
     calls = []
     run = pw.run
@@ -138,7 +139,7 @@ def test_engine_with_piecewise_cuda_graphs_equals_torch(tiny_ckpt):
     ref = [o.token_ids for o in LLM(tiny_ckpt, attention_backend="torch", show_progress=False).chat(convs, greedy)]
     llm = LLM(tiny_ckpt, device="cuda", dtype="float32", attention_backend="triton", num_blocks=64,
               piecewise_cuda_graphs=True, show_progress=False)
-    pw = llm.engine.model.decoder.piecewise
+    pw = local_worker(llm.engine).model.decoder.piecewise
     assert pw is not None and pw.graphs
     outs = [o.token_ids for o in llm.chat(convs, greedy)]
     assert sum(a == b for a, b in zip(outs, ref)) >= len(convs) - 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 from vlm_sdk.engine.block_hash import extend_block_hashes
 from vlm_sdk.engine.block_pool import BlockPool
 from vlm_sdk.engine.sequence import Sequence
-from vlm_sdk.worker.block_table import blocks_needed, slot_mapping
+from vlm_sdk.protocol.blocks import blocks_needed, slot_mapping
 
 
 class BlockManager:

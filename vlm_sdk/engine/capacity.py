@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 from vlm_sdk.config import CacheConfig, SchedulerConfig
-from vlm_sdk.worker.block_table import blocks_needed
+from vlm_sdk.protocol.blocks import blocks_needed
 from vlm_sdk.errors import CacheTooSmallError, InputTooLongError, fixes_text
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.sampling_params import DEFAULT_MAX_TOKENS

@@ -18,7 +18,7 @@ from vlm_sdk.config import CacheConfig, EngineArgs, SchedulerConfig
 from vlm_sdk.errors import UnfitImagesError, fixes_text, setting_text
 from vlm_sdk.models.family import ImageLimits
 from vlm_sdk.sampling_params import DEFAULT_MAX_TOKENS
-from vlm_sdk.worker.block_table import blocks_needed
+from vlm_sdk.protocol.blocks import blocks_needed
 
 logger = logging.getLogger("vlm_sdk")
 

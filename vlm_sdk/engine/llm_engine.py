@@ -29,7 +29,9 @@ import logging
 import threading
 import time
 
-from vlm_sdk.config import EngineArgs, SchedulerConfig
+import torch
+
+from vlm_sdk.config import DTYPES, EngineArgs, SchedulerConfig
 from vlm_sdk.engine.block_manager import BlockManager
 from vlm_sdk.engine.capacity import check_max_model_len_fits, check_prompt_fits, text_too_long
 from vlm_sdk.engine.image_fit import check_largest_image_fits
@@ -47,11 +49,10 @@ from vlm_sdk.hub import resolve_model
 from vlm_sdk.model_loader import load_tokenizer, read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import PromptInputs
+from vlm_sdk.protocol.blocks import blocks_needed
+from vlm_sdk.protocol.rank import RankLoad
+from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
 from vlm_sdk.sampling_params import SamplingParams
-from vlm_sdk.worker.block_table import blocks_needed
-from vlm_sdk.worker.io import ModelRunnerOutput
-from vlm_sdk.worker.pending_output import PendingOutput
-from vlm_sdk.worker.worker import RankLoad
 
 logger = logging.getLogger("vlm_sdk")
 
@@ -84,9 +85,8 @@ class LLMEngine:
         """Size the KV cache on every rank (the smallest any rank can hold), allocate it, and build the
         scheduler on rank 0's figures."""
         args, executor = self.args, self.executor
-        driver = executor.driver
-        self.device, self.dtype = driver.device, driver.dtype
-        loads = executor.collective_rpc("load_report")
+        loads: list[RankLoad] = executor.collective_rpc("load_report")
+        self.device, self.dtype = torch.device(loads[0].device), DTYPES[loads[0].dtype]
         self.image_processor = family.image_processor_cls.from_preprocessor_config(info.preprocessor, info.hf_config)
         self.processor = family.make_processor(self.tokenizer, self.image_processor, info.hf_config, args)
         largest_image = self.processor.largest_image()
@@ -99,7 +99,8 @@ class LLMEngine:
             logger.warning("memory_utilization=%s has no effect: %s sizes the KV cache", args.memory_utilization,
                            "num_blocks" if self.cache_config.rule == "num_blocks" else "kv_cache_memory")
         self.scheduler_config = self._scheduler_config()
-        check_largest_image_fits(family.image_limits(info.preprocessor, info.hf_config, driver.model,
+        meta_model = family.meta_model(info.hf_config, self.dtype, executor.world_size, args.shard_vision)
+        check_largest_image_fits(family.image_limits(info.preprocessor, info.hf_config, meta_model,
                                                      dict(args.mm_processor_kwargs)),
                                  family.plan_setting[1], self.cache_config, self.scheduler_config,
                                  self.max_position_embeddings, args)
@@ -121,19 +122,7 @@ class LLMEngine:
         self.async_scheduling = args.resolve_async_scheduling(self.device, executor.world_size)
         self._inflight: tuple[ScheduledBatch, PendingOutput] | None = None  # launched, output not read
         self._constrained: dict[str, Sequence] = {}  # live requests with a grammar: their masks are filled
-
-    # rank 0's parts, for reports, benchmarks and tests
-    @property
-    def model(self):
-        return self.executor.driver.model
-
-    @property
-    def runner(self):
-        return self.executor.driver.runner
-
-    @property
-    def ops(self):
-        return self.executor.driver.ops
+        self._encoder_cache = EncoderCacheStats()  # rank 0's counters, as the last step that encoded left them
 
     @property
     def load_seconds(self) -> float:
@@ -338,6 +327,8 @@ class LLMEngine:
         outputs = []
         now = time.monotonic()
         sampled, logprobs = result.sampled_token_ids, result.logprobs
+        if result.encoder_cache is not None:
+            self._encoder_cache = result.encoder_cache
         finished = SequenceStatus.FINISHED
         for seq, n in batch.scheduled:
             token = sampled.get(seq.request_id)
@@ -392,7 +383,7 @@ class LLMEngine:
         blocks right now (0 when the cache is full; never above max_model_len), preemptions (all, and
         in the last minute), queue lengths, prefix- and encoder-cache hits and lookups, and token
         totals since start-up."""
-        bm, enc = self.block_manager, self.runner.encoder_cache  # rank 0's encoder cache (every rank's is alike)
+        bm, enc = self.block_manager, self._encoder_cache  # rank 0's encoder cache (every rank's is alike)
         largest_now = min(bm.num_free_blocks * bm.block_size, self.scheduler_config.max_model_len)
         return {"kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
                 "kv_blocks_free": bm.num_free_blocks, "kv_block_size": bm.block_size,

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from vlm_sdk.config import SchedulerConfig
 from vlm_sdk.engine.block_manager import BlockManager
 from vlm_sdk.engine.sequence import Sequence, SequenceStatus
-from vlm_sdk.worker.io import NO_IDS, CachedRequestData, NewRequestData, SchedulerOutput
+from vlm_sdk.protocol.scheduler_output import NO_IDS, CachedRequestData, NewRequestData, SchedulerOutput
 
 
 @dataclass

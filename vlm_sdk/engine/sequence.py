@@ -5,7 +5,7 @@ tokens) and `num_computed_tokens`, the prefix whose K/V is in the cache. Each st
 lets `num_computed_tokens` catch up by some tokens; when it reaches `len(token_ids)` the step also
 samples one new token. Preemption frees the blocks and sets `num_computed_tokens` back to 0.
 
-The worker holds its own copy of what it needs (`worker.io`); `in_worker`, `num_blocks_sent` and
+The worker holds its own copy of what it needs (`vlm_sdk/protocol/`); `in_worker`, `num_blocks_sent` and
 `num_tokens_sent` record what it has been sent, so each step sends only what changed.
 
 Under asynchronous scheduling `num_computed_tokens` moves when a step is launched and may run one

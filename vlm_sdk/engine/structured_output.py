@@ -35,7 +35,7 @@ import torch
 
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.sampling_params import StructuredOutputs
-from vlm_sdk.worker.io import GrammarBitmask
+from vlm_sdk.protocol.scheduler_output import GrammarBitmask
 
 logger = logging.getLogger("vlm_sdk")
 

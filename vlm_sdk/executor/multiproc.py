@@ -95,7 +95,7 @@ class MultiprocExecutor(GroupExecutor):
         try:
             self._wait_for(store, "started", size, args.distributed_timeout)
             tp, self._control = join_ranks(0, size, None, args.distributed_timeout, devices[0], store)
-            self.driver = Worker(model_dir, args, devices[0], tp)
+            self._worker, self.world_size = Worker(model_dir, args, devices[0], tp), size
             # ranks finish loading at their own pace: the first command waits for the last of them
             self._wait_for(store, "loaded", size, max(args.distributed_timeout, _LOAD_SECONDS))
         except BaseException as e:

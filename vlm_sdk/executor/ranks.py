@@ -40,9 +40,14 @@ LOCALHOST = "127.0.0.1"
 
 @dataclass(frozen=True)
 class Command:
-    method: str  # a `Worker` method, or SHUTDOWN
+    method: Any  # a `Worker` method's name, a picklable fn(worker, *args), or SHUTDOWN / NOOP
     args: tuple = ()
     reply: bool = True  # gather every rank's result to rank 0
+
+
+def call(worker, method, args: tuple) -> Any:
+    """One rank's share of a command: `Worker.<method>(*args)`, or `method(worker, *args)`."""
+    return method(worker, *args) if callable(method) else getattr(worker, method)(*args)
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,7 @@ def serve_commands(worker, control) -> None:
             return
         if command.method == NOOP:
             continue
-        result = getattr(worker, command.method)(*command.args)
+        result = call(worker, command.method, command.args)
         if command.reply:
             dist.gather_object(result, None, dst=0, group=control)
 

@@ -48,7 +48,7 @@ class TorchrunExecutor(GroupExecutor):
         self._init_group_state()
         self._timeout_s = args.distributed_timeout
         tp, self._control = join_ranks(0, args.tensor_parallel_size, "env://", args.distributed_timeout, device)
-        self.driver = Worker(model_dir, args, device, tp)
+        self._worker, self.world_size = Worker(model_dir, args, device, tp), args.tensor_parallel_size
         self._closed = False
         self._start_heartbeat()
 

@@ -54,7 +54,7 @@ import torch
 from vlm_sdk.config import DTYPES, DeviceBudget, EngineArgs
 from vlm_sdk.engine.capacity import max_model_len_fixes
 from vlm_sdk.engine.image_fit import unfit_image_fixes
-from vlm_sdk.worker.block_table import blocks_needed
+from vlm_sdk.protocol.blocks import blocks_needed
 from vlm_sdk.worker.kv_cache import bytes_per_block, size_cache
 from vlm_sdk.engine.memory_report import MemoryTotals
 from vlm_sdk.worker.weights import weight_bytes
@@ -203,9 +203,8 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
 
     check_tensor_parallel_size(family, info.hf_config, tp, args.shard_vision)  # the engine's refusal
-    with torch.device("meta"):  # the engine's own modules (rank 0's), no memory: counts can never disagree
-        model = family.model_cls(info.hf_config, dtype=dtype, device="meta", tp=TPGroup(0, tp),
-                                 shard_vision=args.shard_vision)
+    # the engine's own modules (rank 0's), no memory: counts can never disagree
+    model = family.meta_model(info.hf_config, dtype, tp, args.shard_vision)
     layers, kv_heads, head_dim = model.num_layers, model.num_kv_heads, model.head_dim  # kv_heads: per rank
     per_block = bytes_per_block(layers, kv_heads, head_dim, args.block_size, dtype)
     max_pos = int(family.text_config(info.hf_config).max_position_embeddings)

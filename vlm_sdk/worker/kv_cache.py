@@ -16,7 +16,7 @@ import torch
 
 from vlm_sdk.config import CacheConfig, DeviceBudget, EngineArgs
 from vlm_sdk.errors import InvalidRequestError, format_size
-from vlm_sdk.worker.block_table import blocks_needed
+from vlm_sdk.protocol.blocks import blocks_needed
 
 CPU_DEFAULT_CACHE_BYTES = 1 << 30
 

@@ -1,6 +1,6 @@
 """Runs one scheduled step on the model: vision stage, LLM forward over the paged cache, sampling.
 
-Fed plain data (`worker.io.SchedulerOutput`), it keeps its own `RequestState` per request (token
+Fed plain data (`protocol.scheduler_output.SchedulerOutput`), it keeps its own `RequestState` per request (token
 ids, block table) and returns `ModelRunnerOutput` (request id -> sampled token).
 
 Inputs are packed: the new tokens of every scheduled request back to back, in the order of
@@ -31,8 +31,10 @@ from vlm_sdk.sampling_params import SamplingParams
 from vlm_sdk.worker.block_table import BlockTables
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs
 from vlm_sdk.worker.encoder_cache import EncoderCache
-from vlm_sdk.worker.io import ModelRunnerOutput, SchedulerOutput
-from vlm_sdk.worker.pending_output import PendingOutput
+from vlm_sdk.protocol.runner_output import ModelRunnerOutput
+from vlm_sdk.protocol.scheduler_output import SchedulerOutput
+from vlm_sdk.protocol.runner_output import PendingOutput, Ready
+from vlm_sdk.worker.pending_output import DevicePendingOutput
 from vlm_sdk.worker.request_state import RequestState
 from vlm_sdk.worker.sampler import Sampler
 from vlm_sdk.worker.step_images import drop_passed_images, encode_images, step_images
@@ -176,7 +178,8 @@ class ModelRunner:
         scheduled = self._update_states(sched)
         if not scheduled:
             self._last_rows = {}
-            return PendingOutput.done(ModelRunnerOutput())
+            return Ready(ModelRunnerOutput())
+        encoder = None  # the encoder cache's counters, when this step's vision stage ran
         if self.graphs is not None and self._num_behind == 0 and self.graphs.covers(len(scheduled)) \
                 and sched.total_num_scheduled_tokens == len(scheduled):  # one token each, every one the last
             # generated tokens only: every image is behind them (none to encode, scatter or drop), so the
@@ -186,6 +189,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)  # [num_seqs, vocab]
         else:
             self._encode_images(scheduled)
+            encoder = self.encoder_cache.stats() if self.samples else None
             step = self._prepare(scheduled)
             embeds = self.model.embed_tokens(step.input_ids)  # [num_tokens, hidden]
             hidden = self.model(embeds, step.positions, self.kv_caches, step.meta,
@@ -194,10 +198,10 @@ class ModelRunner:
             sample_idx = step.sample_idx
             if not sample_idx:
                 self._last_rows = {}
-                return PendingOutput([], None, self.device)  # its event: the step's buffers free again
+                return DevicePendingOutput([], None, self.device, encoder)  # its event: the step's buffers free again
             logits = self.model.compute_logits(hidden[step.sample_rows])  # [num_sampled, vocab]
         if not self.samples:
-            return PendingOutput.done(ModelRunnerOutput())
+            return Ready(ModelRunnerOutput())
         states = [scheduled[i][0] for i in sample_idx]
         counts = [scheduled[i][1] for i in sample_idx]
         if sched.grammar_bitmask is not None:  # structured outputs: only the constrained rows change
@@ -214,7 +218,7 @@ class ModelRunner:
                                                 may_draw=bool(draws_at_random))
         if self.keep_sampled:
             self._keep(states, sampled.tokens)
-        return PendingOutput([s.request_id for s in states], sampled, self.device)
+        return DevicePendingOutput([s.request_id for s in states], sampled, self.device, encoder)
 
     def _keep(self, states: list[RequestState], tokens: torch.Tensor) -> None:  # tokens [rows] int64
         """The step's tokens into the static buffer the next step reads ids from (the graphs' when

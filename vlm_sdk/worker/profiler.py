@@ -32,7 +32,7 @@ from vlm_sdk.config import CacheConfig
 from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.sampling_params import SamplingParams
-from vlm_sdk.worker.block_table import blocks_needed
+from vlm_sdk.protocol.blocks import blocks_needed
 from vlm_sdk.worker.kv_cache import allocate_kv_caches
 from vlm_sdk.worker.piecewise_graphs import held_bytes
 from vlm_sdk.worker.sampler import Sampler

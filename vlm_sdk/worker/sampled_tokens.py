@@ -3,7 +3,7 @@
 The sampler ends on the device (`SampledTokens.gather`); `start_copy` queues the copies into pinned
 host memory without waiting, so under asynchronous scheduling the engine schedules and launches the
 next step while this one still runs; `lists()` reads the host copies once they have landed (the
-caller waits on the step's event first: `pending_output.PendingOutput`). Without `start_copy`,
+caller waits on the step's event first: `pending_output.DevicePendingOutput`). Without `start_copy`,
 `lists()` reads the device tensors directly (a blocking copy, as a synchronous step wants).
 """
 from __future__ import annotations

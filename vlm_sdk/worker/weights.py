@@ -1,19 +1,7 @@
 """Parameter bytes of a loaded (or meta-device) model, by part: what one rank holds."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class WeightBytes:
-    """Parameter bytes of one rank by part (under tensor parallelism, its slices)."""
-    language_model: int
-    vision: int
-    projector: int
-
-    @property
-    def total(self) -> int:
-        return self.language_model + self.vision + self.projector
+from vlm_sdk.protocol.rank import WeightBytes
 
 
 def weight_bytes(model) -> WeightBytes:

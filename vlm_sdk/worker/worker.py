@@ -17,7 +17,6 @@ all-gather) line up:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -27,29 +26,16 @@ from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import ImageInput
+from vlm_sdk.protocol.rank import RankLoad
+from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
+from vlm_sdk.protocol.scheduler_output import SchedulerOutput
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs
 from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs
-from vlm_sdk.worker.io import ModelRunnerOutput, SchedulerOutput
 from vlm_sdk.worker.kernel_warmup import warm_up_kernels
 from vlm_sdk.worker.kv_cache import allocate_or_explain, bytes_per_block, plan_cache
 from vlm_sdk.worker.model_runner import ModelRunner
-from vlm_sdk.worker.pending_output import PendingOutput
 from vlm_sdk.worker.profiler import profile_num_tokens, profile_peak_bytes
-from vlm_sdk.worker.weights import WeightBytes, weight_bytes
-
-
-@dataclass(frozen=True)
-class RankLoad:
-    """What one rank holds after loading."""
-    rank: int
-    device: str
-    weights: WeightBytes  # this rank's parameter bytes by part
-    weights_allocated_bytes: int | None  # CUDA: memory_allocated growth while building and loading
-    load_seconds: float
-    num_layers: int
-    num_kv_heads: int  # this rank's KV heads (what its cache holds per layer)
-    head_dim: int
-    bytes_per_block: int  # this rank's KV bytes per block (its KV heads, every layer, K and V)
+from vlm_sdk.worker.weights import weight_bytes
 
 
 class Worker:
@@ -80,8 +66,9 @@ class Worker:
 
     def load_report(self) -> RankLoad:
         m = self.model
-        return RankLoad(self.tp.rank, str(self.device), weight_bytes(m), self.weights_allocated, self.load_seconds,
-                        m.num_layers, m.num_kv_heads, m.head_dim, self.bytes_per_block)
+        return RankLoad(self.tp.rank, str(self.device), str(self.dtype).removeprefix("torch."), weight_bytes(m),
+                        self.weights_allocated, self.load_seconds, m.num_layers, m.num_kv_heads, m.head_dim,
+                        self.bytes_per_block)
 
     def profile_peak(self, largest_image: ImageInput, max_position_embeddings: int) -> int | None:
         """CUDA: the activation peak (bytes) of a full `max_num_batched_tokens` step with its logits and
@@ -132,6 +119,9 @@ class Worker:
 
     def execute_async(self, sched: SchedulerOutput) -> PendingOutput:
         return self.runner.execute_async(sched)
+
+    def encoder_cache_stats(self) -> EncoderCacheStats:
+        return self.runner.encoder_cache.stats()
 
     def held_state(self) -> tuple[int, int]:
         """(requests this rank keeps state for, image embeddings requests hold): both 0 once every

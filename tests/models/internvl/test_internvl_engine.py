@@ -9,6 +9,7 @@ import io
 import pytest
 
 from helpers import SAMPLE_IMAGE, image
+from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.cli import main
 from vlm_sdk.errors import InputTooLongError, InvalidImageError, InvalidRequestError
@@ -63,7 +64,7 @@ def test_per_image_max_num_and_engine_max_dynamic_patch(internvl_ckpt, llm):
     assert capped.engine.build_prompt(_ask(wide, max_num=6)).images[0].meta.tiles == 4  # the part wins
     largest = capped.engine.processor.largest_image()
     assert tuple(largest.data.shape) == (3, 3, 448, 448) and largest.size == 3
-    assert capped.engine.runner.max_vision_patches == 3
+    assert local_worker(capped.engine).runner.max_vision_patches == 3
 
 
 def test_too_long_prompt_names_the_largest_max_dynamic_patch_that_fits(internvl_ckpt):

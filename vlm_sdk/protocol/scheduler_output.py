@@ -1,6 +1,6 @@
-"""The seam between engine and worker: what the scheduler hands the model runner, and what it gets back.
+"""What the scheduler hands every rank each step (vLLM v1's `core/sched/output.py`).
 
-Plain data only (ints, lists, tensors of pixels; no engine objects), after vLLM v1:
+Plain data only (ints, lists, tensors of pixels; no engine objects):
 
     step k   SchedulerOutput(new_requests=[NewRequestData(a)], cached_requests=[],
                              num_scheduled_tokens={"a": 9})
@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlm_sdk.multimodal.inputs import ImageInput
-from vlm_sdk.outputs import TokenLogprob
 from vlm_sdk.sampling_params import SamplingParams
 
 
@@ -72,9 +71,3 @@ class SchedulerOutput:
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
-
-
-@dataclass(frozen=True)
-class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> its new token
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # only requests that asked for them
