@@ -31,6 +31,7 @@ from vlm_sdk.sampling_params import SamplingParams
 from vlm_sdk.worker.block_table import BlockTables
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs
 from vlm_sdk.worker.encoder_cache import EncoderCache
+from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs
 from vlm_sdk.protocol.runner_output import ModelRunnerOutput
 from vlm_sdk.protocol.scheduler_output import SchedulerOutput
 from vlm_sdk.protocol.runner_output import PendingOutput, Ready
@@ -46,7 +47,7 @@ class ModelRunner:
                  block_size: int, device: torch.device, dtype: torch.dtype, seed: int = 0,
                  max_vision_patches: int | None = None, graphs: DecodeGraphs | None = None, *,
                  attention: AttentionBackend, samples: bool = True, encoder_cache_bytes: int = 0,
-                 keep_sampled: bool = False):
+                 keep_sampled: bool = False, piecewise: PiecewiseGraphs | None = None):
         """`max_vision_patches` (None: no limit) caps the patches of one vision-tower call: the images
         of newly scheduled requests are encoded in groups of at most that many patches (a group
         always holds at least one image), so a step never exceeds the profiled peak of the largest
@@ -56,11 +57,14 @@ class ModelRunner:
         leaves sampling to rank 0 and returns an empty output. `encoder_cache_bytes`: the vision
         embeddings kept for reuse by image key (0: none). `keep_sampled` (asynchronous scheduling):
         each step's sampled tokens stay on the device, where the next step takes the ids the engine
-        has not sent yet (a request whose computed tokens reach past its known ones)."""
+        has not sent yet (a request whose computed tokens reach past its known ones). `piecewise`: graphs
+        of the model's decoder stack that steps with prefill rows run through when the model gives the
+        step's `stack_inputs` (the model itself is never changed: they wrap it from outside)."""
         self.model = model
         self.attention = attention
         self.max_vision_patches = max_vision_patches
         self._graphs = graphs  # replays decode steps (CUDA graphs, or their padded path eagerly)
+        self.piecewise = piecewise  # runs other steps' decoder stack in pieces (CUDA graphs around attention)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -192,8 +196,7 @@ class ModelRunner:
             encoder = self.encoder_cache.stats() if self.samples else None
             step = self._prepare(scheduled)
             embeds = self.model.embed_tokens(step.input_ids)  # [num_tokens, hidden]
-            hidden = self.model(embeds, step.positions, self.kv_caches, step.meta,
-                                step_images(scheduled, self.device))  # [num_tokens, hidden]
+            hidden = self._forward(embeds, step, step_images(scheduled, self.device))  # [num_tokens, hidden]
             drop_passed_images(scheduled)
             sample_idx = step.sample_idx
             if not sample_idx:
@@ -219,6 +222,16 @@ class ModelRunner:
         if self.keep_sampled:
             self._keep(states, sampled.tokens)
         return DevicePendingOutput([s.request_id for s in states], sampled, self.device, encoder)
+
+    def _forward(self, embeds: torch.Tensor, step: StepInputs, images) -> torch.Tensor:  # [num_tokens, hidden]
+        """The model's forward, or its decoder stack through the piecewise graphs when they cover the step
+        and the model gives the step's stack inputs."""
+        pw = self.piecewise
+        if pw is not None and pw.covers(embeds.shape[0]):
+            inputs = self.model.stack_inputs(embeds, step.positions, images)
+            if inputs is not None:
+                return pw.run(*inputs, step.meta)
+        return self.model(embeds, step.positions, self.kv_caches, step.meta, images)
 
     def _keep(self, states: list[RequestState], tokens: torch.Tensor) -> None:  # tokens [rows] int64
         """The step's tokens into the static buffer the next step reads ids from (the graphs' when

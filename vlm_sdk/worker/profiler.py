@@ -103,9 +103,10 @@ def profile_peak(model, largest_image: ImageInput, *, num_tokens: int, num_seqs:
     if piecewise_tokens:
         meter.reset()
         _forward(model, caches, attention, [min(piecewise_tokens, blocks * block_size)], device)
-        layer = model.decoder.layers[0]
+        stack = model.decoder_stack()  # the worker builds piecewise graphs only for a model that has one
+        layer = stack.layers[0]
         piecewise = max(0, meter.peak()) + held_bytes(
-            piecewise_tokens, model.decoder.cfg.hidden_size, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+            piecewise_tokens, stack.hidden_size, layer.num_heads, layer.num_kv_heads, layer.head_dim,
             model.position_rows, dtype)
     del caches
     if device.type == "cuda":

@@ -30,7 +30,7 @@ from vlm_sdk.protocol.rank import RankLoad
 from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
 from vlm_sdk.protocol.scheduler_output import SchedulerOutput
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs
-from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs
+from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs, piecewise_stack
 from vlm_sdk.worker.kernel_warmup import warm_up_kernels
 from vlm_sdk.worker.kv_cache import allocate_or_explain, bytes_per_block, plan_cache
 from vlm_sdk.worker.model_runner import ModelRunner
@@ -60,6 +60,8 @@ class Worker:
         self.weights_allocated = None if before is None else _allocated(device) - before
         m = self.model
         self.bytes_per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, args.block_size, self.dtype)
+        graphs = device.type == "cuda" and self.ops.graph_safe and not args.enforce_eager
+        self.piecewise_stack = piecewise_stack(self.model, args.piecewise_cuda_graphs and graphs, tp.size)
         self.peak: int | None = None  # CUDA: the profiled activation peak
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.runner: ModelRunner | None = None
@@ -83,8 +85,7 @@ class Worker:
             num_seqs=args.max_num_seqs, block_size=args.block_size, per_block=self.bytes_per_block,
             dtype=self.dtype, device=self.device, attention=self.ops.attention,
             graph_batch=args.max_num_seqs if graphs else None,
-            piecewise_tokens=args.max_num_batched_tokens if graphs and args.piecewise_cuda_graphs and self.tp.size == 1
-            else None)
+            piecewise_tokens=args.max_num_batched_tokens if self.piecewise_stack is not None else None)
         return self.peak
 
     def size_cache(self, max_position_embeddings: int, image_setting: str | None) -> CacheConfig:
@@ -100,18 +101,19 @@ class Worker:
         m, args = self.model, self.args
         self.kv_caches = allocate_or_explain(m.num_layers, cache, m.num_kv_heads, m.head_dim, self.dtype,
                                              self.device)
-        graphs = None
+        graphs = piecewise = None
         if self.device.type == "cuda" and self.ops.graph_safe and not args.enforce_eager:
             graphs = DecodeGraphs(m, self.kv_caches, max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                                   block_size=args.block_size, device=self.device, attention=self.ops.attention)
-            if args.piecewise_cuda_graphs and self.tp.size == 1:  # after the decode graphs' capture
-                m.decoder.piecewise = PiecewiseGraphs(m.decoder, self.kv_caches, device=self.device, dtype=self.dtype,
-                                                      max_num_batched_tokens=args.max_num_batched_tokens)
+            if self.piecewise_stack is not None:  # after the decode graphs' capture
+                piecewise = PiecewiseGraphs(self.piecewise_stack, self.kv_caches, device=self.device,
+                                            dtype=self.dtype, max_num_batched_tokens=args.max_num_batched_tokens)
         self.runner = ModelRunner(m, self.kv_caches, args.block_size, self.device, self.dtype, args.seed,
                                   max_vision_patches=max_vision_patches, graphs=graphs,
                                   attention=self.ops.attention, samples=self.tp.rank == 0,
                                   encoder_cache_bytes=args.encoder_cache_memory,
-                                  keep_sampled=args.resolve_async_scheduling(self.device, self.tp.size))
+                                  keep_sampled=args.resolve_async_scheduling(self.device, self.tp.size),
+                                  piecewise=piecewise)
         warm_up_kernels(self.runner, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
