@@ -26,12 +26,8 @@ from vlm_sdk.worker.top_k_top_p import CANDIDATES, filtered_probs
 # per row: (prompt + generated token ids, number of prompt tokens, the ids min_tokens masks)
 History = tuple[list[int], int, tuple[int, ...]]
 
-# The sampler's [rows, vocab] temporaries at their peak, bytes per row and vocabulary entry (float32;
-# `vlm-sdk bench --sampler` measures them): a draw holds the probabilities and the exponentials (8),
-# penalties add the edited copy (4), logprobs their log-softmax and the drawn rows' log (8), a top-p
-# row whose nucleus passes the candidates its full sort (~20); the race kernel, on CUDA, needs no
-# exponentials. The memory profile runs the sampler on max_num_seqs rows (worker/profiler.py).
-WORST_BYTES_PER_ENTRY = 40  # the sum above, what the planner counts per row and entry (measured 34-40 B on the CPU)
+# its [rows, vocab] temporaries at their peak, per row and vocabulary entry, are what the memory plan counts
+# (vlm_sdk/memory/consumers/sampler.py WORST_BYTES_PER_ENTRY; `vlm-sdk bench --sampler` measures them)
 
 
 class Sampler:

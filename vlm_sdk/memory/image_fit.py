@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import logging
 
-from vlm_sdk.config import CacheConfig, EngineArgs, SchedulerConfig
+from vlm_sdk.config import EngineArgs, SchedulerConfig
 from vlm_sdk.errors import UnfitImagesError, fixes_text, setting_text
+from vlm_sdk.memory.kv import CacheConfig
 from vlm_sdk.models.family import ImageLimits
-from vlm_sdk.sampling_params import DEFAULT_MAX_TOKENS
 from vlm_sdk.protocol.blocks import blocks_needed
+from vlm_sdk.sampling_params import DEFAULT_MAX_TOKENS
 
 logger = logging.getLogger("vlm_sdk")
 

@@ -1,8 +1,9 @@
 """What the engine measured at start-up, in the same terms (and JSON keys) as `vlm-sdk plan`.
 
     weights     bytes of the loaded parameters by part (and, on CUDA, what loading allocated)
-    activation  the peak of the profiling forward (CUDA `max_memory_allocated`; not measured on the CPU,
-                where the cache is not carved out of device memory)
+    consumers   every memory consumer (vlm_sdk/memory/consumers/), measured by the profiling forward on
+                CUDA (`max_memory_allocated`), estimated otherwise; on the CPU the cache is not carved out
+                of device memory, so the activation peak is not measured
     encoder     encoder_cache_memory: the most bytes of vision embeddings kept for reuse (on CUDA set
                 aside from the memory_utilization budget before the KV cache is sized)
     KV cache    bytes per token and per block, the blocks allocated, their token capacity
@@ -28,9 +29,16 @@ def table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def consumer_rows(consumers) -> list[tuple[str, str]]:
+    """One report row per memory consumer (`memory.breakdown.ConsumerBytes`), the same in `vlm-sdk plan`
+    and the start-up report."""
+    return [(f"  {c.title}", f"{format_bytes(c.bytes)} ({'measured' if c.measured else 'estimated'})")
+            for c in consumers]
+
+
 def encoder_cache_text(num_bytes: int, cache_source: str) -> str:
     """The encoder cache's line, shared with `vlm-sdk plan`. A KV cache sized by memory_utilization
-    (`kv_cache.size_cache` names the rule first in `cache_source`) had the bound set aside first."""
+    (`memory.kv.size_cache` names the rule first in `cache_source`) had the bound set aside first."""
     if num_bytes == 0:
         return "off (encoder_cache_memory=0: every image goes through the vision tower)"
     where = ("set aside from the memory_utilization budget before sizing the KV cache"
@@ -99,10 +107,13 @@ class StartupMemory(MemoryTotals):
     load_seconds: float
     tensor_parallel_size: int = 1  # the figures above are per rank (rank 0's) when > 1
     ranks: tuple[RankMemory, ...] = ()  # under tensor parallelism: every rank's own figures
+    consumers: tuple = ()  # rank 0's memory consumers (`memory.breakdown.ConsumerBytes`), as `vlm-sdk plan` lists them
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"weights_bytes": self.weights_bytes, "capacity_tokens": self.capacity_tokens,
-                               "kv_cache_bytes": self.kv_cache_bytes}
+        out = asdict(self) | {"weights_bytes": self.weights_bytes, "capacity_tokens": self.capacity_tokens,
+                              "kv_cache_bytes": self.kv_cache_bytes}
+        out["consumers"] = [c.to_dict() for c in self.consumers]
+        return out
 
     def format(self) -> str:
         loaded = (f"; {format_bytes(self.weights_allocated_bytes)} allocated by loading"
@@ -121,6 +132,7 @@ class StartupMemory(MemoryTotals):
              f"{format_bytes(self.weights_language_model_bytes)}, vision tower {format_bytes(self.weights_vision_bytes)}, "
              f"projector {format_bytes(self.weights_projector_bytes)}{loaded}; loaded in {self.load_seconds:.1f} s"),
             ("activation peak", peak),
+            *consumer_rows(self.consumers),
         ]
         if self.device_memory_bytes is not None:
             rows.append(("device memory", f"{format_bytes(self.device_memory_bytes)} x memory_utilization "

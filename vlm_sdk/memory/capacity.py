@@ -13,11 +13,23 @@ from __future__ import annotations
 
 from typing import Callable
 
-from vlm_sdk.config import CacheConfig, SchedulerConfig
-from vlm_sdk.protocol.blocks import blocks_needed
+from vlm_sdk.config import SchedulerConfig
 from vlm_sdk.errors import CacheTooSmallError, InputTooLongError, fixes_text
+from vlm_sdk.memory.kv import CacheConfig
 from vlm_sdk.multimodal.inputs import PromptInputs
+from vlm_sdk.protocol.blocks import blocks_needed
 from vlm_sdk.sampling_params import DEFAULT_MAX_TOKENS
+
+
+def resolve_max_model_len(max_model_len: int | None, max_position_embeddings: int,
+                          capacity_tokens: int) -> tuple[int, str]:
+    """(max_model_len, where it came from): the user's value, else the cache's capacity or the model's
+    max_position_embeddings, whichever is smaller. The engine and `vlm-sdk plan` both take it from here."""
+    if max_model_len is not None:
+        return max_model_len, "set by you"
+    if capacity_tokens < max_position_embeddings:
+        return capacity_tokens, "the KV cache capacity"
+    return max_position_embeddings, "the model's max_position_embeddings"
 
 
 def max_model_len_fixes(cache: CacheConfig, max_model_len: int) -> dict[str, int | float]:
