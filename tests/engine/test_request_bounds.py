@@ -19,9 +19,9 @@ from PIL import Image
 
 from helpers import image
 from vlm_sdk import LLM, SamplingParams
-from vlm_sdk.engine import prompt_tokenizer
-from vlm_sdk.engine.prompt_tokenizer import PromptTokenizer, PromptTooLong, chars_per_token
-from vlm_sdk.engine.stop_strings import StopMatcher
+from vlm_sdk.engine.input import prompt_tokenizer
+from vlm_sdk.engine.input.prompt_tokenizer import PromptTokenizer, PromptTooLong, chars_per_token
+from vlm_sdk.engine.output.stop_strings import StopMatcher
 from vlm_sdk.errors import InputTooLongError, InvalidImageError, InvalidRequestError, VLMError
 from vlm_sdk.model_loader import load_tokenizer
 from vlm_sdk.multimodal import image_io

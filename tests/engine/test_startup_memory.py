@@ -13,7 +13,7 @@ from vlm_sdk.config import DEFAULT_ENCODER_CACHE_MEMORY, EngineArgs
 from vlm_sdk.memory.capacity import check_max_model_len_fits
 from vlm_sdk.memory.kv import CacheConfig, DeviceBudget, check_cache, size_cache
 from vlm_sdk.memory.weights import weight_bytes
-from vlm_sdk.engine.preemption_watch import PreemptionWatch
+from vlm_sdk.engine.core.preemption_watch import PreemptionWatch
 from vlm_sdk.errors import CacheTooSmallError, InvalidRequestError
 from vlm_sdk.plan import plan
 

@@ -32,13 +32,13 @@ import time
 import torch
 
 from vlm_sdk.config import EngineArgs, resolve_rank_config
-from vlm_sdk.engine.block_manager import BlockManager
-from vlm_sdk.engine.engine_output import EngineOutput
-from vlm_sdk.engine.preemption_watch import PreemptionWatch, preemption_warning
-from vlm_sdk.engine.prompt_guard import PromptGuard
-from vlm_sdk.engine.prompt_tokenizer import PromptTokenizer, PromptTooLong
-from vlm_sdk.engine.scheduler import ScheduledBatch, Scheduler
-from vlm_sdk.engine.sequence import Sequence, SequenceStatus
+from vlm_sdk.engine.core.block_manager import BlockManager
+from vlm_sdk.engine.output.engine_output import EngineOutput
+from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_warning
+from vlm_sdk.engine.input.prompt_guard import PromptGuard
+from vlm_sdk.engine.input.prompt_tokenizer import PromptTokenizer, PromptTooLong
+from vlm_sdk.engine.core.scheduler import ScheduledBatch, Scheduler
+from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
 from vlm_sdk.engine.structured_output import Grammar, GrammarCompiler, MaskFiller, accept
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.executor import make_executor

@@ -23,9 +23,9 @@ K/V before any attention reads it. Free blocks keep their content until a fresh 
 """
 from __future__ import annotations
 
-from vlm_sdk.engine.block_hash import extend_block_hashes
-from vlm_sdk.engine.block_pool import BlockPool
-from vlm_sdk.engine.sequence import Sequence
+from vlm_sdk.engine.core.block_hash import extend_block_hashes
+from vlm_sdk.engine.core.block_pool import BlockPool
+from vlm_sdk.engine.core.sequence import Sequence
 from vlm_sdk.protocol.blocks import blocks_needed, slot_mapping
 
 

@@ -21,7 +21,7 @@ a lower bound. The prefix grows fourfold until that proves it or the whole text 
 `tokenizer.encode(text, add_special_tokens=...)` otherwise (a test checks it).
 
 Special-token text that `SpecialText.escape` marked in the messages is read as plain text here
-(see engine/special_text.py).
+(see engine/input/special_text.py).
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ import itertools
 import json
 import threading
 
-from vlm_sdk.engine.special_text import ESC, SpecialText
-from vlm_sdk.engine.tokenizer_process import TokenizerProcess
+from vlm_sdk.engine.input.special_text import ESC, SpecialText
+from vlm_sdk.engine.input.tokenizer_process import TokenizerProcess
 
 LONG_TEXT_CHARS = 1 << 20
 # tokens a prefix's count may exceed the whole text's by: BPE merges near the cut differ from the

@@ -5,7 +5,7 @@ In-process, a fast tokenizer's encode of a 30 MB text can release the GIL while 
 GIL in single calls of ~0.15 s per million tokens. Here the child does all of that: it answers the
 token count, and the ids only when there are at most `max_tokens` of them.
 
-The child is `python -m vlm_sdk.engine.tokenizer_process` (it imports only `tokenizers`; never the
+The child is `python -m vlm_sdk.engine.input.tokenizer_process` (it imports only `tokenizers`; never the
 caller's `__main__`), started on the first huge text. Pipe protocol, all integers int64 little-endian:
 
     parent -> child, once:      len | tokenizer.json bytes
@@ -43,7 +43,7 @@ class TokenizerProcess:
         self._lock = threading.Lock()  # one text at a time through the pipe
 
     def _start(self) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "vlm_sdk.engine.tokenizer_process"],
+        proc = subprocess.Popen([sys.executable, "-m", "vlm_sdk.engine.input.tokenizer_process"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         proc.stdin.write(_INT.pack(len(self._json)) + self._json)
         return proc

@@ -18,7 +18,7 @@ import enum
 import sys
 import time
 
-from vlm_sdk.engine.block_hash import ImageSpan
+from vlm_sdk.engine.core.block_hash import ImageSpan
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.outputs import RequestMetrics
 from vlm_sdk.sampling_params import SamplingParams

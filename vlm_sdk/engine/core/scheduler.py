@@ -27,8 +27,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from vlm_sdk.config import SchedulerConfig
-from vlm_sdk.engine.block_manager import BlockManager
-from vlm_sdk.engine.sequence import Sequence, SequenceStatus
+from vlm_sdk.engine.core.block_manager import BlockManager
+from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
 from vlm_sdk.protocol.scheduler_output import NO_IDS, CachedRequestData, NewRequestData, SchedulerOutput
 
 

@@ -4,7 +4,7 @@ image from its header before any is decoded.
 
     text:   at least LONG_TEXT_CHARS characters and more than max_model_len * chars_per_token of them
             -> PromptTooLong (a lower bound), before any template or tokenizer runs
-            special-token text -> escaped (engine/special_text.py), read back as plain text
+            special-token text -> escaped (engine/input/special_text.py), read back as plain text
     images: each read and its header checked against max_image_pixels, their pixels summed against
             max_request_image_pixels -> InvalidImageError before the first decode; each becomes an
             `OpenedImage`, decoded by the processor one at a time (unless the request was cancelled)
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 
-from vlm_sdk.engine.prompt_tokenizer import PromptTokenizer
+from vlm_sdk.engine.input.prompt_tokenizer import PromptTokenizer
 from vlm_sdk.errors import InvalidImageError
 from vlm_sdk.multimodal.image_io import OpenedImage, open_image
 from vlm_sdk.multimodal.messages import map_parts, measure

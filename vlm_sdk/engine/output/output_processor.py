@@ -9,7 +9,7 @@ prompt being tokenized never holds up a stream's text. When a stop string ends a
 has not finished, `finished_by_stop_string` is set and the caller tells the engine to finish it
 (`LLMEngine.abort(request_id, "stop")`), which frees its blocks; later outputs for it are ignored.
 
-Stop strings are matched by a `StopMatcher` (engine/stop_strings.py), whose cost per character does
+Stop strings are matched by a `StopMatcher` (engine/output/stop_strings.py), whose cost per character does
 not grow with their number. Text held back: while running, the trailing characters that could still
 begin a stop string are not streamed yet; the final output releases them, cut before a stop string.
 """
@@ -18,9 +18,9 @@ from __future__ import annotations
 import threading
 import time
 
-from vlm_sdk.engine.detokenizer import IncrementalDetokenizer
-from vlm_sdk.engine.engine_output import EngineOutput
-from vlm_sdk.engine.stop_strings import StopMatcher
+from vlm_sdk.engine.output.detokenizer import IncrementalDetokenizer
+from vlm_sdk.engine.output.engine_output import EngineOutput
+from vlm_sdk.engine.output.stop_strings import StopMatcher
 from vlm_sdk.outputs import RequestOutput
 from vlm_sdk.sampling_params import SamplingParams
 
