@@ -8,7 +8,7 @@ inside the grammar.
         seq.matcher = grammar.matcher()                 a copy of the compiled start state
     each step, before the worker runs (engine thread)
         token_bitmask(the grammar rows sampling now)    -> GrammarBitmask: 1 bit per vocabulary token
-    worker (worker/token_mask.py)
+    worker (sample/token_mask.py)
         those rows' logits masked to -inf outside the grammar, then sampled as usual; other rows untouched
     postprocess
         accept(seq, token): the matcher consumes it; once the grammar admits no more text the request

@@ -39,7 +39,7 @@ from vlm_sdk.worker.kv_cache import allocate_kv_caches
 from vlm_sdk.memory.consumers.piecewise import held_bytes
 from vlm_sdk.memory.kv import CacheConfig
 from vlm_sdk.protocol.blocks import blocks_needed
-from vlm_sdk.worker.sampler import Sampler
+from vlm_sdk.sample.sampler import Sampler
 from vlm_sdk.multimodal.inputs import ImageInput
 
 # the sampler's worst row: every edit that makes a [rows, vocab] temporary

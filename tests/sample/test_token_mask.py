@@ -3,7 +3,7 @@ constrained rows change, and exactly the tokens whose bit is clear (llguidance's
 import torch
 
 from vlm_sdk.kernels.token_bitmask import apply_token_bitmask_ref
-from vlm_sdk.worker.token_mask import apply_token_bitmask, forbidden_tokens
+from vlm_sdk.sample.token_mask import apply_token_bitmask, forbidden_tokens
 
 
 def test_mask_equals_the_kernel_reference_on_the_constrained_rows_only():

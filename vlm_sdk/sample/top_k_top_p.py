@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from vlm_sdk.sampling_params import SamplingParams
-from vlm_sdk.worker.device_lists import to_device
+from vlm_sdk.sample.device_lists import to_device
 
 CANDIDATES = 1024  # the top-p nucleus is looked for among this many most likely tokens first
 

@@ -4,7 +4,7 @@ import torch
 
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.sampling_params import SamplingParams
-from vlm_sdk.worker.sampler import Sampler
+from vlm_sdk.sample.sampler import Sampler
 
 VOCAB = 50
 

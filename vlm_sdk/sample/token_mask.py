@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vlm_sdk.worker.device_lists import to_device
+from vlm_sdk.sample.device_lists import to_device
 
 
 def _forbidden_bits(device: torch.device) -> torch.Tensor:  # [256, 8] bool

@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 
 from vlm_sdk.sampling_params import SamplingParams
-from vlm_sdk.worker.device_lists import to_device
+from vlm_sdk.sample.device_lists import to_device
 
 
 def needs_edit(p: SamplingParams, num_output: int) -> bool:

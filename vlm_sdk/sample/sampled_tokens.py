@@ -14,7 +14,7 @@ import torch
 
 from vlm_sdk.outputs import TokenLogprob
 from vlm_sdk.sampling_params import SamplingParams
-from vlm_sdk.worker.device_lists import to_device
+from vlm_sdk.sample.device_lists import to_device
 
 
 @dataclass

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from vlm_sdk.sampling_params import SamplingParams
-from vlm_sdk.worker.sampler import Sampler, draw_seed
-from vlm_sdk.worker.top_k_top_p import filtered_probs, filtered_probs_reference
+from vlm_sdk.sample.sampler import Sampler, draw_seed
+from vlm_sdk.sample.top_k_top_p import filtered_probs, filtered_probs_reference
 
 CUDA_MARKS = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_MARKS)]
@@ -121,7 +121,7 @@ def test_rows_without_filters_keep_the_whole_tempered_distribution():
 def test_top_p_looks_past_the_candidates_only_when_it_must(monkeypatch):
     """A peaked row's nucleus lies inside 4 candidates; a flat one's does not: only the flat row takes
     the full sort."""
-    import vlm_sdk.worker.top_k_top_p as tkp
+    import vlm_sdk.sample.top_k_top_p as tkp
     calls = []
     real = tkp._keep
     monkeypatch.setattr(tkp, "_keep", lambda vals, k, p: calls.append(tuple(vals.shape)) or real(vals, k, p))
@@ -153,7 +153,7 @@ def test_sampled_frequencies_follow_the_reference_distribution(device, race):
 def test_batched_penalties_match_the_per_row_reference():
     """Rows with different edits (and rows with none) in one batch: the batched writes equal the
     per-row loop, including a token both penalised and biased, and min_tokens over a bias."""
-    from vlm_sdk.worker.penalties import apply_penalties, apply_penalties_reference
+    from vlm_sdk.sample.penalties import apply_penalties, apply_penalties_reference
     torch.manual_seed(2)
     vocab = 60
     logits = torch.randn(5, vocab) * 3  # [rows, vocab]
@@ -180,7 +180,7 @@ def test_sampler_bench_runs_small_and_reports_every_scenario(capsys):
 
     from vlm_sdk.bench.sampler import SamplerBenchConfig, bench_logits, sample_before_issue_19, scenarios
     from vlm_sdk.cli import main
-    from vlm_sdk.worker.penalties import apply_penalties_reference
+    from vlm_sdk.sample.penalties import apply_penalties_reference
     assert main(["bench", "--sampler", "--sampler-rows", "3", "--sampler-vocab", "3000", "--sampler-repeats", "1",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -204,7 +204,7 @@ def test_sampling_before_the_tokens_never_syncs_the_host():
     """Penalties, top-k (+ top-p within it), seeded and shared draws and the race queue behind the
     forward without one host sync (the tokens' copy at the end is the sampler's only one; a top-p-only
     row adds the check of whether its nucleus fits the candidates)."""
-    from vlm_sdk.worker.penalties import apply_penalties
+    from vlm_sdk.sample.penalties import apply_penalties
     logits = torch.randn(8, 151936, device="cuda")  # [rows, vocab]
     params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=i if i % 2 else None,
                              repetition_penalty=1.2, logit_bias={3: 1.0}, min_tokens=4) for i in range(8)]

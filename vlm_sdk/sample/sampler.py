@@ -18,10 +18,10 @@ import torch
 
 from vlm_sdk.outputs import TokenLogprob
 from vlm_sdk.sampling_params import SamplingParams
-from vlm_sdk.worker.device_lists import to_device
-from vlm_sdk.worker.penalties import apply_penalties, needs_edit
-from vlm_sdk.worker.sampled_tokens import SampledTokens
-from vlm_sdk.worker.top_k_top_p import CANDIDATES, filtered_probs
+from vlm_sdk.sample.device_lists import to_device
+from vlm_sdk.sample.penalties import apply_penalties, needs_edit
+from vlm_sdk.sample.sampled_tokens import SampledTokens
+from vlm_sdk.sample.top_k_top_p import CANDIDATES, filtered_probs
 
 # per row: (prompt + generated token ids, number of prompt tokens, the ids min_tokens masks)
 History = tuple[list[int], int, tuple[int, ...]]
