@@ -1,10 +1,16 @@
 """OpenAI-style chat messages: validate them and separate the images from the text.
 
 Content is a string or a list of parts: `{"type": "text", "text"}`, `{"type": "image", "image": src}`
-or `{"type": "image_url", "image_url": {"url": src}}` (`image_url` may also be a bare string). Any
-other key of an image part, on the part or inside `image_url`, is an option for that image alone
-(`ImageRef.options`, e.g. a size bound): the model family checks them against its image settings.
-OpenAI's `detail` is ignored.
+or `{"type": "image_url", "image_url": {"url": src}}` (an object, as OpenAI's schema requires: a bare
+string is refused, as vLLM refuses it). Any other key of an image part, on the part or inside
+`image_url`, is an option for that image alone (`ImageRef.options`, e.g. a size bound): the model
+family reads its image settings from them and ignores keys that no family declares. OpenAI's
+`detail` is ignored.
+
+Roles are OpenAI's: `developer` (OpenAI's name for system instructions since its o1 models) is given to
+the chat template as `system`, the only instruction role the served families' templates know; an
+assistant message's `content` may be null or left out (the openai types allow it beside tool calls),
+which is an empty turn. Tool calls themselves are refused: the server takes no tools.
 """
 from __future__ import annotations
 
@@ -14,7 +20,9 @@ from typing import Any, Callable, Mapping
 
 from vlm_sdk.errors import InvalidRequestError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "developer")
+# what each role is called in the chat template (see the module docstring)
+_TEMPLATE_ROLE = {"developer": "system"}
 
 
 @dataclass(frozen=True)
@@ -31,12 +39,13 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef]]:
                                   f"got {_short(messages)}")
     out, images = [], []
     for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+        if not isinstance(msg, dict) or "role" not in msg:
             raise InvalidRequestError(f"message {i} must be a dict with 'role' and 'content', got {_short(msg)}")
         role = msg["role"]
         if role not in ROLES:
-            raise InvalidRequestError(f"message {i} has role {role!r}; supported roles are {list(ROLES)}")
-        content = msg["content"]
+            raise InvalidRequestError(f"message {i} has role {_short(role)}; supported roles are {list(ROLES)}")
+        content = _content(msg, i)
+        role = _TEMPLATE_ROLE.get(role, role)
         if isinstance(content, str):
             _check_text(content, f"message {i}")
             out.append({"role": role, "content": content})
@@ -49,6 +58,20 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef]]:
             parts.append(_parse_part(part, f"message {i} part {j}", images))
         out.append({"role": role, "content": parts})
     return out, images
+
+
+def _content(msg: dict, i: int) -> Any:
+    """The message's content; an assistant's may be null or missing (an empty turn)."""
+    if msg["role"] == "assistant":
+        for key in ("tool_calls", "function_call"):
+            if msg.get(key):
+                raise InvalidRequestError(f"message {i} (assistant) has {key!r}: tool calls are not supported by "
+                                          f"this server, which takes no tools; leave {key!r} out", param="messages")
+        content = msg.get("content")
+        return "" if content is None else content
+    if "content" not in msg:
+        raise InvalidRequestError(f"message {i} must be a dict with 'role' and 'content', got {_short(msg)}")
+    return msg["content"]
 
 
 def _parse_part(part: Any, where: str, images: list[ImageRef]) -> dict:
@@ -66,7 +89,11 @@ def _parse_part(part: Any, where: str, images: list[ImageRef]) -> dict:
             source = part.get("image")
         else:
             url = part.get("image_url")
-            source = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, dict):
+                raise InvalidRequestError(f"{where}: an image_url part's 'image_url' must be an object "
+                                          f"{{\"url\": ...}} (OpenAI's schema), got {_short(url)}; write "
+                                          f"{{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}")
+            source = url.get("url")
         if source is None:
             raise InvalidRequestError(f"{where}: an {kind} part needs "
                                       f"{'an image' if kind == 'image' else 'image_url.url'}")
@@ -133,8 +160,6 @@ def _map_part(part: Any, text, image) -> Any:
         url = part.get("image_url")
         if isinstance(url, dict) and url.get("url") is not None:
             return {**part, "image_url": {**url, "url": image(url["url"])}}
-        if url is not None and not isinstance(url, dict):
-            return {**part, "image_url": image(url)}
     return part
 
 
