@@ -255,7 +255,7 @@ def test_metrics_parse_and_move_with_load(srv):
 
 
 def test_prebuilt_chunks_equal_the_plain_json_chunk():
-    from vlm_sdk.server.protocol import ChunkWriter, chunk_body
+    from vlm_sdk.server.chat_responses import ChunkWriter, chunk_body
     for include_usage in (True, False):
         writer = ChunkWriter("chatcmpl-1", "m\"odel", 5, include_usage)
         for text in ("hi", 'q"uo\\te\n', "é中\u2028", ""):

@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP server: aiohttp handlers over one `AsyncLLM`.
 
     POST /v1/chat/completions
-      read body (server/body.py: 413 over --max-request-bytes, from Content-Length before reading;
-        408 past --body-timeout) -> JSON (400: also too deep, lone surrogates) -> parse_chat_request (400/404)
+      read body (server/body.py: 415 unless Content-Type is application/json; 413 over
+        --max-request-bytes, from Content-Length before reading; 408 past --body-timeout) -> JSON (400:
+        also too deep, lone surrogates) -> parse_chat_request (400/404)
       -> MediaFetcher: http(s)/file image sources to bytes under the media policy (400)
-      -> AsyncLLM.build_prompt, off the loop: decode, resize, tokenize, fit check (400)
+      -> AsyncLLM.build_prompt, off the loop: decode, resize, tokenize, fit check (400); the prompt
+         and max_tokens within max_model_len (400)
       -> AsyncLLM.generate: wait for the first output, so that every refusal is still an HTTP status
       -> one JSON body, or SSE chunks ending in [DONE]
     GET /v1/models, GET /health (503 once the engine stopped or shutdown began), GET /metrics
@@ -24,7 +26,7 @@ from aiohttp import web
 
 from vlm_sdk.async_llm import AsyncLLM
 from vlm_sdk.errors import EngineDeadError, VLMError
-from vlm_sdk.server import protocol
+from vlm_sdk.server import chat_responses, protocol
 from vlm_sdk.server.body import read_json
 from vlm_sdk.server.logprobs import TokenSpeller
 from vlm_sdk.server.config import ServerConfig
@@ -93,7 +95,7 @@ class OpenAIServer:
     def _error_response(self, e: APIError) -> web.Response:
         self.metrics.error(e.status)
         resp = web.json_response(e.body(), status=e.status)
-        if e.status in (408, 413):  # the rest of the body is not wanted; don't wait for it on this connection
+        if e.status in (408, 413, 415):  # the rest of the body is not wanted; don't wait for it on this connection
             resp.force_close()
         return resp
 
@@ -156,6 +158,8 @@ class OpenAIServer:
                                           self.config.max_n)
         messages = await self.media.resolve_messages(req.messages)
         prompt = await self.engine.build_prompt(messages, req.params)
+        protocol.check_output_room(len(prompt.token_ids), req.params.max_tokens, self.max_model_len,
+                                   req.max_tokens_param)
         if req.num_images:
             self.metrics.image_preprocess.observe(prompt.preprocess_seconds)
         gen = self.engine.generate(prompt, req.params)
@@ -184,19 +188,19 @@ class OpenAIServer:
         def logprobs(o):
             return None if o.logprobs is None else self.speller.content(o.logprobs)
         # the prompt is counted once: it was built once and the other choices shared its blocks
-        body = protocol.completion_body(
-            protocol.new_completion_id(), self.model_name, first.text, first.finish_reason,
+        body = chat_responses.completion_body(
+            chat_responses.new_completion_id(), self.model_name, first.text, first.finish_reason,
             len(first.prompt_token_ids), sum(len(o.token_ids) for o in outputs), first.num_cached_tokens,
             logprobs(first))
-        return web.json_response(protocol.with_choices(body, outputs, logprobs) if len(outputs) > 1 else body)
+        return web.json_response(chat_responses.with_choices(body, outputs, logprobs) if len(outputs) > 1 else body)
 
     async def _stream(self, request: web.Request, req: protocol.ChatRequest, gen, out,
                       timing: "_Timing") -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
-        cid, created = protocol.new_completion_id(), int(time.time())
-        chunks = protocol.ChunkWriter(cid, self.model_name, created, req.include_usage)
+        cid, created = chat_responses.new_completion_id(), int(time.time())
+        chunks = chat_responses.ChunkWriter(cid, self.model_name, created, req.include_usage)
 
         async def send(line: str) -> None:
             await resp.write(line.encode())
