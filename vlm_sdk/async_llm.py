@@ -38,6 +38,7 @@ from vlm_sdk.model_loader import load_tokenizer
 from vlm_sdk.models.registry import engine_args as make_engine_args
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.multimodal.messages import measure
+from vlm_sdk.multimodal.prompts import RawPrompt, TextPrompt, TokensPrompt, as_prompt
 from vlm_sdk.outputs import RequestOutput
 from vlm_sdk.sampling_params import SamplingParams
 
@@ -120,16 +121,22 @@ class AsyncLLM:
             callback(dead)
 
     # -- public API -------------------------------------------------------------------------------
-    async def build_prompt(self, messages, params: SamplingParams | None = None) -> PromptInputs:
+    async def build_prompt(self, request, params: SamplingParams | None = None) -> PromptInputs:
         """Validate, decode images and tokenize off the event loop; raises the request's own error
         (`InvalidRequestError`, `InvalidImageError`, `InputTooLongError`, whose fixes fit the prompt
-        and `params.max_tokens`) before anything is queued."""
+        and `params.max_tokens`) before anything is queued. `request`: chat messages, or a
+        `TextPrompt` / `TokensPrompt` (no chat template; see `LLMEngine.build_prompt`)."""
         self._check_alive()
-        chars, images = measure(messages)
+        if isinstance(request, TokensPrompt):
+            chars, images = 0, 0
+        elif isinstance(request, TextPrompt):
+            chars, images = len(request.text), 0
+        else:
+            chars, images = measure(request)
         pool = self._heavy_prep if images or chars >= LONG_TEXT_CHARS else self._text_prep
         cancelled = threading.Event()
         job = asyncio.get_running_loop().run_in_executor(
-            pool, partial(self.engine.build_prompt, messages, params, cancelled=cancelled))
+            pool, partial(self.engine.build_prompt, request, params, cancelled=cancelled))
         try:
             return await job  # cancelled here, a job not started yet is dropped from the pool's queue
         except asyncio.CancelledError:
@@ -144,12 +151,16 @@ class AsyncLLM:
         async for out in self.generate(prompt, params, request_id):
             yield out
 
-    async def generate(self, prompt: PromptInputs, params: SamplingParams | None = None,
+    async def generate(self, prompt: PromptInputs | str | list[int] | RawPrompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a prompt made by `build_prompt`. Closing the iterator early aborts the request. With
-        `params.n` > 1 the n samples (`params.sample(i)`: seed + i) stream interleaved, told apart by
-        `index`, until all have finished; closing it aborts all of them."""
+        """Stream the completion of a prompt: one made by `build_prompt`, or a text or token ids
+        (a `TextPrompt` / `TokensPrompt`, built here with no chat template). Closing the iterator
+        early aborts the request. With `params.n` > 1 the n samples (`params.sample(i)`: seed + i)
+        stream interleaved, told apart by `index`, until all have finished; closing it aborts all of
+        them."""
         params = _check_params(params)
+        if not isinstance(prompt, PromptInputs):
+            prompt = await self.build_prompt(as_prompt(prompt), params)
         loop = asyncio.get_running_loop()
         keys = [f"async-{next(self._ids)}" for _ in range(params.n)]
         user_id = request_id or keys[0]

@@ -37,6 +37,7 @@ from vlm_sdk.engine.output.engine_output import EngineOutput
 from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_warning
 from vlm_sdk.engine.input.prompt_guard import PromptGuard
 from vlm_sdk.engine.input.prompt_tokenizer import PromptTokenizer, PromptTooLong
+from vlm_sdk.engine.input.raw_prompt import RawPromptTokens
 from vlm_sdk.engine.core.scheduler import ScheduledBatch, Scheduler
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
 from vlm_sdk.engine.structured_output import Grammar, GrammarCompiler, MaskFiller, accept
@@ -50,6 +51,7 @@ from vlm_sdk.memory.startup import scheduler_config, size_rank_caches, startup_r
 from vlm_sdk.model_loader import load_tokenizer, read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import PromptInputs
+from vlm_sdk.multimodal.prompts import TextPrompt, TokensPrompt
 from vlm_sdk.protocol.rank import RankLoad
 from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
 from vlm_sdk.sampling_params import SamplingParams
@@ -69,6 +71,7 @@ class LLMEngine:
         self.guard = PromptGuard(self.tokenizer, args.max_image_pixels, args.max_request_image_pixels)
         self.eos_token_ids = set(info.eos_token_ids)
         vocab_size = int(family.text_config(info.hf_config).vocab_size)  # the logits' width
+        self.raw_prompt_tokens = RawPromptTokens(self.tokenizer, vocab_size)
         self.grammars = GrammarCompiler(self.tokenizer.wrapped, vocab_size, sorted(self.eos_token_ids))
         self._fill_masks = MaskFiller(vocab_size)
         # every default that depends on the device or the rank count, decided once (refusing
@@ -133,15 +136,21 @@ class LLMEngine:
         self.executor.shutdown()
 
     # -- requests ---------------------------------------------------------------------------------
-    def build_prompt(self, messages, params: SamplingParams | None = None,
+    def build_prompt(self, request, params: SamplingParams | None = None,
                      cancelled: threading.Event | None = None) -> PromptInputs:
-        """Validate messages, decode and preprocess images, tokenize; raise if it can never fit (the
-        fixes the error names fit the prompt and `params.max_tokens`). Once `cancelled` is set, the
-        images not decoded yet raise `DecodeCancelled` instead (see `PromptGuard`)."""
+        """`request` as chat messages: validate them, decode and preprocess images, render the chat
+        template and tokenize. As a `TextPrompt` or `TokensPrompt` (no template, no images): tokenize
+        the text, or check the ids against the vocabulary (engine/input/raw_prompt.py). Either way the
+        family's processor makes the `PromptInputs`, and a prompt that can never fit raises (the fixes
+        the error names fit the prompt and `params.max_tokens`). Once `cancelled` is set, the images
+        not decoded yet raise `DecodeCancelled` instead (see `PromptGuard`)."""
         t0 = time.perf_counter()
         self.compile_grammar(params)  # a bad schema fails before any image is decoded
         try:
-            prompt = self.processor(self.guard.prepare(messages, cancelled))
+            if isinstance(request, (TextPrompt, TokensPrompt)):
+                prompt = self.processor.text_prompt(self.raw_prompt_tokens(request))
+            else:  # chat messages
+                prompt = self.processor(self.guard.prepare(request, cancelled))
         except PromptTooLong as e:  # a huge text: refused from its token count, before any conversion
             if not e.exact:
                 raise text_too_long(e.num_tokens, self.cache_config, self.scheduler_config,

@@ -47,7 +47,7 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef]]:
         content = _content(msg, i)
         role = _TEMPLATE_ROLE.get(role, role)
         if isinstance(content, str):
-            _check_text(content, f"message {i}")
+            check_text(content, f"message {i}")
             out.append({"role": role, "content": content})
             continue
         if not isinstance(content, (list, tuple)):
@@ -82,7 +82,7 @@ def _parse_part(part: Any, where: str, images: list[ImageRef]) -> dict:
         text = part.get("text")
         if not isinstance(text, str):
             raise InvalidRequestError(f"{where}: a text part needs a string 'text', got {_short(text)}")
-        _check_text(text, where)
+        check_text(text, where)
         return {"type": "text", "text": text}
     if kind in ("image", "image_url"):
         if kind == "image":
@@ -102,7 +102,7 @@ def _parse_part(part: Any, where: str, images: list[ImageRef]) -> dict:
     raise InvalidRequestError(f"{where} has type {kind!r}; supported: 'text', 'image', 'image_url'")
 
 
-def _check_text(text: str, where: str) -> None:
+def check_text(text: str, where: str) -> None:
     """Text must be encodable as UTF-8: a lone surrogate (half of a pair, e.g. from a JSON "\\ud800")
     would fail deep inside the template or the tokenizer."""
     if text.isascii():

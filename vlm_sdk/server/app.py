@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: aiohttp handlers over one `AsyncLLM`.
 
-    POST /v1/chat/completions
+    POST /v1/chat/completions (POST /v1/completions: the same path for prompts without a chat
+    template, server/completions_endpoint.py)
       read body (server/body.py: 415 unless Content-Type is application/json; 413 over
         --max-request-bytes, from Content-Length before reading; 408 past --body-timeout) -> JSON (400:
         also too deep, lone surrogates) -> parse_chat_request (400/404)
@@ -28,10 +29,11 @@ from vlm_sdk.async_llm import AsyncLLM
 from vlm_sdk.errors import EngineDeadError, VLMError
 from vlm_sdk.server import chat_responses, protocol
 from vlm_sdk.server.body import read_json
+from vlm_sdk.server.completions_endpoint import CompletionsEndpoint
 from vlm_sdk.server.logprobs import TokenSpeller
 from vlm_sdk.server.config import ServerConfig
 from vlm_sdk.server.media import MediaFetcher
-from vlm_sdk.server.metrics import CONTENT_TYPE, ServerMetrics
+from vlm_sdk.server.metrics import CONTENT_TYPE, ServerMetrics, Timing
 from vlm_sdk.server.protocol import APIError
 
 logger = logging.getLogger("vlm_sdk.server")
@@ -48,12 +50,14 @@ class OpenAIServer:
         self.max_model_len = engine.stats()["max_model_len"]  # fixed once the engine is built
         self.metrics = ServerMetrics(engine.stats, model_name)
         self.media = MediaFetcher(config.media)
-        self.draining = False  # set when shutdown begins: new chat requests get 503
-        self.in_flight = 0  # chat requests being handled
+        self.draining = False  # set when shutdown begins: new generation requests get 503
+        self.in_flight = 0  # chat and completion requests being handled
         self._idle = asyncio.Event()
         self._idle.set()
         self.app = web.Application(client_max_size=config.max_request_bytes, middlewares=[self._errors])
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self._completions = CompletionsEndpoint(self)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.prometheus)
@@ -137,22 +141,33 @@ class OpenAIServer:
             return False
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._tracked(self._chat_completions, request)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._tracked(self._completions.handle, request)
+
+    async def _tracked(self, handler, request: web.Request) -> web.StreamResponse:
+        """Run a generation handler, counted in `in_flight` (what shutdown waits for)."""
         self.in_flight += 1
         self._idle.clear()
         try:
-            return await self._chat_completions(request)
+            return await handler(request)
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
 
-    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
-        arrival = time.monotonic()
+    async def admit(self, request: web.Request):
+        """Auth and readiness (401, 503), then the JSON body (400, 408, 413, 415)."""
         self._check_auth(request)
         if self.draining or not self.engine.is_alive:
             raise APIError(503, "the server is shutting down or its engine has stopped; retry on another "
                                 "replica", "server_error", None, "unavailable")
-        body = await read_json(request, self.config.max_request_bytes, self.config.body_timeout)
+        return await read_json(request, self.config.max_request_bytes, self.config.body_timeout)
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        body = await self.admit(request)
         req = protocol.parse_chat_request(body, self.model_name, self.max_model_len, self.config.limit_images,
                                           self.config.max_stop_strings, self.config.max_stop_chars,
                                           self.config.max_n)
@@ -165,20 +180,20 @@ class OpenAIServer:
         gen = self.engine.generate(prompt, req.params)
         try:
             first = await gen.__anext__()  # the engine's own refusal still becomes an HTTP status
-            timing = _Timing(arrival, time.monotonic())
+            timing = Timing(arrival, time.monotonic())
             if req.stream:
                 return await self._stream(request, req, gen, first, timing)
             return await self._complete(req, gen, first, timing)
         finally:
             await gen.aclose()  # a no-op once finished; otherwise aborts and frees the blocks
 
-    async def _complete(self, req: protocol.ChatRequest, gen, out, timing: "_Timing") -> web.Response:
+    async def _complete(self, req: protocol.ChatRequest, gen, out, timing: Timing) -> web.Response:
         final = {}  # index -> final output; with n > 1 the choices finish in any order
         while True:
             if out.finished:
                 final[out.index] = out
                 if len(final) == req.params.n:
-                    self._observe(timing, out)  # the request's latencies once, at its last choice
+                    self.observe(timing, out)  # the request's latencies once, at its last choice
                     break
                 self.metrics.finished(out.finish_reason)  # every choice's finish reason
             out = await gen.__anext__()
@@ -195,7 +210,7 @@ class OpenAIServer:
         return web.json_response(chat_responses.with_choices(body, outputs, logprobs) if len(outputs) > 1 else body)
 
     async def _stream(self, request: web.Request, req: protocol.ChatRequest, gen, out,
-                      timing: "_Timing") -> web.StreamResponse:
+                      timing: Timing) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
@@ -224,7 +239,7 @@ class OpenAIServer:
                     await send(chunks.finish(out.finish_reason, out.index))
                     final[out.index] = out
                     if len(final) == n:
-                        self._observe(timing, out)  # the request's latencies once, at its last choice
+                        self.observe(timing, out)  # the request's latencies once, at its last choice
                         break
                     self.metrics.finished(out.finish_reason)  # every choice's finish reason
                 out = await gen.__anext__()
@@ -245,7 +260,8 @@ class OpenAIServer:
         await resp.write_eof()
         return resp
 
-    def _observe(self, timing: "_Timing", out) -> None:
+    def observe(self, timing: Timing, out) -> None:
+        """A request's latencies, once, when its last choice (`out`) finishes."""
         end = time.monotonic()
         m = self.metrics
         m.time_to_first_token.observe(timing.first_token - timing.arrival)
@@ -255,10 +271,3 @@ class OpenAIServer:
             m.time_per_output_token.observe((end - timing.first_token) / (n - 1))
         m.finished(out.finish_reason)
 
-
-class _Timing:
-    __slots__ = ("arrival", "first_token")
-
-    def __init__(self, arrival: float, first_token: float):
-        self.arrival = arrival
-        self.first_token = first_token

@@ -102,7 +102,7 @@ def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_
     for name, off in UNSUPPORTED.items():
         value = body.get(name)
         if value is not None and value not in off:
-            raise bad_request(f"'{name}'={_clip(repr(value))} is not supported by this server; leave it out",
+            raise bad_request(f"'{name}'={clip(repr(value))} is not supported by this server; leave it out",
                               name, "unsupported_parameter")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -112,7 +112,7 @@ def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_
         raise bad_request(f"the request has {num_images} images; this server accepts at most {limit_images} per "
                           f"request (server setting --limit-images)", "messages", "too_many_images")
     stream, include_usage = parse_stream(body)
-    _check_stop(body.get("stop"), max_stop_strings, max_stop_chars)
+    check_stop(body.get("stop"), max_stop_strings, max_stop_chars)
     params = _sampling_params(body, max_model_len)
     check_n(params.n, max_n)
     return ChatRequest(messages, params, stream, include_usage, num_images, max_tokens_param(body))
@@ -128,7 +128,7 @@ def check_model(body: object, model_name: str) -> None:
     if not isinstance(model, str):
         raise bad_request(f"'model' must be a string, got a JSON {_json_type(model)}", "model")
     if model != model_name:
-        raise APIError(404, f"model {_clip(model)!r} does not exist; this server serves {model_name!r}",
+        raise APIError(404, f"model {clip(model)!r} does not exist; this server serves {model_name!r}",
                        "invalid_request_error", "model", "model_not_found")
 
 
@@ -139,7 +139,7 @@ def parse_stream(body: dict) -> tuple[bool, bool]:
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise bad_request(f"'stream' must be true or false, got {_clip(repr(stream))}", "stream")
+        raise bad_request(f"'stream' must be true or false, got {clip(repr(stream))}", "stream")
     include_usage = False
     opts = body.get("stream_options")
     if opts is not None:
@@ -188,7 +188,7 @@ def count_images(messages: list) -> int:
     return count
 
 
-def _check_stop(stop, max_count: int, max_chars: int) -> None:
+def check_stop(stop, max_count: int, max_chars: int) -> None:
     """A request's stop strings within the server's caps (their type is SamplingParams' to check)."""
     stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
     if len(stops) > max_count:
@@ -210,13 +210,22 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 
 def _sampling_params(body: dict, max_model_len: int) -> SamplingParams:
     name = max_tokens_param(body)
+    max_tokens = body.get(name)
+    return sampling_params(body, _logprobs(body), None if max_tokens is None else json_int(max_tokens), name)
+
+
+def sampling_params(body: dict, logprobs: int | None, max_tokens, max_tokens_name: str = "max_tokens"
+                    ) -> SamplingParams:
+    """The body's sampling fields as `SamplingParams`, with the endpoint's own reading of `logprobs`
+    and `max_tokens` (given under `max_tokens_name`); a bad value is a 400 naming its field."""
+    name = max_tokens_name
     kwargs = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
     for k in ("top_k", "seed", "min_tokens", "n"):
         if k in kwargs:
-            kwargs[k] = _json_int(kwargs[k])
+            kwargs[k] = json_int(kwargs[k])
     if isinstance(kwargs.get("stop_token_ids"), list):
-        kwargs["stop_token_ids"] = [_json_int(t) for t in kwargs["stop_token_ids"]]
-    kwargs["logprobs"] = _logprobs(body)
+        kwargs["stop_token_ids"] = [json_int(t) for t in kwargs["stop_token_ids"]]
+    kwargs["logprobs"] = logprobs
     guided = {key: body[name] for name, key in _GUIDED.items() if body.get(name) is not None}
     if guided:
         if "structured_outputs" in kwargs:
@@ -224,8 +233,7 @@ def _sampling_params(body: dict, max_model_len: int) -> SamplingParams:
         kwargs["structured_outputs"] = guided
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
-    max_tokens = body.get(name)
-    kwargs["max_tokens"] = None if max_tokens is None else _json_int(max_tokens)
+    kwargs["max_tokens"] = max_tokens
     try:
         return SamplingParams(**kwargs)
     except InvalidRequestError as e:
@@ -238,12 +246,12 @@ def _logprobs(body: dict) -> int | None:
     """OpenAI's pair: `logprobs` true turns them on, `top_logprobs` (0-20) needs it."""
     on, top = body.get("logprobs"), body.get("top_logprobs")
     if on is not None and not isinstance(on, bool):
-        raise bad_request(f"'logprobs' must be true or false, got {_clip(repr(on))}", "logprobs")
+        raise bad_request(f"'logprobs' must be true or false, got {clip(repr(on))}", "logprobs")
     if top is not None and not on:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    top = _json_int(top) if top is not None else 0
+    top = json_int(top) if top is not None else 0
     if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS:
-        raise bad_request(f"'top_logprobs' must be an integer from 0 to {MAX_LOGPROBS}, got {_clip(repr(top))}",
+        raise bad_request(f"'top_logprobs' must be an integer from 0 to {MAX_LOGPROBS}, got {clip(repr(top))}",
                           "top_logprobs")
     return top if on else None
 
@@ -255,12 +263,12 @@ def _logit_bias(bias) -> dict[int, object]:
     out = {}
     for key, value in bias.items():
         if not key.isdigit():
-            raise bad_request(f"'logit_bias' keys must be token ids (digits), got {_clip(repr(key))}", "logit_bias")
+            raise bad_request(f"'logit_bias' keys must be token ids (digits), got {clip(repr(key))}", "logit_bias")
         out[int(key)] = value
     return out
 
 
-def _json_int(value):
+def json_int(value):
     """JSON has one number type: 16.0 is the integer 16."""
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
@@ -270,7 +278,7 @@ def _json_type(value) -> str:
         type(value), "number")
 
 
-def _clip(text: str, limit: int = 80) -> str:
+def clip(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
