@@ -134,7 +134,8 @@ class InputTooLongError(InvalidRequestError):
         elif both:
             msg += f" No single setting makes it fit; these together do{room}: {both}."
         else:
-            msg += " No single setting makes it fit: shorten the prompt or use fewer images."
+            msg += (" No single setting makes it fit: shorten the prompt"
+                    + (" or use fewer images." if self.image_tokens else "."))
         return msg
 
     def with_conversation(self, index: int, noun: str = "conversation") -> "InputTooLongError":
