@@ -178,6 +178,8 @@ def test_errors_are_400s_naming_the_numbers_and_leave_no_block(srv):
         (dict(prompt=PROMPT, suffix="!"), "suffix", "unsupported_parameter", ["'suffix'"]),
         (dict(prompt=PROMPT, best_of=2), "best_of", "unsupported_parameter", ["'best_of'"]),
         (dict(prompt=""), "prompt", None, ["empty"]),
+        # 2 MB of text: refused from its length before it is tokenized whole, as a chat message is
+        (dict(prompt="word " * 400_000), "prompt", "context_length_exceeded", ["more than", "Shorten the text"]),
     ]
     for kw, param, code, words in cases:
         with pytest.raises(openai.BadRequestError) as info:
