@@ -32,6 +32,24 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """One complete call: `arguments` is the JSON text of the arguments (OpenAI's `function.arguments`)."""
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of call `index` as OpenAI streams it: the first piece carries `id` and `name`, every piece
+    a fragment of `arguments` (the fragments of a call concatenate to its arguments)."""
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
 class TokenLogprob:
     """One generated token's logprob and the `SamplingParams.logprobs` most likely tokens (best first),
     in the distribution it was drawn from: after penalties, temperature, top-k and top-p (a token they
