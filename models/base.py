@@ -4,7 +4,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -103,8 +103,9 @@ class PromptProcessor(ABC):
     max_image_tokens: int | None
 
     @abstractmethod
-    def __call__(self, messages) -> PromptInputs:
-        """Validate messages, decode and preprocess images, render the chat template and expand each
+    def __call__(self, messages, template_kwargs: Mapping[str, Any] | None = None) -> PromptInputs:
+        """Validate messages, decode and preprocess images, render the chat template (given
+        `template_kwargs` as variables: the request's tools, its chat_template_kwargs) and expand each
         image placeholder to the image's tokens (typed errors for bad input)."""
 
     @abstractmethod

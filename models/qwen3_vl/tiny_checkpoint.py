@@ -22,35 +22,243 @@ import torch
 from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, TEXT_DEFAULTS, build_tokenizer,
                                                    round_up, save_random_model, write_json, write_tokenizer)
 
-# The chat template published with Qwen3-VL Instruct, its tool-call branches left out: no default
-# system prompt; a first system message's text parts; then user turns (images, videos, text) and
-# assistant turns (text only); a later system message is not rendered, as in the published one.
-QWEN3_VL_CHAT_TEMPLATE = (
-    "{%- if messages[0].role == 'system' -%}{{- '<|im_start|>system\\n' -}}"
-    "{%- if messages[0].content is string -%}{{- messages[0].content -}}{%- else -%}"
-    "{%- for content in messages[0].content -%}{%- if 'text' in content -%}{{- content.text -}}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
-    "{%- set image_count = namespace(value=0) -%}{%- set video_count = namespace(value=0) -%}"
-    "{%- for message in messages -%}"
-    "{%- if message.role == 'user' -%}{{- '<|im_start|>user\\n' -}}"
-    "{%- if message.content is string -%}{{- message.content -}}{%- else -%}"
-    "{%- for content in message.content -%}"
-    "{%- if content.type == 'image' or 'image' in content or 'image_url' in content -%}"
-    "{%- set image_count.value = image_count.value + 1 -%}"
-    "{%- if add_vision_id -%}Picture {{ image_count.value }}: {% endif -%}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{%- elif content.type == 'video' or 'video' in content -%}"
-    "{%- set video_count.value = video_count.value + 1 -%}"
-    "{%- if add_vision_id -%}Video {{ video_count.value }}: {% endif -%}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{%- elif 'text' in content -%}{{- content.text -}}{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- elif message.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if message.content is string -%}{{- message.content -}}{%- else -%}"
-    "{%- for content in message.content -%}{%- if 'text' in content -%}{{- content.text -}}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}{{- '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+# The chat templates published with Qwen3-VL Instruct and Qwen3-VL Thinking (chat_template.json), as
+# published: tools in the system turn, calls as <tool_call> JSON, tool results (images too) as
+# <tool_response>s; the Thinking one also opens a <think> block in its generation prompt and renders an
+# assistant turn's reasoning (`reasoning_content`, or the text before </think>) after the last query.
+QWEN3_VL_CHAT_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {%- if messages[0].content is string %}
+            {{- messages[0].content }}
+        {%- else %}
+            {%- for content in messages[0].content %}
+                {%- if 'text' in content %}
+                    {{- content.text }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {{- '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' }}
+        {%- if messages[0].content is string %}
+            {{- messages[0].content }}
+        {%- else %}
+            {%- for content in messages[0].content %}
+                {%- if 'text' in content %}
+                    {{- content.text }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set image_count = namespace(value=0) %}
+{%- set video_count = namespace(value=0) %}
+{%- for message in messages %}
+    {%- if message.role == "user" %}
+        {{- '<|im_start|>' + message.role + '\n' }}
+        {%- if message.content is string %}
+            {{- message.content }}
+        {%- else %}
+            {%- for content in message.content %}
+                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}
+                    {%- set image_count.value = image_count.value + 1 %}
+                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}
+                    <|vision_start|><|image_pad|><|vision_end|>
+                {%- elif content.type == 'video' or 'video' in content %}
+                    {%- set video_count.value = video_count.value + 1 %}
+                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}
+                    <|vision_start|><|video_pad|><|vision_end|>
+                {%- elif 'text' in content %}
+                    {{- content.text }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role + '\n' }}
+        {%- if message.content is string %}
+            {{- message.content }}
+        {%- else %}
+            {%- for content_item in message.content %}
+                {%- if 'text' in content_item %}
+                    {{- content_item.text }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and message.content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {%- if message.content is string %}
+            {{- message.content }}
+        {%- else %}
+            {%- for content in message.content %}
+                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}
+                    {%- set image_count.value = image_count.value + 1 %}
+                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}
+                    <|vision_start|><|image_pad|><|vision_end|>
+                {%- elif content.type == 'video' or 'video' in content %}
+                    {%- set video_count.value = video_count.value + 1 %}
+                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}
+                    <|vision_start|><|video_pad|><|vision_end|>
+                {%- elif 'text' in content %}
+                    {{- content.text }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+QWEN3_VL_THINKING_CHAT_TEMPLATE = r"""{%- set image_count = namespace(value=0) %}
+{%- set video_count = namespace(value=0) %}
+{%- macro render_content(content, do_vision_count) %}
+    {%- if content is string %}
+        {{- content }}
+    {%- else %}
+        {%- for item in content %}
+            {%- if 'image' in item or 'image_url' in item or item.type == 'image' %}
+                {%- if do_vision_count %}
+                    {%- set image_count.value = image_count.value + 1 %}
+                {%- endif %}
+                {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}
+                <|vision_start|><|image_pad|><|vision_end|>
+            {%- elif 'video' in item or item.type == 'video' %}
+                {%- if do_vision_count %}
+                    {%- set video_count.value = video_count.value + 1 %}
+                {%- endif %}
+                {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}
+                <|vision_start|><|video_pad|><|vision_end|>
+            {%- elif 'text' in item %}
+                {{- item.text }}
+            {%- endif %}
+        {%- endfor %}
+    {%- endif %}
+{%- endmacro %}
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- render_content(messages[0].content, false) + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + render_content(messages[0].content, false) + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" %}
+        {%- set content = render_content(message.content, false) %}
+        {%- if not(content.startswith('<tool_response>') and content.endswith('</tool_response>')) %}
+            {%- set ns.multi_step_tool = false %}
+            {%- set ns.last_query_index = index %}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = render_content(message.content, True) %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n<think>\n' }}
+{%- endif %}
+"""
+CHAT_TEMPLATES = {"instruct": QWEN3_VL_CHAT_TEMPLATE, "thinking": QWEN3_VL_THINKING_CHAT_TEMPLATE}
 
 _DEFAULTS: Mapping[str, Any] = MappingProxyType(dict(
     # language model: one layer past the DeepStack levels; 16-wide heads keep a KV block as small as
@@ -73,6 +281,7 @@ _DEFAULTS: Mapping[str, Any] = MappingProxyType(dict(
     preprocessor_layout="nested",
     max_shard_size=None,          # e.g. "200KB" forces sharded safetensors + model.safetensors.index.json
     dtype="float32",              # dtype of the saved weights ("bfloat16" for the benchmark checkpoint)
+    chat_template="instruct",     # "instruct" or "thinking": which published template (CHAT_TEMPLATES)
 ))
 
 _FIXED: Mapping[str, Any] = MappingProxyType(dict(
@@ -100,7 +309,8 @@ def make_tiny_qwen3_vl_checkpoint(path, seed: int = 0, **overrides) -> Path:
         raise TypeError(f"make_tiny_checkpoint() got unknown override(s) {', '.join(unknown)}; "
                         f"accepted: {', '.join(sorted(_DEFAULTS))}")
     opts = {**_DEFAULTS, **overrides}
-    for key, allowed in (("config_layout", ("nested", "flat")), ("preprocessor_layout", ("nested", "flat"))):
+    for key, allowed in (("config_layout", ("nested", "flat")), ("preprocessor_layout", ("nested", "flat")),
+                         ("chat_template", tuple(CHAT_TEMPLATES))):
         if opts[key] not in allowed:
             raise ValueError(f"{key}={opts[key]!r}; use one of {allowed}")
     dtype = getattr(torch, str(opts["dtype"]), None)
@@ -122,7 +332,7 @@ def make_tiny_qwen3_vl_checkpoint(path, seed: int = 0, **overrides) -> Path:
     if opts["config_layout"] == "flat":
         write_json(out / "config.json", _published_config(json.loads((out / "config.json").read_text())))
 
-    write_tokenizer(out, tokenizer, QWEN_SPECIAL_TOKENS, QWEN3_VL_CHAT_TEMPLATE)
+    write_tokenizer(out, tokenizer, QWEN_SPECIAL_TOKENS, CHAT_TEMPLATES[opts["chat_template"]])
     write_json(out / "generation_config.json", {
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],

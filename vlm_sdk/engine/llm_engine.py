@@ -29,8 +29,10 @@ import logging
 import threading
 import time
 
+from vlm_sdk.chat_options import NO_OPTIONS, ChatOptions
 from vlm_sdk.config import EngineArgs, SchedulerConfig
 from vlm_sdk.engine.block_manager import BlockManager
+from vlm_sdk.engine.chat_setup import ChatSetup
 from vlm_sdk.engine.capacity import check_max_model_len_fits, check_prompt_fits, text_too_long
 from vlm_sdk.engine.image_fit import check_largest_image_fits
 from vlm_sdk.engine.engine_output import EngineOutput
@@ -69,6 +71,8 @@ class LLMEngine:
         self.eos_token_ids = set(info.eos_token_ids)
         vocab_size = int(family.text_config(info.hf_config).vocab_size)  # the logits' width
         self.grammars = GrammarCompiler(self.tokenizer.wrapped, vocab_size, sorted(self.eos_token_ids))
+        # tools, reasoning and chat_template_kwargs: how a chat's options reach its prompt and grammar
+        self.chat = ChatSetup(self.tokenizer, self.grammars, args.tool_call_parser, args.reasoning_parser)
         self._fill_masks = MaskFiller(vocab_size)
         # refused before any rank starts (async_scheduling=True with tensor parallelism)
         args.resolve_async_scheduling(args.resolve_device(), args.tensor_parallel_size)
@@ -190,20 +194,25 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     def build_prompt(self, messages, params: SamplingParams | None = None,
-                     cancelled: threading.Event | None = None) -> PromptInputs:
+                     cancelled: threading.Event | None = None, options: ChatOptions | None = None) -> PromptInputs:
         """Validate messages, decode and preprocess images, tokenize; raise if it can never fit (the
         fixes the error names fit the prompt and `params.max_tokens`). Once `cancelled` is set, the
-        images not decoded yet raise `DecodeCancelled` instead (see `PromptGuard`)."""
+        images not decoded yet raise `DecodeCancelled` instead (see `PromptGuard`). `options`: tools,
+        chat_template_kwargs, cache_salt (engine/chat_setup.py sets the prompt's output format and
+        grammar from them)."""
         t0 = time.perf_counter()
+        params, options = params or SamplingParams(), options or NO_OPTIONS
         self.compile_grammar(params)  # a bad schema fails before any image is decoded
+        template_kwargs = self.chat.prepare(options, params)  # so do bad tools
         try:
-            prompt = self.processor(self.guard.prepare(messages, cancelled))
+            prompt = self.processor(self.guard.prepare(messages, cancelled), template_kwargs)
         except PromptTooLong as e:  # a huge text: refused from its token count, before any conversion
             if not e.exact:
                 raise text_too_long(e.num_tokens, self.cache_config, self.scheduler_config,
                                     self.args.max_model_len is not None) from None
             prompt = PromptInputs(token_ids=[0] * e.num_tokens)  # what check_prompt counts
         self.check_prompt(prompt, params)
+        self.chat.finish(prompt, options, params)
         prompt.preprocess_seconds = time.perf_counter() - t0
         return prompt
 
@@ -215,13 +224,14 @@ class LLMEngine:
                           self.args.max_model_len is not None, self.processor.image_setting_fixes,
                           params.max_tokens)
 
-    def compile_grammar(self, params: SamplingParams | None) -> Grammar | None:
-        """The compiled grammar of `params`' structured output (None without one); cached, thread-safe:
-        AsyncLLM compiles on a prep thread, so the engine thread only copies its start state.
-        Raises `InvalidRequestError` naming the field when it cannot be compiled."""
-        if params is None or params.grammar is None:
-            return None
-        return self.grammars.compile(params.grammar)
+    def compile_grammar(self, params: SamplingParams | None, prompt: PromptInputs | None = None) -> Grammar | None:
+        """The compiled grammar of the request: the one `build_prompt` set on `prompt` (a forced tool
+        call, or a structured output after reasoning), else `params`' structured output; None without
+        one. Cached, thread-safe: AsyncLLM compiles on a prep thread, so the engine thread only copies
+        its start state. Raises `InvalidRequestError` naming the field when it cannot be compiled."""
+        spec = prompt.grammar if prompt is not None and prompt.grammar is not None else \
+            params.grammar if params is not None else None
+        return None if spec is None else self.grammars.compile(spec)
 
     def add_request(self, prompt: PromptInputs, params: SamplingParams | None = None,
                     request_id: str | None = None, grammar: Grammar | None = None) -> str:
@@ -238,8 +248,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         self.check_prompt(prompt, params)
-        if params.grammar is not None and grammar is None:
-            grammar = self.compile_grammar(params)
+        if grammar is None:
+            grammar = self.compile_grammar(params, prompt)
         seq = Sequence(request_id, prompt, params)
         if grammar is not None:
             seq.matcher = grammar.matcher()

@@ -18,6 +18,7 @@ still be (part of) a tag. Fed any split of a text, the stream gives `split`'s re
 from __future__ import annotations
 
 import json
+from typing import Callable
 
 from vlm_sdk.parsers.types import partial_tag
 
@@ -84,13 +85,20 @@ class ThinkStream:
         return "", held if self._state == self._ANSWER else ""
 
 
-def prefix_grammar(opened: bool, answer: str, start: str = "<think>", end: str = "</think>") -> str:
+def prefix_grammar(opened: bool, answer: str, start: str = "<think>", end: str = "</think>",
+                   tag: Callable[[str], str] = json.dumps) -> str:
     """Lark text (llguidance) for free reasoning, then the grammar `answer` names (`@answer`, a
     nested grammar): up to the end tag when the block is open, else an optional block the model may
-    open as its first words. The reasoning is lazy: it ends at the first end tag."""
-    think = f"think[lazy]: /(.|\\n)*{_regex_escape(end)}/"
-    body = "think NL?" if opened else f"({json.dumps(start)} think NL?)?"
-    return f"start: {body} {answer}\n{think}\nNL: /\\n+/\n"
+    open as its first words. `tag(text)` writes a tag in Lark: a special token (`<...>`, which no
+    regex matches, so free text then the token) or a string literal (then a lazy lexeme ending at
+    the first end tag)."""
+    end_tag = tag(end)
+    if end_tag.startswith('"'):
+        rules, block = f"think[lazy]: /(.|\\n)*{_regex_escape(end)}/\n", "think"
+    else:
+        rules, block = "THINK: /(.|\\n)+/\n", f"THINK? {end_tag}"
+    body = f"{block} NL?" if opened else f"({tag(start)} {block} NL?)?"
+    return f"start: {body} {answer}\n{rules}NL: /\\n+/\n"
 
 
 def _regex_escape(text: str) -> str:
