@@ -15,8 +15,9 @@ from typing import Any, Mapping
 
 import torch
 
-from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, TEXT_DEFAULTS, build_tokenizer,
-                                                   round_up, save_random_model, write_json, write_tokenizer)
+from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, QWEN_TEXT_TOKENS, TEXT_DEFAULTS,
+                                                   build_tokenizer, round_up, save_random_model, write_json,
+                                                   write_tokenizer)
 
 # The chat template published with Qwen2-VL / Qwen2.5-VL Instruct (their chat_template.json), which
 # renders no tools, joined with the tool sections of the template their language model publishes
@@ -144,7 +145,7 @@ def make_tiny_qwen_checkpoint(path, seed: int = 0, **overrides) -> Path:
 def qwen_tokenizer_and_config(opts: Mapping[str, Any]):
     """The test tokenizer, its special-token ids and the transformers `Qwen2_5_VLConfig` of `opts`
     (`_DEFAULTS` with overrides applied)."""
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(QWEN_SPECIAL_TOKENS, QWEN_TEXT_TOKENS)
     ids = {tok: tokenizer.token_to_id(tok) for tok in QWEN_SPECIAL_TOKENS}
     n_tokens = tokenizer.get_vocab_size()
     vocab_size = opts["vocab_size"] or round_up(n_tokens, 64)

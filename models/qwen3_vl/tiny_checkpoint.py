@@ -19,8 +19,9 @@ from typing import Any, Mapping
 
 import torch
 
-from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, TEXT_DEFAULTS, build_tokenizer,
-                                                   round_up, save_random_model, write_json, write_tokenizer)
+from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, QWEN_TEXT_TOKENS, TEXT_DEFAULTS,
+                                                   build_tokenizer, round_up, save_random_model, write_json,
+                                                   write_tokenizer)
 
 # The chat templates published with Qwen3-VL Instruct and Qwen3-VL Thinking (chat_template.json), as
 # published: tools in the system turn, calls as <tool_call> JSON, tool results (images too) as
@@ -319,7 +320,7 @@ def make_tiny_qwen3_vl_checkpoint(path, seed: int = 0, **overrides) -> Path:
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(QWEN_SPECIAL_TOKENS, QWEN_TEXT_TOKENS)
     ids = {tok: tokenizer.token_to_id(tok) for tok in QWEN_SPECIAL_TOKENS}
     n_tokens = tokenizer.get_vocab_size()
     vocab_size = opts["vocab_size"] or round_up(n_tokens, 64)
