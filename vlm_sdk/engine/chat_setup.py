@@ -13,9 +13,12 @@ Per request (`LLMEngine.build_prompt`):
 
 Structured outputs and reasoning: the grammar starts with the reasoning, unconstrained up to the end
 tag, then the answer's grammar (`parsers.think.prefix_grammar`, one llguidance grammar nesting the
-other). Chosen over starting the matcher once the reasoning has ended: llguidance finds the end tag
-in the bytes however the model tokenizes it, and the engine and worker stay as they are (the cost is
-a mask at every reasoning step, computed on llguidance's threads like any other).
+other). Chosen over starting the matcher once the reasoning has ended: the grammar itself knows where
+the reasoning ends (the end tag, as the special token the tokenizer has or as text), the state of the
+block at the first token is decided once from the prompt, and the engine and worker stay as they
+are. The cost: a mask at every reasoning step (llguidance's threads, like any other), and inside the
+reasoning the tokenizer's other tag tokens (<tool_call>, ...) are masked, so the model spells such a
+tag in plain pieces there if it writes one at all.
 """
 from __future__ import annotations
 
