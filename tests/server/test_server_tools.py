@@ -178,3 +178,23 @@ def test_a_template_without_tools_refuses_them(internvl_ckpt):
         status, body = post(s.url, {"model": s.model_name, "messages": MESSAGES, "tools": TOOLS,
                                     "tool_choice": "none", "max_tokens": 2}, key=None)
         assert status == 200  # tool_choice "none": the tools are not rendered, so nothing is refused
+
+
+def test_async_client_reads_calls(srv):
+    import asyncio
+
+    from vlm_sdk.client import AsyncClient
+
+    async def main():
+        async with AsyncClient(srv.url, API_KEY) as client:
+            whole = await client.chat(MESSAGES, model="tiny", max_tokens=200, seed=6, tools=TOOLS, tool_choice=NAMED)
+            pieces = [d async for d in client.chat_stream(MESSAGES, model="tiny", max_tokens=200, seed=6,
+                                                          tools=TOOLS, tool_choice=NAMED)]
+        return whole, pieces
+    whole, pieces = asyncio.run(main())
+    (call,) = whole.tool_calls
+    assert whole.finish_reason == "stop" and call["function"]["name"] == "get_weather"
+    _valid("get_weather", call["function"]["arguments"])
+    streamed = "".join(t["function"].get("arguments") or "" for d in pieces for t in d.tool_calls)
+    _valid("get_weather", streamed)
+    assert [t["function"]["name"] for d in pieces for t in d.tool_calls if "id" in t] == ["get_weather"]
