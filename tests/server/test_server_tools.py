@@ -156,6 +156,7 @@ def test_auto_with_broken_calls_is_content_not_500(srv):
     ({"tools": TOOLS + TOOLS[:1]}, "tools[2].function.name"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "translate"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": MESSAGES + [{"role": "tool", "tool_call_id": "call_x", "content": "18 C"}]},
      "messages[1].tool_call_id"),
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),

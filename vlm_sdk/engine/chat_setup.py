@@ -97,6 +97,11 @@ class ChatSetup:
             raise InvalidRequestError(
                 f"tool_choice {options.tool_choice!r} makes the output a tool call, which cannot also follow "
                 f"'{params.grammar.param}'; leave one of them out", param="tool_choice")
+        if params.grammar is not None:  # "auto": the format would rule the calls out, silently
+            raise InvalidRequestError(
+                f"'{params.grammar.param}' together with tools (tool_choice 'auto') is not supported: the format "
+                f"would leave the model no way to call a tool; send tool_choice 'none' to answer in the format, "
+                f"or leave '{params.grammar.param}' out", param=params.grammar.param)
         for i, tool in enumerate(options.tools):  # each schema compiles (cached by its text)
             self.grammars.compile(StructuredOutputs("json", json.dumps(dict(tool.parameters)),
                                                     f"tools[{i}].function.parameters"))
