@@ -4,7 +4,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
@@ -21,6 +21,50 @@ class StepImages:
     of the packed step they are, and their rows of `encode_images`' output."""
     rows: torch.Tensor  # [n] int64 on the model's device: indices into the step's packed tokens
     embeds: torch.Tensor  # [n, width] the images' rows, width as `encode_images` returns it
+
+
+@runtime_checkable
+class DecoderLayerHalves(Protocol):
+    """One decoder layer split around its attention call. `pre_attention(x, residual, rope)` -> (q [N, H, D],
+    k [N, Hkv, D], v [N, Hkv, D], residual [N, hidden]); `attn(q, k, v, kv_cache, meta)` stores the
+    step's K/V and attends ([N, H, D]); `post_attention(attn_out, residual)` -> (x, residual), the layer's
+    output and the residual stream before it (the next layer's norm adds them). Row-wise apart from
+    `attn`: the halves depend on the token count only, so they can be captured per token count."""
+    num_heads: int  # this rank's
+    num_kv_heads: int  # this rank's
+    head_dim: int
+    attn: Any
+
+    def pre_attention(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Any) -> tuple[torch.Tensor, ...]:
+        ...
+
+    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+
+@runtime_checkable
+class DecoderStack(Protocol):
+    """The model contract's decoder, as the worker may run it from outside (piecewise CUDA graphs) and
+    size it (the memory profile): every layer split around attention (`DecoderLayerHalves`), the rotary
+    inputs computed once per step from the positions (`[3, N]` when `position_rows` is 3, else `[N]`),
+    and the final norm of (last layer's output, residual). Running
+
+        rope = stack.rotary_inputs(positions, dtype); x, residual = embeds, None
+        for layer, cache in zip(stack.layers, kv_caches):
+            q, k, v, residual = layer.pre_attention(x, residual, rope)
+            x, residual = layer.post_attention(layer.attn(q, k, v, cache, meta), residual)
+        hidden = stack.final_norm(x, residual)
+
+    must equal the model's `forward` on the `stack_inputs` of a step."""
+    layers: Sequence[DecoderLayerHalves]
+    hidden_size: int
+    position_rows: int
+
+    def rotary_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        ...
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        ...
 
 
 class VisionLanguageModel(nn.Module, ABC):
@@ -70,6 +114,19 @@ class VisionLanguageModel(nn.Module, ABC):
         """Final-norm hidden states `[num_tokens, hidden_size]`. The image rows of this step replace
         the embeddings of their image tokens (`inputs_embeds` may be written in place). Writes this
         step's K/V into the cache slots named by `meta.slot_mapping` before attending."""
+
+    def decoder_stack(self) -> DecoderStack | None:
+        """The decoder as a `DecoderStack`, for the worker's piecewise CUDA graphs; None (the default):
+        a family whose decoder is its own runs every step through `forward` (eager, and whole-graph
+        decode steps), and the engine says so at start-up when piecewise graphs were asked for."""
+        return None
+
+    def stack_inputs(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                     images: StepImages | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This step's (embeddings with its image rows in place, positions as `decoder_stack()` takes
+        them), so that running the stack equals `forward`; None when the step needs `forward` itself
+        (e.g. features added between layers). Only called when `decoder_stack()` is not None."""
+        return None
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

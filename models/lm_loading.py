@@ -26,7 +26,7 @@ from vlm_sdk.layers.linear import kv_head_split
 from vlm_sdk.layers.ops import KernelOps
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.weight_loading import ParamSlot, load_checked
-from vlm_sdk.models.base import KVCache, StepImages, VisionLanguageModel
+from vlm_sdk.models.base import DecoderStack, KVCache, StepImages, VisionLanguageModel
 from vlm_sdk.models.cpu_layout import PackedLMHead, column_major, use_cpu_weight_layout
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.models.common.llama_decoder import LlamaDecoder
@@ -77,10 +77,17 @@ class DecoderVLM(VisionLanguageModel):
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, images: StepImages | None = None) -> torch.Tensor:
+        # [position_rows, N]: the decoder takes 1-D RoPE positions as [N], M-RoPE ones as [3, N]
+        return self.decoder(*self.stack_inputs(inputs_embeds, positions, images), kv_caches, meta)
+
+    def decoder_stack(self) -> DecoderStack:
+        return self.decoder
+
+    def stack_inputs(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                     images: StepImages | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         if images is not None:
             inputs_embeds[images.rows] = images.embeds.to(inputs_embeds.dtype)  # [n, hidden] rows
-        # [position_rows, N]: the decoder takes 1-D RoPE positions as [N], M-RoPE ones as [3, N]
-        return self.decoder(inputs_embeds, positions[0] if self.position_rows == 1 else positions, kv_caches, meta)
+        return inputs_embeds, positions[0] if self.position_rows == 1 else positions
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.decoder.compute_logits(hidden)

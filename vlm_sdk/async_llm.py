@@ -32,8 +32,8 @@ from typing import AsyncIterator
 
 from vlm_sdk.chat_options import ChatOptions
 from vlm_sdk.engine.llm_engine import LLMEngine
-from vlm_sdk.engine.output_processor import OutputProcessor
-from vlm_sdk.engine.prompt_tokenizer import LONG_TEXT_CHARS
+from vlm_sdk.engine.output.output_processor import OutputProcessor
+from vlm_sdk.engine.input.prompt_tokenizer import LONG_TEXT_CHARS
 from vlm_sdk.errors import EngineDeadError, InvalidRequestError
 from vlm_sdk.model_loader import load_tokenizer
 from vlm_sdk.models.registry import engine_args as make_engine_args

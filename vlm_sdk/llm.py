@@ -10,7 +10,7 @@ from typing import Sequence as Seq
 
 from vlm_sdk.chat_options import ChatOptions
 from vlm_sdk.engine.llm_engine import LLMEngine
-from vlm_sdk.engine.output_processor import OutputProcessor
+from vlm_sdk.engine.output.output_processor import OutputProcessor
 from vlm_sdk.errors import InputTooLongError, InvalidRequestError, VLMError
 from vlm_sdk.model_loader import load_tokenizer
 from vlm_sdk.models.registry import engine_args as make_engine_args

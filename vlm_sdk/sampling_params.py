@@ -168,7 +168,7 @@ class StructuredOutputs:
     text: str
     param: str = "structured_outputs"
     # Lark text of what comes before this grammar, naming it `@answer` (free reasoning up to its end
-    # tag: engine/chat_setup.py); None: the output starts with it
+    # tag: engine/input/chat_setup.py); None: the output starts with it
     prefix: str | None = None
 
 

@@ -67,8 +67,8 @@ class LlamaDecoderLayer(nn.Module):
         attn = self.attn(q, k, v, kv_cache, meta)  # [N, H, D]
         return self.post_attention(attn, residual)
 
-    # the two halves around the attention call: piecewise CUDA graphs (vlm_sdk/worker/piecewise_graphs.py)
-    # capture them and run the attention between them eagerly
+    # the two halves around the attention call (`DecoderLayerHalves`, models/base.py): piecewise CUDA graphs
+    # (vlm_sdk/worker/piecewise_graphs.py) capture them and run the attention between them eagerly
     def pre_attention(self, x: torch.Tensor,  # [N, hidden]
                       residual: torch.Tensor | None,  # [N, hidden] or None for layer 0
                       rope: RotaryInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,8 +110,9 @@ class LlamaDecoder(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype,
                                                                            device, tp)
         self.packed_head = None
-        # set by the worker when piecewise CUDA graphs are on (vlm_sdk/worker/piecewise_graphs.py)
-        self.piecewise = None
+        # the `DecoderStack` contract (models/base.py): positions [3, N] for M-RoPE, else [N]
+        self.hidden_size = cfg.hidden_size
+        self.position_rows = 3 if cfg.mrope_section is not None else 1
         self.requires_grad_(False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden]
@@ -131,16 +132,20 @@ class LlamaDecoder(nn.Module):
         rows, features = deepstack if deepstack is not None else (None, [])
         if len(features) > len(self.layers):
             raise ValueError(f"got {len(features)} DeepStack levels for {len(self.layers)} decoder layers")
-        pw = self.piecewise  # its graphs hold the engine's caches: other caches (the profile) run plainly
-        if pw is not None and not features and kv_caches is pw.kv_caches and pw.covers(inputs_embeds.shape[0]):
-            return pw.run(inputs_embeds, positions, meta)
-        rope = self.ops.rotary_inputs(positions, self.rotary, inputs_embeds.dtype)  # shared by every layer
+        rope = self.rotary_inputs(positions, inputs_embeds.dtype)  # shared by every layer
         x, residual = inputs_embeds, None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, rope, kv_cache, meta)
             if i < len(features):
                 # the stream is x + residual; x is this layer's fresh MLP output, so adding in place is safe
                 x.index_add_(0, rows, features[i].to(x.dtype))  # [N, hidden] += at rows [n, hidden]
+        return self.final_norm(x, residual)
+
+    def rotary_inputs(self, positions: torch.Tensor, dtype: torch.dtype):
+        """The step's rotary inputs (the kernel set's: cos/sin, or the positions), shared by every layer."""
+        return self.ops.rotary_inputs(positions, self.rotary, dtype)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # [N, hidden] x 2 -> [N, hidden]
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def untie_lm_head(self, rows: torch.Tensor) -> None:

@@ -240,32 +240,3 @@ class InternVLImageProcessor:
         tiles = resized.reshape(rows, s, cols, s, 3).transpose(0, 2, 4, 1, 3)  # [rows, cols, 3, s, s] (view)
         thumb = np.asarray(image.resize((s, s), resample=self.resample)) if self.tiles_of_grid(n) > n else None
         return tiles, thumb  # thumb: [s, s, 3]
-
-
-def benchmark_against_transformers(images: list[Image.Image], max_num: int = 12, repeats: int = 3,
-                                   ours: InternVLImageProcessor | None = None) -> dict:
-    """Time this processor against transformers' `GotOcr2ImageProcessorPil(crop_to_patches=True)`.
-
-    `ours`: a configured processor (e.g. a checkpoint's; its max_num wins over `max_num`), default the
-    published tiling at `max_num`; transformers' gets the same tile size, tile bounds and normalisation.
-    Ours is timed one call per image (how the engine uses it); transformers on the whole list in one
-    call, its fastest path. Each figure is the best of `repeats` passes.
-    """
-    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
-
-    if not images:
-        raise ValueError("benchmark_against_transformers needs at least one image.")
-    ours = ours or InternVLImageProcessor(max_num=max_num)
-    theirs = GotOcr2ImageProcessorPil(
-        crop_to_patches=True, min_patches=ours.min_num, max_patches=ours.max_num,
-        size={"height": ours.image_size, "width": ours.image_size},
-        image_mean=list(ours.mean), image_std=list(ours.std))
-
-    from vlm_sdk.models.common.reference import best_of, pixel_report
-
-    ours_s, ours_out = best_of(lambda: [ours(im) for im in images], repeats)
-    theirs_s, theirs_out = best_of(lambda: theirs(images, return_tensors="pt"), repeats)
-    ours_pixels = torch.cat(ours_out)  # [sum(tiles), 3, s, s]
-    tiles_match = [o.shape[0] for o in ours_out] == list(theirs_out["num_patches"])
-    report = pixel_report(ours_s, theirs_s, ours_pixels, theirs_out["pixel_values"], tiles_match, len(images))
-    return {**report, "tiles_match": tiles_match, "max_num": ours.max_num}

@@ -85,6 +85,13 @@ class Qwen3VLForCausalLM(DecoderVLM):
                 deepstack = (images.rows, list(rows[:, hidden:].split(hidden, dim=1)))  # levels [n, hidden] each
         return self.decoder(inputs_embeds, positions, kv_caches, meta, deepstack=deepstack)
 
+    def stack_inputs(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                     images: StepImages | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Steps with image rows add DeepStack features between layers: those need `forward`."""
+        if images is not None and self.deepstack_levels:
+            return None
+        return super().stack_inputs(inputs_embeds, positions, images)
+
     def positions(self, prompt_positions: MRopePositions | None, start: int, end: int) -> torch.Tensor:
         """M-RoPE positions `[3, end - start]`: the prompt's (`MRopePositions`, computed once by the
         processor), then index + rope_delta on all three axes for generated tokens."""

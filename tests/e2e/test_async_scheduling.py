@@ -12,6 +12,7 @@ import math
 import pytest
 
 from helpers import conversations
+from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM, AsyncLLM, SamplingParams
 from vlm_sdk.config import EngineArgs
 from vlm_sdk.errors import InvalidRequestError
@@ -47,13 +48,13 @@ def assert_same(outs, ref):
 def assert_clean(llm):
     stats = llm.stats()
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
-    assert llm.engine.executor.driver.held_state() == (0, 0)
+    assert llm.engine.executor.collective_rpc("held_state")[0] == (0, 0)
     assert llm.engine._inflight is None
 
 
 def count_device_ids(llm) -> list[int]:
     """Spy: how many step inputs took their id from the device (the token not yet read)."""
-    runner, seen = llm.engine.runner, [0]
+    runner, seen = local_worker(llm.engine).runner, [0]
     real = runner._token_source
 
     def spy(state):
@@ -70,7 +71,7 @@ def test_async_equals_sync_on_every_family(family_ckpt):
     llm = LLM(ckpt, show_progress=False, async_scheduling=True)
     device_ids = count_device_ids(llm)
     outs = llm.chat(CONVS, mixed_params())
-    assert llm.engine.async_scheduling and llm.engine.runner.keep_sampled
+    assert llm.engine.async_scheduling and local_worker(llm.engine).runner.keep_sampled
     assert device_ids[0] > 0  # decode steps really read ids that had not reached the host
     assert_same(outs, ref)
     assert [len(o.token_ids) for o in outs] == [20, 17, 5, 23] or any(o.finish_reason == "stop" for o in outs)
@@ -155,9 +156,9 @@ def test_decode_graph_inputs_take_ids_from_the_device(tiny_ckpt):
               SamplingParams(max_tokens=9, temperature=0.9, seed=7)] * 2
     _, ref = run(tiny_ckpt, params, CONVS, async_scheduling=False)
     llm = LLM(tiny_ckpt, show_progress=False, async_scheduling=True, block_size=4)
-    eng, runner = llm.engine, llm.engine.runner
-    graphs = DecodeGraphs(eng.model, runner.kv_caches, max_num_seqs=8, max_model_len=eng.scheduler_config.max_model_len,
-                          block_size=4, device=eng.device, attention=eng.ops.attention, capture=False)
+    eng, runner = llm.engine, local_worker(llm.engine).runner
+    graphs = DecodeGraphs(local_worker(eng).model, runner.kv_caches, max_num_seqs=8, max_model_len=eng.scheduler_config.max_model_len,
+                          block_size=4, device=eng.device, attention=local_worker(eng).ops.attention, capture=False)
     runner.graphs = graphs
     sources = []
     real_run = graphs.run

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from helpers import conversations
+from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.config import DEFAULT_ENCODER_CACHE_MEMORY
 
@@ -39,7 +40,7 @@ def test_internvl_cuda_greedy_equals_cpu_and_profiles(internvl_ckpt):
     assert sum(a.token_ids == b.token_ids for a, b in zip(cpu, gpu)) >= len(convs) - 1
     # the memory profile runs the largest image (max_num tiles + thumbnail) through the vision tower
     sized = LLM(internvl_ckpt, device="cuda", memory_utilization=0.3, show_progress=False)
-    assert sized.engine.runner.max_vision_patches == 7
+    assert local_worker(sized.engine).runner.max_vision_patches == 7
     assert all(len(o.token_ids) >= 1 for o in sized.chat(convs, GREEDY))
     assert sized.stats()["kv_blocks_used"] == 0
 
@@ -72,7 +73,7 @@ def test_two_gpus_with_cuda_graphs_give_the_tokens_of_one(tiny_ckpt):
     convs = list(conversations().values())
     want = [o.token_ids for o in LLM(tiny_ckpt, device="cuda", dtype="float32", show_progress=False).chat(convs, params)]
     with LLM(tiny_ckpt, device="cuda", dtype="float32", show_progress=False, tensor_parallel_size=2) as two:
-        assert two.engine.runner.graphs is not None
+        assert local_worker(two.engine).runner.graphs is not None
         assert [o.token_ids for o in two.chat(convs, params)] == want
         assert [r.device for r in two.memory_report.ranks] == ["cuda:0", "cuda:1"]
 
@@ -86,7 +87,7 @@ def test_async_scheduling_on_cuda_graphs_gives_the_synchronous_tokens(tiny_ckpt)
     sync = LLM(tiny_ckpt, device="cuda", dtype="float32", num_blocks=512, async_scheduling=False,
                show_progress=False).chat(convs, params)
     llm = LLM(tiny_ckpt, device="cuda", dtype="float32", num_blocks=512, show_progress=False)
-    assert llm.engine.async_scheduling and llm.engine.runner.graphs is not None
+    assert llm.engine.async_scheduling and local_worker(llm.engine).runner.graphs is not None
     outs = llm.chat(convs, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
-    assert llm.stats()["kv_blocks_used"] == 0 and llm.engine.executor.driver.held_state() == (0, 0)
+    assert llm.stats()["kv_blocks_used"] == 0 and llm.engine.executor.collective_rpc("held_state")[0] == (0, 0)

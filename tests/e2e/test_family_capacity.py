@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from helpers import conversations, image
+from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM, SamplingParams
-from vlm_sdk.worker.weights import weight_bytes
+from vlm_sdk.memory.weights import weight_bytes
 from vlm_sdk.errors import InputTooLongError, InvalidImageError, InvalidRequestError, UnfitImagesError, VLMError
 from vlm_sdk.model_loader import read_config
 from vlm_sdk.models import registry
@@ -166,4 +167,4 @@ def test_plan_equals_engine_with_the_familys_own_plan_setting(family_ckpt, famil
                 "weights_language_model_bytes", "weights_vision_bytes", "weights_projector_bytes",
                 "max_model_len", "image_tokens_per_image"):
         assert getattr(p, key) == getattr(r, key), key
-    assert p.weights_bytes == weight_bytes(llm.engine.model).total
+    assert p.weights_bytes == weight_bytes(local_worker(llm.engine).model).total

@@ -2,9 +2,9 @@
 import torch
 
 from vlm_sdk.config import SchedulerConfig
-from vlm_sdk.engine.block_manager import BlockManager
-from vlm_sdk.engine.scheduler import Scheduler
-from vlm_sdk.engine.sequence import Sequence, SequenceStatus
+from vlm_sdk.engine.core.block_manager import BlockManager
+from vlm_sdk.engine.core.scheduler import Scheduler
+from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.sampling_params import SamplingParams
 
@@ -117,7 +117,7 @@ def test_finish_frees_waiting_and_running():
 
 def test_worker_state_knows_which_images_a_step_may_still_read():
     from vlm_sdk.multimodal.inputs import ImageInput
-    from vlm_sdk.worker.io import NewRequestData
+    from vlm_sdk.protocol.scheduler_output import NewRequestData
     from vlm_sdk.worker.request_state import RequestState
     im = ImageInput(data=torch.zeros(16, 4), num_tokens=4)
     new = NewRequestData("x", [1] * 12, [], [im, im], [2, 8], None, SamplingParams(), [0], 0)

@@ -8,8 +8,8 @@ import torch
 from helpers import image
 from server_helpers import data_url, post
 from vlm_sdk import LLM, SamplingParams
-from vlm_sdk.engine.block_manager import BlockManager
-from vlm_sdk.engine.sequence import Sequence
+from vlm_sdk.engine.core.block_manager import BlockManager
+from vlm_sdk.engine.core.sequence import Sequence
 from vlm_sdk.multimodal.image_key import salted_key
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 from vlm_sdk.server.background import BackgroundServer

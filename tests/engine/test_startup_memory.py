@@ -7,14 +7,27 @@ import logging
 import pytest
 import torch
 
+from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM, SamplingParams
-from vlm_sdk.config import DEFAULT_ENCODER_CACHE_MEMORY, CacheConfig, DeviceBudget, EngineArgs
-from vlm_sdk.engine.capacity import check_max_model_len_fits
-from vlm_sdk.worker.kv_cache import plan_cache, size_cache
-from vlm_sdk.worker.weights import weight_bytes
-from vlm_sdk.engine.preemption_watch import PreemptionWatch
+from vlm_sdk.config import DEFAULT_ENCODER_CACHE_MEMORY, EngineArgs
+from vlm_sdk.memory.capacity import check_max_model_len_fits
+from vlm_sdk.memory.kv import CacheConfig, DeviceBudget, check_cache, size_cache
+from vlm_sdk.memory.weights import weight_bytes
+from vlm_sdk.engine.core.preemption_watch import PreemptionWatch
 from vlm_sdk.errors import CacheTooSmallError, InvalidRequestError
 from vlm_sdk.plan import plan
+
+
+def plan_cache(args, per_block, device, max_position_embeddings, peak, image_setting=None, weights=15 * 2**30):
+    """The engine's CUDA sizing of one rank (vlm_sdk/memory/startup.py `size_rank_caches`): the budget from the
+    device's total and in-use bytes (torch.cuda.mem_get_info, mocked here) minus the activation peak and the
+    encoder cache, sized and checked by vlm_sdk/memory/kv.py; `weights`: this engine's own weights."""
+    free, total = torch.cuda.mem_get_info(device)
+    budget = DeviceBudget(total, total - free, peak or 0, args.encoder_cache_memory)
+    cache = size_cache(args, per_block, max_position_embeddings, budget)
+    check_cache(cache, args, weights, image_setting)
+    return cache
+
 
 GIB = 1 << 30
 
@@ -96,7 +109,7 @@ def test_startup_report_is_logged_and_matches_what_was_loaded(tiny_ckpt, caplog)
         llm = _llm(tiny_ckpt, num_blocks=40)
     [text] = [r.getMessage() for r in caplog.records if "KV cache and memory at start-up" in r.getMessage()]
     r = llm.memory_report
-    model = llm.engine.model
+    model = local_worker(llm.engine).model
     assert r.weights_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
     assert r.weights_projector_bytes > 0 and r.weights_vision_bytes > 0
     assert (r.num_blocks, r.block_size, r.capacity_tokens) == (40, 16, 640)
@@ -135,7 +148,7 @@ def _agree(ckpt, options, engine_options):
                 "weights_language_model_bytes", "weights_vision_bytes", "weights_projector_bytes",
                 "max_model_len", "image_tokens_per_image", "encoder_cache_bytes"):
         assert getattr(p, key) == getattr(r, key), key
-    assert p.weights_bytes == weight_bytes(llm.engine.model).total
+    assert p.weights_bytes == weight_bytes(local_worker(llm.engine).model).total
 
 
 @pytest.mark.parametrize("fixture", ["internvl_llama_ckpt", "internvl_original_ckpt", "internvl_internlm2_ckpt"])
@@ -224,7 +237,7 @@ def test_too_long_error_offers_the_same_fixes_as_plan(tiny_ckpt):
 
 def test_too_long_error_on_a_device_budget_offers_memory_utilization():
     from vlm_sdk.config import SchedulerConfig
-    from vlm_sdk.engine.capacity import check_prompt_fits
+    from vlm_sdk.memory.capacity import check_prompt_fits
     from vlm_sdk.errors import InputTooLongError
     from vlm_sdk.multimodal.inputs import PromptInputs
     per_block = 917_504
@@ -264,7 +277,6 @@ def test_both_limits_below_the_prompt_need_both_settings_in_plan_and_engine(tiny
 def test_no_room_for_the_kv_cache_on_cuda_gives_the_memory_utilization_that_fits(monkeypatch):
     total, free, per_block, peak = 80 * 2**30, 30 * 2**30, 2**20, 10 * 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 45 * 2**30)
     args = EngineArgs(memory_utilization=0.7)
     with pytest.raises(InvalidRequestError) as info:
         plan_cache(args, per_block, torch.device("cuda"), 10**6, peak, image_setting="max_pixels")
@@ -287,3 +299,18 @@ def test_min_memory_utilization_is_the_smallest_two_decimal_value():
         need = DeviceBudget(total, total - free, peak).utilization_for(per_block)
         assert int(need * total) >= total - free + peak + per_block
         assert int(round(need - 0.01, 2) * total) < total - free + peak + per_block
+
+
+def test_no_room_error_counts_only_this_engines_weights(monkeypatch):
+    """A second engine on a device another engine already fills (the GPU run's `bench --multi-turn`): what is
+    in use is split into this engine's own weights and the rest (CUDA context, other engines, other
+    processes), instead of calling all of it "this engine's weights"."""
+    total, free, per_block = 80 * 2**30, 4 * 2**30, 2**20
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    with pytest.raises(InvalidRequestError) as info:
+        plan_cache(EngineArgs(memory_utilization=0.9), per_block, torch.device("cuda"), 10**6, 2**30,
+                   weights=7 * 2**30)
+    msg = str(info.value)
+    in_use = total - free
+    assert f"{in_use:,} are in use ({7 * 2**30:,} by this engine's weights, {in_use - 7 * 2**30:,} by the CUDA " \
+           f"context, other engines and other processes)" in msg

@@ -12,6 +12,7 @@ import torch
 
 from aot_compile import JitKeys, kernel_functions
 from helpers import conversations
+from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.worker.kernel_warmup import run_warmup, warmup_steps
 
@@ -63,7 +64,7 @@ def test_warmup_runs_every_text_kernel_variant_cpu(tiny_ckpt, monkeypatch):
     for name, fn in kernel_functions().items():
         module, attr = name.split(".")
         monkeypatch.setattr(importlib.import_module(f"vlm_sdk.kernels.{module}"), attr, _Spy(fn, launches, key))
-    seconds = run_warmup(llm.engine.runner, max_model_len=llm.engine.scheduler_config.max_model_len,
+    seconds = run_warmup(local_worker(llm.engine).runner, max_model_len=llm.engine.scheduler_config.max_model_len,
                          max_num_batched_tokens=64)
     assert seconds > 0
     seen = {name for name, _, _ in launches}
@@ -73,7 +74,7 @@ def test_warmup_runs_every_text_kernel_variant_cpu(tiny_ckpt, monkeypatch):
     assert {kw["HAS_RESIDUAL"] for name, kw, _ in launches if name == "_rms_norm_kernel"} == {True, False}
 
     # what the CUDA memory profile runs before the warm-up: the largest image through the vision tower
-    llm.engine.runner.model.encode_images([llm.engine.processor.largest_image()])
+    local_worker(llm.engine).runner.model.encode_images([llm.engine.processor.largest_image()])
     warm = {k for _, _, k in launches}
     launches.clear()
     convs = conversations()

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from vlm_sdk.worker.block_table import BlockTables, slot_mapping
+from vlm_sdk.testing.hooks import local_worker
+from vlm_sdk.protocol.blocks import slot_mapping
+from vlm_sdk.worker.block_table import BlockTables
 
 CPU = torch.device("cpu")
 
@@ -55,7 +57,7 @@ def test_runner_packing_equals_the_per_token_reference(tiny_ckpt):
     from vlm_sdk import LLM, SamplingParams
     llm = LLM(str(tiny_ckpt), device="cpu", show_progress=False, block_size=4)
     eng, seen = llm.engine, []
-    runner = eng.runner
+    runner = local_worker(eng).runner
     prepare = runner._prepare
 
     def checked(scheduled):
@@ -108,12 +110,12 @@ def test_graph_step_staging_equals_the_eager_packing(ckpt, request):
     from vlm_sdk.worker.cuda_graphs import DecodeGraphs
     llm = LLM(str(request.getfixturevalue(ckpt)), device="cpu", show_progress=False, block_size=4)
     eng = llm.engine
-    runner = eng.runner
+    runner = local_worker(eng).runner
     params = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
     convs = [[{"role": "user", "content": "hi " * (2 + 3 * i)}] for i in range(3)]
     plain = [o.token_ids for o in llm.chat(convs, params)]
-    graphs = DecodeGraphs(eng.model, runner.kv_caches, max_num_seqs=4, max_model_len=eng.scheduler_config.max_model_len,
-                          block_size=4, device=eng.device, attention=eng.ops.attention, capture=False)
+    graphs = DecodeGraphs(local_worker(eng).model, runner.kv_caches, max_num_seqs=4, max_model_len=eng.scheduler_config.max_model_len,
+                          block_size=4, device=eng.device, attention=local_worker(eng).ops.attention, capture=False)
     seen, last = [], {}
     run_graph = runner._run_graph
 

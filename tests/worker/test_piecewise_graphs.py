@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from tolerance import assert_reduction_close, forward_terms
+from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM
 from vlm_sdk.attention.metadata import AttentionMetadata
-from vlm_sdk.config import CacheConfig
+from vlm_sdk.memory.kv import CacheConfig
 from vlm_sdk.worker.kv_cache import allocate_kv_caches
-from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
+from vlm_sdk.memory.consumers.piecewise import piecewise_sizes
+from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs
 
 BLOCK = 16
 
@@ -77,7 +79,7 @@ DECODER_TERMS = forward_terms(layers=2, hidden=64, intermediate=128, tokens=64, 
 def test_piecewise_eager_equals_plain_forward_cpu(tiny_ckpt, backend):
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1")
-    model = LLM(tiny_ckpt, attention_backend=backend, show_progress=False).engine.model
+    model = local_worker(LLM(tiny_ckpt, attention_backend=backend, show_progress=False).engine).model
     graphs = _compare(model, "cpu", torch.float32, False, STEPS)
     assert graphs.sizes == [16, 32, 64] and not graphs.graphs
 
@@ -90,8 +92,8 @@ def test_piecewise_sizes():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_piecewise_captured_equals_plain_forward_cuda(tiny_ckpt):
-    model = LLM(tiny_ckpt, device="cuda", dtype="float32", attention_backend="triton", enforce_eager=True,
-                show_progress=False).engine.model
+    model = local_worker(LLM(tiny_ckpt, device="cuda", dtype="float32", attention_backend="triton", enforce_eager=True,
+                show_progress=False).engine).model
     graphs = _compare(model, "cuda", torch.float32, True, STEPS)
     assert sorted(graphs.graphs) == [16, 32, 64]
     assert all(len(g) == model.num_layers + 1 for g in graphs.graphs.values())
@@ -99,9 +101,10 @@ def test_piecewise_captured_equals_plain_forward_cuda(tiny_ckpt):
 
 @pytest.mark.parametrize("ckpt", ["tiny_ckpt", "internvl_ckpt"])
 def test_engine_steps_through_the_piecewise_path_cpu(request, ckpt):
-    """The decoder's hook (`LlamaDecoder.piecewise`, set by the worker with piecewise_cuda_graphs on
-    CUDA): whole requests, images included, give the same tokens through the pieces (run eagerly here);
-    Qwen2.5-VL's M-RoPE positions [3, N] and InternVL's 1-D [N]."""
+    """The runner's piecewise path (`ModelRunner.piecewise`, built by the worker with piecewise_cuda_graphs
+    on CUDA from the model's `decoder_stack()`): whole requests, images included, give the same tokens
+    through the pieces (run eagerly here); Qwen2.5-VL's M-RoPE positions [3, N] and InternVL's 1-D [N].
+    The model is not changed: the runner wraps it from outside."""
     tiny_ckpt = request.getfixturevalue(ckpt)
     from helpers import conversations
     from vlm_sdk import SamplingParams
@@ -111,17 +114,20 @@ def test_engine_steps_through_the_piecewise_path_cpu(request, ckpt):
     llm = LLM(tiny_ckpt, attention_backend="torch", show_progress=False)
     ref = [o.token_ids for o in llm.chat(convs, greedy)]
     eng = llm.engine
-    dec = eng.model.decoder
-    pw = PiecewiseGraphs(dec, eng.runner.kv_caches, max_num_batched_tokens=eng.args.max_num_batched_tokens,
-                         device=eng.device, dtype=dec.embed_tokens.weight.dtype, capture=False)
+    worker = local_worker(eng)
+    model, runner = worker.model, worker.runner
+    before = _attributes(model)
+    pw = PiecewiseGraphs(model.decoder_stack(), runner.kv_caches, max_num_batched_tokens=eng.args.max_num_batched_tokens,
+                         device=eng.device, dtype=eng.dtype, capture=False)
     calls = []
     run = pw.run
     pw.run = lambda embeds, *a: calls.append(embeds.shape[0]) or run(embeds, *a)
-    dec.piecewise = pw
+    runner.piecewise = pw
     try:
         assert [o.token_ids for o in llm.chat(convs, greedy)] == ref
     finally:
-        dec.piecewise = None
+        runner.piecewise = None
+    assert _attributes(model) == before  # nothing installed into the model
     assert calls and max(calls) > 1  # prefill steps went through it
 
 
@@ -138,7 +144,71 @@ def test_engine_with_piecewise_cuda_graphs_equals_torch(tiny_ckpt):
     ref = [o.token_ids for o in LLM(tiny_ckpt, attention_backend="torch", show_progress=False).chat(convs, greedy)]
     llm = LLM(tiny_ckpt, device="cuda", dtype="float32", attention_backend="triton", num_blocks=64,
               piecewise_cuda_graphs=True, show_progress=False)
-    pw = llm.engine.model.decoder.piecewise
+    pw = local_worker(llm.engine).runner.piecewise
     assert pw is not None and pw.graphs
     outs = [o.token_ids for o in llm.chat(convs, greedy)]
     assert sum(a == b for a, b in zip(outs, ref)) >= len(convs) - 1
+
+
+def _attributes(model) -> dict[str, dict[str, int]]:
+    """Every module's own attributes (name -> id of the value): what the worker could have installed."""
+    return {name: {k: id(v) for k, v in vars(m).items() if not k.startswith("_")} for name, m in model.named_modules()}
+
+
+def test_qwen3_vl_deepstack_steps_take_the_plain_forward(tiny_checkpoints):
+    """Qwen3-VL's steps with image rows add DeepStack features between layers: `stack_inputs` is None for
+    them (the runner takes `forward`), while text-only steps go through the pieces; tokens unchanged."""
+    from helpers import conversations
+    from vlm_sdk import SamplingParams
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    c = conversations()
+    convs = [c["text"], c["one_image"]]
+    llm = LLM(tiny_checkpoints("qwen3_vl"), attention_backend="torch", show_progress=False,
+              enable_prefix_caching=False)  # every prompt computed whole: its step's size is its length
+    ref = [llm.chat([conv], greedy)[0].token_ids for conv in convs]
+    worker = local_worker(llm.engine)
+    pw = PiecewiseGraphs(worker.model.decoder_stack(), worker.runner.kv_caches, device=llm.engine.device,
+                         max_num_batched_tokens=llm.engine.args.max_num_batched_tokens, dtype=llm.engine.dtype,
+                         capture=False)
+    calls = []
+    run = pw.run
+    pw.run = lambda embeds, *a: calls.append(embeds.shape[0]) or run(embeds, *a)
+    worker.runner.piecewise = pw
+    try:
+        assert [llm.chat([conv], greedy)[0].token_ids for conv in convs] == ref  # one at a time: a step each
+    finally:
+        worker.runner.piecewise = None
+    text, image = (len(llm.engine.build_prompt(conv).token_ids) for conv in convs)
+    assert text in calls and image not in calls  # text prefill through the pieces; the image's took forward
+
+
+def test_a_model_without_a_decoder_stack_runs_plainly_and_says_so(caplog):
+    """The contract's decoder stack is optional: a family whose decoder is its own gets no piecewise graphs
+    (the worker logs why at start-up) and every step runs its `forward`."""
+    from vlm_sdk.worker.piecewise_graphs import piecewise_stack
+
+    class OwnDecoder:
+        def decoder_stack(self):
+            return None
+
+    class Stacked:
+        def decoder_stack(self):
+            return "stack"
+
+    with caplog.at_level("WARNING", logger="vlm_sdk"):
+        assert piecewise_stack(OwnDecoder(), True, 1) is None
+    assert "OwnDecoder declares no decoder stack" in caplog.text
+    assert piecewise_stack(Stacked(), True, 1) == "stack"
+    assert piecewise_stack(Stacked(), False, 1) is None and piecewise_stack(Stacked(), True, 2) is None
+
+
+def test_every_family_declares_a_decoder_stack(family_ckpt):
+    """Every registered family's model satisfies the `DecoderStack` protocol (models/base.py)."""
+    from vlm_sdk.model_loader import read_checkpoint
+    from vlm_sdk.models.base import DecoderLayerHalves, DecoderStack
+    from vlm_sdk.models.registry import resolve
+    info = read_checkpoint(family_ckpt[1])
+    model = resolve([info.architecture]).meta_model(info.hf_config, torch.float32)
+    stack = model.decoder_stack()
+    assert isinstance(stack, DecoderStack) and all(isinstance(layer, DecoderLayerHalves) for layer in stack.layers)
+    assert len(stack.layers) == model.num_layers and stack.position_rows in (1, 3)

@@ -8,7 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from vlm_sdk.worker.kv_cache import bytes_per_block
+from vlm_sdk.testing.hooks import local_worker
+from vlm_sdk.memory.kv import bytes_per_block
 from vlm_sdk.worker.profiler import profile_peak
 
 
@@ -51,18 +52,18 @@ def engine(tiny_ckpt):
 
 
 def _profile(engine, num_seqs, graph_batch=None, piecewise_tokens=None):
-    m = engine.model
+    m = local_worker(engine).model
     per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, 16, engine.dtype)
     meter = LiveBytes()
     with meter:
         return profile_peak(m, engine.processor.largest_image(), num_tokens=8, num_seqs=num_seqs, block_size=16,
                             per_block=per_block, dtype=engine.dtype, device=engine.device,
-                            attention=engine.ops.attention, graph_batch=graph_batch,
+                            attention=local_worker(engine).ops.attention, graph_batch=graph_batch,
                             piecewise_tokens=piecewise_tokens, meter=meter)
 
 
 def test_the_sampler_share_grows_with_max_num_seqs_beyond_the_step_tokens(engine):
-    vocab = engine.model.vocab_size
+    vocab = local_worker(engine).model.vocab_size
     few, many = _profile(engine, 4), _profile(engine, 4096)  # the tiny vocabulary: many rows to pass the image
     row = vocab * 4  # one float32 row of logits
     # 4092 more rows: the logits and at least two sampler temporaries per row (penalised copy, probs),
@@ -73,7 +74,7 @@ def test_the_sampler_share_grows_with_max_num_seqs_beyond_the_step_tokens(engine
 
 def test_graph_pool_is_counted_and_grows_with_the_captured_batch(engine):
     small, big = _profile(engine, 4, graph_batch=8), _profile(engine, 4, graph_batch=64)
-    hidden = engine.model.hidden_size * torch.finfo(engine.dtype).bits // 8
+    hidden = local_worker(engine).model.hidden_size * torch.finfo(engine.dtype).bits // 8
     assert small.graph_pool_bytes >= 8 * hidden and big.graph_pool_bytes >= 64 * hidden
     assert big.graph_pool_bytes > small.graph_pool_bytes
     assert big.total == big.step_bytes + big.graph_pool_bytes
@@ -82,8 +83,9 @@ def test_graph_pool_is_counted_and_grows_with_the_captured_batch(engine):
 def test_piecewise_graphs_are_counted_buffers_outputs_and_pool(engine):
     """With piecewise graphs: their fixed buffers and per-bucket outputs (arithmetic) plus a pool bounded
     by a plain forward of the budget's tokens (measured); nothing without them."""
-    from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs, held_bytes
-    m = engine.model
+    from vlm_sdk.memory.consumers.piecewise import held_bytes
+    from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs
+    m = local_worker(engine).model
     off, on = _profile(engine, 4), _profile(engine, 4, piecewise_tokens=8)
     layer = m.decoder.layers[0]
     held = held_bytes(8, m.decoder.cfg.hidden_size, layer.num_heads, layer.num_kv_heads, layer.head_dim,
@@ -94,7 +96,7 @@ def test_piecewise_graphs_are_counted_buffers_outputs_and_pool(engine):
     meter = LiveBytes()
     with meter:
         meter.reset()
-        graphs = PiecewiseGraphs(m.decoder, engine.runner.kv_caches, max_num_batched_tokens=8, device=engine.device,
+        graphs = PiecewiseGraphs(m.decoder, local_worker(engine).runner.kv_caches, max_num_batched_tokens=8, device=engine.device,
                                  dtype=engine.dtype, capture=False)
         buffers = meter.peak()
     assert 0 < buffers <= held
@@ -103,7 +105,7 @@ def test_piecewise_graphs_are_counted_buffers_outputs_and_pool(engine):
 
 def test_held_image_embeddings_are_alive_during_the_step(engine, monkeypatch):
     """The largest image's embeddings are still held while the LLM step, logits and sampler run."""
-    m, alive = engine.model, []
+    m, alive = local_worker(engine).model, []
     encode, compute_logits = m.encode_images, m.compute_logits
     held = []
     monkeypatch.setattr(m, "encode_images", lambda images: held.append(weakref.ref(out := encode(images))) or out)
@@ -119,12 +121,12 @@ def test_cuda_profile_counts_the_graph_pool_and_the_sampler_rows(tiny_ckpt):
     max_num_seqs rows raise the step's peak by at least their logits."""
     from vlm_sdk import LLM
     eng = LLM(str(tiny_ckpt), device="cuda", dtype="float32", num_blocks=64, show_progress=False).engine
-    m = eng.model
+    m = local_worker(eng).model
     per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, 16, eng.dtype)
 
     def run(num_seqs, graph_batch):
         return profile_peak(m, eng.processor.largest_image(), num_tokens=8, num_seqs=num_seqs, block_size=16,
-                            per_block=per_block, dtype=eng.dtype, device=eng.device, attention=eng.ops.attention,
+                            per_block=per_block, dtype=eng.dtype, device=eng.device, attention=local_worker(eng).ops.attention,
                             graph_batch=graph_batch)
     few, many = run(4, 8), run(4096, 8)
     assert few.graph_pool_bytes > 0 and many.graph_pool_bytes > 0

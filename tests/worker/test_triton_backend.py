@@ -10,6 +10,7 @@ import torch
 
 from helpers import conversations
 from tolerance import assert_reduction_close, forward_terms
+from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.config import EngineArgs
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs, capture_sizes
@@ -48,7 +49,7 @@ def triton_llm(tiny_ckpt):
 
 def test_triton_greedy_equals_torch_cpu(triton_llm, convs, torch_outputs):
     """Batched prefill (whole prompts, images through varlen attention) then batched decode."""
-    assert triton_llm.engine.ops.name == "triton" and triton_llm.engine.runner.graphs is None
+    assert local_worker(triton_llm.engine).ops.name == "triton" and local_worker(triton_llm.engine).runner.graphs is None
     assert [o.token_ids for o in triton_llm.chat(convs, GREEDY)] == torch_outputs
     assert triton_llm.stats()["kv_blocks_used"] == 0
 
@@ -60,7 +61,7 @@ def test_triton_greedy_equals_torch_cuda(tiny_ckpt, convs, torch_outputs, enforc
     """float32 on the GPU, decode from CUDA graphs or eagerly; a near-tie may flip one conversation."""
     llm = LLM(tiny_ckpt, device="cuda", dtype="float32", attention_backend="triton", num_blocks=64,
               enforce_eager=enforce_eager, show_progress=False)
-    assert (llm.engine.runner.graphs is None) == enforce_eager
+    assert (local_worker(llm.engine).runner.graphs is None) == enforce_eager
     outs = [o.token_ids for o in llm.chat(convs, GREEDY)]
     assert sum(a == b for a, b in zip(outs, torch_outputs)) >= len(convs) - 1
     assert llm.stats()["kv_blocks_used"] == 0
@@ -72,10 +73,10 @@ def test_triton_hidden_states_match_torch(tiny_ckpt):
     _interpreter_or_gpu("cpu")
     from vlm_sdk.attention.metadata import AttentionMetadata
     from vlm_sdk.worker.kv_cache import allocate_kv_caches
-    from vlm_sdk.config import CacheConfig
+    from vlm_sdk.memory.kv import CacheConfig
 
-    ref = LLM(tiny_ckpt, attention_backend="torch", show_progress=False).engine.model
-    tri = LLM(tiny_ckpt, attention_backend="triton", show_progress=False).engine.model
+    ref = local_worker(LLM(tiny_ckpt, attention_backend="torch", show_progress=False).engine).model
+    tri = local_worker(LLM(tiny_ckpt, attention_backend="triton", show_progress=False).engine).model
     block = 16
     # earlier context: seq 1 has 21 cached tokens, seq 2 has 32 (ends on a block boundary)
     ctx, new = [0, 21, 32], [19, 7, 1]
@@ -108,21 +109,21 @@ def test_padded_decode_path_equals_torch(triton_llm, convs, torch_outputs):
     """The static buffers and padding rows that the CUDA graphs replay, run eagerly on the CPU: a
     batch of 3 runs as the padded size 4 (slot -1, seq_len 0), a lone request as size 1."""
     eng = triton_llm.engine
-    graphs = DecodeGraphs(eng.model, eng.runner.kv_caches, max_num_seqs=4,
+    graphs = DecodeGraphs(local_worker(eng).model, local_worker(eng).runner.kv_caches, max_num_seqs=4,
                           max_model_len=eng.scheduler_config.max_model_len, block_size=eng.args.block_size,
-                          device=eng.device, attention=eng.ops.attention, capture=False)
+                          device=eng.device, attention=local_worker(eng).ops.attention, capture=False)
     assert graphs.sizes == [1, 2, 4]
     calls = []
     run = graphs.run
     graphs.run = lambda n: calls.append(n) or run(n)
-    eng.runner.graphs = graphs
+    local_worker(eng).runner.graphs = graphs
     try:
         assert [o.token_ids for o in triton_llm.chat(convs, GREEDY)] == torch_outputs
         assert 3 in calls  # decode steps of all three went through the padded path
         assert [o.token_ids for o in triton_llm.chat(convs[:1], GREEDY)] == torch_outputs[:1]
         assert 1 in calls
     finally:
-        eng.runner.graphs = None
+        local_worker(eng).runner.graphs = None
     assert triton_llm.stats()["kv_blocks_used"] == 0
 
 

@@ -6,9 +6,10 @@ import torch
 
 from helpers import conversations
 from tolerance import assert_reduction_close, forward_terms
+from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.worker.encoder_cache import EncoderCache
-from vlm_sdk.worker.io import NewRequestData
+from vlm_sdk.protocol.scheduler_output import NewRequestData
 from vlm_sdk.worker.step_images import patch_groups
 from vlm_sdk.worker.request_state import RequestState
 
@@ -30,7 +31,7 @@ def test_grouped_encoding_equals_one_call_and_the_engine_still_generates(tiny_ck
     llm = LLM(tiny_ckpt, show_progress=False)
     convs = [conversations()["two_images"], conversations()["one_image"], conversations()["multi_turn"]]
     prompts = [llm.engine.build_prompt(c) for c in convs]
-    runner = llm.engine.runner
+    runner = local_worker(llm.engine).runner
     calls = []
     encode = runner.model.encode_images
 

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from helpers import conversations
+from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.config import SchedulerConfig
-from vlm_sdk.engine.block_manager import BlockManager
-from vlm_sdk.engine.scheduler import Scheduler
-from vlm_sdk.engine.sequence import Sequence
+from vlm_sdk.engine.core.block_manager import BlockManager
+from vlm_sdk.engine.core.scheduler import Scheduler
+from vlm_sdk.engine.core.sequence import Sequence
 from vlm_sdk.multimodal.inputs import PromptInputs
-from vlm_sdk.worker.io import NO_IDS, CachedRequestData, NewRequestData, SchedulerOutput
+from vlm_sdk.protocol.scheduler_output import NO_IDS, CachedRequestData, NewRequestData, SchedulerOutput
 
 PLAIN = (int, str, float, bool, type(None), torch.Tensor, SamplingParams)
 
@@ -88,7 +89,7 @@ def chunky(tiny_ckpt):
 
 
 def test_images_encoded_once_per_request_and_dropped_after_prefill(chunky):
-    runner = chunky.engine.runner
+    runner = local_worker(chunky.engine).runner
     encode, calls, sizes = runner.model.encode_images, [], []
 
     def counting(images):

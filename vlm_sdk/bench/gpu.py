@@ -40,6 +40,7 @@ from types import MappingProxyType
 
 import torch
 
+from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk.bench.gpu_parts import (QWEN2_5_VL_3B, TINY, DeviceTimer, GpuBenchError, ModelShape, build_checkpoint,
                                      check_tokens, checkpoint_dir, copy_bandwidth, decode_weight_bytes, device_name,
                                      free_memory, matmul_rate, paged_attention_alone, plan_options, plan_vs_engine,
@@ -235,7 +236,7 @@ def run(cfg: GpuBenchConfig, command: str) -> dict:
         report["engine"] = {"load_seconds": engine.load_seconds, "kv_blocks": engine.cache_config.num_blocks,
                             "kv_source": engine.cache_config.source,
                             "max_model_len": engine.scheduler_config.max_model_len,
-                            "cuda_graphs": engine.runner.graphs is not None}
+                            "cuda_graphs": local_worker(engine).runner.graphs is not None}
         figures += [_decode_figure(engine, cfg, batch, timer, copy_bw) for batch in cfg.decode_batches]
         figures.append(_prefill_figure(engine, cfg, timer, mm_rate))
         convs = _throughput_convs(cfg)
@@ -293,7 +294,7 @@ def _attention_figure(cfg, timer, dtype, copy_bw, notes) -> dict:
 def _decode_figure(engine, cfg: GpuBenchConfig, batch: int, timer: DeviceTimer, copy_bw: float) -> dict:
     """`batch` text prompts of cfg.context tokens, prefilled until every one has its first token, then
     `decode_warmup` steps, then `decode_steps` timed engine steps (host scheduling and sampling included)."""
-    from vlm_sdk.worker.block_table import blocks_needed
+    from vlm_sdk.protocol.blocks import blocks_needed
     from vlm_sdk.multimodal.inputs import PromptInputs
     from vlm_sdk.sampling_params import SamplingParams
 
@@ -337,7 +338,7 @@ def _decode_figure(engine, cfg: GpuBenchConfig, batch: int, timer: DeviceTimer, 
     # each step attends over every sequence's tokens so far, its new one included
     attended = start_tokens + batch * (steps - 1) / 2
     kv_per_token = engine.cache_config.bytes_per_block // engine.cache_config.block_size
-    weight_bytes = decode_weight_bytes(engine.model.decoder, batch)
+    weight_bytes = decode_weight_bytes(local_worker(engine).model.decoder, batch)
     floor = (weight_bytes + attended * kv_per_token) / copy_bw
     details = {"steps": steps, "weight_bytes": weight_bytes, "kv_bytes": attended * kv_per_token,
                "mean_context": attended / batch, "kv_bytes_per_token": kv_per_token}

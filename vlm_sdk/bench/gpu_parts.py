@@ -27,7 +27,7 @@ import torch
 # preprocessor files around weights that it initialises on the device itself.
 from vlm_sdk.models.common.tiny_checkpoint import no_hf_progress_bars
 from vlm_sdk.models.qwen2_5_vl import tiny_checkpoint as _testing
-from vlm_sdk.worker.block_table import blocks_needed
+from vlm_sdk.protocol.blocks import blocks_needed
 from vlm_sdk.errors import VLMError
 
 

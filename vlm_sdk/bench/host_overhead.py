@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk.errors import InvalidRequestError
 
 TARGETS_MS = {64: 0.25, 256: 1.0}  # issue 19: host time per decode step
@@ -111,7 +112,7 @@ def _cuda_host_path(engine, batch: int) -> None:
     """The CUDA path's host side on the CPU: Triton's `prepare` and the decode graphs' buffers."""
     from vlm_sdk.attention.triton_backend import TritonBackend
     from vlm_sdk.worker.cuda_graphs import DecodeGraphs
-    runner = engine.runner
+    runner = local_worker(engine).runner
     backend = TritonBackend()  # its prepare reads host ints only: no kernel runs here
     runner.attention = backend
     graphs = DecodeGraphs(runner.model, runner.kv_caches, max_num_seqs=batch,
@@ -138,9 +139,9 @@ def measure(model_dir: str, batch: int, steps: int, prompt_len: int, async_sched
     from vlm_sdk.multimodal.inputs import PromptInputs
     engine = _engine(model_dir, batch, prompt_len, steps + 8, async_scheduling)
     try:
-        _no_op_model(engine.model, batch, engine.scheduler_config.max_num_batched_tokens)
+        _no_op_model(local_worker(engine).model, batch, engine.scheduler_config.max_num_batched_tokens)
         _cuda_host_path(engine, batch)
-        runner, sched = engine.runner, engine.scheduler
+        runner, sched = local_worker(engine).runner, engine.scheduler
         timers = _Timers()
         timers.wrap(sched, "schedule", "schedule")
         timers.wrap(sched, "worker_input", "worker_input")

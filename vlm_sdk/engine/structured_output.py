@@ -8,7 +8,7 @@ inside the grammar.
         seq.matcher = grammar.matcher()                 a copy of the compiled start state
     each step, before the worker runs (engine thread)
         token_bitmask(the grammar rows sampling now)    -> GrammarBitmask: 1 bit per vocabulary token
-    worker (worker/token_mask.py)
+    worker (sample/token_mask.py)
         those rows' logits masked to -inf outside the grammar, then sampled as usual; other rows untouched
     postprocess
         accept(seq, token): the matcher consumes it; once the grammar admits no more text the request
@@ -36,7 +36,7 @@ import torch
 
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.sampling_params import StructuredOutputs
-from vlm_sdk.worker.io import GrammarBitmask
+from vlm_sdk.protocol.scheduler_output import GrammarBitmask
 
 logger = logging.getLogger("vlm_sdk")
 

@@ -12,12 +12,13 @@ import threading
 import time
 from typing import Any
 
-from vlm_sdk.executor.executor import Executor
-from vlm_sdk.executor.ranks import NOOP, SHUTDOWN, Command, broadcast_command, gather_replies
+from vlm_sdk.executor.executor import Executor, Method
+from vlm_sdk.executor.ranks import NOOP, SHUTDOWN, Command, broadcast_command, call, gather_replies
 
 
 class GroupExecutor(Executor):
-    """Rank 0 of a process group; subclasses set `driver`, `_control` and `_timeout_s`, then call
+    """Rank 0 of a process group; subclasses set `_worker` (rank 0's, in this process), `world_size`,
+    `_control` and `_timeout_s`, then call
     `_start_heartbeat()`, and may refine `_explain` (the error a failed call raises)."""
     _control: Any
     _timeout_s: float
@@ -30,14 +31,14 @@ class GroupExecutor(Executor):
         self._dead: BaseException | None = None
         self._broken = False  # a call failed part-way: the ranks may wait in different collectives
 
-    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+    def collective_rpc(self, method: Method, *args: Any) -> list[Any]:
         with self._rpc_lock:
             if self._dead is not None:
                 raise self._dead
             reply = method != "execute"
             try:
                 broadcast_command(Command(method, args, reply), self._control)
-                result = getattr(self.driver, method)(*args)
+                result = call(self._worker, method, args)
                 out = gather_replies(result, self.world_size, self._control) if reply else [result]
             except BaseException as e:
                 self._broken = True

@@ -1,7 +1,7 @@
 """The worker: everything that runs the model on one device, fed PLAIN DATA by the engine.
 
     engine (scheduler, sequences)  --SchedulerOutput-->  ModelRunner.execute  --ModelRunnerOutput-->  engine
-                                    (worker/io.py)        (per-request state, encoder cache,
+                                    (vlm_sdk/protocol/)   (per-request state, encoder cache,
                                                            vision, forward, CUDA graphs, sampler)
 
 Nothing here reads an engine `Sequence`: the worker keeps its own per-request state, so a worker

@@ -45,7 +45,8 @@ import torch
 
 from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.metadata import AttentionMetadata
-from vlm_sdk.worker.block_table import BlockTables, blocks_needed
+from vlm_sdk.protocol.blocks import blocks_needed
+from vlm_sdk.worker.block_table import BlockTables
 
 logger = logging.getLogger("vlm_sdk")
 

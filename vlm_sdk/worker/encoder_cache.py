@@ -15,6 +15,8 @@ from collections import OrderedDict
 
 import torch
 
+from vlm_sdk.protocol.runner_output import EncoderCacheStats
+
 
 class EncoderCache:
     def __init__(self, capacity_bytes: int):
@@ -26,6 +28,9 @@ class EncoderCache:
 
     def __len__(self) -> int:
         return len(self._embeds)
+
+    def stats(self) -> EncoderCacheStats:
+        return EncoderCacheStats(self.hits, self.queries, self.num_bytes)
 
     def get(self, key: bytes | None) -> torch.Tensor | None:
         """The embeddings of image `key` (a lookup, counted), marked most recently used; None if absent."""

@@ -1,6 +1,6 @@
 """Runs one scheduled step on the model: vision stage, LLM forward over the paged cache, sampling.
 
-Fed plain data (`worker.io.SchedulerOutput`), it keeps its own `RequestState` per request (token
+Fed plain data (`protocol.scheduler_output.SchedulerOutput`), it keeps its own `RequestState` per request (token
 ids, block table) and returns `ModelRunnerOutput` (request id -> sampled token).
 
 Inputs are packed: the new tokens of every scheduled request back to back, in the order of
@@ -31,12 +31,15 @@ from vlm_sdk.sampling_params import SamplingParams
 from vlm_sdk.worker.block_table import BlockTables
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs
 from vlm_sdk.worker.encoder_cache import EncoderCache
-from vlm_sdk.worker.io import ModelRunnerOutput, SchedulerOutput
-from vlm_sdk.worker.pending_output import PendingOutput
+from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs
+from vlm_sdk.protocol.runner_output import ModelRunnerOutput
+from vlm_sdk.protocol.scheduler_output import SchedulerOutput
+from vlm_sdk.protocol.runner_output import PendingOutput, Ready
+from vlm_sdk.worker.pending_output import DevicePendingOutput
 from vlm_sdk.worker.request_state import RequestState
-from vlm_sdk.worker.sampler import Sampler
+from vlm_sdk.sample.sampler import Sampler
 from vlm_sdk.worker.step_images import drop_passed_images, encode_images, step_images
-from vlm_sdk.worker.token_mask import apply_token_bitmask
+from vlm_sdk.sample.token_mask import apply_token_bitmask
 
 
 class ModelRunner:
@@ -44,7 +47,7 @@ class ModelRunner:
                  block_size: int, device: torch.device, dtype: torch.dtype, seed: int = 0,
                  max_vision_patches: int | None = None, graphs: DecodeGraphs | None = None, *,
                  attention: AttentionBackend, samples: bool = True, encoder_cache_bytes: int = 0,
-                 keep_sampled: bool = False):
+                 keep_sampled: bool = False, piecewise: PiecewiseGraphs | None = None):
         """`max_vision_patches` (None: no limit) caps the patches of one vision-tower call: the images
         of newly scheduled requests are encoded in groups of at most that many patches (a group
         always holds at least one image), so a step never exceeds the profiled peak of the largest
@@ -54,11 +57,14 @@ class ModelRunner:
         leaves sampling to rank 0 and returns an empty output. `encoder_cache_bytes`: the vision
         embeddings kept for reuse by image key (0: none). `keep_sampled` (asynchronous scheduling):
         each step's sampled tokens stay on the device, where the next step takes the ids the engine
-        has not sent yet (a request whose computed tokens reach past its known ones)."""
+        has not sent yet (a request whose computed tokens reach past its known ones). `piecewise`: graphs
+        of the model's decoder stack that steps with prefill rows run through when the model gives the
+        step's `stack_inputs` (the model itself is never changed: they wrap it from outside)."""
         self.model = model
         self.attention = attention
         self.max_vision_patches = max_vision_patches
         self._graphs = graphs  # replays decode steps (CUDA graphs, or their padded path eagerly)
+        self.piecewise = piecewise  # runs other steps' decoder stack in pieces (CUDA graphs around attention)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -176,7 +182,8 @@ class ModelRunner:
         scheduled = self._update_states(sched)
         if not scheduled:
             self._last_rows = {}
-            return PendingOutput.done(ModelRunnerOutput())
+            return Ready(ModelRunnerOutput())
+        encoder = None  # the encoder cache's counters, when this step's vision stage ran
         if self.graphs is not None and self._num_behind == 0 and self.graphs.covers(len(scheduled)) \
                 and sched.total_num_scheduled_tokens == len(scheduled):  # one token each, every one the last
             # generated tokens only: every image is behind them (none to encode, scatter or drop), so the
@@ -186,18 +193,18 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)  # [num_seqs, vocab]
         else:
             self._encode_images(scheduled)
+            encoder = self.encoder_cache.stats() if self.samples else None
             step = self._prepare(scheduled)
             embeds = self.model.embed_tokens(step.input_ids)  # [num_tokens, hidden]
-            hidden = self.model(embeds, step.positions, self.kv_caches, step.meta,
-                                step_images(scheduled, self.device))  # [num_tokens, hidden]
+            hidden = self._forward(embeds, step, step_images(scheduled, self.device))  # [num_tokens, hidden]
             drop_passed_images(scheduled)
             sample_idx = step.sample_idx
             if not sample_idx:
                 self._last_rows = {}
-                return PendingOutput([], None, self.device)  # its event: the step's buffers free again
+                return DevicePendingOutput([], None, self.device, encoder)  # its event: the step's buffers free again
             logits = self.model.compute_logits(hidden[step.sample_rows])  # [num_sampled, vocab]
         if not self.samples:
-            return PendingOutput.done(ModelRunnerOutput())
+            return Ready(ModelRunnerOutput())
         states = [scheduled[i][0] for i in sample_idx]
         counts = [scheduled[i][1] for i in sample_idx]
         if sched.grammar_bitmask is not None:  # structured outputs: only the constrained rows change
@@ -214,7 +221,17 @@ class ModelRunner:
                                                 may_draw=bool(draws_at_random))
         if self.keep_sampled:
             self._keep(states, sampled.tokens)
-        return PendingOutput([s.request_id for s in states], sampled, self.device)
+        return DevicePendingOutput([s.request_id for s in states], sampled, self.device, encoder)
+
+    def _forward(self, embeds: torch.Tensor, step: StepInputs, images) -> torch.Tensor:  # [num_tokens, hidden]
+        """The model's forward, or its decoder stack through the piecewise graphs when they cover the step
+        and the model gives the step's stack inputs."""
+        pw = self.piecewise
+        if pw is not None and pw.covers(embeds.shape[0]):
+            inputs = self.model.stack_inputs(embeds, step.positions, images)
+            if inputs is not None:
+                return pw.run(*inputs, step.meta)
+        return self.model(embeds, step.positions, self.kv_caches, step.meta, images)
 
     def _keep(self, states: list[RequestState], tokens: torch.Tensor) -> None:  # tokens [rows] int64
         """The step's tokens into the static buffer the next step reads ids from (the graphs' when

@@ -1,6 +1,6 @@
 """A launched step whose sampled tokens are on their way to the host (asynchronous scheduling).
 
-    runner.execute_async(sched) -> PendingOutput     the step is queued on the device; nothing waited
+    runner.execute_async(sched) -> DevicePendingOutput   the step is queued on the device; nothing waited
     ...                                              the engine schedules and launches the next step
     pending.result() -> ModelRunnerOutput            waits for this step's event, reads its tokens
 
@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from vlm_sdk.worker.io import ModelRunnerOutput
-from vlm_sdk.worker.sampled_tokens import SampledTokens
+from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
+from vlm_sdk.sample.sampled_tokens import SampledTokens
 
 
-class PendingOutput:
-    def __init__(self, request_ids: list[str], sampled: SampledTokens | None, device: torch.device):
+class DevicePendingOutput(PendingOutput):
+    def __init__(self, request_ids: list[str], sampled: SampledTokens | None, device: torch.device,
+                 encoder_cache: EncoderCacheStats | None = None):
         """`request_ids`: the sampled rows' requests, in row order. Queues the host copies and records
-        the step's event (CUDA)."""
+        the step's event (CUDA). `encoder_cache`: the counters after this step's vision stage."""
         self._request_ids, self._sampled, self._output = request_ids, sampled, None
+        self._encoder_cache = encoder_cache
         self._event = None
         if sampled is not None:
             sampled.start_copy()
@@ -27,24 +29,17 @@ class PendingOutput:
             self._event = torch.cuda.Event()
             self._event.record()
 
-    @classmethod
-    def done(cls, output: ModelRunnerOutput) -> "PendingOutput":
-        """An output already on the host (a rank that does not sample, an empty step, an executor
-        without asynchronous steps)."""
-        pending = cls([], None, torch.device("cpu"))
-        pending._output = output
-        return pending
-
     def result(self) -> ModelRunnerOutput:
         """The step's `ModelRunnerOutput`, once its copies have landed (waits for the device)."""
         if self._output is None:
             if self._event is not None:
                 self._event.synchronize()
             if self._sampled is None:
-                self._output = ModelRunnerOutput()
+                self._output = ModelRunnerOutput(encoder_cache=self._encoder_cache)
             else:
                 tokens, logprobs = self._sampled.lists()
                 ids = self._request_ids
                 self._output = ModelRunnerOutput(dict(zip(ids, tokens)),
-                                                 {r: lp for r, lp in zip(ids, logprobs) if lp is not None})
+                                                 {r: lp for r, lp in zip(ids, logprobs) if lp is not None},
+                                                 self._encoder_cache)
         return self._output

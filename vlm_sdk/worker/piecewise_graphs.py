@@ -16,10 +16,12 @@ piece reads. Rows n..N are padding: zero embeddings and positions, never stored 
 the first n rows) and never read back. Launches per step: L + 1 graph replays plus the attention calls,
 instead of ~L * 14 kernel launches.
 
-The pieces are `LlamaDecoderLayer.pre_attention` / `post_attention` (models/common/llama_decoder.py),
-the same code the plain forward runs, so `capture=False` (same buffers, run eagerly: the CPU test) equals
-the plain forward. Not covered: DeepStack (Qwen3-VL adds image features at step-dependent rows after the
-first layers: such steps run the plain forward), and tensor parallelism is untested here.
+The pieces are the model contract's decoder stack (`DecoderStack`, models/base.py: each layer's
+`pre_attention` / `post_attention`, the rotary inputs, the final norm), the same code the plain forward
+runs, so `capture=False` (same buffers, run eagerly: the CPU test) equals the plain forward. The runner
+wraps the model from outside: a step goes through here when the model gives its `stack_inputs` (not a
+DeepStack step of Qwen3-VL, whose image features join between layers: those run `forward`), and tensor
+parallelism is untested here. A family without a decoder stack runs every step through `forward`.
 
 Memory: the pieces hand over through fixed buffers sized for the largest bucket (q, k, v: the attention's
 inputs; the residual stream; the attention's output), copied at each piece's end, so a piece's own
@@ -36,48 +38,41 @@ from typing import Callable
 import torch
 
 from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.memory.consumers.piecewise import piecewise_sizes
+from vlm_sdk.models.base import DecoderStack
 
 logger = logging.getLogger("vlm_sdk")
 
 
-def piecewise_sizes(max_num_batched_tokens: int) -> list[int]:
-    """Token-count buckets: powers of two from 16, then the budget itself (padding at most 2x)."""
-    sizes, n = [], 16
-    while n < max_num_batched_tokens:
-        sizes.append(n)
-        n *= 2
-    return sizes + [max_num_batched_tokens]
-
-
-def held_bytes(max_num_batched_tokens: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
-               position_rows: int, dtype: torch.dtype) -> int:
-    """What the graphs hold for good besides their pool's temporaries, an upper bound: the hand-over
-    buffers at the largest bucket (embeddings, residual, q, k, v, attention output, positions), and
-    per bucket its final hidden states and rotary inputs (cos and sin, float32, with the torch set):
-
-        N = max_num_batched_tokens, S = sum of the buckets (< 2 N), e = dtype bytes
-        N * (2 hidden + 2 H D + 2 Hkv D) * e + N * 8 * position_rows + S * (hidden * e + 4 D)
-    """
-    e = torch.finfo(dtype).bits // 8
-    n, total = max_num_batched_tokens, sum(piecewise_sizes(max_num_batched_tokens))
-    return (n * (2 * hidden + 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim) * e + n * 8 * position_rows
-            + total * (hidden * e + 4 * head_dim))
+def piecewise_stack(model, wanted: bool, tp_size: int) -> DecoderStack | None:
+    """The decoder stack piecewise graphs run, when `wanted` (piecewise_cuda_graphs on a device that
+    captures graphs) with one rank; None otherwise. A model that declares no stack (a family with a
+    decoder of its own) still runs, every step eagerly or from whole-step decode graphs: logged once,
+    at start-up."""
+    if not wanted or tp_size != 1:
+        return None
+    stack = model.decoder_stack()
+    if stack is None:
+        logger.warning("piecewise_cuda_graphs: %s declares no decoder stack (models/base.py DecoderStack): steps "
+                       "with prefill rows run eagerly, decode steps from whole-step CUDA graphs",
+                       type(model).__name__)
+    return stack
 
 
 class PiecewiseGraphs:
-    """`run(embeds, positions, meta)` for any step of at most `sizes[-1]` tokens; `decoder` is a
-    `LlamaDecoder`, `meta` the attention backend's prepared metadata for the step's real rows."""
+    """`run(embeds, positions, meta)` for any step of at most `sizes[-1]` tokens; `stack` is the model's
+    `DecoderStack`, `meta` the attention backend's prepared metadata for the step's real rows."""
 
-    def __init__(self, decoder, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], *, max_num_batched_tokens: int,
-                 device: torch.device, dtype: torch.dtype, capture: bool = True):
-        self.decoder, self.kv_caches = decoder, kv_caches
+    def __init__(self, stack: DecoderStack, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], *,
+                 max_num_batched_tokens: int, device: torch.device, dtype: torch.dtype, capture: bool = True):
+        self.stack, self.kv_caches = stack, kv_caches
         self.sizes = piecewise_sizes(max_num_batched_tokens)
         biggest = self.sizes[-1]
-        layer = decoder.layers[0]
-        hidden = decoder.cfg.hidden_size
+        layer = stack.layers[0]
+        hidden = stack.hidden_size
         self.embeds = torch.zeros(biggest, hidden, dtype=dtype, device=device)  # [biggest, hidden]
-        # what the decoder takes: [3, N] for M-RoPE, [N] for plain RoPE
-        shape = (3, biggest) if decoder.cfg.mrope_section is not None else (biggest,)
+        # what the stack takes: [3, N] for M-RoPE, [N] for plain RoPE
+        shape = (3, biggest) if stack.position_rows == 3 else (biggest,)
         self.positions = torch.zeros(shape, dtype=torch.int64, device=device)  # [rows, biggest] or [biggest]
         h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         # the hand-over between pieces and the attention (rows past a step's n: stale padding, never read back)
@@ -103,8 +98,8 @@ class PiecewiseGraphs:
         """The L + 1 pieces of bucket `size`. Piece 0 returns the rotary inputs (shared by the later
         pieces: they take it as their argument); the others return nothing but the last, which returns
         the final hidden states [size, hidden]."""
-        dec = self.decoder
-        layers = dec.layers
+        stack = self.stack
+        layers = stack.layers
         embeds, positions = self.embeds[:size], self.positions[..., :size]
         q_buf, k_buf, v_buf, res_buf, attn = (t[:size] for t in (self.q, self.k, self.v, self.residual, self.attn))
 
@@ -115,7 +110,7 @@ class PiecewiseGraphs:
             res_buf.copy_(residual)
 
         def first(_rope):
-            rope = dec.ops.rotary_inputs(positions, dec.rotary, embeds.dtype)
+            rope = stack.rotary_inputs(positions, embeds.dtype)
             hand_over(*layers[0].pre_attention(embeds, None, rope))
             return rope
 
@@ -127,12 +122,12 @@ class PiecewiseGraphs:
 
         def last(_rope):
             x, residual = layers[-1].post_attention(attn, res_buf)
-            return dec.ops.add_rms_norm(x, residual, dec.norm.weight, dec.norm.eps)[0]
+            return stack.final_norm(x, residual)
         return [first] + [middle(i) for i in range(1, len(layers))] + [last]
 
     def _attend(self, i: int, n: int, meta: AttentionMetadata) -> None:
         """Layer i's attention on the step's n real rows, eagerly, into the attention buffer."""
-        out = self.decoder.layers[i].attn(self.q[:n], self.k[:n], self.v[:n], self.kv_caches[i], meta)  # [n, H, D]
+        out = self.stack.layers[i].attn(self.q[:n], self.k[:n], self.v[:n], self.kv_caches[i], meta)  # [n, H, D]
         self.attn[:n].copy_(out)
 
     def _eager(self, size: int, n: int, meta: AttentionMetadata) -> torch.Tensor:  # [size, hidden]

@@ -8,7 +8,7 @@ import torch
 
 from vlm_sdk.multimodal.inputs import ImageInput
 from vlm_sdk.sampling_params import SamplingParams
-from vlm_sdk.worker.io import NewRequestData
+from vlm_sdk.protocol.scheduler_output import NewRequestData
 
 
 @dataclass

@@ -9,6 +9,7 @@ import io
 import pytest
 
 from helpers import SAMPLE_IMAGE, image
+from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.cli import main
 from vlm_sdk.errors import InputTooLongError, InvalidImageError, InvalidRequestError
@@ -34,7 +35,7 @@ def _png_bytes(img) -> bytes:
 
 
 def test_a_typed_image_placeholder_is_text(llm):
-    """Issue 18: special tokens typed in message text are text (engine/special_text.py), so a typed
+    """Issue 18: special tokens typed in message text are text (engine/input/special_text.py), so a typed
     <IMG_CONTEXT> is no image placeholder (it was refused as one more placeholder than images)."""
     conv = [{"role": "user", "content": "look <IMG_CONTEXT> here"}]
     prompt = llm.engine.build_prompt(conv)
@@ -63,7 +64,7 @@ def test_per_image_max_num_and_engine_max_dynamic_patch(internvl_ckpt, llm):
     assert capped.engine.build_prompt(_ask(wide, max_num=6)).images[0].meta.tiles == 4  # the part wins
     largest = capped.engine.processor.largest_image()
     assert tuple(largest.data.shape) == (3, 3, 448, 448) and largest.size == 3
-    assert capped.engine.runner.max_vision_patches == 3
+    assert local_worker(capped.engine).runner.max_vision_patches == 3
 
 
 def test_too_long_prompt_names_the_largest_max_dynamic_patch_that_fits(internvl_ckpt):

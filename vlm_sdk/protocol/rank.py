@@ -1,0 +1,31 @@
+"""What a rank reports to the engine at start-up: plain data, the same on every executor."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Parameter bytes of one rank by part (under tensor parallelism, its slices)."""
+    language_model: int
+    vision: int
+    projector: int
+
+    @property
+    def total(self) -> int:
+        return self.language_model + self.vision + self.projector
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """What one rank holds after loading."""
+    rank: int
+    device: str
+    dtype: str  # the model's dtype on this rank, e.g. "bfloat16"
+    weights: WeightBytes  # this rank's parameter bytes by part
+    weights_allocated_bytes: int | None  # CUDA: memory_allocated growth while building and loading
+    load_seconds: float
+    num_layers: int
+    num_kv_heads: int  # this rank's KV heads (what its cache holds per layer)
+    head_dim: int
+    bytes_per_block: int  # this rank's KV bytes per block (its KV heads, every layer, K and V)

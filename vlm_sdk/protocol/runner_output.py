@@ -1,0 +1,49 @@
+"""What rank 0 hands back each step: the sampled tokens (the other ranks return an empty output).
+
+    executor.execute(sched)        -> ModelRunnerOutput
+    executor.execute_async(sched)  -> PendingOutput; .result() -> ModelRunnerOutput once it has landed
+
+The worker's pending output waits for a device event (vlm_sdk/worker/pending_output.py); `Ready` is
+one whose output is already on the host.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from vlm_sdk.outputs import TokenLogprob
+
+
+@dataclass(frozen=True)
+class EncoderCacheStats:
+    """The rank's encoder cache counters since start-up (every rank's are alike under tensor parallelism:
+    all ranks see the same steps and capacity)."""
+    hits: int = 0
+    queries: int = 0
+    num_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> its new token
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # only requests that asked for them
+    encoder_cache: EncoderCacheStats | None = None  # after the step (None: unchanged, or not rank 0)
+
+
+class PendingOutput(ABC):
+    """A launched step; `result()` waits for it and returns its output (idempotent)."""
+
+    @abstractmethod
+    def result(self) -> ModelRunnerOutput:
+        """The step's output, once its tokens are on the host."""
+
+
+class Ready(PendingOutput):
+    """An output already on the host (a rank that does not sample, an empty step, an executor without
+    asynchronous steps)."""
+
+    def __init__(self, output: ModelRunnerOutput):
+        self._output = output
+
+    def result(self) -> ModelRunnerOutput:
+        return self._output
