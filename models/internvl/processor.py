@@ -83,13 +83,8 @@ class InternVLProcessor(PromptProcessor):
         self.max_image_tokens = max_image_tokens
 
     @classmethod
-    def from_engine_args(cls, tokenizer, image_processor: InternVLImageProcessor, hf_config, args, family):
-        """The processor for an engine's `EngineArgs`; `mm_processor_kwargs` is checked against
-        `family.engine_settings` (another family's setting is refused here); `family` is this folder's
-        `FamilySpec`, passed in so that the spec may import this module and not the reverse."""
-        o = family.engine_options(args.mm_processor_kwargs)
-        return cls(tokenizer, image_processor, hf_config, max_num=o.get("max_dynamic_patch"),
-                   max_image_pixels=args.max_image_pixels, family=family)
+    def settings_kwargs(cls, options: dict) -> dict:
+        return {"max_num": options.get("max_dynamic_patch")}
 
     @property
     def engine_max_num(self) -> int:

@@ -45,16 +45,11 @@ class Qwen2_5_VLProcessor(PromptProcessor):
         self.max_image_tokens = max_image_tokens
 
     @classmethod
-    def from_engine_args(cls, tokenizer, image_processor: Qwen2VLImageProcessor, hf_config, args, family):
-        """The processor for an engine's `EngineArgs`; `mm_processor_kwargs` is checked against
-        `family.engine_settings` (another family's setting is refused here); `family` is this folder's
-        `FamilySpec`, passed in so that the spec may import this module and not the reverse."""
-        o = family.engine_options(args.mm_processor_kwargs)
-        lo, hi = o.get("min_pixels"), o.get("max_pixels")
+    def settings_kwargs(cls, options: dict) -> dict:
+        lo, hi = options.get("min_pixels"), options.get("max_pixels")
         if lo is not None and hi is not None and lo > hi:
             raise InvalidRequestError(f"min_pixels ({lo}) must not exceed max_pixels ({hi})", param="min_pixels")
-        return cls(tokenizer, image_processor, hf_config, min_pixels=lo, max_pixels=hi,
-                   max_image_pixels=args.max_image_pixels, family=family)
+        return {"min_pixels": lo, "max_pixels": hi}
 
     @property
     def engine_max_pixels(self) -> int:
