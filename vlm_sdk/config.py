@@ -107,6 +107,11 @@ class EngineArgs:
     encoder_cache_memory: int | str = DEFAULT_ENCODER_CACHE_MEMORY  # bytes, or "256MiB"; 0: no encoder cache
     # the branch, tag or commit of a model given as a Hub id ("Org/Name"; vlm_sdk/hub.py); None: main
     revision: str | None = None
+    # how a chat's output is read (vlm_sdk/parsers): the tool-call format ("hermes") and the reasoning
+    # block ("qwen3", "deepseek_r1"); None: from the chat template (<tool_call> -> hermes, <think> ->
+    # qwen3); "none": off
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         """Resolve the two settings that have a user-facing spelling and a working value."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import weakref
 from typing import Sequence as Seq
 
+from vlm_sdk.chat_options import ChatOptions
 from vlm_sdk.engine.llm_engine import LLMEngine
 from vlm_sdk.engine.output.output_processor import OutputProcessor
 from vlm_sdk.errors import InputTooLongError, InvalidRequestError, VLMError
@@ -38,17 +39,23 @@ class LLM:
         when the interpreter exits; call it (or use `with LLM(...)`) to free the GPUs sooner."""
         self.engine.shutdown()
 
-    def chat(self, conversations, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             ) -> list[RequestOutput]:
+    def chat(self, conversations, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+             tools=None, tool_choice=None, parallel_tool_calls: bool | None = None,
+             chat_template_kwargs: dict | None = None, cache_salt: str | None = None) -> list[RequestOutput]:
         """Run every conversation to completion; outputs in input order. A single conversation (a list
         of message dicts) is accepted too. Every conversation is checked before any runs: an invalid
         or too-long one raises, naming its index, and nothing is run. With `SamplingParams(n=k)` each
-        output is sample 0 and its `outputs` holds the k samples (seed + i for sample i)."""
+        output is sample 0 and its `outputs` holds the k samples (seed + i for sample i).
+
+        `tools`, `tool_choice`, `parallel_tool_calls`, `chat_template_kwargs`, `cache_salt`: OpenAI's and
+        vLLM's fields (`vlm_sdk.chat_options.ChatOptions`), for every conversation; an output's
+        `tool_calls`, `content` and `reasoning_content` are then its parsed parts."""
+        options = ChatOptions(tools, tool_choice, parallel_tool_calls, chat_template_kwargs, cache_salt)
         if _is_single_conversation(conversations):
             conversations = [conversations]
         if not isinstance(conversations, (list, tuple)) or not conversations:
             raise InvalidRequestError("chat() needs a conversation (a list of messages) or a list of them")
-        return self._run(list(conversations), sampling_params, "conversation")
+        return self._run(list(conversations), sampling_params, "conversation", options)
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
@@ -57,9 +64,9 @@ class LLM:
         `TokensPrompt`); outputs in input order, one per prompt. Special-token text in a text prompt
         is the special token; token ids must be in the vocabulary. Checked, run and returned as `chat`
         does (errors name the prompt's index)."""
-        return self._run(parse_prompts(prompts, "prompts"), sampling_params, "prompt")
+        return self._run(parse_prompts(prompts, "prompts"), sampling_params, "prompt", None)
 
-    def _run(self, requests: list, sampling_params, noun: str) -> list[RequestOutput]:
+    def _run(self, requests: list, sampling_params, noun: str, options: ChatOptions | None) -> list[RequestOutput]:
         """Build every request's prompt (any failure raises, naming its `noun` and index, before
         anything runs), then run them all to completion."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -74,7 +81,7 @@ class LLM:
         prompts = []
         for i, request in enumerate(requests):
             try:
-                prompts.append(self.engine.build_prompt(request, params[i]))
+                prompts.append(self.engine.build_prompt(request, params[i], options=options))
             except InputTooLongError as e:
                 raise e.with_conversation(i, noun) from None
             except InvalidRequestError as e:
@@ -95,7 +102,8 @@ class LLM:
                 for i, sample in enumerate(samples):
                     rid = self.engine.add_request(prompt, sample)
                     group.append(rid)
-                    states[rid] = self.output_processor.new_request(rid, prompt.token_ids, sample, index=i)
+                    states[rid] = self.output_processor.new_request(rid, prompt.token_ids, sample, index=i,
+                                                                    output_format=prompt.output_format)
                 groups.append(group)
             while len(final) < len(states):
                 for engine_out in self.engine.step():
@@ -114,7 +122,7 @@ class LLM:
         for group in groups:
             outputs = [final[rid] for rid in group]
             for out in outputs:
-                out.delta_text = out.text  # one output per request: its delta is all of it
+                out.set_whole()  # one output per request: its delta is all of it
                 out.request_id = group[0]  # the samples are one request
             outputs[0].outputs = outputs
             results.append(outputs[0])

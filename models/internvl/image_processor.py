@@ -22,6 +22,7 @@ from PIL import Image
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
 from vlm_sdk.model_loader import config_field
 from vlm_sdk.multimodal.image_io import to_rgb
+from vlm_sdk.multimodal.pixels import byte_table, normalisation
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -86,23 +87,16 @@ class InternVLImageProcessor:
         if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size <= 0:
             raise InvalidRequestError(f"image_size must be a positive int, got {image_size!r}.")
         _check_tile_bounds(min_num, max_num)
-        if len(mean) != 3 or len(std) != 3 or any(s == 0 for s in std):
-            raise InvalidRequestError(f"mean and std need 3 values each and a non-zero std; got "
-                                      f"mean={list(mean)}, std={list(std)}.")
+        self.mean, self.std = normalisation(mean, std, names=("mean", "std"))
         self.image_size = image_size
         self.min_num = min_num
         self.max_num = max_num
         self.use_thumbnail = bool(use_thumbnail)
-        self.mean = tuple(float(m) for m in mean)
-        self.std = tuple(float(s) for s in std)
         self.rescale_factor = float(rescale_factor)
         self.resample = int(resample)
         # transformers' arithmetic on every possible byte: float64 rescale, cast to float32, then float32
-        # subtract and divide (normalize casts mean/std to the image dtype).
-        x = (np.arange(256, dtype=np.float64) * self.rescale_factor).astype(np.float32)  # [256]
-        m = np.array(self.mean, dtype=np.float32)[:, None]  # [3, 1]
-        s = np.array(self.std, dtype=np.float32)[:, None]  # [3, 1]
-        self._lut = np.ascontiguousarray((x[None, :] - m) / s, dtype=np.float32)  # [3, 256]
+        # subtract and divide (normalize casts mean/std to the image dtype)
+        self._lut = byte_table(self.mean, self.std, self.rescale_factor)  # [3, 256]
         self.pixel_lut = torch.from_numpy(self._lut)  # [3, 256] float32, shared by every image's meta
         self._candidates: dict[tuple[int, int], list[tuple[int, int]]] = {}
 

@@ -24,7 +24,7 @@ from PIL import Image
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.image_io import to_rgb
 from vlm_sdk.multimodal.inputs import ImageInput
-from vlm_sdk.multimodal.pixels import byte_table, images_to_device
+from vlm_sdk.multimodal.pixels import byte_table, images_to_device, normalisation
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -73,14 +73,10 @@ class Qwen2VLImageProcessor:
                             ("merge_size", merge_size)):
             if not isinstance(value, int) or value <= 0:
                 raise InvalidRequestError(f"{name} must be a positive int, got {value!r}.")
-        if len(image_mean) != 3 or len(image_std) != 3 or any(s == 0 for s in image_std):
-            raise InvalidRequestError(f"image_mean and image_std need 3 values each and a non-zero std; got "
-                                      f"image_mean={list(image_mean)}, image_std={list(image_std)}.")
+        self.image_mean, self.image_std = normalisation(image_mean, image_std)
         self.patch_size = patch_size
         self.temporal_patch_size = temporal_patch_size
         self.merge_size = merge_size
-        self.image_mean = tuple(float(m) for m in image_mean)
-        self.image_std = tuple(float(s) for s in image_std)
         self.rescale_factor = float(rescale_factor)
         self.resample = int(resample)
         self.min_pixels, self.max_pixels = self._pixel_bounds(min_pixels, max_pixels, defaults=False)

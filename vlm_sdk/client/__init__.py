@@ -90,9 +90,11 @@ class AsyncClient:
             choice = data["choices"][0]
             ordered = sorted(data["choices"], key=lambda c: c.get("index") or 0)
             texts = tuple(c["message"].get("content") or "" for c in ordered)
-            return ChatResult(choice["message"].get("content") or "", choice.get("finish_reason"),
+            message = choice["message"]
+            return ChatResult(message.get("content") or "", choice.get("finish_reason"),
                               Usage.from_json(data.get("usage")), data.get("model", body["model"]),
-                              data.get("id", ""), time.perf_counter() - t0, texts)
+                              data.get("id", ""), time.perf_counter() - t0, texts,
+                              tuple(message.get("tool_calls") or ()), message.get("reasoning_content"))
         except (KeyError, IndexError, TypeError, AttributeError):
             raise APIError(f"unexpected chat completion: {json.dumps(data)[:200]}", status=200) from None
 

@@ -27,12 +27,16 @@ class Usage:
 @dataclass(frozen=True)
 class ChatResult:
     text: str
-    finish_reason: str | None  # "stop", "length" or "abort"
+    finish_reason: str | None  # "stop", "length", "abort" or "tool_calls"
     usage: Usage | None
     model: str
     id: str
     latency_s: float  # wall time of the call, image encoding included
     texts: tuple[str, ...] = ()  # with n=k (an extra body field): the k choices' texts, index order
+    # with `tools=` (extra body fields): choice 0's calls as OpenAI sends them ({"id", "type",
+    # "function": {"name", "arguments"}}), and its reasoning when the server splits it off
+    tool_calls: tuple[dict, ...] = ()
+    reasoning_content: str | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class ChatDelta:
     finish_reason: str | None = None  # set on the delta that ends the choice
     usage: Usage | None = None  # set on the final usage-only delta
     index: int = 0  # which choice, with n=k: a stream interleaves the k choices
+    reasoning: str = ""  # the new piece of the reasoning (`delta.reasoning_content`)
+    tool_calls: tuple[dict, ...] = ()  # `delta.tool_calls` as sent: {"index", "id", "function": {...}}
 
 
 @dataclass(frozen=True)

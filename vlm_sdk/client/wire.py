@@ -42,8 +42,9 @@ def chat_delta(data: str) -> ChatDelta:
     if not choices:
         return ChatDelta("", None, Usage.from_json(chunk.get("usage")))
     choice = choices[0]
-    return ChatDelta((choice.get("delta") or {}).get("content") or "", choice.get("finish_reason"),
-                     Usage.from_json(chunk.get("usage")), choice.get("index") or 0)
+    delta = choice.get("delta") or {}
+    return ChatDelta(delta.get("content") or "", choice.get("finish_reason"), Usage.from_json(chunk.get("usage")),
+                     choice.get("index") or 0, delta.get("reasoning_content") or "", tuple(delta.get("tool_calls") or ()))
 
 
 async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:

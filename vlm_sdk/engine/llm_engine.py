@@ -31,10 +31,12 @@ import time
 
 import torch
 
+from vlm_sdk.chat_options import NO_OPTIONS, ChatOptions
 from vlm_sdk.config import EngineArgs, resolve_rank_config
 from vlm_sdk.engine.core.block_manager import BlockManager
 from vlm_sdk.engine.output.engine_output import EngineOutput
 from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_warning
+from vlm_sdk.engine.input.chat_setup import ChatSetup
 from vlm_sdk.engine.input.prompt_guard import PromptGuard
 from vlm_sdk.engine.input.prompt_tokenizer import PromptTokenizer, PromptTooLong
 from vlm_sdk.engine.input.raw_prompt import RawPromptTokens
@@ -73,6 +75,8 @@ class LLMEngine:
         vocab_size = int(family.text_config(info.hf_config).vocab_size)  # the logits' width
         self.raw_prompt_tokens = RawPromptTokens(self.tokenizer, vocab_size)
         self.grammars = GrammarCompiler(self.tokenizer.wrapped, vocab_size, sorted(self.eos_token_ids))
+        # tools, reasoning and chat_template_kwargs: how a chat's options reach its prompt and grammar
+        self.chat = ChatSetup(self.tokenizer, self.grammars, args.tool_call_parser, args.reasoning_parser)
         self._fill_masks = MaskFiller(vocab_size)
         # every default that depends on the device or the rank count, decided once (refusing
         # async_scheduling=True with tensor parallelism before any rank starts); ranks receive it
@@ -137,26 +141,36 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     def build_prompt(self, request, params: SamplingParams | None = None,
-                     cancelled: threading.Event | None = None) -> PromptInputs:
+                     cancelled: threading.Event | None = None, options: ChatOptions | None = None) -> PromptInputs:
         """`request` as chat messages: validate them, decode and preprocess images, render the chat
-        template and tokenize. As a `TextPrompt` or `TokensPrompt` (no template, no images): tokenize
-        the text, or check the ids against the vocabulary (engine/input/raw_prompt.py). Either way the
-        family's processor makes the `PromptInputs`, and a prompt that can never fit raises (the fixes
-        the error names fit the prompt and `params.max_tokens`). Once `cancelled` is set, the images
-        not decoded yet raise `DecodeCancelled` instead (see `PromptGuard`)."""
+        template and tokenize; `options` (tools, chat_template_kwargs, cache_salt) set the prompt's
+        output format and grammar (engine/input/chat_setup.py). As a `TextPrompt` or `TokensPrompt` (no
+        template, no images, no chat options; its output is read as plain text): tokenize the text, or
+        check the ids against the vocabulary (engine/input/raw_prompt.py). Either way the family's
+        processor makes the `PromptInputs`, and a prompt that can never fit raises (the fixes the error
+        names fit the prompt and `params.max_tokens`). Once `cancelled` is set, the images not decoded
+        yet raise `DecodeCancelled` instead (see `PromptGuard`)."""
         t0 = time.perf_counter()
+        params, options = params or SamplingParams(), options or NO_OPTIONS
+        raw = isinstance(request, (TextPrompt, TokensPrompt))
+        if raw and options != NO_OPTIONS:
+            raise InvalidRequestError("chat options (tools, chat_template_kwargs, cache_salt) apply to chat "
+                                      "messages; a text or token-id prompt has no chat template", param="prompt")
         self.compile_grammar(params)  # a bad schema fails before any image is decoded
+        template_kwargs = None if raw else self.chat.prepare(options, params)  # so do bad tools
         try:
-            if isinstance(request, (TextPrompt, TokensPrompt)):
+            if raw:
                 prompt = self.processor.text_prompt(self.raw_prompt_tokens(request))
-            else:  # chat messages
-                prompt = self.processor(self.guard.prepare(request, cancelled))
+            else:
+                prompt = self.processor(self.guard.prepare(request, cancelled), template_kwargs)
         except PromptTooLong as e:  # a huge text: refused from its token count, before any conversion
             if not e.exact:
                 raise text_too_long(e.num_tokens, self.cache_config, self.scheduler_config,
                                     self.args.max_model_len is not None) from None
             prompt = PromptInputs(token_ids=[0] * e.num_tokens)  # what check_prompt counts
         self.check_prompt(prompt, params)
+        if not raw:
+            self.chat.finish(prompt, options, params)
         prompt.preprocess_seconds = time.perf_counter() - t0
         return prompt
 
@@ -168,13 +182,14 @@ class LLMEngine:
                           self.args.max_model_len is not None, self.processor.image_setting_fixes,
                           params.max_tokens)
 
-    def compile_grammar(self, params: SamplingParams | None) -> Grammar | None:
-        """The compiled grammar of `params`' structured output (None without one); cached, thread-safe:
-        AsyncLLM compiles on a prep thread, so the engine thread only copies its start state.
-        Raises `InvalidRequestError` naming the field when it cannot be compiled."""
-        if params is None or params.grammar is None:
-            return None
-        return self.grammars.compile(params.grammar)
+    def compile_grammar(self, params: SamplingParams | None, prompt: PromptInputs | None = None) -> Grammar | None:
+        """The compiled grammar of the request: the one `build_prompt` set on `prompt` (a forced tool
+        call, or a structured output after reasoning), else `params`' structured output; None without
+        one. Cached, thread-safe: AsyncLLM compiles on a prep thread, so the engine thread only copies
+        its start state. Raises `InvalidRequestError` naming the field when it cannot be compiled."""
+        spec = prompt.grammar if prompt is not None and prompt.grammar is not None else \
+            params.grammar if params is not None else None
+        return None if spec is None else self.grammars.compile(spec)
 
     def add_request(self, prompt: PromptInputs, params: SamplingParams | None = None,
                     request_id: str | None = None, grammar: Grammar | None = None) -> str:
@@ -191,8 +206,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         self.check_prompt(prompt, params)
-        if params.grammar is not None and grammar is None:
-            grammar = self.compile_grammar(params)
+        if grammar is None:
+            grammar = self.compile_grammar(params, prompt)
         seq = Sequence(request_id, prompt, params)
         if grammar is not None:
             seq.matcher = grammar.matcher()

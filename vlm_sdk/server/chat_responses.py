@@ -12,20 +12,21 @@ def new_completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
-def completion_body(cid: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
+def completion_body(cid: str, model: str, text: str | dict, finish_reason: str, prompt_tokens: int,
                     completion_tokens: int, cached_tokens: int, logprobs: dict | None = None) -> dict:
+    """`text`: the answer, or the whole message (server/parsed_output.py `message`)."""
+    msg = text if isinstance(text, dict) else {"role": "assistant", "content": text}
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                         "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
-def with_choices(body: dict, outputs: list, logprobs=lambda out: None) -> dict:
+def with_choices(body: dict, outputs: list, logprobs=lambda out: None, message=lambda out: out.text) -> dict:
     """A completion body with every one of n choices, in index order, each made as `completion_body`
-    makes choice 0 (`logprobs(out)`: its logprobs object, or None); the usage it holds already counts
-    the prompt once."""
+    makes choice 0 (`logprobs(out)`: its logprobs object, or None; `message(out)` its text or
+    message); the usage it holds already counts the prompt once."""
     def choice(out) -> dict:
-        made = completion_body(body["id"], body["model"], out.text, out.finish_reason, 0, 0, 0,
+        made = completion_body(body["id"], body["model"], message(out), out.finish_reason, 0, 0, 0,
                                logprobs(out))["choices"][0]
         return {**made, "index": out.index}
     body["choices"] = [choice(out) for out in outputs]
@@ -58,6 +59,12 @@ class ChunkWriter:
             body["choices"][0]["logprobs"] = logprobs
             return self.event(body)
         return f'{self._content_prefix}{index},"delta":{{"content":{json.dumps(text)}{self._content_suffix}'
+
+    def delta(self, delta: dict, index: int = 0, logprobs: dict | None = None) -> str:
+        """A chunk of any delta (reasoning, tool calls: server/parsed_output.py)."""
+        body = chunk_body(self.cid, self.model, self.created, delta, None, self.include_usage, index)
+        body["choices"][0]["logprobs"] = logprobs
+        return self.event(body)
 
     def finish(self, reason: str, index: int = 0) -> str:
         return self.event(chunk_body(self.cid, self.model, self.created, {}, reason, self.include_usage, index))

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vlm_sdk.chat_options import ChatOptions
 from vlm_sdk.errors import (EngineDeadError, InputTooLongError, InvalidImageError, InvalidRequestError,
                             VLMError)
 from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # fields whose non-default value we cannot honour (other unknown fields are accepted and change nothing)
 UNSUPPORTED = {  # field -> the values that mean "off", which are all we can honour
-    "tools": (None,),
-    "tool_choice": (None, "none"),
-    "functions": (None,),
+    "functions": (None,),  # the deprecated form of tools: send 'tools'
     "audio": (None,),
 }
 # the rest of OpenAI's chat request (openai's CompletionCreateParams; README "Request fields") that this
@@ -38,9 +37,11 @@ UNSUPPORTED.update({
     "prompt_cache_options": (None,),  # breakpoints and TTLs: the prefix cache is automatic
 })
 # accepted and without effect by their definition: metadata and user ids tag a request (nothing is
-# stored or billed), prompt_cache_key routes to a cache (ours matches any shared prefix by content),
-# parallel_tool_calls only concerns tools (refused above)
-ACCEPTED_TAGS = ("metadata", "user", "safety_identifier", "prompt_cache_key", "parallel_tool_calls")
+# stored or billed), prompt_cache_key routes to a cache (ours matches any shared prefix by content;
+# vLLM's cache_salt is the field that keeps tenants apart)
+ACCEPTED_TAGS = ("metadata", "user", "safety_identifier", "prompt_cache_key")
+# tools and what the chat template is given, and the prefix-cache salt (vlm_sdk/chat_options.py)
+CHAT_OPTION_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "cache_salt")
 
 
 class APIError(Exception):
@@ -89,6 +90,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     num_images: int
+    options: ChatOptions
     max_tokens_param: str = "max_tokens"  # the name the client gave max_tokens under (errors use it)
 
 
@@ -115,7 +117,8 @@ def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_
     check_stop(body.get("stop"), max_stop_strings, max_stop_chars)
     params = _sampling_params(body, max_model_len)
     check_n(params.n, max_n)
-    return ChatRequest(messages, params, stream, include_usage, num_images, max_tokens_param(body))
+    return ChatRequest(messages, params, stream, include_usage, num_images, _chat_options(body),
+                       max_tokens_param(body))
 
 
 def check_model(body: object, model_name: str) -> None:
@@ -177,6 +180,13 @@ def check_output_room(prompt_tokens: int, max_tokens: int | None, max_model_len:
                       f"context holds {max_model_len} (max_model_len), which leaves room for {max(room, 0)} "
                       f"({prompt_tokens} + {max_tokens} > {max_model_len}); {fix}", param,
                       "context_length_exceeded")
+
+
+def _chat_options(body: dict) -> ChatOptions:
+    try:
+        return ChatOptions(**{k: body.get(k) for k in CHAT_OPTION_FIELDS})
+    except InvalidRequestError as e:
+        raise bad_request(str(e), e.param) from None
 
 
 def count_images(messages: list) -> int:
