@@ -57,14 +57,15 @@ class LLM:
             raise InvalidRequestError("chat() needs a conversation (a list of messages) or a list of them")
         return self._run(list(conversations), sampling_params, "conversation", options)
 
-    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
         """Complete prompts without a chat template: a text, token ids, or a list of either
         (`"Once upon a time"`, `[9707, 11]`, `["a", "b"]`, `[[9707], [641]]`, or `TextPrompt` /
         `TokensPrompt`); outputs in input order, one per prompt. Special-token text in a text prompt
         is the special token; token ids must be in the vocabulary. Checked, run and returned as `chat`
-        does (errors name the prompt's index)."""
-        return self._run(parse_prompts(prompts, "prompts"), sampling_params, "prompt", None)
+        does (errors name the prompt's index); `cache_salt` as in `chat`."""
+        return self._run(parse_prompts(prompts, "prompts"), sampling_params, "prompt",
+                         ChatOptions(cache_salt=cache_salt))
 
     def _run(self, requests: list, sampling_params, noun: str, options: ChatOptions | None) -> list[RequestOutput]:
         """Build every request's prompt (any failure raises, naming its `noun` and index, before

@@ -197,6 +197,19 @@ def test_errors_are_400s_naming_the_numbers_and_leave_no_block(srv):
     assert _create(srv, prompt=PROMPT, max_tokens=2).choices[0].finish_reason  # serving on
 
 
+def test_cache_salt_keeps_cached_blocks_apart(srv):
+    """vLLM's cache_salt on completions: the same prompt under another salt shares no block."""
+    prompt = "A prompt long enough to fill more than one block of the prefix cache, " * 3
+    _create(srv, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "tenant-a"})
+    same = _create(srv, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "tenant-a"})
+    other = _create(srv, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "tenant-b"})
+    assert same.usage.prompt_tokens_details.cached_tokens > 0
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    with pytest.raises(openai.BadRequestError) as info:
+        _create(srv, prompt=prompt, extra_body={"cache_salt": ""})
+    assert info.value.body["param"] == "cache_salt"
+
+
 def test_metrics_count_completions(srv):
     def samples():
         text = get(srv.url, "/metrics")[1]

@@ -145,7 +145,7 @@ class LLMEngine:
         """`request` as chat messages: validate them, decode and preprocess images, render the chat
         template and tokenize; `options` (tools, chat_template_kwargs, cache_salt) set the prompt's
         output format and grammar (engine/input/chat_setup.py). As a `TextPrompt` or `TokensPrompt` (no
-        template, no images, no chat options; its output is read as plain text): tokenize the text, or
+        template, no images, of the options only cache_salt; its output is read as plain text): tokenize the text, or
         check the ids against the vocabulary (engine/input/raw_prompt.py). Either way the family's
         processor makes the `PromptInputs`, and a prompt that can never fit raises (the fixes the error
         names fit the prompt and `params.max_tokens`). Once `cancelled` is set, the images not decoded
@@ -153,9 +153,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         params, options = params or SamplingParams(), options or NO_OPTIONS
         raw = isinstance(request, (TextPrompt, TokensPrompt))
-        if raw and options != NO_OPTIONS:
-            raise InvalidRequestError("chat options (tools, chat_template_kwargs, cache_salt) apply to chat "
-                                      "messages; a text or token-id prompt has no chat template", param="prompt")
+        if raw and (options.tools or options.chat_template_kwargs):
+            raise InvalidRequestError("tools and chat_template_kwargs apply to chat messages; a text or token-id "
+                                      "prompt has no chat template", param="prompt")
         self.compile_grammar(params)  # a bad schema fails before any image is decoded
         template_kwargs = None if raw else self.chat.prepare(options, params)  # so do bad tools
         try:
@@ -171,6 +171,8 @@ class LLMEngine:
         self.check_prompt(prompt, params)
         if not raw:
             self.chat.finish(prompt, options, params)
+        elif options.cache_salt is not None:  # no images to salt: the block hashes only
+            prompt.cache_salt = options.cache_salt
         prompt.preprocess_seconds = time.perf_counter() - t0
         return prompt
 

@@ -17,8 +17,8 @@ request bodies in, `text_completion` bodies and SSE chunks out.
 
 Every field of OpenAI's request (the openai package's completion_create_params) is honoured or
 refused with 400 unsupported_parameter; the sampling fields and vLLM's extras (top_k, stop_token_ids,
-ignore_eos, min_tokens, repetition_penalty, structured outputs, ...) are read as the chat endpoint
-reads them (server/protocol.py).
+ignore_eos, min_tokens, repetition_penalty, structured outputs, ..., and cache_salt) are read as the
+chat endpoint reads them (server/protocol.py).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import math
 import uuid
 from dataclasses import dataclass
 
+from vlm_sdk.chat_options import NO_OPTIONS, ChatOptions
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.multimodal.prompts import RawPrompt, parse_prompts
 from vlm_sdk.outputs import TokenLogprob
@@ -46,6 +47,7 @@ class CompletionRequest:
     include_usage: bool
     echo: bool
     generate: bool  # False: echo with max_tokens 0, the prompts come back as they are
+    options: ChatOptions = NO_OPTIONS  # cache_salt only: vLLM's field, keeping tenants' cached blocks apart
 
     @property
     def num_choices(self) -> int:
@@ -88,7 +90,11 @@ def parse_completion_request(body: object, model_name: str, max_stop_strings: in
         raise bad_request(f"'best_of'={clip(repr(best_of))} asks the server to rank {best_of} completions and "
                           f"return the best {params.n}, which this server does not do; leave it out or set it "
                           f"equal to 'n'", "best_of", "unsupported_parameter")
-    return CompletionRequest(prompts, params, stream, include_usage, bool(echo), generate)
+    try:
+        options = ChatOptions(cache_salt=body.get("cache_salt"))
+    except InvalidRequestError as e:
+        raise bad_request(str(e), e.param) from None
+    return CompletionRequest(prompts, params, stream, include_usage, bool(echo), generate, options)
 
 
 def _ids_as_ints(prompt):

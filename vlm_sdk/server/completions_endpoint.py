@@ -68,7 +68,7 @@ class CompletionsEndpoint:
 
         async def build(i: int, prompt):
             try:
-                return await engine.build_prompt(prompt, req.params)
+                return await engine.build_prompt(prompt, req.params, req.options)
             except InputTooLongError as e:
                 e = e.with_conversation(i, "prompt") if many else e
                 raise APIError(400, str(e), "invalid_request_error", "prompt", "context_length_exceeded") from None
