@@ -137,8 +137,10 @@ def test_auth_and_routes(srv):
         _good_request_works(srv)
     status, text = get(srv.url, "/v1/models", key="wrong")
     assert status == 401
-    status, text = get(srv.url, "/v1/completions")
-    _check_error(status, json.loads(text), 404, "not_found", None, ["/v1/completions"])
+    status, text = get(srv.url, "/v1/embeddings")
+    _check_error(status, json.loads(text), 404, "not_found", None, ["/v1/embeddings"])
+    status, text = get(srv.url, "/v1/completions")  # served, but only as POST
+    _check_error(status, json.loads(text), 405, None, None, ["GET /v1/completions"])
     # health and metrics stay open without the key, as in vLLM
     assert get(srv.url, "/health", key=None)[0] == 200
     assert get(srv.url, "/metrics", key=None)[0] == 200

@@ -62,8 +62,8 @@ class CompletionsEndpoint:
             await outputs.aclose()  # a no-op once finished; otherwise aborts every choice still running
 
     async def _build(self, req: wire.CompletionRequest) -> list:
-        """Every prompt built (all of them, before anything runs); an error names the prompt's index
-        when the request has several."""
+        """Every prompt built (all of them, before anything runs); the first bad prompt's error,
+        naming its index when the request has several."""
         engine, many = self.server.engine, len(req.prompts) > 1
 
         async def build(i: int, prompt):
@@ -74,7 +74,11 @@ class CompletionsEndpoint:
                 raise APIError(400, str(e), "invalid_request_error", "prompt", "context_length_exceeded") from None
             except InvalidRequestError as e:
                 raise bad_request(f"prompt {i}: {e}" if many else str(e), e.param or "prompt") from None
-        return list(await asyncio.gather(*(build(i, p) for i, p in enumerate(req.prompts))))
+        built = await asyncio.gather(*(build(i, p) for i, p in enumerate(req.prompts)), return_exceptions=True)
+        for b in built:
+            if isinstance(b, BaseException):
+                raise b
+        return built
 
     async def _echo_texts(self, req: wire.CompletionRequest) -> list[str]:
         """Each prompt as text: a text prompt as given, token ids decoded (off the loop)."""
