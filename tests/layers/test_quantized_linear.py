@@ -103,8 +103,9 @@ def test_a_rank_reads_only_its_slice_of_each_packed_tensor():
 
 
 @pytest.mark.parametrize("fmt, size, needle", [
-    ("awq", 4, "input features: this rank's slice [24, 48) of 96 cuts a awq qzeros index of 16"),
-    ("fp8", 4, "output features: this rank's slice [24, 48) of 96 cuts a fp8 weight_scale_inv index of 16"),
+    ("awq", 4, "input features: this rank's slice [24, 48) of 96 cuts an index of awq's qzeros, which holds 16"),
+    ("fp8", 4, "output features: this rank's slice [24, 48) of 96 cuts an index of fp8's weight_scale_inv, which "
+               "holds 16"),
 ])
 def test_a_split_that_cuts_a_group_is_refused_naming_it(fmt, size, needle):
     scheme = quant_scheme({"quantization_config": quantization_config(_method(fmt), **FORMATS[fmt])})

@@ -144,16 +144,17 @@ class _QuantLinear(nn.Module):
 
     def check_loaded(self) -> None:
         """Values the format constrains, checked once loaded (`CheckpointError` naming the tensor)."""
-        starts = {s: r[0] for s, r in self.in_ranges.items()}
         for i, name in enumerate(self.checkpoint_names):
-            self.scheme.check(name, self.part_tensors(i), starts.get("scales", 0))
+            self.scheme.check(name, self.part_tensors(i), self._in_starts())
 
     # -- compute --------------------------------------------------------------------------------------
     def dequantized_weight(self) -> torch.Tensor:  # [out_local, in_local] float32
-        starts = {s: r[0] for s, r in self.in_ranges.items()}
-        parts = [self.scheme.dequantize(self.part_tensors(i), p.local, self.in_features, starts.get("scales", 0))
+        parts = [self.scheme.dequantize(self.part_tensors(i), p.local, self.in_features, self._in_starts())
                  for i, p in enumerate(self.parts)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _in_starts(self) -> dict[str, int]:
+        return {suffix: first for suffix, (first, _) in self.in_ranges.items()}
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [N, in] -> [N, out]
         return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
@@ -198,13 +199,13 @@ class QuantQKVParallelLinear(_QuantLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp: TPGroup = TPGroup(),
                  *, scheme: QuantScheme):
-        self_heads = tp.split(num_heads, "attention heads")
+        local_heads = tp.split(num_heads, "attention heads")
         kv_start, kv_local = kv_head_split(num_kv_heads, tp)
-        q = _Part(num_heads * head_dim, tp.rank * self_heads * head_dim, self_heads * head_dim)
+        q = _Part(num_heads * head_dim, tp.rank * local_heads * head_dim, local_heads * head_dim)
         kv = _Part(num_kv_heads * head_dim, kv_start * head_dim, kv_local * head_dim)
         super().__init__(scheme, hidden_size, 0, hidden_size, [q, kv, kv], bias, dtype, device, tp,
                          row_parallel=False)
-        self.num_heads, self.kv_head_start, self.num_kv_heads, self.head_dim = self_heads, kv_start, kv_local, head_dim
+        self.num_heads, self.kv_head_start, self.num_kv_heads, self.head_dim = local_heads, kv_start, kv_local, head_dim
 
     def slots(self, param_prefix: str, weights: list[str], biases: list[str] | None = None) -> dict[str, ParamSlot]:
         return self._slots(param_prefix, weights, biases)

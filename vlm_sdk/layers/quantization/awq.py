@@ -33,5 +33,5 @@ class AWQScheme(QuantScheme):
                 PackedTensor("qzeros", torch.int32, 2, out_dim=1, out_div=8, in_dim=0, in_div=g),
                 PackedTensor("scales", torch.float16, 2, out_dim=1, out_div=1, in_dim=0, in_div=g))
 
-    def dequantize(self, t, out_features, in_features, group_offset=0):
+    def dequantize(self, t, out_features, in_features, in_starts):
         return dequantize_awq(t["qweight"], t["qzeros"], t["scales"])

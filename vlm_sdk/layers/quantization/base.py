@@ -66,8 +66,8 @@ class PackedTensor:
         the slice would cut an index: a group, an int32 word or a block shared with another rank."""
         end_ok = length % div == 0 or (self.ceil and start + length == full)
         if start % div or not end_ok:
-            raise ValueError(f"{what}: this rank's slice [{start}, {start + length}) of {full} cuts a {method} "
-                             f"{self.suffix} index of {div} features")
+            raise ValueError(f"{what}: this rank's slice [{start}, {start + length}) of {full} cuts an index of "
+                             f"{method}'s {self.suffix}, which holds {div} features per index")
         return start // div, self.indices(start + length, div) - start // div
 
 
@@ -87,12 +87,12 @@ class QuantScheme(ABC):
 
     @abstractmethod
     def dequantize(self, t: dict[str, torch.Tensor], out_features: int, in_features: int,
-                   group_offset: int = 0) -> torch.Tensor:
+                   in_starts: dict[str, int]) -> torch.Tensor:
         """This rank's `[out_features, in_features]` float32 weight of one part from its tensors (`t`, by
-        suffix, sliced to the part). `group_offset`: the first input group this rank's tensors hold (a row
-        split); group indices read from the checkpoint (g_idx) are global."""
+        suffix, sliced to the part). `in_starts`: each tensor's first index along the input that this rank
+        holds (non-zero under a split of the input); indices read from the checkpoint (g_idx) are global."""
 
-    def check(self, name: str, t: dict[str, torch.Tensor], group_offset: int = 0) -> None:
+    def check(self, name: str, t: dict[str, torch.Tensor], in_starts: dict[str, int]) -> None:
         """After loading: values the format constrains (e.g. g_idx within the groups), `CheckpointError`
         naming the tensor `name`.<suffix>. Nothing by default."""
 

@@ -39,7 +39,7 @@ class FP8BlockScheme(QuantScheme):
                 PackedTensor("weight_scale_inv", torch.float32, 2, out_dim=0, out_div=b0, in_dim=1, in_div=b1,
                              ceil=True))
 
-    def dequantize(self, t, out_features, in_features, group_offset=0):
+    def dequantize(self, t, out_features, in_features, in_starts):
         return dequantize_fp8_block(t["weight"], t["weight_scale_inv"], self.block)
 
 
@@ -56,5 +56,5 @@ class FP8ChannelScheme(QuantScheme):
         return (PackedTensor("weight", torch.float8_e4m3fn, 2, out_dim=0, out_div=1, in_dim=1, in_div=1),
                 PackedTensor("weight_scale", torch.float32, 2, out_dim=0, out_div=1, in_dim=None, in_div=1))
 
-    def dequantize(self, t, out_features, in_features, group_offset=0):
+    def dequantize(self, t, out_features, in_features, in_starts):
         return dequantize_fp8_channel(t["weight"], t["weight_scale"])

@@ -45,11 +45,13 @@ class GPTQScheme(QuantScheme):
                              whole_on_row_split=whole),
                 PackedTensor("g_idx", torch.int32, 1, out_dim=None, out_div=1, in_dim=0, in_div=1))
 
-    def dequantize(self, t, out_features, in_features, group_offset=0):
-        return dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"] - group_offset, self.zero_offset)
+    def dequantize(self, t, out_features, in_features, in_starts):
+        # g_idx holds global groups; this rank's scales start at its first group
+        return dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"] - in_starts["scales"],
+                               self.zero_offset)
 
-    def check(self, name, t, group_offset=0):
-        groups, g_idx, offset = t["scales"].shape[0], t["g_idx"], group_offset
+    def check(self, name, t, in_starts):
+        groups, g_idx, offset = t["scales"].shape[0], t["g_idx"], in_starts["scales"]
         low, high = int(g_idx.min()), int(g_idx.max())
         if low - offset < 0 or high - offset >= groups:
             raise CheckpointError(f"tensor {name}.g_idx holds groups {low}..{high}, outside the {groups} groups of "
