@@ -58,38 +58,49 @@ def _qkv(n: int, heads: int, kv_heads: int, head_dim: int):
     return qkv.split([heads, kv_heads, kv_heads], dim=1)
 
 
-def _cache(shape: TextShape, num_blocks: int = 4096):
+def _cache(shape: TextShape, num_blocks: int = 4096, dtype: torch.dtype = BF16):
     size = (num_blocks, BLOCK_SIZE, shape.kv_heads, shape.head_dim)
-    return torch.empty(size, dtype=BF16, device=META), torch.empty(size, dtype=BF16, device=META)
+    return torch.empty(size, dtype=dtype, device=META), torch.empty(size, dtype=dtype, device=META)
+
+
+def _kv_scales() -> dict:
+    """An FP8 cache's per-layer scales (kv_cache_dtype='fp8')."""
+    return {"k_scale": torch.empty((), device=META), "v_scale": torch.empty((), device=META)}
 
 
 def _ints(*size: int) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int32, device=META)
 
 
-def cases() -> list[tuple[str, str, Callable[[], None]]]:
-    """(module, case name, a call of the module's launcher at a production shape)."""
+def cases() -> list[tuple]:
+    """(module, case name, a call of the module's launcher at a production shape[, the archs it is for:
+    every one asked when absent])."""
     from vlm_sdk.kernels import (paged_attention_decode, paged_prefill_attention, rms_norm, rotary,
                                  silu_and_mul, store_kv, varlen_attention)
-    out: list[tuple[str, str, Callable[[], None]]] = []
+    out: list[tuple] = []
     max_blocks = 32768 // BLOCK_SIZE
+    fp8 = torch.float8_e4m3fn
     for s in TEXT_SHAPES:
-        def decode(s=s, splits=1):
+        # an FP8 cache is read from its bits (any GPU) unless `hardware` (sm_89+: Triton's e4m3 conversion)
+        def decode(s=s, splits=1, cache=BF16, hardware=False):
             q, _, _ = _qkv(64, s.heads, s.kv_heads, s.head_dim)
-            kc, vc = _cache(s)
+            kc, vc = _cache(s, dtype=cache)
             paged_attention_decode.paged_attention_decode(q, kc, vc, _ints(64, max_blocks), _ints(64),
-                                                          s.head_dim ** -0.5, num_splits=splits)
+                                                          s.head_dim ** -0.5, num_splits=splits, fp8_hardware=hardware,
+                                                          **(_kv_scales() if cache == fp8 else {}))
 
-        def prefill(s=s, max_q=2048):
+        def prefill(s=s, max_q=2048, cache=BF16, hardware=False):
             q, _, _ = _qkv(4096, s.heads, s.kv_heads, s.head_dim)
-            kc, vc = _cache(s)
+            kc, vc = _cache(s, dtype=cache)
             paged_prefill_attention.paged_prefill_attention(q, kc, vc, _ints(4, max_blocks), _ints(5), _ints(4),
-                                                            max_q, s.head_dim ** -0.5)
+                                                            max_q, s.head_dim ** -0.5, fp8_hardware=hardware,
+                                                            **(_kv_scales() if cache == fp8 else {}))
 
-        def kv(s=s):
+        def kv(s=s, cache=BF16):
             _, k, v = _qkv(256, s.heads, s.kv_heads, s.head_dim)
-            kc, vc = _cache(s)
-            store_kv.store_kv(k, v, kc, vc, torch.empty(256, dtype=torch.int64, device=META))
+            kc, vc = _cache(s, dtype=cache)
+            store_kv.store_kv(k, v, kc, vc, torch.empty(256, dtype=torch.int64, device=META),
+                              **(_kv_scales() if cache == fp8 else {}))
 
         def rope(s=s):
             q, k, _ = _qkv(256, s.heads, s.kv_heads, s.head_dim)
@@ -101,7 +112,17 @@ def cases() -> list[tuple[str, str, Callable[[], None]]]:
                 ("paged_prefill_attention", f"{s.name} chunk 2048", prefill),
                 ("paged_prefill_attention", f"{s.name} chunk 64", lambda p=prefill: p(max_q=64)),
                 ("store_kv", s.name, kv),
-                ("rotary", f"{s.name} mrope", rope)]
+                ("rotary", f"{s.name} mrope", rope),
+                # kv_cache_dtype='fp8': the same kernels over an e4m3 cache with per-layer scales
+                ("paged_attention_decode", f"{s.name} fp8 KV direct", lambda d=decode: d(cache=fp8)),
+                ("paged_attention_decode", f"{s.name} fp8 KV 8 splits", lambda d=decode: d(splits=8, cache=fp8)),
+                ("paged_prefill_attention", f"{s.name} fp8 KV chunk 2048", lambda p=prefill: p(cache=fp8)),
+                ("store_kv", f"{s.name} fp8 KV", lambda f=kv: f(cache=fp8)),
+                # sm_90 only: Triton has no e4m3 type below sm_89
+                ("paged_attention_decode", f"{s.name} fp8 KV hardware 8 splits",
+                 lambda d=decode: d(splits=8, cache=fp8, hardware=True), (90,)),
+                ("paged_prefill_attention", f"{s.name} fp8 KV hardware chunk 2048",
+                 lambda p=prefill: p(cache=fp8, hardware=True), (90,))]
 
     def rope_qk_norm(s=QWEN3_8B):
         q, k, _ = _qkv(256, s.heads, s.kv_heads, s.head_dim)
@@ -287,11 +308,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--only", default=None, help="compile only the cases of this kernel module")
     opts = parser.parse_args(argv)
     done: dict[tuple, dict] = {}  # one compile per distinct specialisation (cases may share a binary)
-    for module, case, call in cases():
+    for module, case, call, *only_archs in cases():
         if opts.only and module != opts.only:
             continue
+        archs = [a for a in opts.arch if not only_archs or a in only_archs[0]]
         for fn, args, kwargs in record(call):
-            for arch in opts.arch:
+            for arch in archs:
                 row = {"module": module, "kernel": fn.__name__, "case": case, "arch": f"sm_{arch}"}
                 try:
                     src, options, target = _source(fn, args, kwargs, arch)
