@@ -283,6 +283,30 @@ def test_no_room_for_the_kv_cache_on_cuda_gives_the_memory_utilization_that_fits
         plan_cache(EngineArgs(memory_utilization=0.9), per_block, torch.device("cuda"), 10**6, 60 * 2**30)
 
 
+def test_no_room_counts_only_this_engines_weights_as_its_own(monkeypatch):
+    """What the first H100 run hit: a second engine in the process found 75.5 GB in use, and the error
+    called all of it "this engine's weights". The weights are what loading allocated; the rest is named
+    as the others', with the way engines share a device."""
+    total, weights, first_engine = 85_017_493_504, 211_819_008, 75_560_000_000
+    in_use = first_engine + weights + 500_000_000  # + the CUDA context
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - in_use, total))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: first_engine + weights)  # not ours
+    with pytest.raises(InvalidRequestError) as info:
+        plan_cache(EngineArgs(memory_utilization=0.9), 2**17, torch.device("cuda"), 10**6, 2**28,
+                   weights_bytes=weights)
+    msg = str(info.value)
+    assert f"{in_use:,} are in use ({weights:,} by this engine's weights, {in_use - weights:,} by the CUDA " \
+           f"context, other engines" in msg
+    assert "engines sharing a device each need a share" in msg and "kv_cache_memory" in msg
+    # alone on the device: no talk of sharing
+    alone = weights + 500_000_000
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - alone, total))
+    with pytest.raises(InvalidRequestError) as info:
+        plan_cache(EngineArgs(memory_utilization=0.01), 2**17, torch.device("cuda"), 10**6, 2**28,
+                   weights_bytes=weights)
+    assert f"({weights:,} by this engine's weights" in str(info.value) and "sharing" not in str(info.value)
+
+
 def test_min_memory_utilization_is_the_smallest_two_decimal_value():
     for total, free, peak, per_block in ((100, 50, 10, 1), (1000, 500, 100, 100), (7919, 3000, 1234, 77)):
         need = DeviceBudget(total, total - free, peak).utilization_for(per_block)

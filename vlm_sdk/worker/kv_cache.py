@@ -52,10 +52,12 @@ def size_cache(args: EngineArgs, per_block: int, max_position_embeddings: int,
 
 
 def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_position_embeddings: int,
-               profiled_peak_bytes: int | None = None, image_setting: str | None = None) -> CacheConfig:
+               profiled_peak_bytes: int | None = None, image_setting: str | None = None,
+               weights_bytes: int | None = None) -> CacheConfig:
     """The engine's cache: on CUDA the budget is measured now (after the weights are loaded). Raises
     `InvalidRequestError`, naming the numbers and the fix, when not one block fits; `image_setting`
-    (the model family's `plan_setting`) is the setting that sizes the profiled image."""
+    (the model family's `plan_setting`) is the setting that sizes the profiled image; `weights_bytes`
+    what loading this engine's weights allocated (the rest of what is in use is someone else's)."""
     budget = None
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -73,23 +75,40 @@ def plan_cache(args: EngineArgs, per_block: int, device: torch.device, max_posit
             f"one KV block of {args.block_size} tokens takes {per_block:,} bytes, more than the CPU default "
             f"cache of {CPU_DEFAULT_CACHE_BYTES:,} bytes: set num_blocks, kv_cache_memory >= {format_size(per_block)}, or a "
             f"smaller block_size")
-    in_use = torch.cuda.memory_allocated(device)
+    raise no_room_error(args, budget, per_block, image_setting, weights_bytes)
+
+
+def no_room_error(args: EngineArgs, budget: DeviceBudget, per_block: int, image_setting: str | None,
+                  weights_bytes: int | None) -> InvalidRequestError:
+    """Not one block fits the memory_utilization budget: the numbers, whose memory is in use, the fixes."""
     need = budget.utilization_for(per_block)
     raise_to = (f"Raise memory_utilization to at least {need:.2f} (room for one {per_block:,}-byte block)"
                 if need <= 1 else
                 f"Even memory_utilization=1 leaves no room for one {per_block:,}-byte block ({need:.2f} would "
                 f"be needed): free device memory")
-    raise InvalidRequestError(
+    if weights_bytes is None:
+        whose, others = "", 0
+    else:  # in use is device-wide: the CUDA context, other engines of this process, other processes
+        others = max(0, budget.in_use_bytes - weights_bytes)
+        whose = (f" ({weights_bytes:,} by this engine's weights, {others:,} by the CUDA context, other engines or "
+                 f"tensors of this process and other processes)")
+    # memory_utilization bounds the whole device's use, so the k-th of n engines started one after
+    # another in a process takes its share with k/n of the total utilization
+    shared = (". Most of that memory is not this engine's: engines sharing a device each need a share, "
+              "kv_cache_memory for each, or memory_utilization u*k/n for the k-th of n engines started one after "
+              "another (it bounds the whole device's use, theirs included)"
+              if others > max(weights_bytes or 0, 1 << 30) else "")
+    return InvalidRequestError(
         f"no room for the KV cache: memory_utilization={args.memory_utilization} of {budget.total_bytes:,} bytes "
-        f"leaves {int(args.memory_utilization * budget.total_bytes):,}; {budget.in_use_bytes:,} are in use "
-        f"({in_use:,} by this engine's weights) and the profiled activation peak is "
+        f"leaves {int(args.memory_utilization * budget.total_bytes):,}; {budget.in_use_bytes:,} are in use"
+        f"{whose} and the profiled activation peak is "
         f"{budget.activation_peak_bytes:,} (a step of max_num_batched_tokens={args.max_num_batched_tokens} tokens, "
         f"logits for max_num_seqs={args.max_num_seqs} rows and one {image_setting or 'largest allowed'} image; "
         f"lowering those lowers it)"
         + (f"; encoder_cache_memory sets aside {budget.encoder_cache_bytes:,}" if budget.encoder_cache_bytes else "")
+        + shared
         + f". {raise_to}, lower max_num_batched_tokens, max_num_seqs, {image_setting or 'the image size setting'}"
         + (" or encoder_cache_memory" if budget.encoder_cache_bytes else "") + ", or set kv_cache_memory")
-
 
 def allocate_kv_caches(num_layers: int, cache: CacheConfig, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -92,7 +92,7 @@ class Worker:
         """The cache this rank can hold under the settings (on CUDA: its own device budget, after its
         profiled peak)."""
         return plan_cache(self.args, self.bytes_per_block, self.device, max_position_embeddings, self.peak,
-                          image_setting=image_setting)
+                          image_setting=image_setting, weights_bytes=self.weights_allocated)
 
     def init_cache(self, cache: CacheConfig, max_model_len: int, max_vision_patches: int) -> None:
         """Allocate `cache` (the block count every rank agreed on), capture the decode graphs (CUDA)
