@@ -37,7 +37,7 @@ logger = logging.getLogger("vlm_sdk")
 # the prefill / varlen tile changes at 64 query rows (kernels/flash_config.py)
 SHORT_CHUNK = 16
 LONG_CHUNK = 128
-# long enough for the decode launcher to split the context (_MIN_SPLIT_TOKENS is 256 keys per split)
+# long enough for the decode launcher to split the context on the CPU too (512 keys per split there)
 LONG_CONTEXT = 4096
 
 
