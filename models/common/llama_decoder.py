@@ -63,16 +63,22 @@ class LlamaDecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it): the next norm adds them
         (fused with the add), as HF's `x = x + mlp(norm(x))` does in two steps."""
-        q, k, v, residual = self.pre_attention(x, residual, rope)
-        attn = self.attn(q, k, v, kv_cache, meta)  # [N, H, D]
+        # the kernel set may rotate and store K/V in one launch: then attention only reads the cache
+        store = (kv_cache, meta.slot_mapping) if self.ops.fuses_rotary_store else None
+        q, k, v, residual = self.pre_attention(x, residual, rope, store)
+        attn = self.attn(q, k, v, kv_cache, meta, stored=store is not None)  # [N, H, D]
         return self.post_attention(attn, residual)
 
     # the two halves around the attention call (`DecoderLayerHalves`, models/base.py): piecewise CUDA graphs
     # (vlm_sdk/worker/piecewise_graphs.py) capture them and run the attention between them eagerly
     def pre_attention(self, x: torch.Tensor,  # [N, hidden]
                       residual: torch.Tensor | None,  # [N, hidden] or None for layer 0
-                      rope: RotaryInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q [N, H, D], k [N, Hkv, D], v [N, Hkv, D], the residual stream [N, hidden]): norm, qkv, rotary."""
+                      rope: RotaryInputs,
+                      store: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [N, H, D], k [N, Hkv, D], v [N, Hkv, D], the residual stream [N, hidden]): norm, qkv, rotary.
+        `store` = (this layer's KV cache, the step's slot mapping): k and v also go into the cache, in
+        the rotary's launch (`KernelOps.rotary_store_kv`, where the kernel set fuses them)."""
         ops, n = self.ops, x.shape[0]
         h, hkv = self.num_heads, self.num_kv_heads
         norm = self.input_layernorm
@@ -82,6 +88,9 @@ class LlamaDecoderLayer(nn.Module):
             normed, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         qkv = self.qkv_proj(normed).view(n, h + 2 * hkv, self.head_dim)  # [N, H+2Hkv, D]
         qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        if store is not None:
+            ops.rotary_store_kv(qkv, h, hkv, rope, qk_norm, *store)  # in place
+            return qkv[:, :h], qkv[:, h:h + hkv], qkv[:, h + hkv:], residual
         qk = ops.rotary(qkv[:, :h + hkv], h, rope, qk_norm)  # [N, H+Hkv, D]
         return qk[:, :h], qk[:, h:], qkv[:, h + hkv:], residual  # [N, H, D], [N, Hkv, D], [N, Hkv, D], [N, hidden]
 

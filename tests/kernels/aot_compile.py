@@ -69,7 +69,7 @@ def _ints(*size: int) -> torch.Tensor:
 
 def cases() -> list[tuple[str, str, Callable[[], None]]]:
     """(module, case name, a call of the module's launcher at a production shape)."""
-    from vlm_sdk.kernels import (paged_attention_decode, paged_prefill_attention, rms_norm, rotary,
+    from vlm_sdk.kernels import (paged_attention_decode, paged_prefill_attention, rms_norm, rotary, rotary_store_kv,
                                  silu_and_mul, store_kv, varlen_attention)
     out: list[tuple[str, str, Callable[[], None]]] = []
     max_blocks = 32768 // BLOCK_SIZE
@@ -96,7 +96,17 @@ def cases() -> list[tuple[str, str, Callable[[], None]]]:
             rotary.rotary_embedding(q, k, torch.empty(3, 256, dtype=torch.int64, device=META),
                                     torch.empty(s.head_dim // 2, device=META), mrope_section=(16, 24, 24))
 
+        def rope_store(s=s, n=64, section=(16, 24, 24), interleaved=False, qk_norm=False):
+            q, k, v = _qkv(n, s.heads, s.kv_heads, s.head_dim)
+            kc, vc = _cache(s)
+            w = torch.empty(s.head_dim, dtype=BF16, device=META) if qk_norm else None
+            rotary_store_kv.rotary_store_kv(q, k, v, kc, vc, torch.empty(n, dtype=torch.int64, device=META),
+                                            torch.empty(3, n, dtype=torch.int64, device=META),
+                                            torch.empty(s.head_dim // 2, device=META), mrope_section=section,
+                                            mrope_interleaved=interleaved, q_norm_weight=w, k_norm_weight=w)
+
         out += [("paged_attention_decode", f"{s.name} direct", decode),
+                ("rotary_store_kv", f"{s.name} mrope, 64 decode rows", rope_store),
                 ("paged_attention_decode", f"{s.name} 8 splits", lambda d=decode: d(splits=8)),
                 ("paged_prefill_attention", f"{s.name} chunk 2048", prefill),
                 ("paged_prefill_attention", f"{s.name} chunk 64", lambda p=prefill: p(max_q=64)),
@@ -110,6 +120,8 @@ def cases() -> list[tuple[str, str, Callable[[], None]]]:
                                 torch.empty(s.head_dim // 2, device=META), mrope_section=(24, 20, 20),
                                 mrope_interleaved=True, q_norm_weight=w, k_norm_weight=w)
     out.append(("rotary", f"{QWEN3_8B.name} q/k norm interleaved", rope_qk_norm))
+    out.append(("rotary_store_kv", f"{QWEN3_8B.name} q/k norm interleaved", lambda: rope_store(
+        QWEN3_8B, section=(24, 20, 20), interleaved=True, qk_norm=True)))
 
     def rope_vision(name=QWEN25_VIT[0], heads=QWEN25_VIT[1], head_dim=QWEN25_VIT[2]):
         """The vision towers' 2-D RoPE: [2, N] (row, column) positions, two sections of D/4."""

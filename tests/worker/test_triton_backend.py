@@ -54,6 +54,28 @@ def test_triton_greedy_equals_torch_cpu(triton_llm, convs, torch_outputs):
     assert triton_llm.stats()["kv_blocks_used"] == 0
 
 
+def test_decoder_layers_rotate_and_store_kv_in_one_launch(triton_llm, convs, torch_outputs, monkeypatch):
+    """With the Triton set every decoder layer launches rotary_store_kv once per step and neither
+    the rotary nor store_kv alone (the tokens still equal the torch backend's)."""
+    import vlm_sdk.kernels.store_kv as store_kv_module
+    ops = local_worker(triton_llm.engine).ops
+    calls = {"fused": 0, "rotary": 0, "store_kv": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+    monkeypatch.setattr(ops, "_rotary_store_kv", counted("fused", ops._rotary_store_kv))
+    monkeypatch.setattr(ops, "_rotary", counted("rotary", ops._rotary))
+    monkeypatch.setattr(store_kv_module, "store_kv", counted("store_kv", store_kv_module.store_kv))
+    steps = 3
+    out = triton_llm.chat(convs[0], SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == torch_outputs[0][:steps]
+    layers = len(local_worker(triton_llm.engine).kv_caches)
+    assert calls == {"fused": layers * steps, "rotary": 0, "store_kv": 0}
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("enforce_eager", [False, True])

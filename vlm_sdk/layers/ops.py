@@ -8,7 +8,8 @@ nothing else, so the torch one is the oracle for the other. The Triton kernels a
 
     decoder layer:   rms_norm / add_rms_norm -> qkv matmul -> rotary (Qwen3: q/k norm fused in) ->
                      attention.forward (store_kv + paged attention) -> o_proj -> add_rms_norm ->
-                     gate_up matmul -> silu_and_mul -> down
+                     gate_up matmul -> silu_and_mul -> down; with the Triton set, rotary and store_kv
+                     are one launch (`rotary_store_kv`) and attention reads the cache only
     vision block:    attention.segments (once per image batch); qkv matmul -> rotary (2-D RoPE, float32
                      angles) -> attention.segment_forward -> proj -> add_rms_norm -> gate_up matmul ->
                      silu_and_mul -> down -> add_rms_norm (next block's norm1) where the tower has them
@@ -37,6 +38,9 @@ class KernelOps(ABC):
     @property
     def name(self) -> str:
         return self.attention.name
+
+    # whether `rotary_store_kv` rotates and stores K/V in one launch (then attention must not store them)
+    fuses_rotary_store = False
 
     @property
     def graph_safe(self) -> bool:
@@ -68,6 +72,14 @@ class KernelOps(ABC):
         the set can; the torch set returns a new tensor, float32 when the angles are, as the vision
         towers ask for their float32 rotation). `qk_norm` = (q weight `[D]`, k weight `[D]`, eps): each head RMS-normalised over
         D first (Qwen3's q_norm / k_norm), so a rank's heads need nothing from another rank."""
+
+
+    def rotary_store_kv(self, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, rope: RotaryInputs,
+                        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+                        kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> None:
+        """`rotary` on the q and k heads of a packed `[N, H + 2Hkv, D]` qkv, in place, and the rotated k
+        and v written into their cache slots (slot -1: none), where `fuses_rotary_store`."""
+        raise NotImplementedError(f"the {self.name} kernel set does not fuse rotary and the KV store")
 
 
 class TorchOps(KernelOps):
@@ -103,10 +115,13 @@ class TritonOps(KernelOps):
     def __init__(self, attention: AttentionBackend):
         super().__init__(attention)
         # imported here so that TRITON_INTERPRET is read when the set is chosen
-        from vlm_sdk.kernels import rms_norm, rotary, silu_and_mul
+        from vlm_sdk.kernels import rms_norm, rotary, rotary_store_kv, silu_and_mul
         self._rms_norm = rms_norm.rms_norm
         self._rotary = rotary.rotary_embedding
+        self._rotary_store_kv = rotary_store_kv.rotary_store_kv
         self._silu_and_mul = silu_and_mul.silu_and_mul
+
+    fuses_rotary_store = True
 
     def rms_norm(self, x, weight, eps):
         return self._rms_norm(x, weight, eps)
@@ -125,6 +140,13 @@ class TritonOps(KernelOps):
         self._rotary(qk[:, :num_q_heads], qk[:, num_q_heads:], rope.positions, rope.inv_freq, rope.mrope_section,
                      rope.mrope_interleaved, q_weight, k_weight, eps)
         return qk
+
+    def rotary_store_kv(self, qkv, num_q_heads, num_kv_heads, rope, qk_norm, kv_cache, slot_mapping):
+        q_weight, k_weight, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
+        h, hkv = num_q_heads, num_kv_heads
+        self._rotary_store_kv(qkv[:, :h], qkv[:, h:h + hkv], qkv[:, h + hkv:], *kv_cache, slot_mapping,
+                              rope.positions, rope.inv_freq, rope.mrope_section, rope.mrope_interleaved, q_weight,
+                              k_weight, eps)
 
 
 def make_ops(backend: str | None, device: torch.device) -> KernelOps:
