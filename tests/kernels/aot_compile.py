@@ -163,6 +163,21 @@ def cases() -> list[tuple[str, str, Callable[[], None]]]:
         probs = torch.empty(64, vocab, dtype=torch.float32, device=META)
         exponential_race.exponential_race(probs, torch.empty(64, dtype=torch.int64, device=META))
     out += [("exponential_race", "64 rows x 151,936 vocab", race)]
+    from vlm_sdk.kernels import skinny_gemm
+
+    def skinny(m, n, k, bn, bias=False):  # decode projections at batch m; bn: block_n on an H100 (132 SMs)
+        x = torch.empty(m, k, dtype=BF16, device=META)
+        w = torch.empty(n, k, dtype=BF16, device=META)
+        b = torch.empty(n, dtype=BF16, device=META) if bias else None
+        skinny_gemm.launch(x, w, b, torch.empty(m, n, dtype=BF16, device=META), bn)
+    for s in TEXT_SHAPES:
+        qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
+        for m in (1, 8):
+            out += [("skinny_gemm", f"{s.name} qkv + bias, {m} rows",
+                     lambda m=m, n=qkv, k=s.hidden: skinny(m, n, k, skinny_gemm_block(n), bias=True)),
+                    ("skinny_gemm", f"{s.name} o_proj, {m} rows",
+                     lambda m=m, n=s.hidden, k=s.heads * s.head_dim: skinny(m, n, k, skinny_gemm_block(n)))]
+    out.append(("skinny_gemm", "64 rows per program", lambda: skinny(4, 4096, 4096, 64)))
     from vlm_sdk.kernels import top_p_cut
 
     def nucleus(vocab=151936):  # top-p past the sampler's candidates, on the device
@@ -171,6 +186,13 @@ def cases() -> list[tuple[str, str, Callable[[], None]]]:
                              torch.empty(64, dtype=torch.float32, device=META))
     out += [("top_p_cut", "64 rows x 151,936 vocab", nucleus)]
     return out
+
+
+def skinny_gemm_block(n: int, sms: int = 132) -> int:
+    """`skinny_gemm.block_n` as an H100 (132 SMs) computes it, without a GPU."""
+    from vlm_sdk.kernels import skinny_gemm
+    want = max(1, n // (skinny_gemm.PROGRAMS_PER_SM * sms))
+    return max(2, min(64, 1 << (want.bit_length() - 1)))
 
 
 def _accepts(call: Callable[[], None]) -> bool:
