@@ -13,7 +13,8 @@
 # Stages, in this order, each under its own time limit and all within --budget (default 480 s):
 #   env        versions, the GPU, which dependencies are present                      env.log
 #   bench      vlm-sdk bench --gpu --json --profile: the figures against their floors, bench.json, bench.err,
-#              the cold prefill (vision tower and LLM apart), the decode profile     profile.txt
+#              the cold prefill (vision tower and LLM apart), cuBLAS vs the small-M  profile.txt
+#              kernel (the winner recorded), the decode profile
 #   tests      pytest -m cuda over tests/, one process                                cuda_tests.log
 #   multiturn  vlm-sdk bench --multi-turn --device cuda (two engines on one GPU)      extra.log
 #   host       vlm-sdk bench --host-overhead on the machine's host CPU                extra.log
@@ -155,6 +156,10 @@ r = json.load(open(sys.argv[1]))
 print(f"bench on {r['device']}: {len(r['figures'])} figures, {r['seconds']:.0f} s; notes: {len(r['notes'])}")
 for f in r["figures"]:
     print(f"  {f['name'][:66]:<66} {f['value']:>10.3f} {f['unit']:<8} {f['ratio']:>6.2f}x  {f['target']}")
+g = r.get("small_m_gemm")
+if g:
+    print(f"  small-M: recommended small_m_gemm='{g['recommended']}' (torch/triton us): " + ", ".join(
+        f"{x['projection']}@{x['rows']} {x['torch_us']:.1f}/{x['triton_us']:.1f}" for x in g["rows"]))
 for s in r.get("profile", {}).get("sections", []):
     kinds = ", ".join(f"{k} {v:,.0f}" for k, v in list(s["kinds_us_per_step"].items())[:5])
     print(f"  profile {s['title'][:40]}: wall {s['wall_ms_per_step']:.2f} ms; us by kind: {kinds}")

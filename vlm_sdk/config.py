@@ -85,6 +85,10 @@ class EngineArgs:
     seed: int = 0
     show_progress: bool = True
     attention_backend: str | None = None  # "triton" (default on CUDA) or "torch" (default on the CPU)
+    # the decoder's qkv and o projections at <= 8 rows (decode at small batch): "torch" (F.linear: cuBLAS on
+    # CUDA) or "triton" (kernels/skinny_gemm.py; the Triton kernel set only). `vlm-sdk bench --gpu` times
+    # both at the model's shapes; the default stays "torch" until a GPU run says otherwise
+    small_m_gemm: str = "torch"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of from captured CUDA graphs
     # CUDA, off until run on a GPU: steps with prefill rows replay piecewise CUDA graphs around eager
     # attention (worker/piecewise_graphs.py); the memory profile counts their buffers and pool when on
@@ -172,6 +176,9 @@ class EngineArgs:
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         if self.attention_backend is not None and self.attention_backend not in ("torch", "triton"):
             raise InvalidRequestError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.small_m_gemm not in ("torch", "triton"):
+            raise InvalidRequestError(f"small_m_gemm must be 'torch' or 'triton', got {self.small_m_gemm!r}",
+                                      param="small_m_gemm")
         t = self.distributed_timeout
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise InvalidRequestError(f"distributed_timeout must be a positive number of seconds, got {t!r}",

@@ -56,6 +56,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, device)
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], False, dtype, device, tp)
         self.down_proj = RowParallelLinear(inter, hidden, False, dtype, device, tp)
+        # the kernel set's product for few rows (`small_m_gemm`), where cuBLAS reads the weights slowest
+        self.qkv_proj.matmul = self.o_proj.matmul = ops.small_m_linear
 
     def forward(self, x: torch.Tensor,  # [N, hidden]: the previous layer's output
                 residual: torch.Tensor | None,  # [N, hidden]: the residual stream before it; None for layer 0

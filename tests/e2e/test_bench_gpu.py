@@ -70,6 +70,17 @@ def test_tiny_run_reports_every_figure(tmp_path, monkeypatch, capsys):
     assert pv["plan_blocks"] == pv["engine_blocks"] > 0 and pv["within_3_percent"] is True
     assert pv["plan_weights_bytes"] == pv["engine_weights_bytes"] > 0
 
+    # cuBLAS vs the small-M kernel at the model's projection shapes, both timed, the winner recorded
+    gemm = report["small_m_gemm"]
+    assert [(r["projection"], r["rows"]) for r in gemm["rows"]] == [
+        (p, m) for p in ("qkv", "o", "gate_up", "down") for m in (1, 2, 4, 8)]
+    for r in gemm["rows"]:
+        assert _positive(r["torch_us"]) and _positive(r["triton_us"]) and r["winner"] in ("torch", "triton")
+        assert r["winner"] == ("triton" if r["triton_us"] < r["torch_us"] else "torch")
+        assert r["max_rel_diff"] < 1e-5  # float32: the same products summed in another order
+    assert gemm["recommended"] in ("torch", "triton") and report["engine_settings"]["small_m_gemm"] == "torch"
+    assert "small-M projections" in format_report(report)
+
     # the profile: decode at the smallest and largest batch, a cold prefill; every section has rows
     sections = report["profile"]["sections"]
     assert [s["title"].split(":")[0] for s in sections] == [

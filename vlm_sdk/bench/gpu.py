@@ -47,6 +47,7 @@ import torch
 from vlm_sdk.bench.gpu_figures import (ATTENTION_TARGET, DECODE_TARGETS, PREFILL_TARGET, THROUGHPUT_TARGET,
                                        attention_figure, decode_figure, figure, ours_throughput, prefill_figures,
                                        throughput_convs)
+from vlm_sdk.bench.gpu_gemm import format_section, small_m_gemm_section
 from vlm_sdk.bench.gpu_parts import (QWEN2_5_VL_3B, TINY, DeviceTimer, GpuBenchError, ModelShape, build_checkpoint,
                                      checkpoint_dir, copy_bandwidth, device_name, free_memory, image_setting_fix,
                                      matmul_rate, plan_options, plan_vs_engine, transformers_throughput,
@@ -89,6 +90,8 @@ class GpuBenchConfig:
     async_scheduling: bool | None = None  # None: the engine's default (on with CUDA and one rank)
     profile: str | None = None  # a path: write the kernel tables there (gpu_profile.py)
     profile_steps: int = 20  # decode steps each profiled batch records
+    small_m_gemm: str = "torch"  # our engine's setting; the small-M section times both anyway
+    gemm_calls: int = 50  # products per small-M timing
 
     def decode_max_tokens(self, batch: int) -> int:
         """Tokens each decode sequence may generate: the first ones to finish prefill decode while the
@@ -122,14 +125,14 @@ TINY_RUN = GpuBenchConfig(
     max_model_len=512, decode_batches=(1, 4), context=64, decode_warmup=1, decode_steps=4, attn_batch=2,
     attn_context=128, attn_calls=3, prefill_image=224, prefill_text_tokens=32, prefill_reps=2, requests=4,
     request_image=112, max_tokens=8, copy_bytes=16 << 20, copy_reps=3, matmul_n=256, matmul_reps=3,
-    max_num_batched_tokens=128, profile_steps=3)  # small: decode prompts prefill over several steps, as on the GPU
+    max_num_batched_tokens=128, profile_steps=3, gemm_calls=2)  # small: decode prompts prefill over several steps, as on the GPU
 
 
 # ----------------------------------------------------------------------------------------------
 # command line
 
 _GPU_ONLY = ("tiny", "decode_batches", "context", "decode_steps", "requests", "max_tokens", "attn_batch",
-             "attn_context", "memory_utilization", "async_scheduling", "profile")
+             "attn_context", "memory_utilization", "async_scheduling", "profile", "small_m_gemm")
 
 
 def add_arguments(bench) -> None:
@@ -149,6 +152,8 @@ def add_arguments(bench) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="with --gpu: our engine's asynchronous scheduling (default: the engine's, on with CUDA); "
                         "--no-async-scheduling measures the synchronous engine for the comparison")
+    g.add_argument("--small-m-gemm", choices=("torch", "triton"), help="with --gpu: our engine's small_m_gemm "
+                   "(default torch: cuBLAS); the small-M section times both either way")
     g.add_argument("--profile", metavar="PATH", help="with --gpu: also profile decode (smallest and largest batch) "
                    "and a cold prefill with torch.profiler; write the kernel tables (name, calls and time per "
                    "step) to PATH")
@@ -226,6 +231,7 @@ def run(cfg: GpuBenchConfig, command: str) -> dict:
         report["reference_rates"] = {"copy_GBps": copy_bw / 1e9, "copy_bytes": cfg.copy_bytes,
                                      "matmul_TFLOPs": mm_rate / 1e12, "matmul_n": cfg.matmul_n}
         figures = [attention_figure(cfg, timer, dtype, copy_bw, report["notes"])]
+        report["small_m_gemm"] = small_m_gemm_section(cfg.shape, timer, dtype, cfg.gemm_calls, cfg.seed)
         free_memory(device)
 
         llm = _start_engine(ckpt, cfg, device, report)
@@ -295,7 +301,7 @@ def _engine_kwargs(cfg: GpuBenchConfig, device: torch.device) -> dict:
     kwargs = dict(device=cfg.device, dtype=cfg.dtype, block_size=cfg.block_size, seed=cfg.seed,
                   max_model_len=cfg.engine_max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
                   max_num_seqs=max(max(cfg.decode_batches), cfg.requests), show_progress=False,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, small_m_gemm=cfg.small_m_gemm)
     if cfg.attention_backend is not None:
         kwargs["attention_backend"] = cfg.attention_backend
     if cfg.async_scheduling is not None:
@@ -330,6 +336,8 @@ def format_report(report: dict) -> str:
                   f"({pv['blocks_difference']:+.2%}; within 3%: {'yes' if pv['within_3_percent'] else 'NO'}); "
                   f"activation peak estimated {pv['plan_activation_peak_bytes']:,} B, measured "
                   f"{pv['engine_activation_peak_bytes'] if pv['engine_activation_peak_bytes'] is not None else '-'} B"]
+    if report.get("small_m_gemm"):
+        lines += [""] + format_section(report["small_m_gemm"], report["config"]["small_m_gemm"])
     lines += [""] + [f"note: {n}" for n in report["notes"]] + [f"total {report['seconds']:.1f} s"]
     return "\n".join(lines)
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.selector import make_backend
+from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.kernels.rms_norm_torch import rms_norm
 from vlm_sdk.kernels.rotary_torch import apply_rotary
 from vlm_sdk.layers.rotary import MRotaryEmbedding, RotaryInputs
@@ -41,6 +42,8 @@ class KernelOps(ABC):
 
     # whether `rotary_store_kv` rotates and stores K/V in one launch (then attention must not store them)
     fuses_rotary_store = False
+    # the product a decoder's qkv and o projections run, (x, weight, bias) -> x W^T + b; None: F.linear
+    small_m_linear = None
 
     @property
     def graph_safe(self) -> bool:
@@ -112,7 +115,7 @@ class TorchOps(KernelOps):
 
 
 class TritonOps(KernelOps):
-    def __init__(self, attention: AttentionBackend):
+    def __init__(self, attention: AttentionBackend, small_m_gemm: str = "torch"):
         super().__init__(attention)
         # imported here so that TRITON_INTERPRET is read when the set is chosen
         from vlm_sdk.kernels import rms_norm, rotary, rotary_store_kv, silu_and_mul
@@ -120,8 +123,18 @@ class TritonOps(KernelOps):
         self._rotary = rotary.rotary_embedding
         self._rotary_store_kv = rotary_store_kv.rotary_store_kv
         self._silu_and_mul = silu_and_mul.silu_and_mul
+        if small_m_gemm == "triton":
+            from vlm_sdk.kernels import skinny_gemm
+            self._skinny = skinny_gemm
+            self.small_m_linear = self._small_m_linear
 
     fuses_rotary_store = True
+
+    def _small_m_linear(self, x: torch.Tensor,  # [M, in]
+                        weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [M, out]
+        if x.dim() == 2 and x.shape[0] <= self._skinny.MAX_M and x.stride(-1) == 1:
+            return self._skinny.skinny_gemm(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def rms_norm(self, x, weight, eps):
         return self._rms_norm(x, weight, eps)
@@ -149,8 +162,14 @@ class TritonOps(KernelOps):
                               k_weight, eps)
 
 
-def make_ops(backend: str | None, device: torch.device) -> KernelOps:
-    """The kernel set for `attention_backend` on `device` (None: Triton on CUDA, torch elsewhere).
-    Raises `InvalidRequestError` naming the setting when Triton cannot run there (`make_backend`)."""
+def make_ops(backend: str | None, device: torch.device, small_m_gemm: str = "torch") -> KernelOps:
+    """The kernel set for `attention_backend` on `device` (None: Triton on CUDA, torch elsewhere), its
+    small-M projections by `small_m_gemm`. Raises `InvalidRequestError` naming the setting when Triton
+    cannot run there (`make_backend`), or small_m_gemm='triton' without the Triton set."""
     attention = make_backend(backend, device)
-    return TritonOps(attention) if attention.name == "triton" else TorchOps(attention)
+    if attention.name == "triton":
+        return TritonOps(attention, small_m_gemm)
+    if small_m_gemm == "triton":
+        raise InvalidRequestError("small_m_gemm='triton' needs the Triton kernel set: attention_backend='triton' "
+                                  "(the default on CUDA), or small_m_gemm='torch'", param="small_m_gemm")
+    return TorchOps(attention)
