@@ -169,14 +169,16 @@ class LlamaDecoder(nn.Module):
         with torch.no_grad():
             self.lm_head.weight.copy_(rows)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
+    def compute_logits(self, hidden: torch.Tensor,  # [S, hidden]
+                       out: torch.Tensor | None = None) -> torch.Tensor:  # [S, vocab] float32 (into `out`)
         if self.packed_head is not None:  # set after loading on the CPU (models/cpu_layout.py)
             local = self.packed_head(hidden)  # [S, vocab / tp]
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [vocab / tp, hidden]
             local = F.linear(hidden, weight)  # [S, vocab / tp]
         # gathered in the model's dtype (half the bytes of float32 in bf16; the cast is exact either way)
-        return gather_vocab(local, self.tp, self.cfg.vocab_size).float()  # [S, vocab]
+        logits = gather_vocab(local, self.tp, self.cfg.vocab_size)  # [S, vocab]
+        return logits.float() if out is None else out.copy_(logits)
 
     def checkpoint_map(self, prefix: str = "model.", lm_head: str = "lm_head.weight") -> dict[str, ParamSlot]:
         """Checkpoint name -> where it goes (this rank's slice), for the published Qwen2 / Llama layout

@@ -30,7 +30,8 @@ The activation peak is an ESTIMATE (the engine measures it on CUDA with a profil
     language model: forward(tokens) + max_num_seqs * vocab * (4 (float32 logits) + 40 (the sampler's
                     worst row: penalties, top-k/top-p, logprobs; worker/sampler.py))
                     + the largest image's tokens * hidden * dtype bytes (held across prefill chunks)
-                    + on a GPU without enforce_eager: forward(max_num_seqs) (the decode graphs' pool)
+                    + on a GPU without enforce_eager: forward(max_num_seqs) + max_num_seqs * vocab * (dtype
+                      bytes + 4) (the decode graphs' pool with their logits, and its float32 logits buffer)
                       and with piecewise_cuda_graphs: forward(max_num_batched_tokens) + their buffers
                       (`piecewise_graphs.held_bytes`),
                     forward(n) = n * (4 * hidden + 2 * intermediate / tp + qkv width / tp) * dtype bytes,
@@ -391,7 +392,8 @@ def _activations(model, vision_widths: tuple[int, int], patches: int, args: Engi
     lm += args.max_num_seqs * c.vocab_size * (4 + SAMPLER_BYTES_PER_ENTRY)  # logits (float32) + sampler
     lm += image_tokens * c.hidden_size * nbytes  # the largest image's embeddings, held across chunks
     if cuda_graphs and not args.enforce_eager:
-        lm += forward(args.max_num_seqs)  # the decode graphs' pool
+        # the decode graphs' pool: a forward and its logits, and the graphs' float32 logits buffer
+        lm += forward(args.max_num_seqs) + args.max_num_seqs * c.vocab_size * (nbytes + 4)
         if args.piecewise_cuda_graphs and tp == 1:
             lm += forward(args.max_num_batched_tokens) + held_bytes(
                 args.max_num_batched_tokens, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
