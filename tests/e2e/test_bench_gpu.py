@@ -147,6 +147,8 @@ def test_gpu_options_are_refused_without_gpu(capsys):
     assert "--tiny, --context only apply with --gpu" in capsys.readouterr().err
     assert main(["bench", "--no-async-scheduling"]) == 2
     assert "--async-scheduling only apply with --gpu" in capsys.readouterr().err
+    assert main(["bench", "--piecewise-cuda-graphs", "--small-m-gemm", "triton", "--profile", "p.txt"]) == 2
+    assert "--profile, --small-m-gemm, --piecewise-cuda-graphs only apply with --gpu" in capsys.readouterr().err
 
 
 def test_gpu_refuses_cpu_benchmark_checkpoint(capsys):

@@ -91,6 +91,7 @@ class GpuBenchConfig:
     profile: str | None = None  # a path: write the kernel tables there (gpu_profile.py)
     profile_steps: int = 20  # decode steps each profiled batch records
     small_m_gemm: str = "torch"  # our engine's setting; the small-M section times both anyway
+    piecewise_cuda_graphs: bool | None = None  # None: the engine's default (off)
     gemm_calls: int = 50  # products per small-M timing
 
     def decode_max_tokens(self, batch: int) -> int:
@@ -132,7 +133,8 @@ TINY_RUN = GpuBenchConfig(
 # command line
 
 _GPU_ONLY = ("tiny", "decode_batches", "context", "decode_steps", "requests", "max_tokens", "attn_batch",
-             "attn_context", "memory_utilization", "async_scheduling", "profile", "small_m_gemm")
+             "attn_context", "memory_utilization", "async_scheduling", "profile", "small_m_gemm",
+             "piecewise_cuda_graphs")
 
 
 def add_arguments(bench) -> None:
@@ -152,6 +154,9 @@ def add_arguments(bench) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="with --gpu: our engine's asynchronous scheduling (default: the engine's, on with CUDA); "
                         "--no-async-scheduling measures the synchronous engine for the comparison")
+    g.add_argument("--piecewise-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --gpu: our engine's piecewise_cuda_graphs (steps with prefill rows replayed from "
+                        "graphs around eager attention; default off): the prefill figures with and without")
     g.add_argument("--small-m-gemm", choices=("torch", "triton"), help="with --gpu: our engine's small_m_gemm "
                    "(default torch: cuBLAS); the small-M section times both either way")
     g.add_argument("--profile", metavar="PATH", help="with --gpu: also profile decode (smallest and largest batch) "
@@ -306,6 +311,8 @@ def _engine_kwargs(cfg: GpuBenchConfig, device: torch.device) -> dict:
         kwargs["attention_backend"] = cfg.attention_backend
     if cfg.async_scheduling is not None:
         kwargs["async_scheduling"] = cfg.async_scheduling
+    if cfg.piecewise_cuda_graphs is not None:
+        kwargs["piecewise_cuda_graphs"] = cfg.piecewise_cuda_graphs
     if device.type == "cuda":
         kwargs["memory_utilization"] = cfg.memory_utilization
     return kwargs
