@@ -13,7 +13,7 @@ found by bisection over float32 bit patterns in [0, 1.0] (non-negative floats or
 other row is zeroed outright: the sampler scatters its kept candidates back afterwards, as it does for
 every row (a short row's candidates are all >= tau, so they are written back unchanged).
 
-Why: `worker/top_k_top_p.py` first looks for each nucleus among the 1,024 most likely tokens; which
+Why: `sample/top_k_top_p.py` first looks for each nucleus among the 1,024 most likely tokens; which
 rows reach past them is only known on the device, and learning it on the host would stall the host
 behind the forward at every step with such a row, which asynchronous scheduling exists to avoid.
 Rows that are not short cost one zeroing pass (the `zero_()` this replaces); short rows (flat

@@ -4,7 +4,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
@@ -160,9 +160,25 @@ class PromptProcessor(ABC):
 
     max_image_tokens: int | None
 
+    @classmethod
+    def from_engine_args(cls, tokenizer, image_processor, hf_config, args, family):
+        """The processor for an engine's `EngineArgs`: `mm_processor_kwargs` is checked against
+        `family.engine_settings` (another family's setting is refused here) and handed to the class as
+        `settings_kwargs` says; `family` is the folder's `FamilySpec`, passed in so that the spec may
+        import the processor's module and not the reverse."""
+        options = family.engine_options(args.mm_processor_kwargs)
+        return cls(tokenizer, image_processor, hf_config, max_image_pixels=args.max_image_pixels, family=family,
+                   **cls.settings_kwargs(options))
+
+    @classmethod
+    def settings_kwargs(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """The family's checked engine settings -> this class's keyword arguments (default: none)."""
+        return {}
+
     @abstractmethod
-    def __call__(self, messages) -> PromptInputs:
-        """Validate messages, decode and preprocess images, render the chat template and expand each
+    def __call__(self, messages, template_kwargs: Mapping[str, Any] | None = None) -> PromptInputs:
+        """Validate messages, decode and preprocess images, render the chat template (given
+        `template_kwargs` as variables: the request's tools, its chat_template_kwargs) and expand each
         image placeholder to the image's tokens (typed errors for bad input)."""
 
     @abstractmethod

@@ -3,8 +3,9 @@ and the small types its hooks speak in.
 
 The engine, planner, server and CLI reach a family only through `vlm_sdk.models.registry`, and through
 it only through this interface: the family's settings (a schema: name, type, default, help, checked
-here), its classes (image processor, prompt processor, model), its planner hooks and its test fixtures
-(tiny checkpoint builder, transformers reference). Shared types carry the family's settings as opaque
+here), its classes (image processor, prompt processor, model) and its planner hooks: runtime hooks only.
+Test and benchmark fixtures (tiny checkpoints, the transformers reference) are a family's `fixtures.py`
+(`FamilyFixtures`, models/fixtures.py), registered in vlm_sdk/testing/families.py. Shared types carry the family's settings as opaque
 mappings: `EngineArgs.mm_processor_kwargs` (engine-wide) and `ImageRef.options` (one image part).
 """
 from __future__ import annotations
@@ -100,8 +101,6 @@ class FamilySpec(ABC):
                           ("max_dynamic_patch", "max_dynamic_patch"); the plan flag is `--<plan option>`.
                           One vocabulary: the plan option IS the engine setting's name, so a fix
                           `plan` prints pastes into `vlm-sdk serve` and `LLM(...)`
-        bench_image_sizes (width, height) of the `vlm-sdk bench` workload's images, used in turn: sizes
-                          that exercise the family's own image sizing (one tile, several tiles, ...)
     """
 
     name: str
@@ -109,7 +108,6 @@ class FamilySpec(ABC):
     engine_settings: tuple[Setting, ...] = ()
     image_settings: tuple[Setting, ...] = ()
     plan_setting: tuple[str, str]
-    bench_image_sizes: tuple[tuple[int, int], ...]
 
     # -- classes (imported when asked for: importing the spec imports no model code) -------------
     @property
@@ -171,29 +169,6 @@ class FamilySpec(ABC):
     def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int]:
         """(vision hidden size, vision MLP width) for the planner's vision activation estimate:
         rows of the largest image * (4 * hidden + 2 * MLP width) * dtype bytes."""
-
-    # -- benchmarks (transformers needed) ---------------------------------------------------------
-    @abstractmethod
-    def benchmark_preprocessing(self, preprocessor: Mapping[str, Any], hf_config: Any, images: list) -> dict:
-        """This family's image preprocessing, configured by the checkpoint (preprocessor_config.json as a
-        dict, hf_config), against transformers' on the same PIL `images`: at least `ours_ms_per_image`,
-        `transformers_ms_per_image` and `max_abs_diff` (`models/common/reference.pixel_report`)."""
-
-    # -- test fixtures (transformers needed) -------------------------------------------------------
-    @abstractmethod
-    def make_tiny_checkpoint(self, path: Path, seed: int = 0, **overrides) -> Path:
-        """A tiny random checkpoint of this family, saved by transformers (overrides: the builder's)."""
-
-    @abstractmethod
-    def make_bench_checkpoint(self, path: Path, seed: int = 0, **overrides) -> Path:
-        """A ~100M-parameter random checkpoint for benchmarks."""
-
-    @property
-    @abstractmethod
-    def reference(self) -> Any:
-        """The transformers reference module: `hf_model(model_dir, dtype)` (transformers' own class, eval),
-        `hf_image_processor(model_dir, **kw)` and `hf_prompt(tokenizer, image_processor, config, messages)
-        -> dict` of model inputs."""
 
 
 def _checked(family: FamilySpec, options: Mapping[str, Any], schema: tuple[Setting, ...], kind: str,

@@ -71,3 +71,16 @@ def start_server(cmd: list[str], timeout: float = 120) -> tuple[subprocess.Popen
             return proc, match.group(1)
     os.killpg(proc.pid, signal.SIGKILL)
     raise AssertionError(f"server did not start: {proc.stderr.read()[-3000:]}")
+
+
+def plan_cache(args, per_block, device, max_position_embeddings, peak, image_setting=None, weights=15 * 2**30):
+    """The engine's CUDA sizing of one rank (vlm_sdk/memory/startup.py `size_rank_caches`): the budget from the
+    device's total and in-use bytes (torch.cuda.mem_get_info, mocked here) minus the activation peak and the
+    encoder cache, sized and checked by vlm_sdk/memory/kv.py; `weights`: this engine's own weights."""
+    import torch
+    from vlm_sdk.memory.kv import DeviceBudget, check_cache, size_cache
+    free, total = torch.cuda.mem_get_info(device)
+    budget = DeviceBudget(total, total - free, peak or 0, args.encoder_cache_memory)
+    cache = size_cache(args, per_block, max_position_embeddings, budget)
+    check_cache(cache, args, weights, image_setting)
+    return cache

@@ -120,12 +120,16 @@ class Usage:
 @dataclass(frozen=True)
 class ChatResult:
     text: str
-    finish_reason: str | None  # "stop", "length" or "abort"
+    finish_reason: str | None  # "stop", "length", "abort" or "tool_calls"
     usage: Usage | None
     model: str
     id: str
     latency_s: float  # wall time of the call, image encoding included
     texts: tuple[str, ...] = ()  # with n=k (an extra body field): the k choices' texts, index order
+    # with `tools=` (extra body fields): choice 0's calls as OpenAI sends them ({"id", "type",
+    # "function": {"name", "arguments"}}), and its reasoning when the server splits it off
+    tool_calls: tuple[dict, ...] = ()
+    reasoning_content: str | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,8 @@ class ChatDelta:
     finish_reason: str | None = None  # set on the delta that ends the choice
     usage: Usage | None = None  # set on the final usage-only delta
     index: int = 0  # which choice, with n=k: a stream interleaves the k choices
+    reasoning: str = ""  # the new piece of the reasoning (`delta.reasoning_content`)
+    tool_calls: tuple[dict, ...] = ()  # `delta.tool_calls` as sent: {"index", "id", "function": {...}}
 
 
 class AsyncClient:
@@ -189,9 +195,11 @@ class AsyncClient:
             choice = data["choices"][0]
             ordered = sorted(data["choices"], key=lambda c: c.get("index") or 0)
             texts = tuple(c["message"].get("content") or "" for c in ordered)
-            return ChatResult(choice["message"].get("content") or "", choice.get("finish_reason"),
+            message = choice["message"]
+            return ChatResult(message.get("content") or "", choice.get("finish_reason"),
                               Usage.from_json(data.get("usage")), data.get("model", body["model"]),
-                              data.get("id", ""), time.perf_counter() - t0, texts)
+                              data.get("id", ""), time.perf_counter() - t0, texts,
+                              tuple(message.get("tool_calls") or ()), message.get("reasoning_content"))
         except (KeyError, IndexError, TypeError, AttributeError):
             raise APIError(f"unexpected chat completion: {json.dumps(data)[:200]}", status=200) from None
 
@@ -284,8 +292,9 @@ def _delta(data: str) -> ChatDelta:
     if not choices:
         return ChatDelta("", None, Usage.from_json(chunk.get("usage")))
     choice = choices[0]
-    return ChatDelta((choice.get("delta") or {}).get("content") or "", choice.get("finish_reason"),
-                     Usage.from_json(chunk.get("usage")), choice.get("index") or 0)
+    delta = choice.get("delta") or {}
+    return ChatDelta(delta.get("content") or "", choice.get("finish_reason"), Usage.from_json(chunk.get("usage")),
+                     choice.get("index") or 0, delta.get("reasoning_content") or "", tuple(delta.get("tool_calls") or ()))
 
 
 async def _sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:

@@ -111,6 +111,11 @@ class EngineArgs:
     encoder_cache_memory: int | str = DEFAULT_ENCODER_CACHE_MEMORY  # bytes, or "256MiB"; 0: no encoder cache
     # the branch, tag or commit of a model given as a Hub id ("Org/Name"; vlm_sdk/hub.py); None: main
     revision: str | None = None
+    # how a chat's output is read (vlm_sdk/parsers): the tool-call format ("hermes") and the reasoning
+    # block ("qwen3", "deepseek_r1"); None: from the chat template (<tool_call> -> hermes, <think> ->
+    # qwen3); "none": off
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         """Resolve the two settings that have a user-facing spelling and a working value."""
@@ -257,81 +262,41 @@ def _engine_args_from_state(state: dict) -> EngineArgs:
 
 
 @dataclass(frozen=True)
-class DeviceBudget:
-    """The device memory a `memory_utilization` cache is carved from (bytes):
-
-        kv_cache_bytes = memory_utilization * total - in_use - activation_peak - encoder_cache
-
-    `in_use` is what is taken before the cache: weights, the CUDA context, other processes (the engine
-    measures it; `plan` counts the weights, plus the device's current use with `--device cuda:N`).
-    `encoder_cache` is `encoder_cache_memory`: the vision embeddings kept for reuse grow into it while
-    the engine runs, after the KV cache is allocated, so it is set aside before the KV cache is sized."""
-    total_bytes: int
-    in_use_bytes: int
-    activation_peak_bytes: int
-    encoder_cache_bytes: int = 0
-
-    @property
-    def reserved_bytes(self) -> int:
-        """Taken before the KV cache: in use, the activation peak and the encoder cache."""
-        return self.in_use_bytes + self.activation_peak_bytes + self.encoder_cache_bytes
-
-    def blocks(self, memory_utilization: float, bytes_per_block: int) -> int:
-        """KV blocks that fit; may be < 1."""
-        return (int(memory_utilization * self.total_bytes) - self.reserved_bytes) // bytes_per_block
-
-    def utilization_for(self, cache_bytes: int) -> float:
-        """The smallest memory_utilization (2 decimals, rounded up) leaving `cache_bytes` for the cache;
-        above 1 when the device cannot hold it at all."""
-        need = self.reserved_bytes + cache_bytes
-        hundredths = -(-need * 100 // self.total_bytes)
-        if int(hundredths / 100 * self.total_bytes) < need:  # float rounding at an exact boundary
-            hundredths += 1
-        return hundredths / 100
-
-
-# which setting decided a cache's block count; the fixes offered for a too-small cache follow it
-CACHE_RULES = ("num_blocks", "kv_cache_memory", "memory_utilization", "cpu_default")
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    block_size: int
-    num_blocks: int
-    bytes_per_block: int  # all layers, K and V
-    source: str  # how num_blocks was decided, in words, for error messages and the start-up report
-    rule: str = "num_blocks"  # one of CACHE_RULES
-    budget: DeviceBudget | None = None  # CUDA (or a planned device): the memory the cache comes out of
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.bytes_per_block // self.block_size
-
-    def fixes_for(self, num_blocks: int) -> dict[str, int | float]:
-        """Settings, each of which alone gives this cache at least `num_blocks` blocks. Only settings
-        that would take effect are named: num_blocks overrides kv_cache_memory, which overrides
-        memory_utilization, so a cache the user sized by num_blocks is only fixed by num_blocks. With a
-        device budget, {} when the device cannot hold that many blocks at all."""
-        fixes: dict[str, int | float] = {}
-        if self.budget is not None:
-            u = self.budget.utilization_for(num_blocks * self.bytes_per_block)
-            if u > 1:  # the device cannot hold it beside the weights and activations, however it is set
-                return fixes
-            if self.rule == "memory_utilization":
-                fixes["memory_utilization"] = u
-        if self.rule != "num_blocks":
-            fixes["kv_cache_memory"] = num_blocks * self.bytes_per_block
-        fixes["num_blocks"] = num_blocks
-        return fixes
-
-
-@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int  # longest sequence (prompt + output) the engine runs
     max_model_len_source: str
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """`EngineArgs` resolved once, on the engine side (`EngineArgs.resolve`): what every rank receives, so
+    no rank works out a default of its own. `args` keeps the user's settings for the rest."""
+    args: EngineArgs
+    device_type: str  # "cuda" or "cpu"
+    dtype: str  # e.g. "bfloat16"
+    attention_backend: str  # "triton" or "torch"
+    async_scheduling: bool
+    decode_graphs: bool  # decode steps replay whole-step CUDA graphs
+    piecewise_graphs: bool  # steps with prefill rows may replay piecewise CUDA graphs (one rank; the model's
+    # decoder stack decides the rest: vlm_sdk/worker/piecewise_graphs.py)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def resolve_rank_config(args: EngineArgs) -> RankConfig:
+    """Every default of `args` that depends on the device or the rank count, decided here and nowhere else."""
+    device = args.resolve_device()
+    size = args.tensor_parallel_size
+    backend = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
+    if args.small_m_gemm == "triton" and backend != "triton":
+        raise InvalidRequestError(f"small_m_gemm='triton' needs the Triton kernel set, and attention_backend is "
+                                  f"'{backend}'{'' if args.attention_backend else ' (the default on ' + device.type + ')'}"
+                                  f": set attention_backend='triton', or small_m_gemm='torch'", param="small_m_gemm")
+    decode_graphs = device.type == "cuda" and backend == "triton" and not args.enforce_eager
+    return RankConfig(args, device.type, str(args.resolve_dtype(device)).removeprefix("torch."), backend,
+                      args.resolve_async_scheduling(device, size), decode_graphs,
+                      decode_graphs and args.piecewise_cuda_graphs and size == 1)

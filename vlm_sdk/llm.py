@@ -8,8 +8,9 @@ from __future__ import annotations
 import weakref
 from typing import Sequence as Seq
 
+from vlm_sdk.chat_options import ChatOptions
 from vlm_sdk.engine.llm_engine import LLMEngine
-from vlm_sdk.engine.output_processor import OutputProcessor
+from vlm_sdk.engine.output.output_processor import OutputProcessor
 from vlm_sdk.errors import InputTooLongError, InvalidRequestError, VLMError
 from vlm_sdk.model_loader import load_tokenizer
 from vlm_sdk.models.registry import engine_args as make_engine_args
@@ -37,12 +38,18 @@ class LLM:
         when the interpreter exits; call it (or use `with LLM(...)`) to free the GPUs sooner."""
         self.engine.shutdown()
 
-    def chat(self, conversations, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             ) -> list[RequestOutput]:
+    def chat(self, conversations, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+             tools=None, tool_choice=None, parallel_tool_calls: bool | None = None,
+             chat_template_kwargs: dict | None = None, cache_salt: str | None = None) -> list[RequestOutput]:
         """Run every conversation to completion; outputs in input order. A single conversation (a list
         of message dicts) is accepted too. Every conversation is checked before any runs: an invalid
         or too-long one raises, naming its index, and nothing is run. With `SamplingParams(n=k)` each
-        output is sample 0 and its `outputs` holds the k samples (seed + i for sample i)."""
+        output is sample 0 and its `outputs` holds the k samples (seed + i for sample i).
+
+        `tools`, `tool_choice`, `parallel_tool_calls`, `chat_template_kwargs`, `cache_salt`: OpenAI's and
+        vLLM's fields (`vlm_sdk.chat_options.ChatOptions`), for every conversation; an output's
+        `tool_calls`, `content` and `reasoning_content` are then its parsed parts."""
+        options = ChatOptions(tools, tool_choice, parallel_tool_calls, chat_template_kwargs, cache_salt)
         if _is_single_conversation(conversations):
             conversations = [conversations]
         if not isinstance(conversations, (list, tuple)) or not conversations:
@@ -59,7 +66,7 @@ class LLM:
         prompts = []
         for i, conv in enumerate(conversations):
             try:
-                prompts.append(self.engine.build_prompt(conv, params[i]))
+                prompts.append(self.engine.build_prompt(conv, params[i], options=options))
             except InputTooLongError as e:
                 raise e.with_conversation(i) from None
             except InvalidRequestError as e:
@@ -77,7 +84,8 @@ class LLM:
                 for i, sample in enumerate(samples):
                     rid = self.engine.add_request(prompt, sample)
                     group.append(rid)
-                    states[rid] = self.output_processor.new_request(rid, prompt.token_ids, sample, index=i)
+                    states[rid] = self.output_processor.new_request(rid, prompt.token_ids, sample, index=i,
+                                                                    output_format=prompt.output_format)
                 groups.append(group)
             while len(final) < len(states):
                 for engine_out in self.engine.step():
@@ -96,7 +104,7 @@ class LLM:
         for group in groups:
             outputs = [final[rid] for rid in group]
             for out in outputs:
-                out.delta_text = out.text  # one output per request: its delta is all of it
+                out.set_whole()  # one output per request: its delta is all of it
                 out.request_id = group[0]  # the samples are one request
             outputs[0].outputs = outputs
             results.append(outputs[0])

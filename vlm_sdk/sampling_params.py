@@ -167,6 +167,9 @@ class StructuredOutputs:
     kind: str
     text: str
     param: str = "structured_outputs"
+    # Lark text of what comes before this grammar, naming it `@answer` (free reasoning up to its end
+    # tag: engine/input/chat_setup.py); None: the output starts with it
+    prefix: str | None = None
 
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")

@@ -37,9 +37,34 @@ def _canonical(name: str) -> str:
     return name
 
 
-class Qwen2_5_VLForCausalLM(DecoderVLM):
+class QwenVLM(DecoderVLM):
+    """What Qwen2.5-VL and Qwen3-VL share: M-RoPE positions computed once per prompt by the processor, an
+    LLM and a `visual` tower loaded from the published layout (`lm_prefix`, `vision_prefix`, `lm_head`;
+    `canonical_name` maps other spellings of the names to it)."""
     position_rows = 3  # M-RoPE: temporal, height, width
+    lm_prefix, vision_prefix, lm_head = "model.", "visual.", "lm_head.weight"
 
+    def canonical_name(self, name: str) -> str:
+        return name
+
+    def positions(self, prompt_positions: MRopePositions | None, start: int, end: int) -> torch.Tensor:
+        """M-RoPE positions `[3, end - start]`: the prompt's (`MRopePositions`, computed once by the
+        processor), then index + rope_delta on all three axes for generated tokens."""
+        return prompt_positions_at(prompt_positions, start, end)
+
+    def checkpoint_map(self) -> dict[str, ParamSlot]:
+        """Published checkpoint name -> slot, parameter names relative to this module."""
+        slots = {name: s.under("decoder.") for name, s in self.decoder.checkpoint_map(self.lm_prefix, self.lm_head).items()}
+        slots.update({name: s.under("visual.") for name, s in self.visual.checkpoint_map(self.vision_prefix).items()})
+        return slots
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str | Path | None = None) -> None:
+        load_with_lm_head(self, self.decoder, weights, self.checkpoint_map(), lm_head=self.lm_head,
+                          canonical=self.canonical_name, source=source)
+        finish_cpu_layout(self, self.decoder)
+
+
+class Qwen2_5_VLForCausalLM(QwenVLM):
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  ops: KernelOps | None = None, tp: TPGroup = TPGroup(), shard_vision: bool = True):
         super().__init__()
@@ -62,23 +87,8 @@ class Qwen2_5_VLForCausalLM(DecoderVLM):
         pixels = pixels_to_device(images, self.visual.temporal_patch_size, device, self.dtype)  # [patches, patch_dim]
         return self.visual(pixels, [im.meta.grid_thw for im in images])
 
-    def positions(self, prompt_positions: MRopePositions | None, start: int, end: int) -> torch.Tensor:
-        """M-RoPE positions `[3, end - start]`: the prompt's (`MRopePositions`, computed once by the
-        processor), then index + rope_delta on all three axes for generated tokens."""
-        return prompt_positions_at(prompt_positions, start, end)
+    def canonical_name(self, name: str) -> str:
+        return _canonical(name)
 
     def _vision_parts(self) -> tuple[nn.Module, nn.Module]:
         return self.visual, self.visual.merger
-
-    def checkpoint_map(self) -> dict[str, ParamSlot]:
-        """Published checkpoint name -> slot, parameter names relative to this module."""
-        slots = {name: s.under("decoder.")
-                 for name, s in self.decoder.checkpoint_map("model.", "lm_head.weight").items()}
-        slots.update({name: s.under("visual.")
-                      for name, s in self.visual.checkpoint_map("visual.").items()})
-        return slots
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str | Path | None = None) -> None:
-        load_with_lm_head(self, self.decoder, weights, self.checkpoint_map(), lm_head="lm_head.weight",
-                          canonical=_canonical, source=source)
-        finish_cpu_layout(self, self.decoder)

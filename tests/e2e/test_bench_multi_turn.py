@@ -58,8 +58,8 @@ def test_two_engines_share_one_device_each_for_its_half():
     bounds the device's total use, the earlier engine's included): with the engine's own sizing rule
     each gets about half; two engines at 0.9 each (the first H100 run) left the second not one block."""
     from vlm_sdk.bench.device_share import shared_engine_args
-    from vlm_sdk.config import DeviceBudget, EngineArgs
-    from vlm_sdk.worker.kv_cache import size_cache
+    from vlm_sdk.config import EngineArgs
+    from vlm_sdk.memory.kv import DeviceBudget, size_cache
 
     assert shared_engine_args("cpu", 2) == [{}, {}]
     shares = shared_engine_args("cuda", 2)

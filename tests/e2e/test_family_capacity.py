@@ -11,7 +11,7 @@ import torch
 from helpers import conversations, image
 from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM, SamplingParams
-from vlm_sdk.worker.weights import weight_bytes
+from vlm_sdk.memory.weights import weight_bytes
 from vlm_sdk.errors import InputTooLongError, InvalidImageError, InvalidRequestError, UnfitImagesError, VLMError
 from vlm_sdk.model_loader import read_config
 from vlm_sdk.models import registry

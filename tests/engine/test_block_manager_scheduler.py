@@ -2,9 +2,9 @@
 import torch
 
 from vlm_sdk.config import SchedulerConfig
-from vlm_sdk.engine.block_manager import BlockManager
-from vlm_sdk.engine.scheduler import Scheduler
-from vlm_sdk.engine.sequence import Sequence, SequenceStatus
+from vlm_sdk.engine.core.block_manager import BlockManager
+from vlm_sdk.engine.core.scheduler import Scheduler
+from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.sampling_params import SamplingParams
 

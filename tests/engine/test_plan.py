@@ -116,27 +116,34 @@ def test_cli_json_and_table(capsys):
 
 
 def test_activation_estimate_counts_what_the_engine_profile_counts():
-    """The planner's language-model peak adds, as the engine's profile does: the sampler's temporaries at
-    max_num_seqs rows, the largest image's held embeddings, on a GPU the decode graphs' pool (not with
-    enforce_eager, nor on the CPU) and, when on, the piecewise graphs' buffers and pool."""
-    from vlm_sdk.worker.piecewise_graphs import held_bytes
-    from vlm_sdk.worker.sampler import WORST_BYTES_PER_ENTRY
+    """The plan lists the memory consumers the engine's profile measures, each estimated: logits and the
+    sampler's temporaries at max_num_seqs rows, the largest image's held embeddings with the step, on a GPU
+    the decode graphs' pool (not with enforce_eager, nor on the CPU) and, when on, the piecewise graphs'
+    buffers and pool; the activation peak is their sum."""
+    from vlm_sdk.memory.consumers.piecewise import held_bytes
+    from vlm_sdk.memory.consumers.sampler import WORST_BYTES_PER_ENTRY
     cfg = CONFIGS / "qwen2_5_vl_3b.json"
     gpu = dict(device_memory="80GiB")
     base = plan(cfg, enforce_eager=True, **gpu)
     vocab, hidden, seqs = 151936, 2048, 64
+    assert base.consumer_bytes("sampler") == seqs * vocab * (4 + WORST_BYTES_PER_ENTRY)  # logits + sampler per row
     more_rows = plan(cfg, enforce_eager=True, max_num_seqs=2 * seqs, **gpu)
-    assert more_rows.activation_language_model_bytes - base.activation_language_model_bytes == \
-        seqs * vocab * (4 + WORST_BYTES_PER_ENTRY)  # logits + sampler per row
+    assert more_rows.consumer_bytes("sampler") == 2 * base.consumer_bytes("sampler")
+    assert base.consumer_bytes("decode_graph_pool") == 0
     graphs = plan(cfg, **gpu)
-    pool = graphs.activation_language_model_bytes - base.activation_language_model_bytes
+    pool = graphs.consumer_bytes("decode_graph_pool")
     logits = seqs * vocab * (2 + 4)  # the graphs' logits: bf16 product in the pool, float32 buffer
     assert seqs * hidden * 2 < pool - logits < 8 * 2**20  # a decode forward of 64 rows: more than their hidden states
+    assert graphs.activation_peak_bytes - base.activation_peak_bytes == pool
     piecewise = plan(cfg, piecewise_cuda_graphs=True, **gpu)
-    extra = piecewise.activation_language_model_bytes - graphs.activation_language_model_bytes
-    assert extra > held_bytes(8192, hidden, 16, 2, 128, 3, torch.bfloat16) > 0
+    assert piecewise.consumer_bytes("piecewise_graphs") > held_bytes(8192, hidden, 16, 2, 128, 3, torch.bfloat16) > 0
     small = plan(cfg, enforce_eager=True, max_pixels=200704, **gpu)  # the largest image: 256 tokens
-    assert base.activation_language_model_bytes - small.activation_language_model_bytes == \
+    assert base.consumer_bytes("activation") - small.consumer_bytes("activation") == \
         (base.image_tokens_per_image - 256) * hidden * 2  # its held embeddings, bf16
-    assert plan(cfg, device="cpu", host_memory="512GiB").activation_language_model_bytes == \
-        plan(cfg, device="cpu", host_memory="512GiB", enforce_eager=True).activation_language_model_bytes
+    for p in (base, graphs, piecewise, small):  # the peak is what the step-time consumers add up to
+        assert p.activation_peak_bytes == sum(c.bytes for c in p.consumers if c.kind == "activation")
+    cpu = plan(cfg, device="cpu", host_memory="512GiB")
+    assert cpu.consumer_bytes("decode_graph_pool") == 0
+    assert cpu.activation_peak_bytes == plan(cfg, device="cpu", host_memory="512GiB", enforce_eager=True).activation_peak_bytes
+
+

@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from helpers import TESTS
+from helpers import TESTS, plan_cache
 from vlm_sdk.cli import main
-from vlm_sdk.config import DEFAULT_ENCODER_CACHE_MEMORY, DeviceBudget, EngineArgs
+from vlm_sdk.config import DEFAULT_ENCODER_CACHE_MEMORY, EngineArgs
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.plan import plan
 from vlm_sdk.worker import kv_cache
-from vlm_sdk.worker.kv_cache import plan_cache, size_cache
+from vlm_sdk.memory.kv import CacheConfig, DeviceBudget, size_cache
 
 QWEN_3B = TESTS / "configs" / "qwen2_5_vl_3b.json"
 MIB, GIB = 1 << 20, 1 << 30
@@ -64,7 +64,6 @@ def test_memory_utilization_fix_applied_with_the_encoder_cache_gives_the_blocks(
 def cuda_24g(monkeypatch):
     """A CUDA device of 24 GiB with 16 GiB in use (weights and others), as `plan_cache` measures it."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * GIB, 24 * GIB))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 15 * GIB)
     return torch.device("cuda")
 
 

@@ -3,10 +3,10 @@ least-recently-used eviction of free cached blocks, and the free counts that cap
 import torch
 
 from vlm_sdk.config import SchedulerConfig
-from vlm_sdk.engine.block_hash import ImageSpan, extend_block_hashes
-from vlm_sdk.engine.block_manager import BlockManager
-from vlm_sdk.engine.scheduler import Scheduler
-from vlm_sdk.engine.sequence import Sequence
+from vlm_sdk.engine.core.block_hash import ImageSpan, extend_block_hashes
+from vlm_sdk.engine.core.block_manager import BlockManager
+from vlm_sdk.engine.core.scheduler import Scheduler
+from vlm_sdk.engine.core.sequence import Sequence
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 from vlm_sdk.sampling_params import SamplingParams
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from vlm_sdk.engine.detokenizer import IncrementalDetokenizer
-from vlm_sdk.worker.sampler import Sampler
+from vlm_sdk.engine.output.detokenizer import IncrementalDetokenizer
+from vlm_sdk.sample.sampler import Sampler
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.sampling_params import SamplingParams
 

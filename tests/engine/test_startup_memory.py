@@ -7,15 +7,17 @@ import logging
 import pytest
 import torch
 
+from helpers import plan_cache
 from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM, SamplingParams
-from vlm_sdk.config import DEFAULT_ENCODER_CACHE_MEMORY, CacheConfig, DeviceBudget, EngineArgs
-from vlm_sdk.engine.capacity import check_max_model_len_fits
-from vlm_sdk.worker.kv_cache import plan_cache, size_cache
-from vlm_sdk.worker.weights import weight_bytes
-from vlm_sdk.engine.preemption_watch import PreemptionWatch
+from vlm_sdk.config import DEFAULT_ENCODER_CACHE_MEMORY, EngineArgs
+from vlm_sdk.memory.capacity import check_max_model_len_fits
+from vlm_sdk.memory.kv import CacheConfig, DeviceBudget, size_cache
+from vlm_sdk.memory.weights import weight_bytes
+from vlm_sdk.engine.core.preemption_watch import PreemptionWatch
 from vlm_sdk.errors import CacheTooSmallError, InvalidRequestError
 from vlm_sdk.plan import plan
+
 
 GIB = 1 << 30
 
@@ -225,7 +227,7 @@ def test_too_long_error_offers_the_same_fixes_as_plan(tiny_ckpt):
 
 def test_too_long_error_on_a_device_budget_offers_memory_utilization():
     from vlm_sdk.config import SchedulerConfig
-    from vlm_sdk.engine.capacity import check_prompt_fits
+    from vlm_sdk.memory.capacity import check_prompt_fits
     from vlm_sdk.errors import InputTooLongError
     from vlm_sdk.multimodal.inputs import PromptInputs
     per_block = 917_504
@@ -265,7 +267,6 @@ def test_both_limits_below_the_prompt_need_both_settings_in_plan_and_engine(tiny
 def test_no_room_for_the_kv_cache_on_cuda_gives_the_memory_utilization_that_fits(monkeypatch):
     total, free, per_block, peak = 80 * 2**30, 30 * 2**30, 2**20, 10 * 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 45 * 2**30)
     args = EngineArgs(memory_utilization=0.7)
     with pytest.raises(InvalidRequestError) as info:
         plan_cache(args, per_block, torch.device("cuda"), 10**6, peak, image_setting="max_pixels")
@@ -283,32 +284,23 @@ def test_no_room_for_the_kv_cache_on_cuda_gives_the_memory_utilization_that_fits
         plan_cache(EngineArgs(memory_utilization=0.9), per_block, torch.device("cuda"), 10**6, 60 * 2**30)
 
 
-def test_no_room_counts_only_this_engines_weights_as_its_own(monkeypatch):
-    """What the first H100 run hit: a second engine in the process found 75.5 GB in use, and the error
-    called all of it "this engine's weights". The weights are what loading allocated; the rest is named
-    as the others', with the way engines share a device."""
-    total, weights, first_engine = 85_017_493_504, 211_819_008, 75_560_000_000
-    in_use = first_engine + weights + 500_000_000  # + the CUDA context
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - in_use, total))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: first_engine + weights)  # not ours
-    with pytest.raises(InvalidRequestError) as info:
-        plan_cache(EngineArgs(memory_utilization=0.9), 2**17, torch.device("cuda"), 10**6, 2**28,
-                   weights_bytes=weights)
-    msg = str(info.value)
-    assert f"{in_use:,} are in use ({weights:,} by this engine's weights, {in_use - weights:,} by the CUDA " \
-           f"context, other engines" in msg
-    assert "engines sharing a device each need a share" in msg and "kv_cache_memory" in msg
-    # alone on the device: no talk of sharing
-    alone = weights + 500_000_000
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - alone, total))
-    with pytest.raises(InvalidRequestError) as info:
-        plan_cache(EngineArgs(memory_utilization=0.01), 2**17, torch.device("cuda"), 10**6, 2**28,
-                   weights_bytes=weights)
-    assert f"({weights:,} by this engine's weights" in str(info.value) and "sharing" not in str(info.value)
-
-
 def test_min_memory_utilization_is_the_smallest_two_decimal_value():
     for total, free, peak, per_block in ((100, 50, 10, 1), (1000, 500, 100, 100), (7919, 3000, 1234, 77)):
         need = DeviceBudget(total, total - free, peak).utilization_for(per_block)
         assert int(need * total) >= total - free + peak + per_block
         assert int(round(need - 0.01, 2) * total) < total - free + peak + per_block
+
+
+def test_no_room_error_counts_only_this_engines_weights(monkeypatch):
+    """A second engine on a device another engine already fills (the GPU run's `bench --multi-turn`): what is
+    in use is split into this engine's own weights and the rest (CUDA context, other engines, other
+    processes), instead of calling all of it "this engine's weights"."""
+    total, free, per_block = 80 * 2**30, 4 * 2**30, 2**20
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    with pytest.raises(InvalidRequestError) as info:
+        plan_cache(EngineArgs(memory_utilization=0.9), per_block, torch.device("cuda"), 10**6, 2**30,
+                   weights=7 * 2**30)
+    msg = str(info.value)
+    in_use = total - free
+    assert f"{in_use:,} are in use ({7 * 2**30:,} by this engine's weights, {in_use - 7 * 2**30:,} by the CUDA " \
+           f"context, other engines and other processes)" in msg

@@ -70,7 +70,7 @@ def _mixed_params():
 @pytest.mark.parametrize("candidates", [4, 16, 1024])
 @pytest.mark.parametrize("scale", [0.3, 3.0])  # flat rows send top-p past small candidate sets
 def test_device_cut_matches_the_full_sort_reference(candidates, scale):
-    from vlm_sdk.worker.top_k_top_p import filtered_probs, filtered_probs_reference
+    from vlm_sdk.sample.top_k_top_p import filtered_probs, filtered_probs_reference
     need_triton("cpu")
     torch.manual_seed(int(scale * 10) + candidates)
     params = _mixed_params()
@@ -91,7 +91,7 @@ def test_device_cut_makes_no_host_sync(monkeypatch):
     """Every way a tensor reaches the host raises while `filtered_probs` runs, but inside the kernel's
     launch (the interpreter itself reads the tensors through numpy; on a GPU the launch is queued)."""
     import vlm_sdk.kernels.top_p_cut as cut
-    from vlm_sdk.worker.top_k_top_p import filtered_probs
+    from vlm_sdk.sample.top_k_top_p import filtered_probs
     need_triton("cpu")
     traps = ("__bool__", "item", "tolist", "nonzero", "cpu", "numpy", "__int__", "__float__")
     real = {name: getattr(torch.Tensor, name) for name in traps}

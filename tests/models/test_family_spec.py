@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from vlm_sdk.testing.families import fixtures
 from vlm_sdk.config import EngineArgs
 from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
 from vlm_sdk.models import registry
@@ -37,8 +38,11 @@ def test_every_family_provides_the_spec(name):
     for cls in (fam.model_cls, fam.processor_cls, fam.image_processor_cls):
         assert isinstance(cls, type)
     assert fam.model_cls.position_rows in (1, 3)
-    assert fam.bench_image_sizes and all(w > 0 and h > 0 for w, h in fam.bench_image_sizes)
-    assert callable(fam.reference.hf_prompt) and callable(fam.reference.hf_image_processor)
+    fixture = fixtures(name)  # tests and benchmarks only: registered in vlm_sdk/testing/families.py
+    assert fixture.family == name
+    assert fixture.bench_image_sizes and all(w > 0 and h > 0 for w, h in fixture.bench_image_sizes)
+    assert callable(fixture.reference.hf_prompt) and callable(fixture.reference.hf_image_processor)
+    assert not hasattr(fam, "make_tiny_checkpoint") and not hasattr(fam, "reference")  # runtime hooks only
 
 
 def test_position_rows_per_family():

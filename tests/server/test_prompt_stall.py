@@ -5,7 +5,7 @@ While one client streams, another sends a 30 MB text prompt, refused as too long
 largest gap between two chunks, from just before the big request is sent until just after it is
 answered, stays under 0.5 s. Since issue 18 the text is refused from its length before any template
 or tokenizer runs, or, where that bound is too loose, from a prefix tokenized in the child process
-(engine/prompt_tokenizer.py), so the refusal itself is quick too.
+(engine/input/prompt_tokenizer.py), so the refusal itself is quick too.
 `PYTHONPATH=tests python tests/server/test_prompt_stall.py [megabytes]` measures other sizes.
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ def test_huge_prompt_does_not_stall_another_stream(tiny_ckpt, refused_by):
 
 
 def test_long_prompt_tokenizer_path_gives_the_same_ids(tiny_ckpt, monkeypatch):
-    from vlm_sdk.engine import prompt_tokenizer
+    from vlm_sdk.engine.input import prompt_tokenizer
     from vlm_sdk.model_loader import load_tokenizer
     tok = load_tokenizer(tiny_ckpt)
     text = "<|im_start|>user\nAll work and no play, émoji 🙂 ok?<|im_end|>\n" * 50

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import image
 from server_helpers import API_KEY, data_url, get, image_message, post, sse_events, wait_for
+from vlm_sdk.testing.families import fixtures
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.server.background import BackgroundServer
 from vlm_sdk.server.config import ServerConfig
@@ -331,7 +332,7 @@ def _direct_logprobs(tiny_ckpt, prompt: list[int], generated: list[int]):
     import torch
 
     from vlm_sdk.models import registry
-    model = registry.load("qwen2_5_vl").reference.hf_model(str(tiny_ckpt)).float()
+    model = fixtures("qwen2_5_vl").reference.hf_model(str(tiny_ckpt)).float()
     with torch.inference_mode():
         ids = torch.tensor([prompt + generated])  # [1, len]
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()  # [len, vocab]

@@ -12,9 +12,10 @@ from tolerance import assert_reduction_close, forward_terms
 from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM
 from vlm_sdk.attention.metadata import AttentionMetadata
-from vlm_sdk.config import CacheConfig
+from vlm_sdk.memory.kv import CacheConfig
 from vlm_sdk.worker.kv_cache import allocate_kv_caches
-from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
+from vlm_sdk.memory.consumers.piecewise import piecewise_sizes
+from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs
 
 BLOCK = 16
 

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from vlm_sdk.testing.hooks import local_worker
-from vlm_sdk.worker.kv_cache import bytes_per_block
+from vlm_sdk.memory.kv import bytes_per_block
 from vlm_sdk.worker.profiler import profile_peak
 
 
@@ -84,7 +84,8 @@ def test_graph_pool_is_counted_and_grows_with_the_captured_batch(engine):
 def test_piecewise_graphs_are_counted_buffers_outputs_and_pool(engine):
     """With piecewise graphs: their fixed buffers and per-bucket outputs (arithmetic) plus a pool bounded
     by a plain forward of the budget's tokens (measured); nothing without them."""
-    from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs, held_bytes
+    from vlm_sdk.memory.consumers.piecewise import held_bytes
+    from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs
     m = local_worker(engine).model
     off, on = _profile(engine, 4), _profile(engine, 4, piecewise_tokens=8)
     layer = m.decoder.layers[0]

@@ -95,7 +95,7 @@ def test_triton_hidden_states_match_torch(tiny_ckpt):
     _interpreter_or_gpu("cpu")
     from vlm_sdk.attention.metadata import AttentionMetadata
     from vlm_sdk.worker.kv_cache import allocate_kv_caches
-    from vlm_sdk.config import CacheConfig
+    from vlm_sdk.memory.kv import CacheConfig
 
     ref = local_worker(LLM(tiny_ckpt, attention_backend="torch", show_progress=False).engine).model
     tri = local_worker(LLM(tiny_ckpt, attention_backend="triton", show_progress=False).engine).model

@@ -11,9 +11,9 @@ from helpers import conversations
 from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.config import SchedulerConfig
-from vlm_sdk.engine.block_manager import BlockManager
-from vlm_sdk.engine.scheduler import Scheduler
-from vlm_sdk.engine.sequence import Sequence
+from vlm_sdk.engine.core.block_manager import BlockManager
+from vlm_sdk.engine.core.scheduler import Scheduler
+from vlm_sdk.engine.core.sequence import Sequence
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.protocol.scheduler_output import NO_IDS, CachedRequestData, NewRequestData, SchedulerOutput
 

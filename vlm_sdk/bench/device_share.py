@@ -2,7 +2,7 @@
 
 An engine's `memory_utilization` bounds the whole device's use when it sizes its KV cache: what is in
 use before it (its weights, the CUDA context, engines started earlier, other processes) counts against
-it (`vlm_sdk.config.DeviceBudget`). Two engines that each ask for 0.9 leave the second nothing: the
+it (`vlm_sdk.memory.kv.DeviceBudget`). Two engines that each ask for 0.9 leave the second nothing: the
 first H100 run's `bench --multi-turn` failed so. Started one after another, the k-th of n engines takes
 its share with k/n of the total utilization: the first 0.45, the second 0.9, each about 0.45 of the
 device. What a later engine cannot see in use (an earlier one's activation peak, freed after its

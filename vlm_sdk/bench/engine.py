@@ -49,11 +49,13 @@ def run_benchmark(args) -> int:
     from vlm_sdk.demo_checkpoint import tiny_model_dir
     from vlm_sdk.model_loader import read_checkpoint
     from vlm_sdk.models.registry import resolve
+    from vlm_sdk.testing.families import fixtures
 
     model_dir = args.model or str(tiny_model_dir("bench", args.family))
     info = read_checkpoint(model_dir)
-    spec = resolve([info.architecture])
-    family, image_sizes = spec.name, [tuple(size) for size in spec.bench_image_sizes]
+    family = resolve([info.architecture]).name
+    fixture = fixtures(family)
+    image_sizes = [tuple(size) for size in fixture.bench_image_sizes]
     images, convs, max_tokens = _workload(args.num_requests, image_sizes)
     device = bench_device(args.device)
     report: dict = {"model": model_dir, "family": family, "device": device, "num_requests": args.num_requests,
@@ -62,7 +64,7 @@ def run_benchmark(args) -> int:
 
     if args.tensor_parallel_size > 1:
         return _run_tp_comparison(args, report, convs, max_tokens)
-    report["preprocess"] = spec.benchmark_preprocessing(info.preprocessor, info.hf_config, images)
+    report["preprocess"] = fixture.benchmark_preprocessing(info.preprocessor, info.hf_config, images)
 
     report["ours"] = _timed_engine(model_dir, device, convs, max_tokens)
     release_device_memory(device)  # the transformers peer gets what our engine held
@@ -149,10 +151,10 @@ def _run_tp_comparison(args, report: dict, convs, max_tokens) -> int:
 
 def _run_transformers(family: str, model_dir: str, convs, max_tokens, batch_size: int, device: str) -> dict:
     from transformers import AutoTokenizer
-    from vlm_sdk.models import registry
     from vlm_sdk.testing import reference
+    from vlm_sdk.testing.families import fixtures
 
-    family_reference = registry.load(family).reference
+    family_reference = fixtures(family).reference
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     proc = family_reference.hf_image_processor(model_dir)
     model = family_reference.hf_model(model_dir, dtype).to(device)

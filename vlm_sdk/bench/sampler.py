@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from vlm_sdk.sampling_params import SamplingParams
-from vlm_sdk.worker.penalties import apply_penalties_reference, needs_edit
-from vlm_sdk.worker.sampler import Sampler
-from vlm_sdk.worker.top_k_top_p import CANDIDATES, filtered_probs, filtered_probs_reference
+from vlm_sdk.sample.penalties import apply_penalties_reference, needs_edit
+from vlm_sdk.sample.sampler import Sampler
+from vlm_sdk.sample.top_k_top_p import CANDIDATES, filtered_probs, filtered_probs_reference
 
 
 @dataclass(frozen=True)

@@ -31,25 +31,27 @@ import time
 
 import torch
 
-from vlm_sdk.config import DTYPES, EngineArgs, SchedulerConfig
-from vlm_sdk.engine.block_manager import BlockManager
-from vlm_sdk.engine.capacity import check_max_model_len_fits, check_prompt_fits, text_too_long
-from vlm_sdk.engine.image_fit import check_largest_image_fits
-from vlm_sdk.engine.engine_output import EngineOutput
-from vlm_sdk.engine.memory_report import RankMemory, StartupMemory
-from vlm_sdk.engine.preemption_watch import PreemptionWatch, preemption_warning
-from vlm_sdk.engine.prompt_guard import PromptGuard
-from vlm_sdk.engine.prompt_tokenizer import PromptTokenizer, PromptTooLong
-from vlm_sdk.engine.scheduler import ScheduledBatch, Scheduler
-from vlm_sdk.engine.sequence import Sequence, SequenceStatus
+from vlm_sdk.chat_options import NO_OPTIONS, ChatOptions
+from vlm_sdk.config import EngineArgs, resolve_rank_config
+from vlm_sdk.engine.core.block_manager import BlockManager
+from vlm_sdk.engine.output.engine_output import EngineOutput
+from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_warning
+from vlm_sdk.engine.input.chat_setup import ChatSetup
+from vlm_sdk.engine.input.prompt_guard import PromptGuard
+from vlm_sdk.engine.input.prompt_tokenizer import PromptTokenizer, PromptTooLong
+from vlm_sdk.engine.core.scheduler import ScheduledBatch, Scheduler
+from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
 from vlm_sdk.engine.structured_output import Grammar, GrammarCompiler, MaskFiller, accept
-from vlm_sdk.errors import InvalidRequestError, fixes_text
+from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.executor import make_executor
 from vlm_sdk.hub import resolve_model
+from vlm_sdk.memory.capacity import check_prompt_fits, text_too_long
+from vlm_sdk.memory.image_fit import check_largest_image_fits
+from vlm_sdk.memory.inputs import memory_inputs
+from vlm_sdk.memory.startup import scheduler_config, size_rank_caches, startup_report
 from vlm_sdk.model_loader import load_tokenizer, read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import PromptInputs
-from vlm_sdk.protocol.blocks import blocks_needed
 from vlm_sdk.protocol.rank import RankLoad
 from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
 from vlm_sdk.sampling_params import SamplingParams
@@ -70,11 +72,15 @@ class LLMEngine:
         self.eos_token_ids = set(info.eos_token_ids)
         vocab_size = int(family.text_config(info.hf_config).vocab_size)  # the logits' width
         self.grammars = GrammarCompiler(self.tokenizer.wrapped, vocab_size, sorted(self.eos_token_ids))
+        # tools, reasoning and chat_template_kwargs: how a chat's options reach its prompt and grammar
+        self.chat = ChatSetup(self.tokenizer, self.grammars, args.tool_call_parser, args.reasoning_parser)
         self._fill_masks = MaskFiller(vocab_size)
-        # refused before any rank starts (async_scheduling=True with tensor parallelism)
-        args.resolve_async_scheduling(args.resolve_device(), args.tensor_parallel_size)
+        # every default that depends on the device or the rank count, decided once (refusing
+        # async_scheduling=True with tensor parallelism before any rank starts); ranks receive it
+        self.rank_config = resolve_rank_config(args)
+        self.async_scheduling = self.rank_config.async_scheduling
         # rank 0's worker in this process; under tensor parallelism one more process per rank
-        self.executor = make_executor(model, args, info.hf_config, family)
+        self.executor = make_executor(model, self.rank_config, info.hf_config, family)
         try:
             self._start(info, family)
         except BaseException:
@@ -82,35 +88,34 @@ class LLMEngine:
             raise
 
     def _start(self, info, family) -> None:
-        """Size the KV cache on every rank (the smallest any rank can hold), allocate it, and build the
-        scheduler on rank 0's figures."""
-        args, executor = self.args, self.executor
+        """Size the KV cache from every rank's memory (the smallest any rank can hold: vlm_sdk/memory/),
+        allocate it, and build the scheduler."""
+        args, executor, rc = self.args, self.executor, self.rank_config
         loads: list[RankLoad] = executor.collective_rpc("load_report")
-        self.device, self.dtype = torch.device(loads[0].device), DTYPES[loads[0].dtype]
+        self.device, self.dtype = torch.device(loads[0].device), rc.torch_dtype
         self.image_processor = family.image_processor_cls.from_preprocessor_config(info.preprocessor, info.hf_config)
         self.processor = family.make_processor(self.tokenizer, self.image_processor, info.hf_config, args)
         largest_image = self.processor.largest_image()
-        self.max_position_embeddings = int(getattr(family.text_config(info.hf_config), "max_position_embeddings"))
-        # measured on CUDA even when the cache size is given: the report shows it
-        peaks = executor.collective_rpc("profile_peak", largest_image, self.max_position_embeddings)
-        caches = executor.collective_rpc("size_cache", self.max_position_embeddings, family.plan_setting[1])
-        self.cache_config = min(caches, key=lambda c: c.num_blocks)  # every rank holds this many blocks
-        if args.memory_utilization_given and self.cache_config.rule != "memory_utilization":
-            logger.warning("memory_utilization=%s has no effect: %s sizes the KV cache", args.memory_utilization,
-                           "num_blocks" if self.cache_config.rule == "num_blocks" else "kv_cache_memory")
-        self.scheduler_config = self._scheduler_config()
         meta_model = family.meta_model(info.hf_config, self.dtype, executor.world_size, args.shard_vision)
-        check_largest_image_fits(family.image_limits(info.preprocessor, info.hf_config, meta_model,
-                                                     dict(args.mm_processor_kwargs)),
-                                 family.plan_setting[1], self.cache_config, self.scheduler_config,
+        memory = memory_inputs(family, info, args, meta_model, self.dtype, executor.world_size,
+                               on_gpu=self.device.type == "cuda", decode_graphs=rc.decode_graphs,
+                               piecewise_graphs=rc.piecewise_graphs)
+        self.max_position_embeddings = memory.max_position_embeddings
+        # measured on CUDA even when the cache size is given: the report shows it
+        profiles = executor.collective_rpc("profile_memory", largest_image, self.max_position_embeddings)
+        ranks = size_rank_caches(memory, loads, profiles, executor.collective_rpc("memory_snapshot"),
+                                 family.plan_setting[1])
+        self.cache_config = min((r.cache for r in ranks), key=lambda c: c.num_blocks)  # every rank holds this many
+        self.scheduler_config = scheduler_config(memory, self.cache_config)
+        check_largest_image_fits(memory.image, family.plan_setting[1], self.cache_config, self.scheduler_config,
                                  self.max_position_embeddings, args)
         self.processor.max_image_tokens = self.scheduler_config.max_model_len
         self.tokenizer.max_tokens = self.scheduler_config.max_model_len
         # vision runs in groups no bigger than the image the profile measured
         executor.collective_rpc("init_cache", self.cache_config, self.scheduler_config.max_model_len,
                                 largest_image.size)
-        self.memory_report = self._memory_report(loads, peaks, [c.num_blocks for c in caches],
-                                                 largest_image.num_tokens)
+        self.memory_report = startup_report(memory, loads, ranks, self.cache_config, self.scheduler_config,
+                                            measured=profiles[0] is not None)
         logger.info("%s", self.memory_report.format())
         self.block_manager = BlockManager(self.cache_config.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
@@ -119,7 +124,6 @@ class LLMEngine:
         # running totals since start-up, for /metrics counters
         self.totals = {"prompt_tokens": 0, "image_tokens": 0, "generation_tokens": 0}
         self.preemptions = PreemptionWatch(args.preemption_warning_per_minute)
-        self.async_scheduling = args.resolve_async_scheduling(self.device, executor.world_size)
         self._inflight: tuple[ScheduledBatch, PendingOutput] | None = None  # launched, output not read
         self._constrained: dict[str, Sequence] = {}  # live requests with a grammar: their masks are filled
         self._encoder_cache = EncoderCacheStats()  # rank 0's counters, as the last step that encoded left them
@@ -132,67 +136,27 @@ class LLMEngine:
         """End every rank (tensor parallelism); nothing to do with one. Idempotent."""
         self.executor.shutdown()
 
-    def _scheduler_config(self) -> SchedulerConfig:
-        cache, args = self.cache_config, self.args
-        if args.max_model_len is not None:
-            if args.max_model_len > self.max_position_embeddings:
-                raise InvalidRequestError(
-                    f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings="
-                    f"{self.max_position_embeddings}; lower max_model_len", param="max_model_len")
-            check_max_model_len_fits(cache, args.max_model_len)
-            max_len, source = args.max_model_len, "set by you"
-        else:
-            max_len = min(self.max_position_embeddings, cache.capacity_tokens)
-            source = ("the KV cache capacity" if max_len == cache.capacity_tokens
-                      else "the model's max_position_embeddings")
-            if max_len < self.max_position_embeddings:
-                fixes = fixes_text(cache.fixes_for(blocks_needed(self.max_position_embeddings, cache.block_size)))
-                logger.warning("max_model_len is %d, the KV cache capacity, below the model's max_position_"
-                               "embeddings %d; sequences stop there. %s", max_len, self.max_position_embeddings,
-                               f"For the full length set any one of: {fixes}" if fixes else
-                               "No cache this device holds reaches the full length.")
-        return SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len, source)
-
-    def _memory_report(self, loads: list[RankLoad], peaks: list[int | None], rank_blocks: list[int],
-                       image_tokens: int) -> StartupMemory:
-        """Rank 0's figures (every rank holds the same cache; under tensor parallelism `ranks` has each
-        rank's weights and the blocks it could have held)."""
-        cache, sched, load = self.cache_config, self.scheduler_config, loads[0]
-        budget = cache.budget
-        w = load.weights
-        ranks = tuple(RankMemory(r.rank, r.device, r.weights.total, peak, blocks)
-                      for r, peak, blocks in zip(loads, peaks, rank_blocks)) if len(loads) > 1 else ()
-        return StartupMemory(
-            device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-            weights_language_model_bytes=w.language_model, weights_vision_bytes=w.vision,
-            weights_projector_bytes=w.projector, weights_allocated_bytes=load.weights_allocated_bytes,
-            activation_peak_bytes=peaks[0], device_memory_bytes=budget.total_bytes if budget else None,
-            device_in_use_bytes=budget.in_use_bytes if budget else None,
-            memory_utilization=self.args.memory_utilization, encoder_cache_bytes=self.args.encoder_cache_memory,
-            num_layers=load.num_layers,
-            num_kv_heads=load.num_kv_heads, head_dim=load.head_dim, block_size=cache.block_size,
-            kv_bytes_per_token=cache.bytes_per_token, kv_bytes_per_block=cache.bytes_per_block,
-            num_blocks=cache.num_blocks, cache_source=cache.source, max_model_len=sched.max_model_len,
-            max_model_len_source=sched.max_model_len_source, max_position_embeddings=self.max_position_embeddings,
-            image_tokens_per_image=image_tokens, load_seconds=max(r.load_seconds for r in loads),
-            tensor_parallel_size=len(loads), ranks=ranks)
-
     # -- requests ---------------------------------------------------------------------------------
     def build_prompt(self, messages, params: SamplingParams | None = None,
-                     cancelled: threading.Event | None = None) -> PromptInputs:
+                     cancelled: threading.Event | None = None, options: ChatOptions | None = None) -> PromptInputs:
         """Validate messages, decode and preprocess images, tokenize; raise if it can never fit (the
         fixes the error names fit the prompt and `params.max_tokens`). Once `cancelled` is set, the
-        images not decoded yet raise `DecodeCancelled` instead (see `PromptGuard`)."""
+        images not decoded yet raise `DecodeCancelled` instead (see `PromptGuard`). `options`: tools,
+        chat_template_kwargs, cache_salt (engine/input/chat_setup.py sets the prompt's output format and
+        grammar from them)."""
         t0 = time.perf_counter()
+        params, options = params or SamplingParams(), options or NO_OPTIONS
         self.compile_grammar(params)  # a bad schema fails before any image is decoded
+        template_kwargs = self.chat.prepare(options, params)  # so do bad tools
         try:
-            prompt = self.processor(self.guard.prepare(messages, cancelled))
+            prompt = self.processor(self.guard.prepare(messages, cancelled), template_kwargs)
         except PromptTooLong as e:  # a huge text: refused from its token count, before any conversion
             if not e.exact:
                 raise text_too_long(e.num_tokens, self.cache_config, self.scheduler_config,
                                     self.args.max_model_len is not None) from None
             prompt = PromptInputs(token_ids=[0] * e.num_tokens)  # what check_prompt counts
         self.check_prompt(prompt, params)
+        self.chat.finish(prompt, options, params)
         prompt.preprocess_seconds = time.perf_counter() - t0
         return prompt
 
@@ -204,13 +168,14 @@ class LLMEngine:
                           self.args.max_model_len is not None, self.processor.image_setting_fixes,
                           params.max_tokens)
 
-    def compile_grammar(self, params: SamplingParams | None) -> Grammar | None:
-        """The compiled grammar of `params`' structured output (None without one); cached, thread-safe:
-        AsyncLLM compiles on a prep thread, so the engine thread only copies its start state.
-        Raises `InvalidRequestError` naming the field when it cannot be compiled."""
-        if params is None or params.grammar is None:
-            return None
-        return self.grammars.compile(params.grammar)
+    def compile_grammar(self, params: SamplingParams | None, prompt: PromptInputs | None = None) -> Grammar | None:
+        """The compiled grammar of the request: the one `build_prompt` set on `prompt` (a forced tool
+        call, or a structured output after reasoning), else `params`' structured output; None without
+        one. Cached, thread-safe: AsyncLLM compiles on a prep thread, so the engine thread only copies
+        its start state. Raises `InvalidRequestError` naming the field when it cannot be compiled."""
+        spec = prompt.grammar if prompt is not None and prompt.grammar is not None else \
+            params.grammar if params is not None else None
+        return None if spec is None else self.grammars.compile(spec)
 
     def add_request(self, prompt: PromptInputs, params: SamplingParams | None = None,
                     request_id: str | None = None, grammar: Grammar | None = None) -> str:
@@ -227,8 +192,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         self.check_prompt(prompt, params)
-        if params.grammar is not None and grammar is None:
-            grammar = self.compile_grammar(params)
+        if grammar is None:
+            grammar = self.compile_grammar(params, prompt)
         seq = Sequence(request_id, prompt, params)
         if grammar is not None:
             seq.matcher = grammar.matcher()

@@ -8,7 +8,7 @@ inside the grammar.
         seq.matcher = grammar.matcher()                 a copy of the compiled start state
     each step, before the worker runs (engine thread)
         token_bitmask(the grammar rows sampling now)    -> GrammarBitmask: 1 bit per vocabulary token
-    worker (worker/token_mask.py)
+    worker (sample/token_mask.py)
         those rows' logits masked to -inf outside the grammar, then sampled as usual; other rows untouched
     postprocess
         accept(seq, token): the matcher consumes it; once the grammar admits no more text the request
@@ -26,6 +26,7 @@ and a weak model can emit newlines until max_tokens. A schema may choose its own
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -126,6 +127,9 @@ class GrammarCompiler:
                 text = llguidance.grammar_from(spec.kind, spec.text)
             except ValueError as e:
                 raise InvalidRequestError(f"'{spec.param}': {e}", param=spec.param) from None
+        if spec.prefix is not None:  # the prefix's grammar first, this one nested in it as @answer
+            inner = json.loads(text)["grammars"][0] if text.lstrip().startswith("{") else {"lark_grammar": text}
+            text = json.dumps({"grammars": [{"lark_grammar": spec.prefix}, {**inner, "name": "answer"}]})
         error = llguidance.LLMatcher.validate_grammar(text, tokenizer)
         if error:
             what = {"json": "JSON Schema", "regex": "regex", "choice": "choice list", "grammar": "grammar"}[spec.kind]

@@ -10,20 +10,20 @@ from vlm_sdk.executor.torchrun import run_torchrun_rank, torchrun_rank
 __all__ = ["Executor", "make_executor", "check_tensor_parallel_size"]
 
 
-def make_executor(model_dir: str, args, hf_config, family) -> Executor:
+def make_executor(model_dir: str, config, hf_config, family) -> Executor:
     """One rank in this process; or, with `tensor_parallel_size` > 1, ranks started by torchrun (when
     its environment is set) or spawned here, one per device. The size is checked first (it must
     split the model's heads; on CUDA, one GPU per rank): refused with the sizes that would work."""
-    device = args.resolve_device()
-    size = args.tensor_parallel_size
-    check_tensor_parallel_size(family, hf_config, size, args.shard_vision)
+    device = config.args.resolve_device()
+    size = config.args.tensor_parallel_size
+    check_tensor_parallel_size(family, hf_config, size, config.args.shard_vision)
     if size == 1:
-        return InProcessExecutor(model_dir, args, device)
+        return InProcessExecutor(model_dir, config, device)
     check_no_group_yet()
     if torchrun_rank() is not None:
-        return run_torchrun_rank(model_dir, args, device)
+        return run_torchrun_rank(model_dir, config, device)
     from vlm_sdk.executor.multiproc import MultiprocExecutor
     devices = rank_devices(device, size,
-                           lambda limit: tensor_parallel_sizes(family, hf_config, args.shard_vision, limit))
-    return MultiprocExecutor(model_dir, args, devices)
+                           lambda limit: tensor_parallel_sizes(family, hf_config, config.args.shard_vision, limit))
+    return MultiprocExecutor(model_dir, config, devices)
 

@@ -56,8 +56,8 @@ class Executor(ABC):
 
 
 class InProcessExecutor(Executor):
-    def __init__(self, model_dir: str, args, device):
-        self._worker = Worker(model_dir, args, device)
+    def __init__(self, model_dir: str, config, device):
+        self._worker = Worker(model_dir, config, device)
 
     def collective_rpc(self, method: Method, *args: Any) -> list[Any]:
         return [call(self._worker, method, args)]

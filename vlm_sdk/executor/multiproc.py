@@ -42,8 +42,11 @@ from vlm_sdk.worker.worker import Worker
 logger = logging.getLogger("vlm_sdk")
 
 _JOIN_SECONDS = 10.0  # a rank's time to leave after SHUTDOWN before it is terminated
-_REPORT_SECONDS = 3.0
-_LOAD_SECONDS = 3600.0  # the longest a rank may take to load its slice (or distributed_timeout if longer)  # how long a failed collective waits for the failed rank's report
+_REPORT_SECONDS = 3.0  # how long a failed collective waits for the failed rank's report
+_LOAD_SECONDS = 3600.0  # the longest a rank may take to load its slice (or distributed_timeout if longer)
+# the longest a spawned rank may take to start (a fresh interpreter importing torch: seconds, more on a busy
+# machine; distributed_timeout if longer). A rank that dies meanwhile is seen at once by its process.
+_START_SECONDS = 120.0
 
 
 @contextmanager
@@ -65,19 +68,19 @@ def _caller_script_hidden():
 
 
 class MultiprocExecutor(GroupExecutor):
-    def __init__(self, model_dir: str, args, devices: list[torch.device]):
+    def __init__(self, model_dir: str, config, devices: list[torch.device]):
         """`devices[r]`: rank r's device (one GPU per rank on CUDA; the CPU for every rank otherwise)."""
-        size = args.tensor_parallel_size
+        size = config.args.tensor_parallel_size
         ctx = mp.get_context("spawn")
         self._init_group_state()
-        self._timeout_s = args.distributed_timeout
+        self._timeout_s = config.args.distributed_timeout
         self._errors = ctx.Queue()
         self._failures: dict[int, RankFailure] = {}
         self._lock = threading.Lock()  # guards _failures and _closing
         self._callback: FailureCallback | None = None
         self._closing = False
         self._control = None
-        timeout = timedelta(seconds=args.distributed_timeout)
+        timeout = timedelta(seconds=config.args.distributed_timeout)
         store = dist.TCPStore(LOCALHOST, 0, size, is_master=True, wait_for_workers=False, timeout=timeout)
         # CPU ranks share this machine's cores: each takes its share (rank 0's is restored at shutdown)
         self._threads = torch.get_num_threads()
@@ -88,16 +91,16 @@ class MultiprocExecutor(GroupExecutor):
             for rank in range(1, size):
                 index = devices[rank].index if devices[rank].type == "cuda" else None
                 proc = ctx.Process(target=spawned_rank_main, name=f"vlm-tp-rank-{rank}", daemon=True,
-                                   args=(model_dir, args, rank, size, store.port, index, self._errors, os.getpid(),
+                                   args=(model_dir, config, rank, size, store.port, index, self._errors, os.getpid(),
                                          threads))
                 proc.start()
                 self._procs.append(proc)
         try:
-            self._wait_for(store, "started", size, args.distributed_timeout)
-            tp, self._control = join_ranks(0, size, None, args.distributed_timeout, devices[0], store)
-            self._worker, self.world_size = Worker(model_dir, args, devices[0], tp), size
+            self._wait_for(store, "started", size, max(config.args.distributed_timeout, _START_SECONDS))
+            tp, self._control = join_ranks(0, size, None, config.args.distributed_timeout, devices[0], store)
+            self._worker, self.world_size = Worker(model_dir, config, devices[0], tp), size
             # ranks finish loading at their own pace: the first command waits for the last of them
-            self._wait_for(store, "loaded", size, max(args.distributed_timeout, _LOAD_SECONDS))
+            self._wait_for(store, "loaded", size, max(config.args.distributed_timeout, _LOAD_SECONDS))
         except BaseException as e:
             err = self._explain(e)
             self._terminate()

@@ -100,7 +100,7 @@ def serve_commands(worker, control) -> None:
             dist.gather_object(result, None, dst=0, group=control)
 
 
-def run_rank(model_dir: str, args, rank: int, size: int, init_method: str | None, device: torch.device,
+def run_rank(model_dir: str, config, rank: int, size: int, init_method: str | None, device: torch.device,
              errors=None, store_port: int | None = None) -> None:
     """A rank > 0 from start to end: join (at `init_method`, or at rank 0's store on `store_port`),
     load its slice, serve commands. On any error: log it, put a `RankFailure` on `errors` (when given)
@@ -110,10 +110,10 @@ def run_rank(model_dir: str, args, rank: int, size: int, init_method: str | None
         store = None
         if store_port is not None:
             store = dist.TCPStore(LOCALHOST, store_port, size, is_master=False,
-                                  timeout=timedelta(seconds=args.distributed_timeout))
+                                  timeout=timedelta(seconds=config.args.distributed_timeout))
             store.set(f"started/{rank}", "1")  # rank 0 waits for these while watching the processes
-        tp, control = join_ranks(rank, size, init_method, args.distributed_timeout, device, store)
-        worker = Worker(model_dir, args, device, tp)
+        tp, control = join_ranks(rank, size, init_method, config.args.distributed_timeout, device, store)
+        worker = Worker(model_dir, config, device, tp)
         if store is not None:
             store.set(f"loaded/{rank}", "1")
         serve_commands(worker, control)
@@ -135,7 +135,7 @@ def _leave() -> None:
         pass
 
 
-def spawned_rank_main(model_dir: str, args, rank: int, size: int, store_port: int, device_index: int | None,
+def spawned_rank_main(model_dir: str, config, rank: int, size: int, store_port: int, device_index: int | None,
                       errors, parent_pid: int, cpu_threads: int) -> None:
     """Entry of a rank process spawned by rank 0 (`MultiprocExecutor`), which hosts the store.
     `cpu_threads`: this rank's share of the cores (CPU ranks split them instead of each taking all)."""
@@ -143,7 +143,7 @@ def spawned_rank_main(model_dir: str, args, rank: int, size: int, store_port: in
     _exit_with_parent(parent_pid)
     torch.set_num_threads(cpu_threads)
     device = torch.device("cpu") if device_index is None else torch.device("cuda", device_index)
-    run_rank(model_dir, args, rank, size, None, device, errors, store_port)
+    run_rank(model_dir, config, rank, size, None, device, errors, store_port)
 
 
 def _exit_with_parent(parent_pid: int) -> None:

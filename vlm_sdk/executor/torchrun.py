@@ -27,10 +27,10 @@ def torchrun_rank() -> tuple[int, int, int] | None:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
 
 
-def run_torchrun_rank(model_dir: str, args, device: torch.device) -> Executor:
+def run_torchrun_rank(model_dir: str, config, device: torch.device) -> Executor:
     """Rank 0: its executor. Ranks > 0: serve rank 0 until it shuts down, then leave the process."""
     rank, world, local = torchrun_rank()
-    size = args.tensor_parallel_size
+    size = config.args.tensor_parallel_size
     if world != size:
         raise InvalidRequestError(f"torchrun started {world} processes but tensor_parallel_size={size}: every "
                                   f"process is one rank, so start {size} (--nnodes x --nproc-per-node) or set "
@@ -38,17 +38,17 @@ def run_torchrun_rank(model_dir: str, args, device: torch.device) -> Executor:
     if device.type == "cuda":
         device = torch.device("cuda", local)
     if rank != 0:
-        run_rank(model_dir, args, rank, size, "env://", device)
+        run_rank(model_dir, config, rank, size, "env://", device)
         raise SystemExit(0)
-    return TorchrunExecutor(model_dir, args, device)
+    return TorchrunExecutor(model_dir, config, device)
 
 
 class TorchrunExecutor(GroupExecutor):
-    def __init__(self, model_dir: str, args, device: torch.device):
+    def __init__(self, model_dir: str, config, device: torch.device):
         self._init_group_state()
-        self._timeout_s = args.distributed_timeout
-        tp, self._control = join_ranks(0, args.tensor_parallel_size, "env://", args.distributed_timeout, device)
-        self._worker, self.world_size = Worker(model_dir, args, device, tp), args.tensor_parallel_size
+        self._timeout_s = config.args.distributed_timeout
+        tp, self._control = join_ranks(0, config.args.tensor_parallel_size, "env://", config.args.distributed_timeout, device)
+        self._worker, self.world_size = Worker(model_dir, config, device, tp), config.args.tensor_parallel_size
         self._closed = False
         self._start_heartbeat()
 

@@ -42,6 +42,14 @@ class PromptInputs:
     image_positions: list[int] = field(default_factory=list)
     positions: Any = None
     preprocess_seconds: float = 0.0  # time build_prompt took (image decode, resize, tokenize)
+    # a tenant's cache salt (`ChatOptions.cache_salt`): its KV blocks are hashed from it, its images'
+    # keys salted, so no other salt shares either; None: the common, unsalted cache
+    cache_salt: str | None = None
+    # how the output is read (`vlm_sdk.parsers.OutputFormat`: reasoning, tool calls); None: plain text
+    output_format: Any = None
+    # the grammar the engine set for this request (a forced tool call, or the request's own after free
+    # reasoning: a `StructuredOutputs`); None: the sampling params' own, if any
+    grammar: Any = None
 
     @property
     def image_tokens(self) -> list[int]:

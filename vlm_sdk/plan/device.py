@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 
 from vlm_sdk.config import parse_bytes
-from vlm_sdk.engine.memory_report import format_bytes
+from vlm_sdk.memory.report import format_bytes
 from vlm_sdk.errors import InvalidRequestError, format_size
 
 __all__ = ["DEVICE_HINT", "cache_fit_problem", "host_memory_bytes", "parse_size"]

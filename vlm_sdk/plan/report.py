@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from vlm_sdk.engine.memory_report import encoder_cache_text, format_bytes as _size, table
+from vlm_sdk.memory.report import consumer_rows, encoder_cache_text, format_bytes as _size, table
 from vlm_sdk.models import registry
 from vlm_sdk.plan.planner import PLAN_OPTIONS, MemoryPlan, _value, plan
 
@@ -37,9 +37,8 @@ def format_plan(p: MemoryPlan) -> str:
         ("weights: vision tower", _size(p.weights_vision_bytes)),
         ("weights: projector", _size(p.weights_projector_bytes)),
         ("weights: total per rank", _size(p.weights_bytes)),
-        ("activation peak (estimate)", f"{_size(p.activation_peak_bytes)}: LM step with logits, sampler, "
-         f"held image and CUDA graphs' memory "
-         f"{_size(p.activation_language_model_bytes)}, vision {_size(p.activation_vision_bytes)}"),
+        ("activation peak (estimate)", f"{_size(p.activation_peak_bytes)}: the step-time consumers below"),
+        *consumer_rows(p.consumers),
         ("encoder cache", encoder_cache_text(p.encoder_cache_bytes, p.cache_source)),
         ("KV per token", f"{p.kv_bytes_per_token:,} B ({p.num_layers} layers x 2 x {p.num_kv_heads} KV heads x "
          f"{p.head_dim} x {p.dtype})"),

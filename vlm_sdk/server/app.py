@@ -24,7 +24,7 @@ from aiohttp import web
 
 from vlm_sdk.async_llm import AsyncLLM
 from vlm_sdk.errors import EngineDeadError, VLMError
-from vlm_sdk.server import protocol
+from vlm_sdk.server import parsed_output, protocol
 from vlm_sdk.server.body import read_json
 from vlm_sdk.server.logprobs import TokenSpeller
 from vlm_sdk.server.config import ServerConfig
@@ -155,20 +155,21 @@ class OpenAIServer:
                                           self.config.max_stop_strings, self.config.max_stop_chars,
                                           self.config.max_n)
         messages = await self.media.resolve_messages(req.messages)
-        prompt = await self.engine.build_prompt(messages, req.params)
+        prompt = await self.engine.build_prompt(messages, req.params, req.options)
         if req.num_images:
             self.metrics.image_preprocess.observe(prompt.preprocess_seconds)
         gen = self.engine.generate(prompt, req.params)
         try:
             first = await gen.__anext__()  # the engine's own refusal still becomes an HTTP status
             timing = _Timing(arrival, time.monotonic())
+            parsed = prompt.output_format is not None  # reasoning / tool calls read from the text
             if req.stream:
-                return await self._stream(request, req, gen, first, timing)
-            return await self._complete(req, gen, first, timing)
+                return await self._stream(request, req, gen, first, timing, parsed)
+            return await self._complete(req, gen, first, timing, parsed)
         finally:
             await gen.aclose()  # a no-op once finished; otherwise aborts and frees the blocks
 
-    async def _complete(self, req: protocol.ChatRequest, gen, out, timing: "_Timing") -> web.Response:
+    async def _complete(self, req: protocol.ChatRequest, gen, out, timing: "_Timing", parsed: bool) -> web.Response:
         final = {}  # index -> final output; with n > 1 the choices finish in any order
         while True:
             if out.finished:
@@ -183,15 +184,18 @@ class OpenAIServer:
 
         def logprobs(o):
             return None if o.logprobs is None else self.speller.content(o.logprobs)
+        def message(o):
+            return parsed_output.message(o) if parsed else o.text
         # the prompt is counted once: it was built once and the other choices shared its blocks
         body = protocol.completion_body(
-            protocol.new_completion_id(), self.model_name, first.text, first.finish_reason,
+            protocol.new_completion_id(), self.model_name, message(first), first.finish_reason,
             len(first.prompt_token_ids), sum(len(o.token_ids) for o in outputs), first.num_cached_tokens,
             logprobs(first))
-        return web.json_response(protocol.with_choices(body, outputs, logprobs) if len(outputs) > 1 else body)
+        return web.json_response(protocol.with_choices(body, outputs, logprobs, message) if len(outputs) > 1
+                                 else body)
 
     async def _stream(self, request: web.Request, req: protocol.ChatRequest, gen, out,
-                      timing: "_Timing") -> web.StreamResponse:
+                      timing: "_Timing", parsed: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
@@ -209,11 +213,17 @@ class OpenAIServer:
         try:
             while True:
                 i = out.index
+                entries = None
                 if out.logprobs is not None and len(out.logprobs) > logprobs_sent[i]:
-                    # every token's logprobs once, with the text that has come since the last chunk
                     entries = self.speller.content(out.logprobs[logprobs_sent[i]:])
-                    await send(chunks.content(out.delta_text, i, entries))
                     logprobs_sent[i] = len(out.logprobs)
+                if parsed:  # reasoning, content and tool-call pieces, each in its field
+                    delta = parsed_output.delta(out)
+                    if delta or entries is not None:
+                        await send(chunks.delta(delta, i, entries))
+                elif entries is not None:
+                    # every token's logprobs once, with the text that has come since the last chunk
+                    await send(chunks.content(out.delta_text, i, entries))
                 elif out.delta_text:
                     await send(chunks.content(out.delta_text, i))
                 if out.finished:

@@ -45,6 +45,10 @@ _ENGINE_HELP = {
     "max_request_image_pixels": "the pixels of all of a request's images together, checked before any is decoded "
                                 "(serve's default 67108864; none in the Python API)",
     "revision": "branch, tag or commit of a model given as a Hub id 'Org/Name' (default: main)",
+    "tool_call_parser": "how tool calls are read from the output: 'hermes' (<tool_call> JSON) or 'none' "
+                        "(default: from the chat template)",
+    "reasoning_parser": "how reasoning is split from the answer: 'qwen3' or 'deepseek_r1' (<think> blocks) or "
+                        "'none' (default: 'qwen3' when the chat template has a <think> block)",
     "allow_special_tokens_in_text": "read special tokens written in message text (<|im_end|>, ...) as control tokens; "
                                     "by default they are plain text, so a user cannot forge another role's turn",
 }
@@ -52,7 +56,8 @@ _ALIASES = {"tensor_parallel_size": ("--tp",)}
 _SWITCHES = {"async_scheduling"}  # on/off switches whose default (None) means "decided by the device"
 # flags whose EngineArgs default (None) does not tell their type; the rest follow their default's type
 _FLAG_TYPES = {"revision": str, "dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
-               "encoder_cache_memory": str, "memory_utilization": float}
+               "encoder_cache_memory": str, "memory_utilization": float, "tool_call_parser": str,
+               "reasoning_parser": str}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:

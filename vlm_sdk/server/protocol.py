@@ -11,15 +11,14 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from vlm_sdk.chat_options import ChatOptions
 from vlm_sdk.errors import (EngineDeadError, InputTooLongError, InvalidImageError, InvalidRequestError,
                             VLMError)
 from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # fields whose non-default value we cannot honour (other unknown fields are accepted and change nothing)
 UNSUPPORTED = {  # field -> the values that mean "off", which are all we can honour
-    "tools": (None,),
-    "tool_choice": (None, "none"),
-    "functions": (None,),
+    "functions": (None,),  # the deprecated form of tools: send 'tools'
     "audio": (None,),
 }
 # the rest of OpenAI's chat request (openai's CompletionCreateParams; README "Request fields") that this
@@ -39,9 +38,11 @@ UNSUPPORTED.update({
     "prompt_cache_options": (None,),  # breakpoints and TTLs: the prefix cache is automatic
 })
 # accepted and without effect by their definition: metadata and user ids tag a request (nothing is
-# stored or billed), prompt_cache_key routes to a cache (ours matches any shared prefix by content),
-# parallel_tool_calls only concerns tools (refused above)
-ACCEPTED_TAGS = ("metadata", "user", "safety_identifier", "prompt_cache_key", "parallel_tool_calls")
+# stored or billed), prompt_cache_key routes to a cache (ours matches any shared prefix by content;
+# vLLM's cache_salt is the field that keeps tenants apart)
+ACCEPTED_TAGS = ("metadata", "user", "safety_identifier", "prompt_cache_key")
+# tools and what the chat template is given, and the prefix-cache salt (vlm_sdk/chat_options.py)
+CHAT_OPTION_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "cache_salt")
 
 
 class APIError(Exception):
@@ -90,6 +91,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     num_images: int
+    options: ChatOptions
 
 
 def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_images: int,
@@ -138,7 +140,14 @@ def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_
     if params.n > max_n:  # each choice is a sequence in the batch: a cap keeps one request from filling it
         raise bad_request(f"'n' is {params.n}; this server accepts at most {max_n} choices per request "
                           f"(server setting --max-n)", "n", "too_many_choices")
-    return ChatRequest(messages, params, stream, include_usage, num_images)
+    return ChatRequest(messages, params, stream, include_usage, num_images, _chat_options(body))
+
+
+def _chat_options(body: dict) -> ChatOptions:
+    try:
+        return ChatOptions(**{k: body.get(k) for k in CHAT_OPTION_FIELDS})
+    except InvalidRequestError as e:
+        raise bad_request(str(e), e.param) from None
 
 
 def count_images(messages: list) -> int:
@@ -249,20 +258,21 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_body(cid: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
+def completion_body(cid: str, model: str, text: str | dict, finish_reason: str, prompt_tokens: int,
                     completion_tokens: int, cached_tokens: int, logprobs: dict | None = None) -> dict:
+    """`text`: the answer, or the whole message (server/parsed_output.py `message`)."""
+    msg = text if isinstance(text, dict) else {"role": "assistant", "content": text}
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                         "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
-def with_choices(body: dict, outputs: list, logprobs=lambda out: None) -> dict:
+def with_choices(body: dict, outputs: list, logprobs=lambda out: None, message=lambda out: out.text) -> dict:
     """A completion body with every one of n choices, in index order, each made as `completion_body`
-    makes choice 0 (`logprobs(out)`: its logprobs object, or None); the usage it holds already counts
-    the prompt once."""
+    makes choice 0 (`logprobs(out)`: its logprobs object, or None; `message(out)` its text or
+    message); the usage it holds already counts the prompt once."""
     def choice(out) -> dict:
-        made = completion_body(body["id"], body["model"], out.text, out.finish_reason, 0, 0, 0,
+        made = completion_body(body["id"], body["model"], message(out), out.finish_reason, 0, 0, 0,
                                logprobs(out))["choices"][0]
         return {**made, "index": out.index}
     body["choices"] = [choice(out) for out in outputs]
@@ -295,6 +305,12 @@ class ChunkWriter:
             body["choices"][0]["logprobs"] = logprobs
             return self.event(body)
         return f'{self._content_prefix}{index},"delta":{{"content":{json.dumps(text)}{self._content_suffix}'
+
+    def delta(self, delta: dict, index: int = 0, logprobs: dict | None = None) -> str:
+        """A chunk of any delta (reasoning, tool calls: server/parsed_output.py)."""
+        body = chunk_body(self.cid, self.model, self.created, delta, None, self.include_usage, index)
+        body["choices"][0]["logprobs"] = logprobs
+        return self.event(body)
 
     def finish(self, reason: str, index: int = 0) -> str:
         return self.event(chunk_body(self.cid, self.model, self.created, {}, reason, self.include_usage, index))

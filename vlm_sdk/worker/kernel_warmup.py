@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from vlm_sdk.sampling_params import SamplingParams
-from vlm_sdk.worker.token_mask import apply_token_bitmask
+from vlm_sdk.sample.token_mask import apply_token_bitmask
 
 from vlm_sdk.attention.metadata import AttentionMetadata
 

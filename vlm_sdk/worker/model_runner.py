@@ -37,10 +37,10 @@ from vlm_sdk.protocol.scheduler_output import SchedulerOutput
 from vlm_sdk.protocol.runner_output import PendingOutput, Ready
 from vlm_sdk.worker.pending_output import DevicePendingOutput
 from vlm_sdk.worker.request_state import RequestState
-from vlm_sdk.worker.sampled_tokens import SampledTokens
-from vlm_sdk.worker.sampler import Sampler
+from vlm_sdk.sample.sampled_tokens import SampledTokens
+from vlm_sdk.sample.sampler import Sampler
 from vlm_sdk.worker.step_images import drop_passed_images, encode_images, step_images
-from vlm_sdk.worker.token_mask import apply_token_bitmask
+from vlm_sdk.sample.token_mask import apply_token_bitmask
 
 
 class ModelRunner:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
-from vlm_sdk.worker.sampled_tokens import SampledTokens
+from vlm_sdk.sample.sampled_tokens import SampledTokens
 
 
 class DevicePendingOutput(PendingOutput):

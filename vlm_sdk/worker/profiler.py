@@ -15,10 +15,14 @@ profile must run the worst case the scheduler can produce, with everything that 
                    logits and their argmax (the graphs compute them; their float32 logits buffer is as
                    large as this peak's), added on top, since eager steps run beside the pool
     piecewise      with piecewise graphs (`piecewise_tokens`): their fixed buffers and per-bucket outputs
-                   (`piecewise_graphs.held_bytes`, arithmetic) and their pool, bounded by the peak of a
+                   (`memory.consumers.piecewise.held_bytes`, arithmetic) and their pool, bounded by the peak of a
                    plain forward of `piecewise_tokens` tokens (a piece is a part of one layer's work)
 
-`ProfiledPeak` keeps the parts apart for the start-up report. `meter` measures memory: CUDA's
+`ProfiledPeak` keeps the parts apart, each named as the memory consumer it measures (vlm_sdk/memory/
+consumers/: activation, sampler, decode_graph_pool, piecewise_graphs); the engine sizes the KV cache from
+them with vlm_sdk/memory/ (a consumer without a measured part counts its estimate). The sampler's part is
+what logits and sampling add over the step's activations, so the parts add up to the step's peak.
+`meter` measures memory: CUDA's
 allocator statistics by default; the CPU tests pass one that counts live tensor bytes, so what is
 counted is checked without a GPU.
 """
@@ -29,24 +33,19 @@ from dataclasses import dataclass
 
 import torch
 
-from vlm_sdk.config import CacheConfig
 from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.sampling_params import SamplingParams
-from vlm_sdk.protocol.blocks import blocks_needed
 from vlm_sdk.worker.kv_cache import allocate_kv_caches
-from vlm_sdk.worker.piecewise_graphs import held_bytes
-from vlm_sdk.worker.sampler import Sampler
+from vlm_sdk.memory.consumers.piecewise import held_bytes
+from vlm_sdk.memory.kv import CacheConfig
+from vlm_sdk.protocol.blocks import blocks_needed
+from vlm_sdk.sample.sampler import Sampler
 from vlm_sdk.multimodal.inputs import ImageInput
 
 # the sampler's worst row: every edit that makes a [rows, vocab] temporary
 WORST_ROW = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1, presence_penalty=0.5,
                            logprobs=5, max_tokens=16)
-
-
-def profile_num_tokens(max_num_batched_tokens: int, max_position_embeddings: int) -> int:
-    """Tokens of the profiled step: a full token budget, but no longer than one sequence may be."""
-    return min(max_num_batched_tokens, max_position_embeddings)
 
 
 class CudaMeter:
@@ -68,20 +67,32 @@ class CudaMeter:
 
 @dataclass(frozen=True)
 class ProfiledPeak:
-    step_bytes: int  # held image + LLM step + logits + sampler, and the vision tower: the larger peak
+    """The measured parts, each named as the memory consumer it measures (vlm_sdk/memory/consumers/)."""
+    activation_bytes: int  # held image + LLM step, or the vision tower: the larger peak
+    sampler_bytes: int  # what the logits and the sampler's worst rows add on top of that peak
     graph_pool_bytes: int  # the decode graphs' pool (0 without graphs)
     piecewise_bytes: int = 0  # the piecewise graphs' buffers, outputs and pool (0 without them)
 
     @property
+    def step_bytes(self) -> int:
+        """The step's whole peak: activations, logits and sampler together."""
+        return self.activation_bytes + self.sampler_bytes
+
+    @property
     def total(self) -> int:
         return self.step_bytes + self.graph_pool_bytes + self.piecewise_bytes
+
+    def parts(self) -> dict[str, int]:
+        return {"activation": self.activation_bytes, "sampler": self.sampler_bytes,
+                "decode_graph_pool": self.graph_pool_bytes, "piecewise_graphs": self.piecewise_bytes}
 
 
 @torch.inference_mode()
 def profile_peak(model, largest_image: ImageInput, *, num_tokens: int, num_seqs: int, block_size: int,
                  per_block: int, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
                  graph_batch: int | None = None, piecewise_tokens: int | None = None, meter=None) -> ProfiledPeak:
-    """The worst-case step's peak (module docstring), the profile's own temporary cache excluded."""
+    """The worst-case step's peak (module docstring), the profile's own temporary cache excluded. The
+    sampler's part is what its phase adds over the activation peak, so the parts sum to the step's peak."""
     meter = meter or CudaMeter(device)
     meter.reset()
     blocks = blocks_needed(num_tokens, block_size)
@@ -89,12 +100,18 @@ def profile_peak(model, largest_image: ImageInput, *, num_tokens: int, num_seqs:
     caches = allocate_kv_caches(model.num_layers, cache, model.num_kv_heads, model.head_dim, dtype, device)
     held = model.encode_images([largest_image])  # [image tokens, width]: held across chunks
     hidden = _forward(model, caches, attention, [num_tokens], device)  # [num_tokens, hidden]
+    forward_peak = meter.peak()
     rows = hidden[-1:].expand(num_seqs, -1).contiguous()  # [num_seqs, hidden]: max_num_seqs rows, however few tokens
     logits = model.compute_logits(rows)  # [num_seqs, vocab]
     _sample_worst(logits)
+    with_sampler = meter.peak()
     del hidden, rows, logits, held
+    meter.reset()  # the caches stay: the tower's peak is measured beyond them, as the step's is
     model.encode_images([largest_image])  # [image tokens, hidden]: the tower's own peak
-    step = max(0, meter.peak() - blocks * per_block)
+    tower = max(0, meter.peak())
+    kv = blocks * per_block
+    activation = max(forward_peak - kv, tower, 0)
+    sampler = max(with_sampler - kv, tower, 0) - activation
     pool = 0
     if graph_batch:
         meter.reset()  # the caches stay: the pool is measured beyond them
@@ -114,12 +131,7 @@ def profile_peak(model, largest_image: ImageInput, *, num_tokens: int, num_seqs:
     del caches
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return ProfiledPeak(step, pool, piecewise)
-
-
-def profile_peak_bytes(model, largest_image: ImageInput, **kwargs) -> int:
-    """`profile_peak(...).total`: the bytes the KV cache must leave free."""
-    return profile_peak(model, largest_image, **kwargs).total
+    return ProfiledPeak(activation, sampler, pool, piecewise)
 
 
 def _forward(model, caches, attention: AttentionBackend, query_lens: list[int], device) -> torch.Tensor:

@@ -7,8 +7,9 @@ all-gather) line up:
 
     Worker(...)             build this rank's slice of the model and load it from the checkpoint
     load_report()           what this rank holds (weights by part, KV heads) -> RankLoad
-    profile_peak(...)       CUDA: the activation peak of the worst-case step on this rank
-    size_cache(...)         the KV blocks this rank could hold (the engine takes the smallest of all ranks)
+    profile_memory(...)     CUDA: the step-time memory consumers of the worst-case step on this rank
+    memory_snapshot()       CUDA: the device's total and in-use bytes (the engine sizes every rank's cache
+                            from these with vlm_sdk/memory/ and takes the smallest)
     init_cache(cache, ...)  allocate exactly that cache, capture CUDA graphs, build the model runner,
                             compile every Triton kernel variant (CUDA: kernel_warmup.py)
     execute(sched)          one step; only rank 0 samples (the others return an empty output)
@@ -20,8 +21,11 @@ import time
 
 import torch
 
-from vlm_sdk.config import CacheConfig, EngineArgs
+from vlm_sdk.config import RankConfig
 from vlm_sdk.layers.ops import make_ops
+from vlm_sdk.memory.inputs import profile_num_tokens
+from vlm_sdk.memory.kv import CacheConfig, bytes_per_block
+from vlm_sdk.memory.weights import weight_bytes
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
 from vlm_sdk.models.registry import resolve
@@ -32,20 +36,21 @@ from vlm_sdk.protocol.scheduler_output import SchedulerOutput
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs
 from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs, piecewise_stack
 from vlm_sdk.worker.kernel_warmup import warm_up_kernels
-from vlm_sdk.worker.kv_cache import allocate_or_explain, bytes_per_block, plan_cache
+from vlm_sdk.worker.kv_cache import allocate_or_explain
 from vlm_sdk.worker.model_runner import ModelRunner
-from vlm_sdk.worker.profiler import profile_num_tokens, profile_peak_bytes
-from vlm_sdk.worker.weights import weight_bytes
+from vlm_sdk.worker.profiler import profile_peak
 
 
 class Worker:
-    def __init__(self, model_dir: str, args: EngineArgs, device: torch.device, tp: TPGroup = TPGroup()):
-        """Build this rank's slice of the model on `device` and load its weights."""
-        self.args, self.device, self.tp = args, device, tp
-        self.dtype = args.resolve_dtype(device)
+    def __init__(self, model_dir: str, config: RankConfig, device: torch.device, tp: TPGroup = TPGroup()):
+        """Build this rank's slice of the model on `device` and load its weights. `config`: the engine's
+        settings, resolved once on the engine side (no default is worked out here)."""
+        args = config.args
+        self.config, self.args, self.device, self.tp = config, args, device, tp
+        self.dtype = config.torch_dtype
         info = read_checkpoint(model_dir)
         family = resolve([info.architecture])
-        self.ops = make_ops(args.attention_backend, device, args.small_m_gemm)
+        self.ops = make_ops(config.attention_backend, device, args.small_m_gemm)
         t0 = time.perf_counter()
         before = _allocated(device)
         with torch.device(device):
@@ -60,39 +65,39 @@ class Worker:
         self.weights_allocated = None if before is None else _allocated(device) - before
         m = self.model
         self.bytes_per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, args.block_size, self.dtype)
-        graphs = device.type == "cuda" and self.ops.graph_safe and not args.enforce_eager
-        self.piecewise_stack = piecewise_stack(self.model, args.piecewise_cuda_graphs and graphs, tp.size)
-        self.peak: int | None = None  # CUDA: the profiled activation peak
+        self.piecewise_stack = piecewise_stack(self.model, config.piecewise_graphs, tp.size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.runner: ModelRunner | None = None
 
     def load_report(self) -> RankLoad:
         m = self.model
-        return RankLoad(self.tp.rank, str(self.device), str(self.dtype).removeprefix("torch."), weight_bytes(m),
-                        self.weights_allocated, self.load_seconds, m.num_layers, m.num_kv_heads, m.head_dim,
-                        self.bytes_per_block)
+        return RankLoad(self.tp.rank, str(self.device), self.config.dtype, weight_bytes(m), self.weights_allocated,
+                        self.load_seconds, m.num_layers, m.num_kv_heads, m.head_dim, self.bytes_per_block)
 
-    def profile_peak(self, largest_image: ImageInput, max_position_embeddings: int) -> int | None:
-        """CUDA: the activation peak (bytes) of a full `max_num_batched_tokens` step with its logits and
-        the largest image through the vision tower; None on the CPU (nothing is carved out there)."""
+    def profile_memory(self, largest_image: ImageInput, max_position_embeddings: int) -> dict[str, int] | None:
+        """CUDA: the step-time memory consumers measured on this rank (name -> bytes, named as in
+        vlm_sdk/memory/consumers/): a full `max_num_batched_tokens` step beside the largest image's held
+        embeddings, logits and the sampler at max_num_seqs rows, the tower, the graph pools. None on the
+        CPU (nothing is carved out of device memory there)."""
         if self.device.type != "cuda":
             return None
         args = self.args
-        graphs = self.ops.graph_safe and not args.enforce_eager  # as init_cache decides
-        self.peak = profile_peak_bytes(
+        peak = profile_peak(
             self.model, largest_image,
             num_tokens=profile_num_tokens(args.max_num_batched_tokens, max_position_embeddings),
             num_seqs=args.max_num_seqs, block_size=args.block_size, per_block=self.bytes_per_block,
             dtype=self.dtype, device=self.device, attention=self.ops.attention,
-            graph_batch=args.max_num_seqs if graphs else None,
+            graph_batch=args.max_num_seqs if self.config.decode_graphs else None,
             piecewise_tokens=args.max_num_batched_tokens if self.piecewise_stack is not None else None)
-        return self.peak
+        return peak.parts()
 
-    def size_cache(self, max_position_embeddings: int, image_setting: str | None) -> CacheConfig:
-        """The cache this rank can hold under the settings (on CUDA: its own device budget, after its
-        profiled peak)."""
-        return plan_cache(self.args, self.bytes_per_block, self.device, max_position_embeddings, self.peak,
-                          image_setting=image_setting, weights_bytes=self.weights_allocated)
+    def memory_snapshot(self) -> tuple[int, int] | None:
+        """CUDA: (total device bytes, bytes in use now: this rank's weights, the CUDA context, other
+        processes); None on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total, total - free
 
     def init_cache(self, cache: CacheConfig, max_model_len: int, max_vision_patches: int) -> None:
         """Allocate `cache` (the block count every rank agreed on), capture the decode graphs (CUDA)
@@ -102,7 +107,7 @@ class Worker:
         self.kv_caches = allocate_or_explain(m.num_layers, cache, m.num_kv_heads, m.head_dim, self.dtype,
                                              self.device)
         graphs = piecewise = None
-        if self.device.type == "cuda" and self.ops.graph_safe and not args.enforce_eager:
+        if self.config.decode_graphs:
             graphs = DecodeGraphs(m, self.kv_caches, max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                                   block_size=args.block_size, device=self.device, attention=self.ops.attention)
             if self.piecewise_stack is not None:  # after the decode graphs' capture
@@ -112,8 +117,7 @@ class Worker:
                                   max_vision_patches=max_vision_patches, graphs=graphs,
                                   attention=self.ops.attention, samples=self.tp.rank == 0,
                                   encoder_cache_bytes=args.encoder_cache_memory,
-                                  keep_sampled=args.resolve_async_scheduling(self.device, self.tp.size),
-                                  piecewise=piecewise)
+                                  keep_sampled=self.config.async_scheduling, piecewise=piecewise)
         warm_up_kernels(self.runner, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

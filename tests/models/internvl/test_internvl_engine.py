@@ -35,7 +35,7 @@ def _png_bytes(img) -> bytes:
 
 
 def test_a_typed_image_placeholder_is_text(llm):
-    """Issue 18: special tokens typed in message text are text (engine/special_text.py), so a typed
+    """Issue 18: special tokens typed in message text are text (engine/input/special_text.py), so a typed
     <IMG_CONTEXT> is no image placeholder (it was refused as one more placeholder than images)."""
     conv = [{"role": "user", "content": "look <IMG_CONTEXT> here"}]
     prompt = llm.engine.build_prompt(conv)

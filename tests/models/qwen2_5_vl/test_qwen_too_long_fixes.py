@@ -8,8 +8,9 @@ import torch
 
 from helpers import image
 from vlm_sdk import LLM, SamplingParams
-from vlm_sdk.config import CacheConfig, SchedulerConfig
-from vlm_sdk.engine import capacity
+from vlm_sdk.config import SchedulerConfig
+from vlm_sdk.memory.kv import CacheConfig
+from vlm_sdk.memory import capacity
 from vlm_sdk.errors import InputTooLongError
 from vlm_sdk.models.qwen2_5_vl import fixes
 from vlm_sdk.models.qwen2_5_vl.image_processor import QwenImage

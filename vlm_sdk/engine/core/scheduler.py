@@ -1,0 +1,152 @@
+"""Continuous batching: which sequences compute how many tokens this step.
+
+Running sequences go first, in the order they started; each asks for all its uncomputed tokens
+(1 while decoding, the rest of the prompt while prefilling), cut to what is left of the step's token
+budget. When the pool has too few free blocks, the most recently started running sequence is
+preempted: its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
+later (its generated tokens are kept). Waiting sequences are admitted FIFO while budget, blocks and
+`max_num_seqs` allow, and not at all in a step that had to preempt. A sequence that starts or
+restarts shares the blocks of its longest cached prefix and computes only the rest
+(`BlockManager.start`); a preempted sequence may find its own blocks still cached when it returns.
+
+Every sequence is at most `max_model_len` tokens and `max_model_len` never exceeds the cache, so a
+sequence running alone always fits: preemption cannot loop forever.
+
+Asynchronous scheduling: a sequence whose last sampled token is still on the device (`num_inflight`)
+asks for that token too, and is left out when that token is certain to be its last (max_tokens or
+max_model_len reached); a waiting sequence is admitted only once its tokens have all arrived.
+
+`schedule()` decides on live `Sequence`s (`ScheduledBatch`); `worker_input(batch)` turns the decision
+into the worker's plain `SchedulerOutput`: a `NewRequestData` for a sequence the worker does not hold
+(first scheduled, or resumed after a preemption), a `CachedRequestData` with only what changed for
+the others, and the ids of sequences finished or preempted since, so the worker frees their state.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from vlm_sdk.config import SchedulerConfig
+from vlm_sdk.engine.core.block_manager import BlockManager
+from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
+from vlm_sdk.protocol.scheduler_output import NO_IDS, CachedRequestData, NewRequestData, SchedulerOutput
+
+
+@dataclass
+class ScheduledBatch:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute)
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._worker_finished: set[str] = set()  # held by the worker, finished since the last step
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        out = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+
+        running, allocate, scheduled = self.running, self.blocks.allocate, out.scheduled
+        size = self.blocks.block_size
+        caching = self.blocks.enable_prefix_caching
+        # preemption removes sequences from the end of `running` only: the iterator stops before them
+        for seq in running:
+            if budget <= 0:
+                break
+            n = min(len(seq.token_ids) + seq.num_inflight - seq.num_computed_tokens, budget)
+            if seq.num_inflight and len(seq.token_ids) + seq.num_inflight >= seq.length_limit:
+                continue  # the token on its way is its last (max_tokens or max_model_len): nothing to compute
+            total = seq.num_computed_tokens + n
+            # the usual case, kept lean (it runs for every sequence every step): the blocks held suffice and
+            # none fills up, so `allocate` would change nothing
+            if (total > len(seq.block_ids) * size or (caching and total // size > seq.num_cached_blocks)) \
+                    and not allocate(seq, n):
+                while not allocate(seq, n):
+                    victim = running[-1]
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:  # it preempted itself
+                    break
+            scheduled.append((seq, n))
+            budget -= n
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                if seq.num_inflight:  # preempted while its token was on the device: restart with it
+                    break
+                n = self.blocks.start(seq, budget)  # its cached prefix is not computed again
+                if n is None:
+                    break
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.scheduled.append((seq, n))
+                budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire `seq` (finished or aborted) wherever it is, returning its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        if seq.in_worker:
+            seq.in_worker = False
+            self._worker_finished.add(seq.request_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def has_worker_finished(self) -> bool:
+        """Whether requests the worker holds finished since the last `worker_input`."""
+        return bool(self._worker_finished)
+
+    def worker_input(self, batch: ScheduledBatch) -> SchedulerOutput:
+        """The plain data the worker needs for `batch` (see the module docstring)."""
+        new, cached, counts = [], [], {}
+        preempted = set()
+        for seq in batch.preempted:
+            if seq.in_worker:
+                seq.in_worker = False
+                preempted.add(seq.request_id)
+        for seq, n in batch.scheduled:
+            counts[seq.request_id] = n
+            num_blocks, num_tokens = len(seq.block_ids), len(seq.token_ids)
+            if not seq.in_worker:
+                p = seq.prompt
+                new.append(NewRequestData(
+                    seq.request_id, list(p.token_ids), seq.output_token_ids, p.images, p.image_positions,
+                    p.positions, seq.params, list(seq.block_ids), seq.num_computed_tokens,
+                    seq.min_tokens_stop_ids))
+                seq.in_worker = True
+            else:
+                cached.append(CachedRequestData(
+                    seq.request_id, seq.block_ids[seq.num_blocks_sent:] if num_blocks > seq.num_blocks_sent else NO_IDS,
+                    seq.num_computed_tokens, seq.token_ids[seq.num_tokens_sent:] if num_tokens > seq.num_tokens_sent
+                    else NO_IDS))
+            seq.num_blocks_sent, seq.num_tokens_sent = num_blocks, num_tokens
+        finished, self._worker_finished = frozenset(self._worker_finished), set()
+        return SchedulerOutput(new, cached, counts, finished, frozenset(preempted))

@@ -1,0 +1,23 @@
+"""The logits of max_num_seqs rows and the sampler's temporaries for its worst row (penalties, top-k and
+top-p, logprobs), beside the held image.
+
+The sampler's [rows, vocab] temporaries at their peak, bytes per row and vocabulary entry (float32;
+`vlm-sdk bench --sampler` measures them): a draw holds the probabilities and the exponentials (8),
+penalties add the edited copy (4), logprobs their log-softmax and the drawn rows' log (8), a top-p
+row whose nucleus passes the candidates its full sort (~20); the race kernel, on CUDA, needs no
+exponentials. The logits themselves are float32 (4 more).
+"""
+from __future__ import annotations
+
+from vlm_sdk.memory.consumers.base import MemoryConsumer
+from vlm_sdk.memory.inputs import MemoryInputs
+
+WORST_BYTES_PER_ENTRY = 40  # the sum above, per row and entry (measured 34-40 B on the CPU)
+LOGITS_BYTES_PER_ENTRY = 4  # float32 logits
+
+
+class Sampler(MemoryConsumer):
+    name, title = "sampler", "logits + sampler (max_num_seqs rows)"
+
+    def estimate(self, m: MemoryInputs) -> int:
+        return m.args.max_num_seqs * m.vocab_size * (LOGITS_BYTES_PER_ENTRY + WORST_BYTES_PER_ENTRY)

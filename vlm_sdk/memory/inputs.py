@@ -1,0 +1,77 @@
+"""What every memory consumer estimates from: `MemoryInputs`, one rank's view of the model and the
+settings, read from the engine's own model built on the meta device (so `vlm-sdk plan`, from
+config.json alone, and engine start-up read the same numbers)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vlm_sdk.config import EngineArgs
+from vlm_sdk.memory.weights import weight_bytes
+from vlm_sdk.models.family import FamilySpec, ImageLimits
+from vlm_sdk.protocol.rank import WeightBytes
+
+
+def profile_num_tokens(max_num_batched_tokens: int, max_position_embeddings: int) -> int:
+    """Tokens of the profiled step: a full token budget, but no longer than one sequence may be."""
+    return min(max_num_batched_tokens, max_position_embeddings)
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """One rank's model and the settings that shape its steps. Widths are the whole model's (a rank's
+    share is `// tp`), counts of KV heads and layers the rank's own."""
+    args: EngineArgs
+    dtype: torch.dtype
+    tp: int
+    on_gpu: bool  # memory is carved from a device budget (a GPU, or a planned device memory)
+    decode_graphs: bool  # decode steps replay CUDA graphs: their pool stays allocated
+    piecewise_graphs: bool  # steps with prefill rows replay piecewise graphs: their buffers and pool stay
+    # the language model
+    num_layers: int
+    num_kv_heads: int  # this rank's
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int  # the whole model's
+    num_kv_heads_total: int  # the whole model's
+    vocab_size: int
+    position_rows: int
+    max_position_embeddings: int
+    weights: WeightBytes  # this rank's parameter bytes by part
+    # the vision tower and the largest image the settings allow
+    vision_hidden: int
+    vision_intermediate: int
+    image: ImageLimits
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.finfo(self.dtype).bits // 8
+
+    @property
+    def profile_tokens(self) -> int:
+        return profile_num_tokens(self.args.max_num_batched_tokens, self.max_position_embeddings)
+
+    def forward_bytes(self, n: int) -> int:
+        """The estimated activation peak of a decoder forward of n tokens on this rank: the residual stream
+        and norms (4 x hidden), the MLP's gate and up (2 x intermediate) and q/k/v, in the model's dtype."""
+        qkv = (self.num_heads + 2 * self.num_kv_heads_total) * self.head_dim
+        return n * (4 * self.hidden_size + (2 * self.intermediate_size + qkv) // self.tp) * self.dtype_bytes
+
+
+def memory_inputs(family: FamilySpec, info, args: EngineArgs, model, dtype: torch.dtype, tp: int, *, on_gpu: bool,
+                  decode_graphs: bool, piecewise_graphs: bool) -> MemoryInputs:
+    """`model`: the family's model as rank 0 of `tp` builds it, on the meta device (`FamilySpec.meta_model`);
+    `info`: the checkpoint's config (`model_loader.read_config` / `read_checkpoint`)."""
+    c = model.decoder_config
+    vision_hidden, vision_inter = family.vision_activation_widths(info.hf_config, model)
+    image = family.image_limits(info.preprocessor, info.hf_config, model, dict(args.mm_processor_kwargs))
+    return MemoryInputs(
+        args=args, dtype=dtype, tp=tp, on_gpu=on_gpu, decode_graphs=decode_graphs,
+        piecewise_graphs=piecewise_graphs and tp == 1 and model.decoder_stack() is not None,
+        num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_heads=c.num_heads,
+        num_kv_heads_total=c.num_kv_heads, vocab_size=c.vocab_size, position_rows=model.position_rows,
+        max_position_embeddings=int(family.text_config(info.hf_config).max_position_embeddings),
+        weights=weight_bytes(model), vision_hidden=vision_hidden, vision_intermediate=vision_inter, image=image)

@@ -1,0 +1,158 @@
+"""What the engine measured at start-up, in the same terms (and JSON keys) as `vlm-sdk plan`.
+
+    weights     bytes of the loaded parameters by part (and, on CUDA, what loading allocated)
+    consumers   every memory consumer (vlm_sdk/memory/consumers/), measured by the profiling forward on
+                CUDA (`max_memory_allocated`), estimated otherwise; on the CPU the cache is not carved out
+                of device memory, so the activation peak is not measured
+    encoder     encoder_cache_memory: the most bytes of vision embeddings kept for reuse (on CUDA set
+                aside from the memory_utilization budget before the KV cache is sized)
+    KV cache    bytes per token and per block, the blocks allocated, their token capacity
+
+The engine logs `format()` once the cache is allocated; `LLM.memory_report` keeps it.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit} ({n:,} B)"
+    return f"{n:,} B"
+
+
+def table(rows: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def consumer_rows(consumers) -> list[tuple[str, str]]:
+    """One report row per memory consumer (`memory.breakdown.ConsumerBytes`), the same in `vlm-sdk plan`
+    and the start-up report."""
+    return [(f"  {c.title}", f"{format_bytes(c.bytes)} ({'measured' if c.measured else 'estimated'})")
+            for c in consumers]
+
+
+def encoder_cache_text(num_bytes: int, cache_source: str) -> str:
+    """The encoder cache's line, shared with `vlm-sdk plan`. A KV cache sized by memory_utilization
+    (`memory.kv.size_cache` names the rule first in `cache_source`) had the bound set aside first."""
+    if num_bytes == 0:
+        return "off (encoder_cache_memory=0: every image goes through the vision tower)"
+    where = ("set aside from the memory_utilization budget before sizing the KV cache"
+             if cache_source.startswith("memory_utilization=") else "taken as images arrive, beside the KV cache")
+    return f"up to {format_bytes(num_bytes)} of vision embeddings kept for reuse (encoder_cache_memory); {where}"
+
+
+class MemoryTotals:
+    """Totals shared by the plan (`MemoryPlan`) and the measured start-up (`StartupMemory`)."""
+    weights_language_model_bytes: int
+    weights_vision_bytes: int
+    weights_projector_bytes: int
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_block: int
+    encoder_cache_bytes: int  # the encoder cache's bound (encoder_cache_memory); 0: no encoder cache
+
+    @property
+    def weights_bytes(self) -> int:
+        return self.weights_language_model_bytes + self.weights_vision_bytes + self.weights_projector_bytes
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.kv_bytes_per_block
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One tensor-parallel rank at start-up."""
+    rank: int
+    device: str
+    weights_bytes: int  # its slice of the model
+    activation_peak_bytes: int | None  # CUDA: its profiled peak
+    num_blocks_possible: int  # the KV blocks it could hold alone (every rank gets the smallest of these)
+
+
+@dataclass(frozen=True)
+class StartupMemory(MemoryTotals):
+    device: str
+    dtype: str
+    weights_language_model_bytes: int
+    weights_vision_bytes: int
+    weights_projector_bytes: int
+    weights_allocated_bytes: int | None  # CUDA: memory_allocated growth while building and loading
+    activation_peak_bytes: int | None  # CUDA: the profiling forward's peak; None when not measured
+    device_memory_bytes: int | None  # CUDA: total device memory
+    device_in_use_bytes: int | None  # CUDA: in use before the cache (this process and others)
+    memory_utilization: float
+    encoder_cache_bytes: int  # encoder_cache_memory; on CUDA set aside before the KV cache is sized
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    num_blocks: int
+    cache_source: str
+    max_model_len: int
+    max_model_len_source: str
+    max_position_embeddings: int
+    image_tokens_per_image: int  # tokens of the largest image the image settings allow
+    load_seconds: float
+    tensor_parallel_size: int = 1  # the figures above are per rank (rank 0's) when > 1
+    ranks: tuple[RankMemory, ...] = ()  # under tensor parallelism: every rank's own figures
+    consumers: tuple = ()  # rank 0's memory consumers (`memory.breakdown.ConsumerBytes`), as `vlm-sdk plan` lists them
+
+    def to_dict(self) -> dict:
+        out = asdict(self) | {"weights_bytes": self.weights_bytes, "capacity_tokens": self.capacity_tokens,
+                              "kv_cache_bytes": self.kv_cache_bytes}
+        out["consumers"] = [c.to_dict() for c in self.consumers]
+        return out
+
+    def format(self) -> str:
+        loaded = (f"; {format_bytes(self.weights_allocated_bytes)} allocated by loading"
+                  if self.weights_allocated_bytes is not None else "")
+        peak = (format_bytes(self.activation_peak_bytes) + " (profiled: a full max_num_batched_tokens step "
+                "beside the largest image's held embeddings, logits and sampler temporaries (top-k/top-p, "
+                "penalties, logprobs) at max_num_seqs rows, the largest image through the vision tower, "
+                "the decode CUDA graphs' pool, and the piecewise graphs' buffers and pool when on)"
+                if self.activation_peak_bytes is not None else
+                "not measured (the CPU cache is not carved out of device memory)")
+        rows = [
+            ("device / dtype", f"{self.device}, {self.dtype}"
+             + (f"; tensor parallel over {self.tensor_parallel_size} ranks: figures are per rank (rank 0's)"
+                if self.tensor_parallel_size > 1 else "")),
+            ("weights", f"{format_bytes(self.weights_bytes)}: language model "
+             f"{format_bytes(self.weights_language_model_bytes)}, vision tower {format_bytes(self.weights_vision_bytes)}, "
+             f"projector {format_bytes(self.weights_projector_bytes)}{loaded}; loaded in {self.load_seconds:.1f} s"),
+            ("activation peak", peak),
+            *consumer_rows(self.consumers),
+        ]
+        if self.device_memory_bytes is not None:
+            rows.append(("device memory", f"{format_bytes(self.device_memory_bytes)} x memory_utilization "
+                         f"{self.memory_utilization}; {format_bytes(self.device_in_use_bytes)} in use before the cache"))
+        rows.append(("encoder cache", encoder_cache_text(self.encoder_cache_bytes, self.cache_source)))
+        rows += [
+            ("KV per token", f"{self.kv_bytes_per_token:,} B ({self.num_layers} layers x 2 x {self.num_kv_heads} KV "
+             f"heads x {self.head_dim} x {self.dtype})"),
+            ("KV blocks", f"{self.num_blocks:,} x {self.kv_bytes_per_block:,} B ({self.block_size} tokens) = "
+             f"{format_bytes(self.kv_cache_bytes)}; {self.cache_source}"),
+            ("KV capacity", f"{self.capacity_tokens:,} tokens"),
+            ("max_model_len", f"{self.max_model_len:,} ({self.max_model_len_source}"
+             + ("" if "max_position" in self.max_model_len_source
+                else f"; max_position_embeddings {self.max_position_embeddings:,}") + ")"),
+            ("largest image", f"{self.image_tokens_per_image:,} tokens"),
+        ]
+        for r in self.ranks:
+            peak = "" if r.activation_peak_bytes is None else f", activation peak {format_bytes(r.activation_peak_bytes)}"
+            rows.append((f"rank {r.rank}", f"{r.device}: weights {format_bytes(r.weights_bytes)}{peak}; could hold "
+                         f"{r.num_blocks_possible:,} blocks" + (" (the smallest: every rank holds this many)"
+                                                               if r.num_blocks_possible == self.num_blocks else "")))
+        return "KV cache and memory at start-up:\n" + table(rows)
+
