@@ -93,6 +93,10 @@ class EngineArgs:
     # the KV cache's dtype: "auto" (the model's) or "fp8" (float8 e4m3, K and V divided by per-layer
     # scales: the checkpoint's k_scale / v_scale tensors, else 1.0): twice the tokens in the same memory
     kv_cache_dtype: str = "auto"
+    # the decoder's qkv and o projections at <= 8 rows (decode at small batch): "torch" (F.linear: cuBLAS on
+    # CUDA) or "triton" (kernels/skinny_gemm.py; the Triton kernel set only). `vlm-sdk bench --gpu` times
+    # both at the model's shapes; the default stays "torch" until a GPU run says otherwise
+    small_m_gemm: str = "torch"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of from captured CUDA graphs
     # CUDA, off until run on a GPU: steps with prefill rows replay piecewise CUDA graphs around eager
     # attention (worker/piecewise_graphs.py); the memory profile counts their buffers and pool when on
@@ -189,6 +193,9 @@ class EngineArgs:
             raise InvalidRequestError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)} ('auto': the model's "
                                       f"dtype; 'fp8': float8 e4m3 with per-layer scales), got {self.kv_cache_dtype!r}",
                                       param="kv_cache_dtype")
+        if self.small_m_gemm not in ("torch", "triton"):
+            raise InvalidRequestError(f"small_m_gemm must be 'torch' or 'triton', got {self.small_m_gemm!r}",
+                                      param="small_m_gemm")
         t = self.distributed_timeout
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise InvalidRequestError(f"distributed_timeout must be a positive number of seconds, got {t!r}",
@@ -306,6 +313,10 @@ def resolve_rank_config(args: EngineArgs) -> RankConfig:
     device = args.resolve_device()
     size = args.tensor_parallel_size
     backend = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
+    if args.small_m_gemm == "triton" and backend != "triton":
+        raise InvalidRequestError(f"small_m_gemm='triton' needs the Triton kernel set, and attention_backend is "
+                                  f"'{backend}'{'' if args.attention_backend else ' (the default on ' + device.type + ')'}"
+                                  f": set attention_backend='triton', or small_m_gemm='torch'", param="small_m_gemm")
     decode_graphs = device.type == "cuda" and backend == "triton" and not args.enforce_eager
     dtype = args.resolve_dtype(device)
     kv_dtype = args.resolve_kv_cache_dtype(dtype)

@@ -49,9 +49,10 @@ class AttentionBackend(ABC):
                 k: torch.Tensor,  # [N, Hkv, D]
                 v: torch.Tensor,  # [N, Hkv, D]
                 layer: AttentionLayerSpec, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:  # [N, H, D]
+                meta: AttentionMetadata, stored: bool = False) -> torch.Tensor:  # [N, H, D]
         """Store this step's K/V in the layer's cache (slot -1 skipped: graph padding; quantized with the
-        layer's k_scale / v_scale into an FP8 cache), then causal attention of the queries over their
+        layer's k_scale / v_scale into an FP8 cache; not when `stored`: the caller wrote them, fused with
+        the rotary), then causal attention of the queries over their
         sequences' cached keys. `meta` is what `prepare` returned."""
 
     @abstractmethod

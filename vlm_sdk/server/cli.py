@@ -32,6 +32,8 @@ _ENGINE_HELP = {
     "attention_backend": "'triton' (default on CUDA) or 'torch' (the reference path, default on the CPU)",
     "kv_cache_dtype": "the KV cache's dtype: 'auto' (the model's, default) or 'fp8' (float8 e4m3 with per-layer K and "
                       "V scales from the checkpoint, else 1.0: twice the tokens in the same memory)",
+    "small_m_gemm": "the decoder's qkv and o projections at <= 8 rows: 'torch' (cuBLAS, default) or 'triton' "
+                    "(needs the Triton kernel set; vlm-sdk bench --gpu measures which is faster)",
     "enforce_eager": "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
     "async_scheduling": "schedule and launch the next step while this one runs (default: on with CUDA and one "
                         "rank; --no-async-scheduling turns it off)",
