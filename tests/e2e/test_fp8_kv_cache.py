@@ -1,5 +1,5 @@
 """kv_cache_dtype="fp8" through the engine, on the CPU (the torch backend; the Triton kernels' FP8 paths are
-tests/kernels/test_fp8_kv_cache.py and tests/attention/test_triton_mixed_steps.py):
+tests/kernels/test_fp8_kv_kernels.py and tests/attention/test_triton_mixed_steps.py):
 
 - greedy tokens with an FP8 cache against the float cache of the same engine, on a batch of prompts of 3 to
   100 tokens, every family. Teacher-forced: each step of the float run's greedy continuation is asked of
