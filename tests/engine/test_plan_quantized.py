@@ -33,7 +33,8 @@ def test_plan_of_the_72b_awq_config_fits_one_80gib_gpu_and_counts_every_packed_b
                  + 2 * h * 2)                                                          # the two norms
     embed_and_head = 2 * c["vocab_size"] * h * 2 + h * 2  # untied, bf16; the final norm
     assert p.weights_language_model_bytes == c["num_hidden_layers"] * per_layer + embed_and_head
-    assert p.weights_bytes < 40 * 2 ** 30 and not p.problems  # ~40 GiB of weights: one 80 GiB GPU
+    # the published config (intermediate_size 29696): 40.05 GiB of weights, the cache in the rest of one 80 GiB GPU
+    assert p.weights_bytes < 41 * 2 ** 30 and not p.problems
     assert p.capacity_tokens > 90_000  # what the bf16 KV cache holds beside them
     assert p.weight_format.startswith("AWQ int4, group 128")
     assert "weights: format" in format_plan(p) and "AWQ int4, group 128" in format_plan(p)
