@@ -208,6 +208,48 @@ def cases() -> list[tuple]:
         top_p_cut.top_p_cut_(probs, torch.empty(64, dtype=torch.bool, device=META),
                              torch.empty(64, dtype=torch.float32, device=META))
     out += [("top_p_cut", "64 rows x 151,936 vocab", nucleus)]
+    return out + quantized_gemm_cases()
+
+
+def _projections(s: TextShape) -> dict[str, tuple[int, int]]:
+    """The decoder's four products of a model, (N, K): fused q | k | v, o_proj, fused gate | up, down."""
+    return {"qkv": ((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden), "o_proj": (s.hidden, s.heads * s.head_dim),
+            "gate_up": (2 * s.intermediate, s.hidden), "down": (s.hidden, s.intermediate)}
+
+
+def quantized_gemm_cases() -> list[tuple]:
+    """The quantized checkpoints' GEMMs with the launch an H100 (132 SMs) would get: AWQ and GPTQ (desc_act)
+    int4 at Qwen2.5-VL-7B's shapes, block FP8 at Qwen3-VL-8B's; decode (1 and 16 rows: split K) and
+    prefill (2048 rows: tiles). FP8 read from its bits on both archs, with Triton's conversion on sm_90."""
+    from vlm_sdk.kernels import fp8_block_gemm, int4_gemm
+    out: list[tuple] = []
+
+    def int4(m, n, k, awq, desc_act=False, group=128):
+        x = torch.empty(m, k, dtype=BF16, device=META)
+        qweight = torch.empty((k, n // 8) if awq else (k // 8, n), dtype=torch.int32, device=META)
+        zeros = torch.empty(k // group, n // 8, dtype=torch.int32, device=META)
+        scales = torch.empty(k // group, n, dtype=torch.float16, device=META)
+        g_idx = torch.empty(k, dtype=torch.int32, device=META) if desc_act else None
+        int4_gemm.int4_gemm(x, qweight, zeros, scales, awq=awq, group=group, g_idx=g_idx, zero_offset=0 if awq else 1,
+                            config=int4_gemm.gpu_config(m, n, k, group, 132))
+
+    def fp8(m, n, k, hardware):
+        x = torch.empty(m, k, dtype=BF16, device=META)
+        w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=META)
+        s = torch.empty(-(-n // 128), -(-k // 128), device=META)
+        fp8_block_gemm.fp8_block_gemm(x, w, s, (128, 128), config=fp8_block_gemm.gpu_config(m, n, k, (128, 128), 132),
+                                      fp8_hardware=hardware)
+
+    for name, (n, k) in _projections(QWEN25_7B).items():
+        for m in (1, 16, 2048):
+            out += [("int4_gemm", f"{QWEN25_7B.name} AWQ {name}, {m} rows", lambda m=m, n=n, k=k: int4(m, n, k, True))]
+        out += [("int4_gemm", f"{QWEN25_7B.name} GPTQ desc_act {name}, {m} rows",
+                 lambda m=m, n=n, k=k: int4(m, n, k, False, True)) for m in (1, 2048)]
+    for name, (n, k) in _projections(QWEN3_8B).items():
+        for m in (1, 2048):
+            out += [("fp8_block_gemm", f"{QWEN3_8B.name} {name}, {m} rows", lambda m=m, n=n, k=k: fp8(m, n, k, False)),
+                    ("fp8_block_gemm", f"{QWEN3_8B.name} {name}, {m} rows, hardware e4m3",
+                     lambda m=m, n=n, k=k: fp8(m, n, k, True), (90,))]
     return out
 
 
