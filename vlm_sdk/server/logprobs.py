@@ -5,6 +5,7 @@ them); `token` is those bytes decoded with replacement. Token ids are looked up 
 """
 from __future__ import annotations
 
+import json
 import math
 import threading
 from functools import lru_cache
@@ -54,6 +55,13 @@ class TokenSpeller:
         # JSON has no -inf: a token top-k/top-p cut gets OpenAI's floor value instead
         return {"token": text, "logprob": logprob if math.isfinite(logprob) else -9999.0, "bytes": raw}
 
+    def token(self, lp: TokenLogprob) -> dict:
+        return {**self.entry(lp.token_id, lp.logprob), "top_logprobs": [self.entry(t, v) for t, v in lp.top_logprobs]}
+
     def content(self, logprobs: list[TokenLogprob]) -> dict:
-        return {"content": [{**self.entry(lp.token_id, lp.logprob),
-                             "top_logprobs": [self.entry(t, v) for t, v in lp.top_logprobs]} for lp in logprobs]}
+        return {"content": [self.token(lp) for lp in logprobs]}
+
+    def content_json(self, logprobs: list[TokenLogprob]) -> str:
+        """`content(logprobs)` as JSON, one short `json.dumps` per token: a thread making a large body
+        gives the GIL back between them (server/response_body.py)."""
+        return '{"content":[' + ",".join(json.dumps(self.token(lp)) for lp in logprobs) + "]}"
