@@ -240,6 +240,11 @@ class AsyncLLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def args(self):
+        """The `EngineArgs` this engine runs with (its per-request limits among them)."""
+        return self.engine.args
+
     # -- engine thread ----------------------------------------------------------------------------
     def _check_alive(self) -> None:
         if self._dead is not None:

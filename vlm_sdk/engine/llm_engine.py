@@ -37,6 +37,7 @@ from vlm_sdk.engine.output.engine_output import EngineOutput
 from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_warning
 from vlm_sdk.engine.input.prompt_guard import PromptGuard
 from vlm_sdk.engine.input.prompt_tokenizer import PromptTokenizer, PromptTooLong
+from vlm_sdk.engine.input.sampling_check import check_sampling
 from vlm_sdk.engine.core.scheduler import ScheduledBatch, Scheduler
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
 from vlm_sdk.engine.structured_output import Grammar, GrammarCompiler, MaskFiller, accept
@@ -68,7 +69,7 @@ class LLMEngine:
         self.tokenizer = PromptTokenizer(load_tokenizer(model), not args.allow_special_tokens_in_text)
         self.guard = PromptGuard(self.tokenizer, args.max_image_pixels, args.max_request_image_pixels)
         self.eos_token_ids = set(info.eos_token_ids)
-        vocab_size = int(family.text_config(info.hf_config).vocab_size)  # the logits' width
+        self.vocab_size = vocab_size = int(family.text_config(info.hf_config).vocab_size)  # the logits' width
         self.grammars = GrammarCompiler(self.tokenizer.wrapped, vocab_size, sorted(self.eos_token_ids))
         self._fill_masks = MaskFiller(vocab_size)
         # every default that depends on the device or the rank count, decided once (refusing
@@ -139,6 +140,7 @@ class LLMEngine:
         fixes the error names fit the prompt and `params.max_tokens`). Once `cancelled` is set, the
         images not decoded yet raise `DecodeCancelled` instead (see `PromptGuard`)."""
         t0 = time.perf_counter()
+        self.check_params(params)
         self.compile_grammar(params)  # a bad schema fails before any image is decoded
         try:
             prompt = self.processor(self.guard.prepare(messages, cancelled))
@@ -158,6 +160,13 @@ class LLMEngine:
         check_prompt_fits(prompt, self.cache_config, self.scheduler_config, self.max_position_embeddings,
                           self.args.max_model_len is not None, self.processor.image_setting_fixes,
                           params.max_tokens)
+
+    def check_params(self, params: SamplingParams | None) -> None:
+        """`InvalidRequestError` when `params` names token ids outside the vocabulary or asks more of
+        every step than the engine's limits allow (engine/input/sampling_check.py)."""
+        if params is not None:
+            check_sampling(params, self.vocab_size, self.eos_token_ids, self.args.max_logit_bias,
+                           self.args.max_stop_token_ids)
 
     def compile_grammar(self, params: SamplingParams | None) -> Grammar | None:
         """The compiled grammar of `params`' structured output (None without one); cached, thread-safe:
@@ -181,6 +190,7 @@ class LLMEngine:
             self._next_id += 1
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
+        self.check_params(params)
         self.check_prompt(prompt, params)
         if params.grammar is not None and grammar is None:
             grammar = self.compile_grammar(params)
@@ -298,8 +308,8 @@ class LLMEngine:
                 metrics.first_token_time = now
             num_output = metrics.generated_tokens = len(token_ids) - seq.num_prompt_tokens
             reason = None
-            if token in seq.stop_ids:  # stop_token_ids, and EOS unless ignore_eos
-                reason = "stop"
+            if token in seq.stop_ids and num_output >= seq.params.min_tokens:  # stop_token_ids, EOS unless ignore_eos
+                reason = "stop"  # (min_tokens bans them until then; were all banned, the token sampled stays)
             elif seq.matcher is not None and (reason := accept(seq.matcher, token)) is not None:
                 pass  # the grammar is complete ("stop"), or was broken ("abort")
             elif len(token_ids) >= seq.length_limit:  # max_tokens, or max_model_len

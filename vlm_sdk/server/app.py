@@ -24,7 +24,7 @@ from aiohttp import web
 
 from vlm_sdk.async_llm import AsyncLLM
 from vlm_sdk.errors import EngineDeadError, VLMError
-from vlm_sdk.server import protocol
+from vlm_sdk.server import protocol, response_body
 from vlm_sdk.server.body import read_json
 from vlm_sdk.server.logprobs import TokenSpeller
 from vlm_sdk.server.config import ServerConfig
@@ -151,9 +151,12 @@ class OpenAIServer:
             raise APIError(503, "the server is shutting down or its engine has stopped; retry on another "
                                 "replica", "server_error", None, "unavailable")
         body = await read_json(request, self.config.max_request_bytes, self.config.body_timeout)
+        args = self.engine.args
         req = protocol.parse_chat_request(body, self.model_name, self.max_model_len, self.config.limit_images,
                                           self.config.max_stop_strings, self.config.max_stop_chars,
-                                          self.config.max_n)
+                                          self.config.max_n, max_logit_bias=args.max_logit_bias,
+                                          max_stop_token_ids=args.max_stop_token_ids,
+                                          max_response_logprobs=self.config.max_response_logprobs)
         messages = await self.media.resolve_messages(req.messages)
         prompt = await self.engine.build_prompt(messages, req.params)
         if req.num_images:
@@ -164,11 +167,12 @@ class OpenAIServer:
             timing = _Timing(arrival, time.monotonic())
             if req.stream:
                 return await self._stream(request, req, gen, first, timing)
-            return await self._complete(req, gen, first, timing)
+            return await self._complete(request, req, gen, first, timing)
         finally:
             await gen.aclose()  # a no-op once finished; otherwise aborts and frees the blocks
 
-    async def _complete(self, req: protocol.ChatRequest, gen, out, timing: "_Timing") -> web.Response:
+    async def _complete(self, request: web.Request, req: protocol.ChatRequest, gen, out,
+                        timing: "_Timing") -> web.StreamResponse:
         final = {}  # index -> final output; with n > 1 the choices finish in any order
         while True:
             if out.finished:
@@ -181,14 +185,17 @@ class OpenAIServer:
         outputs = [final[i] for i in range(req.params.n)]
         first = outputs[0]
 
-        def logprobs(o):
-            return None if o.logprobs is None else self.speller.content(o.logprobs)
-        # the prompt is counted once: it was built once and the other choices shared its blocks
+        # the prompt is counted once: it was built once and the other choices shared its blocks; the
+        # logprobs are filled in as the body is sent
         body = protocol.completion_body(
             protocol.new_completion_id(), self.model_name, first.text, first.finish_reason,
-            len(first.prompt_token_ids), sum(len(o.token_ids) for o in outputs), first.num_cached_tokens,
-            logprobs(first))
-        return web.json_response(protocol.with_choices(body, outputs, logprobs) if len(outputs) > 1 else body)
+            len(first.prompt_token_ids), sum(len(o.token_ids) for o in outputs), first.num_cached_tokens)
+        if len(outputs) > 1:
+            body = protocol.with_choices(body, outputs)
+        if response_body.is_small(outputs):
+            return web.json_response(body)
+        # logprobs or much text: encoded off the loop, a choice at a time (server/response_body.py)
+        return await response_body.send_in_pieces(request, body, [o.logprobs for o in outputs], self.speller)
 
     async def _stream(self, request: web.Request, req: protocol.ChatRequest, gen, out,
                       timing: "_Timing") -> web.StreamResponse:

@@ -43,6 +43,14 @@ _ENGINE_HELP = {
     "max_request_image_pixels": "the pixels of all of a request's images together, checked before any is decoded "
                                 "(serve's default 67108864; none in the Python API)",
     "revision": "branch, tag or commit of a model given as a Hub id 'Org/Name' (default: main)",
+    "max_logit_bias": "logit_bias entries per request (default 300); each is applied at every step",
+    "max_stop_token_ids": "stop_token_ids per request (default 300); min_tokens bans each at every step",
+    "max_grammar_bytes": "bytes of one structured-output spec: schema, regex, choice list or grammar (default 1048576)",
+    "grammar_compile_timeout": "seconds one grammar may take to compile in a grammar process (default 10)",
+    "max_grammar_memory": "memory one compiled grammar may hold with its first mask, measured where it compiles, "
+                          "e.g. 64MiB (default)",
+    "grammar_cache_memory": "compiled grammars kept for reuse, by their measured memory, e.g. 256MiB (default)",
+    "grammar_workers": "grammars compiled at once, each in a process of its own (default 2)",
     "allow_special_tokens_in_text": "read special tokens written in message text (<|im_end|>, ...) as control tokens; "
                                     "by default they are plain text, so a user cannot forge another role's turn",
 }
@@ -50,7 +58,8 @@ _ALIASES = {"tensor_parallel_size": ("--tp",)}
 _SWITCHES = {"async_scheduling"}  # on/off switches whose default (None) means "decided by the device"
 # flags whose EngineArgs default (None) does not tell their type; the rest follow their default's type
 _FLAG_TYPES = {"revision": str, "dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
-               "encoder_cache_memory": str, "memory_utilization": float}
+               "encoder_cache_memory": str, "memory_utilization": float, "max_grammar_memory": str,
+               "grammar_cache_memory": str}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +110,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="characters per stop string (default 256)")
     p.add_argument("--max-n", type=_positive, default=d.max_n,
                    help="choices ('n') per request, each a sequence in the batch (default 8)")
+    p.add_argument("--max-response-logprobs", type=_positive, default=d.max_response_logprobs,
+                   help="logprob entries a non-streamed response may hold, n x max_tokens x (top_logprobs + 1) "
+                        "(default 1000000; streamed responses are not bounded by it)")
     p.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
                    help="seconds a connection may stay open without a complete request head, idle or "
                         "sending its headers slowly")
@@ -153,7 +165,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           keep_alive_timeout=args.keep_alive_timeout, body_timeout=args.body_timeout,
                           max_connections=args.max_connections,
                           max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
-                          max_n=args.max_n)
+                          max_n=args.max_n, max_response_logprobs=args.max_response_logprobs)
 
     return serve(model, config, **engine_kwargs(args))
 

@@ -56,6 +56,9 @@ class ServerConfig:
     max_stop_strings: int = 4  # per request, as OpenAI's API allows
     max_stop_chars: int = 256  # per stop string
     max_n: int = 8  # choices per request: each is a sequence in the batch
+    # logprob entries a non-streamed response may hold: n x max_tokens x (top_logprobs + 1), max_tokens left
+    # out counted as max_model_len (streamed responses hold none: each chunk carries its own tokens')
+    max_response_logprobs: int = 1_000_000
     # connections: an open one must complete a request head within keep_alive_timeout of opening or
     # of its last response (idle and slow-header clients alike), and its body within body_timeout
     keep_alive_timeout: float = 5.0
