@@ -16,7 +16,9 @@ which the engine thread applies before its next step, freeing the request's KV b
 Prompt building has two pools: requests with images or a long text (LONG_TEXT_CHARS) go to the heavy
 one, the rest to the text one, so a text prompt never waits behind image decoding. A caller that goes
 away while its prompt is built (a server client that disconnects cancels its handler) cancels it: not
-started, it never runs; running, the images it has not decoded yet are skipped.
+started, it never runs; running, the images it has not decoded yet are skipped. A structured output's
+grammar is awaited first, from the grammar workers of its own (engine/structured_output.py): no prompt
+thread waits behind a grammar.
 """
 from __future__ import annotations
 
@@ -125,11 +127,13 @@ class AsyncLLM:
         (`InvalidRequestError`, `InvalidImageError`, `InputTooLongError`, whose fixes fit the prompt
         and `params.max_tokens`) before anything is queued."""
         self._check_alive()
+        self.engine.check_params(params)
+        await self._grammar(params)  # a bad schema fails before any image is decoded; no prep thread waits on it
         chars, images = measure(messages)
         pool = self._heavy_prep if images or chars >= LONG_TEXT_CHARS else self._text_prep
         cancelled = threading.Event()
         job = asyncio.get_running_loop().run_in_executor(
-            pool, partial(self.engine.build_prompt, messages, params, cancelled=cancelled))
+            pool, partial(self.engine.build_prompt, messages, params, cancelled=cancelled, compile_grammar=False))
         try:
             return await job  # cancelled here, a job not started yet is dropped from the pool's queue
         except asyncio.CancelledError:
@@ -159,9 +163,9 @@ class AsyncLLM:
             states = await loop.run_in_executor(self._text_prep, new_states)
         else:
             states = new_states()
-        # structured outputs: compiled (or found in the cache) here, never on the engine thread
-        grammar = (await loop.run_in_executor(self._text_prep, self.engine.compile_grammar, params)
-                   if params.grammar is not None else None)
+        # structured outputs: compiled on the grammar workers (usually found in the cache by now), never on
+        # the engine thread
+        grammar = await self._grammar(params)
         if request_id is not None and any(s.user_id == request_id for s in self._streams.values()):
             raise InvalidRequestError(f"request id {request_id!r} is already streaming")
         stream = _Stream(user_id, loop, asyncio.Queue())  # one queue for the n samples
@@ -192,6 +196,13 @@ class AsyncLLM:
                 self._streams.pop(key, None)
             for key in running:  # closed early or failed: every sample still running is aborted
                 self._send(("abort", key, "abort"))
+
+    async def _grammar(self, params: SamplingParams | None):
+        """The compiled grammar of `params` (None without one), awaited without holding a thread: the
+        grammar workers compile it (engine/structured_output.py), beside the prompt pools."""
+        if params is None or params.grammar is None:
+            return None
+        return await asyncio.wrap_future(self.engine.grammars.submit(params.grammar))
 
     def _new_states(self, user_id: str, prompt_ids: list[int], keys: list[str], samples: list) -> dict:
         return {key: self.output_processor.new_request(user_id, prompt_ids, sp, index=i)

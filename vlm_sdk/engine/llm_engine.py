@@ -70,7 +70,10 @@ class LLMEngine:
         self.guard = PromptGuard(self.tokenizer, args.max_image_pixels, args.max_request_image_pixels)
         self.eos_token_ids = set(info.eos_token_ids)
         self.vocab_size = vocab_size = int(family.text_config(info.hf_config).vocab_size)  # the logits' width
-        self.grammars = GrammarCompiler(self.tokenizer.wrapped, vocab_size, sorted(self.eos_token_ids))
+        self.grammars = GrammarCompiler(self.tokenizer.wrapped, vocab_size, sorted(self.eos_token_ids),
+                                        cache_memory=args.grammar_cache_memory, max_bytes=args.max_grammar_bytes,
+                                        max_memory=args.max_grammar_memory, timeout=args.grammar_compile_timeout,
+                                        workers=args.grammar_workers)
         self._fill_masks = MaskFiller(vocab_size)
         # every default that depends on the device or the rank count, decided once (refusing
         # async_scheduling=True with tensor parallelism before any rank starts); ranks receive it
@@ -81,7 +84,7 @@ class LLMEngine:
         try:
             self._start(info, family)
         except BaseException:
-            self.executor.shutdown()
+            self.shutdown()
             raise
 
     def _start(self, info, family) -> None:
@@ -130,18 +133,21 @@ class LLMEngine:
         return self.memory_report.load_seconds
 
     def shutdown(self) -> None:
-        """End every rank (tensor parallelism); nothing to do with one. Idempotent."""
+        """End every rank (tensor parallelism) and the grammar workers with their processes. Idempotent."""
+        self.grammars.close()
         self.executor.shutdown()
 
     # -- requests ---------------------------------------------------------------------------------
     def build_prompt(self, messages, params: SamplingParams | None = None,
-                     cancelled: threading.Event | None = None) -> PromptInputs:
+                     cancelled: threading.Event | None = None, compile_grammar: bool = True) -> PromptInputs:
         """Validate messages, decode and preprocess images, tokenize; raise if it can never fit (the
         fixes the error names fit the prompt and `params.max_tokens`). Once `cancelled` is set, the
-        images not decoded yet raise `DecodeCancelled` instead (see `PromptGuard`)."""
+        images not decoded yet raise `DecodeCancelled` instead (see `PromptGuard`). `compile_grammar`
+        False: the caller has compiled `params`' grammar already (AsyncLLM awaits it first)."""
         t0 = time.perf_counter()
         self.check_params(params)
-        self.compile_grammar(params)  # a bad schema fails before any image is decoded
+        if compile_grammar:
+            self.compile_grammar(params)  # a bad schema fails before any image is decoded
         try:
             prompt = self.processor(self.guard.prepare(messages, cancelled))
         except PromptTooLong as e:  # a huge text: refused from its token count, before any conversion
@@ -169,9 +175,9 @@ class LLMEngine:
                            self.args.max_stop_token_ids)
 
     def compile_grammar(self, params: SamplingParams | None) -> Grammar | None:
-        """The compiled grammar of `params`' structured output (None without one); cached, thread-safe:
-        AsyncLLM compiles on a prep thread, so the engine thread only copies its start state.
-        Raises `InvalidRequestError` naming the field when it cannot be compiled."""
+        """The compiled grammar of `params`' structured output (None without one), waited for: compiled
+        on the grammar workers (engine/structured_output.py), cached, so the engine thread only copies
+        its start state. Raises `InvalidRequestError` naming the field when it cannot be compiled."""
         if params is None or params.grammar is None:
             return None
         return self.grammars.compile(params.grammar)
@@ -196,7 +202,7 @@ class LLMEngine:
             grammar = self.compile_grammar(params)
         seq = Sequence(request_id, prompt, params)
         if grammar is not None:
-            seq.matcher = grammar.matcher()
+            seq.matcher, seq.first_mask = grammar.matcher(), grammar.first_mask
         seq.sync_sampling = grammar is not None or params.min_tokens > 0 or params.repetition_penalty != 1.0 \
             or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
         # what `_postprocess` checks per token, resolved once
@@ -252,8 +258,11 @@ class LLMEngine:
             self._note_preemptions(len(batch.preempted))
         work = self.scheduler.worker_input(batch)
         if self._constrained:
-            masks = self._fill_masks([(seq.request_id, seq.matcher) for seq, n in batch.scheduled if seq.matcher
-                                      is not None and seq.num_computed_tokens + n == seq.num_tokens + seq.num_inflight])
+            # a row that has generated nothing is at its grammar's start: its first mask was made with it
+            masks = self._fill_masks([(seq.request_id, seq.matcher, seq.first_mask if seq.num_tokens ==
+                                       seq.num_prompt_tokens else None) for seq, n in batch.scheduled
+                                      if seq.matcher is not None
+                                      and seq.num_computed_tokens + n == seq.num_tokens + seq.num_inflight])
             if masks is not None:
                 work = dataclasses.replace(work, grammar_bitmask=masks)
         read_now = self._launched(batch)
