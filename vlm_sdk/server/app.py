@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
 
@@ -57,6 +58,8 @@ class OpenAIServer:
         self.app.router.add_get("/metrics", self.prometheus)
         self.app.on_cleanup.append(self._close_media)
         self._speller: TokenSpeller | None = None
+        # large non-streamed bodies are made here, one at a time (server/response_body.py)
+        self._body_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlm-body")
 
     @property
     def speller(self) -> TokenSpeller:
@@ -68,6 +71,7 @@ class OpenAIServer:
 
     async def _close_media(self, _app) -> None:
         await self.media.close()
+        self._body_thread.shutdown(wait=False, cancel_futures=True)
 
     # -- errors and auth ---------------------------------------------------------------------------
     @web.middleware
@@ -150,7 +154,8 @@ class OpenAIServer:
         if self.draining or not self.engine.is_alive:
             raise APIError(503, "the server is shutting down or its engine has stopped; retry on another "
                                 "replica", "server_error", None, "unavailable")
-        body = await read_json(request, self.config.max_request_bytes, self.config.body_timeout)
+        body = await read_json(request, self.config.max_request_bytes, self.config.body_timeout,
+                               self.config.max_json_values)
         args = self.engine.args
         req = protocol.parse_chat_request(body, self.model_name, self.max_model_len, self.config.limit_images,
                                           self.config.max_stop_strings, self.config.max_stop_chars,
@@ -195,7 +200,8 @@ class OpenAIServer:
         if response_body.is_small(outputs):
             return web.json_response(body)
         # logprobs or much text: encoded off the loop, a choice at a time (server/response_body.py)
-        return await response_body.send_in_pieces(request, body, [o.logprobs for o in outputs], self.speller)
+        return await response_body.send_in_pieces(request, body, [o.logprobs for o in outputs], self.speller,
+                                                  self._body_thread)
 
     async def _stream(self, request: web.Request, req: protocol.ChatRequest, gen, out,
                       timing: "_Timing") -> web.StreamResponse:

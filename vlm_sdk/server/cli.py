@@ -101,6 +101,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="name clients pass as 'model' (default: the Hub id as given, "
                                                                       "else the directory's name)")
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
+    p.add_argument("--max-json-values", type=_positive, default=d.max_json_values,
+                   help="JSON values in a request body, counted before it is parsed (default 200000)")
     p.add_argument("--limit-images", type=int, default=d.limit_images, help="images per request")
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds in-flight requests get after SIGTERM before they are aborted")
@@ -161,6 +163,7 @@ def run_serve(args: argparse.Namespace) -> int:
                         max_bytes=args.max_media_bytes, timeout_s=args.media_timeout)
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
+                          max_json_values=args.max_json_values,
                           limit_images=args.limit_images, shutdown_timeout=args.shutdown_timeout, media=media,
                           keep_alive_timeout=args.keep_alive_timeout, body_timeout=args.body_timeout,
                           max_connections=args.max_connections,

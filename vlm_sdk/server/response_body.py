@@ -29,9 +29,12 @@ def is_small(outputs: list) -> bool:
     return all(o.logprobs is None for o in outputs) and sum(len(o.text) for o in outputs) < INLINE_TEXT_CHARS
 
 
-async def send_in_pieces(request: web.Request, body: dict, logprobs: list, speller: TokenSpeller) -> web.StreamResponse:
+async def send_in_pieces(request: web.Request, body: dict, logprobs: list, speller: TokenSpeller,
+                         executor=None) -> web.StreamResponse:
     """Send `body` (a completion whose choices' "logprobs" are still None); `logprobs[i]`: choice i's
-    `TokenLogprob` list, or None, filled in as OpenAI's `{"content": [...]}`."""
+    `TokenLogprob` list, or None, filled in as OpenAI's `{"content": [...]}`. `executor`: where the
+    pieces are made (the server's one body thread: two bodies at once would only contend for the GIL
+    with the engine thread)."""
     loop = asyncio.get_running_loop()
     keys = list(body)
     at = keys.index("choices")
@@ -41,7 +44,7 @@ async def send_in_pieces(request: web.Request, body: dict, logprobs: list, spell
     await resp.prepare(request)
     await resp.write(("{" + head).encode())
     for i, choice in enumerate(body["choices"]):
-        piece = await loop.run_in_executor(None, _choice, choice, logprobs[i], speller)
+        piece = await loop.run_in_executor(executor, _choice, choice, logprobs[i], speller)
         await resp.write(("," if i else "").encode() + piece)
     await resp.write(tail.encode())
     await resp.write_eof()
