@@ -125,7 +125,9 @@ class EngineArgs:
     # mask, in a grammar process of its own (a crash, a timeout or too much memory there is the request's
     # 400, never the server's end); `grammar_workers` such compiles run at once, beside prompt building
     max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # one spec's text (a schema, regex, choice list, grammar)
-    grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT  # seconds, in the grammar process
+    # CPU seconds of the grammar process (it runs at a low priority: a busy machine stretches the wall time, up
+    # to 10x, without counting against the grammar)
+    grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT
     max_grammar_memory: int | str = DEFAULT_MAX_GRAMMAR_MEMORY  # one compiled grammar with its first mask
     grammar_cache_memory: int | str = DEFAULT_GRAMMAR_CACHE_MEMORY  # compiled grammars kept, by measured bytes
     grammar_workers: int = 2

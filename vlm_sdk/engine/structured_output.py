@@ -35,6 +35,7 @@ and a weak model can emit newlines until max_tokens. A schema may choose its own
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import queue
@@ -202,7 +203,6 @@ class GrammarCompiler:
     def _build(self, spec: StructuredOutputs, proc: GrammarProcess) -> Grammar:
         """Check `spec` in the grammar process, then compile it here with its first mask."""
         import llguidance
-        import llguidance.torch as llt
         text = grammar_text(spec)
         checked = proc.check(text, self.timeout)
         if checked.error:
@@ -211,7 +211,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._tokenizer(), text, log_level=0, limits=limits)
         first = torch.full((1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)  # [1, words]
         if not matcher.is_error():
-            llt.fill_next_token_bitmask(matcher, first, 0)
+            fill_row(matcher, first, 0)
         if matcher.is_error():  # it compiled in the grammar process: this is not expected
             raise InvalidRequestError(f"'{spec.param}': this {_WHAT[spec.kind]} cannot be compiled: "
                                       f"{clean_error(matcher.get_error())}", param=spec.param)
@@ -223,11 +223,11 @@ class GrammarCompiler:
             return InvalidRequestError(f"'{param}': this {what} cannot be compiled: {clean_error(checked.error)}",
                                        param=param)
         if checked.kind == "timeout":
-            message = (f"'{param}': this {what} did not compile within {self.timeout:g} s "
+            message = (f"'{param}': this {what} did not compile within {self.timeout:g} s of CPU time "
                        f"({limit_text('grammar_compile_timeout', self.timeout)}); simplify it")
         elif checked.kind == "memory":
-            message = (f"'{param}': this {what} holds {checked.bytes / 2**20:.1f} MiB once compiled with its "
-                       f"first mask, over the limit of {self.max_memory / 2**20:.1f} MiB "
+            message = (f"'{param}': this {what} needs more than {self.max_memory / 2**20:.1f} MiB to compile with "
+                       f"its first mask (at least {checked.bytes / 2**20:.1f} MiB) "
                        f"({limit_text('max_grammar_memory', self.max_memory)}); simplify it")
         else:
             message = f"'{param}': the grammar compiler {crash_text(checked)} on this {what}; simplify it"
@@ -257,11 +257,17 @@ class GrammarCompiler:
 
 
 def grammar_text(spec: StructuredOutputs) -> str:
-    """llguidance's grammar text for `spec` (a wrapper around it: nothing is compiled yet)."""
+    """llguidance's grammar text for `spec` (a wrapper around it: nothing is compiled yet). A choice
+    list is one Lark terminal, an alternation its lexer matches (llguidance's own `grammar_from("choice")`
+    makes each string a parser alternative: past 2,000 of them the parser's row limit ends the request
+    at its second token, and 64,000 take 20 s to compile, against 1 s as a terminal)."""
     import llguidance
     try:
         if spec.kind == "json":
             return llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults={"whitespace_pattern": JSON_WHITESPACE})
+        if spec.kind == "choice":
+            choices = json.loads(spec.text)
+            return llguidance.LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(map(json.dumps, choices)))
         return llguidance.grammar_from(spec.kind, spec.text)
     except ValueError as e:
         raise InvalidRequestError(f"'{spec.param}': {clean_error(str(e))}", param=spec.param) from None
@@ -317,11 +323,19 @@ class MaskFiller:
                 todo.append((matcher, i))
         if todo:
             import llguidance
-            import llguidance.torch as llt
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
-            llt.fill_next_token_bitmask_par(self._executor, todo, bitmask)
+            # llguidance.torch's fill_next_token_bitmask_par, which is this call (importing that module
+            # runs a torch.compile decorator: seconds of the GIL)
+            self._executor.unsafe_compute_mask_ptr(todo, bitmask.data_ptr(), words * 4, len(rows))
         return GrammarBitmask(tuple(rid for rid, _, _ in rows), bitmask)
+
+
+def fill_row(matcher, bitmask: torch.Tensor, row: int) -> None:
+    """Row `row` of `bitmask` ([rows, words] int32, contiguous, on the CPU) := `matcher`'s next mask
+    (llguidance.torch's fill_next_token_bitmask, without importing it: see MaskFiller)."""
+    target = bitmask[row]  # [words]
+    matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
 
 
 def accept(matcher, token: int) -> str | None:

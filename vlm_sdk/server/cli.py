@@ -46,7 +46,8 @@ _ENGINE_HELP = {
     "max_logit_bias": "logit_bias entries per request (default 300); each is applied at every step",
     "max_stop_token_ids": "stop_token_ids per request (default 300); min_tokens bans each at every step",
     "max_grammar_bytes": "bytes of one structured-output spec: schema, regex, choice list or grammar (default 1048576)",
-    "grammar_compile_timeout": "seconds one grammar may take to compile in a grammar process (default 10)",
+    "grammar_compile_timeout": "CPU seconds one grammar may take to compile, with its first mask, in a grammar "
+                               "process (default 10; at most 10x as long in wall time)",
     "max_grammar_memory": "memory one compiled grammar may hold with its first mask, measured where it compiles, "
                           "e.g. 64MiB (default)",
     "grammar_cache_memory": "compiled grammars kept for reuse, by their measured memory, e.g. 256MiB (default)",

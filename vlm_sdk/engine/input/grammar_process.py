@@ -40,7 +40,7 @@ MiB = 1 << 20
 CHILD_STACK = 16 * MiB
 SERVER_STACK = 64 * MiB
 SETUP_TIMEOUT = 120.0  # building llguidance's tokenizer: ~1 s for a 150k vocabulary
-CHILD_NICE = 10  # the engine and the event loop come first on a busy CPU
+CHILD_NICE = 19  # the engine and the event loop come first on a busy CPU (its timeout counts its CPU time)
 
 
 def parser_limits():
@@ -82,21 +82,22 @@ class GrammarProcess:
         self.starts += 1
         try:
             _send(proc, self._setup)
-            _receive(proc, time.monotonic() + SETUP_TIMEOUT)
+            _receive(proc, _Budget(proc.pid, SETUP_TIMEOUT))
         except BaseException:
             self._stop(proc)
             raise
         return proc
 
     def check(self, grammar: str, timeout: float) -> CheckResult:
-        """Compile `grammar` and its first mask in the child, within `timeout` seconds."""
+        """Compile `grammar` and its first mask in the child, within `timeout` seconds of its CPU time
+        (a busy machine, where it runs last, stretches the wall time, up to `WALL_FACTOR` x)."""
         if self._proc is None or self._proc.poll() is not None:
             self._proc = self._start()
         proc = self._proc
         t0 = time.monotonic()
         try:
             _send(proc, json.dumps({"grammar": grammar}).encode())
-            reply = json.loads(_receive(proc, t0 + timeout))
+            reply = json.loads(_receive(proc, _Budget(proc.pid, timeout)))
         except TimeoutError:
             self._stop(proc)
             return CheckResult(f"it did not compile within {timeout:g} s", "timeout", seconds=time.monotonic() - t0)
@@ -141,18 +142,51 @@ def _send(proc: subprocess.Popen, data: bytes) -> None:
     proc.stdin.flush()
 
 
-def _receive(proc: subprocess.Popen, deadline: float) -> bytes:
-    head = _read(proc.stdout.fileno(), 8, deadline)
-    return _read(proc.stdout.fileno(), _INT.unpack(head)[0], deadline)
+WALL_FACTOR = 10
 
 
-def _read(fd: int, n: int, deadline: float) -> bytes:
-    """Exactly `n` bytes from `fd` by `deadline` (TimeoutError), or EOFError when the child is gone."""
+class _Budget:
+    """`seconds` of the child's CPU time from now (Linux: /proc/PID/stat, every thread's), and at most
+    WALL_FACTOR x as much wall time; elsewhere wall time only."""
+
+    def __init__(self, pid: int, seconds: float):
+        self.pid, self.seconds = pid, seconds
+        self.cpu0 = self._cpu()
+        self.wall_end = time.monotonic() + (WALL_FACTOR if self.cpu0 is not None else 1) * seconds
+
+    def _cpu(self) -> float | None:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def left(self) -> float:
+        """Seconds to wait before looking again; <= 0 once spent."""
+        wall = self.wall_end - time.monotonic()
+        if wall <= 0:
+            return 0.0
+        cpu = self._cpu() if self.cpu0 is not None else None
+        if cpu is None:  # no CPU clock here, or the child is gone (its pipe tells)
+            return wall
+        return min(wall, self.seconds - (cpu - self.cpu0), 0.1)
+
+
+def _receive(proc: subprocess.Popen, budget: _Budget) -> bytes:
+    head = _read(proc.stdout.fileno(), 8, budget)
+    return _read(proc.stdout.fileno(), _INT.unpack(head)[0], budget)
+
+
+def _read(fd: int, n: int, budget: _Budget) -> bytes:
+    """Exactly `n` bytes from `fd` within `budget` (TimeoutError), or EOFError when the child is gone."""
     parts, got = [], 0
     while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        left = budget.left()
+        if left <= 0:
             raise TimeoutError
+        if not select.select([fd], [], [], left)[0]:
+            continue
         chunk = os.read(fd, min(n - got, 1 << 20))
         if not chunk:
             raise EOFError("the grammar process closed its pipe")
@@ -207,6 +241,32 @@ def _compile(llguidance, tokenizer, grammar: str, max_bytes: int) -> dict:
     return {"error": "", "bytes": held}
 
 
+class _MemoryWatch:
+    """While a job compiles: the heap's growth read every `_WATCH_S`; past `max_bytes` the job's
+    answer is written from here and the process ends at once, so that it never holds much more than
+    the limit (the answer is the same as after a compile that ended over it)."""
+
+    def __init__(self, stdout, lock: threading.Lock, max_bytes: int):
+        self.stdout, self.lock, self.max_bytes = stdout, lock, max_bytes
+        self.base: int | None = None  # the heap when the current job began; None between jobs
+
+    def run(self) -> None:
+        while True:
+            time.sleep(_WATCH_S)
+            base = self.base
+            if base is None:
+                continue
+            held = _heap_bytes() - base
+            if held > self.max_bytes:
+                with self.lock:
+                    _write_message(self.stdout, {"error": f"it held more than {held} bytes while compiling",
+                                                 "kind": "memory", "bytes": held, "recycle": True})
+                    os._exit(0)
+
+
+_WATCH_S = 0.02
+
+
 def _serve(stdin, stdout) -> None:
     import resource
 
@@ -223,6 +283,9 @@ def _serve(stdin, stdout) -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (ceiling, data[1]))
     resident = _resident_bytes()
     _write_message(stdout, {"ready": True})
+    lock = threading.Lock()  # one answer per job: the job's or the memory watch's
+    watch = _MemoryWatch(stdout, lock, max_bytes)
+    threading.Thread(target=watch.run, daemon=True).start()
     threading.stack_size(CHILD_STACK)
     while True:
         try:
@@ -236,12 +299,15 @@ def _serve(stdin, stdout) -> None:
                 result.update(_compile(llguidance, tokenizer, job["grammar"], max_bytes))
             except Exception as e:  # llguidance raises for what it cannot even parse
                 result.update(error=f"{type(e).__name__}: {e}", kind="grammar")
+        watch.base = _heap_bytes()
         worker = threading.Thread(target=run)
         worker.start()
         worker.join()
+        watch.base = None
         # memory the allocator kept from a large compile stays with this process: start afresh
         result["recycle"] = _resident_bytes() - resident > max_bytes
-        _write_message(stdout, result)
+        with lock:
+            _write_message(stdout, result)
         if result["recycle"]:
             return
 
