@@ -355,7 +355,8 @@ class LLMEngine:
         """Live numbers: KV blocks used and free (`kv_blocks_cached`: free blocks that still hold
         reusable prefix content; they count as free), the longest prompt that would fit in the free
         blocks right now (0 when the cache is full; never above max_model_len), preemptions (all, and
-        in the last minute), queue lengths, prefix- and encoder-cache hits and lookups, and token
+        in the last minute), queue lengths, prefix- and encoder-cache hits and lookups, the grammar
+        cache's bytes and its processes' resident memory, and token
         totals since start-up."""
         bm, enc = self.block_manager, self._encoder_cache  # rank 0's encoder cache (every rank's is alike)
         largest_now = min(bm.num_free_blocks * bm.block_size, self.scheduler_config.max_model_len)
@@ -371,6 +372,8 @@ class LLMEngine:
                 "prefix_cache_hit_tokens": bm.hit_tokens, "prefix_cache_query_tokens": bm.query_tokens,
                 "kv_blocks_cached": bm.num_cached_free_blocks, "encoder_cache_hits": enc.hits,
                 "encoder_cache_queries": enc.queries, "encoder_cache_bytes": enc.num_bytes,
+                "grammar_cache_bytes": self.grammars.cache_bytes,
+                "grammar_process_bytes": self.grammars.process_bytes(),
                 **{f"total_{k}": v for k, v in self.totals.items()}}
 
 

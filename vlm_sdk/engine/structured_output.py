@@ -133,6 +133,10 @@ class GrammarCompiler:
         """`submit(spec)`, waited for (raises the compiler's error)."""
         return self.submit(spec).result()
 
+    def process_bytes(self) -> int:
+        """The grammar processes' resident memory together (0 before the first grammar)."""
+        return sum(p.resident_bytes() for p in self.processes)
+
     def close(self) -> None:
         """Stop the workers and their processes (the engine's shutdown); idempotent."""
         with self._lock:

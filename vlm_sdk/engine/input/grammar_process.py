@@ -110,6 +110,17 @@ class GrammarProcess:
         kind = reply.get("kind", "grammar") if reply["error"] else ""
         return CheckResult(reply["error"], kind, reply.get("bytes", 0), time.monotonic() - t0)
 
+    def resident_bytes(self) -> int:
+        """The child's resident memory (Linux; 0 elsewhere or when none runs)."""
+        pid = self.pid
+        if pid is None:
+            return 0
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            return 0
+
     def last_words(self) -> str:
         if self._stderr is None:
             return ""
