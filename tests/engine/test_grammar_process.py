@@ -147,3 +147,21 @@ def test_a_schema_that_cannot_compile_is_named(compiler):
         compiler.compile(SamplingParams(response_format={"type": "json_schema", "json_schema": {
             "name": "x", "schema": json.loads('{"type": "object", "properties": {"a": {"$ref": "#/nope"}}}')}}).grammar)
     assert e.value.param == "response_format" and "nope" in str(e.value)
+
+
+def test_an_idle_process_ends_and_the_next_grammar_starts_one(tokenizer, monkeypatch):
+    from vlm_sdk.engine import structured_output
+    monkeypatch.setattr(structured_output, "PROCESS_IDLE_S", 0.5)
+    c = GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id], workers=1)
+    try:
+        c.compile(spec(choice=["a", "b"]))
+        proc = c.processes[0]
+        assert proc.pid is not None and c.process_bytes() > 0
+        deadline = time.monotonic() + 10
+        while proc.pid is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.pid is None and c.process_bytes() == 0  # its memory went back
+        c.compile(spec(choice=["c", "d"]))
+        assert proc.starts == 2
+    finally:
+        c.close()

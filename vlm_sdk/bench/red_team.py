@@ -176,6 +176,10 @@ def _rss(m: dict) -> float:
     return m["process_resident_memory_bytes"] + m["vlm_sdk_grammar_process_resident_bytes"]
 
 
+def _grammar_rss(m: dict) -> float:
+    return m["vlm_sdk_grammar_process_resident_bytes"]
+
+
 async def _send(session, url: str, headers: dict, data: bytes) -> tuple[int, str]:
     try:
         async with session.post(url + "/v1/chat/completions", data=data, headers=headers) as resp:
@@ -235,7 +239,8 @@ async def red_team(url: str, api_key: str | None, model: str | None, scale: floa
                 after = await _metrics(session, url)
                 row.update(name=name, requests=len(bodies), seconds=t1 - t0,
                            worst_gap_s=await asyncio.to_thread(victim.worst_gap, t0, t1),
-                           rss_before_bytes=_rss(before), rss_after_bytes=_rss(after))
+                           rss_before_bytes=_rss(before), rss_after_bytes=_rss(after),
+                           grammar_rss_after_bytes=_grammar_rss(after))
                 results.append(row)
                 print_row(row, file=sys.stderr)
         finally:
@@ -249,7 +254,8 @@ async def red_team(url: str, api_key: str | None, model: str | None, scale: floa
     return {"url": url, "scale": scale, "rows": results, "healthy_after": healthy,
             "server_errors": sum(v for k, v in statuses.items() if k is not None and (k == 0 or k >= 500)),
             "worst_gap_s": max(r["worst_gap_s"] for r in results), "rss_start_bytes": _rss(start),
-            "rss_end_bytes": _rss(end), "rss_growth_bytes": _rss(end) - _rss(start)}
+            "rss_end_bytes": _rss(end), "rss_growth_bytes": _rss(end) - _rss(start),
+            "grammar_rss_end_bytes": _grammar_rss(end)}
 
 
 async def _vocab_size(session, url: str, headers: dict, model: str) -> int:
@@ -279,18 +285,19 @@ def verdict(report: dict) -> dict:
 
 
 def print_report(report: dict) -> None:
-    print("| row | requests | statuses | worst victim gap | server RSS before -> after | seconds |")
+    print("| row | requests | statuses | worst victim gap | RSS before -> after (of it grammar processes) | seconds |")
     print("|---|---|---|---|---|---|")
     for r in report["rows"]:
         codes = ", ".join(f"{k}: {v}" for k, v in sorted(r["statuses"].items(), key=lambda kv: str(kv[0])))
         probe = f" (slowest plain probe {r['slowest_probe_s']:.2f} s)" if r["slowest_probe_s"] is not None else ""
         print(f"| {r['name']} | {r['requests']} | {codes} | {r['worst_gap_s']:.3f} s{probe} | "
-              f"{r['rss_before_bytes'] / 2**20:.0f} -> {r['rss_after_bytes'] / 2**20:.0f} MiB | {r['seconds']:.1f} |")
+              f"{r['rss_before_bytes'] / 2**20:.0f} -> {r['rss_after_bytes'] / 2**20:.0f} MiB "
+              f"({r['grammar_rss_after_bytes'] / 2**20:.0f}) | {r['seconds']:.1f} |")
     ok = verdict(report)
     print(f"\nserver alive after: {report['healthy_after']}; 5xx or dropped: {report['server_errors']}; worst victim gap "
           f"{report['worst_gap_s']:.3f} s; RSS {report['rss_start_bytes'] / 2**20:.0f} -> "
           f"{report['rss_end_bytes'] / 2**20:.0f} MiB ({report['rss_growth_bytes'] / 2**20:+.0f} MiB, server and "
-          f"grammar processes)")
+          f"grammar processes; {report['grammar_rss_end_bytes'] / 2**20:.0f} MiB of it grammar processes at the end)")
     print("targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in ok.items()))
 
 

@@ -61,6 +61,7 @@ logger = logging.getLogger("vlm_sdk")
 JSON_WHITESPACE = r"\n?[ ]{0,8}"
 _WHAT = {"json": "JSON Schema", "regex": "regex", "choice": "choice list", "grammar": "grammar"}
 _WORKER_NICE = 5  # the compile threads yield the CPU to the engine and the event loop
+PROCESS_IDLE_S = 60.0  # a grammar process without a grammar this long ends (the next one starts afresh)
 
 
 class Grammar:
@@ -176,7 +177,11 @@ class GrammarCompiler:
             except OSError:
                 pass
         while True:
-            job = self._jobs.get()
+            try:
+                job = self._jobs.get(timeout=PROCESS_IDLE_S)
+            except queue.Empty:  # no grammar for a while: its process's memory goes back (restarted on the next)
+                proc.close()
+                continue
             if job is None:
                 return
             spec, pending = job

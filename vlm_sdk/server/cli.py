@@ -50,7 +50,7 @@ _ENGINE_HELP = {
                                "process (default 10; at most 10x as long in wall time)",
     "max_grammar_memory": "memory one compiled grammar may hold with its first mask, measured where it compiles, "
                           "e.g. 64MiB (default)",
-    "grammar_cache_memory": "compiled grammars kept for reuse, by their measured memory, e.g. 256MiB (default)",
+    "grammar_cache_memory": "compiled grammars kept for reuse, by their measured memory, e.g. 64MiB (default)",
     "grammar_workers": "grammars compiled at once, each in a process of its own (default 2)",
     "allow_special_tokens_in_text": "read special tokens written in message text (<|im_end|>, ...) as control tokens; "
                                     "by default they are plain text, so a user cannot forge another role's turn",

@@ -141,6 +141,7 @@ class GrammarProcess:
         return code
 
     def close(self) -> None:
+        """End the child, if one runs; the next `check` starts another."""
         if self._proc is not None:
             self._stop(self._proc)
         if self._stderr is not None:
