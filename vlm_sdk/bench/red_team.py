@@ -3,7 +3,8 @@ innocent client streams beside them.
 
 Each row sends its requests (built before the row starts, so that the attacker's own work does not
 delay anything), `concurrency` at a time, and reports: the HTTP status of every request, the victim
-stream's worst gap between two SSE lines over the row, and the server's resident memory before and
+stream's worst gap between two SSE lines over the row (and its median: the step cadence the row's
+batch allows), and the server's resident memory before and
 after it (its own `process_resident_memory_bytes` plus its grammar processes', from /metrics). The
 victim runs in a process of its own, so that neither the attacker's client nor its parsing can delay
 the lines it times. Afterwards: 5xx count, whether the server still answers /health, the worst gap,
@@ -30,6 +31,7 @@ import asyncio
 import json
 import multiprocessing
 import re
+import statistics
 import sys
 import threading
 import time
@@ -150,14 +152,15 @@ class Victim:
         self._proc.join(timeout=30)
         self._reader.join(timeout=5)
 
-    def worst_gap(self, t0: float, t1: float) -> float:
+    def gaps(self, t0: float, t1: float) -> list[float]:
+        """The victim's waits between lines over [t0, t1], the ones straddling either end included."""
         deadline = time.monotonic() + 10  # the first line after t1 closes a stall running past it
         while not (self.times and self.times[-1] > t1) and time.monotonic() < deadline:
             time.sleep(0.05)
         times = sorted(self.times)
         points = [t for t in times if t < t0][-1:] + [t for t in times if t0 <= t <= t1] + \
             [t for t in times if t > t1][:1]
-        return max((b - a for a, b in zip(points, points[1:])), default=float("inf"))
+        return [b - a for a, b in zip(points, points[1:])] or [float("inf")]
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -237,8 +240,9 @@ async def red_team(url: str, api_key: str | None, model: str | None, scale: floa
                 row = await _row(session, url, headers, bodies, at_once, probes, model)
                 t1 = time.monotonic()
                 after = await _metrics(session, url)
-                row.update(name=name, requests=len(bodies), seconds=t1 - t0,
-                           worst_gap_s=await asyncio.to_thread(victim.worst_gap, t0, t1),
+                gaps = await asyncio.to_thread(victim.gaps, t0, t1)
+                row.update(name=name, requests=len(bodies), seconds=t1 - t0, worst_gap_s=max(gaps),
+                           median_gap_s=statistics.median(gaps),
                            rss_before_bytes=_rss(before), rss_after_bytes=_rss(after),
                            grammar_rss_after_bytes=_grammar_rss(after))
                 results.append(row)
@@ -272,7 +276,7 @@ def print_row(r: dict, file=sys.stdout) -> None:
     codes = ", ".join(f"{k}: {v}" for k, v in sorted(r["statuses"].items(), key=lambda kv: str(kv[0])))
     probe = f"; slowest plain probe {r['slowest_probe_s']:.2f} s" if r["slowest_probe_s"] is not None else ""
     print(f"row {r['name']}: {r['requests']} requests in {r['seconds']:.1f} s -> {codes}; victim's worst gap "
-          f"{r['worst_gap_s']:.3f} s; RSS {r['rss_before_bytes'] / 2**20:.0f} -> {r['rss_after_bytes'] / 2**20:.0f} MiB"
+          f"{r['worst_gap_s']:.3f} s (median {r['median_gap_s']:.3f} s); RSS {r['rss_before_bytes'] / 2**20:.0f} -> {r['rss_after_bytes'] / 2**20:.0f} MiB"
           f"{probe}", file=file, flush=True)
 
 
@@ -285,12 +289,13 @@ def verdict(report: dict) -> dict:
 
 
 def print_report(report: dict) -> None:
-    print("| row | requests | statuses | worst victim gap | RSS before -> after (of it grammar processes) | seconds |")
+    print("| row | requests | statuses | victim's worst gap (median) | RSS before -> after (of it grammar processes) "
+          "| seconds |")
     print("|---|---|---|---|---|---|")
     for r in report["rows"]:
         codes = ", ".join(f"{k}: {v}" for k, v in sorted(r["statuses"].items(), key=lambda kv: str(kv[0])))
         probe = f" (slowest plain probe {r['slowest_probe_s']:.2f} s)" if r["slowest_probe_s"] is not None else ""
-        print(f"| {r['name']} | {r['requests']} | {codes} | {r['worst_gap_s']:.3f} s{probe} | "
+        print(f"| {r['name']} | {r['requests']} | {codes} | {r['worst_gap_s']:.3f} s ({r['median_gap_s']:.3f}){probe} | "
               f"{r['rss_before_bytes'] / 2**20:.0f} -> {r['rss_after_bytes'] / 2**20:.0f} MiB "
               f"({r['grammar_rss_after_bytes'] / 2**20:.0f}) | {r['seconds']:.1f} |")
     ok = verdict(report)

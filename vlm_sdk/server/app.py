@@ -24,6 +24,7 @@ import time
 from aiohttp import web
 
 from vlm_sdk.async_llm import AsyncLLM
+from vlm_sdk.engine.heap import trim_heap
 from vlm_sdk.errors import EngineDeadError, VLMError
 from vlm_sdk.server import protocol, response_body
 from vlm_sdk.server.body import read_json
@@ -34,6 +35,7 @@ from vlm_sdk.server.metrics import CONTENT_TYPE, ServerMetrics
 from vlm_sdk.server.protocol import APIError
 
 logger = logging.getLogger("vlm_sdk.server")
+_LARGE_BYTES = 1 << 20  # a request body this large is followed by a heap trim
 
 
 class OpenAIServer:
@@ -60,6 +62,7 @@ class OpenAIServer:
         self._speller: TokenSpeller | None = None
         # large non-streamed bodies are made here, one at a time (server/response_body.py)
         self._body_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlm-body")
+        self._trim_handle: asyncio.TimerHandle | None = None
 
     @property
     def speller(self) -> TokenSpeller:
@@ -147,6 +150,23 @@ class OpenAIServer:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
+            if (request.content_length or 0) > _LARGE_BYTES:
+                self._trim_soon()
+
+    def _trim_soon(self) -> None:
+        """After a large body in or out: once the request is gone (half a second on), the allocator's
+        free memory back to the system, on the body thread (engine/heap.py); one trim for a burst."""
+        if self._trim_handle is not None:
+            return
+        loop = asyncio.get_running_loop()
+
+        def trim() -> None:
+            self._trim_handle = None
+            try:
+                loop.run_in_executor(self._body_thread, trim_heap)
+            except RuntimeError:  # shutting down: the body thread takes no more work
+                pass
+        self._trim_handle = loop.call_later(0.5, trim)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
@@ -200,8 +220,10 @@ class OpenAIServer:
         if response_body.is_small(outputs):
             return web.json_response(body)
         # logprobs or much text: encoded off the loop, a choice at a time (server/response_body.py)
-        return await response_body.send_in_pieces(request, body, [o.logprobs for o in outputs], self.speller,
+        resp = await response_body.send_in_pieces(request, body, [o.logprobs for o in outputs], self.speller,
                                                   self._body_thread)
+        self._trim_soon()
+        return resp
 
     async def _stream(self, request: web.Request, req: protocol.ChatRequest, gen, out,
                       timing: "_Timing") -> web.StreamResponse:

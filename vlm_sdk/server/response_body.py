@@ -48,21 +48,8 @@ async def send_in_pieces(request: web.Request, body: dict, logprobs: list, spell
         await resp.write(("," if i else "").encode() + piece)
     await resp.write(tail.encode())
     await resp.write_eof()
-    try:
-        loop.run_in_executor(executor, trim_heap)  # not awaited: the response is complete
-    except RuntimeError:  # the server is closing: its body thread takes no more work
-        pass
     return resp
 
-
-def trim_heap() -> None:
-    """Give the allocator's free memory back to the system after a large body (glibc's malloc_trim;
-    ctypes releases the GIL for the call); nothing elsewhere."""
-    try:
-        import ctypes
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _member(body: dict, key: str) -> str:
