@@ -145,12 +145,19 @@ class GrammarCompiler:
             if self._closed:
                 return
             self._closed = True
+            while True:  # what is queued is not compiled: its callers learn why
+                try:
+                    spec, pending = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                self._pending.pop(spec, None)
+                pending.set_exception(RuntimeError("the grammar compiler was closed with its engine"))
             for _ in self._workers:
                 self._jobs.put(None)
-        for worker in self._workers:
-            worker.join(timeout=self.timeout + 5)
-        for proc in self.processes:
+        for proc in self.processes:  # a compile under way ends with its process: its worker moves on
             proc.close()
+        for worker in self._workers:
+            worker.join(timeout=2.0)
 
     # -- the workers -------------------------------------------------------------------------------
     def _start_workers(self) -> None:

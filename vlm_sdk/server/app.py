@@ -6,7 +6,8 @@
       -> MediaFetcher: http(s)/file image sources to bytes under the media policy (400)
       -> AsyncLLM.build_prompt, off the loop: decode, resize, tokenize, fit check (400)
       -> AsyncLLM.generate: wait for the first output, so that every refusal is still an HTTP status
-      -> one JSON body, or SSE chunks ending in [DONE]
+      -> one JSON body (with logprobs or much text: made off the loop, sent a choice at a time:
+         server/response_body.py), or SSE chunks ending in [DONE]
     GET /v1/models, GET /health (503 once the engine stopped or shutdown began), GET /metrics
 
 Below the app, server/connections.py answers aiohttp's own protocol errors in the same error shape
@@ -17,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
