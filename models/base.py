@@ -4,7 +4,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
@@ -129,9 +129,10 @@ class VisionLanguageModel(nn.Module, ABC):
         return None
 
     @abstractmethod
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`[num_sampled, hidden_size] -> [num_sampled, vocab_size]` float32 (the whole vocab on every
-        rank under tensor parallelism); called only on the rows that are sampled."""
+        rank under tensor parallelism); called only on the rows that are sampled. `out`: a float32
+        `[num_sampled, vocab_size]` to write them into (the decode graphs' static buffer), returned."""
 
     @abstractmethod
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
@@ -159,10 +160,32 @@ class PromptProcessor(ABC):
 
     max_image_tokens: int | None
 
+    @classmethod
+    def from_engine_args(cls, tokenizer, image_processor, hf_config, args, family):
+        """The processor for an engine's `EngineArgs`: `mm_processor_kwargs` is checked against
+        `family.engine_settings` (another family's setting is refused here) and handed to the class as
+        `settings_kwargs` says; `family` is the folder's `FamilySpec`, passed in so that the spec may
+        import the processor's module and not the reverse."""
+        options = family.engine_options(args.mm_processor_kwargs)
+        return cls(tokenizer, image_processor, hf_config, max_image_pixels=args.max_image_pixels, family=family,
+                   **cls.settings_kwargs(options))
+
+    @classmethod
+    def settings_kwargs(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """The family's checked engine settings -> this class's keyword arguments (default: none)."""
+        return {}
+
     @abstractmethod
-    def __call__(self, messages) -> PromptInputs:
-        """Validate messages, decode and preprocess images, render the chat template and expand each
+    def __call__(self, messages, template_kwargs: Mapping[str, Any] | None = None) -> PromptInputs:
+        """Validate messages, decode and preprocess images, render the chat template (given
+        `template_kwargs` as variables: the request's tools, its chat_template_kwargs) and expand each
         image placeholder to the image's tokens (typed errors for bad input)."""
+
+    @abstractmethod
+    def text_prompt(self, token_ids: list[int]) -> PromptInputs:
+        """The prompt of these token ids as they are (a raw text's or a token-id prompt's, already
+        checked against the vocabulary): no chat template, no images, the family's positions for
+        plain text. The image placeholder token is refused (`multimodal.inputs.refuse_placeholders`)."""
 
     @abstractmethod
     def largest_image(self) -> ImageInput:

@@ -3,8 +3,9 @@ and the small types its hooks speak in.
 
 The engine, planner, server and CLI reach a family only through `vlm_sdk.models.registry`, and through
 it only through this interface: the family's settings (a schema: name, type, default, help, checked
-here), its classes (image processor, prompt processor, model), its planner hooks and its test fixtures
-(tiny checkpoint builder, transformers reference). Shared types carry the family's settings as opaque
+here), its classes (image processor, prompt processor, model) and its planner hooks: runtime hooks only.
+Test and benchmark fixtures (tiny checkpoints, the transformers reference) are a family's `fixtures.py`
+(`FamilyFixtures`, models/fixtures.py), registered in vlm_sdk/testing/families.py. Shared types carry the family's settings as opaque
 mappings: `EngineArgs.mm_processor_kwargs` (engine-wide) and `ImageRef.options` (one image part).
 """
 from __future__ import annotations
@@ -100,8 +101,6 @@ class FamilySpec(ABC):
                           ("max_dynamic_patch", "max_dynamic_patch"); the plan flag is `--<plan option>`.
                           One vocabulary: the plan option IS the engine setting's name, so a fix
                           `plan` prints pastes into `vlm-sdk serve` and `LLM(...)`
-        bench_image_sizes (width, height) of the `vlm-sdk bench` workload's images, used in turn: sizes
-                          that exercise the family's own image sizing (one tile, several tiles, ...)
     """
 
     name: str
@@ -109,7 +108,6 @@ class FamilySpec(ABC):
     engine_settings: tuple[Setting, ...] = ()
     image_settings: tuple[Setting, ...] = ()
     plan_setting: tuple[str, str]
-    bench_image_sizes: tuple[tuple[int, int], ...]
 
     # -- classes (imported when asked for: importing the spec imports no model code) -------------
     @property
@@ -156,8 +154,11 @@ class FamilySpec(ABC):
         return _checked(self, options, self.engine_settings, "engine setting", "")
 
     def image_options(self, options: Mapping[str, Any], where: str) -> dict[str, Any]:
-        """One image part's `ImageRef.options` checked against `image_settings` (`where`: "image 0: ")."""
-        return _checked(self, options, self.image_settings, "image setting", where)
+        """One image part's `ImageRef.options` checked against `image_settings` (`where`: "image 0: ").
+        A key that no registered family declares is ignored, as OpenAI and vLLM ignore unknown keys of
+        an image part; another family's image setting is refused, since the size bound it asks for
+        would not be applied here."""
+        return _checked(self, options, self.image_settings, "image setting", where, ignore_unknown=True)
 
     # -- planner hooks -----------------------------------------------------------------------------
     @abstractmethod
@@ -168,42 +169,21 @@ class FamilySpec(ABC):
         `model` is the engine's model built on the meta device."""
 
     @abstractmethod
-    def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int]:
-        """(vision hidden size, vision MLP width) for the planner's vision activation estimate:
-        rows of the largest image * (4 * hidden + 2 * MLP width) * dtype bytes."""
-
-    # -- benchmarks (transformers needed) ---------------------------------------------------------
-    @abstractmethod
-    def benchmark_preprocessing(self, preprocessor: Mapping[str, Any], hf_config: Any, images: list) -> dict:
-        """This family's image preprocessing, configured by the checkpoint (preprocessor_config.json as a
-        dict, hf_config), against transformers' on the same PIL `images`: at least `ours_ms_per_image`,
-        `transformers_ms_per_image` and `max_abs_diff` (`models/common/reference.pixel_report`)."""
-
-    # -- test fixtures (transformers needed) -------------------------------------------------------
-    @abstractmethod
-    def make_tiny_checkpoint(self, path: Path, seed: int = 0, **overrides) -> Path:
-        """A tiny random checkpoint of this family, saved by transformers (overrides: the builder's)."""
-
-    @abstractmethod
-    def make_bench_checkpoint(self, path: Path, seed: int = 0, **overrides) -> Path:
-        """A ~100M-parameter random checkpoint for benchmarks."""
-
-    @property
-    @abstractmethod
-    def reference(self) -> Any:
-        """The transformers reference module: `hf_model(model_dir, dtype)` (transformers' own class, eval),
-        `hf_image_processor(model_dir, **kw)` and `hf_prompt(tokenizer, image_processor, config, messages)
-        -> dict` of model inputs."""
+    def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int, int]:
+        """(vision hidden size, vision MLP width, pixel values per vision row) for the vision tower's
+        activation estimate (vlm_sdk/memory/consumers/activation.py)."""
 
 
 def _checked(family: FamilySpec, options: Mapping[str, Any], schema: tuple[Setting, ...], kind: str,
-             where: str) -> dict[str, Any]:
+             where: str, ignore_unknown: bool = False) -> dict[str, Any]:
     by_name = {s.name: s for s in schema}
     out = {}
     for name, value in options.items():
         if value is None:
             continue
         if name not in by_name:
+            if ignore_unknown and not _owners(name, family.name):
+                continue
             accepted = ", ".join(by_name) or "none"
             raise InvalidRequestError(
                 f"{where}{name}{'' if where else f'={value!r}'} is not an {kind} of {family.display_name} (this "
@@ -213,8 +193,13 @@ def _checked(family: FamilySpec, options: Mapping[str, Any], schema: tuple[Setti
     return out
 
 
-def _owner(name: str, this: str) -> str:
+def _owners(name: str, this: str) -> list[str]:
+    """The display names of the other registered families that declare a setting `name`."""
     from vlm_sdk.models.registry import families
-    owners = [f.display_name for f in families() if f.name != this and
-              name in {s.name for s in f.engine_settings + f.image_settings}]
+    return [f.display_name for f in families() if f.name != this and
+            name in {s.name for s in f.engine_settings + f.image_settings}]
+
+
+def _owner(name: str, this: str) -> str:
+    owners = _owners(name, this)
     return f": it belongs to {' / '.join(owners)}" if owners else ""

@@ -42,6 +42,20 @@ def conversations() -> dict[str, list[dict]]:
     }
 
 
+def internvl_conversations() -> dict[str, list[dict]]:
+    """Several tiles per image, kept short with per-image max_num (transformers gets it as max_patches)."""
+    a, b, c = image(400, 200, 1), image(120, 260, 2), image(200, 200, 3)
+    return {
+        "text": [{"role": "user", "content": "Tell me a short story about the sea."}],
+        "one_image": [{"role": "user", "content": [  # 2x1 grid (1 row, 2 cols) + thumbnail = 3 tiles
+            {"type": "image", "image": a, "max_num": 2}, {"type": "text", "text": "What is in this image?"}]}],
+        "two_images": [{"role": "system", "content": "You compare pictures."},
+                       {"role": "user", "content": [
+                           {"type": "text", "text": "Compare"}, {"type": "image", "image": b, "max_num": 2},
+                           {"type": "text", "text": "with"}, {"type": "image", "image": c, "max_num": 1}]}],
+    }
+
+
 def start_server(cmd: list[str], timeout: float = 120) -> tuple[subprocess.Popen, str]:
     """Run a server command (its own process group, killed with it on failure) until it prints the URL
     it serves at; (process, "http://127.0.0.1:PORT")."""
@@ -57,3 +71,16 @@ def start_server(cmd: list[str], timeout: float = 120) -> tuple[subprocess.Popen
             return proc, match.group(1)
     os.killpg(proc.pid, signal.SIGKILL)
     raise AssertionError(f"server did not start: {proc.stderr.read()[-3000:]}")
+
+
+def plan_cache(args, per_block, device, max_position_embeddings, peak, image_setting=None, weights=15 * 2**30):
+    """The engine's CUDA sizing of one rank (vlm_sdk/memory/startup.py `size_rank_caches`): the budget from the
+    device's total and in-use bytes (torch.cuda.mem_get_info, mocked here) minus the activation peak and the
+    encoder cache, sized and checked by vlm_sdk/memory/kv.py; `weights`: this engine's own weights."""
+    import torch
+    from vlm_sdk.memory.kv import DeviceBudget, check_cache, size_cache
+    free, total = torch.cuda.mem_get_info(device)
+    budget = DeviceBudget(total, total - free, peak or 0, args.encoder_cache_memory)
+    cache = size_cache(args, per_block, max_position_embeddings, budget)
+    check_cache(cache, args, weights, image_setting)
+    return cache

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import AsyncIterator
 
+from vlm_sdk.chat_options import ChatOptions
 from vlm_sdk.engine.llm_engine import LLMEngine
 from vlm_sdk.engine.output.output_processor import OutputProcessor
 from vlm_sdk.engine.input.prompt_tokenizer import LONG_TEXT_CHARS
@@ -40,6 +41,7 @@ from vlm_sdk.model_loader import load_tokenizer
 from vlm_sdk.models.registry import engine_args as make_engine_args
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.multimodal.messages import measure
+from vlm_sdk.multimodal.prompts import RawPrompt, TextPrompt, TokensPrompt, as_prompt
 from vlm_sdk.outputs import RequestOutput
 from vlm_sdk.sampling_params import SamplingParams
 
@@ -122,50 +124,71 @@ class AsyncLLM:
             callback(dead)
 
     # -- public API -------------------------------------------------------------------------------
-    async def build_prompt(self, messages, params: SamplingParams | None = None) -> PromptInputs:
+    async def build_prompt(self, request, params: SamplingParams | None = None,
+                           options: ChatOptions | None = None) -> PromptInputs:
         """Validate, decode images and tokenize off the event loop; raises the request's own error
         (`InvalidRequestError`, `InvalidImageError`, `InputTooLongError`, whose fixes fit the prompt
-        and `params.max_tokens`) before anything is queued."""
+        and `params.max_tokens`) before anything is queued. `request`: chat messages, or a
+        `TextPrompt` / `TokensPrompt` (no chat template; see `LLMEngine.build_prompt`). `options`:
+        tools, chat_template_kwargs, cache_salt (`ChatOptions`), for chat messages."""
         self._check_alive()
         self.engine.check_params(params)
-        await self._grammar(params)  # a bad schema fails before any image is decoded; no prep thread waits on it
-        chars, images = measure(messages)
+        # grammars first, awaited on the grammar workers: a bad schema (or tool schema) fails before any
+        # image is decoded, and no prep thread waits on a grammar
+        await self._compile([params.grammar] if params is not None and params.grammar is not None else [])
+        if options is not None and not isinstance(request, (TextPrompt, TokensPrompt)):
+            await self._compile(self.engine.chat.tool_specs(options))
+        if isinstance(request, TokensPrompt):
+            chars, images = 0, 0
+        elif isinstance(request, TextPrompt):
+            chars, images = len(request.text), 0
+        else:
+            chars, images = measure(request)
         pool = self._heavy_prep if images or chars >= LONG_TEXT_CHARS else self._text_prep
         cancelled = threading.Event()
         job = asyncio.get_running_loop().run_in_executor(
-            pool, partial(self.engine.build_prompt, messages, params, cancelled=cancelled, compile_grammar=False))
+            pool, partial(self.engine.build_prompt, request, params, cancelled=cancelled, options=options,
+                          compile_grammar=False))
         try:
             return await job  # cancelled here, a job not started yet is dropped from the pool's queue
         except asyncio.CancelledError:
             cancelled.set()  # a running one skips the images it has not decoded
             raise
 
-    async def chat_stream(self, messages, params: SamplingParams | None = None,
-                          request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as tokens arrive; the last one has `finish_reason` set."""
+    async def chat_stream(self, messages, params: SamplingParams | None = None, request_id: str | None = None,
+                          **chat_options) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as tokens arrive; the last one has `finish_reason` set. `chat_options`:
+        tools, tool_choice, parallel_tool_calls, chat_template_kwargs, cache_salt (`ChatOptions`); each
+        output then carries its parsed parts (`delta_content`, `delta_reasoning_content`,
+        `delta_tool_calls`, ...)."""
         params = _check_params(params)
-        prompt = await self.build_prompt(messages, params)
+        prompt = await self.build_prompt(messages, params, ChatOptions(**chat_options))
         async for out in self.generate(prompt, params, request_id):
             yield out
 
-    async def generate(self, prompt: PromptInputs, params: SamplingParams | None = None,
+    async def generate(self, prompt: PromptInputs | str | list[int] | RawPrompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a prompt made by `build_prompt`. Closing the iterator early aborts the request. With
-        `params.n` > 1 the n samples (`params.sample(i)`: seed + i) stream interleaved, told apart by
-        `index`, until all have finished; closing it aborts all of them."""
+        """Stream the completion of a prompt: one made by `build_prompt`, or a text or token ids
+        (a `TextPrompt` / `TokensPrompt`, built here with no chat template). Closing the iterator
+        early aborts the request. With `params.n` > 1 the n samples (`params.sample(i)`: seed + i)
+        stream interleaved, told apart by `index`, until all have finished; closing it aborts all of
+        them."""
         params = _check_params(params)
+        if not isinstance(prompt, PromptInputs):
+            prompt = await self.build_prompt(as_prompt(prompt), params)
         loop = asyncio.get_running_loop()
         keys = [f"async-{next(self._ids)}" for _ in range(params.n)]
         user_id = request_id or keys[0]
         samples = [params.sample(i) for i in range(params.n)] if params.n > 1 else [params]
-        new_states = partial(self._new_states, user_id, prompt.token_ids, keys, samples)
+        new_states = partial(self._new_states, user_id, prompt, keys, samples)
         if sum(map(len, params.stop)) > _LOOP_STOP_CHARS:  # their automaton takes a while to build
             states = await loop.run_in_executor(self._text_prep, new_states)
         else:
             states = new_states()
-        # structured outputs: compiled on the grammar workers (usually found in the cache by now), never on
-        # the engine thread
-        grammar = await self._grammar(params)
+        # structured outputs (the prompt's own grammar first: a forced tool call, or a format after reasoning):
+        # compiled on the grammar workers (usually found in the cache by now), never on the engine thread
+        spec = prompt.grammar if prompt.grammar is not None else params.grammar
+        grammar = (await self._compile([spec]))[0] if spec is not None else None
         if request_id is not None and any(s.user_id == request_id for s in self._streams.values()):
             raise InvalidRequestError(f"request id {request_id!r} is already streaming")
         stream = _Stream(user_id, loop, asyncio.Queue())  # one queue for the n samples
@@ -197,15 +220,14 @@ class AsyncLLM:
             for key in running:  # closed early or failed: every sample still running is aborted
                 self._send(("abort", key, "abort"))
 
-    async def _grammar(self, params: SamplingParams | None):
-        """The compiled grammar of `params` (None without one), awaited without holding a thread: the
-        grammar workers compile it (engine/structured_output.py), beside the prompt pools."""
-        if params is None or params.grammar is None:
-            return None
-        return await asyncio.wrap_future(self.engine.grammars.submit(params.grammar))
+    async def _compile(self, specs: list) -> list:
+        """The compiled grammars of `specs`, awaited without holding a thread: the grammar workers compile
+        them (engine/structured_output.py), beside the prompt pools; the first error raises."""
+        return [await asyncio.wrap_future(self.engine.grammars.submit(spec)) for spec in specs]
 
-    def _new_states(self, user_id: str, prompt_ids: list[int], keys: list[str], samples: list) -> dict:
-        return {key: self.output_processor.new_request(user_id, prompt_ids, sp, index=i)
+    def _new_states(self, user_id: str, prompt: PromptInputs, keys: list[str], samples: list) -> dict:
+        return {key: self.output_processor.new_request(user_id, prompt.token_ids, sp, index=i,
+                                                       output_format=prompt.output_format)
                 for i, (key, sp) in enumerate(zip(keys, samples))}
 
     def _send(self, command: tuple) -> None:
@@ -214,16 +236,17 @@ class AsyncLLM:
             if not (self._closed or self._dead):
                 self._commands.put(command)
 
-    async def chat(self, messages, params: SamplingParams | None = None,
-                   request_id: str | None = None) -> RequestOutput:
-        """The final output; with `params.n` > 1 it is sample 0, and `outputs` holds all n."""
+    async def chat(self, messages, params: SamplingParams | None = None, request_id: str | None = None,
+                   **chat_options) -> RequestOutput:
+        """The final output; with `params.n` > 1 it is sample 0, and `outputs` holds all n.
+        `chat_options`: as `chat_stream`'s."""
         final: dict[int, RequestOutput] = {}
-        async for out in self.chat_stream(messages, params, request_id):
+        async for out in self.chat_stream(messages, params, request_id, **chat_options):
             if out.finished:
                 final[out.index] = out
         outputs = [final[i] for i in sorted(final)]
         for out in outputs:
-            out.delta_text = out.text
+            out.set_whole()
         outputs[0].outputs = outputs
         return outputs[0]
 

@@ -32,6 +32,24 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """One complete call: `arguments` is the JSON text of the arguments (OpenAI's `function.arguments`)."""
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of call `index` as OpenAI streams it: the first piece carries `id` and `name`, every piece
+    a fragment of `arguments` (the fragments of a call concatenate to its arguments)."""
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
 class TokenLogprob:
     """One generated token's logprob and the `SamplingParams.logprobs` most likely tokens (best first),
     in the distribution it was drawn from: after penalties, temperature, top-k and top-p (a token they
@@ -44,8 +62,8 @@ class TokenLogprob:
 @dataclass
 class RequestOutput:
     """`text` and `token_ids` hold everything generated so far; `delta_text` what is new since the
-    previous output of this request. `finish_reason` is None while running, then "stop", "length" or
-    "abort". With `SamplingParams(n=k)` a stream interleaves the k samples, told apart by `index`; the
+    previous output of this request. `finish_reason` is None while running, then "stop", "length",
+    "abort", or "tool_calls" (it stopped after calling tools). With `SamplingParams(n=k)` a stream interleaves the k samples, told apart by `index`; the
     output `chat` returns is sample 0 with all k final samples in `outputs` (index order)."""
     request_id: str
     prompt_token_ids: list[int]
@@ -58,10 +76,26 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     index: int = 0  # which of the request's n samples
     outputs: list["RequestOutput"] | None = field(repr=False, default=None)  # set by chat(): every sample
+    # the text read by the prompt's output format (tools, a reasoning model): the answer without its
+    # reasoning and tool-call markup, the reasoning (None: no reasoning block), the calls so far (a
+    # forced call's arguments grow while it streams); without a format, content is `text`
+    content: str = ""
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    # what each of those gained with this output (a call's first piece has its id and name)
+    delta_content: str = ""
+    delta_reasoning_content: str = ""
+    delta_tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def set_whole(self) -> None:
+        """Make this final output the only one of its request: every delta is all of it."""
+        self.delta_text, self.delta_content = self.text, self.content
+        self.delta_reasoning_content = self.reasoning_content or ""
+        self.delta_tool_calls = [ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(self.tool_calls)]
 
     @property
     def num_cached_tokens(self) -> int:

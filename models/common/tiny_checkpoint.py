@@ -28,6 +28,11 @@ QWEN_SPECIAL_TOKENS = (
     "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
 )
 
+# Added tokens that are not special (the published tokenizers mark them "special": false, so they stay
+# in decoded text): the tool-call and reasoning tags of Qwen2.5's and Qwen3's templates, after the
+# special tokens, for the families whose templates use them.
+QWEN_TEXT_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+
 # Qwen2's pre-tokenizer split (the same regex transformers' Qwen2Tokenizer rebuilds on load).
 _PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
@@ -95,8 +100,9 @@ The garden has roses, tulips and sunflowers. A stone path leads to a bench under
 """
 
 
-def build_tokenizer(special_tokens: tuple[str, ...] = QWEN_SPECIAL_TOKENS):
-    """The byte-level BPE trained on `_CORPUS`, then `special_tokens` in order (ids from 1000 on)."""
+def build_tokenizer(special_tokens: tuple[str, ...] = QWEN_SPECIAL_TOKENS, text_tokens: tuple[str, ...] = ()):
+    """The byte-level BPE trained on `_CORPUS`, then `special_tokens` in order (ids from 1000 on), then
+    `text_tokens` (not special; e.g. `QWEN_TEXT_TOKENS`)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
     from tokenizers.models import BPE
 
@@ -112,6 +118,7 @@ def build_tokenizer(special_tokens: tuple[str, ...] = QWEN_SPECIAL_TOKENS):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in text_tokens])
     return tok
 
 
@@ -124,6 +131,8 @@ def write_tokenizer(out: Path, tok, special_tokens: tuple[str, ...], chat_templa
                                   "single_word": False, "special": True}
         for t in special_tokens
     }
+    added.update({str(tok.token_to_id(t)): {**added[str(tok.token_to_id(special_tokens[0]))], "content": t,
+                                            "special": False} for t in QWEN_TEXT_TOKENS if t in tok.get_vocab()})
     config = {
         "add_bos_token": False,
         "add_prefix_space": False,

@@ -22,6 +22,7 @@ from PIL import Image
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
 from vlm_sdk.model_loader import config_field
 from vlm_sdk.multimodal.image_io import to_rgb
+from vlm_sdk.multimodal.pixels import byte_table, normalisation
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -86,23 +87,16 @@ class InternVLImageProcessor:
         if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size <= 0:
             raise InvalidRequestError(f"image_size must be a positive int, got {image_size!r}.")
         _check_tile_bounds(min_num, max_num)
-        if len(mean) != 3 or len(std) != 3 or any(s == 0 for s in std):
-            raise InvalidRequestError(f"mean and std need 3 values each and a non-zero std; got "
-                                      f"mean={list(mean)}, std={list(std)}.")
+        self.mean, self.std = normalisation(mean, std, names=("mean", "std"))
         self.image_size = image_size
         self.min_num = min_num
         self.max_num = max_num
         self.use_thumbnail = bool(use_thumbnail)
-        self.mean = tuple(float(m) for m in mean)
-        self.std = tuple(float(s) for s in std)
         self.rescale_factor = float(rescale_factor)
         self.resample = int(resample)
         # transformers' arithmetic on every possible byte: float64 rescale, cast to float32, then float32
-        # subtract and divide (normalize casts mean/std to the image dtype).
-        x = (np.arange(256, dtype=np.float64) * self.rescale_factor).astype(np.float32)  # [256]
-        m = np.array(self.mean, dtype=np.float32)[:, None]  # [3, 1]
-        s = np.array(self.std, dtype=np.float32)[:, None]  # [3, 1]
-        self._lut = np.ascontiguousarray((x[None, :] - m) / s, dtype=np.float32)  # [3, 256]
+        # subtract and divide (normalize casts mean/std to the image dtype)
+        self._lut = byte_table(self.mean, self.std, self.rescale_factor)  # [3, 256]
         self.pixel_lut = torch.from_numpy(self._lut)  # [3, 256] float32, shared by every image's meta
         self._candidates: dict[tuple[int, int], list[tuple[int, int]]] = {}
 
@@ -240,32 +234,3 @@ class InternVLImageProcessor:
         tiles = resized.reshape(rows, s, cols, s, 3).transpose(0, 2, 4, 1, 3)  # [rows, cols, 3, s, s] (view)
         thumb = np.asarray(image.resize((s, s), resample=self.resample)) if self.tiles_of_grid(n) > n else None
         return tiles, thumb  # thumb: [s, s, 3]
-
-
-def benchmark_against_transformers(images: list[Image.Image], max_num: int = 12, repeats: int = 3,
-                                   ours: InternVLImageProcessor | None = None) -> dict:
-    """Time this processor against transformers' `GotOcr2ImageProcessorPil(crop_to_patches=True)`.
-
-    `ours`: a configured processor (e.g. a checkpoint's; its max_num wins over `max_num`), default the
-    published tiling at `max_num`; transformers' gets the same tile size, tile bounds and normalisation.
-    Ours is timed one call per image (how the engine uses it); transformers on the whole list in one
-    call, its fastest path. Each figure is the best of `repeats` passes.
-    """
-    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
-
-    if not images:
-        raise ValueError("benchmark_against_transformers needs at least one image.")
-    ours = ours or InternVLImageProcessor(max_num=max_num)
-    theirs = GotOcr2ImageProcessorPil(
-        crop_to_patches=True, min_patches=ours.min_num, max_patches=ours.max_num,
-        size={"height": ours.image_size, "width": ours.image_size},
-        image_mean=list(ours.mean), image_std=list(ours.std))
-
-    from vlm_sdk.models.common.reference import best_of, pixel_report
-
-    ours_s, ours_out = best_of(lambda: [ours(im) for im in images], repeats)
-    theirs_s, theirs_out = best_of(lambda: theirs(images, return_tensors="pt"), repeats)
-    ours_pixels = torch.cat(ours_out)  # [sum(tiles), 3, s, s]
-    tiles_match = [o.shape[0] for o in ours_out] == list(theirs_out["num_patches"])
-    report = pixel_report(ours_s, theirs_s, ours_pixels, theirs_out["pixel_values"], tiles_match, len(images))
-    return {**report, "tiles_match": tiles_match, "max_num": ours.max_num}

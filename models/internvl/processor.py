@@ -17,13 +17,14 @@ writes `<image>\\n` before the question.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import torch
 
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.image_key import image_key
-from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders
+from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders, refuse_placeholders
 from vlm_sdk.multimodal.messages import ImageRef, parse_messages
 from vlm_sdk.models.base import PromptProcessor
 from vlm_sdk.model_loader import config_field, text_config
@@ -82,13 +83,8 @@ class InternVLProcessor(PromptProcessor):
         self.max_image_tokens = max_image_tokens
 
     @classmethod
-    def from_engine_args(cls, tokenizer, image_processor: InternVLImageProcessor, hf_config, args, family):
-        """The processor for an engine's `EngineArgs`; `mm_processor_kwargs` is checked against
-        `family.engine_settings` (another family's setting is refused here); `family` is this folder's
-        `FamilySpec`, passed in so that the spec may import this module and not the reverse."""
-        o = family.engine_options(args.mm_processor_kwargs)
-        return cls(tokenizer, image_processor, hf_config, max_num=o.get("max_dynamic_patch"),
-                   max_image_pixels=args.max_image_pixels, family=family)
+    def settings_kwargs(cls, options: dict) -> dict:
+        return {"max_num": options.get("max_dynamic_patch")}
 
     @property
     def engine_max_num(self) -> int:
@@ -105,10 +101,10 @@ class InternVLProcessor(PromptProcessor):
         return ImageInput(torch.zeros(tiles, 3, s, s, dtype=torch.uint8), tiles * self.tokens_per_tile,
                           InternVLImage(tiles, pixel_lut=self.image_processor.pixel_lut))  # bytes, as images come
 
-    def __call__(self, messages) -> PromptInputs:
+    def __call__(self, messages, template_kwargs: Mapping[str, Any] | None = None) -> PromptInputs:
         template_messages, refs = parse_messages(messages)
         images = [self._image(i, ref) for i, ref in enumerate(refs)]
-        return self.build(template_messages, images)
+        return self.build(template_messages, images, template_kwargs)
 
     def _image(self, index: int, ref: ImageRef) -> ImageInput:
         own_max_num = self.family.image_options(ref.options, f"image {index}: ").get("max_num")
@@ -142,20 +138,27 @@ class InternVLProcessor(PromptProcessor):
             f"would become {tokens // self.tokens_per_tile} tiles = {tokens} image tokens, more than the {limit} "
             f"one image may take (max_model_len); refused before resizing. {fix}", param="max_num")
 
-    def _render(self, template_messages: list[dict]) -> str:
+    def _render(self, template_messages: list[dict], template_kwargs: Mapping[str, Any] | None = None) -> str:
         if self.original_layout:
             template_messages = [
                 {**m, "content": "".join(f"{IMG_CONTEXT}\n" if p["type"] == "image" else p["text"]
                                          for p in m["content"])}
                 if not isinstance(m["content"], str) else m
                 for m in template_messages]
-        return self.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True,
+                                                  **(template_kwargs or {}))
 
-    def build(self, template_messages: list[dict], images: list[ImageInput]) -> PromptInputs:
-        ids = self.tokenizer.encode(self._render(template_messages), add_special_tokens=False)
+    def build(self, template_messages: list[dict], images: list[ImageInput],
+              template_kwargs: Mapping[str, Any] | None = None) -> PromptInputs:
+        ids = self.tokenizer.encode(self._render(template_messages, template_kwargs), add_special_tokens=False)
         token_ids, positions = expand_image_placeholders(ids, images, self.image_token_id, IMG_CONTEXT,
                                                          before=(self.start_id,), after=(self.end_id,))
         return PromptInputs(token_ids=token_ids, images=images, image_positions=positions)
+
+    def text_prompt(self, token_ids: list[int]) -> PromptInputs:
+        """1-D positions, as for any InternVL prompt."""
+        refuse_placeholders(token_ids, self.image_token_id, IMG_CONTEXT)
+        return PromptInputs(token_ids=list(token_ids))
 
     def image_setting_fixes(self, prompt: PromptInputs, capacity: int) -> dict[str, int]:
         """{"max_dynamic_patch": v}: the largest engine max_num below the current one that makes the

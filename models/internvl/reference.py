@@ -1,4 +1,4 @@
-"""transformers as the oracle for InternVL (`FAMILY.reference`): GotOcr2ImageProcessorPil and the
+"""transformers as the oracle for InternVL (`FIXTURES.reference`): GotOcr2ImageProcessorPil and the
 same prompt built transformers' way (chat template, then `<IMG_CONTEXT>` -> `<img>` + `<IMG_CONTEXT>` x
 image_seq_length*tiles + `</img>`). Imports transformers lazily; test fixtures only.
 """

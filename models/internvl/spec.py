@@ -8,8 +8,6 @@ Importing this module imports no model code.
 """
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
 from typing import Any, Mapping
 
 from vlm_sdk.models.family import FamilySpec, ImageLimits, ImageSize, Setting
@@ -25,7 +23,6 @@ class InternVLSpec(FamilySpec):
     image_settings = (Setting("max_num", "most tiles for this image (the thumbnail not counted)",
                               maximum=MAX_NUM_LIMIT),)
     plan_setting = ("max_dynamic_patch", "max_dynamic_patch")
-    bench_image_sizes = ((448, 448), (1920, 1080))  # one tile; a 2x1 grid plus the thumbnail
 
     @property
     def model_cls(self) -> type:
@@ -59,25 +56,9 @@ class InternVLSpec(FamilySpec):
             return max(ok) if ok else None
         return ImageLimits("max_dynamic_patch", at(max_num), at, candidates)
 
-    def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int]:
-        return model.vision.cfg.hidden_size, model.vision.cfg.intermediate_size
-
-    def benchmark_preprocessing(self, preprocessor: Mapping[str, Any], hf_config: Any, images: list) -> dict:
-        from vlm_sdk.models.internvl.image_processor import benchmark_against_transformers
-        ours = self.image_processor_cls.from_preprocessor_config(dict(preprocessor), hf_config)
-        return benchmark_against_transformers(images, ours=ours)
-
-    def make_tiny_checkpoint(self, path: Path, seed: int = 0, **overrides) -> Path:
-        from vlm_sdk.models.internvl.tiny_checkpoint import make_tiny_internvl_checkpoint
-        return make_tiny_internvl_checkpoint(path, seed=seed, **overrides)
-
-    def make_bench_checkpoint(self, path: Path, seed: int = 0, **overrides) -> Path:
-        from vlm_sdk.models.internvl.tiny_checkpoint import make_bench_internvl_checkpoint
-        return make_bench_internvl_checkpoint(path, seed=seed, **overrides)
-
-    @property
-    def reference(self) -> Any:
-        return importlib.import_module("vlm_sdk.models.internvl.reference")
+    def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int, int]:
+        cfg = model.vision.cfg
+        return cfg.hidden_size, cfg.intermediate_size, 3 * cfg.patch_size ** 2
 
 
 FAMILY = InternVLSpec()

@@ -24,7 +24,7 @@ from PIL import Image
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.image_io import to_rgb
 from vlm_sdk.multimodal.inputs import ImageInput
-from vlm_sdk.multimodal.pixels import byte_table, images_to_device
+from vlm_sdk.multimodal.pixels import byte_table, images_to_device, normalisation
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -73,14 +73,10 @@ class Qwen2VLImageProcessor:
                             ("merge_size", merge_size)):
             if not isinstance(value, int) or value <= 0:
                 raise InvalidRequestError(f"{name} must be a positive int, got {value!r}.")
-        if len(image_mean) != 3 or len(image_std) != 3 or any(s == 0 for s in image_std):
-            raise InvalidRequestError(f"image_mean and image_std need 3 values each and a non-zero std; got "
-                                      f"image_mean={list(image_mean)}, image_std={list(image_std)}.")
+        self.image_mean, self.image_std = normalisation(image_mean, image_std)
         self.patch_size = patch_size
         self.temporal_patch_size = temporal_patch_size
         self.merge_size = merge_size
-        self.image_mean = tuple(float(m) for m in image_mean)
-        self.image_std = tuple(float(s) for s in image_std)
         self.rescale_factor = float(rescale_factor)
         self.resample = int(resample)
         self.min_pixels, self.max_pixels = self._pixel_bounds(min_pixels, max_pixels, defaults=False)
@@ -190,38 +186,6 @@ class Qwen2VLImageProcessor:
         """The patches as transformers' processor returns them (on the host; the model does this on its
         device)."""
         return pixels_to_device([image], self.temporal_patch_size, "cpu", torch.float32)
-
-
-def benchmark_against_transformers(images: list[Image.Image], repeats: int = 3,
-                                   ours: Qwen2VLImageProcessor | None = None) -> dict:
-    """Time this processor against transformers' `Qwen2VLImageProcessorPil` on the same images.
-
-    `ours` (default: the published Qwen2.5-VL settings) is a configured processor, e.g. a checkpoint's;
-    transformers' gets the same pixel bounds, patch geometry and normalisation, so a subclass with
-    another patch size (Qwen3-VL's 16) is compared with transformers at that size. Ours is timed one
-    call per image (how the engine uses it); transformers is timed on the whole list in one call, its
-    fastest path. Each figure is the best of `repeats` passes.
-    """
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    if not images:
-        raise ValueError("benchmark_against_transformers needs at least one image.")
-    ours = ours or Qwen2VLImageProcessor()
-    theirs = Qwen2VLImageProcessorPil(
-        min_pixels=ours.min_pixels, max_pixels=ours.max_pixels, patch_size=ours.patch_size,
-        temporal_patch_size=ours.temporal_patch_size, merge_size=ours.merge_size,
-        image_mean=list(ours.image_mean), image_std=list(ours.image_std))
-
-    from vlm_sdk.models.common.reference import best_of, pixel_report
-
-    ours_s, ours_out = best_of(lambda: [ours(im) for im in images], repeats)
-    theirs_s, theirs_out = best_of(lambda: theirs(images, return_tensors="pt"), repeats)
-    ours_pixels = torch.cat([ours.normalized(o) for o in ours_out])  # [sum(gh*gw), 3*T*p*p]
-    ours_grids = [list(o.meta.grid_thw) for o in ours_out]
-    grids_match = ours_grids == theirs_out["image_grid_thw"].tolist()
-    theirs_pixels = theirs_out["pixel_values"]  # [sum(gh*gw), 3*T*p*p]
-    report = pixel_report(ours_s, theirs_s, ours_pixels, theirs_pixels, grids_match, len(images))
-    return {**report, "grids_match": grids_match, "patch_size": ours.patch_size}
 
 
 def max_image_grid(image_processor, max_pixels: int) -> tuple[int, int, int]:

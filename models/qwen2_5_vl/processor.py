@@ -7,14 +7,15 @@ length is final before scheduling. M-RoPE positions are computed here, once per 
 """
 from __future__ import annotations
 
-import torch
-
 import dataclasses
+from typing import Any, Mapping
+
+import torch
 
 from vlm_sdk.errors import InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.image_key import image_key
-from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders
+from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders, refuse_placeholders
 from vlm_sdk.multimodal.messages import ImageRef, parse_messages
 from vlm_sdk.models.base import PromptProcessor
 from vlm_sdk.models.qwen2_5_vl.fixes import max_pixels_fix
@@ -44,16 +45,11 @@ class Qwen2_5_VLProcessor(PromptProcessor):
         self.max_image_tokens = max_image_tokens
 
     @classmethod
-    def from_engine_args(cls, tokenizer, image_processor: Qwen2VLImageProcessor, hf_config, args, family):
-        """The processor for an engine's `EngineArgs`; `mm_processor_kwargs` is checked against
-        `family.engine_settings` (another family's setting is refused here); `family` is this folder's
-        `FamilySpec`, passed in so that the spec may import this module and not the reverse."""
-        o = family.engine_options(args.mm_processor_kwargs)
-        lo, hi = o.get("min_pixels"), o.get("max_pixels")
+    def settings_kwargs(cls, options: dict) -> dict:
+        lo, hi = options.get("min_pixels"), options.get("max_pixels")
         if lo is not None and hi is not None and lo > hi:
             raise InvalidRequestError(f"min_pixels ({lo}) must not exceed max_pixels ({hi})", param="min_pixels")
-        return cls(tokenizer, image_processor, hf_config, min_pixels=lo, max_pixels=hi,
-                   max_image_pixels=args.max_image_pixels, family=family)
+        return {"min_pixels": lo, "max_pixels": hi}
 
     @property
     def engine_max_pixels(self) -> int:
@@ -77,10 +73,10 @@ class Qwen2_5_VLProcessor(PromptProcessor):
                               self.min_pixels or ip.min_pixels, ip.patch_size * ip.merge_size, self.engine_max_pixels)
         return {} if best is None else {"max_pixels": best}
 
-    def __call__(self, messages) -> PromptInputs:
+    def __call__(self, messages, template_kwargs: Mapping[str, Any] | None = None) -> PromptInputs:
         template_messages, refs = parse_messages(messages)
         images = [self._image(i, ref) for i, ref in enumerate(refs)]
-        return self.build(template_messages, images)
+        return self.build(template_messages, images, template_kwargs)
 
     def _bound(self, own: int | None, engine: int | None, default: int) -> tuple[int, str]:
         """The value in effect for one image, and where it came from."""
@@ -144,14 +140,22 @@ class Qwen2_5_VLProcessor(PromptProcessor):
             f"max_pixels={max_px} ({max_src}) it would become {tokens} image tokens, more than the "
             f"{limit} one image may take (max_model_len); refused before resizing because of its {name}. {fix}")
 
-    def build(self, template_messages: list[dict], images: list[ImageInput]) -> PromptInputs:
-        text = self.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True)
+    def build(self, template_messages: list[dict], images: list[ImageInput],
+              template_kwargs: Mapping[str, Any] | None = None) -> PromptInputs:
+        text = self.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True,
+                                                  **(template_kwargs or {}))
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         token_ids, positions = expand_image_placeholders(ids, images, self.image_token_id, "<|image_pad|>")
         mrope, delta = mrope_positions(token_ids, [im.meta.grid_thw for im in images], self.image_token_id,
                                        self.merge_size)  # [3, len(token_ids)]
         return PromptInputs(token_ids=token_ids, images=images, image_positions=positions,
                             positions=MRopePositions(mrope, delta))
+
+    def text_prompt(self, token_ids: list[int]) -> PromptInputs:
+        """Text positions on all three M-RoPE axes (rope_delta 0), as `build` gives a prompt without images."""
+        refuse_placeholders(token_ids, self.image_token_id, "<|image_pad|>")
+        mrope, delta = mrope_positions(token_ids, [], self.image_token_id, self.merge_size)  # [3, len(token_ids)]
+        return PromptInputs(token_ids=list(token_ids), positions=MRopePositions(mrope, delta))
 
     def image_tokens_with_max_pixels(self, prompt: PromptInputs, max_pixels: int) -> list[int]:
         """Each image's token count if the engine's max_pixels were `max_pixels` (images whose part

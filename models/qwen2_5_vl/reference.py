@@ -1,4 +1,4 @@
-"""transformers as the oracle for Qwen2.5-VL (`FAMILY.reference`): its image processor and the same
+"""transformers as the oracle for Qwen2.5-VL (`FIXTURES.reference`): its image processor and the same
 prompt built transformers' way (without torchvision the combined processor will not build, so: chat
 template, then each `<|image_pad|>` expanded by hand to grid_t*grid_h*grid_w/merge^2). Imports
 transformers lazily; test fixtures only.

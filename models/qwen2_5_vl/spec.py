@@ -7,24 +7,27 @@ Importing this module imports no model code.
 """
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
 from typing import Any, Mapping
 
 from vlm_sdk.models.family import FamilySpec, ImageLimits, ImageSize, Setting
 
 _PIXELS = "pixels (width x height) an image is resized to {} (default: the preprocessor's)"
-_CELL = "a multiple of 28x28 pixels"  # this family's alone: Setting.detail
+
+
+def pixel_settings(cell: int) -> tuple[Setting, Setting]:
+    """min_pixels / max_pixels of a family whose images are resized to multiples of `cell` pixels (the cell
+    is this family's alone: `Setting.detail`)."""
+    detail = f"a multiple of {cell}x{cell} pixels"
+    return (Setting("min_pixels", _PIXELS.format("at least"), detail=detail),
+            Setting("max_pixels", _PIXELS.format("at most"), detail=detail))
 
 
 class Qwen2_5_VLSpec(FamilySpec):
     name = "qwen2_5_vl"
     display_name = "Qwen2.5-VL"
-    engine_settings = (Setting("min_pixels", _PIXELS.format("at least"), detail=_CELL),
-                       Setting("max_pixels", _PIXELS.format("at most"), detail=_CELL))
+    engine_settings = pixel_settings(28)
     image_settings = engine_settings  # an image part's own bounds win over the engine's
     plan_setting = ("max_pixels", "max_pixels")
-    bench_image_sizes = ((448, 448),)
 
     @property
     def model_cls(self) -> type:
@@ -58,28 +61,9 @@ class Qwen2_5_VLSpec(FamilySpec):
             return largest_max_pixels(lambda v: at(v).tokens, limit, ip.min_pixels, factor, max_pixels)
         return ImageLimits("max_pixels", at(max_pixels), at, candidates)
 
-    def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int]:
+    def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int, int]:
         vc = hf_config.vision_config  # transformers' parsed vision config
-        return vc.hidden_size, vc.intermediate_size
-
-    def benchmark_preprocessing(self, preprocessor: Mapping[str, Any], hf_config: Any, images: list) -> dict:
-        # `image_processor_cls`, not Qwen2.5-VL's class by name: a family inheriting this hook (Qwen3-VL)
-        # is compared at its own patch size
-        from vlm_sdk.models.qwen2_5_vl.image_processor import benchmark_against_transformers
-        ours = self.image_processor_cls.from_preprocessor_config(dict(preprocessor), hf_config)
-        return benchmark_against_transformers(images, ours=ours)
-
-    def make_tiny_checkpoint(self, path: Path, seed: int = 0, **overrides) -> Path:
-        from vlm_sdk.models.qwen2_5_vl.tiny_checkpoint import make_tiny_qwen_checkpoint
-        return make_tiny_qwen_checkpoint(path, seed, **overrides)
-
-    def make_bench_checkpoint(self, path: Path, seed: int = 0, **overrides) -> Path:
-        from vlm_sdk.models.qwen2_5_vl.tiny_checkpoint import make_bench_qwen_checkpoint
-        return make_bench_qwen_checkpoint(path, seed, **overrides)
-
-    @property
-    def reference(self) -> Any:
-        return importlib.import_module("vlm_sdk.models.qwen2_5_vl.reference")
+        return vc.hidden_size, vc.intermediate_size, model.visual.patch_dim
 
 
 FAMILY = Qwen2_5_VLSpec()

@@ -15,11 +15,50 @@ from typing import Any, Mapping
 
 import torch
 
-from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, TEXT_DEFAULTS, build_tokenizer,
-                                                   round_up, save_random_model, write_json, write_tokenizer)
+from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, QWEN_TEXT_TOKENS, TEXT_DEFAULTS,
+                                                   build_tokenizer, round_up, save_random_model, write_json,
+                                                   write_tokenizer)
 
-# The chat template published with Qwen2-VL / Qwen2.5-VL Instruct.
+# The chat template published with Qwen2-VL / Qwen2.5-VL Instruct (their chat_template.json), which
+# renders no tools, joined with the tool sections of the template their language model publishes
+# (Qwen2.5-Instruct's tokenizer_config.json, also in Qwen2.5-VL's): the tools in the system turn, an
+# assistant turn's calls as <tool_call> JSON, tool results as a user turn of <tool_response>s. Without
+# tools and tool turns it renders exactly the published VL template.
 QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% macro render_parts(content) %}{% if content is string %}{{ content }}{% else %}"
+    "{% for content in content %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
+    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video "
+    "{{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}"
+    "{{ render_parts(messages[0]['content']) }}{% else %}You are a helpful assistant.{% endif %}"
+    "{{ '\\n\\n' }}# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' and not tools %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message.tool_calls %}<|im_start|>assistant"
+    "{% if message['content'] %}{{ '\\n' }}{{ render_parts(message['content']) }}{% endif %}"
+    "{% for tool_call in message.tool_calls %}{% if tool_call.function is defined %}"
+    "{% set tool_call = tool_call.function %}{% endif %}{{ '\\n' }}<tool_call>\n{\"name\": \"{{ tool_call.name }}\", "
+    "\"arguments\": {{ tool_call.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}{% if loop.index0 == 0 or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "<|im_start|>user{% endif %}{{ '\\n' }}<tool_response>\n{{ render_parts(message['content']) }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ render_parts(message['content']) }}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# As published (no tool sections): the template a Qwen2.5-VL checkpoint's chat_template.json holds.
+QWEN2_VL_PUBLISHED_CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
@@ -106,7 +145,7 @@ def make_tiny_qwen_checkpoint(path, seed: int = 0, **overrides) -> Path:
 def qwen_tokenizer_and_config(opts: Mapping[str, Any]):
     """The test tokenizer, its special-token ids and the transformers `Qwen2_5_VLConfig` of `opts`
     (`_DEFAULTS` with overrides applied)."""
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(QWEN_SPECIAL_TOKENS, QWEN_TEXT_TOKENS)
     ids = {tok: tokenizer.token_to_id(tok) for tok in QWEN_SPECIAL_TOKENS}
     n_tokens = tokenizer.get_vocab_size()
     vocab_size = opts["vocab_size"] or round_up(n_tokens, 64)

@@ -16,8 +16,7 @@ group when `shard_vision`, else each rank holds and runs the whole tower (`Decod
 """
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,27 +25,24 @@ from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import KernelOps
 from vlm_sdk.layers.parallel_state import TPGroup
-from vlm_sdk.weight_loading import ParamSlot
+from vlm_sdk.layers.quantization import quant_scheme
 from vlm_sdk.models.base import KVCache, StepImages
-from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.models.qwen2_5_vl.image_processor import pixels_to_device
-from vlm_sdk.models.qwen2_5_vl.rope_index import MRopePositions, prompt_positions_at
+from vlm_sdk.models.qwen2_5_vl.model import QwenVLM
 from vlm_sdk.models.qwen3_vl.vision import Qwen3VLVisionTransformer
 from vlm_sdk.multimodal.inputs import ImageInput
 
-LM_PREFIX, VISION_PREFIX, LM_HEAD = "model.language_model.", "model.visual.", "lm_head.weight"
-
-
-class Qwen3VLForCausalLM(DecoderVLM):
-    position_rows = 3  # M-RoPE: temporal, height, width
+class Qwen3VLForCausalLM(QwenVLM):
+    lm_prefix, vision_prefix = "model.language_model.", "model.visual."  # transformers 5's layout, as published
 
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  ops: KernelOps | None = None, tp: TPGroup = TPGroup(), shard_vision: bool = True):
         super().__init__()
         text = hf_config.text_config
         tied = bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
-        cfg = LlamaDecoderConfig.from_hf(text, tie_word_embeddings=tied, mrope=True)
+        cfg = LlamaDecoderConfig.from_hf(text, tie_word_embeddings=tied, mrope=True,
+                                         quantization=quant_scheme(hf_config), quant_prefix=self.lm_prefix)
         if not cfg.qk_norm:
             raise CheckpointError(f"config.json text_config model_type {getattr(text, 'model_type', None)!r} is not a "
                                   f"Qwen3 LLM (q/k norm): Qwen3-VL needs one")
@@ -92,21 +88,5 @@ class Qwen3VLForCausalLM(DecoderVLM):
             return None
         return super().stack_inputs(inputs_embeds, positions, images)
 
-    def positions(self, prompt_positions: MRopePositions | None, start: int, end: int) -> torch.Tensor:
-        """M-RoPE positions `[3, end - start]`: the prompt's (`MRopePositions`, computed once by the
-        processor), then index + rope_delta on all three axes for generated tokens."""
-        return prompt_positions_at(prompt_positions, start, end)
-
     def _vision_parts(self) -> tuple[nn.Module, nn.Module]:
         return self.visual, self.visual.projector
-
-    def checkpoint_map(self) -> dict[str, ParamSlot]:
-        """Published checkpoint name -> slot, parameter names relative to this module."""
-        slots = {name: s.under("decoder.") for name, s in self.decoder.checkpoint_map(LM_PREFIX, LM_HEAD).items()}
-        slots.update({name: s.under("visual.") for name, s in self.visual.checkpoint_map(VISION_PREFIX).items()})
-        return slots
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str | Path | None = None) -> None:
-        load_with_lm_head(self, self.decoder, weights, self.checkpoint_map(), lm_head=LM_HEAD,
-                          canonical=lambda name: name, source=source)
-        finish_cpu_layout(self, self.decoder)

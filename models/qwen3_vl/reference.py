@@ -1,4 +1,4 @@
-"""transformers as the oracle for Qwen3-VL (`FAMILY.reference`). transformers builds Qwen3-VL prompts
+"""transformers as the oracle for Qwen3-VL (`FIXTURES.reference`). transformers builds Qwen3-VL prompts
 as Qwen2.5-VL's: `Qwen2VLImageProcessorPil` (the auto class it picks for model_type "qwen3_vl" without
 torchvision) configured by the checkpoint, and each `<|image_pad|>` expanded to grid_t*grid_h*grid_w /
 merge^2 tokens (`Qwen3VLProcessor.replace_image_token`), so the prompt hooks are Qwen2.5-VL's; the

@@ -3,7 +3,8 @@
 `make_tiny_qwen3_vl_checkpoint` writes a directory transformers itself loads: `config.json`, safetensors
 saved by `Qwen3VLForConditionalGeneration.save_pretrained` (the published names: `model.language_model.*`,
 `model.visual.*`, `lm_head.weight`), the shared test tokenizer with Qwen's special tokens and a
-Qwen3-VL chat template, `generation_config.json` and `preprocessor_config.json` (patch 16).
+published Qwen3-VL chat template (chat_templates.py: Instruct, or Thinking with `chat_template="thinking"`),
+`generation_config.json` and `preprocessor_config.json` (patch 16).
 Reached as `vlm_sdk.testing.make_tiny_checkpoint(path, family="qwen3_vl", ...)`.
 
 The tiny shape keeps what distinguishes Qwen3-VL: head_dim (16) differs from hidden / heads (12), three
@@ -19,38 +20,10 @@ from typing import Any, Mapping
 
 import torch
 
-from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, TEXT_DEFAULTS, build_tokenizer,
-                                                   round_up, save_random_model, write_json, write_tokenizer)
-
-# The chat template published with Qwen3-VL Instruct, its tool-call branches left out: no default
-# system prompt; a first system message's text parts; then user turns (images, videos, text) and
-# assistant turns (text only); a later system message is not rendered, as in the published one.
-QWEN3_VL_CHAT_TEMPLATE = (
-    "{%- if messages[0].role == 'system' -%}{{- '<|im_start|>system\\n' -}}"
-    "{%- if messages[0].content is string -%}{{- messages[0].content -}}{%- else -%}"
-    "{%- for content in messages[0].content -%}{%- if 'text' in content -%}{{- content.text -}}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
-    "{%- set image_count = namespace(value=0) -%}{%- set video_count = namespace(value=0) -%}"
-    "{%- for message in messages -%}"
-    "{%- if message.role == 'user' -%}{{- '<|im_start|>user\\n' -}}"
-    "{%- if message.content is string -%}{{- message.content -}}{%- else -%}"
-    "{%- for content in message.content -%}"
-    "{%- if content.type == 'image' or 'image' in content or 'image_url' in content -%}"
-    "{%- set image_count.value = image_count.value + 1 -%}"
-    "{%- if add_vision_id -%}Picture {{ image_count.value }}: {% endif -%}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{%- elif content.type == 'video' or 'video' in content -%}"
-    "{%- set video_count.value = video_count.value + 1 -%}"
-    "{%- if add_vision_id -%}Video {{ video_count.value }}: {% endif -%}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{%- elif 'text' in content -%}{{- content.text -}}{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- elif message.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if message.content is string -%}{{- message.content -}}{%- else -%}"
-    "{%- for content in message.content -%}{%- if 'text' in content -%}{{- content.text -}}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}{{- '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, QWEN_TEXT_TOKENS, TEXT_DEFAULTS,
+                                                   build_tokenizer, round_up, save_random_model, write_json,
+                                                   write_tokenizer)
+from vlm_sdk.models.qwen3_vl.chat_templates import CHAT_TEMPLATES
 
 _DEFAULTS: Mapping[str, Any] = MappingProxyType(dict(
     # language model: one layer past the DeepStack levels; 16-wide heads keep a KV block as small as
@@ -73,6 +46,7 @@ _DEFAULTS: Mapping[str, Any] = MappingProxyType(dict(
     preprocessor_layout="nested",
     max_shard_size=None,          # e.g. "200KB" forces sharded safetensors + model.safetensors.index.json
     dtype="float32",              # dtype of the saved weights ("bfloat16" for the benchmark checkpoint)
+    chat_template="instruct",     # "instruct" or "thinking": which published template (CHAT_TEMPLATES)
 ))
 
 _FIXED: Mapping[str, Any] = MappingProxyType(dict(
@@ -100,7 +74,8 @@ def make_tiny_qwen3_vl_checkpoint(path, seed: int = 0, **overrides) -> Path:
         raise TypeError(f"make_tiny_checkpoint() got unknown override(s) {', '.join(unknown)}; "
                         f"accepted: {', '.join(sorted(_DEFAULTS))}")
     opts = {**_DEFAULTS, **overrides}
-    for key, allowed in (("config_layout", ("nested", "flat")), ("preprocessor_layout", ("nested", "flat"))):
+    for key, allowed in (("config_layout", ("nested", "flat")), ("preprocessor_layout", ("nested", "flat")),
+                         ("chat_template", tuple(CHAT_TEMPLATES))):
         if opts[key] not in allowed:
             raise ValueError(f"{key}={opts[key]!r}; use one of {allowed}")
     dtype = getattr(torch, str(opts["dtype"]), None)
@@ -109,7 +84,7 @@ def make_tiny_qwen3_vl_checkpoint(path, seed: int = 0, **overrides) -> Path:
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(QWEN_SPECIAL_TOKENS, QWEN_TEXT_TOKENS)
     ids = {tok: tokenizer.token_to_id(tok) for tok in QWEN_SPECIAL_TOKENS}
     n_tokens = tokenizer.get_vocab_size()
     vocab_size = opts["vocab_size"] or round_up(n_tokens, 64)
@@ -122,7 +97,7 @@ def make_tiny_qwen3_vl_checkpoint(path, seed: int = 0, **overrides) -> Path:
     if opts["config_layout"] == "flat":
         write_json(out / "config.json", _published_config(json.loads((out / "config.json").read_text())))
 
-    write_tokenizer(out, tokenizer, QWEN_SPECIAL_TOKENS, QWEN3_VL_CHAT_TEMPLATE)
+    write_tokenizer(out, tokenizer, QWEN_SPECIAL_TOKENS, CHAT_TEMPLATES[opts["chat_template"]])
     write_json(out / "generation_config.json", {
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],

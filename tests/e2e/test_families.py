@@ -5,6 +5,7 @@ and greedy tokens equal transformers' on the same checkpoint, through each famil
 import pytest
 
 from helpers import SAMPLE_IMAGE, conversations
+from vlm_sdk.testing.families import fixtures
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.models import registry
 
@@ -95,7 +96,7 @@ def test_greedy_tokens_equal_transformers_generate(family_ckpt, llm):
 
     from vlm_sdk.testing.reference import hf_batch, hf_greedy
     family, path = family_ckpt
-    ref = registry.load(family).reference
+    ref = fixtures(family).reference
     convs = [[{"role": "user", "content": [{"type": "image", "image": str(SAMPLE_IMAGE)},
                                            {"type": "text", "text": "What is in this image?"}]}],
              [{"role": "user", "content": "Say something."}]]

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from vlm_sdk.testing.families import fixtures
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.models import registry
 
@@ -20,7 +21,7 @@ def llm(tiny_ckpt):
 @pytest.fixture(scope="module")
 def hf_logits(tiny_ckpt):
     """(prompt ids, generated ids) -> transformers' float32 logits [len(generated), vocab] that chose them."""
-    ref = registry.load("qwen2_5_vl").reference
+    ref = fixtures("qwen2_5_vl").reference
     model = ref.hf_model(str(tiny_ckpt)).float()
 
     @torch.inference_mode()

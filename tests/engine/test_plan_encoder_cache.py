@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from helpers import TESTS
+from helpers import TESTS, plan_cache
 from vlm_sdk.cli import main
 from vlm_sdk.config import DEFAULT_ENCODER_CACHE_MEMORY, EngineArgs
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.plan import plan
 from vlm_sdk.worker import kv_cache
-from vlm_sdk.memory.kv import CacheConfig, DeviceBudget, check_cache, size_cache
+from vlm_sdk.memory.kv import CacheConfig, DeviceBudget, size_cache
 
 QWEN_3B = TESTS / "configs" / "qwen2_5_vl_3b.json"
 MIB, GIB = 1 << 20, 1 << 30
@@ -22,17 +22,6 @@ PER_BLOCK = 917_504  # Qwen2.5-VL-7B bf16, 16 tokens
 
 
 # -- DeviceBudget and the engine's CUDA sizing ------------------------------------------------------------
-
-def plan_cache(args, per_block, device, max_position_embeddings, peak, image_setting=None, weights=15 * 2**30):
-    """The engine's CUDA sizing of one rank (vlm_sdk/memory/startup.py `size_rank_caches`): the budget from the
-    device's total and in-use bytes (torch.cuda.mem_get_info, mocked here) minus the activation peak and the
-    encoder cache, sized and checked by vlm_sdk/memory/kv.py; `weights`: this engine's own weights."""
-    free, total = torch.cuda.mem_get_info(device)
-    budget = DeviceBudget(total, total - free, peak or 0, args.encoder_cache_memory)
-    cache = size_cache(args, per_block, max_position_embeddings, budget)
-    check_cache(cache, args, weights, image_setting)
-    return cache
-
 
 def test_budget_sets_the_encoder_cache_aside_before_the_kv_cache():
     without = DeviceBudget(24 * GIB, 16 * GIB, GIB)

@@ -7,26 +7,16 @@ import logging
 import pytest
 import torch
 
+from helpers import plan_cache
 from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.config import DEFAULT_ENCODER_CACHE_MEMORY, EngineArgs
 from vlm_sdk.memory.capacity import check_max_model_len_fits
-from vlm_sdk.memory.kv import CacheConfig, DeviceBudget, check_cache, size_cache
+from vlm_sdk.memory.kv import CacheConfig, DeviceBudget, size_cache
 from vlm_sdk.memory.weights import weight_bytes
 from vlm_sdk.engine.core.preemption_watch import PreemptionWatch
 from vlm_sdk.errors import CacheTooSmallError, InvalidRequestError
 from vlm_sdk.plan import plan
-
-
-def plan_cache(args, per_block, device, max_position_embeddings, peak, image_setting=None, weights=15 * 2**30):
-    """The engine's CUDA sizing of one rank (vlm_sdk/memory/startup.py `size_rank_caches`): the budget from the
-    device's total and in-use bytes (torch.cuda.mem_get_info, mocked here) minus the activation peak and the
-    encoder cache, sized and checked by vlm_sdk/memory/kv.py; `weights`: this engine's own weights."""
-    free, total = torch.cuda.mem_get_info(device)
-    budget = DeviceBudget(total, total - free, peak or 0, args.encoder_cache_memory)
-    cache = size_cache(args, per_block, max_position_embeddings, budget)
-    check_cache(cache, args, weights, image_setting)
-    return cache
 
 
 GIB = 1 << 30

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from vlm_sdk.testing.families import fixtures
 from vlm_sdk.config import EngineArgs
 from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
 from vlm_sdk.models import registry
@@ -37,8 +38,11 @@ def test_every_family_provides_the_spec(name):
     for cls in (fam.model_cls, fam.processor_cls, fam.image_processor_cls):
         assert isinstance(cls, type)
     assert fam.model_cls.position_rows in (1, 3)
-    assert fam.bench_image_sizes and all(w > 0 and h > 0 for w, h in fam.bench_image_sizes)
-    assert callable(fam.reference.hf_prompt) and callable(fam.reference.hf_image_processor)
+    fixture = fixtures(name)  # tests and benchmarks only: registered in vlm_sdk/testing/families.py
+    assert fixture.family == name
+    assert fixture.bench_image_sizes and all(w > 0 and h > 0 for w, h in fixture.bench_image_sizes)
+    assert callable(fixture.reference.hf_prompt) and callable(fixture.reference.hf_image_processor)
+    assert not hasattr(fam, "make_tiny_checkpoint") and not hasattr(fam, "reference")  # runtime hooks only
 
 
 def test_position_rows_per_family():
@@ -71,16 +75,20 @@ def test_a_family_refuses_another_familys_setting_naming_it_and_its_own():
     assert info.value.param == "max_dynamic_patch"
     with pytest.raises(InvalidRequestError, match="image 1: min_pixels is not an image setting of InternVL.*max_num"):
         internvl.image_options({"min_pixels": 3136}, "image 1: ")
-    with pytest.raises(InvalidRequestError, match="image 0: colour is not an image setting of Qwen2.5-VL.*max_pixels"):
-        qwen.image_options({"colour": "red"}, "image 0: ")
+    # a key no family declares is ignored, as OpenAI and vLLM ignore unknown keys of an image part
+    assert qwen.image_options({"colour": "red", "uuid": "x", "max_pixels": 3136}, "image 0: ") == {"max_pixels": 3136}
+    assert internvl.image_options({"colour": "red"}, "image 0: ") == {}
     assert qwen.image_options({"max_pixels": 3136, "min_pixels": None}, "") == {"max_pixels": 3136}
+    # engine settings stay strict: the operator's typo is never ignored
+    with pytest.raises(InvalidRequestError, match="colour=.red. is not an engine setting of Qwen2.5-VL"):
+        qwen.engine_options({"colour": "red"})
 
 
 def test_image_parts_carry_their_other_keys_as_options():
     _, refs = parse_messages([{"role": "user", "content": [
         {"type": "image", "image": "a.png", "max_pixels": 100},
         {"type": "image_url", "image_url": {"url": "data:x", "detail": "low", "max_num": 3}, "min_pixels": 5},
-        {"type": "image_url", "image_url": "data:y"}]}])
+        {"type": "image_url", "image_url": {"url": "data:y"}}]}])
     assert [dict(r.options) for r in refs] == [{"max_pixels": 100}, {"max_num": 3, "min_pixels": 5}, {}]
     assert refs[1].source == "data:x"
 

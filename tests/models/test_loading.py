@@ -478,7 +478,11 @@ def test_special_tokens_are_single_ids_matching_the_config(tiny_ckpt):
         assert tok.encode(token, add_special_tokens=False) == [token_id], token
     assert tok.encode("<|im_start|>", add_special_tokens=False) == [tok.convert_tokens_to_ids("<|im_start|>")]
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
-    assert len(tok) == 1008 and text_config(cfg).vocab_size == 1024
+    # 8 special tokens after the 1000 BPE ones, then the tool-call and think tags (added, not special)
+    assert len(tok) == 1012 and text_config(cfg).vocab_size == 1024
+    for i, tag in enumerate(("<tool_call>", "</tool_call>", "<think>", "</think>")):
+        assert tok.encode(tag, add_special_tokens=False) == [1008 + i] and tok.decode([1008 + i],
+                                                                                     skip_special_tokens=True) == tag
 
 
 def test_tokenizer_round_trips_arbitrary_text(tiny_ckpt):

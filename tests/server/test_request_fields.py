@@ -17,14 +17,14 @@ HONOURED = {
     "top_p": 0.9, "seed": 3, "stop": ["x"], "stream": True, "stream_options": {"include_usage": True},
     "metadata": {"k": "v"}, "user": "u1", "safety_identifier": "s1", "prompt_cache_key": "k",
     "parallel_tool_calls": False, "tool_choice": "none", "function_call": "none",
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
     "response_format": {"type": "json_object"}, "modalities": ["text"], "store": False, "service_tier": "auto",
     "prompt_cache_retention": "in_memory", "n": 2, "logprobs": True, "top_logprobs": 3,
     "presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"1": 5},
 }
 # refused: a value that asks for what this server cannot do
 REFUSED = {
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-    "tool_choice": "required", "functions": [{"name": "f"}], "function_call": "auto",
+    "functions": [{"name": "f"}], "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},
     "web_search_options": {}, "reasoning_effort": "low", "verbosity": "low",
@@ -60,7 +60,8 @@ def test_refused_field_is_a_400_naming_it(name):
 
 @pytest.mark.parametrize("name", sorted(HONOURED))
 def test_honoured_field_is_accepted(name):
-    needs = {"top_logprobs": {"logprobs": True}}.get(name, {})  # top_logprobs alone is a 400 of its own
+    # top_logprobs alone and stream_options without stream are 400s of their own
+    needs = {"top_logprobs": {"logprobs": True}, "stream_options": {"stream": True}}.get(name, {})
     _parse({**BASE, **needs, name: HONOURED[name]})
 
 
@@ -70,3 +71,14 @@ def test_honoured_fields_reach_the_request():
     p = req.params
     assert (p.max_tokens, p.temperature, p.top_p, p.seed, tuple(p.stop)) == (7, 0.5, 0.9, 3, ("x",))
     assert req.stream and req.include_usage
+
+
+def test_chat_options_reach_the_request():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    req = _parse({**BASE, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}},
+                  "parallel_tool_calls": False, "chat_template_kwargs": {"enable_thinking": False},
+                  "cache_salt": "tenant-a"})
+    o = req.options
+    assert ([t.name for t in o.tools], o.tool_choice, o.tool_name) == (["f"], "function", "f")
+    assert (o.parallel_tool_calls, dict(o.chat_template_kwargs), o.cache_salt) == (False, {"enable_thinking": False},
+                                                                                  "tenant-a")

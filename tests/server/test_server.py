@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import image
 from server_helpers import API_KEY, data_url, get, image_message, post, sse_events, wait_for
+from vlm_sdk.testing.families import fixtures
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.server.background import BackgroundServer
 from vlm_sdk.server.config import ServerConfig
@@ -163,6 +164,7 @@ def test_clients_that_disconnect_mid_stream_leave_no_blocks(srv):
 
 def test_non_streaming_client_that_leaves_aborts_its_request(srv):
     body = dict(_stream_body(3000), stream=False)
+    del body["stream_options"]  # only with stream: true (a 400 otherwise, as in vLLM)
 
     async def main():
         async with aiohttp.ClientSession() as session:
@@ -254,7 +256,7 @@ def test_metrics_parse_and_move_with_load(srv):
 
 
 def test_prebuilt_chunks_equal_the_plain_json_chunk():
-    from vlm_sdk.server.protocol import ChunkWriter, chunk_body
+    from vlm_sdk.server.chat_responses import ChunkWriter, chunk_body
     for include_usage in (True, False):
         writer = ChunkWriter("chatcmpl-1", "m\"odel", 5, include_usage)
         for text in ("hi", 'q"uo\\te\n', "é中\u2028", ""):
@@ -331,7 +333,7 @@ def _direct_logprobs(tiny_ckpt, prompt: list[int], generated: list[int]):
     import torch
 
     from vlm_sdk.models import registry
-    model = registry.load("qwen2_5_vl").reference.hf_model(str(tiny_ckpt)).float()
+    model = fixtures("qwen2_5_vl").reference.hf_model(str(tiny_ckpt)).float()
     with torch.inference_mode():
         ids = torch.tensor([prompt + generated])  # [1, len]
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()  # [len, vocab]

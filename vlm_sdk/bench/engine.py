@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from vlm_sdk.bench.device_share import bench_device, release_device_memory
+
 
 def _images(sizes: list[tuple[int, int]], seed: int = 0) -> list[Image.Image]:
     """Smooth colour blobs plus noise, one image per (width, height)."""
@@ -47,22 +49,25 @@ def run_benchmark(args) -> int:
     from vlm_sdk.demo_checkpoint import tiny_model_dir
     from vlm_sdk.model_loader import read_checkpoint
     from vlm_sdk.models.registry import resolve
+    from vlm_sdk.testing.families import fixtures
 
     model_dir = args.model or str(tiny_model_dir("bench", args.family))
     info = read_checkpoint(model_dir)
-    spec = resolve([info.architecture])
-    family, image_sizes = spec.name, [tuple(size) for size in spec.bench_image_sizes]
+    family = resolve([info.architecture]).name
+    fixture = fixtures(family)
+    image_sizes = [tuple(size) for size in fixture.bench_image_sizes]
     images, convs, max_tokens = _workload(args.num_requests, image_sizes)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = bench_device(args.device)
     report: dict = {"model": model_dir, "family": family, "device": device, "num_requests": args.num_requests,
                     "image_sizes": image_sizes, "max_tokens": max_tokens,
                     "torch_threads": torch.get_num_threads()}
 
     if args.tensor_parallel_size > 1:
         return _run_tp_comparison(args, report, convs, max_tokens)
-    report["preprocess"] = spec.benchmark_preprocessing(info.preprocessor, info.hf_config, images)
+    report["preprocess"] = fixture.benchmark_preprocessing(info.preprocessor, info.hf_config, images)
 
     report["ours"] = _timed_engine(model_dir, device, convs, max_tokens)
+    release_device_memory(device)  # the transformers peer gets what our engine held
     ours_tokens = report["ours"].pop("tokens")
     ours_s = report["ours"]["seconds"]
     useful = sum(max_tokens)
@@ -124,6 +129,7 @@ def _run_tp_comparison(args, report: dict, convs, max_tokens) -> int:
     collectives and of sending each step to the other ranks shows as time per engine step."""
     n = args.tensor_parallel_size
     one = _timed_engine(report["model"], report["device"], convs, max_tokens)
+    release_device_memory(report["device"])  # the next engine sizes its cache on what is free
     many = _timed_engine(report["model"], report["device"], convs, max_tokens, tensor_parallel_size=n)
     same = sum(a == b for a, b in zip(one.pop("tokens"), many.pop("tokens")))
     report.update({"tp1": one, f"tp{n}": many, "tensor_parallel_size": n,
@@ -145,10 +151,10 @@ def _run_tp_comparison(args, report: dict, convs, max_tokens) -> int:
 
 def _run_transformers(family: str, model_dir: str, convs, max_tokens, batch_size: int, device: str) -> dict:
     from transformers import AutoTokenizer
-    from vlm_sdk.models import registry
     from vlm_sdk.testing import reference
+    from vlm_sdk.testing.families import fixtures
 
-    family_reference = registry.load(family).reference
+    family_reference = fixtures(family).reference
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     proc = family_reference.hf_image_processor(model_dir)
     model = family_reference.hf_model(model_dir, dtype).to(device)

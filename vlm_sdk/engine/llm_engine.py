@@ -31,12 +31,15 @@ import time
 
 import torch
 
+from vlm_sdk.chat_options import NO_OPTIONS, ChatOptions
 from vlm_sdk.config import EngineArgs, resolve_rank_config
 from vlm_sdk.engine.core.block_manager import BlockManager
 from vlm_sdk.engine.output.engine_output import EngineOutput
 from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_warning
+from vlm_sdk.engine.input.chat_setup import ChatSetup
 from vlm_sdk.engine.input.prompt_guard import PromptGuard
 from vlm_sdk.engine.input.prompt_tokenizer import PromptTokenizer, PromptTooLong
+from vlm_sdk.engine.input.raw_prompt import RawPromptTokens
 from vlm_sdk.engine.input.sampling_check import check_sampling
 from vlm_sdk.engine.core.scheduler import ScheduledBatch, Scheduler
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
@@ -51,6 +54,7 @@ from vlm_sdk.memory.startup import scheduler_config, size_rank_caches, startup_r
 from vlm_sdk.model_loader import load_tokenizer, read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import PromptInputs
+from vlm_sdk.multimodal.prompts import TextPrompt, TokensPrompt
 from vlm_sdk.protocol.rank import RankLoad
 from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
 from vlm_sdk.sampling_params import SamplingParams
@@ -70,10 +74,13 @@ class LLMEngine:
         self.guard = PromptGuard(self.tokenizer, args.max_image_pixels, args.max_request_image_pixels)
         self.eos_token_ids = set(info.eos_token_ids)
         self.vocab_size = vocab_size = int(family.text_config(info.hf_config).vocab_size)  # the logits' width
+        self.raw_prompt_tokens = RawPromptTokens(self.tokenizer, vocab_size)
         self.grammars = GrammarCompiler(self.tokenizer.wrapped, vocab_size, sorted(self.eos_token_ids),
                                         cache_memory=args.grammar_cache_memory, max_bytes=args.max_grammar_bytes,
                                         max_memory=args.max_grammar_memory, timeout=args.grammar_compile_timeout,
                                         workers=args.grammar_workers)
+        # tools, reasoning and chat_template_kwargs: how a chat's options reach its prompt and grammar
+        self.chat = ChatSetup(self.tokenizer, self.grammars, args.tool_call_parser, args.reasoning_parser)
         self._fill_masks = MaskFiller(vocab_size)
         # every default that depends on the device or the rank count, decided once (refusing
         # async_scheduling=True with tensor parallelism before any rank starts); ranks receive it
@@ -138,24 +145,43 @@ class LLMEngine:
         self.executor.shutdown()
 
     # -- requests ---------------------------------------------------------------------------------
-    def build_prompt(self, messages, params: SamplingParams | None = None,
-                     cancelled: threading.Event | None = None, compile_grammar: bool = True) -> PromptInputs:
-        """Validate messages, decode and preprocess images, tokenize; raise if it can never fit (the
-        fixes the error names fit the prompt and `params.max_tokens`). Once `cancelled` is set, the
-        images not decoded yet raise `DecodeCancelled` instead (see `PromptGuard`). `compile_grammar`
-        False: the caller has compiled `params`' grammar already (AsyncLLM awaits it first)."""
+    def build_prompt(self, request, params: SamplingParams | None = None,
+                     cancelled: threading.Event | None = None, options: ChatOptions | None = None,
+                     compile_grammar: bool = True) -> PromptInputs:
+        """`request` as chat messages: validate them, decode and preprocess images, render the chat
+        template and tokenize; `options` (tools, chat_template_kwargs, cache_salt) set the prompt's
+        output format and grammar (engine/input/chat_setup.py). As a `TextPrompt` or `TokensPrompt` (no
+        template, no images, of the options only cache_salt; its output is read as plain text): tokenize the text, or
+        check the ids against the vocabulary (engine/input/raw_prompt.py). Either way the family's
+        processor makes the `PromptInputs`, and a prompt that can never fit raises (the fixes the error
+        names fit the prompt and `params.max_tokens`). Once `cancelled` is set, the images not decoded
+        yet raise `DecodeCancelled` instead (see `PromptGuard`). `compile_grammar` False: the caller
+        compiles the grammars (AsyncLLM awaits `params`' and the tools' before, the prompt's after)."""
         t0 = time.perf_counter()
+        params, options = params or SamplingParams(), options or NO_OPTIONS
         self.check_params(params)
+        raw = isinstance(request, (TextPrompt, TokensPrompt))
+        if raw and (options.tools or options.chat_template_kwargs):
+            raise InvalidRequestError("tools and chat_template_kwargs apply to chat messages; a text or token-id "
+                                      "prompt has no chat template", param="prompt")
         if compile_grammar:
             self.compile_grammar(params)  # a bad schema fails before any image is decoded
+        template_kwargs = None if raw else self.chat.prepare(options, params, compile_grammar)  # so do bad tools
         try:
-            prompt = self.processor(self.guard.prepare(messages, cancelled))
+            if raw:
+                prompt = self.processor.text_prompt(self.raw_prompt_tokens(request))
+            else:
+                prompt = self.processor(self.guard.prepare(request, cancelled), template_kwargs)
         except PromptTooLong as e:  # a huge text: refused from its token count, before any conversion
             if not e.exact:
                 raise text_too_long(e.num_tokens, self.cache_config, self.scheduler_config,
                                     self.args.max_model_len is not None) from None
             prompt = PromptInputs(token_ids=[0] * e.num_tokens)  # what check_prompt counts
         self.check_prompt(prompt, params)
+        if not raw:
+            self.chat.finish(prompt, options, params, compile_grammar)
+        elif options.cache_salt is not None:  # no images to salt: the block hashes only
+            prompt.cache_salt = options.cache_salt
         prompt.preprocess_seconds = time.perf_counter() - t0
         return prompt
 
@@ -174,13 +200,15 @@ class LLMEngine:
             check_sampling(params, self.vocab_size, self.eos_token_ids, self.args.max_logit_bias,
                            self.args.max_stop_token_ids)
 
-    def compile_grammar(self, params: SamplingParams | None) -> Grammar | None:
-        """The compiled grammar of `params`' structured output (None without one), waited for: compiled
-        on the grammar workers (engine/structured_output.py), cached, so the engine thread only copies
-        its start state. Raises `InvalidRequestError` naming the field when it cannot be compiled."""
-        if params is None or params.grammar is None:
-            return None
-        return self.grammars.compile(params.grammar)
+    def compile_grammar(self, params: SamplingParams | None, prompt: PromptInputs | None = None) -> Grammar | None:
+        """The compiled grammar of the request: the one `build_prompt` set on `prompt` (a forced tool
+        call, or a structured output after reasoning), else `params`' structured output; None without
+        one. Waited for: compiled on the grammar workers (engine/structured_output.py), cached, so the
+        engine thread only copies its start state. Raises `InvalidRequestError` naming the field when it
+        cannot be compiled."""
+        spec = prompt.grammar if prompt is not None and prompt.grammar is not None else \
+            params.grammar if params is not None else None
+        return None if spec is None else self.grammars.compile(spec)
 
     def add_request(self, prompt: PromptInputs, params: SamplingParams | None = None,
                     request_id: str | None = None, grammar: Grammar | None = None) -> str:
@@ -198,8 +226,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         self.check_params(params)
         self.check_prompt(prompt, params)
-        if params.grammar is not None and grammar is None:
-            grammar = self.compile_grammar(params)
+        if grammar is None:
+            grammar = self.compile_grammar(params, prompt)
         seq = Sequence(request_id, prompt, params)
         if grammar is not None:
             seq.matcher, seq.first_mask = grammar.matcher(), grammar.first_mask

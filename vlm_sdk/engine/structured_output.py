@@ -7,8 +7,8 @@ inside the grammar.
                                                             to the grammar workers:
         grammar worker (`grammar_workers` threads with a 64 MiB stack, beside the prompt pools)
             the spec's size checked (max_grammar_bytes); llguidance's grammar text made
-            GrammarProcess.check: compiled with its first mask in a child process (engine/input/
-              grammar_process.py): a crash, a timeout (grammar_compile_timeout) or memory over
+            GrammarProcess.check: compiled with its first mask in a child process
+              (engine/grammar_process.py): a crash, a timeout (grammar_compile_timeout) or memory over
               max_grammar_memory there -> InvalidRequestError (400), and the server never compiles it
             compiled here, its first mask computed here -> Grammar (template, first mask, bytes held)
     add_request (engine thread)
@@ -50,7 +50,7 @@ import torch
 from vlm_sdk.config import (DEFAULT_GRAMMAR_CACHE_MEMORY, DEFAULT_GRAMMAR_COMPILE_TIMEOUT, DEFAULT_MAX_GRAMMAR_BYTES,
                             DEFAULT_MAX_GRAMMAR_MEMORY)
 from vlm_sdk.engine.heap import trim_heap
-from vlm_sdk.engine.input.grammar_process import SERVER_STACK, CheckResult, GrammarProcess, parser_limits
+from vlm_sdk.engine.grammar_process import SERVER_STACK, CheckResult, GrammarProcess, parser_limits
 from vlm_sdk.errors import InvalidRequestError, limit_text
 from vlm_sdk.sampling_params import StructuredOutputs
 from vlm_sdk.protocol.scheduler_output import GrammarBitmask
@@ -288,13 +288,18 @@ def grammar_text(spec: StructuredOutputs) -> str:
     import llguidance
     try:
         if spec.kind == "json":
-            return llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults={"whitespace_pattern": JSON_WHITESPACE})
-        if spec.kind == "choice":
+            text = llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults={"whitespace_pattern": JSON_WHITESPACE})
+        elif spec.kind == "choice":
             choices = json.loads(spec.text)
-            return llguidance.LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(map(json.dumps, choices)))
-        return llguidance.grammar_from(spec.kind, spec.text)
+            text = llguidance.LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(map(json.dumps, choices)))
+        else:
+            text = llguidance.grammar_from(spec.kind, spec.text)
     except ValueError as e:
         raise InvalidRequestError(f"'{spec.param}': {clean_error(str(e))}", param=spec.param) from None
+    if spec.prefix is not None:  # the prefix's grammar first, this one nested in it as @answer
+        inner = json.loads(text)["grammars"][0] if text.lstrip().startswith("{") else {"lark_grammar": text}
+        text = json.dumps({"grammars": [{"lark_grammar": spec.prefix}, {**inner, "name": "answer"}]})
+    return text
 
 
 _INTERNAL = re.compile(r"panic|backtrace|RUST_BACKTRACE|\.rs:\d", re.IGNORECASE)

@@ -42,8 +42,11 @@ from vlm_sdk.worker.worker import Worker
 logger = logging.getLogger("vlm_sdk")
 
 _JOIN_SECONDS = 10.0  # a rank's time to leave after SHUTDOWN before it is terminated
-_REPORT_SECONDS = 3.0
-_LOAD_SECONDS = 3600.0  # the longest a rank may take to load its slice (or distributed_timeout if longer)  # how long a failed collective waits for the failed rank's report
+_REPORT_SECONDS = 3.0  # how long a failed collective waits for the failed rank's report
+_LOAD_SECONDS = 3600.0  # the longest a rank may take to load its slice (or distributed_timeout if longer)
+# the longest a spawned rank may take to start (a fresh interpreter importing torch: seconds, more on a busy
+# machine; distributed_timeout if longer). A rank that dies meanwhile is seen at once by its process.
+_START_SECONDS = 120.0
 
 
 @contextmanager
@@ -93,7 +96,7 @@ class MultiprocExecutor(GroupExecutor):
                 proc.start()
                 self._procs.append(proc)
         try:
-            self._wait_for(store, "started", size, config.args.distributed_timeout)
+            self._wait_for(store, "started", size, max(config.args.distributed_timeout, _START_SECONDS))
             tp, self._control = join_ranks(0, size, None, config.args.distributed_timeout, devices[0], store)
             self._worker, self.world_size = Worker(model_dir, config, devices[0], tp), size
             # ranks finish loading at their own pace: the first command waits for the last of them

@@ -23,3 +23,11 @@ def image_key(image: Image.Image, **settings: object) -> bytes:
     h.update(image.tobytes())
     h.update(repr(sorted(settings.items())).encode())
     return h.digest()
+
+
+def salted_key(key: bytes, salt: str) -> bytes:
+    """The key of an image in a request with `cache_salt` `salt`: another salt's (or no salt's) entry
+    for the same image is never found under it."""
+    h = hashlib.blake2b(key, digest_size=KEY_BYTES)
+    h.update(b"\0cache_salt\0" + salt.encode("utf-8", "surrogatepass"))
+    return h.digest()

@@ -42,6 +42,14 @@ class PromptInputs:
     image_positions: list[int] = field(default_factory=list)
     positions: Any = None
     preprocess_seconds: float = 0.0  # time build_prompt took (image decode, resize, tokenize)
+    # a tenant's cache salt (`ChatOptions.cache_salt`): its KV blocks are hashed from it, its images'
+    # keys salted, so no other salt shares either; None: the common, unsalted cache
+    cache_salt: str | None = None
+    # how the output is read (`vlm_sdk.parsers.OutputFormat`: reasoning, tool calls); None: plain text
+    output_format: Any = None
+    # the grammar the engine set for this request (a forced tool call, or the request's own after free
+    # reasoning: a `StructuredOutputs`); None: the sampling params' own, if any
+    grammar: Any = None
 
     @property
     def image_tokens(self) -> list[int]:
@@ -71,3 +79,13 @@ def expand_image_placeholders(ids: list[int], images: list[ImageInput], placehol
         raise InvalidRequestError(f"the chat template rendered {len(positions)} image placeholders for "
                                   f"{len(images)} images; the model's chat template must render every image part")
     return token_ids, positions
+
+
+def refuse_placeholders(token_ids: list[int], placeholder_id: int, placeholder: str) -> None:
+    """`InvalidRequestError` when a prompt without images holds the image placeholder token: it stands
+    for an image's embeddings, which a prompt of text or token ids cannot carry."""
+    at = next((i for i, t in enumerate(token_ids) if t == placeholder_id), None)
+    if at is not None:
+        raise InvalidRequestError(f"the prompt holds the image placeholder token {placeholder} (id {placeholder_id}) "
+                                  f"at position {at}, but a prompt of text or token ids carries no image; send images "
+                                  f"as image parts of chat messages (/v1/chat/completions)", param="prompt")

@@ -1,20 +1,35 @@
 """OpenAI-style chat messages: validate them and separate the images from the text.
 
 Content is a string or a list of parts: `{"type": "text", "text"}`, `{"type": "image", "image": src}`
-or `{"type": "image_url", "image_url": {"url": src}}` (`image_url` may also be a bare string). Any
-other key of an image part, on the part or inside `image_url`, is an option for that image alone
-(`ImageRef.options`, e.g. a size bound): the model family checks them against its image settings.
-OpenAI's `detail` is ignored.
+or `{"type": "image_url", "image_url": {"url": src}}` (an object, as OpenAI's schema requires: a bare
+string is refused, as vLLM refuses it). Any other key of an image part, on the part or inside
+`image_url`, is an option for that image alone (`ImageRef.options`, e.g. a size bound): the model
+family reads its image settings from them and ignores keys that no family declares. OpenAI's
+`detail` is ignored.
+
+Roles are OpenAI's: `developer` (OpenAI's name for system instructions since its o1 models) is given to
+the chat template as `system`, the only instruction role the served families' templates know. An
+assistant message's `content` may be null or left out (the openai types allow it), which is an empty
+turn.
+
+Tool turns (OpenAI's shape): an assistant message may carry `tool_calls` ([{"id", "type": "function",
+"function": {"name", "arguments"}}], its content then optional) and `reasoning_content`; a `tool`
+message answers one of the calls of the assistant message before it (`tool_call_id`). The chat
+template gets each call's arguments as an object (decoded from OpenAI's JSON string), which is how the
+templates render them (`tojson`).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from vlm_sdk.errors import InvalidRequestError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool", "developer")
+# what each role is called in the chat template (see the module docstring)
+_TEMPLATE_ROLE = {"developer": "system"}
 
 
 @dataclass(frozen=True)
@@ -30,25 +45,85 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef]]:
         raise InvalidRequestError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, "
                                   f"got {_short(messages)}")
     out, images = [], []
+    call_ids: set = set()  # the calls of the assistant message just before, which tool messages answer
     for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+        assistant = isinstance(msg, dict) and msg.get("role") == "assistant"
+        calls = msg.get("tool_calls") if assistant else None
+        if not isinstance(msg, dict) or "role" not in msg or ("content" not in msg and not assistant):
             raise InvalidRequestError(f"message {i} must be a dict with 'role' and 'content', got {_short(msg)}")
         role = msg["role"]
         if role not in ROLES:
-            raise InvalidRequestError(f"message {i} has role {role!r}; supported roles are {list(ROLES)}")
-        content = msg["content"]
+            raise InvalidRequestError(f"message {i} has role {_short(role)}; supported roles are {list(ROLES)}")
+        role = _TEMPLATE_ROLE.get(role, role)
+        content = msg.get("content")
+        if content is None and assistant:  # null or left out: an empty turn (the openai types allow it)
+            content = ""
         if isinstance(content, str):
-            _check_text(content, f"message {i}")
-            out.append({"role": role, "content": content})
-            continue
-        if not isinstance(content, (list, tuple)):
+            check_text(content, f"message {i}")
+            parsed = {"role": role, "content": content}
+        elif isinstance(content, (list, tuple)):
+            parsed = {"role": role, "content": [_parse_part(part, f"message {i} part {j}", images)
+                                                for j, part in enumerate(content)]}
+        else:
             raise InvalidRequestError(f"message {i} content must be a string or a list of parts, "
                                       f"got {type(content).__name__}")
-        parts = []
-        for j, part in enumerate(content):
-            parts.append(_parse_part(part, f"message {i} part {j}", images))
-        out.append({"role": role, "content": parts})
+        if role == "assistant":
+            call_ids = _assistant_extras(msg, parsed, i) if calls is not None else set()
+        elif role == "tool":
+            parsed["tool_call_id"] = _answered_call(msg, call_ids, i)
+        else:  # tool messages follow the assistant message whose calls they answer
+            call_ids = set()
+        out.append(parsed)
     return out, images
+
+
+def _assistant_extras(msg: dict, parsed: dict, i: int) -> set:
+    """Copy an assistant message's `tool_calls` (arguments decoded) and `reasoning_content` into
+    `parsed`; the ids of its calls."""
+    calls = msg["tool_calls"]
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, (list, tuple)):
+        raise InvalidRequestError(f"{where} must be a list of calls, got {_short(calls)}", param=where)
+    out, ids = [], set()
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequestError(f"{where}[{j}] must be {{'id', 'type': 'function', 'function': {{'name', "
+                                      f"'arguments'}}}}, got {_short(call)}", param=f"{where}[{j}]")
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise InvalidRequestError(f"{where}[{j}].id must be a string, got {_short(call_id)}",
+                                      param=f"{where}[{j}].id")
+        ids.add(call_id)
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError as e:
+                raise InvalidRequestError(f"{where}[{j}].function.arguments is not JSON ({e}); send the call's "
+                                          f"arguments as the model gave them", param=f"{where}[{j}].function.arguments")
+        if not isinstance(args, dict):
+            raise InvalidRequestError(f"{where}[{j}].function.arguments must be a JSON object, got {_short(args)}",
+                                      param=f"{where}[{j}].function.arguments")
+        out.append({"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    parsed["tool_calls"] = out
+    if isinstance(msg.get("reasoning_content"), str):
+        parsed["reasoning_content"] = msg["reasoning_content"]
+    return ids - {None}
+
+
+def _answered_call(msg: dict, call_ids: set, i: int) -> str:
+    """A tool message's `tool_call_id`, which must name a call of the assistant message before it."""
+    call_id = msg.get("tool_call_id")
+    where = f"messages[{i}].tool_call_id"
+    if not isinstance(call_id, str):
+        raise InvalidRequestError(f"{where} must be the id of the call this message answers, got "
+                                  f"{_short(call_id)}", param=where)
+    if call_id not in call_ids:
+        known = f"the calls there are {sorted(call_ids)}" if call_ids else "there is none"
+        raise InvalidRequestError(f"{where} is {call_id!r}, which is not a call of the assistant message before it "
+                                  f"({known}); a tool message answers one of those calls", param=where)
+    return call_id
 
 
 def _parse_part(part: Any, where: str, images: list[ImageRef]) -> dict:
@@ -59,14 +134,18 @@ def _parse_part(part: Any, where: str, images: list[ImageRef]) -> dict:
         text = part.get("text")
         if not isinstance(text, str):
             raise InvalidRequestError(f"{where}: a text part needs a string 'text', got {_short(text)}")
-        _check_text(text, where)
+        check_text(text, where)
         return {"type": "text", "text": text}
     if kind in ("image", "image_url"):
         if kind == "image":
             source = part.get("image")
         else:
             url = part.get("image_url")
-            source = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, dict):
+                raise InvalidRequestError(f"{where}: an image_url part's 'image_url' must be an object "
+                                          f"{{\"url\": ...}} (OpenAI's schema), got {_short(url)}; write "
+                                          f"{{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}")
+            source = url.get("url")
         if source is None:
             raise InvalidRequestError(f"{where}: an {kind} part needs "
                                       f"{'an image' if kind == 'image' else 'image_url.url'}")
@@ -75,7 +154,7 @@ def _parse_part(part: Any, where: str, images: list[ImageRef]) -> dict:
     raise InvalidRequestError(f"{where} has type {kind!r}; supported: 'text', 'image', 'image_url'")
 
 
-def _check_text(text: str, where: str) -> None:
+def check_text(text: str, where: str) -> None:
     """Text must be encodable as UTF-8: a lone surrogate (half of a pair, e.g. from a JSON "\\ud800")
     would fail deep inside the template or the tokenizer."""
     if text.isascii():
@@ -133,8 +212,6 @@ def _map_part(part: Any, text, image) -> Any:
         url = part.get("image_url")
         if isinstance(url, dict) and url.get("url") is not None:
             return {**part, "image_url": {**url, "url": image(url["url"])}}
-        if url is not None and not isinstance(url, dict):
-            return {**part, "image_url": image(url)}
     return part
 
 

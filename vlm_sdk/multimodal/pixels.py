@@ -14,6 +14,16 @@ import numpy as np
 import torch
 
 
+def normalisation(mean, std, names: tuple[str, str] = ("image_mean", "image_std")) -> tuple[tuple[float, ...], ...]:
+    """(mean, std) as float tuples, checked: 3 values each and no zero std; `InvalidRequestError` naming
+    the preprocessor's fields (`names`) otherwise."""
+    from vlm_sdk.errors import InvalidRequestError
+    if len(mean) != 3 or len(std) != 3 or any(s == 0 for s in std):
+        raise InvalidRequestError(f"{names[0]} and {names[1]} need 3 values each and a non-zero std; got "
+                                  f"{names[0]}={list(mean)}, {names[1]}={list(std)}.")
+    return tuple(float(m) for m in mean), tuple(float(s) for s in std)
+
+
 def byte_table(mean: tuple[float, ...], std: tuple[float, ...], rescale_factor: float) -> np.ndarray:
     """`[C, 256]` float32: the normalised value of byte v in channel c."""
     values = (np.arange(256, dtype=np.float64) * rescale_factor).astype(np.float32)  # [256]

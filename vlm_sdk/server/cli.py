@@ -30,6 +30,8 @@ _ENGINE_HELP = {
     "encoder_cache_memory": "vision embeddings kept for reuse, e.g. 256MiB (default); 0 turns the encoder cache off",
     "max_model_len": "longest sequence (prompt + output) in tokens",
     "attention_backend": "'triton' (default on CUDA) or 'torch' (the reference path, default on the CPU)",
+    "small_m_gemm": "the decoder's qkv and o projections at <= 8 rows: 'torch' (cuBLAS, default) or 'triton' "
+                    "(needs the Triton kernel set; vlm-sdk bench --gpu measures which is faster)",
     "enforce_eager": "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
     "async_scheduling": "schedule and launch the next step while this one runs (default: on with CUDA and one "
                         "rank; --no-async-scheduling turns it off)",
@@ -52,6 +54,10 @@ _ENGINE_HELP = {
                           "e.g. 64MiB (default)",
     "grammar_cache_memory": "compiled grammars kept for reuse, by their measured memory, e.g. 64MiB (default)",
     "grammar_workers": "grammars compiled at once, each in a process of its own (default 2)",
+    "tool_call_parser": "how tool calls are read from the output: 'hermes' (<tool_call> JSON) or 'none' "
+                        "(default: from the chat template)",
+    "reasoning_parser": "how reasoning is split from the answer: 'qwen3' or 'deepseek_r1' (<think> blocks) or "
+                        "'none' (default: 'qwen3' when the chat template has a <think> block)",
     "allow_special_tokens_in_text": "read special tokens written in message text (<|im_end|>, ...) as control tokens; "
                                     "by default they are plain text, so a user cannot forge another role's turn",
 }
@@ -60,7 +66,7 @@ _SWITCHES = {"async_scheduling"}  # on/off switches whose default (None) means "
 # flags whose EngineArgs default (None) does not tell their type; the rest follow their default's type
 _FLAG_TYPES = {"revision": str, "dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
                "encoder_cache_memory": str, "memory_utilization": float, "max_grammar_memory": str,
-               "grammar_cache_memory": str}
+               "grammar_cache_memory": str, "tool_call_parser": str, "reasoning_parser": str}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -116,6 +122,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-response-logprobs", type=_positive, default=d.max_response_logprobs,
                    help="logprob entries a non-streamed response may hold, n x max_tokens x (top_logprobs + 1) "
                         "(default 1000000; streamed responses are not bounded by it)")
+    p.add_argument("--max-completion-prompts", type=_positive, default=d.max_completion_prompts,
+                   help="prompts in one /v1/completions request (a list of prompts), each completed 'n' "
+                        "times (default 64)")
     p.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
                    help="seconds a connection may stay open without a complete request head, idle or "
                         "sending its headers slowly")
@@ -169,7 +178,8 @@ def run_serve(args: argparse.Namespace) -> int:
                           keep_alive_timeout=args.keep_alive_timeout, body_timeout=args.body_timeout,
                           max_connections=args.max_connections,
                           max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
-                          max_n=args.max_n, max_response_logprobs=args.max_response_logprobs)
+                          max_n=args.max_n, max_response_logprobs=args.max_response_logprobs,
+                          max_completion_prompts=args.max_completion_prompts)
 
     return serve(model, config, **engine_kwargs(args))
 

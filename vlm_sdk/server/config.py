@@ -62,6 +62,9 @@ class ServerConfig:
     # logprob entries a non-streamed response may hold: n x max_tokens x (top_logprobs + 1), max_tokens left
     # out counted as max_model_len (streamed responses hold none: each chunk carries its own tokens')
     max_response_logprobs: int = 1_000_000
+    # prompts in one /v1/completions request (vLLM: VLLM_MAX_COMPLETION_PROMPTS, 1024); each prompt is
+    # n sequences, so one request adds at most max_completion_prompts * max_n to the batch
+    max_completion_prompts: int = 64
     # connections: an open one must complete a request head within keep_alive_timeout of opening or
     # of its last response (idle and slow-header clients alike), and its body within body_timeout
     keep_alive_timeout: float = 5.0

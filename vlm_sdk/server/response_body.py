@@ -29,12 +29,10 @@ def is_small(outputs: list) -> bool:
     return all(o.logprobs is None for o in outputs) and sum(len(o.text) for o in outputs) < INLINE_TEXT_CHARS
 
 
-async def send_in_pieces(request: web.Request, body: dict, logprobs: list, speller: TokenSpeller,
-                         executor=None) -> web.StreamResponse:
-    """Send `body` (a completion whose choices' "logprobs" are still None); `logprobs[i]`: choice i's
-    `TokenLogprob` list, or None, filled in as OpenAI's `{"content": [...]}`. `executor`: where the
-    pieces are made (the server's one body thread: two bodies at once would only contend for the GIL
-    with the engine thread)."""
+async def send_in_pieces(request: web.Request, body: dict, make_choice, executor=None) -> web.StreamResponse:
+    """Send `body` (a completion whose "choices" hold placeholders), choice i as the bytes of
+    `make_choice(i)`, each made on `executor` (the server's one body thread: two bodies at once would
+    only contend for the GIL with the engine thread)."""
     loop = asyncio.get_running_loop()
     keys = list(body)
     at = keys.index("choices")
@@ -43,13 +41,23 @@ async def send_in_pieces(request: web.Request, body: dict, logprobs: list, spell
     resp = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
     await resp.prepare(request)
     await resp.write(("{" + head).encode())
-    for i, choice in enumerate(body["choices"]):
-        piece = await loop.run_in_executor(executor, _choice, choice, logprobs[i], speller)
+    for i in range(len(body["choices"])):
+        piece = await loop.run_in_executor(executor, make_choice, i)
         await resp.write(("," if i else "").encode() + piece)
     await resp.write(tail.encode())
     await resp.write_eof()
     return resp
 
+
+def chat_choice(choice: dict, logprobs, speller: TokenSpeller) -> bytes:
+    """A chat choice's JSON, its logprobs (`TokenLogprob`s, or None) filled in a token at a time."""
+    parts = []
+    for key, value in choice.items():
+        if key == "logprobs" and logprobs is not None:
+            parts.append('"logprobs":' + speller.content_json(logprobs))
+        else:
+            parts.append(_member(choice, key))
+    return ("{" + ",".join(parts) + "}").encode()
 
 
 def _member(body: dict, key: str) -> str:
@@ -58,14 +66,3 @@ def _member(body: dict, key: str) -> str:
 
 def _members(body: dict, keys: list[str]) -> str:
     return ",".join(_member(body, k) for k in keys)
-
-
-def _choice(choice: dict, logprobs, speller: TokenSpeller) -> bytes:
-    """One choice's JSON, its logprobs a token at a time (on an executor thread)."""
-    parts = []
-    for key, value in choice.items():
-        if key == "logprobs" and logprobs is not None:
-            parts.append('"logprobs":' + speller.content_json(logprobs))
-        else:
-            parts.append(_member(choice, key))
-    return ("{" + ",".join(parts) + "}").encode()

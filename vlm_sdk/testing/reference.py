@@ -1,5 +1,5 @@
 """transformers as the oracle, family-neutral part: batch single prompts (each built by the family's
-`FAMILY.reference.hf_prompt`) and generate greedily. Used by the parity tests and `vlm-sdk bench`.
+`FIXTURES.reference.hf_prompt`) and generate greedily. Used by the parity tests and `vlm-sdk bench`.
 Imports transformers lazily.
 """
 from __future__ import annotations

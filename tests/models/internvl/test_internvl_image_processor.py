@@ -7,9 +7,10 @@ import torch
 from PIL import Image
 
 from helpers import image
+from vlm_sdk.models.internvl.fixtures import benchmark_against_transformers
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
 from vlm_sdk.models.internvl.image_processor import (IMAGENET_MEAN, IMAGENET_STD, InternVLImageProcessor,
-                                                     benchmark_against_transformers, published_grid)
+                                                     published_grid)
 
 hf = pytest.importorskip("transformers.models.got_ocr2.image_processing_pil_got_ocr2")
 

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLConfig, Qwen3VLModel
 
 from helpers import image
+from vlm_sdk.testing.families import fixtures
 from vlm_sdk.config import EngineArgs
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.model_loader import load_tokenizer, read_checkpoint
@@ -69,7 +70,8 @@ def test_prompt_ids_equal_transformers(ckpt, info):
                                          {"type": "image", "image": image(300, 200)},
                                          {"type": "text", "text": "with"}, {"type": "image", "image": image(90, 150)}]}]
     ours = processor(conv)
-    ref = fam.reference.hf_prompt(AutoTokenizer.from_pretrained(str(ckpt)), fam.reference.hf_image_processor(str(ckpt)),
+    reference = fixtures("qwen3_vl").reference
+    ref = reference.hf_prompt(AutoTokenizer.from_pretrained(str(ckpt)), reference.hf_image_processor(str(ckpt)),
                                   info.hf_config, conv)
     assert ours.token_ids == ref["input_ids"][0].tolist()
     assert [im.meta.grid_thw for im in ours.images] == [tuple(g) for g in ref["image_grid_thw"].tolist()]

@@ -5,6 +5,9 @@ A block's K/V depend on every token before it, so a block's hash chains its pare
     hash(block i) = BLAKE2b(hash(block i-1) | token ids of block i | (image key, which of the image's
                             tokens opens the block's part of it, and where) per image in block i)
 
+A request's `cache_salt` seeds the chain (the first block's parent is a hash of the salt), so no
+block of one salt ever has the hash of another salt's (or of an unsalted request's) block.
+
 Image tokens are all the same placeholder id; the image's key (its decoded pixels and the settings
 that shaped its patches: `ImageInput.key`) tells two images apart. M-RoPE positions follow from
 the tokens and the image grids before them, which the chain and the keys already cover. An image
@@ -42,10 +45,17 @@ def block_hash(parent: bytes | None, token_ids: list[int], images: list[tuple[by
     return h.digest()
 
 
+def salt_seed(salt: str | None) -> bytes | None:
+    """The parent hash of a salted sequence's first block; None (no parent) without a salt."""
+    if salt is None:
+        return None
+    return hashlib.blake2b(b"cache_salt\0" + salt.encode("utf-8", "surrogatepass"), digest_size=_HASH_BYTES).digest()
+
+
 def extend_block_hashes(hashes: list[bytes], token_ids: list[int], spans: list[ImageSpan], block_size: int,
-                        num_tokens: int) -> None:
+                        num_tokens: int, seed: bytes | None = None) -> None:
     """Append to `hashes` the hashes of the blocks that `token_ids[:num_tokens]` fills, up to the first
-    block holding an image without a key."""
+    block holding an image without a key; `seed` (`salt_seed`) is the first block's parent."""
     for i in range(len(hashes), num_tokens // block_size):
         lo, hi = i * block_size, (i + 1) * block_size
         images = []
@@ -55,4 +65,4 @@ def extend_block_hashes(hashes: list[bytes], token_ids: list[int], spans: list[I
                     return
                 first = max(lo, s.start)
                 images.append((s.key, first - s.start, first - lo))
-        hashes.append(block_hash(hashes[-1] if hashes else None, token_ids[lo:hi], images))
+        hashes.append(block_hash(hashes[-1] if hashes else seed, token_ids[lo:hi], images))

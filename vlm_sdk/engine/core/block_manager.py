@@ -98,7 +98,7 @@ class BlockManager:
             return []
         limit = (seq.num_tokens - 1) // self.block_size
         extend_block_hashes(seq.block_hashes, seq.token_ids, seq.image_spans, self.block_size,
-                            limit * self.block_size)
+                            limit * self.block_size, seq.hash_seed)
         hits = []
         for h in seq.block_hashes[:limit]:
             block = self.pool.lookup(h)
@@ -116,7 +116,8 @@ class BlockManager:
         full = min(num_tokens, seq.num_tokens) // self.block_size
         if full <= seq.num_cached_blocks:
             return
-        extend_block_hashes(seq.block_hashes, seq.token_ids, seq.image_spans, self.block_size, full * self.block_size)
+        extend_block_hashes(seq.block_hashes, seq.token_ids, seq.image_spans, self.block_size, full * self.block_size,
+                            seq.hash_seed)
         hashed = min(full, len(seq.block_hashes))  # fewer when an image without a key stops the chain
         for i in range(seq.num_cached_blocks, hashed):
             self.pool.cache(seq.block_ids[i], seq.block_hashes[i])

@@ -18,7 +18,7 @@ import enum
 import sys
 import time
 
-from vlm_sdk.engine.core.block_hash import ImageSpan
+from vlm_sdk.engine.core.block_hash import ImageSpan, salt_seed
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.outputs import RequestMetrics
 from vlm_sdk.sampling_params import SamplingParams
@@ -67,6 +67,7 @@ class Sequence:
         self.image_spans = [ImageSpan(p, p + im.num_tokens, im.key) for p, im in zip(prompt.image_positions,
                                                                                    prompt.images)]
         self.block_hashes: list[bytes] = []
+        self.hash_seed = salt_seed(prompt.cache_salt)  # a cache_salt's blocks hash apart from everyone else's
         self.num_cached_blocks = 0
 
     @property

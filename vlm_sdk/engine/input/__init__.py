@@ -2,5 +2,4 @@
 anything is decoded (`PromptGuard`), special-token text escaped, prompts tokenized (huge texts in a child
 process). The family's processor (models/<family>/processor.py) turns messages into `PromptInputs`.
 A request's sampling settings are checked against the vocabulary and the engine's limits
-(`sampling_check`), and a structured output's grammar is compiled first in a grammar process
-(`grammar_process`, for engine/structured_output.py)."""
+(`sampling_check`)."""

@@ -19,6 +19,9 @@ from vlm_sdk.multimodal.image_io import OpenedImage, open_image
 from vlm_sdk.multimodal.messages import map_parts, measure
 
 
+_RENDERED_EXTRAS = ("tool_calls", "reasoning_content")
+
+
 class PromptGuard:
     def __init__(self, tokenizer: PromptTokenizer, max_image_pixels: int, max_request_image_pixels: int | None):
         self.tokenizer = tokenizer
@@ -32,7 +35,12 @@ class PromptGuard:
         self.tokenizer.check_length(chars)
         special = self.tokenizer.special_text
         images = _RequestImages(self.max_image_pixels, self.max_request_image_pixels, cancelled)
-        return map_parts(messages, text=special.escape if special else None, image=images.open)
+        mapped = map_parts(messages, text=special.escape if special else None, image=images.open)
+        if special is None or not isinstance(mapped, list):
+            return mapped
+        # an assistant turn's calls and reasoning are rendered into the prompt too
+        return [{**m, **{k: special.escape_tree(m[k]) for k in _RENDERED_EXTRAS if k in m}} if isinstance(m, dict)
+                else m for m in mapped]
 
 
 class _RequestImages:

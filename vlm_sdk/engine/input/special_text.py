@@ -33,6 +33,16 @@ class SpecialText:
             return text
         return self._pattern.sub(lambda m: self._codes[m.group()], text)
 
+    def escape_tree(self, value):
+        """`value` (JSON-like: dicts, lists, strings) with every string escaped, keys included."""
+        if isinstance(value, str):
+            return self.escape(value)
+        if isinstance(value, dict):
+            return {self.escape(k) if isinstance(k, str) else k: self.escape_tree(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.escape_tree(v) for v in value]
+        return value
+
     def segments(self, text: str) -> Iterator[tuple[str, bool]]:
         plain: list[str] = []
         start = 0

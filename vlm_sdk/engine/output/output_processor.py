@@ -9,6 +9,11 @@ prompt being tokenized never holds up a stream's text. When a stop string ends a
 has not finished, `finished_by_stop_string` is set and the caller tells the engine to finish it
 (`LLMEngine.abort(request_id, "stop")`), which frees its blocks; later outputs for it are ignored.
 
+A request whose prompt has an `OutputFormat` (tools, a reasoning model: engine/input/chat_setup.py) has its
+visible text read by that format's `OutputStream` as it streams: reasoning, content and tool calls
+beside the raw text, and finish_reason "tool_calls" when it stopped after calling a tool (not for a
+named function, which OpenAI finishes with "stop").
+
 Stop strings are matched by a `StopMatcher` (engine/output/stop_strings.py), whose cost per character does
 not grow with their number. Text held back: while running, the trailing characters that could still
 begin a stop string are not streamed yet; the final output releases them, cut before a stop string.
@@ -21,7 +26,8 @@ import time
 from vlm_sdk.engine.output.detokenizer import IncrementalDetokenizer
 from vlm_sdk.engine.output.engine_output import EngineOutput
 from vlm_sdk.engine.output.stop_strings import StopMatcher
-from vlm_sdk.outputs import RequestOutput
+from vlm_sdk.outputs import RequestOutput, ToolCall
+from vlm_sdk.parsers import OutputFormat
 from vlm_sdk.sampling_params import SamplingParams
 
 
@@ -48,8 +54,10 @@ class OutputProcessor:
         self.lock = self._decoder.lock  # held by anyone else who uses `tokenizer` (the server's logprobs)
 
     def new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    index: int = 0) -> "RequestOutputState":
-        state = RequestOutputState(request_id, prompt_token_ids, params, IncrementalDetokenizer(self._decoder))
+                    index: int = 0, output_format: OutputFormat | None = None) -> "RequestOutputState":
+        """`output_format`: the prompt's (`PromptInputs.output_format`), None for plain text."""
+        state = RequestOutputState(request_id, prompt_token_ids, params, IncrementalDetokenizer(self._decoder),
+                                   output_format)
         state.index = index  # sample `index` of the request's n
         return state
 
@@ -58,7 +66,7 @@ class RequestOutputState:
     """One request's text so far; `process` each of its engine outputs in order."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 detokenizer: IncrementalDetokenizer):
+                 detokenizer: IncrementalDetokenizer, output_format: OutputFormat | None = None):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -70,6 +78,8 @@ class RequestOutputState:
         self.finished_by_stop_string = False  # the engine must be told to finish it
         self.index = 0
         self.stops = StopMatcher(params.stop) if params.stop else None
+        self.format = output_format
+        self.parsed = _Parsed(output_format) if output_format is not None else None
 
     def process(self, out: EngineOutput) -> RequestOutput | None:
         """The `RequestOutput` for `out`; None once this request has finished (outputs the engine
@@ -102,13 +112,20 @@ class RequestOutputState:
                 metrics.finished_time = time.monotonic()
         delta = detok.text[self.num_emitted_chars:visible] if visible > self.num_emitted_chars else ""
         self.num_emitted_chars += len(delta)
+        text = detok.text[:self.num_emitted_chars]
+        if self.parsed is not None:
+            self.parsed.feed(delta, finish=reason is not None and reason != "abort")
+            if reason == "stop" and self.parsed.calls and not self.format.named:
+                reason = "tool_calls"
         self.finish_reason = reason
         # `text` is what this request's stream has shown so far: the concatenation of its deltas
-        return RequestOutput(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
-                             token_ids=list(self.token_ids), text=detok.text[:self.num_emitted_chars],
-                             delta_text=delta, finish_reason=reason, metrics=metrics,
-                             logprobs=None if self.logprobs is None else list(self.logprobs),
-                             index=self.index)
+        out = RequestOutput(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+                            token_ids=list(self.token_ids), text=text, delta_text=delta, finish_reason=reason,
+                            metrics=metrics, logprobs=None if self.logprobs is None else list(self.logprobs),
+                            index=self.index, content=text, delta_content=delta)
+        if self.parsed is not None:
+            self.parsed.fill(out)
+        return out
 
     def _stopped_by(self, new_text: str) -> bool:
         """Feed the text just appended; on a stop string, cut the text before it (for good)."""
@@ -127,3 +144,38 @@ class RequestOutputState:
         detok.text = detok.text[:start]
         detok.text_is_final = True
         return True
+
+
+class _Parsed:
+    """One request's parsed output so far: its format's stream, and the parts accumulated."""
+
+    def __init__(self, fmt: OutputFormat):
+        self.stream = fmt.stream()
+        self.reasoning = self.content = ""
+        self.calls: dict[int, list] = {}  # index -> [id, name, arguments so far]
+        self.delta = None
+
+    def feed(self, text: str, finish: bool) -> None:
+        delta = self.stream.feed(text) if text else None
+        if finish:
+            rest = self.stream.finish()
+            if delta is None:
+                delta = rest
+            else:
+                delta += rest
+        self.delta = delta
+        if delta is None:
+            return
+        self.reasoning += delta.reasoning
+        self.content += delta.content
+        for piece in delta.tool_calls:
+            call = self.calls.setdefault(piece.index, [piece.id, piece.name, ""])
+            call[2] += piece.arguments
+
+    def fill(self, out: RequestOutput) -> None:
+        d = self.delta
+        out.content, out.delta_content = self.content, d.content if d is not None else ""
+        out.reasoning_content = self.reasoning if self.stream.saw_reasoning else None
+        out.delta_reasoning_content = d.reasoning if d is not None else ""
+        out.delta_tool_calls = list(d.tool_calls) if d is not None else []
+        out.tool_calls = [ToolCall(*self.calls[i]) for i in sorted(self.calls)]

@@ -9,7 +9,7 @@ allocator statistics). The server compiles it itself only once that passed, so t
 go further in-process; a crash, `timeout` or too much memory here is the request's 400, and the next
 grammar gets a fresh process.
 
-The child is `python -m vlm_sdk.engine.input.grammar_process` (it imports llguidance and nothing of
+The child is `python -m vlm_sdk.engine.grammar_process` (it imports llguidance and nothing of
 the caller). Pipe protocol: every message is an int64 little-endian length and that many bytes of
 UTF-8 JSON.
 
@@ -77,7 +77,7 @@ class GrammarProcess:
 
     def _start(self) -> subprocess.Popen:
         self._stderr = tempfile.TemporaryFile()  # a crash's last words, for the log
-        proc = subprocess.Popen([sys.executable, "-m", "vlm_sdk.engine.input.grammar_process"],
+        proc = subprocess.Popen([sys.executable, "-m", "vlm_sdk.engine.grammar_process"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
         self.starts += 1
         try:

@@ -1,0 +1,152 @@
+"""A chat request's options beside its messages and sampling: tools, how they may be used, what the chat
+template is given, and the prefix-cache salt. OpenAI's and vLLM's fields, checked here whatever entry
+point they come from (`LLM.chat`, `AsyncLLM`, the HTTP server), each error naming its field.
+
+    tools                 [{"type": "function", "function": {"name", "description", "parameters"}}]
+    tool_choice           "auto" (default with tools) | "none" | "required" | {"type": "function",
+                          "function": {"name": ...}}
+    parallel_tool_calls   False: at most one call (default True)
+    chat_template_kwargs  extra variables for the chat template, e.g. {"enable_thinking": False}
+    cache_salt            requests with different salts never share a prefix-cache block or an image's
+                          vision embeddings (vLLM's field): tenants that must not see each other's cache
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from vlm_sdk.errors import InvalidRequestError
+
+# OpenAI's rule for function names; it also keeps a name free of JSON escapes inside a call's text
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+TOOL_CHOICES = ("none", "auto", "required")
+# variables the chat template gets from the request itself: a kwarg may not replace them
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                         "continue_final_message", "tokenize", "chat_template", "return_dict",
+                                         "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def _refuse(param: str, rule: str, value: Any = None, shown: bool = True) -> None:
+    text = repr(value)
+    text = text if len(text) <= 80 else text[:80] + "..."
+    raise InvalidRequestError(f"'{param}' {rule}" + (f", got {text}" if shown else ""), param=param)
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One function the model may call: `parameters` is its arguments' JSON Schema (an object schema);
+    `spec` the tool as the chat template renders it (OpenAI's shape)."""
+    name: str
+    parameters: Mapping[str, Any]
+    spec: Mapping[str, Any]
+
+
+def _tool(value: Any, i: int) -> Tool:
+    where = f"tools[{i}]"
+    if not isinstance(value, Mapping):
+        _refuse(where, 'must be an object {"type": "function", "function": {"name", "parameters"}}', value)
+    if value.get("type", "function") != "function":
+        _refuse(f"{where}.type", 'must be "function" (the only kind of tool)', value.get("type"))
+    fn = value.get("function")
+    if not isinstance(fn, Mapping):
+        _refuse(f"{where}.function", 'must be an object {"name", "description", "parameters"}', fn)
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        _refuse(f"{where}.function.name", "must be 1 to 64 letters, digits, underscores or dashes", name)
+    if not isinstance(fn.get("description", ""), str):
+        _refuse(f"{where}.function.description", "must be a string", fn.get("description"))
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, Mapping):
+        _refuse(f"{where}.function.parameters", "must be a JSON Schema object", params)
+    if params.get("type", "object") != "object":
+        _refuse(f"{where}.function.parameters", 'must describe an object (a function\'s arguments): "type" '
+                                                 'must be "object"', params.get("type"))
+    try:  # JSON values only: the template renders it with tojson, the grammar compiler reads it as JSON
+        params = json.loads(json.dumps(params, allow_nan=False))
+        spec = json.loads(json.dumps({"type": "function", "function": dict(fn)}, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        _refuse(f"{where}.function", f"must hold JSON values only ({e})", shown=False)
+    return Tool(name, MappingProxyType({"type": "object", **params}), MappingProxyType(spec))
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """Checked and normalised on construction; `tool_choice` is then "none", "auto", "required" or
+    "function" (with `tool_name` set), and "none" whenever there are no tools."""
+    tools: tuple[Tool, ...] | list | None = None
+    tool_choice: str | Mapping | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: Mapping[str, Any] | None = None
+    cache_salt: str | None = None
+    tool_name: str | None = None  # the function a named tool_choice forces
+
+    def __post_init__(self):
+        tools = self.tools or ()
+        if not isinstance(tools, (list, tuple)):
+            _refuse("tools", "must be an array of tool objects", tools)
+        tools = tuple(t if isinstance(t, Tool) else _tool(t, i) for i, t in enumerate(tools))
+        seen = set()
+        for i, t in enumerate(tools):
+            if t.name in seen:
+                _refuse(f"tools[{i}].function.name", "repeats the name of an earlier tool; tool names must be "
+                                                    "unique", t.name)
+            seen.add(t.name)
+        object.__setattr__(self, "tools", tools)
+        self._set_choice(tools, seen)
+        parallel = True if self.parallel_tool_calls is None else self.parallel_tool_calls
+        if not isinstance(parallel, bool):
+            _refuse("parallel_tool_calls", "must be true or false", parallel)
+        object.__setattr__(self, "parallel_tool_calls", parallel)
+        kwargs = self.chat_template_kwargs or {}
+        if not isinstance(kwargs, Mapping) or any(not isinstance(k, str) for k in kwargs):
+            _refuse("chat_template_kwargs", "must be an object of template variables", kwargs)
+        clash = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(kwargs))
+        if clash:
+            _refuse("chat_template_kwargs", f"may not set {', '.join(clash)}: the request's own fields fill "
+                                            f"them (messages, tools)", shown=False)
+        object.__setattr__(self, "chat_template_kwargs", MappingProxyType(dict(kwargs)))
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            _refuse("cache_salt", "must be a non-empty string", salt)
+
+    def _set_choice(self, tools: tuple[Tool, ...], names: set) -> None:
+        choice, name = self.tool_choice, self.tool_name
+        if isinstance(choice, Mapping):
+            fn = choice.get("function")
+            name = fn.get("name") if isinstance(fn, Mapping) else None
+            if choice.get("type", "function") != "function" or not isinstance(name, str):
+                _refuse("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": '
+                                       '{"name": ...}}', choice)
+            choice = "function"
+        elif choice is None:
+            choice = "auto" if tools else "none"
+        elif choice not in TOOL_CHOICES and not (choice == "function" and name):
+            _refuse("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": '
+                                   '{"name": ...}}', choice)
+        if choice != "none" and not tools:
+            _refuse("tool_choice", f"is {choice!r} but the request has no 'tools'; send the tools, or leave "
+                                   f"tool_choice out", shown=False)
+        if choice == "function" and name not in names:
+            _refuse("tool_choice", f"names the function {name!r}, which is not among the request's tools "
+                                   f"({', '.join(sorted(names))})", shown=False)
+        object.__setattr__(self, "tool_choice", choice)
+        object.__setattr__(self, "tool_name", name if choice == "function" else None)
+
+    @property
+    def uses_tools(self) -> bool:
+        """The tools reach the model and its output is read for calls (not with tool_choice "none")."""
+        return self.tool_choice != "none"
+
+    @property
+    def forced(self) -> bool:
+        """A call is required (any tool, or the named one): the grammar writes it."""
+        return self.tool_choice in ("required", "function")
+
+    def forced_tools(self) -> tuple[Tool, ...]:
+        return tuple(t for t in self.tools if self.tool_choice != "function" or t.name == self.tool_name)
+
+
+NO_OPTIONS = ChatOptions()

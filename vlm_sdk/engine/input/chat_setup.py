@@ -1,0 +1,157 @@
+"""What a chat request's options do to its prompt, its grammar and the reading of its output.
+
+Once per engine, from the chat template and `EngineArgs`:
+    tool parser        `tool_call_parser`, else the template's own format ("hermes" when it writes
+                       <tool_call>); whether the template renders `tools` at all (a probe render)
+    reasoning parser   `reasoning_parser`, else "qwen3" when the template has a <think> block
+Per request (`LLMEngine.build_prompt`):
+    prepare(options)   check the tools against this model (a template that renders none, a schema
+                       llguidance cannot compile: 400 naming the field) -> the template's variables
+    finish(prompt)     whether the prompt opened the reasoning block (its last tokens); the output's
+                       `OutputFormat`; the grammar: a forced tool call (tool_choice "required" / a
+                       named function) or the request's own structured output, after free reasoning
+
+Structured outputs and reasoning: the grammar starts with the reasoning, unconstrained up to the end
+tag, then the answer's grammar (`parsers.think.prefix_grammar`, one llguidance grammar nesting the
+other). Chosen over starting the matcher once the reasoning has ended: the grammar itself knows where
+the reasoning ends (the end tag, as the special token the tokenizer has or as text), the state of the
+block at the first token is decided once from the prompt, and the engine and worker stay as they
+are. The cost: a mask at every reasoning step (llguidance's threads, like any other), and inside the
+reasoning the tokenizer's other tag tokens (<tool_call>, ...) are masked, so the model spells such a
+tag in plain pieces there if it writes one at all.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from vlm_sdk.chat_options import ChatOptions
+from vlm_sdk.engine.input.prompt_tokenizer import PromptTokenizer
+from vlm_sdk.engine.structured_output import JSON_WHITESPACE, GrammarCompiler
+from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.multimodal.image_key import salted_key
+from vlm_sdk.multimodal.inputs import PromptInputs
+from vlm_sdk.parsers import REASONING_FORMATS, TOOL_PARSERS, OutputFormat
+from vlm_sdk.parsers.hermes_grammar import tool_grammar
+from vlm_sdk.parsers.think import prefix_grammar
+from vlm_sdk.sampling_params import SamplingParams, StructuredOutputs
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool_7f3a", "parameters": {"type": "object"}}}
+_TAIL_TOKENS = 8  # prompt tokens read back to see whether the template opened the reasoning block
+
+
+def _choice(name: str | None, known, what: str, param: str) -> str | None:
+    if name is None or name == "none":
+        return None
+    if name not in known:
+        raise InvalidRequestError(f"{param}={name!r} is not a {what}; use one of {', '.join(sorted(known))} or "
+                                  f"'none'", param=param)
+    return name
+
+
+class ChatSetup:
+    def __init__(self, tokenizer: PromptTokenizer, grammars: GrammarCompiler, tool_call_parser: str | None,
+                 reasoning_parser: str | None):
+        self.tokenizer, self.grammars = tokenizer, grammars
+        template = getattr(tokenizer.wrapped, "chat_template", None) or ""
+        template = template if isinstance(template, str) else json.dumps(template)
+        auto_tools = "hermes" if "<tool_call>" in template else None
+        self.tool_parser = (auto_tools if tool_call_parser is None else
+                            _choice(tool_call_parser, TOOL_PARSERS, "tool-call parser", "tool_call_parser"))
+        self.renders_tools = self._renders_tools()
+        # tags that are one added token of the form <...>: llguidance reads them as special tokens
+        added = getattr(tokenizer.wrapped, "get_added_vocab", dict)()
+        self._special_tags = {t for t in added if t.startswith("<") and t.endswith(">")}
+        auto_reasoning = "qwen3" if "<think>" in template else None
+        name = (auto_reasoning if reasoning_parser is None else
+                _choice(reasoning_parser, REASONING_FORMATS, "reasoning parser", "reasoning_parser"))
+        self.reasoning = REASONING_FORMATS[name] if name is not None else None
+
+    def _renders_tools(self) -> bool:
+        probe = [{"role": "user", "content": "x"}]
+        try:
+            plain = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+            with_tools = self.tokenizer.apply_chat_template(probe, tools=[_PROBE_TOOL], tokenize=False,
+                                                            add_generation_prompt=True)
+        except Exception:  # a template that cannot render this probe is judged by its requests
+            return True
+        return plain != with_tools
+
+    # -- per request ----------------------------------------------------------------------------------
+    def tool_specs(self, options: ChatOptions) -> list[StructuredOutputs]:
+        """The tools' parameter schemas as structured outputs: each must compile (`prepare` compiles them,
+        or the caller did: AsyncLLM awaits them on the grammar workers)."""
+        if not options.uses_tools:
+            return []
+        return [StructuredOutputs("json", json.dumps(dict(tool.parameters)), f"tools[{i}].function.parameters")
+                for i, tool in enumerate(options.tools)]
+
+    def prepare(self, options: ChatOptions, params: SamplingParams, compile: bool = True) -> dict[str, Any]:
+        """Check `options` against this model; the chat template's variables. `compile` False: the tools'
+        schemas were compiled by the caller."""
+        kwargs = dict(options.chat_template_kwargs)
+        if not options.uses_tools:
+            return kwargs
+        if not self.renders_tools:
+            raise InvalidRequestError(
+                "this model's chat template does not render 'tools', so the model would never see them; serve "
+                "it with a chat template that has a tool section, or leave 'tools' out", param="tools")
+        if self.tool_parser is None:
+            raise InvalidRequestError(
+                "no tool-call parser is set for this model's format, so its calls could not be read; start the "
+                f"engine with tool_call_parser (flag --tool-call-parser) set to one of {', '.join(TOOL_PARSERS)}",
+                param="tools")
+        if options.forced and params.grammar is not None:
+            raise InvalidRequestError(
+                f"tool_choice {options.tool_choice!r} makes the output a tool call, which cannot also follow "
+                f"'{params.grammar.param}'; leave one of them out", param="tool_choice")
+        if params.grammar is not None:  # "auto": the format would rule the calls out, silently
+            raise InvalidRequestError(
+                f"'{params.grammar.param}' together with tools (tool_choice 'auto') is not supported: the format "
+                f"would leave the model no way to call a tool; send tool_choice 'none' to answer in the format, "
+                f"or leave '{params.grammar.param}' out", param=params.grammar.param)
+        for spec in self.tool_specs(options) if compile else ():  # each schema compiles (cached by its text)
+            self.grammars.compile(spec)
+        special = self.tokenizer.special_text
+        specs = [dict(t.spec) for t in options.tools]
+        kwargs["tools"] = special.escape_tree(specs) if special is not None else specs
+        return kwargs
+
+    def finish(self, prompt: PromptInputs, options: ChatOptions, params: SamplingParams, compile: bool = True) -> None:
+        """Salt the prompt's image keys and set its output format and grammar (in place). `compile`
+        False: the caller compiles `prompt.grammar` (AsyncLLM, on the grammar workers)."""
+        if options.cache_salt is not None:
+            prompt.cache_salt = options.cache_salt
+            for image in prompt.images:
+                if image.key is not None:
+                    image.key = salted_key(image.key, options.cache_salt)
+        tools = options.uses_tools
+        if self.reasoning is None and not tools:
+            return
+        opened = self.reasoning is not None and (self.reasoning.always_open or self._prompt_opens(prompt))
+        prompt.output_format = OutputFormat(
+            reasoning=self.reasoning, reasoning_open=opened, tool_parser=self.tool_parser if tools else None,
+            tool_names=tuple(t.name for t in options.tools) if tools else (), forced=tools and options.forced,
+            named=options.tool_choice == "function", parallel=options.parallel_tool_calls)
+        grammar = params.grammar
+        if tools and options.forced:
+            grammar = StructuredOutputs("grammar", tool_grammar(
+                [(t.name, t.parameters) for t in options.forced_tools()],
+                options.parallel_tool_calls and options.tool_choice == "required", JSON_WHITESPACE, self._tag),
+                "tool_choice")
+        if grammar is not None and self.reasoning is not None:
+            r = self.reasoning
+            grammar = dataclasses.replace(grammar, prefix=prefix_grammar(opened, "@answer", r.start, r.end, self._tag))
+        if grammar is not None:
+            prompt.grammar = grammar
+            if compile:
+                self.grammars.compile(grammar)  # a bad one fails here, before the request is queued
+
+    def _tag(self, text: str) -> str:
+        """A tag in a Lark grammar: the special token when the tokenizer has it as one, else text."""
+        return text if text in self._special_tags else json.dumps(text)
+
+    def _prompt_opens(self, prompt: PromptInputs) -> bool:
+        tail = self.tokenizer.decode(prompt.token_ids[-_TAIL_TOKENS:], skip_special_tokens=False)
+        return tail.rstrip().endswith(self.reasoning.start)

@@ -1,0 +1,264 @@
+"""Hermes-style tool calls, as the Qwen2.5 and Qwen3(-VL) chat templates ask for them:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+Two readings of a model's text, each in a whole-text form and a streaming one that gives the same
+result however the text is split:
+
+- free (`tool_choice` "auto"): a call counts only once its closing tag has come and its body is a JSON
+  object whose "name" is one of the request's tools and whose "arguments" is an object; anything
+  else (broken JSON, an unknown name) stays content, tags and all; a whole call the output ends with
+  counts without its closing tag (as vLLM reads it), a part of one is text. Arguments the model
+  wrote as a JSON string holding an object are decoded once. So the stream holds a call back until
+  it is complete and sends it in one piece. Whitespace next to a valid call is
+  dropped (the template separates calls with newlines); with `parallel` False only the first valid
+  call is kept. Arguments are re-serialised compactly.
+- forced (`tool_choice` "required" or a named function): the grammar (`hermes_grammar.py`) wrote
+  exactly this format, so the stream sends each name as soon as it is complete and the arguments in
+  fragments as they arrive, the model's own JSON text; an output cut by max_tokens ends in a call
+  with partial arguments, as OpenAI's does. There is no content.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Callable, Collection
+
+from vlm_sdk.outputs import ToolCall, ToolCallDelta
+from vlm_sdk.parsers.types import ParsedDelta, partial_tag
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# what the grammar writes around a forced call's name and arguments
+HEAD, ARGS_PREFIX, TAIL = '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>"
+_HEAD = re.compile(r'\s*' + re.escape(HEAD) + r'([^"]*)(?=")')  # the name; its closing quote begins ARGS_PREFIX
+_SCALAR = frozenset("0123456789+-.eEtruefalsn")
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex}"
+
+
+def _valid_call(body: str, names: Collection[str]) -> tuple[str, str] | None:
+    """(name, arguments JSON) of a free call's body, or None when it is not a call to one of `names`."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    name, args = obj.get("name"), obj.get("arguments")
+    if isinstance(args, str):  # arguments the model serialised itself: decoded once
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(name, str) or name not in names or not isinstance(args, dict):
+        return None
+    return name, json.dumps(args, ensure_ascii=False)
+
+
+# -- free calls ("auto") ----------------------------------------------------------------------------
+def parse(text: str, names: Collection[str], parallel: bool = True,
+          make_id: Callable[[], str] = new_call_id) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a whole output."""
+    pieces: list = []  # text and (name, arguments) in order
+    pos = 0
+    while (i := text.find(OPEN, pos)) >= 0 and (j := text.find(CLOSE, i + len(OPEN))) >= 0:
+        call = _valid_call(text[i + len(OPEN):j], names)
+        pieces += [text[pos:i], call] if call is not None else [text[pos:j + len(CLOSE)]]
+        pos = j + len(CLOSE)
+    last = text.find(OPEN, pos)
+    if last >= 0 and (call := _valid_call(text[last + len(OPEN):], names)) is not None:  # the output ended
+        pieces += [text[pos:last], call]  # after a whole call without its closing tag
+        pos = len(text)
+    pieces.append(text[pos:])
+    content, calls = [], []
+    for k, piece in enumerate(pieces):
+        if isinstance(piece, str):
+            if k + 1 < len(pieces) and not isinstance(pieces[k + 1], str):
+                piece = piece.rstrip()
+            if k > 0 and not isinstance(pieces[k - 1], str):
+                piece = piece.lstrip()
+            content.append(piece)
+        elif parallel or not calls:
+            calls.append(ToolCall(make_id(), *piece))
+    return "".join(content), calls
+
+
+class HermesStream:
+    """The streaming form of `parse`: `feed(text)` and `finish()` -> `ParsedDelta`."""
+
+    def __init__(self, names: Collection[str], parallel: bool = True, make_id: Callable[[], str] = new_call_id):
+        self.names, self.parallel, self.make_id = names, parallel, make_id
+        self._buf = ""  # text not sent yet: in a call, the call from its opening tag on
+        self._in_call = False
+        self._ws = ""  # whitespace before the call being read: dropped if it is valid
+        self._after_call = False  # whitespace right after a valid call is dropped
+        self.num_calls = 0  # calls sent
+
+    def feed(self, text: str) -> ParsedDelta:
+        self._buf += text
+        out = ParsedDelta()
+        while True:
+            if self._in_call:
+                j = self._buf.find(CLOSE, len(OPEN))
+                if j < 0:
+                    return out
+                raw, self._buf, self._in_call = self._buf[:j + len(CLOSE)], self._buf[j + len(CLOSE):], False
+                call = _valid_call(raw[len(OPEN):j], self.names)
+                if call is None:
+                    out.content += self._ws + raw
+                else:
+                    if self.parallel or not self.num_calls:
+                        out.tool_calls.append(ToolCallDelta(self.num_calls, self.make_id(), *call))
+                        self.num_calls += 1
+                    self._after_call = True
+                self._ws = ""
+                continue
+            if self._after_call:
+                self._buf = self._buf.lstrip()
+                if not self._buf:
+                    return out
+                self._after_call = False
+            i = self._buf.find(OPEN)
+            if i < 0:  # hold what may precede a call: trailing whitespace and a part of the tag
+                keep = partial_tag(self._buf, OPEN)
+                body = self._buf[:len(self._buf) - keep]
+                sent = body.rstrip()
+                out.content += sent
+                self._buf = self._buf[len(sent):]
+                return out
+            before = self._buf[:i]
+            out.content += before.rstrip()
+            self._ws, self._buf, self._in_call = before[len(before.rstrip()):], self._buf[i:], True
+
+    def finish(self) -> ParsedDelta:
+        held, self._buf = self._buf, ""
+        if self._in_call:  # never closed: a call if its body is whole, else text
+            call = _valid_call(held[len(OPEN):], self.names)
+            if call is None:
+                return ParsedDelta(content=self._ws + held)
+            self._after_call = True
+            if self.parallel or not self.num_calls:
+                self.num_calls += 1
+                return ParsedDelta(tool_calls=[ToolCallDelta(self.num_calls - 1, self.make_id(), *call)])
+            return ParsedDelta()
+        return ParsedDelta(content="" if self._after_call else held)
+
+
+# -- forced calls ("required", a named function) ------------------------------------------------------
+def parse_forced(text: str, make_id: Callable[[], str] = new_call_id) -> list[ToolCall]:
+    """The calls of an output the tool grammar wrote (possibly cut short), arguments as written."""
+    calls, pos, decoder = [], 0, json.JSONDecoder()
+    while (m := _HEAD.match(text, pos)) is not None:
+        rest = m.end()
+        if not text.startswith(ARGS_PREFIX, rest):  # cut before the arguments
+            calls.append(ToolCall(make_id(), m.group(1), ""))
+            break
+        start = rest + len(ARGS_PREFIX)
+        value = len(text[start:]) - len(text[start:].lstrip()) + start
+        try:
+            _, end = decoder.raw_decode(text, value)
+        except ValueError:  # cut inside the arguments
+            calls.append(ToolCall(make_id(), m.group(1), text[start:]))
+            break
+        calls.append(ToolCall(make_id(), m.group(1), text[start:end]))
+        if not text.startswith(TAIL, end):
+            break
+        pos = end + len(TAIL)
+    return calls
+
+
+class _JsonEnd:
+    """Where one JSON value ends, fed its text in pieces (strings, nesting, bare scalars)."""
+
+    def __init__(self):
+        self.depth, self.in_string, self.escape, self.started, self.scalar = 0, False, False, False, False
+
+    def feed(self, text: str) -> int | None:
+        """The index in `text` just past the value's end, or None while it goes on."""
+        for k, ch in enumerate(text):
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif ch == "\\":
+                    self.escape = True
+                elif ch == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        return k + 1
+            elif not self.started:
+                if ch in " \t\n\r":
+                    continue
+                self.started = True
+                self.in_string = ch == '"'
+                self.depth = 1 if ch in "{[" else 0
+                self.scalar = not self.in_string and not self.depth
+            elif self.scalar:
+                if ch not in _SCALAR:
+                    return k
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return k + 1
+        return None
+
+
+class HermesForcedStream:
+    """The streaming form of `parse_forced`: names as soon as complete, arguments in fragments."""
+
+    _HEAD, _PREFIX, _ARGS, _TAIL, _DONE = range(5)
+
+    def __init__(self, make_id: Callable[[], str] = new_call_id):
+        self.make_id = make_id
+        self._state, self._buf, self._scan = self._HEAD, "", None
+        self.num_calls = 0
+
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        self._buf += text
+        while self._buf:
+            if self._state == self._HEAD:
+                m = _HEAD.match(self._buf)
+                if m is None:
+                    if not HEAD.startswith(self._buf.lstrip()[:len(HEAD)]):
+                        self._state = self._DONE  # not the grammar's text (cannot happen under it)
+                    return out
+                out.tool_calls.append(ToolCallDelta(self.num_calls, self.make_id(), m.group(1)))
+                self._buf, self._state = self._buf[m.end():], self._PREFIX
+            elif self._state in (self._PREFIX, self._TAIL):
+                lit = ARGS_PREFIX if self._state == self._PREFIX else TAIL
+                if len(self._buf) < len(lit):
+                    if not lit.startswith(self._buf):
+                        self._state = self._DONE
+                    return out
+                if not self._buf.startswith(lit):
+                    self._state = self._DONE
+                    return out
+                self._buf = self._buf[len(lit):]
+                if self._state == self._PREFIX:
+                    self._state, self._scan = self._ARGS, _JsonEnd()
+                else:
+                    self._state, self.num_calls = self._HEAD, self.num_calls + 1
+            elif self._state == self._ARGS:
+                end = self._scan.feed(self._buf)
+                piece = self._buf if end is None else self._buf[:end]
+                if piece:
+                    out.tool_calls.append(ToolCallDelta(self.num_calls, arguments=piece))
+                self._buf = "" if end is None else self._buf[end:]
+                if end is not None:
+                    self._state = self._TAIL
+            else:
+                self._buf = ""
+        return out
+
+    def finish(self) -> ParsedDelta:
+        self._buf = ""
+        return ParsedDelta()

@@ -1,0 +1,105 @@
+"""How one request's output text is read: reasoning first, then tool calls in the answer after it.
+
+    text -> reasoning parser (think.py)  -> reasoning
+                                         -> answer -> tool parser (hermes.py) -> content, tool calls
+
+`OutputFormat` is decided when the prompt is built (which parsers, whether the template opened the
+reasoning block, the request's tools and tool_choice); `parse` reads a whole text, `stream()` gives
+an `OutputStream` that reads it in deltas, and the two agree on every split of the text.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from vlm_sdk.outputs import ToolCall
+from vlm_sdk.parsers import hermes, think
+from vlm_sdk.parsers.types import ParsedDelta
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """A reasoning block's tags; `always_open`: the model's output starts inside it whatever the prompt
+    says (DeepSeek-R1's convention), else the prompt decides (the template opened it or not)."""
+    name: str
+    start: str = "<think>"
+    end: str = "</think>"
+    always_open: bool = False
+
+
+# --reasoning-parser values (vLLM's names)
+REASONING_FORMATS = {"qwen3": ReasoningFormat("qwen3"), "deepseek_r1": ReasoningFormat("deepseek_r1", always_open=True)}
+# --tool-call-parser values: each a format with a free and a forced reading and a grammar for the latter
+TOOL_PARSERS = ("hermes",)
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """`reasoning_open`: the output starts inside the reasoning block. `tool_names` empty: no tool
+    parsing. `forced`: the tool grammar wrote the calls (tool_choice "required" or a named function);
+    `named`: a named function was forced, which OpenAI finishes with "stop" rather than "tool_calls"."""
+    reasoning: ReasoningFormat | None = None
+    reasoning_open: bool = False
+    tool_parser: str | None = None
+    tool_names: tuple[str, ...] = ()
+    forced: bool = False
+    named: bool = False
+    parallel: bool = True
+
+    @property
+    def reads_tools(self) -> bool:
+        return self.tool_parser is not None
+
+    def parse(self, text: str, make_id: Callable[[], str] = hermes.new_call_id,
+              ) -> tuple[str | None, str, list[ToolCall]]:
+        """(reasoning or None, content, tool calls) of a whole output."""
+        reasoning = None
+        if self.reasoning is not None:
+            r = self.reasoning
+            reasoning, text = think.split(text, self.reasoning_open, r.start, r.end)
+        if not self.reads_tools:
+            return reasoning, text, []
+        if self.forced:
+            return reasoning, "", hermes.parse_forced(text, make_id)
+        content, calls = hermes.parse(text, self.tool_names, self.parallel, make_id)
+        return reasoning, content, calls
+
+    def stream(self, make_id: Callable[[], str] = hermes.new_call_id) -> "OutputStream":
+        return OutputStream(self, make_id)
+
+
+class OutputStream:
+    """`feed(delta)` -> `ParsedDelta` of what became certain; `finish()` -> the rest. `saw_reasoning`:
+    a reasoning block was open (the whole-text form's reasoning is then a string, else None)."""
+
+    def __init__(self, fmt: OutputFormat, make_id: Callable[[], str]):
+        r = fmt.reasoning
+        self._think = think.ThinkStream(fmt.reasoning_open, r.start, r.end) if r is not None else None
+        self._tools = None
+        if fmt.reads_tools:
+            self._tools = (hermes.HermesForcedStream(make_id) if fmt.forced
+                           else hermes.HermesStream(fmt.tool_names, fmt.parallel, make_id))
+
+    @property
+    def saw_reasoning(self) -> bool:
+        return self._think is not None and self._think.saw_reasoning
+
+    def feed(self, text: str) -> ParsedDelta:
+        reasoning = ""
+        if self._think is not None:
+            reasoning, text = self._think.feed(text)
+        return self._answer(reasoning, text, finish=False)
+
+    def finish(self) -> ParsedDelta:
+        reasoning, text = self._think.finish() if self._think is not None else ("", "")
+        return self._answer(reasoning, text, finish=True)
+
+    def _answer(self, reasoning: str, text: str, finish: bool) -> ParsedDelta:
+        if self._tools is None:
+            return ParsedDelta(reasoning, text)
+        out = ParsedDelta(reasoning)
+        if text:
+            out += self._tools.feed(text)
+        if finish:
+            out += self._tools.finish()
+        return out
