@@ -162,6 +162,15 @@ class Victim:
             [t for t in times if t > t1][:1]
         return [b - a for a, b in zip(points, points[1:])] or [float("inf")]
 
+    def worst_gap_start(self, t0: float, t1: float) -> float:
+        """When the worst gap of [t0, t1] began, in seconds after t0 (where in the row it was)."""
+        times = sorted(self.times)
+        points = [t for t in times if t < t0][-1:] + [t for t in times if t0 <= t <= t1] + \
+            [t for t in times if t > t1][:1]
+        if len(points) < 2:
+            return float("nan")
+        return max(zip(points, points[1:]), key=lambda ab: ab[1] - ab[0])[0] - t0
+
 
 # -- the run --------------------------------------------------------------------------------------
 
@@ -242,7 +251,7 @@ async def red_team(url: str, api_key: str | None, model: str | None, scale: floa
                 after = await _metrics(session, url)
                 gaps = await asyncio.to_thread(victim.gaps, t0, t1)
                 row.update(name=name, requests=len(bodies), seconds=t1 - t0, worst_gap_s=max(gaps),
-                           median_gap_s=statistics.median(gaps),
+                           median_gap_s=statistics.median(gaps), worst_gap_at_s=victim.worst_gap_start(t0, t1),
                            rss_before_bytes=_rss(before), rss_after_bytes=_rss(after),
                            grammar_rss_after_bytes=_grammar_rss(after))
                 results.append(row)
@@ -276,7 +285,7 @@ def print_row(r: dict, file=sys.stdout) -> None:
     codes = ", ".join(f"{k}: {v}" for k, v in sorted(r["statuses"].items(), key=lambda kv: str(kv[0])))
     probe = f"; slowest plain probe {r['slowest_probe_s']:.2f} s" if r["slowest_probe_s"] is not None else ""
     print(f"row {r['name']}: {r['requests']} requests in {r['seconds']:.1f} s -> {codes}; victim's worst gap "
-          f"{r['worst_gap_s']:.3f} s (median {r['median_gap_s']:.3f} s); RSS {r['rss_before_bytes'] / 2**20:.0f} -> {r['rss_after_bytes'] / 2**20:.0f} MiB"
+          f"{r['worst_gap_s']:.3f} s at {r['worst_gap_at_s']:.1f} s (median {r['median_gap_s']:.3f} s); RSS {r['rss_before_bytes'] / 2**20:.0f} -> {r['rss_after_bytes'] / 2**20:.0f} MiB"
           f"{probe}", file=file, flush=True)
 
 

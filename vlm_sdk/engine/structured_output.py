@@ -49,7 +49,6 @@ import torch
 
 from vlm_sdk.config import (DEFAULT_GRAMMAR_CACHE_MEMORY, DEFAULT_GRAMMAR_COMPILE_TIMEOUT, DEFAULT_MAX_GRAMMAR_BYTES,
                             DEFAULT_MAX_GRAMMAR_MEMORY)
-from vlm_sdk.engine.heap import trim_heap
 from vlm_sdk.engine.grammar_process import SERVER_STACK, CheckResult, GrammarProcess, parser_limits
 from vlm_sdk.errors import InvalidRequestError, limit_text
 from vlm_sdk.sampling_params import StructuredOutputs
@@ -203,26 +202,19 @@ class GrammarCompiler:
             with self._lock:  # cached and no longer pending at once: nobody can find neither
                 self.compiles += 1
                 self._pending.pop(spec, None)
-                evicted = self._keep(spec, grammar)
+                self._keep(spec, grammar)
             pending.set_result(grammar)
-            if evicted:
-                del evicted
-                trim_heap()  # the evicted grammars' memory back to the system (held by no request now)
 
-    def _keep(self, spec: StructuredOutputs, grammar: Grammar) -> list[Grammar]:
-        """Under the lock: cache `grammar`, evicting the least recently used beyond `cache_memory`;
-        the evicted (freed by the caller, outside the lock)."""
+    def _keep(self, spec: StructuredOutputs, grammar: Grammar) -> None:
+        """Under the lock: cache `grammar`, evicting the least recently used beyond `cache_memory`."""
         cost = grammar.nbytes + len(spec.text)
         if cost > self.cache_memory:
-            return []  # served to its requests, not kept
+            return  # served to its requests, not kept
         self._cache[spec] = grammar
         self.cache_bytes += cost
-        evicted = []
         while self.cache_bytes > self.cache_memory:
             old_spec, old = self._cache.popitem(last=False)
             self.cache_bytes -= old.nbytes + len(old_spec.text)
-            evicted.append(old)
-        return evicted
 
     def _build(self, spec: StructuredOutputs, proc: GrammarProcess) -> Grammar:
         """Check `spec` in the grammar process, then compile it here with its first mask."""

@@ -70,6 +70,7 @@ class OpenAIServer:
         # large non-streamed bodies are made here, one at a time (server/response_body.py)
         self.body_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlm-body")
         self._trim_handle: asyncio.TimerHandle | None = None
+        self._trim_wanted = False  # a large body was handled since the last trim
 
     @property
     def speller(self) -> TokenSpeller:
@@ -162,20 +163,30 @@ class OpenAIServer:
             return await handler(request)
         finally:
             self.in_flight -= 1
-            if self.in_flight == 0:
-                self._idle.set()
             if (request.content_length or 0) > _LARGE_BYTES:
                 self.trim_soon()
+            if self.in_flight == 0:
+                self._idle.set()
+                self._trim_if_idle()
 
     def trim_soon(self) -> None:
-        """After a large body in or out: once the request is gone (half a second on), the allocator's
-        free memory back to the system, on the body thread (engine/heap.py); one trim for a burst."""
-        if self._trim_handle is not None:
+        """After a large body in or out: the allocator's free memory goes back to the system the next
+        time no request is in flight (engine/heap.py). Never while one is: malloc_trim holds the
+        allocator's lock while it walks the heap (0.1-0.4 s on a large one), and every thread that
+        allocates meanwhile, the engine's among them, waits."""
+        self._trim_wanted = True
+        self._trim_if_idle()
+
+    def _trim_if_idle(self) -> None:
+        if not self._trim_wanted or self.in_flight or self._trim_handle is not None:
             return
         loop = asyncio.get_running_loop()
 
-        def trim() -> None:
+        def trim() -> None:  # half a second on, the request is gone; still idle?
             self._trim_handle = None
+            if self.in_flight:
+                return
+            self._trim_wanted = False
             try:
                 loop.run_in_executor(self.body_thread, trim_heap)
             except RuntimeError:  # shutting down: the body thread takes no more work
