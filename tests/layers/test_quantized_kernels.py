@@ -2,8 +2,9 @@
 against their CPU path (the dequantized weight, F.linear), run here under the Triton interpreter by
 forcing `use_kernels`: every format's fused q | k | v (with its bias), gate | up and row-parallel down,
 on one rank and on each rank of two (their slices of the packed tensors, GPTQ's g_idx made local to the
-rank's scales); block FP8 whose fused parts end in partial blocks (one launch per part); and a GPTQ
-checkpoint whose g_idx contradicts desc_act false refused at load (the kernel reads groups as k // G)."""
+rank's scales); block FP8 whose fused parts end in partial blocks (one launch per part); a GPTQ
+checkpoint whose g_idx contradicts desc_act false refused at load (the kernel reads groups as k // G);
+and on CUDA (-m cuda), the layers picking their kernel by themselves in bfloat16."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ import os
 import pytest
 import torch
 
-from test_quantized_linear import FORMATS, HIDDEN, Block, _checkpoint, _method
+from test_quantized_linear import FORMATS, HIDDEN, Block, _checkpoint
 from tolerance import assert_reduction_close
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.parallel_state import TPGroup
@@ -19,8 +20,8 @@ from vlm_sdk.layers.quantization import quant_scheme
 from vlm_sdk.testing.quantizer import quantization_config, quantize_tensors
 from vlm_sdk.weight_loading import load_checked
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="the kernels on the CPU need TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+INTERPRETER = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the kernels on the CPU need TRITON_INTERPRET=1 (tests/conftest.py sets it)")
 KERNEL_FORMATS = [f for f in FORMATS if f != "compressed-tensors"]  # W8A8 needs CUDA sm_90 (its own test)
 
 
@@ -38,6 +39,7 @@ def _run(block: Block, x: torch.Tensor, kernels: bool):
     return block(x)
 
 
+@INTERPRETER
 @pytest.mark.parametrize("fmt", KERNEL_FORMATS)
 @pytest.mark.parametrize("tp", [TPGroup(), TPGroup(0, 2), TPGroup(1, 2)], ids=["tp1", "rank0of2", "rank1of2"])
 @pytest.mark.parametrize("rows", [3, 24], ids=["decode", "prefill"])
@@ -57,6 +59,7 @@ def test_kernels_equal_the_dequantized_product(fmt, tp, rows):
             assert_reduction_close(g.float(), w.float(), HIDDEN + k, storage=dtype, roundings=2, msg=f"{fmt} {dtype}")
 
 
+@INTERPRETER
 def test_fp8_fused_parts_ending_in_partial_blocks():
     """Blocks of 48 output rows over q (64 rows) and k, v (32 each): each part's scales start a new row
     of blocks, so the fused layer launches once per part."""
@@ -85,3 +88,27 @@ def test_gptq_g_idx_that_contradicts_desc_act_false_is_refused():
     load_checked(block, tensors.items(), block.slots())
     with pytest.raises(CheckpointError, match=r"down.g_idx orders the input rows .* set desc_act true"):
         block.down.check_loaded()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("rows", [1, 40], ids=["decode", "prefill"])
+def test_cuda_layers_pick_their_kernel_by_themselves(fmt, rows):
+    """On CUDA in bfloat16, with `use_kernels` left unset, each format's layers run their kernel (compressed-
+    tensors' W8A8 only on sm_90: elsewhere the dequantized path) and equal the dequantized product."""
+    tensors, _, config = _checkpoint(fmt)
+    block = _load(tensors, config, TPGroup()).to("cuda")
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows)).to("cuda", torch.bfloat16)
+    block.qkv.bias.data = block.qkv.bias.data.to(torch.bfloat16)
+    got = _run(block, x, kernels=None)
+    want = _run(block, x, kernels=False)
+    w8a8 = fmt == "compressed-tensors"
+    runs_kernel = block.qkv.scheme.kernel_matmul(x, block.qkv, None) is not None
+    assert runs_kernel == (not w8a8 or torch.cuda.get_device_capability()[0] == 9)
+    for g, w, k in zip(got, want, (HIDDEN, block.down.in_features)):
+        assert g.dtype == torch.bfloat16
+        if w8a8 and runs_kernel:  # activations rounded to e4m3 per token: ~2**-4 of each value
+            assert (g.float() - w.float()).abs().max() < 0.1 * w.float().abs().max()
+        else:
+            assert_reduction_close(g.float(), w.float(), HIDDEN + k, storage=torch.bfloat16, roundings=2, msg=fmt)
