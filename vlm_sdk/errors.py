@@ -66,6 +66,12 @@ class InvalidImageError(InvalidRequestError):
     """An image that cannot be used: unreadable bytes, unsupported source, too many pixels, bad aspect."""
 
 
+class InvalidVideoError(InvalidImageError):
+    """A video that cannot be used: unreadable or not a video, an unknown codec, too few frames, over a
+    limit (bytes, seconds, sampled frames, pixels to decode), or a bad sampling setting. A media error
+    like an image's (HTTP 400), with its own code."""
+
+
 class InputTooLongError(InvalidRequestError):
     """A prompt that can never fit this engine as configured.
 

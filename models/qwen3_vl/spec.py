@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlm_sdk.models.qwen2_5_vl.spec import Qwen2_5_VLSpec, pixel_settings
+from vlm_sdk.models.qwen2_5_vl.spec import Qwen2_5_VLSpec, pixel_settings, qwen_video_settings
 
 
 class Qwen3VLSpec(Qwen2_5_VLSpec):
     name = "qwen3_vl"
     display_name = "Qwen3-VL"
     engine_settings = image_settings = pixel_settings(32)  # an image part's own bounds win over the engine's
+    video_settings = qwen_video_settings(32)
 
     @property
     def model_cls(self) -> type:
