@@ -56,6 +56,8 @@ def pixels_to_device(images: list[ImageInput], temporal_patch_size: int, device:
     (`multimodal.pixels.images_to_device`). Consecutive items of one kind go up together."""
     if all(im.data.dtype != torch.uint8 for im in images):
         return images_to_device([im.data for im in images], [None] * len(images), device, dtype)
+    if any(im.data.dtype != torch.uint8 for im in images):
+        raise ValueError("images mix byte and float pixels")
     out, start = [], 0
     while start < len(images):
         frames = _frames(images[start])
@@ -63,8 +65,7 @@ def pixels_to_device(images: list[ImageInput], temporal_patch_size: int, device:
         while end < len(images) and _frames(images[end]) == frames:
             end += 1
         run = images[start:end]
-        data = [im.data.view(im.data.shape[0], 3, frames, -1) if im.data.dtype == torch.uint8 else im.data
-                for im in run]  # bytes [n, 3, frames, p*p]
+        data = [im.data.view(im.data.shape[0], 3, frames, -1) for im in run]  # bytes [n, 3, frames, p*p]
         pixels = images_to_device(data, [im.meta.pixel_lut for im in run], device, dtype)  # [n, 3, frames, p*p]
         # a still image: every temporal slot holds the same frame
         out.append(pixels.expand(-1, -1, temporal_patch_size, -1).reshape(pixels.shape[0], -1)
@@ -74,8 +75,7 @@ def pixels_to_device(images: list[ImageInput], temporal_patch_size: int, device:
 
 
 def _frames(image: ImageInput) -> int:
-    """Frames in an item's uint8 data (float data: all of them, counted as a video's)."""
-    return image.meta.frames if image.data.dtype == torch.uint8 else -1
+    return image.meta.frames
 
 
 class Qwen2VLImageProcessor:

@@ -2,8 +2,11 @@
 
 Images are decoded and preprocessed, the chat template renders one `<|image_pad|>` per image, and
 each is expanded to the image's token count (grid_t*grid_h*grid_w / merge^2), so the prompt's
-length is final before scheduling. M-RoPE positions are computed here, once per request
-(`PromptInputs.positions` is an `MRopePositions`, read by the model's `positions()`).
+length is final before scheduling. A video (video_processor.py) is sampled and decoded the same way,
+its `<|video_pad|>` expanded to its temporal patches' tokens back to back, one item per patch
+(`expand_video`: Qwen3-VL puts a timestamp before each). M-RoPE positions are computed here, once per
+request (`PromptInputs.positions` is an `MRopePositions`, read by the model's `positions()`); a video's
+patches sit tokens_per_second * 2 / sample_fps apart in time, as transformers' `get_rope_index` puts them.
 """
 from __future__ import annotations
 
@@ -15,12 +18,14 @@ import torch
 from vlm_sdk.errors import InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.image_key import image_key
-from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders
-from vlm_sdk.multimodal.messages import ImageRef, parse_messages
+from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
+from vlm_sdk.multimodal.messages import ImageRef, VideoRef, parse_messages
+from vlm_sdk.multimodal.video_io import open_video
 from vlm_sdk.models.base import PromptProcessor
 from vlm_sdk.models.qwen2_5_vl.fixes import max_pixels_fix
 from vlm_sdk.models.qwen2_5_vl.image_processor import QwenImage, Qwen2VLImageProcessor, max_image_grid
-from vlm_sdk.models.qwen2_5_vl.rope_index import MRopePositions, mrope_positions
+from vlm_sdk.models.qwen2_5_vl.rope_index import MRopePositions, VisionSpan, video_time_offsets, vision_positions
+from vlm_sdk.models.qwen2_5_vl.video_processor import QwenVideo, QwenVideoProcessor
 
 
 class Qwen2_5_VLProcessor(PromptProcessor):
@@ -38,7 +43,11 @@ class Qwen2_5_VLProcessor(PromptProcessor):
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.image_token_id = hf_config.image_token_id
+        self.video_token_id = getattr(hf_config, "video_token_id", None)
         self.merge_size = hf_config.vision_config.spatial_merge_size
+        self.video_processor = QwenVideoProcessor(image_processor)
+        # Qwen2.5-VL's time axis: position units per second of video (Qwen3-VL writes timestamps instead)
+        self.tokens_per_second = getattr(hf_config.vision_config, "tokens_per_second", None) or 2
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
         self.max_image_pixels = max_image_pixels
@@ -75,8 +84,31 @@ class Qwen2_5_VLProcessor(PromptProcessor):
 
     def __call__(self, messages, template_kwargs: Mapping[str, Any] | None = None) -> PromptInputs:
         template_messages, refs = parse_messages(messages)
-        images = [self._image(i, ref) for i, ref in enumerate(refs)]
-        return self.build(template_messages, images, template_kwargs)
+        media, counts = [], {ImageRef: 0, VideoRef: 0}  # images and videos are numbered apart, as the template does
+        for ref in refs:
+            index = counts[type(ref)]
+            counts[type(ref)] += 1
+            media.append(self._image(index, ref) if isinstance(ref, ImageRef) else self._video(index, ref))
+        return self.build(template_messages, media, template_kwargs)
+
+    def _video(self, index: int, ref: VideoRef) -> QwenVideo:
+        if self.video_token_id is None:
+            raise InvalidRequestError("this checkpoint's config.json has no video_token_id: it takes no video")
+        options = self.family.video_options(ref.options, f"video {index}: ")
+        video = open_video(ref.source, max_image_pixels=self.max_image_pixels)
+        return self.video_processor(video, options, self.place_patches)
+
+    def place_patches(self, num_patches: int, sampling) -> list[tuple[int, bool]]:
+        """Each temporal patch's (temporal offset, ends its run): one run per video, its patches
+        tokens_per_second * 2 / sample_fps apart in time."""
+        offsets = video_time_offsets(num_patches, sampling.sample_fps, self.video_processor.temporal_patch_size,
+                                     self.tokens_per_second)
+        return [(offset, k == num_patches - 1) for k, offset in enumerate(offsets)]
+
+    def expand_video(self, video: QwenVideo) -> list[tuple[list[int], ImageInput, list[int]]]:
+        """(tokens before, patch, tokens after) for each temporal patch: Qwen2.5-VL's patches follow each
+        other with nothing between."""
+        return [([], patch, []) for patch in video.patches]
 
     def _bound(self, own: int | None, engine: int | None, default: int) -> tuple[int, str]:
         """The value in effect for one image, and where it came from."""
@@ -140,15 +172,41 @@ class Qwen2_5_VLProcessor(PromptProcessor):
             f"max_pixels={max_px} ({max_src}) it would become {tokens} image tokens, more than the "
             f"{limit} one image may take (max_model_len); refused before resizing because of its {name}. {fix}")
 
-    def build(self, template_messages: list[dict], images: list[ImageInput],
+    def build(self, template_messages: list[dict], media: list[ImageInput | QwenVideo],
               template_kwargs: Mapping[str, Any] | None = None) -> PromptInputs:
+        """The rendered prompt with each `<|image_pad|>` / `<|video_pad|>` expanded to its item's tokens;
+        `media`: the images and videos in prompt order."""
         text = self.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True,
                                                   **(template_kwargs or {}))
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        token_ids, positions = expand_image_placeholders(ids, images, self.image_token_id, "<|image_pad|>")
-        mrope, delta = mrope_positions(token_ids, [im.meta.grid_thw for im in images], self.image_token_id,
-                                       self.merge_size)  # [3, len(token_ids)]
-        return PromptInputs(token_ids=token_ids, images=images, image_positions=positions,
+        token_ids, items, starts = [], [], []
+        images = iter(m for m in media if isinstance(m, ImageInput))
+        videos = iter(m for m in media if isinstance(m, QwenVideo))
+        for tok in ids:
+            if tok == self.image_token_id:
+                placed = [([], _next(images, "image", "<|image_pad|>"), [])]
+            elif tok == self.video_token_id:
+                placed = self.expand_video(_next(videos, "video", "<|video_pad|>"))
+            else:
+                token_ids.append(tok)
+                continue
+            for before, item, after in placed:
+                token_ids.extend(before)
+                starts.append(len(token_ids))
+                token_ids.extend([tok] * item.num_tokens)
+                token_ids.extend(after)
+                items.append(item)
+        rendered = len(starts)
+        expected = sum(1 if isinstance(m, ImageInput) else len(m.patches) for m in media)
+        if rendered != expected:
+            raise InvalidRequestError(f"the chat template rendered placeholders for {rendered} vision items where the "
+                                      f"{len(media)} images and videos need {expected}; the model's chat template must "
+                                      f"render every image and video part")
+        m = self.merge_size
+        spans = [VisionSpan(start, (im.meta.grid_thw[0], im.meta.grid_thw[1] // m, im.meta.grid_thw[2] // m), im.meta.t_offset,
+                            im.meta.ends_run) for start, im in zip(starts, items)]
+        mrope, delta = vision_positions(len(token_ids), spans)  # [3, len(token_ids)]
+        return PromptInputs(token_ids=token_ids, images=items, image_positions=starts,
                             positions=MRopePositions(mrope, delta))
 
     def image_tokens_with_max_pixels(self, prompt: PromptInputs, max_pixels: int) -> list[int]:
@@ -157,13 +215,21 @@ class Qwen2_5_VLProcessor(PromptProcessor):
         not exceed `max_pixels`)."""
         counts = []
         for image in prompt.images:
-            if image.meta.own_max_pixels or image.source_size is None:
+            if image.meta.own_max_pixels or image.source_size is None or image.meta.frames > 1:
                 counts.append(image.num_tokens)
                 continue
             h, w = image.source_size
             min_px = image.meta.own_min_pixels if image.meta.own_min_pixels is not None else self.min_pixels
             counts.append(self.image_processor.num_image_tokens(h, w, min_pixels=min_px, max_pixels=max_pixels))
         return counts
+
+
+def _next(it, kind: str, placeholder: str):
+    item = next(it, None)
+    if item is None:
+        raise InvalidRequestError(f"the prompt text contains more {kind} placeholders than {kind}s were given; "
+                                  f"do not write {placeholder} in text parts")
+    return item
 
 
 def _largest(fits, top: int) -> int | None:

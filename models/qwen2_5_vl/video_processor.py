@@ -17,7 +17,7 @@ equal embeddings and positions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -77,9 +77,9 @@ class QwenVideoProcessor:
         return out
 
     def __call__(self, video: OpenedVideo, options: Mapping[str, Any],
-                 time_offsets=None) -> QwenVideo:
-        """The video's patches. `time_offsets(num_patches, sampling)` -> each patch's temporal offset in
-        the positions (Qwen2.5-VL's tokens_per_second scaling; None: 0 for every patch, Qwen3-VL's)."""
+                 placement: Callable[[int, VideoSampling], list[tuple[int, bool]]]) -> QwenVideo:
+        """The video's patches. `placement(num_patches, sampling)` -> each patch's (temporal offset, ends
+        its run) in the positions (rope_index.VisionSpan): the family's."""
         sampling = self.sample(video, options)
         frames = self.frames(video, sampling)
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
@@ -89,13 +89,11 @@ class QwenVideoProcessor:
         # per patch: rows (gh/m, gw/m, m, m), each (channel, frame, p, p), as transformers' patchify
         groups = groups.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)  # [G, gh/m, gw/m, m, m, 3, T, p, p]
         num = groups.shape[0]
-        offsets = time_offsets(num, sampling) if time_offsets is not None else [0] * num
         patches = []
-        for k in range(num):
+        for k, (offset, ends_run) in enumerate(placement(num, sampling)):
             data = torch.from_numpy(np.ascontiguousarray(groups[k]).reshape(gh * gw, 3 * t * p * p))  # uint8
-            last = k == num - 1
-            meta = QwenImage((1, gh, gw), frames=t, pixel_lut=self.pixel_lut, t_offset=offsets[k], ends_run=last)
-            key = pixels_key(data, grid=(1, gh, gw), t_offset=offsets[k], ends_run=last)
+            meta = QwenImage((1, gh, gw), frames=t, pixel_lut=self.pixel_lut, t_offset=offset, ends_run=ends_run)
+            key = pixels_key(data, grid=(1, gh, gw), t_offset=offset, ends_run=ends_run)
             patches.append(ImageInput(data, gh * gw // (m * m), meta, source_size=(video.info.height, video.info.width),
                                       key=key))
         return QwenVideo(patches, sampling, (gh // m, gw // m))
