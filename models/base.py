@@ -181,6 +181,12 @@ class PromptProcessor(ABC):
         image placeholder to the image's tokens (typed errors for bad input)."""
 
     @abstractmethod
+    def text_prompt(self, token_ids: list[int]) -> PromptInputs:
+        """The prompt of these token ids as they are (a raw text's or a token-id prompt's, already
+        checked against the vocabulary): no chat template, no images, the family's positions for
+        plain text. The image placeholder token is refused (`multimodal.inputs.refuse_placeholders`)."""
+
+    @abstractmethod
     def largest_image(self) -> ImageInput:
         """Zero pixels of the largest image the engine's image settings allow: the CUDA memory profile
         runs it through `encode_images`, and its `size` caps one vision-tower call."""

@@ -14,6 +14,7 @@ from typing import Any
 
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.kernels.rotary_torch import check_mrope_section
+from vlm_sdk.layers.quantization import QuantScheme
 
 
 # The LLM families this decoder serves; they differ in which projections carry a bias and Qwen3's q/k norm.
@@ -64,13 +65,19 @@ class LlamaDecoderConfig:
     o_proj_bias: bool = False  # Qwen2 never; Qwen3 / Llama `attention_bias` and InternLM2 `bias` cover o_proj too
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of each q and k head before RoPE
     mrope_interleaved: bool = False  # Qwen3-VL's frequency layout (kernels/rotary_torch.py); M-RoPE only
+    # the checkpoint's quantized Linear format (config.json quantization_config; None: float weights) and
+    # the published name prefix of the decoder's modules ("model."), which its modules_to_not_convert name
+    quantization: QuantScheme | None = None
+    quant_prefix: str = ""
 
     @classmethod
     def from_hf(cls, text_config: Any, tie_word_embeddings: bool, mrope: bool,
-                family: str | None = None) -> "LlamaDecoderConfig":
+                family: str | None = None, quantization: QuantScheme | None = None,
+                quant_prefix: str = "") -> "LlamaDecoderConfig":
         """From a transformers text config, or a generic `PretrainedConfig` of a remote-code LLM
         (v5 `rope_parameters`, or the flat `rope_scaling`/`rope_theta`). `family` (one of
-        `LLM_FAMILIES`) overrides what `llm_family` reads from the config.
+        `LLM_FAMILIES`) overrides what `llm_family` reads from the config; `quantization`: the
+        checkpoint's format (`vlm_sdk.layers.quantization.quant_scheme` of the whole config).
         Raises `CheckpointError` for an LLM or RoPE variant this decoder does not implement."""
         family = family or llm_family(text_config)
         if family not in LLM_FAMILIES:
@@ -109,7 +116,8 @@ class LlamaDecoderConfig:
                    num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                    rms_norm_eps=text_config.rms_norm_eps, rope_theta=float(theta), mrope_section=section,
                    tie_word_embeddings=tie_word_embeddings, attention_bias=qkv_bias, o_proj_bias=o_bias,
-                   qk_norm=family == "qwen3", mrope_interleaved=interleaved)
+                   qk_norm=family == "qwen3", mrope_interleaved=interleaved, quantization=quantization,
+                   quant_prefix=quant_prefix)
 
 
 def _mrope_layout(rope: dict, family: str, head_dim: int) -> tuple[tuple[int, ...], bool]:

@@ -33,6 +33,7 @@ from vlm_sdk.layers.linear import MergedColumnParallelLinear, QKVParallelLinear,
 from vlm_sdk.layers.norm import RMSNorm
 from vlm_sdk.layers.ops import KernelOps, TorchOps
 from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.quantized_linear import linear_layer
 from vlm_sdk.layers.rotary import MRotaryEmbedding, RotaryInputs
 from vlm_sdk.weight_loading import ParamSlot
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
@@ -40,22 +41,27 @@ from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaDecoderConfig, dtype: torch.dtype, device: torch.device | str, ops: KernelOps,
-                 tp: TPGroup):
+                 tp: TPGroup, index: int = 0):
         super().__init__()
         self.ops = ops
         hidden, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        # a quantized checkpoint's layer kinds (the float ones where it keeps a module unquantized)
+        q, name = cfg.quantization, f"{cfg.quant_prefix}layers.{index}."
+        qkv_cls = linear_layer(QKVParallelLinear, q, f"{name}self_attn.q_proj")
+        o_cls = linear_layer(RowParallelLinear, q, f"{name}self_attn.o_proj")
+        gate_up_cls = linear_layer(MergedColumnParallelLinear, q, f"{name}mlp.gate_proj")
+        down_cls = linear_layer(RowParallelLinear, q, f"{name}mlp.down_proj")
         self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, device)
-        self.qkv_proj = QKVParallelLinear(hidden, d, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, dtype,
-                                          device, tp)
+        self.qkv_proj = qkv_cls(hidden, d, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, dtype, device, tp)
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5, ops.attention)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, hidden, cfg.o_proj_bias, dtype, device, tp)
+        self.o_proj = o_cls(cfg.num_heads * d, hidden, cfg.o_proj_bias, dtype, device, tp)
         # per head, so replicated under tensor parallelism and applied with no collective
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, device)
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], False, dtype, device, tp)
-        self.down_proj = RowParallelLinear(inter, hidden, False, dtype, device, tp)
+        self.gate_up_proj = gate_up_cls(hidden, [inter, inter], False, dtype, device, tp)
+        self.down_proj = down_cls(inter, hidden, False, dtype, device, tp)
 
     def forward(self, x: torch.Tensor,  # [N, hidden]: the previous layer's output
                 residual: torch.Tensor | None,  # [N, hidden]: the residual stream before it; None for layer 0
@@ -102,8 +108,8 @@ class LlamaDecoder(nn.Module):
         self.cfg, self.tp = cfg, tp
         self.ops = ops or TorchOps()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device, self.ops, tp)
-                                    for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device, self.ops, tp, i)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, device,
                                        interleaved=cfg.mrope_interleaved)

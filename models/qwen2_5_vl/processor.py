@@ -18,7 +18,7 @@ import torch
 from vlm_sdk.errors import InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.image_key import image_key
-from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
+from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, refuse_placeholders
 from vlm_sdk.multimodal.messages import ImageRef, VideoRef, parse_messages
 from vlm_sdk.multimodal.video_io import open_video
 from vlm_sdk.models.base import PromptProcessor
@@ -208,6 +208,14 @@ class Qwen2_5_VLProcessor(PromptProcessor):
         mrope, delta = vision_positions(len(token_ids), spans)  # [3, len(token_ids)]
         return PromptInputs(token_ids=token_ids, images=items, image_positions=starts,
                             positions=MRopePositions(mrope, delta))
+
+    def text_prompt(self, token_ids: list[int]) -> PromptInputs:
+        """Text positions on all three M-RoPE axes (rope_delta 0), as `build` gives a prompt without images."""
+        refuse_placeholders(token_ids, self.image_token_id, "<|image_pad|>")
+        if self.video_token_id is not None:
+            refuse_placeholders(token_ids, self.video_token_id, "<|video_pad|>")
+        mrope, delta = vision_positions(len(token_ids), [])  # [3, len(token_ids)]
+        return PromptInputs(token_ids=list(token_ids), positions=MRopePositions(mrope, delta))
 
     def image_tokens_with_max_pixels(self, prompt: PromptInputs, max_pixels: int) -> list[int]:
         """Each image's token count if the engine's max_pixels were `max_pixels` (images whose part

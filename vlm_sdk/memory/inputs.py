@@ -39,7 +39,9 @@ class MemoryInputs:
     vocab_size: int
     position_rows: int
     max_position_embeddings: int
-    weights: WeightBytes  # this rank's parameter bytes by part
+    weights: WeightBytes  # this rank's parameter bytes by part (packed tensors, scales and zeros of a
+    # quantized checkpoint as they are held: they are the model's parameters)
+    weight_format: str  # the LLM's Linear weights: "float", or the checkpoint's quantized format
     # the vision tower and the largest image the settings allow
     vision_hidden: int
     vision_intermediate: int
@@ -74,4 +76,9 @@ def memory_inputs(family: FamilySpec, info, args: EngineArgs, model, dtype: torc
         hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_heads=c.num_heads,
         num_kv_heads_total=c.num_kv_heads, vocab_size=c.vocab_size, position_rows=model.position_rows,
         max_position_embeddings=int(family.text_config(info.hf_config).max_position_embeddings),
-        weights=weight_bytes(model), vision_hidden=vision_hidden, vision_intermediate=vision_inter, image=image)
+        weights=weight_bytes(model), weight_format=_weight_format(c), vision_hidden=vision_hidden, vision_intermediate=vision_inter, image=image)
+
+
+def _weight_format(decoder_config) -> str:
+    scheme = getattr(decoder_config, "quantization", None)
+    return "float" if scheme is None else f"{scheme.description} (the vision tower, embeddings and LM head float)"

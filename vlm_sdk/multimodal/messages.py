@@ -1,12 +1,18 @@
 """OpenAI-style chat messages: validate them and separate the images and videos from the text.
 
 Content is a string or a list of parts: `{"type": "text", "text"}`, `{"type": "image", "image": src}`
-or `{"type": "image_url", "image_url": {"url": src}}` (`image_url` may also be a bare string), and
-likewise `{"type": "video", "video": src}` or `{"type": "video_url", "video_url": {"url": src}}` (vLLM's
-part; src may also be a list of frames). Any other key of an image or video part, on the part or inside
-its url object, is an option for that item alone (`ImageRef.options` / `VideoRef.options`, e.g. a size
-bound or qwen-vl-utils' `fps`): the model family checks them against its image or video settings.
-OpenAI's `detail` is ignored.
+or `{"type": "image_url", "image_url": {"url": src}}` (an object, as OpenAI's schema requires: a bare
+string is refused, as vLLM refuses it), and likewise `{"type": "video", "video": src}` or
+`{"type": "video_url", "video_url": {"url": src}}` (vLLM's part; src may also be a list of frames). Any
+other key of an image or video part, on the part or inside its url object, is an option for that item
+alone (`ImageRef.options` / `VideoRef.options`, e.g. a size bound or qwen-vl-utils' `fps`): the model
+family reads its image or video settings from them (an image part's keys that no family declares are
+ignored). OpenAI's `detail` is ignored.
+
+Roles are OpenAI's: `developer` (OpenAI's name for system instructions since its o1 models) is given to
+the chat template as `system`, the only instruction role the served families' templates know. An
+assistant message's `content` may be null or left out (the openai types allow it), which is an empty
+turn.
 
 Tool turns (OpenAI's shape): an assistant message may carry `tool_calls` ([{"id", "type": "function",
 "function": {"name", "arguments"}}], its content then optional) and `reasoning_content`; a `tool`
@@ -23,7 +29,9 @@ from typing import Any, Callable, Mapping
 
 from vlm_sdk.errors import InvalidRequestError
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "user", "assistant", "tool", "developer")
+# what each role is called in the chat template (see the module docstring)
+_TEMPLATE_ROLE = {"developer": "system"}
 
 
 @dataclass(frozen=True)
@@ -47,17 +55,19 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | VideoRef]
     out, images = [], []
     call_ids: set = set()  # the calls of the assistant message just before, which tool messages answer
     for i, msg in enumerate(messages):
-        calls = msg.get("tool_calls") if isinstance(msg, dict) and msg.get("role") == "assistant" else None
-        if not isinstance(msg, dict) or "role" not in msg or ("content" not in msg and not calls):
+        assistant = isinstance(msg, dict) and msg.get("role") == "assistant"
+        calls = msg.get("tool_calls") if assistant else None
+        if not isinstance(msg, dict) or "role" not in msg or ("content" not in msg and not assistant):
             raise InvalidRequestError(f"message {i} must be a dict with 'role' and 'content', got {_short(msg)}")
         role = msg["role"]
         if role not in ROLES:
-            raise InvalidRequestError(f"message {i} has role {role!r}; supported roles are {list(ROLES)}")
+            raise InvalidRequestError(f"message {i} has role {_short(role)}; supported roles are {list(ROLES)}")
+        role = _TEMPLATE_ROLE.get(role, role)
         content = msg.get("content")
-        if content is None and calls:
+        if content is None and assistant:  # null or left out: an empty turn (the openai types allow it)
             content = ""
         if isinstance(content, str):
-            _check_text(content, f"message {i}")
+            check_text(content, f"message {i}")
             parsed = {"role": role, "content": content}
         elif isinstance(content, (list, tuple)):
             parsed = {"role": role, "content": [_parse_part(part, f"message {i} part {j}", images)
@@ -132,7 +142,7 @@ def _parse_part(part: Any, where: str, media: list[ImageRef | VideoRef]) -> dict
         text = part.get("text")
         if not isinstance(text, str):
             raise InvalidRequestError(f"{where}: a text part needs a string 'text', got {_short(text)}")
-        _check_text(text, where)
+        check_text(text, where)
         return {"type": "text", "text": text}
     if kind in _MEDIA:
         base = _MEDIA[kind]
@@ -140,7 +150,11 @@ def _parse_part(part: Any, where: str, media: list[ImageRef | VideoRef]) -> dict
             source = part.get(base)
         else:
             url = part.get(kind)
-            source = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, dict):
+                raise InvalidRequestError(f"{where}: an {kind} part's '{kind}' must be an object "
+                                          f"{{\"url\": ...}} (OpenAI's schema), got {_short(url)}; write "
+                                          f"{{\"type\": \"{kind}\", \"{kind}\": {{\"url\": ...}}}}")
+            source = url.get("url")
         if source is None:
             raise InvalidRequestError(f"{where}: an {kind} part needs {f'a {base}' if kind == base else f'{kind}.url'}")
         ref = ImageRef if base == "image" else VideoRef
@@ -149,7 +163,7 @@ def _parse_part(part: Any, where: str, media: list[ImageRef | VideoRef]) -> dict
     raise InvalidRequestError(f"{where} has type {kind!r}; supported: 'text', {', '.join(map(repr, _MEDIA))}")
 
 
-def _check_text(text: str, where: str) -> None:
+def check_text(text: str, where: str) -> None:
     """Text must be encodable as UTF-8: a lone surrogate (half of a pair, e.g. from a JSON "\\ud800")
     would fail deep inside the template or the tokenizer."""
     if text.isascii():
@@ -211,8 +225,6 @@ def _map_part(part: Any, text, media: dict) -> Any:
     url = part.get(kind)
     if isinstance(url, dict) and url.get("url") is not None:
         return {**part, kind: {**url, "url": fn(url["url"])}}
-    if url is not None and not isinstance(url, dict):
-        return {**part, kind: fn(url)}
     return part
 
 

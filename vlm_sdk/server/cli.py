@@ -106,6 +106,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="characters per stop string (default 256)")
     p.add_argument("--max-n", type=_positive, default=d.max_n,
                    help="choices ('n') per request, each a sequence in the batch (default 8)")
+    p.add_argument("--max-completion-prompts", type=_positive, default=d.max_completion_prompts,
+                   help="prompts in one /v1/completions request (a list of prompts), each completed 'n' "
+                        "times (default 64)")
     p.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
                    help="seconds a connection may stay open without a complete request head, idle or "
                         "sending its headers slowly")
@@ -158,7 +161,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           keep_alive_timeout=args.keep_alive_timeout, body_timeout=args.body_timeout,
                           max_connections=args.max_connections,
                           max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
-                          max_n=args.max_n)
+                          max_n=args.max_n, max_completion_prompts=args.max_completion_prompts)
 
     return serve(model, config, **engine_kwargs(args))
 
