@@ -200,7 +200,7 @@ def _checked(family: FamilySpec, options: Mapping[str, Any], schema: tuple[Setti
                 continue
             accepted = ", ".join(by_name) or "none"
             raise InvalidRequestError(
-                f"{where}{name}{'' if where else f'={value!r}'} is not an {kind} of {family.display_name} (this "
+                f"{where}{name}{'' if where else f'={value!r}'} is not {'an' if kind[0] in 'aeiou' else 'a'} {kind} of {family.display_name} (this "
                 f"checkpoint's family, {family.name}){_owner(name, family.name)}; {family.display_name} "
                 f"{kind}s: {accepted}", param=name)
         out[name] = by_name[name].check(value, where)
