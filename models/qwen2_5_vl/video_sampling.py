@@ -123,6 +123,11 @@ def frame_size(nframes: int, height: int, width: int, options: Mapping[str, Any]
     total_pixels = options.get("total_pixels", MODEL_SEQ_LEN * factor * factor * 0.9)
     max_pixels = max(min(VIDEO_MAX_TOKEN_NUM * factor * factor, total_pixels / nframes * FRAME_FACTOR),
                      int(min_pixels * 1.05))
+    if options.get("max_pixels", max_pixels) < min_pixels:
+        origin = "set on the video part" if "min_pixels" in options else \
+            f"the default, {VIDEO_MIN_TOKEN_NUM} tokens' pixels"
+        raise InvalidVideoError(f"the video part's max_pixels ({options['max_pixels']}) is below min_pixels "
+                                f"({min_pixels}, {origin}); set min_pixels <= max_pixels", param="max_pixels")
     max_pixels = min(options.get("max_pixels", max_pixels), max_pixels)
     return smart_resize(height, width, factor, min_pixels, max_pixels)
 

@@ -170,12 +170,12 @@ class OpenAIServer:
         body = await self.admit(request)
         req = protocol.parse_chat_request(body, self.model_name, self.max_model_len, self.config.limit_images,
                                           self.config.max_stop_strings, self.config.max_stop_chars,
-                                          self.config.max_n)
+                                          self.config.max_n, self.config.limit_videos)
         messages = await self.media.resolve_messages(req.messages)
         prompt = await self.engine.build_prompt(messages, req.params, req.options)
         protocol.check_output_room(len(prompt.token_ids), req.params.max_tokens, self.max_model_len,
                                    req.max_tokens_param)
-        if req.num_images:
+        if req.num_images or req.num_videos:
             self.metrics.image_preprocess.observe(prompt.preprocess_seconds)
         gen = self.engine.generate(prompt, req.params)
         try:

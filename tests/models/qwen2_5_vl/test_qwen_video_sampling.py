@@ -106,8 +106,12 @@ def test_setting_errors_are_named(video_files):
     with pytest.raises(InvalidVideoError, match=r"has 48 frames at 24 fps; with nframes=60 it would sample 60: ask "
                                                 r"for 2 to 48 frames"):
         _ours(path, 14, {"nframes": 60})
-    with pytest.raises(InvalidVideoError, match=r"max_pixels \(784\) is below min_pixels \(3136\)"):
+    with pytest.raises(InvalidVideoError, match=r"max_pixels \(784\) is below min_pixels \(3136, set on the video "
+                                                r"part\)"):
         _ours(path, 14, {"min_pixels": 3136, "max_pixels": 784})
+    with pytest.raises(InvalidVideoError, match=r"max_pixels \(784\) is below min_pixels \(100352, the default, "
+                                                r"128 tokens' pixels\); set min_pixels <= max_pixels"):
+        _ours(path, 14, {"max_pixels": 784})
 
 
 def test_a_list_of_frames_equals_qwen_vl_utils(tmp_path):
