@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,6 +43,8 @@ class QwenImage:
     frames: int = 1
     t_offset: int = 0  # a video patch's temporal position relative to its video's start (rope_index.VisionSpan)
     ends_run: bool = True  # False for a video's patches but the last: text resumes after the whole video
+    # a video's patches: what sized them (video_fixes.VideoSource), one object per video; None: an image
+    video: Any = field(default=None, compare=False, repr=False)
     # [3, 256] float32: the normalised value of each (channel, byte) when `data` is uint8 (`pixels_to_device`);
     # the processor's one table, shared by its images
     pixel_lut: torch.Tensor | None = field(default=None, compare=False, repr=False)

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import torch
 
-from vlm_sdk.errors import InvalidImageError, InvalidRequestError
+from vlm_sdk.errors import InvalidImageError, InvalidRequestError, InvalidVideoError
 from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.image_key import image_key
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, refuse_placeholders
@@ -25,6 +25,7 @@ from vlm_sdk.models.base import PromptProcessor
 from vlm_sdk.models.qwen2_5_vl.fixes import max_pixels_fix
 from vlm_sdk.models.qwen2_5_vl.image_processor import QwenImage, Qwen2VLImageProcessor, max_image_grid
 from vlm_sdk.models.qwen2_5_vl.rope_index import MRopePositions, VisionSpan, video_time_offsets, vision_positions
+from vlm_sdk.models.qwen2_5_vl.video_fixes import video_fixes
 from vlm_sdk.models.qwen2_5_vl.video_processor import QwenVideo, QwenVideoProcessor
 
 
@@ -65,14 +66,17 @@ class Qwen2_5_VLProcessor(PromptProcessor):
         return self.max_pixels or self.image_processor.max_pixels
 
     def largest_image(self) -> ImageInput:
-        """Zero pixels of the largest image the engine's max_pixels allows, for the memory profile
-        and the vision tower's per-call patch cap: bytes, as the processor hands out (so the profile
-        runs the device-side normalisation too)."""
+        """Zero pixels of the largest vision item: the largest image the engine's max_pixels allows, or a
+        video's largest temporal patch when that is larger, for the memory profile and the vision
+        tower's per-call patch cap: bytes, as the processor hands out (so the profile runs the
+        device-side normalisation too)."""
         ip = self.image_processor
         t, h, w = max_image_grid(ip, self.engine_max_pixels)
-        return ImageInput(torch.zeros(t * h * w, 3 * ip.patch_size ** 2, dtype=torch.uint8),
-                          t * h * w // ip.merge_size ** 2,
-                          QwenImage((t, h, w), pixel_lut=ip.pixel_lut))  # data [patches, 3*p*p] uint8
+        image = ImageInput(torch.zeros(t * h * w, 3 * ip.patch_size ** 2, dtype=torch.uint8),
+                           t * h * w // ip.merge_size ** 2,
+                           QwenImage((t, h, w), pixel_lut=ip.pixel_lut))  # data [patches, 3*p*p] uint8
+        patch = self.video_processor.largest_patch()
+        return patch if patch.size > image.size else image
 
     def image_setting_fixes(self, prompt: PromptInputs, capacity: int) -> dict[str, int]:
         """{"max_pixels": v}: the largest engine max_pixels below the current one that makes the prompt
@@ -96,7 +100,45 @@ class Qwen2_5_VLProcessor(PromptProcessor):
             raise InvalidRequestError("this checkpoint's config.json has no video_token_id: it takes no video")
         options = self.family.video_options(ref.options, f"video {index}: ")
         video = open_video(ref.source, max_image_pixels=self.max_image_pixels)
-        return self.video_processor(video, options, self.place_patches)
+        sampling = self.video_processor.sample(video, options)
+        self._check_frame_size(index, options, sampling)
+        self._check_video_tokens(index, video, options, sampling)
+        return self.video_processor(video, options, self.place_patches, sampling)
+
+    def _check_frame_size(self, index: int, options: dict, sampling) -> None:
+        """Refuse frames larger than the largest vision item the memory profile covers (a part's
+        min_pixels can ask for more than qwen-vl-utils' 768 tokens per frame)."""
+        f = self.video_processor.factor
+        tokens = (sampling.height // f) * (sampling.width // f)
+        cap = self.largest_image().num_tokens
+        if tokens > cap:
+            raise InvalidVideoError(f"video {index}: frames of {sampling.width}x{sampling.height} are {tokens} tokens "
+                                    f"each, more than the {cap} the engine's memory profile covers for one vision item; "
+                                    f"lower the video part's min_pixels (it is {options.get('min_pixels')})",
+                                    param="min_pixels")
+
+    def _check_video_tokens(self, index: int, video, options: dict, sampling) -> None:
+        """Refuse, before decoding, a video that alone has more tokens than one sequence may hold, naming
+        the settings of its part that would make it fit."""
+        limit = self.max_image_tokens
+        tokens = self.video_processor.tokens(sampling)
+        if limit is None or tokens <= limit:
+            return
+        fixes = video_fixes([self.video_processor.source(video, options)], 0, limit, self.video_processor.factor)
+        fix = (f"Any one of these on the video part makes it fit: {', '.join(f'{k}={v!r}' for k, v in fixes.items())}."
+               if fixes else "No frame or pixel setting makes it fit; send a shorter video.")
+        raise InvalidVideoError(
+            f"video {index} ({video.info.num_frames} frames of {video.info.width}x{video.info.height} at "
+            f"{video.info.fps:g} fps) would be {len(sampling.indices)} frames of {sampling.width}x{sampling.height} = "
+            f"{tokens} tokens, more than the {limit} one sequence may hold (max_model_len); refused before "
+            f"decoding. {fix}")
+
+    def video_setting_fixes(self, prompt: PromptInputs, capacity: int) -> dict[str, int | float]:
+        """{"total_pixels" / "max_frames" / "fps": v}: each a video part setting that alone, set on every
+        video part, makes the prompt fit `capacity` tokens (video_fixes.py)."""
+        videos = list({id(im.meta.video): im.meta.video for im in prompt.images if im.meta.video is not None}.values())
+        other = len(prompt.token_ids) - sum(im.num_tokens for im in prompt.images if im.meta.video is not None)
+        return video_fixes(videos, other, capacity, self.video_processor.factor)
 
     def place_patches(self, num_patches: int, sampling) -> list[tuple[int, bool]]:
         """Each temporal patch's (temporal offset, ends its run): one run per video, its patches

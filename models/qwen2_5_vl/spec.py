@@ -66,13 +66,17 @@ class Qwen2_5_VLSpec(FamilySpec):
                      options: Mapping[str, Any]) -> ImageLimits:
         from vlm_sdk.models.qwen2_5_vl.fixes import largest_max_pixels
         from vlm_sdk.models.qwen2_5_vl.image_processor import max_image_grid
+        from vlm_sdk.models.qwen2_5_vl.video_sampling import VIDEO_MAX_TOKEN_NUM
         ip = self.image_processor_cls.from_preprocessor_config(preprocessor, hf_config)
         max_pixels = options.get("max_pixels") or ip.max_pixels
         factor, unit = ip.patch_size * ip.merge_size, ip.merge_size ** 2
 
+        # a video's largest temporal patch (768 tokens a frame) is the tower's largest call when larger
+        _, vh, vw = max_image_grid(ip, VIDEO_MAX_TOKEN_NUM * factor * factor)
+
         def at(v: int) -> ImageSize:
             t, h, w = max_image_grid(ip, v)
-            return ImageSize(t * h * w // unit, t * h * w,
+            return ImageSize(t * h * w // unit, max(t * h * w, vh * vw),
                              f"max_pixels {v}: {h * ip.patch_size}x{w * ip.patch_size} pixels", v)
 
         def candidates(limit: int) -> int | None:

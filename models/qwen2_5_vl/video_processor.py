@@ -29,8 +29,9 @@ from vlm_sdk.multimodal.image_key import pixels_key
 from vlm_sdk.multimodal.inputs import ImageInput
 from vlm_sdk.multimodal.pixels import fused_byte_table
 from vlm_sdk.multimodal.video_io import OpenedVideo, iter_frames
-from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor, QwenImage
-from vlm_sdk.models.qwen2_5_vl.video_sampling import VideoSampling, plan_frame_list, plan_video
+from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor, QwenImage, max_image_grid
+from vlm_sdk.models.qwen2_5_vl.video_fixes import VideoSource
+from vlm_sdk.models.qwen2_5_vl.video_sampling import VIDEO_MAX_TOKEN_NUM, VideoSampling, plan_frame_list, plan_video
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,14 @@ class QwenVideoProcessor:
         self.factor = self.patch_size * self.merge_size
         self.pixel_lut = torch.from_numpy(fused_byte_table(ip.image_mean, ip.image_std, ip.rescale_factor))  # [3, 256]
 
+    def largest_patch(self) -> ImageInput:
+        """Zero pixels of the largest temporal patch the defaults allow (qwen-vl-utils' 768 tokens per
+        frame; a part's larger min_pixels is refused), for the memory profile beside the largest image."""
+        t, h, w = max_image_grid(self, VIDEO_MAX_TOKEN_NUM * self.factor ** 2)
+        p, tp = self.patch_size, self.temporal_patch_size
+        return ImageInput(torch.zeros(h * w, 3 * tp * p * p, dtype=torch.uint8), h * w // self.merge_size ** 2,
+                          QwenImage((1, h, w), frames=tp, pixel_lut=self.pixel_lut))  # data [patches, 3*T*p*p]
+
     def sample(self, video: OpenedVideo, options: Mapping[str, Any]) -> VideoSampling:
         info = video.info
         if video.frames is not None:
@@ -76,11 +85,22 @@ class QwenVideoProcessor:
             out[slots[index]] = resize_frame(frame, sampling.height, sampling.width)
         return out
 
+    def source(self, video: OpenedVideo, options: Mapping[str, Any]) -> VideoSource:
+        info = video.info
+        return VideoSource(info.num_frames, info.fps, info.height, info.width, video.frames is not None, dict(options))
+
+    def tokens(self, sampling: VideoSampling) -> int:
+        """Tokens of a video sampled so (before decoding it)."""
+        return len(sampling.indices) // self.temporal_patch_size * (sampling.height // self.factor) * \
+            (sampling.width // self.factor)
+
     def __call__(self, video: OpenedVideo, options: Mapping[str, Any],
-                 placement: Callable[[int, VideoSampling], list[tuple[int, bool]]]) -> QwenVideo:
+                 placement: Callable[[int, VideoSampling], list[tuple[int, bool]]],
+                 sampling: VideoSampling | None = None) -> QwenVideo:
         """The video's patches. `placement(num_patches, sampling)` -> each patch's (temporal offset, ends
-        its run) in the positions (rope_index.VisionSpan): the family's."""
-        sampling = self.sample(video, options)
+        its run) in the positions (rope_index.VisionSpan): the family's. `sampling`: `sample`'s, if done."""
+        sampling = sampling or self.sample(video, options)
+        source = self.source(video, options)
         frames = self.frames(video, sampling)
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
         h, w = sampling.height, sampling.width
@@ -92,7 +112,8 @@ class QwenVideoProcessor:
         patches = []
         for k, (offset, ends_run) in enumerate(placement(num, sampling)):
             data = torch.from_numpy(np.ascontiguousarray(groups[k]).reshape(gh * gw, 3 * t * p * p))  # uint8
-            meta = QwenImage((1, gh, gw), frames=t, pixel_lut=self.pixel_lut, t_offset=offset, ends_run=ends_run)
+            meta = QwenImage((1, gh, gw), frames=t, pixel_lut=self.pixel_lut, t_offset=offset, ends_run=ends_run,
+                             video=source)
             key = pixels_key(data, grid=(1, gh, gw), t_offset=offset, ends_run=ends_run)
             patches.append(ImageInput(data, gh * gw // (m * m), meta, source_size=(video.info.height, video.info.width),
                                       key=key))

@@ -185,7 +185,7 @@ class LLMEngine:
         params = params or SamplingParams()
         check_prompt_fits(prompt, self.cache_config, self.scheduler_config, self.max_position_embeddings,
                           self.args.max_model_len is not None, self.processor.image_setting_fixes,
-                          params.max_tokens)
+                          params.max_tokens, self.processor.video_setting_fixes)
 
     def compile_grammar(self, params: SamplingParams | None, prompt: PromptInputs | None = None) -> Grammar | None:
         """The compiled grammar of the request: the one `build_prompt` set on `prompt` (a forced tool
