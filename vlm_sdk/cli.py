@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     add_host_overhead_arguments(bench)
     from vlm_sdk.bench.sampler import add_arguments as add_sampler_bench_arguments
     add_sampler_bench_arguments(bench)
+    from vlm_sdk.bench.video import add_arguments as add_video_bench_arguments
+    add_video_bench_arguments(bench)
     from vlm_sdk.bench.serve import add_arguments as add_bench_serve_arguments
     add_bench_serve_arguments(sub.add_parser("bench-serve", help="throughput and latency of a server over HTTP, "
                                              "vs the same workload in process"))
@@ -153,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
             from vlm_sdk.bench.sampler import main as run_sampler_bench
             return run_sampler_bench(args)
         from vlm_sdk.bench import gpu as bench_gpu
-        from vlm_sdk.bench import host_overhead, prefix_cache, structured
+        from vlm_sdk.bench import host_overhead, prefix_cache, structured, video
+        if args.video:
+            bench_gpu.reject_without_gpu(args)
+            return video.run_video(args)
+        video.reject_without_video(args)
         if args.host_overhead:
             bench_gpu.reject_without_gpu(args)
             return host_overhead.run_host_overhead(args)

@@ -100,8 +100,11 @@ class QwenVideoProcessor:
         """The video's patches. `placement(num_patches, sampling)` -> each patch's (temporal offset, ends
         its run) in the positions (rope_index.VisionSpan): the family's. `sampling`: `sample`'s, if done."""
         sampling = sampling or self.sample(video, options)
-        source = self.source(video, options)
-        frames = self.frames(video, sampling)
+        return self.patches(self.frames(video, sampling), sampling, placement, self.source(video, options))
+
+    def patches(self, frames: np.ndarray,  # [nframes, h, w, 3] uint8, sampled and resized
+                sampling: VideoSampling, placement, source: VideoSource | None = None) -> QwenVideo:
+        """The temporal patches of resized frames (`__call__` after decoding)."""
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
         h, w = sampling.height, sampling.width
         gh, gw = h // p, w // p
@@ -115,6 +118,6 @@ class QwenVideoProcessor:
             meta = QwenImage((1, gh, gw), frames=t, pixel_lut=self.pixel_lut, t_offset=offset, ends_run=ends_run,
                              video=source)
             key = pixels_key(data, grid=(1, gh, gw), t_offset=offset, ends_run=ends_run)
-            patches.append(ImageInput(data, gh * gw // (m * m), meta, source_size=(video.info.height, video.info.width),
-                                      key=key))
+            size = (source.height, source.width) if source is not None else None
+            patches.append(ImageInput(data, gh * gw // (m * m), meta, source_size=size, key=key))
         return QwenVideo(patches, sampling, (gh // m, gw // m))
