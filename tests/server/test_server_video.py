@@ -179,7 +179,7 @@ def test_chat_cli_with_a_video(srv, media_dir, tiny_ckpt, capsys):
 
 
 def test_decoding_a_video_does_not_stall_another_stream(tiny_ckpt, tmp_path):
-    """While one client streams, another sends an 8 s 720p clip whose 32 sampled frames need all of its
+    """While one client streams, another sends an 8 s 720p clip whose 64 sampled frames need all of its
     frames decoded (one keyframe) and resized: that runs on a prompt thread, never the engine's, so the
     stream's largest gap between chunks stays under the text-prompt test's 0.5 s."""
     import threading
@@ -197,7 +197,7 @@ def test_decoding_a_video_does_not_stall_another_stream(tiny_ckpt, tmp_path):
                                   daemon=True)
         reader.start()
         assert wait_for(lambda: len(times) >= 20, timeout=30), "the stream did not start"
-        body = {"model": srv.model_name, "max_tokens": 2, "messages": _video(clip.as_uri(), fps=4.0,
+        body = {"model": srv.model_name, "max_tokens": 2, "messages": _video(clip.as_uri(), fps=8.0,
                                                                               min_pixels=4 * 28 * 28,
                                                                               max_pixels=16 * 28 * 28)}
         t0 = time.monotonic()
@@ -209,5 +209,5 @@ def test_decoding_a_video_does_not_stall_another_stream(tiny_ckpt, tmp_path):
     assert status == 200, answer
     points = [t for t in times if t < t0][-1:] + [t for t in times if t0 <= t <= t1] + [t for t in times if t > t1][:1]
     gap = max(b - a for a, b in zip(points, points[1:]))
-    assert t1 - t0 > 3 * MAX_GAP_S, "the video request was too quick to show anything"
+    assert t1 - t0 > 2 * MAX_GAP_S, "the video request was too quick to show anything"
     assert gap < MAX_GAP_S, f"a {gap:.2f} s gap while a video request took {t1 - t0:.2f} s"
