@@ -129,9 +129,10 @@ class VisionLanguageModel(nn.Module, ABC):
         return None
 
     @abstractmethod
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`[num_sampled, hidden_size] -> [num_sampled, vocab_size]` float32 (the whole vocab on every
-        rank under tensor parallelism); called only on the rows that are sampled."""
+        rank under tensor parallelism); called only on the rows that are sampled. `out`: a float32
+        `[num_sampled, vocab_size]` to write them into (the decode graphs' static buffer), returned."""
 
     @abstractmethod
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:

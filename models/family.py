@@ -183,9 +183,9 @@ class FamilySpec(ABC):
         `model` is the engine's model built on the meta device."""
 
     @abstractmethod
-    def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int]:
-        """(vision hidden size, vision MLP width) for the planner's vision activation estimate:
-        rows of the largest image * (4 * hidden + 2 * MLP width) * dtype bytes."""
+    def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int, int]:
+        """(vision hidden size, vision MLP width, pixel values per vision row) for the vision tower's
+        activation estimate (vlm_sdk/memory/consumers/activation.py)."""
 
 
 def _checked(family: FamilySpec, options: Mapping[str, Any], schema: tuple[Setting, ...], kind: str,

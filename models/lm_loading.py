@@ -89,8 +89,8 @@ class DecoderVLM(VisionLanguageModel):
             inputs_embeds[images.rows] = images.embeds.to(inputs_embeds.dtype)  # [n, hidden] rows
         return inputs_embeds, positions[0] if self.position_rows == 1 else positions
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.decoder.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.decoder.compute_logits(hidden, out)
 
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         tower, proj = self._vision_parts()

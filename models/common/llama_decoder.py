@@ -62,6 +62,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, device)
         self.gate_up_proj = gate_up_cls(hidden, [inter, inter], False, dtype, device, tp)
         self.down_proj = down_cls(inter, hidden, False, dtype, device, tp)
+        # the kernel set's product for few rows (`small_m_gemm`), where cuBLAS reads the weights slowest;
+        # a quantized layer keeps its own dequantizing product
+        for proj in (self.qkv_proj, self.o_proj):
+            if isinstance(proj, nn.Linear):  # the float layers (a quantized one is not one)
+                proj.matmul = ops.small_m_linear
 
     def forward(self, x: torch.Tensor,  # [N, hidden]: the previous layer's output
                 residual: torch.Tensor | None,  # [N, hidden]: the residual stream before it; None for layer 0
@@ -69,16 +74,22 @@ class LlamaDecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it): the next norm adds them
         (fused with the add), as HF's `x = x + mlp(norm(x))` does in two steps."""
-        q, k, v, residual = self.pre_attention(x, residual, rope)
-        attn = self.attn(q, k, v, kv_cache, meta)  # [N, H, D]
+        # the kernel set may rotate and store K/V in one launch: then attention only reads the cache
+        store = (kv_cache, meta.slot_mapping) if self.ops.fuses_rotary_store else None
+        q, k, v, residual = self.pre_attention(x, residual, rope, store)
+        attn = self.attn(q, k, v, kv_cache, meta, stored=store is not None)  # [N, H, D]
         return self.post_attention(attn, residual)
 
     # the two halves around the attention call (`DecoderLayerHalves`, models/base.py): piecewise CUDA graphs
     # (vlm_sdk/worker/piecewise_graphs.py) capture them and run the attention between them eagerly
     def pre_attention(self, x: torch.Tensor,  # [N, hidden]
                       residual: torch.Tensor | None,  # [N, hidden] or None for layer 0
-                      rope: RotaryInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q [N, H, D], k [N, Hkv, D], v [N, Hkv, D], the residual stream [N, hidden]): norm, qkv, rotary."""
+                      rope: RotaryInputs,
+                      store: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [N, H, D], k [N, Hkv, D], v [N, Hkv, D], the residual stream [N, hidden]): norm, qkv, rotary.
+        `store` = (this layer's KV cache, the step's slot mapping): k and v also go into the cache, in
+        the rotary's launch (`KernelOps.rotary_store_kv`, where the kernel set fuses them)."""
         ops, n = self.ops, x.shape[0]
         h, hkv = self.num_heads, self.num_kv_heads
         norm = self.input_layernorm
@@ -88,6 +99,9 @@ class LlamaDecoderLayer(nn.Module):
             normed, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         qkv = self.qkv_proj(normed).view(n, h + 2 * hkv, self.head_dim)  # [N, H+2Hkv, D]
         qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        if store is not None:
+            ops.rotary_store_kv(qkv, h, hkv, rope, qk_norm, *store)  # in place
+            return qkv[:, :h], qkv[:, h:h + hkv], qkv[:, h + hkv:], residual
         qk = ops.rotary(qkv[:, :h + hkv], h, rope, qk_norm)  # [N, H+Hkv, D]
         return qk[:, :h], qk[:, h:], qkv[:, h + hkv:], residual  # [N, H, D], [N, Hkv, D], [N, Hkv, D], [N, hidden]
 
@@ -164,14 +178,16 @@ class LlamaDecoder(nn.Module):
         with torch.no_grad():
             self.lm_head.weight.copy_(rows)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
+    def compute_logits(self, hidden: torch.Tensor,  # [S, hidden]
+                       out: torch.Tensor | None = None) -> torch.Tensor:  # [S, vocab] float32 (into `out`)
         if self.packed_head is not None:  # set after loading on the CPU (models/cpu_layout.py)
             local = self.packed_head(hidden)  # [S, vocab / tp]
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [vocab / tp, hidden]
             local = F.linear(hidden, weight)  # [S, vocab / tp]
         # gathered in the model's dtype (half the bytes of float32 in bf16; the cast is exact either way)
-        return gather_vocab(local, self.tp, self.cfg.vocab_size).float()  # [S, vocab]
+        logits = gather_vocab(local, self.tp, self.cfg.vocab_size)  # [S, vocab]
+        return logits.float() if out is None else out.copy_(logits)
 
     def checkpoint_map(self, prefix: str = "model.", lm_head: str = "lm_head.weight") -> dict[str, ParamSlot]:
         """Checkpoint name -> where it goes (this rank's slice), for the published Qwen2 / Llama layout

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from helpers import SAMPLE_IMAGE
 from vlm_sdk.cli import main
@@ -98,3 +99,15 @@ def test_bench_video_json_on_tiny_model(tiny_ckpt, tmp_path, monkeypatch, capsys
     assert pre["ours_ms"] > 0 and pre["ratio_vs_image_processor_per_frame"] > 0
     assert "ratio_vs_video_processor" in pre or pre["transformers_video_processor"].startswith("unavailable: ")
     assert main(["bench", "--video-fps", "1"]) == 2  # a --video option without --video
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("argv", [["--num-requests", "3", "--hf-batch-size", "2"],
+                                  ["--structured", "--so-requests", "4", "--so-tokens", "6", "--so-rounds", "1"]])
+def test_benches_run_on_one_gpu(tiny_ckpt, capsys, argv):
+    """`vlm-sdk bench` (ours, then the transformers peer on the memory our engine gave back) and
+    `--structured` on CUDA."""
+    assert main(["bench", "--model", str(tiny_ckpt), "--device", "cuda", *argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["device"] == "cuda"

@@ -45,6 +45,7 @@ class MemoryInputs:
     # the vision tower and the largest image the settings allow
     vision_hidden: int
     vision_intermediate: int
+    vision_patch_inputs: int  # pixel values per vision row (a patch: channels x frames x patch x patch)
     image: ImageLimits
 
     @property
@@ -67,7 +68,7 @@ def memory_inputs(family: FamilySpec, info, args: EngineArgs, model, dtype: torc
     """`model`: the family's model as rank 0 of `tp` builds it, on the meta device (`FamilySpec.meta_model`);
     `info`: the checkpoint's config (`model_loader.read_config` / `read_checkpoint`)."""
     c = model.decoder_config
-    vision_hidden, vision_inter = family.vision_activation_widths(info.hf_config, model)
+    vision_hidden, vision_inter, patch_inputs = family.vision_activation_widths(info.hf_config, model)
     image = family.image_limits(info.preprocessor, info.hf_config, model, dict(args.mm_processor_kwargs))
     return MemoryInputs(
         args=args, dtype=dtype, tp=tp, on_gpu=on_gpu, decode_graphs=decode_graphs,
@@ -76,7 +77,8 @@ def memory_inputs(family: FamilySpec, info, args: EngineArgs, model, dtype: torc
         hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_heads=c.num_heads,
         num_kv_heads_total=c.num_kv_heads, vocab_size=c.vocab_size, position_rows=model.position_rows,
         max_position_embeddings=int(family.text_config(info.hf_config).max_position_embeddings),
-        weights=weight_bytes(model), weight_format=_weight_format(c), vision_hidden=vision_hidden, vision_intermediate=vision_inter, image=image)
+        weights=weight_bytes(model), weight_format=_weight_format(c), vision_hidden=vision_hidden,
+        vision_intermediate=vision_inter, vision_patch_inputs=patch_inputs, image=image)
 
 
 def _weight_format(decoder_config) -> str:
