@@ -1,25 +1,20 @@
 """Which frames a video gives and at what size, against qwen-vl-utils' `fetch_video` itself (the
-preprocessing Qwen2.5-VL and Qwen3-VL were published with; tests/multimodal/qwen_vl_utils_oracle.py
+preprocessing Qwen2.5-VL and Qwen3-VL were published with; tests/qwen_vl_utils_oracle.py
 says how it is run here): a sweep of fps / nframes / min and max frames / min, max and total pixels over
 videos of several rates, lengths and sizes (a variable frame rate among them), at Qwen2.5-VL's patch 14
 and Qwen3-VL's 16. Then the same for a video given as a list of frames, pixels included."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 from PIL import Image
 
+import qwen_vl_utils_oracle as oracle
 from vlm_sdk.errors import InvalidVideoError
 from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor
 from vlm_sdk.models.qwen2_5_vl.video_processor import QwenVideoProcessor
 from vlm_sdk.multimodal.video_io import open_video
 from vlm_sdk.testing.videos import frame_index, frame_pixels, write_video
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "multimodal"))
-import qwen_vl_utils_oracle as oracle  # noqa: E402
 
 VFR_MS = [0, 30, 90, 100, 400, 420, 440, 800, 1000, 1500, 1510, 1520, 1530, 2000, 2100, 2900, 3000, 3100, 3300,
           3500, 3510, 3700, 3900, 4000]
