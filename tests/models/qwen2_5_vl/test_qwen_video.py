@@ -187,3 +187,29 @@ def test_a_repeated_video_is_served_from_the_caches(family, ckpt, videos):
     hits = no_prefix.stats()["encoder_cache_hits"]
     assert no_prefix.chat(conv, GREEDY)[0].token_ids == first.token_ids
     assert no_prefix.stats()["encoder_cache_hits"] - hits == items == 8
+
+
+def test_chunked_prefill_holds_about_a_chunk_of_a_long_video(family, ckpt, videos, llm):
+    """A request holds the embeddings of the patches its chunk reaches (and one straddling the chunk
+    before), not the whole video: at most chunk + 2 patches of rows, with the same tokens."""
+    from vlm_sdk.testing.hooks import local_worker
+    conv = [{"role": "user", "content": [{"type": "video", "video": videos[0], **fast(family), "fps": 4.0},
+                                         {"type": "text", "text": "What happens?"}]}]
+    chunked = LLM(str(ckpt), max_num_batched_tokens=20, show_progress=False)
+    prompt = chunked.engine.build_prompt(conv)
+    patch = max(im.num_tokens for im in prompt.images)
+    assert len(prompt.images) == 8 and sum(im.num_tokens for im in prompt.images) > 20 + 2 * patch
+    runner = local_worker(chunked.engine).runner
+    held = []
+    encode = runner._encode_images
+
+    def measured(scheduled):
+        encode(scheduled)
+        held.append(sum(e.shape[0] for s in runner.requests.values() for e in s.image_embeds.values()))
+    runner._encode_images = measured
+    try:
+        tokens = chunked.chat(conv, GREEDY)[0].token_ids
+    finally:
+        del runner._encode_images
+    assert 0 < max(held) <= 20 + 2 * patch
+    assert tokens == llm.chat(conv, GREEDY)[0].token_ids
