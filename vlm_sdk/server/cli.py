@@ -30,6 +30,8 @@ _ENGINE_HELP = {
     "encoder_cache_memory": "vision embeddings kept for reuse, e.g. 256MiB (default); 0 turns the encoder cache off",
     "max_model_len": "longest sequence (prompt + output) in tokens",
     "attention_backend": "'triton' (default on CUDA) or 'torch' (the reference path, default on the CPU)",
+    "kv_cache_dtype": "the KV cache's dtype: 'auto' (the model's, default) or 'fp8' (float8 e4m3 with per-layer K and "
+                      "V scales from the checkpoint, else 1.0: twice the tokens in the same memory)",
     "small_m_gemm": "the decoder's qkv and o projections at <= 8 rows: 'torch' (cuBLAS, default) or 'triton' "
                     "(needs the Triton kernel set; vlm-sdk bench --gpu measures which is faster)",
     "enforce_eager": "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
