@@ -95,6 +95,13 @@ class EngineArgs:
     # the pixels of all of one request's images together, checked from their headers before any is
     # decoded; None: no limit beyond max_image_pixels per image (`vlm-sdk serve` sets one)
     max_request_image_pixels: int | None = None
+    # one video's limits (vlm_sdk/multimodal/video_io.py), checked from its container before any frame is
+    # decoded: its encoded size (bytes, or "512MiB"), its duration, the frames sampled from it, and the
+    # pixels decoded to reach them (every frame from the keyframe before each sampled one, at the source size)
+    max_video_bytes: int | str = 1 << 30
+    max_video_seconds: float = 3600.0
+    max_video_frames: int = 768
+    max_video_decode_pixels: int = 8_000_000_000
     # special tokens (<|im_end|>, <|im_start|>, ...) written in message text are read as control
     # tokens, as the template's own are; off (the default), they are plain text, so a user cannot end
     # their turn and forge another role's
@@ -163,6 +170,9 @@ class EngineArgs:
         for name in ("max_grammar_memory", "grammar_cache_memory"):
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, parse_bytes(getattr(self, name), name, unit_required=True))
+        if isinstance(self.max_video_bytes, str):
+            object.__setattr__(self, "max_video_bytes",
+                               parse_bytes(self.max_video_bytes, "max_video_bytes", unit_required=True))
         given = self.memory_utilization is not None
         object.__setattr__(self, "memory_utilization_given", given)
         if not given:
@@ -200,6 +210,7 @@ class EngineArgs:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
         for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs",
                      "max_num_batched_tokens", "max_image_pixels", "max_request_image_pixels",
+                     "max_video_bytes", "max_video_frames", "max_video_decode_pixels",
                      "preemption_warning_per_minute", "tensor_parallel_size", "max_grammar_bytes",
                      "max_grammar_memory", "grammar_cache_memory", "grammar_workers"):
             positive(name)
@@ -231,6 +242,10 @@ class EngineArgs:
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise InvalidRequestError(f"grammar_compile_timeout must be a positive number of seconds, got {t!r}",
                                       param="grammar_compile_timeout")
+        v = self.max_video_seconds
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
+            raise InvalidRequestError(f"max_video_seconds must be a positive number of seconds, got {v!r}",
+                                      param="max_video_seconds")
         if self.small_m_gemm not in ("torch", "triton"):
             raise InvalidRequestError(f"small_m_gemm must be 'torch' or 'triton', got {self.small_m_gemm!r}",
                                       param="small_m_gemm")

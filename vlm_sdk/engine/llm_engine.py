@@ -54,6 +54,7 @@ from vlm_sdk.memory.startup import scheduler_config, size_rank_caches, startup_r
 from vlm_sdk.model_loader import load_tokenizer, read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import PromptInputs
+from vlm_sdk.multimodal.video_io import VideoLimits
 from vlm_sdk.multimodal.prompts import TextPrompt, TokensPrompt
 from vlm_sdk.protocol.rank import RankLoad
 from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
@@ -71,7 +72,9 @@ class LLMEngine:
         family = resolve([info.architecture])
         # prompt building only
         self.tokenizer = PromptTokenizer(load_tokenizer(model), not args.allow_special_tokens_in_text)
-        self.guard = PromptGuard(self.tokenizer, args.max_image_pixels, args.max_request_image_pixels)
+        self.guard = PromptGuard(self.tokenizer, args.max_image_pixels, args.max_request_image_pixels,
+                                 VideoLimits(args.max_video_bytes, args.max_video_seconds, args.max_video_frames,
+                                             args.max_video_decode_pixels))
         self.eos_token_ids = set(info.eos_token_ids)
         self.vocab_size = vocab_size = int(family.text_config(info.hf_config).vocab_size)  # the logits' width
         self.raw_prompt_tokens = RawPromptTokens(self.tokenizer, vocab_size)
@@ -191,7 +194,7 @@ class LLMEngine:
         params = params or SamplingParams()
         check_prompt_fits(prompt, self.cache_config, self.scheduler_config, self.max_position_embeddings,
                           self.args.max_model_len is not None, self.processor.image_setting_fixes,
-                          params.max_tokens)
+                          params.max_tokens, self.processor.video_setting_fixes)
 
     def check_params(self, params: SamplingParams | None) -> None:
         """`InvalidRequestError` when `params` names token ids outside the vocabulary or asks more of
