@@ -34,11 +34,20 @@ def test_the_first_image_key_comes_first_and_a_salt_changes_every_key():
 def test_the_owner_wins_unless_it_is_loaded_past_a_bound():
     config = RoutingConfig(max_queue=4, max_kv_usage=0.8)
     loads = {"a": Load(3, 0.5), "b": Load(0, 0.1), "c": Load(1, 0.0)}
-    assert rank_replicas("a", loads, config) == [["a"], ["b"], ["c"]]
-    assert rank_replicas(None, loads, config) == [["b"], ["c"], ["a"]]  # least loaded first
-    assert rank_replicas("a", {**loads, "a": Load(4, 0.5)}, config)[0] == ["b"]  # queue bound
-    assert rank_replicas("a", {**loads, "a": Load(0, 0.8)}, config)[0] == ["b"]  # KV bound
-    assert rank_replicas("gone", loads, config)[0] == ["b"]  # an owner no longer among the replicas
+    owned = {"a": 5, "b": 2, "c": 2}
+    assert rank_replicas("a", loads, owned, config) == [["a"], ["b"], ["c"]]
+    assert rank_replicas("a", {**loads, "a": Load(4, 0.5)}, owned, config)[0] == ["b"]  # queue bound
+    assert rank_replicas("a", {**loads, "a": Load(0, 0.8)}, owned, config)[0] == ["b"]  # KV bound
+    assert rank_replicas("gone", loads, owned, config)[0] == ["b"]  # an owner no longer among the replicas
+
+
+def test_a_new_prefix_goes_to_the_smallest_cache_share_within_the_bounds():
+    config = RoutingConfig(max_queue=4, max_kv_usage=0.8)
+    loads = {"a": Load(0, 0.0), "b": Load(2, 0.3), "c": Load(1, 0.2)}
+    assert rank_replicas(None, loads, {"a": 6, "b": 1, "c": 1}, config) == [["c"], ["b"], ["a"]]
+    assert rank_replicas(None, loads, {}, config) == [["a"], ["c"], ["b"]]  # equal shares: fewest in flight
+    full = {"a": Load(5, 0.0), "b": Load(4, 0.1), "c": Load(1, 0.9)}  # every one past a bound
+    assert rank_replicas(None, full, {"c": 0}, config) == [["c"], ["b"], ["a"]]
 
 
 def test_the_affinity_table_keeps_the_latest_owner_forgets_the_oldest_and_a_dead_replica():
@@ -49,6 +58,7 @@ def test_the_affinity_table_keeps_the_latest_owner_forgets_the_oldest_and_a_dead
     assert table.owner(["k2"]) == "b" and table.owner(["k1"]) == "a"
     table.record(["k3", "k4"], "b")  # k1 was looked up after k2: k2 is the least recently used
     assert len(table) == 3 and table.owner(["k2"]) is None and table.owner(["k1"]) == "a"
+    assert table.counts() == {"a": 1, "b": 2}
     table.forget("b")
     assert table.owner(["k3", "k4"]) is None and table.owner(["k1"]) == "a"
 

@@ -10,11 +10,14 @@ loaded past a bound; otherwise to the least loaded one:
      engine's block hashes), longest prefix first;
   2. the owner is the replica that was last sent a request with the first of these keys found in
      the affinity table (a bounded LRU of `affinity_entries` keys);
-  3. it gets the request unless its load passes a bound: `max_queue` requests in flight (Serve's
-     count of ongoing requests, or running + waiting from its stats, whichever is larger) or KV usage
-     of `max_kv_usage` or more; then (and when no key is known) the least loaded replica, by
-     (requests in flight, KV usage);
-  4. every key of the request is then recorded as owned by the replica that took it.
+  3. it gets the request unless its load passes a bound: `max_queue` requests in flight (the
+     generations this router sent it and has not seen finish, or running + waiting from its stats,
+     whichever is larger) or KV usage of `max_kv_usage` or more;
+  4. otherwise (and when no key is known) a replica within the bounds holding the fewest keys (the
+     smallest share of the cached prefixes, as Ray's PrefixCacheAffinityRouter's "smallest tenant"),
+     then the fewest in flight, then the lowest KV usage; when every replica is past a bound, the
+     fewest in flight;
+  5. every key of the request is then recorded as owned by the replica that took it.
 
 `policy="round_robin"` ignores keys and loads (the baseline the benchmark and tests compare with).
 """
@@ -94,6 +97,13 @@ class AffinityTable:
         while len(self._owners) > self.capacity:
             self._owners.popitem(last=False)
 
+    def counts(self) -> dict[str, int]:
+        """Replica -> keys it owns."""
+        counts: dict[str, int] = {}
+        for replica in self._owners.values():
+            counts[replica] = counts.get(replica, 0) + 1
+        return counts
+
     def forget(self, replica: str) -> None:
         for key in [k for k, r in self._owners.items() if r == replica]:
             del self._owners[key]
@@ -106,11 +116,15 @@ def overloaded(load: Load, config: RoutingConfig) -> bool:
     return load.in_flight >= config.max_queue or load.kv_usage >= config.max_kv_usage
 
 
-def rank_replicas(owner: str | None, loads: dict[str, Load], config: RoutingConfig) -> list[list[str]]:
+def rank_replicas(owner: str | None, loads: dict[str, Load], owned: dict[str, int],
+                  config: RoutingConfig) -> list[list[str]]:
     """The replicas in order of preference, one per rank: the owner first unless it is overloaded (or
-    gone), then the rest from the least loaded."""
-    by_load = sorted(loads, key=lambda r: (loads[r].in_flight, loads[r].kv_usage))
+    gone), then those within the bounds by (keys owned, in flight, KV usage), then the overloaded ones
+    by (in flight, KV usage). `owned`: replica -> keys it owns (`AffinityTable.counts`)."""
+    order = sorted(loads, key=lambda r: (overloaded(loads[r], config),
+                                         0 if overloaded(loads[r], config) else owned.get(r, 0),
+                                         loads[r].in_flight, loads[r].kv_usage))
     if owner in loads and not overloaded(loads[owner], config):
-        by_load.remove(owner)
-        by_load.insert(0, owner)
-    return [[r] for r in by_load]
+        order.remove(owner)
+        order.insert(0, owner)
+    return [[r] for r in order]
