@@ -37,12 +37,13 @@ def _raise_cause(e: Exception, what: str):
 
 
 class ReplicaSetLLM:
-    def __init__(self, handle, model: str, board, routing: RoutingConfig, revision: str | None = None,
-                 on_shutdown=None):
+    def __init__(self, handle, model: str, board, routing: RoutingConfig, args, on_shutdown=None):
+        """`args`: the replicas' `EngineArgs` (as a replica reports them: its per-request limits)."""
         self._handle = handle
+        self.args = args
         self._board = board
         self.routing = routing
-        self.output_processor = OutputProcessor(load_tokenizer(resolve_model(model, revision)))
+        self.output_processor = OutputProcessor(load_tokenizer(resolve_model(model, args.revision)))
         self._on_shutdown = on_shutdown  # deletes the Serve application (and the cluster it started)
         self._closed = False
         self._stats: dict = {}

@@ -19,7 +19,7 @@ class EngineReplica:
         self._board = board  # stats.StatsBoard actor: where the server reads every replica's stats
 
     def info(self) -> dict:
-        return {"replica": self.replica_id, "pid": os.getpid(), "stats": self.llm.stats()}
+        return {"replica": self.replica_id, "pid": os.getpid(), "stats": self.llm.stats(), "args": self.llm.args}
 
     async def build_prompt(self, request, params=None, options=None, routing_policy=None):
         return await self.llm.build_prompt(request, params, options)
@@ -32,7 +32,7 @@ class EngineReplica:
         """Serve calls this every `request_routing_stats_period_s`; the router reads what it returns."""
         stats = self.llm.stats()
         if self._board is not None:
-            self._board.put.remote(self.replica_id, stats)
+            self._board.put.remote(self.replica_id, stats, os.getpid())
         total = stats["kv_blocks_total"]
         return {"in_flight": stats["num_running"] + stats["num_waiting"],
                 "kv_usage": stats["kv_blocks_used"] / total if total else 0.0}

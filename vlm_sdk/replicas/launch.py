@@ -102,7 +102,8 @@ def serve_replicas(model: str, config: ReplicaConfig | None = None, routing: Rou
             serve.shutdown()
             ray.shutdown()
     try:
-        llm = ReplicaSetLLM(handle, str(model), board, routing, engine_args.get("revision"), on_shutdown=stop)
+        args = handle.info.remote().result()["args"]
+        llm = ReplicaSetLLM(handle, str(model), board, routing, args, on_shutdown=stop)
         # serve.run returned once every replica was built; wait for each one's first stats report, so
         # that stats() covers them all from the start
         deadline = time.monotonic() + 30 * routing.stats_period_s + 10

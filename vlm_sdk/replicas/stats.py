@@ -17,9 +17,15 @@ class StatsBoard:
 
     def __init__(self):
         self._stats: dict[str, tuple[float, dict]] = {}
+        self._pids: dict[str, int] = {}  # replica -> its process (what an operator, or a test, kills)
 
-    def put(self, replica: str, stats: dict) -> None:
+    def put(self, replica: str, stats: dict, pid: int) -> None:
         self._stats[replica] = (time.monotonic(), stats)
+        self._pids[replica] = pid
+
+    def pids(self) -> dict[str, int]:
+        """Every replica that ever reported -> its process id."""
+        return dict(self._pids)
 
     def read(self, stale_s: float) -> dict[str, dict]:
         now = time.monotonic()
