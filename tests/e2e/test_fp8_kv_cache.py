@@ -7,8 +7,8 @@ tests/kernels/test_fp8_kv_kernels.py and tests/attention/test_triton_mixed_steps
   a mismatch. Stated rate: at least 70% of the steps pick the same token, and the float run's token's
   logprob moves by at most 1 nat (0.2 on average). Why so loose: the tiny checkpoints' random weights
   (std 0.2, so that greedy tokens vary) give nearly flat next-token distributions, and e4m3 keeps 3
-  mantissa bits (a relative error of up to 1/16 per K and V value), so near-ties flip. Measured here (before placeholder ids were kept out of the prompts)
-  (Qwen2.5-VL, Qwen3-VL, InternVL): 84%, 91%, 80% agreement; mean change 0.13, 0.08, 0.14 nats, largest
+  mantissa bits (a relative error of up to 1/16 per K and V value), so near-ties flip. Measured here
+  (Qwen2.5-VL, Qwen3-VL, InternVL; before placeholder ids were kept out of the prompts): 84%, 91%, 80% agreement; mean change 0.13, 0.08, 0.14 nats, largest
   0.64, 0.44, 0.60. A read that is off by 10% (a scale applied wrong) moves the mean to 0.22-0.25 and
   the largest to 0.8-1.2; off by 25%, the largest to 26 nats; off by 2x, agreement falls to 15%.
 - the cache holds twice the tokens at the same kv_cache_memory (bf16 -> fp8; four times from float32);
