@@ -1,0 +1,73 @@
+"""The experts of a sparse MoE layer in torch: the reference of kernels/fused_moe.py and the torch kernel
+set's op (the CPU path).
+
+    x            [N, H]       the tokens
+    w13          [E, 2I, H]   per expert: gate_proj rows [0, I), up_proj rows [I, 2I)
+    w2           [E, H, I]    per expert: down_proj
+    topk_weights [N, K]       float32 routing weights
+    topk_ids     [N, K]       int, each in [0, E)
+    out          [N, H]       sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]
+
+The (token, choice) pairs are sorted by expert (stable), so each expert multiplies all its rows at once:
+a loop over the experts that have rows, never over tokens. The loop's bounds are read on the host (the
+torch set is not captured into CUDA graphs; the Triton op needs no host read). Arithmetic, as the
+Triton kernel's: both products in the inputs' dtype with float32 accumulation, SiLU-and-mul in float32
+rounded to the dtype (the kernel's stored intermediate), the routing weight and the sum over the K
+choices in float32, rounded once at the end.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_moe_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor) -> None:
+    """`ValueError` naming the operand whose shape, dtype or device disagrees with the others."""
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"x must be [N, H], w13 [E, 2I, H], w2 [E, H, I]; got {list(x.shape)}, "
+                         f"{list(w13.shape)}, {list(w2.shape)}")
+    n, h = x.shape
+    e, two_i, h13 = w13.shape
+    if h13 != h or two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
+        raise ValueError(f"w13 {list(w13.shape)} and w2 {list(w2.shape)} do not fit x {list(x.shape)}: need "
+                         f"w13 [E, 2I, {h}] and w2 [E, {h}, I]")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != n or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must "
+                         f"both be [{n}, K]")
+    if x.dtype not in _DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"x, w13, w2 dtypes {x.dtype}, {w13.dtype}, {w2.dtype}: one of {_DTYPES}, all alike")
+    if topk_weights.dtype != torch.float32 or topk_ids.dtype.is_floating_point:
+        raise ValueError(f"topk_weights must be float32 and topk_ids integers, got {topk_weights.dtype}, "
+                         f"{topk_ids.dtype}")
+    if len({t.device for t in (x, w13, w2, topk_weights, topk_ids)}) != 1:
+        raise ValueError("x, w13, w2, topk_weights and topk_ids must be on one device")
+
+
+def fused_moe_ref(x: torch.Tensor,  # [N, H]
+                  w13: torch.Tensor,  # [E, 2I, H]
+                  w2: torch.Tensor,  # [E, H, I]
+                  topk_weights: torch.Tensor,  # [N, K] float32
+                  topk_ids: torch.Tensor,  # [N, K]
+                  ) -> torch.Tensor:  # [N, H] in x.dtype
+    """The routed experts' weighted sum per token (module docstring)."""
+    check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
+    n, k = topk_ids.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    flat = topk_ids.reshape(-1).long()  # [P] pair p = token p // K, choice p % K
+    order = torch.argsort(flat, stable=True)  # [P] pairs grouped by expert
+    tokens = order // k  # [P]
+    rows = x[tokens]  # [P, H]
+    down = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # [P, H]
+    start = 0
+    for expert, count in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+        if count:
+            part = slice(start, start + count)
+            gate, up = F.linear(rows[part], w13[expert]).float().split(inter, dim=-1)  # [c, I] x 2
+            down[part] = F.linear((F.silu(gate) * up).to(x.dtype), w2[expert])  # [c, H]
+            start += count
+    weighted = down.float() * topk_weights.reshape(-1)[order, None]  # [P, H]
+    out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
+    return out.index_add_(0, tokens, weighted).to(x.dtype)  # [N, H]
