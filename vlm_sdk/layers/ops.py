@@ -8,7 +8,8 @@ nothing else, so the torch one is the oracle for the other. The Triton kernels a
 
     decoder layer:   rms_norm / add_rms_norm -> qkv matmul -> rotary (Qwen3: q/k norm fused in) ->
                      attention.forward (store_kv + paged attention) -> o_proj -> add_rms_norm ->
-                     gate_up matmul -> silu_and_mul -> down (a sparse MoE layer: router -> fused_moe)
+                     gate_up matmul -> silu_and_mul -> down (a sparse MoE layer: router -> fused_moe, the
+                     torch set's kernels/fused_moe_torch.py or the Triton set's kernels/fused_moe.py)
     vision block:    attention.segments (once per image batch); qkv matmul -> rotary (2-D RoPE, float32
                      angles) -> attention.segment_forward -> proj -> add_rms_norm -> gate_up matmul ->
                      silu_and_mul -> down -> add_rms_norm (next block's norm1) where the tower has them
@@ -113,7 +114,8 @@ class TritonOps(KernelOps):
     def __init__(self, attention: AttentionBackend):
         super().__init__(attention)
         # imported here so that TRITON_INTERPRET is read when the set is chosen
-        from vlm_sdk.kernels import rms_norm, rotary, silu_and_mul
+        from vlm_sdk.kernels import fused_moe, rms_norm, rotary, silu_and_mul
+        self._fused_moe = fused_moe.fused_moe
         self._rms_norm = rms_norm.rms_norm
         self._rotary = rotary.rotary_embedding
         self._silu_and_mul = silu_and_mul.silu_and_mul
@@ -137,7 +139,7 @@ class TritonOps(KernelOps):
         return qk
 
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids):
-        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+        return self._fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
 def make_ops(backend: str | None, device: torch.device) -> KernelOps:
