@@ -1,11 +1,17 @@
 """Steps of a Qwen3-VL model (dense or MoE) on a paged KV cache built by hand, and the same prompt through
-transformers: the prompts, pixels and step plumbing the Qwen3-VL family tests share."""
+transformers: the prompts, pixels and step plumbing the Qwen3-VL family tests share; one tensor-parallel
+rank's prefill of an image prompt (`tp_prefill`)."""
 from __future__ import annotations
 
 import torch
 
+from helpers import image
 from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.config import EngineArgs
+from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.model_loader import iter_safetensors, load_tokenizer, read_checkpoint
 from vlm_sdk.models.base import StepImages
+from vlm_sdk.models.registry import resolve
 from vlm_sdk.models.qwen2_5_vl.image_processor import QwenImage
 from vlm_sdk.models.qwen2_5_vl.rope_index import mrope_positions
 from vlm_sdk.multimodal.inputs import ImageInput
@@ -155,3 +161,38 @@ def check_chunked_prefill(hf, model, split: int, close) -> None:
     run_step(model, kv, [(seq.chunk(0, split), blocks, split)])
     (rest,) = run_step(model, kv, [(seq.chunk(split, n), blocks, n)])
     close(rest, full[split:])
+
+
+def image_prompt(ckpt):
+    """An image prompt built by the checkpoint's family's processor."""
+    info = read_checkpoint(ckpt)
+    fam = resolve([info.architecture])
+    ip = fam.image_processor_cls.from_preprocessor_config(info.preprocessor, info.hf_config)
+    conv = [{"role": "user", "content": [{"type": "image", "image": image(160, 96, 4)},
+                                         {"type": "text", "text": "What is in this image?"}]}]
+    return fam.make_processor(load_tokenizer(ckpt), ip, info.hf_config, EngineArgs())(conv)
+
+
+@torch.no_grad()
+def tp_prefill(ckpt, tp: TPGroup, shard_vision: bool) -> dict:
+    """One rank's prefill of `image_prompt` (weights read lazily: only its slices): the logits, its KV and
+    vision heads, the image rows."""
+    info = read_checkpoint(ckpt)
+    model = resolve([info.architecture]).model_cls(info.hf_config, tp=tp, shard_vision=shard_vision)
+    model.load_weights(iter_safetensors(ckpt, show_progress=False, lazy=tp.size > 1), source=ckpt)
+    prompt = image_prompt(ckpt)
+    n = len(prompt.token_ids)
+    rows = torch.cat([torch.arange(p, p + im.num_tokens) for p, im in zip(prompt.image_positions, prompt.images)])
+    images = StepImages(rows, model.encode_images(prompt.images))  # [n, hidden * 3]
+    blocks = -(-n // BLOCK)
+    shape = (blocks, BLOCK, model.num_kv_heads, model.head_dim)  # this rank's KV heads
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.num_layers)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+        query_lens_cpu=[n], seq_lens_cpu=[n], max_query_len=n, max_seq_len=n)
+    meta = model.decoder.ops.attention.prepare(meta, caches[0][0])
+    hidden = model(model.embed_tokens(torch.tensor(prompt.token_ids)), model.positions(prompt.positions, 0, n),
+                   caches, meta, images)
+    return {"logits": model.compute_logits(hidden), "num_kv_heads": model.num_kv_heads,
+            "vision_heads": model.visual.blocks[0].heads, "images": images.embeds}
