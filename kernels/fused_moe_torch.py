@@ -9,7 +9,8 @@ set's op (the CPU path).
     out          [N, H]       sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]
 
 The (token, choice) pairs are sorted by expert (stable), so each expert multiplies all its rows at once:
-a loop over the experts that have rows, never over tokens. The loop's bounds are read on the host (the
+on the CPU one grouped product per weight (`F.grouped_mm`) for all experts, elsewhere (or with strides
+it refuses) a loop over the experts that have rows, never over tokens, its bounds read on the host (the
 torch set is not captured into CUDA graphs; the Triton op needs no host read). Arithmetic, as the
 Triton kernel's: both products in the inputs' dtype with float32 accumulation, SiLU-and-mul in float32
 rounded to the dtype (the kernel's stored intermediate), the routing weight and the sum over the K
@@ -59,15 +60,28 @@ def fused_moe_ref(x: torch.Tensor,  # [N, H]
     flat = topk_ids.reshape(-1).long()  # [P] pair p = token p // K, choice p % K
     order = torch.argsort(flat, stable=True)  # [P] pairs grouped by expert
     tokens = order // k  # [P]
-    rows = x[tokens]  # [P, H]
-    down = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # [P, H]
-    start = 0
-    for expert, count in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
-        if count:
-            part = slice(start, start + count)
-            gate, up = F.linear(rows[part], w13[expert]).float().split(inter, dim=-1)  # [c, I] x 2
-            down[part] = F.linear((F.silu(gate) * up).to(x.dtype), w2[expert])  # [c, H]
-            start += count
+    counts = torch.bincount(flat, minlength=num_experts)  # [E] rows of each expert
+    gate, up = _by_expert(x[tokens], w13, counts).float().split(inter, dim=-1)  # [P, I] x 2
+    down = _by_expert((F.silu(gate) * up).to(x.dtype), w2, counts)  # [P, H]
     weighted = down.float() * topk_weights.reshape(-1)[order, None]  # [P, H]
     out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
     return out.index_add_(0, tokens, weighted).to(x.dtype)  # [N, H]
+
+
+def _by_expert(rows: torch.Tensor,  # [P, In] grouped by expert, counts[e] rows each
+               weight: torch.Tensor,  # [E, Out, In]
+               counts: torch.Tensor,  # [E]
+               ) -> torch.Tensor:  # [P, Out]: each row times its expert's weight, transposed
+    """On the CPU one `F.grouped_mm` for all experts (as transformers 5 runs its experts: a loop of small
+    products, each a parallel region of its own, is many times slower on a loaded machine), where its
+    16-byte stride rule holds; elsewhere one product per expert with rows."""
+    if rows.device.type == "cpu" and all(s * t.element_size() % 16 == 0 for t in (rows, weight)
+                                         for s in t.stride()[:-1]):
+        return F.grouped_mm(rows, weight.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+    out = torch.empty(rows.shape[0], weight.shape[1], dtype=rows.dtype, device=rows.device)
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        if count:
+            out[start:start + count] = F.linear(rows[start:start + count], weight[expert])
+            start += count
+    return out

@@ -38,11 +38,11 @@ def routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> tuple[torch
     return weights / weights.sum(dim=1, keepdim=True), ids
 
 
-def operands(tokens, experts, top_k, dtype, device, seed: int = 0):
+def operands(tokens, experts, top_k, dtype, device, seed: int = 0, inter: int = I):
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(tokens, H, generator=g)
-    w13 = torch.randn(experts, 2 * I, H, generator=g) * 0.3
-    w2 = torch.randn(experts, H, I, generator=g) * 0.3
+    w13 = torch.randn(experts, 2 * inter, H, generator=g) * 0.3
+    w2 = torch.randn(experts, H, inter, generator=g) * 0.3
     weights, ids = routing(tokens, experts, top_k, seed)
     return [t.to(device, dtype) for t in (x, w13, w2)] + [weights.to(device), ids.to(device)]
 
@@ -62,19 +62,27 @@ def test_fused_moe_matches_ref(device, dtype, name):
     assert_reduction_close(got.float(), want.float(), H + I + top_k, storage=dtype)
 
 
+# I = 37: down's rows (37 x 4 bytes apart) break grouped_mm's 16-byte stride rule: one product per expert
+@pytest.mark.parametrize("inter,grouped", [(I, 2), (37, 1)])
 @pytest.mark.parametrize("name", list(ROUTINGS))
-def test_ref_matches_the_formula(name):
+def test_ref_matches_the_formula(name, inter, grouped, monkeypatch):
+    """The reference's two ways on the CPU: one grouped product per weight (`grouped` of the two), or,
+    with strides grouped_mm refuses, one product per expert with rows."""
+    calls = []
+    real = torch.nn.functional.grouped_mm
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     tokens, experts, top_k = ROUTINGS[name]
-    x, w13, w2, weights, ids = operands(tokens, experts, top_k, torch.float32, "cpu", seed=3)
+    x, w13, w2, weights, ids = operands(tokens, experts, top_k, torch.float32, "cpu", seed=3, inter=inter)
     want = torch.zeros(tokens, H, dtype=torch.float64)
     for t in range(tokens):
         for j in range(top_k):
             e = int(ids[t, j])
             gate_up = w13[e].double() @ x[t].double()  # [2I]
-            act = torch.nn.functional.silu(gate_up[:I]) * gate_up[I:]
+            act = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
             want[t] += weights[t, j].double() * (w2[e].double() @ act)
-    assert_reduction_close(fused_moe_ref(x, w13, w2, weights, ids).double(), want, H + I + top_k,
+    assert_reduction_close(fused_moe_ref(x, w13, w2, weights, ids).double(), want, H + inter + top_k,
                            storage=torch.float32)
+    assert len(calls) == grouped
 
 
 @pytest.mark.parametrize("block_m", [1, 4, 16])
