@@ -10,10 +10,10 @@ Why the kernel is shaped this way. Decode is bound by reading the KV cache, so:
   tile is read once for the whole group, and the group (padded to >= 16 rows) makes the scores a real
   tl.dot ([G, D] x [D, BLOCK_N]) instead of a per-head reduction.
 - A batch of a few sequences x few KV heads is far fewer programs than SMs, so the context is cut
-  into `num_splits` pieces ("flash decoding"). The split length is computed IN the kernel from each
-  sequence's own length (cdiv(seq_len, num_splits) rounded up to the key tile), so one host-side
-  num_splits (fixed at CUDA-graph capture) serves every length; splits left empty by a short
-  sequence write lse = -inf and weigh nothing in the merge.
+  into `num_splits` pieces ("flash decoding"; the rule is `choose_num_splits`'). The split length is
+  computed IN the kernel from each sequence's own length (cdiv(seq_len, num_splits) rounded up to
+  SPLIT_ALIGN keys), so one host-side num_splits (fixed at CUDA-graph capture) serves every length;
+  splits left empty by a short sequence write lse = -inf and weigh nothing in the merge.
 - Each split runs an fp32 online softmax over tiles of BLOCK_N keys, gathering every key's page from
   the block table (page = table[p // block_size]), so any block_size works and tiles may straddle
   pages. It writes a normalised partial output and its log-sum-exp (base 2); a second small kernel
@@ -30,8 +30,13 @@ import triton.language as tl
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
-# a split shorter than this costs more in the merge and launch than it wins in parallelism
-_MIN_SPLIT_TOKENS = 256
+# Split lengths are multiples of this many keys (a cache block's worth at the default block size): a
+# split may end mid-tile, its last tile masked. Short, so that a few sequences split into many parts.
+SPLIT_ALIGN = 16
+# resident decode programs per SM that keep enough K/V loads in flight to hide DRAM latency: a program
+# (4 warps, ~100 registers a thread, 2 pipelined K/V tiles of 16 KiB in shared memory) leaves room
+# for 3-4 on an H100 / A100 SM
+PROGRAMS_PER_SM = 4
 _MAX_SPLITS = 64
 _MERGE_BLOCK_S = 64  # next_power_of_2(_MAX_SPLITS)
 
@@ -54,7 +59,7 @@ def _decode_split_kernel(
         BLOCK_SIZE: tl.constexpr,  # cache block: constexpr so p // BLOCK_SIZE is a shift for powers of 2
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        DIRECT: tl.constexpr, IEEE: tl.constexpr):
+        DIRECT: tl.constexpr, IEEE: tl.constexpr, SPLIT_ALIGN: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -62,7 +67,7 @@ def _decode_split_kernel(
 
     seq_len = tl.load(seq_lens_ptr + b * stride_sl).to(tl.int32)
     # plain arithmetic, not tl.cdiv: a nested jit call costs ~4 ms per program in the interpreter
-    split_len = ((seq_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    split_len = ((seq_len + num_splits - 1) // num_splits + SPLIT_ALIGN - 1) // SPLIT_ALIGN * SPLIT_ALIGN
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)  # start >= end: nothing to do, lse = -inf
 
@@ -152,22 +157,32 @@ def _block_n(head_dim: int) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device) -> int:
-    """Context splits for a decode step: about four programs per SM on CUDA (a program keeps ~one
-    K/V tile in flight, so several per SM hide DRAM latency), each split at least _MIN_SPLIT_TOKENS
-    keys; a few on the CPU (the interpreter pays per program). Host ints only."""
+    """Context splits of a decode step (host ints only). On CUDA, by occupancy:
+
+        splits = cdiv(PROGRAMS_PER_SM * SM count, batch * num_kv_heads)   enough programs to fill the GPU
+                 at most cdiv(max_seq_len, SPLIT_ALIGN)                     a split has keys to read
+                 at most _MAX_SPLITS                                        what one merge program holds
+
+    so a few sequences get many splits and many sequences few. Qwen2.5-VL-3B (2 KV heads) on an H100
+    (132 SMs), graphs captured at max_model_len 4096: one sequence of 2k keys gets 64 splits of 32 keys,
+    128 programs (a minimum split of 256 keys gave it 16 splits of 128 keys, 32 programs: 9.8 us a
+    layer for 2 MB of K/V on the first H100 run); 8 sequences 32 splits; 64 sequences 5 splits of ~410
+    keys, 640 programs. With CUDA graphs `max_seq_len` is
+    max_model_len and the count is fixed per captured batch size; the kernel sizes each sequence's
+    splits from its own length. On the CPU a few (the interpreter pays per program)."""
     device = torch.device(device)
     max_seq_len = max(int(max_seq_len), 1)
     if device.type == "cuda":
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-        splits = triton.cdiv(4 * sm_count, max(batch * num_kv_heads, 1))
-        splits = min(splits, triton.cdiv(max_seq_len, _MIN_SPLIT_TOKENS), _MAX_SPLITS)
+        splits = triton.cdiv(PROGRAMS_PER_SM * sm_count, max(batch * num_kv_heads, 1))
+        splits = min(splits, triton.cdiv(max_seq_len, SPLIT_ALIGN), _MAX_SPLITS)
     else:
         splits = min(8, triton.cdiv(max_seq_len, 512))
     splits = max(splits, 1)
-    # as many splits as the longest sequence's tiles fill: 9 requested for 64 tiles would leave
-    # the ninth empty (8 tiles each), so ask for 8
-    tiles = triton.cdiv(max_seq_len, _block_n(128))
-    return triton.cdiv(tiles, triton.cdiv(tiles, splits))
+    # as many splits as the longest sequence's aligned pieces fill: 9 requested for 64 pieces would
+    # leave the ninth empty (8 pieces each), so ask for 8
+    pieces = triton.cdiv(max_seq_len, SPLIT_ALIGN)
+    return triton.cdiv(pieces, triton.cdiv(pieces, splits))
 
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
@@ -250,7 +265,7 @@ def paged_attention_decode(q: torch.Tensor,  # [B, H, D], last dim contiguous
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 16),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-        DIRECT=direct, IEEE=q.dtype == torch.float32,
+        DIRECT=direct, IEEE=q.dtype == torch.float32, SPLIT_ALIGN=SPLIT_ALIGN,
         # 3 stages: the pipeliner prefetches the block-table entries two tiles ahead and K/V one
         # tile ahead (cp.async); with 2 the table gather stalls every iteration
         num_warps=4, num_stages=3)

@@ -33,6 +33,7 @@ libdevice's cosf/sinf, whose reduction of huge arguments spilled registers on sm
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -51,7 +52,8 @@ _TILE_ELEMS = 2048
 @triton.jit
 def _rotate_heads(x_ptr, stride_h, num_heads, half_dim, cos, sin,  # cos, sin: [BLOCK_HALF] float32
                   w_ptr, eps,  # the per-head RMSNorm weight [2 * half_dim] and eps, read when HAS_NORM
-                  HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                  dst_ptr, dst_stride_h, dst_heads,  # HAS_DST: the first dst_heads rotated heads also go there
+                  HAS_NORM: tl.constexpr, HAS_DST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     dtype = x_ptr.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_HALF)
     for h0 in range(0, num_heads, BLOCK_H):
@@ -68,10 +70,15 @@ def _rotate_heads(x_ptr, stride_h, num_heads, half_dim, cos, sin,  # cos, sin: [
             # HF rounds the normalised head to the dtype before the weight, and the product after it
             x1 = ((x1 * rstd[:, None]).to(dtype).to(tl.float32) * w1[None, :]).to(dtype).to(tl.float32)
             x2 = ((x2 * rstd[:, None]).to(dtype).to(tl.float32) * w2[None, :]).to(dtype).to(tl.float32)
-        out1 = x1 * cos[None, :] - x2 * sin[None, :]
-        out2 = x2 * cos[None, :] + x1 * sin[None, :]
-        tl.store(ptr1, out1.to(dtype), mask=mask)
-        tl.store(ptr2, out2.to(dtype), mask=mask)
+        out1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype)
+        out2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype)
+        tl.store(ptr1, out1, mask=mask)
+        tl.store(ptr2, out2, mask=mask)
+        if HAS_DST:  # the values just stored, cast as a copy of them would be
+            dst1 = dst_ptr + offs_h[:, None] * dst_stride_h + offs_d[None, :]
+            dst_mask = (offs_h[:, None] < dst_heads) & (offs_d[None, :] < half_dim)
+            tl.store(dst1, out1.to(dst_ptr.dtype.element_ty), mask=dst_mask)
+            tl.store(dst1 + half_dim, out2.to(dst_ptr.dtype.element_ty), mask=dst_mask)
 
 
 _HALF_PI = tl.constexpr(1.5707963267948966)  # float64: the quadrant reduction runs in float64
@@ -98,17 +105,12 @@ def _cos_sin(angle):  # angle: float32, any size -> (cos, sin) float32
     return cos, sin
 
 
-# [3, N] positions: the row stride is the step's token count, not specialised (no compile while serving)
-# positions may be a view into a packed step buffer at any offset: not specialised on alignment either
-@triton.jit(do_not_specialize=["stride_pos_row"], do_not_specialize_on_alignment=["pos_ptr"])
-def _rotary_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr, q_norm_ptr, k_norm_ptr, eps,
-                   stride_qn, stride_qh, stride_kn, stride_kh, stride_pos_row, stride_pos_n,
-                   num_heads, num_kv_heads, half_dim,
+@triton.jit
+def _token_cos_sin(pos_ptr, inv_freq_ptr, token, stride_pos_row, stride_pos_n, half_dim,
                    SECTION_ENDS: tl.constexpr,  # cumulative ends of contiguous M-RoPE sections, or ()
                    INTERLEAVED_ENDS: tl.constexpr,  # (3 * section[1], 3 * section[2]) when interleaved, or ()
-                   HAS_NORM: tl.constexpr,
-                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
+                   BLOCK_HALF: tl.constexpr):
+    """cos, sin [BLOCK_HALF] float32 of one token: each frequency's angle from its position row."""
     offs_d = tl.arange(0, BLOCK_HALF)
     inv_freq = tl.load(inv_freq_ptr + offs_d, mask=offs_d < half_dim, other=0.0)  # [BLOCK_HALF]
     pos_t = tl.load(pos_ptr + token * stride_pos_n).to(tl.float32)
@@ -129,11 +131,24 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr, q_norm_ptr, k_norm_ptr, 
             row = tl.where((lane == 1) & (offs_d < INTERLEAVED_ENDS[0]), 1, row)
             row = tl.where((lane == 2) & (offs_d < INTERLEAVED_ENDS[1]), 2, row)
         pos = tl.where(row == 0, pos_t, tl.where(row == 1, pos_h, pos_w))  # [BLOCK_HALF]
-    cos, sin = _cos_sin(pos * inv_freq)  # the float32 angle, as HF's inv_freq x position
+    return _cos_sin(pos * inv_freq)  # the float32 angle, as HF's inv_freq x position
+
+
+# [3, N] positions: the row stride is the step's token count, not specialised (no compile while serving)
+# positions may be a view into a packed step buffer at any offset: not specialised on alignment either
+@triton.jit(do_not_specialize=["stride_pos_row"], do_not_specialize_on_alignment=["pos_ptr"])
+def _rotary_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr, q_norm_ptr, k_norm_ptr, eps,
+                   stride_qn, stride_qh, stride_kn, stride_kh, stride_pos_row, stride_pos_n,
+                   num_heads, num_kv_heads, half_dim,
+                   SECTION_ENDS: tl.constexpr, INTERLEAVED_ENDS: tl.constexpr, HAS_NORM: tl.constexpr,
+                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cos, sin = _token_cos_sin(pos_ptr, inv_freq_ptr, token, stride_pos_row, stride_pos_n, half_dim,
+                              SECTION_ENDS, INTERLEAVED_ENDS, BLOCK_HALF)
     _rotate_heads(q_ptr + token * stride_qn, stride_qh, num_heads, half_dim, cos, sin, q_norm_ptr, eps,
-                  HAS_NORM, BLOCK_HQ, BLOCK_HALF)
+                  q_ptr, 0, 0, HAS_NORM, False, BLOCK_HQ, BLOCK_HALF)
     _rotate_heads(k_ptr + token * stride_kn, stride_kh, num_kv_heads, half_dim, cos, sin, k_norm_ptr, eps,
-                  HAS_NORM, BLOCK_HK, BLOCK_HALF)
+                  k_ptr, 0, 0, HAS_NORM, False, BLOCK_HK, BLOCK_HALF)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -182,6 +197,27 @@ def rotary_embedding(q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rota
     hkv = k.shape[1]
     if n == 0:
         return
+    p = launch_params(q, k, positions, mrope_section, mrope_interleaved, q_norm_weight is not None)
+    has_norm = q_norm_weight is not None
+    _rotary_kernel[(n,)](
+        q, k, positions, inv_freq,
+        q_norm_weight if has_norm else inv_freq, k_norm_weight if has_norm else inv_freq, norm_eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), p.stride_pos_row, p.stride_pos_n,
+        h, hkv, d // 2, **p.constexprs, num_warps=4)
+
+
+@dataclass(frozen=True)
+class LaunchParams:
+    """What a rotary launch derives from its inputs: the positions' strides and the constexprs
+    (`SECTION_ENDS`, `INTERLEAVED_ENDS`, `HAS_NORM`, the head tiles, `BLOCK_HALF`)."""
+    stride_pos_row: int
+    stride_pos_n: int
+    constexprs: dict
+
+
+def launch_params(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, mrope_section: tuple[int, ...] | None,
+                  mrope_interleaved: bool, has_norm: bool) -> LaunchParams:
+    h, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     mrope = positions.dim() == 2 and mrope_section is not None
     interleaved = mrope and mrope_interleaved
     section_ends = tuple(accumulate(int(s) for s in mrope_section)) if mrope and not interleaved else ()
@@ -190,19 +226,12 @@ def rotary_embedding(q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rota
         stride_pos_row, stride_pos_n = positions.stride(0), positions.stride(1)
     else:
         stride_pos_row, stride_pos_n = 0, positions.stride(0)
-    has_norm = q_norm_weight is not None
     block_half = triton.next_power_of_2(d // 2)
     max_heads = max(1, _TILE_ELEMS // block_half)
-    _rotary_kernel[(n,)](
-        q, k, positions, inv_freq,
-        q_norm_weight if has_norm else inv_freq, k_norm_weight if has_norm else inv_freq, norm_eps,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), stride_pos_row, stride_pos_n,
-        h, hkv, d // 2,
+    return LaunchParams(stride_pos_row, stride_pos_n, dict(
         SECTION_ENDS=section_ends, INTERLEAVED_ENDS=interleaved_ends, HAS_NORM=has_norm,
         BLOCK_HQ=min(triton.next_power_of_2(h), max_heads), BLOCK_HK=min(triton.next_power_of_2(hkv), max_heads),
-        BLOCK_HALF=block_half,
-        num_warps=4,
-    )
+        BLOCK_HALF=block_half))
 
 
 def _angles(positions: torch.Tensor,  # [N] or [3, N]

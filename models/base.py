@@ -129,9 +129,10 @@ class VisionLanguageModel(nn.Module, ABC):
         return None
 
     @abstractmethod
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`[num_sampled, hidden_size] -> [num_sampled, vocab_size]` float32 (the whole vocab on every
-        rank under tensor parallelism); called only on the rows that are sampled."""
+        rank under tensor parallelism); called only on the rows that are sampled. `out`: a float32
+        `[num_sampled, vocab_size]` to write them into (the decode graphs' static buffer), returned."""
 
     @abstractmethod
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
@@ -179,6 +180,12 @@ class PromptProcessor(ABC):
         """Validate messages, decode and preprocess images, render the chat template (given
         `template_kwargs` as variables: the request's tools, its chat_template_kwargs) and expand each
         image placeholder to the image's tokens (typed errors for bad input)."""
+
+    @abstractmethod
+    def text_prompt(self, token_ids: list[int]) -> PromptInputs:
+        """The prompt of these token ids as they are (a raw text's or a token-id prompt's, already
+        checked against the vocabulary): no chat template, no images, the family's positions for
+        plain text. The image placeholder token is refused (`multimodal.inputs.refuse_placeholders`)."""
 
     @abstractmethod
     def largest_image(self) -> ImageInput:

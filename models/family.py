@@ -154,8 +154,11 @@ class FamilySpec(ABC):
         return _checked(self, options, self.engine_settings, "engine setting", "")
 
     def image_options(self, options: Mapping[str, Any], where: str) -> dict[str, Any]:
-        """One image part's `ImageRef.options` checked against `image_settings` (`where`: "image 0: ")."""
-        return _checked(self, options, self.image_settings, "image setting", where)
+        """One image part's `ImageRef.options` checked against `image_settings` (`where`: "image 0: ").
+        A key that no registered family declares is ignored, as OpenAI and vLLM ignore unknown keys of
+        an image part; another family's image setting is refused, since the size bound it asks for
+        would not be applied here."""
+        return _checked(self, options, self.image_settings, "image setting", where, ignore_unknown=True)
 
     # -- planner hooks -----------------------------------------------------------------------------
     @abstractmethod
@@ -166,19 +169,21 @@ class FamilySpec(ABC):
         `model` is the engine's model built on the meta device."""
 
     @abstractmethod
-    def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int]:
-        """(vision hidden size, vision MLP width) for the planner's vision activation estimate:
-        rows of the largest image * (4 * hidden + 2 * MLP width) * dtype bytes."""
+    def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int, int]:
+        """(vision hidden size, vision MLP width, pixel values per vision row) for the vision tower's
+        activation estimate (vlm_sdk/memory/consumers/activation.py)."""
 
 
 def _checked(family: FamilySpec, options: Mapping[str, Any], schema: tuple[Setting, ...], kind: str,
-             where: str) -> dict[str, Any]:
+             where: str, ignore_unknown: bool = False) -> dict[str, Any]:
     by_name = {s.name: s for s in schema}
     out = {}
     for name, value in options.items():
         if value is None:
             continue
         if name not in by_name:
+            if ignore_unknown and not _owners(name, family.name):
+                continue
             accepted = ", ".join(by_name) or "none"
             raise InvalidRequestError(
                 f"{where}{name}{'' if where else f'={value!r}'} is not an {kind} of {family.display_name} (this "
@@ -188,8 +193,13 @@ def _checked(family: FamilySpec, options: Mapping[str, Any], schema: tuple[Setti
     return out
 
 
-def _owner(name: str, this: str) -> str:
+def _owners(name: str, this: str) -> list[str]:
+    """The display names of the other registered families that declare a setting `name`."""
     from vlm_sdk.models.registry import families
-    owners = [f.display_name for f in families() if f.name != this and
-              name in {s.name for s in f.engine_settings + f.image_settings}]
+    return [f.display_name for f in families() if f.name != this and
+            name in {s.name for s in f.engine_settings + f.image_settings}]
+
+
+def _owner(name: str, this: str) -> str:
+    owners = _owners(name, this)
     return f": it belongs to {' / '.join(owners)}" if owners else ""

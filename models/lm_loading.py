@@ -89,8 +89,8 @@ class DecoderVLM(VisionLanguageModel):
             inputs_embeds[images.rows] = images.embeds.to(inputs_embeds.dtype)  # [n, hidden] rows
         return inputs_embeds, positions[0] if self.position_rows == 1 else positions
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.decoder.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.decoder.compute_logits(hidden, out)
 
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         tower, proj = self._vision_parts()
@@ -108,9 +108,10 @@ def load_with_lm_head(model: nn.Module, decoder: LlamaDecoder, weights: Iterable
     (on every rank when it differs on any: the verdict is all-reduced over `decoder.tp`).
 
     `weights` may hold lazy tensors (`model_loader.iter_safetensors(lazy=True)`): only this rank's rows
-    of the head are read."""
+    of the head are read. Quantized Linears check what their format constrains once loaded (g_idx)."""
     if decoder.lm_head is not None:
         load_checked(model, weights, slots, canonical=canonical, source=source)
+        _check_quantized(decoder)
         return
     emb_layer = decoder.embed_tokens
     start, stop = emb_layer.vocab_start, emb_layer.vocab_stop
@@ -131,6 +132,7 @@ def load_with_lm_head(model: nn.Module, decoder: LlamaDecoder, weights: Iterable
             head.append(tensor.narrow(0, start, stop - start))
 
     load_checked(model, without_head(), slots, canonical=canonical, source=source)
+    _check_quantized(decoder)
     if not head:  # the same on every rank: all read the same files
         return
     emb = emb_layer.weight
@@ -140,6 +142,13 @@ def load_with_lm_head(model: nn.Module, decoder: LlamaDecoder, weights: Iterable
         logger.warning("config.json ties lm_head to the token embedding but the checkpoint's %s differs from it; "
                        "using the checkpoint's %s (as transformers does)", lm_head, lm_head)
         decoder.untie_lm_head(head[0])
+
+
+def _check_quantized(decoder: LlamaDecoder) -> None:
+    for module in decoder.modules():
+        check = getattr(module, "check_loaded", None)
+        if check is not None:
+            check()
 
 
 def finish_cpu_layout(model: nn.Module, decoder: LlamaDecoder) -> None:

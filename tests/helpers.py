@@ -42,6 +42,20 @@ def conversations() -> dict[str, list[dict]]:
     }
 
 
+def internvl_conversations() -> dict[str, list[dict]]:
+    """Several tiles per image, kept short with per-image max_num (transformers gets it as max_patches)."""
+    a, b, c = image(400, 200, 1), image(120, 260, 2), image(200, 200, 3)
+    return {
+        "text": [{"role": "user", "content": "Tell me a short story about the sea."}],
+        "one_image": [{"role": "user", "content": [  # 2x1 grid (1 row, 2 cols) + thumbnail = 3 tiles
+            {"type": "image", "image": a, "max_num": 2}, {"type": "text", "text": "What is in this image?"}]}],
+        "two_images": [{"role": "system", "content": "You compare pictures."},
+                       {"role": "user", "content": [
+                           {"type": "text", "text": "Compare"}, {"type": "image", "image": b, "max_num": 2},
+                           {"type": "text", "text": "with"}, {"type": "image", "image": c, "max_num": 1}]}],
+    }
+
+
 def start_server(cmd: list[str], timeout: float = 120) -> tuple[subprocess.Popen, str]:
     """Run a server command (its own process group, killed with it on failure) until it prints the URL
     it serves at; (process, "http://127.0.0.1:PORT")."""

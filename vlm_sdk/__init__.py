@@ -14,6 +14,8 @@ _EXPORTS = {
     "RequestMetrics": "vlm_sdk.outputs",
     "TokenLogprob": "vlm_sdk.outputs",
     "EngineArgs": "vlm_sdk.config",
+    "TextPrompt": "vlm_sdk.multimodal.prompts",
+    "TokensPrompt": "vlm_sdk.multimodal.prompts",
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

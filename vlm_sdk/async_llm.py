@@ -39,6 +39,7 @@ from vlm_sdk.model_loader import load_tokenizer
 from vlm_sdk.models.registry import engine_args as make_engine_args
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.multimodal.messages import measure
+from vlm_sdk.multimodal.prompts import RawPrompt, TextPrompt, TokensPrompt, as_prompt
 from vlm_sdk.outputs import RequestOutput
 from vlm_sdk.sampling_params import SamplingParams
 
@@ -121,18 +122,24 @@ class AsyncLLM:
             callback(dead)
 
     # -- public API -------------------------------------------------------------------------------
-    async def build_prompt(self, messages, params: SamplingParams | None = None,
+    async def build_prompt(self, request, params: SamplingParams | None = None,
                            options: ChatOptions | None = None) -> PromptInputs:
         """Validate, decode images and tokenize off the event loop; raises the request's own error
         (`InvalidRequestError`, `InvalidImageError`, `InputTooLongError`, whose fixes fit the prompt
-        and `params.max_tokens`) before anything is queued. `options`: tools, chat_template_kwargs,
-        cache_salt (`ChatOptions`)."""
+        and `params.max_tokens`) before anything is queued. `request`: chat messages, or a
+        `TextPrompt` / `TokensPrompt` (no chat template; see `LLMEngine.build_prompt`). `options`:
+        tools, chat_template_kwargs, cache_salt (`ChatOptions`), for chat messages."""
         self._check_alive()
-        chars, images = measure(messages)
+        if isinstance(request, TokensPrompt):
+            chars, images = 0, 0
+        elif isinstance(request, TextPrompt):
+            chars, images = len(request.text), 0
+        else:
+            chars, images = measure(request)
         pool = self._heavy_prep if images or chars >= LONG_TEXT_CHARS else self._text_prep
         cancelled = threading.Event()
         job = asyncio.get_running_loop().run_in_executor(
-            pool, partial(self.engine.build_prompt, messages, params, cancelled=cancelled, options=options))
+            pool, partial(self.engine.build_prompt, request, params, cancelled=cancelled, options=options))
         try:
             return await job  # cancelled here, a job not started yet is dropped from the pool's queue
         except asyncio.CancelledError:
@@ -150,12 +157,16 @@ class AsyncLLM:
         async for out in self.generate(prompt, params, request_id):
             yield out
 
-    async def generate(self, prompt: PromptInputs, params: SamplingParams | None = None,
+    async def generate(self, prompt: PromptInputs | str | list[int] | RawPrompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a prompt made by `build_prompt`. Closing the iterator early aborts the request. With
-        `params.n` > 1 the n samples (`params.sample(i)`: seed + i) stream interleaved, told apart by
-        `index`, until all have finished; closing it aborts all of them."""
+        """Stream the completion of a prompt: one made by `build_prompt`, or a text or token ids
+        (a `TextPrompt` / `TokensPrompt`, built here with no chat template). Closing the iterator
+        early aborts the request. With `params.n` > 1 the n samples (`params.sample(i)`: seed + i)
+        stream interleaved, told apart by `index`, until all have finished; closing it aborts all of
+        them."""
         params = _check_params(params)
+        if not isinstance(prompt, PromptInputs):
+            prompt = await self.build_prompt(as_prompt(prompt), params)
         loop = asyncio.get_running_loop()
         keys = [f"async-{next(self._ids)}" for _ in range(params.n)]
         user_id = request_id or keys[0]

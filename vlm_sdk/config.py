@@ -85,6 +85,10 @@ class EngineArgs:
     seed: int = 0
     show_progress: bool = True
     attention_backend: str | None = None  # "triton" (default on CUDA) or "torch" (default on the CPU)
+    # the decoder's qkv and o projections at <= 8 rows (decode at small batch): "torch" (F.linear: cuBLAS on
+    # CUDA) or "triton" (kernels/skinny_gemm.py; the Triton kernel set only). `vlm-sdk bench --gpu` times
+    # both at the model's shapes; the default stays "torch" until a GPU run says otherwise
+    small_m_gemm: str = "torch"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of from captured CUDA graphs
     # CUDA, off until run on a GPU: steps with prefill rows replay piecewise CUDA graphs around eager
     # attention (worker/piecewise_graphs.py); the memory profile counts their buffers and pool when on
@@ -177,6 +181,9 @@ class EngineArgs:
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         if self.attention_backend is not None and self.attention_backend not in ("torch", "triton"):
             raise InvalidRequestError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.small_m_gemm not in ("torch", "triton"):
+            raise InvalidRequestError(f"small_m_gemm must be 'torch' or 'triton', got {self.small_m_gemm!r}",
+                                      param="small_m_gemm")
         t = self.distributed_timeout
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise InvalidRequestError(f"distributed_timeout must be a positive number of seconds, got {t!r}",
@@ -285,6 +292,10 @@ def resolve_rank_config(args: EngineArgs) -> RankConfig:
     device = args.resolve_device()
     size = args.tensor_parallel_size
     backend = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
+    if args.small_m_gemm == "triton" and backend != "triton":
+        raise InvalidRequestError(f"small_m_gemm='triton' needs the Triton kernel set, and attention_backend is "
+                                  f"'{backend}'{'' if args.attention_backend else ' (the default on ' + device.type + ')'}"
+                                  f": set attention_backend='triton', or small_m_gemm='torch'", param="small_m_gemm")
     decode_graphs = device.type == "cuda" and backend == "triton" and not args.enforce_eager
     return RankConfig(args, device.type, str(args.resolve_dtype(device)).removeprefix("torch."), backend,
                       args.resolve_async_scheduling(device, size), decode_graphs,

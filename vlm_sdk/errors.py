@@ -83,7 +83,8 @@ class InputTooLongError(InvalidRequestError):
     def __init__(self, prompt_tokens: int, image_tokens: list[int], capacity_tokens: int,
                  fixes: dict[str, int], limit_reason: str, conversation_index: int | None = None,
                  together: dict[str, int] | None = None, max_tokens: int | None = None,
-                 output_tokens: int | None = None, at_least: bool = False):
+                 output_tokens: int | None = None, at_least: bool = False, index_noun: str = "conversation"):
+        self.index_noun = index_noun  # what `conversation_index` counts: "conversation" (chat) or "prompt"
         self.prompt_tokens = prompt_tokens
         self.at_least = at_least
         self.image_tokens = list(image_tokens)
@@ -110,7 +111,7 @@ class InputTooLongError(InvalidRequestError):
                 f"max_position_embeddings allows no more)")
 
     def _message(self) -> str:
-        where = "" if self.conversation_index is None else f"conversation {self.conversation_index}: "
+        where = "" if self.conversation_index is None else f"{self.index_noun} {self.conversation_index}: "
         if self.at_least:
             return (f"{where}prompt text is more than {self.prompt_tokens} tokens (counting stopped there, before "
                     f"the whole text was tokenized) but this engine holds at most {self.capacity_tokens} tokens per "
@@ -133,14 +134,16 @@ class InputTooLongError(InvalidRequestError):
         elif both:
             msg += f" No single setting makes it fit; these together do{room}: {both}."
         else:
-            msg += " No single setting makes it fit: shorten the prompt or use fewer images."
+            msg += (" No single setting makes it fit: shorten the prompt"
+                    + (" or use fewer images." if self.image_tokens else "."))
         return msg
 
-    def with_conversation(self, index: int) -> "InputTooLongError":
+    def with_conversation(self, index: int, noun: str = "conversation") -> "InputTooLongError":
+        """The same error, its message naming which of a batch's conversations (or prompts) it was."""
         return InputTooLongError(self.prompt_tokens, self.image_tokens, self.capacity_tokens,
                                  self.fixes, self.limit_reason, index, together=self.together,
                                  max_tokens=self.max_tokens, output_tokens=self.output_tokens,
-                                 at_least=self.at_least)
+                                 at_least=self.at_least, index_noun=noun)
 
 
 class UnfitImagesError(InvalidRequestError):

@@ -1,4 +1,4 @@
-"""`LLM`: offline batch chat on the caller's thread.
+"""`LLM`: offline batch chat (`chat`) and completion (`generate`, no chat template) on the caller's thread.
 
 Each `engine.step()` returns token ids; the `OutputProcessor` (its own tokenizer) turns them into
 text on the same caller's thread, between steps, and finishes requests that hit a stop string.
@@ -14,6 +14,7 @@ from vlm_sdk.engine.output.output_processor import OutputProcessor
 from vlm_sdk.errors import InputTooLongError, InvalidRequestError, VLMError
 from vlm_sdk.model_loader import load_tokenizer
 from vlm_sdk.models.registry import engine_args as make_engine_args
+from vlm_sdk.multimodal.prompts import parse_prompts
 from vlm_sdk.outputs import RequestOutput
 from vlm_sdk.sampling_params import SamplingParams
 
@@ -54,26 +55,44 @@ class LLM:
             conversations = [conversations]
         if not isinstance(conversations, (list, tuple)) or not conversations:
             raise InvalidRequestError("chat() needs a conversation (a list of messages) or a list of them")
+        return self._run(list(conversations), sampling_params, "conversation", options)
+
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Complete prompts without a chat template: a text, token ids, or a list of either
+        (`"Once upon a time"`, `[9707, 11]`, `["a", "b"]`, `[[9707], [641]]`, or `TextPrompt` /
+        `TokensPrompt`); outputs in input order, one per prompt. Special-token text in a text prompt
+        is the special token; token ids must be in the vocabulary. Checked, run and returned as `chat`
+        does (errors name the prompt's index); `cache_salt` as in `chat`."""
+        return self._run(parse_prompts(prompts, "prompts"), sampling_params, "prompt",
+                         ChatOptions(cache_salt=cache_salt))
+
+    def _run(self, requests: list, sampling_params, noun: str, options: ChatOptions | None) -> list[RequestOutput]:
+        """Build every request's prompt (any failure raises, naming its `noun` and index, before
+        anything runs), then run them all to completion."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(conversations)
+            params = [sampling_params or SamplingParams()] * len(requests)
         else:
             params = list(sampling_params)
-            if len(params) != len(conversations):
-                raise InvalidRequestError(f"got {len(params)} sampling params for {len(conversations)} conversations")
+            if len(params) != len(requests):
+                raise InvalidRequestError(f"got {len(params)} sampling params for {len(requests)} {noun}s")
             for i, p in enumerate(params):
                 if not isinstance(p, SamplingParams):
                     raise InvalidRequestError(f"sampling params {i} must be a SamplingParams, got {type(p).__name__}")
         prompts = []
-        for i, conv in enumerate(conversations):
+        for i, request in enumerate(requests):
             try:
-                prompts.append(self.engine.build_prompt(conv, params[i], options=options))
+                prompts.append(self.engine.build_prompt(request, params[i], options=options))
             except InputTooLongError as e:
-                raise e.with_conversation(i) from None
+                raise e.with_conversation(i, noun) from None
             except InvalidRequestError as e:
-                raise type(e)(f"conversation {i}: {e}", param=e.param) from e
+                raise type(e)(f"{noun} {i}: {e}", param=e.param) from e
             except VLMError as e:
-                raise type(e)(f"conversation {i}: {e}") from e
-        groups: list[list[str]] = []  # per conversation, the engine ids of its n samples
+                raise type(e)(f"{noun} {i}: {e}") from e
+        return self._complete(prompts, params)
+
+    def _complete(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
+        groups: list[list[str]] = []  # per prompt, the engine ids of its n samples
         states = {}
         final: dict[str, RequestOutput] = {}
         try:

@@ -12,8 +12,9 @@ MIN_TEMPERATURE = 1e-5
 # the smallest normal float32: the sampler compares top_p as a float32, where a smaller value can
 # become 0 (and 0 masks every token); nobody means a nucleus that small
 MIN_TOP_P = 1.1754943508222875e-38
-# what torch.Generator.manual_seed accepts
-SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+# a signed 64-bit integer, as vLLM's OpenAI server takes it (torch.Generator.manual_seed would also take
+# 2**63 to 2**64-1, but a client that sends one to vLLM gets a 400, and the two ranges draw alike mod 2**64)
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
 # output tokens of a request that does not say; None ("not set") runs to max_model_len instead, and the
 # too-long error then sizes its fixes for this many
 DEFAULT_MAX_TOKENS = 256

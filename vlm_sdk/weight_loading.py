@@ -10,6 +10,8 @@ tensor-parallel rank's slice along one dim): the tensor is checked at its full s
 slice is copied, so a rank never keeps the whole tensor. A FUSED checkpoint tensor whose parts are
 split separately (Qwen's / InternViT's `attn.qkv` [3C, C]: rank r takes its heads of q, of k and of v)
 maps to a `SplitSlot`: several `ParamSlot`s of the one tensor, each with its own shard and row_start.
+A slot may place its range along another dim of the parameter (`dim`): a packed quantized tensor whose
+output features are its dim 1 (AWQ's `qweight` [in, out / 8]) takes q | k | v side by side along dim 1.
 `load_checked` refuses unexpected, mis-shaped, duplicated
 and missing tensors instead of leaving random weights behind, and checks up front that the slots
 cover every row of every parameter exactly once. It knows no model: name aliases (e.g. the
@@ -67,15 +69,18 @@ class ParamSlot:
     """Where one checkpoint tensor goes: rows [row_start, row_start + loaded rows) of parameter `param`
     (the whole parameter when `row_start` is None), after reshaping to the parameter's trailing dims.
     `param` is a name in the module's `state_dict()` (a parameter or a persistent buffer). With a
-    `shard`, only that slice of the tensor is loaded (`shape` is still the whole tensor's)."""
+    `shard`, only that slice of the tensor is loaded (`shape` is still the whole tensor's). `dim`: the
+    parameter's dim that `row_start` counts along (0: rows; 1: columns, for packed tensors whose output
+    features run along dim 1); the loaded tensor then has the parameter's shape but along `dim`."""
     param: str
     shape: tuple[int, ...]  # the shape the checkpoint tensor must have
     row_start: int | None = None
     shard: Shard | None = None
+    dim: int = 0
 
     def under(self, prefix: str) -> "ParamSlot":
         """The same slot for the parameter seen from a parent module (`prefix` + param)."""
-        return ParamSlot(prefix + self.param, self.shape, self.row_start, self.shard)
+        return ParamSlot(prefix + self.param, self.shape, self.row_start, self.shard, self.dim)
 
     @property
     def loaded_shape(self) -> tuple[int, ...]:
@@ -139,7 +144,7 @@ def load_checked(module: torch.nn.Module, weights: Iterable[tuple[str, Checkpoin
     owner = type(module).__name__
     regions = _slot_regions(module, slots)
     loaded: dict[str, str] = {}                          # slot name -> checkpoint name
-    filled: dict[tuple[int, int, int], str] = {}         # (id(target), start, stop) -> checkpoint name
+    filled: dict[tuple[int, int, int, int], str] = {}    # (id(target), dim, start, stop) -> checkpoint name
     with torch.no_grad():
         for raw_name, tensor in weights:
             name = canonical(raw_name)
@@ -158,19 +163,19 @@ def load_checked(module: torch.nn.Module, weights: Iterable[tuple[str, Checkpoin
             previous = loaded.get(name)
             if previous == raw_name:
                 raise CheckpointError(f"tensor {raw_name}{where} appears twice in the checkpoint")
-            keys = [(id(target), start, stop) for target, start, stop in regions[name]]
+            keys = [(id(target), dim, start, stop) for target, dim, start, stop in regions[name]]
             previous = previous or next((filled[k] for k in keys if k in filled), None)
             if previous is not None:   # two aliases of one name, or two names tied to one weight
                 raise CheckpointError(f"tensors {previous} and {raw_name}{where} both load into {_slot_text(slot)}")
-            for part, (target, start, stop) in zip(_parts(slot), regions[name]):
-                view = target.data if part.row_start is None else target.data[start:stop]
+            for part, (target, dim, start, stop) in zip(_parts(slot), regions[name]):
+                view = target.data if part.row_start is None else target.data.narrow(dim, start, stop - start)
                 piece = materialize(tensor) if part.shard is None else \
                     tensor.narrow(part.shard.dim, part.shard.start, part.shard.length)  # this rank's slice only
                 view.copy_(piece.reshape(view.shape))
             loaded[name] = raw_name
             filled.update((k, raw_name) for k in keys)
     missing = [n for n in slots if n not in loaded
-               and not all((id(t), a, b) in filled for t, a, b in regions[n])]
+               and not all((id(t), d, a, b) in filled for t, d, a, b in regions[n])]
     if missing:
         shown = [f"{n} {list(slots[n].shape)}" for n in missing]
         raise CheckpointError(f"{len(missing)} tensor(s) of {owner} missing from the checkpoint{where}: "
@@ -178,69 +183,86 @@ def load_checked(module: torch.nn.Module, weights: Iterable[tuple[str, Checkpoin
 
 
 def _slot_regions(module: torch.nn.Module, slots: dict[str, ParamSlot | SplitSlot]
-                  ) -> dict[str, list[tuple[torch.Tensor, int, int]]]:
-    """slot name -> (target tensor, first row, end row) of each of its parts; checks the map against the module."""
+                  ) -> dict[str, list[tuple[torch.Tensor, int, int, int]]]:
+    """slot name -> (target tensor, dim, first index, end index along dim) of each of its parts; checks
+    the map against the module."""
     owner = type(module).__name__
     targets: dict[str, torch.Tensor] = module.state_dict(keep_vars=True)  # params + persistent buffers
-    regions: dict[str, list[tuple[torch.Tensor, int, int]]] = {}
+    regions: dict[str, list[tuple[torch.Tensor, int, int, int]]] = {}
     entries = [(name, slot) for name, split in slots.items() for slot in _parts(split)]
     for name, slot in entries:
         target = targets.get(slot.param)
         if target is None:
             raise ValueError(f"slot for {name} names {slot.param!r}, which {owner} does not have")
-        rows = target.shape[0] if target.dim() else 1
+        dim = slot.dim
+        if slot.row_start is not None and not 0 <= dim < max(target.dim(), 1):
+            raise ValueError(f"slot for {name}: dim {dim} is not a dim of {slot.param} {_shape(target)}")
+        rows = target.shape[dim] if target.dim() else 1
         loaded = slot.loaded_shape
         if slot.shard is not None and not (0 <= slot.shard.dim < len(slot.shape) and slot.shard.start >= 0
                                            and slot.shard.start + slot.shard.length <= slot.shape[slot.shard.dim]):
             raise ValueError(f"slot for {name}: {slot.shard} is outside the tensor's shape {list(slot.shape)}")
         if slot.row_start is None:
-            start, stop, expect = 0, rows, target.numel()
+            dim, start, stop, expect = 0, 0, (target.shape[0] if target.dim() else 1), target.numel()
         else:
-            start, stop = slot.row_start, slot.row_start + (loaded[0] if loaded else 1)
-            expect = (stop - start) * prod(target.shape[1:])
+            width = loaded[dim] if len(loaded) > dim else 1  # the loaded tensor has the parameter's rank
+            start, stop = slot.row_start, slot.row_start + width
+            expect = (stop - start) * (target.numel() // rows if rows else 0)
             if target.dim() == 0 or start < 0 or stop > rows:
-                raise ValueError(f"slot for {name}: rows [{start}, {stop}) are outside {slot.param} "
+                raise ValueError(f"slot for {name}: {_along(dim)} [{start}, {stop}) are outside {slot.param} "
                                  f"{_shape(target)}")
         if prod(loaded) != expect:
             raise ValueError(f"slot for {name}: shape {list(loaded)} does not reshape into "
                              f"{_slot_text(slot)} of {owner} ({_shape(target)})")
-        regions.setdefault(name, []).append((target, start, stop))
-    # every parameter row is filled by exactly one region (slots naming the same region are aliases)
-    covered: dict[int, set[tuple[int, int]]] = {}
+        regions.setdefault(name, []).append((target, dim, start, stop))
+    # every parameter index along its dim is filled by exactly one region (slots naming the same region
+    # are aliases)
+    covered: dict[int, set[tuple[int, int, int]]] = {}
     for parts in regions.values():
-        for target, start, stop in parts:
-            covered.setdefault(id(target), set()).add((start, stop))
-    located = [((id(t), a, b), (n, slot)) for (n, slot), (t, a, b)
+        for target, dim, start, stop in parts:
+            covered.setdefault(id(target), set()).add((dim, start, stop))
+    located = [((id(t), d, a, b), (n, slot)) for (n, slot), (t, d, a, b)
                in zip(entries, (r for parts in regions.values() for r in parts))]
     by_region = dict(reversed(located))  # first slot per region
     for key, spans in covered.items():
+        dims = {d for d, _, _ in spans}
+        if len(dims) > 1:  # a whole-tensor slot (dim 0) beside column slots also overlaps
+            (first, s0), (second, s1) = (by_region[(key, *span)] for span in sorted(spans)[:2])
+            raise ValueError(f"slots for {first} and {second} overlap: {_slot_text(s0)} and {_slot_text(s1)}")
         ordered = sorted(spans)
-        for (a0, b0), (a1, b1) in zip(ordered, ordered[1:]):
+        for (d0, a0, b0), (d1, a1, b1) in zip(ordered, ordered[1:]):
             if a1 < b0:
-                (first, s0), (second, s1) = by_region[(key, a0, b0)], by_region[(key, a1, b1)]
+                (first, s0), (second, s1) = by_region[(key, d0, a0, b0)], by_region[(key, d1, a1, b1)]
                 raise ValueError(f"slots for {first} and {second} overlap: {_slot_text(s0)} "
                                  f"and {_slot_text(s1)}")
     gaps: list[str] = []
     for pname, param in module.named_parameters():   # tied parameters appear once
-        rows = param.shape[0] if param.dim() else 1
+        spans = sorted(covered.get(id(param), ()))
+        dim = spans[0][0] if spans else 0
+        rows = param.shape[dim] if param.dim() else 1
         nxt = 0
-        for start, stop in sorted(covered.get(id(param), ())):
+        for _, start, stop in spans:
             if start > nxt:
                 break
             nxt = max(nxt, stop)
         if nxt < rows:
-            gaps.append(pname if nxt == 0 else f"{pname} rows [{nxt}, {rows})")
+            gaps.append(pname if nxt == 0 else f"{pname} {_along(dim)} [{nxt}, {rows})")
     if gaps:
         raise ValueError(f"the slots leave {len(gaps)} parameter(s) of {owner} unloaded: {_name_list(gaps)}")
     return regions
+
+
+def _along(dim: int) -> str:
+    return "rows" if dim == 0 else f"dim-{dim} indices"
 
 
 def _slot_text(slot: ParamSlot | SplitSlot) -> str:
     if isinstance(slot, SplitSlot):
         return " and ".join(_slot_text(p) for p in slot.parts)
     loaded = slot.loaded_shape
+    width = loaded[slot.dim] if len(loaded) > slot.dim else 1
     text = slot.param if slot.row_start is None else \
-        f"{slot.param} rows [{slot.row_start}, {slot.row_start + (loaded[0] if loaded else 1)})"
+        f"{slot.param} {_along(slot.dim)} [{slot.row_start}, {slot.row_start + width})"
     if slot.shard is not None:
         sh = slot.shard
         text += f" (its dim-{sh.dim} slice [{sh.start}, {sh.start + sh.length}))"

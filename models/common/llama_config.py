@@ -17,6 +17,7 @@ from typing import Any
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.kernels.rotary_torch import check_mrope_section
 from vlm_sdk.layers.moe import MoeConfig
+from vlm_sdk.layers.quantization import QuantScheme
 
 
 # The LLM families this decoder serves; they differ in which projections carry a bias and Qwen3's q/k norm.
@@ -68,13 +69,19 @@ class LlamaDecoderConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of each q and k head before RoPE
     mrope_interleaved: bool = False  # Qwen3-VL's frequency layout (kernels/rotary_torch.py); M-RoPE only
     moe: MoeConfig | None = None  # Qwen3-MoE: the experts of the sparse layers; None: every MLP dense
+    # the checkpoint's quantized Linear format (config.json quantization_config; None: float weights) and
+    # the published name prefix of the decoder's modules ("model."), which its modules_to_not_convert name
+    quantization: QuantScheme | None = None
+    quant_prefix: str = ""
 
     @classmethod
     def from_hf(cls, text_config: Any, tie_word_embeddings: bool, mrope: bool,
-                family: str | None = None) -> "LlamaDecoderConfig":
+                family: str | None = None, quantization: QuantScheme | None = None,
+                quant_prefix: str = "") -> "LlamaDecoderConfig":
         """From a transformers text config, or a generic `PretrainedConfig` of a remote-code LLM
         (v5 `rope_parameters`, or the flat `rope_scaling`/`rope_theta`). `family` (one of
-        `LLM_FAMILIES`) overrides what `llm_family` reads from the config.
+        `LLM_FAMILIES`) overrides what `llm_family` reads from the config; `quantization`: the
+        checkpoint's format (`vlm_sdk.layers.quantization.quant_scheme` of the whole config).
         Raises `CheckpointError` for an LLM or RoPE variant this decoder does not implement."""
         family = family or llm_family(text_config)
         if family not in LLM_FAMILIES:
@@ -108,13 +115,18 @@ class LlamaDecoderConfig:
         else:  # InternLM2's remote-code config defaults `bias` to True (wqkv and wo)
             qkv_bias = o_bias = bool(getattr(text_config, "bias", True))
         kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+        moe = moe_config(text_config) if family == "qwen3" else None
+        if moe is not None and quantization is not None:
+            raise CheckpointError(f"config.json quantization_config ({quantization.description}) on a mixture-of-"
+                                  f"experts LLM: quantized experts are not supported yet (the fused MoE op reads "
+                                  f"float weights); use the unquantized checkpoint")
         return cls(vocab_size=text_config.vocab_size, hidden_size=hidden,
                    intermediate_size=text_config.intermediate_size, num_layers=text_config.num_hidden_layers,
                    num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                    rms_norm_eps=text_config.rms_norm_eps, rope_theta=float(theta), mrope_section=section,
                    tie_word_embeddings=tie_word_embeddings, attention_bias=qkv_bias, o_proj_bias=o_bias,
-                   qk_norm=family == "qwen3", mrope_interleaved=interleaved,
-                   moe=moe_config(text_config) if family == "qwen3" else None)
+                   qk_norm=family == "qwen3", mrope_interleaved=interleaved, quantization=quantization,
+                   quant_prefix=quant_prefix, moe=moe)
 
 
 def moe_config(text_config: Any) -> MoeConfig | None:

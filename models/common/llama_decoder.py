@@ -38,6 +38,7 @@ from vlm_sdk.layers.moe import SparseMoeBlock
 from vlm_sdk.layers.norm import RMSNorm
 from vlm_sdk.layers.ops import KernelOps, TorchOps
 from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.quantized_linear import linear_layer
 from vlm_sdk.layers.rotary import MRotaryEmbedding, RotaryInputs
 from vlm_sdk.weight_loading import ParamSlot
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
@@ -49,12 +50,17 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.ops = ops
         hidden, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        # a quantized checkpoint's layer kinds (the float ones where it keeps a module unquantized)
+        q, name = cfg.quantization, f"{cfg.quant_prefix}layers.{index}."
+        qkv_cls = linear_layer(QKVParallelLinear, q, f"{name}self_attn.q_proj")
+        o_cls = linear_layer(RowParallelLinear, q, f"{name}self_attn.o_proj")
+        gate_up_cls = linear_layer(MergedColumnParallelLinear, q, f"{name}mlp.gate_proj")
+        down_cls = linear_layer(RowParallelLinear, q, f"{name}mlp.down_proj")
         self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, device)
-        self.qkv_proj = QKVParallelLinear(hidden, d, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, dtype,
-                                          device, tp)
+        self.qkv_proj = qkv_cls(hidden, d, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, dtype, device, tp)
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5, ops.attention)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, hidden, cfg.o_proj_bias, dtype, device, tp)
+        self.o_proj = o_cls(cfg.num_heads * d, hidden, cfg.o_proj_bias, dtype, device, tp)
         # per head, so replicated under tensor parallelism and applied with no collective
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
@@ -63,8 +69,13 @@ class LlamaDecoderLayer(nn.Module):
         self.moe = SparseMoeBlock(hidden, cfg.moe, ops, dtype, device, tp) \
             if cfg.moe is not None and cfg.moe.is_sparse(index) else None
         if self.moe is None:
-            self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], False, dtype, device, tp)
-            self.down_proj = RowParallelLinear(inter, hidden, False, dtype, device, tp)
+            self.gate_up_proj = gate_up_cls(hidden, [inter, inter], False, dtype, device, tp)
+            self.down_proj = down_cls(inter, hidden, False, dtype, device, tp)
+        # the kernel set's product for few rows (`small_m_gemm`), where cuBLAS reads the weights slowest;
+        # a quantized layer keeps its own dequantizing product
+        for proj in (self.qkv_proj, self.o_proj):
+            if isinstance(proj, nn.Linear):  # the float layers (a quantized one is not one)
+                proj.matmul = ops.small_m_linear
 
     def forward(self, x: torch.Tensor,  # [N, hidden]: the previous layer's output
                 residual: torch.Tensor | None,  # [N, hidden]: the residual stream before it; None for layer 0
@@ -72,16 +83,22 @@ class LlamaDecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it): the next norm adds them
         (fused with the add), as HF's `x = x + mlp(norm(x))` does in two steps."""
-        q, k, v, residual = self.pre_attention(x, residual, rope)
-        attn = self.attn(q, k, v, kv_cache, meta)  # [N, H, D]
+        # the kernel set may rotate and store K/V in one launch: then attention only reads the cache
+        store = (kv_cache, meta.slot_mapping) if self.ops.fuses_rotary_store else None
+        q, k, v, residual = self.pre_attention(x, residual, rope, store)
+        attn = self.attn(q, k, v, kv_cache, meta, stored=store is not None)  # [N, H, D]
         return self.post_attention(attn, residual)
 
     # the two halves around the attention call (`DecoderLayerHalves`, models/base.py): piecewise CUDA graphs
     # (vlm_sdk/worker/piecewise_graphs.py) capture them and run the attention between them eagerly
     def pre_attention(self, x: torch.Tensor,  # [N, hidden]
                       residual: torch.Tensor | None,  # [N, hidden] or None for layer 0
-                      rope: RotaryInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q [N, H, D], k [N, Hkv, D], v [N, Hkv, D], the residual stream [N, hidden]): norm, qkv, rotary."""
+                      rope: RotaryInputs,
+                      store: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [N, H, D], k [N, Hkv, D], v [N, Hkv, D], the residual stream [N, hidden]): norm, qkv, rotary.
+        `store` = (this layer's KV cache, the step's slot mapping): k and v also go into the cache, in
+        the rotary's launch (`KernelOps.rotary_store_kv`, where the kernel set fuses them)."""
         ops, n = self.ops, x.shape[0]
         h, hkv = self.num_heads, self.num_kv_heads
         norm = self.input_layernorm
@@ -91,6 +108,9 @@ class LlamaDecoderLayer(nn.Module):
             normed, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         qkv = self.qkv_proj(normed).view(n, h + 2 * hkv, self.head_dim)  # [N, H+2Hkv, D]
         qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        if store is not None:
+            ops.rotary_store_kv(qkv, h, hkv, rope, qk_norm, *store)  # in place
+            return qkv[:, :h], qkv[:, h:h + hkv], qkv[:, h + hkv:], residual
         qk = ops.rotary(qkv[:, :h + hkv], h, rope, qk_norm)  # [N, H+Hkv, D]
         return qk[:, :h], qk[:, h:], qkv[:, h + hkv:], residual  # [N, H, D], [N, Hkv, D], [N, Hkv, D], [N, hidden]
 
@@ -176,14 +196,16 @@ class LlamaDecoder(nn.Module):
         with torch.no_grad():
             self.lm_head.weight.copy_(rows)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
+    def compute_logits(self, hidden: torch.Tensor,  # [S, hidden]
+                       out: torch.Tensor | None = None) -> torch.Tensor:  # [S, vocab] float32 (into `out`)
         if self.packed_head is not None:  # set after loading on the CPU (models/cpu_layout.py)
             local = self.packed_head(hidden)  # [S, vocab / tp]
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [vocab / tp, hidden]
             local = F.linear(hidden, weight)  # [S, vocab / tp]
         # gathered in the model's dtype (half the bytes of float32 in bf16; the cast is exact either way)
-        return gather_vocab(local, self.tp, self.cfg.vocab_size).float()  # [S, vocab]
+        logits = gather_vocab(local, self.tp, self.cfg.vocab_size)  # [S, vocab]
+        return logits.float() if out is None else out.copy_(logits)
 
     def checkpoint_map(self, prefix: str = "model.", lm_head: str = "lm_head.weight") -> dict[str, ParamSlot]:
         """Checkpoint name -> where it goes (this rank's slice), for the published Qwen2 / Llama layout

@@ -27,6 +27,7 @@ from torch import nn
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import KernelOps
 from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.quantization import quant_scheme
 from vlm_sdk.model_loader import config_from_dict
 from vlm_sdk.weight_loading import ParamSlot
 from vlm_sdk.models.internlm2.weights import internlm2_decoder_config, internlm2_to_llama_names
@@ -86,13 +87,20 @@ class InternVLForCausalLM(DecoderVLM):
         self.original_layout = getattr(hf_config, "model_type", None) == "internvl_chat"
         llm, arch = _llm_config(hf_config, self.original_layout)
         self.internlm2 = arch == "InternLM2ForCausalLM"
+        quantization = quant_scheme(hf_config)
         if self.internlm2:
+            if quantization is not None:
+                raise CheckpointError(f"a quantized InternLM2 LLM ({quantization.description}) is not supported: its "
+                                      f"fused wqkv is packed per KV group; quantized InternVL checkpoints with a "
+                                      f"Qwen2 or Llama LLM (e.g. InternVL3) are")
             self.decoder_config = internlm2_decoder_config(llm)
         else:
             # transformers ties by the top-level flag of InternVLConfig; the original model by llm_config's
             tie_source = llm if self.original_layout else hf_config
             tied = bool(getattr(tie_source, "tie_word_embeddings", False))
-            self.decoder_config = LlamaDecoderConfig.from_hf(llm, tie_word_embeddings=tied, mrope=False)
+            prefix = "language_model.model." if self.original_layout else "model.language_model."
+            self.decoder_config = LlamaDecoderConfig.from_hf(llm, tie_word_embeddings=tied, mrope=False,
+                                                             quantization=quantization, quant_prefix=prefix)
         self._init_decoder(self.decoder_config, dtype, device, ops, tp, shard_vision)  # 1-D RoPE (position_rows 1)
         vision_cfg = InternVisionConfig.from_hf(hf_config, self.hidden_size)
         self.vision = self._build_vision(lambda group, dev: InternVLVisionTower(vision_cfg, dtype, dev, group, ops),

@@ -24,7 +24,7 @@ import torch
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.image_key import image_key
-from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders
+from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders, refuse_placeholders
 from vlm_sdk.multimodal.messages import ImageRef, parse_messages
 from vlm_sdk.models.base import PromptProcessor
 from vlm_sdk.model_loader import config_field, text_config
@@ -154,6 +154,11 @@ class InternVLProcessor(PromptProcessor):
         token_ids, positions = expand_image_placeholders(ids, images, self.image_token_id, IMG_CONTEXT,
                                                          before=(self.start_id,), after=(self.end_id,))
         return PromptInputs(token_ids=token_ids, images=images, image_positions=positions)
+
+    def text_prompt(self, token_ids: list[int]) -> PromptInputs:
+        """1-D positions, as for any InternVL prompt."""
+        refuse_placeholders(token_ids, self.image_token_id, IMG_CONTEXT)
+        return PromptInputs(token_ids=list(token_ids))
 
     def image_setting_fixes(self, prompt: PromptInputs, capacity: int) -> dict[str, int]:
         """{"max_dynamic_patch": v}: the largest engine max_num below the current one that makes the

@@ -56,8 +56,9 @@ class InternVLSpec(FamilySpec):
             return max(ok) if ok else None
         return ImageLimits("max_dynamic_patch", at(max_num), at, candidates)
 
-    def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int]:
-        return model.vision.cfg.hidden_size, model.vision.cfg.intermediate_size
+    def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int, int]:
+        cfg = model.vision.cfg
+        return cfg.hidden_size, cfg.intermediate_size, 3 * cfg.patch_size ** 2
 
 
 FAMILY = InternVLSpec()

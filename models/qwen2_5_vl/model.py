@@ -18,6 +18,7 @@ from torch import nn
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import KernelOps
 from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.quantization import quant_scheme
 from vlm_sdk.weight_loading import ParamSlot
 from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
@@ -70,8 +71,9 @@ class Qwen2_5_VLForCausalLM(QwenVLM):
         super().__init__()
         text = hf_config.text_config
         tied = bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
-        self._init_decoder(LlamaDecoderConfig.from_hf(text, tie_word_embeddings=tied, mrope=True), dtype, device, ops,
-                           tp, shard_vision)
+        cfg = LlamaDecoderConfig.from_hf(text, tie_word_embeddings=tied, mrope=True,
+                                         quantization=quant_scheme(hf_config), quant_prefix=self.lm_prefix)
+        self._init_decoder(cfg, dtype, device, ops, tp, shard_vision)
         self.visual = self._build_vision(
             lambda group, dev: Qwen2_5_VisionTransformer(hf_config.vision_config, dtype, dev, ops, group), device)
         if self.visual.out_hidden_size != self.decoder_config.hidden_size:

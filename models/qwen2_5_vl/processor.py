@@ -15,7 +15,7 @@ import torch
 from vlm_sdk.errors import InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.image_key import image_key
-from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders
+from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders, refuse_placeholders
 from vlm_sdk.multimodal.messages import ImageRef, parse_messages
 from vlm_sdk.models.base import PromptProcessor
 from vlm_sdk.models.qwen2_5_vl.fixes import max_pixels_fix
@@ -150,6 +150,12 @@ class Qwen2_5_VLProcessor(PromptProcessor):
                                        self.merge_size)  # [3, len(token_ids)]
         return PromptInputs(token_ids=token_ids, images=images, image_positions=positions,
                             positions=MRopePositions(mrope, delta))
+
+    def text_prompt(self, token_ids: list[int]) -> PromptInputs:
+        """Text positions on all three M-RoPE axes (rope_delta 0), as `build` gives a prompt without images."""
+        refuse_placeholders(token_ids, self.image_token_id, "<|image_pad|>")
+        mrope, delta = mrope_positions(token_ids, [], self.image_token_id, self.merge_size)  # [3, len(token_ids)]
+        return PromptInputs(token_ids=list(token_ids), positions=MRopePositions(mrope, delta))
 
     def image_tokens_with_max_pixels(self, prompt: PromptInputs, max_pixels: int) -> list[int]:
         """Each image's token count if the engine's max_pixels were `max_pixels` (images whose part

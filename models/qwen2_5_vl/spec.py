@@ -61,9 +61,9 @@ class Qwen2_5_VLSpec(FamilySpec):
             return largest_max_pixels(lambda v: at(v).tokens, limit, ip.min_pixels, factor, max_pixels)
         return ImageLimits("max_pixels", at(max_pixels), at, candidates)
 
-    def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int]:
+    def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int, int]:
         vc = hf_config.vision_config  # transformers' parsed vision config
-        return vc.hidden_size, vc.intermediate_size
+        return vc.hidden_size, vc.intermediate_size, model.visual.patch_dim
 
 
 FAMILY = Qwen2_5_VLSpec()

@@ -25,6 +25,7 @@ from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import KernelOps
 from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.quantization import quant_scheme
 from vlm_sdk.models.base import KVCache, StepImages
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.models.qwen2_5_vl.image_processor import pixels_to_device
@@ -39,7 +40,8 @@ class Qwen3VLForCausalLM(QwenVLM):
                  ops: KernelOps | None = None, tp: TPGroup = TPGroup(), shard_vision: bool = True):
         super().__init__()
         text = hf_config.text_config
-        cfg = LlamaDecoderConfig.from_hf(text, tie_word_embeddings=self.ties_embeddings(hf_config), mrope=True)
+        cfg = LlamaDecoderConfig.from_hf(text, tie_word_embeddings=self.ties_embeddings(hf_config), mrope=True,
+                                         quantization=quant_scheme(hf_config), quant_prefix=self.lm_prefix)
         if not cfg.qk_norm:
             raise CheckpointError(f"config.json text_config model_type {getattr(text, 'model_type', None)!r} is not a "
                                   f"Qwen3 LLM (q/k norm): Qwen3-VL needs one")

@@ -173,6 +173,39 @@ def test_decode_graph_inputs_take_ids_from_the_device(tiny_ckpt):
     assert_clean(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_greedy_graph_steps_take_the_graphs_argmax_without_the_sampler(tiny_ckpt, async_scheduling):
+    """The decode graphs end with the logits and their argmax: a step whose held requests are all
+    greedy reads its tokens there (no sampler call, no copy into the next step's id buffer); once a
+    request samples, every graph step goes through the sampler on the graphs' logits. Tokens equal the
+    synchronous engine without graphs either way."""
+    # four requests: the captured size 4 exactly (the torch backend on the CPU writes no padding rows)
+    greedy = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * 4
+    mixed = greedy[:3] + [SamplingParams(max_tokens=10, temperature=0.9, seed=3, ignore_eos=True)]
+    refs = {name: run(tiny_ckpt, params, CONVS[:4], async_scheduling=False)[1]
+            for name, params in (("greedy", greedy), ("mixed", mixed))}
+    llm = LLM(tiny_ckpt, show_progress=False, async_scheduling=async_scheduling, block_size=4)
+    eng, runner = llm.engine, local_worker(llm.engine).runner
+    runner.graphs = DecodeGraphs(local_worker(eng).model, runner.kv_caches, max_num_seqs=8,
+                                 max_model_len=eng.scheduler_config.max_model_len, block_size=4, device=eng.device,
+                                 attention=local_worker(eng).ops.attention, capture=False)
+    calls = {"graph": 0, "sampler": 0, "keep": 0}
+    for name, owner, attr in (("graph", runner.graphs, "run"), ("sampler", runner.sampler, "sample_on_device"),
+                              ("keep", runner, "_keep")):
+        def counted(*a, _real=getattr(owner, attr), _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+        setattr(owner, attr, counted)
+    assert_same(llm.chat(CONVS[:4], greedy), refs["greedy"])
+    # the prompts' steps sample (and keep) through the sampler; every graph step skipped both
+    prefill_steps = calls["sampler"]
+    assert calls["graph"] >= 8 and prefill_steps <= 4 and calls["keep"] <= (prefill_steps if async_scheduling else 0)
+    calls.update(graph=0, sampler=0, keep=0)
+    assert_same(llm.chat(CONVS[:4], mixed), refs["mixed"])
+    assert calls["graph"] >= 6 and calls["sampler"] >= calls["graph"]
+    assert_clean(llm)
+
+
 def test_grammar_and_penalty_steps_are_read_at_once(tiny_ckpt):
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
               "additionalProperties": False}

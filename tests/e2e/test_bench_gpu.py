@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from vlm_sdk.bench.gpu import DECODE_TARGETS, TINY_RUN, format_report
+from vlm_sdk.bench.gpu import TINY_RUN, format_report
+from vlm_sdk.bench.gpu_figures import DECODE_TARGETS
 from vlm_sdk.bench.gpu_parts import TINY, build_checkpoint, decode_weight_bytes, prefill_flops
 from vlm_sdk.cli import main
 
@@ -17,27 +18,32 @@ def _positive(x) -> bool:
 
 
 def test_tiny_run_reports_every_figure(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("VLM_SDK_CACHE", str(tmp_path))
+    monkeypatch.setenv("VLM_SDK_CACHE", str(tmp_path / "cache"))
+    profile = tmp_path / "profile.txt"
     # the engine as it runs on CUDA: asynchronous scheduling (off by default on the CPU)
-    assert main(["bench", "--gpu", "--tiny", "--json", "--async-scheduling"]) == 0
+    argv = ["bench", "--gpu", "--tiny", "--json", "--async-scheduling", "--profile", str(profile)]
+    assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
 
-    assert report["command"] == "vlm-sdk bench --gpu --tiny --json --async-scheduling"
+    assert report["command"] == "vlm-sdk " + " ".join(argv)
     assert report["async_scheduling"] is True
     assert report["device"] and report["preset"] == "tiny" and report["torch"] == torch.__version__
     assert _positive(report["reference_rates"]["copy_GBps"]) and _positive(report["reference_rates"]["matmul_TFLOPs"])
+    rate = report["reference_rates"]["matmul_TFLOPs"] * 1e12 / 1e3  # FLOP per ms
     model = report["model"]
     assert model["parameters"] == model["llm_parameters"] + model["vision_parameters"] > 0
 
     figures = report["figures"]
     batches = TINY_RUN.decode_batches
-    assert len(figures) == 1 + len(batches) + 2  # kernel alone, one per decode batch, prefill, throughput
+    # kernel alone, one per decode batch, cold prefill and its two parts, throughput
+    assert len(figures) == 1 + len(batches) + 3 + 1
     for f in figures:
         assert _positive(f["value"]) and _positive(f["baseline"]) and _positive(f["ratio"]), f
         assert f["unit"] and f["baseline_kind"] and f["target"]
         assert f["pass"] is None if f["target_ratio"] is None else isinstance(f["pass"], bool)
 
-    attn, decode, prefill, throughput = figures[0], figures[1:1 + len(batches)], figures[-2], figures[-1]
+    attn, decode, throughput = figures[0], figures[1:1 + len(batches)], figures[-1]
+    prefill, vision, llm = figures[-4:-1]
     assert attn["unit"] == "GB/s" and attn["target_ratio"] == 0.70
     assert attn["details"]["impl"] in ("triton-interpreter", "torch-reference")
     assert attn["details"]["max_abs_diff_vs_reference"] < 1e-4
@@ -49,6 +55,14 @@ def test_tiny_run_reports_every_figure(tmp_path, monkeypatch, capsys):
     d = prefill["details"]
     assert all(_positive(v) for v in d["flops"].values())
     assert d["text_tokens"] >= TINY_RUN.prefill_text_tokens and d["image_tokens"] > 0
+    assert "cold" in prefill["name"] and prefill["target_ratio"] == 2.0
+    assert "vision tower" in vision["name"] and "language model" in llm["name"]
+    assert vision["target_ratio"] is None and llm["target_ratio"] is None
+    f = d["flops"]  # the parts' floors add up to the whole
+    assert math.isclose(vision["baseline"], (f["vision_linear"] + f["vision_attention"]) / rate)
+    assert math.isclose(vision["baseline"] + llm["baseline"], prefill["baseline"])
+    assert len(d["cold_ms"]) == len(d["vision_ms"]) == len(d["llm_ms"]) == TINY_RUN.prefill_reps
+    assert report["engine_settings"]["enable_prefix_caching"] is False
     want = TINY_RUN.requests * TINY_RUN.max_tokens
     assert throughput["details"]["ours"]["tokens"] == throughput["details"]["transformers"]["tokens"] == want
 
@@ -56,7 +70,31 @@ def test_tiny_run_reports_every_figure(tmp_path, monkeypatch, capsys):
     assert pv["plan_blocks"] == pv["engine_blocks"] > 0 and pv["within_3_percent"] is True
     assert pv["plan_weights_bytes"] == pv["engine_weights_bytes"] > 0
 
-    assert not list(tmp_path.glob("bench-gpu-*"))  # the temporary checkpoint is gone
+    # cuBLAS vs the small-M kernel at the model's projection shapes, both timed, the winner recorded
+    gemm = report["small_m_gemm"]
+    assert [(r["projection"], r["rows"]) for r in gemm["rows"]] == [
+        (p, m) for p in ("qkv", "o", "gate_up", "down") for m in (1, 2, 4, 8)]
+    for r in gemm["rows"]:
+        assert _positive(r["torch_us"]) and _positive(r["triton_us"]) and r["winner"] in ("torch", "triton")
+        assert r["winner"] == ("triton" if r["triton_us"] < r["torch_us"] else "torch")
+        assert r["max_rel_diff"] < 1e-5  # float32: the same products summed in another order
+    assert gemm["recommended"] in ("torch", "triton") and report["engine_settings"]["small_m_gemm"] == "torch"
+    assert "small-M projections" in format_report(report)
+
+    # the profile: decode at the smallest and largest batch, a cold prefill; every section has rows
+    sections = report["profile"]["sections"]
+    assert [s["title"].split(":")[0] for s in sections] == [
+        f"decode, batch {min(batches)}, {TINY_RUN.context} ctx", f"decode, batch {max(batches)}, {TINY_RUN.context} ctx",
+        "cold prefill, 224x224 image + text"]
+    for s in sections:
+        assert s["rows"] and _positive(s["wall_ms_per_step"]) and _positive(s["recorded_ms_per_step"])
+        assert all(_positive(r["us_per_step"]) and _positive(r["calls_per_step"]) for r in s["rows"])
+        assert math.isclose(sum(s["kinds_us_per_step"].values()) / 1e3, s["recorded_ms_per_step"], rel_tol=1e-6)
+    text = profile.read_text()
+    assert text.count("=== ") == 3 and "us/step" in text and "calls/step" in text
+    assert sections[0]["rows"][0]["name"] in text
+
+    assert not list((tmp_path / "cache").glob("bench-gpu-*"))  # the temporary checkpoint is gone
     table = format_report(report)
     assert all(f["name"] in table for f in figures) and report["device"] in table and report["command"] in table
     assert "vlm-sdk plan vs the engine" in table
@@ -109,6 +147,8 @@ def test_gpu_options_are_refused_without_gpu(capsys):
     assert "--tiny, --context only apply with --gpu" in capsys.readouterr().err
     assert main(["bench", "--no-async-scheduling"]) == 2
     assert "--async-scheduling only apply with --gpu" in capsys.readouterr().err
+    assert main(["bench", "--piecewise-cuda-graphs", "--small-m-gemm", "triton", "--profile", "p.txt"]) == 2
+    assert "--profile, --small-m-gemm, --piecewise-cuda-graphs only apply with --gpu" in capsys.readouterr().err
 
 
 def test_gpu_refuses_cpu_benchmark_checkpoint(capsys):
@@ -120,3 +160,24 @@ def test_gpu_refuses_cpu_benchmark_checkpoint(capsys):
 def test_full_run_without_cuda_points_to_tiny(capsys):
     assert main(["bench", "--gpu"]) == 2
     assert "--tiny" in capsys.readouterr().err
+
+
+def test_bench_sets_the_image_setting_its_shapes_need(tmp_path):
+    """The H100 run: the 3B checkpoint's max_pixels allows a 16,384-token image, above the bench's
+    max_model_len, and the engine refused to start. The bench sets the image setting `vlm-sdk plan`
+    offers and says so; the engine then starts (here the tiny shape with the 3B's max_pixels)."""
+    import dataclasses
+
+    from vlm_sdk import LLM
+    from vlm_sdk.bench.gpu import _engine_kwargs, _start_engine
+    from vlm_sdk.errors import UnfitImagesError
+    cfg = dataclasses.replace(TINY_RUN, shape=dataclasses.replace(TINY, max_pixels=12845056))
+    build_checkpoint(tmp_path, cfg.shape, device=torch.device("cpu"), dtype=torch.float32, seed=0, init_std=0.2)
+    with pytest.raises(UnfitImagesError):  # as shipped before
+        LLM(str(tmp_path), **_engine_kwargs(cfg, torch.device("cpu")))
+    report = {"notes": []}
+    llm = _start_engine(str(tmp_path), cfg, torch.device("cpu"), report)
+    fixed = report["engine_settings"]["max_pixels"]
+    assert fixed < 12845056 and any(f"max_pixels={fixed}" in n for n in report["notes"])
+    assert llm.engine.processor.largest_image().num_tokens <= llm.engine.scheduler_config.max_model_len
+    llm.shutdown()

@@ -1,6 +1,9 @@
 """The README's main job (`vlm-sdk chat` on the built-in tiny model) and a small `vlm-sdk bench`."""
 import json
 
+import pytest
+import torch
+
 from helpers import SAMPLE_IMAGE
 from vlm_sdk.cli import main
 
@@ -78,3 +81,15 @@ def test_serve_engine_flags_include_backend_and_eager():
     args = parser.parse_args(["--attention-backend", "torch", "--enforce-eager", "--num-blocks", "8"])
     assert engine_kwargs(args) == {"attention_backend": "torch", "enforce_eager": True, "num_blocks": 8}
     assert engine_kwargs(parser.parse_args([])) == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("argv", [["--num-requests", "3", "--hf-batch-size", "2"],
+                                  ["--structured", "--so-requests", "4", "--so-tokens", "6", "--so-rounds", "1"]])
+def test_benches_run_on_one_gpu(tiny_ckpt, capsys, argv):
+    """`vlm-sdk bench` (ours, then the transformers peer on the memory our engine gave back) and
+    `--structured` on CUDA."""
+    assert main(["bench", "--model", str(tiny_ckpt), "--device", "cuda", *argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["device"] == "cuda"

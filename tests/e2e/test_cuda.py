@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from helpers import conversations
+from helpers import conversations, internvl_conversations
 from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.config import DEFAULT_ENCODER_CACHE_MEMORY
@@ -33,7 +33,6 @@ def test_memory_utilization_sizes_cache_and_runs_bf16(tiny_ckpt):
 
 
 def test_internvl_cuda_greedy_equals_cpu_and_profiles(internvl_ckpt):
-    from test_internvl_model import conversations as internvl_conversations
     convs = list(internvl_conversations().values())
     cpu = LLM(internvl_ckpt, device="cpu", show_progress=False).chat(convs, GREEDY)
     gpu = LLM(internvl_ckpt, device="cuda", dtype="float32", num_blocks=512, show_progress=False).chat(convs, GREEDY)

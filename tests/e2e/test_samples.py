@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import REPO, image
 from vlm_sdk.cli import main
@@ -133,3 +134,15 @@ def test_bench_serve_against_a_running_server(srv, capsys):
     out = capsys.readouterr().out
     assert "http" in out and "in-process" not in out  # no checkpoint given: nothing to compare with
     assert srv.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bench_serve_on_one_gpu_gives_each_engine_its_share(tiny_ckpt, capsys):
+    """The server process and the in-process engine hold their caches at once on one GPU."""
+    assert main(["bench-serve", "--model", str(tiny_ckpt), "--device", "cuda", "--num-requests", "4",
+                 "--concurrency", "2", "--max-tokens", "6", "--rounds", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["engine_shares"] == {"server": {"memory_utilization": 0.45},
+                                       "inprocess": {"memory_utilization": 0.9}}
+    assert report["http"]["completed"] == report["inprocess"]["completed"] == 4 and report["same_token_counts"]

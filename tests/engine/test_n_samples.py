@@ -27,7 +27,7 @@ def test_n_validated():
 def test_sample_seeds_wrap():
     assert SamplingParams(seed=5, n=3).sample(2).seed == 7
     assert SamplingParams(seed=5, n=3).sample(0) == SamplingParams(seed=5)
-    assert SamplingParams(seed=2 ** 64 - 1, n=2).sample(1).seed == -(2 ** 63)
+    assert SamplingParams(seed=2 ** 63 - 1, n=2).sample(1).seed == -(2 ** 63)
     assert SamplingParams(n=2).sample(1).seed is None
 
 

@@ -72,7 +72,7 @@ def _ints(*size: int) -> torch.Tensor:
 
 def cases() -> list[tuple[str, str, Callable[[], None]]]:
     """(module, case name, a call of the module's launcher at a production shape)."""
-    from vlm_sdk.kernels import (paged_attention_decode, paged_prefill_attention, rms_norm, rotary,
+    from vlm_sdk.kernels import (paged_attention_decode, paged_prefill_attention, rms_norm, rotary, rotary_store_kv,
                                  silu_and_mul, store_kv, varlen_attention)
     out: list[tuple[str, str, Callable[[], None]]] = []
     max_blocks = 32768 // BLOCK_SIZE
@@ -99,7 +99,17 @@ def cases() -> list[tuple[str, str, Callable[[], None]]]:
             rotary.rotary_embedding(q, k, torch.empty(3, 256, dtype=torch.int64, device=META),
                                     torch.empty(s.head_dim // 2, device=META), mrope_section=(16, 24, 24))
 
+        def rope_store(s=s, n=64, section=(16, 24, 24), interleaved=False, qk_norm=False):
+            q, k, v = _qkv(n, s.heads, s.kv_heads, s.head_dim)
+            kc, vc = _cache(s)
+            w = torch.empty(s.head_dim, dtype=BF16, device=META) if qk_norm else None
+            rotary_store_kv.rotary_store_kv(q, k, v, kc, vc, torch.empty(n, dtype=torch.int64, device=META),
+                                            torch.empty(3, n, dtype=torch.int64, device=META),
+                                            torch.empty(s.head_dim // 2, device=META), mrope_section=section,
+                                            mrope_interleaved=interleaved, q_norm_weight=w, k_norm_weight=w)
+
         out += [("paged_attention_decode", f"{s.name} direct", decode),
+                ("rotary_store_kv", f"{s.name} mrope, 64 decode rows", rope_store),
                 ("paged_attention_decode", f"{s.name} 8 splits", lambda d=decode: d(splits=8)),
                 ("paged_prefill_attention", f"{s.name} chunk 2048", prefill),
                 ("paged_prefill_attention", f"{s.name} chunk 64", lambda p=prefill: p(max_q=64)),
@@ -113,6 +123,8 @@ def cases() -> list[tuple[str, str, Callable[[], None]]]:
                                 torch.empty(s.head_dim // 2, device=META), mrope_section=(24, 20, 20),
                                 mrope_interleaved=True, q_norm_weight=w, k_norm_weight=w)
     out.append(("rotary", f"{QWEN3_8B.name} q/k norm interleaved", rope_qk_norm))
+    out.append(("rotary_store_kv", f"{QWEN3_8B.name} q/k norm interleaved", lambda: rope_store(
+        QWEN3_8B, section=(24, 20, 20), interleaved=True, qk_norm=True)))
 
     def rope_vision(name=QWEN25_VIT[0], heads=QWEN25_VIT[1], head_dim=QWEN25_VIT[2]):
         """The vision towers' 2-D RoPE: [2, N] (row, column) positions, two sections of D/4."""
@@ -168,6 +180,21 @@ def cases() -> list[tuple[str, str, Callable[[], None]]]:
         probs = torch.empty(64, vocab, dtype=torch.float32, device=META)
         exponential_race.exponential_race(probs, torch.empty(64, dtype=torch.int64, device=META))
     out += [("exponential_race", "64 rows x 151,936 vocab", race)]
+    from vlm_sdk.kernels import skinny_gemm
+
+    def skinny(m, n, k, bn, bias=False):  # decode projections at batch m; bn: block_n on an H100 (132 SMs)
+        x = torch.empty(m, k, dtype=BF16, device=META)
+        w = torch.empty(n, k, dtype=BF16, device=META)
+        b = torch.empty(n, dtype=BF16, device=META) if bias else None
+        skinny_gemm.launch(x, w, b, torch.empty(m, n, dtype=BF16, device=META), bn)
+    for s in TEXT_SHAPES:
+        qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
+        for m in (1, 8):
+            out += [("skinny_gemm", f"{s.name} qkv + bias, {m} rows",
+                     lambda m=m, n=qkv, k=s.hidden: skinny(m, n, k, skinny_gemm_block(n), bias=True)),
+                    ("skinny_gemm", f"{s.name} o_proj, {m} rows",
+                     lambda m=m, n=s.hidden, k=s.heads * s.head_dim: skinny(m, n, k, skinny_gemm_block(n)))]
+    out.append(("skinny_gemm", "64 rows per program", lambda: skinny(4, 4096, 4096, 64)))
     from vlm_sdk.kernels import top_p_cut
 
     def nucleus(vocab=151936):  # top-p past the sampler's candidates, on the device
@@ -176,6 +203,13 @@ def cases() -> list[tuple[str, str, Callable[[], None]]]:
                              torch.empty(64, dtype=torch.float32, device=META))
     out += [("top_p_cut", "64 rows x 151,936 vocab", nucleus)]
     return out
+
+
+def skinny_gemm_block(n: int, sms: int = 132) -> int:
+    """`skinny_gemm.block_n` as an H100 (132 SMs) computes it, without a GPU."""
+    from vlm_sdk.kernels import skinny_gemm
+    want = max(1, n // (skinny_gemm.PROGRAMS_PER_SM * sms))
+    return max(2, min(64, 1 << (want.bit_length() - 1)))
 
 
 def _accepts(call: Callable[[], None]) -> bool:

@@ -164,6 +164,29 @@ def test_choose_num_splits_is_a_sane_host_int():
         assert isinstance(n, int) and 1 <= n <= 8
 
 
+def test_split_count_follows_occupancy_on_cuda(monkeypatch):
+    """The CUDA rule without a GPU (an H100's 132 SMs): few sequences get many splits, many get few,
+    every split has keys, and the programs fill the GPU whenever the context has keys enough."""
+    from types import SimpleNamespace
+
+    import vlm_sdk.kernels.paged_attention_decode as pad
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    cuda = torch.device("cuda")
+    # Qwen2.5-VL-3B (2 KV heads), graphs captured at max_model_len 4096
+    assert [choose_num_splits(b, 2, 4096, cuda) for b in (1, 8, 64)] == [64, 32, 5]
+    for batch in (1, 2, 3, 8, 16, 64, 256):
+        for kv_heads in (1, 2, 4, 8):
+            for max_len in (1, 15, 16, 100, 2048, 4096, 32768, 128000):
+                n = choose_num_splits(batch, kv_heads, max_len, cuda)
+                pieces = -(-max_len // pad.SPLIT_ALIGN)
+                assert 1 <= n <= min(pad._MAX_SPLITS, pieces)
+                # no split is left empty by the longest sequence
+                assert (n - 1) * -(-pieces // n) < pieces
+                programs = batch * kv_heads * n
+                if n < min(pad._MAX_SPLITS, pieces) // 2:  # not capped: enough programs for the GPU
+                    assert programs >= pad.PROGRAMS_PER_SM * 132 // 2, (batch, kv_heads, max_len, n)
+
+
 def test_launcher_rejects_bad_inputs():
     q = torch.randn(2, 4, 64)
     cache = torch.randn(4, 16, 2, 64)

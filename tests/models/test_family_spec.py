@@ -75,16 +75,20 @@ def test_a_family_refuses_another_familys_setting_naming_it_and_its_own():
     assert info.value.param == "max_dynamic_patch"
     with pytest.raises(InvalidRequestError, match="image 1: min_pixels is not an image setting of InternVL.*max_num"):
         internvl.image_options({"min_pixels": 3136}, "image 1: ")
-    with pytest.raises(InvalidRequestError, match="image 0: colour is not an image setting of Qwen2.5-VL.*max_pixels"):
-        qwen.image_options({"colour": "red"}, "image 0: ")
+    # a key no family declares is ignored, as OpenAI and vLLM ignore unknown keys of an image part
+    assert qwen.image_options({"colour": "red", "uuid": "x", "max_pixels": 3136}, "image 0: ") == {"max_pixels": 3136}
+    assert internvl.image_options({"colour": "red"}, "image 0: ") == {}
     assert qwen.image_options({"max_pixels": 3136, "min_pixels": None}, "") == {"max_pixels": 3136}
+    # engine settings stay strict: the operator's typo is never ignored
+    with pytest.raises(InvalidRequestError, match="colour=.red. is not an engine setting of Qwen2.5-VL"):
+        qwen.engine_options({"colour": "red"})
 
 
 def test_image_parts_carry_their_other_keys_as_options():
     _, refs = parse_messages([{"role": "user", "content": [
         {"type": "image", "image": "a.png", "max_pixels": 100},
         {"type": "image_url", "image_url": {"url": "data:x", "detail": "low", "max_num": 3}, "min_pixels": 5},
-        {"type": "image_url", "image_url": "data:y"}]}])
+        {"type": "image_url", "image_url": {"url": "data:y"}}]}])
     assert [dict(r.options) for r in refs] == [{"max_pixels": 100}, {"max_num": 3, "min_pixels": 5}, {}]
     assert refs[1].source == "data:x"
 

@@ -199,6 +199,44 @@ def test_sampler_bench_runs_small_and_reports_every_scenario(capsys):
         assert all(kept[i, t] > 0 for i, t in enumerate(tokens))
 
 
+def test_the_host_sync_detector_sees_every_kind_of_sync():
+    """tests/host_sync.py on the meta device: each way CUDA code makes the host wait is reported, the
+    non-blocking upload the sampler uses is not (a detector that cannot fail would prove nothing)."""
+    from host_sync import host_syncs
+    up = lambda d: torch.tensor([0, 1]).to(d, non_blocking=True)  # noqa: E731
+    syncs = {
+        "blocking upload": lambda d: torch.tensor([1, 2]).to(d),
+        "torch.tensor on the device": lambda d: torch.tensor([1, 2], device=d),
+        "item": lambda d: torch.zeros(3, device=d).sum().item(),
+        "bool": lambda d: bool(torch.zeros(3, device=d).sum() > 0),
+        "copy down": lambda d: torch.zeros(3, device=d).cpu(),
+        "nonzero": lambda d: torch.zeros(3, device=d).nonzero(),
+        "python scalar written by index": lambda d: torch.zeros(3, 5, device=d).__setitem__((up(d), up(d)), -1.0),
+    }
+    for name, fn in syncs.items():
+        assert host_syncs(fn), name
+    assert host_syncs(up) == []
+    assert host_syncs(lambda d: torch.zeros(3, 5, device=d).masked_fill_(torch.ones(3, 5, dtype=torch.bool,
+                                                                                    device=d), -1.0)) == []
+
+
+@pytest.mark.parametrize("edit", ["repetition", "presence_frequency", "logit_bias", "min_tokens", "all"])
+def test_every_penalty_path_queues_without_a_host_sync(edit):
+    """apply_penalties on a device (meta, tests/host_sync.py) neither reads a value back nor uploads
+    with a blocking copy, for each kind of edit alone and all at once. The min_tokens ban once wrote
+    `logits[rows, ids] = -inf`: torch copies that scalar from the host, a sync (the first H100 run)."""
+    from host_sync import host_syncs
+
+    from vlm_sdk.sample.penalties import apply_penalties
+    kinds = {"repetition": dict(repetition_penalty=1.2), "presence_frequency": dict(presence_penalty=0.3,
+                                                                                 frequency_penalty=0.2),
+             "logit_bias": dict(logit_bias={3: 1.0}), "min_tokens": dict(min_tokens=4)}
+    settings = {k: v for d in kinds.values() for k, v in d.items()} if edit == "all" else kinds[edit]
+    params = [SamplingParams(temperature=0.8, **settings) for _ in range(8)]
+    histories = [([1, 2, 3, 4, 4], 2, (5, 6))] * 8
+    assert host_syncs(lambda d: apply_penalties(torch.zeros(8, 1000, device=d), params, histories)) == []
+
+
 @cuda
 def test_sampling_before_the_tokens_never_syncs_the_host():
     """Penalties, top-k (+ top-p within it), seeded and shared draws and the race queue behind the

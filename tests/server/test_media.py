@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractResolver, ResolveResult
 from PIL import Image
 
-from vlm_sdk.errors import InvalidImageError
+from vlm_sdk.errors import InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.messages import parse_messages
 from vlm_sdk.server import media
 from vlm_sdk.server.config import MediaPolicy
@@ -221,7 +221,7 @@ def test_allowed_domain_fetch_returns_exact_bytes_and_keeps_fields(srv):
                                                     "max_pixels": 4096, "detail": "high"}, "min_pixels": 64},
                 {"type": "image", "image": f"http://images.test:{p}/img.png", "min_pixels": 128,
                  "max_pixels": 9999},
-                {"type": "image_url", "image_url": f"http://cdn.images.test:{p}/img.png"}]}]
+                {"type": "image_url", "image_url": {"url": f"http://cdn.images.test:{p}/img.png"}}]}]
     before = copy.deepcopy(msgs)
     out = resolve(msgs, allowed_domains=(".images.test",), allow_private_addresses=True)
     assert msgs == before  # input not mutated
@@ -230,12 +230,22 @@ def test_allowed_domain_fetch_returns_exact_bytes_and_keeps_fields(srv):
     assert parts[1] == {"type": "image_url", "min_pixels": 64,
                         "image_url": {"url": PNG, "max_pixels": 4096, "detail": "high"}}
     assert parts[2] == {"type": "image", "image": PNG, "min_pixels": 128, "max_pixels": 9999}
-    assert parts[3] == {"type": "image_url", "image_url": PNG}
+    assert parts[3] == {"type": "image_url", "image_url": {"url": PNG}}
     assert out[0] == before[0]
     _, images = parse_messages(out)
     assert [(i.source, dict(i.options)) for i in images] == [
         (PNG, {"max_pixels": 4096, "min_pixels": 64}), (PNG, {"min_pixels": 128, "max_pixels": 9999}), (PNG, {})]
     assert srv.seen == ["/img.png"] * 3
+
+
+def test_a_bare_string_image_url_is_not_fetched_and_is_refused(srv):
+    """OpenAI's schema makes `image_url` an object: a bare string is refused (as vLLM refuses it), and
+    nothing is fetched for a request that is refused anyway."""
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": f"http://images.test:{srv.port}/img.png"}]}]
+    out = resolve(msgs, allowed_domains=("images.test",), allow_private_addresses=True)
+    assert out == msgs and srv.seen == []
+    with pytest.raises(InvalidRequestError, match="must be an object"):
+        parse_messages(out)
 
 
 def test_domain_not_allowed_refused_without_request(srv):

@@ -164,6 +164,7 @@ def test_clients_that_disconnect_mid_stream_leave_no_blocks(srv):
 
 def test_non_streaming_client_that_leaves_aborts_its_request(srv):
     body = dict(_stream_body(3000), stream=False)
+    del body["stream_options"]  # only with stream: true (a 400 otherwise, as in vLLM)
 
     async def main():
         async with aiohttp.ClientSession() as session:
@@ -255,7 +256,7 @@ def test_metrics_parse_and_move_with_load(srv):
 
 
 def test_prebuilt_chunks_equal_the_plain_json_chunk():
-    from vlm_sdk.server.protocol import ChunkWriter, chunk_body
+    from vlm_sdk.server.chat_responses import ChunkWriter, chunk_body
     for include_usage in (True, False):
         writer = ChunkWriter("chatcmpl-1", "m\"odel", 5, include_usage)
         for text in ("hi", 'q"uo\\te\n', "é中\u2028", ""):

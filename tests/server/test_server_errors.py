@@ -73,7 +73,8 @@ CASES = [
     ("n_zero", _with(n=0), 400, None, "n", [">= 1"]),
     ("bad_stop", _with(stop=5), 400, None, "stop", ["'stop'"]),
     ("bad_seed", _with(seed="x"), 400, None, "seed", ["integer"]),
-    ("seed_out_of_range", _with(seed=2 ** 64), 400, None, "seed", ["'seed'", str(2 ** 64 - 1)]),
+    ("seed_out_of_range", _with(seed=2 ** 64), 400, None, "seed", ["'seed'", str(2 ** 63 - 1)]),
+    ("seed_past_int64", _with(seed=2 ** 63), 400, None, "seed", ["'seed'", str(-(2 ** 63)), str(2 ** 63 - 1)]),
     ("stream_not_bool", _with(stream="yes"), 400, None, "stream", ["true or false"]),
     ("bad_base64", _with(messages=image_message("data:image/png;base64,@@@@")), 400, "invalid_image", "messages",
      ["invalid base64"]),
@@ -136,8 +137,10 @@ def test_auth_and_routes(srv):
         _good_request_works(srv)
     status, text = get(srv.url, "/v1/models", key="wrong")
     assert status == 401
-    status, text = get(srv.url, "/v1/completions")
-    _check_error(status, json.loads(text), 404, "not_found", None, ["/v1/completions"])
+    status, text = get(srv.url, "/v1/embeddings")
+    _check_error(status, json.loads(text), 404, "not_found", None, ["/v1/embeddings"])
+    status, text = get(srv.url, "/v1/completions")  # served, but only as POST
+    _check_error(status, json.loads(text), 405, None, None, ["GET /v1/completions"])
     # health and metrics stay open without the key, as in vLLM
     assert get(srv.url, "/health", key=None)[0] == 200
     assert get(srv.url, "/metrics", key=None)[0] == 200

@@ -140,7 +140,7 @@ def test_max_n_flag():
 def test_prebuilt_chunks_carry_the_index():
     import json
 
-    from vlm_sdk.server.protocol import ChunkWriter, chunk_body
+    from vlm_sdk.server.chat_responses import ChunkWriter, chunk_body
     writer = ChunkWriter("chatcmpl-1", "tiny", 5, True)
     for index in (0, 3):
         line = writer.content('a"b', index)

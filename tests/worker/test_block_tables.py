@@ -133,7 +133,9 @@ def test_graph_step_staging_equals_the_eager_packing(ckpt, request):
         assert torch.equal(graphs.tables.device_table.index_select(0, host[2])[:, :width], step.meta.block_tables)
         seen.append(n)
         embeds = runner.model.embed_tokens(step.input_ids)
-        return runner.model(embeds, step.positions, runner.kv_caches, step.meta)  # [n, hidden]
+        hidden = runner.model(embeds, step.positions, runner.kv_caches, step.meta)  # [n, hidden]
+        graphs.logits_and_argmax(hidden)  # the graph's tail: what the runner reads
+        return hidden
     runner._run_graph, graphs.run = remember, staged_run
     runner.graphs = graphs
     try:

@@ -54,6 +54,28 @@ def test_triton_greedy_equals_torch_cpu(triton_llm, convs, torch_outputs):
     assert triton_llm.stats()["kv_blocks_used"] == 0
 
 
+def test_decoder_layers_rotate_and_store_kv_in_one_launch(triton_llm, convs, torch_outputs, monkeypatch):
+    """With the Triton set every decoder layer launches rotary_store_kv once per step and neither
+    the rotary nor store_kv alone (the tokens still equal the torch backend's)."""
+    import vlm_sdk.kernels.store_kv as store_kv_module
+    ops = local_worker(triton_llm.engine).ops
+    calls = {"fused": 0, "rotary": 0, "store_kv": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+    monkeypatch.setattr(ops, "_rotary_store_kv", counted("fused", ops._rotary_store_kv))
+    monkeypatch.setattr(ops, "_rotary", counted("rotary", ops._rotary))
+    monkeypatch.setattr(store_kv_module, "store_kv", counted("store_kv", store_kv_module.store_kv))
+    steps = 3
+    out = triton_llm.chat(convs[0], SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == torch_outputs[0][:steps]
+    layers = len(local_worker(triton_llm.engine).kv_caches)
+    assert calls == {"fused": layers * steps, "rotary": 0, "store_kv": 0}
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("enforce_eager", [False, True])
@@ -151,3 +173,29 @@ def test_internvl_triton_greedy_equals_torch(internvl_ckpt):
     ref = LLM(internvl_ckpt, attention_backend="torch", show_progress=False).chat(convs, greedy)
     tri = LLM(internvl_ckpt, attention_backend="triton", num_blocks=128, show_progress=False).chat(convs, greedy)
     assert [o.token_ids for o in tri] == [o.token_ids for o in ref]
+
+
+def test_small_m_gemm_triton_runs_the_decode_projections_and_keeps_the_tokens(tiny_ckpt, convs, torch_outputs,
+                                                                              monkeypatch):
+    """small_m_gemm="triton": the qkv and o projections of steps with at most 8 rows go through
+    kernels/skinny_gemm.py (the prompt's longer rows through F.linear); greedy tokens equal the torch
+    backend's."""
+    import vlm_sdk.kernels.skinny_gemm as skinny
+    _interpreter_or_gpu("cpu")
+    rows = []
+    real = skinny.skinny_gemm
+    monkeypatch.setattr(skinny, "skinny_gemm", lambda x, w, b=None, out=None: rows.append(x.shape[0]) or real(x, w, b))
+    llm = LLM(tiny_ckpt, device="cpu", attention_backend="triton", small_m_gemm="triton", max_num_seqs=4,
+              num_blocks=64, show_progress=False)
+    steps = 3
+    out = llm.chat(convs[0], SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == torch_outputs[0][:steps]
+    layers = len(local_worker(llm.engine).kv_caches)
+    assert rows == [1] * (2 * layers * (steps - 1))  # two decode steps x (qkv, o) x layers; the prefill: F.linear
+
+
+def test_small_m_gemm_setting_is_checked():
+    with pytest.raises(InvalidRequestError, match="small_m_gemm must be 'torch' or 'triton'"):
+        EngineArgs(small_m_gemm="cublas").validate()
+    with pytest.raises(InvalidRequestError, match="small_m_gemm='triton' needs the Triton kernel set"):
+        make_ops("torch", torch.device("cpu"), "triton")

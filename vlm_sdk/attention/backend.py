@@ -45,9 +45,10 @@ class AttentionBackend(ABC):
                 k: torch.Tensor,  # [N, Hkv, D]
                 v: torch.Tensor,  # [N, Hkv, D]
                 layer: AttentionLayerSpec, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:  # [N, H, D]
-        """Store this step's K/V in the layer's cache (slot -1 skipped: graph padding), then causal
-        attention of the queries over their sequences' cached keys. `meta` is what `prepare` returned."""
+                meta: AttentionMetadata, stored: bool = False) -> torch.Tensor:  # [N, H, D]
+        """Store this step's K/V in the layer's cache (slot -1 skipped: graph padding; not when `stored`:
+        the caller wrote them, fused with the rotary), then causal attention of the queries over their
+        sequences' cached keys. `meta` is what `prepare` returned."""
 
     @abstractmethod
     def segments(self, lengths: list[int], device: torch.device) -> Any:

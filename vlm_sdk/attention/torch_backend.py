@@ -34,12 +34,13 @@ class TorchBackend(AttentionBackend):
                                                k_cache.shape[1])
         return TorchMetadata(**meta.fields(), decode_layout=layout)
 
-    def forward(self, q, k, v, layer, kv_cache, meta):
+    def forward(self, q, k, v, layer, kv_cache, meta, stored=False):
         if not isinstance(meta, TorchMetadata):
             raise TypeError("the torch attention backend needs the metadata of its prepare(meta, k_cache), "
                             f"called once per step; got {type(meta).__name__}")
         k_cache, v_cache = kv_cache
-        torch_paged.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not stored:
+            torch_paged.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         return torch_paged.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                            meta.query_lens_cpu, meta.seq_lens_cpu, layer.scale, k, v,
                                            layout=meta.decode_layout)  # [N, H, D]

@@ -75,12 +75,13 @@ class TritonBackend(AttentionBackend):
         return DecodeRows(nd, starts, meta.block_tables.index_select(0, seqs),
                           meta.seq_lens.index_select(0, seqs), max_len, splits)
 
-    def forward(self, q, k, v, layer, kv_cache, meta):
+    def forward(self, q, k, v, layer, kv_cache, meta, stored=False):
         if not isinstance(meta, TritonMetadata):
             raise TypeError("the triton attention backend needs the metadata of its prepare(meta, k_cache), "
                             f"called once per step; got {type(meta).__name__}")
         k_cache, v_cache = kv_cache
-        store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not stored:
+            store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.decode_only:
             return paged_attention_decode.paged_attention_decode(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, layer.scale, num_splits=meta.num_splits,

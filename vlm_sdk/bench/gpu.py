@@ -3,7 +3,10 @@
 The full Qwen2.5-VL-3B architecture (3.75B parameters) is built on the GPU with random bf16 weights
 and saved to a temporary checkpoint (under $VLM_SDK_CACHE when set); our engine loads it with
 `memory_utilization` 0.45 while the transformers model that wrote it stays on the GPU as the peer.
-Every floor uses rates measured in the same run:
+The engine runs without prefix caching (no figure here reuses a prompt, and the prefill must be cold),
+with the image setting the bench's shapes need (`vlm-sdk plan`'s fix when the checkpoint's largest
+image would not fit max_model_len; the report says what was set). Every floor uses rates measured in
+the same run:
 
     copy bandwidth  a 2 GiB device-to-device copy, (bytes read + bytes written) / time, best of 10
     matmul rate     an 8192^3 bf16 torch.matmul, 2 n^3 / time, best of 10
@@ -13,51 +16,46 @@ Every floor uses rates measured in the same run:
                                       (32 steps, all sequences decoding) bytes attended) / copy  1.5x (b=64)
     paged_attention_decode alone      K+V+q+out bytes / time per call   copy bandwidth          >= 70%
       (16 x 4096, H16/Hkv2/D128)      (CUDA graph of 50 calls, best of 5)
-    prefill: 1024x1024 image + 32     add_request -> first token, after matmul FLOPs (vision     2x
-      text tokens                     a warm-up (median of 5)           tower + LLM) / rate
+    prefill: 1024x1024 image + 32     add_request -> first token, a new matmul FLOPs (vision     2x
+      text tokens, cold               image each time (median of 5)     tower + LLM) / rate
+      vision tower alone              encode_images on those images     vision FLOPs / rate     reported
+      language model alone            each request again, its image     LLM FLOPs / rate        reported
+                                      from the encoder cache
     64 concurrent 448x448 requests,   LLM.chat on all at once           transformers generate   >= 5x
       128 tokens each (ignore_eos)                                      (sdpa, bf16, batch 64)
 
-Expected runtime on one H100: about 3-6 minutes, an estimate (not yet run on a GPU): building, saving
-and loading the 7.5 GB checkpoint ~1-2 min, Triton compilation and 11 CUDA graphs ~1 min, transformers'
-batch-64 generate ~0.5-1 min, the rest seconds. Smaller runs: `--decode-batches 1,8 --requests 16`.
-`--tiny`: the same code path on the CPU with `vlm_sdk.testing`'s tiny shape and small sizes (what the
-smoke test runs, well under a minute); its figures check the plumbing, not the targets.
+`--profile PATH`: torch.profiler's kernel table (name, calls and time per step) of decode at the
+smallest and largest batch and of one cold prefill, written to PATH (`gpu_profile.py`).
+
+Runtime on one H100 (2026-11-26): 44-67 s for the figures, transformers' peer included. Smaller runs:
+`--decode-batches 1,8 --requests 16`. `--tiny`: the same code path on the CPU with `vlm_sdk.testing`'s
+tiny shape and small sizes (what the smoke test runs, well under a minute); its figures check the
+plumbing, not the targets.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
-import random
 import shlex
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 
 import torch
 
-from vlm_sdk.testing.hooks import local_worker
+from vlm_sdk.bench.gpu_figures import (ATTENTION_TARGET, DECODE_TARGETS, PREFILL_TARGET, THROUGHPUT_TARGET,
+                                       attention_figure, decode_figure, figure, ours_throughput, prefill_figures,
+                                       throughput_convs)
+from vlm_sdk.bench.gpu_gemm import format_section, small_m_gemm_section
 from vlm_sdk.bench.gpu_parts import (QWEN2_5_VL_3B, TINY, DeviceTimer, GpuBenchError, ModelShape, build_checkpoint,
-                                     check_tokens, checkpoint_dir, copy_bandwidth, decode_weight_bytes, device_name,
-                                     free_memory, matmul_rate, paged_attention_alone, plan_options, plan_vs_engine,
-                                     prefill_flops, transformers_throughput, triton_version)
-from vlm_sdk.bench.engine import _images
+                                     checkpoint_dir, copy_bandwidth, device_name, free_memory, image_setting_fix,
+                                     matmul_rate, plan_options, plan_vs_engine, transformers_throughput,
+                                     triton_version)
+from vlm_sdk.testing.hooks import local_worker
 
 __all__ = ["GpuBenchConfig", "GpuBenchError", "FULL_RUN", "TINY_RUN", "add_arguments", "config_from_args",
            "format_report", "reject_without_gpu", "run", "run_gpu_benchmark"]
-
-
-# issue 5's targets: ratio to the floor (at most), share of copy bandwidth and speed-up (at least)
-DECODE_TARGETS = MappingProxyType({1: 1.25, 64: 1.5})
-ATTENTION_TARGET = 0.70
-PREFILL_TARGET = 2.0
-THROUGHPUT_TARGET = 5.0
-TEXT_VOCAB = 1000  # ids below this are the test tokenizer's ordinary BPE tokens (specials come after)
-QUESTIONS = ("What is in this image?", "Describe the picture.", "What colours do you see?", "Is there any text?")
 
 
 @dataclass(frozen=True)
@@ -90,6 +88,11 @@ class GpuBenchConfig:
     block_size: int = 16
     seed: int = 0
     async_scheduling: bool | None = None  # None: the engine's default (on with CUDA and one rank)
+    profile: str | None = None  # a path: write the kernel tables there (gpu_profile.py)
+    profile_steps: int = 20  # decode steps each profiled batch records
+    small_m_gemm: str = "torch"  # our engine's setting; the small-M section times both anyway
+    piecewise_cuda_graphs: bool | None = None  # None: the engine's default (off)
+    gemm_calls: int = 50  # products per small-M timing
 
     def decode_max_tokens(self, batch: int) -> int:
         """Tokens each decode sequence may generate: the first ones to finish prefill decode while the
@@ -103,7 +106,7 @@ class GpuBenchConfig:
 
     def validate(self) -> None:
         for name in ("context", "decode_steps", "attn_batch", "attn_context", "attn_calls", "prefill_image",
-                     "prefill_reps", "requests", "request_image", "max_tokens"):
+                     "prefill_reps", "requests", "request_image", "max_tokens", "profile_steps"):
             if getattr(self, name) < 1:
                 raise GpuBenchError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.decode_batches or min(self.decode_batches) < 1:
@@ -123,14 +126,15 @@ TINY_RUN = GpuBenchConfig(
     max_model_len=512, decode_batches=(1, 4), context=64, decode_warmup=1, decode_steps=4, attn_batch=2,
     attn_context=128, attn_calls=3, prefill_image=224, prefill_text_tokens=32, prefill_reps=2, requests=4,
     request_image=112, max_tokens=8, copy_bytes=16 << 20, copy_reps=3, matmul_n=256, matmul_reps=3,
-    max_num_batched_tokens=128)  # small: decode prompts prefill over several steps, as on the GPU
+    max_num_batched_tokens=128, profile_steps=3, gemm_calls=2)  # small: decode prompts prefill over several steps, as on the GPU
 
 
 # ----------------------------------------------------------------------------------------------
 # command line
 
 _GPU_ONLY = ("tiny", "decode_batches", "context", "decode_steps", "requests", "max_tokens", "attn_batch",
-             "attn_context", "memory_utilization", "async_scheduling")
+             "attn_context", "memory_utilization", "async_scheduling", "profile", "small_m_gemm",
+             "piecewise_cuda_graphs")
 
 
 def add_arguments(bench) -> None:
@@ -150,6 +154,14 @@ def add_arguments(bench) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="with --gpu: our engine's asynchronous scheduling (default: the engine's, on with CUDA); "
                         "--no-async-scheduling measures the synchronous engine for the comparison")
+    g.add_argument("--piecewise-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --gpu: our engine's piecewise_cuda_graphs (steps with prefill rows replayed from "
+                        "graphs around eager attention; default off): the prefill figures with and without")
+    g.add_argument("--small-m-gemm", choices=("torch", "triton"), help="with --gpu: our engine's small_m_gemm "
+                   "(default torch: cuBLAS); the small-M section times both either way")
+    g.add_argument("--profile", metavar="PATH", help="with --gpu: also profile decode (smallest and largest batch) "
+                   "and a cold prefill with torch.profiler; write the kernel tables (name, calls and time per "
+                   "step) to PATH")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -195,9 +207,7 @@ def run_gpu_benchmark(args, argv: list[str]) -> int:
 
 def run(cfg: GpuBenchConfig, command: str) -> dict:
     import transformers
-    from vlm_sdk import LLM
     from vlm_sdk.config import DTYPES
-    from vlm_sdk.plan import plan
 
     t_start = time.perf_counter()
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
@@ -225,22 +235,18 @@ def run(cfg: GpuBenchConfig, command: str) -> dict:
         mm_rate = matmul_rate(timer, cfg.matmul_n, dtype, cfg.matmul_reps)
         report["reference_rates"] = {"copy_GBps": copy_bw / 1e9, "copy_bytes": cfg.copy_bytes,
                                      "matmul_TFLOPs": mm_rate / 1e12, "matmul_n": cfg.matmul_n}
-        figures = [_attention_figure(cfg, timer, dtype, copy_bw, report["notes"])]
+        figures = [attention_figure(cfg, timer, dtype, copy_bw, report["notes"])]
+        report["small_m_gemm"] = small_m_gemm_section(cfg.shape, timer, dtype, cfg.gemm_calls, cfg.seed)
         free_memory(device)
 
-        planned = plan(ckpt, **plan_options(_engine_kwargs(cfg, device)))
-        llm = LLM(ckpt, **_engine_kwargs(cfg, device))
-        report["async_scheduling"] = llm.engine.async_scheduling
+        llm = _start_engine(ckpt, cfg, device, report)
         engine = llm.engine
-        report["plan_vs_engine"] = plan_vs_engine(planned, engine)
-        report["engine"] = {"load_seconds": engine.load_seconds, "kv_blocks": engine.cache_config.num_blocks,
-                            "kv_source": engine.cache_config.source,
-                            "max_model_len": engine.scheduler_config.max_model_len,
-                            "cuda_graphs": local_worker(engine).runner.graphs is not None}
-        figures += [_decode_figure(engine, cfg, batch, timer, copy_bw) for batch in cfg.decode_batches]
-        figures.append(_prefill_figure(engine, cfg, timer, mm_rate))
-        convs = _throughput_convs(cfg)
-        ours = _ours_throughput(llm, convs, cfg, timer)
+        figures += [decode_figure(engine, cfg, batch, timer, copy_bw) for batch in cfg.decode_batches]
+        figures += prefill_figures(engine, cfg, timer, mm_rate)
+        if cfg.profile:
+            report["profile"] = _profile(engine, cfg, timer, report)
+        convs = throughput_convs(cfg)
+        ours = ours_throughput(llm, convs, cfg, timer)
         eos = sorted(engine.eos_token_ids)
         del llm, engine  # the peer gets the memory our engine held (cache and graphs included)
         free_memory(device)
@@ -248,175 +254,73 @@ def run(cfg: GpuBenchConfig, command: str) -> dict:
         del hf_model
         free_memory(device)
     ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
-    figures.append(_figure(f"throughput, {cfg.requests} concurrent {cfg.request_image}px image requests",
-                           ours["tokens_per_s"], "tokens/s", theirs["tokens_per_s"], "transformers", ratio,
-                           ">=", THROUGHPUT_TARGET, {"ours": ours, "transformers": theirs}))
+    figures.append(figure(f"throughput, {cfg.requests} concurrent {cfg.request_image}px image requests",
+                          ours["tokens_per_s"], "tokens/s", theirs["tokens_per_s"], "transformers", ratio,
+                          ">=", THROUGHPUT_TARGET, {"ours": ours, "transformers": theirs}))
     report["notes"].append("throughput: both sides' times include image preprocessing and tokenization")
     report["figures"] = figures
     report["seconds"] = time.perf_counter() - t_start
     return report
 
 
+def _start_engine(ckpt: str, cfg: GpuBenchConfig, device: torch.device, report: dict):
+    """Our engine on the checkpoint, with the image setting `vlm-sdk plan` says the bench's
+    max_model_len needs (the report notes it); the plan made beside it is compared with the engine."""
+    from vlm_sdk import LLM
+    from vlm_sdk.plan import plan
+
+    kwargs = _engine_kwargs(cfg, device)
+    planned = plan(ckpt, **plan_options(kwargs))
+    fix = image_setting_fix(planned)
+    if fix:
+        kwargs.update(fix)
+        planned = plan(ckpt, **plan_options(kwargs))
+        report["notes"].append(
+            f"set {', '.join(f'{k}={v}' for k, v in fix.items())}: the checkpoint's largest allowed image does not "
+            f"fit max_model_len={kwargs['max_model_len']} (the engine would refuse to start); the bench's own "
+            f"images ({cfg.prefill_image}px, {cfg.request_image}px) are below it")
+    report["engine_settings"] = {k: v for k, v in kwargs.items() if k != "show_progress"}
+    llm = LLM(ckpt, **kwargs)
+    engine = llm.engine
+    report["async_scheduling"] = engine.async_scheduling
+    report["plan_vs_engine"] = plan_vs_engine(planned, engine)
+    report["engine"] = {"load_seconds": engine.load_seconds, "kv_blocks": engine.cache_config.num_blocks,
+                        "kv_source": engine.cache_config.source,
+                        "max_model_len": engine.scheduler_config.max_model_len,
+                        "cuda_graphs": local_worker(engine).runner.graphs is not None}
+    return llm
+
+
+def _profile(engine, cfg: GpuBenchConfig, timer: DeviceTimer, report: dict) -> dict:
+    from vlm_sdk.bench.gpu_profile import format_profile, profile_run, summary
+
+    result = profile_run(engine, cfg, timer)
+    header = (f"vlm-sdk bench --gpu --profile ({report['preset']}) on {report['device']}, {report['date']}; torch "
+              f"{report['torch']}, triton {report['triton']}; command: {report['command']}")
+    Path(cfg.profile).write_text(format_profile(result, header))
+    return {"path": cfg.profile, **summary(result)}
+
+
 def _engine_kwargs(cfg: GpuBenchConfig, device: torch.device) -> dict:
+    # no prefix caching: no figure reuses a prompt, and the prefill figure must be cold
     kwargs = dict(device=cfg.device, dtype=cfg.dtype, block_size=cfg.block_size, seed=cfg.seed,
                   max_model_len=cfg.engine_max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                  max_num_seqs=max(max(cfg.decode_batches), cfg.requests), show_progress=False)
+                  max_num_seqs=max(max(cfg.decode_batches), cfg.requests), show_progress=False,
+                  enable_prefix_caching=False, small_m_gemm=cfg.small_m_gemm)
     if cfg.attention_backend is not None:
         kwargs["attention_backend"] = cfg.attention_backend
     if cfg.async_scheduling is not None:
         kwargs["async_scheduling"] = cfg.async_scheduling
+    if cfg.piecewise_cuda_graphs is not None:
+        kwargs["piecewise_cuda_graphs"] = cfg.piecewise_cuda_graphs
     if device.type == "cuda":
         kwargs["memory_utilization"] = cfg.memory_utilization
     return kwargs
 
 
-def _figure(name: str, value: float, unit: str, baseline: float, baseline_kind: str, ratio: float,
-            op: str, target: float | None, details: dict) -> dict:
-    passed = None if target is None else (ratio <= target if op == "<=" else ratio >= target)
-    text = "none (reported only)" if target is None else f"{op} {target:g}x"
-    return {"name": name, "value": value, "unit": unit, "baseline": baseline, "baseline_kind": baseline_kind,
-            "ratio": ratio, "target": text, "target_ratio": target, "target_op": op, "pass": passed,
-            "details": details}
-
-
-def _attention_figure(cfg, timer, dtype, copy_bw, notes) -> dict:
-    s = cfg.shape
-    r = paged_attention_alone(timer, batch=cfg.attn_batch, context=cfg.attn_context, num_heads=s.num_heads,
-                              num_kv_heads=s.num_kv_heads, head_dim=s.text_hidden_size // s.num_heads,
-                              block_size=cfg.block_size, dtype=dtype, calls=cfg.attn_calls, seed=cfg.seed)
-    if r["impl"] != "triton":
-        notes.append(f"paged_attention_decode alone ran as {r['impl']} (no GPU): its bandwidth says nothing")
-    bw = r["bytes"] / r["seconds_per_call"]
-    return _figure(f"paged_attention_decode alone, {cfg.attn_batch} x {cfg.attn_context} ctx", bw / 1e9, "GB/s",
-                   copy_bw / 1e9, "copy bandwidth", bw / copy_bw, ">=", ATTENTION_TARGET, r)
-
-
-def _decode_figure(engine, cfg: GpuBenchConfig, batch: int, timer: DeviceTimer, copy_bw: float) -> dict:
-    """`batch` text prompts of cfg.context tokens, prefilled until every one has its first token, then
-    `decode_warmup` steps, then `decode_steps` timed engine steps (host scheduling and sampling included)."""
-    from vlm_sdk.protocol.blocks import blocks_needed
-    from vlm_sdk.multimodal.inputs import PromptInputs
-    from vlm_sdk.sampling_params import SamplingParams
-
-    steps = cfg.decode_steps
-    max_tokens = cfg.decode_max_tokens(batch)
-    need = batch * blocks_needed(cfg.context + max_tokens, cfg.block_size)
-    if need > engine.cache_config.num_blocks:
-        raise GpuBenchError(f"decode batch {batch} x {cfg.context} tokens needs {need} KV blocks but the cache has "
-                            f"{engine.cache_config.num_blocks} ({engine.cache_config.source}); raise "
-                            f"--memory-utilization or lower --context / --decode-batches")
-    rng = random.Random(cfg.seed + batch)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    rids = [engine.add_request(PromptInputs(token_ids=[rng.randrange(TEXT_VOCAB) for _ in range(cfg.context)]),
-                               params) for _ in range(batch)]
-    try:
-        seqs = [engine.requests[r] for r in rids]
-        for _ in range(max_tokens):  # the prefill steps decode_max_tokens allows for
-            if all(s.num_output_tokens > 0 for s in seqs):
-                break
-            engine.step()
-        else:
-            raise GpuBenchError(f"decode batch {batch}: the prompts did not finish prefill in {max_tokens} steps")
-        for _ in range(cfg.decode_warmup):
-            engine.step()
-        start_tokens = sum(s.num_tokens for s in seqs)
-        preemptions = engine.scheduler.num_preemptions
-        short = 0
-        timer.sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            short += len(engine.step()) != batch
-        timer.sync()
-        seconds = (time.perf_counter() - t0) / steps
-    finally:
-        for r in rids:
-            engine.abort(r)
-    if short or engine.scheduler.num_preemptions != preemptions:
-        raise GpuBenchError(f"decode batch {batch}: {short} of {steps} timed steps did not decode all sequences "
-                            f"({engine.scheduler.num_preemptions - preemptions} preemptions); raise "
-                            f"--memory-utilization")
-    # each step attends over every sequence's tokens so far, its new one included
-    attended = start_tokens + batch * (steps - 1) / 2
-    kv_per_token = engine.cache_config.bytes_per_block // engine.cache_config.block_size
-    weight_bytes = decode_weight_bytes(local_worker(engine).model.decoder, batch)
-    floor = (weight_bytes + attended * kv_per_token) / copy_bw
-    details = {"steps": steps, "weight_bytes": weight_bytes, "kv_bytes": attended * kv_per_token,
-               "mean_context": attended / batch, "kv_bytes_per_token": kv_per_token}
-    return _figure(f"decode step, batch {batch}, {cfg.context} ctx", seconds * 1e3, "ms/step", floor * 1e3, "floor",
-                   seconds / floor, "<=", DECODE_TARGETS.get(batch), details)
-
-
-def _prefill_figure(engine, cfg: GpuBenchConfig, timer: DeviceTimer, mm_rate: float) -> dict:
-    """Time from add_request to the first token of one image request (its prompt built beforehand:
-    CPU image preprocessing is not prefill), median over `prefill_reps` after a warm-up."""
-    from vlm_sdk.sampling_params import SamplingParams
-
-    image = _images([(cfg.prefill_image, cfg.prefill_image)], seed=2)[0]
-    prompt = engine.build_prompt(_conversation(image, _question(engine, cfg.prefill_text_tokens)))
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-
-    def once() -> float:
-        timer.sync()
-        t0 = time.perf_counter()
-        rid = engine.add_request(prompt, params)
-        while rid in engine.requests:
-            engine.step()
-        timer.sync()
-        return time.perf_counter() - t0
-
-    once()  # warm-up: Triton kernels compile for these shapes
-    seconds = statistics.median(once() for _ in range(cfg.prefill_reps))
-    flops = prefill_flops(engine.checkpoint.hf_config, [im.meta.grid_thw for im in prompt.images], len(prompt.token_ids))
-    floor = sum(flops.values()) / mm_rate
-    details = {"prompt_tokens": len(prompt.token_ids), "image_tokens": sum(prompt.image_tokens),
-               "text_tokens": len(prompt.token_ids) - sum(prompt.image_tokens),
-               "image_grid_thw": [list(im.meta.grid_thw) for im in prompt.images], "flops": flops, "reps": cfg.prefill_reps}
-    return _figure(f"prefill, {cfg.prefill_image}x{cfg.prefill_image} image + text", seconds * 1e3, "ms",
-                   floor * 1e3, "floor", seconds / floor, "<=", PREFILL_TARGET, details)
-
-
-def _conversation(image, question: str) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
-
-
-def _question(engine, text_tokens: int) -> str:
-    """A question long enough that the prompt has at least `text_tokens` non-image tokens (template
-    included), counted on a smallest image."""
-    probe = _images([(56, 56)], seed=3)[0]
-    words = itertools.cycle("Describe the picture in detail and name every object you can see".split())
-    question = next(words)
-    for _ in range(4 * text_tokens):
-        prompt = engine.build_prompt(_conversation(probe, question))
-        if len(prompt.token_ids) - sum(prompt.image_tokens) >= text_tokens:
-            break
-        question += " " + next(words)
-    return question
-
-
-def _throughput_convs(cfg: GpuBenchConfig) -> list[list[dict]]:
-    images = _images([(cfg.request_image, cfg.request_image)] * cfg.requests, seed=1)
-    return [_conversation(im, QUESTIONS[i % len(QUESTIONS)]) for i, im in enumerate(images)]
-
-
-def _ours_throughput(llm, convs, cfg: GpuBenchConfig, timer: DeviceTimer) -> dict:
-    from vlm_sdk.sampling_params import SamplingParams
-
-    llm.chat(convs[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
-    preemptions = llm.engine.scheduler.num_preemptions
-    timer.sync()
-    t0 = time.perf_counter()
-    outs = llm.chat(convs, SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True))
-    timer.sync()
-    seconds = time.perf_counter() - t0
-    tokens = sum(len(o.token_ids) for o in outs)
-    check_tokens("ours", tokens, len(convs), cfg.max_tokens)
-    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-            "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
-            "preemptions": llm.engine.scheduler.num_preemptions - preemptions}
-
-
 def format_report(report: dict) -> str:
     m, r = report["model"], report["reference_rates"]
+    width = max(len(f["name"]) for f in report["figures"])
     lines = [
         f"{report['benchmark']} ({report['preset']}) on {report['device']}, {report['date']}",
         f"command: {report['command']}",
@@ -426,11 +330,11 @@ def format_report(report: dict) -> str:
         f"measured rates: device copy {r['copy_GBps']:,.1f} GB/s ({r['copy_bytes'] >> 20} MiB, read + write); "
         f"matmul {_num(r['matmul_TFLOPs'])} TFLOP/s ({r['matmul_n']}^3)",
         "",
-        f"{'figure':<50} {'measured':>18} {'against':>26} {'ratio':>8}  {'target':<22} result",
+        f"{'figure':<{width}} {'measured':>18} {'against':>26} {'ratio':>8}  {'target':<22} result",
     ]
     for f in report["figures"]:
         result = {True: "PASS", False: "FAIL", None: "-"}[f["pass"]]
-        lines.append(f"{f['name']:<50} {_num(f['value']) + ' ' + f['unit']:>18} "
+        lines.append(f"{f['name']:<{width}} {_num(f['value']) + ' ' + f['unit']:>18} "
                      f"{f['baseline_kind'] + ' ' + _num(f['baseline']):>26} {f['ratio']:>7.2f}x  {f['target']:<22} "
                      f"{result}")
     pv = report.get("plan_vs_engine")
@@ -439,6 +343,8 @@ def format_report(report: dict) -> str:
                   f"({pv['blocks_difference']:+.2%}; within 3%: {'yes' if pv['within_3_percent'] else 'NO'}); "
                   f"activation peak estimated {pv['plan_activation_peak_bytes']:,} B, measured "
                   f"{pv['engine_activation_peak_bytes'] if pv['engine_activation_peak_bytes'] is not None else '-'} B"]
+    if report.get("small_m_gemm"):
+        lines += [""] + format_section(report["small_m_gemm"], report["config"]["small_m_gemm"])
     lines += [""] + [f"note: {n}" for n in report["notes"]] + [f"total {report['seconds']:.1f} s"]
     return "\n".join(lines)
 

@@ -371,3 +371,16 @@ def plan_options(engine_kwargs: dict) -> dict:
     """The engine settings `plan()` also takes."""
     from vlm_sdk.plan import PLAN_OPTIONS
     return {k: v for k, v in engine_kwargs.items() if k in PLAN_OPTIONS}
+
+
+def image_setting_fix(planned) -> dict:
+    """The family's image setting at the value `vlm-sdk plan` offers when the largest image the
+    checkpoint allows does not fit max_model_len (the engine would refuse to start: UnfitImagesError);
+    {} when it fits. As an engine keyword: {"max_pixels": 3012128} for Qwen2.5-VL at 4096 tokens."""
+    from vlm_sdk.models import registry
+
+    _, setting = registry.load(planned.family).plan_setting
+    for problem in planned.problems:  # without a workload, only the largest image's problem offers it
+        if setting in problem.fixes:
+            return {setting: problem.fixes[setting]}
+    return {}

@@ -1,7 +1,8 @@
 """`vlm-sdk bench --multi-turn`: prefix caching and the encoder cache, on against off, in one run.
 
 Two engines on the same checkpoint are loaded side by side: "on" (the defaults: enable_prefix_caching,
-encoder_cache_memory 256 MiB) and "off" (enable_prefix_caching=False, encoder_cache_memory=0).
+encoder_cache_memory 256 MiB) and "off" (enable_prefix_caching=False, encoder_cache_memory=0); on CUDA
+each is sized for half of the device (`device_share.py`).
 
     multi-turn   `--rounds` conversations of `--turns` turns about one 448x448 image (a new image per
                  round, so no round reuses another's cache); each turn sends the whole history with the
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vlm_sdk.bench.device_share import bench_device, describe, shared_engine_args
 from vlm_sdk.bench.engine import _images
 from vlm_sdk.errors import InvalidRequestError
 
@@ -167,7 +169,9 @@ def _orders(rounds: int) -> list[tuple[int, tuple[str, ...]]]:
 def run(model_dir: str, device: str, cfg: MultiTurnConfig) -> dict:
     from vlm_sdk import LLM
     side = (cfg.image_size, cfg.image_size)
-    engines = {mode: LLM(model_dir, device=device, show_progress=False, **kw) for mode, kw in MODES.items()}
+    shares = shared_engine_args(device, len(MODES))  # both engines stay loaded: each takes its share
+    engines = {mode: LLM(model_dir, device=device, show_progress=False, **kw, **share)
+               for (mode, kw), share in zip(MODES.items(), shares)}
     try:
         # warm-up on an image no timed request uses
         _conversations(engines, _images([side], seed=1000)[0], dataclasses.replace(cfg, turns=2, answer_tokens=2), 0)
@@ -184,7 +188,8 @@ def run(model_dir: str, device: str, cfg: MultiTurnConfig) -> dict:
     finally:
         for llm in engines.values():
             llm.shutdown()
-    return {"multi_turn": _multi_turn_summary(convs, cfg), "many_users": _users_summary(users), "stats": stats}
+    return {"multi_turn": _multi_turn_summary(convs, cfg), "many_users": _users_summary(users), "stats": stats,
+            "device_share": describe(device, shares, list(MODES))}
 
 
 def _multi_turn_summary(convs: dict[str, list], cfg: MultiTurnConfig) -> dict:
@@ -231,7 +236,7 @@ def run_multi_turn(args) -> int:
     cfg = config_from_args(args)
     model_dir = args.model or str(tiny_model_dir("bench", args.family))
     family = resolve([read_checkpoint(model_dir).architecture]).name
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = bench_device(args.device)
     report = {"benchmark": "vlm-sdk bench --multi-turn", "model": model_dir, "family": family, "device": device,
               "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "config": dataclasses.asdict(cfg), "modes": MODES}
@@ -247,6 +252,7 @@ def format_report(r: dict) -> str:
     side = f"{cfg['image_size']}x{cfg['image_size']}"
     lines = [f"model {r['model']} ({r['family']}) on {r['device']}, {r['torch_threads']} threads; caching on: the "
              f"defaults (prefix caching, encoder cache); off: enable_prefix_caching=False, encoder_cache_memory=0",
+             r["device_share"],
              f"multi-turn: {cfg['rounds']} conversation(s) per mode of {cfg['turns']} turns about one {side} image, "
              f"answers of {cfg['answer_tokens']} tokens kept in the history; TTFT = prompt building + first token "
              f"(median over conversations)",

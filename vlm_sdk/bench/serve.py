@@ -12,7 +12,8 @@ the whole run. Without `--url` a server is started as a child process (`vlm-sdk 
 it would be deployed) on `--model` (default: the tiny random checkpoint). The two sides take turns, `--rounds` times (HTTP, then in
 process), while both engines stay loaded (the idle one blocks on its queue): a shared VM's speed
 drifts by tens of percent between minutes, and alternating puts both sides under the same drift.
-On CUDA both engines hold a KV cache at once; pass --num-blocks-sized settings accordingly.
+On CUDA both engines hold a KV cache at once: a server started here and the in-process engine are each
+sized for half the device (`device_share.py`); with `--url` the in-process engine takes what is left.
 """
 from __future__ import annotations
 
@@ -94,6 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench_serve(args) -> int:
+    from vlm_sdk.bench.device_share import bench_device, shared_engine_args
     from vlm_sdk.demo_checkpoint import tiny_model_dir
     from vlm_sdk.client import to_data_url
     from vlm_sdk.errors import InvalidRequestError
@@ -109,24 +111,28 @@ def run_bench_serve(args) -> int:
         image = Path(args.image).read_bytes()
     except OSError as e:
         raise InvalidRequestError(f"cannot read --image {args.image!r}: {e}") from e
-    engine_args = {"show_progress": False, **({"device": args.device} if args.device else {})}
+    device = bench_device(args.device)
+    engine_args = {"show_progress": False, "device": device}
+    # a server started here and the in-process engine hold their caches at once: each takes its share
+    server_share, inprocess_share = shared_engine_args(device, 2) if args.url is None and compare else ({}, {})
     # the HTTP side gets the image pre-encoded, so client-side base64 is not counted as server time
     http_messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": to_data_url(image)}},
                                                   {"type": "text", "text": args.prompt}]}]
     report = {"url": args.url, "model": model_dir, "num_requests": args.num_requests,
-              "concurrency": args.concurrency, "max_tokens": args.max_tokens, "image": str(args.image), "rounds": args.rounds}
+              "concurrency": args.concurrency, "max_tokens": args.max_tokens, "image": str(args.image), "rounds": args.rounds,
+              "engine_shares": {"server": server_share, "inprocess": inprocess_share}}
 
     messages = [{"role": "user", "content": [{"type": "image", "image": image},
                                              {"type": "text", "text": args.prompt}]}]
     with contextlib.ExitStack() as stack:
         url, server = args.url, None
         if url is None:  # a server process of its own, as deployed: its loop shares no GIL with this client
-            server = stack.enter_context(ServerProcess(model_dir, engine_args))
+            server = stack.enter_context(ServerProcess(model_dir, {**engine_args, **server_share}))
             url = report["url"] = server.url
         engine = None
         if compare:
             from vlm_sdk import AsyncLLM
-            engine = AsyncLLM(model_dir, **engine_args)  # idle (blocked on its queue) during HTTP rounds
+            engine = AsyncLLM(model_dir, **engine_args, **inprocess_share)  # idle (blocked on its queue) during HTTP rounds
         rounds = asyncio.run(_rounds(url, args.api_key if args.url else None, args.served_model, http_messages,
                                      engine, messages, args))
         report["http"] = _merge([r[0] for r in rounds])

@@ -39,6 +39,7 @@ from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_war
 from vlm_sdk.engine.input.chat_setup import ChatSetup
 from vlm_sdk.engine.input.prompt_guard import PromptGuard
 from vlm_sdk.engine.input.prompt_tokenizer import PromptTokenizer, PromptTooLong
+from vlm_sdk.engine.input.raw_prompt import RawPromptTokens
 from vlm_sdk.engine.core.scheduler import ScheduledBatch, Scheduler
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
 from vlm_sdk.engine.structured_output import Grammar, GrammarCompiler, MaskFiller, accept
@@ -52,6 +53,7 @@ from vlm_sdk.memory.startup import scheduler_config, size_rank_caches, startup_r
 from vlm_sdk.model_loader import load_tokenizer, read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import PromptInputs
+from vlm_sdk.multimodal.prompts import TextPrompt, TokensPrompt
 from vlm_sdk.protocol.rank import RankLoad
 from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
 from vlm_sdk.sampling_params import SamplingParams
@@ -71,6 +73,7 @@ class LLMEngine:
         self.guard = PromptGuard(self.tokenizer, args.max_image_pixels, args.max_request_image_pixels)
         self.eos_token_ids = set(info.eos_token_ids)
         vocab_size = int(family.text_config(info.hf_config).vocab_size)  # the logits' width
+        self.raw_prompt_tokens = RawPromptTokens(self.tokenizer, vocab_size)
         self.grammars = GrammarCompiler(self.tokenizer.wrapped, vocab_size, sorted(self.eos_token_ids))
         # tools, reasoning and chat_template_kwargs: how a chat's options reach its prompt and grammar
         self.chat = ChatSetup(self.tokenizer, self.grammars, args.tool_call_parser, args.reasoning_parser)
@@ -137,26 +140,39 @@ class LLMEngine:
         self.executor.shutdown()
 
     # -- requests ---------------------------------------------------------------------------------
-    def build_prompt(self, messages, params: SamplingParams | None = None,
+    def build_prompt(self, request, params: SamplingParams | None = None,
                      cancelled: threading.Event | None = None, options: ChatOptions | None = None) -> PromptInputs:
-        """Validate messages, decode and preprocess images, tokenize; raise if it can never fit (the
-        fixes the error names fit the prompt and `params.max_tokens`). Once `cancelled` is set, the
-        images not decoded yet raise `DecodeCancelled` instead (see `PromptGuard`). `options`: tools,
-        chat_template_kwargs, cache_salt (engine/input/chat_setup.py sets the prompt's output format and
-        grammar from them)."""
+        """`request` as chat messages: validate them, decode and preprocess images, render the chat
+        template and tokenize; `options` (tools, chat_template_kwargs, cache_salt) set the prompt's
+        output format and grammar (engine/input/chat_setup.py). As a `TextPrompt` or `TokensPrompt` (no
+        template, no images, of the options only cache_salt; its output is read as plain text): tokenize the text, or
+        check the ids against the vocabulary (engine/input/raw_prompt.py). Either way the family's
+        processor makes the `PromptInputs`, and a prompt that can never fit raises (the fixes the error
+        names fit the prompt and `params.max_tokens`). Once `cancelled` is set, the images not decoded
+        yet raise `DecodeCancelled` instead (see `PromptGuard`)."""
         t0 = time.perf_counter()
         params, options = params or SamplingParams(), options or NO_OPTIONS
+        raw = isinstance(request, (TextPrompt, TokensPrompt))
+        if raw and (options.tools or options.chat_template_kwargs):
+            raise InvalidRequestError("tools and chat_template_kwargs apply to chat messages; a text or token-id "
+                                      "prompt has no chat template", param="prompt")
         self.compile_grammar(params)  # a bad schema fails before any image is decoded
-        template_kwargs = self.chat.prepare(options, params)  # so do bad tools
+        template_kwargs = None if raw else self.chat.prepare(options, params)  # so do bad tools
         try:
-            prompt = self.processor(self.guard.prepare(messages, cancelled), template_kwargs)
+            if raw:
+                prompt = self.processor.text_prompt(self.raw_prompt_tokens(request))
+            else:
+                prompt = self.processor(self.guard.prepare(request, cancelled), template_kwargs)
         except PromptTooLong as e:  # a huge text: refused from its token count, before any conversion
             if not e.exact:
                 raise text_too_long(e.num_tokens, self.cache_config, self.scheduler_config,
                                     self.args.max_model_len is not None) from None
             prompt = PromptInputs(token_ids=[0] * e.num_tokens)  # what check_prompt counts
         self.check_prompt(prompt, params)
-        self.chat.finish(prompt, options, params)
+        if not raw:
+            self.chat.finish(prompt, options, params)
+        elif options.cache_salt is not None:  # no images to salt: the block hashes only
+            prompt.cache_salt = options.cache_salt
         prompt.preprocess_seconds = time.perf_counter() - t0
         return prompt
 

@@ -1,7 +1,8 @@
 """Attention layers: they own the attention's parameters (heads, scale, causal or within segments)
 and call the engine's attention backend (`vlm_sdk.attention.backend.AttentionBackend`).
 
-    PagedAttention    decoder: causal, over the paged KV cache; stores this step's K/V first
+    PagedAttention    decoder: causal, over the paged KV cache; stores this step's K/V first (unless
+                      the kernel set stored them with the rotary)
     SegmentAttention  vision towers: non-causal within back-to-back segments (windows, images)
 """
 from __future__ import annotations
@@ -28,9 +29,10 @@ class PagedAttention(nn.Module):
                 k: torch.Tensor,  # [N, Hkv, D]
                 v: torch.Tensor,  # [N, Hkv, D]
                 kv_cache: tuple[torch.Tensor, torch.Tensor],  # this layer's K and V cache
-                meta: AttentionMetadata) -> torch.Tensor:  # [N, H, D]
-        """`meta` is the backend's `prepare`d metadata of this step."""
-        return self.backend.forward(q, k, v, self, kv_cache, meta)
+                meta: AttentionMetadata, stored: bool = False) -> torch.Tensor:  # [N, H, D]
+        """`meta` is the backend's `prepare`d metadata of this step; `stored`: k and v are in the cache
+        already (a fused rotary + store), so the backend does not write them again."""
+        return self.backend.forward(q, k, v, self, kv_cache, meta, stored=stored)
 
 
 class SegmentAttention(nn.Module):

@@ -34,13 +34,22 @@ def _shard(tp: TPGroup, dim: int, local: int) -> Shard | None:
 
 
 class _Linear(nn.Linear):
-    """`nn.Linear` over the local shape with uninitialised storage (weights come from a checkpoint)."""
+    """`nn.Linear` over the local shape with uninitialised storage (weights come from a checkpoint).
+    `matmul`: the product (x, weight, bias) -> x W^T + b it runs; None: F.linear (a kernel set may give
+    another, e.g. for few rows: `KernelOps.small_m_linear`)."""
 
     def __init__(self, in_local: int, out_local: int, bias: bool, dtype: torch.dtype,
                  device: torch.device | str, tp: TPGroup):
         super().__init__(in_local, out_local, bias=bias, device="meta", dtype=dtype)
         self.to_empty(device=device)
         self.tp = tp
+        self.matmul = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in] -> [N, out]
+        return self._product(x, self.bias)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias) if self.matmul is None else self.matmul(x, self.weight, bias)
 
 
 class ColumnParallelLinear(_Linear):
@@ -154,7 +163,7 @@ class RowParallelLinear(_Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in/tp] -> [N, out], summed over the ranks
         # the bias joins rank 0's partial only, so that the sum holds it once
-        return self.tp.all_reduce(F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None))
+        return self.tp.all_reduce(self._product(x, self.bias if self.tp.rank == 0 else None))
 
     def slots(self, param_prefix: str, weight: str, bias: str | None = None) -> dict[str, ParamSlot]:
         """Checkpoint names `weight` `[out, in]` -> this rank's columns; `bias` `[out]` whole."""

@@ -9,7 +9,9 @@ nothing else, so the torch one is the oracle for the other. The Triton kernels a
     decoder layer:   rms_norm / add_rms_norm -> qkv matmul -> rotary (Qwen3: q/k norm fused in) ->
                      attention.forward (store_kv + paged attention) -> o_proj -> add_rms_norm ->
                      gate_up matmul -> silu_and_mul -> down (a sparse MoE layer: router -> fused_moe, the
-                     torch set's kernels/fused_moe_torch.py or the Triton set's kernels/fused_moe.py)
+                     torch set's kernels/fused_moe_torch.py or the Triton set's kernels/fused_moe.py); with the
+                     Triton set, rotary and store_kv are one launch (`rotary_store_kv`) and attention reads the
+                     cache only
     vision block:    attention.segments (once per image batch); qkv matmul -> rotary (2-D RoPE, float32
                      angles) -> attention.segment_forward -> proj -> add_rms_norm -> gate_up matmul ->
                      silu_and_mul -> down -> add_rms_norm (next block's norm1) where the tower has them
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 
 from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.selector import make_backend
+from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.kernels.fused_moe_torch import fused_moe_ref
 from vlm_sdk.kernels.rms_norm_torch import rms_norm
 from vlm_sdk.kernels.rotary_torch import apply_rotary
@@ -39,6 +42,11 @@ class KernelOps(ABC):
     @property
     def name(self) -> str:
         return self.attention.name
+
+    # whether `rotary_store_kv` rotates and stores K/V in one launch (then attention must not store them)
+    fuses_rotary_store = False
+    # the product a decoder's qkv and o projections run, (x, weight, bias) -> x W^T + b; None: F.linear
+    small_m_linear = None
 
     @property
     def graph_safe(self) -> bool:
@@ -77,6 +85,13 @@ class KernelOps(ABC):
         """`[N, H]`: each token's routed experts, weighted and summed (x `[N, H]`, w13 `[E, 2I, H]` gate | up,
         w2 `[E, H, I]`, topk_weights `[N, K]` float32, topk_ids `[N, K]`; kernels/fused_moe_torch.py)."""
 
+    def rotary_store_kv(self, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, rope: RotaryInputs,
+                        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+                        kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> None:
+        """`rotary` on the q and k heads of a packed `[N, H + 2Hkv, D]` qkv, in place, and the rotated k
+        and v written into their cache slots (slot -1: none), where `fuses_rotary_store`."""
+        raise NotImplementedError(f"the {self.name} kernel set does not fuse rotary and the KV store")
+
 
 class TorchOps(KernelOps):
     def __init__(self, attention: AttentionBackend | None = None):
@@ -111,14 +126,27 @@ class TorchOps(KernelOps):
 
 
 class TritonOps(KernelOps):
-    def __init__(self, attention: AttentionBackend):
+    def __init__(self, attention: AttentionBackend, small_m_gemm: str = "torch"):
         super().__init__(attention)
         # imported here so that TRITON_INTERPRET is read when the set is chosen
-        from vlm_sdk.kernels import fused_moe, rms_norm, rotary, silu_and_mul
+        from vlm_sdk.kernels import fused_moe, rms_norm, rotary, rotary_store_kv, silu_and_mul
         self._fused_moe = fused_moe.fused_moe
         self._rms_norm = rms_norm.rms_norm
         self._rotary = rotary.rotary_embedding
+        self._rotary_store_kv = rotary_store_kv.rotary_store_kv
         self._silu_and_mul = silu_and_mul.silu_and_mul
+        if small_m_gemm == "triton":
+            from vlm_sdk.kernels import skinny_gemm
+            self._skinny = skinny_gemm
+            self.small_m_linear = self._small_m_linear
+
+    fuses_rotary_store = True
+
+    def _small_m_linear(self, x: torch.Tensor,  # [M, in]
+                        weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [M, out]
+        if x.dim() == 2 and x.shape[0] <= self._skinny.MAX_M and x.stride(-1) == 1:
+            return self._skinny.skinny_gemm(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def rms_norm(self, x, weight, eps):
         return self._rms_norm(x, weight, eps)
@@ -141,9 +169,22 @@ class TritonOps(KernelOps):
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids):
         return self._fused_moe(x, w13, w2, topk_weights, topk_ids)
 
+    def rotary_store_kv(self, qkv, num_q_heads, num_kv_heads, rope, qk_norm, kv_cache, slot_mapping):
+        q_weight, k_weight, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
+        h, hkv = num_q_heads, num_kv_heads
+        self._rotary_store_kv(qkv[:, :h], qkv[:, h:h + hkv], qkv[:, h + hkv:], *kv_cache, slot_mapping,
+                              rope.positions, rope.inv_freq, rope.mrope_section, rope.mrope_interleaved, q_weight,
+                              k_weight, eps)
 
-def make_ops(backend: str | None, device: torch.device) -> KernelOps:
-    """The kernel set for `attention_backend` on `device` (None: Triton on CUDA, torch elsewhere).
-    Raises `InvalidRequestError` naming the setting when Triton cannot run there (`make_backend`)."""
+
+def make_ops(backend: str | None, device: torch.device, small_m_gemm: str = "torch") -> KernelOps:
+    """The kernel set for `attention_backend` on `device` (None: Triton on CUDA, torch elsewhere), its
+    small-M projections by `small_m_gemm`. Raises `InvalidRequestError` naming the setting when Triton
+    cannot run there (`make_backend`), or small_m_gemm='triton' without the Triton set."""
     attention = make_backend(backend, device)
-    return TritonOps(attention) if attention.name == "triton" else TorchOps(attention)
+    if attention.name == "triton":
+        return TritonOps(attention, small_m_gemm)
+    if small_m_gemm == "triton":
+        raise InvalidRequestError("small_m_gemm='triton' needs the Triton kernel set: attention_backend='triton' "
+                                  "(the default on CUDA), or small_m_gemm='torch'", param="small_m_gemm")
+    return TorchOps(attention)

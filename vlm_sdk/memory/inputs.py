@@ -40,10 +40,13 @@ class MemoryInputs:
     vocab_size: int
     position_rows: int
     max_position_embeddings: int
-    weights: WeightBytes  # this rank's parameter bytes by part
+    weights: WeightBytes  # this rank's parameter bytes by part (packed tensors, scales and zeros of a
+    # quantized checkpoint as they are held: they are the model's parameters)
+    weight_format: str  # the LLM's Linear weights: "float", or the checkpoint's quantized format
     # the vision tower and the largest image the settings allow
     vision_hidden: int
     vision_intermediate: int
+    vision_patch_inputs: int  # pixel values per vision row (a patch: channels x frames x patch x patch)
     image: ImageLimits
     moe: MoeConfig | None = None  # the sparse layers' experts (vlm_sdk/memory/consumers/moe.py)
 
@@ -69,7 +72,7 @@ def memory_inputs(family: FamilySpec, info, args: EngineArgs, model, dtype: torc
     `info`: the checkpoint's config (`model_loader.read_config` / `read_checkpoint`)."""
     c = model.decoder_config
     dense = c.moe is None or not all(c.moe.is_sparse(i) for i in range(c.num_layers))
-    vision_hidden, vision_inter = family.vision_activation_widths(info.hf_config, model)
+    vision_hidden, vision_inter, patch_inputs = family.vision_activation_widths(info.hf_config, model)
     image = family.image_limits(info.preprocessor, info.hf_config, model, dict(args.mm_processor_kwargs))
     return MemoryInputs(
         args=args, dtype=dtype, tp=tp, on_gpu=on_gpu, decode_graphs=decode_graphs,
@@ -78,5 +81,11 @@ def memory_inputs(family: FamilySpec, info, args: EngineArgs, model, dtype: torc
         hidden_size=c.hidden_size, intermediate_size=c.intermediate_size if dense else 0, num_heads=c.num_heads,
         num_kv_heads_total=c.num_kv_heads, vocab_size=c.vocab_size, position_rows=model.position_rows,
         max_position_embeddings=int(family.text_config(info.hf_config).max_position_embeddings),
-        weights=weight_bytes(model), vision_hidden=vision_hidden, vision_intermediate=vision_inter, image=image,
+        weights=weight_bytes(model), weight_format=_weight_format(c), vision_hidden=vision_hidden,
+        vision_intermediate=vision_inter, vision_patch_inputs=patch_inputs, image=image,
         moe=c.moe)
+
+
+def _weight_format(decoder_config) -> str:
+    scheme = getattr(decoder_config, "quantization", None)
+    return "float" if scheme is None else f"{scheme.description} (the vision tower, embeddings and LM head float)"

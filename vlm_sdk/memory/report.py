@@ -108,6 +108,7 @@ class StartupMemory(MemoryTotals):
     tensor_parallel_size: int = 1  # the figures above are per rank (rank 0's) when > 1
     ranks: tuple[RankMemory, ...] = ()  # under tensor parallelism: every rank's own figures
     consumers: tuple = ()  # rank 0's memory consumers (`memory.breakdown.ConsumerBytes`), as `vlm-sdk plan` lists them
+    weight_format: str = "float"  # the LLM's Linear weights: "float" or the checkpoint's quantized format
 
     def to_dict(self) -> dict:
         out = asdict(self) | {"weights_bytes": self.weights_bytes, "capacity_tokens": self.capacity_tokens,
@@ -131,6 +132,7 @@ class StartupMemory(MemoryTotals):
             ("weights", f"{format_bytes(self.weights_bytes)}: language model "
              f"{format_bytes(self.weights_language_model_bytes)}, vision tower {format_bytes(self.weights_vision_bytes)}, "
              f"projector {format_bytes(self.weights_projector_bytes)}{loaded}; loaded in {self.load_seconds:.1f} s"),
+            ("weight format", self.weight_format),
             ("activation peak", peak),
             *consumer_rows(self.consumers),
         ]

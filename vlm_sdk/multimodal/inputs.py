@@ -79,3 +79,13 @@ def expand_image_placeholders(ids: list[int], images: list[ImageInput], placehol
         raise InvalidRequestError(f"the chat template rendered {len(positions)} image placeholders for "
                                   f"{len(images)} images; the model's chat template must render every image part")
     return token_ids, positions
+
+
+def refuse_placeholders(token_ids: list[int], placeholder_id: int, placeholder: str) -> None:
+    """`InvalidRequestError` when a prompt without images holds the image placeholder token: it stands
+    for an image's embeddings, which a prompt of text or token ids cannot carry."""
+    at = next((i for i, t in enumerate(token_ids) if t == placeholder_id), None)
+    if at is not None:
+        raise InvalidRequestError(f"the prompt holds the image placeholder token {placeholder} (id {placeholder_id}) "
+                                  f"at position {at}, but a prompt of text or token ids carries no image; send images "
+                                  f"as image parts of chat messages (/v1/chat/completions)", param="prompt")

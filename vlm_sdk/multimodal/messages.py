@@ -1,10 +1,16 @@
 """OpenAI-style chat messages: validate them and separate the images from the text.
 
 Content is a string or a list of parts: `{"type": "text", "text"}`, `{"type": "image", "image": src}`
-or `{"type": "image_url", "image_url": {"url": src}}` (`image_url` may also be a bare string). Any
-other key of an image part, on the part or inside `image_url`, is an option for that image alone
-(`ImageRef.options`, e.g. a size bound): the model family checks them against its image settings.
-OpenAI's `detail` is ignored.
+or `{"type": "image_url", "image_url": {"url": src}}` (an object, as OpenAI's schema requires: a bare
+string is refused, as vLLM refuses it). Any other key of an image part, on the part or inside
+`image_url`, is an option for that image alone (`ImageRef.options`, e.g. a size bound): the model
+family reads its image settings from them and ignores keys that no family declares. OpenAI's
+`detail` is ignored.
+
+Roles are OpenAI's: `developer` (OpenAI's name for system instructions since its o1 models) is given to
+the chat template as `system`, the only instruction role the served families' templates know. An
+assistant message's `content` may be null or left out (the openai types allow it), which is an empty
+turn.
 
 Tool turns (OpenAI's shape): an assistant message may carry `tool_calls` ([{"id", "type": "function",
 "function": {"name", "arguments"}}], its content then optional) and `reasoning_content`; a `tool`
@@ -21,7 +27,9 @@ from typing import Any, Callable, Mapping
 
 from vlm_sdk.errors import InvalidRequestError
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "user", "assistant", "tool", "developer")
+# what each role is called in the chat template (see the module docstring)
+_TEMPLATE_ROLE = {"developer": "system"}
 
 
 @dataclass(frozen=True)
@@ -39,17 +47,19 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef]]:
     out, images = [], []
     call_ids: set = set()  # the calls of the assistant message just before, which tool messages answer
     for i, msg in enumerate(messages):
-        calls = msg.get("tool_calls") if isinstance(msg, dict) and msg.get("role") == "assistant" else None
-        if not isinstance(msg, dict) or "role" not in msg or ("content" not in msg and not calls):
+        assistant = isinstance(msg, dict) and msg.get("role") == "assistant"
+        calls = msg.get("tool_calls") if assistant else None
+        if not isinstance(msg, dict) or "role" not in msg or ("content" not in msg and not assistant):
             raise InvalidRequestError(f"message {i} must be a dict with 'role' and 'content', got {_short(msg)}")
         role = msg["role"]
         if role not in ROLES:
-            raise InvalidRequestError(f"message {i} has role {role!r}; supported roles are {list(ROLES)}")
+            raise InvalidRequestError(f"message {i} has role {_short(role)}; supported roles are {list(ROLES)}")
+        role = _TEMPLATE_ROLE.get(role, role)
         content = msg.get("content")
-        if content is None and calls:
+        if content is None and assistant:  # null or left out: an empty turn (the openai types allow it)
             content = ""
         if isinstance(content, str):
-            _check_text(content, f"message {i}")
+            check_text(content, f"message {i}")
             parsed = {"role": role, "content": content}
         elif isinstance(content, (list, tuple)):
             parsed = {"role": role, "content": [_parse_part(part, f"message {i} part {j}", images)
@@ -124,14 +134,18 @@ def _parse_part(part: Any, where: str, images: list[ImageRef]) -> dict:
         text = part.get("text")
         if not isinstance(text, str):
             raise InvalidRequestError(f"{where}: a text part needs a string 'text', got {_short(text)}")
-        _check_text(text, where)
+        check_text(text, where)
         return {"type": "text", "text": text}
     if kind in ("image", "image_url"):
         if kind == "image":
             source = part.get("image")
         else:
             url = part.get("image_url")
-            source = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, dict):
+                raise InvalidRequestError(f"{where}: an image_url part's 'image_url' must be an object "
+                                          f"{{\"url\": ...}} (OpenAI's schema), got {_short(url)}; write "
+                                          f"{{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}")
+            source = url.get("url")
         if source is None:
             raise InvalidRequestError(f"{where}: an {kind} part needs "
                                       f"{'an image' if kind == 'image' else 'image_url.url'}")
@@ -140,7 +154,7 @@ def _parse_part(part: Any, where: str, images: list[ImageRef]) -> dict:
     raise InvalidRequestError(f"{where} has type {kind!r}; supported: 'text', 'image', 'image_url'")
 
 
-def _check_text(text: str, where: str) -> None:
+def check_text(text: str, where: str) -> None:
     """Text must be encodable as UTF-8: a lone surrogate (half of a pair, e.g. from a JSON "\\ud800")
     would fail deep inside the template or the tokenizer."""
     if text.isascii():
@@ -198,8 +212,6 @@ def _map_part(part: Any, text, image) -> Any:
         url = part.get("image_url")
         if isinstance(url, dict) and url.get("url") is not None:
             return {**part, "image_url": {**url, "url": image(url["url"])}}
-        if url is not None and not isinstance(url, dict):
-            return {**part, "image_url": image(url)}
     return part
 
 

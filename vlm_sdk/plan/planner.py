@@ -114,6 +114,7 @@ class MemoryPlan(MemoryTotals):
     max_concurrent_requests: int | None  # None without a workload
     problems: tuple[Problem, ...]    # what fails: the engine refuses to start, or a request is refused
     notes: tuple[Problem, ...] = ()  # what runs below the settings (fewer requests at once than max_num_seqs)
+    weight_format: str = "float"     # the LLM's Linear weights: "float" or the checkpoint's quantized format
 
     def consumer_bytes(self, name: str) -> int:
         """A consumer's bytes (0 when it does not apply: e.g. graph pools on the CPU)."""
@@ -209,7 +210,7 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
         largest_fitting_image=fits_alone.text if fits_alone else "none: not even the smallest image fits",
         prompt_tokens=o["prompt_tokens"], output_tokens=o["output_tokens"], images=o["images"],
         max_concurrent_requests=concurrent, problems=tuple(problems + workload_problems),
-        notes=tuple(notes + workload_notes))
+        notes=tuple(notes + workload_notes), weight_format=m.weight_format)
 
 
 def _settings(options: dict) -> tuple[dict, dict]:

@@ -37,6 +37,7 @@ def format_plan(p: MemoryPlan) -> str:
         ("weights: vision tower", _size(p.weights_vision_bytes)),
         ("weights: projector", _size(p.weights_projector_bytes)),
         ("weights: total per rank", _size(p.weights_bytes)),
+        ("weights: format", p.weight_format),
         ("activation peak (estimate)", f"{_size(p.activation_peak_bytes)}: the step-time consumers below"),
         *consumer_rows(p.consumers),
         ("encoder cache", encoder_cache_text(p.encoder_cache_bytes, p.cache_source)),

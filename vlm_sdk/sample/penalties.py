@@ -3,7 +3,8 @@ min_tokens. Only the rows that ask for one are touched; a batch where none does 
 
 `apply_penalties` edits all the rows at once on the logits' device: the (row, token) pairs of every
 edit are gathered on the host into one index tensor and one value tensor (two uploads per step,
-whatever the number of rows), then three indexed writes apply them. `apply_penalties_reference` is
+whatever the number of rows), then three indexed writes apply them; no value comes from the host
+any other way (a Python scalar written into a device tensor is a blocking copy). `apply_penalties_reference` is
 the per-row loop it replaced (two to five small uploads and several launches per row), kept as its oracle.
 """
 from __future__ import annotations
@@ -65,8 +66,11 @@ def apply_penalties(logits: torch.Tensor,  # [num_seqs, vocab] float32, edited i
     if not n_rep + n_add + len(ban_rows):
         return
     dev = logits.device
+    n_ban = len(ban_rows)
     idx = to_device(rep_rows + rep_toks + add_rows + add_toks + ban_rows + ban_toks, torch.long, dev)  # [2 x pairs]
-    vals = to_device(rep_vals + add_vals, logits.dtype, dev)  # [n_rep + n_add]
+    # the bans' -inf travel with the other values: a Python scalar written into a CUDA tensor
+    # (`logits[r, t] = -inf`) is a blocking copy of a host scalar, a host sync
+    vals = to_device(rep_vals + add_vals + [float("-inf")] * n_ban, logits.dtype, dev)  # [n_rep + n_add + n_ban]
     rows, toks = idx[:n_rep], idx[n_rep:2 * n_rep]  # [n_rep] each
     if n_rep:  # each (row, token) once: the gather reads logits before any write
         seen = logits[rows, toks]  # [n_rep]
@@ -74,11 +78,11 @@ def apply_penalties(logits: torch.Tensor,  # [num_seqs, vocab] float32, edited i
         logits[rows, toks] = torch.where(seen > 0, seen / pen, seen * pen)
     at = 2 * n_rep
     if n_add:  # a token both penalised and biased gets both (accumulate)
-        logits.index_put_((idx[at:at + n_add], idx[at + n_add:at + 2 * n_add]), vals[n_rep:], accumulate=True)
+        logits.index_put_((idx[at:at + n_add], idx[at + n_add:at + 2 * n_add]), vals[n_rep:n_rep + n_add],
+                          accumulate=True)
     at += 2 * n_add
-    if len(ban_rows):
-        n_ban = len(ban_rows)
-        logits[idx[at:at + n_ban], idx[at + n_ban:]] = float("-inf")
+    if n_ban:
+        logits.index_put_((idx[at:at + n_ban], idx[at + n_ban:]), vals[n_rep + n_add:])
 
 
 def apply_penalties_reference(logits: torch.Tensor,  # [num_seqs, vocab] float32, edited in place

@@ -1,10 +1,13 @@
 """The OpenAI-compatible HTTP server: aiohttp handlers over one `AsyncLLM`.
 
-    POST /v1/chat/completions
-      read body (server/body.py: 413 over --max-request-bytes, from Content-Length before reading;
-        408 past --body-timeout) -> JSON (400: also too deep, lone surrogates) -> parse_chat_request (400/404)
+    POST /v1/chat/completions (POST /v1/completions: the same path for prompts without a chat
+    template, server/completions_endpoint.py)
+      read body (server/body.py: 415 unless Content-Type is application/json; 413 over
+        --max-request-bytes, from Content-Length before reading; 408 past --body-timeout) -> JSON (400:
+        also too deep, lone surrogates) -> parse_chat_request (400/404)
       -> MediaFetcher: http(s)/file image sources to bytes under the media policy (400)
-      -> AsyncLLM.build_prompt, off the loop: decode, resize, tokenize, fit check (400)
+      -> AsyncLLM.build_prompt, off the loop: decode, resize, tokenize, fit check (400); the prompt
+         and max_tokens within max_model_len (400)
       -> AsyncLLM.generate: wait for the first output, so that every refusal is still an HTTP status
       -> one JSON body, or SSE chunks ending in [DONE]
     GET /v1/models, GET /health (503 once the engine stopped or shutdown began), GET /metrics
@@ -24,12 +27,13 @@ from aiohttp import web
 
 from vlm_sdk.async_llm import AsyncLLM
 from vlm_sdk.errors import EngineDeadError, VLMError
-from vlm_sdk.server import parsed_output, protocol
+from vlm_sdk.server import chat_responses, parsed_output, protocol
 from vlm_sdk.server.body import read_json
+from vlm_sdk.server.completions_endpoint import CompletionsEndpoint
 from vlm_sdk.server.logprobs import TokenSpeller
 from vlm_sdk.server.config import ServerConfig
 from vlm_sdk.server.media import MediaFetcher
-from vlm_sdk.server.metrics import CONTENT_TYPE, ServerMetrics
+from vlm_sdk.server.metrics import CONTENT_TYPE, ServerMetrics, Timing
 from vlm_sdk.server.protocol import APIError
 
 logger = logging.getLogger("vlm_sdk.server")
@@ -46,12 +50,14 @@ class OpenAIServer:
         self.max_model_len = engine.stats()["max_model_len"]  # fixed once the engine is built
         self.metrics = ServerMetrics(engine.stats, model_name)
         self.media = MediaFetcher(config.media)
-        self.draining = False  # set when shutdown begins: new chat requests get 503
-        self.in_flight = 0  # chat requests being handled
+        self.draining = False  # set when shutdown begins: new generation requests get 503
+        self.in_flight = 0  # chat and completion requests being handled
         self._idle = asyncio.Event()
         self._idle.set()
         self.app = web.Application(client_max_size=config.max_request_bytes, middlewares=[self._errors])
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self._completions = CompletionsEndpoint(self)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.prometheus)
@@ -93,7 +99,7 @@ class OpenAIServer:
     def _error_response(self, e: APIError) -> web.Response:
         self.metrics.error(e.status)
         resp = web.json_response(e.body(), status=e.status)
-        if e.status in (408, 413):  # the rest of the body is not wanted; don't wait for it on this connection
+        if e.status in (408, 413, 415):  # the rest of the body is not wanted; don't wait for it on this connection
             resp.force_close()
         return resp
 
@@ -135,33 +141,46 @@ class OpenAIServer:
             return False
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._tracked(self._chat_completions, request)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._tracked(self._completions.handle, request)
+
+    async def _tracked(self, handler, request: web.Request) -> web.StreamResponse:
+        """Run a generation handler, counted in `in_flight` (what shutdown waits for)."""
         self.in_flight += 1
         self._idle.clear()
         try:
-            return await self._chat_completions(request)
+            return await handler(request)
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
 
-    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
-        arrival = time.monotonic()
+    async def admit(self, request: web.Request):
+        """Auth and readiness (401, 503), then the JSON body (400, 408, 413, 415)."""
         self._check_auth(request)
         if self.draining or not self.engine.is_alive:
             raise APIError(503, "the server is shutting down or its engine has stopped; retry on another "
                                 "replica", "server_error", None, "unavailable")
-        body = await read_json(request, self.config.max_request_bytes, self.config.body_timeout)
+        return await read_json(request, self.config.max_request_bytes, self.config.body_timeout)
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        body = await self.admit(request)
         req = protocol.parse_chat_request(body, self.model_name, self.max_model_len, self.config.limit_images,
                                           self.config.max_stop_strings, self.config.max_stop_chars,
                                           self.config.max_n)
         messages = await self.media.resolve_messages(req.messages)
         prompt = await self.engine.build_prompt(messages, req.params, req.options)
+        protocol.check_output_room(len(prompt.token_ids), req.params.max_tokens, self.max_model_len,
+                                   req.max_tokens_param)
         if req.num_images:
             self.metrics.image_preprocess.observe(prompt.preprocess_seconds)
         gen = self.engine.generate(prompt, req.params)
         try:
             first = await gen.__anext__()  # the engine's own refusal still becomes an HTTP status
-            timing = _Timing(arrival, time.monotonic())
+            timing = Timing(arrival, time.monotonic())
             parsed = prompt.output_format is not None  # reasoning / tool calls read from the text
             if req.stream:
                 return await self._stream(request, req, gen, first, timing, parsed)
@@ -169,13 +188,13 @@ class OpenAIServer:
         finally:
             await gen.aclose()  # a no-op once finished; otherwise aborts and frees the blocks
 
-    async def _complete(self, req: protocol.ChatRequest, gen, out, timing: "_Timing", parsed: bool) -> web.Response:
+    async def _complete(self, req: protocol.ChatRequest, gen, out, timing: Timing, parsed: bool) -> web.Response:
         final = {}  # index -> final output; with n > 1 the choices finish in any order
         while True:
             if out.finished:
                 final[out.index] = out
                 if len(final) == req.params.n:
-                    self._observe(timing, out)  # the request's latencies once, at its last choice
+                    self.observe(timing, out)  # the request's latencies once, at its last choice
                     break
                 self.metrics.finished(out.finish_reason)  # every choice's finish reason
             out = await gen.__anext__()
@@ -187,20 +206,20 @@ class OpenAIServer:
         def message(o):
             return parsed_output.message(o) if parsed else o.text
         # the prompt is counted once: it was built once and the other choices shared its blocks
-        body = protocol.completion_body(
-            protocol.new_completion_id(), self.model_name, message(first), first.finish_reason,
+        body = chat_responses.completion_body(
+            chat_responses.new_completion_id(), self.model_name, message(first), first.finish_reason,
             len(first.prompt_token_ids), sum(len(o.token_ids) for o in outputs), first.num_cached_tokens,
             logprobs(first))
-        return web.json_response(protocol.with_choices(body, outputs, logprobs, message) if len(outputs) > 1
+        return web.json_response(chat_responses.with_choices(body, outputs, logprobs, message) if len(outputs) > 1
                                  else body)
 
     async def _stream(self, request: web.Request, req: protocol.ChatRequest, gen, out,
-                      timing: "_Timing", parsed: bool) -> web.StreamResponse:
+                      timing: Timing, parsed: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
-        cid, created = protocol.new_completion_id(), int(time.time())
-        chunks = protocol.ChunkWriter(cid, self.model_name, created, req.include_usage)
+        cid, created = chat_responses.new_completion_id(), int(time.time())
+        chunks = chat_responses.ChunkWriter(cid, self.model_name, created, req.include_usage)
 
         async def send(line: str) -> None:
             await resp.write(line.encode())
@@ -230,7 +249,7 @@ class OpenAIServer:
                     await send(chunks.finish(out.finish_reason, out.index))
                     final[out.index] = out
                     if len(final) == n:
-                        self._observe(timing, out)  # the request's latencies once, at its last choice
+                        self.observe(timing, out)  # the request's latencies once, at its last choice
                         break
                     self.metrics.finished(out.finish_reason)  # every choice's finish reason
                 out = await gen.__anext__()
@@ -251,7 +270,8 @@ class OpenAIServer:
         await resp.write_eof()
         return resp
 
-    def _observe(self, timing: "_Timing", out) -> None:
+    def observe(self, timing: Timing, out) -> None:
+        """A request's latencies, once, when its last choice (`out`) finishes."""
         end = time.monotonic()
         m = self.metrics
         m.time_to_first_token.observe(timing.first_token - timing.arrival)
@@ -261,10 +281,3 @@ class OpenAIServer:
             m.time_per_output_token.observe((end - timing.first_token) / (n - 1))
         m.finished(out.finish_reason)
 
-
-class _Timing:
-    __slots__ = ("arrival", "first_token")
-
-    def __init__(self, arrival: float, first_token: float):
-        self.arrival = arrival
-        self.first_token = first_token

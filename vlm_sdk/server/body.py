@@ -1,6 +1,6 @@
 """A chat request's body, from the socket to a JSON value the handlers can walk safely.
 
-Bounded before any work: a `Content-Length` over the limit is refused (413) before a byte is read,
+Declared JSON (`Content-Type: application/json`, else 415) and bounded before any work: a `Content-Length` over the limit is refused (413) before a byte is read,
 the whole body must arrive within `body_timeout` (408; a slow sender otherwise holds a connection and
 a handler forever). Then JSON that is well-formed but unusable is refused with a 400 too, instead of
 failing deep inside the server: nesting deeper than `MAX_JSON_DEPTH` (Python's decoder stops near
@@ -33,11 +33,22 @@ def too_large(limit: int) -> APIError:
                     "invalid_request_error", None, "request_too_large")
 
 
+def check_json_content_type(request: web.Request) -> None:
+    """415 unless the body is declared JSON: a form or plain-text body is not read as JSON, as vLLM
+    refuses it (aiohttp reports a missing Content-Type as application/octet-stream)."""
+    if request.content_type != "application/json":
+        given = request.headers.get("Content-Type")
+        raise APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json', got "
+                            f"{'no Content-Type' if given is None else repr(one_line(given, 80))}",
+                       "invalid_request_error", None, "unsupported_media_type")
+
+
 async def read_json(request: web.Request, max_bytes: int, timeout_s: float):
-    """The decoded body of `request`, or an APIError (400, 408, 413) that says what to fix."""
+    """The decoded body of `request`, or an APIError (400, 408, 413, 415) that says what to fix."""
     length = request.content_length
     if length is not None and length > max_bytes:
         raise too_large(max_bytes)
+    check_json_content_type(request)
     try:
         raw = await asyncio.wait_for(request.read(), timeout_s)  # 413 past client_max_size (chunked bodies)
     except asyncio.TimeoutError:

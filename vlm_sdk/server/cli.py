@@ -30,6 +30,8 @@ _ENGINE_HELP = {
     "encoder_cache_memory": "vision embeddings kept for reuse, e.g. 256MiB (default); 0 turns the encoder cache off",
     "max_model_len": "longest sequence (prompt + output) in tokens",
     "attention_backend": "'triton' (default on CUDA) or 'torch' (the reference path, default on the CPU)",
+    "small_m_gemm": "the decoder's qkv and o projections at <= 8 rows: 'torch' (cuBLAS, default) or 'triton' "
+                    "(needs the Triton kernel set; vlm-sdk bench --gpu measures which is faster)",
     "enforce_eager": "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
     "async_scheduling": "schedule and launch the next step while this one runs (default: on with CUDA and one "
                         "rank; --no-async-scheduling turns it off)",
@@ -106,6 +108,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="characters per stop string (default 256)")
     p.add_argument("--max-n", type=_positive, default=d.max_n,
                    help="choices ('n') per request, each a sequence in the batch (default 8)")
+    p.add_argument("--max-completion-prompts", type=_positive, default=d.max_completion_prompts,
+                   help="prompts in one /v1/completions request (a list of prompts), each completed 'n' "
+                        "times (default 64)")
     p.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
                    help="seconds a connection may stay open without a complete request head, idle or "
                         "sending its headers slowly")
@@ -158,7 +163,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           keep_alive_timeout=args.keep_alive_timeout, body_timeout=args.body_timeout,
                           max_connections=args.max_connections,
                           max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
-                          max_n=args.max_n)
+                          max_n=args.max_n, max_completion_prompts=args.max_completion_prompts)
 
     return serve(model, config, **engine_kwargs(args))
 

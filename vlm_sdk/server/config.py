@@ -56,6 +56,9 @@ class ServerConfig:
     max_stop_strings: int = 4  # per request, as OpenAI's API allows
     max_stop_chars: int = 256  # per stop string
     max_n: int = 8  # choices per request: each is a sequence in the batch
+    # prompts in one /v1/completions request (vLLM: VLLM_MAX_COMPLETION_PROMPTS, 1024); each prompt is
+    # n sequences, so one request adds at most max_completion_prompts * max_n to the batch
+    max_completion_prompts: int = 64
     # connections: an open one must complete a request head within keep_alive_timeout of opening or
     # of its last response (idle and slow-header clients alike), and its body within body_timeout
     keep_alive_timeout: float = 5.0

@@ -122,11 +122,9 @@ class MediaFetcher:
                     slots.append((new, "image", part["image"]))
                 elif isinstance(part, dict) and part.get("type") == "image_url":
                     url = part.get("image_url")
-                    if isinstance(url, dict) and url.get("url") is not None:
+                    if isinstance(url, dict) and url.get("url") is not None:  # a bare string is refused later
                         new["image_url"] = dict(url)
                         slots.append((new["image_url"], "url", url["url"]))
-                    elif url is not None and not isinstance(url, dict):
-                        slots.append((new, "image_url", url))
                 parts.append(new)
             out.append({**msg, "content": parts})
         tasks = [asyncio.ensure_future(self._load(source)) for _, _, source in slots]

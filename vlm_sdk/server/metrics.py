@@ -105,3 +105,12 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class Timing:
+    """When a request arrived and when its first output came (the TTFT histogram's two ends)."""
+    __slots__ = ("arrival", "first_token")
+
+    def __init__(self, arrival: float, first_token: float):
+        self.arrival = arrival
+        self.first_token = first_token

@@ -1,4 +1,6 @@
-"""The OpenAI chat-completions wire format: request bodies in, response bodies and SSE chunks out.
+"""The OpenAI wire format's request side: chat-completions bodies in, errors out, and the request
+fields both endpoints share (model, stream, stop, sampling fields, n); the response bodies are
+server/chat_responses.py's and server/completions.py's.
 
 Every way a body can be wrong ends in an `APIError` with OpenAI's error shape
 `{"error": {"message", "type", "param", "code"}}` and an HTTP status; `error_from_exception` maps the
@@ -6,9 +8,6 @@ engine's typed errors onto the same shape, so a user's mistake is always a 4xx t
 """
 from __future__ import annotations
 
-import json
-import time
-import uuid
 from dataclasses import dataclass
 
 from vlm_sdk.chat_options import ChatOptions
@@ -92,6 +91,7 @@ class ChatRequest:
     include_usage: bool
     num_images: int
     options: ChatOptions
+    max_tokens_param: str = "max_tokens"  # the name the client gave max_tokens under (errors use it)
 
 
 def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_images: int,
@@ -100,20 +100,11 @@ def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_
     engine stops at max_model_len), as in vLLM; a too-long error then sizes its fixes for
     `DEFAULT_MAX_TOKENS` output tokens and says so. At most `max_stop_strings` stop strings of at most
     `max_stop_chars` characters each, and at most `max_n` choices."""
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got a JSON {_json_type(body)}")
-    model = body.get("model")
-    if model is None:
-        raise bad_request(f"'model' is required; this server serves {model_name!r}", "model")
-    if not isinstance(model, str):
-        raise bad_request(f"'model' must be a string, got a JSON {_json_type(model)}", "model")
-    if model != model_name:
-        raise APIError(404, f"model {_clip(model)!r} does not exist; this server serves {model_name!r}",
-                       "invalid_request_error", "model", "model_not_found")
+    check_model(body, model_name)
     for name, off in UNSUPPORTED.items():
         value = body.get(name)
         if value is not None and value not in off:
-            raise bad_request(f"'{name}'={_clip(repr(value))} is not supported by this server; leave it out",
+            raise bad_request(f"'{name}'={clip(repr(value))} is not supported by this server; leave it out",
                               name, "unsupported_parameter")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -122,25 +113,73 @@ def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_
     if num_images > limit_images:
         raise bad_request(f"the request has {num_images} images; this server accepts at most {limit_images} per "
                           f"request (server setting --limit-images)", "messages", "too_many_images")
+    stream, include_usage = parse_stream(body)
+    check_stop(body.get("stop"), max_stop_strings, max_stop_chars)
+    params = _sampling_params(body, max_model_len)
+    check_n(params.n, max_n)
+    return ChatRequest(messages, params, stream, include_usage, num_images, _chat_options(body),
+                       max_tokens_param(body))
+
+
+def check_model(body: object, model_name: str) -> None:
+    """The body is a JSON object naming the served model (400, or 404 for another model)."""
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got a JSON {_json_type(body)}")
+    model = body.get("model")
+    if model is None:
+        raise bad_request(f"'model' is required; this server serves {model_name!r}", "model")
+    if not isinstance(model, str):
+        raise bad_request(f"'model' must be a string, got a JSON {_json_type(model)}", "model")
+    if model != model_name:
+        raise APIError(404, f"model {clip(model)!r} does not exist; this server serves {model_name!r}",
+                       "invalid_request_error", "model", "model_not_found")
+
+
+def parse_stream(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage). `stream_options` without `stream: true` is a 400, as in vLLM: the
+    client asked for something about a stream it will not get."""
     stream = body.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise bad_request(f"'stream' must be true or false, got {_clip(repr(stream))}", "stream")
+        raise bad_request(f"'stream' must be true or false, got {clip(repr(stream))}", "stream")
     include_usage = False
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict):
             raise bad_request("'stream_options' must be an object", "stream_options")
+        if opts and not stream:
+            raise bad_request("'stream_options' can only be set when 'stream' is true; leave it out or set "
+                              "\"stream\": true", "stream_options")
         include_usage = opts.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise bad_request("'stream_options.include_usage' must be true or false", "stream_options")
-    _check_stop(body.get("stop"), max_stop_strings, max_stop_chars)
-    params = _sampling_params(body, max_model_len)
-    if params.n > max_n:  # each choice is a sequence in the batch: a cap keeps one request from filling it
-        raise bad_request(f"'n' is {params.n}; this server accepts at most {max_n} choices per request "
+    return stream, include_usage
+
+
+def check_n(n: int, max_n: int) -> None:
+    if n > max_n:  # each choice is a sequence in the batch: a cap keeps one request from filling it
+        raise bad_request(f"'n' is {n}; this server accepts at most {max_n} choices per request "
                           f"(server setting --max-n)", "n", "too_many_choices")
-    return ChatRequest(messages, params, stream, include_usage, num_images, _chat_options(body))
+
+
+def max_tokens_param(body: dict) -> str:
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+
+
+def check_output_room(prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str) -> None:
+    """A 400 naming the numbers when the prompt and `max_tokens` together exceed max_model_len, as vLLM
+    answers (the engine would stop at max_model_len and report "length" without saying why). None:
+    up to the context's end, nothing to check."""
+    if max_tokens is None or prompt_tokens + max_tokens <= max_model_len:
+        return
+    room = max_model_len - prompt_tokens
+    fix = (f"set '{param}' to at most {room}, or leave it out to generate up to the end of the context"
+           if room >= 1 else "shorten the prompt")
+    raise bad_request(f"'{param}' is {max_tokens}, but the prompt has {prompt_tokens} tokens and this server's "
+                      f"context holds {max_model_len} (max_model_len), which leaves room for {max(room, 0)} "
+                      f"({prompt_tokens} + {max_tokens} > {max_model_len}); {fix}", param,
+                      "context_length_exceeded")
 
 
 def _chat_options(body: dict) -> ChatOptions:
@@ -159,7 +198,7 @@ def count_images(messages: list) -> int:
     return count
 
 
-def _check_stop(stop, max_count: int, max_chars: int) -> None:
+def check_stop(stop, max_count: int, max_chars: int) -> None:
     """A request's stop strings within the server's caps (their type is SamplingParams' to check)."""
     stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
     if len(stops) > max_count:
@@ -180,14 +219,23 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 
 
 def _sampling_params(body: dict, max_model_len: int) -> SamplingParams:
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    name = max_tokens_param(body)
+    max_tokens = body.get(name)
+    return sampling_params(body, _logprobs(body), None if max_tokens is None else json_int(max_tokens), name)
+
+
+def sampling_params(body: dict, logprobs: int | None, max_tokens, max_tokens_name: str = "max_tokens"
+                    ) -> SamplingParams:
+    """The body's sampling fields as `SamplingParams`, with the endpoint's own reading of `logprobs`
+    and `max_tokens` (given under `max_tokens_name`); a bad value is a 400 naming its field."""
+    name = max_tokens_name
     kwargs = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
     for k in ("top_k", "seed", "min_tokens", "n"):
         if k in kwargs:
-            kwargs[k] = _json_int(kwargs[k])
+            kwargs[k] = json_int(kwargs[k])
     if isinstance(kwargs.get("stop_token_ids"), list):
-        kwargs["stop_token_ids"] = [_json_int(t) for t in kwargs["stop_token_ids"]]
-    kwargs["logprobs"] = _logprobs(body)
+        kwargs["stop_token_ids"] = [json_int(t) for t in kwargs["stop_token_ids"]]
+    kwargs["logprobs"] = logprobs
     guided = {key: body[name] for name, key in _GUIDED.items() if body.get(name) is not None}
     if guided:
         if "structured_outputs" in kwargs:
@@ -195,8 +243,7 @@ def _sampling_params(body: dict, max_model_len: int) -> SamplingParams:
         kwargs["structured_outputs"] = guided
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
-    max_tokens = body.get(name)
-    kwargs["max_tokens"] = None if max_tokens is None else _json_int(max_tokens)
+    kwargs["max_tokens"] = max_tokens
     try:
         return SamplingParams(**kwargs)
     except InvalidRequestError as e:
@@ -209,12 +256,12 @@ def _logprobs(body: dict) -> int | None:
     """OpenAI's pair: `logprobs` true turns them on, `top_logprobs` (0-20) needs it."""
     on, top = body.get("logprobs"), body.get("top_logprobs")
     if on is not None and not isinstance(on, bool):
-        raise bad_request(f"'logprobs' must be true or false, got {_clip(repr(on))}", "logprobs")
+        raise bad_request(f"'logprobs' must be true or false, got {clip(repr(on))}", "logprobs")
     if top is not None and not on:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    top = _json_int(top) if top is not None else 0
+    top = json_int(top) if top is not None else 0
     if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS:
-        raise bad_request(f"'top_logprobs' must be an integer from 0 to {MAX_LOGPROBS}, got {_clip(repr(top))}",
+        raise bad_request(f"'top_logprobs' must be an integer from 0 to {MAX_LOGPROBS}, got {clip(repr(top))}",
                           "top_logprobs")
     return top if on else None
 
@@ -226,12 +273,12 @@ def _logit_bias(bias) -> dict[int, object]:
     out = {}
     for key, value in bias.items():
         if not key.isdigit():
-            raise bad_request(f"'logit_bias' keys must be token ids (digits), got {_clip(repr(key))}", "logit_bias")
+            raise bad_request(f"'logit_bias' keys must be token ids (digits), got {clip(repr(key))}", "logit_bias")
         out[int(key)] = value
     return out
 
 
-def _json_int(value):
+def json_int(value):
     """JSON has one number type: 16.0 is the integer 16."""
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
@@ -241,13 +288,8 @@ def _json_type(value) -> str:
         type(value), "number")
 
 
-def _clip(text: str, limit: int = 80) -> str:
+def clip(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-# -- responses -------------------------------------------------------------------------------------
-def new_completion_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -256,84 +298,3 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def completion_body(cid: str, model: str, text: str | dict, finish_reason: str, prompt_tokens: int,
-                    completion_tokens: int, cached_tokens: int, logprobs: dict | None = None) -> dict:
-    """`text`: the answer, or the whole message (server/parsed_output.py `message`)."""
-    msg = text if isinstance(text, dict) else {"role": "assistant", "content": text}
-    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish_reason}],
-            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
-
-
-def with_choices(body: dict, outputs: list, logprobs=lambda out: None, message=lambda out: out.text) -> dict:
-    """A completion body with every one of n choices, in index order, each made as `completion_body`
-    makes choice 0 (`logprobs(out)`: its logprobs object, or None; `message(out)` its text or
-    message); the usage it holds already counts the prompt once."""
-    def choice(out) -> dict:
-        made = completion_body(body["id"], body["model"], message(out), out.finish_reason, 0, 0, 0,
-                               logprobs(out))["choices"][0]
-        return {**made, "index": out.index}
-    body["choices"] = [choice(out) for out in outputs]
-    return body
-
-
-class ChunkWriter:
-    """SSE lines of one streamed completion. Only the delta text changes between chunks, so the rest
-    of each line is formatted once: per token the server then encodes one short string."""
-
-    def __init__(self, cid: str, model: str, created: int, include_usage: bool):
-        self.cid, self.model, self.created, self.include_usage = cid, model, created, include_usage
-        head = json.dumps({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model},
-                          separators=(",", ":"))[:-1]
-        tail = ',"usage":null}' if include_usage else "}"
-        self._content_prefix = "data: " + head + ',"choices":[{"index":'
-        self._content_suffix = '},"logprobs":null,"finish_reason":null}]' + tail + "\n\n"
-
-    def event(self, payload: dict) -> str:
-        return "data: " + json.dumps(payload, separators=(",", ":")) + "\n\n"
-
-    def role(self, index: int = 0) -> str:
-        return self.event(chunk_body(self.cid, self.model, self.created, {"role": "assistant", "content": ""},
-                                     None, self.include_usage, index))
-
-    def content(self, text: str, index: int = 0, logprobs: dict | None = None) -> str:
-        if logprobs is not None:  # the rare case: a body of its own
-            body = chunk_body(self.cid, self.model, self.created, {"content": text}, None, self.include_usage,
-                              index)
-            body["choices"][0]["logprobs"] = logprobs
-            return self.event(body)
-        return f'{self._content_prefix}{index},"delta":{{"content":{json.dumps(text)}{self._content_suffix}'
-
-    def delta(self, delta: dict, index: int = 0, logprobs: dict | None = None) -> str:
-        """A chunk of any delta (reasoning, tool calls: server/parsed_output.py)."""
-        body = chunk_body(self.cid, self.model, self.created, delta, None, self.include_usage, index)
-        body["choices"][0]["logprobs"] = logprobs
-        return self.event(body)
-
-    def finish(self, reason: str, index: int = 0) -> str:
-        return self.event(chunk_body(self.cid, self.model, self.created, {}, reason, self.include_usage, index))
-
-    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> str:
-        return self.event(usage_chunk_body(self.cid, self.model, self.created, prompt_tokens, completion_tokens,
-                                           cached_tokens))
-
-    @staticmethod
-    def done() -> str:
-        return "data: [DONE]\n\n"
-
-
-def chunk_body(cid: str, model: str, created: int, delta: dict, finish_reason: str | None,
-               include_usage: bool, index: int = 0) -> dict:
-    body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-    if include_usage:
-        body["usage"] = None
-    return body
-
-
-def usage_chunk_body(cid: str, model: str, created: int, prompt_tokens: int, completion_tokens: int,
-                     cached_tokens: int) -> dict:
-    return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}

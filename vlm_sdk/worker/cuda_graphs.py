@@ -16,6 +16,12 @@ the rows past `n` padded:
     token_src   -1, or the row of `sampled_tokens` holding the token (asynchronous scheduling)   -1
     positions   their positions              0
 
+The graph ends with the step's logits and their argmax: `logits` (a static float32 `[biggest, vocab]`
+buffer: the compute_logits cast writes straight into it) and the greedy tokens, written into
+`sampled_tokens`. A step whose rows are all greedy (no penalties, logprobs or grammar held) takes its
+tokens from there with no sampler launch and no copy (`ModelRunner`); any other step samples from
+`logits`, and the sampler's tokens overwrite the argmax in `sampled_tokens` (`ModelRunner._keep`).
+
 These six are views of ONE int64 device buffer `[5 + position_rows, biggest]`, and the runner
 packs a step straight into a pinned host copy of it (`stage`): the step's inputs reach the graph in
 one host-to-device copy, padding included. The block tables are not copied per step at all: they
@@ -73,6 +79,7 @@ class DecodeGraphs:
         self.input_ids, self.slot_mapping, self.table_rows, self.seq_lens, self.token_src = self.inputs[:5]  # [biggest] each
         self.positions = self.inputs[5:]  # [position_rows, biggest]
         self.sampled_tokens = torch.zeros(biggest, dtype=torch.int64, device=device)  # the last step's, by row
+        self.logits = torch.zeros(biggest, model.vocab_size, dtype=torch.float32, device=device)  # [biggest, vocab]
         self.tables = BlockTables(biggest, max_blocks, device)  # the runner's: one row per request
         self.query_start_loc = torch.arange(biggest + 1, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
@@ -107,7 +114,16 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:  # [size, hidden]
         embeds = self.model.embed_tokens(self._input_ids(size))
-        return self.model(embeds, self.positions[:, :size], self.kv_caches, self._meta(size))
+        hidden = self.model(embeds, self.positions[:, :size], self.kv_caches, self._meta(size))
+        self.logits_and_argmax(hidden)
+        return hidden
+
+    def logits_and_argmax(self, hidden: torch.Tensor) -> None:  # hidden [size, hidden]
+        """The graph's tail: the logits into `logits`, their argmax into `sampled_tokens` (after the
+        step's ids were read from it)."""
+        size = hidden.shape[0]
+        logits = self.model.compute_logits(hidden, out=self.logits[:size])  # [size, vocab]
+        torch.argmax(logits, dim=-1, out=self.sampled_tokens[:size])
 
     @torch.inference_mode()
     def _capture_all(self, device: torch.device) -> None:

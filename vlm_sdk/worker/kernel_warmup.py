@@ -12,8 +12,8 @@ handful of constexpr choices, and this warm-up runs each once through the real m
     decode, long context            several splits + the merge kernel
     every CUDA-graph batch size     compiled by the capture's own eager pass; replayed once here
 
-The norms (with and without the residual add), rotary, store_kv and silu_and_mul run inside each of
-these; the sampler's draw, its top-p cut and the structured-output mask run once on the last step's logits. The vision tower's kernels are compiled by the CUDA memory profile, which encodes the largest
+The norms (with and without the residual add), rotary_store_kv (the decoder's rotary and K/V store in
+one kernel) and silu_and_mul run inside each of these; the sampler's draw, its top-p cut and the structured-output mask run once on the last step's logits. The vision tower's kernels are compiled by the CUDA memory profile, which encodes the largest
 image (`Worker.profile_peak`, before this); a small image's full-attention segment of <= 64 patches
 (Qwen3-VL has no windows) would still compile the 64-row varlen tile on first use.
 
@@ -37,7 +37,7 @@ logger = logging.getLogger("vlm_sdk")
 # the prefill / varlen tile changes at 64 query rows (kernels/flash_config.py)
 SHORT_CHUNK = 16
 LONG_CHUNK = 128
-# long enough for the decode launcher to split the context (_MIN_SPLIT_TOKENS is 256 keys per split)
+# long enough for the decode launcher to split the context on the CPU too (512 keys per split there)
 LONG_CONTEXT = 4096
 
 

@@ -37,6 +37,7 @@ from vlm_sdk.protocol.scheduler_output import SchedulerOutput
 from vlm_sdk.protocol.runner_output import PendingOutput, Ready
 from vlm_sdk.worker.pending_output import DevicePendingOutput
 from vlm_sdk.worker.request_state import RequestState
+from vlm_sdk.sample.sampled_tokens import SampledTokens
 from vlm_sdk.sample.sampler import Sampler
 from vlm_sdk.worker.step_images import drop_passed_images, encode_images, step_images
 from vlm_sdk.sample.token_mask import apply_token_bitmask
@@ -188,9 +189,12 @@ class ModelRunner:
                 and sched.total_num_scheduled_tokens == len(scheduled):  # one token each, every one the last
             # generated tokens only: every image is behind them (none to encode, scatter or drop), so the
             # captured forward covers the step; every row samples (its one token is its last)
-            hidden = self._run_graph(scheduled)  # [num_seqs, hidden]
-            sample_idx = list(range(len(scheduled)))
-            logits = self.model.compute_logits(hidden)  # [num_seqs, vocab]
+            self._run_graph(scheduled)  # logits and their argmax computed in the graph
+            n = len(scheduled)
+            if self.samples and not any(self._held_kinds) and sched.grammar_bitmask is None:
+                return self._greedy_from_graph([s for s, _ in scheduled])
+            sample_idx = list(range(n))
+            logits = self.graphs.logits[:n]  # [num_seqs, vocab]
         else:
             self._encode_images(scheduled)
             encoder = self.encoder_cache.stats() if self.samples else None
@@ -222,6 +226,16 @@ class ModelRunner:
         if self.keep_sampled:
             self._keep(states, sampled.tokens)
         return DevicePendingOutput([s.request_id for s in states], sampled, self.device, encoder)
+
+    def _greedy_from_graph(self, states: list[RequestState]) -> PendingOutput:
+        """Every held request is greedy without edits, logprobs or a grammar: the graph's argmax, already
+        in `sampled_tokens` where the next step reads ids from, is the step's tokens."""
+        if self.keep_sampled:
+            self._last_rows = {s.request_id: j for j, s in enumerate(states)}
+        tokens = self.graphs.sampled_tokens[:len(states)]  # [n] int64
+        if self.device.type != "cuda":  # read at result(), after the next step's argmax: keep a copy (CUDA
+            tokens = tokens.clone()     # copies to pinned memory in stream order before that step runs)
+        return DevicePendingOutput([s.request_id for s in states], SampledTokens(tokens, [], []), self.device, None)
 
     def _forward(self, embeds: torch.Tensor, step: StepInputs, images) -> torch.Tensor:  # [num_tokens, hidden]
         """The model's forward, or its decoder stack through the piecewise graphs when they cover the step

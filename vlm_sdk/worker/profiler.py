@@ -11,8 +11,9 @@ profile must run the worst case the scheduler can produce, with everything that 
                    top-k, top-p and logprobs (its [rows, vocab] temporaries)
     vision tower   the largest image through it (its own peak, after the step)
     graph pool     with CUDA graphs: the memory pool the decode graphs keep for good, measured as the
-                   peak of a decode forward of the largest captured batch (`graph_batch`) and added on
-                   top, since eager steps run beside the pool
+                   peak of a decode forward of the largest captured batch (`graph_batch`) with its
+                   logits and their argmax (the graphs compute them; their float32 logits buffer is as
+                   large as this peak's), added on top, since eager steps run beside the pool
     piecewise      with piecewise graphs (`piecewise_tokens`): their fixed buffers and per-bucket outputs
                    (`memory.consumers.piecewise.held_bytes`, arithmetic) and their pool, bounded by the peak of a
                    plain forward of `piecewise_tokens` tokens (a piece is a part of one layer's work)
@@ -114,7 +115,9 @@ def profile_peak(model, largest_image: ImageInput, *, num_tokens: int, num_seqs:
     pool = 0
     if graph_batch:
         meter.reset()  # the caches stay: the pool is measured beyond them
-        _forward(model, caches, attention, [1] * graph_batch, device)  # [graph_batch, hidden]
+        hidden = _forward(model, caches, attention, [1] * graph_batch, device)  # [graph_batch, hidden]
+        model.compute_logits(hidden).argmax(dim=-1)  # [graph_batch, vocab] float32, then [graph_batch]
+        del hidden
         pool = max(0, meter.peak())
     piecewise = 0
     if piecewise_tokens:

@@ -50,7 +50,7 @@ class Worker:
         self.dtype = config.torch_dtype
         info = read_checkpoint(model_dir)
         family = resolve([info.architecture])
-        self.ops = make_ops(config.attention_backend, device)
+        self.ops = make_ops(config.attention_backend, device, args.small_m_gemm)
         t0 = time.perf_counter()
         before = _allocated(device)
         with torch.device(device):

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import image
+from helpers import internvl_conversations as conversations
 from tolerance import assert_reduction_close, forward_terms
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.attention.metadata import AttentionMetadata
@@ -31,20 +31,6 @@ TERMS = forward_terms(layers=2, hidden=64, intermediate=128, tokens=2000, head_d
 def close(actual, expected):
     assert_reduction_close(actual, expected, TERMS)
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-
-
-def conversations() -> dict[str, list[dict]]:
-    """Several tiles per image, kept short with per-image max_num (transformers gets it as max_patches)."""
-    a, b, c = image(400, 200, 1), image(120, 260, 2), image(200, 200, 3)
-    return {
-        "text": [{"role": "user", "content": "Tell me a short story about the sea."}],
-        "one_image": [{"role": "user", "content": [  # 2x1 grid (1 row, 2 cols) + thumbnail = 3 tiles
-            {"type": "image", "image": a, "max_num": 2}, {"type": "text", "text": "What is in this image?"}]}],
-        "two_images": [{"role": "system", "content": "You compare pictures."},
-                       {"role": "user", "content": [
-                           {"type": "text", "text": "Compare"}, {"type": "image", "image": b, "max_num": 2},
-                           {"type": "text", "text": "with"}, {"type": "image", "image": c, "max_num": 1}]}],
-    }
 
 
 class Oracle:

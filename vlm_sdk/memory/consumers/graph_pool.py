@@ -1,5 +1,7 @@
 """The decode CUDA graphs' memory pool, kept for good once captured: about a decode forward of the largest
-captured batch (max_num_seqs rows); eager steps run beside it."""
+captured batch (max_num_seqs rows) with its logits (the graphs end with the logits and their argmax:
+the product in the model's dtype in the pool, and the graphs' static float32 logits buffer);
+eager steps run beside it."""
 from __future__ import annotations
 
 from vlm_sdk.memory.consumers.base import MemoryConsumer
@@ -13,4 +15,5 @@ class DecodeGraphPool(MemoryConsumer):
         return m.on_gpu and m.decode_graphs
 
     def estimate(self, m: MemoryInputs) -> int:
-        return m.forward_bytes(m.args.max_num_seqs)
+        rows = m.args.max_num_seqs
+        return m.forward_bytes(rows) + rows * m.vocab_size * (m.dtype_bytes + 4)

@@ -1,5 +1,9 @@
 """The logits of max_num_seqs rows and the sampler's temporaries for its worst row (penalties, top-k and
-top-p, logprobs), beside the held image.
+top-p, logprobs), beside the held image: what that phase of the step adds over the activation peak
+(the decoder's activations are freed before the logits are computed, the vision tower's before the
+decoder runs), as the profile measures it, so that the consumers add up to the step's peak:
+
+    max(0, held image + max_num_seqs x vocab x (4 + WORST_BYTES_PER_ENTRY) - activation peak)
 
 The sampler's [rows, vocab] temporaries at their peak, bytes per row and vocabulary entry (float32;
 `vlm-sdk bench --sampler` measures them): a draw holds the probabilities and the exponentials (8),
@@ -9,6 +13,7 @@ exponentials. The logits themselves are float32 (4 more).
 """
 from __future__ import annotations
 
+from vlm_sdk.memory.consumers.activation import Activation, held_image_bytes
 from vlm_sdk.memory.consumers.base import MemoryConsumer
 from vlm_sdk.memory.inputs import MemoryInputs
 
@@ -20,4 +25,9 @@ class Sampler(MemoryConsumer):
     name, title = "sampler", "logits + sampler (max_num_seqs rows)"
 
     def estimate(self, m: MemoryInputs) -> int:
-        return m.args.max_num_seqs * m.vocab_size * (LOGITS_BYTES_PER_ENTRY + WORST_BYTES_PER_ENTRY)
+        return max(0, held_image_bytes(m) + rows_bytes(m) - Activation().estimate(m))
+
+
+def rows_bytes(m: MemoryInputs) -> int:
+    """The logits and the sampler's temporaries at max_num_seqs rows."""
+    return m.args.max_num_seqs * m.vocab_size * (LOGITS_BYTES_PER_ENTRY + WORST_BYTES_PER_ENTRY)

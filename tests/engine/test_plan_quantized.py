@@ -1,0 +1,55 @@
+"""Memory of quantized checkpoints: `vlm-sdk plan` counts the packed weights, scales and zeros exactly as the
+engine holds them (plan == engine on quantized tiny checkpoints, and both against the arithmetic of the
+format), names the format, and plans Qwen2.5-VL-72B-Instruct-AWQ on one 80 GiB GPU from its config alone."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import TESTS
+from vlm_sdk import LLM
+from vlm_sdk.plan import plan
+from vlm_sdk.plan.report import format_plan
+from vlm_sdk.testing.quantizer import quantize_checkpoint
+
+AWQ_72B = TESTS / "configs" / "qwen2_5_vl_72b_awq.json"
+
+
+def _awq_linear_bytes(out_f: int, in_f: int, group: int) -> int:
+    """qweight int32 [in, out/8] + qzeros int32 [in/G, out/8] + scales fp16 [in/G, out]."""
+    return in_f * out_f // 8 * 4 + in_f // group * out_f // 8 * 4 + in_f // group * out_f * 2
+
+
+def test_plan_of_the_72b_awq_config_fits_one_80gib_gpu_and_counts_every_packed_byte():
+    c = json.loads(AWQ_72B.read_text())
+    p = plan(AWQ_72B, device_memory="80GiB")
+    h, inter, heads, kv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    d = h // heads
+    per_layer = (_awq_linear_bytes(h, h, 128) + 2 * _awq_linear_bytes(kv * d, h, 128)  # q, k, v
+                 + (h + 2 * kv * d) * 2                                                # their biases (bf16)
+                 + _awq_linear_bytes(h, h, 128)                                        # o_proj
+                 + 2 * _awq_linear_bytes(inter, h, 128) + _awq_linear_bytes(h, inter, 128)  # gate, up, down
+                 + 2 * h * 2)                                                          # the two norms
+    embed_and_head = 2 * c["vocab_size"] * h * 2 + h * 2  # untied, bf16; the final norm
+    assert p.weights_language_model_bytes == c["num_hidden_layers"] * per_layer + embed_and_head
+    assert p.weights_bytes < 40 * 2 ** 30 and not p.problems  # ~40 GiB of weights: one 80 GiB GPU
+    assert p.capacity_tokens > 90_000  # what the bf16 KV cache holds beside them
+    assert p.weight_format.startswith("AWQ int4, group 128")
+    assert "weights: format" in format_plan(p) and "AWQ int4, group 128" in format_plan(p)
+
+
+@pytest.mark.parametrize("method, options", [("awq", dict(group_size=16)),
+                                             ("gptq", dict(group_size=16, sym=False, desc_act=True)),
+                                             ("fp8", dict(block=(16, 16)))])
+def test_plan_equals_the_engine_on_a_quantized_checkpoint(tiny_checkpoints, tmp_path, method, options):
+    path = quantize_checkpoint(tiny_checkpoints("qwen2_5_vl"), tmp_path / "q", method, **options)
+    float_plan = plan(tiny_checkpoints("qwen2_5_vl"), device="cpu")
+    p = plan(path, device="cpu")
+    r = LLM(str(path), device="cpu", show_progress=False).memory_report
+    for key in ("weights_language_model_bytes", "weights_vision_bytes", "weights_projector_bytes", "num_blocks",
+                "kv_bytes_per_block", "weight_format"):
+        assert getattr(p, key) == getattr(r, key), key
+    assert p.weights_language_model_bytes < float_plan.weights_language_model_bytes  # packed: fewer bytes
+    assert p.weights_vision_bytes == float_plan.weights_vision_bytes  # the vision tower stays float
+    assert p.weight_format != "float" and float_plan.weight_format == "float"

@@ -1,0 +1,59 @@
+"""GPTQ, the AutoGPTQ / gptqmodel layout (vLLM's gptq.py reads the same):
+
+    <module>.qweight [in/8, out] int32   8 int4 values per word along the input, in order
+    <module>.qzeros  [in/G, out/8] int32 zero points packed along the output; the original format
+                                         (checkpoint_format "gptq") stores zero - 1, "gptq_v2" the zero
+    <module>.scales  [in/G, out] float16
+    <module>.g_idx   [in] int32          each input row's group: k // G, or a permutation (desc_act)
+    W[n, k] = (q[k, n] - (z[g, n] + offset)) * s[g, n], g = g_idx[k]      (kernels/dequant_torch.py)
+
+Symmetric checkpoints (`sym: true`) store the zero 8 (as 7 in the original format); asymmetric ones any.
+With desc_act, a rank of a split input keeps every group's scales and zeros (its rows' g_idx point
+anywhere), as vLLM does; without it, only its own groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vlm_sdk.errors import CheckpointError
+from vlm_sdk.kernels.dequant_torch import dequantize_gptq
+from vlm_sdk.layers.quantization.base import PackedTensor, QuantScheme
+
+
+@dataclass(frozen=True)
+class GPTQScheme(QuantScheme):
+    group_size: int  # the input rows per group (the whole input for group_size -1 in config.json)
+    desc_act: bool
+    sym: bool
+    zero_offset: int  # 1: checkpoint_format "gptq" (zero - 1 stored); 0: "gptq_v2"
+    skip: tuple[str, ...] = ()
+    method = "gptq"
+
+    @property
+    def description(self) -> str:
+        order = ", desc_act" if self.desc_act else ""
+        return f"GPTQ int4, group {self.group_size}, {'sym' if self.sym else 'asym'}{order}"
+
+    def tensors(self) -> tuple[PackedTensor, ...]:
+        g, whole = self.group_size, self.desc_act
+        return (PackedTensor("qweight", torch.int32, 2, out_dim=1, out_div=1, in_dim=0, in_div=8),
+                PackedTensor("qzeros", torch.int32, 2, out_dim=1, out_div=8, in_dim=0, in_div=g,
+                             whole_on_row_split=whole),
+                PackedTensor("scales", torch.float16, 2, out_dim=1, out_div=1, in_dim=0, in_div=g,
+                             whole_on_row_split=whole),
+                PackedTensor("g_idx", torch.int32, 1, out_dim=None, out_div=1, in_dim=0, in_div=1))
+
+    def dequantize(self, t, out_features, in_features, in_starts):
+        # g_idx holds global groups; this rank's scales start at its first group
+        return dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"] - in_starts["scales"],
+                               self.zero_offset)
+
+    def check(self, name, t, in_starts):
+        groups, g_idx, offset = t["scales"].shape[0], t["g_idx"], in_starts["scales"]
+        low, high = int(g_idx.min()), int(g_idx.max())
+        if low - offset < 0 or high - offset >= groups:
+            raise CheckpointError(f"tensor {name}.g_idx holds groups {low}..{high}, outside the {groups} groups of "
+                                  f"{name}.scales{f' held by this rank (from group {offset})' if offset else ''}: "
+                                  f"desc_act in config.json does not match the weights")

@@ -1,0 +1,182 @@
+"""The legacy completions wire format (POST /v1/completions), as OpenAI defines it and vLLM serves it:
+request bodies in, `text_completion` bodies and SSE chunks out.
+
+    prompt      a string, a list of strings, a list of token ids or a list of lists of ids; each
+                prompt is completed with no chat template and no images (multimodal/prompts.py)
+    choices     n per prompt: choice index = prompt index * n + sample index (vLLM's order)
+    max_tokens  16 when left out or null (OpenAI's and vLLM's default); 0 only with echo: the
+                prompt comes back and nothing is generated
+    echo        the prompt's text before each choice's text (a token-id prompt's is its decoding)
+    logprobs    k in 0..20: per generated token its text, logprob and a {token text: logprob} map of
+                the k most likely tokens and the sampled one (OpenAI's "up to logprobs + 1"), and
+                text_offset, each token's start counted as vLLM counts it (the lengths of the token
+                texts before it). The prompt's own logprobs are not computed, so echo with logprobs
+                is refused rather than answered with holes
+    suffix      refused (no served family fills in the middle), as vLLM refuses it; best_of only
+                when it equals n (any other asks for server-side ranking, which is not built)
+
+Every field of OpenAI's request (the openai package's completion_create_params) is honoured or
+refused with 400 unsupported_parameter; the sampling fields and vLLM's extras (top_k, stop_token_ids,
+ignore_eos, min_tokens, repetition_penalty, structured outputs, ..., and cache_salt) are read as the
+chat endpoint reads them (server/protocol.py).
+"""
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from dataclasses import dataclass
+
+from vlm_sdk.chat_options import NO_OPTIONS, ChatOptions
+from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.multimodal.prompts import RawPrompt, parse_prompts
+from vlm_sdk.outputs import TokenLogprob
+from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams
+from vlm_sdk.server.logprobs import TokenSpeller
+from vlm_sdk.server.protocol import (bad_request, check_model, check_n, check_stop, clip, json_int, parse_stream,
+                                     sampling_params, usage)
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's for this endpoint
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompts: list[RawPrompt]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: bool
+    generate: bool  # False: echo with max_tokens 0, the prompts come back as they are
+    options: ChatOptions = NO_OPTIONS  # cache_salt only: vLLM's field, keeping tenants' cached blocks apart
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.params.n
+
+
+def parse_completion_request(body: object, model_name: str, max_stop_strings: int = 4, max_stop_chars: int = 256,
+                             max_n: int = 8, max_prompts: int = 64) -> CompletionRequest:
+    """Validate a decoded JSON body (400, or 404 for another model)."""
+    check_model(body, model_name)
+    if body.get("suffix") is not None:
+        raise bad_request(f"'suffix'={clip(repr(body['suffix']))} is not supported by this server (no served "
+                          f"model fills in the middle); leave it out", "suffix", "unsupported_parameter")
+    if body.get("prompt") is None:
+        raise bad_request("'prompt' is required: a string, a list of strings, a list of token ids or a list of "
+                          "lists of token ids", "prompt")
+    try:
+        prompts = parse_prompts(_ids_as_ints(body["prompt"]))
+    except InvalidRequestError as e:
+        raise bad_request(str(e), "prompt") from None
+    if len(prompts) > max_prompts:
+        raise bad_request(f"'prompt' holds {len(prompts)} prompts; this server accepts at most {max_prompts} per "
+                          f"request (server setting --max-completion-prompts)", "prompt", "too_many_prompts")
+    stream, include_usage = parse_stream(body)
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise bad_request(f"'echo' must be true or false, got {clip(repr(echo))}", "echo")
+    logprobs = _logprobs(body.get("logprobs"))
+    if echo and logprobs is not None:
+        raise bad_request("'echo' with 'logprobs' asks for the prompt tokens' logprobs, which this server does "
+                          "not compute; leave out one of them", "logprobs", "unsupported_parameter")
+    max_tokens = body.get("max_tokens")
+    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else json_int(max_tokens)
+    generate = not (echo and max_tokens == 0)
+    check_stop(body.get("stop"), max_stop_strings, max_stop_chars)
+    params = sampling_params(body, logprobs, max_tokens if generate else None)
+    check_n(params.n, max_n)
+    best_of = json_int(body.get("best_of"))
+    if best_of is not None and best_of != params.n:
+        raise bad_request(f"'best_of'={clip(repr(best_of))} asks the server to rank {best_of} completions and "
+                          f"return the best {params.n}, which this server does not do; leave it out or set it "
+                          f"equal to 'n'", "best_of", "unsupported_parameter")
+    try:
+        options = ChatOptions(cache_salt=body.get("cache_salt"))
+    except InvalidRequestError as e:
+        raise bad_request(str(e), e.param) from None
+    return CompletionRequest(prompts, params, stream, include_usage, bool(echo), generate, options)
+
+
+def _ids_as_ints(prompt):
+    """JSON has one number type: token id 16.0 is 16 (in a list of ids, or a list of lists)."""
+    if isinstance(prompt, list):
+        return [_ids_as_ints(p) if isinstance(p, list) else json_int(p) for p in prompt]
+    return prompt
+
+
+def _logprobs(value) -> int | None:
+    """The legacy field: how many most likely tokens to list per position (null: no logprobs)."""
+    if value is None:
+        return None
+    value = json_int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"'logprobs' must be an integer from 0 to {MAX_LOGPROBS} (the most likely tokens listed "
+                          f"per position) or null, got {clip(repr(value))}", "logprobs")
+    return value
+
+
+# -- responses -------------------------------------------------------------------------------------
+def new_completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_body(cid: str, model: str, created: int, choices: list[dict], prompt_tokens: int,
+                    completion_tokens: int, cached_tokens: int) -> dict:
+    return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+
+
+class ChunkWriter:
+    """SSE lines of one streamed completion: a chunk per choice update (its new text, and its
+    finish_reason on its last), the usage chunk (choices: []) when asked, then [DONE]. With
+    include_usage every other chunk has "usage": null, as OpenAI streams it."""
+
+    def __init__(self, cid: str, model: str, created: int, include_usage: bool):
+        self.head = {"id": cid, "object": "text_completion", "created": created, "model": model}
+        self.include_usage = include_usage
+
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> str:
+        body = {**self.head, "choices": [choice(index, text, finish_reason, logprobs)]}
+        if self.include_usage:
+            body["usage"] = None
+        return event(body)
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> str:
+        return event({**self.head, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})
+
+
+def event(payload: dict) -> str:
+    return "data: " + json.dumps(payload, separators=(",", ":")) + "\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+class LegacyLogprobs:
+    """`TokenLogprob`s in the legacy shape {tokens, token_logprobs, top_logprobs, text_offset}, one
+    choice at a time: `offset` carries on across a stream's chunks. A logprob of -inf (a token cut by
+    top-k / top-p) is written as -9999.0, as OpenAI and vLLM write it (JSON has no -inf)."""
+
+    def __init__(self, speller: TokenSpeller):
+        self.speller = speller
+
+    def entries(self, logprobs: list[TokenLogprob], offset: int = 0) -> tuple[dict, int]:
+        """(the logprobs object of these tokens, the text offset after them)."""
+        tokens, values, tops, offsets = [], [], [], []
+        for lp in logprobs:
+            text = self.speller.spell(lp.token_id)[0]
+            tops.append({self.speller.spell(t)[0]: _finite(v) for t, v in lp.top_logprobs}
+                        | {text: _finite(lp.logprob)})
+            tokens.append(text)
+            values.append(_finite(lp.logprob))
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else -9999.0

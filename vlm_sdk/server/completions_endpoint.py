@@ -1,0 +1,236 @@
+"""POST /v1/completions: the chat endpoint's path for prompts without a chat template.
+
+    OpenAIServer.admit: auth (401), draining (503), the JSON body (400, 408, 413, 415)
+    -> parse_completion_request (400/404; server/completions.py)
+    -> AsyncLLM.build_prompt per prompt, off the loop: tokenize a text / check ids against the
+       vocabulary, the family's processor, the fit check (400 context_length_exceeded, naming the
+       prompt's index when there are several); each prompt + max_tokens within max_model_len (400)
+    -> AsyncLLM.generate per prompt (n samples each), merged as their tokens come; the first output
+       is awaited before any byte is sent, so the engine's own refusal is still an HTTP status
+    -> one `text_completion` body, or SSE chunks + usage + [DONE]; a failure after the headers is
+       sent in-band, as for chat
+
+The same limits, errors and metrics as chat (--max-n per prompt, --max-stop-*, TTFT / TPOT / e2e and
+finish reasons once per request); a client that leaves aborts every choice of every prompt.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from aiohttp import web
+
+from vlm_sdk.errors import EngineDeadError, InputTooLongError, InvalidRequestError
+from vlm_sdk.multimodal.prompts import TextPrompt
+from vlm_sdk.server import completions as wire
+from vlm_sdk.server.metrics import Timing
+from vlm_sdk.server.protocol import APIError, bad_request, check_output_room, error_from_exception
+
+logger = logging.getLogger("vlm_sdk.server")
+
+
+class CompletionsEndpoint:
+    """`server`: the `OpenAIServer` whose engine, config, metrics and speller it shares."""
+
+    def __init__(self, server):
+        self.server = server
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        server = self.server
+        arrival = time.monotonic()
+        body = await server.admit(request)
+        c = server.config
+        req = wire.parse_completion_request(body, server.model_name, c.max_stop_strings, c.max_stop_chars, c.max_n,
+                                            c.max_completion_prompts)
+        prompts = await self._build(req)
+        if req.generate:
+            for p in prompts:
+                check_output_room(len(p.token_ids), req.params.max_tokens, server.max_model_len, "max_tokens")
+        echoes = await self._echo_texts(req) if req.echo else None
+        if not req.generate:
+            return await self._echo_only(request, req, prompts, echoes)
+        outputs = _merged(server.engine, prompts, req.params)
+        try:
+            first = await outputs.__anext__()  # the engine's own refusal still becomes an HTTP status
+            timing = Timing(arrival, time.monotonic())
+            if req.stream:
+                return await self._stream(request, req, outputs, first, echoes, timing)
+            return await self._complete(req, prompts, outputs, first, echoes, timing)
+        finally:
+            await outputs.aclose()  # a no-op once finished; otherwise aborts every choice still running
+
+    async def _build(self, req: wire.CompletionRequest) -> list:
+        """Every prompt built (all of them, before anything runs); the first bad prompt's error,
+        naming its index when the request has several."""
+        engine, many = self.server.engine, len(req.prompts) > 1
+
+        async def build(i: int, prompt):
+            try:
+                return await engine.build_prompt(prompt, req.params, req.options)
+            except InputTooLongError as e:
+                e = e.with_conversation(i, "prompt") if many else e
+                raise APIError(400, str(e), "invalid_request_error", "prompt", "context_length_exceeded") from None
+            except InvalidRequestError as e:
+                raise bad_request(f"prompt {i}: {e}" if many else str(e), e.param or "prompt") from None
+        built = await asyncio.gather(*(build(i, p) for i, p in enumerate(req.prompts)), return_exceptions=True)
+        for b in built:
+            if isinstance(b, BaseException):
+                raise b
+        return built
+
+    async def _echo_texts(self, req: wire.CompletionRequest) -> list[str]:
+        """Each prompt as text: a text prompt as given, token ids decoded (off the loop)."""
+        processor = self.server.engine.output_processor
+
+        def decode(ids) -> str:
+            with processor.lock:
+                return processor.tokenizer.decode(list(ids), skip_special_tokens=False)
+        return [p.text if isinstance(p, TextPrompt) else await asyncio.to_thread(decode, p.token_ids)
+                for p in req.prompts]
+
+    def _logprobs(self, out, offset: int = 0) -> tuple[dict | None, int]:
+        if out.logprobs is None:
+            return None, offset
+        return wire.LegacyLogprobs(self.server.speller).entries(out.logprobs, offset)
+
+    async def _complete(self, req: wire.CompletionRequest, prompts: list, outputs, item, echoes,
+                        timing: Timing) -> web.Response:
+        server, n = self.server, req.params.n
+        final = {}  # choice index -> final output; the choices finish in any order
+        while True:
+            i, out = item
+            if out.finished:
+                final[i * n + out.index] = out
+                if len(final) == req.num_choices:
+                    server.observe(timing, out)  # the request's latencies once, at its last choice
+                    break
+                server.metrics.finished(out.finish_reason)  # every choice's finish reason
+            item = await outputs.__anext__()
+        choices = []
+        for index in range(req.num_choices):
+            out = final[index]
+            text = echoes[index // n] + out.text if echoes else out.text
+            choices.append(wire.choice(index, text, out.finish_reason, self._logprobs(out)[0]))
+        # each prompt counted once (its other samples shared its blocks), the completions of every choice
+        return web.json_response(wire.completion_body(
+            wire.new_completion_id(), server.model_name, int(time.time()), choices,
+            sum(len(p.token_ids) for p in prompts), sum(len(o.token_ids) for o in final.values()),
+            sum(final[p * n].num_cached_tokens for p in range(len(prompts)))))
+
+    async def _stream(self, request: web.Request, req: wire.CompletionRequest, outputs, item, echoes,
+                      timing: Timing) -> web.StreamResponse:
+        server, n = self.server, req.params.n
+        resp = await _open_stream(request)
+        cid = wire.new_completion_id()
+        chunks = wire.ChunkWriter(cid, server.model_name, int(time.time()), req.include_usage)
+        final = {}  # choice index -> final output
+        opened = set()  # choices that have sent a chunk
+        logprobs_sent, offsets = {}, {}  # per choice: its tokens whose logprobs were streamed, its text offset
+        try:
+            while True:
+                i, out = item
+                index = i * n + out.index
+                text = out.delta_text
+                if echoes and index not in opened:  # a choice's first chunk opens with its prompt
+                    text = echoes[i] + text
+                sent = logprobs_sent.get(index, 0)
+                logprobs = None
+                if out.logprobs is not None and len(out.logprobs) > sent:
+                    # every token's logprobs once, with the text that has come since the last chunk
+                    logprobs, offsets[index] = wire.LegacyLogprobs(server.speller).entries(
+                        out.logprobs[sent:], offsets.get(index, 0))
+                    logprobs_sent[index] = len(out.logprobs)
+                if text or logprobs is not None or out.finished:
+                    await resp.write(chunks.choice(index, text, out.finish_reason, logprobs).encode())
+                    opened.add(index)
+                if out.finished:
+                    final[index] = out
+                    if len(final) == req.num_choices:
+                        server.observe(timing, out)  # the request's latencies once, at its last choice
+                        break
+                    server.metrics.finished(out.finish_reason)  # every choice's finish reason
+                item = await outputs.__anext__()
+        except ConnectionResetError:  # the client left; closing the outputs aborts every choice
+            return resp
+        except Exception as e:  # headers are sent: report in-band, as OpenAI does
+            err = error_from_exception(e)
+            if err.status >= 500 and not isinstance(e, EngineDeadError):  # the engine logs its own death
+                logger.error("stream %s failed: %r", cid, e)
+            server.metrics.error(err.status)
+            await resp.write(wire.event(err.body()).encode())
+        else:
+            if req.include_usage:
+                await resp.write(chunks.usage(
+                    sum(len(final[p * n].prompt_token_ids) for p in range(len(req.prompts))),
+                    sum(len(o.token_ids) for o in final.values()),
+                    sum(final[p * n].num_cached_tokens for p in range(len(req.prompts)))).encode())
+        await resp.write(wire.DONE.encode())
+        await resp.write_eof()
+        return resp
+
+    async def _echo_only(self, request: web.Request, req: wire.CompletionRequest, prompts: list,
+                         echoes: list[str]) -> web.StreamResponse:
+        """echo with max_tokens 0: each choice is its prompt, finished by its length limit (0)."""
+        server, n = self.server, req.params.n
+        choices = [wire.choice(index, echoes[index // n], "length") for index in range(req.num_choices)]
+        for _ in choices:
+            server.metrics.finished("length")
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        cid, created = wire.new_completion_id(), int(time.time())
+        if not req.stream:
+            return web.json_response(wire.completion_body(cid, server.model_name, created, choices, prompt_tokens,
+                                                          0, 0))
+        resp = await _open_stream(request)
+        chunks = wire.ChunkWriter(cid, server.model_name, created, req.include_usage)
+        for c in choices:
+            await resp.write(chunks.choice(c["index"], c["text"], "length").encode())
+        if req.include_usage:
+            await resp.write(chunks.usage(prompt_tokens, 0, 0).encode())
+        await resp.write(wire.DONE.encode())
+        await resp.write_eof()
+        return resp
+
+
+async def _open_stream(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    return resp
+
+
+async def _merged(engine, prompts: list, params):
+    """(prompt index, RequestOutput) for every prompt's samples as their tokens come; closing it (or
+    cancelling its consumer) aborts every sample still running."""
+    if len(prompts) == 1:
+        async with contextlib.aclosing(engine.generate(prompts[0], params)) as gen:
+            async for out in gen:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, prompt) -> None:
+        try:
+            async with contextlib.aclosing(engine.generate(prompt, params)) as gen:
+                async for out in gen:
+                    queue.put_nowait((i, out))
+        except Exception as e:  # the consumer raises it; cancellation ends the task quietly
+            queue.put_nowait((i, e))
+        else:
+            queue.put_nowait((i, None))
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
