@@ -157,3 +157,8 @@ def test_configs_without_experts_or_with_bad_ones_are_refused(models):
     too_many.text_config.num_experts_per_tok = 13
     with pytest.raises(CheckpointError, match=r"num_experts_per_tok \(13\) must be from 1 to num_experts \(12\)"):
         Qwen3VLMoeForCausalLM(too_many, device="meta")
+    fp8 = copy.deepcopy(hf.config)  # the published FP8 repos' format (quantized experts: not read yet)
+    fp8.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                               "weight_block_size": [128, 128]}
+    with pytest.raises(CheckpointError, match=r"quantization_config \(.*FP8.*\) on a mixture-of-experts LLM: quantized experts are not supported yet"):
+        Qwen3VLMoeForCausalLM(fp8, device="meta")
