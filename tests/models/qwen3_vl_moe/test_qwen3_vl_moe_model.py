@@ -160,5 +160,6 @@ def test_configs_without_experts_or_with_bad_ones_are_refused(models):
     fp8 = copy.deepcopy(hf.config)  # the published FP8 repos' format (quantized experts: not read yet)
     fp8.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                "weight_block_size": [128, 128]}
-    with pytest.raises(CheckpointError, match=r"quantization_config \(.*FP8.*\) on a mixture-of-experts LLM: quantized experts are not supported yet"):
+    with pytest.raises(CheckpointError, match=r"quantization_config \(.*FP8.*\) on a mixture-of-experts LLM: "
+                                              r"quantized experts are not supported yet"):
         Qwen3VLMoeForCausalLM(fp8, device="meta")
