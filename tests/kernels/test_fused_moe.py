@@ -62,6 +62,18 @@ def test_fused_moe_matches_ref(device, dtype, name):
     assert_reduction_close(got.float(), want.float(), H + I + top_k, storage=dtype)
 
 
+@pytest.mark.parametrize("config", [(64, 32, 64, 4, 1), (16, 64, 16, 4, 1)])
+def test_the_gpu_tiles_match_ref_too(config, monkeypatch):
+    """The interpreter with the GPU's tile shapes (64-row blocks; a wide column tile over I = 40): the
+    block padding and the partial tiles of each, not only the interpreter's own 16-row tiles."""
+    need_triton("cpu")
+    from vlm_sdk.kernels import fused_moe as module
+    monkeypatch.setattr(module, "moe_launch_config", lambda x: config)
+    x, w13, w2, weights, ids = operands(*ROUTINGS["top2"], torch.float32, "cpu")
+    assert_reduction_close(fused_moe(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids),
+                           H + I + 2, storage=torch.float32)
+
+
 # I = 37: down's rows (37 x 4 bytes apart) break grouped_mm's 16-byte stride rule: one product per expert
 @pytest.mark.parametrize("inter,grouped", [(I, 2), (37, 1)])
 @pytest.mark.parametrize("name", list(ROUTINGS))
