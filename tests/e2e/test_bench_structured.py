@@ -2,6 +2,7 @@
 produce every token, the constrained outputs are checked against their grammar, and the report has
 its figures; they are timings, so nothing here asserts a speed (BENCHMARKS.md has the real run)."""
 import json
+import math
 
 from vlm_sdk.cli import main
 
@@ -13,7 +14,8 @@ def test_structured_bench_reports_both_workloads(tiny_ckpt, capsys):
     r = json.loads(capsys.readouterr().out)
     assert (r["requests"], r["tokens_per_request"], r["rounds"]) == (4, 6, 1)
     assert r["constrained_outputs_checked"] == 2  # every other request of the one "half" round
-    assert set(r["median_ms_per_token"]) == {"none", "half"} and r["constrained_vs_free_token_cost"] > 0
+    # a timing: its value (even its sign, on one round of a busy machine) is the benchmark's to report
+    assert set(r["median_ms_per_token"]) == {"none", "half"} and math.isfinite(r["constrained_vs_free_token_cost"])
     assert r["target"] == 1.1 and isinstance(r["meets_target"], bool)
     assert main(["bench", "--structured", "--model", str(tiny_ckpt), *SMALL]) == 0
     assert "a constrained token costs" in capsys.readouterr().out

@@ -284,4 +284,6 @@ def test_measured_peak_of_the_worst_case_and_of_a_plain_draw():
     plain = [SamplingParams(temperature=0.8, top_p=0.9)] * rows
     sampler.sample(peaked, plain)
     plain_peak = min(_peak_bytes(lambda: sampler.sample(peaked, plain)) for _ in range(3))
-    assert plain_peak < 12 * rows * vocab  # bytes: ~8 per entry alone; one of a full suite's runs read 12.1
+    # ~8 bytes per entry alone; resident pages of other threads add to it (CI read 12.7), a full sort
+    # adds ~32 more: the bound is half the worst case measured in this run and half of what a sort holds
+    assert plain_peak < min(measured / 2, 20 * rows * vocab)

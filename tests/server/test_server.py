@@ -199,8 +199,9 @@ def test_health_stays_fast_during_a_long_generation(srv):
     assert still_running, "the generation ended before the probes did; make it longer"
     assert len(latencies) >= 10
     latencies.sort()
-    # the loop is free: the median probe is a few ms; the slowest stays under 100 ms
-    assert latencies[len(latencies) // 2] < 0.05 and latencies[-1] < 0.1, latencies
+    # the loop is free: the median probe is a few ms; the slowest stays well under a blocked loop's seconds
+    # (0.25 s: a machine shared with other work stalls any one probe now and then)
+    assert latencies[len(latencies) // 2] < 0.05 and latencies[-1] < 0.25, latencies
     status, text = result["resp"]
     assert status == 200 and sse_events(text)[-2]["usage"]["completion_tokens"] == 1500
 

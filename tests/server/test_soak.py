@@ -16,5 +16,5 @@ def test_soak_a_few_seconds(tiny_ckpt, capsys):
     assert o["completed"] > 0 and o["aborted"] > 0 and o["refused"] > 0, report
     assert o["server_error"] == o["lost"] == report["not_client_fault"] == 0, report["problems"]
     assert report["kv_blocks_used_end"] == 0 and report["running_end"] == 0
-    assert report["rss_start_bytes"] > 0 and report["rss_samples"] >= 3
+    assert report["rss_start_bytes"] > 0 and report["rss_samples"] >= 2  # sampled while it ran (about 1/s)
     assert report["rss_slope_bytes_per_1000_requests"] is not None
