@@ -25,6 +25,12 @@ Tiles: BLOCK_M 16 rows for steps of at most 32 tokens (decode: each routed exper
 beyond; the warm-up's decode and long prefill steps reach both. float32 dots are exact ("ieee") for
 the parity path; bf16/fp16 use the tensor cores. The interpreter (CPU) gets small tiles so that
 test-sized inputs span several.
+
+Block-wise FP8 experts (`ExpertScales`: the Qwen3-VL-*-FP8 checkpoints): each weight tile is loaded as
+float8_e4m3fn, multiplied in float32 by its blocks' scales (gathered per element, so any tile shape fits
+any block) and rounded to the activations' dtype before the dot: W8A16, half the weight bytes read, the
+activations not quantized (vLLM's W8A8 path also quantizes them per token; this one is the reference's
+arithmetic exactly).
 """
 from __future__ import annotations
 
@@ -32,17 +38,19 @@ import torch
 import triton
 import triton.language as tl
 
-from vlm_sdk.kernels.fused_moe_torch import check_moe_inputs
+from vlm_sdk.kernels.fused_moe_torch import ExpertScales, check_moe_inputs
 
 _SMALL_STEP_TOKENS = 32  # steps of at most this many tokens use 16-row blocks
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _fused_moe_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, experts_ptr,
+def _fused_moe_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, experts_ptr, s_ptr,
                       num_pairs, n_out, k_in, stride_am, stride_we, stride_wn, stride_om,
+                      stride_se, stride_sn,
                       TOP_K: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      INPUT_PRECISION: tl.constexpr):
+                      INPUT_PRECISION: tl.constexpr, SCALED: tl.constexpr, SCALE_N: tl.constexpr,
+                      SCALE_K: tl.constexpr):
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     expert = tl.load(experts_ptr + pid_m).to(tl.int64)
     if expert < 0:  # past the last expert's rows
@@ -56,15 +64,24 @@ def _fused_moe_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, experts_pt
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     # W[e, cols, k] read as [BLOCK_K, BLOCK_N]: the product is a @ W^T
     w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    # FP8 weights: the scale rows of this tile's columns, in the expert's [rows / SCALE_N, k_in / SCALE_K] scales
+    s_cols = s_ptr + expert * stride_se + (cols // SCALE_N)[None, :].to(tl.int64) * stride_sn  # [1, BLOCK_N]
+    s_up = (n_out // SCALE_N) * stride_sn  # the up rows' scales (n_out is a multiple of SCALE_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
         k_ok = offs_k < k_in - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
-        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, input_precision=INPUT_PRECISION)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        if SCALED:  # dequantized in float32, rounded once to the activations' dtype
+            s_ptrs = s_cols + ((k0 + offs_k) // SCALE_K)[:, None]  # [BLOCK_K, BLOCK_N]
+            w = (w.to(tl.float32) * tl.load(s_ptrs, mask=w_mask, other=0.0)).to(a.dtype)
+        acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
         if GATED:  # the up rows sit n_out rows below the gate rows
             up = tl.load(w_ptrs + n_out * stride_wn, mask=w_mask, other=0.0)
+            if SCALED:
+                up = (up.to(tl.float32) * tl.load(s_ptrs + s_up, mask=w_mask, other=0.0)).to(a.dtype)
             acc_up = tl.dot(a, up, acc_up, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -109,16 +126,18 @@ def moe_align(topk_ids: torch.Tensor,  # [N, K]
     return sorted_pairs, torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
 
 
-def _product(a, w, out, topk_weights, sorted_pairs, block_expert, num_pairs, top_k, gated, config):
+def _product(a, w, out, topk_weights, sorted_pairs, block_expert, num_pairs, top_k, gated, config,
+             scale: torch.Tensor | None, block: tuple[int, int]):
     block_m, block_n, block_k, num_warps, num_stages = config
     n_out = out.shape[1]
     grid = (triton.cdiv(n_out, block_n), block_expert.shape[0])
+    s = w if scale is None else scale  # unread without SCALED
     _fused_moe_kernel[grid](
-        a, w, out, topk_weights, sorted_pairs, block_expert, num_pairs, n_out, a.shape[1],
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        a, w, out, topk_weights, sorted_pairs, block_expert, s, num_pairs, n_out, a.shape[1],
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), s.stride(0), s.stride(1),
         TOP_K=top_k, GATED=gated, WEIGHTED=not gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=num_warps,
-        num_stages=num_stages)
+        INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", SCALED=scale is not None,
+        SCALE_N=block[0], SCALE_K=block[1], num_warps=num_warps, num_stages=num_stages)
 
 
 def fused_moe(x: torch.Tensor,  # [N, H]
@@ -126,10 +145,13 @@ def fused_moe(x: torch.Tensor,  # [N, H]
               w2: torch.Tensor,  # [E, H, I]
               topk_weights: torch.Tensor,  # [N, K] float32
               topk_ids: torch.Tensor,  # [N, K]
+              scales: ExpertScales | None = None,
               ) -> torch.Tensor:  # [N, H] in x.dtype
-    """The routed experts' weighted sum per token (module docstring); equals `fused_moe_ref`."""
-    check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
-    for name, t in (("x", x), ("w13", w13), ("w2", w2)):
+    """The routed experts' weighted sum per token (module docstring); equals `fused_moe_ref`. FP8 experts
+    (float8_e4m3fn w13 and w2 with their block `scales`) are dequantized per tile in the kernel."""
+    check_moe_inputs(x, w13, w2, topk_weights, topk_ids, scales)
+    extra = () if scales is None else (("w13 scales", scales.w13), ("w2 scales", scales.w2))
+    for name, t in (("x", x), ("w13", w13), ("w2", w2), *extra):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dim")
     n, k = topk_ids.shape
@@ -140,7 +162,8 @@ def fused_moe(x: torch.Tensor,  # [N, H]
     sorted_pairs, block_expert = moe_align(topk_ids, w13.shape[0], config[0])
     weights = topk_weights.contiguous()
     inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
-    _product(x, w13, inter_out, weights, sorted_pairs, block_expert, num_pairs, k, True, config)
+    s13, s2, block = (None, None, (1, 1)) if scales is None else (scales.w13, scales.w2, scales.block)
+    _product(x, w13, inter_out, weights, sorted_pairs, block_expert, num_pairs, k, True, config, s13, block)
     pair_out = torch.empty(num_pairs, h, dtype=x.dtype, device=x.device)  # [P, H]
-    _product(inter_out, w2, pair_out, weights, sorted_pairs, block_expert, num_pairs, 1, False, config)
+    _product(inter_out, w2, pair_out, weights, sorted_pairs, block_expert, num_pairs, 1, False, config, s2, block)
     return pair_out.view(n, k, h).sum(dim=1, dtype=torch.float32).to(x.dtype)  # [N, H]

@@ -11,6 +11,7 @@ mrope_interleaved inside) and the published files' `rope_scaling` + `rope_theta`
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from vlm_sdk.errors import CheckpointError
 from vlm_sdk.kernels.rotary_torch import check_mrope_section
 from vlm_sdk.layers.moe import MoeConfig
 from vlm_sdk.layers.quantization import QuantScheme
+from vlm_sdk.layers.quantization.fp8 import FP8BlockScheme
 
 
 # The LLM families this decoder serves; they differ in which projections carry a bias and Qwen3's q/k norm.
@@ -116,10 +118,14 @@ class LlamaDecoderConfig:
             qkv_bias = o_bias = bool(getattr(text_config, "bias", True))
         kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
         moe = moe_config(text_config) if family == "qwen3" else None
-        if moe is not None and quantization is not None:
+        if moe is not None and quantization is not None and not isinstance(quantization, FP8BlockScheme):
             raise CheckpointError(f"config.json quantization_config ({quantization.description}) on a mixture-of-"
-                                  f"experts LLM: quantized experts are not supported yet (the fused MoE op reads "
-                                  f"float weights); use the unquantized checkpoint")
+                                  f"experts LLM: quantized experts are read in block-wise FP8 only (quant_method "
+                                  f"fp8, as the published MoE FP8 checkpoints); use that or the unquantized checkpoint")
+        if moe is not None and quantization is not None and moe.intermediate_size % math.lcm(*quantization.block):
+            raise CheckpointError(f"config.json moe_intermediate_size ({moe.intermediate_size}) is not a multiple of "
+                                  f"the FP8 weight_block_size {list(quantization.block)}: the fused MoE op reads "
+                                  f"whole blocks of each expert's gate, up and down")
         return cls(vocab_size=text_config.vocab_size, hidden_size=hidden,
                    intermediate_size=text_config.intermediate_size, num_layers=text_config.num_hidden_layers,
                    num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,

@@ -66,7 +66,8 @@ class LlamaDecoderLayer(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, device)
         # Qwen3-MoE's sparse layers route the MLP through experts; the others keep the dense SwiGLU
-        self.moe = SparseMoeBlock(hidden, cfg.moe, ops, dtype, device, tp) \
+        experts_quant = None if q is None or q.skips(f"{name}mlp.experts") else q
+        self.moe = SparseMoeBlock(hidden, cfg.moe, ops, dtype, device, tp, experts_quant) \
             if cfg.moe is not None and cfg.moe.is_sparse(index) else None
         if self.moe is None:
             self.gate_up_proj = gate_up_cls(hidden, [inter, inter], False, dtype, device, tp)

@@ -148,3 +148,62 @@ def test_a_step_launches_two_products_and_reads_nothing_back():
             torch.empty(tokens, top_k, device=META), torch.empty(tokens, top_k, dtype=torch.int64, device=META)))
         assert [(kw["GATED"], kw["WEIGHTED"]) for _, _, kw in launches] == [(True, False), (False, True)]
         assert {kw["BLOCK_M"] for _, _, kw in launches} == {16 if tokens <= 32 else 64}
+
+
+# block-wise FP8 experts: 20 x 32 blocks over I = 40, H = 48 (partial blocks along H and along down's I;
+# the interpreter's 16 x 32 tiles and the GPU's 64 x 64 ones straddle them)
+FP8_BLOCK = (20, 32)
+
+
+def fp8_operands(tokens, experts, top_k, dtype, seed: int = 0):
+    """The float operands with w13 and w2 quantized per expert by the reference quantizer, and the same
+    weights dequantized per expert by kernels/dequant_torch.py (the 2-D formula, not the op's)."""
+    from vlm_sdk.kernels.dequant_torch import dequantize_fp8_block
+    from vlm_sdk.kernels.fused_moe_torch import ExpertScales
+    from vlm_sdk.testing.quantizer import quantize_fp8_block
+    x, w13, w2, weights, ids = operands(tokens, experts, top_k, torch.float32, "cpu", seed)
+    q13 = [quantize_fp8_block(w, FP8_BLOCK) for w in w13]
+    q2 = [quantize_fp8_block(w, FP8_BLOCK) for w in w2]
+    stack = lambda qs, key: torch.stack([q[key] for q in qs])  # noqa: E731
+    float13 = torch.stack([dequantize_fp8_block(q["weight"], q["weight_scale_inv"], FP8_BLOCK) for q in q13])
+    float2 = torch.stack([dequantize_fp8_block(q["weight"], q["weight_scale_inv"], FP8_BLOCK) for q in q2])
+    scales = ExpertScales(stack(q13, "weight_scale_inv"), stack(q2, "weight_scale_inv"), FP8_BLOCK)
+    return x.to(dtype), stack(q13, "weight"), stack(q2, "weight"), weights, ids, scales, float13, float2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", list(ROUTINGS))
+@pytest.mark.parametrize("config", [None, (64, 64, 64, 4, 1)])
+def test_fp8_experts_match_ref(name, dtype, config, monkeypatch):
+    """The kernel dequantizing each FP8 tile by its blocks' scales equals the reference (which
+    dequantizes whole experts first), with the interpreter's tiles and the GPU's bf16/fp16 tiles."""
+    need_triton("cpu")
+    if config is not None:
+        from vlm_sdk.kernels import fused_moe as module
+        monkeypatch.setattr(module, "moe_launch_config", lambda x: config)
+    x, w13, w2, weights, ids, scales, _, _ = fp8_operands(*ROUTINGS[name], dtype)
+    assert w13.dtype == w2.dtype == torch.float8_e4m3fn
+    got = fused_moe(x, w13, w2, weights, ids, scales)
+    want = fused_moe_ref(x, w13, w2, weights, ids, scales)
+    assert got.dtype == dtype
+    assert_reduction_close(got.float(), want.float(), H + I + ROUTINGS[name][2], storage=dtype)
+
+
+@pytest.mark.parametrize("name", list(ROUTINGS))
+def test_fp8_ref_equals_the_float_op_on_the_dequantized_weights(name):
+    """Exactly: the reference dequantizes to the float weights kernels/dequant_torch.py gives, then runs
+    the float path."""
+    x, w13, w2, weights, ids, scales, float13, float2 = fp8_operands(*ROUTINGS[name], torch.float32, seed=2)
+    assert torch.equal(fused_moe_ref(x, w13, w2, weights, ids, scales),
+                       fused_moe_ref(x, float13, float2, weights, ids))
+
+
+def test_fp8_bad_scales_are_refused():
+    from vlm_sdk.kernels.fused_moe_torch import ExpertScales
+    x, w13, w2, weights, ids, scales, float13, float2 = fp8_operands(4, 6, 2, torch.float32)
+    with pytest.raises(ValueError, match=r"float8_e4m3fn \(they have block scales\)"):
+        fused_moe_ref(x, float13, float2, weights, ids, scales)
+    with pytest.raises(ValueError, match=r"do not fit the block \[20, 32\]: need \[6, 4, 2\] and \[6, 3, 2\]"):
+        fused_moe_ref(x, w13, w2, weights, ids, ExpertScales(scales.w13[:, :2], scales.w2, FP8_BLOCK))
+    with pytest.raises(ValueError, match="intermediate size 40 is not a multiple of the FP8 block's 16 rows"):
+        fused_moe_ref(x, w13, w2, weights, ids, ExpertScales(scales.w13, scales.w2, (16, 32)))

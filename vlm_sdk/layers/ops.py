@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.selector import make_backend
 from vlm_sdk.errors import InvalidRequestError
-from vlm_sdk.kernels.fused_moe_torch import fused_moe_ref
+from vlm_sdk.kernels.fused_moe_torch import ExpertScales, fused_moe_ref
 from vlm_sdk.kernels.rms_norm_torch import rms_norm
 from vlm_sdk.kernels.rotary_torch import apply_rotary
 from vlm_sdk.layers.rotary import MRotaryEmbedding, RotaryInputs
@@ -81,9 +81,10 @@ class KernelOps(ABC):
 
     @abstractmethod
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, scales: ExpertScales | None = None) -> torch.Tensor:
         """`[N, H]`: each token's routed experts, weighted and summed (x `[N, H]`, w13 `[E, 2I, H]` gate | up,
-        w2 `[E, H, I]`, topk_weights `[N, K]` float32, topk_ids `[N, K]`; kernels/fused_moe_torch.py)."""
+        w2 `[E, H, I]`, topk_weights `[N, K]` float32, topk_ids `[N, K]`; `scales`: the block scales of FP8
+        experts; kernels/fused_moe_torch.py)."""
 
     def rotary_store_kv(self, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, rope: RotaryInputs,
                         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
@@ -121,8 +122,8 @@ class TorchOps(KernelOps):
             qk = torch.cat((q.view(n, -1, d), k.view(n, -1, d)), dim=1)  # [N, H+Hkv, D]
         return apply_rotary(qk, rope.cos, rope.sin)  # q and k heads in one pass
 
-    def fused_moe(self, x, w13, w2, topk_weights, topk_ids):
-        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, scales=None):
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, scales)
 
 
 class TritonOps(KernelOps):
@@ -166,8 +167,8 @@ class TritonOps(KernelOps):
                      rope.mrope_interleaved, q_weight, k_weight, eps)
         return qk
 
-    def fused_moe(self, x, w13, w2, topk_weights, topk_ids):
-        return self._fused_moe(x, w13, w2, topk_weights, topk_ids)
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, scales=None):
+        return self._fused_moe(x, w13, w2, topk_weights, topk_ids, scales)
 
     def rotary_store_kv(self, qkv, num_q_heads, num_kv_heads, rope, qk_norm, kv_cache, slot_mapping):
         q_weight, k_weight, eps = qk_norm if qk_norm is not None else (None, None, 0.0)

@@ -157,9 +157,15 @@ def test_configs_without_experts_or_with_bad_ones_are_refused(models):
     too_many.text_config.num_experts_per_tok = 13
     with pytest.raises(CheckpointError, match=r"num_experts_per_tok \(13\) must be from 1 to num_experts \(12\)"):
         Qwen3VLMoeForCausalLM(too_many, device="meta")
-    fp8 = copy.deepcopy(hf.config)  # the published FP8 repos' format (quantized experts: not read yet)
+    awq = copy.deepcopy(hf.config)  # quantized experts: block-wise FP8 only
+    awq.quantization_config = {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True,
+                               "version": "gemm"}
+    with pytest.raises(CheckpointError, match=r"quantization_config \(AWQ.*\) on a mixture-of-experts LLM: "
+                                              r"quantized experts are read in block-wise FP8 only"):
+        Qwen3VLMoeForCausalLM(awq, device="meta")
+    fp8 = copy.deepcopy(hf.config)  # the published FP8 repos' 128 x 128 blocks do not fit experts of 32
     fp8.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                "weight_block_size": [128, 128]}
-    with pytest.raises(CheckpointError, match=r"quantization_config \(.*FP8.*\) on a mixture-of-experts LLM: "
-                                              r"quantized experts are not supported yet"):
+    with pytest.raises(CheckpointError, match=r"moe_intermediate_size \(32\) is not a multiple of the FP8 "
+                                              r"weight_block_size \[128, 128\]"):
         Qwen3VLMoeForCausalLM(fp8, device="meta")
