@@ -84,3 +84,31 @@ def test_cli_shows_the_experts_buffers(capsys):
     assert "moe_activation" in [c["name"] for c in out["consumers"]]
     assert main(["plan", str(A3B), "--dtype", "bf16", "--device-memory", "80GiB"]) == 0
     assert "MoE experts' step buffers" in capsys.readouterr().out
+
+
+def test_235b_a22b_fp8_fits_four_80gib_gpus(tmp_path):
+    """The block-wise FP8 checkpoint's layout from config.json alone: the BF16 config above with the
+    quantization_config the Qwen FP8 repos carry (quant_method fp8, e4m3, dynamic activations, 128 x 128
+    blocks; written here, not copied from the FP8 repo's file). Per rank at tp=4 each quantized weight
+    (every expert, q | k | v, o) takes 1 byte instead of 2 and adds a float32 per 128 x 128 block: the
+    plan's weights are the BF16 plan's less exactly that. The bf16 checkpoint does not fit four 80 GiB
+    GPUs, the FP8 one does; tp=8 would cut 1536 / 8 = 192 into a partial 128-block: refused naming 1, 2, 4."""
+    import pytest
+
+    from vlm_sdk.errors import InvalidRequestError
+    cfg = json.loads(A22B.read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    bf16 = plan(A22B, dtype="bfloat16", device_memory="80GiB", tp=4)
+    fp8 = plan(tmp_path / "config.json", dtype="bfloat16", device_memory="80GiB", tp=4)
+    layers, experts, inter, hidden = 94, 128, 1536 // 4, 4096
+    q, kv = 64 * 128 // 4, 128  # q rows per rank; 4 KV heads over 4 ranks: one each
+    elements = layers * (experts * 3 * inter * hidden + (q + 2 * kv) * hidden + hidden * q)
+    blocks = layers * (experts * (2 * inter // 128 * hidden // 128 + hidden // 128 * inter // 128)
+                       + (q + 2 * kv) // 128 * hidden // 128 + hidden // 128 * q // 128)
+    assert bf16.weights_bytes - fp8.weights_bytes == elements - 4 * blocks
+    assert bf16.num_blocks == 0 and fp8.problems == () and fp8.weights_bytes < 56 * GIB
+    with pytest.raises(InvalidRequestError, match=r"moe_intermediate_size per rank \(192 at tensor_parallel_size "
+                                                  r"8\).*Sizes that work: 1, 2, 4$"):
+        plan(tmp_path / "config.json", dtype="bfloat16", device_memory="80GiB", tp=8)
