@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench-serve" and args.soak is not None:
             from vlm_sdk.bench.soak import run_soak
             return run_soak(args)
+        if args.command == "bench-serve" and args.replicas is not None:
+            from vlm_sdk.bench.routing import run_routing_bench
+            return run_routing_bench(args)
         if args.command == "bench-serve":
             from vlm_sdk.bench.serve import run_bench_serve
             return run_bench_serve(args)
