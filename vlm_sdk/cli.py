@@ -159,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_soak(args)
         if args.command == "bench-serve" and args.replicas is not None:
             from vlm_sdk.bench.routing import run_routing_bench
-            return run_routing_bench(args)
+            from vlm_sdk.server.background import BackgroundServer
+            from vlm_sdk.server.config import ServerConfig
+            return run_routing_bench(args, lambda model, engine: BackgroundServer(model, ServerConfig(port=0),
+                                                                                   engine=engine))
         if args.command == "bench-serve":
             from vlm_sdk.bench.serve import run_bench_serve
             return run_bench_serve(args)

@@ -70,7 +70,9 @@ def _summary(runs: list[dict], cached: int) -> dict:
             "prompt_tokens": prompt, "cached_prompt_tokens": cached, "cached_share": cached / prompt if prompt else 0.0}
 
 
-def run_routing_bench(args) -> int:
+def run_routing_bench(args, front) -> int:
+    """`front(model, engine)`: an HTTP server on `engine` as a context manager with `.url` (the CLI
+    passes `vlm_sdk.server.background.BackgroundServer`; the benchmarks sit beside the server, not above)."""
     from vlm_sdk.bench.device_share import bench_device
     from vlm_sdk.client import to_data_url
     from vlm_sdk.demo_checkpoint import tiny_model_dir
@@ -79,8 +81,6 @@ def run_routing_bench(args) -> int:
     require_ray()
     from vlm_sdk.replicas.launch import ReplicaConfig, serve_replicas
     from vlm_sdk.replicas.routing import RoutingConfig
-    from vlm_sdk.server.background import BackgroundServer
-    from vlm_sdk.server.config import ServerConfig
     if args.url is not None:
         raise InvalidRequestError("--replicas starts its own replicas: leave out --url")
     if min(args.replicas, args.users, args.turns, args.max_tokens, args.rounds) < 1:
@@ -93,8 +93,7 @@ def run_routing_bench(args) -> int:
     runs = {p: [] for p in POLICIES}
     cached = dict.fromkeys(POLICIES, 0)
     try:
-        servers = {p: BackgroundServer(model, ServerConfig(port=0), engine=llm.with_routing(RoutingConfig(policy=p)))
-                   for p in POLICIES}
+        servers = {p: front(model, llm.with_routing(RoutingConfig(policy=p))) for p in POLICIES}
         for srv in servers.values():
             srv.__enter__()
         try:
