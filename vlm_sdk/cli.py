@@ -157,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench-serve" and args.soak is not None:
             from vlm_sdk.bench.soak import run_soak
             return run_soak(args)
+        if args.command == "bench-serve" and args.replicas is not None:
+            from vlm_sdk.bench.routing import run_routing_bench
+            from vlm_sdk.server.background import BackgroundServer
+            from vlm_sdk.server.config import ServerConfig
+            return run_routing_bench(args, lambda model, engine: BackgroundServer(model, ServerConfig(port=0),
+                                                                                   engine=engine))
         if args.command == "bench-serve":
             from vlm_sdk.bench.serve import run_bench_serve
             return run_bench_serve(args)
