@@ -101,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--image", action="append", default=[], help="image path (repeatable)")
     chat.add_argument("--video", action="append", default=[], help="video path (repeatable)")
     chat.add_argument("--fps", type=float, default=None, help="with --video: frames sampled per second "
-                      "(Qwen2.5-VL, Qwen3-VL; default 2)")
+                      "(the video part's fps, where the model's family samples by rate)")
     chat.add_argument("--max-frames", type=int, default=None, help="with --video: the most frames sampled "
-                      "(Qwen: default 768; InternVL: the frames taken, default 8)")
+                      "(the video part's max_frames; each family has its default)")
     chat.add_argument("--max-tokens", type=int, default=64)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int, default=None)
