@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from vlm_sdk.config import KV_CACHE_DTYPES
 from vlm_sdk.demo_checkpoint import tiny_model_dir
 from vlm_sdk.errors import VLMError
 from vlm_sdk.models import registry
@@ -45,9 +46,10 @@ async def _chat_remote(args) -> int:
 
 async def _chat(args) -> int:
     if args.url:
-        if args.device:
-            print("error: --device has no effect with --url (the server owns the device)", file=sys.stderr)
-            return 2
+        for flag, value in (("--device", args.device), ("--kv-cache-dtype", args.kv_cache_dtype)):
+            if value:
+                print(f"error: {flag} has no effect with --url (the server owns the engine)", file=sys.stderr)
+                return 2
         return await _chat_remote(args)
     from vlm_sdk import AsyncLLM, SamplingParams
     model = args.model
@@ -62,6 +64,8 @@ async def _chat(args) -> int:
     engine_args = {"show_progress": True}
     if args.device:
         engine_args["device"] = args.device
+    if args.kv_cache_dtype:
+        engine_args["kv_cache_dtype"] = args.kv_cache_dtype
     start = time.monotonic()
     async with AsyncLLM(model, **engine_args) as engine:
         peak_blocks = 0
@@ -108,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int, default=None)
     chat.add_argument("--device", default=None)
+    chat.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                      help="the KV cache's dtype: auto (the model's, the default) or fp8 (e4m3, per-layer scales)")
     bench = sub.add_parser("bench", help="our engine vs transformers generate on the same checkpoint")
     bench.add_argument("--model", help="checkpoint (default: a ~100M-parameter random one of --family)")
     bench.add_argument("--family", choices=FAMILIES, default=FAMILIES[0],

@@ -32,7 +32,7 @@ import time
 import torch
 
 from vlm_sdk.chat_options import NO_OPTIONS, ChatOptions
-from vlm_sdk.config import EngineArgs, resolve_rank_config
+from vlm_sdk.config import EngineArgs, fp8_kv_cache_runs, resolve_rank_config
 from vlm_sdk.engine.core.block_manager import BlockManager
 from vlm_sdk.engine.output.engine_output import EngineOutput
 from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_warning
@@ -115,7 +115,7 @@ class LLMEngine:
         profiles = executor.collective_rpc("profile_memory", largest_image, self.max_position_embeddings,
                                            memory.held_vision_tokens)
         ranks = size_rank_caches(memory, loads, profiles, executor.collective_rpc("memory_snapshot"),
-                                 family.plan_setting[1])
+                                 family.plan_setting[1], fp8_runs=fp8_kv_cache_runs(self.device, rc.attention_backend))
         self.cache_config = min((r.cache for r in ranks), key=lambda c: c.num_blocks)  # every rank holds this many
         self.scheduler_config = scheduler_config(memory, self.cache_config)
         check_largest_image_fits(memory.image, family.plan_setting[1], self.cache_config, self.scheduler_config,
@@ -388,14 +388,15 @@ class LLMEngine:
         reusable prefix content; they count as free), the longest prompt that would fit in the free
         blocks right now (0 when the cache is full; never above max_model_len), preemptions (all, and
         in the last minute), queue lengths, prefix- and encoder-cache hits and lookups, the grammar
-        cache's bytes and its processes' resident memory, and token
-        totals since start-up."""
+        cache's bytes and its processes' resident memory, token totals since start-up, and what the
+        engine holds: the KV cache's dtype and the weights' format."""
         bm, enc = self.block_manager, self._encoder_cache  # rank 0's encoder cache (every rank's is alike)
         largest_now = min(bm.num_free_blocks * bm.block_size, self.scheduler_config.max_model_len)
         return {"kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
                 "kv_blocks_free": bm.num_free_blocks, "kv_block_size": bm.block_size,
                 "kv_capacity_tokens": self.cache_config.capacity_tokens,
                 "kv_bytes_per_block": self.cache_config.bytes_per_block,
+                "kv_cache_dtype": self.memory_report.kv_cache_dtype, "weight_format": self.memory_report.weight_format,
                 "largest_prompt_tokens_now": largest_now,
                 "max_model_len": self.scheduler_config.max_model_len,
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),

@@ -208,10 +208,10 @@ class OpenAIServer:
         args = self.engine.args
         req = protocol.parse_chat_request(body, self.model_name, self.max_model_len, self.config.limit_images,
                                           self.config.max_stop_strings, self.config.max_stop_chars,
-                                          self.config.max_n, limit_videos=self.config.limit_videos,
-                                          max_logit_bias=args.max_logit_bias,
+                                          self.config.max_n, max_logit_bias=args.max_logit_bias,
                                           max_stop_token_ids=args.max_stop_token_ids,
-                                          max_response_logprobs=self.config.max_response_logprobs)
+                                          max_response_logprobs=self.config.max_response_logprobs,
+                                          limit_videos=self.config.limit_videos)
         messages = await self.media.resolve_messages(req.messages)
         prompt = await self.engine.build_prompt(messages, req.params, req.options)
         protocol.check_output_room(len(prompt.token_ids), req.params.max_tokens, self.max_model_len,

@@ -14,6 +14,7 @@ from dataclasses import MISSING, fields
 from typing import NoReturn
 
 from vlm_sdk.config import EngineArgs
+from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.models import registry
 from vlm_sdk.server.config import SERVER_MAX_VIDEO_BYTES, MediaPolicy, ServerConfig
 
@@ -30,6 +31,8 @@ _ENGINE_HELP = {
     "encoder_cache_memory": "vision embeddings kept for reuse, e.g. 256MiB (default); 0 turns the encoder cache off",
     "max_model_len": "longest sequence (prompt + output) in tokens",
     "attention_backend": "'triton' (default on CUDA) or 'torch' (the reference path, default on the CPU)",
+    "kv_cache_dtype": "the KV cache's dtype: 'auto' (the model's, default) or 'fp8' (float8 e4m3 with per-layer K and "
+                      "V scales from the checkpoint, else 1.0: twice the tokens in the same memory)",
     "small_m_gemm": "the decoder's qkv and o projections at <= 8 rows: 'torch' (cuBLAS, default) or 'triton' "
                     "(needs the Triton kernel set; vlm-sdk bench --gpu measures which is faster)",
     "enforce_eager": "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
@@ -151,7 +154,57 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-media-bytes", type=int, default=m.max_bytes, help="one fetched image (videos: "
                    "--max-video-bytes)")
     p.add_argument("--media-timeout", type=float, default=m.timeout_s)
+    add_replica_flags(p)
     add_engine_flags(p)
+
+
+def add_replica_flags(p: argparse.ArgumentParser) -> None:
+    """Data-parallel replicas on Ray Serve (vlm_sdk/replicas/; the routing rule: routing.py)."""
+    from vlm_sdk.replicas.launch import ReplicaConfig
+    from vlm_sdk.replicas.routing import POLICIES, RoutingConfig
+    r, c = RoutingConfig(), ReplicaConfig()
+    g = p.add_argument_group("data-parallel replicas on Ray Serve (pip install 'vlm-sdk[ray]')")
+    g.add_argument("--data-parallel-size", "--replicas", type=_positive, default=None,
+                   help="serve this many engine replicas (each --tensor-parallel-size ranks) on Ray Serve "
+                        "behind this server; Serve replaces one that dies")
+    g.add_argument("--routing", choices=POLICIES, default=r.policy,
+                   help="cache_aware: a request goes to the replica that last took its first image or prompt "
+                        "prefix unless that one is loaded past the bounds below, else to the least loaded; "
+                        "round_robin: in turn")
+    g.add_argument("--routing-max-queue", type=_positive, default=r.max_queue,
+                   help="requests in flight on a replica past which cache affinity is ignored")
+    g.add_argument("--routing-max-kv-usage", type=float, default=r.max_kv_usage,
+                   help="KV cache usage (0-1] on a replica past which cache affinity is ignored")
+    g.add_argument("--routing-chunk-tokens", type=_positive, default=r.chunk_tokens,
+                   help="prompt-prefix hashes cover whole chunks of this many tokens")
+    g.add_argument("--routing-prefix-tokens", type=_positive, default=r.prefix_tokens,
+                   help="tokens of a prompt that are hashed for routing")
+    g.add_argument("--routing-stats-period", type=float, default=r.stats_period_s,
+                   help="seconds between each replica's load reports")
+    g.add_argument("--replica-cpus", type=float, default=c.replica_cpus, help="CPUs Ray reserves per replica")
+    g.add_argument("--min-replicas", type=_positive, default=None, help="autoscaling lower bound (with --max-replicas)")
+    g.add_argument("--max-replicas", type=_positive, default=None,
+                   help="let Ray Serve's autoscaler scale between --min-replicas and this")
+    g.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join ('auto': this node's; default: a new local one)")
+
+
+def replica_configs(args: argparse.Namespace) -> tuple:
+    """(ReplicaConfig, RoutingConfig) when --data-parallel-size was given, else (None, None)."""
+    if args.data_parallel_size is None and args.max_replicas is None:
+        return None, None
+    from vlm_sdk.replicas.launch import ReplicaConfig
+    from vlm_sdk.replicas.routing import RoutingConfig
+    try:
+        routing = RoutingConfig(policy=args.routing, max_queue=args.routing_max_queue,
+                                max_kv_usage=args.routing_max_kv_usage, chunk_tokens=args.routing_chunk_tokens,
+                                prefix_tokens=args.routing_prefix_tokens, stats_period_s=args.routing_stats_period)
+        replicas = ReplicaConfig(data_parallel_size=args.data_parallel_size or args.min_replicas or 1,
+                                 replica_cpus=args.replica_cpus, min_replicas=args.min_replicas,
+                                 max_replicas=args.max_replicas, ray_address=args.ray_address)
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+    return replicas, routing
 
 
 def _count(text: str) -> int:
@@ -194,7 +247,8 @@ def run_serve(args: argparse.Namespace) -> int:
                           max_n=args.max_n, max_response_logprobs=args.max_response_logprobs,
                           max_completion_prompts=args.max_completion_prompts)
 
-    return serve(model, config, **engine)
+    replicas, routing = replica_configs(args)
+    return serve(model, config, replicas, routing, **engine)
 
 
 class _StderrHandler(logging.Handler):

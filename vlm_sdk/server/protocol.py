@@ -110,9 +110,8 @@ class ChatRequest:
 
 def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_images: int,
                        max_stop_strings: int = 4, max_stop_chars: int = 256, max_n: int = 8, *,
-                       limit_videos: int = 2, max_logit_bias: int | None = None,
-                       max_stop_token_ids: int | None = None,
-                       max_response_logprobs: int | None = None) -> ChatRequest:
+                       max_logit_bias: int | None = None, max_stop_token_ids: int | None = None,
+                       max_response_logprobs: int | None = None, limit_videos: int = 2) -> ChatRequest:
     """Validate a decoded JSON body. `max_tokens` left out is None: as long as the context allows (the
     engine stops at max_model_len), as in vLLM; a too-long error then sizes its fixes for
     `DEFAULT_MAX_TOKENS` output tokens and says so. At most `max_stop_strings` stop strings of at most
