@@ -28,6 +28,7 @@ FAMILIES = (
     FamilyEntry("qwen2_5_vl", "vlm_sdk.models.qwen2_5_vl.spec", ("Qwen2_5_VLForConditionalGeneration",)),
     FamilyEntry("internvl", "vlm_sdk.models.internvl.spec", ("InternVLForConditionalGeneration", "InternVLChatModel")),
     FamilyEntry("qwen3_vl", "vlm_sdk.models.qwen3_vl.spec", ("Qwen3VLForConditionalGeneration",)),
+    FamilyEntry("qwen3_vl_moe", "vlm_sdk.models.qwen3_vl_moe.spec", ("Qwen3VLMoeForConditionalGeneration",)),
 )
 
 

@@ -104,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
                       "(default: $VLM_SDK_API_KEY)")
     chat.add_argument("--image", action="append", default=[], help="image path (repeatable)")
     chat.add_argument("--video", action="append", default=[], help="video path (repeatable)")
-    chat.add_argument("--fps", type=float, default=None, help="with --video: frames sampled per second "
-                      "(the video part's fps, where the model's family samples by rate)")
+    chat.add_argument("--fps", type=float, default=None, help="with --video: frames sampled per second, "
+                      "for families that sample by rate (default 2)")
     chat.add_argument("--max-frames", type=int, default=None, help="with --video: the most frames sampled "
-                      "(the video part's max_frames; each family has its default)")
+                      "(the family's default: 768 where frames are sampled by rate, else the 8 frames taken)")
     chat.add_argument("--max-tokens", type=int, default=64)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int, default=None)
@@ -157,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench-serve" and args.soak is not None:
             from vlm_sdk.bench.soak import run_soak
             return run_soak(args)
+        if args.command == "bench-serve" and args.replicas is not None:
+            from vlm_sdk.bench.routing import run_routing_bench
+            from vlm_sdk.server.background import BackgroundServer
+            from vlm_sdk.server.config import ServerConfig
+            return run_routing_bench(args, lambda model, engine: BackgroundServer(model, ServerConfig(port=0),
+                                                                                   engine=engine))
         if args.command == "bench-serve":
             from vlm_sdk.bench.serve import run_bench_serve
             return run_bench_serve(args)

@@ -215,6 +215,11 @@ class EngineDeadError(VLMError):
     """The engine loop stopped after an internal failure; the message carries the original cause."""
 
 
+class ReplicaLostError(VLMError):
+    """A data-parallel replica (vlm_sdk.replicas) died while it held the request; the other replicas go
+    on serving and Ray Serve starts a replacement, so the request may be retried."""
+
+
 def without_reprs(text: str) -> str:
     """`text` with Python object reprs ("<_io.BytesIO object at 0x7f...>") removed: they mean nothing
     to whoever sent the request and leak addresses into error messages."""

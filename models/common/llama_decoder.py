@@ -7,6 +7,10 @@ head before RoPE: the kernel set does it with the rotation (`KernelOps.rotary`).
 DeepStack (Qwen3-VL): `forward(..., deepstack=(rows, features))` adds `features[i]` to the residual
 stream at `rows` after layer i, as transformers' `Qwen3VLTextModel._deepstack_process` does.
 
+Qwen3-MoE (`cfg.moe`): a sparse layer's MLP is a `SparseMoeBlock` (vlm_sdk/layers/moe.py: router and
+experts, one all-reduce under tensor parallelism) in place of gate_up / down; it is row-wise, so the
+layer still splits around attention (`post_attention`) as the dense one does.
+
 Every projection is a tensor-parallel-ready layer (vlm_sdk.layers; one rank by default). Fused
 projections (the checkpoint keeps them apart; `checkpoint_map` says where each lands, per rank):
 
@@ -30,6 +34,7 @@ from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.layers.attention import PagedAttention
 from vlm_sdk.layers.embedding import ParallelLMHead, VocabParallelEmbedding, gather_vocab
 from vlm_sdk.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vlm_sdk.layers.moe import SparseMoeBlock
 from vlm_sdk.layers.norm import RMSNorm
 from vlm_sdk.layers.ops import KernelOps, TorchOps
 from vlm_sdk.layers.parallel_state import TPGroup
@@ -68,8 +73,13 @@ class LlamaDecoderLayer(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, device)
-        self.gate_up_proj = gate_up_cls(hidden, [inter, inter], False, dtype, device, tp)
-        self.down_proj = down_cls(inter, hidden, False, dtype, device, tp)
+        # Qwen3-MoE's sparse layers route the MLP through experts; the others keep the dense SwiGLU
+        experts_quant = None if q is None or q.skips(f"{name}mlp.experts") else q
+        self.moe = SparseMoeBlock(hidden, cfg.moe, ops, dtype, device, tp, experts_quant) \
+            if cfg.moe is not None and cfg.moe.is_sparse(index) else None
+        if self.moe is None:
+            self.gate_up_proj = gate_up_cls(hidden, [inter, inter], False, dtype, device, tp)
+            self.down_proj = down_cls(inter, hidden, False, dtype, device, tp)
         # the kernel set's product for few rows (`small_m_gemm`), where cuBLAS reads the weights slowest;
         # a quantized layer keeps its own dequantizing product
         for proj in (self.qkv_proj, self.o_proj):
@@ -121,7 +131,16 @@ class LlamaDecoderLayer(nn.Module):
         norm = self.post_attention_layernorm
         normed, residual = ops.add_rms_norm(self.o_proj(attn.reshape(n, self.num_heads * self.head_dim)), residual,
                                             norm.weight, norm.eps)
+        if self.moe is not None:
+            return self.moe(normed), residual
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(normed))), residual
+
+    def mlp_slots(self, src: str, dst: str) -> dict[str, ParamSlot]:
+        """The MLP's checkpoint names under `src` (`model.layers.N.mlp.`) -> this rank's slices under `dst`."""
+        if self.moe is not None:
+            return self.moe.slots(src, f"{dst}moe.")
+        return {**self.gate_up_proj.slots(f"{dst}gate_up_proj.", [f"{src}gate_proj.weight", f"{src}up_proj.weight"]),
+                **self.down_proj.slots(f"{dst}down_proj.", f"{src}down_proj.weight")}
 
 
 class LlamaDecoder(nn.Module):
@@ -214,9 +233,7 @@ class LlamaDecoder(nn.Module):
                                             [f"{a}.bias" for a in attn] if cfg.attention_bias else None))
             out.update(layer.o_proj.slots(f"{dst}o_proj.", f"{src}self_attn.o_proj.weight",
                                           f"{src}self_attn.o_proj.bias" if cfg.o_proj_bias else None))
-            out.update(layer.gate_up_proj.slots(f"{dst}gate_up_proj.", [f"{src}mlp.gate_proj.weight",
-                                                                        f"{src}mlp.up_proj.weight"]))
-            out.update(layer.down_proj.slots(f"{dst}down_proj.", f"{src}mlp.down_proj.weight"))
+            out.update(layer.mlp_slots(f"{src}mlp.", dst))
             out[f"{src}input_layernorm.weight"] = ParamSlot(f"{dst}input_layernorm.weight", (hid,))
             if cfg.qk_norm:
                 out[f"{src}self_attn.q_norm.weight"] = ParamSlot(f"{dst}q_norm.weight", (cfg.head_dim,))

@@ -40,8 +40,7 @@ class Qwen3VLForCausalLM(QwenVLM):
                  ops: KernelOps | None = None, tp: TPGroup = TPGroup(), shard_vision: bool = True):
         super().__init__()
         text = hf_config.text_config
-        tied = bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
-        cfg = LlamaDecoderConfig.from_hf(text, tie_word_embeddings=tied, mrope=True,
+        cfg = LlamaDecoderConfig.from_hf(text, tie_word_embeddings=self.ties_embeddings(hf_config), mrope=True,
                                          quantization=quant_scheme(hf_config), quant_prefix=self.lm_prefix)
         if not cfg.qk_norm:
             raise CheckpointError(f"config.json text_config model_type {getattr(text, 'model_type', None)!r} is not a "
@@ -59,6 +58,12 @@ class Qwen3VLForCausalLM(QwenVLM):
         self.image_token_id = int(hf_config.image_token_id)
         self.spatial_merge_size = int(hf_config.vision_config.spatial_merge_size)
         self.requires_grad_(False)
+
+    @staticmethod
+    def ties_embeddings(hf_config: Any) -> bool:
+        """Whether lm_head is the token embedding: either config.json level says so."""
+        text = hf_config.text_config
+        return bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
 
     def encode_images(self, images: list[ImageInput]) -> torch.Tensor:  # [image tokens, hidden * (1 + levels)]
         """Each image's `data` `[patches, patch_dim]` and `meta.grid_thw` (a `QwenImage`)."""

@@ -69,11 +69,21 @@ def make_tiny_qwen3_vl_checkpoint(path, seed: int = 0, **overrides) -> Path:
     written by transformers 4.57); preprocessor_layout "nested" writes size.shortest_edge/longest_edge
     (as the published Qwen3-VL checkpoints do), "flat" writes min_pixels/max_pixels.
     """
-    unknown = sorted(set(overrides) - set(_DEFAULTS))
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    return write_qwen3_vl_checkpoint(path, seed, _DEFAULTS, overrides, Qwen3VLForConditionalGeneration, Qwen3VLConfig)
+
+
+def write_qwen3_vl_checkpoint(path, seed: int, defaults: Mapping[str, Any], overrides: Mapping[str, Any],
+                              model_cls: type, config_cls: type, text_fields: Mapping[str, Any] = MappingProxyType({})
+                              ) -> Path:
+    """`make_tiny_qwen3_vl_checkpoint` for a model class of this architecture (Qwen3-VL-MoE's too):
+    `defaults` are the accepted options (at least `_DEFAULTS`' names), `text_fields` more text-config
+    fields (the experts)."""
+    unknown = sorted(set(overrides) - set(defaults))
     if unknown:
         raise TypeError(f"make_tiny_checkpoint() got unknown override(s) {', '.join(unknown)}; "
-                        f"accepted: {', '.join(sorted(_DEFAULTS))}")
-    opts = {**_DEFAULTS, **overrides}
+                        f"accepted: {', '.join(sorted(defaults))}")
+    opts = {**defaults, **overrides}
     for key, allowed in (("config_layout", ("nested", "flat")), ("preprocessor_layout", ("nested", "flat")),
                          ("chat_template", tuple(CHAT_TEMPLATES))):
         if opts[key] not in allowed:
@@ -90,9 +100,8 @@ def make_tiny_qwen3_vl_checkpoint(path, seed: int = 0, **overrides) -> Path:
     vocab_size = opts["vocab_size"] or round_up(n_tokens, 64)
     if vocab_size < n_tokens:
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({n_tokens} tokens)")
-    config = _config(opts, vocab_size, ids)
-    from transformers import Qwen3VLForConditionalGeneration
-    save_random_model(Qwen3VLForConditionalGeneration, config, out, seed=seed, init_std=float(opts["init_std"]), dtype=dtype,
+    config = _config(opts, vocab_size, ids, config_cls, text_fields)
+    save_random_model(model_cls, config, out, seed=seed, init_std=float(opts["init_std"]), dtype=dtype,
                       max_shard_size=opts["max_shard_size"], norm_std=0.1)
     if opts["config_layout"] == "flat":
         write_json(out / "config.json", _published_config(json.loads((out / "config.json").read_text())))
@@ -108,23 +117,25 @@ def make_tiny_qwen3_vl_checkpoint(path, seed: int = 0, **overrides) -> Path:
     return out
 
 
+# the benchmark shape (`make_bench_qwen3_vl_checkpoint`; Qwen3-VL-MoE's adds its experts)
+BENCH_SHAPE: Mapping[str, Any] = MappingProxyType(dict(
+    text_hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408,
+    vocab_size=151936, tie_word_embeddings=True, mrope_section=(12, 10, 10),
+    max_position_embeddings=32768, min_pixels=64 * 64, max_pixels=32 * 32 * 1280,
+    vision_depth=4, vision_hidden_size=256, vision_heads=4, vision_intermediate_size=512,
+    deepstack_visual_indexes=(1, 2), num_position_embeddings=2304, dtype="bfloat16",
+))
+
+
 def make_bench_qwen3_vl_checkpoint(path, seed: int = 0, **overrides) -> Path:
     """The benchmark shape: Qwen3-VL architecture, ~100M parameters (the tied 151936 x 512 embedding is
     77.8M of them), bfloat16 weights. Speed does not depend on the weight values; vocab 151936 keeps
     the embedding and LM head as costly as the real ones."""
-    bench = dict(
-        text_hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408,
-        vocab_size=151936, tie_word_embeddings=True, mrope_section=(12, 10, 10),
-        max_position_embeddings=32768, min_pixels=64 * 64, max_pixels=32 * 32 * 1280,
-        vision_depth=4, vision_hidden_size=256, vision_heads=4, vision_intermediate_size=512,
-        deepstack_visual_indexes=(1, 2), num_position_embeddings=2304, dtype="bfloat16",
-    )
-    return make_tiny_qwen3_vl_checkpoint(path, seed, **{**bench, **overrides})
+    return make_tiny_qwen3_vl_checkpoint(path, seed, **{**BENCH_SHAPE, **overrides})
 
 
-def _config(o: Mapping[str, Any], vocab_size: int, ids: dict[str, int]):
-    from transformers import Qwen3VLConfig
-
+def _config(o: Mapping[str, Any], vocab_size: int, ids: dict[str, int], config_cls: type,
+            text_fields: Mapping[str, Any]):
     hidden, heads, kv_heads, head_dim = o["text_hidden_size"], o["num_heads"], o["num_kv_heads"], o["head_dim"]
     if heads % kv_heads:
         raise ValueError(f"num_heads={heads} must divide by num_kv_heads={kv_heads}")
@@ -151,7 +162,7 @@ def _config(o: Mapping[str, Any], vocab_size: int, ids: dict[str, int]):
         rms_norm_eps=_FIXED["rms_norm_eps"], attention_bias=False, attention_dropout=0.0,
         rope_parameters={"rope_type": "default", "rope_theta": _FIXED["rope_theta"], "mrope_section": section,
                          "mrope_interleaved": True},
-        bos_token_id=eot, eos_token_id=im_end, pad_token_id=eot,
+        bos_token_id=eot, eos_token_id=im_end, pad_token_id=eot, **text_fields,
     )
     vision = dict(
         depth=o["vision_depth"], hidden_size=o["vision_hidden_size"], hidden_act="gelu_pytorch_tanh",
@@ -161,7 +172,7 @@ def _config(o: Mapping[str, Any], vocab_size: int, ids: dict[str, int]):
         num_position_embeddings=o["num_position_embeddings"],
         deepstack_visual_indexes=list(o["deepstack_visual_indexes"]),
     )
-    return Qwen3VLConfig(
+    return config_cls(
         text_config=text, vision_config=vision,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],

@@ -17,7 +17,7 @@ SYSTEM = "You answer questions about pictures carefully, briefly and in plain wo
 IMAGE_SIZE = (320, 200)
 # a per-image setting that changes that image's patches: fewer pixels, or fewer tiles
 SMALLER = {"qwen2_5_vl": {"max_pixels": 28 * 28 * 16}, "internvl": {"max_num": 1},
-           "qwen3_vl": {"max_pixels": 32 * 32 * 16}}
+           "qwen3_vl": {"max_pixels": 32 * 32 * 16}, "qwen3_vl_moe": {"max_pixels": 32 * 32 * 16}}
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,9 @@ QWEN25_7B = TextShape("qwen2.5-vl-7b", 28, 4, 128, 3584, 18944)
 QWEN25_3B = TextShape("qwen2.5-vl-3b", 16, 2, 128, 2048, 11008)
 QWEN3_8B = TextShape("qwen3-vl-8b", 32, 8, 128, 4096, 12288)
 TEXT_SHAPES = (QWEN25_7B, QWEN25_3B)
+# MoE experts: (experts, per token, hidden, expert width on one rank)
+QWEN3_30B_A3B = (128, 8, 2048, 768)
+QWEN3_235B_A22B_TP8 = (128, 8, 4096, 1536 // 8)
 # vision towers: (name, heads, head_dim, hidden, intermediate); no GQA
 QWEN25_VIT = ("qwen2.5-vl-vit", 16, 80, 1280, 3420)
 INTERNVIT_300M = ("internvit-300m", 16, 64, 1024, 4096)
@@ -174,6 +177,20 @@ def cases() -> list[tuple]:
             silu_and_mul.silu_and_mul(torch.empty(256, 2 * inter, dtype=BF16, device=META))
         out += [("rms_norm", name, norm), ("rms_norm", f"{name} + residual", lambda f=norm: f(residual=True)),
                 ("silu_and_mul", name, swiglu)]
+    from vlm_sdk.kernels import fused_moe
+
+    def moe(shape=QWEN3_30B_A3B, tokens=1):
+        """The experts of Qwen3-VL-30B-A3B (128 of width 768, 8 per token) for a step of `tokens`: both
+        products (gate_up with SiLU-and-mul, down with the routing weights), 16-row or 64-row blocks."""
+        experts, top_k, hidden, inter = shape
+        fused_moe.fused_moe(torch.empty(tokens, hidden, dtype=BF16, device=META),
+                            torch.empty(experts, 2 * inter, hidden, dtype=BF16, device=META),
+                            torch.empty(experts, hidden, inter, dtype=BF16, device=META),
+                            torch.empty(tokens, top_k, dtype=torch.float32, device=META),
+                            torch.empty(tokens, top_k, dtype=torch.int64, device=META))
+    out += [("fused_moe", "qwen3-vl-30b-a3b decode (16-row blocks)", moe),
+            ("fused_moe", "qwen3-vl-30b-a3b prefill 2048 (64-row blocks)", lambda f=moe: f(tokens=2048)),
+            ("fused_moe", "qwen3-vl-235b-a22b tp=8 prefill 2048", lambda f=moe: f(QWEN3_235B_A22B_TP8, 2048))]
     from vlm_sdk.kernels import exponential_race, token_bitmask
 
     def bitmask(dtype=torch.float32, vocab=151936):  # structured outputs' mask

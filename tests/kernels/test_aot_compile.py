@@ -4,7 +4,8 @@ bfloat16 at production shapes, with no register spills, on a machine without a G
 tests/kernels/aot_compile.py does the work in a subprocess (the kernels must be JITFunctions, which
 TRITON_INTERPRET=1 in this process prevents): each launcher runs on "meta" tensors of the real shapes
 (Qwen2.5-VL-7B 28q/4kv and -3B 16q/2kv at head_dim 128, GQA groups 7 and 8; Qwen3-VL-8B's q/k norm
-rotary; the vision towers' head_dim 80 (Qwen2.5-VL ViT) and 64 (InternViT-300M)), its launches are
+rotary; the vision towers' head_dim 80 (Qwen2.5-VL ViT) and 64 (InternViT-300M); Qwen3-VL-30B-A3B's and
+235B-A22B's experts), its launches are
 recorded, specialised by Triton's binder for the CUDA backend and compiled with
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`; ptxas (inside triton) reports the
 registers and spills. About 30 s on two CPU cores.
@@ -23,7 +24,7 @@ HERE = Path(__file__).parent
 ARCHS = ("sm_90", "sm_80")
 MODULES = ("paged_attention_decode", "paged_prefill_attention", "store_kv", "rotary", "rotary_store_kv",
            "varlen_attention", "rms_norm", "silu_and_mul", "token_bitmask", "exponential_race", "top_p_cut",
-           "skinny_gemm", "int4_gemm", "fp8_block_gemm")
+           "skinny_gemm", "int4_gemm", "fp8_block_gemm", "fused_moe")
 # (module, arch) -> why it spills, as a strict xfail; empty: none does (the rotary kernel's sm_90 spill,
 # libdevice's huge-argument cosf/sinf path, went with its own cos/sin: kernels/rotary.py `_cos_sin`)
 KNOWN_SPILLS: dict[tuple[str, str], str] = {}

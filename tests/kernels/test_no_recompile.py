@@ -15,9 +15,10 @@ import itertools
 import pytest
 import torch
 
-from aot_compile import BF16, META, QWEN25_7B, QWEN25_VIT, JitKeys, _cache, _qkv, kernel_functions, record
-from vlm_sdk.kernels import (paged_attention_decode, paged_prefill_attention, rms_norm, rotary, silu_and_mul,
-                             store_kv, varlen_attention)
+from aot_compile import (BF16, META, QWEN3_30B_A3B, QWEN25_7B, QWEN25_VIT, JitKeys, _cache, _qkv, kernel_functions,
+                         record)
+from vlm_sdk.kernels import (fused_moe, paged_attention_decode, paged_prefill_attention, rms_norm, rotary,
+                             silu_and_mul, store_kv, varlen_attention)
 
 # kernel -> the per-step int arguments it must not specialise
 PER_STEP_INTS = {
@@ -25,6 +26,7 @@ PER_STEP_INTS = {
     "_decode_merge_kernel": {"num_splits"},
     "_paged_prefill_kernel": {"stride_tb"},
     "_rotary_kernel": {"stride_pos_row"},
+    "_fused_moe_kernel": {"num_pairs"},
 }
 # kernel -> pointer arguments not specialised on alignment: index tensors that may be views into a
 # packed per-step buffer at any offset (the runner's _prepare splits one int64 buffer into ids | slots |
@@ -38,10 +40,10 @@ UNALIGNED_POINTERS = {
 }
 # kernel -> compiled variants one model may launch (what the warm-up must run): decode direct or
 # split; prefill: one tile (query_tile); varlen tiles of 64 or 128 query rows (flash_launch_config); norm with or without
-# the residual add
+# the residual add; the MoE experts: two products x 16- or 64-row blocks
 VARIANTS = {"_decode_split_kernel": 2, "_decode_merge_kernel": 1, "_paged_prefill_kernel": 1,
             "_varlen_attention_kernel": 2, "_rotary_kernel": 1, "_store_kv_kernel": 1, "_rms_norm_kernel": 2,
-            "_silu_and_mul_kernel": 1}
+            "_silu_and_mul_kernel": 1, "_fused_moe_kernel": 4}
 
 
 def _jit_list(fn, name: str = "do_not_specialize") -> set[str]:
@@ -99,6 +101,13 @@ def _workload():
         yield lambda: rms_norm.rms_norm(x, w, 1e-6)
         yield lambda: rms_norm.rms_norm(x, w, 1e-6, residual=torch.empty_like(x))
         yield lambda: silu_and_mul.silu_and_mul(torch.empty(tokens, 2 * s.intermediate, dtype=BF16, device=META))
+    experts, top_k, hidden, inter = QWEN3_30B_A3B
+    w13 = torch.empty(experts, 2 * inter, hidden, dtype=BF16, device=META)
+    w2 = torch.empty(experts, hidden, inter, dtype=BF16, device=META)
+    for tokens in (1, 3, 16, 17, 32, 33, 64, 65, 2048):
+        yield lambda: fused_moe.fused_moe(torch.empty(tokens, hidden, dtype=BF16, device=META), w13, w2,
+                                          torch.empty(tokens, top_k, device=META),
+                                          torch.empty(tokens, top_k, dtype=torch.int64, device=META))
     _, heads, head_dim, _, _ = QWEN25_VIT
     for patches, segments, max_len in ((16, 1, 16), (64, 1, 64), (256, 4, 64), (256, 1, 256), (4096, 3, 4000)):
         q, k, v = torch.empty(patches, 3, heads, head_dim, dtype=BF16, device=META).unbind(1)

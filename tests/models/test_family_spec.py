@@ -215,7 +215,7 @@ def test_a_setting_several_families_declare_has_a_help_true_for_each():
         own = next(s for s in fam.engine_settings if s.name == "max_pixels")
         assert f"{own.detail} ({fam.display_name}" in max_pixels or f", {fam.display_name}" in max_pixels
     assert max_pixels.count("resized to at most") == 1
-    assert "28x28 pixels (Qwen2.5-VL)" in max_pixels and "32x32 pixels (Qwen3-VL)" in max_pixels
+    assert "28x28 pixels (Qwen2.5-VL)" in max_pixels and "32x32 pixels (Qwen3-VL" in max_pixels
 
 
 def test_shared_setting_merges_details_and_keeps_differing_helps_apart():

@@ -15,6 +15,7 @@ from transformers import Qwen3Config, Qwen3VLConfig, Qwen3VLTextConfig, Qwen3VLT
 from tolerance import assert_reduction_close, forward_terms
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
+from vlm_sdk.layers.moe import MoeConfig
 from vlm_sdk.layers.ops import make_ops
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.model_loader import read_config, text_config
@@ -231,6 +232,17 @@ def test_qwen3_defaults_and_refusals():
     qwen3 = LlamaDecoderConfig.from_hf(Qwen3Config(**DIMS), tie_word_embeddings=True, mrope=False)
     assert (qwen3.qk_norm, qwen3.mrope_section, qwen3.mrope_interleaved, qwen3.attention_bias) == \
         (True, None, False, False)
-    moe = type("MoeTextConfig", (), {**DIMS, "model_type": "qwen3_vl_moe_text"})()
-    with pytest.raises(CheckpointError, match="qwen3_vl_moe_text"):
-        LlamaDecoderConfig.from_hf(moe, tie_word_embeddings=True, mrope=True)
+    # Qwen2-MoE's MLP (shared experts) is refused; Qwen3-MoE's experts are read (`moe`)
+    qwen2_moe = type("MoeTextConfig", (), {**DIMS, "model_type": "qwen2_moe"})()
+    with pytest.raises(CheckpointError, match="qwen2_moe"):
+        LlamaDecoderConfig.from_hf(qwen2_moe, tie_word_embeddings=True, mrope=False)
+    experts = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [1]}
+    qwen3_moe = type("MoeTextConfig", (), {**DIMS, **experts, "model_type": "qwen3_vl_moe_text"})()
+    assert LlamaDecoderConfig.from_hf(qwen3_moe, tie_word_embeddings=True, mrope=False).moe == \
+        MoeConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True, mlp_only_layers=(1,))
+    with pytest.raises(CheckpointError, match="num_experts=8 but no moe_intermediate_size"):
+        LlamaDecoderConfig.from_hf(type("C", (), {**DIMS, **experts, "moe_intermediate_size": None,
+                                                  "model_type": "qwen3_moe"})(), tie_word_embeddings=True, mrope=False)
+    with pytest.raises(CheckpointError, match=r"decoder_sparse_step \(0\) must be positive"):
+        LlamaDecoderConfig.from_hf(type("C", (), {**DIMS, **experts, "decoder_sparse_step": 0,
+                                                  "model_type": "qwen3_moe"})(), tie_word_embeddings=True, mrope=False)

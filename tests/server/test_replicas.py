@@ -6,14 +6,17 @@ of 3 tiny-model replicas for the whole module, behind the OpenAI server.
 - 8 users in multi-turn conversations about their own image: under cache-aware routing every turn
   after the first is served from the prefix cache of the replica that served the turn before, and the
   cached prompt tokens are >= 3x round-robin's on the same replicas in the same run (/metrics shows
-  each replica's prefix-cache hits).
+  each replica's prefix-cache hits);
+- a replica killed (SIGKILL) mid-stream fails only its own streams, with a 503 replica_lost error, the
+  next requests all succeed, and Serve's replacement serves; shutdown leaves no replica process.
 """
 import asyncio
 import os
+import signal
 import time
 
 import pytest
-from openai import AsyncOpenAI
+from openai import APIError, AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import image
@@ -41,8 +44,22 @@ def replicas(tiny_ckpt):
     try:
         yield llm
     finally:
+        pids = llm.replica_pids().values()
         asyncio.run(llm.shutdown())
         ray.shutdown()
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in pids if alive(p)], "replica processes left after shutdown"
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has ended; only its parent has not reaped it yet
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +160,63 @@ def test_cache_aware_routing_keeps_each_users_turns_on_one_replica(replicas, tin
     # /metrics shows each replica's prefix-cache hits; together they are the users' cached tokens
     assert sum(hits["cache_aware"].values()) == total["cache_aware"], hits
     assert sum(v > 0 for v in hits["cache_aware"].values()) >= REPLICAS - 1, hits  # the users were spread
+
+
+async def long_streams(srv, count: int, started: asyncio.Event) -> list:
+    """`count` streams of 250 tokens; `started` is set once every one has sent its first chunk.
+    -> ("done", finish_reason) or ("error", message) each."""
+    first_chunks = 0
+
+    async def one(client, i: int):
+        nonlocal first_chunks
+        finish, seen = None, False
+        try:
+            stream = await client.chat.completions.create(
+                model=srv.model_name, messages=[{"role": "user", "content": f"Stream {i}: count to a thousand."}],
+                max_tokens=250, temperature=0, stream=True, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                if not seen:
+                    seen, first_chunks = True, first_chunks + 1
+                    if first_chunks == count:
+                        started.set()
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+            return "done", finish
+        except APIError as e:
+            return "error", str(e)
+    async with AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0) as client:
+        return await asyncio.gather(*(one(client, i) for i in range(count)))
+
+
+def test_a_killed_replica_fails_only_its_streams_and_is_replaced(replicas, tiny_ckpt):
+    before = set(replicas.stats()["replicas"])
+    with BackgroundServer(tiny_ckpt, ServerConfig(port=0), engine=replicas.with_routing(RoutingConfig())) as srv:
+        async def kill_one_mid_stream():
+            started = asyncio.Event()
+            streams = asyncio.ensure_future(long_streams(srv, 2 * REPLICAS, started))
+            await asyncio.wait_for(started.wait(), 60)
+            await asyncio.sleep(3 * STATS_PERIOD_S)  # the stats show who runs what
+            running = {r: s["num_running"] for r, s in replicas.stats()["replicas"].items()}
+            victim = max(running, key=running.get)
+            os.kill(replicas.replica_pids()[victim], signal.SIGKILL)
+            return victim, running, await streams
+        victim, running, results = asyncio.run(kill_one_mid_stream())
+        errors = [msg for kind, msg in results if kind == "error"]
+        assert running[victim] > 0 and 0 < len(errors) < len(results), (running, results)
+        assert all("replica" in msg and "retry" in msg for msg in errors), errors
+        assert all(finish == "length" for kind, finish in results if kind == "done"), results
+        # the router stops sending to it at once: every next request is served
+        got = asyncio.run(ask_all(srv.url, srv.model_name, [question(i) for i in range(2 * REPLICAS)]))
+        assert all(r.choices[0].finish_reason in ("length", "stop") for r in got)
+        # Serve starts a replacement, which reports in and, owning no prefixes yet, takes new ones
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            now = set(replicas.stats()["replicas"])
+            if victim not in now and len(now) == REPLICAS:
+                break
+            time.sleep(0.5)
+        new = now - before
+        assert len(new) == 1 and victim not in now, (before, now)
+        asyncio.run(ask_all(srv.url, srv.model_name, [question(100 + i) for i in range(2 * REPLICAS)]))
+        time.sleep(3 * STATS_PERIOD_S)
+        assert replica_figures(srv.url, "prompt_tokens")[new.pop()] > 0

@@ -38,16 +38,17 @@ def test_the_owner_wins_unless_it_is_loaded_past_a_bound():
     assert rank_replicas("a", loads, owned, config) == [["a"], ["b"], ["c"]]
     assert rank_replicas("a", {**loads, "a": Load(4, 0.5)}, owned, config)[0] == ["b"]  # queue bound
     assert rank_replicas("a", {**loads, "a": Load(0, 0.8)}, owned, config)[0] == ["b"]  # KV bound
+    assert rank_replicas("a", {**loads, "a": Load(0, 0.1, reported=4)}, owned, config)[0] == ["b"]  # its report
     assert rank_replicas("gone", loads, owned, config)[0] == ["b"]  # an owner no longer among the replicas
 
 
-def test_a_new_prefix_goes_to_the_smallest_cache_share_within_the_bounds():
+def test_a_new_prefix_goes_to_the_fewest_in_flight_then_the_smallest_cache_share():
     config = RoutingConfig(max_queue=4, max_kv_usage=0.8)
-    loads = {"a": Load(0, 0.0), "b": Load(2, 0.3), "c": Load(1, 0.2)}
-    assert rank_replicas(None, loads, {"a": 6, "b": 1, "c": 1}, config) == [["c"], ["b"], ["a"]]
-    assert rank_replicas(None, loads, {}, config) == [["a"], ["c"], ["b"]]  # equal shares: fewest in flight
-    full = {"a": Load(5, 0.0), "b": Load(4, 0.1), "c": Load(1, 0.9)}  # every one past a bound
-    assert rank_replicas(None, full, {"c": 0}, config) == [["c"], ["b"], ["a"]]
+    loads = {"a": Load(0, 0.0), "b": Load(0, 0.3), "c": Load(1, 0.2)}
+    assert rank_replicas(None, loads, {"a": 6, "b": 1, "c": 0}, config) == [["b"], ["a"], ["c"]]
+    assert rank_replicas(None, loads, {}, config) == [["a"], ["b"], ["c"]]  # equal shares: lowest KV usage
+    past = {"a": Load(5, 0.0), "b": Load(3, 0.1), "c": Load(1, 0.9)}  # a and c past a bound: b first
+    assert rank_replicas(None, past, {"b": 9}, config) == [["b"], ["c"], ["a"]]
 
 
 def test_the_affinity_table_keeps_the_latest_owner_forgets_the_oldest_and_a_dead_replica():

@@ -50,7 +50,7 @@ def _caches(model, device, dtype):
     return caches
 
 
-def _compare(model, device, dtype, capture, steps):
+def _compare(model, device, dtype, capture, steps, terms=None):
     dec = model.decoder
     caches = _caches(model, device, dtype)
     graphs = PiecewiseGraphs(dec, caches, max_num_batched_tokens=64, device=torch.device(device),
@@ -64,7 +64,7 @@ def _compare(model, device, dtype, capture, steps):
             ref = dec(embeds, positions, [(k.clone(), v.clone()) for k, v in caches], meta)
             out = graphs.run(embeds, positions, meta)
         assert out.shape == ref.shape
-        assert_reduction_close(out, ref, DECODER_TERMS)
+        assert_reduction_close(out, ref, terms or DECODER_TERMS)
     return graphs
 
 
@@ -73,14 +73,17 @@ def _compare(model, device, dtype, capture, steps):
 STEPS = [([30, 0, 21, 47], [1, 19, 6, 1]), ([5, 12], [1, 17]), ([0, 40], [40, 24])]
 # the tiny Qwen2.5-VL decoder's chain (tests/tolerance.py): 2 layers of width 64, MLP 128, over <= 64 tokens
 DECODER_TERMS = forward_terms(layers=2, hidden=64, intermediate=128, tokens=64, head_dim=16)
+# the tiny Qwen3-VL-MoE decoder's: 3 layers of width 48 (two sparse, one dense MLP of 128)
+MOE_TERMS = forward_terms(layers=3, hidden=48, intermediate=128, tokens=64, head_dim=16)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_piecewise_eager_equals_plain_forward_cpu(tiny_ckpt, backend):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl_moe"])  # a dense decoder; one with MoE layers
+def test_piecewise_eager_equals_plain_forward_cpu(tiny_checkpoints, family, backend):
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1")
-    model = local_worker(LLM(tiny_ckpt, attention_backend=backend, show_progress=False).engine).model
-    graphs = _compare(model, "cpu", torch.float32, False, STEPS)
+    model = local_worker(LLM(tiny_checkpoints(family), attention_backend=backend, show_progress=False).engine).model
+    graphs = _compare(model, "cpu", torch.float32, False, STEPS, MOE_TERMS if family == "qwen3_vl_moe" else None)
     assert graphs.sizes == [16, 32, 64] and not graphs.graphs
 
 

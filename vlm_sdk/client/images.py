@@ -71,6 +71,15 @@ _VIDEO_SIGNATURES = ((4, b"ftypqt", "video/quicktime"), (4, b"ftyp", "video/mp4"
 
 def to_video_data_url(src: Any) -> str:
     """A base64 data URL for a video file (a path or `file://` URL) or its bytes."""
+    data, name = _file_or_bytes(src, InvalidVideoError, "video", "a path, bytes, a list of frames, a data: URL or "
+                                                                 "an http(s) URL")
+    mime = next((m for at, sig, m in _VIDEO_SIGNATURES if data[at:at + len(sig)] == sig), None)
+    mime = mime or mimetypes.guess_type(name)[0] or "application/octet-stream"
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def _file_or_bytes(src: Any, error: type, what: str, accepted: str) -> tuple[bytes, str]:
+    """(the bytes, the file's name or "") of a path, `file://` URL or bytes; `error` names what failed."""
     if isinstance(src, (bytes, bytearray, memoryview)):
         data, name = bytes(src), ""
     elif isinstance(src, (str, os.PathLike)):
@@ -78,15 +87,13 @@ def to_video_data_url(src: Any) -> str:
         try:
             data, name = path.read_bytes(), path.name
         except OSError as e:
-            raise InvalidVideoError(f"cannot read video file {str(path)!r}: {e}") from e
+            raise error(f"cannot read {what} file {str(path)!r}: {e}") from e
     else:
-        raise InvalidVideoError(f"cannot send a {type(src).__name__} as a video; accepted: a path, bytes, a list of "
-                                f"frames, a data: URL or an http(s) URL")
+        raise error(f"cannot send a {type(src).__name__} as {'an' if what[0] in 'aeiou' else 'a'} {what}; "
+                    f"accepted: {accepted}")
     if not data:
-        raise InvalidVideoError(f"empty video data from {name or 'bytes'}")
-    mime = next((m for at, sig, m in _VIDEO_SIGNATURES if data[at:at + len(sig)] == sig), None)
-    mime = mime or mimetypes.guess_type(name)[0] or "application/octet-stream"
-    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+        raise error(f"empty {what} data from {name or 'bytes'}")
+    return data, name
 
 
 def _local_path(src: str | os.PathLike) -> Path:
@@ -108,19 +115,9 @@ def to_data_url(src: Any) -> str:
             buf = io.BytesIO()
             src.convert("RGB").save(buf, format="PNG")
         data, name = buf.getvalue(), "x.png"
-    elif isinstance(src, (bytes, bytearray, memoryview)):
-        data, name = bytes(src), ""
-    elif isinstance(src, (str, os.PathLike)):
-        path = _local_path(src)
-        try:
-            data, name = path.read_bytes(), path.name
-        except OSError as e:
-            raise InvalidImageError(f"cannot read image file {str(path)!r}: {e}") from e
     else:
-        raise InvalidImageError(f"cannot send a {type(src).__name__} as an image; accepted: a PIL.Image, a path, "
-                                f"bytes, a data: URL or an http(s) URL")
-    if not data:
-        raise InvalidImageError(f"empty image data from {name or 'bytes'}")
+        data, name = _file_or_bytes(src, InvalidImageError, "image", "a PIL.Image, a path, bytes, a data: URL or an "
+                                                                     "http(s) URL")
     mime = next((m for sig, m in _SIGNATURES if data.startswith(sig)), None)
     if mime is None and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         mime = "image/webp"

@@ -8,8 +8,10 @@ nothing else, so the torch one is the oracle for the other. The Triton kernels a
 
     decoder layer:   rms_norm / add_rms_norm -> qkv matmul -> rotary (Qwen3: q/k norm fused in) ->
                      attention.forward (store_kv + paged attention) -> o_proj -> add_rms_norm ->
-                     gate_up matmul -> silu_and_mul -> down; with the Triton set, rotary and store_kv
-                     are one launch (`rotary_store_kv`) and attention reads the cache only
+                     gate_up matmul -> silu_and_mul -> down (a sparse MoE layer: router -> fused_moe, the
+                     torch set's kernels/fused_moe_torch.py or the Triton set's kernels/fused_moe.py); with the
+                     Triton set, rotary and store_kv are one launch (`rotary_store_kv`) and attention reads the
+                     cache only
     vision block:    attention.segments (once per image batch); qkv matmul -> rotary (2-D RoPE, float32
                      angles) -> attention.segment_forward -> proj -> add_rms_norm -> gate_up matmul ->
                      silu_and_mul -> down -> add_rms_norm (next block's norm1) where the tower has them
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.selector import make_backend
 from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.kernels.fused_moe_torch import ExpertScales, fused_moe_ref
 from vlm_sdk.kernels.rms_norm_torch import rms_norm
 from vlm_sdk.kernels.rotary_torch import apply_rotary
 from vlm_sdk.layers.rotary import MRotaryEmbedding, RotaryInputs
@@ -76,6 +79,12 @@ class KernelOps(ABC):
         towers ask for their float32 rotation). `qk_norm` = (q weight `[D]`, k weight `[D]`, eps): each head RMS-normalised over
         D first (Qwen3's q_norm / k_norm), so a rank's heads need nothing from another rank."""
 
+    @abstractmethod
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, scales: ExpertScales | None = None) -> torch.Tensor:
+        """`[N, H]`: each token's routed experts, weighted and summed (x `[N, H]`, w13 `[E, 2I, H]` gate | up,
+        w2 `[E, H, I]`, topk_weights `[N, K]` float32, topk_ids `[N, K]`; `scales`: the block scales of FP8
+        experts; kernels/fused_moe_torch.py)."""
 
     def rotary_store_kv(self, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, rope: RotaryInputs,
                         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
@@ -115,12 +124,16 @@ class TorchOps(KernelOps):
             qk = torch.cat((q.view(n, -1, d), k.view(n, -1, d)), dim=1)  # [N, H+Hkv, D]
         return apply_rotary(qk, rope.cos, rope.sin)  # q and k heads in one pass
 
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, scales=None):
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, scales)
+
 
 class TritonOps(KernelOps):
     def __init__(self, attention: AttentionBackend, small_m_gemm: str = "torch"):
         super().__init__(attention)
         # imported here so that TRITON_INTERPRET is read when the set is chosen
-        from vlm_sdk.kernels import rms_norm, rotary, rotary_store_kv, silu_and_mul
+        from vlm_sdk.kernels import fused_moe, rms_norm, rotary, rotary_store_kv, silu_and_mul
+        self._fused_moe = fused_moe.fused_moe
         self._rms_norm = rms_norm.rms_norm
         self._rotary = rotary.rotary_embedding
         self._rotary_store_kv = rotary_store_kv.rotary_store_kv
@@ -155,6 +168,9 @@ class TritonOps(KernelOps):
         self._rotary(qk[:, :num_q_heads], qk[:, num_q_heads:], rope.positions, rope.inv_freq, rope.mrope_section,
                      rope.mrope_interleaved, q_weight, k_weight, eps)
         return qk
+
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, scales=None):
+        return self._fused_moe(x, w13, w2, topk_weights, topk_ids, scales)
 
     def rotary_store_kv(self, qkv, num_q_heads, num_kv_heads, rope, qk_norm, kv_cache, slot_mapping,
                         kv_scales=None):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from vlm_sdk.config import EngineArgs
+from vlm_sdk.layers.moe import MoeConfig
 from vlm_sdk.memory.weights import weight_bytes
 from vlm_sdk.models.family import FamilySpec, ImageLimits
 from vlm_sdk.protocol.rank import WeightBytes
@@ -33,7 +34,7 @@ class MemoryInputs:
     num_kv_heads: int  # this rank's
     head_dim: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # the dense MLP's; 0 when every layer is sparse (`moe`)
     num_heads: int  # the whole model's
     num_kv_heads_total: int  # the whole model's
     vocab_size: int
@@ -48,6 +49,7 @@ class MemoryInputs:
     vision_patch_inputs: int  # pixel values per vision row (a patch: channels x frames x patch x patch)
     image: ImageLimits
     video_item_tokens: int  # the largest item a video becomes (a temporal patch, a frame); 0: no video
+    moe: MoeConfig | None = None  # the sparse layers' experts (vlm_sdk/memory/consumers/moe.py)
 
     @property
     def dtype_bytes(self) -> int:
@@ -85,7 +87,8 @@ class MemoryInputs:
 
     def forward_bytes(self, n: int) -> int:
         """The estimated activation peak of a decoder forward of n tokens on this rank: the residual stream
-        and norms (4 x hidden), the MLP's gate and up (2 x intermediate) and q/k/v, in the model's dtype."""
+        and norms (4 x hidden), the dense MLP's gate and up (2 x intermediate) and q/k/v, in the model's
+        dtype. The experts of sparse layers are their own consumer (consumers/moe.py)."""
         qkv = (self.num_heads + 2 * self.num_kv_heads_total) * self.head_dim
         return n * (4 * self.hidden_size + (2 * self.intermediate_size + qkv) // self.tp) * self.dtype_bytes
 
@@ -95,18 +98,19 @@ def memory_inputs(family: FamilySpec, info, args: EngineArgs, model, dtype: torc
     """`model`: the family's model as rank 0 of `tp` builds it, on the meta device (`FamilySpec.meta_model`);
     `info`: the checkpoint's config (`model_loader.read_config` / `read_checkpoint`)."""
     c = model.decoder_config
+    dense = c.moe is None or not all(c.moe.is_sparse(i) for i in range(c.num_layers))
     vision_hidden, vision_inter, patch_inputs = family.vision_activation_widths(info.hf_config, model)
     image = family.image_limits(info.preprocessor, info.hf_config, model, dict(args.mm_processor_kwargs))
     return MemoryInputs(
         args=args, dtype=dtype, tp=tp, on_gpu=on_gpu, decode_graphs=decode_graphs,
         piecewise_graphs=piecewise_graphs and tp == 1 and model.decoder_stack() is not None,
         num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_heads=c.num_heads,
+        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size if dense else 0, num_heads=c.num_heads,
         num_kv_heads_total=c.num_kv_heads, vocab_size=c.vocab_size, position_rows=model.position_rows,
         max_position_embeddings=int(family.text_config(info.hf_config).max_position_embeddings),
         weights=weight_bytes(model), weight_format=_weight_format(c), vision_hidden=vision_hidden,
         vision_intermediate=vision_inter, vision_patch_inputs=patch_inputs, image=image,
-        video_item_tokens=family.video_item_tokens(info.preprocessor, info.hf_config, model))
+        video_item_tokens=family.video_item_tokens(info.preprocessor, info.hf_config, model), moe=c.moe)
 
 
 def _weight_format(decoder_config) -> str:

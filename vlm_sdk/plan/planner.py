@@ -27,8 +27,8 @@ Weights per rank with `tp`: the model is built on the meta device as rank 0 of `
 language model split by heads, intermediate size and vocabulary, norms whole, and the vision tower
 and projector split too unless `shard_vision` is False (then whole on every rank).
 
-Memory consumers (vlm_sdk/memory/consumers/: weights, the activation peak, logits + sampler, the decode
-graphs' pool, the piecewise graphs, the encoder cache) are counted by the same pipeline engine start-up
+Memory consumers (vlm_sdk/memory/consumers/: weights, the activation peak, the MoE experts' step buffers,
+logits + sampler, the decode graphs' pool, the piecewise graphs, the encoder cache) are counted by the same pipeline engine start-up
 runs (`memory.breakdown`): here every one is an ESTIMATE from the shape and the settings; the engine
 measures the step-time ones on a GPU with a profiling forward. With --device-memory the CUDA context
 (~0.5 GiB) and other processes are not counted: the engine, which measures them, gets slightly fewer

@@ -3,8 +3,8 @@
 sent through Ray Serve's handle to the replica the router picks.
 
 Errors: a replica's own refusal (`InvalidRequestError`, `InputTooLongError`, ...) is raised as itself;
-a replica that dies fails the requests it held with `EngineDeadError` naming it, and Serve replaces
-it while the others go on serving.
+a replica that dies fails the requests it held with `ReplicaLostError` (HTTP 503, code replica_lost),
+and Serve replaces it while the others go on serving.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from vlm_sdk.engine.output.output_processor import OutputProcessor
-from vlm_sdk.errors import EngineDeadError, InvalidRequestError
+from vlm_sdk.errors import InvalidRequestError, ReplicaLostError
 from vlm_sdk.hub import resolve_model
 from vlm_sdk.model_loader import load_tokenizer
 from vlm_sdk.multimodal.inputs import PromptInputs
@@ -31,8 +31,9 @@ def _raise_cause(e: Exception, what: str):
     if isinstance(e, RayTaskError) and isinstance(e.cause, Exception) and not isinstance(e.cause, RayActorError):
         raise e.cause from None
     if isinstance(e, (RayActorError, RayTaskError)):
-        raise EngineDeadError(f"the replica serving this request died during {what} (Ray Serve replaces it; "
-                              f"retry the request): {type(e).__name__}") from None
+        raise ReplicaLostError(f"the replica serving this request died during {what}; the other replicas go on "
+                               f"serving and Ray Serve starts a replacement: retry the request "
+                               f"({type(e).__name__})") from None
     raise e
 
 
@@ -100,6 +101,10 @@ class ReplicaSetLLM:
             if per_replica or not self._stats:
                 self._stats, self._stats_at = combine(per_replica), now
         return self._stats
+
+    def replica_pids(self) -> dict[str, int]:
+        """Every replica that has reported -> its process id (the dead ones too)."""
+        return ray.get(self._board.pids.remote(), timeout=10)
 
     @property
     def is_alive(self) -> bool:

@@ -52,7 +52,7 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
 
     def _load(self, rid: str, replica: RunningReplica) -> Load:
         stats = replica.routing_stats or {}
-        return Load(max(self._in_flight.get(rid, 0), stats.get("in_flight", 0)), float(stats.get("kv_usage", 0.0)))
+        return Load(self._in_flight.get(rid, 0), float(stats.get("kv_usage", 0.0)), int(stats.get("in_flight", 0)))
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:

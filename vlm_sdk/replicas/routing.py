@@ -10,13 +10,13 @@ loaded past a bound; otherwise to the least loaded one:
      engine's block hashes), longest prefix first;
   2. the owner is the replica that was last sent a request with the first of these keys found in
      the affinity table (a bounded LRU of `affinity_entries` keys);
-  3. it gets the request unless its load passes a bound: `max_queue` requests in flight (the
-     generations this router sent it and has not seen finish, or running + waiting from its stats,
+  3. it gets the request unless its load passes a bound: `max_queue` requests queued (the generations
+     this router sent it and has not seen finish, or running + waiting from its last stats report,
      whichever is larger) or KV usage of `max_kv_usage` or more;
-  4. otherwise (and when no key is known) a replica within the bounds holding the fewest keys (the
-     smallest share of the cached prefixes, as Ray's PrefixCacheAffinityRouter's "smallest tenant"),
-     then the fewest in flight, then the lowest KV usage; when every replica is past a bound, the
-     fewest in flight;
+  4. otherwise (and when no key is known) the replica with the fewest of this router's generations in
+     flight (current to the request, where a report lags by up to `stats_period_s`), those within the
+     bounds first; among equals, the one holding the fewest keys (the smallest share of the cached
+     prefixes, as Ray's PrefixCacheAffinityRouter's "smallest tenant"), then the lowest KV usage;
   5. every key of the request is then recorded as owned by the replica that took it.
 
 `policy="round_robin"` ignores keys and loads (the baseline the benchmark and tests compare with).
@@ -54,8 +54,13 @@ class RoutingConfig:
 
 @dataclass(frozen=True)
 class Load:
-    in_flight: int  # requests on the replica
-    kv_usage: float  # KV blocks used / total
+    in_flight: int  # generations this router sent the replica that have not finished (current to the request)
+    kv_usage: float  # KV blocks used / total, as last reported
+    reported: int = 0  # running + waiting, as last reported (counts other routers' requests too)
+
+    @property
+    def queue(self) -> int:
+        return max(self.in_flight, self.reported)
 
 
 def prompt_keys(prompt, chunk_tokens: int, prefix_tokens: int) -> list[str]:
@@ -113,17 +118,16 @@ class AffinityTable:
 
 
 def overloaded(load: Load, config: RoutingConfig) -> bool:
-    return load.in_flight >= config.max_queue or load.kv_usage >= config.max_kv_usage
+    return load.queue >= config.max_queue or load.kv_usage >= config.max_kv_usage
 
 
 def rank_replicas(owner: str | None, loads: dict[str, Load], owned: dict[str, int],
                   config: RoutingConfig) -> list[list[str]]:
     """The replicas in order of preference, one per rank: the owner first unless it is overloaded (or
-    gone), then those within the bounds by (keys owned, in flight, KV usage), then the overloaded ones
-    by (in flight, KV usage). `owned`: replica -> keys it owns (`AffinityTable.counts`)."""
-    order = sorted(loads, key=lambda r: (overloaded(loads[r], config),
-                                         0 if overloaded(loads[r], config) else owned.get(r, 0),
-                                         loads[r].in_flight, loads[r].kv_usage))
+    gone), then those within the bounds, then the overloaded ones, each by (in flight, keys owned, KV
+    usage). `owned`: replica -> keys it owns (`AffinityTable.counts`)."""
+    order = sorted(loads, key=lambda r: (overloaded(loads[r], config), loads[r].in_flight, owned.get(r, 0),
+                                         loads[r].kv_usage))
     if owner in loads and not overloaded(loads[owner], config):
         order.remove(owner)
         order.insert(0, owner)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from vlm_sdk.chat_options import ChatOptions
 from vlm_sdk.engine.input.sampling_check import check_counts
 from vlm_sdk.errors import (EngineDeadError, InputTooLongError, InvalidImageError, InvalidRequestError,
-                            InvalidVideoError, VLMError)
+                            InvalidVideoError, ReplicaLostError, VLMError)
 from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # fields whose non-default value we cannot honour (other unknown fields are accepted and change nothing)
@@ -87,6 +87,8 @@ def error_from_exception(exc: BaseException) -> APIError:
         return APIError(400, str(exc), "invalid_request_error", "messages", "invalid_image")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), "invalid_request_error", exc.param, None)
+    if isinstance(exc, ReplicaLostError):  # the server serves on: only this request failed
+        return APIError(503, str(exc), "server_error", None, "replica_lost")
     if isinstance(exc, EngineDeadError):
         return APIError(503, "the engine has stopped and cannot take requests; see the server log and restart "
                              "the server", "server_error", None, "engine_dead")

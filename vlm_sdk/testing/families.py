@@ -11,6 +11,7 @@ FIXTURE_MODULES = MappingProxyType({
     "qwen2_5_vl": "vlm_sdk.models.qwen2_5_vl.fixtures",
     "internvl": "vlm_sdk.models.internvl.fixtures",
     "qwen3_vl": "vlm_sdk.models.qwen3_vl.fixtures",
+    "qwen3_vl_moe": "vlm_sdk.models.qwen3_vl_moe.fixtures",
 })
 
 

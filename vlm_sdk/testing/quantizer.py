@@ -4,7 +4,8 @@ compressed-tensors FP8), plus its dequantized twin (the same directory with ever
 weight replaced by exactly what the quantized tensors decode to), which transformers loads as the oracle.
 
 Only the LLM's decoder Linears are quantized (`layers.N.self_attn.{q,k,v,o}_proj`, `layers.N.mlp.{gate,up,
-down}_proj`), as the published checkpoints do; the vision tower, embeddings and LM head stay as they are,
+down}_proj`, and a mixture-of-experts layer's per-expert `layers.N.mlp.experts.E.{gate,up,down}_proj`, as
+the Qwen3-VL-MoE FP8 repos store them; never its router `mlp.gate`), as the published checkpoints do; the vision tower, embeddings and LM head stay as they are,
 and `modules_to_not_convert` / `ignore` say so. Group scales are rounded to their stored dtype before the
 weights are rounded against them, so the dequantized twin is exact.
 """
@@ -21,7 +22,8 @@ from vlm_sdk.kernels.dequant_torch import (awq_pack, dequantize_awq, dequantize_
                                            dequantize_gptq, pack_int4)
 from vlm_sdk.model_loader import iter_safetensors
 
-_LINEAR = re.compile(r"^(?P<base>.*\blayers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj))\.weight$")
+_LINEAR = re.compile(r"^(?P<base>.*\blayers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj))"
+                     r"\.weight$")
 _NOT_LLM = ("visual", "vision", "mlp1", "multi_modal_projector")
 _SKIP = ["lm_head", "visual", "vision_tower", "vision_model", "mlp1", "multi_modal_projector"]
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448

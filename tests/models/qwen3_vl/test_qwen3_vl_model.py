@@ -10,20 +10,16 @@ import pytest
 import torch
 from transformers import Qwen3VLForConditionalGeneration
 
+from qwen3_vl_steps import (Seq, blocks_for, check_chunked_prefill, check_decode_matches_generate, decode_item,
+                            hf_generate, new_cache, prompt, run_step)
 from tolerance import assert_reduction_close, forward_terms
-from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import make_ops
 from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
 from vlm_sdk.models.base import StepImages
-from vlm_sdk.models.qwen2_5_vl.image_processor import QwenImage
-from vlm_sdk.models.qwen2_5_vl.rope_index import mrope_positions
 from vlm_sdk.models.qwen3_vl.model import Qwen3VLForCausalLM
-from vlm_sdk.multimodal.inputs import ImageInput
 from vlm_sdk.testing import make_tiny_checkpoint
 
-BLOCK = 16
-NUM_BLOCKS = 16
 # the tiny Qwen3-VL's chain (tests/tolerance.py): 1,536-input patches, 3 blocks of width 32 over at most
 # 256 patches, mergers of inputs 128 + 128, 3 layers of width 48 (MLP 128) over at most 160 tokens, the head
 TERMS = forward_terms(layers=3, hidden=48, intermediate=128, tokens=160, head_dim=16, patch=1536, vision_layers=3,
@@ -32,7 +28,6 @@ TERMS = forward_terms(layers=3, hidden=48, intermediate=128, tokens=160, head_di
 
 def close(actual, expected):
     assert_reduction_close(actual, expected, TERMS)
-GRID_A, GRID_B = (1, 8, 12), (1, 16, 6)  # 24 and 24 image tokens, 4x6 and 8x3 merged: different shapes
 
 
 def build(ckpt, ops=None) -> Qwen3VLForCausalLM:
@@ -50,118 +45,6 @@ def ckpt(tiny_checkpoints):
 def models(ckpt):
     """transformers' model (the oracle) and ours on the same checkpoint directory."""
     return Qwen3VLForConditionalGeneration.from_pretrained(str(ckpt), dtype=torch.float32).eval(), build(ckpt)
-
-
-def prompt(cfg, name: str) -> tuple[list[int], list[tuple[int, int, int]]]:
-    img, vs, ve = cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id
-
-    def image(grid):
-        t, h, w = grid
-        return [vs] + [img] * (t * h * w // 4) + [ve]
-    if name == "text":
-        return [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], []
-    if name == "one_image":
-        return [7, 8] + image(GRID_A) + [10, 11, 12, 13], [GRID_A]
-    if name == "two_images":
-        return [7] + image(GRID_A) + [20, 21] + image(GRID_B) + [30, 31, 32], [GRID_A, GRID_B]
-    if name == "image_at_start":
-        return image(GRID_B)[1:] + [40, 41, 42, 43], [GRID_B]
-    raise KeyError(name)
-
-
-def pixels(grids, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 16 * 16, generator=g)
-
-
-class Seq:
-    """One prompt prepared for our model: token embeddings, the image rows (as the runner hands them
-    over), M-RoPE positions, the transformers inputs."""
-
-    def __init__(self, model, ids: list[int], grids, seed: int = 0):
-        self.ids, self.grids, self.img = ids, grids, model.image_token_id
-        self.pixel_values = pixels(grids, seed) if grids else None
-        self.positions, self.delta = mrope_positions(ids, grids, model.image_token_id, model.spatial_merge_size)
-        ids_t = torch.tensor(ids)
-        self.image_rows = (ids_t == model.image_token_id).nonzero().flatten()  # [n]
-        with torch.no_grad():
-            self.embeds = model.embed_tokens(ids_t)  # [L, hidden]
-            self.image_embeds = None
-            if grids:
-                parts = self.pixel_values.split([t * h * w for t, h, w in grids])
-                images = [ImageInput(p, t * h * w // 4, QwenImage(g)) for p, g in zip(parts, grids) for t, h, w in [g]]
-                self.image_embeds = model.encode_images(images)  # [n, hidden * (1 + levels)]
-
-    def chunk(self, start: int, end: int):
-        """(embeds, positions, StepImages | None) of tokens start..end."""
-        keep = (self.image_rows >= start) & (self.image_rows < end)
-        images = None
-        if bool(keep.any()):
-            images = StepImages(self.image_rows[keep] - start, self.image_embeds[keep])
-        return self.embeds[start:end].clone(), self.positions[:, start:end], images
-
-    def hf_kwargs(self) -> dict:
-        input_ids = torch.tensor([self.ids])
-        kw = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
-        if self.grids:
-            kw.update(pixel_values=self.pixel_values, image_grid_thw=torch.tensor(self.grids),
-                      mm_token_type_ids=(input_ids == self.img).int())
-        return kw
-
-
-def new_cache(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (NUM_BLOCKS, BLOCK, model.num_kv_heads, model.head_dim)
-    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.num_layers)]
-
-
-def run_step(model, kv, items):
-    """items: ((embeds [q, hidden], positions [3, q], StepImages | None), block ids, seq_len after this
-    step) per sequence. Returns the logits of every new token, split per sequence."""
-    slots, tables, rows, embeds = [], [], [], []
-    q_lens = [part[0].shape[0] for part, _, _ in items]
-    seq_lens = [s for _, _, s in items]
-    width = max(len(b) for _, b, _ in items)
-    offset = 0
-    for ((_, _, images), blocks, seq_len), q in zip(items, q_lens):
-        p = torch.arange(seq_len - q, seq_len)
-        slots.append(torch.tensor(blocks)[p // BLOCK] * BLOCK + p % BLOCK)
-        tables.append(blocks + [0] * (width - len(blocks)))
-        if images is not None:
-            rows.append(images.rows + offset)
-            embeds.append(images.embeds)
-        offset += q
-    meta = AttentionMetadata(
-        slot_mapping=torch.cat(slots),
-        query_start_loc=torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
-        query_lens_cpu=q_lens, seq_lens_cpu=seq_lens, max_query_len=max(q_lens), max_seq_len=max(seq_lens))
-    meta = model.decoder.ops.attention.prepare(meta, kv[0][0])  # once per step, as the runner does
-    images = StepImages(torch.cat(rows), torch.cat(embeds)) if rows else None
-    with torch.no_grad():
-        hidden = model(torch.cat([part[0] for part, _, _ in items]),
-                       torch.cat([part[1] for part, _, _ in items], dim=1), kv, meta, images)
-        logits = model.compute_logits(hidden)
-    return list(logits.split(q_lens))
-
-
-def decode_item(model, seq: Seq, token: int, index: int, blocks):
-    """The 1-token step for the token at sequence index `index`: position index + rope_delta on all axes."""
-    with torch.no_grad():
-        e = model.embed_tokens(torch.tensor([token]))
-    return (e, torch.full((3, 1), index + seq.delta, dtype=torch.int64), None), blocks, index + 1
-
-
-def hf_generate(hf, seq: Seq, steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """transformers' greedy tokens and the logits of each generated step (step 0 = last prompt position)."""
-    with torch.no_grad():
-        out = hf.generate(**seq.hf_kwargs(), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                          output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(seq.ids):].tolist(), [step[0] for step in out.logits]
-
-
-def blocks_for(n: int) -> list[int]:
-    return list(range(-(-n // BLOCK)))
 
 
 @pytest.mark.parametrize("name", ["text", "one_image", "two_images", "image_at_start"])
@@ -197,31 +80,13 @@ def test_deepstack_features_are_used(models):
 @pytest.mark.parametrize("split", [10, 20, 29])  # inside the first image: 2, 12 and 21 of its 24 rows
 def test_chunked_prefill_splitting_an_image_equals_one_prefill(models, split):
     hf, ours = models
-    seq = Seq(ours, *prompt(hf.config, "two_images"))
-    n = len(seq.ids)
-    blocks = [5, 2, 7, 0, 9]
-    (full,) = run_step(ours, new_cache(ours), [(seq.chunk(0, n), blocks, n)])
-    kv = new_cache(ours)
-    run_step(ours, kv, [(seq.chunk(0, split), blocks, split)])
-    (rest,) = run_step(ours, kv, [(seq.chunk(split, n), blocks, n)])
-    close(rest, full[split:])
+    check_chunked_prefill(hf, ours, split, close)
 
 
 @pytest.mark.parametrize("name", ["text", "two_images"])
 def test_decode_matches_transformers_generate(models, name):
     hf, ours = models
-    seq = Seq(ours, *prompt(hf.config, name))
-    n = len(seq.ids)
-    tokens, ref_logits = hf_generate(hf, seq, steps=4)
-    blocks = blocks_for(n + 4)
-    kv = new_cache(ours)
-    (logits,) = run_step(ours, kv, [(seq.chunk(0, n), blocks, n)])
-    assert int(logits[-1].argmax()) == tokens[0]
-    close(logits[-1], ref_logits[0])
-    for step in range(1, 4):
-        (logits,) = run_step(ours, kv, [decode_item(ours, seq, tokens[step - 1], n + step - 1, blocks)])
-        assert int(logits[0].argmax()) == tokens[step]
-        close(logits[0], ref_logits[step])
+    check_decode_matches_generate(hf, ours, name, close)
 
 
 def test_batched_prefill_then_batched_decode(models):

@@ -7,11 +7,12 @@ from vlm_sdk.memory.consumers.activation import Activation
 from vlm_sdk.memory.consumers.base import KINDS, MemoryConsumer
 from vlm_sdk.memory.consumers.encoder_cache import EncoderCache
 from vlm_sdk.memory.consumers.graph_pool import DecodeGraphPool
+from vlm_sdk.memory.consumers.moe import MoeActivation
 from vlm_sdk.memory.consumers.piecewise import PiecewiseGraphs
 from vlm_sdk.memory.consumers.sampler import Sampler
 from vlm_sdk.memory.consumers.weights import Weights
 
-CONSUMERS: tuple[MemoryConsumer, ...] = (Weights(), Activation(), Sampler(), DecodeGraphPool(), PiecewiseGraphs(),
-                                         EncoderCache())
+CONSUMERS: tuple[MemoryConsumer, ...] = (Weights(), Activation(), MoeActivation(), Sampler(), DecodeGraphPool(),
+                                         PiecewiseGraphs(), EncoderCache())
 
 __all__ = ["CONSUMERS", "KINDS", "MemoryConsumer"]

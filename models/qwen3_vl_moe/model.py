@@ -1,0 +1,43 @@
+"""Qwen3-VL-MoE (Qwen3-VL-30B-A3B, 235B-A22B): Qwen3-VL (models/qwen3_vl/model.py: the vision tower with
+DeepStack mergers, interleaved M-RoPE, q/k norm) whose decoder routes each sparse layer's MLP through
+experts (`LlamaDecoderConfig.moe`, a `SparseMoeBlock` per sparse layer: vlm_sdk/layers/moe.py).
+
+Checkpoints: the published names (`model.language_model.*`, `model.visual.*`, `lm_head.weight`) with
+the experts in any of the three layouts of models/qwen3_vl_moe/weights.py (transformers 5's fused
+tensors, the published repos' transposed fused tensors, or one tensor per expert), loaded strictly.
+
+Tensor parallelism: as Qwen3-VL's, and each expert split along its intermediate dim (one all-reduce
+per layer, as the dense MLP): `moe_intermediate_size` must divide by the ranks, which the executor's
+size check names with the sizes that work.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from vlm_sdk.errors import CheckpointError
+from vlm_sdk.layers.ops import KernelOps
+from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.models.qwen3_vl.model import Qwen3VLForCausalLM
+from vlm_sdk.models.qwen3_vl_moe.weights import split_fused_experts
+
+
+class Qwen3VLMoeForCausalLM(Qwen3VLForCausalLM):
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 ops: KernelOps | None = None, tp: TPGroup = TPGroup(), shard_vision: bool = True):
+        super().__init__(hf_config, dtype, device, ops, tp, shard_vision)
+        if self.decoder_config.moe is None:
+            raise CheckpointError("config.json text_config declares no experts (num_experts): a Qwen3-VL-MoE "
+                                  "checkpoint needs num_experts, num_experts_per_tok and moe_intermediate_size")
+
+    @staticmethod
+    def ties_embeddings(hf_config: Any) -> bool:
+        """The top level of config.json decides, as transformers' `Qwen3VLMoeForConditionalGeneration` does:
+        its text config defaults `tie_word_embeddings` to true, and the published configs set only the
+        top level (false)."""
+        return bool(getattr(hf_config, "tie_word_embeddings", False))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str | Path | None = None) -> None:
+        super().load_weights(split_fused_experts(weights, self.decoder_config.moe, self.hidden_size), source=source)

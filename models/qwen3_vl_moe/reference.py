@@ -1,0 +1,16 @@
+"""transformers as the oracle for Qwen3-VL-MoE (`FIXTURES.reference`): Qwen3-VL's prompt hooks (the
+same processor and placeholder expansion) and transformers' own `Qwen3VLMoeForConditionalGeneration`.
+Imports transformers lazily; test fixtures only."""
+from __future__ import annotations
+
+import torch
+
+from vlm_sdk.models.qwen2_5_vl.reference import hf_image_processor, hf_prompt
+
+__all__ = ["hf_model", "hf_image_processor", "hf_prompt"]
+
+
+def hf_model(model_dir: str, dtype: torch.dtype = torch.float32):
+    """transformers' own model class on the checkpoint, in eval mode."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+    return Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()

@@ -1,0 +1,77 @@
+"""Qwen3-VL-MoE under tensor parallelism: each expert split along its width (moe_intermediate_size / 2 per
+rank of two). Two gloo ranks' prefill logits of an image prompt equal one rank's within the rounding of
+another summation order, for the published layout (transposed fused experts) and one tensor per expert;
+each rank's lazily read expert slices are the one-rank weights' slices; a size that does not split the
+experts' width is refused before any rank starts, naming the sizes that work. (Tokens through the
+engine at tensor_parallel_size=2: tests/e2e/test_tensor_parallel.py, every family.)"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from qwen3_vl_steps import tp_prefill
+from tolerance import assert_reduction_close, forward_terms
+from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.executor.launch import check_tensor_parallel_size
+from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
+from vlm_sdk.models.registry import load
+from vlm_sdk.testing import make_tiny_checkpoint
+from vlm_sdk.testing.distributed import run_on_ranks
+
+# the tiny model's prefill chain (tests/tolerance.py), as Qwen3-VL's: its longest MLP is the dense layer's
+TERMS = forward_terms(layers=3, hidden=48, intermediate=128, tokens=128, head_dim=16, patch=1536, vision_layers=3,
+                      vision_hidden=32, vision_intermediate=64, vision_tokens=64, merger=256)
+LAYOUTS = {"transposed": {"config_layout": "flat"}, "per_expert": {}}
+E, I, H = 12, 32, 48
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    return {name: make_tiny_checkpoint(tmp_path_factory.mktemp(f"moe_tp_{name}"), family="qwen3_vl_moe",
+                                       experts=name, **kw) for name, kw in LAYOUTS.items()}
+
+
+def rank_main(tp: TPGroup, paths: dict) -> dict:
+    return {name: tp_prefill(path, tp, True)["logits"] for name, path in paths.items()}
+
+
+def test_two_ranks_equal_one_rank(checkpoints):
+    one = {name: tp_prefill(path, TPGroup(), True)["logits"] for name, path in checkpoints.items()}
+    torch.testing.assert_close(one["per_expert"], one["transposed"], atol=0, rtol=0)  # same weights
+    for ranks in run_on_ranks(rank_main, 2, checkpoints, timeout_s=600):
+        for name in LAYOUTS:
+            assert_reduction_close(ranks[name], one[name], TERMS, msg=name)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_rank_reads_its_slice_of_every_expert(checkpoints, layout):
+    """Loaded lazily as a rank does (no process group is needed to load): rank r's gate and up rows and
+    down columns of expert e are [r*I/2, (r+1)*I/2) of the one-rank model's."""
+    ckpt = checkpoints[layout]
+    cfg = read_checkpoint(ckpt).hf_config
+    model_cls = load("qwen3_vl_moe").model_cls
+    whole = model_cls(cfg)
+    whole.load_weights(iter_safetensors(ckpt, show_progress=False), source=ckpt)
+    half = I // 2
+    for r in range(2):
+        rank = model_cls(cfg, tp=TPGroup(r, 2))
+        rank.load_weights(iter_safetensors(ckpt, show_progress=False, lazy=True), source=ckpt)
+        for i in (0, 2):  # the sparse layers
+            ours, full = rank.decoder.layers[i].moe, whole.decoder.layers[i].moe
+            w13, w13_full = ours.w13.view(E, 2, half, H), full.w13.view(E, 2, 2, half, H)  # [e, gate|up, (rank,) I/2, H]
+            assert torch.equal(w13, w13_full[:, :, r])
+            assert torch.equal(ours.w2.view(E, H, half), full.w2.view(E, H, 2, half)[:, :, r])
+            assert torch.equal(ours.gate.weight, full.gate.weight)  # the router is whole on every rank
+
+
+def test_sizes_that_do_not_split_the_experts_are_refused(checkpoints):
+    cfg = copy.deepcopy(read_checkpoint(checkpoints["per_expert"]).hf_config)
+    cfg.text_config.moe_intermediate_size = 30  # splits in 2, not in 4 (which splits the heads)
+    family = load("qwen3_vl_moe")
+    check_tensor_parallel_size(family, cfg, 2)
+    with pytest.raises(InvalidRequestError, match=r"tensor_parallel_size=4 does not split this model: "
+                                                  r"moe_intermediate_size .*\(30\).*Sizes that work: 1, 2$"):
+        check_tensor_parallel_size(family, cfg, 4)
