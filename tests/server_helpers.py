@@ -111,3 +111,69 @@ def post_bytes(body: bytes, key: str | bytes | None = API_KEY, extra: bytes = b"
     auth = b"Authorization: Bearer %s\r\n" % key if key else b""
     return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n" + auth
             + extra + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+class VictimStream:
+    """An innocent client streaming long generations one after another while an attack runs, timing
+    every SSE line it receives; `worst_gap(t0, t1)` is its longest wait between two lines over the
+    interval (the lines just before t0 and just after t1 included):
+
+        with VictimStream(srv.url, srv.model_name) as victim:
+            t0 = time.monotonic(); attack(); t1 = time.monotonic()
+            assert victim.worst_gap(t0, t1) < 0.5
+    """
+
+    def __init__(self, url: str, model: str, key: str | None = API_KEY, max_tokens: int = 3000):
+        import threading
+        self.url, self.model, self.key, self.max_tokens = url, model, key, max_tokens
+        self.times: list[float] = []
+        self.statuses: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "VictimStream":
+        self._thread.start()
+        assert wait_for(lambda: len(self.times) >= 20, timeout=60), "the victim stream did not start"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        import http.client
+        from urllib.parse import urlparse
+        u = urlparse(self.url)
+        body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": "Hello"}],
+                           "max_tokens": self.max_tokens, "ignore_eos": True, "stream": True})
+        headers = {"Content-Type": "application/json"}
+        if self.key:
+            headers["Authorization"] = f"Bearer {self.key}"
+        while not self._stop.is_set():
+            conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+            try:
+                conn.request("POST", "/v1/chat/completions", body, headers)
+                resp = conn.getresponse()
+                self.statuses.append(resp.status)
+                while not self._stop.is_set():
+                    line = resp.readline()
+                    if not line:
+                        break
+                    if line.startswith(b"data: "):
+                        self.times.append(time.monotonic())
+            finally:
+                conn.close()  # the client leaves: the server aborts the request
+
+    def worst_gap(self, t0: float, t1: float) -> float:
+        """Waits for a line after t1 first, so that a stall running past t1 is counted whole."""
+        wait_for(lambda: self.times and self.times[-1] > t1, timeout=30)
+        times = list(self.times)
+        points = [t for t in times if t < t0][-1:] + [t for t in times if t0 <= t <= t1] + \
+            [t for t in times if t > t1][:1]
+        return max((b - a for a, b in zip(points, points[1:])), default=float("inf"))
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (an in-process server's)."""
+    import re
+    return int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024

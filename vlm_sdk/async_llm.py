@@ -16,7 +16,9 @@ which the engine thread applies before its next step, freeing the request's KV b
 Prompt building has two pools: requests with images or a long text (LONG_TEXT_CHARS) go to the heavy
 one, the rest to the text one, so a text prompt never waits behind image decoding. A caller that goes
 away while its prompt is built (a server client that disconnects cancels its handler) cancels it: not
-started, it never runs; running, the images it has not decoded yet are skipped.
+started, it never runs; running, the images it has not decoded yet are skipped. A structured output's
+grammar is awaited first, from the grammar workers of its own (engine/structured_output.py): no prompt
+thread waits behind a grammar.
 """
 from __future__ import annotations
 
@@ -130,6 +132,12 @@ class AsyncLLM:
         `TextPrompt` / `TokensPrompt` (no chat template; see `LLMEngine.build_prompt`). `options`:
         tools, chat_template_kwargs, cache_salt (`ChatOptions`), for chat messages."""
         self._check_alive()
+        self.engine.check_params(params)
+        # grammars first, awaited on the grammar workers: a bad schema (or tool schema) fails before any
+        # image is decoded, and no prep thread waits on a grammar
+        await self._compile([params.grammar] if params is not None and params.grammar is not None else [])
+        if options is not None and not isinstance(request, (TextPrompt, TokensPrompt)):
+            await self._compile(self.engine.chat.tool_specs(options))
         if isinstance(request, TokensPrompt):
             chars, images = 0, 0
         elif isinstance(request, TextPrompt):
@@ -139,7 +147,8 @@ class AsyncLLM:
         pool = self._heavy_prep if images or chars >= LONG_TEXT_CHARS else self._text_prep
         cancelled = threading.Event()
         job = asyncio.get_running_loop().run_in_executor(
-            pool, partial(self.engine.build_prompt, request, params, cancelled=cancelled, options=options))
+            pool, partial(self.engine.build_prompt, request, params, cancelled=cancelled, options=options,
+                          compile_grammar=False))
         try:
             return await job  # cancelled here, a job not started yet is dropped from the pool's queue
         except asyncio.CancelledError:
@@ -176,9 +185,10 @@ class AsyncLLM:
             states = await loop.run_in_executor(self._text_prep, new_states)
         else:
             states = new_states()
-        # structured outputs: compiled (or found in the cache) here, never on the engine thread
-        grammar = (await loop.run_in_executor(self._text_prep, self.engine.compile_grammar, params, prompt)
-                   if params.grammar is not None or prompt.grammar is not None else None)
+        # structured outputs (the prompt's own grammar first: a forced tool call, or a format after reasoning):
+        # compiled on the grammar workers (usually found in the cache by now), never on the engine thread
+        spec = prompt.grammar if prompt.grammar is not None else params.grammar
+        grammar = (await self._compile([spec]))[0] if spec is not None else None
         if request_id is not None and any(s.user_id == request_id for s in self._streams.values()):
             raise InvalidRequestError(f"request id {request_id!r} is already streaming")
         stream = _Stream(user_id, loop, asyncio.Queue())  # one queue for the n samples
@@ -209,6 +219,11 @@ class AsyncLLM:
                 self._streams.pop(key, None)
             for key in running:  # closed early or failed: every sample still running is aborted
                 self._send(("abort", key, "abort"))
+
+    async def _compile(self, specs: list) -> list:
+        """The compiled grammars of `specs`, awaited without holding a thread: the grammar workers compile
+        them (engine/structured_output.py), beside the prompt pools; the first error raises."""
+        return [await asyncio.wrap_future(self.engine.grammars.submit(spec)) for spec in specs]
 
     def _new_states(self, user_id: str, prompt: PromptInputs, keys: list[str], samples: list) -> dict:
         return {key: self.output_processor.new_request(user_id, prompt.token_ids, sp, index=i,
@@ -258,6 +273,11 @@ class AsyncLLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def args(self):
+        """The `EngineArgs` this engine runs with (its per-request limits among them)."""
+        return self.engine.args
 
     # -- engine thread ----------------------------------------------------------------------------
     def _check_alive(self) -> None:

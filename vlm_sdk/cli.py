@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_serve(args)
         if args.command == "chat":
             return asyncio.run(_chat(args))
+        if args.command == "bench-serve" and args.red_team:
+            from vlm_sdk.bench.red_team import run_red_team
+            return run_red_team(args)
         if args.command == "bench-serve" and args.soak is not None:
             from vlm_sdk.bench.soak import run_soak
             return run_soak(args)

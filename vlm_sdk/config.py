@@ -47,6 +47,18 @@ DEFAULT_MEMORY_UTILIZATION = 0.9
 # about 28 of Qwen2.5-VL-7B's largest images (1280 tokens x 3584 x 2 bytes), or 256 448x448 images
 # of a 3B model; 0 turns the cache off
 DEFAULT_ENCODER_CACHE_MEMORY = 256 << 20
+# per request: a few hundred logit_bias entries bans or favours a word list; more only cost every step
+DEFAULT_MAX_LOGIT_BIAS = 300
+DEFAULT_MAX_STOP_TOKEN_IDS = 300
+# structured outputs: a JSON Schema of 1 MiB is far beyond a hand-written one (a 100,000-value enum fits)
+DEFAULT_MAX_GRAMMAR_BYTES = 1 << 20
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 10.0
+# measured in the grammar process after the compile and the first mask (a 20,000-string choice list
+# holds ~56 MiB; ordinary schemas well under 1 MiB)
+DEFAULT_MAX_GRAMMAR_MEMORY = 64 << 20
+# an ordinary JSON Schema holds 0.1-1 MiB compiled: 64 MiB keeps 60-600 of them, and a stream of distinct
+# large grammars grows the server by no more than this
+DEFAULT_GRAMMAR_CACHE_MEMORY = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -111,6 +123,20 @@ class EngineArgs:
     encoder_cache_memory: int | str = DEFAULT_ENCODER_CACHE_MEMORY  # bytes, or "256MiB"; 0: no encoder cache
     # the branch, tag or commit of a model given as a Hub id ("Org/Name"; vlm_sdk/hub.py); None: main
     revision: str | None = None
+    # what one request may ask of every step (README "What one request may cost"): each logit_bias entry
+    # is written into its logits, and min_tokens bans each stop_token_id, at every step
+    max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS
+    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
+    # structured outputs (vlm_sdk/engine/structured_output.py): a grammar is first compiled, with its first
+    # mask, in a grammar process of its own (a crash, a timeout or too much memory there is the request's
+    # 400, never the server's end); `grammar_workers` such compiles run at once, beside prompt building
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # one spec's text (a schema, regex, choice list, grammar)
+    # CPU seconds of the grammar process (it runs at a low priority: a busy machine stretches the wall time, up
+    # to 10x, without counting against the grammar)
+    grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT
+    max_grammar_memory: int | str = DEFAULT_MAX_GRAMMAR_MEMORY  # one compiled grammar with its first mask
+    grammar_cache_memory: int | str = DEFAULT_GRAMMAR_CACHE_MEMORY  # compiled grammars kept, by measured bytes
+    grammar_workers: int = 2
     # how a chat's output is read (vlm_sdk/parsers): the tool-call format ("hermes") and the reasoning
     # block ("qwen3", "deepseek_r1"); None: from the chat template (<tool_call> -> hermes, <think> ->
     # qwen3); "none": off
@@ -126,6 +152,9 @@ class EngineArgs:
             e = self.encoder_cache_memory
             object.__setattr__(self, "encoder_cache_memory", 0 if e.strip() == "0" else
                                parse_bytes(e, "encoder_cache_memory", unit_required=True))
+        for name in ("max_grammar_memory", "grammar_cache_memory"):
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, parse_bytes(getattr(self, name), name, unit_required=True))
         given = self.memory_utilization is not None
         object.__setattr__(self, "memory_utilization_given", given)
         if not given:
@@ -163,8 +192,8 @@ class EngineArgs:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
         for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs",
                      "max_num_batched_tokens", "max_image_pixels", "max_request_image_pixels",
-                     "preemption_warning_per_minute",
-                     "tensor_parallel_size"):
+                     "preemption_warning_per_minute", "tensor_parallel_size", "max_grammar_bytes",
+                     "max_grammar_memory", "grammar_cache_memory", "grammar_workers"):
             positive(name)
         e = self.encoder_cache_memory
         if not isinstance(e, int) or isinstance(e, bool) or e < 0:
@@ -181,6 +210,15 @@ class EngineArgs:
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         if self.attention_backend is not None and self.attention_backend not in ("torch", "triton"):
             raise InvalidRequestError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+        for name in ("max_logit_bias", "max_stop_token_ids"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidRequestError(f"{name} must be an integer >= 0 (0 refuses the field), got {value!r}",
+                                          param=name)
+        t = self.grammar_compile_timeout
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
+            raise InvalidRequestError(f"grammar_compile_timeout must be a positive number of seconds, got {t!r}",
+                                      param="grammar_compile_timeout")
         if self.small_m_gemm not in ("torch", "triton"):
             raise InvalidRequestError(f"small_m_gemm must be 'torch' or 'triton', got {self.small_m_gemm!r}",
                                       param="small_m_gemm")

@@ -18,7 +18,7 @@ def format_size(n: int) -> str:
 
 # settings whose values are sizes: printed with a unit, so that a fix pastes into LLM(...), vlm-sdk serve
 # and vlm-sdk plan alike (each of which refuses a size string without a unit)
-SIZE_SETTINGS = ("kv_cache_memory", "device_memory")
+SIZE_SETTINGS = ("kv_cache_memory", "device_memory", "max_grammar_memory", "grammar_cache_memory")
 
 
 def setting_text(name: str, value) -> str:
@@ -33,6 +33,11 @@ def flag_text(name: str, value) -> str:
     if name in SIZE_SETTINGS and isinstance(value, int) and not isinstance(value, bool):
         value = format_size(value)
     return f"--{name.replace('_', '-')} {value}"
+
+
+def limit_text(name: str, value) -> str:
+    """An engine limit as a message names it: "max_logit_bias=300, flag --max-logit-bias"."""
+    return f"engine setting {setting_text(name, value)}, flag {flag_text(name, value).split(' ')[0]}"
 
 
 def fixes_text(fixes: Mapping[str, object], sep: str = "; ") -> str:

@@ -22,6 +22,10 @@ DEFAULT_MAX_TOKENS = 256
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
+# nesting of a JSON Schema, as of a request body (vlm_sdk/server/body.py MAX_JSON_DEPTH): a schema sent
+# as a JSON string, or built in Python, is held to what an inline one could reach; deeper ones would
+# exhaust Python's recursion (json.loads, json.dumps) and the grammar compiler's stack
+MAX_SCHEMA_DEPTH = 64
 
 
 def _is_int(value) -> bool:
@@ -180,14 +184,41 @@ def _schema_text(schema, name: str) -> str:
     if isinstance(schema, str):  # already JSON text
         try:
             schema = json.loads(schema)
+        except RecursionError:  # Python's decoder gives up near 1,000 levels
+            _refuse(name, f"nests deeper than {MAX_SCHEMA_DEPTH} levels (the limit of a request body, which a "
+                          f"schema sent as a string is held to)", schema)
         except ValueError as e:
             _refuse(name, f"must be a JSON Schema (an object), and this string is not JSON ({e})", schema)
-    if not isinstance(schema, (dict, bool)):
+    if schema is True:  # the schema that accepts any JSON value
+        schema = {}
+    if schema is False:
+        _refuse(name, "is false, the schema no value matches; send an object (or true for any JSON value)", schema)
+    if not isinstance(schema, dict):
         _refuse(name, "must be a JSON Schema (an object)", schema)
+    if _deeper_than(schema, MAX_SCHEMA_DEPTH):
+        _refuse(name, f"nests deeper than {MAX_SCHEMA_DEPTH} levels (the limit of a request body, which a schema "
+                      f"sent as a string or built in Python is held to)", "...")
     try:  # key order kept: it is the order properties are generated in
         return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
         _refuse(name, f"must hold JSON values only ({e})", schema)
+
+
+def _deeper_than(value, limit: int) -> bool:
+    """Whether dicts and lists nest more than `limit` levels; level by level, never recursing (the
+    value may be 100,000 levels deep, or, built in Python, share or cycle through its parts: each
+    object is looked at once per level)."""
+    level, depth = [value], 1
+    while level:
+        if depth > limit:
+            return True
+        below = {}
+        for node in level:
+            for x in node.values() if isinstance(node, dict) else node:
+                if isinstance(x, (dict, list)):
+                    below[id(x)] = x
+        level, depth = list(below.values()), depth + 1
+    return False
 
 
 def _from_response_format(value) -> StructuredOutputs | None:

@@ -151,9 +151,9 @@ def test_compiled_once_and_off_the_engine_thread(tiny_ckpt):
             compiler: GrammarCompiler = engine.engine.grammars
             build = compiler._build
 
-            def spy(spec):
+            def spy(spec, proc):
                 threads.append(threading.current_thread().name)
-                return build(spec)
+                return build(spec, proc)
             compiler._build = spy
             outs = await asyncio.gather(*(engine.chat(CONV, params.sample(i)) for i in range(4)))
             return outs, compiler.compiles

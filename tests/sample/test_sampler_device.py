@@ -173,6 +173,37 @@ def test_batched_penalties_match_the_per_row_reference():
     assert not torch.equal(ours[4], logits[4])  # a bias with no history still applies
 
 
+def test_tallied_penalties_match_the_reference_step_after_step():
+    """Rows carrying a PenaltyTally (as the worker's requests do) over several steps, each adding a
+    token, beside an untallied row: every step equals the per-row reference, and a step's host work
+    is the new token only (the tally's device ids are not rebuilt when nothing new was seen)."""
+    from vlm_sdk.sample.penalties import PenaltyTally, apply_penalties, apply_penalties_reference
+    torch.manual_seed(3)
+    vocab = 80
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.7, logit_bias={4: 2.0}),
+              SamplingParams(repetition_penalty=0.7),
+              SamplingParams(frequency_penalty=-0.6, min_tokens=9)]
+    prompts = [[1, 2, 3, 2, 50], [7, 7, 8], [9, 10, 11, 12]]
+    tallies = [PenaltyTally(), PenaltyTally(), None]
+    token_ids = [list(p) for p in prompts]
+    for step, new in enumerate([[2, 7, 30], [60, 7, 30], [60, 8, 31], [1, 9, 31]]):
+        for ids, t in zip(token_ids, new):
+            ids.append(t)
+        histories = [(ids, len(prompt), (31,), tally) if tally is not None else (ids, len(prompt), (31,))
+                     for ids, prompt, tally in zip(token_ids, prompts, tallies)]
+        logits = torch.randn(3, vocab) * 3  # [rows, vocab]
+        ours, ref = logits.clone(), logits.clone()
+        before = tallies[1].seen
+        apply_penalties(ours, params, histories)
+        apply_penalties_reference(ref, params, [h[:3] for h in histories])
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-6)
+        assert tallies[0].counted == len(token_ids[0])
+        if step == 1:  # row 1's new token (7) was seen before: its ids stay the same tensor
+            assert tallies[1].seen is before
+    assert sorted(tallies[0].seen.tolist()) == sorted(set(token_ids[0]))
+    assert tallies[0].output == {2: 1, 60: 2, 1: 1}
+
+
 def test_sampler_bench_runs_small_and_reports_every_scenario(capsys):
     """`vlm-sdk bench --sampler` at a toy size: one row per (logits shape, scenario), both paths timed,
     and the path before issue 19 still samples inside each row's kept tokens."""

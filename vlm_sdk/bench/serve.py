@@ -92,6 +92,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "outcomes, the server's RSS slope and the KV blocks left (vlm_sdk/bench/soak.py)")
     p.add_argument("--request-timeout", type=float, default=120.0, help="--soak: a request unanswered this long is lost")
     p.add_argument("--seed", type=int, default=0, help="--soak: the random mix")
+    p.add_argument("--red-team", action="store_true",
+                   help="instead: issue 28's attacks row by row beside a victim stream, then per row the statuses, the "
+                        "victim's worst gap and the server's RSS (vlm_sdk/bench/red_team.py)")
+    p.add_argument("--red-team-scale", type=float, default=1.0,
+                   help="--red-team: send this share of each row's requests (at least one)")
 
 
 def run_bench_serve(args) -> int:

@@ -40,6 +40,7 @@ from vlm_sdk.engine.input.chat_setup import ChatSetup
 from vlm_sdk.engine.input.prompt_guard import PromptGuard
 from vlm_sdk.engine.input.prompt_tokenizer import PromptTokenizer, PromptTooLong
 from vlm_sdk.engine.input.raw_prompt import RawPromptTokens
+from vlm_sdk.engine.input.sampling_check import check_sampling
 from vlm_sdk.engine.core.scheduler import ScheduledBatch, Scheduler
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
 from vlm_sdk.engine.structured_output import Grammar, GrammarCompiler, MaskFiller, accept
@@ -72,9 +73,12 @@ class LLMEngine:
         self.tokenizer = PromptTokenizer(load_tokenizer(model), not args.allow_special_tokens_in_text)
         self.guard = PromptGuard(self.tokenizer, args.max_image_pixels, args.max_request_image_pixels)
         self.eos_token_ids = set(info.eos_token_ids)
-        vocab_size = int(family.text_config(info.hf_config).vocab_size)  # the logits' width
+        self.vocab_size = vocab_size = int(family.text_config(info.hf_config).vocab_size)  # the logits' width
         self.raw_prompt_tokens = RawPromptTokens(self.tokenizer, vocab_size)
-        self.grammars = GrammarCompiler(self.tokenizer.wrapped, vocab_size, sorted(self.eos_token_ids))
+        self.grammars = GrammarCompiler(self.tokenizer.wrapped, vocab_size, sorted(self.eos_token_ids),
+                                        cache_memory=args.grammar_cache_memory, max_bytes=args.max_grammar_bytes,
+                                        max_memory=args.max_grammar_memory, timeout=args.grammar_compile_timeout,
+                                        workers=args.grammar_workers)
         # tools, reasoning and chat_template_kwargs: how a chat's options reach its prompt and grammar
         self.chat = ChatSetup(self.tokenizer, self.grammars, args.tool_call_parser, args.reasoning_parser)
         self._fill_masks = MaskFiller(vocab_size)
@@ -87,7 +91,7 @@ class LLMEngine:
         try:
             self._start(info, family)
         except BaseException:
-            self.executor.shutdown()
+            self.shutdown()
             raise
 
     def _start(self, info, family) -> None:
@@ -136,12 +140,14 @@ class LLMEngine:
         return self.memory_report.load_seconds
 
     def shutdown(self) -> None:
-        """End every rank (tensor parallelism); nothing to do with one. Idempotent."""
+        """End every rank (tensor parallelism) and the grammar workers with their processes. Idempotent."""
+        self.grammars.close()
         self.executor.shutdown()
 
     # -- requests ---------------------------------------------------------------------------------
     def build_prompt(self, request, params: SamplingParams | None = None,
-                     cancelled: threading.Event | None = None, options: ChatOptions | None = None) -> PromptInputs:
+                     cancelled: threading.Event | None = None, options: ChatOptions | None = None,
+                     compile_grammar: bool = True) -> PromptInputs:
         """`request` as chat messages: validate them, decode and preprocess images, render the chat
         template and tokenize; `options` (tools, chat_template_kwargs, cache_salt) set the prompt's
         output format and grammar (engine/input/chat_setup.py). As a `TextPrompt` or `TokensPrompt` (no
@@ -149,15 +155,18 @@ class LLMEngine:
         check the ids against the vocabulary (engine/input/raw_prompt.py). Either way the family's
         processor makes the `PromptInputs`, and a prompt that can never fit raises (the fixes the error
         names fit the prompt and `params.max_tokens`). Once `cancelled` is set, the images not decoded
-        yet raise `DecodeCancelled` instead (see `PromptGuard`)."""
+        yet raise `DecodeCancelled` instead (see `PromptGuard`). `compile_grammar` False: the caller
+        compiles the grammars (AsyncLLM awaits `params`' and the tools' before, the prompt's after)."""
         t0 = time.perf_counter()
         params, options = params or SamplingParams(), options or NO_OPTIONS
+        self.check_params(params)
         raw = isinstance(request, (TextPrompt, TokensPrompt))
         if raw and (options.tools or options.chat_template_kwargs):
             raise InvalidRequestError("tools and chat_template_kwargs apply to chat messages; a text or token-id "
                                       "prompt has no chat template", param="prompt")
-        self.compile_grammar(params)  # a bad schema fails before any image is decoded
-        template_kwargs = None if raw else self.chat.prepare(options, params)  # so do bad tools
+        if compile_grammar:
+            self.compile_grammar(params)  # a bad schema fails before any image is decoded
+        template_kwargs = None if raw else self.chat.prepare(options, params, compile_grammar)  # so do bad tools
         try:
             if raw:
                 prompt = self.processor.text_prompt(self.raw_prompt_tokens(request))
@@ -170,7 +179,7 @@ class LLMEngine:
             prompt = PromptInputs(token_ids=[0] * e.num_tokens)  # what check_prompt counts
         self.check_prompt(prompt, params)
         if not raw:
-            self.chat.finish(prompt, options, params)
+            self.chat.finish(prompt, options, params, compile_grammar)
         elif options.cache_salt is not None:  # no images to salt: the block hashes only
             prompt.cache_salt = options.cache_salt
         prompt.preprocess_seconds = time.perf_counter() - t0
@@ -184,11 +193,19 @@ class LLMEngine:
                           self.args.max_model_len is not None, self.processor.image_setting_fixes,
                           params.max_tokens)
 
+    def check_params(self, params: SamplingParams | None) -> None:
+        """`InvalidRequestError` when `params` names token ids outside the vocabulary or asks more of
+        every step than the engine's limits allow (engine/input/sampling_check.py)."""
+        if params is not None:
+            check_sampling(params, self.vocab_size, self.eos_token_ids, self.args.max_logit_bias,
+                           self.args.max_stop_token_ids)
+
     def compile_grammar(self, params: SamplingParams | None, prompt: PromptInputs | None = None) -> Grammar | None:
         """The compiled grammar of the request: the one `build_prompt` set on `prompt` (a forced tool
         call, or a structured output after reasoning), else `params`' structured output; None without
-        one. Cached, thread-safe: AsyncLLM compiles on a prep thread, so the engine thread only copies
-        its start state. Raises `InvalidRequestError` naming the field when it cannot be compiled."""
+        one. Waited for: compiled on the grammar workers (engine/structured_output.py), cached, so the
+        engine thread only copies its start state. Raises `InvalidRequestError` naming the field when it
+        cannot be compiled."""
         spec = prompt.grammar if prompt is not None and prompt.grammar is not None else \
             params.grammar if params is not None else None
         return None if spec is None else self.grammars.compile(spec)
@@ -207,12 +224,13 @@ class LLMEngine:
             self._next_id += 1
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
+        self.check_params(params)
         self.check_prompt(prompt, params)
         if grammar is None:
             grammar = self.compile_grammar(params, prompt)
         seq = Sequence(request_id, prompt, params)
         if grammar is not None:
-            seq.matcher = grammar.matcher()
+            seq.matcher, seq.first_mask = grammar.matcher(), grammar.first_mask
         seq.sync_sampling = grammar is not None or params.min_tokens > 0 or params.repetition_penalty != 1.0 \
             or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
         # what `_postprocess` checks per token, resolved once
@@ -268,8 +286,11 @@ class LLMEngine:
             self._note_preemptions(len(batch.preempted))
         work = self.scheduler.worker_input(batch)
         if self._constrained:
-            masks = self._fill_masks([(seq.request_id, seq.matcher) for seq, n in batch.scheduled if seq.matcher
-                                      is not None and seq.num_computed_tokens + n == seq.num_tokens + seq.num_inflight])
+            # a row that has generated nothing is at its grammar's start: its first mask was made with it
+            masks = self._fill_masks([(seq.request_id, seq.matcher, seq.first_mask if seq.num_tokens ==
+                                       seq.num_prompt_tokens else None) for seq, n in batch.scheduled
+                                      if seq.matcher is not None
+                                      and seq.num_computed_tokens + n == seq.num_tokens + seq.num_inflight])
             if masks is not None:
                 work = dataclasses.replace(work, grammar_bitmask=masks)
         read_now = self._launched(batch)
@@ -324,8 +345,8 @@ class LLMEngine:
                 metrics.first_token_time = now
             num_output = metrics.generated_tokens = len(token_ids) - seq.num_prompt_tokens
             reason = None
-            if token in seq.stop_ids:  # stop_token_ids, and EOS unless ignore_eos
-                reason = "stop"
+            if token in seq.stop_ids and num_output >= seq.params.min_tokens:  # stop_token_ids, EOS unless ignore_eos
+                reason = "stop"  # (min_tokens bans them until then; were all banned, the token sampled stays)
             elif seq.matcher is not None and (reason := accept(seq.matcher, token)) is not None:
                 pass  # the grammar is complete ("stop"), or was broken ("abort")
             elif len(token_ids) >= seq.length_limit:  # max_tokens, or max_model_len
@@ -362,7 +383,8 @@ class LLMEngine:
         """Live numbers: KV blocks used and free (`kv_blocks_cached`: free blocks that still hold
         reusable prefix content; they count as free), the longest prompt that would fit in the free
         blocks right now (0 when the cache is full; never above max_model_len), preemptions (all, and
-        in the last minute), queue lengths, prefix- and encoder-cache hits and lookups, and token
+        in the last minute), queue lengths, prefix- and encoder-cache hits and lookups, the grammar
+        cache's bytes and its processes' resident memory, and token
         totals since start-up."""
         bm, enc = self.block_manager, self._encoder_cache  # rank 0's encoder cache (every rank's is alike)
         largest_now = min(bm.num_free_blocks * bm.block_size, self.scheduler_config.max_model_len)
@@ -378,6 +400,8 @@ class LLMEngine:
                 "prefix_cache_hit_tokens": bm.hit_tokens, "prefix_cache_query_tokens": bm.query_tokens,
                 "kv_blocks_cached": bm.num_cached_free_blocks, "encoder_cache_hits": enc.hits,
                 "encoder_cache_queries": enc.queries, "encoder_cache_bytes": enc.num_bytes,
+                "grammar_cache_bytes": self.grammars.cache_bytes,
+                "grammar_process_bytes": self.grammars.process_bytes(),
                 **{f"total_{k}": v for k, v in self.totals.items()}}
 
 

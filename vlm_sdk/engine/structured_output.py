@@ -2,12 +2,20 @@
 compiled by llguidance into a matcher that, at each step, allows only the tokens that keep the output
 inside the grammar.
 
-    build_prompt (caller's thread; AsyncLLM: a prep pool)
-        GrammarCompiler.compile(spec) -> Grammar        cached by spec; a bad one -> InvalidRequestError (400)
+    build_prompt (caller's thread; AsyncLLM awaits it first, no thread held)
+        GrammarCompiler.submit(spec) -> Future[Grammar]    cached by spec (bounded in bytes); else queued
+                                                            to the grammar workers:
+        grammar worker (`grammar_workers` threads with a 64 MiB stack, beside the prompt pools)
+            the spec's size checked (max_grammar_bytes); llguidance's grammar text made
+            GrammarProcess.check: compiled with its first mask in a child process
+              (engine/grammar_process.py): a crash, a timeout (grammar_compile_timeout) or memory over
+              max_grammar_memory there -> InvalidRequestError (400), and the server never compiles it
+            compiled here, its first mask computed here -> Grammar (template, first mask, bytes held)
     add_request (engine thread)
         seq.matcher = grammar.matcher()                 a copy of the compiled start state
     each step, before the worker runs (engine thread)
-        token_bitmask(the grammar rows sampling now)    -> GrammarBitmask: 1 bit per vocabulary token
+        token_bitmask(the grammar rows sampling now)    -> GrammarBitmask: 1 bit per vocabulary token;
+                                                           a row at its start takes the grammar's first mask
     worker (sample/token_mask.py)
         those rows' logits masked to -inf outside the grammar, then sampled as usual; other rows untouched
     postprocess
@@ -18,7 +26,7 @@ Why llguidance (not xgrammar): one self-contained wheel with no dependencies, a 
 well under a millisecond (its lexer builds lazily, so no per-schema precomputation over the
 vocabulary), and masks are computed for a whole batch in parallel with the GIL released; it covers
 JSON Schema as OpenAI's structured outputs do, regexes, and Lark/GBNF grammars. vLLM and SGLang ship
-it as a backend.
+it as a backend. Its per-step work is bounded by its own parser limits (lexer fuel, Earley items).
 
 Whitespace between JSON tokens is bounded (`JSON_WHITESPACE`): llguidance's default allows any run,
 and a weak model can emit newlines until max_tokens. A schema may choose its own through llguidance's
@@ -26,15 +34,23 @@ and a weak model can emit newlines until max_tokens. A schema may choose its own
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import os
+import queue
+import re
+import sys
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 
 import torch
 
-from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.config import (DEFAULT_GRAMMAR_CACHE_MEMORY, DEFAULT_GRAMMAR_COMPILE_TIMEOUT, DEFAULT_MAX_GRAMMAR_BYTES,
+                            DEFAULT_MAX_GRAMMAR_MEMORY)
+from vlm_sdk.engine.grammar_process import SERVER_STACK, CheckResult, GrammarProcess, parser_limits
+from vlm_sdk.errors import InvalidRequestError, limit_text
 from vlm_sdk.sampling_params import StructuredOutputs
 from vlm_sdk.protocol.scheduler_output import GrammarBitmask
 
@@ -43,13 +59,20 @@ logger = logging.getLogger("vlm_sdk")
 # at most one line break and 8 spaces in any gap between JSON tokens: enough for a model's usual
 # pretty-printing (2-space indents, 4 levels deep), too little to loop on
 JSON_WHITESPACE = r"\n?[ ]{0,8}"
+_WHAT = {"json": "JSON Schema", "regex": "regex", "choice": "choice list", "grammar": "grammar"}
+_WORKER_NICE = 5  # the compile threads yield the CPU to the engine and the event loop
+PROCESS_IDLE_S = 60.0  # a grammar process without a grammar this long ends (the next one starts afresh)
 
 
 class Grammar:
-    """A compiled grammar in its start state; `matcher()` gives each request its own copy."""
+    """A compiled grammar in its start state; `matcher()` gives each request its own copy.
+    `first_mask`: the mask at its start ([ceil(vocab / 32)] int32), computed when it was compiled, so
+    that no step builds it; `nbytes`: what it holds, as measured where it was first compiled."""
 
-    def __init__(self, template):
+    def __init__(self, template, first_mask: torch.Tensor, nbytes: int):
         self._template = template  # an llguidance.LLMatcher that never consumes a token
+        self.first_mask = first_mask
+        self.nbytes = nbytes
 
     def matcher(self):
         return self._template.deep_copy()
@@ -57,110 +80,283 @@ class Grammar:
 
 class GrammarCompiler:
     """Compiles `StructuredOutputs` with llguidance, for a tokenizer and the model's vocabulary size
-    (the logits' width, which may exceed the tokenizer's). Thread-safe: prep threads compile while
-    the engine thread takes matchers. The llguidance tokenizer is built on the first compile (about
-    a second for a 150k vocabulary), not at start-up."""
+    (the logits' width, which may exceed the tokenizer's), on `workers` threads of its own, each with a
+    grammar process (see the module docstring). Thread-safe; a spec being compiled is compiled once
+    however many ask. Compiled grammars are kept, least recently used first out, while their measured
+    bytes (and their spec's) fit `cache_memory`. Nothing starts until the first grammar."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int], cache_size: int = 512):
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int], *,
+                 cache_memory: int = DEFAULT_GRAMMAR_CACHE_MEMORY, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
+                 max_memory: int = DEFAULT_MAX_GRAMMAR_MEMORY, timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
+                 workers: int = 2):
         self.hf_tokenizer, self.vocab_size, self.eos_token_ids = hf_tokenizer, vocab_size, list(eos_token_ids)
-        self.cache_size = cache_size
+        self.cache_memory, self.max_bytes, self.max_memory, self.timeout = cache_memory, max_bytes, max_memory, timeout
+        self.num_workers = workers
         self._cache: OrderedDict[StructuredOutputs, Grammar] = OrderedDict()
-        self._pending: dict[StructuredOutputs, Future] = {}  # being compiled by some thread
+        self.cache_bytes = 0  # what the kept grammars hold, as measured, plus their specs
+        self._pending: dict[StructuredOutputs, Future] = {}  # queued or being compiled
         self._lock = threading.Lock()
+        self._jobs: queue.Queue = queue.Queue()
+        self._workers: list[threading.Thread] = []
+        self.processes: list[GrammarProcess] = []
         self._tokenizer_lock = threading.Lock()
         self._ll_tokenizer = None
+        self._closed = False
         self.compiles = 0  # grammars compiled (cache misses), for tests and stats
 
-    def _tokenizer(self):
-        import llguidance.hf
-        with self._tokenizer_lock:  # its own lock: the cache stays usable while it is built
-            if self._ll_tokenizer is None:
-                try:
-                    self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                        self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
-                except ValueError as e:  # kept: every later request gets the answer without the retry
-                    self._ll_tokenizer = InvalidRequestError(
-                        f"structured outputs need a fast (tokenizers-backed) tokenizer; this model's "
-                        f"{type(self.hf_tokenizer).__name__} cannot be used: {e}")
-            if isinstance(self._ll_tokenizer, InvalidRequestError):
-                raise self._ll_tokenizer
-            return self._ll_tokenizer
-
-    def compile(self, spec: StructuredOutputs) -> Grammar:
-        """The compiled grammar of `spec`; a spec another thread is compiling is waited for, not
-        compiled twice."""
+    # -- asking for a grammar ----------------------------------------------------------------------
+    def submit(self, spec: StructuredOutputs) -> Future:
+        """A future of the compiled grammar of `spec` (already done on a cache hit); its exception is
+        the `InvalidRequestError` naming the field when the spec cannot be served."""
+        size = len(spec.text.encode("utf-8", "surrogatepass"))
+        if size > self.max_bytes:
+            raise InvalidRequestError(
+                f"'{spec.param}': this {_WHAT[spec.kind]} is {size} bytes; this engine compiles at most "
+                f"{self.max_bytes} bytes per grammar ({limit_text('max_grammar_bytes', self.max_bytes)})",
+                param=spec.param)
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the grammar compiler was closed with its engine")
             hit = self._cache.get(spec)
             if hit is not None:
                 self._cache.move_to_end(spec)
-                return hit
+                done = Future()
+                done.set_result(hit)
+                return done
             pending = self._pending.get(spec)
-            mine = pending is None
-            if mine:
+            if pending is None:
+                self._start_workers()  # raises before anything is pending when the tokenizer cannot be used
                 pending = self._pending[spec] = Future()
-        if not mine:
-            return pending.result()  # raises the compiler's error too
-        try:  # outside the lock: other prep threads go on with other grammars
-            grammar = Grammar(self._build(spec))
-        except BaseException as e:
-            with self._lock:
-                self._pending.pop(spec, None)
-            pending.set_exception(e)
-            raise
-        with self._lock:  # cached and no longer pending at once: nobody can find neither
-            self.compiles += 1
-            self._cache[spec] = grammar
-            self._pending.pop(spec, None)
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        pending.set_result(grammar)
-        return grammar
+                self._jobs.put((spec, pending))
+            return pending
 
-    def _build(self, spec: StructuredOutputs):
-        import llguidance
-        tokenizer = self._tokenizer()
-        if spec.kind == "json":
-            text = llguidance.LLMatcher.grammar_from_json_schema(
-                spec.text, defaults={"whitespace_pattern": JSON_WHITESPACE})
-        else:
+    def compile(self, spec: StructuredOutputs) -> Grammar:
+        """`submit(spec)`, waited for (raises the compiler's error)."""
+        return self.submit(spec).result()
+
+    def process_bytes(self) -> int:
+        """The grammar processes' resident memory together (0 before the first grammar)."""
+        return sum(p.resident_bytes() for p in self.processes)
+
+    def close(self) -> None:
+        """Stop the workers and their processes (the engine's shutdown); idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            while True:  # what is queued is not compiled: its callers learn why
+                try:
+                    spec, pending = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                self._pending.pop(spec, None)
+                pending.set_exception(RuntimeError("the grammar compiler was closed with its engine"))
+            for _ in self._workers:
+                self._jobs.put(None)
+        for proc in self.processes:  # a compile under way ends with its process: its worker moves on
+            proc.close()
+        for worker in self._workers:
+            worker.join(timeout=2.0)
+
+    # -- the workers -------------------------------------------------------------------------------
+    def _start_workers(self) -> None:
+        """Under the lock: the worker threads, with a stack larger than the grammar process's compile
+        thread (a grammar that compiled there cannot overflow here). `threading.stack_size` is the
+        interpreter's: set for these threads only, then put back."""
+        if self._workers:
+            return
+        tokenizer_json = self._tokenizer_json()
+        previous = threading.stack_size(SERVER_STACK)
+        try:
+            for i in range(self.num_workers):
+                proc = GrammarProcess(tokenizer_json, self.vocab_size, self.eos_token_ids, self.max_memory)
+                self.processes.append(proc)
+                worker = threading.Thread(target=self._work, args=(proc,), name=f"vlm-grammar-{i}", daemon=True)
+                worker.start()
+                self._workers.append(worker)
+        finally:
+            threading.stack_size(previous)
+
+    def _work(self, proc: GrammarProcess) -> None:
+        if sys.platform.startswith("linux"):  # Linux nice values are per thread: this one only
             try:
-                text = llguidance.grammar_from(spec.kind, spec.text)
-            except ValueError as e:
-                raise InvalidRequestError(f"'{spec.param}': {e}", param=spec.param) from None
-        if spec.prefix is not None:  # the prefix's grammar first, this one nested in it as @answer
-            inner = json.loads(text)["grammars"][0] if text.lstrip().startswith("{") else {"lark_grammar": text}
-            text = json.dumps({"grammars": [{"lark_grammar": spec.prefix}, {**inner, "name": "answer"}]})
-        error = llguidance.LLMatcher.validate_grammar(text, tokenizer)
-        if error:
-            what = {"json": "JSON Schema", "regex": "regex", "choice": "choice list", "grammar": "grammar"}[spec.kind]
-            raise InvalidRequestError(f"'{spec.param}': this {what} cannot be compiled: {error.strip()}",
-                                      param=spec.param)
-        matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
-        if matcher.is_error():
-            raise InvalidRequestError(f"'{spec.param}': this grammar cannot be compiled: {matcher.get_error()}",
-                                      param=spec.param)
-        return matcher
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WORKER_NICE)
+            except OSError:
+                pass
+        while True:
+            try:
+                job = self._jobs.get(timeout=PROCESS_IDLE_S)
+            except queue.Empty:  # no grammar for a while: its process's memory goes back (restarted on the next)
+                proc.close()
+                continue
+            if job is None:
+                return
+            spec, pending = job
+            try:
+                grammar = self._build(spec, proc)
+            except BaseException as e:
+                with self._lock:
+                    self._pending.pop(spec, None)
+                pending.set_exception(e)
+                continue
+            with self._lock:  # cached and no longer pending at once: nobody can find neither
+                self.compiles += 1
+                self._pending.pop(spec, None)
+                self._keep(spec, grammar)
+            pending.set_result(grammar)
+
+    def _keep(self, spec: StructuredOutputs, grammar: Grammar) -> None:
+        """Under the lock: cache `grammar`, evicting the least recently used beyond `cache_memory`."""
+        cost = grammar.nbytes + len(spec.text)
+        if cost > self.cache_memory:
+            return  # served to its requests, not kept
+        self._cache[spec] = grammar
+        self.cache_bytes += cost
+        while self.cache_bytes > self.cache_memory:
+            old_spec, old = self._cache.popitem(last=False)
+            self.cache_bytes -= old.nbytes + len(old_spec.text)
+
+    def _build(self, spec: StructuredOutputs, proc: GrammarProcess) -> Grammar:
+        """Check `spec` in the grammar process, then compile it here with its first mask."""
+        import llguidance
+        text = grammar_text(spec)
+        checked = proc.check(text, self.timeout)
+        if checked.error:
+            raise self._refusal(spec, checked, proc)
+        limits = parser_limits()
+        matcher = llguidance.LLMatcher(self._tokenizer(), text, log_level=0, limits=limits)
+        first = torch.full((1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)  # [1, words]
+        if not matcher.is_error():
+            fill_row(matcher, first, 0)
+        if matcher.is_error():  # it compiled in the grammar process: this is not expected
+            raise InvalidRequestError(f"'{spec.param}': this {_WHAT[spec.kind]} cannot be compiled: "
+                                      f"{clean_error(matcher.get_error())}", param=spec.param)
+        return Grammar(matcher, first[0], checked.bytes + first.numel() * 4)
+
+    def _refusal(self, spec: StructuredOutputs, checked: CheckResult, proc: GrammarProcess) -> InvalidRequestError:
+        what, param = _WHAT[spec.kind], spec.param
+        if checked.kind == "grammar":
+            return InvalidRequestError(f"'{param}': this {what} cannot be compiled: {clean_error(checked.error)}",
+                                       param=param)
+        if checked.kind == "timeout":
+            message = (f"'{param}': this {what} did not compile within {self.timeout:g} s of CPU time "
+                       f"({limit_text('grammar_compile_timeout', self.timeout)}); simplify it")
+        elif checked.kind == "memory":
+            message = (f"'{param}': this {what} needs more than {self.max_memory / 2**20:.1f} MiB to compile with "
+                       f"its first mask (at least {checked.bytes / 2**20:.1f} MiB) "
+                       f"({limit_text('max_grammar_memory', self.max_memory)}); simplify it")
+        else:
+            message = f"'{param}': the grammar compiler {crash_text(checked)} on this {what}; simplify it"
+        logger.warning("structured outputs: a %s of %d bytes refused after %.2f s: %s%s", what, len(spec.text),
+                       checked.seconds, message, f" ({one_line(checked.error)})" if checked.kind == "crash" else "")
+        return InvalidRequestError(message, param=param)
+
+    # -- the tokenizer -----------------------------------------------------------------------------
+    def _tokenizer_json(self) -> str:
+        """The tokenizer as llguidance reads it (what `llguidance.hf.from_tokenizer` sends it)."""
+        backend = getattr(self.hf_tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise InvalidRequestError(f"structured outputs need a fast (tokenizers-backed) tokenizer; this model's "
+                                      f"{type(self.hf_tokenizer).__name__} cannot be used")
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+        return backend.to_str()
+
+    def _tokenizer(self):
+        import llguidance
+        with self._tokenizer_lock:  # its own lock: the cache stays usable while it is built
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
+                                                            eos_token=self.eos_token_ids)
+            return self._ll_tokenizer
+
+
+def grammar_text(spec: StructuredOutputs) -> str:
+    """llguidance's grammar text for `spec` (a wrapper around it: nothing is compiled yet). A choice
+    list is one Lark terminal, an alternation its lexer matches (llguidance's own `grammar_from("choice")`
+    makes each string a parser alternative: past 2,000 of them the parser's row limit ends the request
+    at its second token, and 64,000 take 20 s to compile, against 1 s as a terminal)."""
+    import llguidance
+    try:
+        if spec.kind == "json":
+            text = llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults={"whitespace_pattern": JSON_WHITESPACE})
+        elif spec.kind == "choice":
+            choices = json.loads(spec.text)
+            text = llguidance.LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(map(json.dumps, choices)))
+        else:
+            text = llguidance.grammar_from(spec.kind, spec.text)
+    except ValueError as e:
+        raise InvalidRequestError(f"'{spec.param}': {clean_error(str(e))}", param=spec.param) from None
+    if spec.prefix is not None:  # the prefix's grammar first, this one nested in it as @answer
+        inner = json.loads(text)["grammars"][0] if text.lstrip().startswith("{") else {"lark_grammar": text}
+        text = json.dumps({"grammars": [{"lark_grammar": spec.prefix}, {**inner, "name": "answer"}]})
+    return text
+
+
+_INTERNAL = re.compile(r"panic|backtrace|RUST_BACKTRACE|\.rs:\d", re.IGNORECASE)
+
+
+def clean_error(text: str) -> str:
+    """llguidance's message for the client: one line, clipped; an internal failure (a Rust panic,
+    which carries source paths and a backtrace) is named, not echoed."""
+    if _INTERNAL.search(text):
+        logger.warning("structured outputs: llguidance failed internally: %s", one_line(text, 2000))
+        return "the grammar compiler failed on it (an internal error of llguidance, logged)"
+    return one_line(text)
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def crash_text(checked: CheckResult) -> str:
+    """What a grammar process's end says about the grammar."""
+    words = checked.error.lower()
+    if "memory allocation" in words or "out of memory" in words or "cannot allocate" in words:
+        return "ran out of the memory its process may use (4 x max_grammar_memory, at least 1 GiB)"
+    if checked.signal in (11, 7):  # SIGSEGV, SIGBUS: its stack overflowed
+        return "crashed (most likely nested too deeply: a long chain of $ref or of rules)"
+    return f"ended{f' with signal {checked.signal}' if checked.signal else ''}"
 
 
 class MaskFiller:
-    """Fills the step's grammar masks on the engine thread (llguidance's threads, GIL released)."""
+    """Fills the step's grammar masks on the engine thread (llguidance's threads, GIL released); a row at
+    its grammar's start takes the mask computed when the grammar was compiled."""
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
         self._executor = None
 
-    def __call__(self, rows: list[tuple[str, object]]) -> GrammarBitmask | None:
-        """`rows`: (request id, matcher) of the constrained requests sampling this step."""
+    def __call__(self, rows: list[tuple[str, object, torch.Tensor | None]]) -> GrammarBitmask | None:
+        """`rows`: (request id, matcher, its first mask while it has consumed nothing, else None) of the
+        constrained requests sampling this step."""
         if not rows:
             return None
-        import llguidance
-        import llguidance.torch as llt
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
         words = (self.vocab_size + 31) // 32
         bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)  # [rows, words]: bit t of word w = token 32w+t
-        llt.fill_next_token_bitmask_par(self._executor, [(m, i) for i, (_, m) in enumerate(rows)], bitmask)
-        return GrammarBitmask(tuple(rid for rid, _ in rows), bitmask)
+        todo = []
+        for i, (_, matcher, first) in enumerate(rows):
+            if first is not None:
+                bitmask[i] = first
+            else:
+                todo.append((matcher, i))
+        if todo:
+            import llguidance
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            # llguidance.torch's fill_next_token_bitmask_par, which is this call (importing that module
+            # runs a torch.compile decorator: seconds of the GIL)
+            self._executor.unsafe_compute_mask_ptr(todo, bitmask.data_ptr(), words * 4, len(rows))
+        return GrammarBitmask(tuple(rid for rid, _, _ in rows), bitmask)
+
+
+def fill_row(matcher, bitmask: torch.Tensor, row: int) -> None:
+    """Row `row` of `bitmask` ([rows, words] int32, contiguous, on the CPU) := `matcher`'s next mask
+    (llguidance.torch's fill_next_token_bitmask, without importing it: see MaskFiller)."""
+    target = bitmask[row]  # [words]
+    matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
 
 
 def accept(matcher, token: int) -> str | None:
@@ -168,7 +364,6 @@ def accept(matcher, token: int) -> str | None:
     "abort" (logged) if the token was outside the grammar, which the mask rules out; else None."""
     if not matcher.consume_token(token):
         logger.warning("a structured-output request sampled token %d outside its grammar (%s); it is "
-                       "stopped", token, matcher.get_error())
+                       "stopped", token, one_line(matcher.get_error()))
         return "abort"
     return "stop" if matcher.is_stopped() else None
-

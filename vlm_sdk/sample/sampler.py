@@ -23,8 +23,7 @@ from vlm_sdk.sample.penalties import apply_penalties, needs_edit
 from vlm_sdk.sample.sampled_tokens import SampledTokens
 from vlm_sdk.sample.top_k_top_p import CANDIDATES, filtered_probs
 
-# per row: (prompt + generated token ids, number of prompt tokens, the ids min_tokens masks)
-History = tuple[list[int], int, tuple[int, ...]]
+History = tuple  # (prompt + generated ids, number of prompt ids, min_tokens stop ids[, PenaltyTally])
 
 # its [rows, vocab] temporaries at their peak, per row and vocabulary entry, are what the memory plan counts
 # (vlm_sdk/memory/consumers/sampler.py WORST_BYTES_PER_ENTRY; `vlm-sdk bench --sampler` measures them)

@@ -9,7 +9,8 @@
       -> AsyncLLM.build_prompt, off the loop: decode, resize, tokenize, fit check (400); the prompt
          and max_tokens within max_model_len (400)
       -> AsyncLLM.generate: wait for the first output, so that every refusal is still an HTTP status
-      -> one JSON body, or SSE chunks ending in [DONE]
+      -> one JSON body (with logprobs or much text: made off the loop, sent a choice at a time:
+         server/response_body.py), or SSE chunks ending in [DONE]
     GET /v1/models, GET /health (503 once the engine stopped or shutdown began), GET /metrics
 
 Below the app, server/connections.py answers aiohttp's own protocol errors in the same error shape
@@ -22,12 +23,14 @@ import asyncio
 import hmac
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
 from vlm_sdk.async_llm import AsyncLLM
+from vlm_sdk.engine.heap import trim_heap
 from vlm_sdk.errors import EngineDeadError, VLMError
-from vlm_sdk.server import chat_responses, parsed_output, protocol
+from vlm_sdk.server import chat_responses, parsed_output, protocol, response_body
 from vlm_sdk.server.body import read_json
 from vlm_sdk.server.completions_endpoint import CompletionsEndpoint
 from vlm_sdk.server.logprobs import TokenSpeller
@@ -37,6 +40,7 @@ from vlm_sdk.server.metrics import CONTENT_TYPE, ServerMetrics, Timing
 from vlm_sdk.server.protocol import APIError
 
 logger = logging.getLogger("vlm_sdk.server")
+_LARGE_BYTES = 1 << 20  # a request body this large is followed by a heap trim
 
 
 class OpenAIServer:
@@ -63,6 +67,10 @@ class OpenAIServer:
         self.app.router.add_get("/metrics", self.prometheus)
         self.app.on_cleanup.append(self._close_media)
         self._speller: TokenSpeller | None = None
+        # large non-streamed bodies are made here, one at a time (server/response_body.py)
+        self.body_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlm-body")
+        self._trim_handle: asyncio.TimerHandle | None = None
+        self._trim_wanted = False  # a large body was handled since the last trim
 
     @property
     def speller(self) -> TokenSpeller:
@@ -74,6 +82,7 @@ class OpenAIServer:
 
     async def _close_media(self, _app) -> None:
         await self.media.close()
+        self.body_thread.shutdown(wait=False, cancel_futures=True)
 
     # -- errors and auth ---------------------------------------------------------------------------
     @web.middleware
@@ -154,8 +163,35 @@ class OpenAIServer:
             return await handler(request)
         finally:
             self.in_flight -= 1
+            if (request.content_length or 0) > _LARGE_BYTES:
+                self.trim_soon()
             if self.in_flight == 0:
                 self._idle.set()
+                self._trim_if_idle()
+
+    def trim_soon(self) -> None:
+        """After a large body in or out: the allocator's free memory goes back to the system the next
+        time no request is in flight (engine/heap.py). Never while one is: malloc_trim holds the
+        allocator's lock while it walks the heap (0.1-0.4 s on a large one), and every thread that
+        allocates meanwhile, the engine's among them, waits."""
+        self._trim_wanted = True
+        self._trim_if_idle()
+
+    def _trim_if_idle(self) -> None:
+        if not self._trim_wanted or self.in_flight or self._trim_handle is not None:
+            return
+        loop = asyncio.get_running_loop()
+
+        def trim() -> None:  # half a second on, the request is gone; still idle?
+            self._trim_handle = None
+            if self.in_flight:
+                return
+            self._trim_wanted = False
+            try:
+                loop.run_in_executor(self.body_thread, trim_heap)
+            except RuntimeError:  # shutting down: the body thread takes no more work
+                pass
+        self._trim_handle = loop.call_later(0.5, trim)
 
     async def admit(self, request: web.Request):
         """Auth and readiness (401, 503), then the JSON body (400, 408, 413, 415)."""
@@ -163,14 +199,18 @@ class OpenAIServer:
         if self.draining or not self.engine.is_alive:
             raise APIError(503, "the server is shutting down or its engine has stopped; retry on another "
                                 "replica", "server_error", None, "unavailable")
-        return await read_json(request, self.config.max_request_bytes, self.config.body_timeout)
+        return await read_json(request, self.config.max_request_bytes, self.config.body_timeout,
+                               self.config.max_json_values)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
         body = await self.admit(request)
+        args = self.engine.args
         req = protocol.parse_chat_request(body, self.model_name, self.max_model_len, self.config.limit_images,
                                           self.config.max_stop_strings, self.config.max_stop_chars,
-                                          self.config.max_n)
+                                          self.config.max_n, max_logit_bias=args.max_logit_bias,
+                                          max_stop_token_ids=args.max_stop_token_ids,
+                                          max_response_logprobs=self.config.max_response_logprobs)
         messages = await self.media.resolve_messages(req.messages)
         prompt = await self.engine.build_prompt(messages, req.params, req.options)
         protocol.check_output_room(len(prompt.token_ids), req.params.max_tokens, self.max_model_len,
@@ -184,11 +224,12 @@ class OpenAIServer:
             parsed = prompt.output_format is not None  # reasoning / tool calls read from the text
             if req.stream:
                 return await self._stream(request, req, gen, first, timing, parsed)
-            return await self._complete(req, gen, first, timing, parsed)
+            return await self._complete(request, req, gen, first, timing, parsed)
         finally:
             await gen.aclose()  # a no-op once finished; otherwise aborts and frees the blocks
 
-    async def _complete(self, req: protocol.ChatRequest, gen, out, timing: Timing, parsed: bool) -> web.Response:
+    async def _complete(self, request: web.Request, req: protocol.ChatRequest, gen, out, timing: Timing,
+                        parsed: bool) -> web.StreamResponse:
         final = {}  # index -> final output; with n > 1 the choices finish in any order
         while True:
             if out.finished:
@@ -201,17 +242,24 @@ class OpenAIServer:
         outputs = [final[i] for i in range(req.params.n)]
         first = outputs[0]
 
-        def logprobs(o):
-            return None if o.logprobs is None else self.speller.content(o.logprobs)
         def message(o):
             return parsed_output.message(o) if parsed else o.text
-        # the prompt is counted once: it was built once and the other choices shared its blocks
+        # the prompt is counted once: it was built once and the other choices shared its blocks; the
+        # logprobs are filled in as the body is sent
         body = chat_responses.completion_body(
             chat_responses.new_completion_id(), self.model_name, message(first), first.finish_reason,
-            len(first.prompt_token_ids), sum(len(o.token_ids) for o in outputs), first.num_cached_tokens,
-            logprobs(first))
-        return web.json_response(chat_responses.with_choices(body, outputs, logprobs, message) if len(outputs) > 1
-                                 else body)
+            len(first.prompt_token_ids), sum(len(o.token_ids) for o in outputs), first.num_cached_tokens)
+        if len(outputs) > 1:
+            body = chat_responses.with_choices(body, outputs, message=message)
+        if response_body.is_small(outputs):
+            return web.json_response(body)
+        # logprobs or much text: encoded off the loop, a choice at a time (server/response_body.py)
+        choices, speller = body["choices"], self.speller
+        resp = await response_body.send_in_pieces(
+            request, body, lambda i: response_body.chat_choice(choices[i], outputs[i].logprobs, speller),
+            self.body_thread)
+        self.trim_soon()
+        return resp
 
     async def _stream(self, request: web.Request, req: protocol.ChatRequest, gen, out,
                       timing: Timing, parsed: bool) -> web.StreamResponse:

@@ -45,6 +45,15 @@ _ENGINE_HELP = {
     "max_request_image_pixels": "the pixels of all of a request's images together, checked before any is decoded "
                                 "(serve's default 67108864; none in the Python API)",
     "revision": "branch, tag or commit of a model given as a Hub id 'Org/Name' (default: main)",
+    "max_logit_bias": "logit_bias entries per request (default 300); each is applied at every step",
+    "max_stop_token_ids": "stop_token_ids per request (default 300); min_tokens bans each at every step",
+    "max_grammar_bytes": "bytes of one structured-output spec: schema, regex, choice list or grammar (default 1048576)",
+    "grammar_compile_timeout": "CPU seconds one grammar may take to compile, with its first mask, in a grammar "
+                               "process (default 10; at most 10x as long in wall time)",
+    "max_grammar_memory": "memory one compiled grammar may hold with its first mask, measured where it compiles, "
+                          "e.g. 64MiB (default)",
+    "grammar_cache_memory": "compiled grammars kept for reuse, by their measured memory, e.g. 64MiB (default)",
+    "grammar_workers": "grammars compiled at once, each in a process of its own (default 2)",
     "tool_call_parser": "how tool calls are read from the output: 'hermes' (<tool_call> JSON) or 'none' "
                         "(default: from the chat template)",
     "reasoning_parser": "how reasoning is split from the answer: 'qwen3' or 'deepseek_r1' (<think> blocks) or "
@@ -56,8 +65,8 @@ _ALIASES = {"tensor_parallel_size": ("--tp",)}
 _SWITCHES = {"async_scheduling"}  # on/off switches whose default (None) means "decided by the device"
 # flags whose EngineArgs default (None) does not tell their type; the rest follow their default's type
 _FLAG_TYPES = {"revision": str, "dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
-               "encoder_cache_memory": str, "memory_utilization": float, "tool_call_parser": str,
-               "reasoning_parser": str}
+               "encoder_cache_memory": str, "memory_utilization": float, "max_grammar_memory": str,
+               "grammar_cache_memory": str, "tool_call_parser": str, "reasoning_parser": str}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +108,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="name clients pass as 'model' (default: the Hub id as given, "
                                                                       "else the directory's name)")
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
+    p.add_argument("--max-json-values", type=_positive, default=d.max_json_values,
+                   help="JSON values in a request body, counted before it is parsed (default 200000)")
     p.add_argument("--limit-images", type=int, default=d.limit_images, help="images per request")
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds in-flight requests get after SIGTERM before they are aborted")
@@ -108,6 +119,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="characters per stop string (default 256)")
     p.add_argument("--max-n", type=_positive, default=d.max_n,
                    help="choices ('n') per request, each a sequence in the batch (default 8)")
+    p.add_argument("--max-response-logprobs", type=_positive, default=d.max_response_logprobs,
+                   help="logprob entries a non-streamed response may hold, n x max_tokens x (top_logprobs + 1) "
+                        "(default 1000000; streamed responses are not bounded by it)")
     p.add_argument("--max-completion-prompts", type=_positive, default=d.max_completion_prompts,
                    help="prompts in one /v1/completions request (a list of prompts), each completed 'n' "
                         "times (default 64)")
@@ -159,11 +173,13 @@ def run_serve(args: argparse.Namespace) -> int:
                         max_bytes=args.max_media_bytes, timeout_s=args.media_timeout)
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
+                          max_json_values=args.max_json_values,
                           limit_images=args.limit_images, shutdown_timeout=args.shutdown_timeout, media=media,
                           keep_alive_timeout=args.keep_alive_timeout, body_timeout=args.body_timeout,
                           max_connections=args.max_connections,
                           max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
-                          max_n=args.max_n, max_completion_prompts=args.max_completion_prompts)
+                          max_n=args.max_n, max_response_logprobs=args.max_response_logprobs,
+                          max_completion_prompts=args.max_completion_prompts)
 
     return serve(model, config, **engine_kwargs(args))
 

@@ -33,8 +33,8 @@ from vlm_sdk.multimodal.prompts import RawPrompt, parse_prompts
 from vlm_sdk.outputs import TokenLogprob
 from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams
 from vlm_sdk.server.logprobs import TokenSpeller
-from vlm_sdk.server.protocol import (bad_request, check_model, check_n, check_stop, clip, json_int, parse_stream,
-                                     sampling_params, usage)
+from vlm_sdk.server.protocol import (bad_request, check_entry_counts, check_model, check_n, check_response_size,
+                                     check_stop, clip, json_int, parse_stream, sampling_params, usage)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's for this endpoint
 
@@ -55,8 +55,11 @@ class CompletionRequest:
 
 
 def parse_completion_request(body: object, model_name: str, max_stop_strings: int = 4, max_stop_chars: int = 256,
-                             max_n: int = 8, max_prompts: int = 64) -> CompletionRequest:
-    """Validate a decoded JSON body (400, or 404 for another model)."""
+                             max_n: int = 8, max_prompts: int = 64, *, max_logit_bias: int | None = None,
+                             max_stop_token_ids: int | None = None, max_response_logprobs: int | None = None,
+                             max_model_len: int | None = None) -> CompletionRequest:
+    """Validate a decoded JSON body (400, or 404 for another model). The per-request budgets are the
+    chat endpoint's (`protocol.check_entry_counts`, `protocol.check_response_size` over every prompt)."""
     check_model(body, model_name)
     if body.get("suffix") is not None:
         raise bad_request(f"'suffix'={clip(repr(body['suffix']))} is not supported by this server (no served "
@@ -83,8 +86,11 @@ def parse_completion_request(body: object, model_name: str, max_stop_strings: in
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else json_int(max_tokens)
     generate = not (echo and max_tokens == 0)
     check_stop(body.get("stop"), max_stop_strings, max_stop_chars)
+    check_entry_counts(body, max_logit_bias, max_stop_token_ids)
     params = sampling_params(body, logprobs, max_tokens if generate else None)
     check_n(params.n, max_n)
+    if max_response_logprobs is not None and generate and not stream:
+        check_response_size(params, max_model_len, max_response_logprobs, len(prompts))
     best_of = json_int(body.get("best_of"))
     if best_of is not None and best_of != params.n:
         raise bad_request(f"'best_of'={clip(repr(best_of))} asks the server to rank {best_of} completions and "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 
@@ -25,6 +26,7 @@ from aiohttp import web
 from vlm_sdk.errors import EngineDeadError, InputTooLongError, InvalidRequestError
 from vlm_sdk.multimodal.prompts import TextPrompt
 from vlm_sdk.server import completions as wire
+from vlm_sdk.server import response_body
 from vlm_sdk.server.metrics import Timing
 from vlm_sdk.server.protocol import APIError, bad_request, check_output_room, error_from_exception
 
@@ -41,9 +43,12 @@ class CompletionsEndpoint:
         server = self.server
         arrival = time.monotonic()
         body = await server.admit(request)
-        c = server.config
+        c, args = server.config, server.engine.args
         req = wire.parse_completion_request(body, server.model_name, c.max_stop_strings, c.max_stop_chars, c.max_n,
-                                            c.max_completion_prompts)
+                                            c.max_completion_prompts, max_logit_bias=args.max_logit_bias,
+                                            max_stop_token_ids=args.max_stop_token_ids,
+                                            max_response_logprobs=c.max_response_logprobs,
+                                            max_model_len=server.max_model_len)
         prompts = await self._build(req)
         if req.generate:
             for p in prompts:
@@ -57,7 +62,7 @@ class CompletionsEndpoint:
             timing = Timing(arrival, time.monotonic())
             if req.stream:
                 return await self._stream(request, req, outputs, first, echoes, timing)
-            return await self._complete(req, prompts, outputs, first, echoes, timing)
+            return await self._complete(request, req, prompts, outputs, first, echoes, timing)
         finally:
             await outputs.aclose()  # a no-op once finished; otherwise aborts every choice still running
 
@@ -95,8 +100,8 @@ class CompletionsEndpoint:
             return None, offset
         return wire.LegacyLogprobs(self.server.speller).entries(out.logprobs, offset)
 
-    async def _complete(self, req: wire.CompletionRequest, prompts: list, outputs, item, echoes,
-                        timing: Timing) -> web.Response:
+    async def _complete(self, request: web.Request, req: wire.CompletionRequest, prompts: list, outputs, item,
+                        echoes, timing: Timing) -> web.StreamResponse:
         server, n = self.server, req.params.n
         final = {}  # choice index -> final output; the choices finish in any order
         while True:
@@ -108,16 +113,25 @@ class CompletionsEndpoint:
                     break
                 server.metrics.finished(out.finish_reason)  # every choice's finish reason
             item = await outputs.__anext__()
-        choices = []
-        for index in range(req.num_choices):
-            out = final[index]
+        outs = [final[index] for index in range(req.num_choices)]
+
+        def choice(index: int) -> dict:
+            out = outs[index]
             text = echoes[index // n] + out.text if echoes else out.text
-            choices.append(wire.choice(index, text, out.finish_reason, self._logprobs(out)[0]))
+            return wire.choice(index, text, out.finish_reason, self._logprobs(out)[0])
         # each prompt counted once (its other samples shared its blocks), the completions of every choice
-        return web.json_response(wire.completion_body(
-            wire.new_completion_id(), server.model_name, int(time.time()), choices,
-            sum(len(p.token_ids) for p in prompts), sum(len(o.token_ids) for o in final.values()),
-            sum(final[p * n].num_cached_tokens for p in range(len(prompts)))))
+        body = wire.completion_body(
+            wire.new_completion_id(), server.model_name, int(time.time()), [None] * len(outs),
+            sum(len(p.token_ids) for p in prompts), sum(len(o.token_ids) for o in outs),
+            sum(final[p * n].num_cached_tokens for p in range(len(prompts))))
+        if response_body.is_small(outs):
+            body["choices"] = [choice(i) for i in range(len(outs))]
+            return web.json_response(body)
+        # logprobs or much text: each choice made and encoded off the loop, sent as it is made
+        resp = await response_body.send_in_pieces(request, body, lambda i: json.dumps(choice(i)).encode(),
+                                                  server.body_thread)
+        server.trim_soon()
+        return resp
 
     async def _stream(self, request: web.Request, req: wire.CompletionRequest, outputs, item, echoes,
                       timing: Timing) -> web.StreamResponse:

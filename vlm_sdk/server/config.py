@@ -51,11 +51,17 @@ class ServerConfig:
     api_key: str | None = None  # when set, /v1/* need "Authorization: Bearer <api_key>"
     served_model_name: str | None = None  # default: the checkpoint directory's name
     max_request_bytes: int = 32 * MiB  # larger bodies get 413
+    # JSON values in a body, counted before it is parsed: parsing holds the GIL ~1 µs per value, so this
+    # keeps any body's parse near 0.2 s (a chat request needs a few values per message)
+    max_json_values: int = 200_000
     limit_images: int = 8  # images per request
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     max_stop_strings: int = 4  # per request, as OpenAI's API allows
     max_stop_chars: int = 256  # per stop string
     max_n: int = 8  # choices per request: each is a sequence in the batch
+    # logprob entries a non-streamed response may hold: n x max_tokens x (top_logprobs + 1), max_tokens left
+    # out counted as max_model_len (streamed responses hold none: each chunk carries its own tokens')
+    max_response_logprobs: int = 1_000_000
     # prompts in one /v1/completions request (vLLM: VLLM_MAX_COMPLETION_PROMPTS, 1024); each prompt is
     # n sequences, so one request adds at most max_completion_prompts * max_n to the batch
     max_completion_prompts: int = 64

@@ -69,6 +69,10 @@ class _EngineCollector:
         yield counter("encoder_cache_queries", "images looked up in the encoder cache", s["encoder_cache_queries"])
         yield gauge("encoder_cache_bytes", "bytes of vision embeddings held by the encoder cache",
                     s["encoder_cache_bytes"])
+        yield gauge("grammar_cache_bytes", "compiled structured-output grammars kept for reuse, by their measured "
+                    "bytes (bounded by grammar_cache_memory)", s["grammar_cache_bytes"])
+        yield gauge("grammar_process_resident_bytes", "resident memory of the grammar processes, where grammars are "
+                    "first compiled (not in process_resident_memory_bytes)", s["grammar_process_bytes"])
 
 
 class ServerMetrics:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vlm_sdk.chat_options import ChatOptions
+from vlm_sdk.engine.input.sampling_check import check_counts
 from vlm_sdk.errors import (EngineDeadError, InputTooLongError, InvalidImageError, InvalidRequestError,
                             VLMError)
 from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -36,6 +37,16 @@ UNSUPPORTED.update({
     "prompt_cache_retention": (None, "in_memory"),  # the prefix cache lives in memory only
     "prompt_cache_options": (None,),  # breakpoints and TTLs: the prefix cache is automatic
 })
+# vLLM's extra chat fields this server does not act on, refused beyond their defaults (README "Request
+# fields" says why); the reason is part of the message
+UNSUPPORTED_WHY = {
+    "chat_template": "a request may not bring its own Jinja template (vLLM refuses one too unless started with "
+                     "--trust-request-chat-template); the model's chat template is used",
+    "echo": "the reply is not prefixed with the last message; prepend it yourself",
+    "add_special_tokens": "the prompt is the chat template's text with no BOS or other special tokens added (what "
+                          "false, vLLM's default for chat, means)",
+}
+UNSUPPORTED.update({"chat_template": (None,), "echo": (None, False), "add_special_tokens": (None, False)})
 # accepted and without effect by their definition: metadata and user ids tag a request (nothing is
 # stored or billed), prompt_cache_key routes to a cache (ours matches any shared prefix by content;
 # vLLM's cache_salt is the field that keeps tenants apart)
@@ -95,17 +106,23 @@ class ChatRequest:
 
 
 def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_images: int,
-                       max_stop_strings: int = 4, max_stop_chars: int = 256, max_n: int = 8) -> ChatRequest:
+                       max_stop_strings: int = 4, max_stop_chars: int = 256, max_n: int = 8, *,
+                       max_logit_bias: int | None = None, max_stop_token_ids: int | None = None,
+                       max_response_logprobs: int | None = None) -> ChatRequest:
     """Validate a decoded JSON body. `max_tokens` left out is None: as long as the context allows (the
     engine stops at max_model_len), as in vLLM; a too-long error then sizes its fixes for
     `DEFAULT_MAX_TOKENS` output tokens and says so. At most `max_stop_strings` stop strings of at most
-    `max_stop_chars` characters each, and at most `max_n` choices."""
+    `max_stop_chars` characters each, and at most `max_n` choices. `max_logit_bias` /
+    `max_stop_token_ids`: the engine's limits, checked here before the entries are converted one by
+    one (the engine checks them again, with the vocabulary). `max_response_logprobs`: the most logprob
+    entries a non-streamed response may hold (`check_response_size`)."""
     check_model(body, model_name)
     for name, off in UNSUPPORTED.items():
         value = body.get(name)
         if value is not None and value not in off:
-            raise bad_request(f"'{name}'={clip(repr(value))} is not supported by this server; leave it out",
-                              name, "unsupported_parameter")
+            why = UNSUPPORTED_WHY.get(name)
+            raise bad_request(f"'{name}'={clip(repr(value))} is not supported by this server"
+                              f"{': ' + why if why else ''}; leave it out", name, "unsupported_parameter")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty array of {role, content} objects", "messages")
@@ -115,8 +132,11 @@ def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_
                           f"request (server setting --limit-images)", "messages", "too_many_images")
     stream, include_usage = parse_stream(body)
     check_stop(body.get("stop"), max_stop_strings, max_stop_chars)
+    check_entry_counts(body, max_logit_bias, max_stop_token_ids)
     params = _sampling_params(body, max_model_len)
     check_n(params.n, max_n)
+    if max_response_logprobs is not None and not stream:
+        check_response_size(params, max_model_len, max_response_logprobs)
     return ChatRequest(messages, params, stream, include_usage, num_images, _chat_options(body),
                        max_tokens_param(body))
 
@@ -155,6 +175,36 @@ def parse_stream(body: dict) -> tuple[bool, bool]:
         if not isinstance(include_usage, bool):
             raise bad_request("'stream_options.include_usage' must be true or false", "stream_options")
     return stream, include_usage
+
+
+def check_entry_counts(body: dict, max_logit_bias: int | None, max_stop_token_ids: int | None) -> None:
+    """`logit_bias` / `stop_token_ids` within the engine's limits, counted before any entry is converted
+    (a 2,000,000-entry object took 25 s to convert on the loop)."""
+    for name, limit in (("logit_bias", max_logit_bias), ("stop_token_ids", max_stop_token_ids)):
+        value = body.get(name)
+        if limit is not None and isinstance(value, (dict, list)):
+            try:
+                check_counts(name, len(value), limit)
+            except InvalidRequestError as e:
+                raise bad_request(str(e), name, f"too_many_{name}") from None
+
+
+def check_response_size(params: SamplingParams, max_model_len: int, limit: int, prompts: int = 1) -> None:
+    """A non-streamed response holds every token's logprob entries at once (in memory, then in one
+    body): prompts x n x max_tokens x (top_logprobs + 1) of them at most, with max_tokens left out
+    counted as max_model_len. Streamed, each chunk carries its own tokens' entries."""
+    if params.logprobs is None:
+        return
+    tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+    entries = prompts * params.n * tokens * (params.logprobs + 1)
+    if entries > limit:
+        shown = f"max_tokens {tokens}" if params.max_tokens is not None else f"max_tokens unset, up to {tokens}"
+        many = f"{prompts} prompts x " if prompts > 1 else ""
+        raise bad_request(
+            f"a non-streamed response with logprobs may hold at most {limit} logprob entries (server setting "
+            f"--max-response-logprobs); this one could hold {many}n {params.n} x {shown} x (top_logprobs "
+            f"{params.logprobs} + 1) = {entries}. Stream it (\"stream\": true), or lower n, max_tokens or "
+            f"the logprobs asked for", "logprobs", "response_too_large")
 
 
 def check_n(n: int, max_n: int) -> None:
@@ -272,8 +322,10 @@ def _logit_bias(bias) -> dict[int, object]:
         raise bad_request("'logit_bias' must be an object mapping token ids to numbers from -100 to 100", "logit_bias")
     out = {}
     for key, value in bias.items():
-        if not key.isdigit():
-            raise bad_request(f"'logit_bias' keys must be token ids (digits), got {clip(repr(key))}", "logit_bias")
+        # ASCII digits only: str.isdigit() is also true of "²" (int() refuses it) and "١٢٣" (int() reads 123)
+        if not (key.isascii() and key.isdigit()):
+            raise bad_request(f"'logit_bias' keys must be token ids written in the digits 0-9, got {clip(repr(key))}",
+                              "logit_bias")
         out[int(key)] = value
     return out
 

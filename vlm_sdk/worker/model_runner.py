@@ -216,7 +216,8 @@ class ModelRunner:
             apply_token_bitmask(logits, [row_of[r] for r in sched.grammar_bitmask.request_ids],
                                 sched.grammar_bitmask.bitmask)
         draws_at_random, logprobs, edits = self._held_kinds
-        histories = [(s.token_ids, s.num_prompt_tokens, s.min_tokens_stop_ids) for s in states] if edits else None
+        histories = [(s.token_ids, s.num_prompt_tokens, s.min_tokens_stop_ids, s.tally) for s in states] \
+            if edits else None
         # the output index each row draws: its history may lack the token still on its way
         draws = [s.num_computed_tokens + n - s.num_prompt_tokens for s, n in zip(states, counts)] \
             if draws_at_random else None

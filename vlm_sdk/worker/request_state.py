@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from vlm_sdk.multimodal.inputs import ImageInput
+from vlm_sdk.sample.penalties import PenaltyTally
 from vlm_sdk.sampling_params import SamplingParams
 from vlm_sdk.protocol.scheduler_output import NewRequestData
 
@@ -28,14 +29,17 @@ class RequestState:
     image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
     row: int = -1  # its row in the runner's `BlockTables` (set by the runner)
     linear_positions: bool = True  # its generated tokens' positions are index + a constant (set by the runner)
+    # penalties: its seen tokens and output counts kept across steps (sample/penalties.py); None without any
+    tally: PenaltyTally | None = None
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "RequestState":
         params = new.sampling_params
+        penalised = params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
         return cls(new.request_id, list(new.prompt_token_ids) + list(new.output_token_ids),
                    len(new.prompt_token_ids), new.images, new.image_positions, new.prompt_positions,
                    params, list(new.block_ids), new.num_computed_tokens,
-                   new.min_tokens_stop_ids)
+                   new.min_tokens_stop_ids, tally=PenaltyTally() if penalised else None)
 
     @property
     def num_tokens(self) -> int:

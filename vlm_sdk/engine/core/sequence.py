@@ -52,6 +52,7 @@ class Sequence:
         self.num_preemptions = 0
         self.min_tokens_stop_ids: tuple[int, ...] = ()  # set by the engine (it knows the EOS ids)
         self.matcher = None  # structured outputs: the llguidance matcher of its grammar (engine/structured_output.py)
+        self.first_mask = None  # and its grammar's mask at the start, made when the grammar was compiled
         # asynchronous scheduling: tokens sampled by launched steps that have not reached the host yet
         # (0 or 1 between steps; 2 while step t+1 is launched before step t's token is read), and whether
         # a step that samples it must be read at once (its grammar or penalties need its every token)

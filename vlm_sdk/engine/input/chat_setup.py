@@ -79,8 +79,17 @@ class ChatSetup:
         return plain != with_tools
 
     # -- per request ----------------------------------------------------------------------------------
-    def prepare(self, options: ChatOptions, params: SamplingParams) -> dict[str, Any]:
-        """Check `options` against this model; the chat template's variables."""
+    def tool_specs(self, options: ChatOptions) -> list[StructuredOutputs]:
+        """The tools' parameter schemas as structured outputs: each must compile (`prepare` compiles them,
+        or the caller did: AsyncLLM awaits them on the grammar workers)."""
+        if not options.uses_tools:
+            return []
+        return [StructuredOutputs("json", json.dumps(dict(tool.parameters)), f"tools[{i}].function.parameters")
+                for i, tool in enumerate(options.tools)]
+
+    def prepare(self, options: ChatOptions, params: SamplingParams, compile: bool = True) -> dict[str, Any]:
+        """Check `options` against this model; the chat template's variables. `compile` False: the tools'
+        schemas were compiled by the caller."""
         kwargs = dict(options.chat_template_kwargs)
         if not options.uses_tools:
             return kwargs
@@ -102,16 +111,16 @@ class ChatSetup:
                 f"'{params.grammar.param}' together with tools (tool_choice 'auto') is not supported: the format "
                 f"would leave the model no way to call a tool; send tool_choice 'none' to answer in the format, "
                 f"or leave '{params.grammar.param}' out", param=params.grammar.param)
-        for i, tool in enumerate(options.tools):  # each schema compiles (cached by its text)
-            self.grammars.compile(StructuredOutputs("json", json.dumps(dict(tool.parameters)),
-                                                    f"tools[{i}].function.parameters"))
+        for spec in self.tool_specs(options) if compile else ():  # each schema compiles (cached by its text)
+            self.grammars.compile(spec)
         special = self.tokenizer.special_text
         specs = [dict(t.spec) for t in options.tools]
         kwargs["tools"] = special.escape_tree(specs) if special is not None else specs
         return kwargs
 
-    def finish(self, prompt: PromptInputs, options: ChatOptions, params: SamplingParams) -> None:
-        """Salt the prompt's image keys and set its output format and grammar (in place)."""
+    def finish(self, prompt: PromptInputs, options: ChatOptions, params: SamplingParams, compile: bool = True) -> None:
+        """Salt the prompt's image keys and set its output format and grammar (in place). `compile`
+        False: the caller compiles `prompt.grammar` (AsyncLLM, on the grammar workers)."""
         if options.cache_salt is not None:
             prompt.cache_salt = options.cache_salt
             for image in prompt.images:
@@ -136,7 +145,8 @@ class ChatSetup:
             grammar = dataclasses.replace(grammar, prefix=prefix_grammar(opened, "@answer", r.start, r.end, self._tag))
         if grammar is not None:
             prompt.grammar = grammar
-            self.grammars.compile(grammar)  # a bad one fails here, before the request is queued
+            if compile:
+                self.grammars.compile(grammar)  # a bad one fails here, before the request is queued
 
     def _tag(self, text: str) -> str:
         """A tag in a Lark grammar: the special token when the tokenizer has it as one, else text."""
