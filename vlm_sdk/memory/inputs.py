@@ -49,6 +49,7 @@ class MemoryInputs:
     vision_patch_inputs: int  # pixel values per vision row (a patch: channels x frames x patch x patch)
     image: ImageLimits
     moe: MoeConfig | None = None  # the sparse layers' experts (vlm_sdk/memory/consumers/moe.py)
+    moe_fp8: bool = False  # the experts are block-wise FP8 (the torch set dequantizes them per step)
 
     @property
     def dtype_bytes(self) -> int:
@@ -83,7 +84,7 @@ def memory_inputs(family: FamilySpec, info, args: EngineArgs, model, dtype: torc
         max_position_embeddings=int(family.text_config(info.hf_config).max_position_embeddings),
         weights=weight_bytes(model), weight_format=_weight_format(c), vision_hidden=vision_hidden,
         vision_intermediate=vision_inter, vision_patch_inputs=patch_inputs, image=image,
-        moe=c.moe)
+        moe=c.moe, moe_fp8=c.moe is not None and c.quantization is not None)
 
 
 def _weight_format(decoder_config) -> str:

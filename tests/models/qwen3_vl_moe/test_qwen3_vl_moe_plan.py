@@ -112,3 +112,15 @@ def test_235b_a22b_fp8_fits_four_80gib_gpus(tmp_path):
     with pytest.raises(InvalidRequestError, match=r"moe_intermediate_size per rank \(192 at tensor_parallel_size "
                                                   r"8\).*Sizes that work: 1, 2, 4$"):
         plan(tmp_path / "config.json", dtype="bfloat16", device_memory="80GiB", tp=8)
+
+
+def test_the_torch_sets_fp8_experts_dequantized_per_step_are_counted(tmp_path):
+    """On the CPU (the torch set) a step dequantizes a layer's FP8 experts: E I H x 24 bytes at the peak
+    (gate|up's float32 weights, scales and product) over the BF16 checkpoint's step buffers."""
+    cfg = json.loads(A3B.read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    options = dict(dtype="bfloat16", device="cpu", host_memory="512GiB")
+    bf16, fp8 = plan(A3B, **options), plan(tmp_path / "config.json", **options)
+    assert fp8.consumer_bytes("moe_activation") - bf16.consumer_bytes("moe_activation") == 128 * 768 * 2048 * 24
