@@ -6,6 +6,11 @@
 K/V back through its block table and attends causally, the new tokens being the last ones of the
 sequence. Inputs are plain tensors and host lists (no metadata type): a batched decode step groups its
 sequences by length (`decode_layout`), which the caller builds once per step and passes to every layer.
+
+An FP8 cache (`kv_quant.KV_FP8`) holds K / k_scale and V / v_scale (`kv_quant.quantize`); every path
+reads what the cache holds (`kv_quant.dequantize`), the whole-prompt path included (its K/V round-trip
+through FP8 without the gather), so the torch backend attends over exactly the values the Triton
+kernels read.
 """
 from __future__ import annotations
 
@@ -14,23 +19,27 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vlm_sdk.kernels import kv_quant
 
 
 def write_kv_cache(k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
                    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
                    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
                    v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:  # [num_tokens]
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+                   slot_mapping: torch.Tensor,  # [num_tokens]
+                   k_scale: torch.Tensor | None = None,  # [] float32: an FP8 cache's scales
+                   v_scale: torch.Tensor | None = None) -> None:
+    kv_quant.write_slots(k_cache, slot_mapping, kv_quant.quantize(k, k_scale, k_cache.dtype))
+    kv_quant.write_slots(v_cache, slot_mapping, kv_quant.quantize(v, v_scale, v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, scale: torch.Tensor | None,
+            dtype: torch.dtype) -> torch.Tensor:
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
     blocks = cache[block_table[:num_blocks].long()]  # [nb, block_size, Hkv, D]
-    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]  # [length, Hkv, D]
+    rows = blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]  # [length, Hkv, D]
+    return kv_quant.dequantize(rows, scale, dtype)
 
 
 def paged_attention(q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -44,14 +53,17 @@ def paged_attention(q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
                     k: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: this step's K/V,
                     v: torch.Tensor | None = None,  # read directly by sequences with no earlier context
                     layout: "tuple[DecodeGroup, ...] | None" = None,  # `decode_layout` of a batched decode step
+                    k_scale: torch.Tensor | None = None,  # [] float32: an FP8 cache's scales
+                    v_scale: torch.Tensor | None = None,
                     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its cached keys. A decode step of several
     sequences (every query length 1) attends group by group; `layout` (None: built here) is
     `decode_layout(block_tables, seq_lens, seq_lens_cpu, block_size)`."""
+    scales = (k_scale, v_scale)
     if max(query_lens_cpu) == 1 and len(seq_lens_cpu) > 1:
         if layout is None:
             layout = decode_layout(block_tables, seq_lens, seq_lens_cpu, k_cache.shape[1])
-        return _decode_batched(q, k_cache, v_cache, layout, scale)
+        return _decode_batched(q, k_cache, v_cache, layout, scale, scales)
     out = torch.empty_like(q)
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(query_lens_cpu, seq_lens_cpu)):
@@ -59,19 +71,20 @@ def paged_attention(q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         if q_len == seq_len and k is not None:
             # a whole prompt in one chunk: its K/V are this step's, and plain causal attention takes
             # the fast (flash) CPU path instead of the masked math path
-            ki, vi = k[start:start + q_len], v[start:start + q_len]  # [q_len, Hkv, D]
+            ki = kv_quant.round_trip(k[start:start + q_len], k_scale, k_cache.dtype)  # [q_len, Hkv, D]
+            vi = kv_quant.round_trip(v[start:start + q_len], v_scale, v_cache.dtype)
             o = _sdpa(qi, ki.transpose(0, 1), vi.transpose(0, 1), None, q_len > 1, scale)
             out[start:start + q_len] = o.transpose(0, 1)
             start += q_len
             continue
-        ki = _gather(k_cache, block_tables[i], seq_len)  # [seq_len, Hkv, D]
-        vi = _gather(v_cache, block_tables[i], seq_len)
+        ki = _gather(k_cache, block_tables[i], seq_len, k_scale, q.dtype)  # [seq_len, Hkv, D]
+        vi = _gather(v_cache, block_tables[i], seq_len, v_scale, q.dtype)
         mask = None
         if q_len > 1:
             # new token j sits at position seq_len - q_len + j and sees keys up to it
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos  # [q_len, seq_len]
-        o = _sdpa(qi, ki.transpose(0, 1).to(q.dtype), vi.transpose(0, 1).to(q.dtype), mask, False, scale)
+        o = _sdpa(qi, ki.transpose(0, 1), vi.transpose(0, 1), mask, False, scale)
         out[start:start + q_len] = o.transpose(0, 1)
         start += q_len
     return out
@@ -105,17 +118,17 @@ GROUP_LENGTH_RATIO = 1.5
 MAX_GROUPS = 4
 
 
-def _decode_batched(q, k_cache, v_cache, groups: tuple[DecodeGroup, ...], scale: float) -> torch.Tensor:
+def _decode_batched(q, k_cache, v_cache, groups: tuple[DecodeGroup, ...], scale: float, scales) -> torch.Tensor:
     """One query per sequence: gather each group's K/V padded to its longest and attend at once."""
     if len(groups) == 1:
-        return _decode_group(q, k_cache, v_cache, groups[0], scale)
+        return _decode_group(q, k_cache, v_cache, groups[0], scale, scales)
     out = torch.empty_like(q)
     for group in groups:
-        out[group.rows] = _decode_group(q.index_select(0, group.rows), k_cache, v_cache, group, scale)
+        out[group.rows] = _decode_group(q.index_select(0, group.rows), k_cache, v_cache, group, scale, scales)
     return out
 
 
-def _decode_group(q, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
+def _decode_group(q, k_cache, v_cache, group: DecodeGroup, scale: float, scales) -> torch.Tensor:
     batch, length = group.mask.shape[0], group.mask.shape[-1]
     # index_select on the flat block axis is ~2.5x faster on the CPU than advanced indexing
     k = k_cache.index_select(0, group.blocks).view(batch, length, *k_cache.shape[2:])  # [B, L, Hkv, D]
@@ -125,8 +138,9 @@ def _decode_group(q, k_cache, v_cache, group: DecodeGroup, scale: float) -> torc
     # GQA folded into the query axis: the `group_size` query heads sharing a KV head become queries
     # of it (one key set, no causal order among them), 5x faster on the CPU than enable_gqa
     qg = q.view(batch, num_kv_heads, group_size, q.shape[2])  # [B, Hkv, G, D]
-    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-                                       attn_mask=group.mask, scale=scale)  # [B, Hkv, G, D]
+    k = kv_quant.dequantize(k.transpose(1, 2), scales[0], q.dtype)  # [B, Hkv, L, D]
+    v = kv_quant.dequantize(v.transpose(1, 2), scales[1], q.dtype)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask, scale=scale)  # [B, Hkv, G, D]
     return o.reshape(batch, q.shape[1], q.shape[2])  # [B, H, D]
 
 

@@ -18,6 +18,10 @@ Why the kernel is shaped this way. Decode is bound by reading the KV cache, so:
   the block table (page = table[p // block_size]), so any block_size works and tiles may straddle
   pages. It writes a normalised partial output and its log-sum-exp (base 2); a second small kernel
   merges the splits. With num_splits == 1 the first kernel writes the output directly.
+- An FP8 cache (`kv_quant.KV_FP8`: K / k_scale, V / v_scale) is read as is: e4m3 values convert exactly
+  to q's dtype for the dots (in hardware on sm_89+, else from their bits: kernels/fp8_bits.py), k_scale
+  joins the softmax scale and v_scale the output (one scalar load each), which is the product of the
+  dequantized K and V without a multiply per element.
 The launcher never reads device data on the host (it runs inside CUDA-graph capture).
 """
 from __future__ import annotations
@@ -27,6 +31,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from vlm_sdk.kernels import fp8_bits, kv_quant
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
@@ -48,7 +54,7 @@ _MERGE_BLOCK_S = 64  # next_power_of_2(_MAX_SPLITS)
             do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        out_ptr, part_out_ptr, part_lse_ptr,
+        out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
         scale_log2,  # softmax scale * log2(e): the kernel works in base 2 (exp2 is the fast path)
         num_splits,
         stride_qb, stride_qh,
@@ -59,7 +65,8 @@ def _decode_split_kernel(
         BLOCK_SIZE: tl.constexpr,  # cache block: constexpr so p // BLOCK_SIZE is a shift for powers of 2
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        DIRECT: tl.constexpr, IEEE: tl.constexpr, SPLIT_ALIGN: tl.constexpr):
+        DIRECT: tl.constexpr, IEEE: tl.constexpr, SPLIT_ALIGN: tl.constexpr, FP8: tl.constexpr,
+        SOFTWARE: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -81,6 +88,10 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
+    if FP8:  # scores of the stored K / k_scale: scale them back with the softmax scale
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+        if SOFTWARE:  # e4m3 read from its bits holds the value / 256
+            scale_log2 = scale_log2 * 256.0
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -94,8 +105,8 @@ def _decode_split_kernel(
         page = tl.load(table + pos // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
         slot = pos % BLOCK_SIZE
         mask_kv = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_base + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                    mask=mask_kv, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        k = fp8_bits.load_kv(k_base + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
+                             mask_kv, q.dtype, SOFTWARE)  # [BLOCK_N, BLOCK_D]
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -106,8 +117,8 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                    mask=mask_kv, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        v = fp8_bits.load_kv(v_base + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+                             mask_kv, q.dtype, SOFTWARE)  # [BLOCK_N, BLOCK_D]
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -117,6 +128,10 @@ def _decode_split_kernel(
 
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # no keys: acc is 0, so zeros
+    if FP8:  # a sum of the stored V / v_scale
+        o = o * tl.load(v_scale_ptr)
+        if SOFTWARE:
+            o = o * 256.0
     mask_o = mask_g[:, None] & mask_d[None, :]
     if DIRECT:
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -197,7 +212,7 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
     if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"q heads {num_heads} x dim {head_dim} do not fit the cache's "
                          f"{num_kv_heads} KV heads x dim {k_cache.shape[3]}")
-    if q.dtype not in _DTYPES or k_cache.dtype not in _DTYPES:
+    if q.dtype not in _DTYPES or k_cache.dtype not in _DTYPES + (kv_quant.KV_FP8,):
         raise ValueError(f"unsupported dtypes q {q.dtype}, cache {k_cache.dtype}")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("q, k_cache and v_cache need a contiguous last dim")
@@ -228,8 +243,14 @@ def paged_attention_decode(q: torch.Tensor,  # [B, H, D], last dim contiguous
                            num_splits: int | None = None,
                            max_seq_len: int | None = None,
                            out: torch.Tensor | None = None,  # [B, H, D]
+                           k_scale: torch.Tensor | None = None,  # [] float32: an FP8 cache's scales
+                           v_scale: torch.Tensor | None = None,
+                           fp8_hardware: bool | None = None,  # e4m3 converted in hardware; None: by device
                            ) -> torch.Tensor:  # [B, H, D]
     _check(q, k_cache, v_cache, block_tables, seq_lens, out)
+    fp8 = kv_quant.check_scales(k_cache, k_scale, v_scale)
+    k_cache, software = fp8_bits.kernel_cache(k_cache, fp8_hardware)
+    v_cache, _ = fp8_bits.kernel_cache(v_cache, fp8_hardware)
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if out is None:
@@ -257,6 +278,7 @@ def paged_attention_decode(q: torch.Tensor,  # [B, H, D], last dim contiguous
                                device=q.device)  # [B, H, S], base-2 log-sum-exp
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        k_scale if fp8 else k_cache, v_scale if fp8 else k_cache,  # read only with FP8
         float(scale) * _LOG2E, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -265,7 +287,7 @@ def paged_attention_decode(q: torch.Tensor,  # [B, H, D], last dim contiguous
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 16),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-        DIRECT=direct, IEEE=q.dtype == torch.float32, SPLIT_ALIGN=SPLIT_ALIGN,
+        DIRECT=direct, IEEE=q.dtype == torch.float32, SPLIT_ALIGN=SPLIT_ALIGN, FP8=fp8, SOFTWARE=software,
         # 3 stages: the pipeliner prefetches the block-table entries two tiles ahead and K/V one
         # tile ahead (cp.async); with 2 the table gather stalls every iteration
         num_warps=4, num_stages=3)
@@ -288,10 +310,13 @@ def paged_attention_decode_ref(q: torch.Tensor,  # [B, H, D]
                                num_splits: int | None = None,  # unused: same signature as the kernel
                                max_seq_len: int | None = None,
                                out: torch.Tensor | None = None,
+                               k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None,
                                ) -> torch.Tensor:  # [B, H, D]
     """Batched torch reference with no host sync: gathers max_seq_len (or the whole table's) keys per
     sequence, masks those past seq_len, softmax in fp32. Table entries past a sequence's blocks may
-    be anything (they are clamped to block 0 and masked)."""
+    be anything (they are clamped to block 0 and masked). An FP8 cache is dequantized first
+    (`kv_quant.dequantize`)."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_blocks = block_tables.shape[1]
@@ -304,8 +329,9 @@ def paged_attention_decode_ref(q: torch.Tensor,  # [B, H, D]
     blocks = torch.where(block_used, block_tables[:, :num_blocks].long(), 0)  # [B, nb]
     # slots past seq_len may hold anything (NaN in a fresh cache): zero them, or 0 * NaN leaks
     kept = keep[:, :, None, None]
-    k = torch.where(kept, k_cache[blocks].view(batch, length, num_kv_heads, head_dim).float(), 0.0)
-    v = torch.where(kept, v_cache[blocks].view(batch, length, num_kv_heads, head_dim).float(), 0.0)
+    k = kv_quant.dequantize(k_cache[blocks].view(batch, length, num_kv_heads, head_dim), k_scale, torch.float32)
+    v = kv_quant.dequantize(v_cache[blocks].view(batch, length, num_kv_heads, head_dim), v_scale, torch.float32)
+    k, v = torch.where(kept, k, 0.0), torch.where(kept, v, 0.0)
     group = num_heads // num_kv_heads
     qg = q.float().reshape(batch, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
     scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale  # [B, Hkv, G, L]

@@ -21,7 +21,10 @@ table, so any block_size works (not only multiples of BLOCK_N); it is a compile-
 cache layout), which turns the page arithmetic into shifts for powers of two. For 63 decode rows beside
 one 8k chunk (16q/2kv) the old grid (B, H, cdiv(max_q, BLOCK_M)) launched 64 x 16 x 64 = 65,536 programs;
 the backend now sends the decode rows to the decode kernel and launches 512 x 2 = 1,024 here. No host
-synchronisation: lengths are read in the kernel.
+synchronisation: lengths are read in the kernel. An FP8 cache (K / k_scale, V / v_scale: kernels/kv_quant.py)
+is read as the decode kernel reads it: e4m3 tiles converted exactly to q's dtype for the dots (in hardware
+on sm_89+, else from their bits: kernels/fp8_bits.py), k_scale folded into the softmax scale and v_scale
+into the output.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from vlm_sdk.kernels import fp8_bits, kv_quant
 from vlm_sdk.kernels.flash_config import flash_launch_config
 
 _LOG2E = 1.4426950408889634
@@ -40,7 +44,8 @@ _LOG2E = 1.4426950408889634
 def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/m, [BLOCK_M, BLOCK_D] q
                   k_cache, v_cache, table_row, q_pos, offs_d, mask_d,
                   stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, lo, hi,
-                  BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                  SOFTWARE: tl.constexpr):
     """Online-softmax update over key tiles [lo, hi); k_cache/v_cache already point at this KV head."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -56,9 +61,10 @@ def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/
         page = page.to(tl.int64)
         slot_k = page * stride_kb + (key_pos % BLOCK_SIZE) * stride_ks  # [BLOCK_N]
         slot_v = page * stride_vb + (key_pos % BLOCK_SIZE) * stride_vs
-        k = tl.load(k_cache + slot_k[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_cache + slot_v[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        # [BLOCK_N, BLOCK_D] tiles in q's dtype (an FP8 cache converted here)
+        k = fp8_bits.load_kv(k_cache + slot_k[:, None] + offs_d[None, :], kv_mask, q.dtype, SOFTWARE)
+        v = fp8_bits.load_kv(v_cache + slot_v[:, None] + offs_d[None, :], kv_mask, q.dtype, SOFTWARE)
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if CAUSAL:
             qk = tl.where(key_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
         # every row has seen key 0 by now (it is in the first tile visited), so m_new is finite
@@ -76,11 +82,13 @@ def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/
 @triton.jit(do_not_specialize=["stride_tb"],
             do_not_specialize_on_alignment=["block_tables", "cu_seqlens_q", "seq_lens", "tiles"])
 def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seqlens_q, seq_lens, tiles,
+                          k_scale_ptr, v_scale_ptr,
                           stride_qn, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                           stride_on, stride_oh, stride_tb, qk_scale,
                           BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                           QUERY_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                          FP8: tl.constexpr, SOFTWARE: tl.constexpr):
     # tiles[pid] = (sequence, first query of the tile within its chunk); rows of the M tile are
     # (query, head of this KV head's group) pairs, query-major: row r = query r // GROUP, head r % GROUP
     pid = tl.program_id(0)
@@ -113,6 +121,10 @@ def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seq
     k_base = k_cache + kv_head * stride_kh
     v_base = v_cache + kv_head * stride_vh
     table_row = block_tables + seq.to(tl.int64) * stride_tb
+    if FP8:  # scores of the stored K / k_scale: scale them back with the softmax scale
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+        if SOFTWARE:  # e4m3 read from its bits holds the value / 256
+            qk_scale = qk_scale * 256.0
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -121,13 +133,17 @@ def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seq
     unmasked_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_row, q_pos, offs_d, mask_d,
                                   stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                  0, unmasked_end, BLOCK_SIZE, False, BLOCK_N, INPUT_PRECISION)
+                                  0, unmasked_end, BLOCK_SIZE, False, BLOCK_N, INPUT_PRECISION, SOFTWARE)
     # the diagonal: tiles up to the last query's position, masked key_pos <= q_pos
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_row, q_pos, offs_d, mask_d,
                                   stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                  unmasked_end, last_pos + 1, BLOCK_SIZE, True, BLOCK_N, INPUT_PRECISION)
+                                  unmasked_end, last_pos + 1, BLOCK_SIZE, True, BLOCK_N, INPUT_PRECISION, SOFTWARE)
 
     acc = acc / l_i[:, None]
+    if FP8:  # a sum of the stored V / v_scale
+        acc = acc * tl.load(v_scale_ptr)
+        if SOFTWARE:
+            acc = acc * 256.0
     out_base = out_ptr + q_start.to(tl.int64) * stride_on
     tl.store(out_base + offs_m[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -181,6 +197,9 @@ def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out
         raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"unsupported dtype {q.dtype}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16,
+                                                               kv_quant.KV_FP8):
+        raise ValueError(f"unsupported cache dtypes {k_cache.dtype}, {v_cache.dtype}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous last dim")
     if block_tables.dim() != 2 or cu_seqlens_q.dim() != 1 or seq_lens.dim() != 1:
@@ -207,10 +226,14 @@ def paged_prefill_attention(q: torch.Tensor,  # [N, H, D] packed query chunks (s
                             out: torch.Tensor | None = None,  # [N, H, D]
                             tiles: torch.Tensor | None = None,  # [T, 2] int32 (prefill_tiles), or None
                             query_tile_len: int | None = None,  # the tiles' step (query_tile); with `tiles`
+                            k_scale: torch.Tensor | None = None,  # [] float32: an FP8 cache's scales
+                            v_scale: torch.Tensor | None = None,
+                            fp8_hardware: bool | None = None,  # e4m3 converted in hardware; None: by device
                             ) -> torch.Tensor:  # [N, H, D]
     """`tiles` (from `prefill_tiles` with `query_tile_len` queries each) launches only the real tiles;
     without, every (sequence, tile) pair up to max_query_len is launched (`dense_tiles`)."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out)
+    fp8 = kv_quant.check_scales(k_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     batch, num_heads, head_dim = seq_lens.shape[0], q.shape[1], q.shape[2]
@@ -230,13 +253,16 @@ def paged_prefill_attention(q: torch.Tensor,  # [N, H, D] packed query chunks (s
     block_m = max(16, triton.next_power_of_2(query_tile_len * group))
     _, block_n, num_warps, num_stages = flash_launch_config(q, block_m, block_d)
     grid = (tiles.shape[0], k_cache.shape[2])
+    k_cache, software = fp8_bits.kernel_cache(k_cache, fp8_hardware)
+    v_cache, _ = fp8_bits.kernel_cache(v_cache, fp8_hardware)
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, tiles,
+        k_scale if fp8 else k_cache, v_scale if fp8 else k_cache,  # read only with FP8
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0), scale * _LOG2E, BLOCK_SIZE=k_cache.shape[1],
         GROUP=group, HEAD_DIM=head_dim, QUERY_TILE=query_tile_len, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_D=block_d, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, SOFTWARE=software,
         num_warps=num_warps, num_stages=num_stages)
     return out
 
@@ -250,10 +276,13 @@ def paged_prefill_attention_ref(q: torch.Tensor,  # [N, H, D]
                                 max_query_len: int,
                                 scale: float,
                                 out: torch.Tensor | None = None,  # [N, H, D]
+                                k_scale: torch.Tensor | None = None,
+                                v_scale: torch.Tensor | None = None,
                                 ) -> torch.Tensor:  # [N, H, D]
-    """Torch reference: per sequence, gather its keys through the block table and attend in fp32.
-    Reads the lengths on the host (not for CUDA-graph capture)."""
+    """Torch reference: per sequence, gather its keys through the block table (an FP8 cache dequantized)
+    and attend in fp32. Reads the lengths on the host (not for CUDA-graph capture)."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out)
+    kv_quant.check_scales(k_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -266,8 +295,9 @@ def paged_prefill_attention_ref(q: torch.Tensor,  # [N, H, D]
         pages = block_tables[b, :(seq_len + block_size - 1) // block_size].long()
         k = k_cache[pages].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len]  # [seq_len, Hkv, D]
         v = v_cache[pages].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len]
-        k = k.float().transpose(0, 1).repeat_interleave(group, 0)  # [H, seq_len, D]
-        v = v.float().transpose(0, 1).repeat_interleave(group, 0)
+        k = kv_quant.dequantize(k, k_scale, torch.float32).transpose(0, 1)  # [Hkv, seq_len, D]
+        v = kv_quant.dequantize(v, v_scale, torch.float32).transpose(0, 1)
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)  # [H, seq_len, D]
         qi = q[q_start:q_start + q_len].float().transpose(0, 1)  # [H, q_len, D]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vlm_sdk.kernels.fp8_bits import f32_to_e4m3_bits
 from vlm_sdk.kernels.rms_norm_torch import rms_norm
 from vlm_sdk.kernels.rotary_torch import apply_rotary, check_mrope_section
 
@@ -53,7 +54,9 @@ _TILE_ELEMS = 2048
 def _rotate_heads(x_ptr, stride_h, num_heads, half_dim, cos, sin,  # cos, sin: [BLOCK_HALF] float32
                   w_ptr, eps,  # the per-head RMSNorm weight [2 * half_dim] and eps, read when HAS_NORM
                   dst_ptr, dst_stride_h, dst_heads,  # HAS_DST: the first dst_heads rotated heads also go there
-                  HAS_NORM: tl.constexpr, HAS_DST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                  dst_scale_ptr,  # DST_FP8: dst is an FP8 KV cache's uint8 view, written as e4m3 of value / scale
+                  HAS_NORM: tl.constexpr, HAS_DST: tl.constexpr, DST_FP8: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr):
     dtype = x_ptr.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_HALF)
     for h0 in range(0, num_heads, BLOCK_H):
@@ -74,11 +77,16 @@ def _rotate_heads(x_ptr, stride_h, num_heads, half_dim, cos, sin,  # cos, sin: [
         out2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype)
         tl.store(ptr1, out1, mask=mask)
         tl.store(ptr2, out2, mask=mask)
-        if HAS_DST:  # the values just stored, cast as a copy of them would be
+        if HAS_DST:  # the values just stored, cast (or quantized: store_kv's `_to_cache`) as a copy would be
             dst1 = dst_ptr + offs_h[:, None] * dst_stride_h + offs_d[None, :]
             dst_mask = (offs_h[:, None] < dst_heads) & (offs_d[None, :] < half_dim)
-            tl.store(dst1, out1.to(dst_ptr.dtype.element_ty), mask=dst_mask)
-            tl.store(dst1 + half_dim, out2.to(dst_ptr.dtype.element_ty), mask=dst_mask)
+            if DST_FP8:
+                scale = tl.load(dst_scale_ptr)
+                tl.store(dst1, f32_to_e4m3_bits(out1.to(tl.float32) / scale), mask=dst_mask)
+                tl.store(dst1 + half_dim, f32_to_e4m3_bits(out2.to(tl.float32) / scale), mask=dst_mask)
+            else:
+                tl.store(dst1, out1.to(dst_ptr.dtype.element_ty), mask=dst_mask)
+                tl.store(dst1 + half_dim, out2.to(dst_ptr.dtype.element_ty), mask=dst_mask)
 
 
 _HALF_PI = tl.constexpr(1.5707963267948966)  # float64: the quadrant reduction runs in float64
@@ -146,9 +154,9 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr, q_norm_ptr, k_norm_ptr, 
     cos, sin = _token_cos_sin(pos_ptr, inv_freq_ptr, token, stride_pos_row, stride_pos_n, half_dim,
                               SECTION_ENDS, INTERLEAVED_ENDS, BLOCK_HALF)
     _rotate_heads(q_ptr + token * stride_qn, stride_qh, num_heads, half_dim, cos, sin, q_norm_ptr, eps,
-                  q_ptr, 0, 0, HAS_NORM, False, BLOCK_HQ, BLOCK_HALF)
+                  q_ptr, 0, 0, inv_freq_ptr, HAS_NORM, False, False, BLOCK_HQ, BLOCK_HALF)
     _rotate_heads(k_ptr + token * stride_kn, stride_kh, num_kv_heads, half_dim, cos, sin, k_norm_ptr, eps,
-                  k_ptr, 0, 0, HAS_NORM, False, BLOCK_HK, BLOCK_HALF)
+                  k_ptr, 0, 0, inv_freq_ptr, HAS_NORM, False, False, BLOCK_HK, BLOCK_HALF)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,

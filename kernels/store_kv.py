@@ -4,7 +4,10 @@
     k_cache:      [num_blocks, block_size, num_kv_heads, head_dim]   contiguous, same for v_cache
     slot_mapping: [num_tokens] int64 (int32 accepted), flat slot = block * block_size + offset
 
-Token i lands in `k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping[i]]`, cast to the cache dtype.
+Token i lands in `k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping[i]]`, cast to the cache dtype;
+an FP8 cache (`kv_quant.KV_FP8`) gets fp8(clamp(k / k_scale, +-448)) (and v by v_scale), the scales
+read from their device scalars in the kernel (no host read: graph-safe), the e4m3 bits made in integer
+arithmetic and written through a uint8 view (kernels/fp8_bits.py: any GPU, and the interpreter).
 A negative slot means "skip": the padding rows of a CUDA-graph batch carry -1 and must not write.
 
 Grid: one program per token. A token's row is num_kv_heads * head_dim elements (at most a few
@@ -19,18 +22,29 @@ import torch
 import triton
 import triton.language as tl
 
+from vlm_sdk.kernels import kv_quant
+from vlm_sdk.kernels.fp8_bits import f32_to_e4m3_bits
 from vlm_sdk.kernels.paged_attention import write_kv_cache
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CACHE_DTYPES = _DTYPES + (kv_quant.KV_FP8,)
+
+
+@triton.jit
+def _to_cache(x, scale_ptr, cache_ptr, FP8: tl.constexpr):
+    """x as the cache stores it: cast, or (FP8: the cache is its uint8 view) the e4m3 bits of x / scale."""
+    if FP8:
+        return f32_to_e4m3_bits(x.to(tl.float32) / tl.load(scale_ptr))
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 # the slots may be a view into a packed step buffer at any 8-byte offset: not specialised on their
 # alignment, or an odd token count before them would compile another variant while serving
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
                      stride_kn, stride_kh, stride_vn, stride_vh,
                      num_kv_heads, head_dim,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:  # CUDA-graph padding row
@@ -42,9 +56,9 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     cache_offs = slot * num_kv_heads * head_dim + offs_h[:, None] * head_dim + offs_d[None, :]
 
     k = tl.load(k_ptr + token * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + cache_offs, _to_cache(k, k_scale_ptr, k_cache_ptr, FP8), mask=mask)
     v = tl.load(v_ptr + token * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offs, _to_cache(v, v_scale_ptr, v_cache_ptr, FP8), mask=mask)
 
 
 def _check(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -59,9 +73,12 @@ def _check(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if slot_mapping.shape != (n,) or slot_mapping.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"slot_mapping must be [{n}] int64 or int32, got {tuple(slot_mapping.shape)} "
                          f"{slot_mapping.dtype}")
-    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, t in (("k", k), ("v", v)):
         if t.dtype not in _DTYPES:
             raise ValueError(f"{name} dtype {t.dtype} is not one of {_DTYPES}")
+    if k_cache.dtype not in _CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must share one dtype of {_CACHE_DTYPES}, got {k_cache.dtype} and "
+                         f"{v_cache.dtype}")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v need a contiguous last dim")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -72,17 +89,25 @@ def store_kv(k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
              v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
              k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
              v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-             slot_mapping: torch.Tensor) -> None:  # [num_tokens]
-    """Write k/v into their cache slots (cast to the cache dtype); rows with slot < 0 are skipped."""
+             slot_mapping: torch.Tensor,  # [num_tokens]
+             k_scale: torch.Tensor | None = None,  # [] float32: an FP8 cache's scales (else unused)
+             v_scale: torch.Tensor | None = None) -> None:
+    """Write k/v into their cache slots (cast to the cache dtype, or quantized into an FP8 one); rows
+    with slot < 0 are skipped."""
     _check(k, v, k_cache, v_cache, slot_mapping)
+    fp8 = kv_quant.check_scales(k_cache, k_scale, v_scale)
     n, hkv, d = k.shape
     if n == 0:
         return
+    if fp8:  # written as bytes (kernels/fp8_bits.py)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    else:  # the scales are read only with FP8
+        k_scale = v_scale = k_cache
     _store_kv_kernel[(n,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         hkv, d,
-        BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d), FP8=fp8,
         num_warps=4 if hkv * d >= 2048 else 2,
     )
 
@@ -91,8 +116,11 @@ def store_kv_ref(k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
                  v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
                  k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
                  v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-                 slot_mapping: torch.Tensor) -> None:  # [num_tokens]
+                 slot_mapping: torch.Tensor,  # [num_tokens]
+                 k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
     """Torch reference of `store_kv`. Boolean masking syncs with the host on CUDA: not for graph capture."""
     _check(k, v, k_cache, v_cache, slot_mapping)
+    kv_quant.check_scales(k_cache, k_scale, v_scale)
     keep = slot_mapping >= 0  # [num_tokens]
-    write_kv_cache(k[keep], v[keep], k_cache, v_cache, slot_mapping[keep].long())
+    write_kv_cache(k[keep], v[keep], k_cache, v_cache, slot_mapping[keep].long(), k_scale, v_scale)

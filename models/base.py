@@ -192,6 +192,12 @@ class PromptProcessor(ABC):
         """Zero pixels of the largest image the engine's image settings allow: the CUDA memory profile
         runs it through `encode_images`, and its `size` caps one vision-tower call."""
 
+    def video_setting_fixes(self, prompt: PromptInputs, capacity: int) -> dict[str, int | float]:
+        """Video part settings (name -> value) that alone, set on every video part of the request, would
+        make `prompt` fit `capacity` tokens, e.g. {"total_pixels": 90000, "max_frames": 16}; {} (the
+        default) when none does or the family has none."""
+        return {}
+
     @abstractmethod
     def image_setting_fixes(self, prompt: PromptInputs, capacity: int) -> dict[str, int]:
         """Engine image settings (name -> value) that alone would make `prompt` fit `capacity` tokens,

@@ -21,8 +21,8 @@ from vlm_sdk.errors import InvalidRequestError
 
 @dataclass(frozen=True)
 class Setting:
-    """One family setting. Values are positive integers of at most `maximum` (the only kind the
-    families need); `default` None means "the checkpoint's" (its preprocessor config). `detail` is the
+    """One family setting. Values are positive integers of at most `maximum`, or positive numbers when
+    `type` is float (a video's fps); `default` None means "the checkpoint's" (its preprocessor config). `detail` is the
     part of the help true of this family only (e.g. "a multiple of 28x28"): several families may
     declare one setting name, and its flag's help (`registry.engine_settings`) then gives each
     family's detail beside its name."""
@@ -39,6 +39,11 @@ class Setting:
 
     def check(self, value: Any, where: str = "") -> Any:
         """`value` when valid; `InvalidRequestError` (param = the setting's name) otherwise."""
+        if self.type is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise InvalidRequestError(f"{where}{self.name} must be a positive number, got {value!r}",
+                                          param=self.name)
+            return float(value)
         if not isinstance(value, self.type) or isinstance(value, bool) or value < 1:
             raise InvalidRequestError(f"{where}{self.name} must be a positive integer, got {value!r}", param=self.name)
         if self.maximum is not None and value > self.maximum:
@@ -97,6 +102,8 @@ class FamilySpec(ABC):
         display_name      in messages, e.g. "Qwen2.5-VL"
         engine_settings   `Setting`s of `EngineArgs.mm_processor_kwargs` (flags `--<name>`)
         image_settings    `Setting`s an image part may carry (`ImageRef.options`)
+        video_settings    `Setting`s a video part may carry (`VideoRef.options`); none: the family
+                          takes no video
         plan_setting      (plan option, engine setting) the planner sizes images by, e.g.
                           ("max_dynamic_patch", "max_dynamic_patch"); the plan flag is `--<plan option>`.
                           One vocabulary: the plan option IS the engine setting's name, so a fix
@@ -107,6 +114,7 @@ class FamilySpec(ABC):
     display_name: str
     engine_settings: tuple[Setting, ...] = ()
     image_settings: tuple[Setting, ...] = ()
+    video_settings: tuple[Setting, ...] = ()
     plan_setting: tuple[str, str]
 
     # -- classes (imported when asked for: importing the spec imports no model code) -------------
@@ -160,6 +168,12 @@ class FamilySpec(ABC):
         would not be applied here."""
         return _checked(self, options, self.image_settings, "image setting", where, ignore_unknown=True)
 
+    def video_options(self, options: Mapping[str, Any], where: str) -> dict[str, Any]:
+        """One video part's `VideoRef.options` checked against `video_settings` (`where`: "video 0: ")."""
+        if not self.video_settings:
+            raise InvalidRequestError(f"{where}{self.display_name} takes no video input; send images", param="messages")
+        return _checked(self, options, self.video_settings, "video setting", where)
+
     # -- planner hooks -----------------------------------------------------------------------------
     @abstractmethod
     def image_limits(self, preprocessor: Mapping[str, Any], hf_config: Any, model: Any,
@@ -186,7 +200,7 @@ def _checked(family: FamilySpec, options: Mapping[str, Any], schema: tuple[Setti
                 continue
             accepted = ", ".join(by_name) or "none"
             raise InvalidRequestError(
-                f"{where}{name}{'' if where else f'={value!r}'} is not an {kind} of {family.display_name} (this "
+                f"{where}{name}{'' if where else f'={value!r}'} is not {'an' if kind[0] in 'aeiou' else 'a'} {kind} of {family.display_name} (this "
                 f"checkpoint's family, {family.name}){_owner(name, family.name)}; {family.display_name} "
                 f"{kind}s: {accepted}", param=name)
         out[name] = by_name[name].check(value, where)
@@ -197,7 +211,7 @@ def _owners(name: str, this: str) -> list[str]:
     """The display names of the other registered families that declare a setting `name`."""
     from vlm_sdk.models.registry import families
     return [f.display_name for f in families() if f.name != this and
-            name in {s.name for s in f.engine_settings + f.image_settings}]
+            name in {s.name for s in f.engine_settings + f.image_settings + f.video_settings}]
 
 
 def _owner(name: str, this: str) -> str:

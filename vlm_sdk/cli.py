@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from vlm_sdk.config import KV_CACHE_DTYPES
 from vlm_sdk.demo_checkpoint import tiny_model_dir
 from vlm_sdk.errors import VLMError
 from vlm_sdk.models import registry
@@ -18,11 +19,19 @@ from vlm_sdk.server.cli import exit_now, show_engine_logs
 FAMILIES = registry.family_names()  # --family choices; the first is the default
 
 
+def _content(args) -> list[dict]:
+    """The question's parts: its images, its videos (with --fps / --max-frames when given), the text."""
+    video_options = {k: v for k, v in (("fps", args.fps), ("max_frames", args.max_frames)) if v is not None}
+    return ([{"type": "image", "image": p} for p in args.image]
+            + [{"type": "video", "video": p, **video_options} for p in args.video]
+            + [{"type": "text", "text": args.question}])
+
+
 async def _chat_remote(args) -> int:
     """`chat --url`: the same question, streamed from a server; usage comes from the server."""
     from vlm_sdk.bench.serve import timed_stream
     from vlm_sdk.client import AsyncClient
-    content = [{"type": "image", "image": p} for p in args.image] + [{"type": "text", "text": args.question}]
+    content = _content(args)
     async with AsyncClient(args.url, args.api_key) as client:
         t = await timed_stream(client, [{"role": "user", "content": content}],
                                lambda piece: print(terminal_text(piece), end="", flush=True), model=args.model,
@@ -37,9 +46,10 @@ async def _chat_remote(args) -> int:
 
 async def _chat(args) -> int:
     if args.url:
-        if args.device:
-            print("error: --device has no effect with --url (the server owns the device)", file=sys.stderr)
-            return 2
+        for flag, value in (("--device", args.device), ("--kv-cache-dtype", args.kv_cache_dtype)):
+            if value:
+                print(f"error: {flag} has no effect with --url (the server owns the engine)", file=sys.stderr)
+                return 2
         return await _chat_remote(args)
     from vlm_sdk import AsyncLLM, SamplingParams
     model = args.model
@@ -49,12 +59,13 @@ async def _chat(args) -> int:
         print(f"[vlm-sdk] no --model given: using a tiny {name}-shaped checkpoint with RANDOM weights at "
               f"{model}; its answer is gibberish. Pass --model /path/to/{name} for a real one.",
               file=sys.stderr)
-    content = [{"type": "image", "image": p} for p in args.image] + [{"type": "text", "text": args.question}]
-    messages = [{"role": "user", "content": content}]
+    messages = [{"role": "user", "content": _content(args)}]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     engine_args = {"show_progress": True}
     if args.device:
         engine_args["device"] = args.device
+    if args.kv_cache_dtype:
+        engine_args["kv_cache_dtype"] = args.kv_cache_dtype
     start = time.monotonic()
     async with AsyncLLM(model, **engine_args) as engine:
         peak_blocks = 0
@@ -92,10 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--api-key", default=os.environ.get("VLM_SDK_API_KEY"), help="with --url: bearer token "
                       "(default: $VLM_SDK_API_KEY)")
     chat.add_argument("--image", action="append", default=[], help="image path (repeatable)")
+    chat.add_argument("--video", action="append", default=[], help="video path (repeatable)")
+    chat.add_argument("--fps", type=float, default=None, help="with --video: frames sampled per second, "
+                      "for families that sample by rate (default 2)")
+    chat.add_argument("--max-frames", type=int, default=None, help="with --video: the most frames sampled "
+                      "(the family's default: 768 where frames are sampled by rate, else the 8 frames taken)")
     chat.add_argument("--max-tokens", type=int, default=64)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int, default=None)
     chat.add_argument("--device", default=None)
+    chat.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                      help="the KV cache's dtype: auto (the model's, the default) or fp8 (e4m3, per-layer scales)")
     bench = sub.add_parser("bench", help="our engine vs transformers generate on the same checkpoint")
     bench.add_argument("--model", help="checkpoint (default: a ~100M-parameter random one of --family)")
     bench.add_argument("--family", choices=FAMILIES, default=FAMILIES[0],
@@ -116,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     add_host_overhead_arguments(bench)
     from vlm_sdk.bench.sampler import add_arguments as add_sampler_bench_arguments
     add_sampler_bench_arguments(bench)
+    from vlm_sdk.bench.video import add_arguments as add_video_bench_arguments
+    add_video_bench_arguments(bench)
     from vlm_sdk.bench.serve import add_arguments as add_bench_serve_arguments
     add_bench_serve_arguments(sub.add_parser("bench-serve", help="throughput and latency of a server over HTTP, "
                                              "vs the same workload in process"))
@@ -137,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench-serve" and args.soak is not None:
             from vlm_sdk.bench.soak import run_soak
             return run_soak(args)
+        if args.command == "bench-serve" and args.replicas is not None:
+            from vlm_sdk.bench.routing import run_routing_bench
+            from vlm_sdk.server.background import BackgroundServer
+            from vlm_sdk.server.config import ServerConfig
+            return run_routing_bench(args, lambda model, engine: BackgroundServer(model, ServerConfig(port=0),
+                                                                                   engine=engine))
         if args.command == "bench-serve":
             from vlm_sdk.bench.serve import run_bench_serve
             return run_bench_serve(args)
@@ -144,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
             from vlm_sdk.bench.sampler import main as run_sampler_bench
             return run_sampler_bench(args)
         from vlm_sdk.bench import gpu as bench_gpu
-        from vlm_sdk.bench import host_overhead, prefix_cache, structured
+        from vlm_sdk.bench import host_overhead, prefix_cache, structured, video
+        if args.video:
+            bench_gpu.reject_without_gpu(args)
+            return video.run_video(args)
+        video.reject_without_video(args)
         if args.host_overhead:
             bench_gpu.reject_without_gpu(args)
             return host_overhead.run_host_overhead(args)

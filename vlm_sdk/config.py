@@ -16,6 +16,11 @@ DTYPES = MappingProxyType({"float32": torch.float32, "fp32": torch.float32, "flo
                            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16})
 
 
+# kv_cache_dtype: "auto" is the model's dtype; "fp8" float8 e4m3 with per-layer K and V scales
+# (kernels/kv_quant.py): half of bf16's bytes per block, twice the tokens
+KV_CACHE_DTYPES = ("auto", "fp8")
+KV_FP8 = torch.float8_e4m3fn
+
 _UNITS = MappingProxyType({"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                            "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
 
@@ -90,6 +95,13 @@ class EngineArgs:
     # the pixels of all of one request's images together, checked from their headers before any is
     # decoded; None: no limit beyond max_image_pixels per image (`vlm-sdk serve` sets one)
     max_request_image_pixels: int | None = None
+    # one video's limits (vlm_sdk/multimodal/video_io.py), checked from its container before any frame is
+    # decoded: its encoded size (bytes, or "512MiB"), its duration, the frames sampled from it, and the
+    # pixels decoded to reach them (every frame from the keyframe before each sampled one, at the source size)
+    max_video_bytes: int | str = 1 << 30
+    max_video_seconds: float = 3600.0
+    max_video_frames: int = 768
+    max_video_decode_pixels: int = 8_000_000_000
     # special tokens (<|im_end|>, <|im_start|>, ...) written in message text are read as control
     # tokens, as the template's own are; off (the default), they are plain text, so a user cannot end
     # their turn and forge another role's
@@ -97,6 +109,9 @@ class EngineArgs:
     seed: int = 0
     show_progress: bool = True
     attention_backend: str | None = None  # "triton" (default on CUDA) or "torch" (default on the CPU)
+    # the KV cache's dtype: "auto" (the model's) or "fp8" (float8 e4m3, K and V divided by per-layer
+    # scales: the checkpoint's k_scale / v_scale tensors, else 1.0): twice the tokens in the same memory
+    kv_cache_dtype: str = "auto"
     # the decoder's qkv and o projections at <= 8 rows (decode at small batch): "torch" (F.linear: cuBLAS on
     # CUDA) or "triton" (kernels/skinny_gemm.py; the Triton kernel set only). `vlm-sdk bench --gpu` times
     # both at the model's shapes; the default stays "torch" until a GPU run says otherwise
@@ -155,6 +170,9 @@ class EngineArgs:
         for name in ("max_grammar_memory", "grammar_cache_memory"):
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, parse_bytes(getattr(self, name), name, unit_required=True))
+        if isinstance(self.max_video_bytes, str):
+            object.__setattr__(self, "max_video_bytes",
+                               parse_bytes(self.max_video_bytes, "max_video_bytes", unit_required=True))
         given = self.memory_utilization is not None
         object.__setattr__(self, "memory_utilization_given", given)
         if not given:
@@ -192,6 +210,7 @@ class EngineArgs:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
         for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs",
                      "max_num_batched_tokens", "max_image_pixels", "max_request_image_pixels",
+                     "max_video_bytes", "max_video_frames", "max_video_decode_pixels",
                      "preemption_warning_per_minute", "tensor_parallel_size", "max_grammar_bytes",
                      "max_grammar_memory", "grammar_cache_memory", "grammar_workers"):
             positive(name)
@@ -210,6 +229,10 @@ class EngineArgs:
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         if self.attention_backend is not None and self.attention_backend not in ("torch", "triton"):
             raise InvalidRequestError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)} ('auto': the model's "
+                                      f"dtype; 'fp8': float8 e4m3 with per-layer scales), got {self.kv_cache_dtype!r}",
+                                      param="kv_cache_dtype")
         for name in ("max_logit_bias", "max_stop_token_ids"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -219,6 +242,10 @@ class EngineArgs:
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise InvalidRequestError(f"grammar_compile_timeout must be a positive number of seconds, got {t!r}",
                                       param="grammar_compile_timeout")
+        v = self.max_video_seconds
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
+            raise InvalidRequestError(f"max_video_seconds must be a positive number of seconds, got {v!r}",
+                                      param="max_video_seconds")
         if self.small_m_gemm not in ("torch", "triton"):
             raise InvalidRequestError(f"small_m_gemm must be 'torch' or 'triton', got {self.small_m_gemm!r}",
                                       param="small_m_gemm")
@@ -294,6 +321,10 @@ class EngineArgs:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
 
+    def resolve_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The cache's dtype for a model of `dtype` (`vlm-sdk plan` and the engine both ask here)."""
+        return KV_FP8 if self.kv_cache_dtype == "fp8" else dtype
+
 
 def _engine_args_from_state(state: dict) -> EngineArgs:
     return EngineArgs(**{**state, "mm_processor_kwargs": MappingProxyType(state["mm_processor_kwargs"])})
@@ -319,10 +350,15 @@ class RankConfig:
     decode_graphs: bool  # decode steps replay whole-step CUDA graphs
     piecewise_graphs: bool  # steps with prefill rows may replay piecewise CUDA graphs (one rank; the model's
     # decoder stack decides the rest: vlm_sdk/worker/piecewise_graphs.py)
+    kv_cache_dtype: str = ""  # the cache's dtype, e.g. "bfloat16" or "float8_e4m3fn"; "": the model's
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return KV_FP8 if self.kv_cache_dtype == "float8_e4m3fn" else DTYPES[self.kv_cache_dtype or self.dtype]
 
 
 def resolve_rank_config(args: EngineArgs) -> RankConfig:
@@ -335,6 +371,37 @@ def resolve_rank_config(args: EngineArgs) -> RankConfig:
                                   f"'{backend}'{'' if args.attention_backend else ' (the default on ' + device.type + ')'}"
                                   f": set attention_backend='triton', or small_m_gemm='torch'", param="small_m_gemm")
     decode_graphs = device.type == "cuda" and backend == "triton" and not args.enforce_eager
-    return RankConfig(args, device.type, str(args.resolve_dtype(device)).removeprefix("torch."), backend,
-                      args.resolve_async_scheduling(device, size), decode_graphs,
-                      decode_graphs and args.piecewise_cuda_graphs and size == 1)
+    dtype = args.resolve_dtype(device)
+    kv_dtype = args.resolve_kv_cache_dtype(dtype)
+    if kv_dtype == KV_FP8:
+        check_fp8_kv_cache(device, backend)
+    return RankConfig(args, device.type, _name(dtype), backend, args.resolve_async_scheduling(device, size),
+                      decode_graphs, decode_graphs and args.piecewise_cuda_graphs and size == 1, _name(kv_dtype))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def fp8_kv_cache_runs(device: torch.device, backend: str) -> bool:
+    """Whether kv_cache_dtype='fp8' would start on this device and backend (`check_fp8_kv_cache`)."""
+    try:
+        check_fp8_kv_cache(device, backend)
+    except InvalidRequestError:
+        return False
+    return True
+
+
+def check_fp8_kv_cache(device: torch.device, backend: str) -> None:
+    """kv_cache_dtype='fp8' where it runs: the torch backend anywhere; the Triton kernels on CUDA compute
+    capability 8.0 or newer, the GPUs they are compiled and checked for (e4m3 in hardware from 8.9, from its
+    bits on 8.0-8.6: kernels/fp8_bits.py), and in the CPU interpreter. `InvalidRequestError` at start-up
+    otherwise, naming the device and what works."""
+    if device.type != "cuda" or backend != "triton":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 0):
+        raise InvalidRequestError(
+            f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.0 or newer for the Triton attention kernels; "
+            f"{torch.cuda.get_device_name(device)} is {major}.{minor}. Use kv_cache_dtype='auto' "
+            f"(--kv-cache-dtype auto), or attention_backend='torch' (slower)", param="kv_cache_dtype")

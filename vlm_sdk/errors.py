@@ -71,6 +71,12 @@ class InvalidImageError(InvalidRequestError):
     """An image that cannot be used: unreadable bytes, unsupported source, too many pixels, bad aspect."""
 
 
+class InvalidVideoError(InvalidImageError):
+    """A video that cannot be used: unreadable or not a video, an unknown codec, too few frames, over a
+    limit (bytes, seconds, sampled frames, pixels to decode), or a bad sampling setting. A media error
+    like an image's (HTTP 400), with its own code."""
+
+
 class InputTooLongError(InvalidRequestError):
     """A prompt that can never fit this engine as configured.
 
@@ -82,13 +88,17 @@ class InputTooLongError(InvalidRequestError):
     not set, a default room the message names; fewer only where max_position_embeddings allows no
     more). `output_tokens` None: fixes sized for the prompt alone (no output room stated).
     `at_least`: the text was refused before it was tokenized whole, so `prompt_tokens` is a lower
-    bound and no fix is offered.
+    bound and no fix is offered. `video_fixes`: settings of the request's video parts (the model
+    family's, e.g. total_pixels, max_frames, fps), each of which alone, set on every video part, would
+    make it fit (a video's tokens count among `image_tokens`, one entry per temporal patch or frame).
     """
 
     def __init__(self, prompt_tokens: int, image_tokens: list[int], capacity_tokens: int,
                  fixes: dict[str, int], limit_reason: str, conversation_index: int | None = None,
                  together: dict[str, int] | None = None, max_tokens: int | None = None,
-                 output_tokens: int | None = None, at_least: bool = False, index_noun: str = "conversation"):
+                 output_tokens: int | None = None, at_least: bool = False, index_noun: str = "conversation",
+                 video_fixes: dict[str, int | float] | None = None):
+        self.video_fixes = dict(video_fixes or {})
         self.index_noun = index_noun  # what `conversation_index` counts: "conversation" (chat) or "prompt"
         self.prompt_tokens = prompt_tokens
         self.at_least = at_least
@@ -132,15 +142,19 @@ class InputTooLongError(InvalidRequestError):
                f"{self.capacity_tokens} tokens per sequence ({self.limit_reason}).")
         both = ", ".join(setting_text(k, v) for k, v in self.together.items())
         room = self._room()
+        video = ", ".join(f"{k}={v!r}" for k, v in self.video_fixes.items())
         if self.fixes:
             msg += f" Any one of these settings makes it fit{room}: {fixes_text(self.fixes)}."
             if both:
                 msg += f" So do these together: {both}."
         elif both:
             msg += f" No single setting makes it fit; these together do{room}: {both}."
-        else:
+        elif not video:
             msg += (" No single setting makes it fit: shorten the prompt"
                     + (" or use fewer images." if self.image_tokens else "."))
+        if video:
+            msg += (f" {'Or any' if self.fixes or both else 'Any'} one of these on its video parts (set on every "
+                    f"video part) makes it fit{room}: {video}.")
         return msg
 
     def with_conversation(self, index: int, noun: str = "conversation") -> "InputTooLongError":
@@ -148,7 +162,7 @@ class InputTooLongError(InvalidRequestError):
         return InputTooLongError(self.prompt_tokens, self.image_tokens, self.capacity_tokens,
                                  self.fixes, self.limit_reason, index, together=self.together,
                                  max_tokens=self.max_tokens, output_tokens=self.output_tokens,
-                                 at_least=self.at_least, index_noun=noun)
+                                 at_least=self.at_least, index_noun=noun, video_fixes=self.video_fixes)
 
 
 class UnfitImagesError(InvalidRequestError):
@@ -199,6 +213,11 @@ class ModelNotFoundError(CheckpointError):
 
 class EngineDeadError(VLMError):
     """The engine loop stopped after an internal failure; the message carries the original cause."""
+
+
+class ReplicaLostError(VLMError):
+    """A data-parallel replica (vlm_sdk.replicas) died while it held the request; the other replicas go
+    on serving and Ray Serve starts a replacement, so the request may be retried."""
 
 
 def without_reprs(text: str) -> str:

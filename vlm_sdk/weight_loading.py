@@ -14,7 +14,10 @@ A slot may place its range along another dim of the parameter (`dim`): a packed 
 output features are its dim 1 (AWQ's `qweight` [in, out / 8]) takes q | k | v side by side along dim 1.
 `load_checked` refuses unexpected, mis-shaped, duplicated
 and missing tensors instead of leaving random weights behind, and checks up front that the slots
-cover every row of every parameter exactly once. It knows no model: name aliases (e.g. the
+cover every row of every parameter exactly once. A slot marked `optional` may be absent from the
+checkpoint (a buffer with a default: the FP8 KV cache's per-layer k_scale / v_scale, which only some
+checkpoints ship); a one-element slot takes a one-element tensor of any rank (such scales are saved as
+[] or [1]). It knows no model: name aliases (e.g. the
 `model.language_model.*` spelling of transformers 4.5x) come in as a `canonical` function.
 
 The checkpoint tensors may be lazy (a `LazyTensor`, e.g. `model_loader.iter_safetensors(lazy=True)`):
@@ -77,10 +80,11 @@ class ParamSlot:
     row_start: int | None = None
     shard: Shard | None = None
     dim: int = 0
+    optional: bool = False  # the checkpoint may lack it: the target keeps its value
 
     def under(self, prefix: str) -> "ParamSlot":
         """The same slot for the parameter seen from a parent module (`prefix` + param)."""
-        return ParamSlot(prefix + self.param, self.shape, self.row_start, self.shard, self.dim)
+        return ParamSlot(prefix + self.param, self.shape, self.row_start, self.shard, self.dim, self.optional)
 
     @property
     def loaded_shape(self) -> tuple[int, ...]:
@@ -109,6 +113,10 @@ class SplitSlot:
     def shape(self) -> tuple[int, ...]:
         """The shape the checkpoint tensor must have (the same for every part)."""
         return tuple(self.parts[0].shape)
+
+    @property
+    def optional(self) -> bool:
+        return all(p.optional for p in self.parts)
 
     def under(self, prefix: str) -> "SplitSlot":
         return SplitSlot(tuple(p.under(prefix) for p in self.parts))
@@ -156,7 +164,7 @@ def load_checked(module: torch.nn.Module, weights: Iterable[tuple[str, Checkpoin
                 raise CheckpointError(
                     f"unexpected tensor {raw_name} (shape {_shape(tensor)}){where}{read_as} matches no weight "
                     f"of {owner}: wrong architecture or config.json for these weights?")
-            if tuple(tensor.shape) != tuple(slot.shape):
+            if tuple(tensor.shape) != tuple(slot.shape) and not _one_element(tensor.shape, slot.shape):
                 raise CheckpointError(
                     f"tensor {raw_name}{where} has shape {_shape(tensor)} but {owner} expects "
                     f"{list(slot.shape)}{read_as} for {_slot_text(slot)}: config.json does not match the weights")
@@ -174,7 +182,7 @@ def load_checked(module: torch.nn.Module, weights: Iterable[tuple[str, Checkpoin
                 view.copy_(piece.reshape(view.shape))
             loaded[name] = raw_name
             filled.update((k, raw_name) for k in keys)
-    missing = [n for n in slots if n not in loaded
+    missing = [n for n in slots if n not in loaded and not slots[n].optional
                and not all((id(t), d, a, b) in filled for t, d, a, b in regions[n])]
     if missing:
         shown = [f"{n} {list(slots[n].shape)}" for n in missing]
@@ -250,6 +258,11 @@ def _slot_regions(module: torch.nn.Module, slots: dict[str, ParamSlot | SplitSlo
     if gaps:
         raise ValueError(f"the slots leave {len(gaps)} parameter(s) of {owner} unloaded: {_name_list(gaps)}")
     return regions
+
+
+def _one_element(shape, expected) -> bool:
+    """A one-element tensor for a one-element slot, whatever their ranks ([] or [1])."""
+    return prod(shape) == 1 and prod(expected) == 1
 
 
 def _along(dim: int) -> str:

@@ -40,8 +40,16 @@ from vlm_sdk.layers.ops import KernelOps, TorchOps
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.layers.quantized_linear import linear_layer
 from vlm_sdk.layers.rotary import MRotaryEmbedding, RotaryInputs
-from vlm_sdk.weight_loading import ParamSlot
+from vlm_sdk.weight_loading import ParamSlot, SplitSlot
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
+
+# Where checkpoints keep a layer's FP8 KV-cache scales (each a one-element float32 tensor; vLLM's
+# `maybe_remap_kv_scale_name` reads the same spellings): llm-compressor / compressed-tensors'
+# self_attn.{k,v}_scale, ModelOpt's self_attn.{k,v}_proj.{k,v}_scale, the older compressed-tensors
+# self_attn.{k,v}_proj.output_scale, and the deprecated single self_attn.kv_scale (both K and V). All are
+# optional: a checkpoint without them runs with 1.0.
+KV_SCALE_NAMES = {"k_scale": ("self_attn.k_scale", "self_attn.k_proj.k_scale", "self_attn.k_proj.output_scale"),
+                  "v_scale": ("self_attn.v_scale", "self_attn.v_proj.v_scale", "self_attn.v_proj.output_scale")}
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -59,7 +67,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, device)
         self.qkv_proj = qkv_cls(hidden, d, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, dtype, device, tp)
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5, ops.attention)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5, ops.attention, device)
         self.o_proj = o_cls(cfg.num_heads * d, hidden, cfg.o_proj_bias, dtype, device, tp)
         # per head, so replicated under tensor parallelism and applied with no collective
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
@@ -110,7 +118,8 @@ class LlamaDecoderLayer(nn.Module):
         qkv = self.qkv_proj(normed).view(n, h + 2 * hkv, self.head_dim)  # [N, H+2Hkv, D]
         qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         if store is not None:
-            ops.rotary_store_kv(qkv, h, hkv, rope, qk_norm, *store)  # in place
+            # in place; an FP8 cache quantized with this layer's scales
+            ops.rotary_store_kv(qkv, h, hkv, rope, qk_norm, *store, kv_scales=(self.attn.k_scale, self.attn.v_scale))
             return qkv[:, :h], qkv[:, h:h + hkv], qkv[:, h + hkv:], residual
         qk = ops.rotary(qkv[:, :h + hkv], h, rope, qk_norm)  # [N, H+Hkv, D]
         return qk[:, :h], qk[:, h:], qkv[:, h + hkv:], residual  # [N, H, D], [N, Hkv, D], [N, Hkv, D], [N, hidden]
@@ -230,4 +239,15 @@ class LlamaDecoder(nn.Module):
                 out[f"{src}self_attn.q_norm.weight"] = ParamSlot(f"{dst}q_norm.weight", (cfg.head_dim,))
                 out[f"{src}self_attn.k_norm.weight"] = ParamSlot(f"{dst}k_norm.weight", (cfg.head_dim,))
             out[f"{src}post_attention_layernorm.weight"] = ParamSlot(f"{dst}post_attention_layernorm.weight", (hid,))
+            out.update(_kv_scale_slots(src, f"{dst}attn."))
         return out
+
+
+def _kv_scale_slots(src: str, dst: str) -> dict[str, ParamSlot | SplitSlot]:
+    """The optional slots of one layer's FP8 KV-cache scales (`KV_SCALE_NAMES`), into `PagedAttention`'s
+    k_scale / v_scale buffers."""
+    out: dict[str, ParamSlot | SplitSlot] = {f"{src}{name}": ParamSlot(f"{dst}{buffer}", (), optional=True)
+                                             for buffer, names in KV_SCALE_NAMES.items() for name in names}
+    out[f"{src}self_attn.kv_scale"] = SplitSlot(tuple(ParamSlot(f"{dst}{b}", (), optional=True)
+                                                      for b in KV_SCALE_NAMES))
+    return out

@@ -13,6 +13,9 @@ that renders an image part as `<IMG_CONTEXT>\\n` itself; the original remote-cod
 (`internvl_chat`) ships the LLM's plain chat template, which takes string content, so image parts
 are written into the string as `<IMG_CONTEXT>\\n` where they stand, as InternVL's own `chat()`
 writes `<image>\\n` before the question.
+
+A video part becomes its frames' text and image parts before either template renders ("Frame1: "
+<image> ...: video.py), each frame one tile.
 """
 from __future__ import annotations
 
@@ -21,14 +24,16 @@ from typing import Any, Mapping
 
 import torch
 
-from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
+from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError, InvalidVideoError
 from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.image_key import image_key
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders, refuse_placeholders
-from vlm_sdk.multimodal.messages import ImageRef, parse_messages
+from vlm_sdk.multimodal.messages import ImageRef, VideoRef, parse_messages
+from vlm_sdk.multimodal.video_io import open_video
 from vlm_sdk.models.base import PromptProcessor
 from vlm_sdk.model_loader import config_field, text_config
 from vlm_sdk.models.internvl.image_processor import InternVLImageProcessor
+from vlm_sdk.models.internvl.video import DEFAULT_FRAMES, frame_parts, video_frames
 from vlm_sdk.models.internvl.vision import InternVisionConfig
 
 IMG_CONTEXT, IMG_START, IMG_END = "<IMG_CONTEXT>", "<img>", "</img>"
@@ -41,6 +46,7 @@ class InternVLImage:
     own_max_num: bool = False  # the image part set its own max_num (engine max_dynamic_patch does not apply)
     # [3, 256] float32 when `data` is uint8 tiles: the normalised value of each (channel, byte)
     pixel_lut: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    video: int | None = None  # a video's frame: which video of the request (its frames share it)
 
 
 def _tokens_per_tile(hf_config, tile_size: int) -> int:
@@ -103,8 +109,44 @@ class InternVLProcessor(PromptProcessor):
 
     def __call__(self, messages, template_kwargs: Mapping[str, Any] | None = None) -> PromptInputs:
         template_messages, refs = parse_messages(messages)
-        images = [self._image(i, ref) for i, ref in enumerate(refs)]
+        images, frame_counts = [], []
+        for ref in refs:
+            if isinstance(ref, VideoRef):
+                frames = self._video(len(frame_counts), ref)
+                frame_counts.append(len(frames))
+                images.extend(frames)
+            else:
+                images.append(self._image(len(images) - sum(frame_counts), ref))
+        if frame_counts:
+            template_messages = _videos_as_frames(template_messages, iter(frame_counts))
         return self.build(template_messages, images, template_kwargs)
+
+    def _video(self, index: int, ref: VideoRef) -> list[ImageInput]:
+        options = self.family.video_options(ref.options, f"video {index}: ")
+        frames = options.get("max_frames", DEFAULT_FRAMES)
+        limit = self.max_image_tokens
+        if limit is not None and frames * self.tokens_per_tile > limit:  # before anything is read
+            fit = limit // self.tokens_per_tile
+            fix = f"set the video part's max_frames to at most {fit}" if fit else "no frame count fits"
+            raise InvalidVideoError(f"video {index}: {frames} frames of {self.tokens_per_tile} tokens are "
+                                    f"{frames * self.tokens_per_tile} tokens, more than the {limit} one sequence may "
+                                    f"hold (max_model_len); {fix}", param="max_frames")
+        video = open_video(ref.source, max_image_pixels=self.max_image_pixels)
+        return video_frames(video, options, self.image_processor, self.tokens_per_tile,
+                            lambda tiles: InternVLImage(tiles, True, pixel_lut=self.image_processor.pixel_lut,
+                                                        video=index))
+
+    def video_setting_fixes(self, prompt: PromptInputs, capacity: int) -> dict[str, int]:
+        """{"max_frames": m}: the most frames per video (on every video part) that make the prompt fit."""
+        frames: dict[int, int] = {}
+        for im in prompt.images:
+            if im.meta.video is not None:
+                frames[im.meta.video] = frames.get(im.meta.video, 0) + 1
+        if not frames:
+            return {}
+        other = len(prompt.token_ids) - sum(frames.values()) * self.tokens_per_tile
+        best = (capacity - other) // (len(frames) * self.tokens_per_tile)
+        return {"max_frames": best} if 1 <= best < max(frames.values()) else {}
 
     def _image(self, index: int, ref: ImageRef) -> ImageInput:
         own_max_num = self.family.image_options(ref.options, f"image {index}: ").get("max_num")
@@ -175,6 +217,20 @@ class InternVLProcessor(PromptProcessor):
         """The largest max_num under `below` (and not under the checkpoint's min) with `fits(max_num)`.
         Scanned down one by one: tile counts need not shrink with max_num."""
         return next((v for v in range(below - 1, self.image_processor.min_num - 1, -1) if fits(v)), None)
+
+
+def _videos_as_frames(template_messages: list[dict], frame_counts) -> list[dict]:
+    """Each `{"type": "video"}` part replaced by its frames' parts ("Frame1: ", an image, ...)."""
+    out = []
+    for message in template_messages:
+        content = message["content"]
+        if isinstance(content, list) and any(p["type"] == "video" for p in content):
+            parts = []
+            for part in content:
+                parts.extend(frame_parts(next(frame_counts)) if part["type"] == "video" else [part])
+            message = {**message, "content": parts}
+        out.append(message)
+    return out
 
 
 def _check_min_num(value: int, name: str, param: str, min_num: int) -> None:

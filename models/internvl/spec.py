@@ -3,7 +3,9 @@
 Images are cut into 448x448 tiles (at most max_num, plus a thumbnail); each tile is
 tokens_per_tile image tokens. Engine setting: max_dynamic_patch (most tiles per image, default the
 checkpoint's); an image part may set its own `max_num`. The planner sizes images by the engine setting
-(`--max-dynamic-patch`), so a fix it prints pastes into `vlm-sdk serve` and `LLM(...)`.
+(`--max-dynamic-patch`), so a fix it prints pastes into `vlm-sdk serve` and `LLM(...)`. A video is
+`max_frames` uniformly sampled frames (default 8), one tile each, written "Frame1: <image>" ... as the
+model card writes them.
 Importing this module imports no model code.
 """
 from __future__ import annotations
@@ -22,6 +24,9 @@ class InternVLSpec(FamilySpec):
                                                     "(default: the checkpoint's)", maximum=MAX_NUM_LIMIT),)
     image_settings = (Setting("max_num", "most tiles for this image (the thumbnail not counted)",
                               maximum=MAX_NUM_LIMIT),)
+    # a video: frames sampled uniformly, one tile each (models/internvl/video.py)
+    video_settings = (Setting("max_frames", "frames sampled uniformly from the video, one 448x448 tile each "
+                                            "(default 8, the model card's)"),)
     plan_setting = ("max_dynamic_patch", "max_dynamic_patch")
 
     @property

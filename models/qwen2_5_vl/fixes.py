@@ -15,7 +15,8 @@ def max_pixels_fix(prompt: PromptInputs, capacity: int,
     own max_pixels do not follow it; the others keep their effective min_pixels (their part's, else
     the engine's), which the value may not go below. A fix is only offered strictly below
     `max_pixels` (the value in effect) when it is given."""
-    affected = [im for im in prompt.images if not im.meta.own_max_pixels and im.source_size is not None]
+    affected = [im for im in prompt.images if not im.meta.own_max_pixels and im.source_size is not None
+                and im.meta.frames == 1]  # video patches are sized by their video's settings
     if not affected:
         return None
     floor = max([min_pixels] + [im.meta.own_min_pixels for im in affected if im.meta.own_min_pixels is not None])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +38,13 @@ class QwenImage:
     grid_thw: tuple[int, int, int]  # patches along time, height, width (before merging)
     own_max_pixels: bool = False  # the image part set its own max_pixels (engine max_pixels does not apply)
     own_min_pixels: int | None = None  # the image part's own min_pixels, if it set one (it wins over the engine's)
+    # frames in `data`: 1, a still image repeated in every temporal slot; temporal_patch_size, one temporal
+    # patch of a video (its frames in order: uint8 [patches, 3, T, p*p])
+    frames: int = 1
+    t_offset: int = 0  # a video patch's temporal position relative to its video's start (rope_index.VisionSpan)
+    ends_run: bool = True  # False for a video's patches but the last: text resumes after the whole video
+    # a video's patches: what sized them (video_fixes.VideoSource), one object per video; None: an image
+    video: Any = field(default=None, compare=False, repr=False)
     # [3, 256] float32: the normalised value of each (channel, byte) when `data` is uint8 (`pixels_to_device`);
     # the processor's one table, shared by its images
     pixel_lut: torch.Tensor | None = field(default=None, compare=False, repr=False)
@@ -45,16 +53,32 @@ class QwenImage:
 def pixels_to_device(images: list[ImageInput], temporal_patch_size: int, device: torch.device | str,
                      dtype: torch.dtype) -> torch.Tensor:  # [patches, 3 * T * p * p] dtype on device
     """The images' patches as the tower takes them. uint8 `data` (the processor's) travels as bytes
-    (pinned on CUDA, copied without blocking) and is normalised on the device through its `pixel_lut`,
-    the one frame repeated `temporal_patch_size` times; float `data` (already normalised, all frames) is
-    only copied and cast (`multimodal.pixels.images_to_device`)."""
+    (pinned on CUDA, copied without blocking) and is normalised on the device through its `pixel_lut`:
+    a still image's one frame repeated `temporal_patch_size` times, a video patch's frames as they are;
+    float `data` (already normalised, all frames) is only copied and cast
+    (`multimodal.pixels.images_to_device`). Consecutive items of one kind go up together."""
     if all(im.data.dtype != torch.uint8 for im in images):
         return images_to_device([im.data for im in images], [None] * len(images), device, dtype)
-    data = [im.data.view(im.data.shape[0], 3, 1, -1) if im.data.dtype == torch.uint8 else im.data
-            for im in images]  # bytes [n, 3, 1 frame, p*p]
-    frame = images_to_device(data, [im.meta.pixel_lut for im in images], device, dtype)  # [N, 3, 1, p*p]
-    # a still image: every temporal slot holds the same frame
-    return frame.expand(-1, -1, temporal_patch_size, -1).reshape(frame.shape[0], -1)  # [N, 3 * T * p*p]
+    if any(im.data.dtype != torch.uint8 for im in images):
+        raise ValueError("images mix byte and float pixels")
+    out, start = [], 0
+    while start < len(images):
+        frames = _frames(images[start])
+        end = start + 1
+        while end < len(images) and _frames(images[end]) == frames:
+            end += 1
+        run = images[start:end]
+        data = [im.data.view(im.data.shape[0], 3, frames, -1) for im in run]  # bytes [n, 3, frames, p*p]
+        pixels = images_to_device(data, [im.meta.pixel_lut for im in run], device, dtype)  # [n, 3, frames, p*p]
+        # a still image: every temporal slot holds the same frame
+        out.append(pixels.expand(-1, -1, temporal_patch_size, -1).reshape(pixels.shape[0], -1)
+                   if frames == 1 else pixels.reshape(pixels.shape[0], -1))  # [n, 3 * T * p*p]
+        start = end
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _frames(image: ImageInput) -> int:
+    return image.meta.frames
 
 
 class Qwen2VLImageProcessor:

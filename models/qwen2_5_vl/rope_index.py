@@ -1,4 +1,4 @@
-"""M-RoPE positions of a Qwen2.5-VL prompt (still images), the same as HF `Qwen2_5_VLModel.get_rope_index`.
+"""M-RoPE positions of a Qwen2.5-VL prompt, the same as HF `Qwen2_5_VLModel.get_rope_index`.
 
 Every token gets three position ids (temporal, height, width):
 
@@ -10,6 +10,13 @@ Every token gets three position ids (temporal, height, width):
 Text tokens count up by one on all axes. An image block sits on a (t, h/merge, w/merge) grid offset by
 the position where it starts; the text after it resumes at start + max(h, w) / merge. Decode token at
 index p (p >= len(prompt)) has position p + rope_delta on all three axes.
+
+A video is a run of temporal patches (2 frames each) on the same (h, w) grid, all starting at the run's
+start position; patch k's temporal position is start + int(k * tokens_per_second * seconds per patch)
+(float32, as transformers computes it), and the text after the whole run resumes at start + max(h, w) /
+merge. The processor hands each patch over as one `VisionSpan` (t_offset = that temporal position
+minus start; `ends_run` on the last). Qwen3-VL writes each patch as a run of its own between timestamp
+texts: every span ends its run, at temporal offset 0.
 """
 from __future__ import annotations
 
@@ -44,6 +51,51 @@ def prompt_positions_at(prompt_positions: MRopePositions | None, start: int, end
     return prompt_positions.at(start, end)
 
 
+@dataclass(frozen=True)
+class VisionSpan:
+    """Vision tokens `start .. start + t*h*w` of a prompt, on a grid of t x h x w merged units."""
+    start: int
+    grid: tuple[int, int, int]  # (t, h, w) after merging
+    t_offset: int = 0  # temporal position of the first row, relative to its run's start
+    ends_run: bool = True  # False: the next span (the video's next patch) starts at the same position
+
+
+def vision_positions(num_tokens: int, spans: list[VisionSpan]) -> tuple[torch.Tensor, int]:
+    """Positions `[3, num_tokens]` int64 and rope_delta of a prompt whose vision tokens are `spans`
+    (in order, not overlapping); every other token is text."""
+    pieces: list[torch.Tensor] = []
+    pos = 0  # the position the next text token or run takes
+    prev_end = 0
+    for span in spans:
+        t, gh, gw = span.grid
+        if span.start > prev_end:
+            pieces.append((torch.arange(span.start - prev_end, dtype=torch.int64) + pos).expand(3, -1))
+            pos += span.start - prev_end
+        grid = torch.stack(torch.meshgrid(torch.arange(t, dtype=torch.int64) + span.t_offset,
+                                          torch.arange(gh, dtype=torch.int64),
+                                          torch.arange(gw, dtype=torch.int64), indexing="ij"))  # [3, t, gh, gw]
+        pieces.append(grid.reshape(3, -1) + pos)
+        if span.ends_run:
+            pos += max(gh, gw)
+        prev_end = span.start + t * gh * gw
+    if num_tokens > prev_end:
+        pieces.append((torch.arange(num_tokens - prev_end, dtype=torch.int64) + pos).expand(3, -1))
+    if not pieces:
+        return torch.zeros(3, 0, dtype=torch.int64), 0
+    positions = torch.cat(pieces, dim=1)  # [3, L]
+    return positions, int(positions.max()) + 1 - num_tokens
+
+
+def video_time_offsets(num_patches: int, sample_fps: float, temporal_patch_size: int,
+                       tokens_per_second: float) -> list[int]:
+    """Each temporal patch's temporal position relative to the video's start: int(k * interval), with
+    interval = tokens_per_second * (temporal_patch_size / sample_fps) in float32, as transformers'
+    processor hands `second_per_grid_ts` to `get_rope_index` (a float32 tensor)."""
+    seconds = torch.tensor([temporal_patch_size / sample_fps])[0]  # float32, as the processor's BatchFeature
+    interval = tokens_per_second * seconds
+    return (torch.arange(num_patches) * interval).long().tolist()
+
+
 def _image_runs(ids: torch.Tensor, image_token_id: int) -> list[tuple[int, int]]:
     """(start, end) of each maximal run of image tokens."""
     is_img = (ids == image_token_id).to(torch.int8)  # [L]
@@ -69,29 +121,12 @@ def mrope_positions(token_ids: list[int],
         raise ValueError(f"prompt has {len(runs)} run(s) of image token {image_token_id} but "
                          f"{len(image_grid_thw)} image grid(s) were given; each image needs one contiguous "
                          f"run of t*h*w/{spatial_merge_size ** 2} image tokens")
-    pieces: list[torch.Tensor] = []
-    pos = 0  # next position id
-    prev_end = 0  # next token index
+    spans = []
     for i, ((start, end), (t, h, w)) in enumerate(zip(runs, image_grid_thw)):
         gh, gw = h // spatial_merge_size, w // spatial_merge_size
         expected = t * gh * gw
         if h % spatial_merge_size or w % spatial_merge_size or end - start != expected:
             raise ValueError(f"image {i} (grid t={t}, h={h}, w={w}, merge {spatial_merge_size}) needs {expected} "
                              f"image tokens but its run at token {start} has {end - start}")
-        text_len = start - prev_end
-        if text_len:
-            pieces.append((torch.arange(text_len, dtype=torch.int64) + pos).expand(3, -1))
-            pos += text_len
-        grid = torch.stack(torch.meshgrid(torch.arange(t, dtype=torch.int64),
-                                          torch.arange(gh, dtype=torch.int64),
-                                          torch.arange(gw, dtype=torch.int64), indexing="ij"))  # [3, t, gh, gw]
-        pieces.append(grid.reshape(3, -1) + pos)
-        pos += max(gh, gw)
-        prev_end = end
-    if num_tokens - prev_end:
-        pieces.append((torch.arange(num_tokens - prev_end, dtype=torch.int64) + pos).expand(3, -1))
-    if not pieces:
-        return torch.zeros(3, 0, dtype=torch.int64), 0
-    positions = torch.cat(pieces, dim=1)  # [3, L]
-    rope_delta = int(positions.max()) + 1 - num_tokens
-    return positions, rope_delta
+        spans.append(VisionSpan(start, (t, gh, gw)))
+    return vision_positions(num_tokens, spans)

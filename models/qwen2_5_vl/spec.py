@@ -22,11 +22,29 @@ def pixel_settings(cell: int) -> tuple[Setting, Setting]:
             Setting("max_pixels", _PIXELS.format("at most"), detail=detail))
 
 
+def qwen_video_settings(cell: int) -> tuple[Setting, ...]:
+    """A video part's settings: qwen-vl-utils' names and defaults (models/qwen2_5_vl/video_sampling.py)."""
+    detail = f"a multiple of {cell}x{cell} pixels"
+    return (Setting("fps", "frames sampled per second of video (default 2)", type=float),
+            Setting("nframes", "frames to sample, instead of fps (rounded to a multiple of 2)"),
+            Setting("min_frames", "the fewest frames fps may sample (default 4)"),
+            Setting("max_frames", "the most frames fps may sample (default 768, at most the video's)"),
+            Setting("min_pixels", "pixels each frame is resized to at least (default 128 tokens' worth)",
+                    detail=detail),
+            Setting("max_pixels", "pixels each frame is resized to at most (default 768 tokens' worth, and "
+                                  "total_pixels / frames * 2)", detail=detail),
+            Setting("total_pixels", "pixels of all frames together, an even share per frame (default 128000 "
+                                    "tokens' worth * 0.9)", detail=detail),
+            Setting("sample_fps", "a video given as a list of frames: the frames per second they were taken at "
+                                  "(default 2)", type=float))
+
+
 class Qwen2_5_VLSpec(FamilySpec):
     name = "qwen2_5_vl"
     display_name = "Qwen2.5-VL"
     engine_settings = pixel_settings(28)
     image_settings = engine_settings  # an image part's own bounds win over the engine's
+    video_settings = qwen_video_settings(28)
     plan_setting = ("max_pixels", "max_pixels")
 
     @property
@@ -48,13 +66,17 @@ class Qwen2_5_VLSpec(FamilySpec):
                      options: Mapping[str, Any]) -> ImageLimits:
         from vlm_sdk.models.qwen2_5_vl.fixes import largest_max_pixels
         from vlm_sdk.models.qwen2_5_vl.image_processor import max_image_grid
+        from vlm_sdk.models.qwen2_5_vl.video_sampling import VIDEO_MAX_TOKEN_NUM
         ip = self.image_processor_cls.from_preprocessor_config(preprocessor, hf_config)
         max_pixels = options.get("max_pixels") or ip.max_pixels
         factor, unit = ip.patch_size * ip.merge_size, ip.merge_size ** 2
 
+        # a video's largest temporal patch (768 tokens a frame) is the tower's largest call when larger
+        _, vh, vw = max_image_grid(ip, VIDEO_MAX_TOKEN_NUM * factor * factor)
+
         def at(v: int) -> ImageSize:
             t, h, w = max_image_grid(ip, v)
-            return ImageSize(t * h * w // unit, t * h * w,
+            return ImageSize(t * h * w // unit, max(t * h * w, vh * vw),
                              f"max_pixels {v}: {h * ip.patch_size}x{w * ip.patch_size} pixels", v)
 
         def candidates(limit: int) -> int | None:

@@ -1,5 +1,5 @@
-"""A one-page web app: a chat about one image. Pick an image, ask, watch the answer stream in, ask
-follow-up questions about the same image; "New image" starts over.
+"""A one-page web app: a chat about one image or video. Pick an image or a video, ask, watch the answer
+stream in, ask follow-up questions about the same one; "New image" starts over.
 
     python samples/web_qa/app.py --url http://127.0.0.1:8000 [--api-key K]   # a running `vlm-sdk serve`
     python samples/web_qa/app.py                                            # starts a server here
@@ -7,7 +7,8 @@ follow-up questions about the same image; "New image" starts over.
 
 Without --url a server is started in this process on the tiny checkpoint with RANDOM weights
 (gibberish answers). The app keeps no state: the page holds the conversation and posts all of it with
-each question to POST /api/ask (multipart form: `image`, `question`, `history` (JSON: the earlier
+each question to POST /api/ask (multipart form: `image` (an image or a video: a video's MIME type
+is video/*, or its bytes begin as an MP4, MOV, WebM, MKV or AVI file), `question`, `history` (JSON: the earlier
 turns, `[{"question", "answer"}, ...]`), optional `max_tokens`, `temperature` (default 0)). The app
 sends the server the whole conversation, image first, as a chat client does: the server's prefix
 cache recognises the part it has seen, so a follow-up's first token comes sooner. The answer comes
@@ -42,17 +43,18 @@ class FormError(ValueError):
 
 
 class Question(NamedTuple):  # not a dataclass: one fails when this file is loaded by path, as the tests do
-    image: bytes
+    image: bytes  # an image's or a video's bytes
     history: list[tuple[str, str]]  # earlier (question, answer) turns, oldest first
     question: str
     max_tokens: int
     temperature: float
+    kind: str = "image"  # or "video"
 
     def messages(self) -> list[dict]:
-        """The whole conversation: the image goes with the first question, as when it was first asked,
-        so every turn's prompt starts with the previous turn's."""
+        """The whole conversation: the image (or video) goes with the first question, as when it was
+        first asked, so every turn's prompt starts with the previous turn's."""
         questions = [q for q, _ in self.history] + [self.question]
-        messages = [{"role": "user", "content": [{"type": "image", "image": self.image},
+        messages = [{"role": "user", "content": [{"type": self.kind, self.kind: self.image},
                                                  {"type": "text", "text": questions[0]}]}]
         for (_, answer), question in zip(self.history, questions[1:]):
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
@@ -79,7 +81,18 @@ async def read_question(request: web.Request) -> Question:
         temperature = float(form.get("temperature") or 0.0)
     except ValueError:
         raise FormError("max_tokens must be an integer and temperature a number") from None
-    return Question(data, parse_history(str(form.get("history") or "[]")), question, max_tokens, temperature)
+    kind = "video" if is_video(image.content_type, data) else "image"
+    return Question(data, parse_history(str(form.get("history") or "[]")), question, max_tokens, temperature, kind)
+
+
+# (offset, bytes) of the containers a video usually comes in: MP4 / MOV, WebM / MKV, AVI
+_VIDEO_SIGNATURES = ((4, b"ftyp"), (0, b"\x1aE\xdf\xa3"), (8, b"AVI "))
+
+
+def is_video(content_type: str | None, data: bytes) -> bool:
+    if (content_type or "").startswith("video/"):
+        return True
+    return any(data[at:at + len(sig)] == sig for at, sig in _VIDEO_SIGNATURES)
 
 
 def parse_history(raw: str) -> list[tuple[str, str]]:

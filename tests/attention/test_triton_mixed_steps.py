@@ -1,6 +1,8 @@
 """Mixed steps on the Triton backend (issue 19 point 1): query-length-1 rows go to the decode kernel,
 the others to the prefill kernel over their real (sequence, query tile) pairs with the GQA group packed
-into the tile's rows; parity with the torch backend (the reference) under the interpreter, small shapes."""
+into the tile's rows; parity with the torch backend (the reference) under the interpreter, small shapes,
+over a float cache and an FP8 one (kv_cache_dtype="fp8": the store quantizes with the layer's scales, every
+kernel reads them back)."""
 from __future__ import annotations
 
 import os
@@ -21,6 +23,10 @@ HEAD_DIM = 32
 
 class Layer:
     scale = HEAD_DIM ** -0.5
+
+    def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0, device="cpu"):
+        self.k_scale = torch.tensor(k_scale, device=device)  # an FP8 cache's scales (unread by a float one)
+        self.v_scale = torch.tensor(v_scale, device=device)
 
 
 def _step(query_lens, seq_lens, num_heads, num_kv_heads, dtype=torch.float32, seed=0):
@@ -56,11 +62,11 @@ def _to(meta: AttentionMetadata, device) -> AttentionMetadata:
     return AttentionMetadata(**fields)
 
 
-def _run(backend, qkv, caches, meta, device):
+def _run(backend, qkv, caches, meta, device, scales=(1.0, 1.0)):
     q, k, v = (t.to(device) for t in qkv)
     kc, vc = (c.clone().to(device) for c in caches)
     prepared = backend.prepare(_to(meta, device), kc)
-    return backend.forward(q, k, v, Layer(), (kc, vc), prepared), prepared
+    return backend.forward(q, k, v, Layer(*scales, device), (kc, vc), prepared), prepared
 
 
 # (query_lens, seq_lens): decode rows first (the scheduler's order), decode rows between prefill rows
@@ -87,6 +93,32 @@ def test_mixed_step_matches_torch_backend(step, heads, dtype):
     if decodes:
         assert prepared.decode_rows.num_rows == len(decodes)
         assert (prepared.decode_rows.token_index is None) == (decodes == list(range(len(decodes))))
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_mixed_step_over_fp8_cache_matches_torch_backend(step, dtype):
+    """The same steps over an FP8 cache (the earlier tokens quantized as the store would, this step's
+    stored by each backend) with scales 0.3 / 2.0: both backends store the same bytes and attend over the
+    same values."""
+    from vlm_sdk.attention.triton_backend import TritonBackend
+    from vlm_sdk.kernels import kv_quant
+    qkv, caches, meta = _step(*STEPS[step], 4, 2, dtype=dtype, seed=3)
+    scales = (0.3, 2.0)
+    fp8 = [kv_quant.quantize(c.float(), torch.tensor(s), kv_quant.KV_FP8) for c, s in zip(caches, scales)]
+    ref_caches = [c.clone() for c in fp8]
+    q, k, v = qkv
+    layer = Layer(*scales)
+    backend = TorchBackend()
+    ref = backend.forward(q.float(), k.float(), v.float(), layer, ref_caches, backend.prepare(meta, ref_caches[0]))
+    got_caches = [c.clone().to(DEVICE) for c in fp8]
+    triton_backend = TritonBackend()
+    out = triton_backend.forward(*(t.to(DEVICE) for t in qkv), Layer(*scales, DEVICE), got_caches,
+                                 triton_backend.prepare(_to(meta, DEVICE), got_caches[0]))
+    for got, want in zip(got_caches, ref_caches):  # this step's K/V stored as the same bytes
+        if dtype == torch.float32:
+            assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+    assert_reduction_close(out.float().cpu(), ref, attention_terms(HEAD_DIM, max(STEPS[step][1])), dtype, roundings=2)
 
 
 def test_prefill_tiles_cover_real_tiles_only():

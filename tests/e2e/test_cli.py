@@ -83,6 +83,24 @@ def test_serve_engine_flags_include_backend_and_eager():
     assert engine_kwargs(parser.parse_args([])) == {}
 
 
+def test_bench_video_json_on_tiny_model(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """`vlm-sdk bench --video`: the parts of the time to first token and the preprocessing comparison,
+    on a short clip (the default is 30 s of 480p)."""
+    monkeypatch.setenv("VLM_SDK_CACHE", str(tmp_path))
+    assert main(["bench", "--video", "--model", str(tiny_ckpt), "--video-seconds", "2", "--video-rounds", "1",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["source"] == "854x480 at 30 fps, 60 frames" and report["sampled_frames"] == 4
+    assert report["frame_size"] == "840x476" and report["video_tokens"] == 2 * 17 * 30
+    parts = report["parts_ms"]
+    assert all(parts[k] > 0 for k in ("open", "decode", "preprocess", "build_prompt", "prefill"))
+    assert parts["ttft"] == pytest.approx(parts["build_prompt"] + parts["prefill"], rel=0.5)
+    pre = report["preprocessing"]
+    assert pre["ours_ms"] > 0 and pre["ratio_vs_image_processor_per_frame"] > 0
+    assert "ratio_vs_video_processor" in pre or pre["transformers_video_processor"].startswith("unavailable: ")
+    assert main(["bench", "--video-fps", "1"]) == 2  # a --video option without --video
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("argv", [["--num-requests", "3", "--hf-batch-size", "2"],

@@ -136,6 +136,28 @@ def test_bench_serve_against_a_running_server(srv, capsys):
     assert srv.stats()["kv_blocks_used"] == 0
 
 
+VIDEO_FIGURES = re.compile(r"\[(\d+) prompt tokens, (\d+) of them the video's \((\d+) vision items\); decoding \+ "
+                           r"preprocessing \d+ ms, then time to first token \d+ ms; 6 generated\]")
+
+
+def test_video_qa_sample_in_process_and_over_http(srv, tiny_ckpt, tmp_path):
+    from vlm_sdk.testing.videos import write_video
+    clip = tmp_path / "clip.mp4"
+    write_video(clip, frames=24, fps=8, width=96, height=64)
+    local = run_sample("video_qa.py", "--model", str(tiny_ckpt), "--video", str(clip), "--fps", "2",
+                       "--max-tokens", "6", "What happens?")
+    figures = VIDEO_FIGURES.search(local.stderr)
+    assert figures, local.stderr
+    prompt, video, items = map(int, figures.groups())
+    assert 0 < video < prompt and items == 3  # 6 frames sampled: 3 temporal patches
+    remote = run_sample("video_qa.py", "--url", srv.url, "--video", str(clip), "--fps", "2", "--max-tokens", "6",
+                        "What happens?")
+    assert remote.stdout == local.stdout  # greedy: the same answer over HTTP
+    assert f"[{prompt} prompt tokens (video included)" in remote.stderr
+    demo = run_sample("video_qa.py", "--model", str(tiny_ckpt), "--max-tokens", "6")
+    assert "a 3 s demo clip" in demo.stderr and VIDEO_FIGURES.search(demo.stderr)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_bench_serve_on_one_gpu_gives_each_engine_its_share(tiny_ckpt, capsys):

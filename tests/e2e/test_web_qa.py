@@ -356,3 +356,20 @@ def test_too_big_upload_shows_the_limit(page, tmp_path):
     _ask(page, big)
     page.wait_for_function("document.getElementById('status').className === 'error'")
     assert page.text_content("#status") == "the upload is over the limit of 20 MB"
+
+
+def test_a_video_is_asked_about_as_a_video(page, server, web_qa, tmp_path):
+    """An MP4 upload goes to the server as a video part: the page's answer is the one a video_url
+    request gets, and the page previews it as a video."""
+    from vlm_sdk.testing.videos import write_video
+    clip = tmp_path / "clip.mp4"
+    write_video(clip, frames=16, fps=8, width=96, height=64)
+    _ask(page, clip, "What happens?")
+    turn = _answered(page, 1)
+    video = [{"role": "user", "content": [{"type": "video", "video": clip.read_bytes()},
+                                          {"type": "text", "text": "What happens?"}]}]
+    ref = _reference(web_qa, server, video)
+    assert (turn["answer"], turn["prompt"]) == (ref.text, ref.usage.prompt_tokens)
+    image_tokens = _reference(web_qa, server, _messages(_png(), "What happens?")).usage.prompt_tokens
+    assert turn["prompt"] != image_tokens
+    assert page.is_visible("#video-preview") and not page.is_visible("#preview")

@@ -33,7 +33,8 @@ def test_plan_of_the_72b_awq_config_fits_one_80gib_gpu_and_counts_every_packed_b
                  + 2 * h * 2)                                                          # the two norms
     embed_and_head = 2 * c["vocab_size"] * h * 2 + h * 2  # untied, bf16; the final norm
     assert p.weights_language_model_bytes == c["num_hidden_layers"] * per_layer + embed_and_head
-    assert p.weights_bytes < 40 * 2 ** 30 and not p.problems  # ~40 GiB of weights: one 80 GiB GPU
+    # the published config (intermediate_size 29696): 40.05 GiB of weights, the cache in the rest of one 80 GiB GPU
+    assert p.weights_bytes < 41 * 2 ** 30 and not p.problems
     assert p.capacity_tokens > 90_000  # what the bf16 KV cache holds beside them
     assert p.weight_format.startswith("AWQ int4, group 128")
     assert "weights: format" in format_plan(p) and "AWQ int4, group 128" in format_plan(p)
@@ -53,3 +54,31 @@ def test_plan_equals_the_engine_on_a_quantized_checkpoint(tiny_checkpoints, tmp_
     assert p.weights_language_model_bytes < float_plan.weights_language_model_bytes  # packed: fewer bytes
     assert p.weights_vision_bytes == float_plan.weights_vision_bytes  # the vision tower stays float
     assert p.weight_format != "float" and float_plan.weight_format == "float"
+
+
+def test_plan_of_the_72b_awq_config_with_an_fp8_kv_cache_holds_twice_the_tokens():
+    """The issue's plan: Qwen2.5-VL-72B-Instruct-AWQ on one 80 GiB GPU, how many tokens the cache holds in bf16
+    and FP8 KV. The same memory_utilization budget: the FP8 cache's blocks are half the bytes, so twice the
+    blocks (the budget's remainder may give one more)."""
+    bf16 = plan(AWQ_72B, device_memory="80GiB")
+    fp8 = plan(AWQ_72B, device_memory="80GiB", kv_cache_dtype="fp8")
+    assert (bf16.kv_cache_dtype, fp8.kv_cache_dtype) == ("bfloat16", "float8_e4m3fn")
+    assert fp8.kv_bytes_per_block * 2 == bf16.kv_bytes_per_block
+    assert fp8.kv_bytes_per_token == 80 * 2 * 8 * 128  # 80 layers x K, V x 8 KV heads x 128 x 1 byte
+    assert fp8.weights_bytes == bf16.weights_bytes and not fp8.problems
+    assert fp8.num_blocks in (2 * bf16.num_blocks, 2 * bf16.num_blocks + 1)
+    assert bf16.fp8_capacity_tokens == fp8.capacity_tokens > 180_000  # the bf16 plan names the FP8 figure
+    assert fp8.fp8_capacity_tokens is None
+    text = format_plan(bf16)
+    assert f"{bf16.capacity_tokens:,} tokens; {fp8.capacity_tokens:,} with --kv-cache-dtype fp8" in text
+    assert "x float8_e4m3fn) (kv_cache_dtype='fp8'" in format_plan(fp8)
+    assert fp8.to_dict()["kv_cache_dtype"] == "float8_e4m3fn"
+
+
+def test_plan_equals_the_engine_with_an_fp8_kv_cache(tiny_checkpoints):
+    path = tiny_checkpoints("qwen2_5_vl")
+    p = plan(path, device="cpu", kv_cache_dtype="fp8", kv_cache_memory="1MiB")
+    r = LLM(str(path), device="cpu", show_progress=False, kv_cache_dtype="fp8", kv_cache_memory="1MiB").memory_report
+    for key in ("kv_bytes_per_block", "kv_bytes_per_token", "num_blocks", "kv_cache_dtype"):
+        assert getattr(p, key) == getattr(r, key), key
+    assert p.kv_cache_dtype == "float8_e4m3fn"

@@ -61,8 +61,13 @@ def test_kv_cache_memory_sized_cache_offers_kv_cache_memory(tiny_ckpt, small):
     with pytest.raises(InputTooLongError) as info:
         llm.chat(_big_conv(), PARAMS)
     fixes = info.value.fixes
-    assert set(fixes) == {"num_blocks", "kv_cache_memory", "max_pixels"}
+    # the same bytes hold 4x the tokens as float8 (this float32 cache's 6.5 blocks -> 26): kv_cache_dtype
+    # is a fix too (tests/e2e/test_fp8_kv_cache.py has where it is not)
+    assert set(fixes) == {"num_blocks", "kv_cache_memory", "max_pixels", "kv_cache_dtype"}
     assert fixes["kv_cache_memory"] == fixes["num_blocks"] * per_block
+    fp8 = LLM(tiny_ckpt, kv_cache_memory=BLOCKS * per_block + per_block // 2, allow_unfit_images=True,
+              show_progress=False, kv_cache_dtype=fixes["kv_cache_dtype"])
+    assert len(fp8.chat(_big_conv(), PARAMS)[0].token_ids) == 4
     # printed with a unit, exactly: it pastes into LLM(...) as a string and into --kv-cache-memory
     printed = format_size(fixes["kv_cache_memory"])
     assert f"kv_cache_memory={printed!r}" in str(info.value) and f"--kv-cache-memory {printed}" in str(info.value)

@@ -50,8 +50,6 @@ TEXT_SHAPES = (QWEN25_7B, QWEN25_3B)
 # MoE experts: (experts, per token, hidden, expert width on one rank)
 QWEN3_30B_A3B = (128, 8, 2048, 768)
 QWEN3_235B_A22B_TP8 = (128, 8, 4096, 1536 // 8)
-# block-wise FP8 experts: compiled for sm_89+ only (Triton has no e4m3 type before; the op refuses older GPUs)
-FP8_CASES = ("qwen3-vl-30b-a3b fp8 decode", "qwen3-vl-30b-a3b fp8 prefill 2048")
 # vision towers: (name, heads, head_dim, hidden, intermediate); no GQA
 QWEN25_VIT = ("qwen2.5-vl-vit", 16, 80, 1280, 3420)
 INTERNVIT_300M = ("internvit-300m", 16, 64, 1024, 4096)
@@ -63,52 +61,64 @@ def _qkv(n: int, heads: int, kv_heads: int, head_dim: int):
     return qkv.split([heads, kv_heads, kv_heads], dim=1)
 
 
-def _cache(shape: TextShape, num_blocks: int = 4096):
+def _cache(shape: TextShape, num_blocks: int = 4096, dtype: torch.dtype = BF16):
     size = (num_blocks, BLOCK_SIZE, shape.kv_heads, shape.head_dim)
-    return torch.empty(size, dtype=BF16, device=META), torch.empty(size, dtype=BF16, device=META)
+    return torch.empty(size, dtype=dtype, device=META), torch.empty(size, dtype=dtype, device=META)
+
+
+def _kv_scales() -> dict:
+    """An FP8 cache's per-layer scales (kv_cache_dtype='fp8')."""
+    return {"k_scale": torch.empty((), device=META), "v_scale": torch.empty((), device=META)}
 
 
 def _ints(*size: int) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int32, device=META)
 
 
-def cases() -> list[tuple[str, str, Callable[[], None]]]:
-    """(module, case name, a call of the module's launcher at a production shape)."""
+def cases() -> list[tuple]:
+    """(module, case name, a call of the module's launcher at a production shape[, the archs it is for:
+    every one asked when absent])."""
     from vlm_sdk.kernels import (paged_attention_decode, paged_prefill_attention, rms_norm, rotary, rotary_store_kv,
                                  silu_and_mul, store_kv, varlen_attention)
-    out: list[tuple[str, str, Callable[[], None]]] = []
+    out: list[tuple] = []
     max_blocks = 32768 // BLOCK_SIZE
+    fp8 = torch.float8_e4m3fn
     for s in TEXT_SHAPES:
-        def decode(s=s, splits=1):
+        # an FP8 cache is read from its bits (any GPU) unless `hardware` (sm_89+: Triton's e4m3 conversion)
+        def decode(s=s, splits=1, cache=BF16, hardware=False):
             q, _, _ = _qkv(64, s.heads, s.kv_heads, s.head_dim)
-            kc, vc = _cache(s)
+            kc, vc = _cache(s, dtype=cache)
             paged_attention_decode.paged_attention_decode(q, kc, vc, _ints(64, max_blocks), _ints(64),
-                                                          s.head_dim ** -0.5, num_splits=splits)
+                                                          s.head_dim ** -0.5, num_splits=splits, fp8_hardware=hardware,
+                                                          **(_kv_scales() if cache == fp8 else {}))
 
-        def prefill(s=s, max_q=2048):
+        def prefill(s=s, max_q=2048, cache=BF16, hardware=False):
             q, _, _ = _qkv(4096, s.heads, s.kv_heads, s.head_dim)
-            kc, vc = _cache(s)
+            kc, vc = _cache(s, dtype=cache)
             paged_prefill_attention.paged_prefill_attention(q, kc, vc, _ints(4, max_blocks), _ints(5), _ints(4),
-                                                            max_q, s.head_dim ** -0.5)
+                                                            max_q, s.head_dim ** -0.5, fp8_hardware=hardware,
+                                                            **(_kv_scales() if cache == fp8 else {}))
 
-        def kv(s=s):
+        def kv(s=s, cache=BF16):
             _, k, v = _qkv(256, s.heads, s.kv_heads, s.head_dim)
-            kc, vc = _cache(s)
-            store_kv.store_kv(k, v, kc, vc, torch.empty(256, dtype=torch.int64, device=META))
+            kc, vc = _cache(s, dtype=cache)
+            store_kv.store_kv(k, v, kc, vc, torch.empty(256, dtype=torch.int64, device=META),
+                              **(_kv_scales() if cache == fp8 else {}))
 
         def rope(s=s):
             q, k, _ = _qkv(256, s.heads, s.kv_heads, s.head_dim)
             rotary.rotary_embedding(q, k, torch.empty(3, 256, dtype=torch.int64, device=META),
                                     torch.empty(s.head_dim // 2, device=META), mrope_section=(16, 24, 24))
 
-        def rope_store(s=s, n=64, section=(16, 24, 24), interleaved=False, qk_norm=False):
+        def rope_store(s=s, n=64, section=(16, 24, 24), interleaved=False, qk_norm=False, cache=BF16):
             q, k, v = _qkv(n, s.heads, s.kv_heads, s.head_dim)
-            kc, vc = _cache(s)
+            kc, vc = _cache(s, dtype=cache)
             w = torch.empty(s.head_dim, dtype=BF16, device=META) if qk_norm else None
             rotary_store_kv.rotary_store_kv(q, k, v, kc, vc, torch.empty(n, dtype=torch.int64, device=META),
                                             torch.empty(3, n, dtype=torch.int64, device=META),
                                             torch.empty(s.head_dim // 2, device=META), mrope_section=section,
-                                            mrope_interleaved=interleaved, q_norm_weight=w, k_norm_weight=w)
+                                            mrope_interleaved=interleaved, q_norm_weight=w, k_norm_weight=w,
+                                            **(_kv_scales() if cache == fp8 else {}))
 
         out += [("paged_attention_decode", f"{s.name} direct", decode),
                 ("rotary_store_kv", f"{s.name} mrope, 64 decode rows", rope_store),
@@ -116,7 +126,18 @@ def cases() -> list[tuple[str, str, Callable[[], None]]]:
                 ("paged_prefill_attention", f"{s.name} chunk 2048", prefill),
                 ("paged_prefill_attention", f"{s.name} chunk 64", lambda p=prefill: p(max_q=64)),
                 ("store_kv", s.name, kv),
-                ("rotary", f"{s.name} mrope", rope)]
+                ("rotary", f"{s.name} mrope", rope),
+                # kv_cache_dtype='fp8': the same kernels over an e4m3 cache with per-layer scales
+                ("paged_attention_decode", f"{s.name} fp8 KV direct", lambda d=decode: d(cache=fp8)),
+                ("paged_attention_decode", f"{s.name} fp8 KV 8 splits", lambda d=decode: d(splits=8, cache=fp8)),
+                ("paged_prefill_attention", f"{s.name} fp8 KV chunk 2048", lambda p=prefill: p(cache=fp8)),
+                ("store_kv", f"{s.name} fp8 KV", lambda f=kv: f(cache=fp8)),
+                ("rotary_store_kv", f"{s.name} mrope, 64 decode rows, fp8 KV", lambda f=rope_store: f(cache=fp8)),
+                # sm_90 only: Triton has no e4m3 type below sm_89
+                ("paged_attention_decode", f"{s.name} fp8 KV hardware 8 splits",
+                 lambda d=decode: d(splits=8, cache=fp8, hardware=True), (90,)),
+                ("paged_prefill_attention", f"{s.name} fp8 KV hardware chunk 2048",
+                 lambda p=prefill: p(cache=fp8, hardware=True), (90,))]
 
     def rope_qk_norm(s=QWEN3_8B):
         q, k, _ = _qkv(256, s.heads, s.kv_heads, s.head_dim)
@@ -180,7 +201,9 @@ def cases() -> list[tuple[str, str, Callable[[], None]]]:
                             torch.empty(experts, hidden, inter, dtype=fp8, device=META),
                             torch.empty(tokens, top_k, dtype=torch.float32, device=META),
                             torch.empty(tokens, top_k, dtype=torch.int64, device=META), scales)
-    out += [("fused_moe", FP8_CASES[0], moe_fp8), ("fused_moe", FP8_CASES[1], lambda f=moe_fp8: f(tokens=2048))]
+    # sm_90 only: Triton has no e4m3 type before sm_89 (the op refuses FP8 experts on older GPUs)
+    out += [("fused_moe", "qwen3-vl-30b-a3b fp8 decode", moe_fp8, (90,)),
+            ("fused_moe", "qwen3-vl-30b-a3b fp8 prefill 2048", lambda f=moe_fp8: f(tokens=2048), (90,))]
     out += [("fused_moe", "qwen3-vl-30b-a3b decode (16-row blocks)", moe),
             ("fused_moe", "qwen3-vl-30b-a3b prefill 2048 (64-row blocks)", lambda f=moe: f(tokens=2048)),
             ("fused_moe", "qwen3-vl-235b-a22b tp=8 prefill 2048", lambda f=moe: f(QWEN3_235B_A22B_TP8, 2048))]
@@ -218,6 +241,48 @@ def cases() -> list[tuple[str, str, Callable[[], None]]]:
         top_p_cut.top_p_cut_(probs, torch.empty(64, dtype=torch.bool, device=META),
                              torch.empty(64, dtype=torch.float32, device=META))
     out += [("top_p_cut", "64 rows x 151,936 vocab", nucleus)]
+    return out + quantized_gemm_cases()
+
+
+def _projections(s: TextShape) -> dict[str, tuple[int, int]]:
+    """The decoder's four products of a model, (N, K): fused q | k | v, o_proj, fused gate | up, down."""
+    return {"qkv": ((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden), "o_proj": (s.hidden, s.heads * s.head_dim),
+            "gate_up": (2 * s.intermediate, s.hidden), "down": (s.hidden, s.intermediate)}
+
+
+def quantized_gemm_cases() -> list[tuple]:
+    """The quantized checkpoints' GEMMs with the launch an H100 (132 SMs) would get: AWQ and GPTQ (desc_act)
+    int4 at Qwen2.5-VL-7B's shapes, block FP8 at Qwen3-VL-8B's; decode (1 and 16 rows: split K) and
+    prefill (2048 rows: tiles). FP8 read from its bits on both archs, with Triton's conversion on sm_90."""
+    from vlm_sdk.kernels import fp8_block_gemm, int4_gemm
+    out: list[tuple] = []
+
+    def int4(m, n, k, awq, desc_act=False, group=128):
+        x = torch.empty(m, k, dtype=BF16, device=META)
+        qweight = torch.empty((k, n // 8) if awq else (k // 8, n), dtype=torch.int32, device=META)
+        zeros = torch.empty(k // group, n // 8, dtype=torch.int32, device=META)
+        scales = torch.empty(k // group, n, dtype=torch.float16, device=META)
+        g_idx = torch.empty(k, dtype=torch.int32, device=META) if desc_act else None
+        int4_gemm.int4_gemm(x, qweight, zeros, scales, awq=awq, group=group, g_idx=g_idx, zero_offset=0 if awq else 1,
+                            config=int4_gemm.gpu_config(m, n, k, group, 132))
+
+    def fp8(m, n, k, hardware):
+        x = torch.empty(m, k, dtype=BF16, device=META)
+        w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=META)
+        s = torch.empty(-(-n // 128), -(-k // 128), device=META)
+        fp8_block_gemm.fp8_block_gemm(x, w, s, (128, 128), config=fp8_block_gemm.gpu_config(m, n, k, (128, 128), 132),
+                                      fp8_hardware=hardware)
+
+    for name, (n, k) in _projections(QWEN25_7B).items():
+        for m in (1, 16, 2048):
+            out += [("int4_gemm", f"{QWEN25_7B.name} AWQ {name}, {m} rows", lambda m=m, n=n, k=k: int4(m, n, k, True))]
+        out += [("int4_gemm", f"{QWEN25_7B.name} GPTQ desc_act {name}, {m} rows",
+                 lambda m=m, n=n, k=k: int4(m, n, k, False, True)) for m in (1, 2048)]
+    for name, (n, k) in _projections(QWEN3_8B).items():
+        for m in (1, 2048):
+            out += [("fp8_block_gemm", f"{QWEN3_8B.name} {name}, {m} rows", lambda m=m, n=n, k=k: fp8(m, n, k, False)),
+                    ("fp8_block_gemm", f"{QWEN3_8B.name} {name}, {m} rows, hardware e4m3",
+                     lambda m=m, n=n, k=k: fp8(m, n, k, True), (90,))]
     return out
 
 
@@ -354,13 +419,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--only", default=None, help="compile only the cases of this kernel module")
     opts = parser.parse_args(argv)
     done: dict[tuple, dict] = {}  # one compile per distinct specialisation (cases may share a binary)
-    for module, case, call in cases():
+    for module, case, call, *only_archs in cases():
         if opts.only and module != opts.only:
             continue
+        archs = [a for a in opts.arch if not only_archs or a in only_archs[0]]
         for fn, args, kwargs in record(call):
-            for arch in opts.arch:
-                if case in FP8_CASES and arch < 89:  # no e4m3 in Triton before sm_89: refused there
-                    continue
+            for arch in archs:
                 row = {"module": module, "kernel": fn.__name__, "case": case, "arch": f"sm_{arch}"}
                 try:
                     src, options, target = _source(fn, args, kwargs, arch)

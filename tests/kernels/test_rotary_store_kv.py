@@ -86,6 +86,39 @@ def test_fused_casts_into_a_narrower_cache():
     assert all(torch.equal(a, b) for a, b in zip(fused, two)) and fused[1].dtype == torch.float16
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_fused_writes_an_fp8_cache_as_store_kv_does(device, dtype):
+    """kv_cache_dtype='fp8': the rotated k and v go into an e4m3 cache divided by the layer's scales, the
+    same bytes as rotary_embedding then store_kv, and as the reference (fp32 input: the same float32
+    value / scale, rounded once)."""
+    need_triton(device)
+    g = torch.Generator().manual_seed(11)
+    n, h, hkv, d = 19, 8, 2, 128
+    positions, inv_freq = make_positions("mrope", n, g).to(device), inv_freq_for(d).to(device)
+    qkv = (torch.randn(n, h + 2 * hkv, d, generator=g) * 2).to(device, dtype)  # within 448 x the scales
+    slots = _step(n, 3, g).to(device)
+    scales = {"k_scale": torch.tensor(0.05, device=device), "v_scale": torch.tensor(0.03, device=device)}
+    args = (qkv, h, hkv, slots, positions, inv_freq, section_for("mrope", d), False, scales, 3,
+            torch.float8_e4m3fn)
+    fused, two = _run(rotary_store_kv, *args), _run(_unfused_scaled, *args)
+    assert torch.equal(fused[0], two[0])
+    for a, b in zip(fused[1:], two[1:]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    if dtype == torch.float32:  # the reference's rotation rounds like the kernel's within float32's ulp
+        ref = _run(rotary_store_kv_ref, *args)
+        differ = (fused[1].view(torch.uint8) != ref[1].view(torch.uint8)).float().mean()
+        assert differ < 0.01  # a value at a rounding boundary may go either way
+        assert torch.equal(fused[2].view(torch.uint8), ref[2].view(torch.uint8))  # v is not rotated
+    live = slots >= 0
+    stored_v = fused[2].view(-1, hkv, d)[slots[live]].float() * 0.03
+    torch.testing.assert_close(stored_v, qkv[live, h + hkv:].float(), atol=0.03 * 2 ** -10, rtol=2 ** -4)
+
+
+def _unfused_scaled(q, k, v, k_cache, v_cache, slots, positions, inv_freq, section, interleaved, k_scale, v_scale):
+    rotary_embedding(q, k, positions, inv_freq, section, interleaved)
+    store_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+
+
 def test_fused_rejects_what_either_kernel_rejects():
     q = torch.randn(3, 4, 64)
     k = v = torch.randn(3, 2, 64)

@@ -205,9 +205,19 @@ def test_non_string_source_refused(src):
 
 def test_unknown_structure_passes_through():
     msgs = [{"role": "user", "content": "plain text"}, "not a dict",
-            {"role": "user", "content": [{"type": "image_url"}, 5, {"type": "video", "video": "x"}]}]
+            {"role": "user", "content": [{"type": "image_url"}, 5, {"type": "audio", "audio": "x"}]}]
     assert resolve(msgs) == msgs
     assert resolve("not a list") == "not a list"
+
+
+def test_video_sources_follow_the_image_rules():
+    """A video part's source is read like an image's (a bare path never), refused as a video."""
+    from vlm_sdk.errors import InvalidVideoError
+    with pytest.raises(InvalidVideoError, match=r"video sources over HTTP .*bare paths are never read"):
+        resolve([{"role": "user", "content": [{"type": "video", "video": "x"}]}])
+    data = "data:video/mp4;base64,AAAA"
+    out = resolve([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": data, "fps": 1.0}}]}])
+    assert out[0]["content"][0] == {"type": "video_url", "video_url": {"url": data, "fps": 1.0}}
 
 
 # --- http(s) fetches -----------------------------------------------------------------------------

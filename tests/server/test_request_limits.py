@@ -215,7 +215,9 @@ def test_serve_flags_reach_the_server_and_the_engine():
                               "64000000", "--allow-special-tokens-in-text"])
     assert (args.max_stop_strings, args.max_stop_chars) == (1000, 64)
     assert server_engine_args(engine_kwargs(args)) == {
-        "max_image_pixels": 64_000_000, "max_request_image_pixels": 67_108_864, "allow_special_tokens_in_text": True}
-    assert server_engine_args({}) == {"max_image_pixels": 16_777_216, "max_request_image_pixels": 67_108_864}
+        "max_image_pixels": 64_000_000, "max_request_image_pixels": 67_108_864, "allow_special_tokens_in_text": True,
+        "max_video_bytes": 256 << 20}
+    assert server_engine_args({}) == {"max_image_pixels": 16_777_216, "max_request_image_pixels": 67_108_864,
+                                      "max_video_bytes": 256 << 20}
     with pytest.raises(SystemExit):
         parser.parse_args(["m", "--max-stop-strings", "-1"])

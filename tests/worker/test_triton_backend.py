@@ -54,6 +54,28 @@ def test_triton_greedy_equals_torch_cpu(triton_llm, convs, torch_outputs):
     assert triton_llm.stats()["kv_blocks_used"] == 0
 
 
+def test_fp8_kv_cache_triton_greedy_equals_torch_cpu(tiny_ckpt, convs):
+    """kv_cache_dtype='fp8' on both backends: the store writes the same e4m3 bytes, the kernels read them
+    back with the scales folded in where the torch backend dequantizes, so the tokens are the same."""
+    _interpreter_or_gpu("cpu")
+    kw = dict(device="cpu", kv_cache_dtype="fp8", max_num_seqs=4, num_blocks=64, show_progress=False)
+    want = [o.token_ids for o in LLM(tiny_ckpt, attention_backend="torch", **kw).chat(convs, GREEDY)]
+    llm = LLM(tiny_ckpt, attention_backend="triton", **kw)
+    assert {t.dtype for pair in local_worker(llm.engine).kv_caches for t in pair} == {torch.float8_e4m3fn}
+    assert [o.token_ids for o in llm.chat(convs, GREEDY)] == want
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_fp8_kv_cache_triton_greedy_equals_torch_cuda(tiny_ckpt, convs):
+    """The same on a GPU, decode steps from CUDA graphs (the scales are device scalars the graphs replay)."""
+    kw = dict(device="cuda", dtype="float32", kv_cache_dtype="fp8", show_progress=False)
+    want = [o.token_ids for o in LLM(tiny_ckpt, attention_backend="torch", **kw).chat(convs, GREEDY)]
+    llm = LLM(tiny_ckpt, attention_backend="triton", **kw)
+    assert local_worker(llm.engine).runner.graphs is not None
+    assert [o.token_ids for o in llm.chat(convs, GREEDY)] == want
+
+
 def test_decoder_layers_rotate_and_store_kv_in_one_launch(triton_llm, convs, torch_outputs, monkeypatch):
     """With the Triton set every decoder layer launches rotary_store_kv once per step and neither
     the rotary nor store_kv alone (the tokens still equal the torch backend's)."""

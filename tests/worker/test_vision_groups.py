@@ -46,7 +46,7 @@ def test_grouped_encoding_equals_one_call_and_the_engine_still_generates(tiny_ck
         runner.max_vision_patches = limit
         runner.encoder_cache = EncoderCache(0)  # every call goes through the tower
         calls.clear()
-        runner._encode_images([(s, 1) for s in states])
+        runner._encode_images([(s, len(s.token_ids)) for s in states])  # the whole prompt in one chunk
         per_seq = [torch.cat([s.image_embeds[i] for i in range(len(s.images))]) for s in states]
         return per_seq, list(calls)
 

@@ -24,6 +24,10 @@ from vlm_sdk.attention.metadata import AttentionMetadata
 class AttentionLayerSpec(Protocol):
     """What a backend reads of the calling layer (`vlm_sdk.layers.attention`)."""
     scale: float
+    # the layer's FP8 KV-cache scales ([] float32 on the cache's device; kernels/kv_quant.py), read only
+    # when the cache is FP8: it stores K / k_scale and V / v_scale
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
 
 
 class AttentionBackend(ABC):
@@ -46,8 +50,9 @@ class AttentionBackend(ABC):
                 v: torch.Tensor,  # [N, Hkv, D]
                 layer: AttentionLayerSpec, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, stored: bool = False) -> torch.Tensor:  # [N, H, D]
-        """Store this step's K/V in the layer's cache (slot -1 skipped: graph padding; not when `stored`:
-        the caller wrote them, fused with the rotary), then causal attention of the queries over their
+        """Store this step's K/V in the layer's cache (slot -1 skipped: graph padding; quantized with the
+        layer's k_scale / v_scale into an FP8 cache; not when `stored`: the caller wrote them, fused with
+        the rotary), then causal attention of the queries over their
         sequences' cached keys. `meta` is what `prepare` returned."""
 
     @abstractmethod

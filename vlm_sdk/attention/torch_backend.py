@@ -39,11 +39,12 @@ class TorchBackend(AttentionBackend):
             raise TypeError("the torch attention backend needs the metadata of its prepare(meta, k_cache), "
                             f"called once per step; got {type(meta).__name__}")
         k_cache, v_cache = kv_cache
+        scales = {"k_scale": layer.k_scale, "v_scale": layer.v_scale}  # read only by an FP8 cache
         if not stored:
-            torch_paged.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            torch_paged.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         return torch_paged.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                            meta.query_lens_cpu, meta.seq_lens_cpu, layer.scale, k, v,
-                                           layout=meta.decode_layout)  # [N, H, D]
+                                           layout=meta.decode_layout, **scales)  # [N, H, D]
 
     def segments(self, lengths, device):
         return torch_segments.segment_plan(lengths, device)

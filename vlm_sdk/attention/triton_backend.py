@@ -13,6 +13,9 @@ Per step (`prepare`, host ints only, no device sync):
 A mixed step thus launches both kernels per layer. When the decode rows are the step's first rows (the
 scheduler's order) they are views of the step's tensors; otherwise `prepare` gathers their table rows
 and lengths once and each layer gathers their queries and scatters their outputs (two small copies).
+
+An FP8 cache: every kernel takes the layer's k_scale / v_scale (device scalars, so CUDA graphs replay
+them unchanged); the store quantizes, the attention kernels dequantize in registers.
 """
 from __future__ import annotations
 
@@ -80,33 +83,34 @@ class TritonBackend(AttentionBackend):
             raise TypeError("the triton attention backend needs the metadata of its prepare(meta, k_cache), "
                             f"called once per step; got {type(meta).__name__}")
         k_cache, v_cache = kv_cache
+        scales = {"k_scale": layer.k_scale, "v_scale": layer.v_scale}  # read only by an FP8 cache
         if not stored:
-            store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         if meta.decode_only:
             return paged_attention_decode.paged_attention_decode(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, layer.scale, num_splits=meta.num_splits,
-                max_seq_len=meta.max_seq_len)  # [N, H, D]
+                max_seq_len=meta.max_seq_len, **scales)  # [N, H, D]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [N, H, D]
         rows = meta.decode_rows
         if rows is not None:
-            self._decode_part(q, k_cache, v_cache, layer.scale, rows, out)
+            self._decode_part(q, k_cache, v_cache, layer.scale, rows, out, scales)
         if meta.prefill_tiles.shape[0]:
             paged_prefill_attention.paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.max_query_len,
-                layer.scale, out=out, tiles=meta.prefill_tiles, query_tile_len=meta.query_tile_len)
+                layer.scale, out=out, tiles=meta.prefill_tiles, query_tile_len=meta.query_tile_len, **scales)
         return out
 
     @staticmethod
-    def _decode_part(q, k_cache, v_cache, scale: float, rows: DecodeRows, out: torch.Tensor) -> None:
+    def _decode_part(q, k_cache, v_cache, scale: float, rows: DecodeRows, out: torch.Tensor, scales: dict) -> None:
         """The decode kernel on a mixed step's query-length-1 rows, written into their rows of `out`."""
         if rows.token_index is None:
             paged_attention_decode.paged_attention_decode(
                 q[:rows.num_rows], k_cache, v_cache, rows.block_tables, rows.seq_lens, scale,
-                num_splits=rows.num_splits, max_seq_len=rows.max_seq_len, out=out[:rows.num_rows])
+                num_splits=rows.num_splits, max_seq_len=rows.max_seq_len, out=out[:rows.num_rows], **scales)
             return
         o = paged_attention_decode.paged_attention_decode(
             q.index_select(0, rows.token_index), k_cache, v_cache, rows.block_tables, rows.seq_lens, scale,
-            num_splits=rows.num_splits, max_seq_len=rows.max_seq_len)  # [Nd, H, D]
+            num_splits=rows.num_splits, max_seq_len=rows.max_seq_len, **scales)  # [Nd, H, D]
         out.index_copy_(0, rows.token_index, o)
 
     def segments(self, lengths, device):

@@ -134,7 +134,7 @@ TINY_RUN = GpuBenchConfig(
 
 _GPU_ONLY = ("tiny", "decode_batches", "context", "decode_steps", "requests", "max_tokens", "attn_batch",
              "attn_context", "memory_utilization", "async_scheduling", "profile", "small_m_gemm",
-             "piecewise_cuda_graphs")
+             "piecewise_cuda_graphs", "quantization", "kv_cache_dtype")
 
 
 def add_arguments(bench) -> None:
@@ -159,6 +159,8 @@ def add_arguments(bench) -> None:
                         "graphs around eager attention; default off): the prefill figures with and without")
     g.add_argument("--small-m-gemm", choices=("torch", "triton"), help="with --gpu: our engine's small_m_gemm "
                    "(default torch: cuBLAS); the small-M section times both either way")
+    from vlm_sdk.bench.quantized import add_arguments as add_quantized_arguments
+    add_quantized_arguments(g)
     g.add_argument("--profile", metavar="PATH", help="with --gpu: also profile decode (smallest and largest batch) "
                    "and a cold prefill with torch.profiler; write the kernel tables (name, calls and time per "
                    "step) to PATH")
@@ -197,7 +199,20 @@ def config_from_args(args) -> GpuBenchConfig:
 
 
 def run_gpu_benchmark(args, argv: list[str]) -> int:
-    report = run(config_from_args(args), command=shlex.join(["vlm-sdk", *argv]))
+    command = shlex.join(["vlm-sdk", *argv])
+    if args.quantization is not None:  # quantized weights (and KV) against bf16: vlm_sdk/bench/quantized.py
+        from vlm_sdk.bench import quantized
+        others = [f"--{n.replace('_', '-')}" for n in ("requests", "max_tokens", "async_scheduling", "profile",
+                                                       "small_m_gemm", "piecewise_cuda_graphs")
+                  if getattr(args, n, None) is not None]
+        if others:
+            raise GpuBenchError(f"{', '.join(others)} do not apply with --quantization")
+        report = quantized.run(quantized.config_from_args(args), command)
+        print(json.dumps(report, indent=2) if args.json else quantized.format_report(report))
+        return 0
+    from vlm_sdk.bench.quantized import reject_without_quantization
+    reject_without_quantization(args)
+    report = run(config_from_args(args), command=command)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 

@@ -226,10 +226,12 @@ def attention_impl(device: torch.device) -> str:
 
 @torch.inference_mode()
 def paged_attention_alone(timer: DeviceTimer, *, batch: int, context: int, num_heads: int, num_kv_heads: int,
-                          head_dim: int, block_size: int, dtype: torch.dtype, calls: int, seed: int) -> dict:
+                          head_dim: int, block_size: int, dtype: torch.dtype, calls: int, seed: int,
+                          kv_dtype: torch.dtype | None = None) -> dict:
     """Time `paged_attention_decode` on `batch` sequences of `context` cached tokens in a randomly
     permuted paged cache; return seconds per call, the bytes it must move and its max difference
-    from the torch reference.
+    from the torch reference. `kv_dtype`: the cache's (None: `dtype`; float8 e4m3: an FP8 cache of the
+    same random values, scales 1.0).
 
     On CUDA the working set is spread over enough copies (different blocks of one cache) to be at
     least 4x the L2 cache, so K/V come from DRAM; the calls are replayed from one CUDA graph, as
@@ -238,7 +240,8 @@ def paged_attention_alone(timer: DeviceTimer, *, batch: int, context: int, num_h
 
     device, impl = timer.device, attention_impl(timer.device)
     blocks_per_seq = blocks_needed(context, block_size)
-    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8  # K + V read
+    kv_dtype = kv_dtype or dtype
+    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * torch.finfo(kv_dtype).bits // 8  # K + V read
     moved = kv_bytes + 2 * batch * num_heads * head_dim * torch.finfo(dtype).bits // 8  # + q read, out written
     sets = 1
     if device.type == "cuda":
@@ -246,8 +249,13 @@ def paged_attention_alone(timer: DeviceTimer, *, batch: int, context: int, num_h
         sets = max(1, math.ceil(4 * l2 / kv_bytes))
     gen = torch.Generator(device=device).manual_seed(seed)
     num_blocks = sets * batch * blocks_per_seq
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen, device=device,
+                          dtype=dtype).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen, device=device,
+                          dtype=dtype).to(kv_dtype)
+    scales = {}
+    if kv_dtype == torch.float8_e4m3fn:  # the layer's scales: 1.0 (randn values are well inside e4m3's range)
+        scales = {"k_scale": torch.ones((), device=device), "v_scale": torch.ones((), device=device)}
     tables = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
     tables = tables.view(sets, batch, blocks_per_seq)  # [sets, B, blocks per sequence]
     q = torch.randn(batch, num_heads, head_dim, generator=gen, device=device, dtype=dtype)  # [B, H, D]
@@ -260,11 +268,11 @@ def paged_attention_alone(timer: DeviceTimer, *, batch: int, context: int, num_h
 
     def call(s: int) -> torch.Tensor:
         return kernel(q, k_cache, v_cache, tables[s], seq_lens, scale, num_splits=num_splits, max_seq_len=context,
-                      out=out)
+                      out=out, **scales)
 
     for s in range(sets):  # warm-up: Triton compiles outside the timed region (and the capture)
         call(s)
-    ref = pad.paged_attention_decode_ref(q, k_cache, v_cache, tables[0], seq_lens, scale)
+    ref = pad.paged_attention_decode_ref(q, k_cache, v_cache, tables[0], seq_lens, scale, **scales)
     max_abs_diff = (call(0).float() - ref.float()).abs().max().item()
     if device.type == "cuda":
         timer.sync()

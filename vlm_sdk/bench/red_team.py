@@ -4,11 +4,13 @@ innocent client streams beside them.
 Each row sends its requests (built before the row starts, so that the attacker's own work does not
 delay anything), `concurrency` at a time, and reports: the HTTP status of every request, the victim
 stream's worst gap between two SSE lines over the row (and its median: the step cadence the row's
-batch allows), and the server's resident memory before and
+batch allows; whether the worst gap holds the start of one of the victim's streams, one after
+another, and the worst gap within a running stream), and the server's resident memory before and
 after it (its own `process_resident_memory_bytes` plus its grammar processes', from /metrics). The
 victim runs in a process of its own, so that neither the attacker's client nor its parsing can delay
 the lines it times. Afterwards: 5xx count, whether the server still answers /health, the worst gap,
-the RSS growth over the whole run, each against issue 28's target.
+the RSS growth over the whole run (from before the first row to the server idle after the last,
+once it has given its allocator's free memory back), each against issue 28's target.
 
     1  $ref chains of 1,000 and 3,000, Lark rule chains of 3,000 and 30,000
     2  24 distinct ((a{1001}){1000}){N} regexes, 2 at a time
@@ -39,6 +41,7 @@ from collections import Counter
 
 import aiohttp
 
+IDLE_WAIT_S = 3.0  # after the run, before the last RSS: the server's idle trim and its walk
 TARGETS = {"crashes": 0, "server_errors": 0, "worst_gap_s": 0.5, "rss_growth_bytes": 200 << 20}
 
 
@@ -107,6 +110,7 @@ def _victim(url: str, model: str, api_key: str | None, conn) -> None:
     while not conn.poll():
         c = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
         try:
+            conn.send(("start", time.monotonic()))  # a gap over it holds a new stream's first token
             c.request("POST", "/v1/chat/completions", body, headers)
             resp = c.getresponse()
             while not conn.poll():
@@ -116,13 +120,13 @@ def _victim(url: str, model: str, api_key: str | None, conn) -> None:
                 if line.startswith(b"data: "):
                     times.append(time.monotonic())  # CLOCK_MONOTONIC: the same clock in every process
                     if len(times) >= 50:
-                        conn.send(times)
+                        conn.send(("lines", times))
                         times = []
         except OSError:
             time.sleep(0.1)
         finally:
             c.close()
-    conn.send(times)
+    conn.send(("lines", times))
 
 
 class Victim:
@@ -131,6 +135,7 @@ class Victim:
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_victim, args=(url, model, api_key, child), daemon=True)
         self.times: list[float] = []
+        self.starts: list[float] = []  # when each of its streams was requested
         self._reader = threading.Thread(target=self._read, daemon=True)
 
     def start(self) -> None:
@@ -143,7 +148,11 @@ class Victim:
     def _read(self) -> None:
         try:
             while True:
-                self.times.extend(self._conn.recv())
+                kind, value = self._conn.recv()
+                if kind == "start":
+                    self.starts.append(value)
+                else:
+                    self.times.extend(value)
         except (EOFError, OSError):
             pass
 
@@ -162,14 +171,25 @@ class Victim:
             [t for t in times if t > t1][:1]
         return [b - a for a, b in zip(points, points[1:])] or [float("inf")]
 
-    def worst_gap_start(self, t0: float, t1: float) -> float:
-        """When the worst gap of [t0, t1] began, in seconds after t0 (where in the row it was)."""
+    def worst_running_gap(self, t0: float, t1: float) -> float:
+        """The worst of `gaps(t0, t1)` within a running stream (none holding one of its starts)."""
+        times = sorted(self.times)
+        points = [t for t in times if t < t0][-1:] + [t for t in times if t0 <= t <= t1] + \
+            [t for t in times if t > t1][:1]
+        return max((b - a for a, b in zip(points, points[1:]) if not any(a < s < b for s in self.starts)),
+                   default=float("nan"))
+
+    def worst_gap_start(self, t0: float, t1: float) -> tuple[float, bool]:
+        """When the worst gap of [t0, t1] began, in seconds after t0 (where in the row it was), and
+        whether it holds the start of one of the victim's streams (its request, prefill and first
+        token: a time to first token, not a pause in a running stream)."""
         times = sorted(self.times)
         points = [t for t in times if t < t0][-1:] + [t for t in times if t0 <= t <= t1] + \
             [t for t in times if t > t1][:1]
         if len(points) < 2:
-            return float("nan")
-        return max(zip(points, points[1:]), key=lambda ab: ab[1] - ab[0])[0] - t0
+            return float("nan"), False
+        a, b = max(zip(points, points[1:]), key=lambda ab: ab[1] - ab[0])
+        return a - t0, any(a < s < b for s in self.starts)
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -250,8 +270,10 @@ async def red_team(url: str, api_key: str | None, model: str | None, scale: floa
                 t1 = time.monotonic()
                 after = await _metrics(session, url)
                 gaps = await asyncio.to_thread(victim.gaps, t0, t1)
+                at, new_stream = victim.worst_gap_start(t0, t1)
                 row.update(name=name, requests=len(bodies), seconds=t1 - t0, worst_gap_s=max(gaps),
-                           median_gap_s=statistics.median(gaps), worst_gap_at_s=victim.worst_gap_start(t0, t1),
+                           median_gap_s=statistics.median(gaps), worst_gap_at_s=at,
+                           worst_gap_new_stream=new_stream, worst_running_gap_s=victim.worst_running_gap(t0, t1), victim_streams=sum(t0 <= s <= t1 for s in victim.starts),
                            rss_before_bytes=_rss(before), rss_after_bytes=_rss(after),
                            grammar_rss_after_bytes=_grammar_rss(after))
                 results.append(row)
@@ -259,6 +281,10 @@ async def red_team(url: str, api_key: str | None, model: str | None, scale: floa
         finally:
             victim.stop()
         end = await _metrics(session, url)
+        # idle: nothing in flight, the server gives the allocator's free memory back (a trim half a
+        # second after its last request, server/app.py); what it holds then is what the run left
+        await asyncio.sleep(IDLE_WAIT_S)
+        idle = await _metrics(session, url)
         async with session.get(url + "/health") as resp:
             healthy = resp.status == 200
     statuses = Counter()
@@ -267,8 +293,8 @@ async def red_team(url: str, api_key: str | None, model: str | None, scale: floa
     return {"url": url, "scale": scale, "rows": results, "healthy_after": healthy,
             "server_errors": sum(v for k, v in statuses.items() if k is not None and (k == 0 or k >= 500)),
             "worst_gap_s": max(r["worst_gap_s"] for r in results), "rss_start_bytes": _rss(start),
-            "rss_end_bytes": _rss(end), "rss_growth_bytes": _rss(end) - _rss(start),
-            "grammar_rss_end_bytes": _grammar_rss(end)}
+            "rss_end_bytes": _rss(end), "rss_idle_bytes": _rss(idle), "rss_growth_bytes": _rss(idle) - _rss(start),
+            "grammar_rss_end_bytes": _grammar_rss(end), "grammar_rss_idle_bytes": _grammar_rss(idle)}
 
 
 async def _vocab_size(session, url: str, headers: dict, model: str) -> int:
@@ -281,12 +307,22 @@ async def _vocab_size(session, url: str, headers: dict, model: str) -> int:
     return int(match.group(1)) if match else 152_064
 
 
+def _codes(r: dict) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted(r["statuses"].items(), key=lambda kv: str(kv[0])))
+
+
+def _gap(r: dict) -> str:
+    """The worst gap, where in the row it began, and whether a new victim stream's start is in it."""
+    where = "over a new stream's start" if r["worst_gap_new_stream"] else "in a running stream"
+    return f"{r['worst_gap_s']:.3f} s at {r['worst_gap_at_s']:.1f} s, {where}"
+
+
 def print_row(r: dict, file=sys.stdout) -> None:
-    codes = ", ".join(f"{k}: {v}" for k, v in sorted(r["statuses"].items(), key=lambda kv: str(kv[0])))
     probe = f"; slowest plain probe {r['slowest_probe_s']:.2f} s" if r["slowest_probe_s"] is not None else ""
-    print(f"row {r['name']}: {r['requests']} requests in {r['seconds']:.1f} s -> {codes}; victim's worst gap "
-          f"{r['worst_gap_s']:.3f} s at {r['worst_gap_at_s']:.1f} s (median {r['median_gap_s']:.3f} s); RSS {r['rss_before_bytes'] / 2**20:.0f} -> {r['rss_after_bytes'] / 2**20:.0f} MiB"
-          f"{probe}", file=file, flush=True)
+    print(f"row {r['name']}: {r['requests']} requests in {r['seconds']:.1f} s -> {_codes(r)}; victim's worst gap "
+          f"{_gap(r)} (median {r['median_gap_s']:.3f} s; worst within a running stream "
+          f"{r['worst_running_gap_s']:.3f} s; {r['victim_streams']} new streams); RSS "
+          f"{r['rss_before_bytes'] / 2**20:.0f} -> {r['rss_after_bytes'] / 2**20:.0f} MiB{probe}", file=file, flush=True)
 
 
 def verdict(report: dict) -> dict:
@@ -298,20 +334,22 @@ def verdict(report: dict) -> dict:
 
 
 def print_report(report: dict) -> None:
-    print("| row | requests | statuses | victim's worst gap (median) | RSS before -> after (of it grammar processes) "
-          "| seconds |")
-    print("|---|---|---|---|---|---|")
+    print("| row | requests | statuses | victim's worst gap: when, where | median gap | worst within a running "
+          "stream | RSS before -> after (of it grammar processes) | seconds |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in report["rows"]:
-        codes = ", ".join(f"{k}: {v}" for k, v in sorted(r["statuses"].items(), key=lambda kv: str(kv[0])))
         probe = f" (slowest plain probe {r['slowest_probe_s']:.2f} s)" if r["slowest_probe_s"] is not None else ""
-        print(f"| {r['name']} | {r['requests']} | {codes} | {r['worst_gap_s']:.3f} s ({r['median_gap_s']:.3f}){probe} | "
-              f"{r['rss_before_bytes'] / 2**20:.0f} -> {r['rss_after_bytes'] / 2**20:.0f} MiB "
-              f"({r['grammar_rss_after_bytes'] / 2**20:.0f}) | {r['seconds']:.1f} |")
+        print(f"| {r['name']} | {r['requests']} | {_codes(r)} | {_gap(r)}{probe} | {r['median_gap_s']:.3f} s | "
+              f"{r['worst_running_gap_s']:.3f} s | {r['rss_before_bytes'] / 2**20:.0f} -> "
+              f"{r['rss_after_bytes'] / 2**20:.0f} MiB ({r['grammar_rss_after_bytes'] / 2**20:.0f}) | {r['seconds']:.1f} |")
     ok = verdict(report)
+    mib = 2 ** 20
     print(f"\nserver alive after: {report['healthy_after']}; 5xx or dropped: {report['server_errors']}; worst victim gap "
-          f"{report['worst_gap_s']:.3f} s; RSS {report['rss_start_bytes'] / 2**20:.0f} -> "
-          f"{report['rss_end_bytes'] / 2**20:.0f} MiB ({report['rss_growth_bytes'] / 2**20:+.0f} MiB, server and "
-          f"grammar processes; {report['grammar_rss_end_bytes'] / 2**20:.0f} MiB of it grammar processes at the end)")
+          f"{report['worst_gap_s']:.3f} s; RSS (server and grammar processes) {report['rss_start_bytes'] / mib:.0f} MiB "
+          f"at the start, {report['rss_end_bytes'] / mib:.0f} MiB at the last row's end, "
+          f"{report['rss_idle_bytes'] / mib:.0f} MiB idle {IDLE_WAIT_S:.0f} s later "
+          f"({report['rss_growth_bytes'] / mib:+.0f} MiB; {report['grammar_rss_idle_bytes'] / mib:.0f} MiB of it "
+          f"grammar processes)")
     print("targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in ok.items()))
 
 

@@ -87,6 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternate HTTP and in-process this many times")
     p.add_argument("--device", default=None, help="device of the engines started here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="cache-aware vs round-robin routing over N replicas on Ray Serve, on a multi-turn image "
+                        "workload (bench/routing.py; pip install 'vlm-sdk[ray]')")
+    p.add_argument("--users", type=int, default=8, help="--replicas: conversations at once")
+    p.add_argument("--turns", type=int, default=4, help="--replicas: turns per conversation")
+    p.add_argument("--image-size", type=int, default=448, help="--replicas: each user's image, pixels per side")
     p.add_argument("--soak", type=float, default=None, metavar="SECONDS",
                    help="instead: mixed traffic (streams, images, aborts, bad requests) for this long, then "
                         "outcomes, the server's RSS slope and the KV blocks left (vlm_sdk/bench/soak.py)")

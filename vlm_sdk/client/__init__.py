@@ -7,8 +7,9 @@
         done = await client.completions("Once upon a time", max_tokens=16)   # POST /v1/completions
 
 Messages are the ones the Python API takes: local images (`PIL.Image`, a path, raw bytes, a
-`file://` URL) are sent as base64 data URLs in OpenAI `image_url` parts, with their per-image options
-(the part's other keys); `http(s)://` and `data:` URLs pass through untouched (client/images.py). A
+`file://` URL) are sent as base64 data URLs in OpenAI `image_url` parts, local videos (a path, raw
+bytes, a `file://` URL) in vLLM `video_url` parts, with their per-item options (the part's other keys);
+`http(s)://` and `data:` URLs pass through untouched (client/images.py). A
 completion's prompt is a text, token ids, or a list of either, with no chat template. Failures are
 typed (client/errors.py): an HTTP error raises the `APIError` subclass of its status, a connection
 failure or timeout `APIConnectionError`. Importing this package does not import torch.

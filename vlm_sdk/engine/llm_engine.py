@@ -32,7 +32,7 @@ import time
 import torch
 
 from vlm_sdk.chat_options import NO_OPTIONS, ChatOptions
-from vlm_sdk.config import EngineArgs, resolve_rank_config
+from vlm_sdk.config import EngineArgs, fp8_kv_cache_runs, resolve_rank_config
 from vlm_sdk.engine.core.block_manager import BlockManager
 from vlm_sdk.engine.output.engine_output import EngineOutput
 from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_warning
@@ -54,6 +54,7 @@ from vlm_sdk.memory.startup import scheduler_config, size_rank_caches, startup_r
 from vlm_sdk.model_loader import load_tokenizer, read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import PromptInputs
+from vlm_sdk.multimodal.video_io import VideoLimits
 from vlm_sdk.multimodal.prompts import TextPrompt, TokensPrompt
 from vlm_sdk.protocol.rank import RankLoad
 from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
@@ -71,7 +72,9 @@ class LLMEngine:
         family = resolve([info.architecture])
         # prompt building only
         self.tokenizer = PromptTokenizer(load_tokenizer(model), not args.allow_special_tokens_in_text)
-        self.guard = PromptGuard(self.tokenizer, args.max_image_pixels, args.max_request_image_pixels)
+        self.guard = PromptGuard(self.tokenizer, args.max_image_pixels, args.max_request_image_pixels,
+                                 VideoLimits(args.max_video_bytes, args.max_video_seconds, args.max_video_frames,
+                                             args.max_video_decode_pixels))
         self.eos_token_ids = set(info.eos_token_ids)
         self.vocab_size = vocab_size = int(family.text_config(info.hf_config).vocab_size)  # the logits' width
         self.raw_prompt_tokens = RawPromptTokens(self.tokenizer, vocab_size)
@@ -111,7 +114,7 @@ class LLMEngine:
         # measured on CUDA even when the cache size is given: the report shows it
         profiles = executor.collective_rpc("profile_memory", largest_image, self.max_position_embeddings)
         ranks = size_rank_caches(memory, loads, profiles, executor.collective_rpc("memory_snapshot"),
-                                 family.plan_setting[1])
+                                 family.plan_setting[1], fp8_runs=fp8_kv_cache_runs(self.device, rc.attention_backend))
         self.cache_config = min((r.cache for r in ranks), key=lambda c: c.num_blocks)  # every rank holds this many
         self.scheduler_config = scheduler_config(memory, self.cache_config)
         check_largest_image_fits(memory.image, family.plan_setting[1], self.cache_config, self.scheduler_config,
@@ -191,7 +194,7 @@ class LLMEngine:
         params = params or SamplingParams()
         check_prompt_fits(prompt, self.cache_config, self.scheduler_config, self.max_position_embeddings,
                           self.args.max_model_len is not None, self.processor.image_setting_fixes,
-                          params.max_tokens)
+                          params.max_tokens, self.processor.video_setting_fixes)
 
     def check_params(self, params: SamplingParams | None) -> None:
         """`InvalidRequestError` when `params` names token ids outside the vocabulary or asks more of
@@ -384,14 +387,15 @@ class LLMEngine:
         reusable prefix content; they count as free), the longest prompt that would fit in the free
         blocks right now (0 when the cache is full; never above max_model_len), preemptions (all, and
         in the last minute), queue lengths, prefix- and encoder-cache hits and lookups, the grammar
-        cache's bytes and its processes' resident memory, and token
-        totals since start-up."""
+        cache's bytes and its processes' resident memory, token totals since start-up, and what the
+        engine holds: the KV cache's dtype and the weights' format."""
         bm, enc = self.block_manager, self._encoder_cache  # rank 0's encoder cache (every rank's is alike)
         largest_now = min(bm.num_free_blocks * bm.block_size, self.scheduler_config.max_model_len)
         return {"kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
                 "kv_blocks_free": bm.num_free_blocks, "kv_block_size": bm.block_size,
                 "kv_capacity_tokens": self.cache_config.capacity_tokens,
                 "kv_bytes_per_block": self.cache_config.bytes_per_block,
+                "kv_cache_dtype": self.memory_report.kv_cache_dtype, "weight_format": self.memory_report.weight_format,
                 "largest_prompt_tokens_now": largest_now,
                 "max_model_len": self.scheduler_config.max_model_len,
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),

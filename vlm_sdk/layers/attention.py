@@ -17,13 +17,19 @@ from vlm_sdk.attention.metadata import AttentionMetadata
 
 
 class PagedAttention(nn.Module):
+    """`k_scale` / `v_scale`: the FP8 KV cache's per-layer scales (the cache holds K / k_scale, V / v_scale:
+    kernels/kv_quant.py), persistent buffers so that a checkpoint's `k_scale` / `v_scale` tensors load into
+    them; 1.0 when it has none (vLLM's default). A float cache ignores them."""
     causal = True
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend,
+                 device: torch.device | str | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim  # this rank's
         self.scale = scale
         self.backend = backend
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32, device=device))
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32, device=device))
 
     def forward(self, q: torch.Tensor,  # [N, H, D]
                 k: torch.Tensor,  # [N, Hkv, D]

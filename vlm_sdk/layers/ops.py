@@ -88,9 +88,11 @@ class KernelOps(ABC):
 
     def rotary_store_kv(self, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, rope: RotaryInputs,
                         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
-                        kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> None:
+                        kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
+                        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """`rotary` on the q and k heads of a packed `[N, H + 2Hkv, D]` qkv, in place, and the rotated k
-        and v written into their cache slots (slot -1: none), where `fuses_rotary_store`."""
+        and v written into their cache slots (slot -1: none; an FP8 cache quantized with `kv_scales`, the
+        layer's (k_scale, v_scale)), where `fuses_rotary_store`."""
         raise NotImplementedError(f"the {self.name} kernel set does not fuse rotary and the KV store")
 
 
@@ -170,12 +172,14 @@ class TritonOps(KernelOps):
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, scales=None):
         return self._fused_moe(x, w13, w2, topk_weights, topk_ids, scales)
 
-    def rotary_store_kv(self, qkv, num_q_heads, num_kv_heads, rope, qk_norm, kv_cache, slot_mapping):
+    def rotary_store_kv(self, qkv, num_q_heads, num_kv_heads, rope, qk_norm, kv_cache, slot_mapping,
+                        kv_scales=None):
         q_weight, k_weight, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
         h, hkv = num_q_heads, num_kv_heads
+        k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
         self._rotary_store_kv(qkv[:, :h], qkv[:, h:h + hkv], qkv[:, h + hkv:], *kv_cache, slot_mapping,
                               rope.positions, rope.inv_freq, rope.mrope_section, rope.mrope_interleaved, q_weight,
-                              k_weight, eps)
+                              k_weight, eps, k_scale, v_scale)
 
 
 def make_ops(backend: str | None, device: torch.device, small_m_gemm: str = "torch") -> KernelOps:

@@ -16,8 +16,11 @@ A split that would cut a packed index (a group of the input, 8 outputs of an int
 a `ValueError` at construction naming the divisor: built on the meta device at the asked size, that is how
 `check_tensor_parallel_size` refuses the size and names the ones that work.
 
-forward: dequantize this rank's weight (kernels/dequant_torch.py), then `F.linear` in the activations'
-dtype: the CPU path of every format (the GPU kernels are the kernel set's, when present).
+forward: on CUDA the format's kernel (`QuantScheme.kernel_matmul`: kernels/int4_gemm.py for AWQ and GPTQ,
+kernels/fp8_block_gemm.py for block-wise FP8, kernels/fp8_scaled_mm.py for compressed-tensors FP8 on sm_90),
+which dequantizes in registers; elsewhere, or where no kernel takes the inputs, dequantize this rank's
+weight (kernels/dequant_torch.py) and `F.linear` in the activations' dtype: the CPU path of every format.
+`use_kernels` (None: CUDA) forces either path: the tests run the kernels under the Triton interpreter.
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ class _QuantLinear(nn.Module):
         self.specs = tuple(replace(s, in_div=input_size, whole_on_row_split=True) if s.in_div == -1 else s
                            for s in scheme.tensors())
         self.checkpoint_names: tuple[str, ...] = ()  # set by slots(): named in load-time errors
+        self.use_kernels: bool | None = None  # the format's GPU kernel: None = on CUDA (see the module docstring)
         # per spec: (first index, indices) along the input; per part along the output, of the checkpoint
         # tensor (`out_slices`) and where the part sits in this rank's tensor (`out_ranges`)
         self.in_ranges: dict[str, tuple[int, int]] = {}
@@ -145,18 +149,23 @@ class _QuantLinear(nn.Module):
     def check_loaded(self) -> None:
         """Values the format constrains, checked once loaded (`CheckpointError` naming the tensor)."""
         for i, name in enumerate(self.checkpoint_names):
-            self.scheme.check(name, self.part_tensors(i), self._in_starts())
+            self.scheme.check(name, self.part_tensors(i), self.in_starts())
 
     # -- compute --------------------------------------------------------------------------------------
     def dequantized_weight(self) -> torch.Tensor:  # [out_local, in_local] float32
-        parts = [self.scheme.dequantize(self.part_tensors(i), p.local, self.in_features, self._in_starts())
+        parts = [self.scheme.dequantize(self.part_tensors(i), p.local, self.in_features, self.in_starts())
                  for i, p in enumerate(self.parts)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _in_starts(self) -> dict[str, int]:
+    def in_starts(self) -> dict[str, int]:
         return {suffix: first for suffix, (first, _) in self.in_ranges.items()}
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [N, in] -> [N, out]
+        use = self.use_kernels if self.use_kernels is not None else x.is_cuda
+        if use and x.dim() == 2:
+            y = self.scheme.kernel_matmul(x if x.stride(-1) == 1 else x.contiguous(), self, bias)
+            if y is not None:
+                return y
         return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

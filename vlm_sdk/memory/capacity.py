@@ -69,11 +69,13 @@ def output_room(prompt_tokens: int, max_tokens: int | None, max_position_embeddi
 def check_prompt_fits(prompt: PromptInputs, cache: CacheConfig, sched: SchedulerConfig,
                       max_position_embeddings: int, max_model_len_is_user_set: bool,
                       image_setting_fixes: Callable[[PromptInputs, int], dict[str, int]] | None = None,
-                      max_tokens: int | None = None) -> None:
+                      max_tokens: int | None = None,
+                      video_setting_fixes: Callable[[PromptInputs, int], dict] | None = None) -> None:
     """Raise `InputTooLongError` when the prompt cannot fit. Its fixes fit the whole request, the prompt
     and `output_room(...)` tokens after it (the request's `max_tokens`; None: not set), so that with
     any of them the request generates all its max_tokens. `image_setting_fixes(prompt, capacity)`
-    (the model family's processor) names the engine image settings that alone would make it fit.
+    (the model family's processor) names the engine image settings that alone would make it fit, and
+    `video_setting_fixes(prompt, capacity)` the settings of its video parts.
 
     A sequence of n prompt tokens generates k tokens when n + k <= max_model_len (it stops with
     "length" once it holds max_model_len tokens), so the request needs max_model_len >= n + k."""
@@ -95,11 +97,14 @@ def check_prompt_fits(prompt: PromptInputs, cache: CacheConfig, sched: Scheduler
     elif n <= max_position_embeddings:
         # max_model_len follows the cache when not set, so growing the cache alone is enough
         fixes.update(cache.fixes_for(blocks))
+    video_fixes = {}
     if prompt.images and image_setting_fixes is not None and capacity - room >= 1:
         fixes.update(image_setting_fixes(prompt, capacity - room))  # smaller images leave the room
+    if prompt.images and video_setting_fixes is not None and capacity - room >= 1:
+        video_fixes = video_setting_fixes(prompt, capacity - room)
     raise InputTooLongError(prompt_tokens=n, image_tokens=prompt.image_tokens, capacity_tokens=capacity,
                             fixes=fixes, limit_reason=describe_limit(cache, sched, max_model_len_is_user_set),
-                            together=together, max_tokens=max_tokens, output_tokens=room)
+                            together=together, max_tokens=max_tokens, output_tokens=room, video_fixes=video_fixes)
 
 
 def text_too_long(min_tokens: int, cache: CacheConfig, sched: SchedulerConfig,

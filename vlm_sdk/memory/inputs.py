@@ -56,6 +56,11 @@ class MemoryInputs:
         return torch.finfo(self.dtype).bits // 8
 
     @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: the model's, or float8 e4m3 with kv_cache_dtype="fp8"."""
+        return self.args.resolve_kv_cache_dtype(self.dtype)
+
+    @property
     def profile_tokens(self) -> int:
         return profile_num_tokens(self.args.max_num_batched_tokens, self.max_position_embeddings)
 

@@ -1,6 +1,9 @@
 """The paged KV cache's size: bytes per block, and the block count the settings give.
 
-    bytes_per_block = num_layers * 2 (K, V) * block_size * num_kv_heads * head_dim * dtype bytes
+    bytes_per_block = num_layers * 2 (K, V) * block_size * num_kv_heads * head_dim * KV dtype bytes
+
+(the KV dtype: the model's, or 1 byte with kv_cache_dtype="fp8"; its per-layer scales are two float32
+buffers of each attention layer, counted nowhere: 8 bytes a layer)
 
 The block count comes from the first of: `num_blocks`; `kv_cache_memory` // bytes_per_block; on a GPU,
 (memory_utilization * total device memory - memory in use after loading - the other consumers' bytes
@@ -11,6 +14,7 @@ max_model_len tokens, at most 1 GiB. `vlm-sdk plan` and engine start-up both siz
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +30,15 @@ CACHE_RULES = ("num_blocks", "kv_cache_memory", "memory_utilization", "cpu_defau
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                     dtype: torch.dtype) -> int:
+    """`dtype`: the cache's (the model's, or float8 e4m3 with kv_cache_dtype="fp8")."""
     return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def fp8_bytes_per_block(per_block: int, kv_dtype: torch.dtype) -> int | None:
+    """The bytes per block of an FP8 cache of the same model, beside a `kv_dtype` cache of `per_block`
+    bytes; None when that cache is FP8 already."""
+    bits = torch.finfo(kv_dtype).bits
+    return None if bits <= 8 else per_block * 8 // bits
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,9 @@ class CacheConfig:
     source: str  # how num_blocks was decided, in words, for error messages and the start-up report
     rule: str = "num_blocks"  # one of CACHE_RULES
     budget: DeviceBudget | None = None  # CUDA (or a planned device): the memory the cache comes out of
+    # the blocks the same rule gives an FP8 cache (kv_cache_dtype="fp8"), when this one is not FP8 and FP8
+    # runs on this engine's device and backend; None otherwise
+    fp8_blocks: int | None = None
 
     @property
     def capacity_tokens(self) -> int:
@@ -82,29 +97,43 @@ class CacheConfig:
     def bytes_per_token(self) -> int:
         return self.bytes_per_block // self.block_size
 
-    def fixes_for(self, num_blocks: int) -> dict[str, int | float]:
+    def fixes_for(self, num_blocks: int) -> dict[str, int | float | str]:
         """Settings, each of which alone gives this cache at least `num_blocks` blocks. Only settings
         that would take effect are named: num_blocks overrides kv_cache_memory, which overrides
-        memory_utilization, so a cache the user sized by num_blocks is only fixed by num_blocks. With a
-        device budget, {} when the device cannot hold that many blocks at all."""
-        fixes: dict[str, int | float] = {}
+        memory_utilization, so a cache the user sized by num_blocks is only fixed by num_blocks.
+        kv_cache_dtype="fp8" when the same memory holds that many FP8 blocks (`fp8_blocks`). With a
+        device budget, only that when the device cannot hold that many blocks of this dtype at all."""
+        fixes: dict[str, int | float | str] = {}
+        fits = True
         if self.budget is not None:
             u = self.budget.utilization_for(num_blocks * self.bytes_per_block)
-            if u > 1:  # the device cannot hold it beside the weights and activations, however it is set
-                return fixes
-            if self.rule == "memory_utilization":
+            fits = u <= 1  # else the device cannot hold it beside the weights and activations, however set
+            if fits and self.rule == "memory_utilization":
                 fixes["memory_utilization"] = u
-        if self.rule != "num_blocks":
-            fixes["kv_cache_memory"] = num_blocks * self.bytes_per_block
-        fixes["num_blocks"] = num_blocks
+        if fits:
+            if self.rule != "num_blocks":
+                fixes["kv_cache_memory"] = num_blocks * self.bytes_per_block
+            fixes["num_blocks"] = num_blocks
+        if self.fp8_blocks is not None and self.fp8_blocks >= num_blocks:
+            fixes["kv_cache_dtype"] = "fp8"
         return fixes
 
 
 def size_cache(args: EngineArgs, per_block: int, max_position_embeddings: int,
-               budget: DeviceBudget | None) -> CacheConfig:
+               budget: DeviceBudget | None, fp8_per_block: int | None = None) -> CacheConfig:
     """The cache the settings ask for, by the rules above (`budget` None: not on a GPU). The block
     count may be < 1 under memory_utilization: `check_cache` refuses it. The CPU default holds
-    max_num_seqs sequences of max_model_len (else max_position_embeddings) tokens."""
+    max_num_seqs sequences of max_model_len (else max_position_embeddings) tokens. `fp8_per_block`: the
+    bytes per block of an FP8 cache where kv_cache_dtype="fp8" would run and is not set (`fp8_blocks`)."""
+    cache = _size_cache(args, per_block, max_position_embeddings, budget)
+    if fp8_per_block is None or cache.rule == "num_blocks" or fp8_per_block >= per_block:
+        return cache
+    fp8 = _size_cache(args, fp8_per_block, max_position_embeddings, budget)
+    return dataclasses.replace(cache, fp8_blocks=fp8.num_blocks) if fp8.num_blocks > cache.num_blocks else cache
+
+
+def _size_cache(args: EngineArgs, per_block: int, max_position_embeddings: int,
+                budget: DeviceBudget | None) -> CacheConfig:
     if args.num_blocks is not None:
         return CacheConfig(args.block_size, args.num_blocks, per_block, f"num_blocks={args.num_blocks} set by you",
                            "num_blocks", budget)

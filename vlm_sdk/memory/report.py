@@ -46,6 +46,13 @@ def encoder_cache_text(num_bytes: int, cache_source: str) -> str:
     return f"up to {format_bytes(num_bytes)} of vision embeddings kept for reuse (encoder_cache_memory); {where}"
 
 
+def kv_token_text(per_token: int, layers: int, kv_heads: int, head_dim: int, kv_dtype: str) -> str:
+    """The KV-per-token line, shared with `vlm-sdk plan`: its arithmetic and the cache's dtype (an FP8
+    cache names its per-layer scales)."""
+    fp8 = " (kv_cache_dtype='fp8': e4m3 with per-layer K and V scales)" if kv_dtype.startswith("float8") else ""
+    return f"{per_token:,} B ({layers} layers x 2 x {kv_heads} KV heads x {head_dim} x {kv_dtype}){fp8}"
+
+
 class MemoryTotals:
     """Totals shared by the plan (`MemoryPlan`) and the measured start-up (`StartupMemory`)."""
     weights_language_model_bytes: int
@@ -109,6 +116,7 @@ class StartupMemory(MemoryTotals):
     ranks: tuple[RankMemory, ...] = ()  # under tensor parallelism: every rank's own figures
     consumers: tuple = ()  # rank 0's memory consumers (`memory.breakdown.ConsumerBytes`), as `vlm-sdk plan` lists them
     weight_format: str = "float"  # the LLM's Linear weights: "float" or the checkpoint's quantized format
+    kv_cache_dtype: str = ""  # the KV cache's dtype ("bfloat16", "float8_e4m3fn", ...); "": the model's
 
     def to_dict(self) -> dict:
         out = asdict(self) | {"weights_bytes": self.weights_bytes, "capacity_tokens": self.capacity_tokens,
@@ -141,8 +149,8 @@ class StartupMemory(MemoryTotals):
                          f"{self.memory_utilization}; {format_bytes(self.device_in_use_bytes)} in use before the cache"))
         rows.append(("encoder cache", encoder_cache_text(self.encoder_cache_bytes, self.cache_source)))
         rows += [
-            ("KV per token", f"{self.kv_bytes_per_token:,} B ({self.num_layers} layers x 2 x {self.num_kv_heads} KV "
-             f"heads x {self.head_dim} x {self.dtype})"),
+            ("KV per token", kv_token_text(self.kv_bytes_per_token, self.num_layers, self.num_kv_heads, self.head_dim,
+                                           self.kv_cache_dtype or self.dtype)),
             ("KV blocks", f"{self.num_blocks:,} x {self.kv_bytes_per_block:,} B ({self.block_size} tokens) = "
              f"{format_bytes(self.kv_cache_bytes)}; {self.cache_source}"),
             ("KV capacity", f"{self.capacity_tokens:,} tokens"),

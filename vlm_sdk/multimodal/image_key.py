@@ -31,3 +31,16 @@ def salted_key(key: bytes, salt: str) -> bytes:
     h = hashlib.blake2b(key, digest_size=KEY_BYTES)
     h.update(b"\0cache_salt\0" + salt.encode("utf-8", "surrogatepass"))
     return h.digest()
+
+
+def pixels_key(pixels, **settings: object) -> bytes:
+    """The key of preprocessed pixels (a numpy array or tensor: its dtype, shape and bytes) under
+    `settings` (what else decides the embeddings and positions of its tokens): a video's temporal patch,
+    whose sampled frames at their resized size are all the vision tower sees of it."""
+    import numpy as np
+    array = np.ascontiguousarray(pixels.numpy() if hasattr(pixels, "numpy") else pixels)
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    h.update(f"{array.dtype}:{array.shape}:".encode())
+    h.update(array.data)
+    h.update(repr(sorted(settings.items())).encode())
+    return h.digest()

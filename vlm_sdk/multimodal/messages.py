@@ -1,11 +1,13 @@
-"""OpenAI-style chat messages: validate them and separate the images from the text.
+"""OpenAI-style chat messages: validate them and separate the images and videos from the text.
 
 Content is a string or a list of parts: `{"type": "text", "text"}`, `{"type": "image", "image": src}`
 or `{"type": "image_url", "image_url": {"url": src}}` (an object, as OpenAI's schema requires: a bare
-string is refused, as vLLM refuses it). Any other key of an image part, on the part or inside
-`image_url`, is an option for that image alone (`ImageRef.options`, e.g. a size bound): the model
-family reads its image settings from them and ignores keys that no family declares. OpenAI's
-`detail` is ignored.
+string is refused, as vLLM refuses it), and likewise `{"type": "video", "video": src}` or
+`{"type": "video_url", "video_url": {"url": src}}` (vLLM's part; src may also be a list of frames). Any
+other key of an image or video part, on the part or inside its url object, is an option for that item
+alone (`ImageRef.options` / `VideoRef.options`, e.g. a size bound or qwen-vl-utils' `fps`): the model
+family reads its image or video settings from them (an image part's keys that no family declares are
+ignored). OpenAI's `detail` is ignored.
 
 Roles are OpenAI's: `developer` (OpenAI's name for system instructions since its o1 models) is given to
 the chat template as `system`, the only instruction role the served families' templates know. An
@@ -38,9 +40,15 @@ class ImageRef:
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # the family's image settings
 
 
-def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef]]:
-    """Return (messages for the chat template, with image parts reduced to `{"type": "image"}`,
-    the images in prompt order)."""
+@dataclass(frozen=True)
+class VideoRef:
+    source: Any  # path | bytes | data: URL | list of frames (after the prompt guard: an OpenedVideo)
+    options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # the family's video settings
+
+
+def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | VideoRef]]:
+    """Return (messages for the chat template, with image parts reduced to `{"type": "image"}` and
+    video parts to `{"type": "video"}`, the images and videos in prompt order)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidRequestError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, "
                                   f"got {_short(messages)}")
@@ -126,7 +134,7 @@ def _answered_call(msg: dict, call_ids: set, i: int) -> str:
     return call_id
 
 
-def _parse_part(part: Any, where: str, images: list[ImageRef]) -> dict:
+def _parse_part(part: Any, where: str, media: list[ImageRef | VideoRef]) -> dict:
     if not isinstance(part, dict) or "type" not in part:
         raise InvalidRequestError(f"{where} must be a dict with a 'type', got {_short(part)}")
     kind = part["type"]
@@ -136,22 +144,23 @@ def _parse_part(part: Any, where: str, images: list[ImageRef]) -> dict:
             raise InvalidRequestError(f"{where}: a text part needs a string 'text', got {_short(text)}")
         check_text(text, where)
         return {"type": "text", "text": text}
-    if kind in ("image", "image_url"):
-        if kind == "image":
-            source = part.get("image")
+    if kind in _MEDIA:
+        base = _MEDIA[kind]
+        if kind == base:
+            source = part.get(base)
         else:
-            url = part.get("image_url")
+            url = part.get(kind)
             if not isinstance(url, dict):
-                raise InvalidRequestError(f"{where}: an image_url part's 'image_url' must be an object "
+                raise InvalidRequestError(f"{where}: an {kind} part's '{kind}' must be an object "
                                           f"{{\"url\": ...}} (OpenAI's schema), got {_short(url)}; write "
-                                          f"{{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}")
+                                          f"{{\"type\": \"{kind}\", \"{kind}\": {{\"url\": ...}}}}")
             source = url.get("url")
         if source is None:
-            raise InvalidRequestError(f"{where}: an {kind} part needs "
-                                      f"{'an image' if kind == 'image' else 'image_url.url'}")
-        images.append(ImageRef(source, MappingProxyType(_options(part))))
-        return {"type": "image"}
-    raise InvalidRequestError(f"{where} has type {kind!r}; supported: 'text', 'image', 'image_url'")
+            raise InvalidRequestError(f"{where}: an {kind} part needs {f'a {base}' if kind == base else f'{kind}.url'}")
+        ref = ImageRef if base == "image" else VideoRef
+        media.append(ref(source, MappingProxyType(_options(part, kind))))
+        return {"type": base}
+    raise InvalidRequestError(f"{where} has type {kind!r}; supported: 'text', {', '.join(map(repr, _MEDIA))}")
 
 
 def check_text(text: str, where: str) -> None:
@@ -167,13 +176,15 @@ def check_text(text: str, where: str) -> None:
                                   f"surrogate pair together, or the character itself)") from None
 
 
-_PART_KEYS = frozenset({"type", "image", "image_url"})
+# part type -> the kind of item it carries
+_MEDIA = {"image": "image", "image_url": "image", "video": "video", "video_url": "video"}
+_PART_KEYS = frozenset({"type", *_MEDIA})
 _URL_KEYS = frozenset({"url", "detail"})  # OpenAI's detail: ignored
 
 
-def _options(part: dict) -> dict[str, Any]:
-    """The image part's other keys (the part's own win over those inside `image_url`)."""
-    url = part.get("image_url")
+def _options(part: dict, kind: str) -> dict[str, Any]:
+    """The image or video part's other keys (the part's own win over those inside its url object)."""
+    url = part.get(kind) if kind.endswith("_url") else None
     inner = {k: v for k, v in url.items() if k not in _URL_KEYS} if isinstance(url, dict) else {}
     return {**inner, **{k: v for k, v in part.items() if k not in _PART_KEYS and k != "detail"}}
 
@@ -184,10 +195,10 @@ def _short(value: Any) -> str:
 
 
 def map_parts(messages: Any, text: Callable[[str], str] | None = None,
-              image: Callable[[Any], Any] | None = None) -> Any:
-    """A copy of `messages` with each text (string content or text part) replaced by `text(t)` and
-    each image source by `image(source)`, in prompt order. Anything malformed is passed through as it
-    is, for `parse_messages` to refuse with its own message."""
+              image: Callable[[Any], Any] | None = None, video: Callable[[Any], Any] | None = None) -> Any:
+    """A copy of `messages` with each text (string content or text part) replaced by `text(t)`, each
+    image source by `image(source)` and each video source by `video(source)`, in prompt order.
+    Anything malformed is passed through as it is, for `parse_messages` to refuse with its own message."""
     if not isinstance(messages, (list, tuple)):
         return messages
     out = []
@@ -196,27 +207,29 @@ def map_parts(messages: Any, text: Callable[[str], str] | None = None,
         if isinstance(content, str):
             out.append({**msg, "content": text(content)} if text else msg)
         elif isinstance(content, (list, tuple)):
-            out.append({**msg, "content": [_map_part(p, text, image) for p in content]})
+            out.append({**msg, "content": [_map_part(p, text, {"image": image, "video": video}) for p in content]})
         else:
             out.append(msg)
     return out
 
 
-def _map_part(part: Any, text, image) -> Any:
+def _map_part(part: Any, text, media: dict) -> Any:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and text and isinstance(part.get("text"), str):
         return {**part, "text": text(part["text"])}
-    if kind == "image" and image and part.get("image") is not None:
-        return {**part, "image": image(part["image"])}
-    if kind == "image_url" and image:
-        url = part.get("image_url")
-        if isinstance(url, dict) and url.get("url") is not None:
-            return {**part, "image_url": {**url, "url": image(url["url"])}}
+    fn = media.get(_MEDIA.get(kind))
+    if fn is None:
+        return part
+    if kind in media and part.get(kind) is not None:  # {"type": "image", "image": src}
+        return {**part, kind: fn(part[kind])}
+    url = part.get(kind)
+    if isinstance(url, dict) and url.get("url") is not None:
+        return {**part, kind: {**url, "url": fn(url["url"])}}
     return part
 
 
 def measure(messages: Any) -> tuple[int, int]:
-    """(characters of text, image parts) of `messages`, without copying anything."""
+    """(characters of text, image and video parts) of `messages`, without copying anything."""
     chars = images = 0
     for msg in messages if isinstance(messages, (list, tuple)) else ():
         content = msg.get("content") if isinstance(msg, dict) else None
@@ -227,6 +240,6 @@ def measure(messages: Any) -> tuple[int, int]:
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind == "text" and isinstance(part.get("text"), str):
                     chars += len(part["text"])
-                elif kind in ("image", "image_url"):
+                elif kind in _MEDIA:
                     images += 1
     return chars, images

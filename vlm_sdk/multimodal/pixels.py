@@ -5,6 +5,8 @@ the float layout repeats a frame in two temporal slots); the copy from pinned me
 
     byte_table:      float64 x * rescale_factor, cast to float32, then float32 (x - mean) / std: the
                      operations and dtypes of transformers' rescale + normalize, once per byte value
+    fused_byte_table: float32 (x - mean / rescale) / (std / rescale): transformers' torchvision-backed
+                     processors (its video processors), which fuse the rescale into the normalisation
     bytes_to_device: pinned upload (CUDA), then one gather from the table rounded once to the dtype,
                      so the result equals normalising on the host and casting, bit for bit
 """
@@ -30,6 +32,16 @@ def byte_table(mean: tuple[float, ...], std: tuple[float, ...], rescale_factor: 
     m = np.array(mean, dtype=np.float32)[:, None]  # [C, 1]
     s = np.array(std, dtype=np.float32)[:, None]  # [C, 1]
     return np.ascontiguousarray((values[None, :] - m) / s, dtype=np.float32)  # [C, 256]
+
+
+def fused_byte_table(mean: tuple[float, ...], std: tuple[float, ...], rescale_factor: float) -> np.ndarray:
+    """`[C, 256]` float32 as transformers' `TorchvisionBackend.rescale_and_normalize` computes it:
+    mean and std scaled by 1 / rescale_factor in float32, then (x - mean) / std in float32."""
+    import torch
+    m = torch.tensor(mean) * (1.0 / rescale_factor)  # [C] float32
+    s = torch.tensor(std) * (1.0 / rescale_factor)  # [C] float32
+    values = torch.arange(256, dtype=torch.float32)[None, :]  # [1, 256]
+    return ((values - m[:, None]) / s[:, None]).numpy()  # [C, 256]
 
 
 def bytes_to_device(raw: torch.Tensor,  # [N, C, ...] uint8 on the host (or already on the device)

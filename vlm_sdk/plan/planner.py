@@ -6,7 +6,8 @@ Everything the engine decides is decided here by the engine's own code: config.j
 the engine's `memory.kv.size_cache`, and every fix from `CacheConfig.fixes_for` (the start-up refusal
 and the too-long error use it too). Units: bytes unless a name says tokens / blocks / pixels.
 
-    kv_bytes_per_token = layers * 2 (K, V) * kv heads per rank * head_dim * dtype bytes
+    kv_bytes_per_token = layers * 2 (K, V) * kv heads per rank * head_dim * KV dtype bytes
+                         (the model's dtype, or 1 with kv_cache_dtype "fp8")
                          (kv_heads / tp; 1 when tp > kv_heads: each rank keeps a copy of one KV head)
     kv_bytes_per_block = kv_bytes_per_token * block_size
     num_blocks         = num_blocks | kv_cache_memory // per_block
@@ -51,7 +52,7 @@ from vlm_sdk.executor.launch import check_tensor_parallel_size
 from vlm_sdk.memory.breakdown import ConsumerBytes, breakdown
 from vlm_sdk.memory.capacity import resolve_max_model_len
 from vlm_sdk.memory.inputs import memory_inputs
-from vlm_sdk.memory.kv import DeviceBudget, bytes_per_block, size_cache
+from vlm_sdk.memory.kv import DeviceBudget, bytes_per_block, fp8_bytes_per_block, size_cache
 from vlm_sdk.memory.report import MemoryTotals
 from vlm_sdk.model_loader import read_config
 from vlm_sdk.models import registry
@@ -64,7 +65,7 @@ __all__ = ["MemoryPlan", "PLAN_OPTIONS", "Problem", "plan"]
 
 _ENGINE_OPTIONS = ("memory_utilization", "kv_cache_memory", "num_blocks", "dtype", "block_size", "max_model_len",
                    "max_num_seqs", "max_num_batched_tokens", "shard_vision", "encoder_cache_memory",
-                   "enforce_eager", "piecewise_cuda_graphs")
+                   "enforce_eager", "piecewise_cuda_graphs", "kv_cache_dtype")
 # each registered family's image option (`FamilySpec.plan_setting`)
 FAMILY_OPTIONS = tuple(registry.plan_settings())
 PLAN_OPTIONS = ("device_memory", "device", "host_memory", *_ENGINE_OPTIONS, *FAMILY_OPTIONS, "tp",
@@ -115,6 +116,10 @@ class MemoryPlan(MemoryTotals):
     problems: tuple[Problem, ...]    # what fails: the engine refuses to start, or a request is refused
     notes: tuple[Problem, ...] = ()  # what runs below the settings (fewer requests at once than max_num_seqs)
     weight_format: str = "float"     # the LLM's Linear weights: "float" or the checkpoint's quantized format
+    kv_cache_dtype: str = ""         # the KV cache's dtype ("bfloat16", "float8_e4m3fn"); "": the model's
+    # the tokens the same settings give an FP8 cache (kv_cache_dtype "fp8"), when this one is not FP8 and
+    # its size follows its bytes (not num_blocks); None otherwise
+    fp8_capacity_tokens: int | None = None
 
     def consumer_bytes(self, name: str) -> int:
         """A consumer's bytes (0 when it does not apply: e.g. graph pools on the CPU)."""
@@ -149,7 +154,7 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     one of them is required on a machine without a GPU (with one, its GPU is planned). host_memory
     (with device="cpu"; default this machine's RAM). Settings (the engine's names and units):
     memory_utilization, kv_cache_memory ("2GiB" or bytes), encoder_cache_memory ("256MiB", bytes, or 0
-    for none), num_blocks, dtype, block_size,
+    for none), num_blocks, dtype, kv_cache_dtype ("auto" or "fp8"), block_size,
     max_model_len, max_num_seqs, max_num_batched_tokens, the family's image setting (`FAMILY_OPTIONS`:
     max_pixels, max_dynamic_patch), tp, shard_vision, and a workload per request: prompt_tokens (text
     only), images (each at the largest allowed size), output_tokens. `InvalidRequestError` for a bad
@@ -169,12 +174,13 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     m = memory_inputs(family, info, args, model, dtype, tp, on_gpu=on_gpu, decode_graphs=graphs,
                       piecewise_graphs=graphs and args.piecewise_cuda_graphs)
     parts = breakdown(m)  # every consumer estimated
-    per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, args.block_size, dtype)
+    per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, args.block_size, m.kv_dtype)
     weights, peak, encoder = m.weights, parts.activation_bytes, parts.bytes_of("encoder_cache")
 
-    # the engine's own sizing rules, on the memory it would find after loading the weights
+    # the engine's own sizing rules, on the memory it would find after loading the weights; an FP8 cache's
+    # blocks beside them (a planned GPU runs it: the engine refuses only a GPU older than compute 8.0)
     budget = None if device_memory is None else parts.budget(device_memory, other_use + weights.total)
-    cache = size_cache(args, per_block, m.max_position_embeddings, budget)
+    cache = size_cache(args, per_block, m.max_position_embeddings, budget, fp8_bytes_per_block(per_block, m.kv_dtype))
     blocks = max(cache.num_blocks, 0)
     memory = (Memory(device_memory, other_use, "device memory") if device_memory is not None else
               Memory(host_memory, 0, "host RAM"))
@@ -210,7 +216,9 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
         largest_fitting_image=fits_alone.text if fits_alone else "none: not even the smallest image fits",
         prompt_tokens=o["prompt_tokens"], output_tokens=o["output_tokens"], images=o["images"],
         max_concurrent_requests=concurrent, problems=tuple(problems + workload_problems),
-        notes=tuple(notes + workload_notes), weight_format=m.weight_format)
+        notes=tuple(notes + workload_notes), weight_format=m.weight_format,
+        kv_cache_dtype=str(m.kv_dtype).removeprefix("torch."),
+        fp8_capacity_tokens=None if cache.fp8_blocks is None else max(cache.fp8_blocks, 0) * args.block_size)
 
 
 def _settings(options: dict) -> tuple[dict, dict]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from vlm_sdk.memory.report import consumer_rows, encoder_cache_text, format_bytes as _size, table
+from vlm_sdk.config import KV_CACHE_DTYPES
+from vlm_sdk.memory.report import consumer_rows, encoder_cache_text, format_bytes as _size, kv_token_text, table
 from vlm_sdk.models import registry
 from vlm_sdk.plan.planner import PLAN_OPTIONS, MemoryPlan, _value, plan
 
@@ -41,11 +42,12 @@ def format_plan(p: MemoryPlan) -> str:
         ("activation peak (estimate)", f"{_size(p.activation_peak_bytes)}: the step-time consumers below"),
         *consumer_rows(p.consumers),
         ("encoder cache", encoder_cache_text(p.encoder_cache_bytes, p.cache_source)),
-        ("KV per token", f"{p.kv_bytes_per_token:,} B ({p.num_layers} layers x 2 x {p.num_kv_heads} KV heads x "
-         f"{p.head_dim} x {p.dtype})"),
+        ("KV per token", kv_token_text(p.kv_bytes_per_token, p.num_layers, p.num_kv_heads, p.head_dim,
+                                       p.kv_cache_dtype or p.dtype)),
         ("KV per block", f"{p.kv_bytes_per_block:,} B ({p.block_size} tokens)"),
         ("KV blocks", f"{p.num_blocks:,} = {_size(p.kv_cache_bytes)} ({p.cache_source})"),
-        ("KV capacity", f"{p.capacity_tokens:,} tokens"),
+        ("KV capacity", f"{p.capacity_tokens:,} tokens"
+         + (f"; {p.fp8_capacity_tokens:,} with --kv-cache-dtype fp8" if p.fp8_capacity_tokens else "")),
         ("max_model_len", f"{p.max_model_len:,} (max_position_embeddings {p.max_position_embeddings:,})"),
         ("longest single request", f"{p.longest_request_tokens:,} tokens"),
         ("largest allowed image", f"{p.image_tokens_per_image:,} tokens ({p.largest_image})"),
@@ -123,6 +125,8 @@ def add_plan_parser(sub) -> None:
         cmd.add_argument(f"--{name}", type=int, help=_HELP[name])
     cmd.add_argument("--dtype", help="weights and KV cache dtype: bfloat16 / float16 / float32 (default bfloat16 on "
                      "a GPU, float32 on the CPU, as the engine)")
+    cmd.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="the KV cache's dtype: auto (the model's, the "
+                     "default) or fp8 (float8 e4m3 with per-layer scales: one byte per value)")
     cmd.add_argument("--json", action="store_true", help="print one JSON object")
 
 

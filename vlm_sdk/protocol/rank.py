@@ -29,3 +29,4 @@ class RankLoad:
     num_kv_heads: int  # this rank's KV heads (what its cache holds per layer)
     head_dim: int
     bytes_per_block: int  # this rank's KV bytes per block (its KV heads, every layer, K and V)
+    kv_cache_dtype: str = ""  # the cache's dtype, e.g. "bfloat16" or "float8_e4m3fn"; "": the model's

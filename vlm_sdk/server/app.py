@@ -210,12 +210,13 @@ class OpenAIServer:
                                           self.config.max_stop_strings, self.config.max_stop_chars,
                                           self.config.max_n, max_logit_bias=args.max_logit_bias,
                                           max_stop_token_ids=args.max_stop_token_ids,
-                                          max_response_logprobs=self.config.max_response_logprobs)
+                                          max_response_logprobs=self.config.max_response_logprobs,
+                                          limit_videos=self.config.limit_videos)
         messages = await self.media.resolve_messages(req.messages)
         prompt = await self.engine.build_prompt(messages, req.params, req.options)
         protocol.check_output_room(len(prompt.token_ids), req.params.max_tokens, self.max_model_len,
                                    req.max_tokens_param)
-        if req.num_images:
+        if req.num_images or req.num_videos:
             self.metrics.image_preprocess.observe(prompt.preprocess_seconds)
         gen = self.engine.generate(prompt, req.params)
         try:

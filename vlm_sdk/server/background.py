@@ -18,8 +18,11 @@ class BackgroundServer:
             ... srv.url, srv.model_name, srv.stats() ...
     """
 
-    def __init__(self, model, config: ServerConfig | None = None, **engine_args):
+    def __init__(self, model, config: ServerConfig | None = None, engine=None, **engine_args):
+        """`engine`: one already built (an `AsyncLLM`, or a `ReplicaSetLLM` of data-parallel replicas)
+        instead of one built here from `engine_args`; it is shut down with the server."""
         self.model = str(model)
+        self._given_engine = engine
         self.config = config or ServerConfig(port=0)
         self.engine_args = engine_args
         self.model_name = served_name(self.model, self.config)
@@ -41,7 +44,7 @@ class BackgroundServer:
 
     def __enter__(self) -> "BackgroundServer":
         self.engine_args.setdefault("show_progress", False)
-        self.engine = AsyncLLM(self.model, **server_engine_args(self.engine_args))
+        self.engine = self._given_engine or AsyncLLM(self.model, **server_engine_args(self.engine_args))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vlm-server", daemon=True)
         self._thread.start()

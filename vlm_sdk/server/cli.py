@@ -14,8 +14,9 @@ from dataclasses import MISSING, fields
 from typing import NoReturn
 
 from vlm_sdk.config import EngineArgs
+from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.models import registry
-from vlm_sdk.server.config import MediaPolicy, ServerConfig
+from vlm_sdk.server.config import SERVER_MAX_VIDEO_BYTES, MediaPolicy, ServerConfig
 
 _ENGINE_HELP = {
     "num_blocks": "KV cache blocks (overrides kv_cache_memory and memory_utilization)",
@@ -30,6 +31,8 @@ _ENGINE_HELP = {
     "encoder_cache_memory": "vision embeddings kept for reuse, e.g. 256MiB (default); 0 turns the encoder cache off",
     "max_model_len": "longest sequence (prompt + output) in tokens",
     "attention_backend": "'triton' (default on CUDA) or 'torch' (the reference path, default on the CPU)",
+    "kv_cache_dtype": "the KV cache's dtype: 'auto' (the model's, default) or 'fp8' (float8 e4m3 with per-layer K and "
+                      "V scales from the checkpoint, else 1.0: twice the tokens in the same memory)",
     "small_m_gemm": "the decoder's qkv and o projections at <= 8 rows: 'torch' (cuBLAS, default) or 'triton' "
                     "(needs the Triton kernel set; vlm-sdk bench --gpu measures which is faster)",
     "enforce_eager": "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
@@ -44,6 +47,12 @@ _ENGINE_HELP = {
                         "16777216 = 4096x4096; the Python API's 64000000)",
     "max_request_image_pixels": "the pixels of all of a request's images together, checked before any is decoded "
                                 "(serve's default 67108864; none in the Python API)",
+    "max_video_bytes": "largest video, as a size with a unit (256MiB); also the most the server fetches for one "
+                       "video URL (serve's default 256MiB; the Python API's 1GiB)",
+    "max_video_seconds": "longest video, in seconds, read from its container before decoding (default 3600)",
+    "max_video_frames": "most frames sampled from one video (default 768)",
+    "max_video_decode_pixels": "most pixels decoded for one video: every frame from the keyframe before each sampled "
+                               "one, at the source size, counted before decoding (default 8000000000)",
     "revision": "branch, tag or commit of a model given as a Hub id 'Org/Name' (default: main)",
     "max_logit_bias": "logit_bias entries per request (default 300); each is applied at every step",
     "max_stop_token_ids": "stop_token_ids per request (default 300); min_tokens bans each at every step",
@@ -66,7 +75,8 @@ _SWITCHES = {"async_scheduling"}  # on/off switches whose default (None) means "
 # flags whose EngineArgs default (None) does not tell their type; the rest follow their default's type
 _FLAG_TYPES = {"revision": str, "dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
                "encoder_cache_memory": str, "memory_utilization": float, "max_grammar_memory": str,
-               "grammar_cache_memory": str, "tool_call_parser": str, "reasoning_parser": str}
+               "grammar_cache_memory": str, "tool_call_parser": str, "reasoning_parser": str,
+               "max_video_bytes": str}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +121,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-json-values", type=_positive, default=d.max_json_values,
                    help="JSON values in a request body, counted before it is parsed (default 200000)")
     p.add_argument("--limit-images", type=int, default=d.limit_images, help="images per request")
+    p.add_argument("--limit-videos", type=int, default=d.limit_videos, help="videos per request")
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds in-flight requests get after SIGTERM before they are aborted")
     p.add_argument("--max-stop-strings", type=_count, default=d.max_stop_strings,
@@ -134,14 +145,66 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="open connections at once; more are answered 503 and closed")
     m = MediaPolicy()
     p.add_argument("--allowed-media-domains", nargs="*", default=[],
-                   help="hosts whose http(s) image URLs may be fetched, separated by spaces or commas "
+                   help="hosts whose http(s) image and video URLs may be fetched, separated by spaces or commas "
                         "('.example.com' = any subdomain)")
-    p.add_argument("--allowed-local-media-path", default=None, help="file:// image URLs are read only under it")
+    p.add_argument("--allowed-local-media-path", default=None,
+                   help="file:// image and video URLs are read only under it")
     p.add_argument("--allow-private-media-addresses", action="store_true",
                    help="let media URLs resolve to loopback/private/link-local addresses")
-    p.add_argument("--max-media-bytes", type=int, default=m.max_bytes)
+    p.add_argument("--max-media-bytes", type=int, default=m.max_bytes, help="one fetched image (videos: "
+                   "--max-video-bytes)")
     p.add_argument("--media-timeout", type=float, default=m.timeout_s)
+    add_replica_flags(p)
     add_engine_flags(p)
+
+
+def add_replica_flags(p: argparse.ArgumentParser) -> None:
+    """Data-parallel replicas on Ray Serve (vlm_sdk/replicas/; the routing rule: routing.py)."""
+    from vlm_sdk.replicas.launch import ReplicaConfig
+    from vlm_sdk.replicas.routing import POLICIES, RoutingConfig
+    r, c = RoutingConfig(), ReplicaConfig()
+    g = p.add_argument_group("data-parallel replicas on Ray Serve (pip install 'vlm-sdk[ray]')")
+    g.add_argument("--data-parallel-size", "--replicas", type=_positive, default=None,
+                   help="serve this many engine replicas (each --tensor-parallel-size ranks) on Ray Serve "
+                        "behind this server; Serve replaces one that dies")
+    g.add_argument("--routing", choices=POLICIES, default=r.policy,
+                   help="cache_aware: a request goes to the replica that last took its first image or prompt "
+                        "prefix unless that one is loaded past the bounds below, else to the least loaded; "
+                        "round_robin: in turn")
+    g.add_argument("--routing-max-queue", type=_positive, default=r.max_queue,
+                   help="requests in flight on a replica past which cache affinity is ignored")
+    g.add_argument("--routing-max-kv-usage", type=float, default=r.max_kv_usage,
+                   help="KV cache usage (0-1] on a replica past which cache affinity is ignored")
+    g.add_argument("--routing-chunk-tokens", type=_positive, default=r.chunk_tokens,
+                   help="prompt-prefix hashes cover whole chunks of this many tokens")
+    g.add_argument("--routing-prefix-tokens", type=_positive, default=r.prefix_tokens,
+                   help="tokens of a prompt that are hashed for routing")
+    g.add_argument("--routing-stats-period", type=float, default=r.stats_period_s,
+                   help="seconds between each replica's load reports")
+    g.add_argument("--replica-cpus", type=float, default=c.replica_cpus, help="CPUs Ray reserves per replica")
+    g.add_argument("--min-replicas", type=_positive, default=None, help="autoscaling lower bound (with --max-replicas)")
+    g.add_argument("--max-replicas", type=_positive, default=None,
+                   help="let Ray Serve's autoscaler scale between --min-replicas and this")
+    g.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join ('auto': this node's; default: a new local one)")
+
+
+def replica_configs(args: argparse.Namespace) -> tuple:
+    """(ReplicaConfig, RoutingConfig) when --data-parallel-size was given, else (None, None)."""
+    if args.data_parallel_size is None and args.max_replicas is None:
+        return None, None
+    from vlm_sdk.replicas.launch import ReplicaConfig
+    from vlm_sdk.replicas.routing import RoutingConfig
+    try:
+        routing = RoutingConfig(policy=args.routing, max_queue=args.routing_max_queue,
+                                max_kv_usage=args.routing_max_kv_usage, chunk_tokens=args.routing_chunk_tokens,
+                                prefix_tokens=args.routing_prefix_tokens, stats_period_s=args.routing_stats_period)
+        replicas = ReplicaConfig(data_parallel_size=args.data_parallel_size or args.min_replicas or 1,
+                                 replica_cpus=args.replica_cpus, min_replicas=args.min_replicas,
+                                 max_replicas=args.max_replicas, ray_address=args.ray_address)
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+    return replicas, routing
 
 
 def _count(text: str) -> int:
@@ -167,21 +230,25 @@ def run_serve(args: argparse.Namespace) -> int:
         name = registry.load(registry.family_names()[0]).display_name  # tiny_model_dir's default family
         print(f"[vlm-sdk] no model given: serving a tiny {name}-shaped checkpoint with RANDOM weights at "
               f"{model}", file=sys.stderr)
+    engine = engine_kwargs(args)
+    video_bytes = EngineArgs(max_video_bytes=engine.get("max_video_bytes", SERVER_MAX_VIDEO_BYTES)).max_video_bytes
     media = MediaPolicy(allowed_domains=tuple(args.allowed_media_domains),
                         allowed_local_path=args.allowed_local_media_path,
                         allow_private_addresses=args.allow_private_media_addresses,
-                        max_bytes=args.max_media_bytes, timeout_s=args.media_timeout)
+                        max_bytes=args.max_media_bytes, max_video_bytes=video_bytes, timeout_s=args.media_timeout)
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
                           max_json_values=args.max_json_values,
-                          limit_images=args.limit_images, shutdown_timeout=args.shutdown_timeout, media=media,
+                          limit_images=args.limit_images, limit_videos=args.limit_videos,
+                          shutdown_timeout=args.shutdown_timeout, media=media,
                           keep_alive_timeout=args.keep_alive_timeout, body_timeout=args.body_timeout,
                           max_connections=args.max_connections,
                           max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
                           max_n=args.max_n, max_response_logprobs=args.max_response_logprobs,
                           max_completion_prompts=args.max_completion_prompts)
 
-    return serve(model, config, **engine_kwargs(args))
+    replicas, routing = replica_configs(args)
+    return serve(model, config, replicas, routing, **engine)
 
 
 class _StderrHandler(logging.Handler):

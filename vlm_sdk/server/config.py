@@ -12,12 +12,16 @@ MiB = 1 << 20
 # tiles), and a request's images together may hold four such images (8 at 2896x2896).
 SERVER_MAX_IMAGE_PIXELS = 4096 * 4096  # 16,777,216
 SERVER_MAX_REQUEST_IMAGE_PIXELS = 4 * SERVER_MAX_IMAGE_PIXELS  # 67,108,864
+# a fetched or uploaded video: 256 MiB is minutes of 1080p; the engine's other video limits (seconds,
+# sampled frames, decoded pixels) are the Python API's
+SERVER_MAX_VIDEO_BYTES = 256 * MiB
 
 
 def server_engine_args(engine_args: dict) -> dict:
-    """`engine_args` with the server's image limits wherever they were not given."""
+    """`engine_args` with the server's image and video limits wherever they were not given."""
     return {"max_image_pixels": SERVER_MAX_IMAGE_PIXELS,
-            "max_request_image_pixels": SERVER_MAX_REQUEST_IMAGE_PIXELS, **engine_args}
+            "max_request_image_pixels": SERVER_MAX_REQUEST_IMAGE_PIXELS,
+            "max_video_bytes": SERVER_MAX_VIDEO_BYTES, **engine_args}
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class MediaPolicy:
     allowed_local_path: str | None = None
     allow_private_addresses: bool = False
     max_bytes: int = 20 * MiB  # one fetched image
+    max_video_bytes: int = SERVER_MAX_VIDEO_BYTES  # one fetched video (serve: the engine's max_video_bytes)
     timeout_s: float = 10.0  # whole download, redirects included
     max_redirects: int = 5
 
@@ -55,6 +60,7 @@ class ServerConfig:
     # keeps any body's parse near 0.2 s (a chat request needs a few values per message)
     max_json_values: int = 200_000
     limit_images: int = 8  # images per request
+    limit_videos: int = 2  # videos per request
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     max_stop_strings: int = 4  # per request, as OpenAI's API allows
     max_stop_chars: int = 256  # per stop string

@@ -1,4 +1,4 @@
-"""Fetch the images named in a chat request, under the server's `MediaPolicy`.
+"""Fetch the images and videos named in a chat request, under the server's `MediaPolicy`.
 
 A server that fetches URLs on behalf of its clients is an SSRF vector: without a policy, a request
 could make it read cloud metadata (169.254.169.254), internal services or local files. So:
@@ -9,7 +9,8 @@ could make it read cloud metadata (169.254.169.254), internal services or local 
   connection itself uses (`GuardedResolver`), so a DNS answer that changes between a check and the
   connect (DNS rebinding) cannot slip through; IP-literal hosts, which aiohttp never resolves, are
   checked before each hop;
-* bodies are capped in bytes while streaming, and the whole fetch (all hops) in time;
+* bodies are capped in bytes while streaming (an image: --max-media-bytes; a video: --max-video-bytes),
+  and the whole fetch (all hops) in time;
 * `file://` is read only inside one allowed directory, opened one component at a time from the
   directory's descriptor without following any symbolic link (no check-then-open race); bare paths
   and other schemes are refused.
@@ -22,6 +23,7 @@ import ipaddress
 import os
 import socket
 import stat
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlparse
 from urllib.request import url2pathname
@@ -30,12 +32,11 @@ import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 from yarl import URL
 
-from vlm_sdk.errors import InvalidImageError, without_reprs
+from vlm_sdk.errors import InvalidImageError, InvalidVideoError, without_reprs
 from vlm_sdk.server.config import MediaPolicy
 
 _REDIRECTS = (301, 302, 303, 307, 308)
 _CHUNK = 1 << 16
-_SOURCES = "image sources over HTTP must be data:, http(s):// or file:// URLs"
 
 
 def _clip(text: str, limit: int = 100) -> str:
@@ -96,20 +97,32 @@ class GuardedResolver(AbstractResolver):
             await self._inner.close()
 
 
+@dataclass(frozen=True)
+class _Media:
+    """What is fetched: its word in messages, its error, its cap in bytes and the flag that sets it."""
+    kind: str
+    error: type
+    max_bytes: int
+    flag: str
+
+
 class MediaFetcher:
-    """Resolves image sources in OpenAI-style messages under a MediaPolicy."""
+    """Resolves image and video sources in OpenAI-style messages under a MediaPolicy."""
 
     def __init__(self, policy: MediaPolicy, *, resolver: AbstractResolver | None = None):
         self.policy = policy
+        self._image = _Media("image", InvalidImageError, policy.max_bytes, "--max-media-bytes")
+        self._video = _Media("video", InvalidVideoError, policy.max_video_bytes, "--max-video-bytes")
         self._resolver = resolver
         self._session: aiohttp.ClientSession | None = None
         self._domains = tuple(d.strip().lower().rstrip(".").strip("[]") for d in policy.allowed_domains)
 
     async def resolve_messages(self, messages: list) -> list:
-        """Return a copy of `messages` whose image sources are data: URL strings or fetched bytes."""
+        """Return a copy of `messages` whose image and video sources are data: URL strings or fetched
+        bytes (a video given as a list of frames: each frame so)."""
         if not isinstance(messages, (list, tuple)):
             return messages
-        slots: list[tuple[dict, str, Any]] = []  # (new dict, key, source)
+        slots: list[tuple[Any, Any, Any, _Media]] = []  # (container, key, source, kind)
         out = []
         for msg in messages:
             if not isinstance(msg, dict) or not isinstance(msg.get("content"), (list, tuple)):
@@ -118,16 +131,22 @@ class MediaFetcher:
             parts = []
             for part in msg["content"]:
                 new = dict(part) if isinstance(part, dict) else part
-                if isinstance(part, dict) and part.get("type") == "image" and part.get("image") is not None:
-                    slots.append((new, "image", part["image"]))
-                elif isinstance(part, dict) and part.get("type") == "image_url":
-                    url = part.get("image_url")
+                kind = part.get("type") if isinstance(part, dict) else None
+                media = self._video if kind in ("video", "video_url") else self._image
+                if kind in ("image", "video") and part.get(kind) is not None:
+                    if kind == "video" and isinstance(part[kind], (list, tuple)):  # frames
+                        new[kind] = list(part[kind])
+                        slots.extend((new[kind], i, frame, self._image) for i, frame in enumerate(part[kind]))
+                    else:
+                        slots.append((new, kind, part[kind], media))
+                elif kind in ("image_url", "video_url"):
+                    url = part.get(kind)
                     if isinstance(url, dict) and url.get("url") is not None:  # a bare string is refused later
-                        new["image_url"] = dict(url)
-                        slots.append((new["image_url"], "url", url["url"]))
+                        new[kind] = dict(url)
+                        slots.append((new[kind], "url", url["url"], media))
                 parts.append(new)
             out.append({**msg, "content": parts})
-        tasks = [asyncio.ensure_future(self._load(source)) for _, _, source in slots]
+        tasks = [asyncio.ensure_future(self._load(source, media)) for _, _, source, media in slots]
         try:
             loaded = await asyncio.gather(*tasks)
         except BaseException:
@@ -135,7 +154,7 @@ class MediaFetcher:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        for (target, key, _), value in zip(slots, loaded):
+        for (target, key, _, _), value in zip(slots, loaded):
             target[key] = value
         return out
 
@@ -144,24 +163,26 @@ class MediaFetcher:
             session, self._session = self._session, None
             await session.close()
 
-    async def _load(self, source: Any) -> str | bytes:
+    async def _load(self, source: Any, media: "_Media") -> str | bytes:
         if not isinstance(source, str):
-            raise InvalidImageError(f"{_SOURCES}; got a value of type {type(source).__name__}")
+            raise media.error(f"{media.kind} sources over HTTP must be data:, http(s):// or file:// URLs; got a value "
+                              f"of type {type(source).__name__}")
         head = source[:8].lower()
         if head.startswith("data:"):
             return source
         if head.startswith(("http://", "https://")):
             try:
-                return await asyncio.wait_for(self._fetch(source), self.policy.timeout_s)
+                return await asyncio.wait_for(self._fetch(source, media), self.policy.timeout_s)
             except asyncio.TimeoutError:
-                raise InvalidImageError(f"fetching image URL {_clip(source)} timed out after "
+                raise media.error(f"fetching {media.kind} URL {_clip(source)} timed out after "
                                         f"{self.policy.timeout_s:g} s (redirects included; the server "
                                         f"setting --media-timeout raises it)") from None
         if head.startswith("file://"):
             if "\x00" in unquote(source):  # no file name holds one; every os call would raise ValueError
-                raise InvalidImageError(f"file URL {_clip(source)} holds a NUL byte (%00), which no file name can")
-            return await self._read_file(source)
-        raise InvalidImageError(f"{_SOURCES}; got {_clip(source)} (bare paths are never read)")
+                raise media.error(f"file URL {_clip(source)} holds a NUL byte (%00), which no file name can")
+            return await self._read_file(source, media)
+        raise media.error(f"{media.kind} sources over HTTP must be data:, http(s):// or file:// URLs; got "
+                          f"{_clip(source)} (bare paths are never read)")
 
     def _session_for_fetch(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -175,98 +196,98 @@ class MediaFetcher:
                 timeout=aiohttp.ClientTimeout(total=None))
         return self._session
 
-    def _check_url(self, url: URL, where: str) -> None:
+    def _check_url(self, url: URL, where: str, media: "_Media") -> None:
         if url.scheme not in ("http", "https") or not url.raw_host:
-            raise InvalidImageError(f"{where}: only http(s) URLs with a host can be fetched")
+            raise media.error(f"{where}: only http(s) URLs with a host can be fetched")
         host = url.raw_host.lower().rstrip(".")
         literal = _ip(host)
         if not any(host == e or (e.startswith(".") and (host == e[1:] or host.endswith(e)))
                    or (literal is not None and literal == _ip(e)) for e in self._domains):
-            raise InvalidImageError(f"{where}: host {host!r} is not an allowed media domain; the server "
+            raise media.error(f"{where}: host {host!r} is not an allowed media domain; the server "
                                     f"setting --allowed-media-domains allows it")
         if literal is not None and not self.policy.allow_private_addresses:
             kind = _address_problem(host)
             if kind is not None:
-                raise InvalidImageError(f"{where}: {_refusal(host, host, kind)}")
+                raise media.error(f"{where}: {_refusal(host, host, kind)}")
 
-    async def _fetch(self, source: str) -> bytes:
+    async def _fetch(self, source: str, media: "_Media") -> bytes:
         session = self._session_for_fetch()
         try:
             url = URL(source)
         except (ValueError, TypeError) as exc:
-            raise InvalidImageError(f"image URL {_clip(source)} is not a valid URL ({exc})") from None
-        where = f"image URL {_clip(source)}"
+            raise media.error(f"{media.kind} URL {_clip(source)} is not a valid URL ({exc})") from None
+        where = f"{media.kind} URL {_clip(source)}"
         for _ in range(self.policy.max_redirects + 1):
-            self._check_url(url, where)
+            self._check_url(url, where, media)
             try:
                 async with session.get(url, allow_redirects=False) as resp:
                     if resp.status in _REDIRECTS and "Location" in resp.headers:
                         try:
                             url = url.join(URL(resp.headers["Location"]))
                         except (ValueError, TypeError):
-                            raise InvalidImageError(f"{where}: invalid redirect Location "
+                            raise media.error(f"{where}: invalid redirect Location "
                                                     f"{_clip(resp.headers['Location'])}") from None
-                        where = f"image URL {_clip(source)} (redirected to {_clip(str(url))})"
+                        where = f"{media.kind} URL {_clip(source)} (redirected to {_clip(str(url))})"
                         continue
                     if not 200 <= resp.status < 300:
-                        raise InvalidImageError(f"{where}: the server answered HTTP {resp.status} "
+                        raise media.error(f"{where}: the server answered HTTP {resp.status} "
                                                 f"{resp.reason or ''}".rstrip())
-                    return await self._read_body(resp, where)
+                    return await self._read_body(resp, where, media)
             except aiohttp.ClientError as exc:
                 cause = getattr(exc, "os_error", None) or exc.__cause__
                 if isinstance(cause, _BlockedAddress):
-                    raise InvalidImageError(f"{where}: {cause}") from None
+                    raise media.error(f"{where}: {cause}") from None
                 if isinstance(exc, aiohttp.ClientConnectorError):
                     why = f"cannot connect to {exc.host}:{exc.port} ({exc.os_error})"
                 else:
                     why = f"{type(exc).__name__}: {exc}"
-                raise InvalidImageError(f"cannot fetch {where}: {without_reprs(why)}") from None
-        raise InvalidImageError(f"{where}: more than {self.policy.max_redirects} redirects "
+                raise media.error(f"cannot fetch {where}: {without_reprs(why)}") from None
+        raise media.error(f"{where}: more than {self.policy.max_redirects} redirects "
                                 f"(the media policy's max_redirects)")
 
-    async def _read_body(self, resp: aiohttp.ClientResponse, where: str) -> bytes:
-        cap = self.policy.max_bytes
+    async def _read_body(self, resp: aiohttp.ClientResponse, where: str, media: "_Media") -> bytes:
+        cap = media.max_bytes
         if resp.content_length is not None and resp.content_length > cap:
-            raise InvalidImageError(f"{where}: Content-Length {resp.content_length} bytes is over the "
-                                    f"limit of {cap} bytes per image (server setting --max-media-bytes)")
+            raise media.error(f"{where}: Content-Length {resp.content_length} bytes is over the "
+                              f"limit of {cap} bytes per {media.kind} (server setting {media.flag})")
         body = bytearray()
         async for chunk in resp.content.iter_chunked(_CHUNK):
             body += chunk
             if len(body) > cap:
-                raise InvalidImageError(f"{where}: the body is over the limit of {cap} bytes per image "
-                                        f"(server setting --max-media-bytes)")
+                raise media.error(f"{where}: the body is over the limit of {cap} bytes per {media.kind} "
+                                  f"(server setting {media.flag})")
         return bytes(body)
 
-    async def _read_file(self, source: str) -> bytes:
+    async def _read_file(self, source: str, media: "_Media") -> bytes:
         root = self.policy.allowed_local_path
         if root is None:
-            raise InvalidImageError(f"file URL {_clip(source)}: local files are not read unless the "
+            raise media.error(f"file URL {_clip(source)}: local files are not read unless the "
                                     f"server setting --allowed-local-media-path is given")
         parsed = urlparse(source)
         if parsed.netloc not in ("", "localhost"):
-            raise InvalidImageError(f"file URL {_clip(source)} names host {parsed.netloc!r}; only "
+            raise media.error(f"file URL {_clip(source)} names host {parsed.netloc!r}; only "
                                     f"local files ('file:///abs/path') are read")
         path = url2pathname(unquote(parsed.path))
         if "\0" in path:
-            raise InvalidImageError(f"file URL {_clip(source)} holds a NUL character (%00), which no file name has")
+            raise media.error(f"file URL {_clip(source)} holds a NUL character (%00), which no file name has")
         parts = _parts_beneath(path, root)
         if parts is None:
-            raise InvalidImageError(f"file URL {_clip(source)} is outside the directory that the server "
+            raise media.error(f"file URL {_clip(source)} is outside the directory that the server "
                                     f"setting --allowed-local-media-path allows")
-        return await asyncio.to_thread(self._read_beneath, root, parts, source)
+        return await asyncio.to_thread(self._read_beneath, root, parts, source, media)
 
-    def _read_beneath(self, root: str, parts: list[str], source: str) -> bytes:
+    def _read_beneath(self, root: str, parts: list[str], source: str, media: "_Media") -> bytes:
         """Open `parts` one by one from the root's descriptor, never following a symbolic link, so a
         component swapped for a link after any check cannot lead outside the root (a realpath check
         followed by an open could be raced that way)."""
         try:
             fd = os.open(os.path.realpath(root), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
-            raise InvalidImageError(f"cannot open the directory that the server setting "
+            raise media.error(f"cannot open the directory that the server setting "
                                     f"--allowed-local-media-path names: {exc.strerror or exc}") from None
         try:
             if not parts:
-                raise InvalidImageError(f"file URL {_clip(source)} is not a regular file (a directory, FIFO or device)")
+                raise media.error(f"file URL {_clip(source)} is not a regular file (a directory, FIFO or device)")
             for i, name in enumerate(parts):
                 last = i == len(parts) - 1
                 # O_NONBLOCK: opening a FIFO must not hang
@@ -274,39 +295,39 @@ class MediaFetcher:
                 try:
                     nxt = os.open(name, flags, dir_fd=fd)
                 except OSError as exc:
-                    raise self._open_error(source, name, fd, exc) from None
+                    raise self._open_error(source, name, fd, exc, media) from None
                 except ValueError as exc:  # a lone surrogate the file system cannot encode
-                    raise InvalidImageError(f"file URL {_clip(source)} is not a valid file name ({exc})") from None
+                    raise media.error(f"file URL {_clip(source)} is not a valid file name ({exc})") from None
                 os.close(fd)
                 fd = nxt
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise InvalidImageError(f"file URL {_clip(source)} is not a regular file (a directory, FIFO or device)")
+                raise media.error(f"file URL {_clip(source)} is not a regular file (a directory, FIFO or device)")
             with open(fd, "rb", closefd=False) as f:
-                data = f.read(self.policy.max_bytes + 1)
+                data = f.read(media.max_bytes + 1)
         except OSError as exc:
-            raise InvalidImageError(f"cannot read file URL {_clip(source)}: {exc.strerror or exc}") from None
+            raise media.error(f"cannot read file URL {_clip(source)}: {exc.strerror or exc}") from None
         finally:
             os.close(fd)
-        if len(data) > self.policy.max_bytes:
-            raise InvalidImageError(f"file URL {_clip(source)} is over the limit of {self.policy.max_bytes} bytes per "
-                                    f"image (server setting --max-media-bytes)")
+        if len(data) > media.max_bytes:
+            raise media.error(f"file URL {_clip(source)} is over the limit of {media.max_bytes} bytes per "
+                              f"{media.kind} (server setting {media.flag})")
         return data
 
     @staticmethod
-    def _open_error(source: str, name: str, dir_fd: int, exc: OSError) -> InvalidImageError:
+    def _open_error(source: str, name: str, dir_fd: int, exc: OSError, media: "_Media") -> InvalidImageError:
         try:
             link = stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
         except OSError:
             link = False
         if link:
-            return InvalidImageError(f"file URL {_clip(source)} passes through the symbolic link {name!r}; links are "
+            return media.error(f"file URL {_clip(source)} passes through the symbolic link {name!r}; links are "
                                      f"not followed, so that nothing outside the directory that the server setting "
                                      f"--allowed-local-media-path allows is read")
         if exc.errno == errno.ENOENT:
-            return InvalidImageError(f"file URL {_clip(source)}: no such file")
+            return media.error(f"file URL {_clip(source)}: no such file")
         if exc.errno == errno.ENOTDIR:
-            return InvalidImageError(f"file URL {_clip(source)}: {name!r} is not a directory")
-        return InvalidImageError(f"cannot read file URL {_clip(source)}: {exc.strerror or exc}")
+            return media.error(f"file URL {_clip(source)}: {name!r} is not a directory")
+        return media.error(f"cannot read file URL {_clip(source)}: {exc.strerror or exc}")
 
 
 def _parts_beneath(path: str, root: str) -> list[str] | None:

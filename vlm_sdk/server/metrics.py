@@ -73,6 +73,32 @@ class _EngineCollector:
                     "bytes (bounded by grammar_cache_memory)", s["grammar_cache_bytes"])
         yield gauge("grammar_process_resident_bytes", "resident memory of the grammar processes, where grammars are "
                     "first compiled (not in process_resident_memory_bytes)", s["grammar_process_bytes"])
+        if "replicas" in s:  # data-parallel replicas (vlm_sdk.replicas): the figures above are sums
+            yield from _per_replica(s["replicas"], self._model)
+
+
+# data-parallel replicas: (metric, doc, stats key or a function of the stats, counter?)
+_REPLICA_FIGURES = (
+    ("prefix_cache_hit_tokens", "prompt tokens whose KV came from this replica's prefix cache",
+     "prefix_cache_hit_tokens", True),
+    ("prefix_cache_query_tokens", "prompt tokens looked up in this replica's prefix cache",
+     "prefix_cache_query_tokens", True),
+    ("prompt_tokens", "prompt tokens this replica admitted", "total_prompt_tokens", True),
+    ("num_requests_running", "requests in this replica's running batch", "num_running", False),
+    ("num_requests_waiting", "requests waiting on this replica", "num_waiting", False),
+    ("kv_cache_usage_ratio", "this replica's kv_blocks_used / kv_blocks_total",
+     lambda r: r["kv_blocks_used"] / r["kv_blocks_total"] if r["kv_blocks_total"] else 0.0, False),
+)
+
+
+def _per_replica(replicas: dict, model: str):
+    """vlm_sdk_replica_<figure>{model_name, replica}: each replica's own share of the sums."""
+    for name, doc, key, is_counter in _REPLICA_FIGURES:
+        family = CounterMetricFamily if is_counter else GaugeMetricFamily
+        metric = family(PREFIX + "replica_" + name, doc, labels=["model_name", "replica"])
+        for replica, stats in sorted(replicas.items()):
+            metric.add_metric([model, replica], key(stats) if callable(key) else stats[key])
+        yield metric
 
 
 class ServerMetrics:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from vlm_sdk.chat_options import ChatOptions
 from vlm_sdk.engine.input.sampling_check import check_counts
 from vlm_sdk.errors import (EngineDeadError, InputTooLongError, InvalidImageError, InvalidRequestError,
-                            VLMError)
+                            InvalidVideoError, ReplicaLostError, VLMError)
 from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # fields whose non-default value we cannot honour (other unknown fields are accepted and change nothing)
@@ -81,10 +81,14 @@ def error_from_exception(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, InputTooLongError):
         return APIError(400, str(exc), "invalid_request_error", "messages", "context_length_exceeded")
+    if isinstance(exc, InvalidVideoError):
+        return APIError(400, str(exc), "invalid_request_error", "messages", "invalid_video")
     if isinstance(exc, InvalidImageError):
         return APIError(400, str(exc), "invalid_request_error", "messages", "invalid_image")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), "invalid_request_error", exc.param, None)
+    if isinstance(exc, ReplicaLostError):  # the server serves on: only this request failed
+        return APIError(503, str(exc), "server_error", None, "replica_lost")
     if isinstance(exc, EngineDeadError):
         return APIError(503, "the engine has stopped and cannot take requests; see the server log and restart "
                              "the server", "server_error", None, "engine_dead")
@@ -103,12 +107,13 @@ class ChatRequest:
     num_images: int
     options: ChatOptions
     max_tokens_param: str = "max_tokens"  # the name the client gave max_tokens under (errors use it)
+    num_videos: int = 0
 
 
 def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_images: int,
                        max_stop_strings: int = 4, max_stop_chars: int = 256, max_n: int = 8, *,
                        max_logit_bias: int | None = None, max_stop_token_ids: int | None = None,
-                       max_response_logprobs: int | None = None) -> ChatRequest:
+                       max_response_logprobs: int | None = None, limit_videos: int = 2) -> ChatRequest:
     """Validate a decoded JSON body. `max_tokens` left out is None: as long as the context allows (the
     engine stops at max_model_len), as in vLLM; a too-long error then sizes its fixes for
     `DEFAULT_MAX_TOKENS` output tokens and says so. At most `max_stop_strings` stop strings of at most
@@ -130,6 +135,10 @@ def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_
     if num_images > limit_images:
         raise bad_request(f"the request has {num_images} images; this server accepts at most {limit_images} per "
                           f"request (server setting --limit-images)", "messages", "too_many_images")
+    num_videos = count_images(messages, ("video", "video_url"))
+    if num_videos > limit_videos:
+        raise bad_request(f"the request has {num_videos} videos; this server accepts at most {limit_videos} per "
+                          f"request (server setting --limit-videos)", "messages", "too_many_videos")
     stream, include_usage = parse_stream(body)
     check_stop(body.get("stop"), max_stop_strings, max_stop_chars)
     check_entry_counts(body, max_logit_bias, max_stop_token_ids)
@@ -138,7 +147,7 @@ def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_
     if max_response_logprobs is not None and not stream:
         check_response_size(params, max_model_len, max_response_logprobs)
     return ChatRequest(messages, params, stream, include_usage, num_images, _chat_options(body),
-                       max_tokens_param(body))
+                       max_tokens_param(body), num_videos)
 
 
 def check_model(body: object, model_name: str) -> None:
@@ -239,12 +248,19 @@ def _chat_options(body: dict) -> ChatOptions:
         raise bad_request(str(e), e.param) from None
 
 
-def count_images(messages: list) -> int:
+def count_images(messages: list, kinds: tuple[str, ...] = ("image", "image_url")) -> int:
+    """Parts of the given types (default: images) in `messages`. Counting images, a video given as a
+    list of frames counts its frames: each is fetched and decoded as an image."""
     count = 0
     for msg in messages:
         content = msg.get("content") if isinstance(msg, dict) else None
         if isinstance(content, list):
-            count += sum(1 for p in content if isinstance(p, dict) and p.get("type") in ("image", "image_url"))
+            for p in content:
+                kind = p.get("type") if isinstance(p, dict) else None
+                if kind in kinds:
+                    count += 1
+                elif kind == "video" and "image" in kinds and isinstance(p.get("video"), list):
+                    count += len(p["video"])
     return count
 
 

@@ -98,9 +98,17 @@ class ServerRunner:
         gc.unfreeze()  # what the process finalises at exit is finalised as usual (nanobind counts it)
 
 
-def serve(model: str, config: ServerConfig, **engine_args) -> int:
-    """Load the model, serve until SIGTERM/SIGINT, drain, return 0."""
-    engine = AsyncLLM(model, **server_engine_args(engine_args))
+def serve(model: str, config: ServerConfig, replicas=None, routing=None, **engine_args) -> int:
+    """Load the model, serve until SIGTERM/SIGINT, drain, return 0. `replicas`
+    (`vlm_sdk.replicas.launch.ReplicaConfig`): data-parallel replicas on Ray Serve, routed by `routing`
+    (`vlm_sdk.replicas.routing.RoutingConfig`), instead of one engine in this process."""
+    if replicas is not None:
+        from vlm_sdk.replicas import require_ray
+        require_ray()  # before anything loads: the error says how to install it
+        from vlm_sdk.replicas.launch import serve_replicas
+        engine = serve_replicas(model, replicas, routing, **server_engine_args(engine_args))
+    else:
+        engine = AsyncLLM(model, **server_engine_args(engine_args))
     return asyncio.run(_serve(engine, config, served_name(model, config)))
 
 
@@ -117,7 +125,8 @@ async def _serve(engine: AsyncLLM, config: ServerConfig, name: str) -> int:
     s = engine.stats()
     print(f"[vlm-sdk] serving {name!r} at {url} (OpenAI API under {url}/v1); KV cache {s['kv_blocks_total']} "
           f"blocks x {s['kv_block_size']} tokens = {s['kv_capacity_tokens']} tokens, max_model_len "
-          f"{s['max_model_len']}", flush=True)
+          f"{s['max_model_len']}" + (f" ({s['num_replicas']} replicas together)" if "num_replicas" in s else ""),
+          flush=True)
     stop, dead = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

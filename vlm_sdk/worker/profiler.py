@@ -90,14 +90,16 @@ class ProfiledPeak:
 @torch.inference_mode()
 def profile_peak(model, largest_image: ImageInput, *, num_tokens: int, num_seqs: int, block_size: int,
                  per_block: int, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
-                 graph_batch: int | None = None, piecewise_tokens: int | None = None, meter=None) -> ProfiledPeak:
+                 graph_batch: int | None = None, piecewise_tokens: int | None = None, meter=None,
+                 kv_dtype: torch.dtype | None = None) -> ProfiledPeak:
     """The worst-case step's peak (module docstring), the profile's own temporary cache excluded. The
     sampler's part is what its phase adds over the activation peak, so the parts sum to the step's peak."""
     meter = meter or CudaMeter(device)
     meter.reset()
     blocks = blocks_needed(num_tokens, block_size)
     cache = CacheConfig(block_size, blocks, per_block, "profile")
-    caches = allocate_kv_caches(model.num_layers, cache, model.num_kv_heads, model.head_dim, dtype, device)
+    caches = allocate_kv_caches(model.num_layers, cache, model.num_kv_heads, model.head_dim, kv_dtype or dtype,
+                                device)
     held = model.encode_images([largest_image])  # [image tokens, width]: held across chunks
     hidden = _forward(model, caches, attention, [num_tokens], device)  # [num_tokens, hidden]
     forward_peak = meter.peak()

@@ -24,8 +24,9 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     min_tokens_stop_ids: tuple[int, ...] = ()  # see NewRequestData
-    # image index -> its embeddings [image tokens, hidden], from the first step that needs them until
-    # prefill passes the image's last token
+    # image index -> its embeddings [image tokens, hidden], from the first step whose chunk reaches the
+    # image until prefill passes its last token (a long video's temporal patches are encoded as the
+    # chunks reach them, so a request holds about one chunk of them, never the whole video)
     image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
     row: int = -1  # its row in the runner's `BlockTables` (set by the runner)
     linear_positions: bool = True  # its generated tokens' positions are index + a constant (set by the runner)
@@ -49,6 +50,7 @@ class RequestState:
         """Index one past image `image`'s last token."""
         return self.image_positions[image] + self.images[image].num_tokens
 
-    def images_needed(self) -> list[int]:
-        """Images whose tokens a step starting at num_computed_tokens may still read."""
-        return [i for i in range(len(self.images)) if self.image_end(i) > self.num_computed_tokens]
+    def images_needed(self, end: int | None = None) -> list[int]:
+        """Images whose tokens a step from num_computed_tokens to `end` (None: the prompt's end) reads."""
+        return [i for i in range(len(self.images)) if self.image_end(i) > self.num_computed_tokens
+                and (end is None or self.image_positions[i] < end)]

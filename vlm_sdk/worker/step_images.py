@@ -1,6 +1,8 @@
-"""The image stage of a step: the embeddings each scheduled request still needs (from the encoder
-cache or through the vision tower, in groups no bigger than the profiled image), the rows of them that
-fall in the step's chunks, and letting go of an image once prefill has passed it. Images and their
+"""The image stage of a step: the embeddings of the images each scheduled request's chunk reaches
+(from the encoder cache or through the vision tower, in groups no bigger than the profiled image), the
+rows of them that fall in the step's chunks, and letting go of an image once prefill has passed it.
+A request holds the embeddings of the images its current chunk reaches (and of one that straddles the
+chunk before), so a video of hundreds of temporal patches is held about a chunk at a time. Images and their
 positions are the model family's business (`model.encode_images`); this only moves rows around."""
 from __future__ import annotations
 
@@ -13,11 +15,11 @@ from vlm_sdk.worker.request_state import RequestState
 
 def encode_images(model, cache: EncoderCache, max_vision_patches: int | None,
                   scheduled: list[tuple[RequestState, int]]) -> None:
-    """Give every still-needed image of the scheduled requests its embeddings: from the encoder
-    cache, or through the vision tower (each distinct image once per step when the cache is on)."""
+    """Give every image the scheduled chunks reach its embeddings: from the encoder cache, or through
+    the vision tower (each distinct image once per step when the cache is on)."""
     todo: dict[object, list[tuple[RequestState, int]]] = {}  # image -> its (state, index), in order
-    for state, _ in scheduled:
-        for i in state.images_needed():
+    for state, n in scheduled:
+        for i in state.images_needed(state.num_computed_tokens + n):
             if i in state.image_embeds:
                 continue
             key = state.images[i].key if cache.capacity_bytes else None
@@ -34,17 +36,16 @@ def encode_images(model, cache: EncoderCache, max_vision_patches: int | None,
         return
     owners = list(todo.values())
     images = [state.images[i] for state, i in (o[0] for o in owners)]
-    outs = []
     for group in patch_groups([im.size for im in images], max_vision_patches):
-        outs.append(model.encode_images([images[i] for i in group]))  # [tokens, hidden]
-    embeds = outs[0] if len(outs) == 1 else torch.cat(outs)  # [image tokens, hidden], in image order
-    parts = embeds.split([im.num_tokens for im in images])
-    for image, users, part in zip(images, owners, parts):
-        if len(parts) > 1:
-            part = part.clone()  # its own storage: what the cache keeps is what it counts
-        cache.put(image.key, part)
-        for state, i in users:
-            state.image_embeds[i] = part
+        embeds = model.encode_images([images[i] for i in group])  # [group's image tokens, hidden]
+        parts = embeds.split([images[i].num_tokens for i in group])
+        del embeds  # the group's output lives beside its parts' clones only until the next group
+        for i, part in zip(group, parts):
+            if len(parts) > 1:
+                part = part.clone()  # its own storage: what the cache keeps is what it counts
+            cache.put(images[i].key, part)
+            for state, j in owners[i]:
+                state.image_embeds[j] = part
 
 
 def drop_passed_images(scheduled: list[tuple[RequestState, int]]) -> None:

@@ -47,7 +47,7 @@ class Worker:
         settings, resolved once on the engine side (no default is worked out here)."""
         args = config.args
         self.config, self.args, self.device, self.tp = config, args, device, tp
-        self.dtype = config.torch_dtype
+        self.dtype, self.kv_dtype = config.torch_dtype, config.torch_kv_dtype
         info = read_checkpoint(model_dir)
         family = resolve([info.architecture])
         self.ops = make_ops(config.attention_backend, device, args.small_m_gemm)
@@ -64,7 +64,8 @@ class Worker:
         self.load_seconds = time.perf_counter() - t0
         self.weights_allocated = None if before is None else _allocated(device) - before
         m = self.model
-        self.bytes_per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, args.block_size, self.dtype)
+        self.bytes_per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, args.block_size,
+                                               self.kv_dtype)
         self.piecewise_stack = piecewise_stack(self.model, config.piecewise_graphs, tp.size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.runner: ModelRunner | None = None
@@ -72,7 +73,8 @@ class Worker:
     def load_report(self) -> RankLoad:
         m = self.model
         return RankLoad(self.tp.rank, str(self.device), self.config.dtype, weight_bytes(m), self.weights_allocated,
-                        self.load_seconds, m.num_layers, m.num_kv_heads, m.head_dim, self.bytes_per_block)
+                        self.load_seconds, m.num_layers, m.num_kv_heads, m.head_dim, self.bytes_per_block,
+                        str(self.kv_dtype).removeprefix("torch."))
 
     def profile_memory(self, largest_image: ImageInput, max_position_embeddings: int) -> dict[str, int] | None:
         """CUDA: the step-time memory consumers measured on this rank (name -> bytes, named as in
@@ -86,7 +88,7 @@ class Worker:
             self.model, largest_image,
             num_tokens=profile_num_tokens(args.max_num_batched_tokens, max_position_embeddings),
             num_seqs=args.max_num_seqs, block_size=args.block_size, per_block=self.bytes_per_block,
-            dtype=self.dtype, device=self.device, attention=self.ops.attention,
+            dtype=self.dtype, kv_dtype=self.kv_dtype, device=self.device, attention=self.ops.attention,
             graph_batch=args.max_num_seqs if self.config.decode_graphs else None,
             piecewise_tokens=args.max_num_batched_tokens if self.piecewise_stack is not None else None)
         return peak.parts()
@@ -104,7 +106,7 @@ class Worker:
         and build the model runner. `max_vision_patches`: the profiled image's size, the largest
         vision-tower call a step makes."""
         m, args = self.model, self.args
-        self.kv_caches = allocate_or_explain(m.num_layers, cache, m.num_kv_heads, m.head_dim, self.dtype,
+        self.kv_caches = allocate_or_explain(m.num_layers, cache, m.num_kv_heads, m.head_dim, self.kv_dtype,
                                              self.device)
         graphs = piecewise = None
         if self.config.decode_graphs:

@@ -8,6 +8,10 @@ image from its header before any is decoded.
     images: each read and its header checked against max_image_pixels, their pixels summed against
             max_request_image_pixels -> InvalidImageError before the first decode; each becomes an
             `OpenedImage`, decoded by the processor one at a time (unless the request was cancelled)
+    videos: each read, its container header and packet index checked against the video limits
+            (bytes, seconds) -> InvalidVideoError before any frame is decoded; each becomes an
+            `OpenedVideo`, whose sampled frames the processor decodes (frames and decoded pixels checked
+            first), stopping between frames once the request is cancelled
 """
 from __future__ import annotations
 
@@ -17,30 +21,38 @@ from vlm_sdk.engine.input.prompt_tokenizer import PromptTokenizer
 from vlm_sdk.errors import InvalidImageError
 from vlm_sdk.multimodal.image_io import OpenedImage, open_image
 from vlm_sdk.multimodal.messages import map_parts, measure
+from vlm_sdk.multimodal.video_io import OpenedVideo, VideoLimits, open_video
 
 
 _RENDERED_EXTRAS = ("tool_calls", "reasoning_content")
 
 
 class PromptGuard:
-    def __init__(self, tokenizer: PromptTokenizer, max_image_pixels: int, max_request_image_pixels: int | None):
+    def __init__(self, tokenizer: PromptTokenizer, max_image_pixels: int, max_request_image_pixels: int | None,
+                 video_limits: VideoLimits = VideoLimits()):
         self.tokenizer = tokenizer
         self.max_image_pixels = max_image_pixels
         self.max_request_image_pixels = max_request_image_pixels
+        self.video_limits = video_limits
 
     def prepare(self, messages, cancelled: threading.Event | None = None):
-        """`messages` with special-token text escaped and images opened; raises `PromptTooLong`
-        (a lower bound) or `InvalidImageError` first when the request cannot be served."""
+        """`messages` with special-token text escaped, images and videos opened; raises `PromptTooLong`
+        (a lower bound), `InvalidImageError` or `InvalidVideoError` first when the request cannot be served."""
         chars, _ = measure(messages)
         self.tokenizer.check_length(chars)
         special = self.tokenizer.special_text
         images = _RequestImages(self.max_image_pixels, self.max_request_image_pixels, cancelled)
-        mapped = map_parts(messages, text=special.escape if special else None, image=images.open)
+        mapped = map_parts(messages, text=special.escape if special else None, image=images.open,
+                           video=lambda source: self.open_video(source, cancelled))
         if special is None or not isinstance(mapped, list):
             return mapped
         # an assistant turn's calls and reasoning are rendered into the prompt too
         return [{**m, **{k: special.escape_tree(m[k]) for k in _RENDERED_EXTRAS if k in m}} if isinstance(m, dict)
                 else m for m in mapped]
+
+
+    def open_video(self, source, cancelled: threading.Event | None) -> OpenedVideo:
+        return open_video(source, self.video_limits, max_image_pixels=self.max_image_pixels, cancelled=cancelled)
 
 
 class _RequestImages:

@@ -35,3 +35,10 @@ class AWQScheme(QuantScheme):
 
     def dequantize(self, t, out_features, in_features, in_starts):
         return dequantize_awq(t["qweight"], t["qzeros"], t["scales"])
+
+    def kernel_matmul(self, x, layer, bias):
+        """kernels/int4_gemm.py over the rank's whole tensors (fused parts side by side: one launch). A
+        rank's groups start on a group boundary, so its row k is in its group k // G."""
+        from vlm_sdk.kernels.int4_gemm import int4_gemm  # Triton: imported where a kernel runs
+        group = self.group_size if self.group_size > 0 else layer.input_size
+        return int4_gemm(x, layer.qweight, layer.qzeros, layer.scales, awq=True, group=group, bias=bias)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -96,9 +97,30 @@ class QuantScheme(ABC):
         """After loading: values the format constrains (e.g. g_idx within the groups), `CheckpointError`
         naming the tensor `name`.<suffix>. Nothing by default."""
 
+    def kernel_matmul(self, x: torch.Tensor, layer: "QuantizedTensors",
+                      bias: torch.Tensor | None) -> torch.Tensor | None:
+        """x `[M, in_local]` times this rank's weight, transposed (+ bias), through the format's GPU kernel
+        (vlm_sdk/kernels/: the weight dequantized in registers, never whole); None when no kernel takes
+        these inputs (the layer then dequantizes and multiplies). None by default."""
+        return None
+
     def skips(self, module: str) -> bool:
         """Whether the checkpoint keeps `module` (its published name) unquantized."""
         return any(_matches(pattern, module) for pattern in getattr(self, "skip", ()))
+
+
+class QuantizedTensors(Protocol):
+    """What `kernel_matmul` reads of a quantized layer (vlm_sdk/layers/quantized_linear.py): this rank's
+    tensors by suffix as attributes (fused parts side by side along their output dim), and per part."""
+    input_size: int  # the whole layer's input features (every rank's)
+    in_features: int  # this rank's
+    parts: tuple  # per fused part: `.local` output features on this rank
+
+    def part_tensors(self, index: int) -> dict[str, torch.Tensor]:
+        """Part `index`'s tensors, by suffix."""
+
+    def in_starts(self) -> dict[str, int]:
+        """Each input-split tensor's first index along the input on this rank."""
 
 
 def _matches(pattern: str, module: str) -> bool:

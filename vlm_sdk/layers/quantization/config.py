@@ -135,7 +135,10 @@ def _compressed_tensors(raw: Mapping) -> FP8ChannelScheme:
     if acts is not None and not acts.get("dynamic"):
         raise _refuse(method, "input_activations.dynamic", acts.get("dynamic"),
                       "true (dynamic per-token scales) or no input_activations")
-    if raw.get("kv_cache_scheme"):
-        raise _refuse(method, "kv_cache_scheme", "{...}", "none (the KV cache dtype is the engine's "
-                      "kv_cache_dtype setting)")
+    kv = raw.get("kv_cache_scheme")
+    if kv and not (kv.get("type") == "float" and kv.get("num_bits") == 8 and kv.get("strategy") == "tensor"
+                   and not kv.get("dynamic") and kv.get("symmetric", True)):
+        raise _refuse(method, "kv_cache_scheme", {k: kv.get(k) for k in ("type", "num_bits", "strategy", "dynamic")},
+                      "none, or static per-tensor 8-bit float scales (type float, num_bits 8, strategy tensor, "
+                      "dynamic false): the FP8 KV cache's k_scale / v_scale")
     return FP8ChannelScheme(_skip(raw, "ignore"))

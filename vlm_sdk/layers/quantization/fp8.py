@@ -9,9 +9,11 @@
     <module>.weight           [out, in] float8_e4m3fn
     <module>.weight_scale     [out, 1]                        W = weight * scale of its row
 
-Activations: both are dynamic W8A8 formats (vLLM quantizes each token's activations to FP8 at run time);
-the CPU path here dequantizes the weight and multiplies in the model's dtype (W8A16), which is the same
-product up to the activations' rounding.
+Activations: both are dynamic W8A8 formats (vLLM quantizes each token's activations to FP8 at run time).
+Here: the per-channel format runs W8A8 on CUDA sm_90 (torch._scaled_mm, activations quantized per token);
+the block-wise one runs W8A16 on CUDA (kernels/fp8_block_gemm.py: the weight dequantized in registers, the
+activations in the model's dtype); the CPU dequantizes the weight and multiplies in the model's dtype
+(W8A16). W8A16 is the W8A8 product up to the activations' rounding.
 """
 from __future__ import annotations
 
@@ -42,6 +44,23 @@ class FP8BlockScheme(QuantScheme):
     def dequantize(self, t, out_features, in_features, in_starts):
         return dequantize_fp8_block(t["weight"], t["weight_scale_inv"], self.block)
 
+    def kernel_matmul(self, x, layer, bias):
+        """kernels/fp8_block_gemm.py (W8A16: e4m3 read in registers). Fused parts whose outputs fill whole
+        blocks share one launch; a part ending in a partial block starts the next part's scales on a new
+        row of blocks, so each part is launched alone. None when B1 is no multiple of 16."""
+        from vlm_sdk.kernels.fp8_block_gemm import fp8_block_gemm  # Triton: imported where a kernel runs
+        if self.block[1] % 16:
+            return None
+        if all(p.local % self.block[0] == 0 for p in layer.parts):
+            return fp8_block_gemm(x, layer.weight, layer.weight_scale_inv, self.block, bias)
+        outs, start = [], 0
+        for i, part in enumerate(layer.parts):
+            t = layer.part_tensors(i)
+            b = None if bias is None else bias[start:start + part.local]
+            outs.append(fp8_block_gemm(x, t["weight"], t["weight_scale_inv"], self.block, b))
+            start += part.local
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
 
 @dataclass(frozen=True)
 class FP8ChannelScheme(QuantScheme):
@@ -58,3 +77,13 @@ class FP8ChannelScheme(QuantScheme):
 
     def dequantize(self, t, out_features, in_features, in_starts):
         return dequantize_fp8_channel(t["weight"], t["weight_scale"])
+
+    def kernel_matmul(self, x, layer, bias):
+        """W8A8 through torch._scaled_mm (kernels/fp8_scaled_mm.py: activations quantized per token, as the
+        format's dynamic activations say) where it runs: CUDA sm_90, bf16 activations, K and N multiples
+        of 16; None elsewhere (the layer dequantizes: W8A16)."""
+        from vlm_sdk.kernels import fp8_scaled_mm
+        n, k = layer.weight.shape
+        if x.dtype != torch.bfloat16 or not fp8_scaled_mm.supported(x.device, n, k):
+            return None
+        return fp8_scaled_mm.fp8_scaled_mm(x, layer.weight, layer.weight_scale, bias)

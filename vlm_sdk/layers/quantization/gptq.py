@@ -50,6 +50,26 @@ class GPTQScheme(QuantScheme):
         return dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"] - in_starts["scales"],
                                self.zero_offset)
 
+    def kernel_matmul(self, x, layer, bias):
+        """kernels/int4_gemm.py. Without desc_act a row's group is k // G (as vLLM reads it; `check` makes
+        sure g_idx says so): one launch over the fused parts. With it, each part has its own g_idx (made
+        local to the rank's scales): one launch per part."""
+        from vlm_sdk.kernels.int4_gemm import int4_gemm  # Triton: imported where a kernel runs
+        group = self.group_size if self.group_size > 0 else layer.input_size
+        if not self.desc_act:
+            return int4_gemm(x, layer.qweight, layer.qzeros, layer.scales, awq=False, group=group,
+                             zero_offset=self.zero_offset, bias=bias)
+        offset = layer.in_starts()["scales"]
+        outs, start = [], 0
+        for i, part in enumerate(layer.parts):
+            t = layer.part_tensors(i)
+            g_idx = t["g_idx"] if offset == 0 else t["g_idx"] - offset
+            b = None if bias is None else bias[start:start + part.local]
+            outs.append(int4_gemm(x, t["qweight"], t["qzeros"], t["scales"], awq=False, group=group, g_idx=g_idx,
+                                  zero_offset=self.zero_offset, bias=b))
+            start += part.local
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
     def check(self, name, t, in_starts):
         groups, g_idx, offset = t["scales"].shape[0], t["g_idx"], in_starts["scales"]
         low, high = int(g_idx.min()), int(g_idx.max())
@@ -57,3 +77,10 @@ class GPTQScheme(QuantScheme):
             raise CheckpointError(f"tensor {name}.g_idx holds groups {low}..{high}, outside the {groups} groups of "
                                   f"{name}.scales{f' held by this rank (from group {offset})' if offset else ''}: "
                                   f"desc_act in config.json does not match the weights")
+        if not self.desc_act:  # each row k in group k // G (the rank's rows start on a group boundary)
+            k = torch.arange(g_idx.shape[0], device=g_idx.device)
+            g = self.group_size if self.group_size > 0 else g_idx.shape[0]
+            if not torch.equal(g_idx.long() - offset, k // g):
+                raise CheckpointError(f"tensor {name}.g_idx orders the input rows otherwise than row // group_size "
+                                      f"({self.group_size}) while config.json says desc_act false: set desc_act "
+                                      f"true in its quantization_config")

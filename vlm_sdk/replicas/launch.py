@@ -1,0 +1,115 @@
+"""`serve_replicas`: deploy N engine replicas on Ray Serve and return the engine the server talks to.
+
+    from vlm_sdk.replicas import launch
+    llm = launch.serve_replicas("Qwen/Qwen2.5-VL-3B-Instruct", data_parallel_size=2)
+    out = await llm.chat_stream(...)            # or: vlm-sdk serve MODEL --data-parallel-size 2
+
+Ray: joins the cluster `ray_address` names ("auto": the local node's), the one this process already
+joined, or starts a local one (then shut down with the replicas). Each replica holds `replica_cpus`
+CPUs and, on CUDA, `tensor_parallel_size` GPUs in one placement-group bundle (one node: its ranks
+talk over NVLink / shared memory as without Ray). Serve's HTTP proxy is not started: the OpenAI
+server in this process is the front. With `max_replicas`, Serve's autoscaler keeps between
+`min_replicas` and `max_replicas`, aiming at `target_ongoing_requests` per replica.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from vlm_sdk.replicas import require_ray
+from vlm_sdk.replicas.routing import RoutingConfig
+
+ROUTER_CLASS = "vlm_sdk.replicas.router:CacheAwareRouter"
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    data_parallel_size: int = 2  # replicas (the initial count under autoscaling)
+    replica_cpus: float = 1.0
+    min_replicas: int | None = None  # autoscaling bounds (Serve's autoscaling_config) when max_replicas is set
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 8.0
+    max_ongoing_requests: int = 256  # per replica; past it Serve holds requests in the router's queue
+    health_check_period_s: float = 2.0
+    health_check_timeout_s: float = 30.0
+    ray_address: str | None = None
+    app_name: str = "vlm-sdk"
+
+    def __post_init__(self):
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be 1 or more, got {self.data_parallel_size}")
+        if self.max_replicas is not None and not (self.min_replicas or 1) <= self.data_parallel_size <= self.max_replicas:
+            raise ValueError(f"autoscaling needs min_replicas <= data_parallel_size <= max_replicas, got "
+                             f"{self.min_replicas} <= {self.data_parallel_size} <= {self.max_replicas}")
+
+
+def _deployment_options(config: ReplicaConfig, routing: RoutingConfig, engine_args: dict) -> dict:
+    from ray.serve.config import RequestRouterConfig
+    tp = int(engine_args.get("tensor_parallel_size") or 1)
+    on_cuda = engine_args.get("device") not in ("cpu",) and _cuda_available()
+    options = dict(
+        max_ongoing_requests=config.max_ongoing_requests,
+        health_check_period_s=config.health_check_period_s,
+        health_check_timeout_s=config.health_check_timeout_s,
+        request_router_config=RequestRouterConfig(
+            request_router_class=ROUTER_CLASS, request_router_kwargs=asdict(routing),
+            request_routing_stats_period_s=routing.stats_period_s,
+            request_routing_stats_timeout_s=max(10.0, 4 * routing.stats_period_s)),
+        ray_actor_options={"num_cpus": 0},  # the bundle below holds the replica's resources
+        placement_group_bundles=[{"CPU": config.replica_cpus, **({"GPU": tp} if on_cuda else {})}],
+        placement_group_strategy="STRICT_PACK")
+    if config.max_replicas is not None:
+        options["autoscaling_config"] = {"min_replicas": config.min_replicas or 1,
+                                         "initial_replicas": config.data_parallel_size,
+                                         "max_replicas": config.max_replicas,
+                                         "target_ongoing_requests": config.target_ongoing_requests}
+    else:
+        options["num_replicas"] = config.data_parallel_size
+    return options
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def serve_replicas(model: str, config: ReplicaConfig | None = None, routing: RoutingConfig | None = None,
+                   **engine_args):
+    """Start the replicas (returns once every one has loaded its model and reported ready) and return
+    the `ReplicaSetLLM` that routes to them; its `shutdown()` deletes them."""
+    require_ray()
+    import ray
+    from ray import serve
+
+    from vlm_sdk.replicas.client import ReplicaSetLLM
+    from vlm_sdk.replicas.deployment import EngineReplica
+    from vlm_sdk.replicas.stats import StatsBoard
+    config, routing = config or ReplicaConfig(), routing or RoutingConfig()
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=False)
+    serve.start(proxy_location="Disabled")
+    board = ray.remote(StatsBoard).options(num_cpus=0).remote()
+    deployment = serve.deployment(EngineReplica, name="EngineReplica").options(
+        **_deployment_options(config, routing, engine_args))
+    engine_args = {"show_progress": False, **engine_args}
+    handle = serve.run(deployment.bind(str(model), engine_args, board), name=config.app_name, route_prefix=None)
+
+    def stop() -> None:
+        serve.delete(config.app_name)
+        ray.kill(board)
+        if started_ray:
+            serve.shutdown()
+            ray.shutdown()
+    try:
+        args = handle.info.remote().result()["args"]
+        llm = ReplicaSetLLM(handle, str(model), board, routing, args, on_shutdown=stop)
+        # serve.run returned once every replica was built; wait for each one's first stats report, so
+        # that stats() covers them all from the start
+        deadline = time.monotonic() + 30 * routing.stats_period_s + 10
+        while len(ray.get(board.read.remote(60.0))) < config.data_parallel_size and time.monotonic() < deadline:
+            time.sleep(routing.stats_period_s / 4)
+    except BaseException:
+        stop()
+        raise
+    return llm
