@@ -187,6 +187,13 @@ class FamilySpec(ABC):
         """(vision hidden size, vision MLP width, pixel values per vision row) for the vision tower's
         activation estimate (vlm_sdk/memory/consumers/activation.py)."""
 
+    def video_item_tokens(self, preprocessor: Mapping[str, Any], hf_config: Any, model: Any) -> int:
+        """Tokens of the largest vision item a video part becomes (a temporal patch of frames, or one
+        frame), which the processor refuses to exceed; 0 (the default): the family takes no video.
+        A prefilling request holds its chunk's items (vlm_sdk/worker/step_images.py), so the memory
+        estimate counts a chunk of them plus one straddling each end (memory/consumers/activation.py)."""
+        return 0
+
 
 def _checked(family: FamilySpec, options: Mapping[str, Any], schema: tuple[Setting, ...], kind: str,
              where: str, ignore_unknown: bool = False) -> dict[str, Any]:

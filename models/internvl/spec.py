@@ -61,6 +61,10 @@ class InternVLSpec(FamilySpec):
             return max(ok) if ok else None
         return ImageLimits("max_dynamic_patch", at(max_num), at, candidates)
 
+    def video_item_tokens(self, preprocessor: Mapping[str, Any], hf_config: Any, model: Any) -> int:
+        ip = self.image_processor_cls.from_preprocessor_config(preprocessor, hf_config)
+        return model.vision.cfg.tokens_per_tile(ip.image_size)  # a frame is one tile
+
     def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int, int]:
         cfg = model.vision.cfg
         return cfg.hidden_size, cfg.intermediate_size, 3 * cfg.patch_size ** 2

@@ -106,16 +106,16 @@ class Qwen2_5_VLProcessor(PromptProcessor):
         return self.video_processor(video, options, self.place_patches, sampling)
 
     def _check_frame_size(self, index: int, options: dict, sampling) -> None:
-        """Refuse frames larger than the largest vision item the memory profile covers (a part's
-        min_pixels can ask for more than qwen-vl-utils' 768 tokens per frame)."""
+        """Refuse frames larger than qwen-vl-utils' 768 tokens per frame (a part's min_pixels can ask for
+        more): the memory plan counts a video's items at that size (`FamilySpec.video_item_tokens`)."""
         f = self.video_processor.factor
         tokens = (sampling.height // f) * (sampling.width // f)
-        cap = self.largest_image().num_tokens
+        cap = self.video_processor.largest_patch().num_tokens
         if tokens > cap:
             raise InvalidVideoError(f"video {index}: frames of {sampling.width}x{sampling.height} are {tokens} tokens "
-                                    f"each, more than the {cap} the engine's memory profile covers for one vision item; "
-                                    f"lower the video part's min_pixels (it is {options.get('min_pixels')})",
-                                    param="min_pixels")
+                                    f"each, more than the {cap} a video frame may have (qwen-vl-utils' largest, which "
+                                    f"the engine's memory plan counts); lower the video part's min_pixels (it is "
+                                    f"{options.get('min_pixels')})", param="min_pixels")
 
     def _check_video_tokens(self, index: int, video, options: dict, sampling) -> None:
         """Refuse, before decoding, a video that alone has more tokens than one sequence may hold, naming

@@ -83,6 +83,14 @@ class Qwen2_5_VLSpec(FamilySpec):
             return largest_max_pixels(lambda v: at(v).tokens, limit, ip.min_pixels, factor, max_pixels)
         return ImageLimits("max_pixels", at(max_pixels), at, candidates)
 
+    def video_item_tokens(self, preprocessor: Mapping[str, Any], hf_config: Any, model: Any) -> int:
+        from vlm_sdk.models.qwen2_5_vl.image_processor import max_image_grid
+        from vlm_sdk.models.qwen2_5_vl.video_sampling import VIDEO_MAX_TOKEN_NUM
+        ip = self.image_processor_cls.from_preprocessor_config(preprocessor, hf_config)
+        factor = ip.patch_size * ip.merge_size
+        _, h, w = max_image_grid(ip, VIDEO_MAX_TOKEN_NUM * factor * factor)  # a frame of 768 tokens at most
+        return h * w // ip.merge_size ** 2
+
     def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int, int]:
         vc = hf_config.vision_config  # transformers' parsed vision config
         return vc.hidden_size, vc.intermediate_size, model.visual.patch_dim

@@ -126,7 +126,10 @@ def test_activation_estimate_counts_what_the_engine_profile_counts():
     gpu = dict(device_memory="80GiB")
     base = plan(cfg, enforce_eager=True, **gpu)
     vocab, hidden, seqs = 151936, 2048, 64
-    held = base.image_tokens_per_image * hidden * 2  # the largest image's embeddings, bf16
+    # held embeddings, bf16: a video's items within a step's reach (8,192 step tokens + 2 patches of 768
+    # tokens), more than the checkpoint's largest image (1,280 tokens)
+    assert base.held_vision_tokens == 8192 + 2 * 768 > base.image_tokens_per_image == 1280
+    held = base.held_vision_tokens * hidden * 2
     # logits + sampler per row, beside the held image: what that phase adds over the activation peak (64
     # rows add nothing over an 8,192-token step; 512 rows do)
     rows = seqs * vocab * (4 + WORST_BYTES_PER_ENTRY)
@@ -143,8 +146,10 @@ def test_activation_estimate_counts_what_the_engine_profile_counts():
     piecewise = plan(cfg, piecewise_cuda_graphs=True, **gpu)
     assert piecewise.consumer_bytes("piecewise_graphs") > held_bytes(8192, hidden, 16, 2, 128, 3, torch.bfloat16) > 0
     small = plan(cfg, enforce_eager=True, max_pixels=200704, **gpu)  # the largest image: 256 tokens
-    assert base.consumer_bytes("activation") - small.consumer_bytes("activation") == \
-        (base.image_tokens_per_image - 256) * hidden * 2  # its held embeddings, bf16
+    assert small.held_vision.startswith("9,728 tokens (a video's items within a step's reach")
+    # smaller images change nothing: a video's chunk is what a request may hold
+    assert base.consumer_bytes("activation") == small.consumer_bytes("activation")
+    assert plan(cfg, enforce_eager=True, max_num_batched_tokens=4096, **gpu).held_vision_tokens == 4096 + 2 * 768
     for p in (base, graphs, piecewise, small):  # the peak is what the step-time consumers add up to
         assert p.activation_peak_bytes == sum(c.bytes for c in p.consumers if c.kind == "activation")
     cpu = plan(cfg, device="cpu", host_memory="512GiB")

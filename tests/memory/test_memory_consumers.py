@@ -83,3 +83,18 @@ def test_start_up_sizes_each_rank_from_its_measured_parts_plus_unmeasured_estima
     assert budget.activation_peak_bytes == (125 << 20) + adapter
     assert budget.encoder_cache_bytes == m.args.encoder_cache_memory
     assert rank.cache.num_blocks == (4 * GIB - 2 * GIB - budget.activation_peak_bytes - budget.encoder_cache_bytes) // 8192
+
+
+def test_held_vision_counts_a_steps_reach_of_video_items(tiny_checkpoints):
+    """A prefilling request holds its chunk's video items and one straddling each end of it
+    (vlm_sdk/worker/step_images.py): the activation estimate holds that many rows when more than the
+    largest image, never more than max_position_embeddings."""
+    qwen = _inputs(tiny_checkpoints("qwen2_5_vl"), max_num_batched_tokens=2048)
+    assert qwen.video_item_tokens == 768  # qwen-vl-utils' largest frame: one temporal patch
+    assert qwen.held_vision_tokens == 2048 + 2 * 768 > qwen.image.tokens
+    whole = _inputs(tiny_checkpoints("qwen2_5_vl"), max_num_batched_tokens=qwen.max_position_embeddings)
+    assert whole.held_vision_tokens == qwen.max_position_embeddings  # a step of a whole sequence: no more
+    internvl = _inputs(tiny_checkpoints("internvl"), max_num_batched_tokens=2048)
+    one_tile = internvl.image.at(1)  # max_dynamic_patch 1: a single tile, no thumbnail
+    assert "1 tiles" in one_tile.text and internvl.video_item_tokens == one_tile.tokens  # a frame is one tile
+    assert internvl.held_vision_tokens == max(internvl.image.tokens, 2048 + 2 * one_tile.tokens)

@@ -51,7 +51,7 @@ def engine(tiny_ckpt):
     return llm.engine
 
 
-def _profile(engine, num_seqs, graph_batch=None, piecewise_tokens=None):
+def _profile(engine, num_seqs, graph_batch=None, piecewise_tokens=None, held_tokens=0):
     m = local_worker(engine).model
     per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, 16, engine.dtype)
     meter = LiveBytes()
@@ -59,7 +59,7 @@ def _profile(engine, num_seqs, graph_batch=None, piecewise_tokens=None):
         return profile_peak(m, engine.processor.largest_image(), num_tokens=8, num_seqs=num_seqs, block_size=16,
                             per_block=per_block, dtype=engine.dtype, device=engine.device,
                             attention=local_worker(engine).ops.attention, graph_batch=graph_batch,
-                            piecewise_tokens=piecewise_tokens, meter=meter)
+                            piecewise_tokens=piecewise_tokens, held_tokens=held_tokens, meter=meter)
 
 
 def test_the_sampler_share_grows_with_max_num_seqs_beyond_the_step_tokens(engine):
@@ -132,3 +132,19 @@ def test_cuda_profile_counts_the_graph_pool_and_the_sampler_rows(tiny_ckpt):
     few, many = run(4, 8), run(4096, 8)
     assert few.graph_pool_bytes > 0 and many.graph_pool_bytes > 0
     assert many.step_bytes - few.step_bytes >= 4092 * m.vocab_size * 4
+
+
+
+def test_held_video_rows_beyond_the_largest_image_are_counted(engine):
+    """`held_tokens` (a video's items within a step's reach, when more than the largest image) adds its
+    rows of embeddings to the step's measured peak, as the estimate counts them
+    (MemoryInputs.held_vision_tokens); fewer than the image's rows change nothing."""
+    m = local_worker(engine).model
+    image = engine.processor.largest_image()
+    row = m.encode_images([image]).shape[1] * torch.finfo(engine.dtype).bits // 8
+    base = _profile(engine, 4)
+    assert _profile(engine, 4, held_tokens=image.num_tokens - 1).step_bytes == base.step_bytes
+    # enough rows that the step's phase, not the tower's, is the peak: then each row adds its bytes
+    n = 2 * base.step_bytes // row  # rows of twice the tower's peak (the tiny tower's is the larger)
+    a, b = (_profile(engine, 4, held_tokens=image.num_tokens + k) for k in (n, n + 10_000))
+    assert a.step_bytes > base.step_bytes and b.step_bytes - a.step_bytes == 10_000 * row

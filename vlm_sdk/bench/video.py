@@ -147,11 +147,11 @@ def compare_preprocessing(vp, image_processor, frames: np.ndarray, sampling, rou
         return pixels_to_device(video.patches, vp.temporal_patch_size, "cpu", torch.float32)
     ours_s, ours_out = best_of(ours, rounds)
     out = {"frames": len(frames), "frame_size": f"{sampling.width}x{sampling.height}", "ours_ms": ours_s * 1e3}
-    theirs = _transformers_video_processor(image_processor)
+    video = torch.from_numpy(frames).permute(0, 3, 1, 2)  # [n, 3, h, w] uint8
+    theirs = _transformers_video_processor(image_processor, video[:2])
     if isinstance(theirs, str):
         out["transformers_video_processor"] = f"unavailable: {theirs}"
     else:
-        video = torch.from_numpy(frames).permute(0, 3, 1, 2)  # [n, 3, h, w] uint8
         their_s, their_out = best_of(lambda: theirs(videos=[video], do_resize=False, return_tensors="pt"), rounds)
         pixels = their_out["pixel_values_videos"]
         out.update({"transformers_video_processor_ms": their_s * 1e3, "ratio_vs_video_processor": their_s / ours_s,
@@ -170,15 +170,18 @@ def compare_preprocessing(vp, image_processor, frames: np.ndarray, sampling, rou
     return out
 
 
-def _transformers_video_processor(image_processor):
-    """transformers' Qwen2VLVideoProcessor configured as ours, or why it cannot be built here."""
+def _transformers_video_processor(image_processor, probe: torch.Tensor):
+    """transformers' Qwen2VLVideoProcessor configured as ours, or why it cannot run here: built, then run
+    once on `probe` ([2, 3, h, w] uint8), since its module may import where torchvision does not work."""
     try:
         from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
         ip = image_processor
-        return Qwen2VLVideoProcessor(patch_size=ip.patch_size, merge_size=ip.merge_size,
-                                     temporal_patch_size=ip.temporal_patch_size, image_mean=list(ip.image_mean),
-                                     image_std=list(ip.image_std), do_sample_frames=False,
-                                     cap_pixels_per_frame=False)
+        processor = Qwen2VLVideoProcessor(patch_size=ip.patch_size, merge_size=ip.merge_size,
+                                          temporal_patch_size=ip.temporal_patch_size, image_mean=list(ip.image_mean),
+                                          image_std=list(ip.image_std), do_sample_frames=False,
+                                          cap_pixels_per_frame=False)
+        processor(videos=[probe], do_resize=False, return_tensors="pt")
+        return processor
     except Exception as exc:  # torchvision missing or not loadable beside this torch
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
 

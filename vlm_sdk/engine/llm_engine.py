@@ -112,7 +112,8 @@ class LLMEngine:
                                piecewise_graphs=rc.piecewise_graphs)
         self.max_position_embeddings = memory.max_position_embeddings
         # measured on CUDA even when the cache size is given: the report shows it
-        profiles = executor.collective_rpc("profile_memory", largest_image, self.max_position_embeddings)
+        profiles = executor.collective_rpc("profile_memory", largest_image, self.max_position_embeddings,
+                                           memory.held_vision_tokens)
         ranks = size_rank_caches(memory, loads, profiles, executor.collective_rpc("memory_snapshot"),
                                  family.plan_setting[1], fp8_runs=fp8_kv_cache_runs(self.device, rc.attention_backend))
         self.cache_config = min((r.cache for r in ranks), key=lambda c: c.num_blocks)  # every rank holds this many

@@ -48,6 +48,7 @@ class MemoryInputs:
     vision_intermediate: int
     vision_patch_inputs: int  # pixel values per vision row (a patch: channels x frames x patch x patch)
     image: ImageLimits
+    video_item_tokens: int  # the largest item a video becomes (a temporal patch, a frame); 0: no video
     moe: MoeConfig | None = None  # the sparse layers' experts (vlm_sdk/memory/consumers/moe.py)
     moe_fp8: bool = False  # the experts are block-wise FP8 (the torch set dequantizes them per step)
 
@@ -63,6 +64,27 @@ class MemoryInputs:
     @property
     def profile_tokens(self) -> int:
         return profile_num_tokens(self.args.max_num_batched_tokens, self.max_position_embeddings)
+
+    @property
+    def held_vision_tokens(self) -> int:
+        """Vision embeddings a prefilling request may hold during a step: the largest image, or a video's
+        items that the step's chunk reaches plus one straddling each end of it (each item is encoded when
+        a chunk reaches it and let go once prefill passes it: vlm_sdk/worker/step_images.py), no more
+        than max_position_embeddings (not max_model_len: the cache is sized before it, and a shorter
+        max_model_len changes no block count)."""
+        if not self.video_item_tokens:
+            return self.image.tokens
+        reach = self.profile_tokens + 2 * self.video_item_tokens
+        return max(self.image.tokens, min(reach, self.max_position_embeddings))
+
+    @property
+    def held_vision_text(self) -> str:
+        held, reach = self.held_vision_tokens, self.profile_tokens + 2 * self.video_item_tokens
+        if held == self.image.tokens:
+            return f"{held:,} tokens (the largest image)"
+        capped = ", at most max_position_embeddings" if held < reach else ""
+        return (f"{held:,} tokens (a video's items within a step's reach: {self.profile_tokens:,} step tokens + "
+                f"2 x {self.video_item_tokens}-token items{capped})")
 
     def forward_bytes(self, n: int) -> int:
         """The estimated activation peak of a decoder forward of n tokens on this rank: the residual stream
@@ -89,7 +111,8 @@ def memory_inputs(family: FamilySpec, info, args: EngineArgs, model, dtype: torc
         max_position_embeddings=int(family.text_config(info.hf_config).max_position_embeddings),
         weights=weight_bytes(model), weight_format=_weight_format(c), vision_hidden=vision_hidden,
         vision_intermediate=vision_inter, vision_patch_inputs=patch_inputs, image=image,
-        moe=c.moe, moe_fp8=c.moe is not None and c.quantization is not None)
+        video_item_tokens=family.video_item_tokens(info.preprocessor, info.hf_config, model), moe=c.moe,
+        moe_fp8=c.moe is not None and c.quantization is not None)
 
 
 def _weight_format(decoder_config) -> str:

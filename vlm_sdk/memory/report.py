@@ -116,6 +116,7 @@ class StartupMemory(MemoryTotals):
     ranks: tuple[RankMemory, ...] = ()  # under tensor parallelism: every rank's own figures
     consumers: tuple = ()  # rank 0's memory consumers (`memory.breakdown.ConsumerBytes`), as `vlm-sdk plan` lists them
     weight_format: str = "float"  # the LLM's Linear weights: "float" or the checkpoint's quantized format
+    held_vision: str = ""  # vision embeddings a prefilling request holds, in words (MemoryInputs.held_vision_text)
     kv_cache_dtype: str = ""  # the KV cache's dtype ("bfloat16", "float8_e4m3fn", ...); "": the model's
 
     def to_dict(self) -> dict:
@@ -128,7 +129,7 @@ class StartupMemory(MemoryTotals):
         loaded = (f"; {format_bytes(self.weights_allocated_bytes)} allocated by loading"
                   if self.weights_allocated_bytes is not None else "")
         peak = (format_bytes(self.activation_peak_bytes) + " (profiled: a full max_num_batched_tokens step "
-                "beside the largest image's held embeddings, logits and sampler temporaries (top-k/top-p, "
+                "beside the vision embeddings a request holds, logits and sampler temporaries (top-k/top-p, "
                 "penalties, logprobs) at max_num_seqs rows, the largest image through the vision tower, "
                 "the decode CUDA graphs' pool, and the piecewise graphs' buffers and pool when on)"
                 if self.activation_peak_bytes is not None else
@@ -159,6 +160,8 @@ class StartupMemory(MemoryTotals):
                 else f"; max_position_embeddings {self.max_position_embeddings:,}") + ")"),
             ("largest image", f"{self.image_tokens_per_image:,} tokens"),
         ]
+        if self.held_vision:
+            rows.append(("vision held per request", self.held_vision))
         for r in self.ranks:
             peak = "" if r.activation_peak_bytes is None else f", activation peak {format_bytes(r.activation_peak_bytes)}"
             rows.append((f"rank {r.rank}", f"{r.device}: weights {format_bytes(r.weights_bytes)}{peak}; could hold "

@@ -95,4 +95,5 @@ def startup_report(m: MemoryInputs, loads: list[RankLoad], ranks: list[RankCache
         num_blocks=cache.num_blocks, cache_source=cache.source, max_model_len=sched.max_model_len,
         max_model_len_source=sched.max_model_len_source, max_position_embeddings=m.max_position_embeddings,
         image_tokens_per_image=m.image.tokens, load_seconds=max(r.load_seconds for r in loads),
-        tensor_parallel_size=len(loads), ranks=per_rank, consumers=parts.consumers, weight_format=m.weight_format)
+        tensor_parallel_size=len(loads), ranks=per_rank, consumers=parts.consumers, weight_format=m.weight_format,
+        held_vision=m.held_vision_text)

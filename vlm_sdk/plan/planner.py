@@ -107,6 +107,8 @@ class MemoryPlan(MemoryTotals):
     max_num_seqs: int
     image_tokens_per_image: int      # tokens of the largest allowed image
     largest_image: str               # that image, in words
+    held_vision_tokens: int          # vision embeddings a prefilling request holds (MemoryInputs.held_vision_tokens)
+    held_vision: str                 # the same, in words
     largest_fitting_image_tokens: int  # the largest image that fits alone in the longest request (0: none)
     largest_fitting_image: str       # that image, in words, with the setting that allows it
     prompt_tokens: int | None        # workload: text tokens per request
@@ -212,6 +214,7 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
         memory_utilization=args.memory_utilization, encoder_cache_bytes=encoder,
         max_position_embeddings=m.max_position_embeddings, max_model_len=max_model_len,
         max_num_seqs=args.max_num_seqs, image_tokens_per_image=m.image.tokens, largest_image=m.image.text,
+        held_vision_tokens=m.held_vision_tokens, held_vision=m.held_vision_text,
         largest_fitting_image_tokens=fits_alone.tokens if fits_alone else 0,
         largest_fitting_image=fits_alone.text if fits_alone else "none: not even the smallest image fits",
         prompt_tokens=o["prompt_tokens"], output_tokens=o["output_tokens"], images=o["images"],

@@ -51,6 +51,7 @@ def format_plan(p: MemoryPlan) -> str:
         ("max_model_len", f"{p.max_model_len:,} (max_position_embeddings {p.max_position_embeddings:,})"),
         ("longest single request", f"{p.longest_request_tokens:,} tokens"),
         ("largest allowed image", f"{p.image_tokens_per_image:,} tokens ({p.largest_image})"),
+        ("vision held per request", p.held_vision),
         ("largest image alone", f"{p.largest_fitting_image_tokens:,} tokens ({p.largest_fitting_image})"),
     ]
     if p.request_tokens is not None:

@@ -4,7 +4,9 @@ The cache gets what is left of `memory_utilization * total` after the weights an
 profile must run the worst case the scheduler can produce, with everything that is alive at once:
 
     held images    the largest image's embeddings (`largest_image()` of the family's processor), kept
-                   by a request across the chunks of its prefill while other steps run
+                   by a request across the chunks of its prefill while other steps run, or as many rows
+                   as a video's items within a chunk's reach when more (`held_tokens`:
+                   `MemoryInputs.held_vision_tokens`)
     LLM step       `max_num_batched_tokens` new tokens in one forward
     logits         `max_num_seqs` rows of the full vocabulary
     sampler        those rows through the sampler with every per-row edit on: penalties, temperature,
@@ -90,8 +92,8 @@ class ProfiledPeak:
 @torch.inference_mode()
 def profile_peak(model, largest_image: ImageInput, *, num_tokens: int, num_seqs: int, block_size: int,
                  per_block: int, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
-                 graph_batch: int | None = None, piecewise_tokens: int | None = None, meter=None,
-                 kv_dtype: torch.dtype | None = None) -> ProfiledPeak:
+                 graph_batch: int | None = None, piecewise_tokens: int | None = None, held_tokens: int = 0,
+                 meter=None, kv_dtype: torch.dtype | None = None) -> ProfiledPeak:
     """The worst-case step's peak (module docstring), the profile's own temporary cache excluded. The
     sampler's part is what its phase adds over the activation peak, so the parts sum to the step's peak."""
     meter = meter or CudaMeter(device)
@@ -101,6 +103,8 @@ def profile_peak(model, largest_image: ImageInput, *, num_tokens: int, num_seqs:
     caches = allocate_kv_caches(model.num_layers, cache, model.num_kv_heads, model.head_dim, kv_dtype or dtype,
                                 device)
     held = model.encode_images([largest_image])  # [image tokens, width]: held across chunks
+    if held_tokens > held.shape[0]:  # a video's items within a chunk's reach: more rows of the same width
+        held = [held, held.new_zeros(held_tokens - held.shape[0], held.shape[1])]  # [more rows, width]
     hidden = _forward(model, caches, attention, [num_tokens], device)  # [num_tokens, hidden]
     forward_peak = meter.peak()
     rows = hidden[-1:].expand(num_seqs, -1).contiguous()  # [num_seqs, hidden]: max_num_seqs rows, however few tokens

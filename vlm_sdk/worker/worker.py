@@ -76,11 +76,12 @@ class Worker:
                         self.load_seconds, m.num_layers, m.num_kv_heads, m.head_dim, self.bytes_per_block,
                         str(self.kv_dtype).removeprefix("torch."))
 
-    def profile_memory(self, largest_image: ImageInput, max_position_embeddings: int) -> dict[str, int] | None:
+    def profile_memory(self, largest_image: ImageInput, max_position_embeddings: int,
+                       held_tokens: int = 0) -> dict[str, int] | None:
         """CUDA: the step-time memory consumers measured on this rank (name -> bytes, named as in
         vlm_sdk/memory/consumers/): a full `max_num_batched_tokens` step beside the largest image's held
-        embeddings, logits and the sampler at max_num_seqs rows, the tower, the graph pools. None on the
-        CPU (nothing is carved out of device memory there)."""
+        embeddings (or `held_tokens` rows of a video's, when more), logits and the sampler at max_num_seqs
+        rows, the tower, the graph pools. None on the CPU (nothing is carved out of device memory there)."""
         if self.device.type != "cuda":
             return None
         args = self.args
@@ -90,7 +91,8 @@ class Worker:
             num_seqs=args.max_num_seqs, block_size=args.block_size, per_block=self.bytes_per_block,
             dtype=self.dtype, kv_dtype=self.kv_dtype, device=self.device, attention=self.ops.attention,
             graph_batch=args.max_num_seqs if self.config.decode_graphs else None,
-            piecewise_tokens=args.max_num_batched_tokens if self.piecewise_stack is not None else None)
+            piecewise_tokens=args.max_num_batched_tokens if self.piecewise_stack is not None else None,
+            held_tokens=held_tokens)
         return peak.parts()
 
     def memory_snapshot(self) -> tuple[int, int] | None:

@@ -75,6 +75,7 @@ def test_the_largest_video_patch_is_the_profiled_vision_item(tiny_ckpt, clips):
     largest = llm.engine.processor.largest_image()
     assert largest.meta.frames == 2 and largest.num_tokens == 768 and largest.size == 768 * 4
     huge = [{"role": "user", "content": [{"type": "video", "video": clips[0], "min_pixels": 1000 * CELL}]}]
-    with pytest.raises(InvalidVideoError, match=r"tokens each, more than the 768 the engine's memory profile covers "
-                                                r"for one vision item; lower the video part's min_pixels"):
+    with pytest.raises(InvalidVideoError, match=r"tokens each, more than the 768 a video frame may have \(qwen-vl-utils' "
+                                                r"largest, which the engine's memory plan counts\); lower the video "
+                                                r"part's min_pixels"):
         llm.engine.build_prompt(huge)

@@ -1,8 +1,11 @@
-"""The worst step's activations: a full token budget through the decoder beside the largest image's
-embeddings (held by a request across the chunks of its prefill), or the largest image through the vision
-tower, whichever is larger (the tower's buffers are freed before the decoder runs).
+"""The worst step's activations: a full token budget through the decoder beside the vision embeddings a
+request holds across the chunks of its prefill (the largest image, or a chunk's reach of a video's
+items: `MemoryInputs.held_vision_tokens`), or the largest image through the vision tower, whichever is
+larger (the tower's buffers are freed before the decoder runs).
 
-    decoder:  forward(min(max_num_batched_tokens, max_position_embeddings)) + image tokens x hidden x e
+    decoder:  forward(min(max_num_batched_tokens, max_position_embeddings)) + held vision tokens x hidden x e
+              held vision tokens = max(largest image, min(step tokens + 2 x largest video item,
+                                                                   max_position_embeddings))
     vision:   vision rows of the largest image x ((5 x vision hidden + 3 x vision MLP width) x e
               + pixel values per row x (e + 1))
               what is alive at a block's MLP: the residual stream, its norm and the patch embedding's
@@ -18,8 +21,9 @@ from vlm_sdk.memory.inputs import MemoryInputs
 
 
 def held_image_bytes(m: MemoryInputs) -> int:
-    """The largest image's embeddings, held by a request across the chunks of its prefill."""
-    return m.image.tokens * m.hidden_size * m.dtype_bytes
+    """The vision embeddings a request holds across the chunks of its prefill (the largest image, or a
+    video's items within a chunk's reach)."""
+    return m.held_vision_tokens * m.hidden_size * m.dtype_bytes
 
 
 def decoder_step_bytes(m: MemoryInputs) -> int:
