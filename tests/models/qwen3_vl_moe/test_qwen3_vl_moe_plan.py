@@ -58,10 +58,11 @@ def test_30b_a3b_fits_one_80gib_gpu():
 
 def test_no_dense_mlp_term_when_every_layer_is_sparse():
     """With a small image the decoder's step is the activation peak: residual, norms and q/k/v only (no
-    2 x intermediate_size = 12,288 dense columns: 30B-A3B has no dense layer)."""
+    2 x intermediate_size = 12,288 dense columns: 30B-A3B has no dense layer), beside the vision
+    embeddings a request holds (the largest image, or a chunk's reach of a video's items)."""
     p = plan(A3B, dtype="bfloat16", device_memory="80GiB", max_pixels=32 * 32 * 64)
     qkv = (32 + 2 * 4) * 128
-    assert p.consumer_bytes("activation") == 8192 * (4 * 2048 + qkv) * 2 + p.image_tokens_per_image * 2048 * 2
+    assert p.consumer_bytes("activation") == 8192 * (4 * 2048 + qkv) * 2 + p.held_vision_tokens * 2048 * 2
 
 
 def test_235b_a22b_fits_eight_80gib_gpus_not_one():
