@@ -30,7 +30,7 @@ Block-wise FP8 experts (`ExpertScales`: the Qwen3-VL-*-FP8 checkpoints): each we
 float8_e4m3fn, multiplied in float32 by its blocks' scales (gathered per element, so any tile shape fits
 any block) and rounded to the activations' dtype before the dot: W8A16, half the weight bytes read, the
 activations not quantized (vLLM's W8A8 path also quantizes them per token; this one is the reference's
-arithmetic exactly).
+arithmetic exactly). Triton has the e4m3 type from sm_89 (Ada, Hopper); an older GPU is refused.
 """
 from __future__ import annotations
 
@@ -150,6 +150,10 @@ def fused_moe(x: torch.Tensor,  # [N, H]
     """The routed experts' weighted sum per token (module docstring); equals `fused_moe_ref`. FP8 experts
     (float8_e4m3fn w13 and w2 with their block `scales`) are dequantized per tile in the kernel."""
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids, scales)
+    if scales is not None and x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(x.device)
+        raise ValueError(f"FP8 experts need a GPU with e4m3 (sm_89 or newer: Ada, Hopper) for the fused MoE kernel's "
+                         f"tiles; this one is sm_{major}{minor}: serve the BF16 checkpoint on it")
     extra = () if scales is None else (("w13 scales", scales.w13), ("w2 scales", scales.w2))
     for name, t in (("x", x), ("w13", w13), ("w2", w2), *extra):
         if t.stride(-1) != 1:

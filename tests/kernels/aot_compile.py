@@ -188,6 +188,22 @@ def cases() -> list[tuple]:
                             torch.empty(experts, hidden, inter, dtype=BF16, device=META),
                             torch.empty(tokens, top_k, dtype=torch.float32, device=META),
                             torch.empty(tokens, top_k, dtype=torch.int64, device=META))
+    def moe_fp8(shape=QWEN3_30B_A3B, tokens=1, block=(128, 128)):
+        """The same experts in block-wise FP8 (Qwen3-VL-30B-A3B-Instruct-FP8): float8 weights, a float32
+        scale per 128 x 128 block, dequantized per tile."""
+        from vlm_sdk.kernels.fused_moe_torch import ExpertScales
+        experts, top_k, hidden, inter = shape
+        fp8 = torch.float8_e4m3fn
+        scales = ExpertScales(torch.empty(experts, 2 * inter // block[0], -(-hidden // block[1]), device=META),
+                              torch.empty(experts, -(-hidden // block[0]), -(-inter // block[1]), device=META), block)
+        fused_moe.fused_moe(torch.empty(tokens, hidden, dtype=BF16, device=META),
+                            torch.empty(experts, 2 * inter, hidden, dtype=fp8, device=META),
+                            torch.empty(experts, hidden, inter, dtype=fp8, device=META),
+                            torch.empty(tokens, top_k, dtype=torch.float32, device=META),
+                            torch.empty(tokens, top_k, dtype=torch.int64, device=META), scales)
+    # sm_90 only: Triton has no e4m3 type before sm_89 (the op refuses FP8 experts on older GPUs)
+    out += [("fused_moe", "qwen3-vl-30b-a3b fp8 decode", moe_fp8, (90,)),
+            ("fused_moe", "qwen3-vl-30b-a3b fp8 prefill 2048", lambda f=moe_fp8: f(tokens=2048), (90,))]
     out += [("fused_moe", "qwen3-vl-30b-a3b decode (16-row blocks)", moe),
             ("fused_moe", "qwen3-vl-30b-a3b prefill 2048 (64-row blocks)", lambda f=moe: f(tokens=2048)),
             ("fused_moe", "qwen3-vl-235b-a22b tp=8 prefill 2048", lambda f=moe: f(QWEN3_235B_A22B_TP8, 2048))]

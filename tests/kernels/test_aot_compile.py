@@ -5,7 +5,8 @@ tests/kernels/aot_compile.py does the work in a subprocess (the kernels must be 
 TRITON_INTERPRET=1 in this process prevents): each launcher runs on "meta" tensors of the real shapes
 (Qwen2.5-VL-7B 28q/4kv and -3B 16q/2kv at head_dim 128, GQA groups 7 and 8; Qwen3-VL-8B's q/k norm
 rotary; the vision towers' head_dim 80 (Qwen2.5-VL ViT) and 64 (InternViT-300M); Qwen3-VL-30B-A3B's and
-235B-A22B's experts), its launches are
+235B-A22B's experts, and 30B-A3B's block-wise FP8 experts on sm_90 only: Triton has no e4m3 before
+sm_89), its launches are
 recorded, specialised by Triton's binder for the CUDA backend and compiled with
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`; ptxas (inside triton) reports the
 registers and spills. About 30 s on two CPU cores.

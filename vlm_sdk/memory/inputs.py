@@ -50,6 +50,7 @@ class MemoryInputs:
     image: ImageLimits
     video_item_tokens: int  # the largest item a video becomes (a temporal patch, a frame); 0: no video
     moe: MoeConfig | None = None  # the sparse layers' experts (vlm_sdk/memory/consumers/moe.py)
+    moe_fp8: bool = False  # the experts are block-wise FP8 (the torch set dequantizes them per step)
 
     @property
     def dtype_bytes(self) -> int:
@@ -110,7 +111,8 @@ def memory_inputs(family: FamilySpec, info, args: EngineArgs, model, dtype: torc
         max_position_embeddings=int(family.text_config(info.hf_config).max_position_embeddings),
         weights=weight_bytes(model), weight_format=_weight_format(c), vision_hidden=vision_hidden,
         vision_intermediate=vision_inter, vision_patch_inputs=patch_inputs, image=image,
-        video_item_tokens=family.video_item_tokens(info.preprocessor, info.hf_config, model), moe=c.moe)
+        video_item_tokens=family.video_item_tokens(info.preprocessor, info.hf_config, model), moe=c.moe,
+        moe_fp8=c.moe is not None and c.quantization is not None)
 
 
 def _weight_format(decoder_config) -> str:

@@ -58,10 +58,11 @@ def test_30b_a3b_fits_one_80gib_gpu():
 
 def test_no_dense_mlp_term_when_every_layer_is_sparse():
     """With a small image the decoder's step is the activation peak: residual, norms and q/k/v only (no
-    2 x intermediate_size = 12,288 dense columns: 30B-A3B has no dense layer)."""
+    2 x intermediate_size = 12,288 dense columns: 30B-A3B has no dense layer), beside the vision
+    embeddings a request holds (the largest image, or a chunk's reach of a video's items)."""
     p = plan(A3B, dtype="bfloat16", device_memory="80GiB", max_pixels=32 * 32 * 64)
     qkv = (32 + 2 * 4) * 128
-    assert p.consumer_bytes("activation") == 8192 * (4 * 2048 + qkv) * 2 + p.image_tokens_per_image * 2048 * 2
+    assert p.consumer_bytes("activation") == 8192 * (4 * 2048 + qkv) * 2 + p.held_vision_tokens * 2048 * 2
 
 
 def test_235b_a22b_fits_eight_80gib_gpus_not_one():
@@ -112,3 +113,15 @@ def test_235b_a22b_fp8_fits_four_80gib_gpus(tmp_path):
     with pytest.raises(InvalidRequestError, match=r"moe_intermediate_size per rank \(192 at tensor_parallel_size "
                                                   r"8\).*Sizes that work: 1, 2, 4$"):
         plan(tmp_path / "config.json", dtype="bfloat16", device_memory="80GiB", tp=8)
+
+
+def test_the_torch_sets_fp8_experts_dequantized_per_step_are_counted(tmp_path):
+    """On the CPU (the torch set) a step dequantizes a layer's FP8 experts: E I H x 24 bytes at the peak
+    (gate|up's float32 weights, scales and product) over the BF16 checkpoint's step buffers."""
+    cfg = json.loads(A3B.read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    options = dict(dtype="bfloat16", device="cpu", host_memory="512GiB")
+    bf16, fp8 = plan(A3B, **options), plan(tmp_path / "config.json", **options)
+    assert fp8.consumer_bytes("moe_activation") - bf16.consumer_bytes("moe_activation") == 128 * 768 * 2048 * 24

@@ -13,6 +13,9 @@ activation peak counts only when some layer is dense (`MemoryInputs.intermediate
                   n H (4 + e)              the sum over the K choices (float32) and its cast
     torch set     P H (2 e + 4) + P 2 I' 4 each pair's row of x, down, its weighted float32 copy, gate|up
                   n H (4 + e)
+                  E I' H max(24, 3 e)      block-wise FP8 experts: the layer's experts dequantized for the
+                                           step (gate|up: the float32 weights, scales and product, 2 x 12;
+                                           then all three in the dtype); the Triton set reads FP8 tiles
 
 With decode CUDA graphs, their pool also keeps a decode step's buffers (max_num_seqs tokens). On a GPU
 the profile's measured "activation" step and graph pool run the same layers, so they hold these
@@ -34,6 +37,8 @@ def moe_step_bytes(m: MemoryInputs, tokens: int) -> int:
     routing = tokens * moe.num_experts * (e + 4) + pairs * (16 + 40)
     if torch_set(m):
         experts = pairs * h * (2 * e + 4) + pairs * 2 * inter * 4
+        if m.moe_fp8:
+            experts += moe.num_experts * inter * h * max(24, 3 * e)
     else:
         experts = pairs * (inter + h) * e + 4 * (pairs + moe.num_experts * (_BLOCK_M - 1))
     return routing + experts + tokens * h * (4 + e)
