@@ -70,13 +70,17 @@ class Qwen2_5_VLProcessor(PromptProcessor):
         video's largest temporal patch when that is larger, for the memory profile and the vision
         tower's per-call patch cap: bytes, as the processor hands out (so the profile runs the
         device-side normalisation too)."""
-        ip = self.image_processor
-        t, h, w = max_image_grid(ip, self.engine_max_pixels)
-        image = ImageInput(torch.zeros(t * h * w, 3 * ip.patch_size ** 2, dtype=torch.uint8),
-                           t * h * w // ip.merge_size ** 2,
-                           QwenImage((t, h, w), pixel_lut=ip.pixel_lut))  # data [patches, 3*p*p] uint8
+        image = self.largest_still_image()
         patch = self.video_processor.largest_patch()
         return patch if patch.size > image.size else image
+
+    def largest_still_image(self) -> ImageInput:
+        """Zero pixels of the largest image the engine's max_pixels allows (videos aside)."""
+        ip = self.image_processor
+        t, h, w = max_image_grid(ip, self.engine_max_pixels)
+        return ImageInput(torch.zeros(t * h * w, 3 * ip.patch_size ** 2, dtype=torch.uint8),
+                          t * h * w // ip.merge_size ** 2,
+                          QwenImage((t, h, w), pixel_lut=ip.pixel_lut))  # data [patches, 3*p*p] uint8
 
     def image_setting_fixes(self, prompt: PromptInputs, capacity: int) -> dict[str, int]:
         """{"max_pixels": v}: the largest engine max_pixels below the current one that makes the prompt
