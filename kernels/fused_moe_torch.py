@@ -18,7 +18,8 @@ each expert, W[e, n, k] = w[e, n, k] * scale[e, n // B0, k // B1]:
 The weights are dequantized to x's dtype (rounded once, as the Triton kernel does per tile) and the
 products run as for float weights (W8A16: the activations are not quantized).
 
-The (token, choice) pairs are sorted by expert (stable), so each expert multiplies all its rows at once:
+The (token, choice) pairs are sorted by expert (stable), so each expert multiplies all its rows at once
+(the weights in either storage order: the CPU layout stores each expert transposed, vlm_sdk/layers/moe.py):
 on the CPU one grouped product per weight (`F.grouped_mm`) for all experts, elsewhere (or with strides
 it refuses) a loop over the experts that have rows, never over tokens, its bounds read on the host (the
 torch set is not captured into CUDA graphs; the Triton op needs no host read). Arithmetic, as the
@@ -126,10 +127,11 @@ def _by_expert(rows: torch.Tensor,  # [P, In] grouped by expert, counts[e] rows 
                ) -> torch.Tensor:  # [P, Out]: each row times its expert's weight, transposed
     """On the CPU one `F.grouped_mm` for all experts (as transformers 5 runs its experts: a loop of small
     products, each a parallel region of its own, is many times slower on a loaded machine), where its
-    16-byte stride rule holds; elsewhere one product per expert with rows."""
-    if rows.device.type == "cpu" and all(s * t.element_size() % 16 == 0 for t in (rows, weight)
-                                         for s in t.stride()[:-1]):
-        return F.grouped_mm(rows, weight.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+    16-byte stride rule holds; elsewhere one product per expert with rows. Either storage order of the
+    weight works (the CPU layout's [E, In, Out] storage is the faster: vlm_sdk/layers/moe.py)."""
+    weight_t = weight.transpose(1, 2)  # [E, In, Out]
+    if rows.device.type == "cpu" and _grouped_mm_takes(rows) and _grouped_mm_takes(weight_t):
+        return F.grouped_mm(rows, weight_t, offs=counts.cumsum(0).to(torch.int32))
     out = torch.empty(rows.shape[0], weight.shape[1], dtype=rows.dtype, device=rows.device)
     start = 0
     for expert, count in enumerate(counts.tolist()):
@@ -137,3 +139,13 @@ def _by_expert(rows: torch.Tensor,  # [P, In] grouped by expert, counts[e] rows 
             out[start:start + count] = F.linear(rows[start:start + count], weight[expert])
             start += count
     return out
+
+
+def _grouped_mm_takes(t: torch.Tensor) -> bool:
+    """grouped_mm's stride rule: one of the last two dims has stride 1 and every other stride is a
+    multiple of 16 bytes."""
+    strides = t.stride()
+    if 1 not in strides[-2:]:
+        return False
+    unit = -1 if strides[-1] == 1 else -2
+    return all(s * t.element_size() % 16 == 0 for d, s in enumerate(strides) if d != t.dim() + unit)

@@ -74,17 +74,22 @@ def test_the_gpu_tiles_match_ref_too(config, monkeypatch):
                            H + I + 2, storage=torch.float32)
 
 
-# I = 37: down's rows (37 x 4 bytes apart) break grouped_mm's 16-byte stride rule: one product per expert
-@pytest.mark.parametrize("inter,grouped", [(I, 2), (37, 1)])
+# I = 37: down's rows (37 x 4 bytes apart) break grouped_mm's 16-byte stride rule, and so do gate_up's
+# [in, out] rows (74 apart): one product per expert for those
+@pytest.mark.parametrize("inter,transposed,grouped", [(I, False, 2), (I, True, 2), (37, False, 1), (37, True, 0)],
+                         ids=["out-in", "in-out", "out-in-37", "in-out-37"])
 @pytest.mark.parametrize("name", list(ROUTINGS))
-def test_ref_matches_the_formula(name, inter, grouped, monkeypatch):
+def test_ref_matches_the_formula(name, inter, transposed, grouped, monkeypatch):
     """The reference's two ways on the CPU: one grouped product per weight (`grouped` of the two), or,
-    with strides grouped_mm refuses, one product per expert with rows."""
+    with strides grouped_mm refuses, one product per expert with rows; with the weights stored as the
+    checkpoint's [out, in] or as the CPU layout's [in, out] (vlm_sdk/layers/moe.py `use_cpu_layout`)."""
     calls = []
     real = torch.nn.functional.grouped_mm
     monkeypatch.setattr(torch.nn.functional, "grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     tokens, experts, top_k = ROUTINGS[name]
     x, w13, w2, weights, ids = operands(tokens, experts, top_k, torch.float32, "cpu", seed=3, inter=inter)
+    if transposed:
+        w13, w2 = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w13, w2))
     want = torch.zeros(tokens, H, dtype=torch.float64)
     for t in range(tokens):
         for j in range(top_k):
