@@ -5,7 +5,8 @@ set's op (the CPU path).
     w13          [E, 2I, H]   per expert: gate_proj rows [0, I), up_proj rows [I, 2I)
     w2           [E, H, I]    per expert: down_proj
     topk_weights [N, K]       float32 routing weights
-    topk_ids     [N, K]       int, each in [0, E)
+    topk_ids     [N, K]       int, each in [0, E), or -1: a pair this rank skips (its expert is on another
+                              rank under expert parallelism); it adds nothing to its token's sum
     out          [N, H]       sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]
 
 Block-wise FP8 experts (the Qwen3-VL-*-FP8 checkpoints' `weight_scale_inv`, `block` = (B0, B1) =
@@ -111,9 +112,10 @@ def fused_moe_ref(x: torch.Tensor,  # [N, H]
     n, k = topk_ids.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     flat = topk_ids.reshape(-1).long()  # [P] pair p = token p // K, choice p % K
-    order = torch.argsort(flat, stable=True)  # [P] pairs grouped by expert
-    tokens = order // k  # [P]
-    counts = torch.bincount(flat, minlength=num_experts)  # [E] rows of each expert
+    order = torch.argsort(flat, stable=True)  # [P] pairs grouped by expert, the skipped (-1) first
+    counts = torch.bincount(flat + 1, minlength=num_experts + 1)  # [1 + E] the skipped, then each expert's rows
+    order, counts = order[int(counts[0]):], counts[1:]  # [P'], [E]: the pairs computed here
+    tokens = order // k  # [P']
     gate, up = _by_expert(x[tokens], w13, counts).float().split(inter, dim=-1)  # [P, I] x 2
     down = _by_expert((F.silu(gate) * up).to(x.dtype), w2, counts)  # [P, H]
     weighted = down.float() * topk_weights.reshape(-1)[order, None]  # [P, H]
