@@ -62,7 +62,7 @@ class _QuantLinear(nn.Module):
         self.out_slices: dict[str, tuple[tuple[int, int], ...]] = {}
         self.out_ranges: dict[str, tuple[tuple[int, int], ...]] = {}
         for spec in self.specs:
-            self._register(spec, dtype, device)
+            self._register(spec, spec.dtype or dtype, device)
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype, device=device), requires_grad=False)
         else:
@@ -78,7 +78,7 @@ class _QuantLinear(nn.Module):
                                                                self.scheme.method)
             else:
                 self.in_ranges[spec.suffix] = (0, spec.indices(self.input_size, spec.in_div))
-        shape = [1] * spec.ndim
+        shape = [spec.extent] * spec.ndim
         if spec.in_dim is not None:
             shape[spec.in_dim] = self.in_ranges[spec.suffix][1]
         if spec.out_dim is None:
@@ -148,8 +148,8 @@ class _QuantLinear(nn.Module):
 
     def check_loaded(self) -> None:
         """Values the format constrains, checked once loaded (`CheckpointError` naming the tensor)."""
-        for i, name in enumerate(self.checkpoint_names):
-            self.scheme.check(name, self.part_tensors(i), self.in_starts())
+        for i, (name, part) in enumerate(zip(self.checkpoint_names, self.parts)):
+            self.scheme.check(name, self.part_tensors(i), self.in_starts(), (part.full, self.input_size))
 
     # -- compute --------------------------------------------------------------------------------------
     def dequantized_weight(self) -> torch.Tensor:  # [out_local, in_local] float32
