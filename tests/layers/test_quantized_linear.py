@@ -2,7 +2,7 @@
 (written by vlm_sdk/testing/quantizer.py): each rank of two loads only its slice of the packed weights,
 scales and zeros, and the ranks' results combined by hand equal one rank's, which equals a float layer
 holding the dequantized weight; a split that would cut a group, an int32 word or an FP8 block is refused
-naming it; config.json's quantization_config fields we do not read are refused by name."""
+naming it; config.json's quantization_config fields we do not read are refused by name (W4A16's too)."""
 from __future__ import annotations
 
 import pytest
@@ -108,6 +108,8 @@ def test_a_rank_reads_only_its_slice_of_each_packed_tensor():
     ("awq", 4, "input features: this rank's slice [24, 48) of 96 cuts an index of awq's qzeros, which holds 16"),
     ("fp8", 4, "output features: this rank's slice [24, 48) of 96 cuts an index of fp8's weight_scale_inv, which "
                "holds 16"),
+    ("w4a16", 4, "input features: this rank's slice [24, 48) of 96 cuts an index of compressed-tensors's "
+                 "weight_scale, which holds 16"),
 ])
 def test_a_split_that_cuts_a_group_is_refused_naming_it(fmt, size, needle):
     scheme = quant_scheme({"quantization_config": quantization_config(_method(fmt), **FORMATS[fmt])})
@@ -171,7 +173,8 @@ def test_compressed_tensors_w4a16_config_names_its_layout():
     asym = quantization_config("w4a16", group_size=-1, sym=False)
     scheme = quant_scheme({"quantization_config": asym})
     assert scheme.description == "W4A16 int4 (compressed-tensors pack-quantized), per channel, asym"
-    assert [t.suffix for t in scheme.tensors()] == ["weight_packed", "weight_scale", "weight_shape", "weight_zero_point"]
+    suffixes = [t.suffix for t in scheme.tensors()]
+    assert suffixes == ["weight_packed", "weight_scale", "weight_shape", "weight_zero_point"]
     # actorder "weight" (alias "static") stores the columns in order: no weight_g_idx to read
     base["config_groups"]["group_0"]["weights"]["actorder"] = "static"
     assert not quant_scheme({"quantization_config": base}).actorder

@@ -1,7 +1,8 @@
 """A reference quantizer for tests and benchmarks: a float checkpoint directory -> the same model in a
 published quantized layout (AWQ GEMM, GPTQ v1/v2 with or without desc_act, block-wise FP8,
-compressed-tensors FP8 and W4A16 pack-quantized), plus its dequantized twin (the same directory with every quantized Linear's
-weight replaced by exactly what the quantized tensors decode to), which transformers loads as the oracle.
+compressed-tensors FP8 and W4A16 pack-quantized), plus its dequantized twin (the same directory with every
+quantized Linear's weight replaced by exactly what the quantized tensors decode to), which transformers loads
+as the oracle.
 
 Only the LLM's decoder Linears are quantized (`layers.N.self_attn.{q,k,v,o}_proj`, `layers.N.mlp.{gate,up,
 down}_proj`, and a mixture-of-experts layer's per-expert `layers.N.mlp.experts.E.{gate,up,down}_proj`, as
@@ -135,7 +136,8 @@ def dequantize(method: str, t: dict[str, torch.Tensor], config: dict) -> torch.T
     if method == "fp8":
         return dequantize_fp8_block(t["weight"], t["weight_scale_inv"], tuple(config["weight_block_size"]))
     if method == "w4a16":
-        return dequantize_w4a16(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"), t.get("weight_g_idx"))
+        return dequantize_w4a16(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"),
+                                t.get("weight_g_idx"))
     return dequantize_fp8_channel(t["weight"], t["weight_scale"])
 
 
