@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.layers.quantization import quant_scheme
-from vlm_sdk.layers.quantized_linear import (QuantMergedColumnParallelLinear, QuantQKVParallelLinear,
-                                             QuantRowParallelLinear)
+from vlm_sdk.layers.quantized_linear import (QuantColumnParallelLinear, QuantMergedColumnParallelLinear,
+                                             QuantQKVParallelLinear, QuantRowParallelLinear)
 from vlm_sdk.testing.quantizer import dequantize, quantization_config, quantize_tensors
 from vlm_sdk.weight_loading import load_checked
 
@@ -179,6 +179,11 @@ def test_compressed_tensors_w4a16_config_names_its_layout():
     base["config_groups"]["group_0"]["weights"]["actorder"] = "static"
     assert not quant_scheme({"quantization_config": base}).actorder
     assert scheme.skips("model.visual.blocks.0.attn.qkv") and scheme.skips("lm_head")
+    # the scales in the model's dtype (as vLLM holds them); the packed words and shapes as published
+    layer = QuantColumnParallelLinear(64, 32, False, torch.bfloat16, "meta", scheme=scheme)
+    assert (layer.weight_scale.dtype, layer.weight_packed.dtype, layer.weight_shape.dtype) == \
+        (torch.bfloat16, torch.int32, torch.int64)
+    assert (layer.weight_scale.shape, layer.weight_zero_point.shape, layer.weight_shape.shape) == ((32, 1), (4, 1), (2,))
 
 
 def test_g_idx_outside_the_groups_is_a_checkpoint_error_naming_the_tensor():
