@@ -14,7 +14,9 @@ kernels/dequant_torch.py, this op's reference).
 
 The GPTQ tensors may be transposed views (any stride along N): compressed-tensors' pack-quantized W4A16
 (weight_packed [N, K/8], weight_scale [N, groups], weight_zero_point [N/8, groups]) is GPTQ v2's layout with
-every tensor transposed, so its layer passes `.t()` views and this kernel reads them in place.
+every tensor transposed, so its layer passes `.t()` views and this kernel reads them in place. A qweight
+whose words run along K (`K_MAJOR`: such a view) is read as [BLOCK_N, BLOCK_K / 8] words, contiguous along
+K, unpacked to [BLOCK_N, BLOCK_K] and transposed in registers, rather than gathered word by word.
 
 Each program owns a [BLOCK_M, BLOCK_N] output tile and walks its share of K in BLOCK_K steps: it gathers
 the int32 words of a [BLOCK_K, BLOCK_N] weight tile (each word serves the 8 lanes of its nibbles: the
@@ -61,7 +63,8 @@ def _int4_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, b_ptr, out_ptr,
                       M, N, K, k_per_split, zero_offset,
                       stride_xm, stride_qw, stride_qz, stride_s, stride_om, stride_os,
                       stride_qw_n, stride_qz_n, stride_s_n,  # along N: 1, or a transposed view's row stride
-                      AWQ: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                      AWQ: tl.constexpr, K_MAJOR: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+                      HAS_ZEROS: tl.constexpr,
                       HAS_BIAS: tl.constexpr,
                       SPLIT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -91,6 +94,13 @@ def _int4_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, b_ptr, out_ptr,
             words = tl.load(qw_ptr + k.to(tl.int64)[:, None] * stride_qw + (offs_n // 8)[None, :] * stride_qw_n,
                             mask=mask_w, other=0)
             q = (words >> _awq_shift(offs_n)[None, :]) & 0xF
+        elif K_MAJOR:  # a transposed view: each column's words run along K (stride_qw 1)
+            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8] word indices
+            mask_kw = kw * 8 < k_end
+            words = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None] * stride_qw_n + kw[None, :] * stride_qw,
+                            mask=mask_n[:, None] & mask_kw[None, :], other=0)  # [BLOCK_N, BLOCK_K / 8]
+            q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K / 8, 8]
+            q = tl.trans(tl.reshape(q, (BLOCK_N, BLOCK_K)))  # [BLOCK_K, BLOCK_N]
         else:  # word [k // 8, n]
             words = tl.load(qw_ptr + (k // 8).to(tl.int64)[:, None] * stride_qw
                             + offs_n.to(tl.int64)[None, :] * stride_qw_n, mask=mask_w, other=0)
@@ -233,8 +243,9 @@ def int4_gemm(x: torch.Tensor,  # [M, K]
         target, m, n, k, k_per_split, zero_offset,
         x.stride(0), qweight.stride(0), zeros.stride(0), scales.stride(0), target.stride(-2),
         target.stride(0) if split > 1 else 0, qweight.stride(1), zeros.stride(1), scales.stride(1),
-        AWQ=awq, GROUP=group, GROUPS=_GROUPS[groups], HAS_ZEROS=qzeros is not None,
-        HAS_BIAS=bias is not None and split == 1, SPLIT=split > 1,
+        AWQ=awq, K_MAJOR=not awq and qweight.stride(0) == 1 and qweight.stride(1) >= qweight.shape[0], GROUP=group,
+        GROUPS=_GROUPS[groups], HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None and split == 1,
+        SPLIT=split > 1,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
     if split > 1:
