@@ -72,3 +72,16 @@ def internvl_internlm2_ckpt(tmp_path_factory) -> Path:
     """The Llama weights above in the original layout with an InternLM2 LLM (packed, grouped wqkv)."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("internvl_internlm2"), family="internvl", layout="original",
                                 llm="llama")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray cluster of 2 CPUs for one test module (start-up takes seconds: share it), left at
+    the module's end. Skipped where Ray is not installed (a test dependency: pyproject's test extra)."""
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
