@@ -7,6 +7,7 @@ placement group (PACK: one machine here; STRICT_SPREAD needs a node per rank).
 - killing the rank's actor mid-stream fails the stream at once with an error naming the rank and its
   actor, and the engine shuts down leaving no rank process; a rank that raises fails the call with its
   error (reported through rank 0's store);
+- a Ray Serve replica with tensor_parallel_size=2 runs its rank 1 in its own placement group;
 - without Ray installed the backend says how to install it.
 """
 from __future__ import annotations
@@ -106,3 +107,30 @@ def test_the_backend_and_placement_strategy_are_checked():
         EngineArgs.from_kwargs(distributed_executor_backend="Ray")
     with pytest.raises(InvalidRequestError, match=r"ray_placement_strategy must be one of .*'STRICT_SPREAD'.*got 'spread'"):
         EngineArgs.from_kwargs(ray_placement_strategy="spread")
+
+
+def test_a_tensor_parallel_replica_places_its_ranks_in_its_own_placement_group(tiny_ckpt, local_ray):
+    """A Ray Serve replica with tensor_parallel_size=2: bundle 0 holds the replica (rank 0), bundle 1 its
+    rank-1 actor (the Ray executor finds the replica's group); the replica answers as one rank does, and
+    deleting it removes the group (and with it the actor)."""
+    from vlm_sdk.replicas.launch import ReplicaConfig, serve_replicas
+    conv = conversations()["one_image"]
+    with LLM(tiny_ckpt, show_progress=False, num_blocks=48) as one:
+        expected = one.chat(conv, GREEDY)[0].token_ids
+    llm = serve_replicas(tiny_ckpt, ReplicaConfig(data_parallel_size=1, replica_cpus=0.5), tensor_parallel_size=2,
+                         num_blocks=48)
+
+    async def ask() -> list[int]:
+        async for out in llm.chat_stream(conv, GREEDY):
+            pass
+        return out.token_ids
+    try:
+        assert asyncio.run(ask()) == expected
+        groups = [g for g in local_ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        assert [list(g["bundles"].values()) for g in groups] == [[{"CPU": 0.5}, {"CPU": 1.0}]]
+    finally:
+        asyncio.run(llm.shutdown())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(g["state"] == "CREATED" for g in local_ray.util.placement_group_table().values()):
+        time.sleep(0.2)
+    assert not [g for g in local_ray.util.placement_group_table().values() if g["state"] == "CREATED"]
