@@ -8,6 +8,7 @@ placement group (PACK: one machine here; STRICT_SPREAD needs a node per rank).
   actor, and the engine shuts down leaving no rank process; a rank that raises fails the call with its
   error (reported through rank 0's store);
 - a Ray Serve replica with tensor_parallel_size=2 runs its rank 1 in its own placement group;
+- on CUDA rank 0 takes the GPU Ray gave bundle 0 (checked on the cluster's declared GPUs);
 - without Ray installed the backend says how to install it.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from helpers import conversations, process_alive
 from vlm_sdk import LLM, AsyncLLM, SamplingParams
 from vlm_sdk.config import EngineArgs
 from vlm_sdk.errors import EngineDeadError, InvalidRequestError, RayNotInstalledError
+from vlm_sdk.executor.ray_placement import _gpu_ids, place_ranks
 from vlm_sdk.testing.hooks import fail_on_rank
 
 RAY_TP = {"tensor_parallel_size": 2, "distributed_executor_backend": "ray", "show_progress": False, "num_blocks": 48}
@@ -134,3 +136,23 @@ def test_a_tensor_parallel_replica_places_its_ranks_in_its_own_placement_group(t
     while time.monotonic() < deadline and any(g["state"] == "CREATED" for g in local_ray.util.placement_group_table().values()):
         time.sleep(0.2)
     assert not [g for g in local_ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+
+
+def test_on_cuda_rank_0_takes_the_gpu_ray_gave_bundle_0(local_ray, monkeypatch):
+    """GPU placement, on the local cluster's 2 declared GPUs (Ray's counts: no CUDA needed): bundle 0
+    (rank 0, this process) and rank 1's actor get different GPUs; rank 0's index is read in this
+    process's CUDA_VISIBLE_DEVICES, and a GPU it does not see is refused."""
+    placement = place_ranks(2, on_cuda=True, strategy="PACK")
+    try:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        rank0 = placement.rank0_gpu()
+        rank1 = local_ray.get(local_ray.remote(_gpu_ids).options(**placement.rank_options(1, on_cuda=True)).remote())
+        assert sorted([rank0, int(rank1[0])]) == [0, 1]
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+        assert placement.rank0_gpu() == [1, 0].index(rank0)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+        with pytest.raises(InvalidRequestError, match=f"Ray gave rank 0 GPU {rank0} of this node, which this process "
+                                                      f"does not see"):
+            placement.rank0_gpu()
+    finally:
+        placement.remove()

@@ -74,6 +74,9 @@ class RayExecutor(StartedRanksExecutor):
         self._threads = torch.get_num_threads()
         try:
             self._placement = place_ranks(size, on_cuda, config.args.ray_placement_strategy)
+            if on_cuda and self._placement.owned:
+                device = torch.device("cuda", self._placement.rank0_gpu())
+                logger.info("tensor parallel on Ray: rank 0 on %s, the GPU Ray gave it", device)
             host = ray.util.get_node_ip_address()
             self._store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False,
                                         timeout=timedelta(seconds=config.args.distributed_timeout))
@@ -182,6 +185,7 @@ class RayExecutor(StartedRanksExecutor):
     def _release(self) -> None:
         """Kill every actor, remove the placement group made here, leave the process group and Ray."""
         import ray
+        self._stopped.set()  # no more heartbeats
         for actor in self._actors:
             try:
                 ray.kill(actor)

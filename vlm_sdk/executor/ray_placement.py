@@ -13,6 +13,7 @@ bundle per rank (after vLLM's ray_utils).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,25 @@ class Placement:
         resources = {"num_gpus": 1, "num_cpus": 0} if on_cuda else {"num_cpus": 1}
         return {"scheduling_strategy": strategy, **resources}
 
+    def rank0_gpu(self) -> int:
+        """The index (in this process's CUDA_VISIBLE_DEVICES) of the GPU Ray gave bundle 0 of a group made
+        here: rank 0 runs on it, so no rank actor on this node is given the same GPU. (In a group of its
+        own, a Serve replica's, Ray made that GPU this process's only visible one: cuda:0.)"""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        probe = ray.remote(_gpu_ids).options(num_gpus=1, num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=self.group, placement_group_bundle_index=0))
+        gpu = str(ray.get(probe.remote(), timeout=_PLACEMENT_SECONDS)[0])
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        if not visible:
+            return int(gpu)
+        if gpu not in visible:
+            raise InvalidRequestError(
+                f"Ray gave rank 0 GPU {gpu} of this node, which this process does not see (CUDA_VISIBLE_DEVICES="
+                f"{','.join(visible)}): start the engine with the GPUs `ray start` was given visible (or unset "
+                f"CUDA_VISIBLE_DEVICES)", param="distributed_executor_backend")
+        return visible.index(gpu)
+
     def remove(self) -> None:
         if not self.owned:
             return
@@ -71,6 +91,12 @@ class Placement:
             remove_placement_group(self.group)
         except Exception:  # noqa: BLE001 - the cluster is gone already
             pass
+
+
+def _gpu_ids() -> list:
+    """In a Ray task: the GPUs Ray gave it."""
+    import ray
+    return ray.get_gpu_ids()
 
 
 def rank_bundle(on_cuda: bool) -> dict:
