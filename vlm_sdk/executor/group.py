@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, NoReturn
 
 import torch.distributed as dist
 
@@ -130,6 +130,15 @@ class StartedRanksExecutor(GroupExecutor):
                 late = [k.split("/")[1] for k in keys if not store.check([k])]
                 raise EngineDeadError(f"tensor-parallel rank(s) {', '.join(late)} not {stage} after {timeout_s:g} s")
             time.sleep(0.05)
+
+    def _raise_start_failure(self, exc: BaseException, end_ranks: Callable[[], None]) -> NoReturn:
+        """Start-up failed: end the ranks started so far (`end_ranks`) and raise the failure, as
+        `_explain` names it."""
+        err = self._explain(exc)
+        end_ranks()
+        if err is exc:
+            raise exc
+        raise err from exc
 
     def set_failure_callback(self, callback: FailureCallback) -> None:
         self._callback = callback

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vlm_sdk.executor.group import StartedRanksExecutor
-from vlm_sdk.executor.ranks import LOCALHOST, join_ranks, spawned_rank_main
+from vlm_sdk.executor.ranks import LOCALHOST, join_ranks, leave_group, spawned_rank_main
 from vlm_sdk.worker.worker import Worker
 
 logger = logging.getLogger("vlm_sdk")
@@ -96,11 +96,7 @@ class MultiprocExecutor(StartedRanksExecutor):
             # ranks finish loading at their own pace: the first command waits for the last of them
             self._wait_for(store, "loaded", size, max(config.args.distributed_timeout, _LOAD_SECONDS))
         except BaseException as e:
-            err = self._explain(e)
-            self._terminate()
-            if err is e:
-                raise
-            raise err from e
+            self._raise_start_failure(e, self._terminate)
         threading.Thread(target=self._watch, name="vlm-tp-watch", daemon=True).start()
         self._start_heartbeat()
 
@@ -147,8 +143,4 @@ class MultiprocExecutor(StartedRanksExecutor):
                 p.join(2.0)
         self._closing = True
         torch.set_num_threads(self._threads)
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a failed group may refuse a clean exit
-                pass
+        leave_group()

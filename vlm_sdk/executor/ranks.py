@@ -123,7 +123,7 @@ def run_rank(model_dir: str, config, rank: int, size: int, init_method: str | No
         logger.error("%s\n%s", failure.describe(), failure.traceback)
         _report(failure, store, errors)
         os._exit(1)
-    _leave()
+    leave_group()
 
 
 def _report(failure: RankFailure, store, errors) -> None:
@@ -140,7 +140,8 @@ def _report(failure: RankFailure, store, errors) -> None:
         errors.join_thread()  # flushed before the process ends
 
 
-def _leave() -> None:
+def leave_group() -> None:
+    """Leave the process group (nothing to do when it went with a peer)."""
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the group may already be gone with a peer

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from vlm_sdk.executor.group import StartedRanksExecutor
-from vlm_sdk.executor.ranks import join_ranks, run_rank
+from vlm_sdk.executor.ranks import join_ranks, leave_group, run_rank
 from vlm_sdk.executor.ray_placement import join_cluster, place_ranks, require_ray
 from vlm_sdk.worker.worker import Worker
 
@@ -89,12 +89,7 @@ class RayExecutor(StartedRanksExecutor):
             self._worker = Worker(model_dir, config, device, tp)
             self._wait_for(self._store, "loaded", size, max(config.args.distributed_timeout, _LOAD_SECONDS))
         except BaseException as e:
-            err = self._explain(e) if self._runs else e
-            self._closing = True
-            self._release()
-            if err is e:
-                raise
-            raise err from e
+            self._raise_start_failure(e, self._release)
         threading.Thread(target=self._watch, name="vlm-tp-ray-watch", daemon=True).start()
         self._start_heartbeat()
 
@@ -144,6 +139,8 @@ class RayExecutor(StartedRanksExecutor):
 
     def _ended_ranks(self) -> list[str]:
         import ray
+        if not self._runs:
+            return []
         ready, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=0)
         ended = []
         for rank, run in enumerate(self._runs, start=1):
@@ -185,6 +182,7 @@ class RayExecutor(StartedRanksExecutor):
     def _release(self) -> None:
         """Kill every actor, remove the placement group made here, leave the process group and Ray."""
         import ray
+        self._closing = True  # the actors' ends are ours
         self._stopped.set()  # no more heartbeats
         for actor in self._actors:
             try:
@@ -194,10 +192,6 @@ class RayExecutor(StartedRanksExecutor):
         if self._placement is not None:
             self._placement.remove()
         torch.set_num_threads(self._threads)
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a failed group may refuse a clean exit
-                pass
+        leave_group()
         if self._joined:
             ray.shutdown()
