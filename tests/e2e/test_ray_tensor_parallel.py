@@ -8,7 +8,8 @@ placement group (PACK: one machine here; STRICT_SPREAD needs a node per rank).
   actor, and the engine shuts down leaving no rank process; a rank that raises fails the call with its
   error (reported through rank 0's store);
 - a Ray Serve replica with tensor_parallel_size=2 runs its rank 1 in its own placement group;
-- on CUDA rank 0 takes the GPU Ray gave bundle 0 (checked on the cluster's declared GPUs);
+- on CUDA rank 0 takes the GPU Ray gave bundle 0 (checked on the cluster's declared GPUs); a placement
+  the cluster cannot hold (STRICT_SPREAD on one node) is refused and its group removed;
 - without Ray installed the backend says how to install it.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from helpers import conversations, process_alive
 from vlm_sdk import LLM, AsyncLLM, SamplingParams
 from vlm_sdk.config import EngineArgs
 from vlm_sdk.errors import EngineDeadError, InvalidRequestError, RayNotInstalledError
+from vlm_sdk.executor import ray_placement
 from vlm_sdk.executor.ray_placement import _gpu_ids, place_ranks
 from vlm_sdk.testing.hooks import fail_on_rank
 
@@ -156,3 +158,15 @@ def test_on_cuda_rank_0_takes_the_gpu_ray_gave_bundle_0(local_ray, monkeypatch):
             placement.rank0_gpu()
     finally:
         placement.remove()
+
+
+def test_a_placement_the_cluster_cannot_hold_is_refused(local_ray, monkeypatch):
+    """STRICT_SPREAD puts each rank on a node of its own: one node cannot; refused naming the bundles,
+    the strategy and the cluster's resources, and the pending group is removed."""
+    monkeypatch.setattr(ray_placement, "_PLACEMENT_SECONDS", 1.0)
+    with pytest.raises(InvalidRequestError, match=r"found no room for tensor_parallel_size=2 within 1 s: bundles "
+                                                  r"\[\{'CPU': 1.0, 'node:[0-9.]+': 0.001\}, \{'CPU': 1.0\}\] with "
+                                                  r"strategy STRICT_SPREAD .* cluster resources"):
+        place_ranks(2, on_cuda=False, strategy="STRICT_SPREAD")
+    live = [g for g in local_ray.util.placement_group_table().values() if g["state"] in ("PENDING", "CREATED")]
+    assert not live, live
