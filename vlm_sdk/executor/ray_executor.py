@@ -68,7 +68,7 @@ class RayExecutor(StartedRanksExecutor):
         self._init_group_state()
         self._init_failures()
         self._timeout_s, self.world_size = config.args.distributed_timeout, size
-        self._control, self._actors, self._runs, self._where = None, [], [], {}
+        self._control, self._store, self._actors, self._runs, self._where = None, None, [], [], {}
         self._joined = join_cluster()
         self._placement = None
         self._threads = torch.get_num_threads()
@@ -121,6 +121,8 @@ class RayExecutor(StartedRanksExecutor):
     # -- failures ----------------------------------------------------------------------------------
     def _collect(self, wait_s: float) -> None:
         """Move the failures ranks wrote to the store into `_failures`, waiting up to `wait_s` for the first."""
+        if self._store is None:  # no rank was started
+            return
         deadline = time.monotonic() + wait_s
         while True:
             for rank in range(1, self.world_size):
