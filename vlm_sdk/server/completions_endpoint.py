@@ -96,9 +96,9 @@ class CompletionsEndpoint:
                 for p in req.prompts]
 
     def _logprobs(self, out, offset: int = 0) -> tuple[dict | None, int]:
-        if out.logprobs is None:
+        if out.token_logprobs is None:
             return None, offset
-        return wire.LegacyLogprobs(self.server.speller).entries(out.logprobs, offset)
+        return wire.LegacyLogprobs(self.server.speller).entries(out.token_logprobs, offset)
 
     async def _complete(self, request: web.Request, req: wire.CompletionRequest, prompts: list, outputs, item,
                         echoes, timing: Timing) -> web.StreamResponse:
@@ -151,11 +151,11 @@ class CompletionsEndpoint:
                     text = echoes[i] + text
                 sent = logprobs_sent.get(index, 0)
                 logprobs = None
-                if out.logprobs is not None and len(out.logprobs) > sent:
+                if out.token_logprobs is not None and len(out.token_logprobs) > sent:
                     # every token's logprobs once, with the text that has come since the last chunk
                     logprobs, offsets[index] = wire.LegacyLogprobs(server.speller).entries(
-                        out.logprobs[sent:], offsets.get(index, 0))
-                    logprobs_sent[index] = len(out.logprobs)
+                        out.token_logprobs, offsets.get(index, 0), start=sent)
+                    logprobs_sent[index] = len(out.token_logprobs)
                 if text or logprobs is not None or out.finished:
                     await resp.write(chunks.choice(index, text, out.finish_reason, logprobs).encode())
                     opened.add(index)

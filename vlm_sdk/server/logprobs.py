@@ -1,4 +1,5 @@
-"""`RequestOutput.logprobs` in OpenAI's shape: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
+"""A request's logprobs in OpenAI's shape: `{"content": [{token, logprob, bytes, top_logprobs}]}`, read
+from the compact `RequestOutput.token_logprobs` (or a list of `TokenLogprob`s).
 
 A token's `bytes` are its own bytes, which may be part of a UTF-8 character (byte-level BPE splits
 them); `token` is those bytes decoded with replacement. Token ids are looked up once and cached.
@@ -9,8 +10,19 @@ import json
 import math
 import threading
 from functools import lru_cache
+from typing import Iterable, Iterator
 
-from vlm_sdk.outputs import TokenLogprob
+from vlm_sdk.outputs import LogprobsView, TokenLogprob
+
+# a request's logprobs: what its outputs hold, or `TokenLogprob`s
+Logprobs = LogprobsView | list[TokenLogprob]
+
+
+def rows(logprobs: Logprobs, start: int = 0) -> Iterator[tuple[int, float, Iterable[tuple[int, float]]]]:
+    """(token id, logprob, its alternatives as (token id, logprob) best first) of each token from `start`."""
+    if isinstance(logprobs, LogprobsView):
+        return ((t, v, zip(ids, values)) for t, v, ids, values in logprobs.rows(start))
+    return ((lp.token_id, lp.logprob, lp.top_logprobs) for lp in logprobs[start:])
 
 
 @lru_cache(maxsize=1)
@@ -56,21 +68,21 @@ class TokenSpeller:
         # JSON has no -inf: a token top-k/top-p cut gets OpenAI's floor value instead
         return {"token": text, "logprob": logprob if math.isfinite(logprob) else -9999.0, "bytes": raw}
 
-    def token(self, lp: TokenLogprob) -> dict:
-        return {**self.entry(lp.token_id, lp.logprob), "top_logprobs": [self.entry(t, v) for t, v in lp.top_logprobs]}
+    def content(self, logprobs: Logprobs, start: int = 0) -> dict:
+        """The `logprobs` object of tokens `start`.. (a stream chunk's)."""
+        entry = self.entry
+        return {"content": [{**entry(token, value), "top_logprobs": [entry(t, v) for t, v in tops]}
+                            for token, value, tops in rows(logprobs, start)]}
 
-    def content(self, logprobs: list[TokenLogprob]) -> dict:
-        return {"content": [self.token(lp) for lp in logprobs]}
-
-    def content_json(self, logprobs: list[TokenLogprob]) -> str:
+    def content_json(self, logprobs: Logprobs) -> str:
         """`content(logprobs)` as JSON text, for a large body (server/response_body.py): each entry is its
         token's cached `{"token":..,"bytes":..,"logprob":` and the number, so that 2,000 tokens of 21
         entries take milliseconds, and the thread making them gives the GIL back between tokens."""
         prefix = self._prefix
         parts = []
-        for lp in logprobs:
-            tops = ",".join(prefix(t) + _number(v) + "}" for t, v in lp.top_logprobs)
-            parts.append(prefix(lp.token_id) + _number(lp.logprob) + ',"top_logprobs":[' + tops + "]}")
+        for token, value, tops in rows(logprobs):
+            alternatives = ",".join(prefix(t) + _number(v) + "}" for t, v in tops)
+            parts.append(prefix(token) + _number(value) + ',"top_logprobs":[' + alternatives + "]}")
         return '{"content":[' + ",".join(parts) + "]}"
 
     def _prefix(self, token_id: int) -> str:

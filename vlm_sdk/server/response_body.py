@@ -26,7 +26,7 @@ INLINE_TEXT_CHARS = 1 << 16
 
 
 def is_small(outputs: list) -> bool:
-    return all(o.logprobs is None for o in outputs) and sum(len(o.text) for o in outputs) < INLINE_TEXT_CHARS
+    return all(o.token_logprobs is None for o in outputs) and sum(len(o.text) for o in outputs) < INLINE_TEXT_CHARS
 
 
 async def send_in_pieces(request: web.Request, body: dict, make_choice, executor=None) -> web.StreamResponse:
@@ -50,7 +50,7 @@ async def send_in_pieces(request: web.Request, body: dict, make_choice, executor
 
 
 def chat_choice(choice: dict, logprobs, speller: TokenSpeller) -> bytes:
-    """A chat choice's JSON, its logprobs (`TokenLogprob`s, or None) filled in a token at a time."""
+    """A chat choice's JSON, its logprobs (`RequestOutput.token_logprobs`, or None) filled in a token at a time."""
     parts = []
     for key, value in choice.items():
         if key == "logprobs" and logprobs is not None:
