@@ -99,18 +99,25 @@ class LogprobsView:
     columns: LogprobColumns
     length: int
 
-    # tokens read from the arrays at a time: their Python numbers live only that long
-    BLOCK = 256
+    # tokens read from the arrays at a time: their Python numbers live only that long, and a body's
+    # writer hands the GIL back between blocks (server/logprobs.py)
+    BLOCK = 16
 
     def __len__(self) -> int:
         return self.length
 
-    def rows(self, start: int = 0) -> Iterator[tuple[int, float, list[int], list[float]]]:
-        """(token id, logprob, the alternatives' ids, their logprobs) of each token from `start` on."""
+    def blocks(self, start: int = 0) -> Iterator[tuple[list[int], list[float]]]:
+        """The rows of tokens `start`.. (ids, logprobs: `columns.width` entries a token), `BLOCK` tokens
+        at a time."""
         w, cols = self.columns.width, self.columns
         for first in range(start, self.length, self.BLOCK):
             end = min(first + self.BLOCK, self.length) * w
-            ids, values = cols.ids[first * w:end].tolist(), cols.values[first * w:end].tolist()
+            yield cols.ids[first * w:end].tolist(), cols.values[first * w:end].tolist()
+
+    def rows(self, start: int = 0) -> Iterator[tuple[int, float, list[int], list[float]]]:
+        """(token id, logprob, the alternatives' ids, their logprobs) of each token from `start` on."""
+        w = self.columns.width
+        for ids, values in self.blocks(start):
             for i in range(0, len(ids), w):
                 yield ids[i], values[i], ids[i + 1:i + w], values[i + 1:i + w]
 

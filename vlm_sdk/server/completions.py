@@ -31,7 +31,7 @@ from vlm_sdk.chat_options import NO_OPTIONS, ChatOptions
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.multimodal.prompts import RawPrompt, parse_prompts
 from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams
-from vlm_sdk.server.logprobs import Logprobs, TokenSpeller, rows
+from vlm_sdk.server.logprobs import Logprobs, TokenSpeller, logprobs_rows
 from vlm_sdk.server.protocol import (bad_request, check_entry_counts, check_model, check_n, check_response_size,
                                      check_stop, clip, json_int, parse_stream, sampling_params, usage)
 
@@ -172,7 +172,7 @@ class LegacyLogprobs:
     def entries(self, logprobs: Logprobs, offset: int = 0, start: int = 0) -> tuple[dict, int]:
         """(the logprobs object of tokens `start`.., the text offset after them)."""
         tokens, values, tops, offsets = [], [], [], []
-        for token, value, alternatives in rows(logprobs, start):
+        for token, value, alternatives in logprobs_rows(logprobs, start):
             text = self.speller.spell(token)[0]
             tops.append({self.speller.spell(t)[0]: _finite(v) for t, v in alternatives} | {text: _finite(value)})
             tokens.append(text)
