@@ -278,13 +278,16 @@ def test_logprob_writers_read_the_compact_arrays_as_the_objects(srv):
     from vlm_sdk.outputs import LogprobColumns, TokenLogprob
     from vlm_sdk.server.completions import LegacyLogprobs
     speller = srv.server.speller
-    lps = [TokenLogprob(t, -0.5 * t, tuple((u, -0.25 * u) for u in range(t, t + 2))) for t in (1, 7, 300)]
+    # more tokens than a block (the writers read the arrays 16 tokens at a time), a cut one among them
+    lps = [TokenLogprob(t, -0.5 * t, tuple((u, -0.25 * u) for u in range(t, t + 2))) for t in range(1, 40)]
     lps.append(TokenLogprob(9, -math.inf, ((9, -math.inf), (10, -1.0))))
     columns = LogprobColumns(2)
     for lp in lps:
         columns.append(lp)
     view = columns.view()
     assert json.loads(speller.content_json(view)) == speller.content(lps) == speller.content(view)
-    assert speller.content(view, 2) == speller.content(lps[2:])
+    assert speller.content(view, 21) == speller.content(lps[21:])
     legacy = LegacyLogprobs(speller)
     assert legacy.entries(view, 5, start=1) == legacy.entries(lps[1:], 5)
+    assert json.loads(legacy.entries_json(view)) == legacy.entries(lps)[0]
+    assert json.loads(speller.content_json(LogprobColumns(2).view())) == {"content": []}

@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import uuid
 from dataclasses import dataclass
 
 from vlm_sdk.chat_options import NO_OPTIONS, ChatOptions
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.multimodal.prompts import RawPrompt, parse_prompts
+from vlm_sdk.outputs import LogprobsView
 from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams
-from vlm_sdk.server.logprobs import Logprobs, TokenSpeller, logprobs_rows
+from vlm_sdk.server.logprobs import BODY_PAUSE_S, Logprobs, TokenSpeller, logprobs_rows
 from vlm_sdk.server.protocol import (bad_request, check_entry_counts, check_model, check_n, check_response_size,
                                      check_stop, clip, json_int, parse_stream, sampling_params, usage)
 
@@ -180,6 +182,21 @@ class LegacyLogprobs:
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
+
+    def entries_json(self, logprobs: LogprobsView) -> str:
+        """`entries(logprobs)[0]` as JSON text, for a large body (server/response_body.py): made a block
+        of tokens at a time with a pause after each, as `TokenSpeller.content_json` is, so that the
+        engine thread is not kept waiting for the GIL (one `json.dumps` of a 4,000-token choice
+        would hold it for tens of milliseconds)."""
+        columns: dict[str, list[str]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for start in range(0, len(logprobs), LogprobsView.BLOCK):
+            block, offset = self.entries(LogprobsView(logprobs.columns, min(start + LogprobsView.BLOCK, len(logprobs))),
+                                         offset, start)
+            for key, parts in columns.items():
+                parts.append(json.dumps(block[key])[1:-1])
+            time.sleep(BODY_PAUSE_S)
+        return "{" + ",".join(f'"{key}":[' + ",".join(parts) + "]" for key, parts in columns.items()) + "}"
 
 
 def _finite(value: float) -> float:

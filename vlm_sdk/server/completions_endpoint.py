@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 
@@ -115,10 +114,10 @@ class CompletionsEndpoint:
             item = await outputs.__anext__()
         outs = [final[index] for index in range(req.num_choices)]
 
-        def choice(index: int) -> dict:
+        def choice(index: int, logprobs: bool = True) -> dict:
             out = outs[index]
             text = echoes[index // n] + out.text if echoes else out.text
-            return wire.choice(index, text, out.finish_reason, self._logprobs(out)[0])
+            return wire.choice(index, text, out.finish_reason, self._logprobs(out)[0] if logprobs else None)
         # each prompt counted once (its other samples shared its blocks), the completions of every choice
         body = wire.completion_body(
             wire.new_completion_id(), server.model_name, int(time.time()), [None] * len(outs),
@@ -128,8 +127,9 @@ class CompletionsEndpoint:
             body["choices"] = [choice(i) for i in range(len(outs))]
             return web.json_response(body)
         # logprobs or much text: each choice made and encoded off the loop, sent as it is made
-        resp = await response_body.send_in_pieces(request, body, lambda i: json.dumps(choice(i)).encode(),
-                                                  server.body_thread)
+        resp = await response_body.send_in_pieces(
+            request, body, lambda i: response_body.completion_choice(choice(i, logprobs=False), outs[i].token_logprobs,
+                                                                     server.speller), server.body_thread)
         server.trim_soon()
         return resp
 
