@@ -92,10 +92,10 @@ class LogprobColumns:
         return LogprobsView(self, len(self))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class LogprobsView:
     """The first `length` tokens of a `LogprobColumns`: what each `RequestOutput` of a stream holds, so
-    that no output copies the tokens before it."""
+    that no output copies the tokens before it. Equal to another view of the same values."""
     columns: LogprobColumns
     length: int
 
@@ -105,6 +105,13 @@ class LogprobsView:
 
     def __len__(self) -> int:
         return self.length
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, LogprobsView):
+            return NotImplemented
+        a, b, end = self.columns, other.columns, self.length * self.columns.width
+        return (a.width, self.length) == (b.width, other.length) and a.ids[:end] == b.ids[:end] \
+            and a.values[:end] == b.values[:end]
 
     def blocks(self, start: int = 0) -> Iterator[tuple[list[int], list[float]]]:
         """The rows of tokens `start`.. (ids, logprobs: `columns.width` entries a token), `BLOCK` tokens

@@ -9,6 +9,7 @@ import pytest
 from helpers import conversations
 from server_helpers import wait_for
 from vlm_sdk import LLM, AsyncLLM, SamplingParams
+from vlm_sdk.outputs import LogprobColumns
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +107,8 @@ def test_logprobs_are_kept_as_arrays_and_read_back_exactly(llm):
         assert out.logprobs == sampled[:i + 1]  # float32 values: exact, the -inf of a top-k cut included
     assert all(lp.top_logprobs[-1][1] == float("-inf") for lp in sampled)  # top_k 3 cut the 4th best
     assert outputs[-1].token_logprobs.tokens(30) == sampled[30:]
+    # outputs compare by value, as when they held lists: a second store of the same tokens is equal
+    again = LogprobColumns(k)
+    for lp in sampled[:5]:
+        again.append(lp)
+    assert outputs[4].token_logprobs == again.view() and outputs[5].token_logprobs != again.view()
