@@ -130,6 +130,9 @@ class EngineArgs:
     # tensor parallelism: the model split over this many ranks (GPUs), one worker process per rank
     tensor_parallel_size: int = 1
     shard_vision: bool = True  # under tensor parallelism: split the vision tower too (False: a copy per rank)
+    # under tensor parallelism: MoE layers place num_experts / tensor_parallel_size whole experts on each
+    # rank instead of a slice of every expert (vLLM's enable_expert_parallel); no effect on dense models
+    enable_expert_parallel: bool = False
     distributed_timeout: float = 600.0  # seconds a rank waits for its peers in a collective before failing
     # where ranks 1..N-1 run: "mp" (processes spawned on this machine) or "ray" (Ray actors placed by a
     # placement group, across the nodes of a Ray cluster: vlm_sdk/executor/ray_executor.py); None: torchrun's
@@ -273,7 +276,7 @@ class EngineArgs:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise InvalidRequestError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}",
                                       param="async_scheduling")
-        for name in ("show_progress", "enforce_eager", "piecewise_cuda_graphs", "shard_vision", "allow_unfit_images", "enable_prefix_caching",
+        for name in ("show_progress", "enforce_eager", "piecewise_cuda_graphs", "shard_vision", "enable_expert_parallel", "allow_unfit_images", "enable_prefix_caching",
                      "allow_special_tokens_in_text"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")

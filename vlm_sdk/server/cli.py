@@ -42,6 +42,9 @@ _ENGINE_HELP = {
                             "under torchrun, the number of processes it starts",
     "shard_vision": "under tensor parallelism, split the vision tower over the ranks too (default; "
                     "--no-shard-vision gives every rank a whole copy)",
+    "enable_expert_parallel": "under tensor parallelism, give each rank whole MoE experts (num_experts / "
+                              "tensor_parallel_size of them) instead of a slice of every expert; attention "
+                              "stays split by heads",
     "distributed_timeout": "seconds a tensor-parallel rank waits for its peers before the engine fails (default 600)",
     "distributed_executor_backend": "where tensor-parallel ranks 1..N-1 run: 'mp' (processes on this machine, the "
                                     "default) or 'ray' (Ray actors across the nodes of a Ray cluster: ray start "

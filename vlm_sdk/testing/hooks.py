@@ -27,3 +27,11 @@ def fail_on_rank(worker: Any, rank: int, message: str) -> None:
     rank `rank` only: how tests make one rank fail the way a bug in its step would."""
     if worker.tp.rank == rank:
         raise RuntimeError(message)
+
+
+def held_experts(worker: Any) -> list[tuple[int, int]]:
+    """[start, stop) of the experts each sparse MoE layer of this rank's model holds (all of them, or
+    under expert parallelism this rank's): plain data, for `collective_rpc(held_experts)`."""
+    from vlm_sdk.layers.moe import SparseMoeBlock
+    ranges = [m.expert_range() for m in worker.model.modules() if isinstance(m, SparseMoeBlock)]
+    return [(r.start, r.stop) for r in ranges]
