@@ -1,7 +1,9 @@
 """What a caller receives: one `RequestOutput` per stream update, and the final one."""
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
+from typing import Iterator
 
 
 @dataclass
@@ -59,6 +61,78 @@ class TokenLogprob:
     top_logprobs: tuple[tuple[int, float], ...]  # (token id, logprob), best first
 
 
+class LogprobColumns:
+    """One sequence's logprobs, compact: two flat arrays holding a row of `width` = k + 1 entries per
+    token, the drawn token's id and logprob first, then its k alternatives best first. 8 bytes an
+    entry, where a `TokenLogprob` per token held a tuple per alternative (~4.7 KB a token at k = 20:
+    one request of n=8 x 4,000 tokens kept ~150 MiB of small objects, and freeing them held the GIL).
+    Append-only, so a `LogprobsView` of its first tokens stays valid while it grows."""
+    __slots__ = ("width", "ids", "values")
+
+    def __init__(self, k: int):
+        self.width = k + 1
+        self.ids = array("i")  # [tokens * width] token ids
+        self.values = array("f")  # [tokens * width] logprobs: float32, the sampler's dtype, so exact
+
+    def append(self, lp: TokenLogprob) -> None:
+        if len(lp.top_logprobs) != self.width - 1:
+            raise ValueError(f"this token's logprobs have {len(lp.top_logprobs)} alternatives; its sequence "
+                             f"keeps {self.width - 1} per token")
+        self.ids.append(lp.token_id)
+        self.values.append(lp.logprob)
+        if lp.top_logprobs:
+            ids, values = zip(*lp.top_logprobs)
+            self.ids.extend(ids)
+            self.values.extend(values)
+
+    def __len__(self) -> int:
+        return len(self.ids) // self.width
+
+    def view(self) -> "LogprobsView":
+        return LogprobsView(self, len(self))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LogprobsView:
+    """The first `length` tokens of a `LogprobColumns`: what each `RequestOutput` of a stream holds, so
+    that no output copies the tokens before it. Equal to another view of the same values."""
+    columns: LogprobColumns
+    length: int
+
+    # tokens read from the arrays at a time: their Python numbers live only that long, and a body's
+    # writer hands the GIL back between blocks (server/logprobs.py)
+    BLOCK = 16
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, LogprobsView):
+            return NotImplemented
+        a, b, end = self.columns, other.columns, self.length * self.columns.width
+        return (a.width, self.length) == (b.width, other.length) and a.ids[:end] == b.ids[:end] \
+            and a.values[:end] == b.values[:end]
+
+    def blocks(self, start: int = 0) -> Iterator[tuple[list[int], list[float]]]:
+        """The rows of tokens `start`.. (ids, logprobs: `columns.width` entries a token), `BLOCK` tokens
+        at a time."""
+        w, cols = self.columns.width, self.columns
+        for first in range(start, self.length, self.BLOCK):
+            end = min(first + self.BLOCK, self.length) * w
+            yield cols.ids[first * w:end].tolist(), cols.values[first * w:end].tolist()
+
+    def rows(self, start: int = 0) -> Iterator[tuple[int, float, list[int], list[float]]]:
+        """(token id, logprob, the alternatives' ids, their logprobs) of each token from `start` on."""
+        w = self.columns.width
+        for ids, values in self.blocks(start):
+            for i in range(0, len(ids), w):
+                yield ids[i], values[i], ids[i + 1:i + w], values[i + 1:i + w]
+
+    def tokens(self, start: int = 0) -> list[TokenLogprob]:
+        """Tokens `start`.. as `TokenLogprob`s."""
+        return [TokenLogprob(t, v, tuple(zip(ids, values))) for t, v, ids, values in self.rows(start)]
+
+
 @dataclass
 class RequestOutput:
     """`text` and `token_ids` hold everything generated so far; `delta_text` what is new since the
@@ -72,8 +146,9 @@ class RequestOutput:
     delta_text: str
     finish_reason: str | None
     metrics: RequestMetrics = field(repr=False, default=None)
-    # with SamplingParams(logprobs=k): one per token of `token_ids`; None otherwise
-    logprobs: list[TokenLogprob] | None = None
+    # with SamplingParams(logprobs=k): every token's logprobs so far, compact (`logprobs` reads them as
+    # `TokenLogprob`s); None otherwise
+    token_logprobs: LogprobsView | None = field(repr=False, default=None)
     index: int = 0  # which of the request's n samples
     outputs: list["RequestOutput"] | None = field(repr=False, default=None)  # set by chat(): every sample
     # the text read by the prompt's output format (tools, a reasoning model): the answer without its
@@ -90,6 +165,17 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """With SamplingParams(logprobs=k): one `TokenLogprob` per token of `token_ids` (built on first
+        read, from `token_logprobs`); None otherwise."""
+        if self.token_logprobs is None:
+            return None
+        built = self.__dict__.get("_logprobs")
+        if built is None:
+            built = self.__dict__["_logprobs"] = self.token_logprobs.tokens()
+        return built
 
     def set_whole(self) -> None:
         """Make this final output the only one of its request: every delta is all of it."""

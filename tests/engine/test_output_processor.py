@@ -9,6 +9,7 @@ import pytest
 from helpers import conversations
 from server_helpers import wait_for
 from vlm_sdk import LLM, AsyncLLM, SamplingParams
+from vlm_sdk.outputs import LogprobColumns
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +83,32 @@ def test_min_tokens_holds_back_stop_strings(llm):
     held = llm.chat(conv, SamplingParams(**greedy, stop=[stop], min_tokens=8))[0]
     assert len(held.token_ids) >= 8 and held.text.startswith(llm.tokenizer.decode(base.token_ids[:3]))
     assert held.token_ids == base.token_ids[:len(held.token_ids)]
+
+
+def test_logprobs_are_kept_as_arrays_and_read_back_exactly(llm):
+    """A request's logprobs live in two flat arrays (k + 1 entries a token), which every output of its
+    stream views without a copy; `RequestOutput.logprobs` reads back exactly the sampler's values."""
+    engine, k = llm.engine, 4
+    params = SamplingParams(max_tokens=40, temperature=1.0, top_k=3, seed=3, ignore_eos=True, logprobs=k)
+    prompt = engine.build_prompt(conversations()["text"])
+    rid = engine.add_request(prompt, params)
+    state = llm.output_processor.new_request(rid, prompt.token_ids, params)
+    sampled, outputs = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            sampled += out.new_logprobs
+            outputs.append(state.process(out))
+    assert len(sampled) == 40 and all(len(lp.top_logprobs) == k for lp in sampled)
+    columns = outputs[-1].token_logprobs.columns
+    assert all(o.token_logprobs.columns is columns for o in outputs)  # one store, viewed by every output
+    assert (len(columns.ids), len(columns.values)) == (40 * (k + 1), 40 * (k + 1))
+    assert columns.ids.itemsize == 4 and columns.values.itemsize == 4  # int32, float32
+    for i, out in enumerate(outputs):
+        assert out.logprobs == sampled[:i + 1]  # float32 values: exact, the -inf of a top-k cut included
+    assert all(lp.top_logprobs[-1][1] == float("-inf") for lp in sampled)  # top_k 3 cut the 4th best
+    assert outputs[-1].token_logprobs.tokens(30) == sampled[30:]
+    # outputs compare by value, as when they held lists: a second store of the same tokens is equal
+    again = LogprobColumns(k)
+    for lp in sampled[:5]:
+        again.append(lp)
+    assert outputs[4].token_logprobs == again.view() and outputs[5].token_logprobs != again.view()

@@ -77,8 +77,11 @@ DECODER_TERMS = forward_terms(layers=2, hidden=64, intermediate=128, tokens=64, 
 MOE_TERMS = forward_terms(layers=3, hidden=48, intermediate=128, tokens=64, head_dim=16)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl_moe"])  # a dense decoder; one with MoE layers
+# a dense decoder on both backends; one with MoE layers on the torch set only: where the pieces split does
+# not depend on the kernels, and the fused MoE kernel's tokens are checked against the torch set's in
+# tests/models/qwen3_vl_moe/ (interpreting it here took 22 s of the suite)
+@pytest.mark.parametrize("family,backend", [("qwen2_5_vl", "torch"), ("qwen2_5_vl", "triton"),
+                                            ("qwen3_vl_moe", "torch")])
 def test_piecewise_eager_equals_plain_forward_cpu(tiny_checkpoints, family, backend):
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1")

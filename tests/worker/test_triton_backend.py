@@ -59,6 +59,7 @@ def test_fp8_kv_cache_triton_greedy_equals_torch_cpu(tiny_ckpt, convs):
     back with the scales folded in where the torch backend dequantizes, so the tokens are the same."""
     _interpreter_or_gpu("cpu")
     kw = dict(device="cpu", kv_cache_dtype="fp8", max_num_seqs=4, num_blocks=64, show_progress=False)
+    convs = convs[:2]  # text and one image: the cache path is the same for a second image's tokens
     want = [o.token_ids for o in LLM(tiny_ckpt, attention_backend="torch", **kw).chat(convs, GREEDY)]
     llm = LLM(tiny_ckpt, attention_backend="triton", **kw)
     assert {t.dtype for pair in local_worker(llm.engine).kv_caches for t in pair} == {torch.float8_e4m3fn}

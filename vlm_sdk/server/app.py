@@ -257,7 +257,7 @@ class OpenAIServer:
         # logprobs or much text: encoded off the loop, a choice at a time (server/response_body.py)
         choices, speller = body["choices"], self.speller
         resp = await response_body.send_in_pieces(
-            request, body, lambda i: response_body.chat_choice(choices[i], outputs[i].logprobs, speller),
+            request, body, lambda i: response_body.chat_choice(choices[i], outputs[i].token_logprobs, speller),
             self.body_thread)
         self.trim_soon()
         return resp
@@ -282,9 +282,9 @@ class OpenAIServer:
             while True:
                 i = out.index
                 entries = None
-                if out.logprobs is not None and len(out.logprobs) > logprobs_sent[i]:
-                    entries = self.speller.content(out.logprobs[logprobs_sent[i]:])
-                    logprobs_sent[i] = len(out.logprobs)
+                if out.token_logprobs is not None and len(out.token_logprobs) > logprobs_sent[i]:
+                    entries = self.speller.content(out.token_logprobs, logprobs_sent[i])
+                    logprobs_sent[i] = len(out.token_logprobs)
                 if parsed:  # reasoning, content and tool-call pieces, each in its field
                     delta = parsed_output.delta(out)
                     if delta or entries is not None:

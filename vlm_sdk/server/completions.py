@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import uuid
 from dataclasses import dataclass
 
 from vlm_sdk.chat_options import NO_OPTIONS, ChatOptions
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.multimodal.prompts import RawPrompt, parse_prompts
-from vlm_sdk.outputs import TokenLogprob
+from vlm_sdk.outputs import LogprobsView
 from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams
-from vlm_sdk.server.logprobs import TokenSpeller
+from vlm_sdk.server.logprobs import BODY_PAUSE_S, Logprobs, TokenSpeller, logprobs_rows
 from vlm_sdk.server.protocol import (bad_request, check_entry_counts, check_model, check_n, check_response_size,
                                      check_stop, clip, json_int, parse_stream, sampling_params, usage)
 
@@ -163,25 +164,39 @@ DONE = "data: [DONE]\n\n"
 
 
 class LegacyLogprobs:
-    """`TokenLogprob`s in the legacy shape {tokens, token_logprobs, top_logprobs, text_offset}, one
+    """A choice's logprobs in the legacy shape {tokens, token_logprobs, top_logprobs, text_offset}, one
     choice at a time: `offset` carries on across a stream's chunks. A logprob of -inf (a token cut by
     top-k / top-p) is written as -9999.0, as OpenAI and vLLM write it (JSON has no -inf)."""
 
     def __init__(self, speller: TokenSpeller):
         self.speller = speller
 
-    def entries(self, logprobs: list[TokenLogprob], offset: int = 0) -> tuple[dict, int]:
-        """(the logprobs object of these tokens, the text offset after them)."""
+    def entries(self, logprobs: Logprobs, offset: int = 0, start: int = 0) -> tuple[dict, int]:
+        """(the logprobs object of tokens `start`.., the text offset after them)."""
         tokens, values, tops, offsets = [], [], [], []
-        for lp in logprobs:
-            text = self.speller.spell(lp.token_id)[0]
-            tops.append({self.speller.spell(t)[0]: _finite(v) for t, v in lp.top_logprobs}
-                        | {text: _finite(lp.logprob)})
+        for token, value, alternatives in logprobs_rows(logprobs, start):
+            text = self.speller.spell(token)[0]
+            tops.append({self.speller.spell(t)[0]: _finite(v) for t, v in alternatives} | {text: _finite(value)})
             tokens.append(text)
-            values.append(_finite(lp.logprob))
+            values.append(_finite(value))
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
+
+    def entries_json(self, logprobs: LogprobsView) -> str:
+        """`entries(logprobs)[0]` as JSON text, for a large body (server/response_body.py): made a block
+        of tokens at a time with a pause after each, as `TokenSpeller.content_json` is, so that the
+        engine thread is not kept waiting for the GIL (one `json.dumps` of a 4,000-token choice
+        would hold it for tens of milliseconds)."""
+        columns: dict[str, list[str]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for start in range(0, len(logprobs), LogprobsView.BLOCK):
+            block, offset = self.entries(LogprobsView(logprobs.columns, min(start + LogprobsView.BLOCK, len(logprobs))),
+                                         offset, start)
+            for key, parts in columns.items():
+                parts.append(json.dumps(block[key])[1:-1])
+            time.sleep(BODY_PAUSE_S)
+        return "{" + ",".join(f'"{key}":[' + ",".join(parts) + "]" for key, parts in columns.items()) + "}"
 
 
 def _finite(value: float) -> float:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 
@@ -96,9 +95,9 @@ class CompletionsEndpoint:
                 for p in req.prompts]
 
     def _logprobs(self, out, offset: int = 0) -> tuple[dict | None, int]:
-        if out.logprobs is None:
+        if out.token_logprobs is None:
             return None, offset
-        return wire.LegacyLogprobs(self.server.speller).entries(out.logprobs, offset)
+        return wire.LegacyLogprobs(self.server.speller).entries(out.token_logprobs, offset)
 
     async def _complete(self, request: web.Request, req: wire.CompletionRequest, prompts: list, outputs, item,
                         echoes, timing: Timing) -> web.StreamResponse:
@@ -115,10 +114,10 @@ class CompletionsEndpoint:
             item = await outputs.__anext__()
         outs = [final[index] for index in range(req.num_choices)]
 
-        def choice(index: int) -> dict:
+        def choice(index: int, logprobs: bool = True) -> dict:
             out = outs[index]
             text = echoes[index // n] + out.text if echoes else out.text
-            return wire.choice(index, text, out.finish_reason, self._logprobs(out)[0])
+            return wire.choice(index, text, out.finish_reason, self._logprobs(out)[0] if logprobs else None)
         # each prompt counted once (its other samples shared its blocks), the completions of every choice
         body = wire.completion_body(
             wire.new_completion_id(), server.model_name, int(time.time()), [None] * len(outs),
@@ -128,8 +127,9 @@ class CompletionsEndpoint:
             body["choices"] = [choice(i) for i in range(len(outs))]
             return web.json_response(body)
         # logprobs or much text: each choice made and encoded off the loop, sent as it is made
-        resp = await response_body.send_in_pieces(request, body, lambda i: json.dumps(choice(i)).encode(),
-                                                  server.body_thread)
+        resp = await response_body.send_in_pieces(
+            request, body, lambda i: response_body.completion_choice(choice(i, logprobs=False), outs[i].token_logprobs,
+                                                                     server.speller), server.body_thread)
         server.trim_soon()
         return resp
 
@@ -151,11 +151,11 @@ class CompletionsEndpoint:
                     text = echoes[i] + text
                 sent = logprobs_sent.get(index, 0)
                 logprobs = None
-                if out.logprobs is not None and len(out.logprobs) > sent:
+                if out.token_logprobs is not None and len(out.token_logprobs) > sent:
                     # every token's logprobs once, with the text that has come since the last chunk
                     logprobs, offsets[index] = wire.LegacyLogprobs(server.speller).entries(
-                        out.logprobs[sent:], offsets.get(index, 0))
-                    logprobs_sent[index] = len(out.logprobs)
+                        out.token_logprobs, offsets.get(index, 0), start=sent)
+                    logprobs_sent[index] = len(out.token_logprobs)
                 if text or logprobs is not None or out.finished:
                     await resp.write(chunks.choice(index, text, out.finish_reason, logprobs).encode())
                     opened.add(index)

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from functools import partial
 
 from aiohttp import web
 
+from vlm_sdk.outputs import LogprobsView
+from vlm_sdk.server.completions import LegacyLogprobs
 from vlm_sdk.server.logprobs import TokenSpeller
 
 # non-streamed bodies without logprobs and with less text than this are encoded on the loop at once
@@ -26,7 +29,7 @@ INLINE_TEXT_CHARS = 1 << 16
 
 
 def is_small(outputs: list) -> bool:
-    return all(o.logprobs is None for o in outputs) and sum(len(o.text) for o in outputs) < INLINE_TEXT_CHARS
+    return all(o.token_logprobs is None for o in outputs) and sum(len(o.text) for o in outputs) < INLINE_TEXT_CHARS
 
 
 async def send_in_pieces(request: web.Request, body: dict, make_choice, executor=None) -> web.StreamResponse:
@@ -49,12 +52,22 @@ async def send_in_pieces(request: web.Request, body: dict, make_choice, executor
     return resp
 
 
-def chat_choice(choice: dict, logprobs, speller: TokenSpeller) -> bytes:
-    """A chat choice's JSON, its logprobs (`TokenLogprob`s, or None) filled in a token at a time."""
+def chat_choice(choice: dict, logprobs: LogprobsView | None, speller: TokenSpeller) -> bytes:
+    """A chat choice's JSON, its logprobs (`RequestOutput.token_logprobs`) filled in a block at a time."""
+    return _choice(choice, None if logprobs is None else partial(speller.content_json, logprobs))
+
+
+def completion_choice(choice: dict, logprobs: LogprobsView | None, speller: TokenSpeller) -> bytes:
+    """A /v1/completions choice's JSON, its logprobs in the legacy shape, filled in a block at a time."""
+    return _choice(choice, None if logprobs is None else partial(LegacyLogprobs(speller).entries_json, logprobs))
+
+
+def _choice(choice: dict, logprobs_json) -> bytes:
+    """`choice` as JSON, its "logprobs" member the text `logprobs_json()` makes (None: as it is)."""
     parts = []
-    for key, value in choice.items():
-        if key == "logprobs" and logprobs is not None:
-            parts.append('"logprobs":' + speller.content_json(logprobs))
+    for key in choice:
+        if key == "logprobs" and logprobs_json is not None:
+            parts.append('"logprobs":' + logprobs_json())
         else:
             parts.append(_member(choice, key))
     return ("{" + ",".join(parts) + "}").encode()

@@ -22,6 +22,13 @@ def local_worker(engine: Any) -> Any:
     return engine.executor.collective_rpc(_this_worker)[0]
 
 
+def fail_on_rank(worker: Any, rank: int, message: str) -> None:
+    """A command (`collective_rpc(fail_on_rank, rank, message)`) that raises `RuntimeError(message)` on
+    rank `rank` only: how tests make one rank fail the way a bug in its step would."""
+    if worker.tp.rank == rank:
+        raise RuntimeError(message)
+
+
 def held_experts(worker: Any) -> list[tuple[int, int]]:
     """[start, stop) of the experts each sparse MoE layer of this rank's model holds (all of them, or
     under expert parallelism this rank's): plain data, for `collective_rpc(held_experts)`."""

@@ -26,7 +26,7 @@ import time
 from vlm_sdk.engine.output.detokenizer import IncrementalDetokenizer
 from vlm_sdk.engine.output.engine_output import EngineOutput
 from vlm_sdk.engine.output.stop_strings import StopMatcher
-from vlm_sdk.outputs import RequestOutput, ToolCall
+from vlm_sdk.outputs import LogprobColumns, RequestOutput, ToolCall
 from vlm_sdk.parsers import OutputFormat
 from vlm_sdk.sampling_params import SamplingParams
 
@@ -72,7 +72,8 @@ class RequestOutputState:
         self.params = params
         self.detokenizer = detokenizer
         self.token_ids: list[int] = []
-        self.logprobs: list | None = [] if params.wants_logprobs else None  # TokenLogprob per token
+        # every token's logprobs, compact: each output holds a view of the first tokens, no copy
+        self.logprobs = LogprobColumns(params.logprobs) if params.wants_logprobs else None
         self.num_emitted_chars = 0  # text already streamed; a possible stop-string prefix waits
         self.finish_reason: str | None = None
         self.finished_by_stop_string = False  # the engine must be told to finish it
@@ -121,7 +122,7 @@ class RequestOutputState:
         # `text` is what this request's stream has shown so far: the concatenation of its deltas
         out = RequestOutput(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
                             token_ids=list(self.token_ids), text=text, delta_text=delta, finish_reason=reason,
-                            metrics=metrics, logprobs=None if self.logprobs is None else list(self.logprobs),
+                            metrics=metrics, token_logprobs=None if self.logprobs is None else self.logprobs.view(),
                             index=self.index, content=text, delta_content=delta)
         if self.parsed is not None:
             self.parsed.fill(out)
