@@ -17,7 +17,8 @@ def make_executor(model_dir: str, config, hf_config, family) -> Executor:
     on CUDA, one GPU per rank): refused with the sizes that would work."""
     device = config.args.resolve_device()
     size = config.args.tensor_parallel_size
-    check_tensor_parallel_size(family, hf_config, size, config.args.shard_vision, config.args.enable_expert_parallel)
+    check_tensor_parallel_size(family, hf_config, size, config.args.shard_vision,
+                               config.args.enable_expert_parallel)
     if size == 1:
         return InProcessExecutor(model_dir, config, device)
     check_no_group_yet()
