@@ -4,7 +4,7 @@ experts in the kernel set's fused_moe. The tiny per-expert checkpoint is quantiz
 quantizer (vlm_sdk/testing/quantizer.py, 32 x 32 blocks: partial along hidden 48); the oracle is
 transformers on the dequantized twin (its experts fused back into transformers 5's tensors, the layout
 transformers reads): the same greedy tokens for an image and a text conversation. The experts are held
-in FP8; two ranks (16 x 16 blocks) give one rank's tokens; a block the ranks would cut is refused
+in FP8; two ranks (16 x 16 blocks) give one rank's tokens, each expert split or (expert parallel) whole; a block the ranks would cut is refused
 naming the sizes that work."""
 from __future__ import annotations
 
@@ -90,6 +90,9 @@ def test_two_ranks_give_the_tokens_of_one(fp8):
     one = [o.token_ids for o in LLM(str(path), show_progress=False).chat(CONVS, GREEDY)]
     with LLM(str(path), show_progress=False, tensor_parallel_size=2) as two:
         assert [o.token_ids for o in two.chat(CONVS, GREEDY)] == one
+    # expert parallel: 6 whole FP8 experts per rank, their block scales with them
+    with LLM(str(path), show_progress=False, tensor_parallel_size=2, enable_expert_parallel=True) as two:
+        assert [o.token_ids for o in two.chat(CONVS, GREEDY)] == one
 
 
 def test_a_rank_cutting_a_block_is_refused_naming_the_sizes(fp8):
@@ -109,6 +112,9 @@ def test_a_rank_cutting_a_block_is_refused_naming_the_sizes(fp8):
                                          r"block-wise FP8 only"):
         SparseMoeBlock(48, moe, TorchOps(), device="meta", quant=AWQScheme(16))
     SparseMoeBlock(48, moe, TorchOps(), device="meta", tp=TPGroup(0, 2), quant=FP8BlockScheme((16, 16)))
+    # expert parallel: each rank's 6 experts are whole, 32 wide: whole blocks
+    SparseMoeBlock(48, moe, TorchOps(), device="meta", tp=TPGroup(0, 2, expert_parallel=True),
+                   quant=FP8BlockScheme((32, 32)))
     path, _ = fp8((32, 32))
     with pytest.raises(InvalidRequestError, match=r"tensor_parallel_size=2 does not split this model: .*"
                                                   r"Sizes that work: 1$"):
