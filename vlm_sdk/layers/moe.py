@@ -145,8 +145,9 @@ class SparseMoeBlock(nn.Module):
         """After loading, for the torch kernel set on the CPU: each expert's weights stored transposed
         (storage [E, H, 2I'] and [E, I', H], the same logical [E, 2I', H] and [E, H, I']), as
         models/cpu_layout.py stores every Linear: a product of a few rows by an [in, out] weight runs
-        up to 2x faster on the CPU than by [out, in] (the bench shape's decode, 64 tokens: 2.6 ms vs
-        5.8 ms on one core). Float experts only (FP8 ones are dequantized per call); no-op elsewhere."""
+        up to 2x faster on the CPU than by [out, in] (the bench shape's layer at 64 tokens: 2.6 ms vs
+        5.8 ms on one core; at 16, ~4 rows per expert, no gain: BENCHMARKS.md). Float experts only (FP8
+        ones are dequantized per call); no-op elsewhere."""
         if self.block is not None or self.w13.device.type != "cpu" or self.ops.name != "torch":
             return
         self.w13, self.w2 = (nn.Parameter(w.transpose(1, 2).contiguous().transpose(1, 2), requires_grad=False)
