@@ -14,10 +14,17 @@ Every function returns the weight as `[out, in]` float32 (PyTorch's Linear layou
     FP8 block    weight [out, in] float8_e4m3fn, weight_scale_inv [ceil(out/B0), ceil(in/B1)]
                  W[n, k] = w[n, k] * scale_inv[n // B0, k // B1]
     FP8 channel  weight [out, in] float8_e4m3fn, weight_scale [out, 1] (compressed-tensors, channel strategy)
+    W4A16        compressed-tensors' pack-quantized: weight_packed [out, in/8] int32, nibble i of word c = input
+                 8c + i, stored as q + 8 (signed int4 -8..7 made unsigned); weight_scale [out, groups];
+                 weight_zero_point [out/8, groups] int32 packed along the output, also + 8 (asymmetric only;
+                 symmetric checkpoints have none: the zero is 8); weight_g_idx [in] (actorder "group")
+                 W[n, k] = (q[n, k] - z[n, g]) * s[n, g], g = g_idx[k] or k // G
+                 (GPTQ v2's layout with every tensor transposed)
 
 (sources: AutoAWQ / vLLM awq_triton.py for AWQ's order; AutoGPTQ / gptqmodel and vLLM gptq.py for GPTQ and
 its "+1"; vLLM fp8.py and the Qwen FP8 checkpoints for `weight_scale_inv`; compressed-tensors'
-float-quantized format for the channel scales.)
+float-quantized format for the channel scales, and its pack_quantized compressor (pack_to_int32, and
+`dequantize`: x = (x_q - zero_point) * scale) with vLLM's compressed_tensors_wNa16.py for W4A16.)
 """
 from __future__ import annotations
 
@@ -98,3 +105,15 @@ def dequantize_fp8_channel(weight: torch.Tensor,  # [out, in] float8_e4m3fn
                            ) -> torch.Tensor:     # [out, in] float32
     s = scale.float()
     return weight.float() * (s.reshape(-1, 1) if s.numel() > 1 else s.reshape(()))
+
+
+def dequantize_w4a16(weight_packed: torch.Tensor,  # [out, in/8] int32
+                     scale: torch.Tensor,          # [out, groups]
+                     zero_point: torch.Tensor | None,  # [out/8, groups] int32, None: symmetric (zero 8)
+                     g_idx: torch.Tensor | None,   # [in]: each input column's group; None: k // (in / groups)
+                     ) -> torch.Tensor:            # [out, in] float32
+    q = unpack_int4(weight_packed, 1)  # [out, in] unsigned (q + 8)
+    in_f, groups = q.shape[1], scale.shape[1]
+    g = torch.arange(in_f, device=q.device) // (in_f // groups) if g_idx is None else g_idx.long()  # [in]
+    z = 8 if zero_point is None else unpack_int4(zero_point, 0)[:, g]  # [out, in] unsigned (zero + 8)
+    return (q - z).float() * scale.float()[:, g]

@@ -2,13 +2,15 @@
 (`fused_moe_ref`: the same operands, the oracle).
 
     x [N, H], w13 [E, 2I, H] (gate rows | up rows), w2 [E, H, I], topk_weights [N, K] f32, topk_ids [N, K]
+    (an id of -1: a pair whose expert another rank holds, under expert parallelism: skipped, adds 0)
 
     1. align (torch on the device, no host read): the P = N*K (token, choice) pairs sorted by expert
        (stable) and each expert's run padded to a multiple of BLOCK_M rows:
            sorted_pairs  [P_pad]            pair index p (token p // K), or P for a padding row
            block_expert  [P_pad / BLOCK_M]  the expert of each run of BLOCK_M rows, -1 past the last
        P_pad = P + min(E, P) * (BLOCK_M - 1), rounded up to BLOCK_M: static for a token count, so the
-       launch needs nothing from the device (CUDA graphs capture it).
+       launch needs nothing from the device (CUDA graphs capture it). Skipped pairs (-1) get no slot
+       (never computed: their rows of pair_out stay zero).
     2. gate_up with SiLU-and-mul: a program takes BLOCK_M rows of one expert and BLOCK_N of its I
        columns, multiplies the rows' tokens by the expert's gate rows and up rows (two float32
        accumulators over H) and stores silu(gate) * up        -> inter [P, I] (x's dtype), row p
@@ -111,16 +113,18 @@ def moe_align(topk_ids: torch.Tensor,  # [N, K]
     padded = -(-padded // block_m) * block_m
     device = topk_ids.device
     flat = topk_ids.reshape(-1).long()  # [P]
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
-        0, flat, torch.ones_like(flat))  # [E]
-    runs = (counts + block_m - 1) // block_m * block_m  # [E] each expert's rows, padded
+    flat = torch.where(flat < 0, num_experts, flat)  # skipped pairs: bucket E, sorted last, given no run
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat))  # [E + 1]
+    runs = (counts[:num_experts] + block_m - 1) // block_m * block_m  # [E] each expert's rows, padded
     run_ends = runs.cumsum(0)  # [E]
     order = torch.argsort(flat, stable=True)  # [P] pairs by expert
     expert_of = flat[order]  # [P]
     rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[expert_of]  # [P] within its run
-    slots = (run_ends - runs)[expert_of] + rank  # [P]
-    sorted_pairs = torch.full((padded,), num_pairs, dtype=torch.int32, device=device)
-    sorted_pairs.scatter_(0, slots, order.to(torch.int32))
+    starts = torch.cat([run_ends - runs, run_ends.new_full((1,), padded)])  # [E + 1]
+    slots = torch.where(expert_of < num_experts, starts[expert_of] + rank, padded)  # [P]; skipped: one spare slot
+    sorted_pairs = torch.full((padded + 1,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs = sorted_pairs.scatter_(0, slots, order.to(torch.int32))[:padded]
     block_starts = torch.arange(0, padded, block_m, device=device)  # [P_pad / block_m]
     block_expert = torch.searchsorted(run_ends, block_starts, right=True)  # E past the last run
     return sorted_pairs, torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
@@ -168,6 +172,6 @@ def fused_moe(x: torch.Tensor,  # [N, H]
     inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
     s13, s2, block = (None, None, (1, 1)) if scales is None else (scales.w13, scales.w2, scales.block)
     _product(x, w13, inter_out, weights, sorted_pairs, block_expert, num_pairs, k, True, config, s13, block)
-    pair_out = torch.empty(num_pairs, h, dtype=x.dtype, device=x.device)  # [P, H]
+    pair_out = torch.zeros(num_pairs, h, dtype=x.dtype, device=x.device)  # [P, H]: skipped pairs' rows stay 0
     _product(inter_out, w2, pair_out, weights, sorted_pairs, block_expert, num_pairs, 1, False, config, s2, block)
     return pair_out.view(n, k, h).sum(dim=1, dtype=torch.float32).to(x.dtype)  # [N, H]

@@ -5,7 +5,8 @@ set's op (the CPU path).
     w13          [E, 2I, H]   per expert: gate_proj rows [0, I), up_proj rows [I, 2I)
     w2           [E, H, I]    per expert: down_proj
     topk_weights [N, K]       float32 routing weights
-    topk_ids     [N, K]       int, each in [0, E)
+    topk_ids     [N, K]       int, each in [0, E), or -1: a pair this rank skips (its expert is on another
+                              rank under expert parallelism); it adds nothing to its token's sum
     out          [N, H]       sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]
 
 Block-wise FP8 experts (the Qwen3-VL-*-FP8 checkpoints' `weight_scale_inv`, `block` = (B0, B1) =
@@ -18,7 +19,8 @@ each expert, W[e, n, k] = w[e, n, k] * scale[e, n // B0, k // B1]:
 The weights are dequantized to x's dtype (rounded once, as the Triton kernel does per tile) and the
 products run as for float weights (W8A16: the activations are not quantized).
 
-The (token, choice) pairs are sorted by expert (stable), so each expert multiplies all its rows at once:
+The (token, choice) pairs are sorted by expert (stable), so each expert multiplies all its rows at once
+(the weights in either storage order: the CPU layout stores each expert transposed, vlm_sdk/layers/moe.py):
 on the CPU one grouped product per weight (`F.grouped_mm`) for all experts, elsewhere (or with strides
 it refuses) a loop over the experts that have rows, never over tokens, its bounds read on the host (the
 torch set is not captured into CUDA graphs; the Triton op needs no host read). Arithmetic, as the
@@ -110,9 +112,10 @@ def fused_moe_ref(x: torch.Tensor,  # [N, H]
     n, k = topk_ids.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     flat = topk_ids.reshape(-1).long()  # [P] pair p = token p // K, choice p % K
-    order = torch.argsort(flat, stable=True)  # [P] pairs grouped by expert
-    tokens = order // k  # [P]
-    counts = torch.bincount(flat, minlength=num_experts)  # [E] rows of each expert
+    order = torch.argsort(flat, stable=True)  # [P] pairs grouped by expert, the skipped (-1) first
+    counts = torch.bincount(flat + 1, minlength=num_experts + 1)  # [1 + E] the skipped, then each expert's rows
+    order, counts = order[int(counts[0]):], counts[1:]  # [P'], [E]: the pairs computed here
+    tokens = order // k  # [P']
     gate, up = _by_expert(x[tokens], w13, counts).float().split(inter, dim=-1)  # [P, I] x 2
     down = _by_expert((F.silu(gate) * up).to(x.dtype), w2, counts)  # [P, H]
     weighted = down.float() * topk_weights.reshape(-1)[order, None]  # [P, H]
@@ -126,10 +129,11 @@ def _by_expert(rows: torch.Tensor,  # [P, In] grouped by expert, counts[e] rows 
                ) -> torch.Tensor:  # [P, Out]: each row times its expert's weight, transposed
     """On the CPU one `F.grouped_mm` for all experts (as transformers 5 runs its experts: a loop of small
     products, each a parallel region of its own, is many times slower on a loaded machine), where its
-    16-byte stride rule holds; elsewhere one product per expert with rows."""
-    if rows.device.type == "cpu" and all(s * t.element_size() % 16 == 0 for t in (rows, weight)
-                                         for s in t.stride()[:-1]):
-        return F.grouped_mm(rows, weight.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+    16-byte stride rule holds; elsewhere one product per expert with rows. Either storage order of the
+    weight works (the CPU layout's [E, In, Out] storage is the faster: vlm_sdk/layers/moe.py)."""
+    weight_t = weight.transpose(1, 2)  # [E, In, Out]
+    if rows.device.type == "cpu" and _grouped_mm_takes(rows) and _grouped_mm_takes(weight_t):
+        return F.grouped_mm(rows, weight_t, offs=counts.cumsum(0).to(torch.int32))
     out = torch.empty(rows.shape[0], weight.shape[1], dtype=rows.dtype, device=rows.device)
     start = 0
     for expert, count in enumerate(counts.tolist()):
@@ -137,3 +141,13 @@ def _by_expert(rows: torch.Tensor,  # [P, In] grouped by expert, counts[e] rows 
             out[start:start + count] = F.linear(rows[start:start + count], weight[expert])
             start += count
     return out
+
+
+def _grouped_mm_takes(t: torch.Tensor) -> bool:
+    """grouped_mm's stride rule: one of the last two dims has stride 1 and every other stride is a
+    multiple of 16 bytes."""
+    strides = t.stride()
+    if 1 not in strides[-2:]:
+        return False
+    unit = -1 if strides[-1] == 1 else -2
+    return all(s * t.element_size() % 16 == 0 for d, s in enumerate(strides) if d != t.dim() + unit)

@@ -8,7 +8,15 @@ kernels/dequant_torch.py, this op's reference).
     GPTQ     qweight [K/8, N] int32 (nibble i of word r: row 8r + i), qzeros [groups, N/8] (sequential),
              scales [groups, N], g = g_idx[k] (desc_act) or k // G:
                                                 W[n, k] = (q[k, n] - (z[g, n] + zero_offset)) * s[g, n]
+             qzeros None: no zero points (W[n, k] = (q[k, n] - zero_offset) * s[g, n], compressed-tensors'
+             symmetric W4A16: zero_offset 8)
     out:     [M, N]  x.dtype
+
+The GPTQ tensors may be transposed views (any stride along N): compressed-tensors' pack-quantized W4A16
+(weight_packed [N, K/8], weight_scale [N, groups], weight_zero_point [N/8, groups]) is GPTQ v2's layout with
+every tensor transposed, so its layer passes `.t()` views and this kernel reads them in place. A qweight
+whose words run along K (`K_MAJOR`: such a view) is read as [BLOCK_N, BLOCK_K / 8] words, contiguous along
+K, unpacked to [BLOCK_N, BLOCK_K] and transposed in registers, rather than gathered word by word.
 
 Each program owns a [BLOCK_M, BLOCK_N] output tile and walks its share of K in BLOCK_K steps: it gathers
 the int32 words of a [BLOCK_K, BLOCK_N] weight tile (each word serves the 8 lanes of its nibbles: the
@@ -54,7 +62,10 @@ def _awq_shift(col):
 def _int4_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, b_ptr, out_ptr,
                       M, N, K, k_per_split, zero_offset,
                       stride_xm, stride_qw, stride_qz, stride_s, stride_om, stride_os,
-                      AWQ: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      stride_qw_n, stride_qz_n, stride_s_n,  # along N: 1, or a transposed view's row stride
+                      AWQ: tl.constexpr, K_MAJOR: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+                      HAS_ZEROS: tl.constexpr,
+                      HAS_BIAS: tl.constexpr,
                       SPLIT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -80,26 +91,41 @@ def _int4_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, b_ptr, out_ptr,
         x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         mask_w = mask_k[:, None] & mask_n[None, :]  # [BLOCK_K, BLOCK_N]
         if AWQ:  # word [k, n // 8]
-            words = tl.load(qw_ptr + k.to(tl.int64)[:, None] * stride_qw + (offs_n // 8)[None, :], mask=mask_w,
-                            other=0)
+            words = tl.load(qw_ptr + k.to(tl.int64)[:, None] * stride_qw + (offs_n // 8)[None, :] * stride_qw_n,
+                            mask=mask_w, other=0)
             q = (words >> _awq_shift(offs_n)[None, :]) & 0xF
+        elif K_MAJOR:  # a transposed view: each column's words run along K (stride_qw 1)
+            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8] word indices
+            mask_kw = kw * 8 < k_end
+            words = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None] * stride_qw_n + kw[None, :] * stride_qw,
+                            mask=mask_n[:, None] & mask_kw[None, :], other=0)  # [BLOCK_N, BLOCK_K / 8]
+            q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K / 8, 8]
+            q = tl.trans(tl.reshape(q, (BLOCK_N, BLOCK_K)))  # [BLOCK_K, BLOCK_N]
         else:  # word [k // 8, n]
-            words = tl.load(qw_ptr + (k // 8).to(tl.int64)[:, None] * stride_qw + offs_n[None, :], mask=mask_w,
-                            other=0)
+            words = tl.load(qw_ptr + (k // 8).to(tl.int64)[:, None] * stride_qw
+                            + offs_n.to(tl.int64)[None, :] * stride_qw_n, mask=mask_w, other=0)
             q = (words >> ((k % 8) * 4)[:, None]) & 0xF  # [BLOCK_K, BLOCK_N]
         if GROUPS == 0:  # the tile lies in one group: one row of scales and zeros
             g = k0 // GROUP
-            s = tl.load(s_ptr + g * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            z = (tl.load(qz_ptr + g * stride_qz + offs_n // 8, mask=mask_n, other=0) >> z_shift) & 0xF
-            z = z[None, :]
+            s = tl.load(s_ptr + g * stride_s + offs_n * stride_s_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if HAS_ZEROS:
+                z = (tl.load(qz_ptr + g * stride_qz + (offs_n // 8) * stride_qz_n, mask=mask_n, other=0)
+                     >> z_shift) & 0xF
+                z = z[None, :]
+            else:
+                z = 0
         else:
             if GROUPS == 1:
                 g = k // GROUP  # [BLOCK_K]
             else:
                 g = tl.load(g_ptr + k, mask=mask_k, other=0)
-            s = tl.load(s_ptr + g[:, None] * stride_s + offs_n[None, :], mask=mask_w, other=0.0).to(tl.float32)
-            z = (tl.load(qz_ptr + g[:, None] * stride_qz + (offs_n // 8)[None, :], mask=mask_w, other=0)
-                 >> z_shift[None, :]) & 0xF
+            s = tl.load(s_ptr + g[:, None] * stride_s + offs_n[None, :] * stride_s_n, mask=mask_w,
+                        other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                z = (tl.load(qz_ptr + g[:, None] * stride_qz + (offs_n // 8)[None, :] * stride_qz_n, mask=mask_w,
+                             other=0) >> z_shift[None, :]) & 0xF
+            else:
+                z = 0
         w = ((q - (z + zero_offset)).to(tl.float32) * s).to(x.dtype)  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
     mask_o = mask_m[:, None] & mask_n[None, :]
@@ -165,15 +191,19 @@ def _check(x, qweight, qzeros, scales, g_idx, bias, awq: bool, group: int) -> tu
     if x.dim() != 2 or x.dtype not in _DTYPES or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError(f"x must be [M, K] of {_DTYPES} with a contiguous last dim, got {tuple(x.shape)} {x.dtype}")
     k = x.shape[1]
+    if qzeros is None and awq:
+        raise ValueError("AWQ needs qzeros")
     for name, t in (("qweight", qweight), ("qzeros", qzeros)):
-        if t.dtype != torch.int32 or t.dim() != 2 or t.stride(1) != 1:
-            raise ValueError(f"{name} must be int32 [rows, cols] with contiguous rows, got {t.dtype} {tuple(t.shape)}")
+        if t is not None and (t.dtype != torch.int32 or t.dim() != 2):
+            raise ValueError(f"{name} must be int32 [rows, cols], got {t.dtype} {tuple(t.shape)}")
     n = qweight.shape[1] * 8 if awq else qweight.shape[1]
     rows = k if awq else k // 8
     if k % 8 or qweight.shape[0] != rows:
         raise ValueError(f"qweight {tuple(qweight.shape)} does not hold K={k} inputs ({'AWQ' if awq else 'GPTQ'})")
-    if scales.dim() != 2 or scales.shape[1] != n or scales.stride(1) != 1 or qzeros.shape != (scales.shape[0], n // 8):
-        raise ValueError(f"scales {tuple(scales.shape)} / qzeros {tuple(qzeros.shape)} do not match N={n}")
+    zeros_ok = qzeros is None or qzeros.shape == (scales.shape[0], n // 8)
+    if scales.dim() != 2 or scales.shape[1] != n or not zeros_ok:
+        shown = None if qzeros is None else tuple(qzeros.shape)
+        raise ValueError(f"scales {tuple(scales.shape)} / qzeros {shown} do not match N={n}")
     if g_idx is None and scales.shape[0] * group < k:
         raise ValueError(f"{scales.shape[0]} groups of {group} rows do not cover K={k}")
     if g_idx is not None and (g_idx.shape != (k,) or g_idx.dtype != torch.int32):
@@ -188,11 +218,11 @@ def _check(x, qweight, qzeros, scales, g_idx, bias, awq: bool, group: int) -> tu
 
 def int4_gemm(x: torch.Tensor,  # [M, K]
               qweight: torch.Tensor,  # AWQ [K, N/8] | GPTQ [K/8, N] int32
-              qzeros: torch.Tensor,  # [groups, N/8] int32
+              qzeros: torch.Tensor | None,  # [groups, N/8] int32; GPTQ None: no zeros (zero_offset only)
               scales: torch.Tensor,  # [groups, N]
               *, awq: bool, group: int,  # group: input rows per scale row (K for one group)
               g_idx: torch.Tensor | None = None,  # GPTQ [K] int32: each input row's group (desc_act)
-              zero_offset: int = 0,  # GPTQ's "gptq" checkpoint format stores zero - 1: 1
+              zero_offset: int = 0,  # GPTQ's "gptq" checkpoint format stores zero - 1: 1; no qzeros: the zero
               bias: torch.Tensor | None = None,  # [N]
               config: Config | None = None,
               ) -> torch.Tensor:  # [M, N] x.dtype
@@ -207,12 +237,15 @@ def int4_gemm(x: torch.Tensor,  # [M, K]
     split = triton.cdiv(k, k_per_split)
     target = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n), split)
+    zeros = qzeros if qzeros is not None else qweight  # not read without zeros
     _int4_gemm_kernel[grid](
-        x, qweight, qzeros, scales, g_idx if g_idx is not None else qzeros, bias if bias is not None else scales,
+        x, qweight, zeros, scales, g_idx if g_idx is not None else zeros, bias if bias is not None else scales,
         target, m, n, k, k_per_split, zero_offset,
-        x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), target.stride(-2),
-        target.stride(0) if split > 1 else 0,
-        AWQ=awq, GROUP=group, GROUPS=_GROUPS[groups], HAS_BIAS=bias is not None and split == 1, SPLIT=split > 1,
+        x.stride(0), qweight.stride(0), zeros.stride(0), scales.stride(0), target.stride(-2),
+        target.stride(0) if split > 1 else 0, qweight.stride(1), zeros.stride(1), scales.stride(1),
+        AWQ=awq, K_MAJOR=not awq and qweight.stride(0) == 1 and qweight.stride(1) >= qweight.shape[0], GROUP=group,
+        GROUPS=_GROUPS[groups], HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None and split == 1,
+        SPLIT=split > 1,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
     if split > 1:
@@ -223,7 +256,7 @@ def int4_gemm(x: torch.Tensor,  # [M, K]
     return out
 
 
-def int4_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *,
+def int4_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: torch.Tensor, *,
                   awq: bool, group: int, g_idx: torch.Tensor | None = None, zero_offset: int = 0,
                   bias: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:  # [M, N]
     """Torch reference: the whole weight dequantized (kernels/dequant_torch.py) and rounded to x's dtype,
@@ -233,5 +266,7 @@ def int4_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, 
         w = dequantize_awq(qweight, qzeros, scales)
     else:
         rows = torch.arange(k, device=x.device) // group if g_idx is None else g_idx
+        if qzeros is None:  # no zero points: every zero 0, then zero_offset
+            qzeros = torch.zeros(scales.shape[0], n // 8, dtype=torch.int32, device=x.device)
         w = dequantize_gptq(qweight, qzeros, scales, rows, zero_offset)
     return F.linear(x, w.to(x.dtype), bias)

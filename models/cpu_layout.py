@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_sdk.layers.embedding import ParallelLMHead
+from vlm_sdk.layers.moe import SparseMoeBlock
 
 
 def column_major(weight: torch.Tensor) -> nn.Parameter:
@@ -22,11 +23,13 @@ def column_major(weight: torch.Tensor) -> nn.Parameter:
 
 @torch.no_grad()
 def use_cpu_weight_layout(module: nn.Module) -> None:
-    """Re-lay every Linear weight (the parallel linear layers are `nn.Linear`s) and LM head under
-    `module`; a no-op off the CPU."""
+    """Re-lay every Linear weight (the parallel linear layers are `nn.Linear`s), LM head and sparse
+    MoE layer's experts under `module`; a no-op off the CPU."""
     for sub in module.modules():
         if isinstance(sub, (nn.Linear, ParallelLMHead)) and sub.weight.device.type == "cpu":
             sub.weight = column_major(sub.weight)
+        elif isinstance(sub, SparseMoeBlock):
+            sub.use_cpu_layout()
 
 
 class PackedLMHead:

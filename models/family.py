@@ -136,14 +136,16 @@ class FamilySpec(ABC):
         """`PromptProcessor` subclass: `.from_engine_args(tokenizer, image_processor, hf_config, EngineArgs,
         family)`."""
 
-    def meta_model(self, hf_config: Any, dtype: Any, tp_size: int = 1, shard_vision: bool = True) -> Any:
-        """The model as rank 0 of `tp_size` ranks builds it, on the meta device (no memory): what the
-        engine and `vlm-sdk plan` read sizes and image limits from without loading anything."""
+    def meta_model(self, hf_config: Any, dtype: Any, tp_size: int = 1, shard_vision: bool = True,
+                   expert_parallel: bool = False) -> Any:
+        """The model as rank 0 of `tp_size` ranks builds it (`expert_parallel`: whole MoE experts per
+        rank), on the meta device (no memory): what the engine and `vlm-sdk plan` read sizes and image
+        limits from without loading anything."""
         import torch
         from vlm_sdk.layers.parallel_state import TPGroup
         with torch.device("meta"):
-            return self.model_cls(hf_config, dtype=dtype, device="meta", tp=TPGroup(0, tp_size),
-                                  shard_vision=shard_vision)
+            return self.model_cls(hf_config, dtype=dtype, device="meta",
+                                  tp=TPGroup(0, tp_size, expert_parallel=expert_parallel), shard_vision=shard_vision)
 
     def make_processor(self, tokenizer: Any, image_processor: Any, hf_config: Any, args: Any) -> Any:
         """The engine's prompt processor: this family's settings in `args.mm_processor_kwargs` checked,

@@ -72,3 +72,18 @@ def internvl_internlm2_ckpt(tmp_path_factory) -> Path:
     """The Llama weights above in the original layout with an InternLM2 LLM (packed, grouped wqkv)."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("internvl_internlm2"), family="internvl", layout="original",
                                 llm="llama")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray cluster of 2 CPUs for one test module (start-up takes seconds: share it), left at
+    the module's end. Skipped where Ray is not installed (a test dependency: pyproject's test extra).
+    It also declares 2 GPUs, which are only Ray's resource counts (nothing here runs on CUDA unless the
+    machine has it): what tests of GPU placement need."""
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

@@ -84,3 +84,12 @@ def plan_cache(args, per_block, device, max_position_embeddings, peak, image_set
     cache = size_cache(args, per_block, max_position_embeddings, budget)
     check_cache(cache, args, weights, image_setting)
     return cache
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` still runs (Linux /proc): a zombie has ended, only its parent has not reaped it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -66,6 +66,9 @@ async def _chat(args) -> int:
         engine_args["device"] = args.device
     if args.kv_cache_dtype:
         engine_args["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.tensor_parallel_size != 1 or args.enable_expert_parallel:
+        engine_args.update(tensor_parallel_size=args.tensor_parallel_size,
+                           enable_expert_parallel=args.enable_expert_parallel)
     start = time.monotonic()
     async with AsyncLLM(model, **engine_args) as engine:
         peak_blocks = 0
@@ -114,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--device", default=None)
     chat.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                       help="the KV cache's dtype: auto (the model's, the default) or fp8 (e4m3, per-layer scales)")
+    chat.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                      help="split the model over this many ranks, one process each (default 1)")
+    chat.add_argument("--enable-expert-parallel", action="store_true",
+                      help="with --tp: whole MoE experts per rank instead of a slice of every expert")
     bench = sub.add_parser("bench", help="our engine vs transformers generate on the same checkpoint")
     bench.add_argument("--model", help="checkpoint (default: a ~100M-parameter random one of --family)")
     bench.add_argument("--family", choices=FAMILIES, default=FAMILIES[0],
@@ -124,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--device", default=None)
     bench.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                        help="> 1: our engine on this many ranks against one rank (time per step), not transformers")
+    bench.add_argument("--enable-expert-parallel", action="store_true",
+                       help="with --tensor-parallel-size: the ranks hold whole MoE experts (the engine's setting)")
     from vlm_sdk.bench.gpu import add_arguments as add_gpu_bench_arguments
     add_gpu_bench_arguments(bench)
     from vlm_sdk.bench.prefix_cache import add_arguments as add_multi_turn_arguments

@@ -19,6 +19,8 @@ DTYPES = MappingProxyType({"float32": torch.float32, "fp32": torch.float32, "flo
 # kv_cache_dtype: "auto" is the model's dtype; "fp8" float8 e4m3 with per-layer K and V scales
 # (kernels/kv_quant.py): half of bf16's bytes per block, twice the tokens
 KV_CACHE_DTYPES = ("auto", "fp8")
+DISTRIBUTED_EXECUTOR_BACKENDS = (None, "mp", "ray")
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 KV_FP8 = torch.float8_e4m3fn
 
 _UNITS = MappingProxyType({"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -128,7 +130,17 @@ class EngineArgs:
     # tensor parallelism: the model split over this many ranks (GPUs), one worker process per rank
     tensor_parallel_size: int = 1
     shard_vision: bool = True  # under tensor parallelism: split the vision tower too (False: a copy per rank)
+    # under tensor parallelism: MoE layers place num_experts / tensor_parallel_size whole experts on each
+    # rank instead of a slice of every expert (vLLM's enable_expert_parallel); no effect on dense models
+    enable_expert_parallel: bool = False
     distributed_timeout: float = 600.0  # seconds a rank waits for its peers in a collective before failing
+    # where ranks 1..N-1 run: "mp" (processes spawned on this machine) or "ray" (Ray actors placed by a
+    # placement group, across the nodes of a Ray cluster: vlm_sdk/executor/ray_executor.py); None: torchrun's
+    # processes when started by torchrun, else "mp"
+    distributed_executor_backend: str | None = None
+    # the Ray placement group's strategy, one bundle per rank: PACK (as few nodes as fit), SPREAD,
+    # STRICT_PACK (one node) or STRICT_SPREAD (one rank per node)
+    ray_placement_strategy: str = "PACK"
     # start even when the largest image the image settings allow cannot fit in max_model_len (a warning
     # instead of the refusal; such images are then refused per request)
     allow_unfit_images: bool = False
@@ -253,10 +265,18 @@ class EngineArgs:
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise InvalidRequestError(f"distributed_timeout must be a positive number of seconds, got {t!r}",
                                       param="distributed_timeout")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise InvalidRequestError(f"distributed_executor_backend must be one of "
+                                      f"{list(DISTRIBUTED_EXECUTOR_BACKENDS)} ('mp': rank processes on this machine; "
+                                      f"'ray': Ray actors across a Ray cluster's nodes), got "
+                                      f"{self.distributed_executor_backend!r}", param="distributed_executor_backend")
+        if self.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
+            raise InvalidRequestError(f"ray_placement_strategy must be one of {list(RAY_PLACEMENT_STRATEGIES)}, got "
+                                      f"{self.ray_placement_strategy!r}", param="ray_placement_strategy")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise InvalidRequestError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}",
                                       param="async_scheduling")
-        for name in ("show_progress", "enforce_eager", "piecewise_cuda_graphs", "shard_vision", "allow_unfit_images", "enable_prefix_caching",
+        for name in ("show_progress", "enforce_eager", "piecewise_cuda_graphs", "shard_vision", "enable_expert_parallel", "allow_unfit_images", "enable_prefix_caching",
                      "allow_special_tokens_in_text"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -220,6 +220,11 @@ class ReplicaLostError(VLMError):
     on serving and Ray Serve starts a replacement, so the request may be retried."""
 
 
+class RayNotInstalledError(VLMError):
+    """A Ray feature (`--data-parallel-size`, `--distributed-executor-backend ray`) without Ray installed;
+    the message says how to install it."""
+
+
 def without_reprs(text: str) -> str:
     """`text` with Python object reprs ("<_io.BytesIO object at 0x7f...>") removed: they mean nothing
     to whoever sent the request and leak addresses into error messages."""

@@ -8,7 +8,9 @@ tensors, the published repos' transposed fused tensors, or one tensor per expert
 
 Tensor parallelism: as Qwen3-VL's, and each expert split along its intermediate dim (one all-reduce
 per layer, as the dense MLP): `moe_intermediate_size` must divide by the ranks, which the executor's
-size check names with the sizes that work.
+size check names with the sizes that work. With expert parallelism (`enable_expert_parallel`) each rank
+holds num_experts / tp whole experts instead (vlm_sdk/layers/moe.py) and loads only their tensors;
+num_experts must divide by the ranks.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import KernelOps
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.models.qwen3_vl.model import Qwen3VLForCausalLM
-from vlm_sdk.models.qwen3_vl_moe.weights import split_fused_experts
+from vlm_sdk.models.qwen3_vl_moe.weights import only_experts, split_fused_experts
 
 
 class Qwen3VLMoeForCausalLM(Qwen3VLForCausalLM):
@@ -40,4 +42,8 @@ class Qwen3VLMoeForCausalLM(Qwen3VLForCausalLM):
         return bool(getattr(hf_config, "tie_word_embeddings", False))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str | Path | None = None) -> None:
-        super().load_weights(split_fused_experts(weights, self.decoder_config.moe, self.hidden_size), source=source)
+        weights = split_fused_experts(weights, self.decoder_config.moe, self.hidden_size)
+        blocks = [layer.moe for layer in self.decoder.layers if layer.moe is not None]
+        if blocks and blocks[0].expert_parallel:  # this rank's experts only (the same in every layer)
+            weights = only_experts(weights, blocks[0].expert_range())
+        super().load_weights(weights, source=source)

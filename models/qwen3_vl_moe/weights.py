@@ -33,9 +33,10 @@ from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.moe import MoeConfig
 from vlm_sdk.weight_loading import CheckpointTensor
 
-__all__ = ["split_fused_experts"]
+__all__ = ["split_fused_experts", "only_experts"]
 
 _FUSED = re.compile(r"(.*\blayers\.(\d+)\.mlp\.)experts\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r".*\bmlp\.experts\.(\d+)\.")
 
 
 class _FusedExperts:
@@ -80,6 +81,16 @@ def split_fused_experts(weights: Iterable[tuple[str, CheckpointTensor]], moe: Mo
             continue
         prefix, kind = match.group(1), match.group(3)
         yield from _split(name, tensor, prefix, kind, moe, hidden_size)
+
+
+def only_experts(weights: Iterable[tuple[str, CheckpointTensor]], held: range
+                 ) -> Iterator[tuple[str, CheckpointTensor]]:
+    """`weights` (per-expert names: after `split_fused_experts`) without the tensors of experts outside
+    `held`: under expert parallelism another rank loads and checks those (a lazy part is never read)."""
+    for name, tensor in weights:
+        match = _PER_EXPERT.match(name)
+        if match is None or int(match.group(1)) in held:
+            yield name, tensor
 
 
 def _split(name: str, tensor: CheckpointTensor, prefix: str, kind: str, moe: MoeConfig, hidden: int

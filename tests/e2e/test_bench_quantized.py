@@ -1,4 +1,4 @@
-"""`vlm-sdk bench --gpu --quantization awq|fp8 [--kv-cache-dtype fp8]` (vlm_sdk/bench/quantized.py): the same
+"""`vlm-sdk bench --gpu --quantization awq|w4a16|fp8 [--kv-cache-dtype fp8]` (vlm_sdk/bench/quantized.py): the same
 code path on the CPU with `--tiny`, one decode batch and one step to stay short: the float baseline and the
 quantized variants run our engine on checkpoints the reference quantizer wrote, the report holds a decode
 figure per variant against the baseline, and with an FP8 KV cache the attention and capacity figures. Its
@@ -64,6 +64,17 @@ def test_tiny_block_fp8_weights(tmp_path, monkeypatch, capsys):
     assert fp8["weights_bytes"] < base["weights_bytes"]
     (decode,) = report["figures"]
     assert decode["target_ratio"] == DECODE_TARGETS["fp8"] and _positive(decode["ratio"])
+
+
+def test_tiny_w4a16_weights(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VLM_SDK_CACHE", str(tmp_path / "cache"))
+    report = _run(capsys, "--quantization", "w4a16")
+    base, w4a16 = report["variants"]
+    assert report["quantization"] == {"method": "w4a16", "group_size": 16}
+    assert w4a16["weight_format"].startswith("W4A16 int4 (compressed-tensors pack-quantized), group 16, sym")
+    assert w4a16["weights_bytes"] < base["weights_bytes"]
+    (decode,) = report["figures"]
+    assert decode["target_ratio"] == DECODE_TARGETS["w4a16"] and _positive(decode["ratio"])
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -83,6 +83,23 @@ def test_serve_engine_flags_include_backend_and_eager():
     assert engine_kwargs(parser.parse_args([])) == {}
 
 
+def test_expert_parallel_is_a_flag_of_serve_chat_bench_and_plan(capsys):
+    import argparse
+
+    import pytest
+
+    from vlm_sdk.cli import main
+    from vlm_sdk.server.cli import add_engine_flags, engine_kwargs
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_kwargs(parser.parse_args(["--tp", "2", "--enable-expert-parallel"])) == \
+        {"tensor_parallel_size": 2, "enable_expert_parallel": True}
+    for command in ("chat", "bench", "plan"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "--enable-expert-parallel" in capsys.readouterr().out, command
+
+
 def test_bench_video_json_on_tiny_model(tiny_ckpt, tmp_path, monkeypatch, capsys):
     """`vlm-sdk bench --video`: the parts of the time to first token and the preprocessing comparison,
     on a short clip (the default is 30 s of 480p)."""

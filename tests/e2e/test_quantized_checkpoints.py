@@ -2,8 +2,9 @@
 reference quantizer (vlm_sdk/testing/quantizer.py) in each published layout, against transformers on the
 same weights dequantized to float (the quantizer's twin directory): same greedy tokens on an image and a
 text conversation batched together, and each token's logprob within the bound of the arithmetic
-(tests/tolerance.py). Two ranks (gloo) give the tokens of one; a missing scale tensor, a config that does
-not match the tensors and a tensor-parallel size that cuts a group are refused before serving."""
+(tests/tolerance.py); transformers also reads the symmetric W4A16 checkpoint itself. Two ranks (gloo) give
+the tokens of one; a missing scale tensor, a config that does not match the tensors and a tensor-parallel
+size that cuts a group are refused before serving."""
 from __future__ import annotations
 
 import json
@@ -24,10 +25,14 @@ FORMATS = {"awq": ("awq", dict(group_size=16)),
            "gptq_sym_v2": ("gptq", dict(group_size=16, v2=True)),
            "fp8_block": ("fp8", dict(block=(32, 32))),  # 48-wide Qwen3-VL inputs: a partial last block
            "fp8_block16": ("fp8", dict(block=(16, 16))),  # splits over two ranks (a KV head is 16 rows)
-           "ct_fp8": ("compressed-tensors", {})}
+           "ct_fp8": ("compressed-tensors", {}),
+           "ct_w4a16": ("w4a16", dict(group_size=16)),
+           "ct_w4a16_asym_actorder": ("w4a16", dict(group_size=16, sym=False, desc_act=True)),
+           "ct_w4a16_channel": ("w4a16", dict(group_size=-1, sym=False))}
 CASES = [("qwen2_5_vl", "awq"), ("qwen3_vl", "awq"), ("internvl", "awq"),
          ("qwen2_5_vl", "gptq_asym_desc_act"), ("qwen3_vl", "gptq_sym_v2"), ("internvl", "gptq_asym_desc_act"),
-         ("qwen2_5_vl", "fp8_block"), ("qwen3_vl", "fp8_block"), ("internvl", "ct_fp8"), ("qwen3_vl", "ct_fp8")]
+         ("qwen2_5_vl", "fp8_block"), ("qwen3_vl", "fp8_block"), ("internvl", "ct_fp8"), ("qwen3_vl", "ct_fp8"),
+         ("qwen2_5_vl", "ct_w4a16"), ("qwen3_vl", "ct_w4a16_asym_actorder"), ("internvl", "ct_w4a16_channel")]
 CONVS = [[{"role": "user", "content": [{"type": "image", "image": str(SAMPLE_IMAGE)},
                                        {"type": "text", "text": "What is in this image?"}]}],
          [{"role": "user", "content": "Say something."}]]
@@ -91,7 +96,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers_on_the_dequantized_weight
 
 
 @pytest.mark.parametrize("family, fmt", [("qwen2_5_vl", "awq"), ("qwen3_vl", "gptq_asym_desc_act"),
-                                         ("internvl", "fp8_block16")])
+                                         ("internvl", "fp8_block16"), ("qwen2_5_vl", "ct_w4a16_asym_actorder")])
 def test_two_ranks_give_the_tokens_of_one(quantized, family, fmt):
     path, _ = quantized(family, fmt)
     one = LLM(str(path), show_progress=False)
@@ -104,13 +109,29 @@ def test_two_ranks_give_the_tokens_of_one(quantized, family, fmt):
     assert all(r.weights_bytes < 0.75 * total for r in ranks)
 
 
-def _copy(src: Path, dst: Path, drop: str | None = None, config_change: dict | None = None) -> Path:
+@torch.inference_mode()
+def test_transformers_reads_the_w4a16_checkpoint_itself_as_its_dequantized_twin(quantized):
+    """transformers with the compressed-tensors package loads the symmetric W4A16 checkpoint itself
+    (decompressing it) and computes exactly the twin's logits: the layout, the names and the ignore list are
+    what the format's own reader takes. (Asymmetric ones it cannot load on the CPU here: compressed-tensors
+    0.20 sizes weight_zero_point [out, groups] on the meta device where its compressor writes [out/8, groups],
+    as vLLM reads it.)"""
+    path, twin = quantized("qwen2_5_vl", "ct_w4a16")
+    ref = fixtures("qwen2_5_vl").reference
+    ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(0))
+    theirs, float_twin = ref.hf_model(str(path)), ref.hf_model(str(twin))
+    assert torch.equal(theirs(input_ids=ids).logits, float_twin(input_ids=ids).logits)
+
+
+def _copy(src: Path, dst: Path, drop: str | None = None, config_change: dict | None = None,
+          replace: dict | None = None) -> Path:
     from safetensors.torch import load_file, save_file
     dst.mkdir()
     for f in src.iterdir():
         if f.name != "model.safetensors":
             (dst / f.name).write_bytes(f.read_bytes())
     tensors = {k: v for k, v in load_file(str(src / "model.safetensors")).items() if k != drop}
+    tensors.update(replace or {})
     save_file(tensors, str(dst / "model.safetensors"))
     if config_change:
         config = json.loads((dst / "config.json").read_text())
@@ -119,11 +140,24 @@ def _copy(src: Path, dst: Path, drop: str | None = None, config_change: dict | N
     return dst
 
 
-def test_a_missing_scale_tensor_is_named(quantized, tmp_path):
-    path, _ = quantized("qwen2_5_vl", "awq")
-    broken = _copy(path, tmp_path / "b", drop="model.layers.1.self_attn.k_proj.scales")
-    with pytest.raises(CheckpointError, match=r"missing from the checkpoint.*model\.layers\.1\.self_attn\.k_proj"
-                                              r"\.scales \[4, 32\]"):
+@pytest.mark.parametrize("fmt, tensor", [("awq", "scales [4, 32]"), ("ct_w4a16", "weight_scale [32, 4]")])
+def test_a_missing_scale_tensor_is_named(quantized, tmp_path, fmt, tensor):
+    path, _ = quantized("qwen2_5_vl", fmt)
+    broken = _copy(path, tmp_path / "b", drop=f"model.layers.1.self_attn.k_proj.{tensor.split()[0]}")
+    with pytest.raises(CheckpointError) as e:
+        LLM(str(broken), show_progress=False)
+    assert "missing from the checkpoint" in str(e.value)
+    assert f"model.layers.1.self_attn.k_proj.{tensor}" in str(e.value)
+
+
+def test_a_w4a16_weight_shape_that_does_not_match_the_config_is_named(quantized, tmp_path):
+    """compressed-tensors records each Linear's unpacked shape (weight_shape): one that contradicts the
+    Linear config.json makes is refused naming the tensor and both shapes."""
+    path, _ = quantized("qwen2_5_vl", "ct_w4a16")
+    name = "model.layers.0.mlp.down_proj.weight_shape"
+    broken = _copy(path, tmp_path / "b", replace={name: torch.tensor([64, 64])})
+    with pytest.raises(CheckpointError, match=rf"{name} says the weight is \[64, 64\], but config.json makes this "
+                                              rf"Linear \[64, 128\]"):
         LLM(str(broken), show_progress=False)
 
 

@@ -15,6 +15,7 @@ from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.executor.launch import rank_devices
 from vlm_sdk.plan import plan
 from vlm_sdk.testing import make_tiny_checkpoint
+from vlm_sdk.testing.hooks import held_experts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 # a cache small enough that a batch of eight prompts preempts even though prefix caching shares the
@@ -65,6 +66,22 @@ def test_two_ranks_give_the_tokens_of_one(family_ckpt):
         planned = plan(ckpt, device=str(one.engine.device), tp=2, num_blocks=num_blocks)
         assert (planned.num_blocks, planned.kv_bytes_per_block, planned.weights_bytes) == \
             (report.num_blocks, report.kv_bytes_per_block, report.weights_bytes)
+
+
+def test_expert_parallel_gives_the_tokens_of_one(tiny_checkpoints):
+    """Qwen3-VL-MoE with enable_expert_parallel: two ranks of 6 whole experts (of 12) each, greedy tokens
+    of one rank for an image, two images and text, batched; each rank's weights as `plan` counts them."""
+    ckpt = tiny_checkpoints("qwen3_vl_moe")
+    convs = _conversations()[:3]
+    one = LLM(ckpt, show_progress=False, **CACHE["qwen3_vl_moe"])
+    want = [o.token_ids for o in one.chat(convs, GREEDY)]
+    with LLM(ckpt, show_progress=False, tensor_parallel_size=2, enable_expert_parallel=True,
+             **CACHE["qwen3_vl_moe"]) as two:
+        assert [o.token_ids for o in two.chat(convs, GREEDY)] == want
+        # the sparse layers 0 and 2 of each rank hold its half of the experts
+        assert two.engine.executor.collective_rpc(held_experts) == [[(0, 6)] * 2, [(6, 12)] * 2]
+        planned = plan(ckpt, device="cpu", tp=2, num_blocks=18, enable_expert_parallel=True)
+        assert planned.weights_bytes == two.memory_report.weights_bytes
 
 
 def test_plan_matches_the_cpu_default_cache_per_rank(tiny_ckpt):

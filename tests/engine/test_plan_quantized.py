@@ -1,6 +1,7 @@
 """Memory of quantized checkpoints: `vlm-sdk plan` counts the packed weights, scales and zeros exactly as the
 engine holds them (plan == engine on quantized tiny checkpoints, and both against the arithmetic of the
-format), names the format, and plans Qwen2.5-VL-72B-Instruct-AWQ on one 80 GiB GPU from its config alone."""
+format: AWQ's and W4A16's by hand), names the format, and plans Qwen2.5-VL-72B-Instruct-AWQ on one 80 GiB
+GPU from its config alone."""
 from __future__ import annotations
 
 import json
@@ -42,7 +43,8 @@ def test_plan_of_the_72b_awq_config_fits_one_80gib_gpu_and_counts_every_packed_b
 
 @pytest.mark.parametrize("method, options", [("awq", dict(group_size=16)),
                                              ("gptq", dict(group_size=16, sym=False, desc_act=True)),
-                                             ("fp8", dict(block=(16, 16)))])
+                                             ("fp8", dict(block=(16, 16))),
+                                             ("w4a16", dict(group_size=16, sym=False, desc_act=True))])
 def test_plan_equals_the_engine_on_a_quantized_checkpoint(tiny_checkpoints, tmp_path, method, options):
     path = quantize_checkpoint(tiny_checkpoints("qwen2_5_vl"), tmp_path / "q", method, **options)
     float_plan = plan(tiny_checkpoints("qwen2_5_vl"), device="cpu")
@@ -82,3 +84,27 @@ def test_plan_equals_the_engine_with_an_fp8_kv_cache(tiny_checkpoints):
     for key in ("kv_bytes_per_block", "kv_bytes_per_token", "num_blocks", "kv_cache_dtype"):
         assert getattr(p, key) == getattr(r, key), key
     assert p.kv_cache_dtype == "float8_e4m3fn"
+
+
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+def test_plan_counts_w4a16_packed_weights_scales_and_zeros_exactly(tiny_checkpoints, tmp_path, sym):
+    """compressed-tensors W4A16 per Linear: weight_packed int32 [out, in/8], weight_scale [out, in/G] in the
+    model's dtype (float32 on the CPU), weight_zero_point int32 [out/8, in/G] when asymmetric, weight_shape
+    int64 [2]; everything else as in the float checkpoint."""
+    src = tiny_checkpoints("qwen2_5_vl")
+    path = quantize_checkpoint(src, tmp_path / "q", "w4a16", group_size=16, sym=sym)
+    c = json.loads((src / "config.json").read_text())
+    c = c.get("text_config", c)
+    h, inter, heads, kv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    d = h // heads
+    linears = [(heads * d, h), (kv * d, h), (kv * d, h), (h, heads * d), (inter, h), (inter, h), (h, inter)]
+
+    def packed(out_f, in_f):
+        return out_f * in_f // 8 * 4 + out_f * in_f // 16 * 4 + (0 if sym else out_f // 8 * in_f // 16 * 4) + 2 * 8
+    saved = c["num_hidden_layers"] * sum(out_f * in_f * 4 - packed(out_f, in_f) for out_f, in_f in linears)
+    float_plan, p = plan(src, device="cpu"), plan(path, device="cpu")
+    assert float_plan.weights_language_model_bytes - p.weights_language_model_bytes == saved
+    assert p.weights_vision_bytes == float_plan.weights_vision_bytes
+    kind = "sym" if sym else "asym"
+    assert p.weight_format.startswith(f"W4A16 int4 (compressed-tensors pack-quantized), group 16, {kind} ")
+    assert p.weight_format in format_plan(p)

@@ -251,9 +251,10 @@ def _projections(s: TextShape) -> dict[str, tuple[int, int]]:
 
 
 def quantized_gemm_cases() -> list[tuple]:
-    """The quantized checkpoints' GEMMs with the launch an H100 (132 SMs) would get: AWQ and GPTQ (desc_act)
-    int4 at Qwen2.5-VL-7B's shapes, block FP8 at Qwen3-VL-8B's; decode (1 and 16 rows: split K) and
-    prefill (2048 rows: tiles). FP8 read from its bits on both archs, with Triton's conversion on sm_90."""
+    """The quantized checkpoints' GEMMs with the launch an H100 (132 SMs) would get: AWQ, GPTQ (desc_act) and
+    compressed-tensors W4A16 (transposed views; sym without zero points) int4 at Qwen2.5-VL-7B's shapes, block
+    FP8 at Qwen3-VL-8B's; decode (1 and 16 rows: split K) and prefill (2048 rows: tiles). FP8 read from its
+    bits on both archs, with Triton's conversion on sm_90."""
     from vlm_sdk.kernels import fp8_block_gemm, int4_gemm
     out: list[tuple] = []
 
@@ -264,6 +265,15 @@ def quantized_gemm_cases() -> list[tuple]:
         scales = torch.empty(k // group, n, dtype=torch.float16, device=META)
         g_idx = torch.empty(k, dtype=torch.int32, device=META) if desc_act else None
         int4_gemm.int4_gemm(x, qweight, zeros, scales, awq=awq, group=group, g_idx=g_idx, zero_offset=0 if awq else 1,
+                            config=int4_gemm.gpu_config(m, n, k, group, 132))
+
+    def w4a16(m, n, k, sym, group=128):
+        """compressed-tensors W4A16 as its layer launches it: transposed views of [N, K/8], [N, K/G], [N/8, K/G]."""
+        x = torch.empty(m, k, dtype=BF16, device=META)
+        packed = torch.empty(n, k // 8, dtype=torch.int32, device=META)
+        scale = torch.empty(n, k // group, dtype=BF16, device=META)
+        zeros = None if sym else torch.empty(n // 8, k // group, dtype=torch.int32, device=META).t()
+        int4_gemm.int4_gemm(x, packed.t(), zeros, scale.t(), awq=False, group=group, zero_offset=8 if sym else 0,
                             config=int4_gemm.gpu_config(m, n, k, group, 132))
 
     def fp8(m, n, k, hardware):
@@ -278,6 +288,8 @@ def quantized_gemm_cases() -> list[tuple]:
             out += [("int4_gemm", f"{QWEN25_7B.name} AWQ {name}, {m} rows", lambda m=m, n=n, k=k: int4(m, n, k, True))]
         out += [("int4_gemm", f"{QWEN25_7B.name} GPTQ desc_act {name}, {m} rows",
                  lambda m=m, n=n, k=k: int4(m, n, k, False, True)) for m in (1, 2048)]
+        out += [("int4_gemm", f"{QWEN25_7B.name} W4A16 {'sym' if sym else 'asym'} {name}, {m} rows",
+                 lambda m=m, n=n, k=k, sym=sym: w4a16(m, n, k, sym)) for m in (1, 2048) for sym in (True, False)]
     for name, (n, k) in _projections(QWEN3_8B).items():
         for m in (1, 2048):
             out += [("fp8_block_gemm", f"{QWEN3_8B.name} {name}, {m} rows", lambda m=m, n=n, k=k: fp8(m, n, k, False)),

@@ -74,27 +74,62 @@ def test_the_gpu_tiles_match_ref_too(config, monkeypatch):
                            H + I + 2, storage=torch.float32)
 
 
-# I = 37: down's rows (37 x 4 bytes apart) break grouped_mm's 16-byte stride rule: one product per expert
-@pytest.mark.parametrize("inter,grouped", [(I, 2), (37, 1)])
+# I = 37: down's rows (37 x 4 bytes apart) break grouped_mm's 16-byte stride rule, and so do gate_up's
+# [in, out] rows (74 apart): one product per expert for those
+@pytest.mark.parametrize("inter,transposed,grouped", [(I, False, 2), (I, True, 2), (37, False, 1), (37, True, 0)],
+                         ids=["out-in", "in-out", "out-in-37", "in-out-37"])
 @pytest.mark.parametrize("name", list(ROUTINGS))
-def test_ref_matches_the_formula(name, inter, grouped, monkeypatch):
+def test_ref_matches_the_formula(name, inter, transposed, grouped, monkeypatch):
     """The reference's two ways on the CPU: one grouped product per weight (`grouped` of the two), or,
-    with strides grouped_mm refuses, one product per expert with rows."""
+    with strides grouped_mm refuses, one product per expert with rows; with the weights stored as the
+    checkpoint's [out, in] or as the CPU layout's [in, out] (vlm_sdk/layers/moe.py `use_cpu_layout`)."""
     calls = []
     real = torch.nn.functional.grouped_mm
     monkeypatch.setattr(torch.nn.functional, "grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     tokens, experts, top_k = ROUTINGS[name]
     x, w13, w2, weights, ids = operands(tokens, experts, top_k, torch.float32, "cpu", seed=3, inter=inter)
-    want = torch.zeros(tokens, H, dtype=torch.float64)
-    for t in range(tokens):
-        for j in range(top_k):
-            e = int(ids[t, j])
-            gate_up = w13[e].double() @ x[t].double()  # [2I]
-            act = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
-            want[t] += weights[t, j].double() * (w2[e].double() @ act)
+    if transposed:
+        w13, w2 = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w13, w2))
+    want = formula(x, w13, w2, weights, ids)
     assert_reduction_close(fused_moe_ref(x, w13, w2, weights, ids).double(), want, H + inter + top_k,
                            storage=torch.float32)
     assert len(calls) == grouped
+
+
+def formula(x, w13, w2, weights, ids) -> torch.Tensor:
+    """[N, H] float64: per token, its routed experts' weighted sum; a pair of id -1 is skipped."""
+    inter = w2.shape[2]
+    want = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e < 0:
+                continue
+            gate_up = w13[e].double() @ x[t].double()  # [2I]
+            act = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            want[t] += weights[t, j].double() * (w2[e].double() @ act)
+    return want
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_pairs_of_another_ranks_experts_add_nothing(device, dtype):
+    """Expert parallelism: pairs whose expert another rank holds come as id -1 (a token with all its
+    pairs there included); both ops skip them, the rest as the formula."""
+    tokens, experts, top_k = ROUTINGS["top2"]
+    x, w13, w2, weights, ids = operands(tokens, experts, top_k, dtype, device, seed=4)
+    ids = torch.where(ids >= experts // 2, -1, ids)  # the lower half of the experts are this rank's
+    ids[0] = -1
+    assert (ids >= 0).any() and (ids < 0).any()
+    want = formula(*(t.cpu().float() for t in (x, w13, w2)), weights.cpu(), ids.cpu())
+    assert want[0].abs().max() == 0
+    ref = fused_moe_ref(x, w13, w2, weights, ids)
+    assert ref[0].abs().max() == 0
+    if dtype == torch.float32:  # the reference's own check, as test_ref_matches_the_formula's
+        assert_reduction_close(ref.cpu().double(), want, H + I + top_k, storage=dtype)
+    if device != "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
+        got = fused_moe(x, w13, w2, weights, ids)
+        assert_reduction_close(got.cpu().double(), ref.cpu().double(), H + I + top_k, storage=dtype)
+        assert got[0].abs().max() == 0
 
 
 @pytest.mark.parametrize("block_m", [1, 4, 16])

@@ -2,7 +2,8 @@
 (kernels/dequant_torch.py's whole weight, rounded to x's dtype, then F.linear), under the interpreter in
 float32 and float16 (bfloat16 on a GPU with -m cuda): both paths (split-K for decode-sized M, tiled
 above), the three ways a tile finds its groups (one group per tile, per row, GPTQ's g_idx), a partial
-N tile, a bias, group -1 (one group), and the zero-point conventions of both GPTQ formats."""
+N tile, a bias, group -1 (one group), the zero-point conventions of both GPTQ formats, and compressed-tensors'
+W4A16 read through transposed views (symmetric: no zero points; asymmetric with actorder's g_idx)."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ import torch
 
 from tolerance import assert_reduction_close
 from vlm_sdk.kernels.int4_gemm import SMALL_M, Config, gpu_config, int4_gemm, int4_gemm_ref
-from vlm_sdk.testing.quantizer import quantize_awq, quantize_gptq
+from vlm_sdk.testing.quantizer import quantize_awq, quantize_gptq, quantize_w4a16
 
 CUDA_MARKS = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", marks=CUDA_MARKS, id="cuda")]
@@ -32,6 +33,12 @@ def _weights(fmt: str, n: int, k: int, group: int, seed: int) -> dict:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
     if fmt == "awq":
         return dict(quantize_awq(w, group), awq=True)
+    if fmt.startswith("w4a16"):  # compressed-tensors' tensors are GPTQ v2's transposed: passed as views
+        sym = fmt == "w4a16_sym"
+        t = quantize_w4a16(w, group, sym=sym, actorder=not sym, seed=seed)
+        zeros = t.get("weight_zero_point")
+        return dict(qweight=t["weight_packed"].t(), qzeros=None if zeros is None else zeros.t(),
+                    scales=t["weight_scale"].t(), awq=False, g_idx=t.get("weight_g_idx"), zero_offset=8 if sym else 0)
     sym, desc_act, v2 = {"gptq_sym": (True, False, False), "gptq_asym_desc_act": (False, True, False),
                          "gptq_v2": (False, False, True)}[fmt]
     t = quantize_gptq(w, group, sym=sym, desc_act=desc_act, v2=v2, seed=seed)
@@ -46,7 +53,8 @@ def _close(got, ref, k, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fmt", ["awq", "gptq_sym", "gptq_asym_desc_act", "gptq_v2"])
+@pytest.mark.parametrize("fmt", ["awq", "gptq_sym", "gptq_asym_desc_act", "gptq_v2", "w4a16_sym",
+                                 "w4a16_asym_actorder"])
 @pytest.mark.parametrize("m", [1, 5, 40], ids=lambda m: f"m{m}")
 def test_int4_gemm_matches_reference(device, fmt, m):
     """N 72: a partial 32-wide tile and 9 int32 words of zeros; K 96 over groups of 16 (one per tile is

@@ -1,5 +1,6 @@
 """The sparse MoE layer (vlm_sdk/layers/moe.py) against transformers' `Qwen3VLMoeTextSparseMoeBlock` on the
-same weights (loaded through the layer's own per-expert slots), the router against transformers' router,
+same weights (loaded through the layer's own per-expert slots), in both storage orders (the CPU layout's
+transposed experts), the router against transformers' router,
 `norm_topk_prob` false (not renormalised: transformers' Qwen3-VL-MoE router always renormalises, so
 the formula is the oracle there), and tensor parallelism composed by hand: the ranks' partial outputs
 sum to the one-rank output; a width that does not split is refused naming it."""
@@ -70,6 +71,22 @@ def test_block_equals_transformers():
         want = block(x[None])[0]
         got = ours(block)(x)
     assert_reduction_close(got, want, H + I + K)  # gate_up over H, down over I, the K choices summed
+
+
+def test_the_cpu_layout_stores_each_expert_transposed_with_the_same_outputs():
+    """`use_cpu_layout` (models/cpu_layout.py calls it after loading): the same logical experts, each
+    stored [in, out], and the block's output unchanged up to the products' reduction order."""
+    block = hf_block()
+    x = tokens()
+    moe = ours(block)
+    with torch.no_grad():
+        before, (w13, w2) = moe(x), (t.clone() for t in moe.experts())
+        moe.use_cpu_layout()
+        after = moe(x)
+    got13, got2 = moe.experts()
+    assert torch.equal(got13, w13) and torch.equal(got2, w2)
+    assert got13.transpose(1, 2).is_contiguous() and got2.transpose(1, 2).is_contiguous()
+    assert_reduction_close(after, before, H + I + K)
 
 
 def test_norm_topk_prob_false_keeps_the_softmax_weights():

@@ -2,7 +2,7 @@
 (written by vlm_sdk/testing/quantizer.py): each rank of two loads only its slice of the packed weights,
 scales and zeros, and the ranks' results combined by hand equal one rank's, which equals a float layer
 holding the dequantized weight; a split that would cut a group, an int32 word or an FP8 block is refused
-naming it; config.json's quantization_config fields we do not read are refused by name."""
+naming it; config.json's quantization_config fields we do not read are refused by name (W4A16's too)."""
 from __future__ import annotations
 
 import pytest
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.layers.quantization import quant_scheme
-from vlm_sdk.layers.quantized_linear import (QuantMergedColumnParallelLinear, QuantQKVParallelLinear,
-                                             QuantRowParallelLinear)
+from vlm_sdk.layers.quantized_linear import (QuantColumnParallelLinear, QuantMergedColumnParallelLinear,
+                                             QuantQKVParallelLinear, QuantRowParallelLinear)
 from vlm_sdk.testing.quantizer import dequantize, quantization_config, quantize_tensors
 from vlm_sdk.weight_loading import load_checked
 
@@ -21,7 +21,9 @@ HIDDEN, HEAD, HEADS, KV, INTER = 64, 16, 4, 2, 96
 FORMATS = {"awq": dict(group_size=16), "gptq_sym": dict(group_size=16),
            "gptq_asym_desc_act": dict(group_size=16, sym=False, desc_act=True),
            "gptq_v2": dict(group_size=16, sym=False, v2=True), "fp8": dict(block=(16, 16)),
-           "compressed-tensors": {}}
+           "compressed-tensors": {}, "w4a16": dict(group_size=16),
+           "w4a16_asym_actorder": dict(group_size=16, sym=False, desc_act=True),
+           "w4a16_asym_channel": dict(group_size=-1, sym=False)}
 
 
 def _method(fmt: str) -> str:
@@ -106,6 +108,8 @@ def test_a_rank_reads_only_its_slice_of_each_packed_tensor():
     ("awq", 4, "input features: this rank's slice [24, 48) of 96 cuts an index of awq's qzeros, which holds 16"),
     ("fp8", 4, "output features: this rank's slice [24, 48) of 96 cuts an index of fp8's weight_scale_inv, which "
                "holds 16"),
+    ("w4a16", 4, "input features: this rank's slice [24, 48) of 96 cuts an index of compressed-tensors's "
+                 "weight_scale, which holds 16"),
 ])
 def test_a_split_that_cuts_a_group_is_refused_naming_it(fmt, size, needle):
     scheme = quant_scheme({"quantization_config": quantization_config(_method(fmt), **FORMATS[fmt])})
@@ -142,12 +146,44 @@ def test_gptq_and_fp8_config_fields_we_cannot_read_are_refused_by_name(method, c
     assert needle in str(e.value)
 
 
-def test_compressed_tensors_formats_other_than_fp8_channel_are_refused():
-    config = quantization_config("compressed-tensors")
-    config["config_groups"]["group_0"]["weights"].update(num_bits=4, type="int", strategy="group", group_size=128)
-    config["config_groups"]["group_0"]["format"] = "pack-quantized"
-    with pytest.raises(CheckpointError, match="format='pack-quantized' is not supported"):
+@pytest.mark.parametrize("weights, group, needle", [
+    ({"num_bits": 8}, {}, "weights.num_bits=8 is not supported; supported: 4 (pack-quantized W4A16)"),
+    ({"type": "float"}, {}, "weights.type='float' is not supported; supported: 'int'"),
+    ({"strategy": "tensor"}, {}, "weights.strategy='tensor' is not supported; supported: 'group' or 'channel'"),
+    ({"group_size": 0}, {}, "weights.group_size=0 is not supported"),
+    ({"actorder": "random"}, {}, "weights.actorder='random' is not supported"),
+    ({}, {"input_activations": {"num_bits": 8, "type": "int", "dynamic": True}},
+     "input_activations='{...}' is not supported; supported: none (pack-quantized W4A16 is weight-only)"),
+    ({}, {"format": "marlin-24"}, "format='marlin-24' is not supported; supported: 'float-quantized' with 8-bit "
+                                  "float weights (FP8) or 'pack-quantized' with 4-bit int weights (W4A16)"),
+])
+def test_compressed_tensors_w4a16_fields_we_cannot_read_are_refused_by_name(weights, group, needle):
+    config = quantization_config("w4a16")
+    config["config_groups"]["group_0"]["weights"].update(weights)
+    config["config_groups"]["group_0"].update(group)
+    with pytest.raises(CheckpointError) as e:
         quant_scheme({"quantization_config": config})
+    assert needle in str(e.value)
+
+
+def test_compressed_tensors_w4a16_config_names_its_layout():
+    base = quantization_config("w4a16", group_size=128)
+    assert quant_scheme({"quantization_config": base}).description == \
+        "W4A16 int4 (compressed-tensors pack-quantized), group 128, sym"
+    asym = quantization_config("w4a16", group_size=-1, sym=False)
+    scheme = quant_scheme({"quantization_config": asym})
+    assert scheme.description == "W4A16 int4 (compressed-tensors pack-quantized), per channel, asym"
+    suffixes = [t.suffix for t in scheme.tensors()]
+    assert suffixes == ["weight_packed", "weight_scale", "weight_shape", "weight_zero_point"]
+    # actorder "weight" (alias "static") stores the columns in order: no weight_g_idx to read
+    base["config_groups"]["group_0"]["weights"]["actorder"] = "static"
+    assert not quant_scheme({"quantization_config": base}).actorder
+    assert scheme.skips("model.visual.blocks.0.attn.qkv") and scheme.skips("lm_head")
+    # the scales in the model's dtype (as vLLM holds them); the packed words and shapes as published
+    layer = QuantColumnParallelLinear(64, 32, False, torch.bfloat16, "meta", scheme=scheme)
+    assert (layer.weight_scale.dtype, layer.weight_packed.dtype, layer.weight_shape.dtype) == \
+        (torch.bfloat16, torch.int32, torch.int64)
+    assert (layer.weight_scale.shape, layer.weight_zero_point.shape, layer.weight_shape.shape) == ((32, 1), (4, 1), (2,))
 
 
 def test_g_idx_outside_the_groups_is_a_checkpoint_error_naming_the_tensor():

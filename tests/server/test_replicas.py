@@ -19,7 +19,7 @@ import pytest
 from openai import APIError, AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import image
+from helpers import image, process_alive as alive
 from server_helpers import data_url, get
 from vlm_sdk.server.background import BackgroundServer
 from vlm_sdk.server.config import ServerConfig
@@ -36,9 +36,7 @@ STATS_PERIOD_S = 0.2
 
 
 @pytest.fixture(scope="module")
-def replicas(tiny_ckpt):
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+def replicas(tiny_ckpt, local_ray):
     llm = serve_replicas(tiny_ckpt, ReplicaConfig(data_parallel_size=REPLICAS, replica_cpus=2 / REPLICAS),
                          RoutingConfig(stats_period_s=STATS_PERIOD_S), num_blocks=BLOCKS)
     try:
@@ -46,20 +44,11 @@ def replicas(tiny_ckpt):
     finally:
         pids = llm.replica_pids().values()
         asyncio.run(llm.shutdown())
-        ray.shutdown()
+        ray.shutdown()  # the processes Serve started end with the cluster (local_ray's shutdown is then a no-op)
         deadline = time.monotonic() + 30
         while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not [p for p in pids if alive(p)], "replica processes left after shutdown"
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie has ended; only its parent has not reaped it yet
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.fixture(scope="module")

@@ -130,9 +130,11 @@ def _run_tp_comparison(args, report: dict, convs, max_tokens) -> int:
     n = args.tensor_parallel_size
     one = _timed_engine(report["model"], report["device"], convs, max_tokens)
     release_device_memory(report["device"])  # the next engine sizes its cache on what is free
-    many = _timed_engine(report["model"], report["device"], convs, max_tokens, tensor_parallel_size=n)
+    many = _timed_engine(report["model"], report["device"], convs, max_tokens, tensor_parallel_size=n,
+                         enable_expert_parallel=args.enable_expert_parallel)
     same = sum(a == b for a, b in zip(one.pop("tokens"), many.pop("tokens")))
     report.update({"tp1": one, f"tp{n}": many, "tensor_parallel_size": n,
+                   "enable_expert_parallel": args.enable_expert_parallel,
                    "ms_per_step_ratio": many["ms_per_step"] / one["ms_per_step"],
                    "identical_greedy_share": same / len(convs)})
     if args.json:

@@ -1,9 +1,10 @@
-"""`vlm-sdk bench --gpu --quantization awq|fp8 [--kv-cache-dtype fp8]`: quantized checkpoints against bf16, in
+"""`vlm-sdk bench --gpu --quantization awq|w4a16|fp8 [--kv-cache-dtype fp8]`: quantized checkpoints against bf16, in
 one run on one GPU (issue 31's targets).
 
 A Qwen2.5-VL-7B-shaped checkpoint is built with random bf16 weights (no download) and quantized by the
-reference quantizer (vlm_sdk/testing/quantizer.py) into the published layout: AWQ int4, group 128, or
-the model makers' block-wise FP8, 128 x 128 blocks. Our engine then runs each variant alone on the GPU
+reference quantizer (vlm_sdk/testing/quantizer.py) into the published layout: AWQ int4, group 128,
+compressed-tensors W4A16 (pack-quantized, symmetric, group 128), or the model makers' block-wise FP8,
+128 x 128 blocks. Our engine then runs each variant alone on the GPU
 (same settings, `memory_utilization`), one after the other:
 
     bf16 weights, bf16 KV            the baseline
@@ -11,7 +12,7 @@ the model makers' block-wise FP8, 128 x 128 blocks. Our engine then runs each va
     quantized weights, FP8 KV        with --kv-cache-dtype fp8: decode step time, and the cache's tokens
 
     figure                                 measured as                          target (issue 31, H100)
-    decode step, batch b, <ctx>            ms per engine step, all b decoding    AWQ >= 2.2x, FP8 >= 1.6x
+    decode step, batch b, <ctx>            ms per engine step, all b decoding    int4 >= 2.2x, FP8 >= 1.6x
                                            (baseline ms / quantized ms)          faster at batch 1; others
                                                                                  reported
     FP8 KV: decode attention alone,        paged_attention_decode, bf16 cache     >= 1.6x faster
@@ -36,8 +37,9 @@ from vlm_sdk.bench.gpu_figures import decode_steps, decoding, figure
 from vlm_sdk.bench.gpu_parts import (QWEN2_5_VL_3B, TINY, DeviceTimer, GpuBenchError, ModelShape, build_checkpoint,
                                      checkpoint_dir, device_name, free_memory, paged_attention_alone, triton_version)
 
-QUANTIZATIONS = ("awq", "fp8")  # the reference quantizer's methods: AWQ GEMM int4, block-wise FP8
-DECODE_TARGETS = {"awq": 2.2, "fp8": 1.6}  # speed-up at batch 1
+# the reference quantizer's methods: AWQ GEMM int4, compressed-tensors W4A16 int4, block-wise FP8
+QUANTIZATIONS = ("awq", "w4a16", "fp8")
+DECODE_TARGETS = {"awq": 2.2, "w4a16": 2.2, "fp8": 1.6}  # speed-up at batch 1 (W4A16: AWQ's bytes, AWQ's target)
 KV_ATTENTION_TARGET = 1.6
 KV_TOKENS_TARGET = 2.0
 
@@ -55,7 +57,7 @@ class QuantBenchConfig:
     attention_backend: str | None
     quantization: str  # one of QUANTIZATIONS
     kv_cache_dtype: str  # "auto" or "fp8": the third variant
-    group_size: int  # AWQ's, in input rows (the tiny run's must divide its widths)
+    group_size: int  # AWQ's and W4A16's, in input rows (the tiny run's must divide its widths)
     block: tuple[int, int]  # block FP8's
     init_std: float
     memory_utilization: float
@@ -96,8 +98,9 @@ TINY_RUN = QuantBenchConfig(
 def add_arguments(group) -> None:
     """The quantized run's flags, in the `--gpu` group of `vlm-sdk bench`."""
     group.add_argument("--quantization", choices=sorted(QUANTIZATIONS), help="with --gpu: decode of a "
-                       "Qwen2.5-VL-7B-shaped checkpoint quantized so (AWQ int4 group 128, or block-wise FP8 "
-                       "128x128) against its bf16 weights, in one run (vlm_sdk/bench/quantized.py)")
+                       "Qwen2.5-VL-7B-shaped checkpoint quantized so (AWQ int4 group 128, compressed-tensors "
+                       "W4A16 group 128, or block-wise FP8 128x128) against its bf16 weights, in one run "
+                       "(vlm_sdk/bench/quantized.py)")
     group.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), help="with --gpu --quantization: fp8 adds the "
                        "quantized weights over an FP8 KV cache, its decode attention and its cache tokens")
 
@@ -137,7 +140,7 @@ def run(cfg: QuantBenchConfig, command: str) -> dict:
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     timer = DeviceTimer(device)
     method = cfg.quantization
-    options = {"group_size": cfg.group_size} if method == "awq" else {"block": cfg.block}
+    options = {"block": cfg.block} if method == "fp8" else {"group_size": cfg.group_size}
     report: dict = {"benchmark": "vlm-sdk bench --gpu --quantization", "command": command,
                     "preset": "tiny" if cfg.shape == TINY else "qwen2.5-vl-7b", "device": device_name(device),
                     "torch": torch.__version__, "triton": triton_version(),

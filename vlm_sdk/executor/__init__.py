@@ -11,19 +11,24 @@ __all__ = ["Executor", "make_executor", "check_tensor_parallel_size"]
 
 
 def make_executor(model_dir: str, config, hf_config, family) -> Executor:
-    """One rank in this process; or, with `tensor_parallel_size` > 1, ranks started by torchrun (when
-    its environment is set) or spawned here, one per device. The size is checked first (it must
-    split the model's heads; on CUDA, one GPU per rank): refused with the sizes that would work."""
+    """One rank in this process; or, with `tensor_parallel_size` > 1: Ray actors placed by a placement
+    group (`distributed_executor_backend="ray"`), ranks started by torchrun (when its environment is
+    set) or spawned here, one per device. The size is checked first (it must split the model's heads;
+    on CUDA, one GPU per rank): refused with the sizes that would work."""
     device = config.args.resolve_device()
     size = config.args.tensor_parallel_size
-    check_tensor_parallel_size(family, hf_config, size, config.args.shard_vision)
+    check_tensor_parallel_size(family, hf_config, size, config.args.shard_vision, config.args.enable_expert_parallel)
     if size == 1:
         return InProcessExecutor(model_dir, config, device)
     check_no_group_yet()
+    if config.args.distributed_executor_backend == "ray":
+        from vlm_sdk.executor.ray_executor import RayExecutor
+        return RayExecutor(model_dir, config, device)
     if torchrun_rank() is not None:
         return run_torchrun_rank(model_dir, config, device)
     from vlm_sdk.executor.multiproc import MultiprocExecutor
     devices = rank_devices(device, size,
-                           lambda limit: tensor_parallel_sizes(family, hf_config, config.args.shard_vision, limit))
+                           lambda limit: tensor_parallel_sizes(family, hf_config, config.args.shard_vision, limit,
+                                                               config.args.enable_expert_parallel))
     return MultiprocExecutor(model_dir, config, devices)
 

@@ -8,12 +8,20 @@ Commands and heartbeats share one lock: the control group sees one command at a 
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, NoReturn
 
-from vlm_sdk.executor.executor import Executor, Method
-from vlm_sdk.executor.ranks import NOOP, SHUTDOWN, Command, broadcast_command, call, gather_replies
+import torch.distributed as dist
+
+from vlm_sdk.errors import EngineDeadError
+from vlm_sdk.executor.executor import Executor, FailureCallback, Method
+from vlm_sdk.executor.ranks import NOOP, SHUTDOWN, Command, RankFailure, broadcast_command, call, gather_replies
+
+logger = logging.getLogger("vlm_sdk")
+
+REPORT_SECONDS = 3.0  # how long a failed collective waits for the failed rank's report
 
 
 class GroupExecutor(Executor):
@@ -87,3 +95,93 @@ class GroupExecutor(Executor):
                 self._dead = self._explain(e)
             finally:
                 self._rpc_lock.release()
+
+
+class StartedRanksExecutor(GroupExecutor):
+    """A group executor that started ranks 1..N-1 itself (spawned processes, Ray actors) and watches
+    them: a rank's reported error (`RankFailure`, gathered by `_collect`) or its end (`_ended_ranks`)
+    becomes one `EngineDeadError` naming it, raised by the failed call and given to the failure
+    callback. Subclasses call `_init_failures()`, implement `_collect` and `_ended_ranks`, and run
+    `_rank_ended()` from a thread that wakes when a rank ends."""
+
+    def _init_failures(self) -> None:
+        self._failures: dict[int, RankFailure] = {}
+        self._lock = threading.Lock()  # guards _failures and _closing
+        self._callback: FailureCallback | None = None
+        self._closing = False
+
+    def _collect(self, wait_s: float) -> None:
+        """Move reported failures into `_failures`, waiting up to `wait_s` for the first."""
+        raise NotImplementedError
+
+    def _ended_ranks(self) -> list[str]:
+        """How each rank that has ended did ("vlm-tp-rank-1 exited with code -9"); empty while all live."""
+        raise NotImplementedError
+
+    def _wait_for(self, store, stage: str, size: int, timeout_s: float) -> None:
+        """Until every rank > 0 set the store key `stage/r` ("started", "loaded"), watching that none ended."""
+        keys = [f"{stage}/{r}" for r in range(1, size)]
+        deadline = time.monotonic() + timeout_s
+        while not store.check(keys):
+            dead = self._ended_ranks()
+            if dead:
+                raise EngineDeadError(f"{dead[0]} before it {stage}")
+            if time.monotonic() > deadline:
+                late = [k.split("/")[1] for k in keys if not store.check([k])]
+                raise EngineDeadError(f"tensor-parallel rank(s) {', '.join(late)} not {stage} after {timeout_s:g} s")
+            time.sleep(0.05)
+
+    def _raise_start_failure(self, exc: BaseException, end_ranks: Callable[[], None]) -> NoReturn:
+        """Start-up failed: end the ranks started so far (`end_ranks`) and raise the failure, as
+        `_explain` names it."""
+        err = self._explain(exc)
+        end_ranks()
+        if err is exc:
+            raise exc
+        raise err from exc
+
+    def set_failure_callback(self, callback: FailureCallback) -> None:
+        self._callback = callback
+        if self._dead is not None:
+            callback(self._dead)
+
+    def _explain(self, exc: BaseException) -> BaseException:
+        """A failed call: an EngineDeadError naming the failed rank when one did (`exc` as its cause),
+        else `exc` itself (rank 0's own error)."""
+        if isinstance(exc, EngineDeadError) and "tensor-parallel rank" in str(exc):
+            return exc
+        ranks_dead = bool(self._ended_ranks())
+        peer_error = isinstance(exc, (RuntimeError, dist.DistBackendError)) and not isinstance(exc, EngineDeadError)
+        if not (ranks_dead or peer_error or self._failures):
+            return exc
+        self._collect(0.0 if self._failures else REPORT_SECONDS if ranks_dead else 1.0)
+        err = self._death_error(exc)
+        self._dead = self._dead or err
+        return self._dead
+
+    def _death_error(self, exc: BaseException | None) -> EngineDeadError:
+        with self._lock:
+            failures = sorted(self._failures.values(), key=lambda f: f.rank)
+        if failures:
+            what = "; ".join(f.describe() for f in failures) + " (its traceback is in the log)"
+        else:
+            gone = self._ended_ranks()
+            what = "; ".join(gone) if gone else (
+                f"a tensor-parallel collective failed while every rank process is alive: a rank is hung or the "
+                f"link between ranks broke (distributed_timeout={self._timeout_s:g} s): {exc!r}")
+        return EngineDeadError(f"{what}; every rank is needed for each step, so the engine stopped. "
+                               f"Restart it (and see that rank's log for why it failed)")
+
+    def _rank_ended(self) -> None:
+        """A rank ended while nobody was shutting down: the engine is dead; say so at once."""
+        if self._closing:
+            return
+        self._collect(REPORT_SECONDS)
+        err = self._death_error(None)
+        with self._lock:
+            if self._closing:
+                return
+        self._dead = self._dead or err
+        logger.error("%s", self._dead)
+        if self._callback is not None:
+            self._callback(self._dead)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import threading
 import time
 import traceback
@@ -101,17 +102,17 @@ def serve_commands(worker, control) -> None:
 
 
 def run_rank(model_dir: str, config, rank: int, size: int, init_method: str | None, device: torch.device,
-             errors=None, store_port: int | None = None) -> None:
-    """A rank > 0 from start to end: join (at `init_method`, or at rank 0's store on `store_port`),
-    load its slice, serve commands. On any error: log it, put a `RankFailure` on `errors` (when given)
-    and end the process at once."""
+             errors=None, store_port: int | None = None, store_host: str = LOCALHOST) -> None:
+    """A rank > 0 from start to end: join (at `init_method`, or at rank 0's store on `store_host`:
+    `store_port`), load its slice, serve commands. On any error: log it, report a `RankFailure` (under
+    the store key `failed/<rank>`, and on `errors` when given) and end the process at once."""
     from vlm_sdk.worker.worker import Worker  # the model stack is imported in the rank's own process
+    store = None
     try:
-        store = None
         if store_port is not None:
-            store = dist.TCPStore(LOCALHOST, store_port, size, is_master=False,
+            store = dist.TCPStore(store_host, store_port, size, is_master=False,
                                   timeout=timedelta(seconds=config.args.distributed_timeout))
-            store.set(f"started/{rank}", "1")  # rank 0 waits for these while watching the processes
+            store.set(f"started/{rank}", "1")  # rank 0 waits for these while watching the ranks
         tp, control = join_ranks(rank, size, init_method, config.args.distributed_timeout, device, store)
         worker = Worker(model_dir, config, device, tp)
         if store is not None:
@@ -120,15 +121,27 @@ def run_rank(model_dir: str, config, rank: int, size: int, init_method: str | No
     except BaseException as e:  # noqa: BLE001 - every failure must reach rank 0 and end this rank
         failure = RankFailure(rank, type(e).__name__, str(e), traceback.format_exc())
         logger.error("%s\n%s", failure.describe(), failure.traceback)
-        if errors is not None:
-            errors.put(failure)
-            errors.close()
-            errors.join_thread()  # flushed before the process ends
+        _report(failure, store, errors)
         os._exit(1)
-    _leave()
+    leave_group()
 
 
-def _leave() -> None:
+def _report(failure: RankFailure, store, errors) -> None:
+    """`failure` to rank 0: on the store (any executor that hosts one reads `failed/<rank>`), and on the
+    error queue when rank 0 spawned this process."""
+    if store is not None:
+        try:
+            store.set(f"failed/{failure.rank}", pickle.dumps(failure))
+        except Exception:  # noqa: BLE001 - rank 0 is gone or the store broke: the rank's end still tells
+            pass
+    if errors is not None:
+        errors.put(failure)
+        errors.close()
+        errors.join_thread()  # flushed before the process ends
+
+
+def leave_group() -> None:
+    """Leave the process group (nothing to do when it went with a peer)."""
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the group may already be gone with a peer

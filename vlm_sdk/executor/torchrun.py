@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import os
 import torch
-import torch.distributed as dist
 
 from vlm_sdk.errors import EngineDeadError, InvalidRequestError
 from vlm_sdk.executor.executor import Executor
 from vlm_sdk.executor.group import GroupExecutor
-from vlm_sdk.executor.ranks import join_ranks, run_rank
+from vlm_sdk.executor.ranks import join_ranks, leave_group, run_rank
 from vlm_sdk.worker.worker import Worker
 
 
@@ -65,8 +64,4 @@ class TorchrunExecutor(GroupExecutor):
             return
         self._closed = True
         self._send_shutdown()
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group may refuse a clean exit
-                pass
+        leave_group()

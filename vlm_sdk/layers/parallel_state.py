@@ -7,6 +7,10 @@ rank with the `torch.distributed` process group its ranks share (NCCL on CUDA, g
 
 A group of size > 1 with no process group (`group=None`) is what tests use to compose ranks by hand
 (summing partial outputs themselves): its collectives are identities too.
+
+`expert_parallel` (EngineArgs.enable_expert_parallel) changes only the sparse MoE layers
+(vlm_sdk/layers/moe.py): each rank holds num_experts / size whole experts instead of a 1 / size slice
+of every expert; attention and every other layer stay split as without it.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = field(default=None, compare=False, repr=False)  # a torch.distributed ProcessGroup
+    expert_parallel: bool = False  # MoE layers: whole experts per rank (module docstring)
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:

@@ -1,5 +1,5 @@
 """Quantized linear layers: the tensor-parallel split of vlm_sdk/layers/linear.py over a checkpoint's packed
-tensors (a `QuantScheme`: AWQ, GPTQ, FP8), with the same constructor contract as their float siblings plus
+tensors (a `QuantScheme`: AWQ, GPTQ, FP8, W4A16), with the same constructor contract as their float siblings plus
 `scheme` (a keyword).
 
     QuantColumnParallelLinear / QuantMergedColumnParallelLinear / QuantQKVParallelLinear   output split
@@ -16,7 +16,7 @@ A split that would cut a packed index (a group of the input, 8 outputs of an int
 a `ValueError` at construction naming the divisor: built on the meta device at the asked size, that is how
 `check_tensor_parallel_size` refuses the size and names the ones that work.
 
-forward: on CUDA the format's kernel (`QuantScheme.kernel_matmul`: kernels/int4_gemm.py for AWQ and GPTQ,
+forward: on CUDA the format's kernel (`QuantScheme.kernel_matmul`: kernels/int4_gemm.py for AWQ, GPTQ, W4A16,
 kernels/fp8_block_gemm.py for block-wise FP8, kernels/fp8_scaled_mm.py for compressed-tensors FP8 on sm_90),
 which dequantizes in registers; elsewhere, or where no kernel takes the inputs, dequantize this rank's
 weight (kernels/dequant_torch.py) and `F.linear` in the activations' dtype: the CPU path of every format.
@@ -62,7 +62,7 @@ class _QuantLinear(nn.Module):
         self.out_slices: dict[str, tuple[tuple[int, int], ...]] = {}
         self.out_ranges: dict[str, tuple[tuple[int, int], ...]] = {}
         for spec in self.specs:
-            self._register(spec, dtype, device)
+            self._register(spec, spec.dtype or dtype, device)
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype, device=device), requires_grad=False)
         else:
@@ -78,12 +78,12 @@ class _QuantLinear(nn.Module):
                                                                self.scheme.method)
             else:
                 self.in_ranges[spec.suffix] = (0, spec.indices(self.input_size, spec.in_div))
-        shape = [1] * spec.ndim
+        shape = [spec.extent] * spec.ndim
         if spec.in_dim is not None:
             shape[spec.in_dim] = self.in_ranges[spec.suffix][1]
         if spec.out_dim is None:
             for i, _ in enumerate(self.parts):
-                self.register_parameter(self._per_part(spec, i), _empty(shape, spec.dtype, device))
+                self.register_parameter(self._per_part(spec, i), _empty(shape, dtype, device))
             return
         ranges = []
         for p in self.parts:
@@ -94,7 +94,7 @@ class _QuantLinear(nn.Module):
         offsets = [sum(n for _, n in ranges[:i]) for i in range(len(ranges))]
         self.out_ranges[spec.suffix] = tuple((o, n) for o, (_, n) in zip(offsets, ranges))
         shape[spec.out_dim] = sum(n for _, n in ranges)
-        self.register_parameter(spec.suffix, _empty(shape, spec.dtype, device))
+        self.register_parameter(spec.suffix, _empty(shape, dtype, device))
 
     def _per_part(self, spec: PackedTensor, index: int) -> str:
         return spec.suffix if len(self.parts) == 1 else f"{spec.suffix}_{index}"
@@ -148,8 +148,8 @@ class _QuantLinear(nn.Module):
 
     def check_loaded(self) -> None:
         """Values the format constrains, checked once loaded (`CheckpointError` naming the tensor)."""
-        for i, name in enumerate(self.checkpoint_names):
-            self.scheme.check(name, self.part_tensors(i), self.in_starts())
+        for i, (name, part) in enumerate(zip(self.checkpoint_names, self.parts)):
+            self.scheme.check(name, self.part_tensors(i), self.in_starts(), (part.full, self.input_size))
 
     # -- compute --------------------------------------------------------------------------------------
     def dequantized_weight(self) -> torch.Tensor:  # [out_local, in_local] float32

@@ -64,7 +64,8 @@ from vlm_sdk.plan.rules import Problem
 __all__ = ["MemoryPlan", "PLAN_OPTIONS", "Problem", "plan"]
 
 _ENGINE_OPTIONS = ("memory_utilization", "kv_cache_memory", "num_blocks", "dtype", "block_size", "max_model_len",
-                   "max_num_seqs", "max_num_batched_tokens", "shard_vision", "encoder_cache_memory",
+                   "max_num_seqs", "max_num_batched_tokens", "shard_vision", "enable_expert_parallel",
+                   "encoder_cache_memory",
                    "enforce_eager", "piecewise_cuda_graphs", "kv_cache_dtype")
 # each registered family's image option (`FamilySpec.plan_setting`)
 FAMILY_OPTIONS = tuple(registry.plan_settings())
@@ -158,7 +159,7 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     memory_utilization, kv_cache_memory ("2GiB" or bytes), encoder_cache_memory ("256MiB", bytes, or 0
     for none), num_blocks, dtype, kv_cache_dtype ("auto" or "fp8"), block_size,
     max_model_len, max_num_seqs, max_num_batched_tokens, the family's image setting (`FAMILY_OPTIONS`:
-    max_pixels, max_dynamic_patch), tp, shard_vision, and a workload per request: prompt_tokens (text
+    max_pixels, max_dynamic_patch), tp, shard_vision, enable_expert_parallel, and a workload per request: prompt_tokens (text
     only), images (each at the largest allowed size), output_tokens. `InvalidRequestError` for a bad
     option, `CheckpointError` for a config the engine could not serve either."""
     o, sizes = _settings(options)
@@ -168,9 +169,10 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     device, device_memory, other_use, host_memory = _where(o, sizes)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
 
-    check_tensor_parallel_size(family, info.hf_config, tp, args.shard_vision)  # the engine's refusal
+    check_tensor_parallel_size(family, info.hf_config, tp, args.shard_vision,  # the engine's refusal
+                               args.enable_expert_parallel)
     # the engine's own modules (rank 0's), no memory: counts can never disagree
-    model = family.meta_model(info.hf_config, dtype, tp, args.shard_vision)
+    model = family.meta_model(info.hf_config, dtype, tp, args.shard_vision, args.enable_expert_parallel)
     on_gpu = device != "cpu"
     graphs = on_gpu and not args.enforce_eager
     m = memory_inputs(family, info, args, model, dtype, tp, on_gpu=on_gpu, decode_graphs=graphs,

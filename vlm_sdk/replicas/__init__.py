@@ -12,14 +12,10 @@ Ray Serve starts the replicas, reports them ready, health-checks them and replac
 """
 from __future__ import annotations
 
-from vlm_sdk.errors import VLMError
+from vlm_sdk.errors import RayNotInstalledError
 
 INSTALL_HINT = ("data-parallel replicas run on Ray Serve, which is not installed: pip install 'vlm-sdk[ray]' "
                 "(or pip install 'ray[serve]'), or leave out --data-parallel-size to serve one engine")
-
-
-class RayNotInstalledError(VLMError):
-    """`--data-parallel-size` (or `serve_replicas`) without Ray Serve installed."""
 
 
 def require_ray() -> None:

@@ -6,9 +6,10 @@
 
 Ray: joins the cluster `ray_address` names ("auto": the local node's), the one this process already
 joined, or starts a local one (then shut down with the replicas). Each replica holds `replica_cpus`
-CPUs and, on CUDA, `tensor_parallel_size` GPUs in one placement-group bundle (one node: its ranks
-talk over NVLink / shared memory as without Ray). Serve's HTTP proxy is not started: the OpenAI
-server in this process is the front. With `max_replicas`, Serve's autoscaler keeps between
+CPUs and, on CUDA, its GPU in bundle 0 of its placement group; a tensor-parallel replica's other
+ranks are Ray actors in bundles 1..N-1 of the same group (`_placement`; the Ray executor), or with
+`distributed_executor_backend="mp"` processes of the replica holding all N GPUs in bundle 0. Serve's
+HTTP proxy is not started: the OpenAI server in this process is the front. With `max_replicas`, Serve's autoscaler keeps between
 `min_replicas` and `max_replicas`, aiming at `target_ongoing_requests` per replica.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
+from vlm_sdk.executor.ray_placement import rank_bundle
 from vlm_sdk.replicas import require_ray
 from vlm_sdk.replicas.routing import RoutingConfig
 
@@ -43,10 +45,34 @@ class ReplicaConfig:
                              f"{self.min_replicas} <= {self.data_parallel_size} <= {self.max_replicas}")
 
 
-def _deployment_options(config: ReplicaConfig, routing: RoutingConfig, engine_args: dict) -> dict:
-    from ray.serve.config import RequestRouterConfig
+def replica_engine_args(engine_args: dict) -> dict:
+    """The engine arguments a replica runs with: a tensor-parallel replica's ranks 1..N-1 are Ray actors
+    in the replica's own placement group (`distributed_executor_backend="ray"`) unless "mp" is asked for."""
+    out = {"show_progress": False, **engine_args}
+    if int(out.get("tensor_parallel_size") or 1) > 1 and out.get("distributed_executor_backend") is None:
+        out["distributed_executor_backend"] = "ray"
+    return out
+
+
+def _placement(config: ReplicaConfig, engine_args: dict) -> dict:
+    """A replica's placement group and its own share of it. Bundle 0 holds the replica (rank 0: its CPUs
+    and, on CUDA, its GPU, which Ray then makes its only visible one); with Ray ranks, bundles 1..N-1
+    hold ranks 1..N-1 (ray_placement.rank_bundle) with the engine's `ray_placement_strategy`, so they
+    may sit on other nodes; with "mp" ranks, bundle 0 holds all N GPUs on one node."""
     tp = int(engine_args.get("tensor_parallel_size") or 1)
     on_cuda = engine_args.get("device") not in ("cpu",) and _cuda_available()
+    ray_ranks = tp > 1 and engine_args.get("distributed_executor_backend") == "ray"
+    gpus = (1 if ray_ranks else tp) if on_cuda else 0
+    bundles = [{"CPU": config.replica_cpus, **({"GPU": gpus} if gpus else {})}]
+    if ray_ranks:
+        bundles += [rank_bundle(on_cuda) for _ in range(tp - 1)]
+    return dict(ray_actor_options={"num_cpus": 0, **({"num_gpus": gpus} if gpus else {})},
+                placement_group_bundles=bundles,
+                placement_group_strategy=engine_args.get("ray_placement_strategy", "PACK") if ray_ranks else "STRICT_PACK")
+
+
+def _deployment_options(config: ReplicaConfig, routing: RoutingConfig, engine_args: dict) -> dict:
+    from ray.serve.config import RequestRouterConfig
     options = dict(
         max_ongoing_requests=config.max_ongoing_requests,
         health_check_period_s=config.health_check_period_s,
@@ -55,9 +81,7 @@ def _deployment_options(config: ReplicaConfig, routing: RoutingConfig, engine_ar
             request_router_class=ROUTER_CLASS, request_router_kwargs=asdict(routing),
             request_routing_stats_period_s=routing.stats_period_s,
             request_routing_stats_timeout_s=max(10.0, 4 * routing.stats_period_s)),
-        ray_actor_options={"num_cpus": 0},  # the bundle below holds the replica's resources
-        placement_group_bundles=[{"CPU": config.replica_cpus, **({"GPU": tp} if on_cuda else {})}],
-        placement_group_strategy="STRICT_PACK")
+        **_placement(config, engine_args))
     if config.max_replicas is not None:
         options["autoscaling_config"] = {"min_replicas": config.min_replicas or 1,
                                          "initial_replicas": config.data_parallel_size,
@@ -90,9 +114,9 @@ def serve_replicas(model: str, config: ReplicaConfig | None = None, routing: Rou
         ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=False)
     serve.start(proxy_location="Disabled")
     board = ray.remote(StatsBoard).options(num_cpus=0).remote()
+    engine_args = replica_engine_args(engine_args)
     deployment = serve.deployment(EngineReplica, name="EngineReplica").options(
         **_deployment_options(config, routing, engine_args))
-    engine_args = {"show_progress": False, **engine_args}
     handle = serve.run(deployment.bind(str(model), engine_args, board), name=config.app_name, route_prefix=None)
 
     def stop() -> None:

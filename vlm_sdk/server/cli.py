@@ -42,7 +42,15 @@ _ENGINE_HELP = {
                             "under torchrun, the number of processes it starts",
     "shard_vision": "under tensor parallelism, split the vision tower over the ranks too (default; "
                     "--no-shard-vision gives every rank a whole copy)",
+    "enable_expert_parallel": "under tensor parallelism, give each rank whole MoE experts (num_experts / "
+                              "tensor_parallel_size of them) instead of a slice of every expert; attention "
+                              "stays split by heads",
     "distributed_timeout": "seconds a tensor-parallel rank waits for its peers before the engine fails (default 600)",
+    "distributed_executor_backend": "where tensor-parallel ranks 1..N-1 run: 'mp' (processes on this machine, the "
+                                    "default) or 'ray' (Ray actors across the nodes of a Ray cluster: ray start "
+                                    "--head / --address first; pip install 'vlm-sdk[ray]')",
+    "ray_placement_strategy": "with --distributed-executor-backend ray: the placement group's strategy, one bundle "
+                              "per rank: PACK (default), SPREAD, STRICT_PACK (one node), STRICT_SPREAD (a node each)",
     "max_image_pixels": "largest image, in pixels, checked from its header before decoding (serve's default "
                         "16777216 = 4096x4096; the Python API's 64000000)",
     "max_request_image_pixels": "the pixels of all of a request's images together, checked before any is decoded "
@@ -76,7 +84,7 @@ _SWITCHES = {"async_scheduling"}  # on/off switches whose default (None) means "
 _FLAG_TYPES = {"revision": str, "dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
                "encoder_cache_memory": str, "memory_utilization": float, "max_grammar_memory": str,
                "grammar_cache_memory": str, "tool_call_parser": str, "reasoning_parser": str,
-               "max_video_bytes": str}
+               "max_video_bytes": str, "distributed_executor_backend": str}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:

@@ -20,3 +20,18 @@ def local_worker(engine: Any) -> Any:
         raise RuntimeError(f"local_worker needs one rank; this engine has {engine.executor.world_size}: use "
                            f"engine.executor.collective_rpc(<method name>) for plain data from every rank")
     return engine.executor.collective_rpc(_this_worker)[0]
+
+
+def fail_on_rank(worker: Any, rank: int, message: str) -> None:
+    """A command (`collective_rpc(fail_on_rank, rank, message)`) that raises `RuntimeError(message)` on
+    rank `rank` only: how tests make one rank fail the way a bug in its step would."""
+    if worker.tp.rank == rank:
+        raise RuntimeError(message)
+
+
+def held_experts(worker: Any) -> list[tuple[int, int]]:
+    """[start, stop) of the experts each sparse MoE layer of this rank's model holds (all of them, or
+    under expert parallelism this rank's): plain data, for `collective_rpc(held_experts)`."""
+    from vlm_sdk.layers.moe import SparseMoeBlock
+    ranges = [m.expert_range() for m in worker.model.modules() if isinstance(m, SparseMoeBlock)]
+    return [(r.start, r.stop) for r in ranges]

@@ -1,7 +1,8 @@
 """A reference quantizer for tests and benchmarks: a float checkpoint directory -> the same model in a
 published quantized layout (AWQ GEMM, GPTQ v1/v2 with or without desc_act, block-wise FP8,
-compressed-tensors FP8), plus its dequantized twin (the same directory with every quantized Linear's
-weight replaced by exactly what the quantized tensors decode to), which transformers loads as the oracle.
+compressed-tensors FP8 and W4A16 pack-quantized), plus its dequantized twin (the same directory with every
+quantized Linear's weight replaced by exactly what the quantized tensors decode to), which transformers loads
+as the oracle.
 
 Only the LLM's decoder Linears are quantized (`layers.N.self_attn.{q,k,v,o}_proj`, `layers.N.mlp.{gate,up,
 down}_proj`, and a mixture-of-experts layer's per-expert `layers.N.mlp.experts.E.{gate,up,down}_proj`, as
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from vlm_sdk.kernels.dequant_torch import (awq_pack, dequantize_awq, dequantize_fp8_block, dequantize_fp8_channel,
-                                           dequantize_gptq, pack_int4)
+                                           dequantize_gptq, dequantize_w4a16, pack_int4)
 from vlm_sdk.model_loader import iter_safetensors
 
 _LINEAR = re.compile(r"^(?P<base>.*\blayers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj))"
@@ -34,12 +35,13 @@ def _group_reduce(w: torch.Tensor, groups: torch.Tensor, num_groups: int, op: st
     return torch.stack([getattr(w[:, groups == g], op)(dim=1) for g in range(num_groups)])
 
 
-def _minmax_int4(w: torch.Tensor, groups: torch.Tensor, num_groups: int, zero_min: int = 0):
+def _minmax_int4(w: torch.Tensor, groups: torch.Tensor, num_groups: int, zero_min: int = 0,
+                 dtype: torch.dtype = torch.float16):
     """Asymmetric int4 of w [out, in] with groups of input columns: (q [out, in], zeros [groups, out],
-    scales fp16 [groups, out])."""
+    scales [groups, out] in `dtype`)."""
     lo, hi = _group_reduce(w, groups, num_groups, "amin"), _group_reduce(w, groups, num_groups, "amax")
     lo, hi = lo.clamp(max=0), hi.clamp(min=0)
-    scales = ((hi - lo) / 15).clamp(min=1e-4).half()
+    scales = ((hi - lo) / 15).clamp(min=1e-4).to(dtype)
     zeros = (-lo / scales.float()).round().clamp(zero_min, 15)
     q = (w / scales.float()[groups].t() + zeros[groups].t()).round().clamp(0, 15)
     return q.to(torch.int32), zeros.to(torch.int32), scales
@@ -53,6 +55,28 @@ def quantize_awq(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
     return {"qweight": awq_pack(q.t()), "qzeros": awq_pack(z), "scales": s}
 
 
+def _group_index(in_f: int, g: int, shuffled: bool, seed: int) -> torch.Tensor:
+    """[in] int32: each input column's group, k // g, or (`shuffled`, GPTQ's activation order) the columns
+    given to the groups in a random order."""
+    order = torch.randperm(in_f, generator=torch.Generator().manual_seed(seed)) if shuffled else torch.arange(in_f)
+    g_idx = torch.empty(in_f, dtype=torch.int32)
+    g_idx[order] = (torch.arange(in_f) // g).to(torch.int32)
+    return g_idx
+
+
+def _int4(w: torch.Tensor, groups: torch.Tensor, num_groups: int, sym: bool, zero_min: int = 0,
+          dtype: torch.dtype = torch.float16):
+    """int4 of w [out, in] (float32) by groups of input columns: (q [out, in] 0..15, zeros [groups, out]
+    0..15 (8 when `sym`), scales [groups, out] in `dtype`)."""
+    if not sym:
+        return _minmax_int4(w, groups, num_groups, zero_min, dtype)
+    amax = _group_reduce(w.abs(), groups, num_groups, "amax")
+    s = (amax / 7).clamp(min=1e-4).to(dtype)
+    z = torch.full_like(amax, 8, dtype=torch.int32)
+    q = (w / s.float()[groups].t() + 8).round().clamp(0, 15).to(torch.int32)
+    return q, z, s
+
+
 def quantize_gptq(w: torch.Tensor, group_size: int, *, sym: bool, desc_act: bool, v2: bool,
                   seed: int = 0) -> dict[str, torch.Tensor]:
     """w [out, in] -> GPTQ tensors (qweight, qzeros, scales, g_idx). desc_act: the input rows are given to
@@ -60,19 +84,29 @@ def quantize_gptq(w: torch.Tensor, group_size: int, *, sym: bool, desc_act: bool
     w = w.float()
     in_f = w.shape[1]
     g = group_size if group_size > 0 else in_f
-    order = torch.randperm(in_f, generator=torch.Generator().manual_seed(seed)) if desc_act else torch.arange(in_f)
-    g_idx = torch.empty(in_f, dtype=torch.int32)
-    g_idx[order] = (torch.arange(in_f) // g).to(torch.int32)
-    groups = g_idx.long()
-    if sym:
-        amax = _group_reduce(w.abs(), groups, in_f // g, "amax")
-        s = (amax / 7).clamp(min=1e-4).half()
-        z = torch.full_like(amax, 8, dtype=torch.int32)
-        q = (w / s.float()[groups].t() + 8).round().clamp(0, 15).to(torch.int32)
-    else:  # the original format stores zero - 1: its zeros start at 1
-        q, z, s = _minmax_int4(w, groups, in_f // g, zero_min=0 if v2 else 1)
+    g_idx = _group_index(in_f, g, desc_act, seed)
+    # the original format stores zero - 1: its asymmetric zeros start at 1
+    q, z, s = _int4(w, g_idx.long(), in_f // g, sym, zero_min=0 if v2 else 1)
     stored = z - (0 if v2 else 1)
     return {"qweight": pack_int4(q.t(), 0), "qzeros": pack_int4(stored, 1), "scales": s, "g_idx": g_idx}
+
+
+def quantize_w4a16(w: torch.Tensor, group_size: int, *, sym: bool, actorder: bool,
+                   seed: int = 0) -> dict[str, torch.Tensor]:
+    """w [out, in] -> compressed-tensors pack-quantized tensors (weight_packed, weight_scale, weight_shape;
+    weight_zero_point when not `sym`; weight_g_idx with `actorder` (its "group" ordering)). Scales in w's
+    dtype, as llm-compressor writes them; group_size -1: strategy channel."""
+    out_f, in_f = w.shape
+    g = group_size if group_size > 0 else in_f
+    g_idx = _group_index(in_f, g, actorder, seed)
+    q, z, s = _int4(w.float(), g_idx.long(), in_f // g, sym, dtype=w.dtype)
+    t = {"weight_packed": pack_int4(q, 1), "weight_scale": s.t().contiguous(),
+         "weight_shape": torch.tensor([out_f, in_f], dtype=torch.int64)}
+    if not sym:
+        t["weight_zero_point"] = pack_int4(z.t(), 0)  # [out/8, groups]: packed along the output
+    if actorder:
+        t["weight_g_idx"] = g_idx
+    return t
 
 
 def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -101,12 +135,16 @@ def dequantize(method: str, t: dict[str, torch.Tensor], config: dict) -> torch.T
         return dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], offset)
     if method == "fp8":
         return dequantize_fp8_block(t["weight"], t["weight_scale_inv"], tuple(config["weight_block_size"]))
+    if method == "w4a16":
+        return dequantize_w4a16(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"),
+                                t.get("weight_g_idx"))
     return dequantize_fp8_channel(t["weight"], t["weight_scale"])
 
 
 def quantization_config(method: str, *, group_size: int = 16, sym: bool = True, desc_act: bool = False,
                         v2: bool = False, block: tuple[int, int] = (16, 16)) -> dict:
-    """config.json's quantization_config as each format's tool writes it."""
+    """config.json's quantization_config as each format's tool writes it ("w4a16": compressed-tensors'
+    pack-quantized, desc_act meaning its actorder "group", group_size -1 its channel strategy)."""
     if method == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
                 "modules_to_not_convert": ["visual"]}
@@ -127,6 +165,15 @@ def quantization_config(method: str, *, group_size: int = 16, sym: bool = True, 
                                           "dynamic": True, "observer": None},
                     "output_activations": None}},
                 "ignore": ["lm_head"] + [f"re:.*{p}.*" for p in _SKIP[1:]], "kv_cache_scheme": None}
+    if method == "w4a16":
+        weights = {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group" if group_size > 0 else "channel",
+                   "group_size": group_size if group_size > 0 else None, "dynamic": False,
+                   "actorder": "group" if desc_act else None, "block_structure": None, "observer": "minmax",
+                   "observer_kwargs": {}}
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized", "weights": weights,
+                                              "input_activations": None, "output_activations": None}},
+                "ignore": ["lm_head"] + [f"re:.*{p}.*" for p in _SKIP[1:]], "kv_cache_scheme": None}
     raise ValueError(f"unknown method {method!r}")
 
 
@@ -138,6 +185,10 @@ def quantize_tensors(method: str, w: torch.Tensor, config: dict, seed: int) -> d
                              v2=config["checkpoint_format"] == "gptq_v2", seed=seed)
     if method == "fp8":
         return quantize_fp8_block(w, tuple(config["weight_block_size"]))
+    if method == "w4a16":
+        weights = config["config_groups"]["group_0"]["weights"]
+        return quantize_w4a16(w, weights["group_size"] or -1, sym=weights["symmetric"],
+                              actorder=weights["actorder"] == "group", seed=seed)
     return quantize_fp8_channel(w)
 
 

@@ -18,6 +18,7 @@ all-gather) line up:
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -46,6 +47,7 @@ class Worker:
         """Build this rank's slice of the model on `device` and load its weights. `config`: the engine's
         settings, resolved once on the engine side (no default is worked out here)."""
         args = config.args
+        tp = replace(tp, expert_parallel=args.enable_expert_parallel)  # the MoE layers read it from the group
         self.config, self.args, self.device, self.tp = config, args, device, tp
         self.dtype, self.kv_dtype = config.torch_dtype, config.torch_kv_dtype
         info = read_checkpoint(model_dir)

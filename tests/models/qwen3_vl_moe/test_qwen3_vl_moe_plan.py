@@ -37,11 +37,12 @@ def hf_parameters(path) -> int:
         return sum(p.numel() for p in Qwen3VLMoeForConditionalGeneration(read_config(path).hf_config).parameters())
 
 
-def moe_bytes(tokens: int, experts: int, top_k: int, inter: int, hidden: int) -> int:
-    """consumers/moe.py's Triton-set formula, written out: routing, both products' rows, the padded sort,
-    the float32 sum and its cast (bf16)."""
-    pairs = tokens * top_k
-    return (tokens * experts * (2 + 4) + pairs * 56 + pairs * (inter + hidden) * 2 + 4 * (pairs + experts * 63)
+def moe_bytes(tokens: int, experts: int, top_k: int, inter: int, hidden: int, held: int | None = None) -> int:
+    """consumers/moe.py's Triton-set formula, written out: routing (over all `experts`), both products'
+    rows, the padded sort (of the `held` experts a rank computes: all but under expert parallelism), the
+    float32 sum and its cast (bf16)."""
+    pairs, held = tokens * top_k, experts if held is None else held
+    return (tokens * experts * (2 + 4) + pairs * 56 + pairs * (inter + hidden) * 2 + 4 * (pairs + held * 63)
             + tokens * hidden * 6)
 
 
@@ -125,3 +126,40 @@ def test_the_torch_sets_fp8_experts_dequantized_per_step_are_counted(tmp_path):
     options = dict(dtype="bfloat16", device="cpu", host_memory="512GiB")
     bf16, fp8 = plan(A3B, **options), plan(tmp_path / "config.json", **options)
     assert fp8.consumer_bytes("moe_activation") - bf16.consumer_bytes("moe_activation") == 128 * 768 * 2048 * 24
+
+
+def fp8_config(tmp_path):
+    cfg = json.loads(A22B.read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path / "config.json"
+
+
+def test_expert_parallel_counts_each_ranks_whole_experts(tmp_path):
+    """--enable-expert-parallel at tp=8: each rank holds 16 of the 128 experts whole. BF16: the same bytes
+    per rank as splitting every expert 8 ways (16 x 1536 = 128 x 192 columns), its step buffers at the
+    whole width over 16 experts. FP8: every expert's 1536 columns are whole 128-blocks, so tp=8 (refused
+    without expert parallelism: 192 columns cut a block) is planned, and one rank's weights are the BF16
+    rank's less 1 byte per expert and attention element plus a float32 per 128 x 128 block."""
+    options = dict(dtype="bfloat16", device_memory="80GiB", tp=8)
+    split, whole = plan(A22B, **options), plan(A22B, **options, enable_expert_parallel=True)
+    assert whole.weights_bytes == split.weights_bytes and whole.problems == ()
+    assert whole.consumer_bytes("moe_activation") == moe_bytes(8192, 128, 8, 1536, 4096, held=16) + \
+        moe_bytes(64, 128, 8, 1536, 4096, held=16)
+    fp8 = plan(fp8_config(tmp_path), **options, enable_expert_parallel=True)
+    layers, experts, inter, hidden = 94, 16, 1536, 4096
+    q, kv = 64 * 128 // 8, 128  # q rows per rank; 4 KV heads over 8 ranks: one each
+    elements = layers * (experts * 3 * inter * hidden + (q + 2 * kv) * hidden + hidden * q)
+    blocks = layers * (experts * (2 * inter // 128 * hidden // 128 + hidden // 128 * inter // 128)
+                       + (q + 2 * kv) // 128 * hidden // 128 + hidden // 128 * q // 128)
+    assert whole.weights_bytes - fp8.weights_bytes == elements - 4 * blocks and fp8.problems == ()
+
+
+def test_cli_plans_expert_parallel(capsys):
+    args = ["plan", str(A22B), "--tp", "8", "--dtype", "bf16", "--device-memory", "80GiB", "--json"]
+    assert main(args) == 0 and main([*args, "--enable-expert-parallel"]) == 0
+    split, whole = (json.loads(part) for part in capsys.readouterr().out.replace("}\n{", "}\n\x00{").split("\x00"))
+    moe = [{c["name"]: c["bytes"] for c in out["consumers"]}["moe_activation"] for out in (split, whole)]
+    assert moe[1] - moe[0] == (moe_bytes(8192, 128, 8, 1536, 4096, held=16) - moe_bytes(8192, 128, 8, 192, 4096)
+                               + moe_bytes(64, 128, 8, 1536, 4096, held=16) - moe_bytes(64, 128, 8, 192, 4096))

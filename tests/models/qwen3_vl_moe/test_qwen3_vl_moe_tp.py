@@ -2,11 +2,13 @@
 rank of two). Two gloo ranks' prefill logits of an image prompt equal one rank's within the rounding of
 another summation order, for the published layout (transposed fused experts) and one tensor per expert;
 each rank's lazily read expert slices are the one-rank weights' slices; a size that does not split the
-experts' width is refused before any rank starts, naming the sizes that work. (Tokens through the
+experts' width is refused before any rank starts, naming the sizes that work. The same with expert
+parallelism: whole experts per rank, the same logits; a number of experts that does not split is refused. (Tokens through the
 engine at tensor_parallel_size=2: tests/e2e/test_tensor_parallel.py, every family.)"""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -35,15 +37,21 @@ def checkpoints(tmp_path_factory) -> dict:
 
 
 def rank_main(tp: TPGroup, paths: dict) -> dict:
-    return {name: tp_prefill(path, tp, True)["logits"] for name, path in paths.items()}
+    """Each layout's logits with every expert split (`name`) and with whole experts per rank (`name-ep`)."""
+    out = {name: tp_prefill(path, tp, True)["logits"] for name, path in paths.items()}
+    ep = replace(tp, expert_parallel=True)
+    return out | {f"{name}-ep": tp_prefill(path, ep, True)["logits"] for name, path in paths.items()}
 
 
 def test_two_ranks_equal_one_rank(checkpoints):
+    """Both ways of placing the experts: each expert split along its width, and expert parallel (rank r
+    holds experts [6r, 6r + 6) whole, computes only their pairs; one all-reduce sums the ranks)."""
     one = {name: tp_prefill(path, TPGroup(), True)["logits"] for name, path in checkpoints.items()}
     torch.testing.assert_close(one["per_expert"], one["transposed"], atol=0, rtol=0)  # same weights
     for ranks in run_on_ranks(rank_main, 2, checkpoints, timeout_s=600):
         for name in LAYOUTS:
             assert_reduction_close(ranks[name], one[name], TERMS, msg=name)
+            assert_reduction_close(ranks[f"{name}-ep"], one[name], TERMS, msg=f"{name}, expert parallel")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -67,6 +75,27 @@ def test_each_rank_reads_its_slice_of_every_expert(checkpoints, layout):
             assert torch.equal(ours.gate.weight, full.gate.weight)  # the router is whole on every rank
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_expert_parallel_ranks_read_whole_experts(checkpoints, layout):
+    """Expert parallel, loaded lazily: rank r holds experts [6r, 6r + 6) whole, the one-rank model's rows
+    of them (none of the other rank's tensors is placed), and the whole router."""
+    ckpt = checkpoints[layout]
+    cfg = read_checkpoint(ckpt).hf_config
+    model_cls = load("qwen3_vl_moe").model_cls
+    whole = model_cls(cfg)
+    whole.load_weights(iter_safetensors(ckpt, show_progress=False), source=ckpt)
+    for r in range(2):
+        rank = model_cls(cfg, tp=TPGroup(r, 2, expert_parallel=True))
+        rank.load_weights(iter_safetensors(ckpt, show_progress=False, lazy=True), source=ckpt)
+        for i in (0, 2):  # the sparse layers
+            ours, full = rank.decoder.layers[i].moe, whole.decoder.layers[i].moe
+            held = slice(6 * r, 6 * r + 6)
+            assert list(ours.expert_range()) == list(range(12))[held]
+            for mine, theirs in zip(ours.experts(), full.experts()):  # [6, ...] of [12, ...]
+                assert torch.equal(mine, theirs[held])
+            assert torch.equal(ours.gate.weight, full.gate.weight)
+
+
 def test_sizes_that_do_not_split_the_experts_are_refused(checkpoints):
     cfg = copy.deepcopy(read_checkpoint(checkpoints["per_expert"]).hf_config)
     cfg.text_config.moe_intermediate_size = 30  # splits in 2, not in 4 (which splits the heads)
@@ -75,3 +104,11 @@ def test_sizes_that_do_not_split_the_experts_are_refused(checkpoints):
     with pytest.raises(InvalidRequestError, match=r"tensor_parallel_size=4 does not split this model: "
                                                   r"moe_intermediate_size .*\(30\).*Sizes that work: 1, 2$"):
         check_tensor_parallel_size(family, cfg, 4)
+    cfg.text_config.moe_intermediate_size = I
+    cfg.text_config.num_experts = 10  # whole experts: 2 ranks of 5, not 4
+    check_tensor_parallel_size(family, cfg, 4)
+    check_tensor_parallel_size(family, cfg, 2, expert_parallel=True)
+    with pytest.raises(InvalidRequestError, match=r"tensor_parallel_size=4 does not split this model: num_experts "
+                                                  r"\(whole experts per rank under expert parallelism\) \(10\) is not "
+                                                  r"divisible by the tensor-parallel size 4\. Sizes that work: 1, 2$"):
+        check_tensor_parallel_size(family, cfg, 4, expert_parallel=True)

@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from vlm_sdk.errors import CheckpointError
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -32,9 +34,11 @@ class PackedTensor:
     `ceil`, a partial last index counts (FP8 block scales: ceil(features / block)); else the features
     must divide. `whole_on_row_split`: under a split of the input features the tensor is kept whole on
     every rank (GPTQ's scales and zeros with desc_act, which g_idx indexes anywhere). A tensor with no
-    output dim (GPTQ's g_idx) is held once per fused part."""
+    output dim (GPTQ's g_idx) is held once per fused part. `dtype` None: the model's dtype (compressed-tensors
+    writes its scales in the checkpoint's dtype; vLLM holds them in the model's). `extent`: the size of a dim
+    that is neither (compressed-tensors' `weight_shape` [2])."""
     suffix: str
-    dtype: torch.dtype
+    dtype: torch.dtype | None
     ndim: int
     out_dim: int | None
     out_div: int
@@ -42,6 +46,7 @@ class PackedTensor:
     in_div: int
     ceil: bool = False
     whole_on_row_split: bool = False
+    extent: int = 1
 
     def size(self, dim: int, out_features: int, in_features: int) -> int:
         """The tensor's size along `dim` for a `[out_features, in_features]` weight."""
@@ -49,7 +54,7 @@ class PackedTensor:
             return self.indices(out_features, self.out_div)
         if dim == self.in_dim:
             return self.indices(in_features, self.in_div)
-        return 1
+        return self.extent
 
     def shape(self, out_features: int, in_features: int) -> tuple[int, ...]:
         return tuple(self.size(d, out_features, in_features) for d in range(self.ndim))
@@ -93,9 +98,11 @@ class QuantScheme(ABC):
         suffix, sliced to the part). `in_starts`: each tensor's first index along the input that this rank
         holds (non-zero under a split of the input); indices read from the checkpoint (g_idx) are global."""
 
-    def check(self, name: str, t: dict[str, torch.Tensor], in_starts: dict[str, int]) -> None:
-        """After loading: values the format constrains (e.g. g_idx within the groups), `CheckpointError`
-        naming the tensor `name`.<suffix>. Nothing by default."""
+    def check(self, name: str, t: dict[str, torch.Tensor], in_starts: dict[str, int],
+              shape: tuple[int, int]) -> None:
+        """After loading: values the format constrains (e.g. g_idx within the groups, a recorded weight shape),
+        `CheckpointError` naming the tensor `name`.<suffix>. `shape`: the checkpoint's whole `[out, in]` weight
+        of this part. Nothing by default."""
 
     def kernel_matmul(self, x: torch.Tensor, layer: "QuantizedTensors",
                       bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -121,6 +128,16 @@ class QuantizedTensors(Protocol):
 
     def in_starts(self) -> dict[str, int]:
         """Each input-split tensor's first index along the input on this rank."""
+
+
+def check_group_index(tensor: str, g_idx: torch.Tensor, scales: str, groups: int, offset: int, field: str) -> None:
+    """`CheckpointError` when the group index `tensor` (global groups) points outside the `groups` groups of
+    `scales` this rank holds from group `offset`: config.json's `field` (desc_act, actorder) does not match."""
+    low, high = int(g_idx.min()), int(g_idx.max())
+    if low - offset < 0 or high - offset >= groups:
+        raise CheckpointError(f"tensor {tensor} holds groups {low}..{high}, outside the {groups} groups of {scales}"
+                              f"{f' held by this rank (from group {offset})' if offset else ''}: {field} in "
+                              f"config.json does not match the weights")
 
 
 def _matches(pattern: str, module: str) -> bool:

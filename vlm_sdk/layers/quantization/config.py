@@ -10,6 +10,10 @@ field, its value and what is supported: a checkpoint is never run with a layout 
                                                            activation_scheme dynamic
     compressed-tensors  float-quantized FP8                one config group targeting Linear: weights 8-bit
                                                            float, strategy channel; activations dynamic or none
+                        pack-quantized W4A16               one config group targeting Linear: weights 4-bit
+                                                           int, strategy group (group_size) or channel,
+                                                           symmetric or not, actorder none / weight / group;
+                                                           no input_activations
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from vlm_sdk.layers.quantization.awq import AWQScheme
 from vlm_sdk.layers.quantization.base import QuantScheme
 from vlm_sdk.layers.quantization.fp8 import FP8BlockScheme, FP8ChannelScheme
 from vlm_sdk.layers.quantization.gptq import GPTQScheme
+from vlm_sdk.layers.quantization.wna16 import W4A16Scheme
 
 QUANT_METHODS = ("awq", "gptq", "fp8", "compressed-tensors")
 
@@ -115,30 +120,70 @@ def _fp8(raw: Mapping) -> FP8BlockScheme:
     return FP8BlockScheme((block[0], block[1]), _skip(raw, "modules_to_not_convert", "ignored_layers"))
 
 
-def _compressed_tensors(raw: Mapping) -> FP8ChannelScheme:
-    method = "compressed-tensors"
+_CT = "compressed-tensors"
+_CT_FORMATS = "'float-quantized' with 8-bit float weights (FP8) or 'pack-quantized' with 4-bit int weights (W4A16)"
+
+
+def _compressed_tensors(raw: Mapping) -> FP8ChannelScheme | W4A16Scheme:
     groups = raw.get("config_groups") or {}
     if len(groups) != 1:
-        raise _refuse(method, "config_groups", f"{len(groups)} groups", "exactly one group (one format for every "
+        raise _refuse(_CT, "config_groups", f"{len(groups)} groups", "exactly one group (one format for every "
                       "quantized Linear)")
     (group,) = groups.values()
     targets = list(group.get("targets") or [])
     if targets != ["Linear"]:
-        raise _refuse(method, "config_groups.*.targets", targets, "['Linear']")
+        raise _refuse(_CT, "config_groups.*.targets", targets, "['Linear']")
     fmt = str(group.get("format") or raw.get("format") or "")
     w = group.get("weights") or {}
-    acts = group.get("input_activations")
-    if fmt != "float-quantized" or w.get("type") != "float" or w.get("num_bits") != 8:
-        raise _refuse(method, "format", fmt or None, "'float-quantized' with 8-bit float weights (FP8)")
+    if fmt == "pack-quantized":
+        scheme = _pack_quantized(w, group.get("input_activations"), _skip(raw, "ignore"))
+    elif fmt == "float-quantized" and w.get("type") == "float" and w.get("num_bits") == 8:
+        scheme = _float_quantized(w, group.get("input_activations"), _skip(raw, "ignore"))
+    else:
+        raise _refuse(_CT, "format", fmt or None, _CT_FORMATS)
+    _check_kv_cache_scheme(raw.get("kv_cache_scheme"))
+    return scheme
+
+
+def _float_quantized(w: Mapping, acts: Mapping | None, skip: tuple[str, ...]) -> FP8ChannelScheme:
     if w.get("strategy") != "channel" or not w.get("symmetric", True) or w.get("dynamic"):
-        raise _refuse(method, "weights.strategy", w.get("strategy"), "'channel' (static, symmetric)")
+        raise _refuse(_CT, "weights.strategy", w.get("strategy"), "'channel' (static, symmetric)")
     if acts is not None and not acts.get("dynamic"):
-        raise _refuse(method, "input_activations.dynamic", acts.get("dynamic"),
+        raise _refuse(_CT, "input_activations.dynamic", acts.get("dynamic"),
                       "true (dynamic per-token scales) or no input_activations")
-    kv = raw.get("kv_cache_scheme")
+    return FP8ChannelScheme(skip)
+
+
+def _pack_quantized(w: Mapping, acts: Mapping | None, skip: tuple[str, ...]) -> W4A16Scheme:
+    if w.get("type") != "int":
+        raise _refuse(_CT, "weights.type", w.get("type"), "'int' (pack-quantized W4A16)")
+    if w.get("num_bits") != 4:
+        raise _refuse(_CT, "weights.num_bits", w.get("num_bits"), "4 (pack-quantized W4A16)")
+    if acts is not None:
+        raise _refuse(_CT, "input_activations", "{...}", "none (pack-quantized W4A16 is weight-only)")
+    if w.get("dynamic"):
+        raise _refuse(_CT, "weights.dynamic", w.get("dynamic"), "false (static scales in the checkpoint)")
+    strategy = w.get("strategy")
+    if strategy == "channel":
+        group = -1
+    elif strategy == "group":
+        group = w.get("group_size")
+        if isinstance(group, bool) or not isinstance(group, int) or group <= 0:
+            raise _refuse(_CT, "weights.group_size", group, "a positive number of input columns per scale (e.g. 128)")
+    else:
+        raise _refuse(_CT, "weights.strategy", strategy, "'group' or 'channel'")
+    # compressed-tensors' ActivationOrdering: "group" (or true) stores weight_g_idx; "weight" / "static"
+    # reorder before quantizing and store the columns in order, as none does
+    actorder = w.get("actorder")
+    order = str(actorder).lower() if isinstance(actorder, str) else actorder
+    if order not in (None, False, True, "weight", "static", "group"):
+        raise _refuse(_CT, "weights.actorder", actorder, "null, 'weight', 'static' or 'group'")
+    return W4A16Scheme(group, bool(w.get("symmetric", True)), order in (True, "group") and group != -1, skip)
+
+
+def _check_kv_cache_scheme(kv: Mapping | None) -> None:
     if kv and not (kv.get("type") == "float" and kv.get("num_bits") == 8 and kv.get("strategy") == "tensor"
                    and not kv.get("dynamic") and kv.get("symmetric", True)):
-        raise _refuse(method, "kv_cache_scheme", {k: kv.get(k) for k in ("type", "num_bits", "strategy", "dynamic")},
+        raise _refuse(_CT, "kv_cache_scheme", {k: kv.get(k) for k in ("type", "num_bits", "strategy", "dynamic")},
                       "none, or static per-tensor 8-bit float scales (type float, num_bits 8, strategy tensor, "
                       "dynamic false): the FP8 KV cache's k_scale / v_scale")
-    return FP8ChannelScheme(_skip(raw, "ignore"))

@@ -19,7 +19,7 @@ import torch
 
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.kernels.dequant_torch import dequantize_gptq
-from vlm_sdk.layers.quantization.base import PackedTensor, QuantScheme
+from vlm_sdk.layers.quantization.base import PackedTensor, QuantScheme, check_group_index
 
 
 @dataclass(frozen=True)
@@ -70,13 +70,9 @@ class GPTQScheme(QuantScheme):
             start += part.local
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
-    def check(self, name, t, in_starts):
+    def check(self, name, t, in_starts, shape):
         groups, g_idx, offset = t["scales"].shape[0], t["g_idx"], in_starts["scales"]
-        low, high = int(g_idx.min()), int(g_idx.max())
-        if low - offset < 0 or high - offset >= groups:
-            raise CheckpointError(f"tensor {name}.g_idx holds groups {low}..{high}, outside the {groups} groups of "
-                                  f"{name}.scales{f' held by this rank (from group {offset})' if offset else ''}: "
-                                  f"desc_act in config.json does not match the weights")
+        check_group_index(f"{name}.g_idx", g_idx, f"{name}.scales", groups, offset, "desc_act")
         if not self.desc_act:  # each row k in group k // G (the rank's rows start on a group boundary)
             k = torch.arange(g_idx.shape[0], device=g_idx.device)
             g = self.group_size if self.group_size > 0 else g_idx.shape[0]

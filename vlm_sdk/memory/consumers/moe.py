@@ -4,7 +4,8 @@ The experts' weights are parameters (the weights consumer counts them); the dens
 activation peak counts only when some layer is dense (`MemoryInputs.intermediate_size`).
 
     n tokens, K experts per token (P = n K pairs), E experts, H hidden, I' = moe_intermediate_size / tp,
-    e the dtype's bytes:
+    e the dtype's bytes; under expert parallelism E = num_experts / tp (a rank's) and I' = the whole
+    width (a rank computes only its experts' pairs; P still bounds them):
 
     routing       n E (e + 4)              the router's logits and their float32 softmax
                   P 16 + P 40              top-k weights (float32, renormalised) and ids; the sort's int64s
@@ -33,14 +34,18 @@ _BLOCK_M = 64  # kernels/fused_moe.py's larger row block: the padding bound
 
 def moe_step_bytes(m: MemoryInputs, tokens: int) -> int:
     moe, e, h = m.moe, m.dtype_bytes, m.hidden_size
-    pairs, inter = tokens * moe.top_k, moe.intermediate_size // m.tp
+    pairs = tokens * moe.top_k
+    if m.args.enable_expert_parallel:
+        local_experts, inter = moe.num_experts // m.tp, moe.intermediate_size
+    else:
+        local_experts, inter = moe.num_experts, moe.intermediate_size // m.tp
     routing = tokens * moe.num_experts * (e + 4) + pairs * (16 + 40)
     if torch_set(m):
         experts = pairs * h * (2 * e + 4) + pairs * 2 * inter * 4
         if m.moe_fp8:
-            experts += moe.num_experts * inter * h * max(24, 3 * e)
+            experts += local_experts * inter * h * max(24, 3 * e)
     else:
-        experts = pairs * (inter + h) * e + 4 * (pairs + moe.num_experts * (_BLOCK_M - 1))
+        experts = pairs * (inter + h) * e + 4 * (pairs + local_experts * (_BLOCK_M - 1))
     return routing + experts + tokens * h * (4 + e)
 
 
