@@ -64,8 +64,9 @@ class TokenLogprob:
 class LogprobColumns:
     """One sequence's logprobs, compact: two flat arrays holding a row of `width` = k + 1 entries per
     token, the drawn token's id and logprob first, then its k alternatives best first. 8 bytes an
-    entry, where a `TokenLogprob` per token held a tuple per alternative (~4.7 KB a token at k = 20:
-    one request of n=8 x 4,000 tokens kept ~150 MiB of small objects, and freeing them held the GIL).
+    entry, where a `TokenLogprob` per token held a tuple per alternative (~3 KB a token at k = 20:
+    the outputs of one n=8 x 4,000-token request held 89-98 MiB of small objects, which cost
+    garbage collections and took the GIL for a while to free).
     Append-only, so a `LogprobsView` of its first tokens stays valid while it grows."""
     __slots__ = ("width", "ids", "values")
 

@@ -121,16 +121,16 @@ def test_preemption_chunked_prefill_and_small_batches(family_ckpt):
     convs = CONVS * 2
     params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=26, temperature=0.7, seed=5)] * 4
+    # against the synchronous engine unconstrained: preemption and chunking change no token there
+    # (tests/e2e/test_prefix_caching.py, test_families.py), so this is the synchronous engine's answer
     _, free = run(ckpt, params, convs, async_scheduling=False)
     need = max(-(-(len(o.prompt_token_ids) + 30) // 16) for o in free)
     kw = dict(num_blocks=need + 2, allow_unfit_images=True, max_num_batched_tokens=40, max_num_seqs=3)
-    _, ref = run(ckpt, params, convs, async_scheduling=False, **kw)
     llm = LLM(ckpt, show_progress=False, async_scheduling=True, **kw)
     device_ids = count_device_ids(llm)
     outs = llm.chat(convs, params)
     assert llm.stats()["num_preemptions"] > 0 and device_ids[0] > 0
-    assert [o.token_ids for o in ref] == [o.token_ids for o in free]
-    assert_same(outs, ref)
+    assert_same(outs, free)
     assert_clean(llm)
 
 

@@ -1,5 +1,6 @@
 """Behaviour every model family shares, run on each registered family's tiny checkpoint
-(`vlm_sdk.models.registry.family_names()`): preemption and chunked prefill change no token, seeded
+(`vlm_sdk.models.registry.family_names()`): chunked prefill changes no token (preemption: the prefix-cache
+tests), seeded
 sampling is reproducible alone and in a batch, stop strings and stop ids, metrics, a bad params entry;
 and greedy tokens equal transformers' on the same checkpoint, through each family's reference hooks."""
 import pytest
@@ -18,20 +19,7 @@ def llm(family_ckpt):
     return LLM(family_ckpt[1], show_progress=False)
 
 
-def test_preemption_and_recompute_change_no_token(family_ckpt, llm):
-    convs = list(conversations().values())
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    free = llm.chat(convs, params)
-    longest = max(len(o.prompt_token_ids) + 40 for o in free)
-    need = sum(-(-(len(o.prompt_token_ids) + 40) // 16) for o in free)
-    blocks = -(-longest // 16) + 1  # the longest fits alone; all four together need `need` blocks
-    assert blocks < need
-    tight = LLM(family_ckpt[1], num_blocks=blocks, allow_unfit_images=True, show_progress=False)
-    outs = tight.chat(convs, params)
-    stats = tight.stats()
-    assert stats["num_preemptions"] > 0
-    assert [o.token_ids for o in outs] == [o.token_ids for o in free]
-    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+# preemption and recompute: tests/e2e/test_prefix_caching.py::test_preempted_requests_find_their_blocks_and_change_no_token
 
 
 def test_chunked_prefill_changes_no_token(family_ckpt, llm):

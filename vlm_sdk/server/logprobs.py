@@ -127,12 +127,12 @@ _NOT_FINITE = {"-inf": "-9999.0", "inf": "-9999.0", "nan": "-9999.0"}
 
 
 @lru_cache(maxsize=32)
-def _separators(width: int) -> list[str]:
+def _separators(width: int) -> tuple[str, ...]:
     """What follows each of a token's `width` entries in `content_json`: its alternatives' list opens
     after the drawn token, and closes (with the token's entry) after the last; a comma before the next."""
     if width == 1:
-        return [',"top_logprobs":[]},']
-    return [',"top_logprobs":['] + ["},"] * (width - 2) + ["}]},"]
+        return (',"top_logprobs":[]},',)
+    return (',"top_logprobs":[',) + ("},",) * (width - 2) + ("}]},",)
 
 
 def _number(logprob: float) -> str:

@@ -3,9 +3,10 @@
 A completion with logprobs holds n x tokens x (top_logprobs + 1) entries: 8 choices of 4,000 tokens
 with 20 alternatives are 52 MB of JSON, which `json.dumps` writes in one C call that keeps the GIL
 for seconds, so every other client would wait. Here the body is cut into pieces (the head, each
-choice, the tail), each made on an executor thread by many short `json.dumps` calls (one per token:
-the loop gets the GIL back between them) and written as soon as it is made (chunked transfer
-encoding), so at most one choice's bytes are held at a time.
+choice, the tail), each made on an executor thread a block of 16 tokens at a time with a short sleep
+after each (server/logprobs.py: the engine and the loop get the GIL back within a block's work, not
+after a 5 ms switch interval) and written as soon as it is made (chunked transfer encoding), so at
+most one choice's bytes are held at a time.
 
     {"id":..,"object":..,"created":..,"model":..,"choices":[   head
     {"index":0,..,"logprobs":{"content":[{..},{..},..]},..}    one piece per choice
