@@ -126,12 +126,17 @@ def run_rank(model_dir: str, config, rank: int, size: int, init_method: str | No
     leave_group()
 
 
+def failure_key(rank: int) -> str:
+    """The store key under which rank `rank` reports its `RankFailure` (pickled) to rank 0."""
+    return f"failed/{rank}"
+
+
 def _report(failure: RankFailure, store, errors) -> None:
-    """`failure` to rank 0: on the store (any executor that hosts one reads `failed/<rank>`), and on the
-    error queue when rank 0 spawned this process."""
+    """`failure` to rank 0: on the store (any executor that hosts one reads `failure_key(rank)`), and on
+    the error queue when rank 0 spawned this process."""
     if store is not None:
         try:
-            store.set(f"failed/{failure.rank}", pickle.dumps(failure))
+            store.set(failure_key(failure.rank), pickle.dumps(failure))
         except Exception:  # noqa: BLE001 - rank 0 is gone or the store broke: the rank's end still tells
             pass
     if errors is not None:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from vlm_sdk.executor.group import StartedRanksExecutor
-from vlm_sdk.executor.ranks import join_ranks, leave_group, run_rank
+from vlm_sdk.executor.ranks import failure_key, join_ranks, leave_group, run_rank
 from vlm_sdk.executor.ray_placement import join_cluster, place_ranks, require_ray
 from vlm_sdk.worker.worker import Worker
 
@@ -126,7 +126,7 @@ class RayExecutor(StartedRanksExecutor):
         deadline = time.monotonic() + wait_s
         while True:
             for rank in range(1, self.world_size):
-                key = f"failed/{rank}"
+                key = failure_key(rank)
                 try:
                     if rank in self._failures or not self._store.check([key]):
                         continue
