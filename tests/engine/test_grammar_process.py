@@ -62,6 +62,7 @@ def test_a_crash_is_the_requests_error_and_the_next_grammar_compiles(compiler):
     assert proc.starts == 3
 
 
+@pytest.mark.timing  # a wall-clock bound: run alone
 def test_timeout_names_the_setting(tokenizer):
     c = GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id], timeout=1.0, workers=1)
     try:

@@ -62,6 +62,7 @@ def test_typed_special_tokens_are_text_and_the_flag_allows_them(llm, tiny_ckpt):
 
 # -- bounded work before tokenization ------------------------------------------------------------
 
+@pytest.mark.timing  # a wall-clock bound: run alone
 def test_huge_text_refused_from_its_length_before_any_tokenization(llm):
     text = "All work and no play makes Jack a dull boy. " * (30 * 2**20 // 44)  # 30 MB
     t0 = time.perf_counter()
@@ -212,6 +213,7 @@ def test_stop_matcher_agrees_with_a_scan_and_holds_back_only_what_may_match():
         assert found == _first_stop(text, stops), (stops, text)
 
 
+@pytest.mark.timing  # a wall-clock bound: run alone
 def test_stop_check_cost_does_not_grow_with_the_number_of_stop_strings():
     text = "the quick brown fox jumps over the lazy dog, " * 400
     pieces = [text[i:i + 4] for i in range(0, len(text), 4)]  # ~4 characters per token

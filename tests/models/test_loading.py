@@ -496,6 +496,7 @@ def test_tokenizer_round_trips_arbitrary_text(tiny_ckpt):
 # ---------------------------------------------------------------------------------------------
 # the factory
 
+@pytest.mark.timing  # a wall-clock bound: run alone
 def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
     start = time.perf_counter()
     a = make_tiny_checkpoint(tmp_path / "a", seed=7)

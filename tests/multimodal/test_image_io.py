@@ -140,6 +140,7 @@ def test_exif_orientation_applied():
 
 
 @pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+@pytest.mark.timing  # a wall-clock bound: run alone
 def test_pixel_limit_checked_from_header_before_decoding(monkeypatch):
     decoded = []
     original_load = ImageFile.ImageFile.load

@@ -212,6 +212,7 @@ def test_connection_errors_name_url_and_timeout():
     asyncio.run(silent())
 
 
+@pytest.mark.timing  # a wall-clock bound: run alone
 def test_early_break_aborts_and_frees_kv_blocks(srv):
     async def go(client):
         held = None

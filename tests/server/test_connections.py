@@ -10,6 +10,9 @@ from server_helpers import API_KEY, get, read_response, wait_for
 from vlm_sdk.server.background import BackgroundServer
 from vlm_sdk.server.config import ServerConfig
 
+# wall-clock bounds: ./run test runs these alone, after the rest (see the README)
+pytestmark = pytest.mark.timing
+
 KEEP_ALIVE = 1.0
 BODY_TIMEOUT = 1.0
 MAX_CONNECTIONS = 50

@@ -6,6 +6,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from helpers import start_server
 from server_helpers import get, post, sse_events, wait_for
 from vlm_sdk.server.background import BackgroundServer
@@ -46,6 +48,7 @@ def _check_failed(events: list, plain: tuple) -> None:
     assert status == 503 and body["error"]["code"] == "engine_dead", body
 
 
+@pytest.mark.timing  # a wall-clock bound: run alone
 def test_serve_fails_open_requests_logs_once_and_exits_nonzero(tiny_ckpt):
     proc, url = start_server([sys.executable, "-c", SERVE_WITH_FAULT, str(tiny_ckpt), "--port", "0",
                               "--served-model-name", "m", "--shutdown-timeout", "30"], timeout=60)

@@ -22,6 +22,9 @@ from server_helpers import API_KEY, VictimStream, post, rss_bytes
 from vlm_sdk.server.background import BackgroundServer
 from vlm_sdk.server.config import MiB, ServerConfig
 
+# wall-clock bounds: ./run test runs these alone, after the rest (see the README)
+pytestmark = pytest.mark.timing
+
 MAX_GAP_S = 0.5
 MAX_RSS_GROWTH = 200 * MiB
 TIMEOUT_S = 3.0

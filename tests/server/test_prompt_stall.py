@@ -23,6 +23,9 @@ from server_helpers import API_KEY, post, wait_for
 from vlm_sdk.server.background import BackgroundServer
 from vlm_sdk.server.config import MiB, ServerConfig
 
+# wall-clock bounds: ./run test runs these alone, after the rest (see the README)
+pytestmark = pytest.mark.timing
+
 MAX_GAP_S = 0.5
 
 

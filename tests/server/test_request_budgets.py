@@ -29,6 +29,9 @@ from vlm_sdk.server.body import count_values
 from vlm_sdk.server.protocol import APIError, check_response_size
 from vlm_sdk.server.config import MiB, ServerConfig
 
+# wall-clock bounds: ./run test runs these alone, after the rest (see the README)
+pytestmark = pytest.mark.timing
+
 MAX_GAP_S = 0.5
 MESSAGES = [{"role": "user", "content": "Hello"}]
 

@@ -93,6 +93,7 @@ def _two_image_requests_and_a_text_one(srv, url: str, per_request: int) -> tuple
     return results, seconds, _status("VmHWM") - base
 
 
+@pytest.mark.timing  # a wall-clock bound: run alone
 def test_sixteen_bit_pngs_refused_from_their_headers_by_default(default_srv, png16):
     results, seconds, growth = _two_image_requests_and_a_text_one(default_srv, png16, 8)
     print(f"defaults: text request {seconds:.2f} s, peak RSS growth {growth / 2**20:.0f} MiB")
@@ -103,6 +104,7 @@ def test_sixteen_bit_pngs_refused_from_their_headers_by_default(default_srv, png
     assert seconds < MAX_TEXT_SECONDS and growth < MAX_RSS_GROWTH
 
 
+@pytest.mark.timing  # a wall-clock bound: run alone
 def test_sixteen_bit_pngs_decoded_in_bounded_memory_beside_a_text_request(raised_srv, png16):
     results, seconds, growth = _two_image_requests_and_a_text_one(raised_srv, png16, 1)
     print(f"raised limits: text request {seconds:.2f} s, peak RSS growth {growth / 2**20:.0f} MiB")
@@ -169,6 +171,7 @@ def _median_seconds_beside(srv, stops: list[str] | None) -> float:
     return sorted(times)[2]
 
 
+@pytest.mark.timing  # a wall-clock bound: run alone
 def test_many_stop_strings_do_not_slow_another_request(raised_srv):
     """On 2 cores any streaming neighbour costs a request about 1.5x (the two share each step, and the
     server's threads share one GIL), so the cost of the stop strings is measured against a neighbour

@@ -8,7 +8,12 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
+
 from helpers import start_server
+
+# wall-clock bounds: ./run test runs these alone, after the rest (see the README)
+pytestmark = pytest.mark.timing
 
 
 def _start(model, *flags) -> tuple[subprocess.Popen, str]:

@@ -178,6 +178,7 @@ def test_chat_cli_with_a_video(srv, media_dir, tiny_ckpt, capsys):
     assert "video file not found" in capsys.readouterr().err
 
 
+@pytest.mark.timing  # a wall-clock bound: run alone
 def test_decoding_a_video_does_not_stall_another_stream(tiny_ckpt, tmp_path):
     """While one client streams, another sends an 8 s 720p clip whose 64 sampled frames need all of its
     frames decoded (one keyframe) and resized: that runs on a prompt thread, never the engine's, so the

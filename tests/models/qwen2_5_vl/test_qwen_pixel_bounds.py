@@ -28,6 +28,7 @@ def _one(img, **bounds):
                                          {"type": "text", "text": "Describe."}]}]
 
 
+@pytest.mark.timing  # a wall-clock bound: run alone
 def test_huge_own_min_pixels_is_refused_before_resizing(limited, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the image must not be resized")
