@@ -230,7 +230,9 @@ def _positive(text: str) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from vlm_sdk.engine.heap import bound_server_heap
     from vlm_sdk.server.runner import serve
+    bound_server_heap()  # before the engine's threads (engine/heap.py)
     model = args.model
     if model is None:
         from vlm_sdk.demo_checkpoint import tiny_model_dir
