@@ -112,9 +112,10 @@ class MultiprocExecutor(StartedRanksExecutor):
     def _collect(self, wait_s: float) -> None:
         """Move reported failures from the queue into `_failures`, waiting up to `wait_s` for the first."""
         deadline = time.monotonic() + wait_s
-        while True:
+        errors = self._errors
+        while errors is not None:
             try:
-                failure = self._errors.get(timeout=max(0.0, deadline - time.monotonic()))
+                failure = errors.get(timeout=max(0.0, deadline - time.monotonic()))
             except (queue.Empty, OSError, ValueError):
                 return
             with self._lock:
@@ -142,5 +143,8 @@ class MultiprocExecutor(StartedRanksExecutor):
                 p.kill()
                 p.join(2.0)
         self._closing = True
+        # the ranks are gone: the queue's last reference goes, and with it its semaphores, now rather than
+        # by the resource tracker's "leaked semaphore objects" after `exit_now` skipped their finalisers
+        self._errors = None
         torch.set_num_threads(self._threads)
         leave_group()
