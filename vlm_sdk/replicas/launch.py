@@ -14,6 +14,9 @@ HTTP proxy is not started: the OpenAI server in this process is the front. With 
 """
 from __future__ import annotations
 
+import logging
+import socket
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -22,6 +25,13 @@ from vlm_sdk.replicas import require_ray
 from vlm_sdk.replicas.routing import RoutingConfig
 
 ROUTER_CLASS = "vlm_sdk.replicas.router:CacheAwareRouter"
+# the Ray side of shutting down (delete the application, stop Serve and the cluster we started): a
+# cluster that stopped answering meanwhile would hold every Serve call ~60 s, then Ray ends the process
+STOP_SECONDS = 20.0
+PROBE_SECONDS = 0.5
+# a cluster that is gone: what is left of the Ray side goes on without us after this
+GONE_STOP_SECONDS = 2.0
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,54 @@ def _deployment_options(config: ReplicaConfig, routing: RoutingConfig, engine_ar
     return options
 
 
+def gcs_answers(timeout: float = 1.0) -> bool:
+    """Whether the connected Ray cluster's GCS still accepts a connection. Ctrl-C in a terminal, or a
+    SIGTERM to the server's whole process group, also reaches the processes of a cluster the server
+    started (they share its group): then every Serve call waits ~60 s for a GCS that is gone."""
+    import ray
+    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def stop_replicas(app_name: str, board, started_ray: bool) -> None:
+    """Delete the Serve application and the stats board, and stop Serve and Ray when this process
+    started the cluster. Waits up to STOP_SECONDS, asking the GCS every PROBE_SECONDS whether it still
+    answers: when it stops (the cluster got the same signal), GONE_STOP_SECONDS more, then no longer."""
+    import ray
+    worker = threading.Thread(target=_stop_ray_side, args=(app_name, board, started_ray), name="vlm-ray-stop",
+                              daemon=True)
+    worker.start()
+    deadline = time.monotonic() + STOP_SECONDS
+    while True:
+        worker.join(PROBE_SECONDS)
+        if not worker.is_alive():
+            return
+        if not gcs_answers():
+            log.warning("the Ray cluster (GCS at %s) no longer answers, so its replicas have ended with it: most "
+                        "likely its processes got this one's signal (Ctrl-C, or a SIGTERM to the whole process "
+                        "group). Nothing is left to delete.", ray.get_runtime_context().gcs_address)
+            worker.join(GONE_STOP_SECONDS)
+            return
+        if time.monotonic() >= deadline:
+            log.warning("the Ray cluster did not finish deleting the replicas within %.0f s; leaving it to end "
+                        "them", STOP_SECONDS)
+            return
+
+
+def _stop_ray_side(app_name: str, board, started_ray: bool) -> None:
+    import ray
+    from ray import serve
+    serve.delete(app_name)
+    ray.kill(board)
+    if started_ray:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def _cuda_available() -> bool:
     import torch
     return torch.cuda.is_available()
@@ -120,11 +178,7 @@ def serve_replicas(model: str, config: ReplicaConfig | None = None, routing: Rou
     handle = serve.run(deployment.bind(str(model), engine_args, board), name=config.app_name, route_prefix=None)
 
     def stop() -> None:
-        serve.delete(config.app_name)
-        ray.kill(board)
-        if started_ray:
-            serve.shutdown()
-            ray.shutdown()
+        stop_replicas(config.app_name, board, started_ray)
     try:
         args = handle.info.remote().result()["args"]
         llm = ReplicaSetLLM(handle, str(model), board, routing, args, on_shutdown=stop)
