@@ -1,5 +1,5 @@
-"""engine/heap.py: `vlm-sdk serve`'s allocator settings return freed multi-megabyte blocks to the system
-(each in a fresh process: the settings are process-wide and outlive the call)."""
+"""engine/heap.py: `vlm-sdk serve`'s allocator setting, two malloc arenas however many threads allocate
+(each case in a fresh process: the setting is process-wide and outlives the call)."""
 import os
 import platform
 import subprocess
@@ -7,28 +7,38 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt settings are glibc's")
+pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and malloc_info are glibc's")
 
-# After a 16 MiB block is freed, glibc's default raises its mmap threshold to 16 MiB: the 2 MiB blocks
-# that follow come from the heap, and a small block allocated after them keeps their pages resident
-# once they are freed. Under bound_server_heap each is mapped on its own and unmapped when freed.
+# Eight threads alive at once each allocate (blocks over 512 bytes go to malloc, not Python's own
+# allocator); glibc's malloc_info then lists one <heap> per arena. By default a thread that allocates
+# gets an arena of its own (up to 8 per core).
 PROBE = """
-import sys
+import ctypes, sys, tempfile, threading
 from vlm_sdk.engine.heap import bound_server_heap
 tuned = bound_server_heap() if sys.argv[1] == "tuned" else False
+barrier = threading.Barrier(9)
+kept = []
 
-def rss():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) << 10
+def work():
+    kept.append([bytearray(4096) for _ in range(64)])
+    barrier.wait()  # all alive together: none hands its arena on to the next
+    barrier.wait()
 
-big = bytearray(16 << 20)
-del big
-before = rss()
-blocks = [bytearray(2 << 20) for _ in range(32)]  # 64 MiB, written (a bytearray is zero-filled)
-pins = [bytearray(1000) for _ in range(64)]  # small and alive, allocated after the blocks
-del blocks
-print(tuned, (rss() - before) >> 20)
+threads = [threading.Thread(target=work) for _ in range(8)]
+for t in threads:
+    t.start()
+barrier.wait()
+libc = ctypes.CDLL(None)
+libc.fopen.restype = ctypes.c_void_p
+with tempfile.NamedTemporaryFile("r") as f:
+    fp = ctypes.c_void_p(libc.fopen(f.name.encode(), b"w"))
+    libc.malloc_info(0, fp)
+    libc.fclose(fp)
+    arenas = f.read().count("<heap nr=")
+barrier.wait()
+for t in threads:
+    t.join()
+print(tuned, arenas)
 """
 
 
@@ -40,13 +50,13 @@ def _run(mode: str, **env) -> tuple[str, int]:
     return out[0], int(out[1])
 
 
-def test_freed_large_blocks_leave_the_resident_set():
-    tuned, kept = _run("tuned")
-    assert tuned == "True" and kept < 8, f"{kept} MiB of 64 MiB freed still resident"
-    untuned, kept_default = _run("default")  # what the setting is for: glibc's default keeps them
-    assert untuned == "False" and kept_default > 32, kept_default
+def test_threads_share_two_arenas():
+    tuned, arenas = _run("tuned")
+    assert tuned == "True" and arenas == 2, arenas
+    untuned, arenas_default = _run("default")  # what the setting is for: by default, one a thread
+    assert untuned == "False" and arenas_default > 4, arenas_default
 
 
 def test_the_users_own_allocator_settings_stand():
-    tuned, kept = _run("tuned", MALLOC_ARENA_MAX="4")
-    assert tuned == "False" and kept > 32, kept
+    tuned, arenas = _run("tuned", MALLOC_ARENA_MAX="3")
+    assert tuned == "False" and arenas == 3, arenas

@@ -11,12 +11,8 @@ from __future__ import annotations
 import ctypes
 import os
 
-# glibc's mallopt parameters (malloc.h)
-M_MMAP_THRESHOLD = -3
-M_ARENA_MAX = -8
-# a server's settings (bound_server_heap): two arenas; every block of 1 MiB or more mapped on its own
-SERVER_ARENAS = 2
-SERVER_MMAP_THRESHOLD = 1 << 20
+M_ARENA_MAX = -8  # glibc's mallopt parameter (malloc.h)
+SERVER_ARENAS = 2  # bound_server_heap's
 # set by the user: their choice stands
 _USER_SETTINGS = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
 
@@ -29,23 +25,20 @@ def trim_heap() -> None:
 
 
 def bound_server_heap() -> bool:
-    """Allocator settings for a long-running server process (glibc; elsewhere, or where the user set
-    any of MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES, nothing: False).
+    """Two malloc arenas for a long-running server process (glibc; elsewhere, or where the user set
+    MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES, nothing: False). Call it before the
+    engine starts its threads: an arena is kept once made.
 
-    glibc gives each thread that allocates an arena of its own, up to 8 per core, and memory freed in one
-    is reused only there; a server's threads (event loop, engine, body writer, tokenizer and grammar
-    workers) each keep the high-water mark of whatever passed through them. And after the first large
-    block is freed, glibc raises its mmap threshold to that block's size (up to 32 MiB), so later
-    multi-megabyte bodies and arrays come from the arenas, where a small live object above them keeps
-    the freed pages resident. Two arenas and a fixed 1 MiB threshold (each larger block mapped on its
-    own, returned to the system when freed) took `bench-serve --red-team`'s RSS growth on the tiny model
-    from +190 to +129 MiB (BENCHMARKS.md). Call it before the engine starts its threads: arenas made
-    before it are kept."""
+    glibc gives each thread that allocates an arena of its own, up to 8 per core, and memory freed in
+    an arena is reused only by the threads attached to it: a server's threads (event loop, engine, body
+    writer, tokenizer and grammar workers) each kept the high-water mark of what passed through them.
+    With two, `bench-serve --red-team`'s RSS growth on the tiny model went from +190 to +147 MiB, and
+    the HTTP server's decode speed on the ~100M bench model did not change (BENCHMARKS.md). A fixed
+    1 MiB mmap threshold besides (every larger block mapped on its own) took the growth to +129 MiB
+    but made each CPU decode step page-fault its multi-megabyte temporaries: 0.68x the speed."""
     if any(name in os.environ for name in _USER_SETTINGS):
         return False
     try:
-        libc = ctypes.CDLL(None)
-        return bool(libc.mallopt(M_ARENA_MAX, SERVER_ARENAS)) and bool(libc.mallopt(M_MMAP_THRESHOLD,
-                                                                                   SERVER_MMAP_THRESHOLD))
+        return bool(ctypes.CDLL(None).mallopt(M_ARENA_MAX, SERVER_ARENAS))
     except (OSError, AttributeError):  # not glibc
         return False
