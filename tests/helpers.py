@@ -86,6 +86,18 @@ def plan_cache(args, per_block, device, max_position_embeddings, peak, image_set
     return cache
 
 
+def process_table() -> list[tuple[int, int, int]]:
+    """(pid, parent pid, process group) of every process (Linux /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # ended meanwhile
+            continue
+        out.append((int(stat.parent.name), int(fields[1]), int(fields[2])))
+    return out
+
+
 def process_alive(pid: int) -> bool:
     """Whether process `pid` still runs (Linux /proc): a zombie has ended, only its parent has not reaped it."""
     try:

@@ -6,30 +6,17 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from helpers import process_alive, start_server
+from helpers import process_alive, process_table, start_server
 
 pytest.importorskip("ray")  # a test dependency (pyproject's test extra)
 
 
-def _stats() -> list[tuple[int, int, int]]:
-    """(pid, parent pid, process group) of every process (Linux /proc)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        out.append((int(stat.parent.name), int(fields[1]), int(fields[2])))
-    return out
-
-
 def _tree(pgid: int) -> set[int]:
     """The processes of group `pgid` and all their descendants (Ray's workers start groups of their own)."""
-    stats = _stats()
+    stats = process_table()
     found = {pid for pid, _, group in stats if group == pgid}
     grew = True
     while grew:

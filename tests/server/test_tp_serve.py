@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import start_server
+from helpers import process_table, start_server
 from vlm_sdk import AsyncLLM, LLM, SamplingParams
 from vlm_sdk.errors import EngineDeadError
 
@@ -25,16 +25,8 @@ HELLO = [{"role": "user", "content": "Hello"}]
 
 
 def _children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (Linux /proc)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
+    """Processes whose parent is `pid`."""
+    return [child for child, parent, _ in process_table() if parent == pid]
 
 
 def _alive(pid: int) -> bool:

@@ -1,6 +1,7 @@
-"""Give memory the allocator holds free back to the system.
+"""The C allocator's memory in a serving process: how it is arranged, and giving back what it keeps free.
 
-After a request has made and freed something large (a 28 MB body, a 50 MB response), glibc keeps
+`bound_server_heap` (at `vlm-sdk serve`'s start and in each Ray Serve replica) limits glibc to two
+arenas. After a request has made and freed something large (a 28 MB body, a 50 MB response), glibc keeps
 the freed memory for later use: the process's resident size then shows a peak that is no longer
 used. `trim_heap` returns it (glibc's `malloc_trim(0)`, a ctypes call that releases the GIL while it
 walks the heap); elsewhere it does nothing. Call it off the event loop, and only when nothing runs:
