@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from vlm_sdk.engine.heap import USER_ALLOCATOR_SETTINGS
+
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and malloc_info are glibc's")
 
 # Eight threads alive at once each allocate (blocks over 512 bytes go to malloc, not Python's own
@@ -43,8 +45,7 @@ print(tuned, arenas)
 
 
 def _run(mode: str, **env) -> tuple[str, int]:
-    clean = {k: v for k, v in os.environ.items() if k not in ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_",
-                                                               "GLIBC_TUNABLES")}
+    clean = {k: v for k, v in os.environ.items() if k not in USER_ALLOCATOR_SETTINGS}
     out = subprocess.run([sys.executable, "-c", PROBE, mode], env={**clean, **env}, capture_output=True, text=True,
                          check=True, timeout=60).stdout.split()
     return out[0], int(out[1])

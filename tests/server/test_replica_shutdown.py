@@ -36,7 +36,7 @@ def test_a_signal_to_the_whole_group_ends_the_server_and_its_cluster_in_seconds(
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         seconds = time.monotonic() - t0
-        assert seconds < 15, f"{seconds:.1f} s to exit"  # measured 2.3 s on the 2-core VM; was 60 s
+        assert seconds < 15, f"{seconds:.1f} s to exit"  # measured 0.6 s on the 2-core VM; was 60 s
         assert "no longer answers" in proc.stderr.read()
         deadline = time.monotonic() + 20
         while any(process_alive(p) for p in tree) and time.monotonic() < deadline:

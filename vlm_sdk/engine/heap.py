@@ -14,8 +14,8 @@ import os
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter (malloc.h)
 SERVER_ARENAS = 2  # bound_server_heap's
-# set by the user: their choice stands
-_USER_SETTINGS = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
+# glibc's own settings: where the user set any, their choice stands
+USER_ALLOCATOR_SETTINGS = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
 
 
 def trim_heap() -> None:
@@ -37,7 +37,7 @@ def bound_server_heap() -> bool:
     the HTTP server's decode speed on the ~100M bench model did not change (BENCHMARKS.md). A fixed
     1 MiB mmap threshold besides (every larger block mapped on its own) took the growth to +129 MiB
     but made each CPU decode step page-fault its multi-megabyte temporaries: 0.68x the speed."""
-    if any(name in os.environ for name in _USER_SETTINGS):
+    if any(name in os.environ for name in USER_ALLOCATOR_SETTINGS):
         return False
     try:
         return bool(ctypes.CDLL(None).mallopt(M_ARENA_MAX, SERVER_ARENAS))

@@ -29,8 +29,6 @@ ROUTER_CLASS = "vlm_sdk.replicas.router:CacheAwareRouter"
 # cluster that stopped answering meanwhile would hold every Serve call ~60 s, then Ray ends the process
 STOP_SECONDS = 20.0
 PROBE_SECONDS = 0.5
-# a cluster that is gone: what is left of the Ray side goes on without us after this
-GONE_STOP_SECONDS = 2.0
 log = logging.getLogger(__name__)
 
 
@@ -118,7 +116,8 @@ def gcs_answers(timeout: float = 1.0) -> bool:
 def stop_replicas(app_name: str, board, started_ray: bool) -> None:
     """Delete the Serve application and the stats board, and stop Serve and Ray when this process
     started the cluster. Waits up to STOP_SECONDS, asking the GCS every PROBE_SECONDS whether it still
-    answers: when it stops (the cluster got the same signal), GONE_STOP_SECONDS more, then no longer."""
+    answers: once it stops (the cluster got the same signal), no longer; the Ray side's thread, stuck in
+    a Serve call, is left behind."""
     import ray
     worker = threading.Thread(target=_stop_ray_side, args=(app_name, board, started_ray), name="vlm-ray-stop",
                               daemon=True)
@@ -132,7 +131,6 @@ def stop_replicas(app_name: str, board, started_ray: bool) -> None:
             log.warning("the Ray cluster (GCS at %s) no longer answers, so its replicas have ended with it: most "
                         "likely its processes got this one's signal (Ctrl-C, or a SIGTERM to the whole process "
                         "group). Nothing is left to delete.", ray.get_runtime_context().gcs_address)
-            worker.join(GONE_STOP_SECONDS)
             return
         if time.monotonic() >= deadline:
             log.warning("the Ray cluster did not finish deleting the replicas within %.0f s; leaving it to end "
