@@ -26,9 +26,20 @@ def _tree(pgid: int) -> set[int]:
     return found
 
 
+def _serve(model) -> tuple:
+    return start_server([sys.executable, "-m", "vlm_sdk.cli", "serve", str(model), "--port", "0",
+                         "--data-parallel-size", "2"], timeout=180)  # its own process group
+
+
+def _none_left(tree: set[int]) -> None:
+    deadline = time.monotonic() + 20
+    while any(process_alive(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in tree if process_alive(p)], "processes of the server or its cluster left"
+
+
 def test_a_signal_to_the_whole_group_ends_the_server_and_its_cluster_in_seconds(tiny_ckpt):
-    proc, _ = start_server([sys.executable, "-m", "vlm_sdk.cli", "serve", str(tiny_ckpt), "--port", "0",
-                            "--data-parallel-size", "2"], timeout=180)  # its own process group
+    proc, _ = _serve(tiny_ckpt)
     try:
         tree = _tree(proc.pid)
         assert len(tree) > 3, tree  # the server, Ray's GCS and raylet, the replicas
@@ -38,10 +49,21 @@ def test_a_signal_to_the_whole_group_ends_the_server_and_its_cluster_in_seconds(
         seconds = time.monotonic() - t0
         assert seconds < 15, f"{seconds:.1f} s to exit"  # measured 0.6 s on the 2-core VM; was 60 s
         assert "no longer answers" in proc.stderr.read()
-        deadline = time.monotonic() + 20
-        while any(process_alive(p) for p in tree) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [p for p in tree if process_alive(p)], "processes of the server or its cluster left"
+        _none_left(tree)
+    finally:
+        for pid in _tree(proc.pid) if proc.poll() is None else ():
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_to_the_server_alone_deletes_the_replicas_and_ends_the_cluster(tiny_ckpt):
+    """The graceful path: nothing of the cluster outlives the server (the shutdown once probed the GCS
+    through Ray's API after ray.shutdown, which started a new local cluster that stayed behind)."""
+    proc, _ = _serve(tiny_ckpt)
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert "Started a local Ray instance" not in proc.stderr.read().split("shutting down", 1)[-1]
+        _none_left(_tree(proc.pid))
     finally:
         for pid in _tree(proc.pid) if proc.poll() is None else ():
             os.kill(pid, signal.SIGKILL)

@@ -100,12 +100,11 @@ def _deployment_options(config: ReplicaConfig, routing: RoutingConfig, engine_ar
     return options
 
 
-def gcs_answers(timeout: float = 1.0) -> bool:
-    """Whether the connected Ray cluster's GCS still accepts a connection. Ctrl-C in a terminal, or a
-    SIGTERM to the server's whole process group, also reaches the processes of a cluster the server
-    started (they share its group): then every Serve call waits ~60 s for a GCS that is gone."""
-    import ray
-    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+def gcs_answers(address: str, timeout: float = 1.0) -> bool:
+    """Whether the Ray cluster's GCS at `address` ("host:port") still accepts a connection. Ctrl-C in a
+    terminal, or a SIGTERM to the server's whole process group, also reaches the processes of a cluster
+    the server started (they share its group): then every Serve call waits ~60 s for a GCS that is gone."""
+    host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
             return True
@@ -119,6 +118,8 @@ def stop_replicas(app_name: str, board, started_ray: bool) -> None:
     answers: once it stops (the cluster got the same signal), no longer; the Ray side's thread, stuck in
     a Serve call, is left behind."""
     import ray
+    # read while connected: once the thread has run ray.shutdown, Ray's API would start a new cluster
+    gcs = ray.get_runtime_context().gcs_address
     worker = threading.Thread(target=_stop_ray_side, args=(app_name, board, started_ray), name="vlm-ray-stop",
                               daemon=True)
     worker.start()
@@ -127,10 +128,10 @@ def stop_replicas(app_name: str, board, started_ray: bool) -> None:
         worker.join(PROBE_SECONDS)
         if not worker.is_alive():
             return
-        if not gcs_answers():
+        if not gcs_answers(gcs):
             log.warning("the Ray cluster (GCS at %s) no longer answers, so its replicas have ended with it: most "
                         "likely its processes got this one's signal (Ctrl-C, or a SIGTERM to the whole process "
-                        "group). Nothing is left to delete.", ray.get_runtime_context().gcs_address)
+                        "group). Nothing is left to delete.", gcs)
             return
         if time.monotonic() >= deadline:
             log.warning("the Ray cluster did not finish deleting the replicas within %.0f s; leaving it to end "
