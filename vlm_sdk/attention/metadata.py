@@ -44,3 +44,26 @@ class AttentionMetadata:
     def fields(self) -> dict:
         """The common fields, for a backend's subclass built from them (`AttentionBackend.prepare`)."""
         return {name: getattr(self, name) for name in AttentionMetadata.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class StateMetadata:
+    """What a state layer (a `StateSpec` layer: Gated DeltaNet, Mamba-like) needs of one step: the
+    packed tokens as `AttentionMetadata` packs them, and each request's state slot. The layer reads and
+    writes its slots in place (`[num_state_slots, *shape]` tensors); a request with
+    `has_initial_state` False computes from token 0 and must start from zeros, whatever its slot holds
+    (slots are reused). A prefill chunk starts where the last one ended, with the state it left."""
+    query_start_loc: torch.Tensor  # [batch + 1] int32, on the device
+    query_lens_cpu: list[int]
+    state_slots: torch.Tensor  # [batch] int64, on the device: each request's live slot
+    has_initial_state: torch.Tensor  # [batch] bool, on the device
+    has_initial_state_cpu: list[bool]
+    max_query_len: int  # 1: a decode-only step (the recurrent rule)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_cpu)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
