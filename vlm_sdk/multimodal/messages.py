@@ -230,7 +230,14 @@ def _map_part(part: Any, text, media: dict) -> Any:
 
 def measure(messages: Any) -> tuple[int, int]:
     """(characters of text, image and video parts) of `messages`, without copying anything."""
-    chars = images = 0
+    chars, images, videos = count_parts(messages)
+    return chars, images + videos
+
+
+def count_parts(messages: Any) -> tuple[int, int, int]:
+    """(characters of text, image parts, video parts) of `messages`, without copying or reading any
+    part: what AsyncLLM sorts a request into a prompt-building pool by before any work."""
+    chars = images = videos = 0
     for msg in messages if isinstance(messages, (list, tuple)) else ():
         content = msg.get("content") if isinstance(msg, dict) else None
         if isinstance(content, str):
@@ -241,5 +248,8 @@ def measure(messages: Any) -> tuple[int, int]:
                 if kind == "text" and isinstance(part.get("text"), str):
                     chars += len(part["text"])
                 elif kind in _MEDIA:
-                    images += 1
-    return chars, images
+                    if _MEDIA[kind] == "video":
+                        videos += 1
+                    else:
+                        images += 1
+    return chars, images, videos

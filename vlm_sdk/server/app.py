@@ -211,7 +211,8 @@ class OpenAIServer:
                                           self.config.max_n, max_logit_bias=args.max_logit_bias,
                                           max_stop_token_ids=args.max_stop_token_ids,
                                           max_response_logprobs=self.config.max_response_logprobs,
-                                          limit_videos=self.config.limit_videos)
+                                          limit_videos=self.config.limit_videos,
+                                          max_sequences=self.config.max_sequences_per_request)
         messages = await self.media.resolve_messages(req.messages)
         prompt = await self.engine.build_prompt(messages, req.params, req.options)
         protocol.check_output_room(len(prompt.token_ids), req.params.max_tokens, self.max_model_len,

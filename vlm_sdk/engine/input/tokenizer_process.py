@@ -1,4 +1,4 @@
-"""Tokenize huge texts in a child process, so that no GIL-holding step of it runs in ours.
+"""Tokenize long texts in child processes, so that no GIL-holding step of it runs in ours.
 
 In-process, a fast tokenizer's encode of a 30 MB text can release the GIL while it tokenizes
 (`encode_batch`), but converting its ids and freeing its `Encoding` (a string per token) hold the
@@ -15,6 +15,7 @@ caller's `__main__`), started on the first huge text. Pipe protocol, all integer
 from __future__ import annotations
 
 import array
+import queue
 import struct
 import subprocess
 import sys
@@ -85,6 +86,29 @@ class TokenizerProcess:
         proc = self._proc
         if proc is not None and proc.poll() is None:
             proc.kill()
+
+
+class TokenizerProcesses:
+    """`count` `TokenizerProcess`es (each started on its first text): `encode` takes an idle one, waiting
+    (GIL released) only when `count` texts are being tokenized at once, so one long text never holds up
+    the next."""
+
+    def __init__(self, tokenizer_json: str, count: int):
+        self._idle: queue.SimpleQueue = queue.SimpleQueue()
+        self._all = [TokenizerProcess(tokenizer_json) for _ in range(count)]
+        for proc in self._all:
+            self._idle.put(proc)
+
+    def encode(self, text: str, add_special_tokens: bool, max_tokens: int | None) -> tuple[int, list[int] | None]:
+        proc = self._idle.get()
+        try:
+            return proc.encode(text, add_special_tokens, max_tokens)
+        finally:
+            self._idle.put(proc)
+
+    def close(self) -> None:
+        for proc in self._all:
+            proc.close()
 
 
 def _serve(stdin, stdout) -> None:

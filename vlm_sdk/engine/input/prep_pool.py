@@ -1,0 +1,160 @@
+"""Threads that build prompts for AsyncLLM: a pool per kind of work, each fair between requests.
+
+    PrepPools.pool_for(chars, images, videos) -> "video" | "heavy" | "text", from the request's part
+    counts (multimodal/messages.count_parts) before any of its work:
+        video   any video part                                     its own threads (nice 5)
+        heavy   any image part, or text of LONG_TEXT_CHARS or more its own threads
+        text    the rest                                           its own threads
+    FairPool.submit(request, fn) -> concurrent.futures.Future
+
+Two rules, each held by `FairPool`:
+  - Kinds never share threads: an image or a text never waits behind a video (issue 41 row 3: two
+    hostile videos held both of the threads images shared with them for 154 s), and a short text never
+    waits behind image decoding or a long text.
+  - One request holds at most `per_request` of a pool's threads (half of them, at least one): a
+    /v1/completions request of 64 prompts builds them one at a time on the text pool, so another
+    request's text always finds the other thread; and the next job a freed thread takes is the
+    oldest of the request after the one it served last (round-robin across requests, each request's
+    jobs in order), so a request with many jobs queued delays another's first by at most one of its own.
+
+A job cancelled before it starts (its caller went away) leaves the queue at once and never runs; a
+running one is told through its own `cancelled` event (see AsyncLLM.build_prompt). Threads start when
+first needed, up to the pool's size, and live until `shutdown`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections import Counter, OrderedDict, deque
+from concurrent.futures import Future
+from typing import Callable, Hashable
+
+from vlm_sdk.engine.input.prompt_tokenizer import LONG_TEXT_CHARS
+
+PREP_THREADS = 2  # per pool
+VIDEO_NICE = 5  # video threads (and the FFmpeg threads they start, which inherit it) yield the cores first
+
+
+class FairPool:
+    """`threads` threads running the jobs of many requests: at most `per_request` jobs of one request
+    at once; the next job round-robin across requests (see the module docstring)."""
+
+    def __init__(self, name: str, threads: int, per_request: int, nice: int = 0):
+        self.name, self.threads, self.per_request, self.nice = name, threads, per_request, nice
+        self._cond = threading.Condition()
+        self._queues: OrderedDict[Hashable, deque] = OrderedDict()  # request -> its jobs not started, in order
+        self._running: Counter = Counter()  # request -> its jobs running now
+        self._workers: list[threading.Thread] = []
+        self._idle = 0
+        self._closed = False
+
+    def submit(self, request: Hashable, fn: Callable) -> Future:
+        """Queue `fn()` as a job of `request`; its result (or exception) comes in the future. Cancelling
+        the future before the job starts removes it from the queue."""
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"the {self.name} prompt pool is shut down")
+            self._queues.setdefault(request, deque()).append((future, fn))
+            if self._idle == 0 and len(self._workers) < self.threads:
+                worker = threading.Thread(target=self._work, name=f"vlm-prep-{self.name}-{len(self._workers)}",
+                                          daemon=True)
+                self._workers.append(worker)
+                worker.start()
+            self._cond.notify()
+        future.add_done_callback(lambda f: self._drop(request, f) if f.cancelled() else None)
+        return future
+
+    def queued(self) -> dict:
+        """request -> how many of its jobs wait (a snapshot, for tests and stats)."""
+        with self._cond:
+            return {request: len(jobs) for request, jobs in self._queues.items()}
+
+    def shutdown(self) -> None:
+        """Cancel every job not started; threads end once their job does."""
+        with self._cond:
+            self._closed = True
+            jobs = [future for queue in self._queues.values() for future, _ in queue]
+            self._queues.clear()
+            self._cond.notify_all()
+        for future in jobs:
+            future.cancel()
+
+    def _drop(self, request: Hashable, future: Future) -> None:
+        with self._cond:
+            queue = self._queues.get(request)
+            if queue is None:
+                return
+            for job in queue:
+                if job[0] is future:
+                    queue.remove(job)
+                    break
+            if not queue:
+                del self._queues[request]
+
+    def _take(self):
+        """The next job a free thread runs (under the lock), or None when every queued request is at its
+        share; the request served goes to the back of the round."""
+        for request, queue in self._queues.items():
+            if self._running[request] < self.per_request:
+                job = queue.popleft()
+                if queue:
+                    self._queues.move_to_end(request)
+                else:
+                    del self._queues[request]
+                self._running[request] += 1
+                return request, job
+        return None
+
+    def _work(self) -> None:
+        if self.nice and sys.platform.startswith("linux"):  # Linux nice values are per thread: this one only
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            except OSError:
+                pass
+        while True:
+            with self._cond:
+                self._idle += 1
+                while (taken := self._take()) is None:
+                    if self._closed:
+                        self._idle -= 1
+                        return
+                    self._cond.wait()
+                self._idle -= 1
+            request, (future, fn) = taken
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        result = fn()
+                    except BaseException as e:
+                        future.set_exception(e)
+                    else:
+                        future.set_result(result)
+            finally:
+                with self._cond:
+                    self._running[request] -= 1
+                    if not self._running[request]:
+                        del self._running[request]
+                    self._cond.notify()  # that request's next job may run now
+
+
+class PrepPools:
+    """AsyncLLM's three prompt pools (see the module docstring)."""
+
+    def __init__(self, threads: int = PREP_THREADS):
+        share = max(1, threads // 2)
+        self.text = FairPool("text", threads, share)
+        self.heavy = FairPool("heavy", threads, share)
+        self.video = FairPool("video", threads, share, nice=VIDEO_NICE)
+
+    def pool_for(self, chars: int, images: int, videos: int) -> FairPool:
+        if videos:
+            return self.video
+        if images or chars >= LONG_TEXT_CHARS:
+            return self.heavy
+        return self.text
+
+    def shutdown(self) -> None:
+        for pool in (self.text, self.heavy, self.video):
+            pool.shutdown()
