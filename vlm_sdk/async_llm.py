@@ -25,7 +25,7 @@ of its own (engine/structured_output.py): no prompt thread waits behind a gramma
 
 Admission is fair too: the engine's waiting queue (engine/core/waiting_queue.py) takes the sequences
 of one request (the n samples of a call, or a `group`) round-robin with other requests', and no
-request holds more than half of max_num_seqs.
+request holds more than three quarters of max_num_seqs.
 """
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ class ServerConfig:
     # sequences one request puts in the batch: prompts x n (/v1/completions), n (chat). vLLM bounds n
     # (VLLM_MAX_N_SEQUENCES, 16384) and the prompt list (VLLM_MAX_COMPLETION_PROMPTS, 1024) apart, never
     # their product; here the product is at most one batch (max_num_seqs' default), of which the engine
-    # runs at most half at once for one request (engine/core/waiting_queue.py)
+    # runs at most three quarters at once for one request (engine/core/waiting_queue.py)
     max_sequences_per_request: int = 64
     # connections: an open one must complete a request head within keep_alive_timeout of opening or
     # of its last response (idle and slow-header clients alike), and its body within body_timeout

@@ -7,7 +7,7 @@ preempted: its blocks are freed and it goes back to the front of the waiting que
 later (its generated tokens are kept). Waiting sequences are admitted while budget, blocks and
 `max_num_seqs` allow, and not at all in a step that had to preempt, in the order of the waiting
 queue (engine/core/waiting_queue.py): the preempted first, then round-robin across requests (a
-request: `Sequence.group`), no request holding more than half of `max_num_seqs`; FIFO when every
+request: `Sequence.group`), no request holding more than 3/4 of `max_num_seqs`; FIFO when every
 request is one sequence. A sequence that starts or
 restarts shares the blocks of its longest cached prefix and computes only the rest
 (`BlockManager.start`); a preempted sequence may find its own blocks still cached when it returns.
@@ -45,7 +45,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.blocks = block_manager
-        self.waiting = FairWaitingQueue(config.max_num_seqs // 2)
+        self.waiting = FairWaitingQueue(config.max_num_seqs - config.max_num_seqs // 4)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._worker_finished: set[str] = set()  # held by the worker, finished since the last step
