@@ -13,10 +13,11 @@ there queues a "stop" for the engine, which frees the request's blocks. Closing 
 finalises at once; `contextlib.aclosing` makes it explicit) or cancelling its task queues an abort,
 which the engine thread applies before its next step, freeing the request's KV blocks.
 
-Prompt building has three pools of two threads (engine/input/prep_pool.py), chosen from the request's
-part counts before any of its work: requests with a video go to the video one, with images or a long
-text (LONG_TEXT_CHARS) to the heavy one, the rest to the text one, so an image never waits behind a
-video and a text prompt never waits behind either. Within a pool one request (`group`: one
+Prompt building has four pools of two threads (engine/input/prep_pool.py), chosen from the request's
+part counts before any of its work: requests with a video go to the video one, with images to the
+image one, with a text of CHILD_TEXT_CHARS (16 KiB) or more to the long one (tokenized in a child
+process), the rest to the text one, so an image never waits behind a video and a short text prompt
+never waits behind any of them. Within a pool one request (`group`: one
 /v1/completions request's prompts) holds at most one thread, and freed threads take the next job
 round-robin across requests. A caller that goes away while its prompt is built (a server client that
 disconnects cancels its handler) cancels it: not started, it never runs; running, the images it has
@@ -85,7 +86,7 @@ class AsyncLLM:
         # keyed by a unique engine id, so a reused user id never receives an older request's outputs
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
-        self._prep = PrepPools()  # text, heavy (images, long texts) and video: fair between requests
+        self._prep = PrepPools()  # text, long text, image and video: fair between requests
         # guards _dead/_closed against the enqueueing of commands: nothing is queued after the engine
         # thread's final drain, so no caller waits on a thread that is gone
         self._lock = threading.Lock()

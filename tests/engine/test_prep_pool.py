@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from vlm_sdk.engine.input.prep_pool import FairPool, PrepPools
-from vlm_sdk.engine.input.prompt_tokenizer import LONG_TEXT_CHARS
+from vlm_sdk.engine.input.prompt_tokenizer import CHILD_TEXT_CHARS
 from vlm_sdk.multimodal.messages import count_parts
 
 
@@ -15,14 +15,15 @@ def test_each_kind_of_request_has_its_pool():
         image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
         video = {"type": "video", "video": "clip.mp4"}
         text = {"type": "text", "text": "hi"}
-        cases = {"text": [text], "heavy": [image, text], "video": [image, video, text]}
+        cases = {"text": [text], "image": [image, text], "video": [image, video, text],
+                 "long": [{"type": "text", "text": "x" * CHILD_TEXT_CHARS}]}
         for name, parts in cases.items():
             counts = count_parts([{"role": "user", "content": parts}])
             assert pools.pool_for(*counts) is getattr(pools, name), name
         assert count_parts([{"role": "user", "content": [image, video, video, text]}]) == (2, 1, 2)
-        assert pools.pool_for(LONG_TEXT_CHARS, 0, 0) is pools.heavy and pools.pool_for(LONG_TEXT_CHARS - 1, 0, 0) \
-            is pools.text
-        assert {p.per_request for p in (pools.text, pools.heavy, pools.video)} == {1}  # half of 2 threads
+        assert pools.pool_for(CHILD_TEXT_CHARS - 1, 0, 0) is pools.text
+        assert pools.pool_for(CHILD_TEXT_CHARS, 1, 0) is pools.image
+        assert {p.per_request for p in (pools.text, pools.long, pools.image, pools.video)} == {1}  # half of 2
     finally:
         pools.shutdown()
 

@@ -25,6 +25,10 @@ once it has given its allocator's free memory back), each against issue 28's tar
     9  stop_token_ids covering the whole vocabulary (first 300 ids: the cap) with min_tokens=3
     10 chat_template, echo, add_special_tokens
 
+Then issue 41's rows, from modules of their own (red_team_load.py: 41.3, 41.5, 41.6, 41.8). A row's
+body is bytes for /v1/chat/completions or (path, bytes); its probes are True (a plain one-token chat
+request, again and again while the row runs) or the probe's own body.
+
 `--red-team-scale` < 1 sends fewer of each (at least one): the test suite's quick run.
 """
 from __future__ import annotations
@@ -40,6 +44,8 @@ import time
 from collections import Counter
 
 import aiohttp
+
+from vlm_sdk.bench import red_team_load
 
 IDLE_WAIT_S = 3.0  # after the run, before the last RSS: the server's idle trim and its walk
 TARGETS = {"crashes": 0, "server_errors": 0, "worst_gap_s": 0.5, "rss_growth_bytes": 200 << 20}
@@ -212,19 +218,21 @@ def _grammar_rss(m: dict) -> float:
     return m["vlm_sdk_grammar_process_resident_bytes"]
 
 
-async def _send(session, url: str, headers: dict, data: bytes) -> tuple[int, str]:
+async def _send(session, url: str, headers: dict, data: bytes | tuple[str, bytes]) -> tuple[int, str]:
+    path, data = data if isinstance(data, tuple) else ("/v1/chat/completions", data)
     try:
-        async with session.post(url + "/v1/chat/completions", data=data, headers=headers) as resp:
+        async with session.post(url + path, data=data, headers=headers) as resp:
             raw = await resp.read()  # parsed after the row: parsing 50 MB here would be the client's own stall
             return resp.status, raw[:400].decode(errors="replace") if resp.status != 200 else ""
     except (aiohttp.ClientError, OSError) as e:
         return 0, f"{type(e).__name__}: {e}"  # no answer: the connection died
 
 
-async def _row(session, url: str, headers: dict, bodies: list[bytes], at_once: int, probes: bool, model: str) -> dict:
+async def _row(session, url: str, headers: dict, bodies: list, at_once: int, probes: bool | bytes, model: str) -> dict:
     statuses: list = [None] * len(bodies)
     todo = list(range(len(bodies)))
     probe_times: list[float] = []
+    probe_statuses: Counter = Counter()
 
     async def worker():
         while todo:
@@ -232,10 +240,11 @@ async def _row(session, url: str, headers: dict, bodies: list[bytes], at_once: i
             statuses[i] = await _send(session, url, headers, bodies[i])
 
     async def prober(done: asyncio.Event):
-        plain = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}).encode()
+        plain = probes if isinstance(probes, bytes) else json.dumps(
+            {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}).encode()
         while not done.is_set():
             t0 = time.monotonic()
-            await _send(session, url, headers, plain)
+            probe_statuses[(await _send(session, url, headers, plain))[0]] += 1
             probe_times.append(time.monotonic() - t0)
             await asyncio.sleep(0.2)
     done = asyncio.Event()
@@ -245,7 +254,7 @@ async def _row(session, url: str, headers: dict, bodies: list[bytes], at_once: i
     if probing is not None:
         await probing
     return {"statuses": dict(Counter(s for s, _ in statuses)), "errors": sorted({e for s, e in statuses if e})[:3],
-            "slowest_probe_s": max(probe_times) if probe_times else None}
+            "slowest_probe_s": max(probe_times) if probe_times else None, "probe_statuses": dict(probe_statuses)}
 
 
 async def red_team(url: str, api_key: str | None, model: str | None, scale: float) -> dict:
@@ -257,7 +266,7 @@ async def red_team(url: str, api_key: str | None, model: str | None, scale: floa
             async with session.get(url + "/v1/models", headers=headers) as resp:
                 model = (await resp.json())["data"][0]["id"]
         vocab = await _vocab_size(session, url, headers, model)
-        table = rows(model, vocab, scale)
+        table = rows(model, vocab, scale) + red_team_load.rows(model, scale)
         victim = Victim(url, model, api_key)
         victim.start()
         start = await _metrics(session, url)
@@ -290,6 +299,7 @@ async def red_team(url: str, api_key: str | None, model: str | None, scale: floa
     statuses = Counter()
     for r in results:
         statuses.update(r["statuses"])
+        statuses.update(r.get("probe_statuses", {}))
     return {"url": url, "scale": scale, "rows": results, "healthy_after": healthy,
             "server_errors": sum(v for k, v in statuses.items() if k is not None and (k == 0 or k >= 500)),
             "worst_gap_s": max(r["worst_gap_s"] for r in results), "rss_start_bytes": _rss(start),
@@ -311,6 +321,10 @@ def _codes(r: dict) -> str:
     return ", ".join(f"{k}: {v}" for k, v in sorted(r["statuses"].items(), key=lambda kv: str(kv[0])))
 
 
+def _probe_codes(r: dict) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted(r.get("probe_statuses", {}).items(), key=lambda kv: str(kv[0])))
+
+
 def _gap(r: dict) -> str:
     """The worst gap, where in the row it began, and whether a new victim stream's start is in it."""
     where = "over a new stream's start" if r["worst_gap_new_stream"] else "in a running stream"
@@ -318,7 +332,7 @@ def _gap(r: dict) -> str:
 
 
 def print_row(r: dict, file=sys.stdout) -> None:
-    probe = f"; slowest plain probe {r['slowest_probe_s']:.2f} s" if r["slowest_probe_s"] is not None else ""
+    probe = f"; slowest probe {r['slowest_probe_s']:.2f} s ({_probe_codes(r)})" if r["slowest_probe_s"] is not None else ""
     print(f"row {r['name']}: {r['requests']} requests in {r['seconds']:.1f} s -> {_codes(r)}; victim's worst gap "
           f"{_gap(r)} (median {r['median_gap_s']:.3f} s; worst within a running stream "
           f"{r['worst_running_gap_s']:.3f} s; {r['victim_streams']} new streams); RSS "
@@ -338,7 +352,7 @@ def print_report(report: dict) -> None:
           "stream | RSS before -> after (of it grammar processes) | seconds |")
     print("|---|---|---|---|---|---|---|---|")
     for r in report["rows"]:
-        probe = f" (slowest plain probe {r['slowest_probe_s']:.2f} s)" if r["slowest_probe_s"] is not None else ""
+        probe = f" (slowest probe {r['slowest_probe_s']:.2f} s, {_probe_codes(r)})" if r["slowest_probe_s"] is not None else ""
         print(f"| {r['name']} | {r['requests']} | {_codes(r)} | {_gap(r)}{probe} | {r['median_gap_s']:.3f} s | "
               f"{r['worst_running_gap_s']:.3f} s | {r['rss_before_bytes'] / 2**20:.0f} -> "
               f"{r['rss_after_bytes'] / 2**20:.0f} MiB ({r['grammar_rss_after_bytes'] / 2**20:.0f}) | {r['seconds']:.1f} |")

@@ -1,16 +1,18 @@
 """Threads that build prompts for AsyncLLM: a pool per kind of work, each fair between requests.
 
-    PrepPools.pool_for(chars, images, videos) -> "video" | "heavy" | "text", from the request's part
-    counts (multimodal/messages.count_parts) before any of its work:
-        video   any video part                                     its own threads (nice 5)
-        heavy   any image part, or text of LONG_TEXT_CHARS or more its own threads
-        text    the rest                                           its own threads
+    PrepPools.pool_for(chars, images, videos) -> video | image | long | text, from the request's
+    part counts (multimodal/messages.count_parts) before any of its work:
+        video   any video part                                        nice 10
+        image   any image part (no video)
+        long    text of CHILD_TEXT_CHARS (16 KiB) or more, no media    tokenized in a child process
+        text    the rest                                              ~10 ms of work at most
     FairPool.submit(request, fn) -> concurrent.futures.Future
 
 Two rules, each held by `FairPool`:
-  - Kinds never share threads: an image or a text never waits behind a video (issue 41 row 3: two
-    hostile videos held both of the threads images shared with them for 154 s), and a short text never
-    waits behind image decoding or a long text.
+  - Kinds never share threads (each pool has PREP_THREADS of its own): an image or a text never waits
+    behind a video (issue 41 row 3: two hostile videos held both of the threads images shared with
+    them for 154 s), a short text never waits behind image decoding or a long text's tokenization, and
+    an image never waits behind long texts.
   - One request holds at most `per_request` of a pool's threads (half of them, at least one): a
     /v1/completions request of 64 prompts builds them one at a time on the text pool, so another
     request's text always finds the other thread; and the next job a freed thread takes is the
@@ -30,10 +32,12 @@ from collections import Counter, OrderedDict, deque
 from concurrent.futures import Future
 from typing import Callable, Hashable
 
-from vlm_sdk.engine.input.prompt_tokenizer import LONG_TEXT_CHARS
+from vlm_sdk.engine.input.prompt_tokenizer import CHILD_TEXT_CHARS
 
 PREP_THREADS = 2  # per pool
-VIDEO_NICE = 5  # video threads (and the FFmpeg threads they start, which inherit it) yield the cores first
+# video threads (and the FFmpeg threads they start, which inherit it) yield the cores to everything else:
+# decoding releases the GIL, so what two hostile videos take from the engine thread is CPU time
+VIDEO_NICE = 10
 
 
 class FairPool:
@@ -140,21 +144,22 @@ class FairPool:
 
 
 class PrepPools:
-    """AsyncLLM's three prompt pools (see the module docstring)."""
+    """AsyncLLM's four prompt pools (see the module docstring)."""
 
     def __init__(self, threads: int = PREP_THREADS):
         share = max(1, threads // 2)
         self.text = FairPool("text", threads, share)
-        self.heavy = FairPool("heavy", threads, share)
+        self.long = FairPool("long", threads, share)
+        self.image = FairPool("image", threads, share)
         self.video = FairPool("video", threads, share, nice=VIDEO_NICE)
 
     def pool_for(self, chars: int, images: int, videos: int) -> FairPool:
         if videos:
             return self.video
-        if images or chars >= LONG_TEXT_CHARS:
-            return self.heavy
-        return self.text
+        if images:
+            return self.image
+        return self.long if chars >= CHILD_TEXT_CHARS else self.text
 
     def shutdown(self) -> None:
-        for pool in (self.text, self.heavy, self.video):
+        for pool in (self.text, self.long, self.image, self.video):
             pool.shutdown()

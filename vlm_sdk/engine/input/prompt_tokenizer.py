@@ -37,8 +37,8 @@ import threading
 from vlm_sdk.engine.input.special_text import ESC, SpecialText
 from vlm_sdk.engine.input.tokenizer_process import TokenizerProcesses
 
-LONG_TEXT_CHARS = 1 << 20  # refused from its length alone when it cannot fit; AsyncLLM's heavy prep pool
-CHILD_TEXT_CHARS = 16 << 10  # tokenized in a child process (see the module docstring)
+LONG_TEXT_CHARS = 1 << 20  # refused from its length alone when it cannot fit
+CHILD_TEXT_CHARS = 16 << 10  # tokenized in a child process (see the module docstring); AsyncLLM's long pool
 TOKENIZER_PROCESSES = 2  # as many long texts tokenized at once as AsyncLLM has threads for them
 # tokens a prefix's count may exceed the whole text's by: BPE merges near the cut differ from the
 # whole text's (a cut inside a long word can change a few of its pieces), and add_special_tokens
