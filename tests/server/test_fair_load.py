@@ -91,8 +91,8 @@ def test_row3_an_image_is_served_beside_two_hostile_videos(srv):
     def video(url, **options):
         return _chat(srv, [{"type": "video_url", "video_url": {"url": url, **options}}, {"type": "text", "text": "hi"}],
                      max_tokens=2)
-    many = video("data:video/mp4;base64," + base64.b64encode(many_frames_video(30_000)).decode(), nframes=2)
-    huge = video("data:video/quicktime;base64," + base64.b64encode(huge_frames_video(3000)).decode())
+    many = video("data:video/mp4;base64," + base64.b64encode(many_frames_video(20_000)).decode(), nframes=2)
+    huge = video("data:video/quicktime;base64," + base64.b64encode(huge_frames_video(2500)).decode())
     image = _chat(srv, [{"type": "image_url", "image_url": {"url": data_url(Image.new("RGB", (64, 64), (200, 30, 30)))}},
                         {"type": "text", "text": "What colour is it?"}], max_tokens=1)
 

@@ -6,7 +6,7 @@ GIL in single calls of ~0.15 s per million tokens. Here the child does all of th
 token count, and the ids only when there are at most `max_tokens` of them.
 
 The child is `python -m vlm_sdk.engine.input.tokenizer_process` (it imports only `tokenizers`; never the
-caller's `__main__`), started on the first huge text. Pipe protocol, all integers int64 little-endian:
+caller's `__main__`), started on the first long text. Pipe protocol, all integers int64 little-endian:
 
     parent -> child, once:      len | tokenizer.json bytes
     parent -> child, per text:  add_special_tokens | max_tokens (-1: none) | len | UTF-8 text
