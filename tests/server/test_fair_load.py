@@ -136,7 +136,7 @@ def test_row5_30_mib_data_urls_do_not_stall_other_streams(srv):
 def test_row6_fan_out_is_bounded_and_other_users_keep_their_first_token(srv):
     def completions(prompts: int, **fields) -> bytes:
         return json.dumps({"model": srv.model_name, "prompt": [f"Prompt number {i} says" for i in range(prompts)],
-                           "n": 8, "max_tokens": 200, "logprobs": 20, "stream": True, "ignore_eos": True,
+                           "n": 8, "max_tokens": 150, "logprobs": 20, "stream": True, "ignore_eos": True,
                            "temperature": 1.0, **fields}).encode()
     status, body, _ = _post(srv.url, "/v1/completions", completions(64))
     err = json.loads(body)["error"]
@@ -158,7 +158,7 @@ def test_row6_fan_out_is_bounded_and_other_users_keep_their_first_token(srv):
         return results[0], first_tokens
     gap, (result, first_tokens) = _attack(srv, attack)
     seconds = [round(s, 2) for _, _, s in first_tokens]
-    print(f"row 6: 8 prompts x n=8 x 200 tokens, logprobs 20, streamed in {result[2]:.1f} s; another user's "
+    print(f"row 6: 8 prompts x n=8 x 150 tokens, logprobs 20, streamed in {result[2]:.1f} s; another user's "
           f"first token after {seconds} s; victim's worst gap {gap:.3f} s")
     status, body, _ = result
     events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: {")]
