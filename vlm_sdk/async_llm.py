@@ -146,13 +146,14 @@ class AsyncLLM:
         if options is not None and not isinstance(request, (TextPrompt, TokensPrompt)):
             await self._compile(self.engine.chat.tool_specs(options))
         if isinstance(request, TokensPrompt):
-            parts = 0, 0, 0
+            chars, images, videos = 0, 0, 0
         elif isinstance(request, TextPrompt):
-            parts = len(request.text), 0, 0
+            chars, images, videos = len(request.text), 0, 0
         else:
-            parts = count_parts(request)  # counted, nothing read: the pool is chosen before any work
+            chars, images, videos = count_parts(request)  # counted, nothing read: before any work
+        pool = self._prep.pool_for(chars, images, videos)
         cancelled = threading.Event()
-        job = self._prep.pool_for(*parts).submit(
+        job = pool.submit(
             object() if group is None else group,
             partial(self.engine.build_prompt, request, params, cancelled=cancelled, options=options,
                     compile_grammar=False))

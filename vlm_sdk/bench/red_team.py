@@ -45,7 +45,7 @@ from collections import Counter
 
 import aiohttp
 
-from vlm_sdk.bench import red_team_load
+from vlm_sdk.bench.red_team_load import load_rows
 
 IDLE_WAIT_S = 3.0  # after the run, before the last RSS: the server's idle trim and its walk
 TARGETS = {"crashes": 0, "server_errors": 0, "worst_gap_s": 0.5, "rss_growth_bytes": 200 << 20}
@@ -62,7 +62,7 @@ def _rule_chain(n: int) -> str:
 
 
 def rows(model: str, vocab_size: int, scale: float) -> list[tuple[str, list[bytes], int, bool]]:
-    """(name, bodies, at once, with plain probes) per row of issue 28's table, in order."""
+    """(name, bodies, at once, with plain probes) per row of issue 28's table, in order, then issue 41's."""
     def n(count: int) -> int:
         return max(1, round(count * scale))
 
@@ -99,7 +99,7 @@ def rows(model: str, vocab_size: int, scale: float) -> list[tuple[str, list[byte
                                            temperature=1.0, seed=1)], 1, False),
         ("10 template / echo / specials", [body(chat_template="{{ messages }}"), body(echo=True),
                                            body(add_special_tokens=True)], 1, False),
-    ]
+    ] + load_rows(model, scale)
 
 
 # -- the victim, in a process of its own ----------------------------------------------------------
@@ -266,7 +266,7 @@ async def red_team(url: str, api_key: str | None, model: str | None, scale: floa
             async with session.get(url + "/v1/models", headers=headers) as resp:
                 model = (await resp.json())["data"][0]["id"]
         vocab = await _vocab_size(session, url, headers, model)
-        table = rows(model, vocab, scale) + red_team_load.rows(model, scale)
+        table = rows(model, vocab, scale)
         victim = Victim(url, model, api_key)
         victim.start()
         start = await _metrics(session, url)

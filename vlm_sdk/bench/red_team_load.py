@@ -96,7 +96,7 @@ def _data_url(mime: str, data: bytes) -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
-def rows(model: str, scale: float) -> list[tuple[str, list, int, bool | bytes]]:
+def load_rows(model: str, scale: float) -> list[tuple[str, list, int, bool | bytes]]:
     """(name, bodies, at once, probes) per row (see the module docstring). A body is bytes for
     /v1/chat/completions or (path, bytes); probes is True (plain one-token probes) or a probe's body."""
     def chat(content, **fields) -> bytes:
