@@ -136,9 +136,8 @@ class AsyncLLM:
         chat = options is not None and not isinstance(request, (TextPrompt, TokensPrompt))
         if chat:  # max_tools / max_tool_bytes before any work
             self.engine.chat.tool_limits.check(options.tools)
-        # the structured output's grammar first, awaited on the grammar workers: a bad schema fails before
-        # any image is decoded, and no prep thread waits on a grammar. The tools' schemas are checked
-        # after the prompt, which their definitions lengthen, is known to fit
+        # params' grammar first, on the grammar workers: a bad schema fails before any image is decoded and
+        # no prep thread waits; the tools' schemas once the prompt (which they lengthen) is known to fit
         await self._compile([params.grammar] if params is not None and params.grammar is not None else [])
         if isinstance(request, TokensPrompt):
             chars, images = 0, 0
