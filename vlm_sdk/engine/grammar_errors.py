@@ -26,30 +26,34 @@ _CONTEXT_LINE = re.compile(r"^\s*\d+ \| ", re.MULTILINE)
 
 class Refusal(Exception):
     """Why a grammar cannot be served, without the field it came from: `text` follows the field's name in
-    the message; `line`: the grammar's line llguidance reported (1-based), if it did."""
+    the message; `line`: the grammar's line llguidance reported (1-based), if it did, and `line_text` the
+    message for when that line's own field is named (its place in a grammar the client never wrote left
+    out)."""
 
-    def __init__(self, text: str, line: int | None = None):
+    def __init__(self, text: str, line: int | None = None, line_text: str | None = None):
         super().__init__(text)
-        self.text, self.line = text, line
+        self.text, self.line, self.line_text = text, line, line_text or text
 
     def error(self, param: str, line_params: Sequence[str] | None = None) -> InvalidRequestError:
         """The refusal as a request's error: named by the field of the reported line when `line_params`
         (one field per line of the grammar text) says which, else by `param`."""
         if line_params is not None and self.line is not None and 1 <= self.line <= len(line_params):
             param = line_params[self.line - 1]
+            return InvalidRequestError(f"'{param}': {self.line_text}", param=param)
         return InvalidRequestError(f"'{param}': {self.text}", param=param)
 
 
 def compile_refusal(what: str, error: str) -> Refusal:
-    """llguidance could not compile a `what` ("JSON Schema", "grammar", ...): its message, the grammar
+    """llguidance could not compile a `what` ("JSON Schema", "grammar", ...): its message with the grammar
     lines it quotes left out, and the line it points at kept."""
-    line, message = None, error
     at = _AT_LINE.match(error)
-    if at is not None:
-        line, message = int(at.group(1)), error[at.end():]
-        quoted = _CONTEXT_LINE.search(message)
-        message = message[:quoted.start()] if quoted is not None else message
-    return Refusal(f"this {what} cannot be compiled: {clean_error(message)}", line)
+    if at is None:
+        return Refusal(f"this {what} cannot be compiled: {clean_error(error)}")
+    message = error[at.end():]
+    quoted = _CONTEXT_LINE.search(message)
+    message = clean_error(message[:quoted.start()] if quoted is not None else message)
+    line = int(at.group(1))
+    return Refusal(f"this {what} cannot be compiled: at line {line}: {message}", line, f"cannot be compiled: {message}")
 
 
 def clean_error(text: str) -> str:

@@ -3,13 +3,14 @@ compiled by llguidance into a matcher that, at each step, allows only the tokens
 inside the grammar.
 
     build_prompt (caller's thread; AsyncLLM awaits it first, no thread held)
-        GrammarCompiler.submit(spec) -> Future[Grammar]    cached by spec (bounded in bytes); else queued
-                                                            to the grammar workers:
+        GrammarCompiler.submit(spec) -> Future[Grammar]    cached by content, not field (bounded in
+                                                            bytes); else queued to the grammar workers:
         grammar worker (`grammar_workers` threads with a 64 MiB stack, beside the prompt pools)
             the spec's size checked (max_grammar_bytes); llguidance's grammar text made
             GrammarProcess.check: compiled with its first mask in a child process
               (engine/grammar_process.py): a crash, a timeout (grammar_compile_timeout) or memory over
-              max_grammar_memory there -> InvalidRequestError (400), and the server never compiles it
+              max_grammar_memory there -> each asker's InvalidRequestError (400, its own field named:
+              engine/grammar_errors.py), and the server never compiles it
             compiled here, its first mask computed here -> Grammar (template, first mask, bytes held)
     add_request (engine thread)
         seq.matcher = grammar.matcher()                 a copy of the compiled start state
