@@ -31,6 +31,7 @@ import io
 import math
 import os
 import threading
+import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -45,11 +46,32 @@ _IMAGE_FORMATS = ("image2", "image2pipe")
 # a decoder name that no decoder has: avformat_find_stream_info may open none (see the docstring)
 _NO_DECODER = {"codec_whitelist": "none"}
 _CHECK_EVERY = 256  # packets indexed between two looks at the limits and the cancellation
+# A loop over packets or frames holds the GIL between its FFmpeg calls, which let it go for a moment
+# and take it back before a waiting thread can be woken: the engine thread, which takes the GIL back
+# after each of the dozens of torch calls of a step, then waits up to CPython's switch interval (5 ms)
+# at each, and a victim stream stalled 0.7-2 s beside an index of 200,000 packets. `GilPacer` hands the
+# GIL over with a real sleep at least every PACE_S of such a loop (as server/logprobs.py's BODY_PAUSE_S
+# does for a body's writer): at most ~10% slower, and the engine waits at most PACE_S a call.
+GIL_PAUSE_S = 1e-4
+PACE_S = 1e-3
 # FFmpeg checks a frame's buffer against max_pixels, its width rounded up to the stride alignment (up
 # to 64) and codecs code in blocks (16 or 64 pixels): the header's size with this much room on each
 # side, and never below _DECODER_FLOOR (MPEG-4 part 2 asks for 53,760 at any frame size below ~230x230)
 _ALIGN_ROOM = 128
 _DECODER_FLOOR = 1 << 20
+
+
+class GilPacer:
+    """Call it once per packet or frame: every PACE_S since the last pause, it sleeps GIL_PAUSE_S."""
+
+    def __init__(self):
+        self.last = time.monotonic()
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self.last >= PACE_S:
+            time.sleep(GIL_PAUSE_S)
+            self.last = time.monotonic()
 
 
 def check_cancelled(cancelled: threading.Event | None, what: str) -> None:
@@ -217,8 +239,10 @@ def index_packets(container, stream, what: str, limits,
     span_limit = limits.max_seconds / float(tb)  # in time-base ticks
     pts, keys = [], []
     low = high = None
+    pace = GilPacer()
     try:
         for packet in container.demux(stream):
+            pace()
             if packet.size == 0:
                 continue  # the flush packet at the end
             stamp = packet.pts if packet.pts is not None else packet.dts
