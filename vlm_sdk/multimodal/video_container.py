@@ -49,9 +49,9 @@ _CHECK_EVERY = 256  # packets indexed between two looks at the limits and the ca
 # A loop over packets or frames holds the GIL between its FFmpeg calls, which let it go for a moment
 # and take it back before a waiting thread can be woken: the engine thread, which takes the GIL back
 # after each of the dozens of torch calls of a step, then waits up to CPython's switch interval (5 ms)
-# at each, and a victim stream stalled 0.7-2 s beside an index of 200,000 packets. `GilPacer` hands the
-# GIL over with a real sleep at least every PACE_S of such a loop (as server/logprobs.py's BODY_PAUSE_S
-# does for a body's writer): at most ~10% slower, and the engine waits at most PACE_S a call.
+# at each: a victim stream stalled 0.7-1.0 s beside an index of 216,000 packets (2 s in issue 41).
+# `GilPacer` hands the GIL over with a real sleep once per PACE_S of such a loop (as server/logprobs.py's
+# BODY_PAUSE_S does for a body's writer): the loop runs ~10% longer, the engine waits about PACE_S a call.
 GIL_PAUSE_S = 1e-4
 PACE_S = 1e-3
 # FFmpeg checks a frame's buffer against max_pixels, its width rounded up to the stride alignment (up
@@ -166,7 +166,7 @@ def open_container(data: bytes | None, path: str | None, what: str, cancelled: t
     `InvalidVideoError` when FFmpeg cannot read it, `DecodeCancelled` once `cancelled` is set."""
     import av
     try:
-        raw = io.BytesIO(data) if data is not None else open(path, "rb")  # noqa: SIM115 (closed below)
+        raw = io.BytesIO(data) if data is not None else open(path, "rb")  # closed below
     except OSError as exc:
         raise InvalidVideoError(f"cannot read video file {what}: {exc}") from None
     try:
