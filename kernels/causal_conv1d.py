@@ -28,7 +28,7 @@ from vlm_sdk.kernels.causal_conv1d_torch import causal_conv1d_update as causal_c
 from vlm_sdk.kernels.causal_conv1d_torch import causal_conv1d_varlen as causal_conv1d_varlen_ref
 
 __all__ = ["causal_conv1d_varlen", "causal_conv1d_update", "causal_conv1d_varlen_ref", "causal_conv1d_update_ref"]
-BLOCK_T, BLOCK_C = 32, 128
+BLOCK_T, BLOCK_C = 16, 64
 _STEP_TENSORS = ["qsl_ptr", "slots_ptr", "init_ptr"]  # views into a step's packed buffers, at any offset
 
 

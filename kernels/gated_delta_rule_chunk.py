@@ -15,8 +15,10 @@ here from the equations, one file):
     3. output    grid (chunks, Hv, Dv / BLOCK_V): O = exp(G) Q S_c + tril(exp(G_i - G_j) q_i . k_j) V'
 
 q and k are L2-normalised (float32) where they are loaded, q scaled by Dk^-0.5. The workspaces (W, U,
-V', the per-chunk states) are in the inputs' dtype and the products' operands are cast to it, as
-flash-linear-attention does (float32 accumulation); G, the inverse and the carried state are float32.
+V', the per-chunk states) are in the inputs' dtype and every product's operands are cast to it (L's too,
+and the inverse before it multiplies), as flash-linear-attention does: tensor cores, float32
+accumulation; G, the substitution and the carried state are float32. (float32 operands in "ieee"
+precision spilled ~48 KB per program in step 1 on sm_90.)
 Step 1's grid and the workspaces are sized from host ints (T // 64 + batch chunks at most); a chunk id
 past the step's chunks exits at once.
 """
@@ -62,9 +64,9 @@ def _gdr_chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, gcum_ptr, w_ptr, u_ptr
     gc = tl.cumsum(tl.load(g_ptr + t * stride_gt + h, mask=tmask, other=0.0).to(tl.float32), axis=0)  # [BT]
     tl.store(gcum_ptr + t * stride_gt + h, gc, mask=tmask)
     rows, cols = tl.arange(0, BT)[:, None], tl.arange(0, BT)[None, :]
-    kb = k * beta[:, None]
     decay = tl.exp(tl.where(rows > cols, gc[:, None] - gc[None, :], float("-inf")))  # masked before exp
-    a = tl.dot(kb, tl.trans(k), input_precision="ieee") * decay  # [BT, BT] L, strictly lower
+    dtype = w_ptr.dtype.element_ty  # the products' operands (flash-linear-attention's choice: tensor cores)
+    a = tl.dot((k * beta[:, None]).to(dtype), tl.trans(k.to(dtype))) * decay  # [BT, BT] L, strictly lower
     # X = (I + L)^-1 by forward substitution: X[i] = e_i - sum_{j<i} L[i, j] X[j]; rows >= i are still
     # the identity's, and L[i, j] = 0 there
     x = tl.where(rows == cols, 1.0, 0.0)
@@ -74,8 +76,9 @@ def _gdr_chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, gcum_ptr, w_ptr, u_ptr
         x = tl.where(rows == i, row[None, :], x)
     v = tl.load(v_ptr + t[:, None] * stride_vt + h * stride_vh + dd[None, :],
                 mask=tmask[:, None] & (dd < head_v_dim)[None, :], other=0.0).to(tl.float32)
-    u = tl.dot(x, v * beta[:, None], input_precision="ieee")  # [BT, BDV]
-    w = tl.dot(x, kb * tl.exp(gc)[:, None], input_precision="ieee")  # [BT, BK]
+    x = x.to(dtype)
+    u = tl.dot(x, (v * beta[:, None]).to(dtype))  # [BT, BDV]
+    w = tl.dot(x, (k * (beta * tl.exp(gc))[:, None]).to(dtype))  # [BT, BK]
     tl.store(u_ptr + t[:, None] * stride_ut + h * stride_uh + dd[None, :], u.to(u_ptr.dtype.element_ty),
              mask=tmask[:, None] & (dd < head_v_dim)[None, :])
     tl.store(w_ptr + t[:, None] * stride_wt + h * stride_wh + kk[None, :], w.to(w_ptr.dtype.element_ty),
