@@ -182,3 +182,10 @@ def test_the_triton_kernel_set_gives_the_torch_sets_layer():
     want, got = _steps(torch_layer, x, steps), _steps(triton_layer, x, steps)
     for r in x:
         assert_reduction_close(torch.cat(got[r]), torch.cat(want[r]), _terms(cfg, 80), msg=f"request {r}")
+
+
+def test_a_recurrent_state_narrower_than_float32_is_refused_naming_the_setting():
+    from dataclasses import replace
+    with pytest.raises(ValueError, match="mamba_ssm_dtype 'bfloat16'.*float32"):
+        GatedDeltaNet(replace(GatedDeltaNetConfig.from_hf(_config()), state_dtype="bfloat16"), TorchOps(),
+                      device="meta")

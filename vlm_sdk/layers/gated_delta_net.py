@@ -68,6 +68,9 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: GatedDeltaNetConfig, ops: KernelOps, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", tp: TPGroup = TPGroup()):
         super().__init__()
+        if cfg.state_dtype != "float32":
+            raise ValueError(f"mamba_ssm_dtype {cfg.state_dtype!r}: the Gated DeltaNet recurrent state is kept in "
+                             f"float32 (its decays compound over the whole sequence)")
         if cfg.num_v_heads % cfg.num_k_heads:
             raise ValueError(f"linear_num_value_heads ({cfg.num_v_heads}) must be a multiple of linear_num_key_heads "
                              f"({cfg.num_k_heads}): each key head serves whole value heads")
