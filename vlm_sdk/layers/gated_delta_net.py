@@ -126,8 +126,9 @@ class GatedDeltaNet(nn.Module):
         # q | k | v rows: this rank's heads of each part, back to back (the same for the conv's channels)
         parts = ((0, key_dim, self.key_dim), (key_dim, key_dim, self.key_dim),
                  (2 * key_dim, value_dim, self.value_dim))
-        for name, param, shape in ((f"{prefix}in_proj_qkv.weight", "in_proj_qkvz.weight", (2 * key_dim + value_dim, h)),
-                                   (f"{prefix}conv1d.weight", "conv_weight", (2 * key_dim + value_dim, 1, c.conv_kernel))):
+        conv_dim = 2 * key_dim + value_dim
+        for name, param, shape in ((f"{prefix}in_proj_qkv.weight", "in_proj_qkvz.weight", (conv_dim, h)),
+                                   (f"{prefix}conv1d.weight", "conv_weight", (conv_dim, 1, c.conv_kernel))):
             out[name] = _rows(param, shape, parts, tp)
         out[f"{prefix}in_proj_z.weight"] = _rows("in_proj_qkvz.weight", (value_dim, h), ((0, value_dim, self.value_dim),),
                                                  tp, at=self.conv_dim)
