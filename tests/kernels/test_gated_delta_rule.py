@@ -127,3 +127,29 @@ def test_the_state_must_be_float32():
     with pytest.raises(ValueError, match="must be float32"):
         ref.recurrent_gated_delta_rule(q, k, v, g, beta, state.half(), torch.tensor([0, 1]),
                                        torch.ones(2, dtype=torch.bool))
+
+
+def test_triton_ops_at_the_published_head_dims_equal_the_torch_ops():
+    """Dk = Dv = 128 (every published Qwen3.5): the value dims in 4 program blocks, a whole key head in
+    one; two packed requests, one continuing from its slot."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1")
+    from vlm_sdk.kernels import gated_delta_rule_chunk, gated_delta_rule_recurrent
+    gen = torch.Generator().manual_seed(5)
+    t, hk, hv, d = 100, 1, 2, 128
+    q, k = (torch.randn(t, hk, d, generator=gen) for _ in range(2))
+    v = torch.randn(t, hv, d, generator=gen)
+    g, beta = -torch.rand(t, hv, generator=gen) * 2, torch.rand(t, hv, generator=gen)
+    state = torch.randn(3, hv, d, d, generator=gen)
+    slots, init = torch.tensor([2, 0]), torch.tensor([True, False])
+    want_state, got_state = state.clone(), state.clone()
+    want = ref.chunk_gated_delta_rule(q, k, v, g, beta, want_state, [60, 40], slots, init)
+    got = gated_delta_rule_chunk.chunk_gated_delta_rule(q, k, v, g, beta, got_state, torch.tensor(
+        [0, 60, 100], dtype=torch.int32), 60, slots, init)
+    assert_reduction_close(got, want, d + 60 + 2 * ref.CHUNK)
+    assert_reduction_close(got_state, want_state, d + 60 + 2 * ref.CHUNK)
+    rows = slice(0, 2)
+    want = ref.recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], want_state, slots, init)
+    got = gated_delta_rule_recurrent.recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows],
+                                                                 got_state, slots, init)
+    assert_reduction_close(got, want, d + 62 + 2 * ref.CHUNK)
