@@ -42,8 +42,9 @@ def check_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) 
 
 def _initial(conv_state: torch.Tensor, state_slots: torch.Tensor,
              has_initial_state: torch.Tensor) -> torch.Tensor:  # [batch, C, K - 1] float32
-    init = conv_state.index_select(0, state_slots).float()
-    return init * has_initial_state.to(init.dtype)[:, None, None]  # a reused slot's values never leak in
+    init = conv_state.index_select(0, state_slots).float()  # a copy
+    # a reused slot's values never leak in: selected away, not multiplied by 0 (which keeps a NaN)
+    return init.masked_fill_(~has_initial_state[:, None, None], 0.0)
 
 
 def causal_conv1d_varlen(x: torch.Tensor,  # [T, C]

@@ -62,8 +62,9 @@ def _heads(q: torch.Tensor, k: torch.Tensor, hv: int) -> tuple[torch.Tensor, tor
 
 
 def _initial(state: torch.Tensor, state_slots: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
-    init = state.index_select(0, state_slots)  # [batch, Hv, Dk, Dv]
-    return init * has_initial_state.to(init.dtype)[:, None, None, None]
+    init = state.index_select(0, state_slots)  # [batch, Hv, Dk, Dv], a copy
+    # a reused slot's values never leak in: selected away, not multiplied by 0 (which keeps a NaN)
+    return init.masked_fill_(~has_initial_state[:, None, None, None], 0.0)
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor,  # [batch, Hk, Dk]: one token per request
@@ -81,7 +82,7 @@ def recurrent_gated_delta_rule(q: torch.Tensor,  # [batch, Hk, Dk]: one token pe
     s = _initial(state, state_slots, has_initial_state) * g.float().exp()[:, :, None, None]  # [B, Hv, Dk, Dv]
     delta = (v.float() - torch.einsum("bhkv,bhk->bhv", s, kn)) * beta.float()[:, :, None]  # [B, Hv, Dv]
     s = s + kn[:, :, :, None] * delta[:, :, None, :]
-    state[state_slots] = s
+    state.index_copy_(0, state_slots, s)
     return torch.einsum("bhkv,bhk->bhv", s, qn).to(v.dtype)
 
 
@@ -137,7 +138,7 @@ def chunk_gated_delta_rule(q: torch.Tensor,  # [T, Hk, Dk]
     k_dec = kc * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [C, Hv, 1, 1]
 
-    s = _initial(state, state_slots, has_initial_state).clone()  # [batch, Hv, Dk, Dv]
+    s = _initial(state, state_slots, has_initial_state)  # [batch, Hv, Dk, Dv]
     out = torch.empty_like(u)
     first = [0]
     for c in counts[:-1]:
@@ -150,7 +151,7 @@ def chunk_gated_delta_rule(q: torch.Tensor,  # [T, Hk, Dk]
         v_new = u[ids] - w[ids] @ cur  # [n, Hv, CHUNK, Dv]
         out[ids] = q_dec[ids] @ cur + intra[ids] @ v_new
         s[live] = cur * chunk_decay[ids] + k_dec[ids].transpose(-1, -2) @ v_new
-    state[state_slots] = s
+    state.index_copy_(0, state_slots, s)
     o = torch.empty(q.shape[0], hv, v.shape[2], dtype=v.dtype, device=v.device)
     keep = idx >= 0
     o[idx[keep]] = out.transpose(1, 2)[keep].to(v.dtype)  # [tokens, Hv, Dv]

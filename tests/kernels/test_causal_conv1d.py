@@ -53,6 +53,7 @@ def test_varlen_conv_equals_transformers_per_request(impl, dtype, device):
     # a short request with a state (len < K - 1: its new state keeps some old columns) and without
     lens, slots, has_init = [5, 1, 9, 2, 2], [2, 0, 5, 3, 1], [True, False, True, False, True]
     x, weight, state = _inputs(lens, dtype, device, seed=1)
+    state[[0, 3]] = float("nan")  # the slots of the requests without a state: never read
     before = state.clone()
     starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     out = varlen(x, weight, None, state, starts, torch.tensor(slots, device=device),
@@ -75,6 +76,7 @@ def test_decode_update_equals_transformers(impl, dtype, device):
     _, update = _ops(impl, device)
     slots, has_init = [4, 1, 2], [True, True, False]
     x, weight, state = _inputs([3], dtype, device, seed=2)
+    state[2] = float("nan")  # the slot of the request without a state: never read
     before = state.clone()
     out = update(x, weight, None, state, torch.tensor(slots, device=device), torch.tensor(has_init, device=device))
     for i, (slot, init) in enumerate(zip(slots, has_init)):
@@ -92,6 +94,7 @@ def test_a_prompt_split_into_steps_equals_the_whole(impl, dtype, device):
     update op) continue through the slot and give the whole prompt's outputs and state."""
     varlen, update = _ops(impl, device)
     x, weight, state = _inputs([11], dtype, device, seed=3)
+    state[4] = float("nan")
     whole_state = state.clone()
     slot = torch.tensor([4], device=device)
     whole = varlen(x, weight, None, whole_state, torch.tensor([0, 11], dtype=torch.int32, device=device), slot,

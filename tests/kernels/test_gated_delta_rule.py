@@ -71,6 +71,7 @@ def test_packed_requests_equal_transformers_per_request(impl, dtype, device):
     chunk, _ = _ops(impl, device)
     lens, slots, has_init = [70, 1, 130, 64], [3, 0, 1, 4], [True, False, True, False]
     q, k, v, g, beta, state = _inputs(sum(lens), dtype, device, seed=1)
+    state[[0, 4]] = float("nan")  # the slots of the requests without a state: never read
     before = state.clone()
     out = chunk(q, k, v, g, beta, state, lens, torch.tensor(slots, device=device), torch.tensor(has_init, device=device))
     start = 0
@@ -91,6 +92,7 @@ def test_decode_step_equals_transformers_recurrent_rule(impl, dtype, device):
     _, recurrent = _ops(impl, device)
     slots, has_init = [2, 4, 0], [True, True, False]
     q, k, v, g, beta, state = _inputs(3, dtype, device, seed=2)
+    state[0] = float("nan")  # the slot of the request without a state: never read
     before = state.clone()
     out = recurrent(q, k, v, g, beta, state, torch.tensor(slots, device=device), torch.tensor(has_init, device=device))
     for i, (slot, init) in enumerate(zip(slots, has_init)):
@@ -108,6 +110,7 @@ def test_any_split_of_a_prompt_gives_the_whole_prompts_outputs_and_state(impl, d
     chunk, recurrent = _ops(impl, device)
     q, k, v, g, beta, state = _inputs(150, dtype, device, seed=3)
     slot = torch.tensor([2], device=device)
+    state[2] = float("nan")
     whole_state = state.clone()
     whole = chunk(q, k, v, g, beta, whole_state, [150], slot, torch.tensor([False], device=device))
     parts, start = [], 0

@@ -53,10 +53,10 @@ def _ours(cfg, hf: Qwen3_5GatedDeltaNet, tp: TPGroup = TPGroup()) -> GatedDeltaN
     return layer
 
 
-def _state(layer: GatedDeltaNet, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots full of noise: a request that starts at token 0 must not read its slot."""
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(SLOTS, *t.shape, generator=g).to(getattr(torch, t.dtype))
+def _state(layer: GatedDeltaNet) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots full of NaN, as a reused slot may hold: a request that starts at token 0 must not read its
+    slot (a NaN would reach every output)."""
+    return tuple(torch.full((SLOTS, *t.shape), float("nan"), dtype=getattr(torch, t.dtype))
                  for t in layer.cache_spec().tensors)
 
 
