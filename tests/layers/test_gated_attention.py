@@ -107,3 +107,27 @@ def test_two_ranks_sum_to_one():
     assert_reduction_close(parts[0] + parts[1], full, _terms(cfg))
     with pytest.raises(ValueError, match=r"attention heads \(4\) is not divisible by the tensor-parallel size 3"):
         GatedAttention(GatedAttentionConfig.from_hf(cfg), TorchOps(), device="meta", tp=TPGroup(0, 3))
+
+
+def test_forward_over_the_paged_cache_in_two_steps_equals_transformers():
+    """`forward` with the torch backend's paged KV cache (blocks of 8): the prompt's first 16 tokens,
+    then the other 7 reading them from the cache."""
+    from vlm_sdk.attention.metadata import AttentionMetadata
+    cfg = _config()
+    hf = _hf(cfg, seed=4)
+    x = torch.randn(1, N, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    want = _hf_out(cfg, hf, x)
+    ops = TorchOps()
+    layer = GatedAttention(GatedAttentionConfig.from_hf(cfg), ops)
+    load_checked(layer, hf.state_dict().items(), layer.slots())
+    cache = tuple(torch.zeros(4, 8, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2))
+    rotary, outs = layer.cfg.rotary("cpu"), []
+    for start, end in ((0, 16), (16, N)):
+        meta = AttentionMetadata(slot_mapping=torch.arange(start, end), query_start_loc=torch.tensor(
+            [0, end - start], dtype=torch.int32), seq_lens=torch.tensor([end], dtype=torch.int32),
+            block_tables=torch.tensor([[0, 1, 2]], dtype=torch.int32), query_lens_cpu=[end - start],
+            seq_lens_cpu=[end], max_query_len=end - start, max_seq_len=end)
+        rope = ops.rotary_inputs(_positions()[:, start:end], rotary, x.dtype)
+        with torch.no_grad():
+            outs.append(layer(x[0, start:end], rope, cache, ops.attention.prepare(meta, cache[0])))
+    assert_reduction_close(torch.cat(outs), want, _terms(cfg))
