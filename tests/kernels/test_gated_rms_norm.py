@@ -1,6 +1,6 @@
-"""Gated DeltaNet's output norm: the torch set's op against transformers' `Qwen3_5RMSNormGated`, and the
-Triton op (kernels/gated_rms_norm.py) against it under the interpreter (fp32, fp16); plus the
-zero-centred RMSNorm (Qwen3.5's `Qwen3_5RMSNorm`) of both sets."""
+"""Gated DeltaNet's output norm: the torch set's op and the Triton op (kernels/gated_rms_norm.py, under the
+interpreter in fp32 and fp16) against transformers' `Qwen3_5RMSNormGated`; the zero-centred RMSNorm
+(Qwen3.5's `Qwen3_5RMSNorm`) of the torch set against transformers', the Triton one against it."""
 from __future__ import annotations
 
 import os
@@ -51,7 +51,11 @@ def test_triton_gated_norm_equals_the_torch_op(dtype):
     from vlm_sdk.kernels.gated_rms_norm import gated_rms_norm as triton_gated
     for n, d in ((37, 128), (3, 80)):
         x, z, w = _rows(n, d, dtype, seed=n)
-        assert_reduction_close(triton_gated(x, z, w, EPS), gated_rms_norm(x, z, w, EPS), d, roundings=3)
+        hf = Qwen3_5RMSNormGated(d, eps=EPS).to(dtype)
+        with torch.no_grad():
+            hf.weight.copy_(w)
+            want = hf(x, z)
+        assert_reduction_close(triton_gated(x, z, w, EPS), want, d, roundings=3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

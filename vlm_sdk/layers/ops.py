@@ -31,8 +31,8 @@ from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.metadata import StateMetadata
 from vlm_sdk.attention.selector import make_backend
 from vlm_sdk.errors import InvalidRequestError
-from vlm_sdk.kernels.fused_moe_torch import ExpertScales, fused_moe_ref
 from vlm_sdk.kernels import causal_conv1d_torch, gated_delta_rule_torch
+from vlm_sdk.kernels.fused_moe_torch import ExpertScales, fused_moe_ref
 from vlm_sdk.kernels.rms_norm_torch import gated_rms_norm, rms_norm, rms_norm_zero_centered
 from vlm_sdk.kernels.rotary_torch import apply_rotary
 from vlm_sdk.layers.rotary import MRotaryEmbedding, RotaryInputs
