@@ -24,10 +24,12 @@ once it has given its allocator's free memory back), each against issue 28's tar
        keys "²" and "١٢٣"
     9  stop_token_ids covering the whole vocabulary (first 300 ids: the cap) with min_tokens=3
     10 chat_template, echo, add_special_tokens
+    41.7, 41.9 (issue 41's tool rows: vlm_sdk/bench/red_team_tools.py)
+    41.3, 41.5, 41.6, 41.8 (issue 41's load rows: vlm_sdk/bench/red_team_load.py)
 
-Then issue 41's rows, from modules of their own (red_team_load.py: 41.3, 41.5, 41.6, 41.8). A row's
-body is bytes for /v1/chat/completions or (path, bytes); its probes are True (a plain one-token chat
-request, again and again while the row runs) or the probe's own body.
+A row's body is bytes for /v1/chat/completions, (path, bytes) for another route, or a body that sends
+itself; its probes are True (a plain one-token chat request, again and again while the row runs) or
+the probe's own body.
 
 `--red-team-scale` < 1 sends fewer of each (at least one): the test suite's quick run.
 """
@@ -46,6 +48,8 @@ from collections import Counter
 import aiohttp
 
 from vlm_sdk.bench.red_team_load import load_rows
+from vlm_sdk.bench.red_team_tools import tool_rows
+from vlm_sdk.bench.red_team_video import video_rows
 
 IDLE_WAIT_S = 3.0  # after the run, before the last RSS: the server's idle trim and its walk
 TARGETS = {"crashes": 0, "server_errors": 0, "worst_gap_s": 0.5, "rss_growth_bytes": 200 << 20}
@@ -99,7 +103,7 @@ def rows(model: str, vocab_size: int, scale: float) -> list[tuple[str, list[byte
                                            temperature=1.0, seed=1)], 1, False),
         ("10 template / echo / specials", [body(chat_template="{{ messages }}"), body(echo=True),
                                            body(add_special_tokens=True)], 1, False),
-    ] + load_rows(model, scale)
+    ] + video_rows(model, scale) + tool_rows(model, scale) + load_rows(model, scale)
 
 
 # -- the victim, in a process of its own ----------------------------------------------------------
@@ -219,6 +223,8 @@ def _grammar_rss(m: dict) -> float:
 
 
 async def _send(session, url: str, headers: dict, data: bytes | tuple[str, bytes]) -> tuple[int, str]:
+    if hasattr(data, "send"):  # a body that sends itself (a client that hangs up: red_team_video.HangUp)
+        return await data.send(session, url, headers)
     path, data = data if isinstance(data, tuple) else ("/v1/chat/completions", data)
     try:
         async with session.post(url + path, data=data, headers=headers) as resp:
