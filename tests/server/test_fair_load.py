@@ -27,7 +27,8 @@ import pytest
 from PIL import Image
 
 from server_helpers import API_KEY, VictimStream, data_url
-from vlm_sdk.bench.red_team_load import huge_frames_video, many_frames_video, noise_png
+from vlm_sdk.bench.red_team_load import noise_png
+from vlm_sdk.testing.hostile_videos import many_frames, png_mov
 from vlm_sdk.server.background import BackgroundServer
 from vlm_sdk.server.config import MiB, ServerConfig
 
@@ -91,8 +92,9 @@ def test_row3_an_image_is_served_beside_two_hostile_videos(srv):
     def video(url, **options):
         return _chat(srv, [{"type": "video_url", "video_url": {"url": url, **options}}, {"type": "text", "text": "hi"}],
                      max_tokens=2)
-    many = video("data:video/mp4;base64," + base64.b64encode(many_frames_video(20_000)).decode(), nframes=2)
-    huge = video("data:video/quicktime;base64," + base64.b64encode(huge_frames_video(2500)).decode())
+    tiny_frames = many_frames(20_000, fps=1000, keyframes=False)  # nframes 2: the last one decodes every frame
+    many = video("data:video/mp4;base64," + base64.b64encode(tiny_frames).decode(), nframes=2)
+    huge = video("data:video/quicktime;base64," + base64.b64encode(png_mov(2500, pix_fmt="rgb24")).decode())
     image = _chat(srv, [{"type": "image_url", "image_url": {"url": data_url(Image.new("RGB", (64, 64), (200, 30, 30)))}},
                         {"type": "text", "text": "What colour is it?"}], max_tokens=1)
 

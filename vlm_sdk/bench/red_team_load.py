@@ -14,72 +14,18 @@ fairness, each beside the red team's victim stream (vlm_sdk/bench/red_team.py ru
     41.8  two chat texts just under 1 MiB at once (400 on a model that cannot hold them), plain probes
           meanwhile: a new request must not wait for their tokenization
 
-The videos are made here, small and quick: the huge frames are one solid PNG written with zlib a row
-at a time and muxed twice (1.5 MB for 16000x16000), the tiny ones one encoded H.264 frame and one
-skip frame muxed a million times (13 MB). `scale` < 1 shrinks every size (the test suite's run).
+The videos are vlm_sdk/testing/hostile_videos.py's (made in well under a second each: 63 KB for two
+16000x16000 frames, 13 MB for a million tiny ones). `scale` < 1 shrinks every size (the test suite's run).
 """
 from __future__ import annotations
 
 import base64
 import io
 import json
-import struct
-import zlib
-from fractions import Fraction
 
 import numpy as np
 
 MiB = 1 << 20
-
-
-def solid_png(width: int, height: int) -> bytes:
-    """A black RGB PNG, compressed a row at a time (a 16000x16000 one never exists decoded here)."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    comp, row = zlib.compressobj(6), bytes(1 + 3 * width)  # filter byte 0, then the row's pixels
-    idat = b"".join([comp.compress(row) for _ in range(height)] + [comp.flush()])
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
-
-
-def huge_frames_video(side: int, frames: int = 2) -> bytes:
-    """A MOV of `frames` PNG frames of side x side pixels (issue 41 row 1's video at side 16000)."""
-    import av
-    png, buf = solid_png(side, side), io.BytesIO()
-    with av.open(buf, "w", format="mov") as out:
-        stream = out.add_stream("png", rate=1)
-        stream.width = stream.height = side
-        stream.pix_fmt = "rgb24"
-        for i in range(frames):
-            packet = av.Packet(png)
-            packet.stream, packet.pts, packet.dts, packet.time_base = stream, i, i, Fraction(1, 1)
-            packet.is_keyframe = True
-            out.mux(packet)
-    return buf.getvalue()
-
-
-def many_frames_video(frames: int, fps: int = 1000) -> bytes:
-    """An MP4 of `frames` 16x16 H.264 frames, one keyframe (issue 41 row 2's at 1,000,000)."""
-    import av
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as out:
-        stream = out.add_stream("libx264", rate=fps)
-        stream.width = stream.height = 16
-        stream.pix_fmt = "yuv420p"
-        stream.options = {"preset": "ultrafast", "g": str(max(frames, 2)), "bf": "0"}
-        frame = av.VideoFrame.from_ndarray(np.zeros((16, 16, 3), np.uint8), format="rgb24")
-        encoded = []
-        for i in range(2):
-            frame.pts = i
-            encoded += stream.encode(frame)
-        encoded += stream.encode(None)
-        key, skip = bytes(encoded[0]), bytes(encoded[1])  # the first frame, then one identical to it
-        for i in range(frames):
-            packet = av.Packet(key if i == 0 else skip)
-            packet.stream, packet.pts, packet.dts, packet.time_base = stream, i, i, Fraction(1, fps)
-            packet.is_keyframe = i == 0
-            out.mux(packet)
-    return buf.getvalue()
 
 
 def noise_png(num_bytes: int, seed: int = 0) -> bytes:
@@ -103,6 +49,8 @@ def load_rows(model: str, scale: float) -> list[tuple[str, list, int, bool | byt
         return json.dumps({"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4,
                            **fields}).encode()
 
+    from vlm_sdk.testing.hostile_videos import many_frames, png_mov
+
     def video(url: str, **options) -> dict:
         return {"type": "video_url", "video_url": {"url": url, **options}}
     url_bytes = max(MiB, round(30 * MiB * scale))  # the data: URL's length
@@ -114,9 +62,10 @@ def load_rows(model: str, scale: float) -> list[tuple[str, list, int, bool | byt
     long_text = ("All work and no play makes Jack a dull boy. " * (MiB // 44 + 1))[:MiB - 4096]
     return [
         ("41.3 image beside two hostile videos",
-         [chat([video(_data_url("video/quicktime", huge_frames_video(max(64, round(16000 * scale ** 0.5))))),
+         [chat([video(_data_url("video/quicktime", png_mov(max(64, round(16000 * scale ** 0.5))))),
                 {"type": "text", "text": "Describe it."}]),
-          chat([video(_data_url("video/mp4", many_frames_video(max(100, round(1_000_000 * scale)))), nframes=2),
+          chat([video(_data_url("video/mp4", many_frames(max(100, round(1_000_000 * scale)), fps=1000,
+                                                         keyframes=False)), nframes=2),
                 {"type": "text", "text": "Describe it."}])], 2, image_probe),
         ("41.5 30 MiB data: URLs", [chat([{"type": "image_url", "image_url": {"url": _data_url("image/png",
                                                                                               noise_png(payload))}},
