@@ -2,7 +2,7 @@
 
     PrepPools.pool_for(chars, images, videos) -> video | image | long | text, from the request's
     part counts (multimodal/messages.count_parts) before any of its work:
-        video   any video part                                        nice 10
+        video   any video part
         image   any image part (no video)
         long    text of CHILD_TEXT_CHARS (16 KiB) or more, no media    tokenized in a child process
         text    the rest                                              ~10 ms of work at most
@@ -19,14 +19,18 @@ Two rules, each held by `FairPool`:
     oldest of the request after the one it served last (round-robin across requests, each request's
     jobs in order), so a request with many jobs queued delays another's first by at most one of its own.
 
+No pool runs at a lower priority: a thread that runs Python holds the GIL part of the time, and one
+at nice 10 that the kernel preempts while holding it stalls the engine thread behind it (video threads
+at nice 10 on a loaded machine: a 130,000-frame video took 31 s instead of 4.7 s to refuse and the
+victim's worst gap went from 0.08 to 0.52 s). Long texts are tokenized in child processes, which do
+run at nice 10 (engine/input/tokenizer_process.py): they share no GIL with the server.
+
 A job cancelled before it starts (its caller went away) leaves the queue at once and never runs; a
 running one is told through its own `cancelled` event (see AsyncLLM.build_prompt). Threads start when
 first needed, up to the pool's size, and live until `shutdown`.
 """
 from __future__ import annotations
 
-import os
-import sys
 import threading
 from collections import Counter, OrderedDict, deque
 from concurrent.futures import Future
@@ -35,17 +39,14 @@ from typing import Callable, Hashable
 from vlm_sdk.engine.input.prompt_tokenizer import CHILD_TEXT_CHARS
 
 PREP_THREADS = 2  # per pool
-# video threads (and the FFmpeg threads they start, which inherit it) yield the cores to everything else:
-# decoding releases the GIL, so what two hostile videos take from the engine thread is CPU time
-VIDEO_NICE = 10
 
 
 class FairPool:
     """`threads` threads running the jobs of many requests: at most `per_request` jobs of one request
     at once; the next job round-robin across requests (see the module docstring)."""
 
-    def __init__(self, name: str, threads: int, per_request: int, nice: int = 0):
-        self.name, self.threads, self.per_request, self.nice = name, threads, per_request, nice
+    def __init__(self, name: str, threads: int, per_request: int):
+        self.name, self.threads, self.per_request = name, threads, per_request
         self._cond = threading.Condition()
         self._queues: OrderedDict[Hashable, deque] = OrderedDict()  # request -> its jobs not started, in order
         self._running: Counter = Counter()  # request -> its jobs running now
@@ -112,11 +113,6 @@ class FairPool:
         return None
 
     def _work(self) -> None:
-        if self.nice and sys.platform.startswith("linux"):  # Linux nice values are per thread: this one only
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
-            except OSError:
-                pass
         while True:
             with self._cond:
                 self._idle += 1
@@ -151,7 +147,7 @@ class PrepPools:
         self.text = FairPool("text", threads, share)
         self.long = FairPool("long", threads, share)
         self.image = FairPool("image", threads, share)
-        self.video = FairPool("video", threads, share, nice=VIDEO_NICE)
+        self.video = FairPool("video", threads, share)
 
     def pool_for(self, chars: int, images: int, videos: int) -> FairPool:
         if videos:
