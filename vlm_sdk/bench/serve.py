@@ -103,6 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "victim's worst gap and the server's RSS (vlm_sdk/bench/red_team.py)")
     p.add_argument("--red-team-scale", type=float, default=1.0,
                    help="--red-team: send this share of each row's requests (at least one)")
+    p.add_argument("--red-team-rows", default=None, metavar="NAMES",
+                   help="--red-team: only the rows whose names start with one of these, comma-separated "
+                        "(e.g. 41.7,41.3; default: every row)")
 
 
 def run_bench_serve(args) -> int:
