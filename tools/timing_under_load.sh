@@ -19,9 +19,12 @@ if [ "$paths" -eq 0 ]; then
     "tests/server/test_server_video.py::test_decoding_a_video_does_not_stall_another_stream" \
     tests/e2e/test_ray_tensor_parallel.py
 fi
+# Each busy process is another program (`stress --cpu 1`'s load): a session of its own, as a job started
+# from another shell is, so the kernel's autogroups share the CPU between it and the tests as between two
+# programs (the engine's grammar processes run at nice 19 inside the tests' share, as in production).
 pids=()
 for _ in $(seq "$workers"); do
-  "$py" -c 'while True: pass' &  # one core's worth of pure CPU, as `stress --cpu 1` is
+  setsid "$py" -c 'while True: pass' &
   pids+=($!)
 done
 trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT

@@ -3,8 +3,8 @@ for 27 s).
 
 While one client streams, another sends a 30 MB text prompt, refused as too long. The stream's
 largest gap between two chunks, from just before the big request is sent until just after it is
-answered, stays under 0.5 s (on a loaded machine: under 4x its largest over as long a quiet window
-after, server_helpers.stall_bound). Since issue 18 the text is refused from its length before any template
+answered, stays under 0.5 s (on a loaded machine: under the bound server_helpers.stall_bound measures
+from the same stream's quiet window after it). Since issue 18 the text is refused from its length before any template
 or tokenizer runs, or, where that bound is too loose, from a prefix tokenized in the child process
 (engine/input/prompt_tokenizer.py), so the refusal itself is quick too.
 `PYTHONPATH=tests python tests/server/test_prompt_stall.py [megabytes]` measures other sizes.

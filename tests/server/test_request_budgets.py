@@ -1,7 +1,7 @@
 """Issue 28 rows 5-10 and issue 36 point 5 over HTTP: every user-controlled size that reaches a step
 or a response body has a budget, checked before the work, and its error names the limit, the value
-seen and the setting; while the attacks run, an innocent stream keeps its pace (worst gap < 0.5 s, or on a loaded machine < 4x its worst
-over as long a quiet window: server_helpers.stall_bound).
+seen and the setting; while the attacks run, an innocent stream keeps its pace (worst gap < 0.5 s, or on a loaded machine under
+the bound server_helpers.stall_bound measures from the same stream's quiet window).
 
     row 5   n x max_tokens x top_logprobs, non-streamed: encoded off the loop a choice at a time
             (--max-response-logprobs caps it); the victim's worst gap while 13 MB bodies are made: the
