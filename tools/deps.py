@@ -25,14 +25,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LEVELS = ("demo", "core", "test")
 STAMPS = REPO / ".cache"
-# What each level adds, measured on a fresh clone of this repository (2 cores, a local package index; the
-# CPU torch wheel counted): download and installed sizes; the time is the download's at 10 MB/s plus the
-# install's (pip unpacks about 50 MB/s here).
-SIZES = {"demo": ("about 330 MB to download, 1.3 GB installed", "2-3 minutes"),
-         "core": ("about 230 MB more to download (triton for the GPU kernels, PyAV, llguidance, aiohttp), "
-                  "1.1 GB more installed", "1-2 minutes more"),
-         "test": ("about 150 MB more to download (Ray Serve, Playwright, decord, openai, ...), 0.6 GB more "
-                  "installed", "1-2 minutes more")}
+# What each level adds, measured from a fresh clone in an empty venv (2 cores, other work running, a
+# package index on the local network): downloaded, installed (the venv's size after), pip's time.
+# A 50 Mbit/s connection adds about 40 s per 256 MB.
+SIZES = {"demo": ("256 MB to download (the CPU torch wheel is 192 MB of it), 1.2 GB installed", "3.5 minutes"),
+         "core": ("328 MB more to download (triton for the GPU kernels is most of it; PyAV, llguidance, aiohttp), "
+                  "2.3 GB installed in all", "1 minute more"),
+         "test": ("189 MB more to download (Ray Serve, Playwright, decord, openai, pytest, ...), 2.9 GB installed "
+                  "in all", "2 minutes more")}
 
 
 def _toml(path: Path) -> dict:
@@ -105,8 +105,8 @@ def announce(level: str) -> str:
     parts = LEVELS[:LEVELS.index(level) + 1]
     sizes = "; ".join(f"{lv}: {SIZES[lv][0]}" for lv in parts)
     times = ", then ".join(SIZES[lv][1] for lv in parts)
-    return (f"[run] this installs {sizes} (pip's progress below); on a fresh machine {times}. "
-            f"Packages already installed are kept.")
+    return (f"[run] on a fresh machine this installs {sizes} (pip's progress below); it took {times} here "
+            f"(2 cores), plus the download. Packages already installed are kept.")
 
 
 def main(argv: list[str]) -> int:

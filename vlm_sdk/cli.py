@@ -86,6 +86,9 @@ def check_chat_inputs(args) -> None:
     """Everything the command line names, checked before anything loads: the files exist, --url is a URL,
     engine flags are not given to a server's chat."""
     from vlm_sdk.errors import InvalidRequestError
+    from vlm_sdk.server.cli import check_model_argument
+    if args.model is not None and not args.url:
+        check_model_argument(args.model)
     for kind, paths in (("image", args.image), ("video", args.video)):
         for path in paths:
             if path.startswith(("http://", "https://", "data:")):

@@ -173,14 +173,64 @@ def _positive(text: str) -> int:
     return value
 
 
+def check_model_argument(model: str) -> None:
+    """A model that can only fail once loading starts fails now: a path that is not there and reads as no
+    Hub id 'Org/Name', or a directory without config.json."""
+    from vlm_sdk.hub import is_hub_id
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise InvalidRequestError(f"model {model!r} is a directory without config.json: give an HF-format "
+                                      f"checkpoint directory (config.json, *.safetensors, the tokenizer files)")
+    elif not os.path.exists(path) and not is_hub_id(model):
+        raise InvalidRequestError(f"model {model!r}: no such file or directory, and not a Hugging Face Hub id "
+                                  f"('Org/Name')")
+
+
+def check_listen(host: str, port: int) -> None:
+    """The address the server will listen on is free now, before the model loads (seconds to minutes):
+    bound and released as aiohttp binds it (SO_REUSEADDR). Port 0 and torchrun's other ranks skip."""
+    import socket
+    if port == 0 or os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise InvalidRequestError(f"--host {host!r} is not an address of this machine ({e.strerror}); use e.g. "
+                                  f"127.0.0.1 or 0.0.0.0") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as e:
+                raise InvalidRequestError(f"cannot listen on {host}:{port}: {e.strerror or e} (another server "
+                                          f"there?); choose another --port or --host") from None
+
+
+def check_serve_inputs(args: argparse.Namespace, model: str | None) -> None:
+    """What the command line names, checked before anything loads."""
+    if model is not None:
+        check_model_argument(model)
+    local = args.allowed_local_media_path
+    if local is not None and not os.path.isdir(local):
+        raise InvalidRequestError(f"--allowed-local-media-path {local!r} is not a directory")
+    for host in (h for d in args.allowed_media_domains for h in d.replace(",", " ").split()):
+        if "/" in host or ":" in host.strip("[]"):
+            raise InvalidRequestError(f"--allowed-media-domains takes host names ('example.com', '.example.com' for "
+                                      f"its subdomains), not URLs or ports: got {host!r}")
+    check_listen(args.host, args.port)
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    from vlm_sdk.engine.heap import bound_server_heap
-    from vlm_sdk.server.runner import serve
-    bound_server_heap()  # before the engine's threads (engine/heap.py)
     apply_vllm_names(args)
     if args.model and args.model_flag and args.model != args.model_flag:
         raise InvalidRequestError(f"two models given: {args.model!r} and --model {args.model_flag!r}; give one")
     model = args.model or args.model_flag
+    check_serve_inputs(args, model)
+    from vlm_sdk.engine.heap import bound_server_heap
+    from vlm_sdk.server.runner import serve
+    bound_server_heap()  # before the engine's threads (engine/heap.py)
     if model is None:
         from vlm_sdk.demo_checkpoint import tiny_model_dir
         model = str(tiny_model_dir())
