@@ -195,3 +195,27 @@ def test_common_groups_hold_the_common_flags():
         common = next(g for g in parser._action_groups if g.title == COMMON)
         flags = {s for a in common._group_actions for s in a.option_strings}
         assert {"--max-model-len", "--num-blocks", "--device"} <= flags, (name, flags)
+
+
+def test_serve_inputs_are_checked_before_the_model_loads(tmp_path):
+    """A port in use, a model path that is not there, a media directory that is not one, a URL given as a
+    media domain: each refused before torch is imported (so before anything loads)."""
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [(["serve", "--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
+                 (["serve", str(tmp_path / "nowhere")], "no such file or directory, and not a Hugging Face Hub id"),
+                 (["serve", str(tmp_path)], "is a directory without config.json"),
+                 (["serve", "--allowed-local-media-path", str(tmp_path / "x")], "is not a directory"),
+                 (["serve", "--allowed-media-domains", "https://example.com"], "takes host names"),
+                 (["chat", "--model", str(tmp_path / "nowhere"), "hi"], "no such file or directory")]
+        for argv, message in cases:
+            out = subprocess.run([sys.executable, "-X", "importtime", "-m", "vlm_sdk.cli", *argv],
+                                 capture_output=True, text=True, timeout=120, cwd=REPO)
+            errors = [line for line in out.stderr.splitlines() if not line.startswith("import time:")]
+            imported = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in out.stderr.splitlines()
+                        if line.startswith("import time:")}
+            assert out.returncode == 2 and any(message in line for line in errors), (argv, errors)
+            assert "torch" not in imported, argv
