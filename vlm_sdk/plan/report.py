@@ -61,9 +61,30 @@ def format_plan(p: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
+EXIT_PROBLEMS = 1  # the engine would refuse to start, or refuse the workload's request
+
+
+def fits_with_lines(found) -> list[str]:
+    if not found:
+        return ["what would fit: nothing this plan tried (more ranks, an FP8 KV cache, whole experts per rank, "
+                "a quantized checkpoint); see the problems' fixes"]
+    return ["what would fit instead (each planned like this one):"] + [f"  - {a.text()}" for a in found]
+
+
 def run_plan(args) -> int:
+    """Print the plan; exit status 0 when it has no problems, EXIT_PROBLEMS when it has (with, on a GPU,
+    the settings that would fit: more ranks, an FP8 KV cache, a quantized checkpoint)."""
     from vlm_sdk.hub import resolve_model
+    from vlm_sdk.plan.alternatives import alternatives
     model = resolve_model(args.model, args.revision, configs_only=True)  # a local path as it is
-    result = plan(model, **{k: getattr(args, k) for k in PLAN_OPTIONS})
-    print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
-    return 0
+    options = {k: getattr(args, k) for k in PLAN_OPTIONS}
+    result = plan(model, **options)
+    found = alternatives(model, options, result) if result.problems and result.device_memory_bytes else None
+    if args.json:
+        out = result.to_dict()
+        if found is not None:
+            out["fits_with"] = [a.to_dict() for a in found]
+        print(json.dumps(out, indent=2))
+    else:
+        print("\n".join([format_plan(result), *(fits_with_lines(found) if found is not None else [])]))
+    return EXIT_PROBLEMS if result.problems else 0
