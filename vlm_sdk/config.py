@@ -115,12 +115,15 @@ class EngineArgs:
     # decoded; None: no limit beyond max_image_pixels per image (`vlm-sdk serve` sets one)
     max_request_image_pixels: int | None = None
     # one video's limits (vlm_sdk/multimodal/video_io.py), checked from its container before any frame is
-    # decoded: its encoded size (bytes, or "512MiB"), its duration, the frames sampled from it, and the
-    # pixels decoded to reach them (every frame from the keyframe before each sampled one, at the source size)
+    # decoded: its encoded size (bytes, or "512MiB"), its duration, the frames sampled from it, the pixels
+    # decoded to reach them (every frame from the keyframe before each sampled one, at the source size, at
+    # least 256x256 a frame), and the frames in its container, each of which is indexed (an hour at 60
+    # fps); each frame is also an image: max_image_pixels
     max_video_bytes: int | str = 1 << 30
     max_video_seconds: float = 3600.0
     max_video_frames: int = 768
     max_video_decode_pixels: int = 8_000_000_000
+    max_video_container_frames: int = 216_000
     # special tokens (<|im_end|>, <|im_start|>, ...) written in message text are read as control
     # tokens, as the template's own are; off (the default), they are plain text, so a user cannot end
     # their turn and forge another role's
@@ -239,7 +242,7 @@ class EngineArgs:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
         for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs",
                      "max_num_batched_tokens", "max_image_pixels", "max_request_image_pixels",
-                     "max_video_bytes", "max_video_frames", "max_video_decode_pixels",
+                     "max_video_bytes", "max_video_frames", "max_video_decode_pixels", "max_video_container_frames",
                      "preemption_warning_per_minute", "tensor_parallel_size", "max_grammar_bytes",
                      "max_grammar_memory", "grammar_cache_memory", "grammar_workers"):
             positive(name)

@@ -41,6 +41,8 @@ from collections import Counter
 
 import aiohttp
 
+from vlm_sdk.bench.red_team_video import video_rows
+
 IDLE_WAIT_S = 3.0  # after the run, before the last RSS: the server's idle trim and its walk
 TARGETS = {"crashes": 0, "server_errors": 0, "worst_gap_s": 0.5, "rss_growth_bytes": 200 << 20}
 
@@ -93,7 +95,7 @@ def rows(model: str, vocab_size: int, scale: float) -> list[tuple[str, list[byte
                                            temperature=1.0, seed=1)], 1, False),
         ("10 template / echo / specials", [body(chat_template="{{ messages }}"), body(echo=True),
                                            body(add_special_tokens=True)], 1, False),
-    ]
+    ] + video_rows(model, scale)
 
 
 # -- the victim, in a process of its own ----------------------------------------------------------
@@ -213,6 +215,8 @@ def _grammar_rss(m: dict) -> float:
 
 
 async def _send(session, url: str, headers: dict, data: bytes) -> tuple[int, str]:
+    if hasattr(data, "send"):  # a body that sends itself (a client that hangs up: red_team_video.HangUp)
+        return await data.send(session, url, headers)
     try:
         async with session.post(url + "/v1/chat/completions", data=data, headers=headers) as resp:
             raw = await resp.read()  # parsed after the row: parsing 50 MB here would be the client's own stall

@@ -74,7 +74,7 @@ class LLMEngine:
         self.tokenizer = PromptTokenizer(load_tokenizer(model), not args.allow_special_tokens_in_text)
         self.guard = PromptGuard(self.tokenizer, args.max_image_pixels, args.max_request_image_pixels,
                                  VideoLimits(args.max_video_bytes, args.max_video_seconds, args.max_video_frames,
-                                             args.max_video_decode_pixels))
+                                             args.max_video_decode_pixels, args.max_video_container_frames))
         self.eos_token_ids = set(info.eos_token_ids)
         self.vocab_size = vocab_size = int(family.text_config(info.hf_config).vocab_size)  # the logits' width
         self.raw_prompt_tokens = RawPromptTokens(self.tokenizer, vocab_size)

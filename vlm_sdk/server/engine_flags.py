@@ -74,7 +74,11 @@ ENGINE_HELP = {
     "max_video_seconds": "longest video, in seconds, read from its container before decoding (default 3600)",
     "max_video_frames": "most frames sampled from one video (default 768)",
     "max_video_decode_pixels": "most pixels decoded for one video: every frame from the keyframe before each sampled "
-                               "one, at the source size, counted before decoding (default 8000000000)",
+                               "one, at the source size (at least 256x256 a frame), counted before decoding (default "
+                               "8000000000)",
+    "max_video_container_frames": "most frames in one video's container, every one of which is indexed whichever are "
+                                  "sampled; read from its header where it says, else counted as they are indexed "
+                                  "(default 216000: an hour at 60 fps)",
     "revision": "branch, tag or commit of a model given as a Hub id 'Org/Name' (default: main)",
     "max_logit_bias": "logit_bias entries per request (default 300); each is applied at every step",
     "max_stop_token_ids": "stop_token_ids per request (default 300); min_tokens bans each at every step",
@@ -104,7 +108,8 @@ GROUPS = (
     ("engine: parallelism", ("tensor_parallel_size", "enable_expert_parallel", "shard_vision",
                              "distributed_executor_backend", "ray_placement_strategy", "distributed_timeout")),
     ("engine: images and video", ("max_image_pixels", "max_request_image_pixels", "max_video_bytes",
-                                  "max_video_seconds", "max_video_frames", "max_video_decode_pixels")),
+                                  "max_video_seconds", "max_video_frames", "max_video_decode_pixels",
+                                  "max_video_container_frames")),
     ("engine: per-request budgets and output parsing", (
         "allow_special_tokens_in_text", "max_logit_bias", "max_stop_token_ids", "max_grammar_bytes",
         "grammar_compile_timeout", "max_grammar_memory", "grammar_cache_memory", "grammar_workers",
