@@ -222,6 +222,26 @@ def check_serve_inputs(args: argparse.Namespace, model: str | None) -> None:
     check_listen(args.host, args.port)
 
 
+def server_config(args: argparse.Namespace, engine: dict) -> ServerConfig:
+    """The `ServerConfig` of serve's flags (`engine`: the engine settings given, for the video cap)."""
+    video_bytes = EngineArgs(max_video_bytes=engine.get("max_video_bytes", SERVER_MAX_VIDEO_BYTES)).max_video_bytes
+    media = MediaPolicy(allowed_domains=tuple(args.allowed_media_domains),
+                        allowed_local_path=args.allowed_local_media_path,
+                        allow_private_addresses=args.allow_private_media_addresses,
+                        max_bytes=args.max_media_bytes, max_video_bytes=video_bytes, timeout_s=args.media_timeout)
+    return ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                        served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
+                        max_json_values=args.max_json_values,
+                        limit_images=args.limit_images, limit_videos=args.limit_videos,
+                        shutdown_timeout=args.shutdown_timeout, media=media,
+                        keep_alive_timeout=args.keep_alive_timeout, body_timeout=args.body_timeout,
+                        max_connections=args.max_connections,
+                        max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
+                        max_n=args.max_n, max_response_logprobs=args.max_response_logprobs,
+                        max_completion_prompts=args.max_completion_prompts,
+                        log_requests=not args.disable_log_requests)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     apply_vllm_names(args)
     if args.model and args.model_flag and args.model != args.model_flag:
@@ -238,22 +258,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"[vlm-sdk] no model given: serving a tiny {name}-shaped checkpoint with RANDOM weights at "
               f"{model}", file=sys.stderr)
     engine = engine_kwargs(args)
-    video_bytes = EngineArgs(max_video_bytes=engine.get("max_video_bytes", SERVER_MAX_VIDEO_BYTES)).max_video_bytes
-    media = MediaPolicy(allowed_domains=tuple(args.allowed_media_domains),
-                        allowed_local_path=args.allowed_local_media_path,
-                        allow_private_addresses=args.allow_private_media_addresses,
-                        max_bytes=args.max_media_bytes, max_video_bytes=video_bytes, timeout_s=args.media_timeout)
-    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                          served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
-                          max_json_values=args.max_json_values,
-                          limit_images=args.limit_images, limit_videos=args.limit_videos,
-                          shutdown_timeout=args.shutdown_timeout, media=media,
-                          keep_alive_timeout=args.keep_alive_timeout, body_timeout=args.body_timeout,
-                          max_connections=args.max_connections,
-                          max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
-                          max_n=args.max_n, max_response_logprobs=args.max_response_logprobs,
-                          max_completion_prompts=args.max_completion_prompts)
-
+    config = server_config(args, engine)
     replicas, routing = replica_configs(args)
     return serve(model, config, replicas, routing, **engine)
 
