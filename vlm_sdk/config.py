@@ -83,6 +83,10 @@ DEFAULT_MAX_GRAMMAR_MEMORY = 64 << 20
 # an ordinary JSON Schema holds 0.1-1 MiB compiled: 64 MiB keeps 60-600 of them, and a stream of distinct
 # large grammars grows the server by no more than this
 DEFAULT_GRAMMAR_CACHE_MEMORY = 64 << 20
+DEFAULT_MAX_TOOLS = 128  # OpenAI's limit per request ("array_above_max_length")
+# a request's tools as JSON (names, descriptions, parameter schemas), all rendered into the prompt; as
+# much as one structured-output spec may hold, since their schemas are checked as one grammar
+DEFAULT_MAX_TOOL_BYTES = DEFAULT_MAX_GRAMMAR_BYTES
 
 
 @dataclass(frozen=True)
@@ -184,6 +188,10 @@ class EngineArgs:
     max_grammar_memory: int | str = DEFAULT_MAX_GRAMMAR_MEMORY  # one compiled grammar with its first mask
     grammar_cache_memory: int | str = DEFAULT_GRAMMAR_CACHE_MEMORY  # compiled grammars kept, by measured bytes
     grammar_workers: int = 2
+    # a request's tools (vlm_sdk/chat_options.py), checked before any is rendered or compiled: how many
+    # (OpenAI's 128) and their JSON's bytes together (names, descriptions, schemas: all go into the prompt)
+    max_tools: int = DEFAULT_MAX_TOOLS
+    max_tool_bytes: int = DEFAULT_MAX_TOOL_BYTES
     # how a chat's output is read (vlm_sdk/parsers): the tool-call format ("hermes") and the reasoning
     # block ("qwen3", "deepseek_r1"); None: from the chat template (<tool_call> -> hermes, <think> ->
     # qwen3); "none": off
@@ -244,7 +252,7 @@ class EngineArgs:
                      "max_num_batched_tokens", "max_image_pixels", "max_request_image_pixels",
                      "max_video_bytes", "max_video_frames", "max_video_decode_pixels", "max_video_container_frames",
                      "preemption_warning_per_minute", "tensor_parallel_size", "max_grammar_bytes",
-                     "max_grammar_memory", "grammar_cache_memory", "grammar_workers"):
+                     "max_grammar_memory", "grammar_cache_memory", "grammar_workers", "max_tools", "max_tool_bytes"):
             positive(name)
         e = self.encoder_cache_memory
         if not isinstance(e, int) or isinstance(e, bool) or e < 0:

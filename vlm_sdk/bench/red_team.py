@@ -24,6 +24,7 @@ once it has given its allocator's free memory back), each against issue 28's tar
        keys "²" and "١٢٣"
     9  stop_token_ids covering the whole vocabulary (first 300 ids: the cap) with min_tokens=3
     10 chat_template, echo, add_special_tokens
+    41.7, 41.9 (issue 41's tool rows: vlm_sdk/bench/red_team_tools.py)
 
 `--red-team-scale` < 1 sends fewer of each (at least one): the test suite's quick run.
 """
@@ -41,6 +42,7 @@ from collections import Counter
 
 import aiohttp
 
+from vlm_sdk.bench.red_team_tools import tool_rows
 from vlm_sdk.bench.red_team_video import video_rows
 
 IDLE_WAIT_S = 3.0  # after the run, before the last RSS: the server's idle trim and its walk
@@ -58,7 +60,7 @@ def _rule_chain(n: int) -> str:
 
 
 def rows(model: str, vocab_size: int, scale: float) -> list[tuple[str, list[bytes], int, bool]]:
-    """(name, bodies, at once, with plain probes) per row of issue 28's table, in order."""
+    """(name, bodies, at once, with plain probes) per row of issue 28's table, in order, then issue 41's."""
     def n(count: int) -> int:
         return max(1, round(count * scale))
 
@@ -95,7 +97,7 @@ def rows(model: str, vocab_size: int, scale: float) -> list[tuple[str, list[byte
                                            temperature=1.0, seed=1)], 1, False),
         ("10 template / echo / specials", [body(chat_template="{{ messages }}"), body(echo=True),
                                            body(add_special_tokens=True)], 1, False),
-    ] + video_rows(model, scale)
+    ] + video_rows(model, scale) + tool_rows(model, scale)
 
 
 # -- the victim, in a process of its own ----------------------------------------------------------

@@ -89,6 +89,9 @@ ENGINE_HELP = {
                           "e.g. 64MiB (default)",
     "grammar_cache_memory": "compiled grammars kept for reuse, by their measured memory, e.g. 64MiB (default)",
     "grammar_workers": "grammars compiled at once, each in a process of its own (default 2)",
+    "max_tools": "tools per request (default 128, OpenAI's limit); each is rendered into the prompt",
+    "max_tool_bytes": "bytes of a request's tools together as JSON: names, descriptions, parameter schemas "
+                      "(default 1048576)",
     "tool_call_parser": "how tool calls are read from the output: 'hermes' (<tool_call> JSON) or 'none' "
                         "(default: from the chat template)",
     "reasoning_parser": "how reasoning is split from the answer: 'qwen3' or 'deepseek_r1' (<think> blocks) or "
@@ -113,7 +116,7 @@ GROUPS = (
     ("engine: per-request budgets and output parsing", (
         "allow_special_tokens_in_text", "max_logit_bias", "max_stop_token_ids", "max_grammar_bytes",
         "grammar_compile_timeout", "max_grammar_memory", "grammar_cache_memory", "grammar_workers",
-        "tool_call_parser", "reasoning_parser")),
+        "max_tools", "max_tool_bytes", "tool_call_parser", "reasoning_parser")),
 )
 OTHER_GROUP = "engine: other"
 FAMILY_GROUP = "engine: images and video"
