@@ -106,6 +106,9 @@ def test_vllm_names_mean_ours():
     json_limits = parse_with_hints(parser, ["serve", "--limit-mm-per-prompt", '{"image": 1}'], commands)
     apply_vllm_names(json_limits)
     assert json_limits.limit_images == 1 and json_limits.limit_videos == 2  # the other keeps its default
+    planned = parse_with_hints(parser, ["plan", "m", "--gpu-memory-utilization", "0.5", "-tp", "2",
+                                        "--num-gpu-blocks-override", "8", "--kv-cache-memory-bytes", "4096"], commands)
+    assert (planned.memory_utilization, planned.tp, planned.num_blocks, planned.kv_cache_memory) == (0.5, 2, 8, "4096B")
     # the values reach the engine's own parsing unchanged in meaning
     from vlm_sdk.models import registry
     engine = registry.engine_args(**engine_kwargs(args))

@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import contextlib
-import io
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 

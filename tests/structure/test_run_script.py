@@ -8,8 +8,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 from helpers import REPO
 
 

@@ -44,7 +44,7 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
                      "or cpu (float32 by default; weights + activations + KV cache checked against host RAM)")
     cmd.add_argument("--host-memory", help=f"with --device cpu: the host RAM to check against (default: this "
                      f"machine's, /proc/meminfo MemTotal); {_SIZE}")
-    cmd.add_argument("--memory-utilization", type=float, help="share of TOTAL device memory (like vLLM's "
+    cmd.add_argument("--memory-utilization", "--gpu-memory-utilization", type=float, help="share of TOTAL device memory (like vLLM's "
                      "gpu_memory_utilization, not LMDeploy's share of free memory) for weights + activations + KV "
                      "cache (default 0.9); sizes the cache when neither --num-blocks nor --kv-cache-memory is set")
     cmd.add_argument("--kv-cache-memory", help=f"KV cache size, e.g. 2GiB ({_SIZE}); overrides "
@@ -53,7 +53,8 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
                      f"(the encoder cache), e.g. 256MiB (the default; {_SIZE}), 0 for none; counted beside the "
                      "weights and activations, and set aside before --memory-utilization sizes the KV cache")
     for name in ("num-blocks", "block-size", "max-model-len", "max-num-seqs", "max-num-batched-tokens"):
-        cmd.add_argument(f"--{name}", type=int, help=_HELP[name])
+        vllm = ("--num-gpu-blocks-override",) if name == "num-blocks" else ()  # vLLM's name of the same setting
+        cmd.add_argument(f"--{name}", *vllm, type=int, help=_HELP[name])
     schemas = registry.engine_settings()  # one help true for every family declaring a setting
     for name, (_, setting) in registry.plan_settings().items():  # each family's image option
         owners = " / ".join(f.display_name for f in registry.families() if f.plan_setting[0] == name)
@@ -64,7 +65,7 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
                      help="no CUDA graphs: the decode graphs' pool is not counted (on a GPU it is by default)")
     cmd.add_argument("--piecewise-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                      help="count the piecewise CUDA graphs' buffers and pool (off by default, as the engine)")
-    cmd.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int,
+    cmd.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp", type=int,
                      help="tensor-parallel ranks: figures are per rank, as the engine's start-up report shows them "
                           "(default 1)")
     cmd.add_argument("--shard-vision", action=argparse.BooleanOptionalAction, default=None,
@@ -78,5 +79,7 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
                      "a GPU, float32 on the CPU, as the engine)")
     cmd.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="the KV cache's dtype: auto (the model's, the "
                      "default) or fp8 (float8 e4m3 with per-layer scales: one byte per value)")
+    cmd.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory", type=lambda t: f"{t}B" if t.isdigit() else t,
+                     metavar="BYTES", help="vLLM's name of --kv-cache-memory: a bare number is bytes (default: not set)")
     cmd.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     return cmd

@@ -31,11 +31,11 @@ class VllmName:
 
 VLLM_NAMES = (
     VllmName("--gpu-memory-utilization", "--memory-utilization", "alias",
-             "the share of the GPU's total memory, as vLLM's"),
-    VllmName("-tp", "--tensor-parallel-size (also --tp)", "alias"),
-    VllmName("--num-gpu-blocks-override", "--num-blocks", "alias"),
+             "the share of the GPU's total memory, as vLLM's", ("serve", "chat", "plan")),
+    VllmName("-tp", "--tensor-parallel-size (also --tp)", "alias", "", ("serve", "chat", "plan")),
+    VllmName("--num-gpu-blocks-override", "--num-blocks", "alias", "", ("serve", "chat", "plan")),
     VllmName("--kv-cache-memory-bytes", "--kv-cache-memory", "converted",
-             "a bare number is bytes, as in vLLM; a size with a unit (8GiB) works too"),
+             "a bare number is bytes, as in vLLM; a size with a unit (8GiB) works too", ("serve", "chat", "plan")),
     VllmName("--mm-processor-kwargs", "the family's settings (the flags of `--help images`)", "converted",
              "a JSON object of the family's settings by name; checked by the checkpoint's family at start-up"),
     VllmName("--limit-mm-per-prompt", "--limit-images / --limit-videos", "converted",
