@@ -90,6 +90,10 @@ def check(level: str) -> str | None:
     stamped = [lv for lv in LEVELS[LEVELS.index(level):] if (STAMPS / f"installed-{lv}").is_file()
                and (STAMPS / f"installed-{lv}").read_text() == key(lv)]
     if not stamped:
+        current = [lv for lv in LEVELS if (STAMPS / f"installed-{lv}").is_file()
+                   and (STAMPS / f"installed-{lv}").read_text() == key(lv)]
+        if current:
+            return f"only the {current[-1]} packages are installed here, not the {level} ones"
         return "first install" if not any((STAMPS / f"installed-{lv}").exists() for lv in LEVELS) else \
             "pyproject.toml or setup.py changed since the last install"
     gone = missing(level)
