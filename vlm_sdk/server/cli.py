@@ -79,6 +79,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-completion-prompts", type=_positive, default=d.max_completion_prompts,
                         help="prompts in one /v1/completions request, each completed 'n' times "
                              f"(default {d.max_completion_prompts})")
+    limits.add_argument("--max-sequences-per-request", type=_positive, default=d.max_sequences_per_request,
+                        help="sequences one request puts in the batch: prompts x n in /v1/completions, n in chat "
+                             f"(default {d.max_sequences_per_request})")
     limits.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                         help=f"seconds in-flight requests get after SIGTERM before they are aborted "
                              f"(default {d.shutdown_timeout:g})")
@@ -239,6 +242,7 @@ def server_config(args: argparse.Namespace, engine: dict) -> ServerConfig:
                         max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
                         max_n=args.max_n, max_response_logprobs=args.max_response_logprobs,
                         max_completion_prompts=args.max_completion_prompts,
+                        max_sequences_per_request=args.max_sequences_per_request,
                         log_requests=not args.disable_log_requests)
 
 
