@@ -52,9 +52,8 @@ def test_every_flag_has_help_with_its_default_and_no_issue_number():
             flag = action.option_strings[0]
             assert action.help and action.help != argparse.SUPPRESS, f"{name} {flag} has no help"
             assert not re.search(r"\bissues? \d", action.help), f"{name} {flag}: {action.help}"
-            takes_value = action.nargs != 0 and not isinstance(action, argparse.BooleanOptionalAction)
-            if takes_value:
-                assert "default" in action.help, f"{name} {flag}'s help does not say its default: {action.help}"
+            # a switch too: "(default off)" is what tells a mode switch from one that is on unless turned off
+            assert "default" in action.help, f"{name} {flag}'s help does not say its default: {action.help}"
         for group in parser._action_groups:
             assert not re.search(r"\bissues? \d", group.title or ""), f"{name}: group {group.title!r}"
 
@@ -135,13 +134,36 @@ def test_an_unknown_flag_is_answered_with_what_to_use(argv, hint, capsys):
 
 
 def test_the_readme_table_is_vllm_names():
+    """One row per VLLM_NAMES entry, in order, its kind and commands as the code has them; each name is a
+    flag of exactly the commands its row lists (a refused one of none), and the `ours` of an alias is a
+    flag of the same action."""
     readme = (REPO / "README.md").read_text()
     section = readme.split("### vLLM's flag names", 1)[1].split("\n#", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("| `")]
-    flags = [re.match(r"\| `([^`]+)`", row).group(1) for row in rows]
-    assert flags == [n.flag for n in VLLM_NAMES]
-    for row, name in zip(rows, VLLM_NAMES):
-        assert f"| {name.kind} |" in row, row
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| `")]
+    assert [row[0].strip("`") for row in rows] == [n.flag for n in VLLM_NAMES]
+    parsers = _parsers()
+    for (_, here, kind, on, note), name in zip(rows, VLLM_NAMES):
+        assert kind == name.kind and on == "/".join(name.commands), (name.flag, kind, on)
+        assert _words(note) == _words(name.note), (note, name.note)
+        for command in ("serve", "chat", "plan"):
+            listed = command in name.commands and name.kind != "refused"
+            own = f"`{command}` has `{name.flag}` itself" in here  # ours too there, with our meaning
+            assert (name.flag in _options(parsers[command])) == (listed or own), (name.flag, command)
+        if name.kind == "alias" and here.startswith("`--"):
+            ours = here.split("`")[1]
+            for command in name.commands:
+                action = next(a for a in parsers[command]._actions if name.flag in a.option_strings)
+                assert ours in action.option_strings, (name.flag, command, action.option_strings)
+
+
+def _words(text: str) -> str:
+    """A note as the README writes it (code in backticks, JSON in double quotes) or as the code does."""
+    return " ".join(re.sub("[`'\"]", "", text).split())
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for a in parser._actions for s in a.option_strings}
 
 
 def test_chat_inputs_are_checked_before_the_model_loads(tmp_path, capsys):

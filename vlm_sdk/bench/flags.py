@@ -68,8 +68,8 @@ def _gpu(bench) -> None:
     """The `--gpu` flag and its options, on the `vlm-sdk bench` parser."""
     g = bench.add_argument_group("GPU benchmark (vlm_sdk/bench/gpu.py)")
     g.add_argument("--gpu", action="store_true", help="run the Qwen2.5-VL-3B GPU benchmark instead (random bf16 "
-                   "weights, no download; about 3-6 minutes on an H100)")
-    g.add_argument("--tiny", action="store_true", help="with --gpu: the same code path, tiny shape, on the CPU")
+                   "weights, no download; about 3-6 minutes on an H100; default off)")
+    g.add_argument("--tiny", action="store_true", help="with --gpu: the same code path, tiny shape, on the CPU (default off)")
     g.add_argument("--decode-batches", type=_int_list, help="with --gpu: decode batch sizes (default 1,8,64)")
     g.add_argument("--context", type=int, help="with --gpu: decode prompt tokens (default 2048)")
     g.add_argument("--decode-steps", type=int, help="with --gpu: timed decode steps per batch (default 32)")
@@ -104,7 +104,7 @@ def _multi_turn(bench) -> None:
     d = MultiTurnConfig()
     g = bench.add_argument_group("prefix caching and encoder cache, on vs off (vlm_sdk/bench/prefix_cache.py)")
     g.add_argument("--multi-turn", action="store_true", help="time multi-turn image chat and many users sharing a "
-                   "system prompt and image, with caching on and off, instead of the transformers comparison")
+                   "system prompt and image, with caching on and off, instead of the transformers comparison (default off)")
     g.add_argument("--turns", type=int, help=f"with --multi-turn: turns per conversation (default {d.turns})")
     g.add_argument("--answer-tokens", type=int, help=f"with --multi-turn: tokens per answer "
                    f"(default {d.answer_tokens})")
@@ -122,7 +122,7 @@ def _multi_turn(bench) -> None:
 def _structured(bench) -> None:
     g = bench.add_argument_group("structured outputs keep batching (vlm_sdk/bench/structured.py)")
     g.add_argument("--structured", action="store_true", help="time a batch with half its requests constrained to "
-                   "a JSON Schema against the same batch unconstrained, instead of the transformers comparison")
+                   "a JSON Schema against the same batch unconstrained, instead of the transformers comparison (default off)")
     g.add_argument("--so-requests", type=int, default=None, help="with --structured: requests per batch (default 32)")
     g.add_argument("--so-tokens", type=int, default=None, help="with --structured: tokens per request (default 64)")
     g.add_argument("--so-rounds", type=int, default=None, help="with --structured: rounds per workload (default 3)")
@@ -131,7 +131,7 @@ def _structured(bench) -> None:
 def _host_overhead(bench) -> None:
     g = bench.add_argument_group("host time per decode step (vlm_sdk/bench/host_overhead.py)")
     g.add_argument("--host-overhead", action="store_true", help="time the host side of decode steps with the "
-                   "model replaced by a no-op, instead of the transformers comparison")
+                   "model replaced by a no-op, instead of the transformers comparison (default off)")
     g.add_argument("--ho-batches", default=None, help="with --host-overhead: comma-separated batch sizes "
                    "(default 1,64,256)")
     g.add_argument("--ho-steps", type=int, default=None, help="with --host-overhead: timed decode steps per "
@@ -145,7 +145,7 @@ def _sampler(bench) -> None:
     d = SamplerBenchConfig()
     g = bench.add_argument_group("the sampler: its first version vs now (vlm_sdk/bench/sampler.py)")
     g.add_argument("--sampler", action="store_true", help="time the sampler's old and new paths on the CPU "
-                   "instead of the transformers comparison")
+                   "instead of the transformers comparison (default off)")
     g.add_argument("--sampler-rows", type=int, default=d.rows, help=f"with --sampler: rows (default {d.rows})")
     g.add_argument("--sampler-vocab", type=int, default=d.vocab, help=f"with --sampler: vocabulary (default {d.vocab})")
     g.add_argument("--sampler-repeats", type=int, default=d.repeats,
@@ -156,7 +156,7 @@ def _video(bench) -> None:
     g = bench.add_argument_group("video: time to first token in parts, preprocessing vs transformers "
                                  "(vlm_sdk/bench/video.py)")
     g.add_argument("--video", action="store_true", help="time one question about a video (decode, preprocessing, "
-                   "prefill) and the video preprocessing against transformers, instead of the generate comparison")
+                   "prefill) and the video preprocessing against transformers, instead of the generate comparison (default off)")
     g.add_argument("--video-seconds", type=float, default=30.0, help="with --video: clip length (default 30)")
     g.add_argument("--video-fps", type=float, default=2.0, help="with --video: frames sampled per second (default 2)")
     g.add_argument("--video-max-pixels", type=int, default=None,
@@ -193,7 +193,7 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "known, i.e. without --url or with --model)")
     p.add_argument("--rounds", type=int, default=3, help="alternate HTTP and in-process this many times (default 3)")
     p.add_argument("--device", default=None, help="device of the engines started here (default: cuda when a GPU is visible)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     p.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="cache-aware vs round-robin routing over N replicas on Ray Serve, on a multi-turn image "
                         "workload (bench/routing.py; pip install 'vlm-sdk[ray]'; default: not this mode)")

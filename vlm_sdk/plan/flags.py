@@ -72,7 +72,7 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
                      help="with --tp: split the vision tower over the ranks (the default) or not")
     cmd.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=None,
                      help="with --tp: whole MoE experts per rank (num_experts / tp each) instead of a slice of "
-                          "every expert, as the engine's setting")
+                          "every expert, as the engine's setting (default off)")
     for name in ("prompt-tokens", "output-tokens", "images"):
         cmd.add_argument(f"--{name}", type=int, help=_HELP[name])
     cmd.add_argument("--dtype", help="weights and KV cache dtype: bfloat16 / float16 / float32 (default bfloat16 on "

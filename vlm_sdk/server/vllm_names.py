@@ -37,7 +37,8 @@ VLLM_NAMES = (
     VllmName("--kv-cache-memory-bytes", "--kv-cache-memory", "converted",
              "a bare number is bytes, as in vLLM; a size with a unit (8GiB) works too", ("serve", "chat", "plan")),
     VllmName("--mm-processor-kwargs", "the family's settings (the flags of `--help images`)", "converted",
-             "a JSON object of the family's settings by name; checked by the checkpoint's family at start-up"),
+             "a JSON object of the family's settings, e.g. '{\"max_pixels\": 200704}'; checked by the checkpoint's "
+             "family at start-up"),
     VllmName("--limit-mm-per-prompt", "--limit-images / --limit-videos", "converted",
              "'image=2,video=1' or JSON '{\"image\": 2, \"video\": 1}'", ("serve",)),
     VllmName("--model", "MODEL (the positional argument)", "alias", "", ("serve",)),
@@ -79,7 +80,7 @@ def add_vllm_names(parser: argparse.ArgumentParser, command: str) -> None:
     for name in names.values():
         if name.kind == "no effect":
             group.add_argument(name.flag, dest="vllm_" + name.flag.lstrip("-").replace("-", "_"), action="store_true",
-                               help=f"accepted from vLLM, no effect: {name.note}")
+                               help=f"accepted from vLLM, no effect: {name.note} (default off)")
 
 
 def apply_vllm_names(args: argparse.Namespace) -> None:
