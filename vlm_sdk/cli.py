@@ -82,6 +82,26 @@ def _messages(args) -> list[dict]:
     return system + [{"role": "user", "content": _content(args)}]
 
 
+def check_url(flag: str, url: str) -> None:
+    from vlm_sdk.errors import InvalidRequestError
+    u = urlparse(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise InvalidRequestError(f"{flag} {url!r} is not an http(s) URL: write e.g. http://127.0.0.1:8000")
+
+
+def check_bench_inputs(args) -> None:
+    """`bench` / `bench-serve`: the model, the image and the server's URL, checked before anything loads."""
+    from vlm_sdk.errors import InvalidRequestError
+    from vlm_sdk.server.cli import check_model_argument
+    if getattr(args, "model", None) is not None:
+        check_model_argument(args.model)
+    if getattr(args, "url", None):
+        check_url("--url", args.url)
+    image = getattr(args, "image", None)
+    if image is not None and not os.path.isfile(image):
+        raise InvalidRequestError(f"image file not found: {image!r} (--image takes a file path)")
+
+
 def check_chat_inputs(args) -> None:
     """Everything the command line names, checked before anything loads: the files exist, --url is a URL,
     engine flags are not given to a server's chat."""
@@ -97,9 +117,7 @@ def check_chat_inputs(args) -> None:
                 where = "is a directory" if os.path.isdir(path) else "does not exist"
                 raise InvalidRequestError(f"{kind} file not found: {path!r} {where} (--{kind} takes a file path)")
     if args.url:
-        u = urlparse(args.url)
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise InvalidRequestError(f"--url {args.url!r} is not an http(s) URL: write e.g. http://127.0.0.1:8000")
+        check_url("--url", args.url)
         given = sorted("--" + k.replace("_", "-") for k in engine_kwargs(args))
         if given:
             raise InvalidRequestError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect with "
@@ -221,6 +239,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
             apply_vllm_names(args)
             check_chat_inputs(args)
             return run_chat(args, started)
+        check_bench_inputs(args)
         if args.command == "bench-serve":
             return _bench_serve(args)
         return _bench(args, argv)

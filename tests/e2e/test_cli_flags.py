@@ -223,8 +223,9 @@ def test_common_groups_hold_the_common_flags():
 
 
 def test_serve_inputs_are_checked_before_the_model_loads(tmp_path):
-    """A port in use, a model path that is not there, a media directory that is not one, a URL given as a
-    media domain: each refused before torch is imported (so before anything loads)."""
+    """A port in use or out of range, a model path that is not there (serve, chat, the benchmarks), a media
+    directory that is not one, a URL given as a media domain, bench-serve's URL and image: each refused
+    before torch is imported (so before anything loads)."""
     import socket
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -235,7 +236,12 @@ def test_serve_inputs_are_checked_before_the_model_loads(tmp_path):
                  (["serve", str(tmp_path)], "is a directory without config.json"),
                  (["serve", "--allowed-local-media-path", str(tmp_path / "x")], "is not a directory"),
                  (["serve", "--allowed-media-domains", "https://example.com"], "takes host names"),
-                 (["chat", "--model", str(tmp_path / "nowhere"), "hi"], "no such file or directory")]
+                 (["chat", "--model", str(tmp_path / "nowhere"), "hi"], "no such file or directory"),
+                 (["serve", "--port", "70000"], "a TCP port is 0-65535"),  # was OverflowError after loading
+                 (["bench", "--model", str(tmp_path / "nowhere")], "no such file or directory"),
+                 (["bench-serve", "--model", str(tmp_path / "nowhere")], "no such file or directory"),
+                 (["bench-serve", "--url", "localhost:8000"], "is not an http(s) URL"),
+                 (["bench-serve", "--image", str(tmp_path / "x.png")], "image file not found")]
         for argv, message in cases:
             out = subprocess.run([sys.executable, "-X", "importtime", "-m", "vlm_sdk.cli", *argv],
                                  capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -49,7 +49,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     d = ServerConfig()
     common.add_argument("--host", default=d.host, help=f"address to listen on (default {d.host}: this machine "
                         "only; vLLM listens on every interface, which --host 0.0.0.0 does here)")
-    common.add_argument("--port", type=int, default=d.port, help=f"port to listen on; 0 picks a free one, printed at "
+    common.add_argument("--port", type=_port, default=d.port, help=f"port to listen on; 0 picks a free one, printed at "
                         f"start-up (default {d.port})")
     common.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
     common.add_argument("--served-model-name", default=None, help="name clients pass as 'model' (default: the Hub id "
@@ -166,6 +166,13 @@ def _count(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:  # else bind() raises OverflowError, after the model has loaded
+        raise argparse.ArgumentTypeError(f"a TCP port is 0-65535 (0: any free one), got {value}")
     return value
 
 
