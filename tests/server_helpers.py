@@ -217,6 +217,12 @@ def stall_bound(quiet: Quiet) -> float:
     return max(MAX_GAP_S, STALL_STEPS * quiet.step, STALL_FACTOR * quiet.worst)
 
 
+def latency_bound(bound: float, alone: list[float]) -> float:
+    """The longest a probe may take beside an attack: `bound`, or on a machine too loaded for it,
+    STALL_FACTOR x the same probe's worst latency with nothing else sent, measured in the same run."""
+    return max(bound, STALL_FACTOR * max(alone))
+
+
 def assert_no_stall(gap: float, quiet: Quiet, what: str) -> None:
     bound = stall_bound(quiet)
     assert gap < bound, (f"the stream stalled {gap:.2f} s {what}; allowed {bound:.2f} s: the most of {MAX_GAP_S} s, "

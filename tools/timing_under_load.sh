@@ -15,7 +15,7 @@ paths=0
 for a in "$@"; do case "$a" in -*) ;; *) paths=1 ;; esac; done
 if [ "$paths" -eq 0 ]; then
   set -- "$@" tests/server/test_grammar_budgets.py tests/server/test_prompt_stall.py \
-    tests/server/test_request_budgets.py tests/server/test_server_video_costs.py \
+    tests/server/test_request_budgets.py tests/server/test_server_video_costs.py tests/server/test_fair_load.py \
     "tests/server/test_server_video.py::test_decoding_a_video_does_not_stall_another_stream" \
     tests/e2e/test_ray_tensor_parallel.py
 fi

@@ -73,8 +73,12 @@ class APIError(Exception):
 
 
 # a request's key for its (prompt tokens, completion tokens), set where its response counts them: the
-# request log's line (app.py) reads it
-USAGE = "vlm_usage"
+# request log's line (app.py) reads it. A typed key where aiohttp has them (3.12+): a str key warns
+try:
+    from aiohttp.web import RequestKey
+    USAGE = RequestKey("vlm_usage", tuple)
+except ImportError:
+    USAGE = "vlm_usage"
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
