@@ -11,6 +11,7 @@ from torch import nn
 
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
+from vlm_sdk.protocol.cache_spec import AttentionSpec, LayerCacheSpec
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -70,9 +71,12 @@ class DecoderStack(Protocol):
 class VisionLanguageModel(nn.Module, ABC):
     """A vision tower plus a decoder that runs on the paged KV cache.
 
-    Attributes the engine sizes the cache with: `num_layers`, `num_kv_heads`, `head_dim`,
-    `hidden_size`, `vocab_size`. `position_rows` (1, or 3 for M-RoPE) is the first dim of the
-    positions `forward` takes; `positions()` makes them from the prompt.
+    What each decoder layer keeps between steps is its cache spec (`cache_specs`: full attention by
+    default; sliding-window KV or a fixed-size state where a family says so), from which the engine,
+    the memory package and every rank size and allocate the caches. Attributes: `num_layers`,
+    `num_kv_heads`, `head_dim` (the attention layers'), `hidden_size`, `vocab_size`. `position_rows`
+    (1, or 3 for M-RoPE) is the first dim of the positions `forward` takes; `positions()` makes them
+    from the prompt.
 
     Under tensor parallelism (a model built with `tp=TPGroup(rank, size, group)`) every rank runs
     every method on the same inputs and gets the same outputs (`encode_images`, `embed_tokens`,
@@ -94,6 +98,14 @@ class VisionLanguageModel(nn.Module, ABC):
         (float32, moved here) and the family's `meta`. `width` is hidden_size, or more for a family
         that carries more per image token into its decoder (DeepStack's features of earlier vision
         layers): the engine only caches, slices and hands back rows (`forward`'s `images`)."""
+
+    def cache_specs(self, kv_dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """One spec per decoder layer, this rank's shapes (vlm_sdk/protocol/cache_spec.py): what the layer
+        keeps between steps. `kv_dtype` is the KV cache's (the model's, or float8 e4m3 with
+        kv_cache_dtype="fp8"); a state layer names its own tensors' dtypes. Default: every layer full
+        attention over `num_kv_heads` x `head_dim`."""
+        spec = AttentionSpec(self.num_kv_heads, self.head_dim, str(kv_dtype).removeprefix("torch."))
+        return [spec] * self.num_layers
 
     def positions(self, prompt_positions: Any, start: int, end: int) -> torch.Tensor:
         """Positions `[position_rows, end - start]` int64 (host) of tokens start..end of a sequence whose

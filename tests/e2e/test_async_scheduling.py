@@ -253,7 +253,7 @@ def test_aborts_and_streams_with_async_llm(tiny_ckpt):
     assert seen == 4 and len(full.token_ids) == 60
     _, ref = run(tiny_ckpt, [long], [CONVS[0]], async_scheduling=False)
     assert full.token_ids == ref[0].token_ids
-    assert eng.block_manager.num_used_blocks == 0
+    assert eng.cache.num_used_blocks == 0
 
 
 def test_max_model_len_is_never_passed(tiny_ckpt):

@@ -33,7 +33,7 @@ import torch
 
 from vlm_sdk.chat_options import NO_OPTIONS, ChatOptions
 from vlm_sdk.config import EngineArgs, fp8_kv_cache_runs, resolve_rank_config
-from vlm_sdk.engine.core.block_manager import BlockManager
+from vlm_sdk.engine.core.cache_coordinator import CacheCoordinator
 from vlm_sdk.engine.output.engine_output import EngineOutput
 from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_warning
 from vlm_sdk.engine.input.chat_setup import ChatSetup
@@ -56,6 +56,7 @@ from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.multimodal.video_io import VideoLimits
 from vlm_sdk.multimodal.prompts import TextPrompt, TokensPrompt
+from vlm_sdk.protocol.cache_layout import CacheLayout, LayoutError
 from vlm_sdk.protocol.rank import RankLoad
 from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
 from vlm_sdk.sampling_params import SamplingParams
@@ -129,8 +130,10 @@ class LLMEngine:
         self.memory_report = startup_report(memory, loads, ranks, self.cache_config, self.scheduler_config,
                                             measured=profiles[0] is not None)
         logger.info("%s", self.memory_report.format())
-        self.block_manager = BlockManager(self.cache_config.num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        layout = cache_layout(meta_model, memory.kv_dtype)
+        self.cache = CacheCoordinator(layout, self.cache_config.num_blocks, args.block_size,
+                                      args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache)
         self.requests: dict[str, Sequence] = {}
         self._next_id = 0
         # running totals since start-up, for /metrics counters
@@ -391,7 +394,7 @@ class LLMEngine:
         in the last minute), queue lengths, prefix- and encoder-cache hits and lookups, the grammar
         cache's bytes and its processes' resident memory, token totals since start-up, and what the
         engine holds: the KV cache's dtype and the weights' format."""
-        bm, enc = self.block_manager, self._encoder_cache  # rank 0's encoder cache (every rank's is alike)
+        bm, enc = self.cache, self._encoder_cache  # rank 0's encoder cache (every rank's is alike)
         largest_now = min(bm.num_free_blocks * bm.block_size, self.scheduler_config.max_model_len)
         return {"kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
                 "kv_blocks_free": bm.num_free_blocks, "kv_block_size": bm.block_size,
@@ -404,12 +407,25 @@ class LLMEngine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_preemptions_last_minute": self.preemptions.count_last_minute(),
                 "prefix_cache_hit_tokens": bm.hit_tokens, "prefix_cache_query_tokens": bm.query_tokens,
-                "kv_blocks_cached": bm.num_cached_free_blocks, "encoder_cache_hits": enc.hits,
+                "kv_blocks_cached": bm.num_cached_free_blocks, "cache_groups": bm.group_stats(),
+                "prefix_cache_kinds": bm.prefix_reuse(), "encoder_cache_hits": enc.hits,
                 "encoder_cache_queries": enc.queries, "encoder_cache_bytes": enc.num_bytes,
                 "grammar_cache_bytes": self.grammars.cache_bytes,
                 "grammar_process_bytes": self.grammars.process_bytes(),
                 **{f"total_{k}": v for k, v in self.totals.items()}}
 
+
+
+def cache_layout(model, kv_dtype: torch.dtype) -> CacheLayout:
+    """The model's cache groups (`cache_specs`); `InvalidRequestError` for specs that cannot share a pool."""
+    try:
+        layout = CacheLayout.from_specs(model.cache_specs(kv_dtype))
+    except LayoutError as e:
+        raise InvalidRequestError(f"{type(model).__name__}: {e}") from None
+    if len(layout.groups) > 1:
+        raise InvalidRequestError(f"{type(model).__name__} keeps more than one kind of cache ({layout.describe()}): "
+                                  f"not served yet")
+    return layout
 
 
 def _output(seq: Sequence, new_token_ids: list[int]) -> EngineOutput:
