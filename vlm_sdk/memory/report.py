@@ -52,7 +52,8 @@ def encoder_cache_text(num_bytes: int, cache_source: str) -> str:
 
 def kv_token_text(per_token: int, layers: int, kv_heads: int, head_dim: int, kv_dtype: str) -> str:
     """The KV-per-token line, shared with `vlm-sdk plan`: its arithmetic and the cache's dtype (an FP8
-    cache names its per-layer scales)."""
+    cache names its per-layer scales). `layers`: those a block holds pages of (group_size; every layer
+    for a model of one attention kind)."""
     fp8 = " (kv_cache_dtype='fp8': e4m3 with per-layer K and V scales)" if kv_dtype.startswith("float8") else ""
     return f"{per_token:,} B ({layers} layers x 2 x {kv_heads} KV heads x {head_dim} x {kv_dtype}){fp8}"
 
@@ -212,7 +213,8 @@ class StartupMemory(MemoryTotals):
                          f"{self.memory_utilization}; {format_bytes(self.device_in_use_bytes)} in use before the cache"))
         rows.append(("encoder cache", encoder_cache_text(self.encoder_cache_bytes, self.cache_source)))
         rows += [
-            ("KV per token", kv_token_text(self.kv_bytes_per_token, self.num_layers, self.num_kv_heads, self.head_dim,
+            ("KV per token", kv_token_text(self.kv_bytes_per_token, self.group_size if self.cache_groups else
+                                           self.num_layers, self.num_kv_heads, self.head_dim,
                                            self.kv_cache_dtype or self.dtype)),
             ("KV blocks", f"{self.num_blocks:,} x {self.kv_bytes_per_block:,} B ({self.block_size} tokens) = "
              f"{format_bytes(self.kv_cache_bytes)}; {self.cache_source}"),
