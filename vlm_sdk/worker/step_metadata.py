@@ -28,14 +28,15 @@ def step_metadata(layout: CacheLayout, caches: list, attention: AttentionBackend
 def synthetic_step_metadata(layout: CacheLayout, caches: list, attention: AttentionBackend,
                             meta: AttentionMetadata) -> StepMetadata:
     """A synthetic step (the memory profile, the kernel warm-up): every attention group reads and writes the
-    blocks and slots of `meta`, each sequence the state slot of its row from token 0. `caches` as
-    `worker.kv_cache.allocate_caches` made them, with at least `meta.num_seqs` state slots."""
+    blocks and slots of `meta`, each sequence the state slot of its row (modulo the slots there are: the
+    values are thrown away) from token 0. `caches` as `worker.kv_cache.allocate_caches` made them."""
     common = {k: v for k, v in meta.fields().items() if k not in ("slot_mapping", "block_tables", "window")}
     groups = layout.num_attention_groups
     state = None
     if layout.has_state:
         b, device = meta.num_seqs, meta.seq_lens.device
-        state = StateMetadata(meta.query_start_loc, list(meta.query_lens_cpu), torch.arange(b, device=device),
+        slots = caches[layout.state_layers[0]][0].shape[0]
+        state = StateMetadata(meta.query_start_loc, list(meta.query_lens_cpu), torch.arange(b, device=device) % slots,
                               torch.zeros(b, dtype=torch.bool, device=device), [False] * b, meta.max_query_len)
     return step_metadata(layout, caches, attention, common, [meta.slot_mapping] * groups,
                          [meta.block_tables] * groups, state)
