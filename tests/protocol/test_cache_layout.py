@@ -57,7 +57,8 @@ def test_attention_layers_of_different_page_shapes_are_refused_naming_them():
 
 def test_the_triton_backend_is_refused_for_sliding_layers_naming_the_setting():
     windowed = CacheLayout.from_specs([S, F, S])
-    with pytest.raises(InvalidRequestError, match=r"layers \[0, 2\] attend within a window of \[6\].*attention_backend='torch'"):
+    refused = r"layers \[0, 2\] attend within a window of \[6\].*attention_backend='torch'"
+    with pytest.raises(InvalidRequestError, match=refused):
         check_layers("triton", windowed)
     check_layers("torch", windowed)
     check_layers("triton", CacheLayout.from_specs([F, STATE, F]))  # full and state layers: nothing refused

@@ -157,7 +157,8 @@ class CacheLayout:
                 hi = mid - 1
         return lo
 
-    def prefix_reuse(self, enable_prefix_caching: bool, num_state_slots: int = 0, max_num_seqs: int = 0) -> dict[str, str]:
+    def prefix_reuse(self, enable_prefix_caching: bool, num_state_slots: int = 0,
+                     max_num_seqs: int = 0) -> dict[str, str]:
         """Per kind: whether it reuses cached prefixes, and how or why not (stats() and the plan say it).
         A checkpoint takes a state slot no running request holds: with `num_state_slots` <= `max_num_seqs`
         a full batch leaves none, which is said rather than left to find out."""
