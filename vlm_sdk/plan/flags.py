@@ -24,6 +24,8 @@ _HELP = {
     "output-tokens": "workload: tokens generated per request (max_tokens); counted in the request's length "
                      "(default 0)",
     "images": "workload: images per request, each counted at the largest allowed size (default 0)",
+    "num-state-slots": "a model with state layers: state slots carved out before the blocks (default max_num_seqs, "
+                       "twice that with prefix caching)",
 }
 
 
@@ -52,9 +54,14 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     cmd.add_argument("--encoder-cache-memory", help=f"the most vision embeddings kept for reuse across requests "
                      f"(the encoder cache), e.g. 256MiB (the default; {_SIZE}), 0 for none; counted beside the "
                      "weights and activations, and set aside before --memory-utilization sizes the KV cache")
-    for name in ("num-blocks", "block-size", "max-model-len", "max-num-seqs", "max-num-batched-tokens"):
+    for name in ("num-blocks", "block-size", "max-model-len", "max-num-seqs", "max-num-batched-tokens",
+                 "num-state-slots"):
         vllm = ("--num-gpu-blocks-override",) if name == "num-blocks" else ()  # vLLM's name of the same setting
         cmd.add_argument(f"--{name}", *vllm, type=int, help=_HELP[name])
+    cmd.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                     help="prefix caching (default on): with state layers it doubles the default state slots")
+    cmd.add_argument("--model-family", help="the module path of a family (its FAMILY) outside vlm_sdk's registry to "
+                     "plan the checkpoint with, as the engine's model_family (default: the registry's)")
     schemas = registry.engine_settings()  # one help true for every family declaring a setting
     for name, (_, setting) in registry.plan_settings().items():  # each family's image option
         owners = " / ".join(f.display_name for f in registry.families() if f.plan_setting[0] == name)

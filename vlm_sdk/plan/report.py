@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import json
 
-from vlm_sdk.memory.report import consumer_rows, encoder_cache_text, format_bytes as _size, kv_token_text, table
+from vlm_sdk.memory.report import (cache_group_rows, consumer_rows, encoder_cache_text, format_bytes as _size,
+                                   kv_token_text, table)
 from vlm_sdk.plan.planner import PLAN_OPTIONS, MemoryPlan, _value, plan
 
 
@@ -39,12 +40,15 @@ def format_plan(p: MemoryPlan) -> str:
         ("activation peak (estimate)", f"{_size(p.activation_peak_bytes)}: the step-time consumers below"),
         *consumer_rows(p.consumers),
         ("encoder cache", encoder_cache_text(p.encoder_cache_bytes, p.cache_source)),
-        ("KV per token", kv_token_text(p.kv_bytes_per_token, p.num_layers, p.num_kv_heads, p.head_dim,
+        ("KV per token", kv_token_text(p.kv_bytes_per_token, p.group_size if p.cache_groups else p.num_layers,
+                                       p.num_kv_heads, p.head_dim,
                                        p.kv_cache_dtype or p.dtype)),
         ("KV per block", f"{p.kv_bytes_per_block:,} B ({p.block_size} tokens)"),
         ("KV blocks", f"{p.num_blocks:,} = {_size(p.kv_cache_bytes)} ({p.cache_source})"),
-        ("KV capacity", f"{p.capacity_tokens:,} tokens"
+        *cache_group_rows(p.cache_groups, p.group_size, p.num_state_slots, p.state_slot_bytes, p.max_model_len),
+        ("KV capacity", f"{p.capacity_tokens:,} tokens" + (" in one sequence" if p.cache_groups else "")
          + (f"; {p.fp8_capacity_tokens:,} with --kv-cache-dtype fp8" if p.fp8_capacity_tokens else "")),
+        *[(f"  prefix caching, {k}", v) for k, v in p.prefix_reuse],
         ("max_model_len", f"{p.max_model_len:,} (max_position_embeddings {p.max_position_embeddings:,})"),
         ("longest single request", f"{p.longest_request_tokens:,} tokens"),
         ("largest allowed image", f"{p.image_tokens_per_image:,} tokens ({p.largest_image})"),

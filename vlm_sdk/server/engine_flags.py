@@ -80,6 +80,11 @@ ENGINE_HELP = {
                                   "sampled; read from its header where it says, else counted as they are indexed "
                                   "(default 216000: an hour at 60 fps)",
     "revision": "branch, tag or commit of a model given as a Hub id 'Org/Name' (default: main)",
+    "num_state_slots": "a model with state layers: state slots (a running request's, the rest prefix-cache "
+                       "checkpoints), carved out before the KV blocks (default max_num_seqs, twice that with "
+                       "prefix caching)",
+    "model_family": "the module path of a model family (its FAMILY, a FamilySpec) outside vlm_sdk's registry to "
+                    "serve the checkpoint with, instead of the one its config.json architecture names",
     "max_logit_bias": "logit_bias entries per request (default 300); each is applied at every step",
     "max_stop_token_ids": "stop_token_ids per request (default 300); min_tokens bans each at every step",
     "max_grammar_bytes": "bytes of one structured-output spec: schema, regex, choice list or grammar (default 1048576)",
@@ -104,9 +109,9 @@ ENGINE_HELP = {
 GROUPS = (
     ("engine: memory and KV cache", ("max_model_len", "memory_utilization", "kv_cache_memory", "num_blocks",
                                      "block_size", "kv_cache_dtype", "enable_prefix_caching", "encoder_cache_memory",
-                                     "max_num_seqs", "max_num_batched_tokens", "allow_unfit_images",
+                                     "max_num_seqs", "max_num_batched_tokens", "num_state_slots", "allow_unfit_images",
                                      "preemption_warning_per_minute")),
-    ("engine: model and device", ("revision", "dtype", "device", "seed", "attention_backend", "small_m_gemm",
+    ("engine: model and device", ("revision", "model_family", "dtype", "device", "seed", "attention_backend", "small_m_gemm",
                                   "enforce_eager", "piecewise_cuda_graphs", "async_scheduling")),
     ("engine: parallelism", ("tensor_parallel_size", "enable_expert_parallel", "shard_vision",
                              "distributed_executor_backend", "ray_placement_strategy", "distributed_timeout")),
@@ -122,7 +127,7 @@ OTHER_GROUP = "engine: other"
 FAMILY_GROUP = "engine: images and video"
 _SWITCHES = {"async_scheduling"}  # on/off switches whose default (None) means "decided by the device"
 # flags whose EngineArgs default (None) does not tell their type; the rest follow their default's type
-_FLAG_TYPES = {"revision": str, "dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
+_FLAG_TYPES = {"revision": str, "model_family": str, "dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
                "encoder_cache_memory": str, "memory_utilization": float, "max_grammar_memory": str,
                "grammar_cache_memory": str, "tool_call_parser": str, "reasoning_parser": str,
                "max_video_bytes": str, "distributed_executor_backend": str}
