@@ -93,7 +93,7 @@ def check_bench_inputs(args) -> None:
     """`bench` / `bench-serve`: the model, the image and the server's URL, checked before anything loads."""
     from vlm_sdk.errors import InvalidRequestError
     from vlm_sdk.server.cli import check_model_argument
-    if getattr(args, "model", None) is not None:
+    if getattr(args, "model", None) is not None and not getattr(args, "gpu", False):  # --gpu refuses any --model
         check_model_argument(args.model)
     if getattr(args, "url", None):
         check_url("--url", args.url)

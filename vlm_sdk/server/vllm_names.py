@@ -37,8 +37,8 @@ VLLM_NAMES = (
     VllmName("--kv-cache-memory-bytes", "--kv-cache-memory", "converted",
              "a bare number is bytes, as in vLLM; a size with a unit (8GiB) works too", ("serve", "chat", "plan")),
     VllmName("--mm-processor-kwargs", "the family's settings (the flags of `--help images`)", "converted",
-             "a JSON object of the family's settings, e.g. '{\"max_pixels\": 200704}'; checked by the checkpoint's "
-             "family at start-up"),
+             "a JSON object of the family's settings (the names of `--help images`, underscores for dashes); "
+             "checked by the checkpoint's family at start-up"),
     VllmName("--limit-mm-per-prompt", "--limit-images / --limit-videos", "converted",
              "'image=2,video=1' or JSON '{\"image\": 2, \"video\": 1}'", ("serve",)),
     VllmName("--model", "MODEL (the positional argument)", "alias", "", ("serve",)),
