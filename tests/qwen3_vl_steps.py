@@ -12,8 +12,8 @@ from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.model_loader import iter_safetensors, load_tokenizer, read_checkpoint
 from vlm_sdk.models.base import StepImages
 from vlm_sdk.models.registry import resolve
-from vlm_sdk.models.qwen2_5_vl.image_processor import QwenImage
-from vlm_sdk.models.qwen2_5_vl.rope_index import mrope_positions
+from vlm_sdk.models.common.qwen_vl.image_processor import QwenImage
+from vlm_sdk.models.common.qwen_vl.rope_index import mrope_positions
 from vlm_sdk.multimodal.inputs import ImageInput
 
 BLOCK = 16

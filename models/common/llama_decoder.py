@@ -17,7 +17,7 @@ projections (the checkpoint keeps them apart; `checkpoint_map` says where each l
     qkv_proj   rows [0, H*D) = q_proj | [H*D, (H+Hkv)*D) = k_proj | [(H+Hkv)*D, (H+2Hkv)*D) = v_proj
     gate_up    rows [0, I) = gate_proj | [I, 2I) = up_proj
 (H, Hkv, I: this rank's heads and intermediate size.) `checkpoint_map` is the published Qwen2 / Llama
-layout; InternLM2 checkpoints are renamed to it first (models/internlm2/weights.py).
+layout; InternLM2 checkpoints are renamed to it first (models/common/internlm2_weights.py).
 
 Tensor parallelism (`tp`): q heads split, KV heads split or replicated (`layers.linear.kv_head_split`),
 gate/up column- and o_proj/down row-parallel: two all-reduces per layer (after o_proj, after down), one

@@ -30,9 +30,9 @@ from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.layers.quantization import quant_scheme
 from vlm_sdk.model_loader import config_from_dict
 from vlm_sdk.weight_loading import ParamSlot
-from vlm_sdk.models.internlm2.weights import internlm2_decoder_config, internlm2_to_llama_names
+from vlm_sdk.models.common.internlm2_weights import internlm2_decoder_config, internlm2_to_llama_names
 from vlm_sdk.models.internvl.vision import InternVisionConfig, InternVLVisionTower
-from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
+from vlm_sdk.models.common.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.multimodal.inputs import ImageInput
 from vlm_sdk.multimodal.pixels import images_to_device

@@ -9,8 +9,7 @@ same group when `shard_vision`, else each rank holds and runs the whole tower (`
 """
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,12 +18,10 @@ from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import KernelOps
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.layers.quantization import quant_scheme
-from vlm_sdk.weight_loading import ParamSlot
-from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
-from vlm_sdk.models.qwen2_5_vl.image_processor import pixels_to_device
+from vlm_sdk.models.common.qwen_vl.image_processor import pixels_to_device
+from vlm_sdk.models.common.qwen_vl.model import QwenVLM
 from vlm_sdk.models.qwen2_5_vl.vision import Qwen2_5_VisionTransformer
-from vlm_sdk.models.qwen2_5_vl.rope_index import MRopePositions, prompt_positions_at
 from vlm_sdk.multimodal.inputs import ImageInput
 
 _ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
@@ -36,33 +33,6 @@ def _canonical(name: str) -> str:
         if name.startswith(old):
             return new + name[len(old):]
     return name
-
-
-class QwenVLM(DecoderVLM):
-    """What Qwen2.5-VL and Qwen3-VL share: M-RoPE positions computed once per prompt by the processor, an
-    LLM and a `visual` tower loaded from the published layout (`lm_prefix`, `vision_prefix`, `lm_head`;
-    `canonical_name` maps other spellings of the names to it)."""
-    position_rows = 3  # M-RoPE: temporal, height, width
-    lm_prefix, vision_prefix, lm_head = "model.", "visual.", "lm_head.weight"
-
-    def canonical_name(self, name: str) -> str:
-        return name
-
-    def positions(self, prompt_positions: MRopePositions | None, start: int, end: int) -> torch.Tensor:
-        """M-RoPE positions `[3, end - start]`: the prompt's (`MRopePositions`, computed once by the
-        processor), then index + rope_delta on all three axes for generated tokens."""
-        return prompt_positions_at(prompt_positions, start, end)
-
-    def checkpoint_map(self) -> dict[str, ParamSlot]:
-        """Published checkpoint name -> slot, parameter names relative to this module."""
-        slots = {name: s.under("decoder.") for name, s in self.decoder.checkpoint_map(self.lm_prefix, self.lm_head).items()}
-        slots.update({name: s.under("visual.") for name, s in self.visual.checkpoint_map(self.vision_prefix).items()})
-        return slots
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str | Path | None = None) -> None:
-        load_with_lm_head(self, self.decoder, weights, self.checkpoint_map(), lm_head=self.lm_head,
-                          canonical=self.canonical_name, source=source)
-        finish_cpu_layout(self, self.decoder)
 
 
 class Qwen2_5_VLForCausalLM(QwenVLM):
