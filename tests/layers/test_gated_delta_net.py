@@ -13,7 +13,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from tolerance import assert_reduction_close
 from vlm_sdk.attention.metadata import StateMetadata
-from vlm_sdk.executor.launch import check_tensor_parallel_size
+from vlm_sdk.models.parallel_split import check_tensor_parallel_size
 from vlm_sdk.layers.gated_delta_net import GatedDeltaNet, GatedDeltaNetConfig
 from vlm_sdk.layers.ops import TorchOps
 from vlm_sdk.layers.parallel_state import TPGroup

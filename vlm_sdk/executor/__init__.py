@@ -3,11 +3,11 @@ reaches all of them (`make_executor`; executor.py has the interface)."""
 from __future__ import annotations
 
 from vlm_sdk.executor.executor import Executor, InProcessExecutor
-from vlm_sdk.executor.launch import (check_no_group_yet, check_tensor_parallel_size, rank_devices,
-                                     tensor_parallel_sizes)
+from vlm_sdk.executor.launch import check_no_group_yet, rank_devices
 from vlm_sdk.executor.torchrun import run_torchrun_rank, torchrun_rank
+from vlm_sdk.models.parallel_split import check_tensor_parallel_size, tensor_parallel_sizes
 
-__all__ = ["Executor", "make_executor", "check_tensor_parallel_size"]
+__all__ = ["Executor", "make_executor"]
 
 
 def make_executor(model_dir: str, config, hf_config, family) -> Executor:

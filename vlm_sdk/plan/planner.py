@@ -23,8 +23,8 @@ The encoder cache (vision embeddings kept for reuse) counts at its bound, encode
 fills while the engine serves, so the engine sets it aside before sizing the KV cache, as here.
 
 Weights per rank with `tp`: the model is built on the meta device as rank 0 of `tp` ranks builds it
-(vlm_sdk/executor/launch.py checks the same split), so its parameters are exactly one rank's: the
-language model split by heads, intermediate size and vocabulary, norms whole, and the vision tower
+(models/parallel_split.py: the executor checks the same split), so its parameters are exactly one
+rank's: the language model split by heads, intermediate size and vocabulary, norms whole, and the vision tower
 and projector split too unless `shard_vision` is False (then whole on every rank).
 
 Memory consumers (vlm_sdk/memory/consumers/: weights, the activation peak, the MoE experts' step buffers,
@@ -48,7 +48,7 @@ import torch
 
 from vlm_sdk.config import DTYPES, EngineArgs
 from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError, format_size
-from vlm_sdk.executor.launch import check_tensor_parallel_size
+from vlm_sdk.models.parallel_split import check_tensor_parallel_size
 from vlm_sdk.memory.breakdown import ConsumerBytes, breakdown
 from vlm_sdk.memory.capacity import resolve_max_model_len
 from vlm_sdk.memory.inputs import memory_inputs

@@ -16,7 +16,7 @@ import torch
 from qwen3_vl_steps import tp_prefill
 from tolerance import assert_reduction_close, forward_terms
 from vlm_sdk.errors import InvalidRequestError
-from vlm_sdk.executor.launch import check_tensor_parallel_size
+from vlm_sdk.models.parallel_split import check_tensor_parallel_size
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
 from vlm_sdk.models.registry import load
