@@ -4,7 +4,7 @@ Checkpoint names are the published ones (`model.layers.*`, `visual.blocks.*`, `l
 checkpoints saved by transformers 4.5x as `model.language_model.*` / `model.visual.*` are accepted too.
 q/k/v and gate/up are fused on load (see `LlamaDecoder` and `Qwen2_5_VisionTransformer.checkpoint_map`).
 
-Tensor parallelism: `tp` shards the decoder; the vision tower (its merger included) is sharded with the
+Tensor parallelism: `parallel.tp` shards the decoder; the vision tower (its merger included) is sharded with the
 same group when `shard_vision`, else each rank holds and runs the whole tower (`DecoderVLM._build_vision`).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import KernelOps
-from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.parallel_state import ParallelGroups
 from vlm_sdk.layers.quantization import quant_scheme
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.models.common.qwen_vl.image_processor import pixels_to_device
@@ -37,13 +37,14 @@ def _canonical(name: str) -> str:
 
 class Qwen2_5_VLForCausalLM(QwenVLM):
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 ops: KernelOps | None = None, tp: TPGroup = TPGroup(), shard_vision: bool = True):
+                 ops: KernelOps | None = None, parallel: ParallelGroups = ParallelGroups(),
+                 shard_vision: bool = True):
         super().__init__()
         text = hf_config.text_config
         tied = bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
         cfg = LlamaDecoderConfig.from_hf(text, tie_word_embeddings=tied, mrope=True,
                                          quantization=quant_scheme(hf_config), quant_prefix=self.lm_prefix)
-        self._init_decoder(cfg, dtype, device, ops, tp, shard_vision)
+        self._init_decoder(cfg, dtype, device, ops, parallel, shard_vision)
         self.visual = self._build_vision(
             lambda group, dev: Qwen2_5_VisionTransformer(hf_config.vision_config, dtype, dev, ops, group), device)
         if self.visual.out_hidden_size != self.decoder_config.hidden_size:

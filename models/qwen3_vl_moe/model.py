@@ -22,15 +22,16 @@ import torch
 
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import KernelOps
-from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.parallel_state import ParallelGroups
 from vlm_sdk.models.common.qwen_vl.deepstack_model import DeepStackVLM
 from vlm_sdk.models.qwen3_vl_moe.weights import only_experts, split_fused_experts
 
 
 class Qwen3VLMoeForCausalLM(DeepStackVLM):
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 ops: KernelOps | None = None, tp: TPGroup = TPGroup(), shard_vision: bool = True):
-        super().__init__(hf_config, dtype, device, ops, tp, shard_vision)
+                 ops: KernelOps | None = None, parallel: ParallelGroups = ParallelGroups(),
+                 shard_vision: bool = True):
+        super().__init__(hf_config, dtype, device, ops, parallel, shard_vision)
         if self.decoder_config.moe is None:
             raise CheckpointError("config.json text_config declares no experts (num_experts): a Qwen3-VL-MoE "
                                   "checkpoint needs num_experts, num_experts_per_tok and moe_intermediate_size")

@@ -16,9 +16,9 @@ def make_executor(model_dir: str, config, hf_config, family) -> Executor:
     set) or spawned here, one per device. The size is checked first (it must split the model's heads;
     on CUDA, one GPU per rank): refused with the sizes that would work."""
     device = config.args.resolve_device()
-    size = config.args.tensor_parallel_size
-    check_tensor_parallel_size(family, hf_config, size, config.args.shard_vision,
-                               config.args.enable_expert_parallel)
+    parallel = config.parallel
+    size = parallel.world_size
+    check_tensor_parallel_size(family, hf_config, parallel, config.args.shard_vision)
     if size == 1:
         return InProcessExecutor(model_dir, config, device)
     check_no_group_yet()
@@ -29,7 +29,7 @@ def make_executor(model_dir: str, config, hf_config, family) -> Executor:
         return run_torchrun_rank(model_dir, config, device)
     from vlm_sdk.executor.multiproc import MultiprocExecutor
     devices = rank_devices(device, size,
-                           lambda limit: tensor_parallel_sizes(family, hf_config, config.args.shard_vision, limit,
-                                                               config.args.enable_expert_parallel))
+                           lambda limit: tensor_parallel_sizes(family, hf_config, parallel, config.args.shard_vision,
+                                                               limit))
     return MultiprocExecutor(model_dir, config, devices)
 

@@ -13,7 +13,7 @@ embedding, level k is added to its hidden state after decoder layer k (`LlamaDec
 Checkpoint names are the published ones, which transformers 5 also writes: `model.language_model.*`,
 `model.visual.*`, `lm_head.weight` (q/k/v and gate/up fused on load: `LlamaDecoder.checkpoint_map`).
 
-Tensor parallelism: `tp` shards the decoder; the vision tower and its mergers are sharded with the same
+Tensor parallelism: `parallel.tp` shards the decoder; the vision tower and its mergers are sharded with the same
 group when `shard_vision`, else each rank holds and runs the whole tower (`DecoderVLM._build_vision`).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch import nn
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import KernelOps
-from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.parallel_state import ParallelGroups
 from vlm_sdk.layers.quantization import quant_scheme
 from vlm_sdk.models.base import KVCache, StepImages
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
@@ -43,7 +43,8 @@ class DeepStackVLM(QwenVLM):
     lm_prefix, vision_prefix = "model.language_model.", "model.visual."  # transformers 5's layout, as published
 
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 ops: KernelOps | None = None, tp: TPGroup = TPGroup(), shard_vision: bool = True):
+                 ops: KernelOps | None = None, parallel: ParallelGroups = ParallelGroups(),
+                 shard_vision: bool = True):
         super().__init__()
         text = hf_config.text_config
         cfg = LlamaDecoderConfig.from_hf(text, tie_word_embeddings=self.ties_embeddings(hf_config), mrope=True,
@@ -51,7 +52,7 @@ class DeepStackVLM(QwenVLM):
         if not cfg.qk_norm:
             raise CheckpointError(f"config.json text_config model_type {getattr(text, 'model_type', None)!r} is not a "
                                   f"Qwen3 LLM (q/k norm): Qwen3-VL needs one")
-        self._init_decoder(cfg, dtype, device, ops, tp, shard_vision)
+        self._init_decoder(cfg, dtype, device, ops, parallel, shard_vision)
         self.visual = self._build_vision(
             lambda group, dev: Qwen3VLVisionTransformer(hf_config.vision_config, dtype, dev, ops, group), device)
         if self.visual.out_hidden_size != cfg.hidden_size:
