@@ -10,9 +10,10 @@ Contract of each member:
     output_processor  an `OutputProcessor` of the caller's side: its `tokenizer` (used under its `lock`)
                       spells logprobs and echoes prompts
     build_prompt      validate, decode media and tokenize, off the caller's event loop; raises the
-                      request's own typed error before anything is queued
+                      request's own typed error before anything is queued. `group`: whom the request
+                      is fair to (a client's user: the prep pools and the waiting queue share by it)
     generate          stream a prompt's `RequestOutput`s (a built prompt, a text or token ids); closing
-                      the iterator early aborts the request
+                      the iterator early aborts the request; `group` as build_prompt's
     chat_stream       build_prompt of chat messages (`chat_options`: `ChatOptions`' fields), then generate
     stats             live cache and queue numbers (`LLMEngine.stats`' keys)
     is_alive          accepts requests
@@ -40,10 +41,10 @@ class EngineClient(Protocol):
     output_processor: OutputProcessor
 
     async def build_prompt(self, request: Any, params: SamplingParams | None = None,
-                           options: ChatOptions | None = None) -> PromptInputs: ...
+                           options: ChatOptions | None = None, group: Any = None) -> PromptInputs: ...
 
-    def generate(self, prompt: Any, params: SamplingParams | None = None,
-                 request_id: str | None = None) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None,
+                 group: Any = None) -> AsyncIterator[RequestOutput]: ...
 
     def chat_stream(self, messages: Any, params: SamplingParams | None = None, request_id: str | None = None,
                     **chat_options: Any) -> AsyncIterator[RequestOutput]: ...
