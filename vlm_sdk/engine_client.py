@@ -10,8 +10,9 @@ Contract of each member:
     output_processor  an `OutputProcessor` of the caller's side: its `tokenizer` (used under its `lock`)
                       spells logprobs and echoes prompts
     build_prompt      validate, decode media and tokenize, off the caller's event loop; raises the
-                      request's own typed error before anything is queued. `group`: whom the request
-                      is fair to (a client's user: the prep pools and the waiting queue share by it)
+                      request's own typed error before anything is queued. `group`: a hashable naming
+                      the request a prompt is part of (several prompts of one HTTP request), whose
+                      prompts share the prep pools and the waiting queue as one
     generate          stream a prompt's `RequestOutput`s (a built prompt, a text or token ids); closing
                       the iterator early aborts the request; `group` as build_prompt's
     chat_stream       build_prompt of chat messages (`chat_options`: `ChatOptions`' fields), then generate
