@@ -79,7 +79,7 @@ def run_video(args) -> int:
     clip = clip_path(args.video_seconds)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     llm = LLM(model_dir, device=device, show_progress=False)
-    processor = llm.engine.processor
+    processor = llm.inputs.processor
     if not hasattr(processor, "video_processor"):
         raise InvalidRequestError(f"{model_dir}: --video times Qwen2.5-VL / Qwen3-VL videos (qwen-vl-utils sampling); "
                                   f"this checkpoint's family is {llm.engine.checkpoint.architecture}")
@@ -102,7 +102,7 @@ def run_video(args) -> int:
         t3 = time.perf_counter()
         del decoded
         start = time.perf_counter()
-        prompt = llm.engine.build_prompt(messages, params)
+        prompt = llm.inputs.build_prompt(messages, params)
         built = time.perf_counter()
         first = _first_token_seconds(llm.engine, prompt, params)
         parts["open"].append(t1 - t0)
