@@ -4,7 +4,7 @@ another summation order, for the published layout (transposed fused experts) and
 each rank's lazily read expert slices are the one-rank weights' slices; a size that does not split the
 experts' width is refused before any rank starts, naming the sizes that work. The same with expert
 parallelism: whole experts per rank, the same logits; a number of experts that does not split is refused. (Tokens through the
-engine at tensor_parallel_size=2: tests/e2e/test_tensor_parallel.py, every family.)"""
+engine at tensor_parallel_size=2: tests/executor/test_tensor_parallel.py, every family.)"""
 from __future__ import annotations
 
 import copy
