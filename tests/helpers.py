@@ -105,3 +105,12 @@ def process_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def full_attention_cache(num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    """The engine's cache coordinator over one full-attention group (every existing family's layout)."""
+    from vlm_sdk.engine.core.cache_coordinator import CacheCoordinator
+    from vlm_sdk.protocol.cache_layout import CacheLayout
+    from vlm_sdk.protocol.cache_spec import AttentionSpec
+    return CacheCoordinator(CacheLayout.uniform(2, AttentionSpec(1, 4, "float32")), num_blocks, block_size,
+                            enable_prefix_caching)

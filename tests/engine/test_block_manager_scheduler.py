@@ -1,8 +1,10 @@
 """Block pool and scheduler on fake sequences: exact block ids, budgets, preemption order."""
 import torch
 
+from helpers import full_attention_cache
+
 from vlm_sdk.config import SchedulerConfig
-from vlm_sdk.engine.core.block_manager import BlockManager
+from vlm_sdk.protocol.blocks import slot_mapping
 from vlm_sdk.engine.core.scheduler import Scheduler
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
 from vlm_sdk.multimodal.inputs import PromptInputs
@@ -24,24 +26,24 @@ def _step(sched, tokens_per_sampled=1):
 
 
 def test_allocation_exact_block_ids_and_free():
-    bm = BlockManager(num_blocks=6, block_size=4)
+    bm = full_attention_cache(6, 4)
     a, b = _seq("a", 6), _seq("b", 3)
-    assert bm.allocate(a, 6) and a.block_ids == [0, 1]
-    assert bm.allocate(b, 3) and b.block_ids == [2]
+    assert bm.allocate(a, 6) and a.block_ids[0] == [0, 1]
+    assert bm.allocate(b, 3) and b.block_ids[0] == [2]
     a.num_computed_tokens = 6
     assert bm.num_new_blocks(a, 2) == 0  # tokens 6, 7 still fit block 1
-    assert bm.allocate(a, 3) and a.block_ids == [0, 1, 3]
-    assert bm.slot(a, 8) == 3 * 4 + 0
+    assert bm.allocate(a, 3) and a.block_ids[0] == [0, 1, 3]
+    assert slot_mapping(a.block_ids[0], 4, 8, 9) == [3 * 4 + 0]
     assert not bm.allocate(b, 4 * 3 + 1)  # asks 4 blocks, only 2 free: nothing taken
-    assert b.block_ids == [2] and bm.num_free_blocks == 2
+    assert b.block_ids[0] == [2] and bm.num_free_blocks == 2
     bm.free(a)
-    assert a.block_ids == [] and bm.num_free_blocks == 5
+    assert a.block_ids == () and bm.num_free_blocks == 5
     # blocks without cached content go to the front of the free queue, in order: 0, 1, 3, then 4, 5
-    assert bm.allocate(b, 4 * 3) and b.block_ids == [2, 0, 1]
+    assert bm.allocate(b, 4 * 3) and b.block_ids[0] == [2, 0, 1]
 
 
 def test_token_budget_chunks_prefill_and_decodes_first():
-    bm = BlockManager(num_blocks=100, block_size=4)
+    bm = full_attention_cache(100, 4)
     s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, max_model_len=400,
                                   max_model_len_source="test"), bm)
     a, b = _seq("a", 4), _seq("b", 25)
@@ -59,7 +61,7 @@ def test_token_budget_chunks_prefill_and_decodes_first():
 
 
 def test_max_num_seqs_limits_running():
-    bm = BlockManager(num_blocks=100, block_size=4)
+    bm = full_attention_cache(100, 4)
     s = Scheduler(SchedulerConfig(2, 1000, 400, "test"), bm)
     seqs = [_seq(str(i), 3) for i in range(3)]
     for q in seqs:
@@ -70,17 +72,17 @@ def test_max_num_seqs_limits_running():
 
 
 def test_preempts_most_recent_and_recomputes():
-    bm = BlockManager(num_blocks=4, block_size=4)
+    bm = full_attention_cache(4, 4)
     s = Scheduler(SchedulerConfig(8, 100, 16, "test"), bm)
     a, b = _seq("a", 7), _seq("b", 7)
     s.add(a), s.add(b)
     _step(s)  # a: blocks [0, 1]; b: [2, 3]; both sampled -> 8 tokens each
-    assert a.block_ids == [0, 1] and b.block_ids == [2, 3]
+    assert a.block_ids[0] == [0, 1] and b.block_ids[0] == [2, 3]
     _step(s)  # token 7 still fits the second block
     assert bm.num_free_blocks == 0 and s.num_preemptions == 0
     _step(s)  # token 8 of each needs a third block: none free -> b (most recent) preempted
-    assert b.status is SequenceStatus.WAITING and b.block_ids == [] and b.num_computed_tokens == 0
-    assert s.num_preemptions == 1 and a.block_ids == [0, 1, 2]
+    assert b.status is SequenceStatus.WAITING and b.block_ids == () and b.num_computed_tokens == 0
+    assert s.num_preemptions == 1 and a.block_ids[0] == [0, 1, 2]
     assert b.num_tokens == 9  # its generated tokens are kept for recompute
     while a.num_tokens < 16:
         _step(s)
@@ -91,7 +93,7 @@ def test_preempts_most_recent_and_recomputes():
 
 
 def test_lone_sequence_preempting_itself_does_not_loop():
-    bm = BlockManager(num_blocks=2, block_size=4)
+    bm = full_attention_cache(2, 4)
     s = Scheduler(SchedulerConfig(8, 100, 8, "test"), bm)
     a = _seq("a", 8)
     s.add(a)
@@ -104,7 +106,7 @@ def test_lone_sequence_preempting_itself_does_not_loop():
 
 
 def test_finish_frees_waiting_and_running():
-    bm = BlockManager(num_blocks=10, block_size=4)
+    bm = full_attention_cache(10, 4)
     s = Scheduler(SchedulerConfig(1, 100, 40, "test"), bm)
     a, b = _seq("a", 5), _seq("b", 5)
     s.add(a), s.add(b)
@@ -120,7 +122,7 @@ def test_worker_state_knows_which_images_a_step_may_still_read():
     from vlm_sdk.protocol.scheduler_output import NewRequestData
     from vlm_sdk.worker.request_state import RequestState
     im = ImageInput(data=torch.zeros(16, 4), num_tokens=4)
-    new = NewRequestData("x", [1] * 12, [], [im, im], [2, 8], None, SamplingParams(), [0], 0)
+    new = NewRequestData("x", [1] * 12, [], [im, im], [2, 8], None, SamplingParams(), ([0],), 0)
     state = RequestState.from_new(new)
     assert [state.image_end(i) for i in range(2)] == [6, 12]
     assert state.images_needed() == [0, 1]

@@ -2,8 +2,9 @@
 round-robin across requests, no request over its cap; and through the scheduler: one request's 16
 sequences do not keep another's out of the next step, and n siblings admitted in one step still share
 the first's prompt blocks."""
+from helpers import full_attention_cache
+
 from vlm_sdk.config import SchedulerConfig
-from vlm_sdk.engine.core.block_manager import BlockManager
 from vlm_sdk.engine.core.scheduler import Scheduler
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
 from vlm_sdk.engine.core.waiting_queue import FairWaitingQueue
@@ -95,7 +96,7 @@ def test_scheduler_admits_another_request_past_a_big_one_and_caps_it_at_three_qu
     """16 sequences of one request, then one of another: FIFO admitted only the big request's first 8
     (max_num_seqs); here the other request's sequence is in the first step, and the big one holds 6."""
     s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1000, max_model_len=64,
-                                  max_model_len_source="test"), BlockManager(num_blocks=200, block_size=4))
+                                  max_model_len_source="test"), full_attention_cache(200, 4))
     big = [_seq(f"a{i}", "A") for i in range(16)]
     for seq in big:
         s.add(seq)
@@ -114,7 +115,7 @@ def test_scheduler_admits_another_request_past_a_big_one_and_caps_it_at_three_qu
 def test_n_siblings_admitted_in_one_step_share_the_first_prompt_blocks():
     s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1000, max_model_len=64,
                                   max_model_len_source="test"),
-                  BlockManager(num_blocks=200, block_size=4, enable_prefix_caching=True))
+                  full_attention_cache(200, 4, enable_prefix_caching=True))
     prompt = list(range(100, 117))  # 17 tokens: 4 full blocks
     siblings = [_seq(f"n{i}", "N", tokens=prompt) for i in range(3)]
     other = _seq("o", "O", n_prompt=5)
@@ -122,6 +123,6 @@ def test_n_siblings_admitted_in_one_step_share_the_first_prompt_blocks():
         s.add(seq)
     out = _step(s)
     assert [q.request_id for q, _ in out.scheduled] == ["n0", "o", "n1", "n2"]
-    first = siblings[0].block_ids[:4]
+    first = siblings[0].block_ids[0][:4]
     for sib in siblings[1:]:
-        assert sib.block_ids[:4] == first and sib.metrics.cached_tokens == 16
+        assert sib.block_ids[0][:4] == first and sib.metrics.cached_tokens == 16

@@ -17,7 +17,6 @@ NOT_A_PACKAGE = {
 }
 # packages tested only through others' tests, and why
 TESTED_ELSEWHERE = {
-    "protocol": "plain data between the engine and the ranks: built and read by tests/engine and tests/worker",
     "testing": "the fixtures themselves: every test runs them",
 }
 

@@ -7,11 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import conversations
+from helpers import conversations, full_attention_cache
 from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.config import SchedulerConfig
-from vlm_sdk.engine.core.block_manager import BlockManager
 from vlm_sdk.engine.core.scheduler import Scheduler
 from vlm_sdk.engine.core.sequence import Sequence
 from vlm_sdk.multimodal.inputs import PromptInputs
@@ -54,7 +53,7 @@ def _run(s: Scheduler) -> SchedulerOutput:
 
 def test_scheduler_sends_new_then_only_changes_then_frees():
     s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=6, max_model_len=64,
-                                  max_model_len_source="test"), BlockManager(num_blocks=5, block_size=4))
+                                  max_model_len_source="test"), full_attention_cache(5, 4))
     a, b = _seq("a", 5), _seq("b", 4)
     s.add(a), s.add(b)
     out = _run(s)  # a's 5 prompt tokens, then 1 of b's
@@ -62,7 +61,7 @@ def test_scheduler_sends_new_then_only_changes_then_frees():
     assert out.num_scheduled_tokens == {"a": 5, "b": 1}
     first = out.new_requests[0]
     assert isinstance(first, NewRequestData) and first.prompt_token_ids == [0, 1, 2, 3, 4]
-    assert first.output_token_ids == [] and first.block_ids == [0, 1] and first.num_computed_tokens == 0
+    assert first.output_token_ids == [] and first.block_ids == ([0, 1],) and first.num_computed_tokens == 0
     out = _run(s)  # a decodes its sampled token 7; b continues its prefill
     assert not out.new_requests and out.num_scheduled_tokens == {"a": 1, "b": 3}
     # nothing added: the shared empty NO_IDS, not a new list per request per step

@@ -32,8 +32,9 @@ import time
 
 import torch
 
+from vlm_sdk.attention.selector import check_layers
 from vlm_sdk.config import EngineArgs, fp8_kv_cache_runs, resolve_rank_config
-from vlm_sdk.engine.core.block_manager import BlockManager
+from vlm_sdk.engine.core.cache_coordinator import CacheCoordinator
 from vlm_sdk.engine.output.engine_output import EngineOutput
 from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_warning
 from vlm_sdk.engine.core.scheduler import ScheduledBatch, Scheduler
@@ -62,7 +63,7 @@ class LLMEngine:
         model = resolve_model(model, args.revision)  # a Hub id -> its snapshot directory
         info = read_checkpoint(model)
         self.checkpoint = info
-        family = resolve([info.architecture])
+        family = resolve([info.architecture], args.model_family)
         # requests' way in: tokenizer, guard, chat setup, grammars, the family's processor
         self.inputs = inputs = InputProcessor(model, info, family, args)
         self.eos_token_ids = inputs.eos_token_ids
@@ -91,6 +92,8 @@ class LLMEngine:
                                on_gpu=self.device.type == "cuda", decode_graphs=rc.decode_graphs,
                                piecewise_graphs=rc.piecewise_graphs)
         self.max_position_embeddings = memory.max_position_embeddings
+        layout = memory.layout  # the model's cache groups (memory_inputs refused specs that cannot share a pool)
+        check_layers(rc.attention_backend, layout)  # before any rank allocates
         # measured on CUDA even when the cache size is given: the report shows it
         profiles = executor.collective_rpc("profile_memory", largest_image, self.max_position_embeddings,
                                            memory.held_vision_tokens)
@@ -107,8 +110,9 @@ class LLMEngine:
         self.memory_report = startup_report(memory, loads, ranks, self.cache_config, self.scheduler_config,
                                             measured=profiles[0] is not None)
         logger.info("%s", self.memory_report.format())
-        self.block_manager = BlockManager(self.cache_config.num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.cache = CacheCoordinator(layout, self.cache_config.num_blocks, args.block_size,
+                                      args.enable_prefix_caching, self.cache_config.num_state_slots)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache)
         self.requests: dict[str, Sequence] = {}
         self._next_id = 0
         # running totals since start-up, for /metrics counters
@@ -296,7 +300,8 @@ class LLMEngine:
             seqs = running + list(self.scheduler.waiting)[:count]  # the evicted went back to the front
             mean = sum(s.num_tokens for s in seqs) // max(len(seqs), 1)
             return preemption_warning(n, args.preemption_warning_per_minute, cache.num_blocks, cache.block_size,
-                                      len(running) + count, args.max_num_seqs, mean)
+                                      len(running) + count, args.max_num_seqs, mean,
+                                      cache.blocks_for(max(mean, 1)) if self.cache.num_groups > 1 else None)
         self.preemptions.record(count, describe)
 
     def stats(self) -> dict:
@@ -306,8 +311,12 @@ class LLMEngine:
         in the last minute), queue lengths, prefix- and encoder-cache hits and lookups, the grammar
         cache's bytes and its processes' resident memory, token totals since start-up, and what the
         engine holds: the KV cache's dtype and the weights' format."""
-        bm, enc = self.block_manager, self._encoder_cache  # rank 0's encoder cache (every rank's is alike)
-        largest_now = min(bm.num_free_blocks * bm.block_size, self.scheduler_config.max_model_len)
+        bm, enc = self.cache, self._encoder_cache  # rank 0's encoder cache (every rank's is alike)
+        # the longest prompt the free blocks hold (in every attention group) and a free state slot allows
+        free = dataclasses.replace(self.cache_config, num_blocks=bm.num_free_blocks).capacity_tokens
+        if bm.state_pool is not None and bm.num_free_slots == 0:
+            free = 0
+        largest_now = min(free, self.scheduler_config.max_model_len)
         return {"kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
                 "kv_blocks_free": bm.num_free_blocks, "kv_block_size": bm.block_size,
                 "kv_capacity_tokens": self.cache_config.capacity_tokens,
@@ -319,7 +328,10 @@ class LLMEngine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_preemptions_last_minute": self.preemptions.count_last_minute(),
                 "prefix_cache_hit_tokens": bm.hit_tokens, "prefix_cache_query_tokens": bm.query_tokens,
-                "kv_blocks_cached": bm.num_cached_free_blocks, "encoder_cache_hits": enc.hits,
+                "kv_blocks_cached": bm.num_cached_free_blocks, "cache_groups": bm.group_stats(),
+                "prefix_cache_kinds": bm.prefix_reuse(self.scheduler_config.max_num_seqs),
+                "prefix_cache_kind_hit_tokens": dict(bm.kind_hit_tokens),
+                "encoder_cache_hits": enc.hits,
                 "encoder_cache_queries": enc.queries, "encoder_cache_bytes": enc.num_bytes,
                 "grammar_cache_bytes": self.inputs.grammars.cache_bytes,
                 "grammar_process_bytes": self.inputs.grammars.process_bytes(),

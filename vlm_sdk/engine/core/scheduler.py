@@ -3,14 +3,16 @@
 Running sequences go first, in the order they started; each asks for all its uncomputed tokens
 (1 while decoding, the rest of the prompt while prefilling), cut to what is left of the step's token
 budget. When the pool has too few free blocks, the most recently started running sequence is
-preempted: its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
-later (its generated tokens are kept). Waiting sequences are admitted while budget, blocks and
-`max_num_seqs` allow, and not at all in a step that had to preempt, in the order of the waiting
-queue (engine/core/waiting_queue.py): the preempted first, then round-robin across requests (a
-request: `Sequence.group`), no request holding more than 3/4 of `max_num_seqs`; FIFO when every
-request is one sequence. A sequence that starts or
-restarts shares the blocks of its longest cached prefix and computes only the rest
-(`BlockManager.start`); a preempted sequence may find its own blocks still cached when it returns.
+preempted: its blocks (and state slot) are freed and it goes back to the front of the waiting queue,
+to be recomputed later (its generated tokens are kept). Waiting sequences are admitted while budget,
+blocks, state slots and `max_num_seqs` allow, and not at all in a step that had to preempt, in the
+order of the waiting queue (engine/core/waiting_queue.py): the preempted first, then round-robin
+across requests (a request: `Sequence.group`), no request holding more than 3/4 of `max_num_seqs`;
+FIFO when every request is one sequence. A sequence that starts or restarts shares the blocks of its
+longest cached prefix and computes only the rest (`CacheCoordinator.start`); a preempted sequence may
+find its own blocks still cached when it returns. With state layers and prefix caching, prefill
+chunks end on block boundaries (`CacheCoordinator.align`), and the step's state copies come from
+`CacheCoordinator.end_step`.
 
 Every sequence is at most `max_model_len` tokens and `max_model_len` never exceeds the cache, so a
 sequence running alone always fits: preemption cannot loop forever.
@@ -29,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vlm_sdk.config import SchedulerConfig
-from vlm_sdk.engine.core.block_manager import BlockManager
+from vlm_sdk.engine.core.cache_coordinator import NO_COPIES, CacheCoordinator
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
 from vlm_sdk.engine.core.waiting_queue import FairWaitingQueue
 from vlm_sdk.protocol.scheduler_output import NO_IDS, CachedRequestData, NewRequestData, SchedulerOutput
@@ -39,12 +41,14 @@ from vlm_sdk.protocol.scheduler_output import NO_IDS, CachedRequestData, NewRequ
 class ScheduledBatch:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute)
     preempted: list[Sequence] = field(default_factory=list)
+    state_restores: tuple[tuple[int, int], ...] = NO_COPIES  # (checkpoint slot, live slot), before the forward
+    state_checkpoints: tuple[tuple[int, int], ...] = NO_COPIES  # (live slot, checkpoint slot), after it
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, cache: CacheCoordinator):
         self.config = config
-        self.blocks = block_manager
+        self.cache = cache
         self.waiting = FairWaitingQueue(config.max_num_seqs - config.max_num_seqs // 4)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -60,9 +64,10 @@ class Scheduler:
         out = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
 
-        running, allocate, scheduled = self.running, self.blocks.allocate, out.scheduled
-        size = self.blocks.block_size
-        caching = self.blocks.enable_prefix_caching
+        running, allocate, scheduled = self.running, self.cache.allocate, out.scheduled
+        size = self.cache.block_size
+        caching = self.cache.enable_prefix_caching
+        aligned = self.cache.aligned
         # preemption removes sequences from the end of `running` only: the iterator stops before them
         for seq in running:
             if budget <= 0:
@@ -70,10 +75,12 @@ class Scheduler:
             n = min(len(seq.token_ids) + seq.num_inflight - seq.num_computed_tokens, budget)
             if seq.num_inflight and len(seq.token_ids) + seq.num_inflight >= seq.length_limit:
                 continue  # the token on its way is its last (max_tokens or max_model_len): nothing to compute
+            if aligned and n > 1:  # a prefill chunk ends on a block boundary: its state can be checkpointed
+                n = self.cache.align(seq, seq.num_computed_tokens, n)
             total = seq.num_computed_tokens + n
             # the usual case, kept lean (it runs for every sequence every step): the blocks held suffice and
-            # none fills up, so `allocate` would change nothing
-            if (total > len(seq.block_ids) * size or (caching and total // size > seq.num_cached_blocks)) \
+            # none fills up, so `allocate` would change nothing (every group holds as many blocks as group 0)
+            if (total > len(seq.block_ids[0]) * size or (caching and total // size > seq.num_cached_blocks)) \
                     and not allocate(seq, n):
                 while not allocate(seq, n):
                     victim = running[-1]
@@ -92,7 +99,7 @@ class Scheduler:
                 seq = self.waiting.peek()  # None: none left, or every waiting request at its cap
                 if seq is None or seq.num_inflight:  # preempted while its token was on the device: restart with it
                     break
-                n = self.blocks.start(seq, budget)  # its cached prefix is not computed again
+                n = self.cache.start(seq, budget)  # its cached prefix is not computed again
                 if n is None:
                     break
                 self.waiting.popleft()
@@ -100,11 +107,13 @@ class Scheduler:
                 self.running.append(seq)
                 out.scheduled.append((seq, n))
                 budget -= n
+        if self.cache.state is not None:
+            out.state_restores, out.state_checkpoints = self.cache.end_step(out.scheduled)
         return out
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq)
+        self.cache.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -112,12 +121,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Retire `seq` (finished or aborted) wherever it is, returning its blocks at once."""
+        """Retire `seq` (finished or aborted) wherever it is, returning its blocks and slot at once."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.blocks.free(seq)
+        self.cache.free(seq)
         if seq.in_worker:
             seq.in_worker = False
             self._worker_finished.add(seq.request_id)
@@ -138,19 +147,22 @@ class Scheduler:
                 preempted.add(seq.request_id)
         for seq, n in batch.scheduled:
             counts[seq.request_id] = n
-            num_blocks, num_tokens = len(seq.block_ids), len(seq.token_ids)
+            blocks = seq.block_ids  # per attention group, every list as long as the first
+            num_blocks, num_tokens = len(blocks[0]), len(seq.token_ids)
             if not seq.in_worker:
                 p = seq.prompt
                 new.append(NewRequestData(
                     seq.request_id, list(p.token_ids), seq.output_token_ids, p.images, p.image_positions,
-                    p.positions, seq.params, list(seq.block_ids), seq.num_computed_tokens,
-                    seq.min_tokens_stop_ids))
+                    p.positions, seq.params, tuple([list(b) for b in blocks]), seq.num_computed_tokens,
+                    seq.min_tokens_stop_ids, seq.state_slot))
                 seq.in_worker = True
             else:
                 cached.append(CachedRequestData(
-                    seq.request_id, seq.block_ids[seq.num_blocks_sent:] if num_blocks > seq.num_blocks_sent else NO_IDS,
+                    seq.request_id, tuple([b[seq.num_blocks_sent:] for b in blocks]) if num_blocks > seq.num_blocks_sent
+                    else NO_IDS,
                     seq.num_computed_tokens, seq.token_ids[seq.num_tokens_sent:] if num_tokens > seq.num_tokens_sent
                     else NO_IDS))
             seq.num_blocks_sent, seq.num_tokens_sent = num_blocks, num_tokens
         finished, self._worker_finished = frozenset(self._worker_finished), set()
-        return SchedulerOutput(new, cached, counts, finished, frozenset(preempted))
+        return SchedulerOutput(new, cached, counts, finished, frozenset(preempted),
+                               state_restores=batch.state_restores, state_checkpoints=batch.state_checkpoints)

@@ -3,7 +3,8 @@
 There is no prefill phase and no decode phase: a sequence has `token_ids` (prompt, then generated
 tokens) and `num_computed_tokens`, the prefix whose K/V is in the cache. Each step the scheduler
 lets `num_computed_tokens` catch up by some tokens; when it reaches `len(token_ids)` the step also
-samples one new token. Preemption frees the blocks and sets `num_computed_tokens` back to 0.
+samples one new token. Preemption frees the blocks (and the state slot) and sets `num_computed_tokens`
+back to 0.
 
 The worker holds its own copy of what it needs (`vlm_sdk/protocol/`); `in_worker`, `num_blocks_sent` and
 `num_tokens_sent` record what it has been sent, so each step sends only what changed.
@@ -43,11 +44,13 @@ class Sequence:
         self.token_ids: list[int] = list(prompt.token_ids)
         self.num_prompt_tokens = len(prompt.token_ids)
         self.num_computed_tokens = 0
-        self.block_ids: list[int] = []
+        # per attention cache group, its blocks in order (engine.core.cache_coordinator); () while it holds none
+        self.block_ids: tuple[list[int], ...] = ()
+        self.state_slot = -1  # its live state slot (a model with state layers), -1: none
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.in_worker = False  # the worker holds this request's state (sent as NewRequestData)
-        self.num_blocks_sent = 0  # block_ids[:num_blocks_sent] are in the worker's block table
+        self.num_blocks_sent = 0  # block_ids[g][:num_blocks_sent] are in the worker's block tables
         self.num_tokens_sent = 0  # token_ids[:num_tokens_sent] are in the worker's token ids
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic(),
                                       prompt_tokens=self.num_prompt_tokens,
@@ -66,13 +69,14 @@ class Sequence:
         # which it finishes as "length" (max_tokens here; the engine caps it at max_model_len)
         self.stop_ids: frozenset[int] = frozenset()
         self.length_limit = self.num_prompt_tokens + params.max_tokens if params.max_tokens is not None else sys.maxsize
-        # prefix caching (engine.block_manager): the hashes of the full blocks of token_ids so far, and
+        # prefix caching (engine.core.cache_coordinator): the hashes of the full blocks of token_ids so far, and
         # how many of block_ids have been offered to the cache
         self.image_spans = [ImageSpan(p, p + im.num_tokens, im.key) for p, im in zip(prompt.image_positions,
                                                                                    prompt.images)]
         self.block_hashes: list[bytes] = []
         self.hash_seed = salt_seed(prompt.cache_salt)  # a cache_salt's blocks hash apart from everyone else's
         self.num_cached_blocks = 0
+        self.last_checkpoint: tuple[int, bytes] | None = None  # its latest generated-side state checkpoint
 
     @property
     def num_tokens(self) -> int:
