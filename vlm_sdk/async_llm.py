@@ -82,6 +82,7 @@ class _Stream:
 class AsyncLLM:
     def __init__(self, model: str, **engine_args):
         self.engine = LLMEngine(str(model), make_engine_args(**engine_args))
+        self.inputs = self.engine.inputs  # prompts are built here, off the engine thread
         self.output_processor = OutputProcessor(load_tokenizer(self.engine.checkpoint.model_dir))
         self._commands: queue.Queue = queue.Queue()
         # keyed by a unique engine id, so a reused user id never receives an older request's outputs
@@ -140,15 +141,15 @@ class AsyncLLM:
         """Validate, decode images and tokenize off the event loop; raises the request's own error
         (`InvalidRequestError`, `InvalidImageError`, `InputTooLongError`, whose fixes fit the prompt
         and `params.max_tokens`) before anything is queued. `request`: chat messages, or a
-        `TextPrompt` / `TokensPrompt` (no chat template; see `LLMEngine.build_prompt`). `options`:
+        `TextPrompt` / `TokensPrompt` (no chat template; see `InputProcessor.build_prompt`). `options`:
         tools, chat_template_kwargs, cache_salt (`ChatOptions`), for chat messages. `group`: any
         hashable naming the request this prompt is part of (e.g. one of several prompts of one HTTP
         request), whose prompts then take one prep thread at a time; default: a request of its own."""
         self._check_alive()
-        self.engine.check_params(params)
+        self.inputs.check_params(params)
         chat = options is not None and not isinstance(request, (TextPrompt, TokensPrompt))
         if chat:  # max_tools / max_tool_bytes before any work
-            self.engine.chat.tool_limits.check(options.tools)
+            self.inputs.chat.tool_limits.check(options.tools)
         # params' grammar first, on the grammar workers: a bad schema fails before any image is decoded and
         # no prep thread waits; the tools' schemas once the prompt (which they lengthen) is known to fit
         await self._compile([params.grammar] if params is not None and params.grammar is not None else [])
@@ -158,19 +159,19 @@ class AsyncLLM:
             chars, images, videos = len(request.text), 0, 0
         else:
             chars, images, videos = count_parts(request)  # counted, nothing read: before any work
-            chars += self.engine.chat.tool_chars(options) if chat else 0
+            chars += self.inputs.chat.tool_chars(options) if chat else 0
         pool = self._prep.pool_for(chars, images, videos)
         cancelled = threading.Event()
         job = pool.submit(
             object() if group is None else group,
-            partial(self.engine.build_prompt, request, params, cancelled=cancelled, options=options,
+            partial(self.inputs.build_prompt, request, params, cancelled=cancelled, options=options,
                     compile_grammar=False))
         try:
             prompt = await asyncio.wrap_future(job)  # cancelled here, a job not started yet leaves the pool's queue
         except asyncio.CancelledError:
             cancelled.set()  # a running one skips the images it has not decoded
             raise
-        checking = self.engine.chat.check_tools(options) if chat else None
+        checking = self.inputs.chat.check_tools(options) if chat else None
         if checking is not None:  # one grammar for all the tools' schemas, cached by content
             await asyncio.wrap_future(checking)
         return prompt
@@ -244,7 +245,7 @@ class AsyncLLM:
     async def _compile(self, specs: list) -> list:
         """The compiled grammars of `specs`, awaited without holding a thread: the grammar workers compile
         them (engine/structured_output.py), beside the prompt pools; the first error raises."""
-        return [await asyncio.wrap_future(self.engine.grammars.submit(spec)) for spec in specs]
+        return [await asyncio.wrap_future(self.inputs.grammars.submit(spec)) for spec in specs]
 
     def _new_states(self, user_id: str, prompt: PromptInputs, keys: list[str], samples: list) -> dict:
         return {key: self.output_processor.new_request(user_id, prompt.token_ids, sp, index=i,
@@ -293,7 +294,7 @@ class AsyncLLM:
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.inputs.tokenizer
 
     @property
     def args(self):

@@ -233,8 +233,9 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
             from vlm_sdk.plan.report import run_plan
             return run_plan(args)
         if args.command == "serve":
+            from vlm_sdk.demo_checkpoint import tiny_model_dir
             from vlm_sdk.server.cli import run_serve
-            return run_serve(args)
+            return run_serve(args, tiny_model_dir)
         if args.command == "chat":
             apply_vllm_names(args)
             check_chat_inputs(args)

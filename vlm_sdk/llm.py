@@ -24,6 +24,7 @@ class LLM:
 
     def __init__(self, model: str, **engine_args):
         self.engine = LLMEngine(str(model), make_engine_args(**engine_args))
+        self.inputs = self.engine.inputs  # prompts are built on the caller's thread
         self.output_processor = OutputProcessor(load_tokenizer(self.engine.checkpoint.model_dir))
         # an LLM dropped without shutdown() still ends its rank processes when it is collected
         weakref.finalize(self, self.engine.shutdown)
@@ -82,7 +83,7 @@ class LLM:
         prompts = []
         for i, request in enumerate(requests):
             try:
-                prompts.append(self.engine.build_prompt(request, params[i], options=options))
+                prompts.append(self.inputs.build_prompt(request, params[i], options=options))
             except InputTooLongError as e:
                 raise e.with_conversation(i, noun) from None
             except InvalidRequestError as e:
@@ -141,7 +142,7 @@ class LLM:
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.inputs.tokenizer
 
 
 def _is_single_conversation(value) -> bool:

@@ -84,7 +84,7 @@ def test_one_step_in_flight_and_the_extra_token_dropped(tiny_ckpt):
     a request that finishes has one token computed past its end, never emitted."""
     llm = LLM(tiny_ckpt, show_progress=False, async_scheduling=True)
     eng = llm.engine
-    prompt = eng.build_prompt(CONVS[0])
+    prompt = eng.inputs.build_prompt(CONVS[0])
     rid = eng.add_request(prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     seq = eng.requests[rid]
     assert eng.step() == []  # the prefill is launched; nothing read yet

@@ -44,7 +44,7 @@ def _ask(img, **options):
 def test_too_long_error_numbers_and_every_fix_runs_the_same_conversation(family_ckpt, family, llm):
     path = family_ckpt[1]
     setting = family.plan_setting[1]
-    reference = llm.engine.build_prompt(_big_conv())
+    reference = llm.engine.inputs.build_prompt(_big_conv())
     n, images = len(reference.token_ids), reference.image_tokens
     block = llm.stats()["kv_block_size"]
     blocks = (n - sum(images) + sum(images) // 2) // block  # the text and about half the image
@@ -67,7 +67,7 @@ def test_too_long_error_numbers_and_every_fix_runs_the_same_conversation(family_
         assert f"{key}={value}" in msg
         fixed = LLM(path, show_progress=False, allow_unfit_images=True, **{"num_blocks": blocks, key: value})
         if key == setting:  # the smaller images fit the same cache, with room for the output
-            assert len(fixed.engine.build_prompt(_big_conv()).token_ids) + 4 <= err.capacity_tokens
+            assert len(fixed.engine.inputs.build_prompt(_big_conv()).token_ids) + 4 <= err.capacity_tokens
         out = fixed.chat(_big_conv(), PARAMS)[0]
         assert out.finish_reason == "length" and len(out.token_ids) == 4  # all its max_tokens
     # the refusal left nothing behind: the same engine serves the next request

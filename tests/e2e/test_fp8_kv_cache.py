@@ -42,7 +42,7 @@ PLACEHOLDERS = ("<|image_pad|>", "<|video_pad|>", "<IMG_CONTEXT>")  # ids a prom
 
 
 def _placeholder_ids(llm: LLM) -> set[int]:
-    tok = llm.engine.tokenizer.wrapped
+    tok = llm.engine.inputs.tokenizer.wrapped
     ids = {tok.convert_tokens_to_ids(t) for t in PLACEHOLDERS}
     return {i for i in ids if isinstance(i, int) and tok.convert_ids_to_tokens(i) in PLACEHOLDERS}
 
@@ -58,7 +58,7 @@ def test_fp8_greedy_equals_float_within_the_stated_rate(tiny_checkpoints, family
     path = str(tiny_checkpoints(family))
     ref = LLM(path, show_progress=False)
     fp8 = LLM(path, show_progress=False, kv_cache_dtype="fp8")
-    vocab = ref.engine.raw_prompt_tokens.vocab_size  # ids a prompt may hold
+    vocab = ref.engine.inputs.raw_prompt_tokens.vocab_size  # ids a prompt may hold
     banned = _placeholder_ids(ref)  # the image / video placeholders: refused in a prompt of token ids
     assert banned
     prompts = _prompts(vocab, banned)
@@ -155,7 +155,7 @@ def test_scales_come_from_the_checkpoint_else_one(tiny_ckpt, tmp_path):
     assert merged.engine.executor.collective_rpc(_layer_scales)[0] == pytest.approx([0.04, 0.04, 0.06, 0.06])
     # the store divides by them: layer 0's K (values up to ~5) is held as ~20x itself (k_scale 0.05), V as
     # 12.5x (0.08), and reads back as the float cache's within e4m3's rounding (a relative 1/16)
-    prompt = _prompts(plain.engine.raw_prompt_tokens.vocab_size, _placeholder_ids(plain))[5]
+    prompt = _prompts(plain.engine.inputs.raw_prompt_tokens.vocab_size, _placeholder_ids(plain))[5]
     params = SamplingParams(max_tokens=1, temperature=0.0)
     float_llm = LLM(tiny_ckpt, show_progress=False)
     for llm in (float_llm, scaled):

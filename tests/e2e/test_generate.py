@@ -88,7 +88,7 @@ def test_bad_prompts_are_typed_errors_and_the_engine_serves_on(llm):
             llm.generate(prompt, GREEDY)
         for word in words:
             assert word in str(info.value), (prompt, str(info.value))
-    pid = llm.engine.processor.image_token_id  # the family's image placeholder
+    pid = llm.engine.inputs.processor.image_token_id  # the family's image placeholder
     placeholder = llm.tokenizer.wrapped.convert_ids_to_tokens(pid)
     for prompt in ([1, 2, pid, 3], f"a {placeholder} b"):
         with pytest.raises(InvalidRequestError, match=f"image placeholder token .*{pid}.*carries no image") as info:

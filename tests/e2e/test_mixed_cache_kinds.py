@@ -31,7 +31,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 def _reference(llm, ids, max_tokens=GREEDY.max_tokens):
     engine = llm.engine
-    prompt = engine.build_prompt(TokensPrompt(tuple(ids)))
+    prompt = engine.inputs.build_prompt(TokensPrompt(tuple(ids)))
     return reference_greedy(local_worker(engine).model, prompt.positions, list(ids), max_tokens)
 
 

@@ -98,7 +98,7 @@ def test_a_cached_prefix_ending_inside_an_image_changes_no_token(family_ckpt, en
     llm = LLM(family_ckpt[1], max_num_batched_tokens=13, show_progress=False,
               **({} if encoder_cache else {"encoder_cache_memory": 0}))
     engine = llm.engine
-    pa, pb = engine.build_prompt(a), engine.build_prompt(b)
+    pa, pb = engine.inputs.build_prompt(a), engine.inputs.build_prompt(b)
     first, last = pa.image_positions[0], pa.image_positions[0] + pa.images[0].num_tokens
     engine.add_request(pa, GREEDY, "a")
     while engine.requests["a"].num_computed_tokens < first + 16:
@@ -118,7 +118,7 @@ def test_a_cached_prefix_ending_inside_an_image_changes_no_token(family_ckpt, en
 
 
 def _image_start(llm, conv) -> int:
-    return llm.engine.build_prompt(conv).image_positions[0]
+    return llm.engine.inputs.build_prompt(conv).image_positions[0]
 
 
 def test_images_differing_in_one_pixel_or_in_settings_share_only_the_text_before_them(family_ckpt, engines):

@@ -30,8 +30,8 @@ CONFIGS = REPO / "tests" / "configs"
 # blocks that need more than one CPU machine holds, by a phrase of theirs, and what covers them instead
 NOT_RUN = {
     "Qwen2.5-VL-72B-Instruct-AWQ": "40 GiB of weights (its plan is the next block, checked below)",
-    "tensor_parallel_size=4": "4 GPUs (tests/e2e/test_tensor_parallel.py runs 2 ranks on the CPU)",
-    "serve_replicas(model": "a Ray cluster (tests/server/test_replicas.py serves 3 replicas on the CPU)",
+    "tensor_parallel_size=4": "4 GPUs (tests/executor/test_tensor_parallel.py runs 2 ranks on the CPU)",
+    "serve_replicas(model": "a Ray cluster (tests/replicas/test_replicas.py serves 3 replicas on the CPU)",
 }
 # the tiny-model runs of the README's bash lines, besides parsing every one
 RUN_LINES = ('vlm-sdk chat --family internvl --image samples/shapes.png "What is it?"',

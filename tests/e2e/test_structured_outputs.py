@@ -106,7 +106,7 @@ def test_logprobs_are_of_the_constrained_distribution(llm):
 def test_whitespace_between_json_tokens_is_bounded(llm):
     """A model that wants only whitespace: every whitespace token biased by +100. The mask lets a
     bounded run through at each gap, so the object still closes well before max_tokens."""
-    ws = [t for t in range(llm.engine.grammars.vocab_size)
+    ws = [t for t in range(llm.engine.inputs.grammars.vocab_size)
           if (s := llm.tokenizer.decode([t])) and not s.strip() and s in (" ", "\n", "\t", "\r", "  ")]
     assert ws
     schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -148,7 +148,7 @@ def test_compiled_once_and_off_the_engine_thread(tiny_ckpt):
 
     async def main():
         async with AsyncLLM(tiny_ckpt) as engine:
-            compiler: GrammarCompiler = engine.engine.grammars
+            compiler: GrammarCompiler = engine.engine.inputs.grammars
             build = compiler._build
 
             def spy(spec, proc, validate_only):

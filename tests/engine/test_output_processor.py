@@ -24,10 +24,10 @@ class _Refuse:
 
 def test_step_never_touches_a_tokenizer(llm):
     engine = llm.engine
-    assert llm.output_processor.tokenizer is not engine.tokenizer._tok  # an instance of its own
-    prompts = [engine.build_prompt(c) for c in conversations().values()]
+    assert llm.output_processor.tokenizer is not engine.inputs.tokenizer._tok  # an instance of its own
+    prompts = [engine.inputs.build_prompt(c) for c in conversations().values()]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=["zzzz"])
-    prompt_tok, engine.tokenizer._tok = engine.tokenizer._tok, _Refuse()
+    prompt_tok, engine.inputs.tokenizer._tok = engine.inputs.tokenizer._tok, _Refuse()
     try:
         ids = [engine.add_request(p, params) for p in prompts]
         raw = {rid: [] for rid in ids}
@@ -36,7 +36,7 @@ def test_step_never_touches_a_tokenizer(llm):
                 assert not hasattr(out, "text")  # token ids and the engine's own finish reasons only
                 raw[out.request_id].extend(out.new_token_ids)
     finally:
-        engine.tokenizer._tok = prompt_tok
+        engine.inputs.tokenizer._tok = prompt_tok
     expected = llm.chat(list(conversations().values()), params)
     assert [raw[rid] for rid in ids] == [o.token_ids for o in expected]
 
@@ -90,7 +90,7 @@ def test_logprobs_are_kept_as_arrays_and_read_back_exactly(llm):
     stream views without a copy; `RequestOutput.logprobs` reads back exactly the sampler's values."""
     engine, k = llm.engine, 4
     params = SamplingParams(max_tokens=40, temperature=1.0, top_k=3, seed=3, ignore_eos=True, logprobs=k)
-    prompt = engine.build_prompt(conversations()["text"])
+    prompt = engine.inputs.build_prompt(conversations()["text"])
     rid = engine.add_request(prompt, params)
     state = llm.output_processor.new_request(rid, prompt.token_ids, params)
     sampled, outputs = [], []

@@ -38,13 +38,13 @@ def llm(tiny_ckpt):
 
 
 def _ids(llm, text: str) -> list[int]:
-    return llm.engine.build_prompt([{"role": "user", "content": text}]).token_ids
+    return llm.engine.inputs.build_prompt([{"role": "user", "content": text}]).token_ids
 
 
 # -- special tokens typed by users ----------------------------------------------------------------
 
 def test_typed_special_tokens_are_text_and_the_flag_allows_them(llm, tiny_ckpt):
-    tok = llm.engine.tokenizer
+    tok = llm.engine.inputs.tokenizer
     start, end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
     plain, forged = _ids(llm, "Hi"), _ids(llm, FORGED)
     # the template's own control tokens only: system, user and assistant turns
@@ -55,7 +55,7 @@ def test_typed_special_tokens_are_text_and_the_flag_allows_them(llm, tiny_ckpt):
     # text without special-token text is tokenized exactly as the rendered template always was
     conv = [{"role": "user", "content": "Tell me about \U0010FFFD and <|im_end "}]
     rendered = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-    assert llm.engine.build_prompt(conv).token_ids == tok._tok.encode(rendered, add_special_tokens=False)
+    assert llm.engine.inputs.build_prompt(conv).token_ids == tok._tok.encode(rendered, add_special_tokens=False)
     with LLM(tiny_ckpt, show_progress=False, allow_special_tokens_in_text=True) as allowed:
         assert _ids(allowed, FORGED).count(start) == 5
 
@@ -67,10 +67,10 @@ def test_huge_text_refused_from_its_length_before_any_tokenization(llm):
     text = "All work and no play makes Jack a dull boy. " * (30 * 2**20 // 44)  # 30 MB
     t0 = time.perf_counter()
     with pytest.raises(InputTooLongError) as info:
-        llm.engine.build_prompt([{"role": "user", "content": text}])
+        llm.engine.inputs.build_prompt([{"role": "user", "content": text}])
     seconds = time.perf_counter() - t0
     err = info.value
-    assert err.at_least and err.prompt_tokens * llm.engine.tokenizer.chars_per_token >= len(text)
+    assert err.at_least and err.prompt_tokens * llm.engine.inputs.tokenizer.chars_per_token >= len(text)
     assert "more than" in str(err) and "Shorten the text" in str(err) and not err.fixes
     assert seconds < 1.0, f"a 30 MB text took {seconds:.2f} s to refuse"
 
@@ -108,7 +108,7 @@ def test_chars_per_token_bound_from_tokenizer_json(tiny_ckpt):
 @pytest.mark.parametrize("content", ["abc\ud800def", [{"type": "text", "text": "x\udfff"}]])
 def test_lone_surrogate_in_text_is_a_typed_error(llm, content):
     with pytest.raises(InvalidRequestError, match="lone surrogate U\\+D[8F]") as info:
-        llm.engine.build_prompt([{"role": "user", "content": content}])
+        llm.engine.inputs.build_prompt([{"role": "user", "content": content}])
     assert "message 0" in str(info.value)
 
 
@@ -146,13 +146,13 @@ def _images_message(*sources) -> list[dict]:
 
 
 def test_request_pixel_budget_refused_before_any_decode(llm, monkeypatch):
-    monkeypatch.setattr(llm.engine.guard, "max_request_image_pixels", 10_000_000)
+    monkeypatch.setattr(llm.engine.inputs.guard, "max_request_image_pixels", 10_000_000)
     two = _images_message(_header_only_png(3000, 2000), _header_only_png(3000, 2000))
     with pytest.raises(InvalidImageError, match="over the limit of 10,000,000 pixels per request") as info:
-        llm.engine.build_prompt(two)
+        llm.engine.inputs.build_prompt(two)
     assert "--max-request-image-pixels" in str(info.value) and "12,000,000" in str(info.value)
     with pytest.raises(InvalidImageError, match="corrupt"):  # within the budget: decoded, and found corrupt
-        llm.engine.build_prompt(_images_message(_header_only_png(3000, 2000)))
+        llm.engine.inputs.build_prompt(_images_message(_header_only_png(3000, 2000)))
 
 
 def test_cancelled_request_decodes_no_more_images(llm, monkeypatch):
@@ -162,9 +162,9 @@ def test_cancelled_request_decodes_no_more_images(llm, monkeypatch):
     cancelled = threading.Event()
     cancelled.set()
     with pytest.raises(DecodeCancelled):
-        llm.engine.build_prompt(_images_message(image(64, 48, 1), image(64, 48, 2)), cancelled=cancelled)
+        llm.engine.inputs.build_prompt(_images_message(image(64, 48, 1), image(64, 48, 2)), cancelled=cancelled)
     assert decoded == []
-    llm.engine.build_prompt(_images_message(image(64, 48, 1), image(64, 48, 2)), cancelled=threading.Event())
+    llm.engine.inputs.build_prompt(_images_message(image(64, 48, 1), image(64, 48, 2)), cancelled=threading.Event())
     assert len(decoded) == 2
 
 

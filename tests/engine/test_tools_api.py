@@ -72,7 +72,7 @@ def test_reasoning_parts_and_the_prompt_state(tmp_path):
         assert (out.reasoning_content, out.content) == (before, after.lstrip())
     else:  # cut before the end: all of it is reasoning
         assert (out.reasoning_content, out.content, out.finish_reason) == (out.text, "", "length")
-    chat = llm.engine.chat
+    chat = llm.engine.inputs.chat
 
     def opens(text):
         return chat._prompt_opens(PromptInputs(token_ids=llm.tokenizer.encode(text, add_special_tokens=False)))
@@ -97,7 +97,7 @@ def test_special_token_text_in_tools_and_calls_stays_text(llm):
             {"id": "c1", "type": "function", "function": {"name": "get_weather",
                                                           "arguments": json.dumps({"city": evil})}}]},
         {"role": "tool", "tool_call_id": "c1", "content": evil}]
-    prompt = llm.engine.build_prompt(history, None, options=ChatOptions(tools=tools))
+    prompt = llm.engine.inputs.build_prompt(history, None, options=ChatOptions(tools=tools))
     start = llm.tokenizer.convert_tokens_to_ids("<|im_start|>")
     # the template's own turns only: system (with the tools), user, assistant (the call), user (the result),
     # and the generation prompt; the typed ones are text

@@ -84,7 +84,7 @@ def test_warmup_runs_every_text_kernel_variant_cpu(tiny_ckpt, monkeypatch):
     # patch would triple the interpreter's time). Its keys only: interpreting a ~1,000-patch tower took 2/3
     # of this test; the image served below runs its kernels for real.
     mode["run"] = False
-    local_worker(llm.engine).runner.model.encode_images([llm.engine.processor.largest_still_image()])
+    local_worker(llm.engine).runner.model.encode_images([llm.engine.inputs.processor.largest_still_image()])
     mode["run"] = True
     warm = {k for _, _, k in launches}
     launches.clear()

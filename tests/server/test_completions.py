@@ -187,7 +187,7 @@ def test_errors_are_400s_naming_the_numbers_and_leave_no_block(srv):
         assert (info.value.body["param"], info.value.body["code"]) == (param, code), info.value.body
         for word in words:
             assert word in info.value.message, info.value.message
-    placeholder = srv.server.engine.engine.processor.image_token_id
+    placeholder = srv.server.engine.engine.inputs.processor.image_token_id
     with pytest.raises(openai.BadRequestError, match="image placeholder"):
         _create(srv, prompt=[1, placeholder])
     with pytest.raises(openai.NotFoundError):

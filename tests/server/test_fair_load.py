@@ -185,7 +185,7 @@ def test_row8_a_text_just_under_1_mib_keeps_nobody_waiting(srv):
     text = ("All work and no play makes Jack a dull boy. " * (MiB // 44 + 1))[:MiB - 4096]
     bodies = [_chat(srv, text), _chat(srv, text[::-1])]
     probe = _chat(srv, "Hi", max_tokens=1)
-    tokenizer = srv.engine.engine.tokenizer
+    tokenizer = srv.engine.engine.inputs.tokenizer
     tokenizer.max_tokens = None  # tokenized whole, as by a model whose max_model_len could hold them
 
     def attack():

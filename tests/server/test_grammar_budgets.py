@@ -123,7 +123,7 @@ def test_row3_many_big_choice_lists_stay_within_the_cache(srv):
     bodies = [_body(srv, {"choice": [f"answer {k} number {i}" for i in range(5000)]}, temperature=1.0, seed=k,
                     max_tokens=60) for k in range(12)]
     gap, quiet, growth, results = _beside_victim(srv, lambda: _all_at_once(srv, bodies, 2))
-    compiler = srv.engine.engine.grammars
+    compiler = srv.engine.engine.inputs.grammars
     print(f"row 3: victim's worst gap {gap:.3f} s (quiet: {quiet}); RSS {growth / MiB:+.0f} MiB; cache {compiler.cache_bytes / MiB:.1f} "
           f"MiB in {len(compiler._cache)} grammars")
     for (status, body), sent in zip(results, bodies):

@@ -60,7 +60,7 @@ def _server(model_dir, megabytes: int) -> BackgroundServer:
 def test_huge_prompt_does_not_stall_another_stream(tiny_ckpt, refused_by):
     with _server(tiny_ckpt, 30) as srv:
         if refused_by == "prefix":  # as for a tokenizer whose length bound is too loose to refuse it
-            srv.engine.engine.tokenizer.chars_per_token = None
+            srv.engine.engine.inputs.tokenizer.chars_per_token = None
         gap, quiet, body_gap, status, seconds, body_seconds = largest_gap_while_big_prompt(srv.url, srv.model_name,
                                                                                           30)
     print(f"refused by {refused_by}: largest gap {gap:.3f} s (quiet: {quiet}; a 30 MB body for no model: "

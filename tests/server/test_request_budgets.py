@@ -163,7 +163,7 @@ def test_entry_caps_name_the_engine_setting(srv, name):
 
 
 def test_ids_outside_the_vocabulary_are_named(srv):
-    vocab = srv.engine.engine.vocab_size
+    vocab = srv.engine.engine.inputs.vocab_size
     err = _error(post(srv.url, _body(srv, logit_bias={str(vocab): 5, "3": 1})))
     assert err["param"] == "logit_bias"
     assert f"token id(s) {vocab} in 'logit_bias'" in err["message"] and f"vocabulary size {vocab}" in err["message"]
@@ -212,7 +212,7 @@ def test_logit_bias_keys_must_be_ascii_digits(srv, key):
 def test_min_tokens_with_the_whole_vocabulary_as_stop_ids(tiny_ckpt):
     with BackgroundServer(tiny_ckpt, ServerConfig(port=0, api_key=API_KEY), num_blocks=64,
                           max_stop_token_ids=4096) as s:
-        vocab = s.engine.engine.vocab_size
+        vocab = s.engine.engine.inputs.vocab_size
         body = {"model": s.model_name, "messages": MESSAGES, "max_tokens": 20, "min_tokens": 3,
                 "temperature": 1.0, "seed": 2}
         err = _error(post(s.url, {**body, "stop_token_ids": list(range(vocab))}))

@@ -49,7 +49,7 @@ def _extra(obj, name):
 
 
 def test_parser_from_the_template(srv):
-    chat = srv.engine.engine.chat
+    chat = srv.engine.engine.inputs.chat
     assert chat.reasoning is not None and chat.reasoning.name == "qwen3" and chat.tool_parser == "hermes"
 
 

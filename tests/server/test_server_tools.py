@@ -121,7 +121,7 @@ def test_round_trip_call_tool_answer(srv):
     # the second prompt is the first one, the call as the template renders it, and the tool's result
     engine = srv.engine.engine
     prompt = srv.call(srv.engine.build_prompt(history, None, _options()))
-    text = engine.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+    text = engine.inputs.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
     args = json.dumps(json.loads(call.function.arguments), ensure_ascii=False)
     assert f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call><|im_end|>' in text
     assert text.endswith("<|im_start|>user\n<tool_response>\nSunny, 21 degrees\n</tool_response><|im_end|>\n"

@@ -63,7 +63,7 @@ def _error(result, status: int = 400) -> dict:
 
 
 def _compiles(srv) -> int:
-    return srv.engine.engine.grammars.compiles
+    return srv.engine.engine.inputs.grammars.compiles
 
 
 def test_too_many_tools_are_refused_before_any_is_converted(srv):
@@ -171,7 +171,7 @@ def _compiling_process(srv):
     found = []
 
     def busy():
-        for proc in srv.engine.engine.grammars.processes:
+        for proc in srv.engine.engine.inputs.grammars.processes:
             pid = proc.pid
             if pid is not None:
                 try:
@@ -197,7 +197,7 @@ def test_a_grammar_process_killed_mid_compile_is_a_400(srv):
 
 
 def test_a_client_hanging_up_mid_compile_kills_no_grammar_worker(srv):
-    grammars = srv.engine.engine.grammars
+    grammars = srv.engine.engine.inputs.grammars
     body = json.dumps(_body(srv, structured_outputs={"grammar": SLOW + ' | "h"'})).encode()
     host, port = srv.url.rsplit("/", 1)[-1].rsplit(":", 1)
     conn = socket.create_connection((host, int(port)))

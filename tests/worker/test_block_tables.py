@@ -79,10 +79,10 @@ def test_runner_packing_equals_the_per_token_reference(tiny_ckpt):
     runner._prepare = checked
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     for i in range(3):
-        eng.add_request(eng.build_prompt([{"role": "user", "content": "hello " * (3 + 5 * i)}]), params)
+        eng.add_request(eng.inputs.build_prompt([{"role": "user", "content": "hello " * (3 + 5 * i)}]), params)
     for _ in range(3):
         eng.step()
-    eng.add_request(eng.build_prompt([{"role": "user", "content": "late " * 9}]), params)  # joins decodes
+    eng.add_request(eng.inputs.build_prompt([{"role": "user", "content": "late " * 9}]), params)  # joins decodes
     while eng.has_unfinished():
         eng.step()
     assert 1 in seen and max(seen) > 1

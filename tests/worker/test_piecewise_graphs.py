@@ -184,7 +184,7 @@ def test_qwen3_vl_deepstack_steps_take_the_plain_forward(tiny_checkpoints):
         assert [llm.chat([conv], greedy)[0].token_ids for conv in convs] == ref  # one at a time: a step each
     finally:
         worker.runner.piecewise = None
-    text, image = (len(llm.engine.build_prompt(conv).token_ids) for conv in convs)
+    text, image = (len(llm.engine.inputs.build_prompt(conv).token_ids) for conv in convs)
     assert text in calls and image not in calls  # text prefill through the pieces; the image's took forward
 
 

@@ -54,7 +54,7 @@ def _profile(engine, num_seqs, graph_batch=None, piecewise_tokens=None, held_tok
     m = local_worker(engine).model
     meter = LiveBytes()
     with meter:
-        return profile_peak(m, engine.processor.largest_image(), num_tokens=8, num_seqs=num_seqs, block_size=16,
+        return profile_peak(m, engine.inputs.processor.largest_image(), num_tokens=8, num_seqs=num_seqs, block_size=16,
                             layout=local_worker(engine).layout, dtype=engine.dtype, device=engine.device,
                             attention=local_worker(engine).ops.attention, graph_batch=graph_batch,
                             piecewise_tokens=piecewise_tokens, held_tokens=held_tokens, meter=meter)
@@ -123,7 +123,7 @@ def test_cuda_profile_counts_the_graph_pool_and_the_sampler_rows(tiny_ckpt):
     m = local_worker(eng).model
 
     def run(num_seqs, graph_batch):
-        return profile_peak(m, eng.processor.largest_image(), num_tokens=8, num_seqs=num_seqs, block_size=16,
+        return profile_peak(m, eng.inputs.processor.largest_image(), num_tokens=8, num_seqs=num_seqs, block_size=16,
                             layout=local_worker(eng).layout, dtype=eng.dtype, device=eng.device, attention=local_worker(eng).ops.attention,
                             graph_batch=graph_batch)
     few, many = run(4, 8), run(4096, 8)
@@ -137,7 +137,7 @@ def test_held_video_rows_beyond_the_largest_image_are_counted(engine):
     rows of embeddings to the step's measured peak, as the estimate counts them
     (MemoryInputs.held_vision_tokens); fewer than the image's rows change nothing."""
     m = local_worker(engine).model
-    image = engine.processor.largest_image()
+    image = engine.inputs.processor.largest_image()
     row = m.encode_images([image]).shape[1] * torch.finfo(engine.dtype).bits // 8
     base = _profile(engine, 4)
     assert _profile(engine, 4, held_tokens=image.num_tokens - 1).step_bytes == base.step_bytes

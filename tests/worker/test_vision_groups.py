@@ -30,7 +30,7 @@ def test_patch_groups_hold_at_most_the_limit_and_a_big_image_alone():
 def test_grouped_encoding_equals_one_call_and_the_engine_still_generates(tiny_ckpt):
     llm = LLM(tiny_ckpt, show_progress=False)
     convs = [conversations()["two_images"], conversations()["one_image"], conversations()["multi_turn"]]
-    prompts = [llm.engine.build_prompt(c) for c in convs]
+    prompts = [llm.engine.inputs.build_prompt(c) for c in convs]
     runner = local_worker(llm.engine).runner
     calls = []
     encode = runner.model.encode_images

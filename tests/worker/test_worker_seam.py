@@ -98,7 +98,7 @@ def test_images_encoded_once_per_request_and_dropped_after_prefill(chunky):
     convs = [conversations()["two_images"], conversations()["one_image"]]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     engine = chunky.engine
-    prompts = [engine.build_prompt(c) for c in convs]
+    prompts = [engine.inputs.build_prompt(c) for c in convs]
     runner.model.encode_images = counting
     try:
         for p in prompts:

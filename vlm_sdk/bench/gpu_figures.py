@@ -137,7 +137,7 @@ class ColdPrefill:
     def prompt(self, i: int):
         side = self.cfg.prefill_image
         image = _images([(side, side)], seed=1000 + i)[0]
-        return self.engine.build_prompt(_conversation(image, self.question))
+        return self.engine.inputs.build_prompt(_conversation(image, self.question))
 
     def first_token(self, prompt, timer) -> float:
         """Seconds from add_request to the request's first (and only) token."""
@@ -216,7 +216,7 @@ def _question(engine, text_tokens: int) -> str:
     words = itertools.cycle("Describe the picture in detail and name every object you can see".split())
     question = next(words)
     for _ in range(4 * text_tokens):
-        prompt = engine.build_prompt(_conversation(probe, question))
+        prompt = engine.inputs.build_prompt(_conversation(probe, question))
         if len(prompt.token_ids) - sum(prompt.image_tokens) >= text_tokens:
             break
         question += " " + next(words)

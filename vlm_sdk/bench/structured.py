@@ -60,7 +60,7 @@ def _check_constrained(llm, outs, params) -> int:
     for out, p in zip(outs, params):
         if p.grammar is None:
             continue
-        matcher = llm.engine.grammars.compile(p.grammar).matcher()
+        matcher = llm.inputs.grammars.compile(p.grammar).matcher()
         if not all(matcher.consume_token(t) for t in out.token_ids):
             raise AssertionError(f"a constrained output left its grammar: {out.text[:200]!r}")
         checked += 1

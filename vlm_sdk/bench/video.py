@@ -58,7 +58,7 @@ def _median_ms(values: list[float]) -> float:
 def run_video(args) -> int:
     from vlm_sdk import LLM, SamplingParams
     from vlm_sdk.demo_checkpoint import tiny_model_dir
-    from vlm_sdk.models.qwen2_5_vl.image_processor import pixels_to_device
+    from vlm_sdk.models.common.qwen_vl.image_processor import pixels_to_device
     from vlm_sdk.multimodal.frames import resize_frame
     from vlm_sdk.multimodal.video_io import iter_frames, open_video
 
@@ -68,7 +68,7 @@ def run_video(args) -> int:
     clip = clip_path(args.video_seconds)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     llm = LLM(model_dir, device=device, show_progress=False)
-    processor = llm.engine.processor
+    processor = llm.inputs.processor
     if not hasattr(processor, "video_processor"):
         raise InvalidRequestError(f"{model_dir}: --video times Qwen2.5-VL / Qwen3-VL videos (qwen-vl-utils sampling); "
                                   f"this checkpoint's family is {llm.engine.checkpoint.architecture}")
@@ -91,7 +91,7 @@ def run_video(args) -> int:
         t3 = time.perf_counter()
         del decoded
         start = time.perf_counter()
-        prompt = llm.engine.build_prompt(messages, params)
+        prompt = llm.inputs.build_prompt(messages, params)
         built = time.perf_counter()
         first = _first_token_seconds(llm.engine, prompt, params)
         parts["open"].append(t1 - t0)

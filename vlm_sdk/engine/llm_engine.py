@@ -1,4 +1,6 @@
-"""The engine: load once, then `step()` = schedule -> run -> postprocess.
+"""The engine: load once, then `step()` = schedule -> run -> postprocess. Requests arrive as checked
+`PromptInputs` from its `inputs` (engine/input/processor.py: tokenizer, guard, chat setup, grammars,
+the family's processor), which `LLM`, `AsyncLLM` and the replicas call first.
 
     schedule:    Scheduler.schedule() on live Sequences, then worker_input() -> plain SchedulerOutput
     run:         executor.execute(SchedulerOutput): every rank runs the step (vlm_sdk/executor/);
@@ -19,44 +21,35 @@ finishes at step k has computed one token more in step k+1, which is dropped. A 
 request whose grammar or penalties need its every token on the host is read at once.
 
 Not thread-safe by itself: `LLM` drives it from the caller's thread, `AsyncLLM` from one engine
-thread. `build_prompt` touches only the prompt tokenizer (behind a lock) and may run on any thread;
-`step` never touches a tokenizer.
+thread. `inputs.build_prompt` touches only the prompt tokenizer (behind a lock) and may run on any
+thread; `step` never touches a tokenizer.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 
 import torch
 
 from vlm_sdk.attention.selector import check_layers
-from vlm_sdk.chat_options import NO_OPTIONS, ChatOptions, ToolLimits
 from vlm_sdk.config import EngineArgs, fp8_kv_cache_runs, resolve_rank_config
 from vlm_sdk.engine.core.cache_coordinator import CacheCoordinator
 from vlm_sdk.engine.output.engine_output import EngineOutput
 from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_warning
-from vlm_sdk.engine.input.chat_setup import ChatSetup
-from vlm_sdk.engine.input.prompt_guard import PromptGuard
-from vlm_sdk.engine.input.prompt_tokenizer import PromptTokenizer, PromptTooLong
-from vlm_sdk.engine.input.raw_prompt import RawPromptTokens
-from vlm_sdk.engine.input.sampling_check import check_sampling
 from vlm_sdk.engine.core.scheduler import ScheduledBatch, Scheduler
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
-from vlm_sdk.engine.structured_output import Grammar, GrammarCompiler, MaskFiller, accept
+from vlm_sdk.engine.input.processor import InputProcessor
+from vlm_sdk.engine.structured_output import Grammar, MaskFiller, accept
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.executor import make_executor
 from vlm_sdk.hub import resolve_model
-from vlm_sdk.memory.capacity import check_prompt_fits, text_too_long
 from vlm_sdk.memory.image_fit import check_largest_image_fits
 from vlm_sdk.memory.inputs import memory_inputs
 from vlm_sdk.memory.startup import scheduler_config, size_rank_caches, startup_report
-from vlm_sdk.model_loader import load_tokenizer, read_checkpoint
+from vlm_sdk.model_loader import read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import PromptInputs
-from vlm_sdk.multimodal.video_io import VideoLimits
-from vlm_sdk.multimodal.prompts import TextPrompt, TokensPrompt
 from vlm_sdk.protocol.rank import RankLoad
 from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
 from vlm_sdk.sampling_params import SamplingParams
@@ -71,22 +64,10 @@ class LLMEngine:
         info = read_checkpoint(model)
         self.checkpoint = info
         family = resolve([info.architecture], args.model_family)
-        # prompt building only
-        self.tokenizer = PromptTokenizer(load_tokenizer(model), not args.allow_special_tokens_in_text)
-        self.guard = PromptGuard(self.tokenizer, args.max_image_pixels, args.max_request_image_pixels,
-                                 VideoLimits(args.max_video_bytes, args.max_video_seconds, args.max_video_frames,
-                                             args.max_video_decode_pixels, args.max_video_container_frames))
-        self.eos_token_ids = set(info.eos_token_ids)
-        self.vocab_size = vocab_size = int(family.text_config(info.hf_config).vocab_size)  # the logits' width
-        self.raw_prompt_tokens = RawPromptTokens(self.tokenizer, vocab_size)
-        self.grammars = GrammarCompiler(self.tokenizer.wrapped, vocab_size, sorted(self.eos_token_ids),
-                                        cache_memory=args.grammar_cache_memory, max_bytes=args.max_grammar_bytes,
-                                        max_memory=args.max_grammar_memory, timeout=args.grammar_compile_timeout,
-                                        workers=args.grammar_workers)
-        # tools, reasoning and chat_template_kwargs: how a chat's options reach its prompt and grammar
-        self.chat = ChatSetup(self.tokenizer, self.grammars, args.tool_call_parser, args.reasoning_parser,
-                              ToolLimits(args.max_tools, args.max_tool_bytes))
-        self._fill_masks = MaskFiller(vocab_size)
+        # requests' way in: tokenizer, guard, chat setup, grammars, the family's processor
+        self.inputs = inputs = InputProcessor(model, info, family, args)
+        self.eos_token_ids = inputs.eos_token_ids
+        self._fill_masks = MaskFiller(inputs.vocab_size)
         # every default that depends on the device or the rank count, decided once (refusing
         # async_scheduling=True with tensor parallelism before any rank starts); ranks receive it
         self.rank_config = resolve_rank_config(args)
@@ -105,11 +86,8 @@ class LLMEngine:
         args, executor, rc = self.args, self.executor, self.rank_config
         loads: list[RankLoad] = executor.collective_rpc("load_report")
         self.device, self.dtype = torch.device(loads[0].device), rc.torch_dtype
-        self.image_processor = family.image_processor_cls.from_preprocessor_config(info.preprocessor, info.hf_config)
-        self.processor = family.make_processor(self.tokenizer, self.image_processor, info.hf_config, args)
-        largest_image = self.processor.largest_image()
-        meta_model = family.meta_model(info.hf_config, self.dtype, executor.world_size, args.shard_vision,
-                                       args.enable_expert_parallel)
+        largest_image = self.inputs.processor.largest_image()
+        meta_model = family.meta_model(info.hf_config, self.dtype, rc.parallel, args.shard_vision)
         memory = memory_inputs(family, info, args, meta_model, self.dtype, executor.world_size,
                                on_gpu=self.device.type == "cuda", decode_graphs=rc.decode_graphs,
                                piecewise_graphs=rc.piecewise_graphs)
@@ -125,8 +103,7 @@ class LLMEngine:
         self.scheduler_config = scheduler_config(memory, self.cache_config)
         check_largest_image_fits(memory.image, family.plan_setting[1], self.cache_config, self.scheduler_config,
                                  self.max_position_embeddings, args)
-        self.processor.max_image_tokens = self.scheduler_config.max_model_len
-        self.tokenizer.max_tokens = self.scheduler_config.max_model_len
+        self.inputs.set_capacity(self.cache_config, self.scheduler_config, self.max_position_embeddings)
         # vision runs in groups no bigger than the image the profile measured
         executor.collective_rpc("init_cache", self.cache_config, self.scheduler_config.max_model_len,
                                 largest_image.size)
@@ -151,81 +128,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """End every rank (tensor parallelism) and the grammar workers with their processes. Idempotent."""
-        self.grammars.close()
+        self.inputs.close()
         self.executor.shutdown()
 
-    # -- requests ---------------------------------------------------------------------------------
-    def build_prompt(self, request, params: SamplingParams | None = None,
-                     cancelled: threading.Event | None = None, options: ChatOptions | None = None,
-                     compile_grammar: bool = True) -> PromptInputs:
-        """`request` as chat messages: validate them, decode and preprocess images, render the chat
-        template and tokenize; `options` (tools, chat_template_kwargs, cache_salt) set the prompt's
-        output format and grammar (engine/input/chat_setup.py). As a `TextPrompt` or `TokensPrompt` (no
-        template, no images, of the options only cache_salt; its output is read as plain text): tokenize the text, or
-        check the ids against the vocabulary (engine/input/raw_prompt.py). Either way the family's
-        processor makes the `PromptInputs`, and a prompt that can never fit raises (the fixes the error
-        names fit the prompt and `params.max_tokens`). Once `cancelled` is set, the images not decoded
-        yet raise `DecodeCancelled` instead (see `PromptGuard`). `params`' grammar is compiled first; the
-        tools' schemas and the prompt's grammar (a forced call) only once the prompt is known to fit.
-        `compile_grammar` False: the caller compiles the grammars (AsyncLLM awaits `params`' before, the
-        tools' check and the prompt's after)."""
-        t0 = time.perf_counter()
-        params, options = params or SamplingParams(), options or NO_OPTIONS
-        self.check_params(params)
-        raw = isinstance(request, (TextPrompt, TokensPrompt))
-        if raw and (options.tools or options.chat_template_kwargs):
-            raise InvalidRequestError("tools and chat_template_kwargs apply to chat messages; a text or token-id "
-                                      "prompt has no chat template", param="prompt")
-        if compile_grammar:
-            self.compile_grammar(params)  # a bad schema fails before any image is decoded
-        template_kwargs = None if raw else self.chat.prepare(options, params)  # so do too many tools
-        try:
-            if raw:
-                prompt = self.processor.text_prompt(self.raw_prompt_tokens(request))
-            else:  # the tools' definitions count in the length guard: they are rendered into the prompt
-                prompt = self.processor(self.guard.prepare(request, cancelled, self.chat.tool_chars(options)),
-                                        template_kwargs)
-        except PromptTooLong as e:  # a huge text: refused from its token count, before any conversion
-            if not e.exact:
-                raise text_too_long(e.num_tokens, self.cache_config, self.scheduler_config,
-                                    self.args.max_model_len is not None) from None
-            prompt = PromptInputs(token_ids=[0] * e.num_tokens)  # what check_prompt counts
-        self.check_prompt(prompt, params)
-        if not raw:
-            self.chat.finish(prompt, options, params, compile_grammar)
-        elif options.cache_salt is not None:  # no images to salt: the block hashes only
-            prompt.cache_salt = options.cache_salt
-        prompt.preprocess_seconds = time.perf_counter() - t0
-        return prompt
-
-    def check_prompt(self, prompt: PromptInputs, params: SamplingParams | None = None) -> None:
-        """`InputTooLongError` when the prompt can never fit; its fixes fit the whole request (the prompt
-        and the max_tokens of `params`, default `SamplingParams()`'s)."""
-        params = params or SamplingParams()
-        check_prompt_fits(prompt, self.cache_config, self.scheduler_config, self.max_position_embeddings,
-                          self.args.max_model_len is not None, self.processor.image_setting_fixes,
-                          params.max_tokens, self.processor.video_setting_fixes)
-
-    def check_params(self, params: SamplingParams | None) -> None:
-        """`InvalidRequestError` when `params` names token ids outside the vocabulary or asks more of
-        every step than the engine's limits allow (engine/input/sampling_check.py)."""
-        if params is not None:
-            check_sampling(params, self.vocab_size, self.eos_token_ids, self.args.max_logit_bias,
-                           self.args.max_stop_token_ids)
-
-    def compile_grammar(self, params: SamplingParams | None, prompt: PromptInputs | None = None) -> Grammar | None:
-        """The compiled grammar of the request: the one `build_prompt` set on `prompt` (a forced tool
-        call, or a structured output after reasoning), else `params`' structured output; None without
-        one. Waited for: compiled on the grammar workers (engine/structured_output.py), cached, so the
-        engine thread only copies its start state. Raises `InvalidRequestError` naming the field when it
-        cannot be compiled."""
-        spec = prompt.grammar if prompt is not None and prompt.grammar is not None else \
-            params.grammar if params is not None else None
-        return None if spec is None else self.grammars.compile(spec)
-
+    # -- requests (prompts are the InputProcessor's: engine/input/processor.py) --------------------
     def add_request(self, prompt: PromptInputs, params: SamplingParams | None = None,
                     request_id: str | None = None, grammar: Grammar | None = None, group=None) -> str:
-        """`grammar`: `compile_grammar(params)` done beforehand (else it is compiled here, if needed).
+        """`grammar`: `inputs.compile_grammar(params)` done beforehand (else it is compiled here, if needed).
         `group`: the request this sequence belongs to (hashable; default: its own), whose sequences
         share the waiting queue's fair share (engine/core/waiting_queue.py)."""
         params = params or SamplingParams()
@@ -239,10 +148,10 @@ class LLMEngine:
             self._next_id += 1
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        self.check_params(params)
-        self.check_prompt(prompt, params)
+        self.inputs.check_params(params)
+        self.inputs.check_prompt(prompt, params)
         if grammar is None:
-            grammar = self.compile_grammar(params, prompt)
+            grammar = self.inputs.compile_grammar(params, prompt)
         seq = Sequence(request_id, prompt, params, group=group)
         if grammar is not None:
             seq.matcher, seq.first_mask = grammar.matcher(), grammar.first_mask
@@ -424,8 +333,8 @@ class LLMEngine:
                 "prefix_cache_kind_hit_tokens": dict(bm.kind_hit_tokens),
                 "encoder_cache_hits": enc.hits,
                 "encoder_cache_queries": enc.queries, "encoder_cache_bytes": enc.num_bytes,
-                "grammar_cache_bytes": self.grammars.cache_bytes,
-                "grammar_process_bytes": self.grammars.process_bytes(),
+                "grammar_cache_bytes": self.inputs.grammars.cache_bytes,
+                "grammar_process_bytes": self.inputs.grammars.process_bytes(),
                 **{f"total_{k}": v for k, v in self.totals.items()}}
 
 

@@ -55,7 +55,8 @@ def alternatives(config_path, options: dict, base) -> list[Alternative]:
     """For a plan `base` of `config_path` with `options` that has problems on a GPU: each variant's
     fitting settings (at most one per variant, the fewest ranks). Empty on the CPU (ranks there share one
     host's memory) and when nothing fits."""
-    from vlm_sdk.executor.launch import tensor_parallel_sizes
+    from vlm_sdk.config import ParallelConfig
+    from vlm_sdk.models.parallel_split import tensor_parallel_sizes
     from vlm_sdk.model_loader import read_config
     from vlm_sdk.models import registry
     from vlm_sdk.plan.planner import plan
@@ -77,7 +78,8 @@ def alternatives(config_path, options: dict, base) -> list[Alternative]:
         if not here.problems:
             return Alternative({**changes, **extra}, "", here.weights_bytes, here.capacity_tokens)
         first = max(tp0 + 1, int(here.weights_bytes * tp0 // room) + 1) if room > 0 else tp0 + 1
-        for n in tensor_parallel_sizes(family, info.hf_config, shard is not False, expert_parallel=expert_parallel):
+        for n in tensor_parallel_sizes(family, info.hf_config, ParallelConfig(enable_expert_parallel=expert_parallel),
+                                       shard is not False):
             if n < first:
                 continue
             try:

@@ -1,6 +1,7 @@
-"""`ReplicaSetLLM`: the engine the OpenAI server talks to when replicas serve (what it calls of
-`AsyncLLM`: build_prompt, generate, stats, output_processor, is_alive, on_death, shutdown), each call
-sent through Ray Serve's handle to the replica the router picks.
+"""`ReplicaSetLLM`: the engine the OpenAI server talks to when replicas serve, an `EngineClient`
+(vlm_sdk/engine_client.py: build_prompt, generate, chat_stream, stats, args, output_processor,
+is_alive, on_death, shutdown, as `AsyncLLM`), each call sent through Ray Serve's handle to the replica
+the router picks.
 
 Errors: a replica's own refusal (`InvalidRequestError`, `InputTooLongError`, ...) is raised as itself;
 a replica that dies fails the requests it held with `ReplicaLostError` (HTTP 503, code replica_lost),
@@ -57,7 +58,7 @@ class ReplicaSetLLM:
         copy.__dict__.update(self.__dict__, routing=routing, _on_shutdown=None, _stats={}, _stats_at=float("-inf"))
         return copy
 
-    # -- the AsyncLLM surface the server uses --------------------------------------------------------
+    # -- EngineClient (what the server uses) -----------------------------------------------------------
     async def build_prompt(self, request, params: SamplingParams | None = None, options=None,
                            group: str | None = None) -> PromptInputs:
         self._check_open()

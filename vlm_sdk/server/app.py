@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: aiohttp handlers over one `AsyncLLM`.
+"""The OpenAI-compatible HTTP server: aiohttp handlers over one `EngineClient` (vlm_sdk/engine_client.py: an
+`AsyncLLM`, or `ReplicaSetLLM` replicas).
 
     POST /v1/chat/completions (POST /v1/completions: the same path for prompts without a chat
     template, server/completions_endpoint.py)
@@ -6,9 +7,9 @@
         --max-request-bytes, from Content-Length before reading; 408 past --body-timeout) -> JSON (400:
         also too deep, lone surrogates) -> parse_chat_request (400/404)
       -> MediaFetcher: http(s)/file image sources to bytes under the media policy (400)
-      -> AsyncLLM.build_prompt, off the loop: decode, resize, tokenize, fit check (400); the prompt
+      -> EngineClient.build_prompt, off the loop: decode, resize, tokenize, fit check (400); the prompt
          and max_tokens within max_model_len (400)
-      -> AsyncLLM.generate: wait for the first output, so that every refusal is still an HTTP status
+      -> EngineClient.generate: wait for the first output, so that every refusal is still an HTTP status
       -> one JSON body (with logprobs or much text: made off the loop, sent a choice at a time:
          server/response_body.py), or SSE chunks ending in [DONE]
     GET /v1/models, GET /health (503 once the engine stopped or shutdown began), GET /metrics
@@ -27,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
-from vlm_sdk.async_llm import AsyncLLM
+from vlm_sdk.engine_client import EngineClient
 from vlm_sdk.chat_options import ToolLimits
 from vlm_sdk.engine.heap import trim_heap
 from vlm_sdk.errors import EngineDeadError, VLMError
@@ -47,7 +48,7 @@ _LARGE_BYTES = 1 << 20  # a request body this large is followed by a heap trim
 class OpenAIServer:
     """Holds what the handlers share; `app` is the aiohttp application to run."""
 
-    def __init__(self, engine: AsyncLLM, config: ServerConfig, model_name: str):
+    def __init__(self, engine: EngineClient, config: ServerConfig, model_name: str):
         self.engine = engine
         self.config = config
         self.model_name = model_name

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from vlm_sdk.async_llm import AsyncLLM
+from vlm_sdk.async_llm import AsyncLLM  # built here; the server is typed on EngineClient
+from vlm_sdk.engine_client import EngineClient
 from vlm_sdk.server.app import OpenAIServer
 from vlm_sdk.server.config import ServerConfig, server_engine_args
 from vlm_sdk.server.runner import ServerRunner, served_name
@@ -26,7 +27,7 @@ class BackgroundServer:
         self.config = config or ServerConfig(port=0)
         self.engine_args = engine_args
         self.model_name = served_name(self.model, self.config)
-        self.engine: AsyncLLM | None = None
+        self.engine: EngineClient | None = None
         self.runner: ServerRunner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -2,10 +2,10 @@
 
     OpenAIServer.admit: auth (401), draining (503), the JSON body (400, 408, 413, 415)
     -> parse_completion_request (400/404; server/completions.py)
-    -> AsyncLLM.build_prompt per prompt, off the loop: tokenize a text / check ids against the
+    -> EngineClient.build_prompt per prompt, off the loop: tokenize a text / check ids against the
        vocabulary, the family's processor, the fit check (400 context_length_exceeded, naming the
        prompt's index when there are several); each prompt + max_tokens within max_model_len (400)
-    -> AsyncLLM.generate per prompt (n samples each), merged as their tokens come; the first output
+    -> EngineClient.generate per prompt (n samples each), merged as their tokens come; the first output
        is awaited before any byte is sent, so the engine's own refusal is still an HTTP status
     -> one `text_completion` body, or SSE chunks + usage + [DONE]; a failure after the headers is
        sent in-band, as for chat

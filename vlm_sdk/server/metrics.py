@@ -1,6 +1,6 @@
 """Prometheus metrics for one server, in a registry of its own (no process-global state).
 
-Cache and queue gauges and the engine's token counters are read from `AsyncLLM.stats()` when scraped,
+Cache and queue gauges and the engine's token counters are read from `EngineClient.stats()` when scraped,
 so they are never stale; latency histograms are observed by the request handlers as requests end.
 """
 from __future__ import annotations

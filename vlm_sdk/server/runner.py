@@ -22,7 +22,8 @@ import sys
 
 from aiohttp import web
 
-from vlm_sdk.async_llm import AsyncLLM
+from vlm_sdk.async_llm import AsyncLLM  # built here; the server is typed on EngineClient
+from vlm_sdk.engine_client import EngineClient
 from vlm_sdk.hub import display_name
 from vlm_sdk.server.app import OpenAIServer
 from vlm_sdk.server.config import ServerConfig, server_engine_args
@@ -43,7 +44,7 @@ def served_name(model: str, config: ServerConfig) -> str:
 class ServerRunner:
     """An `OpenAIServer` bound to a socket on the running loop."""
 
-    def __init__(self, engine: AsyncLLM, config: ServerConfig, model_name: str):
+    def __init__(self, engine: EngineClient, config: ServerConfig, model_name: str):
         self.server = OpenAIServer(engine, config, model_name)
         self.config = config
         self._runner: web.AppRunner | None = None
@@ -112,7 +113,7 @@ def serve(model: str, config: ServerConfig, replicas=None, routing=None, **engin
     return asyncio.run(_serve(engine, config, served_name(model, config)))
 
 
-async def _serve(engine: AsyncLLM, config: ServerConfig, name: str) -> int:
+async def _serve(engine: EngineClient, config: ServerConfig, name: str) -> int:
     runner = ServerRunner(engine, config, name)
     # before the URL is printed (a supervisor may signal as soon as it reads it): until then SIGTERM is
     # Ray's handler of a replica set (sys.exit(15)) or the default (death), not the graceful drain

@@ -38,15 +38,15 @@ def test_a_typed_image_placeholder_is_text(llm):
     """Issue 18: special tokens typed in message text are text (engine/input/special_text.py), so a typed
     <IMG_CONTEXT> is no image placeholder (it was refused as one more placeholder than images)."""
     conv = [{"role": "user", "content": "look <IMG_CONTEXT> here"}]
-    prompt = llm.engine.build_prompt(conv)
-    assert prompt.images == [] and llm.engine.processor.image_token_id not in prompt.token_ids
+    prompt = llm.engine.inputs.build_prompt(conv)
+    assert prompt.images == [] and llm.engine.inputs.processor.image_token_id not in prompt.token_ids
     assert len(llm.chat(conv, PARAMS)[0].token_ids) >= 1
     assert llm.stats()["kv_blocks_used"] == 0
 
 
 def test_placeholder_counts_must_match(llm):
-    processor = llm.engine.processor
-    images = llm.engine.build_prompt(_ask(image(100, 80))).images
+    processor = llm.engine.inputs.processor
+    images = llm.engine.inputs.build_prompt(_ask(image(100, 80))).images
     with pytest.raises(InvalidRequestError, match="rendered 0 image placeholders for 1 images"):
         processor.build([{"role": "user", "content": "hi"}], images)
     with pytest.raises(InvalidRequestError, match="more image placeholders"):
@@ -55,14 +55,14 @@ def test_placeholder_counts_must_match(llm):
 
 def test_per_image_max_num_and_engine_max_dynamic_patch(internvl_ckpt, llm):
     wide = image(900, 300, 4)  # aspect 3: a 3x1 grid when allowed
-    default = llm.engine.build_prompt(_ask(wide))
+    default = llm.engine.inputs.build_prompt(_ask(wide))
     assert default.images[0].meta.tiles == 4  # 3 tiles + thumbnail (checkpoint max_num 6)
-    own = llm.engine.build_prompt(_ask(wide, max_num=1))
+    own = llm.engine.inputs.build_prompt(_ask(wide, max_num=1))
     assert own.images[0].meta.tiles == 1 and own.image_tokens == [256]
     capped = LLM(internvl_ckpt, max_dynamic_patch=2, show_progress=False)
-    assert capped.engine.build_prompt(_ask(wide)).images[0].meta.tiles == 3
-    assert capped.engine.build_prompt(_ask(wide, max_num=6)).images[0].meta.tiles == 4  # the part wins
-    largest = capped.engine.processor.largest_image()
+    assert capped.engine.inputs.build_prompt(_ask(wide)).images[0].meta.tiles == 3
+    assert capped.engine.inputs.build_prompt(_ask(wide, max_num=6)).images[0].meta.tiles == 4  # the part wins
+    largest = capped.engine.inputs.processor.largest_image()
     assert tuple(largest.data.shape) == (3, 3, 448, 448) and largest.size == 3
     assert local_worker(capped.engine).runner.max_vision_patches == 3
 

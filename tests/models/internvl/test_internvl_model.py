@@ -123,10 +123,10 @@ def test_greedy_alone_equals_transformers(llm, reference, name):
 
 
 def test_several_tiles_per_image(llm, reference):
-    prompt = llm.engine.build_prompt(conversations()["one_image"])
+    prompt = llm.engine.inputs.build_prompt(conversations()["one_image"])
     assert [im.meta.tiles for im in prompt.images] == [3] and [im.size for im in prompt.images] == [3]
     assert prompt.image_tokens == [3 * 256]
-    two = llm.engine.build_prompt(conversations()["two_images"])
+    two = llm.engine.inputs.build_prompt(conversations()["two_images"])
     assert [im.meta.tiles for im in two.images] == [3, 1]
 
 

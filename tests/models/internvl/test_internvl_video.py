@@ -87,26 +87,26 @@ def test_greedy_tokens_equal_transformers_generate(video, layout, internvl_ckpt,
 
 def test_default_is_eight_frames_and_settings_are_checked(video, internvl_ckpt):
     llm = LLM(str(internvl_ckpt), show_progress=False)
-    prompt = llm.engine.build_prompt([{"role": "user", "content": [{"type": "video", "video": video}]}])
+    prompt = llm.engine.inputs.build_prompt([{"role": "user", "content": [{"type": "video", "video": video}]}])
     assert len(prompt.images) == 8 and all(im.data.shape[0] == 1 for im in prompt.images)
     with pytest.raises(InvalidRequestError, match="fps is not a video setting of InternVL"):
-        llm.engine.build_prompt([{"role": "user", "content": [{"type": "video", "video": video, "fps": 2.0}]}])
+        llm.engine.inputs.build_prompt([{"role": "user", "content": [{"type": "video", "video": video, "fps": 2.0}]}])
 
 
 def test_too_long_videos_name_max_frames(video, internvl_ckpt):
     from vlm_sdk.errors import InputTooLongError, InvalidVideoError
-    per_frame = LLM(str(internvl_ckpt), show_progress=False).engine.processor.tokens_per_tile
+    per_frame = LLM(str(internvl_ckpt), show_progress=False).engine.inputs.processor.tokens_per_tile
     llm = LLM(str(internvl_ckpt), max_model_len=5 * per_frame, allow_unfit_images=True, show_progress=False)
     with pytest.raises(InvalidVideoError, match=rf"video 0: 8 frames of {per_frame} tokens are {8 * per_frame} "
                                                 rf"tokens, more than the {5 * per_frame} .*max_frames to at most 5"):
-        llm.engine.build_prompt([{"role": "user", "content": [{"type": "video", "video": video}]}])
+        llm.engine.inputs.build_prompt([{"role": "user", "content": [{"type": "video", "video": video}]}])
     two = [{"role": "user", "content": [{"type": "video", "video": video, "max_frames": 4},
                                         {"type": "video", "video": video, "max_frames": 4}]}]
     with pytest.raises(InputTooLongError) as info:
-        llm.engine.build_prompt(two, SamplingParams(max_tokens=8))
+        llm.engine.inputs.build_prompt(two, SamplingParams(max_tokens=8))
     m = info.value.video_fixes["max_frames"]
     fixed = [{"role": "user", "content": [{"type": "video", "video": video, "max_frames": m}] * 2}]
-    assert len(llm.engine.build_prompt(fixed).token_ids) + 8 <= 5 * per_frame
+    assert len(llm.engine.inputs.build_prompt(fixed).token_ids) + 8 <= 5 * per_frame
     more = [{"role": "user", "content": [{"type": "video", "video": video, "max_frames": m + 1}] * 2}]
     with pytest.raises(InputTooLongError):
-        llm.engine.build_prompt(more, SamplingParams(max_tokens=8))
+        llm.engine.inputs.build_prompt(more, SamplingParams(max_tokens=8))

@@ -12,8 +12,8 @@ from vlm_sdk.config import SchedulerConfig
 from vlm_sdk.memory.kv import CacheConfig
 from vlm_sdk.memory import capacity
 from vlm_sdk.errors import InputTooLongError
-from vlm_sdk.models.qwen2_5_vl import fixes
-from vlm_sdk.models.qwen2_5_vl.image_processor import QwenImage
+from vlm_sdk.models.common.qwen_vl import fixes
+from vlm_sdk.models.common.qwen_vl.image_processor import QwenImage
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
@@ -27,14 +27,14 @@ def _one(img, **bounds):
 @pytest.fixture(scope="module")
 def ten_blocks(tiny_ckpt):
     llm = LLM(tiny_ckpt, num_blocks=10, allow_unfit_images=True, show_progress=False)  # 160 tokens
-    llm.engine.processor.max_image_tokens = llm.engine.scheduler_config.max_model_len
+    llm.engine.inputs.processor.max_image_tokens = llm.engine.scheduler_config.max_model_len
     return llm
 
 
 def test_image_too_big_under_the_engines_bounds_is_input_too_long_with_a_max_pixels_fix(tiny_ckpt):
     """An image too big under the engine's own bounds is the prompt check's business (with fixes)."""
     llm = LLM(tiny_ckpt, num_blocks=6, allow_unfit_images=True, show_progress=False)
-    llm.engine.processor.max_image_tokens = llm.engine.scheduler_config.max_model_len
+    llm.engine.inputs.processor.max_image_tokens = llm.engine.scheduler_config.max_model_len
     big = [{"role": "user", "content": [{"type": "image", "image": image(400, 300, 5)},
                                         {"type": "image", "image": image(250, 250, 6)},
                                         {"type": "text", "text": "What differs?"}]}]
@@ -69,7 +69,7 @@ def test_max_pixels_fix_works_with_a_mix_of_images(tiny_ckpt):
     with pytest.raises(InputTooLongError) as info:
         llm.chat(mixed, PARAMS)
     best = info.value.fixes["max_pixels"]
-    assert 28 * 28 * 16 <= best < llm.engine.image_processor.max_pixels
+    assert 28 * 28 * 16 <= best < llm.engine.inputs.image_processor.max_pixels
     fixed = LLM(tiny_ckpt, num_blocks=6, max_pixels=best, allow_unfit_images=True, show_progress=False)
     assert fixed.chat(mixed, PARAMS)[0].token_ids
 

@@ -12,7 +12,7 @@ import torch
 from helpers import image
 from video_reference import hf_prompt, hf_video_pixels
 from vlm_sdk import LLM, SamplingParams
-from vlm_sdk.models.qwen2_5_vl.image_processor import pixels_to_device
+from vlm_sdk.models.common.qwen_vl.image_processor import pixels_to_device
 from vlm_sdk.multimodal.messages import parse_messages
 from vlm_sdk.multimodal.video_io import open_video
 from vlm_sdk.testing.families import fixtures
@@ -74,7 +74,7 @@ def reference_inputs(llm, family, ckpt, conv) -> dict:
     qwen-vl-utils samples (ours: their indices and sizes are tested against it in test_qwen_video_sampling)."""
     from transformers import AutoConfig, AutoTokenizer
     ref = fixtures(family).reference
-    processor = llm.engine.processor
+    processor = llm.engine.inputs.processor
     template, refs = parse_messages(conv)
     videos, images = [], []
     hf_ip = ref.hf_image_processor(str(ckpt))
@@ -95,7 +95,7 @@ def reference_inputs(llm, family, ckpt, conv) -> dict:
 
 def test_patches_and_grid_equal_transformers_video_processor(llm, family, ckpt, videos):
     conv = conversation(videos, family)
-    prompt = llm.engine.build_prompt(conv)
+    prompt = llm.engine.inputs.build_prompt(conv)
     inputs = reference_inputs(llm, family, ckpt, conv)
     patches = [im for im in prompt.images if im.meta.frames == 2]
     assert len(patches) == 4 + 3  # 8 and 6 sampled frames, 2 per temporal patch
@@ -108,7 +108,7 @@ def test_patches_and_grid_equal_transformers_video_processor(llm, family, ckpt, 
 
 def test_positions_equal_get_rope_index(llm, family, ckpt, videos, hf):
     conv = conversation(videos, family)
-    prompt = llm.engine.build_prompt(conv)
+    prompt = llm.engine.inputs.build_prompt(conv)
     inputs = reference_inputs(llm, family, ckpt, conv)
     extra = {"second_per_grid_ts": inputs["second_per_grid_ts"]} if family == "qwen2_5_vl" else {}
     pos, delta = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
@@ -120,7 +120,7 @@ def test_positions_equal_get_rope_index(llm, family, ckpt, videos, hf):
     if family == "qwen2_5_vl":  # the slow video's patches are int(k * 2 * (2 / 1.5)) apart in time: 0, 2, 5
         assert [int(prompt.positions.table[0, s] - prompt.positions.table[0, starts[0]]) for s in starts] == [0, 2, 5]
     else:  # each patch after its timestamp: "<0.2 seconds>" (frames 0 and 8 of 40 at 10 fps), ...
-        text = llm.engine.tokenizer.decode(prompt.token_ids[starts[0] - 10: starts[0]])
+        text = llm.engine.inputs.tokenizer.decode(prompt.token_ids[starts[0] - 10: starts[0]])
         assert text.endswith("<0.4 seconds><|vision_start|>")
 
 
@@ -163,13 +163,13 @@ def test_preemption_changes_no_token(family, ckpt, videos, llm):
 
 def test_cache_keys_follow_frames_and_settings(family, ckpt, videos):
     engine = LLM(str(ckpt), show_progress=False).engine
-    a = engine.build_prompt(conversation(videos, family))
-    again = engine.build_prompt(conversation(videos, family))
+    a = engine.inputs.build_prompt(conversation(videos, family))
+    again = engine.inputs.build_prompt(conversation(videos, family))
     assert [im.key for im in a.images] == [im.key for im in again.images]
     assert len({im.key for im in a.images}) == len(a.images)  # every patch its own
     faster = [{"role": "user", "content": [{"type": "video", "video": videos[0], **fast(family), "fps": 4.0}]}]
     first = {im.key for im in a.images[:4]}
-    assert first.isdisjoint(im.key for im in engine.build_prompt(faster).images)
+    assert first.isdisjoint(im.key for im in engine.inputs.build_prompt(faster).images)
 
 
 def test_a_repeated_video_is_served_from_the_caches(family, ckpt, videos):
@@ -182,7 +182,7 @@ def test_a_repeated_video_is_served_from_the_caches(family, ckpt, videos):
     n = len(first.prompt_token_ids)
     assert second.num_cached_tokens == (n - 1) // 16 * 16  # every full block, the videos' included
     no_prefix = LLM(str(ckpt), enable_prefix_caching=False, show_progress=False)
-    items = len(no_prefix.engine.build_prompt(conv).images)  # 7 video patches and an image
+    items = len(no_prefix.engine.inputs.build_prompt(conv).images)  # 7 video patches and an image
     assert no_prefix.chat(conv, GREEDY)[0].token_ids == first.token_ids
     hits = no_prefix.stats()["encoder_cache_hits"]
     assert no_prefix.chat(conv, GREEDY)[0].token_ids == first.token_ids
@@ -196,7 +196,7 @@ def test_chunked_prefill_holds_about_a_chunk_of_a_long_video(family, ckpt, video
     conv = [{"role": "user", "content": [{"type": "video", "video": videos[0], **fast(family), "fps": 4.0},
                                          {"type": "text", "text": "What happens?"}]}]
     chunked = LLM(str(ckpt), max_num_batched_tokens=20, show_progress=False)
-    prompt = chunked.engine.build_prompt(conv)
+    prompt = chunked.engine.inputs.build_prompt(conv)
     patch = max(im.num_tokens for im in prompt.images)
     assert len(prompt.images) == 8 and sum(im.num_tokens for im in prompt.images) > 20 + 2 * patch
     runner = local_worker(chunked.engine).runner

@@ -31,19 +31,19 @@ def conv(clips, **options) -> list[dict]:
 
 def test_fixes_name_video_settings_that_fit_and_are_the_largest(tiny_ckpt, clips):
     free = LLM(str(tiny_ckpt), show_progress=False)
-    n = len(free.engine.build_prompt(conv(clips)).token_ids)
+    n = len(free.engine.inputs.build_prompt(conv(clips)).token_ids)
     limit = n - 40  # the prompt and max_tokens=20 do not fit; less video does
     llm = LLM(str(tiny_ckpt), max_model_len=limit, show_progress=False)
     params = SamplingParams(max_tokens=20)
     with pytest.raises(InputTooLongError) as info:
-        llm.engine.build_prompt(conv(clips), params)
+        llm.engine.inputs.build_prompt(conv(clips), params)
     err = info.value
     assert set(err.video_fixes) == {"total_pixels", "max_frames", "fps"}
     assert "on its video parts (set on every video part) makes it fit with its max_tokens=20" in str(err)
 
     def fits(**setting) -> bool:  # the prompt and its max_tokens, as the fixes are sized
         try:
-            prompt = llm.engine.build_prompt(conv(clips, **setting), params)
+            prompt = llm.engine.inputs.build_prompt(conv(clips, **setting), params)
         except InputTooLongError:
             return False
         return len(prompt.token_ids) + 20 <= limit
@@ -62,20 +62,20 @@ def test_a_video_too_long_alone_is_refused_before_decoding(tiny_ckpt, clips):
                                                 r"392x280 = 560 tokens, more than the 300 one sequence may hold "
                                                 r"\(max_model_len\); refused before decoding\. Any one of these on "
                                                 r"the video part makes it fit: max_frames=4, fps=1\.0\."):
-        llm.engine.build_prompt(one)
+        llm.engine.inputs.build_prompt(one)
     for fix in ({"max_frames": 4}, {"fps": 1.0}):  # the video alone then fits (the text is the request's)
         fixed = [{"role": "user", "content": [{"type": "video", "video": clips[0], **fix}]}]
-        assert sum(LLM(str(tiny_ckpt), show_progress=False).engine.build_prompt(fixed).image_tokens) <= 300
+        assert sum(LLM(str(tiny_ckpt), show_progress=False).engine.inputs.build_prompt(fixed).image_tokens) <= 300
 
 
 def test_the_largest_video_patch_is_the_profiled_vision_item(tiny_ckpt, clips):
     """The tiny checkpoint's images reach 256 tokens; a video frame up to qwen-vl-utils' 768: the memory
     profile and the tower's per-call cap take the video's patch, and a part asking larger frames is refused."""
     llm = LLM(str(tiny_ckpt), show_progress=False)
-    largest = llm.engine.processor.largest_image()
+    largest = llm.engine.inputs.processor.largest_image()
     assert largest.meta.frames == 2 and largest.num_tokens == 768 and largest.size == 768 * 4
     huge = [{"role": "user", "content": [{"type": "video", "video": clips[0], "min_pixels": 1000 * CELL}]}]
     with pytest.raises(InvalidVideoError, match=r"tokens each, more than the 768 a video frame may have \(qwen-vl-utils' "
                                                 r"largest, which the engine's memory plan counts\); lower the video "
                                                 r"part's min_pixels"):
-        llm.engine.build_prompt(huge)
+        llm.engine.inputs.build_prompt(huge)

@@ -4,7 +4,7 @@ Once per engine, from the chat template and `EngineArgs`:
     tool parser        `tool_call_parser`, else the template's own format ("hermes" when it writes
                        <tool_call>); whether the template renders `tools` at all (a probe render)
     reasoning parser   `reasoning_parser`, else "qwen3" when the template has a <think> block
-Per request (`LLMEngine.build_prompt`):
+Per request (`InputProcessor.build_prompt`):
     prepare(options)   check the tools against this model and its limits (max_tools, max_tool_bytes; a
                        template that renders none: 400 naming the field) -> the template's variables
     (the prompt is built and its length checked: the tools' definitions count, as rendered)

@@ -1,4 +1,4 @@
-"""What `LLMEngine.build_prompt` does to a request's messages before the model family's processor sees
+"""What `InputProcessor.build_prompt` does to a request's messages before the model family's processor sees
 them: refuse what cannot fit before doing its work, keep typed special tokens text, and size up every
 image from its header before any is decoded.
 

@@ -1,7 +1,7 @@
 """The tokenizer prompt building uses: serialised across threads, never holding the GIL for long, and
 never doing more work than a prompt that could fit needs.
 
-Only prompt building (`LLMEngine.build_prompt`, on callers' threads or AsyncLLM's executors) uses it;
+Only prompt building (`InputProcessor.build_prompt`, on callers' threads or AsyncLLM's executors) uses it;
 the engine thread never does, and the `OutputProcessor` detokenizes with an instance of its own.
 
 A fast tokenizer's `encode` of a long text holds the GIL for all of it (tokenizers' `Tokenizer.encode`

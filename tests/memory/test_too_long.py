@@ -26,7 +26,7 @@ def _big_conv():
 
 
 def test_error_numbers_message_and_each_fix(tiny_ckpt, small):
-    reference = LLM(tiny_ckpt, show_progress=False).engine.build_prompt(_big_conv())
+    reference = LLM(tiny_ckpt, show_progress=False).engine.inputs.build_prompt(_big_conv())
     with pytest.raises(InputTooLongError) as info:
         small.chat(_big_conv(), PARAMS)
     err = info.value
@@ -49,7 +49,7 @@ def test_error_numbers_message_and_each_fix(tiny_ckpt, small):
         assert out.finish_reason == "length" and len(out.token_ids) == 4  # all its max_tokens
     # max_pixels is the largest that leaves room for the 4 output tokens: one more 28x28 step does not
     text_tokens = err.prompt_tokens - sum(err.image_tokens)
-    at = small.engine.processor.image_tokens_with_max_pixels
+    at = small.engine.inputs.processor.image_tokens_with_max_pixels
     assert text_tokens + sum(at(reference, err.fixes["max_pixels"])) + 4 <= err.capacity_tokens
     assert text_tokens + sum(at(reference, err.fixes["max_pixels"] + 28 * 28)) + 4 > err.capacity_tokens
 

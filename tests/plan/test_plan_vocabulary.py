@@ -52,7 +52,7 @@ def test_a_printed_image_fix_pastes_into_serve_and_llm_and_the_request_generates
     the image (7 tiles, 1,792 tokens) does not fit; plan prints `--max-dynamic-patch 1`. That flag,
     parsed by the serve parser, starts an engine on which the request generates all 32 tokens."""
     llm = LLM(internvl_ckpt, device="cpu", show_progress=False, num_blocks=512)
-    prompt = llm.engine.build_prompt(_conv())
+    prompt = llm.engine.inputs.build_prompt(_conv())
     text_tokens = len(prompt.token_ids) - sum(prompt.image_tokens)
     assert prompt.image_tokens == [1792] and text_tokens + 32 < 40 * 16 < 1792  # the image alone does not fit
     p = plan(internvl_ckpt, device="cpu", num_blocks=40, prompt_tokens=text_tokens, images=1, output_tokens=32)

@@ -162,7 +162,7 @@ def test_stats_free_blocks_and_largest_prompt_now(tiny_ckpt):
     s = llm.stats()
     assert (s["kv_blocks_free"], s["largest_prompt_tokens_now"]) == (12, 128)  # capped at max_model_len
     engine = llm.engine
-    prompt = engine.build_prompt([{"role": "user", "content": "Tell me a story about the sea."}])
+    prompt = engine.inputs.build_prompt([{"role": "user", "content": "Tell me a story about the sea."}])
     engine.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True))
     engine.step()
     s = llm.stats()
