@@ -14,3 +14,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)  # one fused op; identical maths in float32
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm scaled by (1 + weight) (Gemma's norms, whose checkpoints store the weight less one): the
+    normalised row and the scale multiplied in float32 and rounded once to x's dtype, as transformers'
+    `Gemma3RMSNorm` does (a Llama-style norm rounds the normalised row first).
+
+        out = (x.float() * rsqrt(mean(x.float()**2) + eps) * (1 + weight.float())).to(x.dtype)
+    """
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)

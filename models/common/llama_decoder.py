@@ -239,11 +239,11 @@ class LlamaDecoder(nn.Module):
                 out[f"{src}self_attn.q_norm.weight"] = ParamSlot(f"{dst}q_norm.weight", (cfg.head_dim,))
                 out[f"{src}self_attn.k_norm.weight"] = ParamSlot(f"{dst}k_norm.weight", (cfg.head_dim,))
             out[f"{src}post_attention_layernorm.weight"] = ParamSlot(f"{dst}post_attention_layernorm.weight", (hid,))
-            out.update(_kv_scale_slots(src, f"{dst}attn."))
+            out.update(kv_scale_slots(src, f"{dst}attn."))
         return out
 
 
-def _kv_scale_slots(src: str, dst: str) -> dict[str, ParamSlot | SplitSlot]:
+def kv_scale_slots(src: str, dst: str) -> dict[str, ParamSlot | SplitSlot]:
     """The optional slots of one layer's FP8 KV-cache scales (`KV_SCALE_NAMES`), into `PagedAttention`'s
     k_scale / v_scale buffers."""
     out: dict[str, ParamSlot | SplitSlot] = {f"{src}{name}": ParamSlot(f"{dst}{buffer}", (), optional=True)

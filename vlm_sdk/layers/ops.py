@@ -27,7 +27,7 @@ from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.selector import make_backend
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.kernels.fused_moe_torch import ExpertScales, fused_moe_ref
-from vlm_sdk.kernels.rms_norm_torch import rms_norm
+from vlm_sdk.kernels.rms_norm_torch import offset_rms_norm, rms_norm
 from vlm_sdk.kernels.rotary_torch import apply_rotary
 from vlm_sdk.layers.rotary import MRotaryEmbedding, RotaryInputs
 
@@ -85,6 +85,24 @@ class KernelOps(ABC):
         """`[N, H]`: each token's routed experts, weighted and summed (x `[N, H]`, w13 `[E, 2I, H]` gate | up,
         w2 `[E, H, I]`, topk_weights `[N, K]` float32, topk_ids `[N, K]`; `scales`: the block scales of FP8
         experts; kernels/fused_moe_torch.py)."""
+
+    # -- ops of decoders built otherwise (Gemma: (1 + weight) norms, GeGLU); the torch maths here until a
+    # kernel set fuses them, so both sets give the same values
+    def offset_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """`[N, C] -> [N, C]`: RMSNorm scaled by (1 + weight), in float32, rounded once
+        (kernels/rms_norm_torch.offset_rms_norm)."""
+        return offset_rms_norm(x, weight, eps)
+
+    def offset_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(offset_rms_norm(x + residual), x + residual)`, the sum rounded to x's dtype."""
+        s = x + residual
+        return offset_rms_norm(s, weight, eps), s
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """`[N, 2I] -> [N, I]`: gelu_tanh(gate) * up (GeGLU, transformers' "gelu_pytorch_tanh")."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def rotary_store_kv(self, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, rope: RotaryInputs,
                         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
