@@ -21,8 +21,9 @@ from vlm_sdk.errors import InvalidRequestError
 
 @dataclass(frozen=True)
 class Setting:
-    """One family setting. Values are positive integers of at most `maximum`, or positive numbers when
-    `type` is float (a video's fps); `default` None means "the checkpoint's" (its preprocessor config). `detail` is the
+    """One family setting. Values are positive integers of at most `maximum`, positive numbers when
+    `type` is float (a video's fps), or true / false when `type` is bool (a switch: the flags are
+    `--name` / `--no-name`); `default` None means "the checkpoint's" (its preprocessor config). `detail` is the
     part of the help true of this family only (e.g. "a multiple of 28x28"): several families may
     declare one setting name, and its flag's help (`registry.engine_settings`) then gives each
     family's detail beside its name."""
@@ -39,6 +40,10 @@ class Setting:
 
     def check(self, value: Any, where: str = "") -> Any:
         """`value` when valid; `InvalidRequestError` (param = the setting's name) otherwise."""
+        if self.type is bool:
+            if not isinstance(value, bool):
+                raise InvalidRequestError(f"{where}{self.name} must be true or false, got {value!r}", param=self.name)
+            return value
         if self.type is float:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise InvalidRequestError(f"{where}{self.name} must be a positive number, got {value!r}",

@@ -104,6 +104,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, *_ALIASES.get(f.name, ()), dest="engine_" + f.name, type=kind, default=None,
                            metavar=f.name.upper(), help=help_text)
     for name, setting in registry.engine_settings().items():
+        if setting.type is bool:  # a family's switch: --name / --no-name
+            group.add_argument("--" + name.replace("_", "-"), dest="engine_" + name,
+                               action=argparse.BooleanOptionalAction, default=None, help=setting.help)
+            continue
         group.add_argument("--" + name.replace("_", "-"), dest="engine_" + name, type=setting.type, default=None,
                            metavar=name.upper(), help=setting.help)
 
