@@ -54,6 +54,7 @@ class GemmaDecoderConfig:
     attention_bias: bool = False
     quantization: QuantScheme | None = None
     quant_prefix: str = ""  # the published name prefix of the decoder's modules (modules_to_not_convert)
+    moe: None = None  # no experts (the memory package reads a decoder config's `moe`, as LlamaDecoderConfig's)
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == SLIDING
