@@ -65,12 +65,16 @@ def test_cache_specs_declare_the_window(ours):
     assert ours.cache_specs(torch.float8_e4m3fn)[2].dtype == "float8_e4m3fn"
 
 
+@pytest.mark.parametrize("tokens_per_image", [4, 16])  # the 8x8 patch grid pooled 4x4 and 2x2
 @torch.no_grad()
-def test_vision_features_equal_transformers(ours, hf):
+def test_vision_features_equal_transformers(tmp_path, tokens_per_image):
+    from vlm_sdk.models.gemma3.reference import hf_model
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", family="gemma3", mm_tokens_per_image=tokens_per_image)
+    ours, hf = load_ours(ckpt), hf_model(str(ckpt))
     pixels = torch.randn(3, 3, 112, 112, generator=torch.Generator().manual_seed(0))
-    expected = hf.model.get_image_features(pixels).pooler_output.reshape(-1, 48)  # [3 * 16, hidden]
-    got = ours.encode_images([ImageInput(pixels[i:i + 1], 16) for i in range(3)])
-    assert got.shape == (48, 48)
+    expected = hf.model.get_image_features(pixels).pooler_output.reshape(-1, 48)  # [3 * tokens, hidden]
+    got = ours.encode_images([ImageInput(pixels[i:i + 1], tokens_per_image) for i in range(3)])
+    assert got.shape == (3 * tokens_per_image, 48)
     assert_reduction_close(got, expected, TERMS)
 
 

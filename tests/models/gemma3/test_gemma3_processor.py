@@ -70,10 +70,11 @@ def test_prompt_and_pixels_equal_transformers(parts, name, settings):
     ref = reference.hf_prompt(tok, hf_ip, info.hf_config, conv, **settings)
     assert ours.token_ids == ref["input_ids"][0].tolist()
     soft = [i for i, t in enumerate(ref["token_type_ids"][0].tolist()) if t]
-    assert [p + k for p in ours.image_positions for k in range(16)] == soft  # 16 soft tokens a frame, in order
+    per = info.hf_config.mm_tokens_per_image
+    assert [p + k for p in ours.image_positions for k in range(per)] == soft  # each frame's soft tokens, in order
     if ours.images:
         assert torch.equal(pixels(ours), ref["pixel_values"])  # the same float32 bits
-        assert all(im.num_tokens == 16 and im.size == 1 for im in ours.images)
+        assert all(im.num_tokens == per and im.size == 1 for im in ours.images)
 
 
 def test_pan_and_scan_frames_and_keys(parts):
@@ -123,19 +124,21 @@ def test_defaults_are_transformers_and_pan_and_scan_is_off(parts):
 
 def test_an_image_too_large_for_max_model_len_is_refused_with_the_fix(parts):
     proc = processor(parts, **SMALL_CROPS)
-    proc.max_image_tokens = 40  # 5 frames x 16 tokens = 80 would not fit
-    with pytest.raises(InvalidImageError, match=r"1 \+ 4 crops = 80 image tokens, more than the 40.*"
-                                                r"pan_and_scan_max_num_crops to at most 1"):
+    per = proc.tokens_per_image
+    proc.max_image_tokens = 2 * per + 1  # 5 frames would not fit; 2 would
+    with pytest.raises(InvalidImageError, match=rf"1 \+ 4 crops = {5 * per} image tokens, more than the "
+                                                rf"{2 * per + 1}.*pan_and_scan_max_num_crops to at most 1"):
         proc(conversations()["wide_and_tall"])
 
 
 def test_image_setting_fixes_name_fewer_crops_then_none(parts):
     proc = processor(parts, **SMALL_CROPS)
+    per = proc.tokens_per_image
     prompt = proc(conversations()["wide_and_tall"])  # 2 images x 5 frames
-    text = len(prompt.token_ids) - 10 * 16
-    assert proc.image_setting_fixes(prompt, text + 6 * 16) == {"pan_and_scan_max_num_crops": 2}
-    assert proc.image_setting_fixes(prompt, text + 2 * 16) == {"do_pan_and_scan": False}
-    assert proc.image_setting_fixes(prompt, text + 16) == {}
+    text = len(prompt.token_ids) - 10 * per
+    assert proc.image_setting_fixes(prompt, text + 6 * per) == {"pan_and_scan_max_num_crops": 2}
+    assert proc.image_setting_fixes(prompt, text + 2 * per) == {"do_pan_and_scan": False}
+    assert proc.image_setting_fixes(prompt, text + per) == {}
     assert processor(parts).image_setting_fixes(processor(parts)(conversations()["one_image"]), 10) == {}
 
 
