@@ -8,6 +8,8 @@ Without residual:  out = weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).
 With residual:     s = (x.float() + residual.float()).to(x.dtype);  returns (rms_norm(s), s)
 The normalised row is rounded to x.dtype before the weight multiply, as HF does; that product is taken in
 float32 and rounded once to the output dtype (x.dtype), which is what torch's low-precision `*` does too.
+`zero_centered` (Qwen3.5's and Gemma's RMSNorm, the weight an offset from 1): out = (x.float() * rstd *
+(1 + weight.float())).to(x.dtype), one rounding (kernels/rms_norm_torch.py `rms_norm_zero_centered`).
 
 Grid: one program per row with BLOCK_C = next_power_of_2(C) (hidden sizes up to 8192): the whole row sits in
 registers, so the sum of squares and the scaling are one pass over memory, and the fused residual sum is
@@ -30,7 +32,7 @@ MAX_HIDDEN = 16384
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      stride_x, stride_res, stride_out, stride_res_out,
                      num_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_C: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_C: tl.constexpr, ZERO_CENTERED: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
     mask = offs < num_cols
@@ -41,9 +43,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
         tl.store(res_out_ptr + row * stride_res_out + offs, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
-    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF rounds to x.dtype before the weight
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    if ZERO_CENTERED:
+        y = xf * rstd * (1.0 + w)
+    else:
+        y = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w  # HF rounds to x.dtype before the weight
+    tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype) -> None:
@@ -84,6 +89,7 @@ def rms_norm(x: torch.Tensor,  # [num_rows, C]
              residual: torch.Tensor | None = None,  # [num_rows, C]
              out: torch.Tensor | None = None,  # [num_rows, C] x.dtype
              residual_out: torch.Tensor | None = None,  # [num_rows, C] x.dtype; may alias residual
+             zero_centered: bool = False,
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x, or of x + residual (then returns (normed, x + residual))."""
     _check(x, weight, residual, out, residual_out)
@@ -100,7 +106,7 @@ def rms_norm(x: torch.Tensor,  # [num_rows, C]
             x.stride(0), residual.stride(0) if has_res else 0, out.stride(0),
             residual_out.stride(0) if has_res else 0,
             c, eps,
-            HAS_RESIDUAL=has_res, BLOCK_C=block_c,
+            HAS_RESIDUAL=has_res, BLOCK_C=block_c, ZERO_CENTERED=zero_centered,
             num_warps=min(max(block_c // 512, 1), 16),
         )
     return (out, residual_out) if has_res else out
@@ -112,6 +118,7 @@ def rms_norm_ref(x: torch.Tensor,  # [num_rows, C]
                  residual: torch.Tensor | None = None,  # [num_rows, C]
                  out: torch.Tensor | None = None,  # [num_rows, C] x.dtype
                  residual_out: torch.Tensor | None = None,  # [num_rows, C] x.dtype
+                 zero_centered: bool = False,
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of `rms_norm` (same semantics and return values)."""
     _check(x, weight, residual, out, residual_out)
@@ -120,8 +127,11 @@ def rms_norm_ref(x: torch.Tensor,  # [num_rows, C]
         if residual_out is not None:
             x = residual_out.copy_(x)
     xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    y = (normed.float() * weight.float()).to(x.dtype)
+    if zero_centered:
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+    else:
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        y = (normed.float() * weight.float()).to(x.dtype)
     if out is not None:
         y = out.copy_(y)
     return (y, x) if residual is not None else y

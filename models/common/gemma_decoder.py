@@ -3,7 +3,8 @@ Llama-style decoder (models/common/llama_decoder.py) is
 
     embedding         the lookup times sqrt(hidden), the factor rounded to the model's dtype first
                       (transformers' `Gemma3TextScaledWordEmbedding`: 55.4256 becomes 55.5 in bfloat16)
-    norms             RMSNorm scaled by (1 + weight), in float32 and rounded once (`KernelOps.offset_rms_norm`)
+    norms             RMSNorm scaled by (1 + weight), in float32 and rounded once (`KernelOps.rms_norm(...,
+                      zero_centered=True)`)
     sandwich norms    x + post_attention_norm(attn(input_norm(x))), then
                       x + post_feedforward_norm(mlp(pre_feedforward_norm(x)))
     q / k norms       a (1 + weight) RMSNorm over each head's head_dim before RoPE
@@ -96,13 +97,13 @@ class GemmaDecoderLayer(nn.Module):
         ops, n, eps = self.ops, x.shape[0], self.input_layernorm.eps
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if residual is None:
-            residual, normed = x, ops.offset_rms_norm(x, self.input_layernorm.weight, eps)
+            residual, normed = x, ops.rms_norm(x, self.input_layernorm.weight, eps, zero_centered=True)
         else:
-            normed, residual = ops.offset_add_rms_norm(x, residual, self.input_layernorm.weight, eps)
+            normed, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, eps, zero_centered=True)
         qkv = self.qkv_proj(normed).view(n, h + 2 * hkv, d)  # [N, H+2Hkv, D]
-        qkv[:, :h] = ops.offset_rms_norm(qkv[:, :h].reshape(-1, d), self.q_norm.weight, eps).view(n, h, d)
-        qkv[:, h:h + hkv] = ops.offset_rms_norm(qkv[:, h:h + hkv].reshape(-1, d), self.k_norm.weight,
-                                                eps).view(n, hkv, d)
+        qkv[:, :h] = ops.rms_norm(qkv[:, :h].reshape(-1, d), self.q_norm.weight, eps, zero_centered=True).view(n, h, d)
+        qkv[:, h:h + hkv] = ops.rms_norm(qkv[:, h:h + hkv].reshape(-1, d), self.k_norm.weight, eps,
+                                         zero_centered=True).view(n, hkv, d)
         layer_rope = rope[self.layer_type]
         if store is not None:
             ops.rotary_store_kv(qkv, h, hkv, layer_rope, None, *store, kv_scales=(self.attn.k_scale, self.attn.v_scale))
@@ -116,10 +117,10 @@ class GemmaDecoderLayer(nn.Module):
         output, the residual stream before it)."""
         ops, n, eps = self.ops, attn.shape[0], self.input_layernorm.eps
         o = self.o_proj(attn.reshape(n, self.num_heads * self.head_dim))  # [N, hidden]
-        o = ops.offset_rms_norm(o, self.post_attention_layernorm.weight, eps)
-        normed, residual = ops.offset_add_rms_norm(o, residual, self.pre_feedforward_layernorm.weight, eps)
+        o = ops.rms_norm(o, self.post_attention_layernorm.weight, eps, zero_centered=True)
+        normed, residual = ops.add_rms_norm(o, residual, self.pre_feedforward_layernorm.weight, eps, zero_centered=True)
         mlp = self.down_proj(ops.gelu_tanh_and_mul(self.gate_up_proj(normed)))
-        return ops.offset_rms_norm(mlp, self.post_feedforward_layernorm.weight, eps), residual
+        return ops.rms_norm(mlp, self.post_feedforward_layernorm.weight, eps, zero_centered=True), residual
 
 
 class GemmaDecoder(nn.Module):
@@ -167,7 +168,7 @@ class GemmaDecoder(nn.Module):
         return {t: self.ops.rotary_inputs(positions, r, dtype) for t, r in self.rotary.items()}
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # [N, hidden] x 2 -> [N, hidden]
-        return self.ops.offset_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps, zero_centered=True)[0]
 
     def untie_lm_head(self, rows: torch.Tensor) -> None:
         """Give a tied decoder its own LM head (this rank's rows of the checkpoint's head)."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_sdk.errors import CheckpointError
-from vlm_sdk.kernels.rms_norm_torch import offset_rms_norm
+from vlm_sdk.kernels.rms_norm_torch import rms_norm_zero_centered
 from vlm_sdk.weight_loading import ParamSlot
 
 
@@ -42,7 +42,7 @@ class Gemma3Projector(nn.Module):
         x = patches.transpose(1, 2).reshape(b, c, self.grid, self.grid)  # [B, C, g, g]: patches row by row
         x = F.avg_pool2d(x, kernel_size=self.kernel, stride=self.kernel)  # [B, C, side, side]
         x = x.flatten(2).transpose(1, 2)  # [B, tokens, C]
-        x = offset_rms_norm(x, self.norm_weight, self.eps)
+        x = rms_norm_zero_centered(x, self.norm_weight, self.eps)
         return torch.matmul(x, self.mm_input_projection_weight).reshape(b * self.tokens_per_image, -1)
 
     def slots(self, prefix: str) -> dict[str, ParamSlot]:

@@ -193,7 +193,7 @@ def cases() -> list[tuple]:
 
     for name, hidden, inter in ((QWEN25_7B.name, 3584, 18944), (QWEN25_3B.name, 2048, 11008),
                                 (QWEN25_VIT[0], 1280, 3420)):
-        def norm(hidden=hidden, residual=False):
+        def norm(residual=False):
             x = torch.empty(256, hidden, dtype=BF16, device=META)
             rms_norm.rms_norm(x, torch.empty(hidden, dtype=BF16, device=META), 1e-6,
                               residual=torch.empty_like(x) if residual else None)
@@ -266,7 +266,68 @@ def cases() -> list[tuple]:
         top_p_cut.top_p_cut_(probs, torch.empty(64, dtype=torch.bool, device=META),
                              torch.empty(64, dtype=torch.float32, device=META))
     out += [("top_p_cut", "64 rows x 151,936 vocab", nucleus)]
-    return out + quantized_gemm_cases()
+    return out + quantized_gemm_cases() + gated_delta_net_cases()
+
+
+# Gated DeltaNet layers (Qwen3.5): (name, hidden, key heads, value heads, head dim, conv width), one rank.
+# One shape: the other published ones (e.g. 35B-A3B: 2048, 16, 32) change only GROUP and the norm's width,
+# and each binary costs compile time in the suite (the chunked rule's three ~30 s an arch).
+QWEN35_27B = ("qwen3.5-27b", 5120, 16, 48, 128, 4)
+
+
+def gated_delta_net_cases() -> list[tuple]:
+    """Qwen3.5's linear-attention layers: the conv over a prefill chunk and a decode step (x the q | k | v
+    columns of the in_proj output, as the layer passes them), the chunked rule over 2048 tokens of 4
+    requests, the recurrent rule at batch 64, the gated norm, and the zero-centred RMSNorm."""
+    from vlm_sdk.kernels import causal_conv1d, gated_delta_rule_chunk, gated_delta_rule_recurrent, gated_rms_norm
+    from vlm_sdk.kernels import rms_norm
+    slots = 256
+    name, hidden, hk, hv, d, width = QWEN35_27B
+    conv_dim = (2 * hk + hv) * d
+
+    def conv(tokens, decode):
+        x = torch.empty(tokens, conv_dim + hv * d, dtype=BF16, device=META)[:, :conv_dim]
+        w = torch.empty(conv_dim, width, dtype=BF16, device=META)
+        state = torch.empty(slots, conv_dim, width - 1, dtype=BF16, device=META)
+        batch = tokens if decode else 4
+        ids = torch.empty(batch, dtype=torch.int64, device=META)
+        init = torch.empty(batch, dtype=torch.bool, device=META)
+        if decode:
+            causal_conv1d.causal_conv1d_update(x, w, None, state, ids, init)
+        else:
+            causal_conv1d.causal_conv1d_varlen(x, w, None, state, _ints(5), ids, init, max_query_len=1024)
+
+    def rule(tokens, decode):
+        mixed = torch.empty(tokens, conv_dim, dtype=BF16, device=META)
+        q = mixed[:, :hk * d].view(tokens, hk, d)
+        k = mixed[:, hk * d:2 * hk * d].view(tokens, hk, d)
+        v = mixed[:, 2 * hk * d:].view(tokens, hv, d)
+        g = torch.empty(tokens, hv, device=META)
+        beta = torch.empty(tokens, hv, dtype=BF16, device=META)
+        state = torch.empty(slots, hv, d, d, device=META)
+        batch = tokens if decode else 4
+        ids = torch.empty(batch, dtype=torch.int64, device=META)
+        init = torch.empty(batch, dtype=torch.bool, device=META)
+        if decode:
+            gated_delta_rule_recurrent.recurrent_gated_delta_rule(q, k, v, g, beta, state, ids, init)
+        else:
+            gated_delta_rule_chunk.chunk_gated_delta_rule(q, k, v, g, beta, state, _ints(5), 1024, ids, init)
+
+    def gated_norm(tokens):
+        x = torch.empty(tokens * hv, d, dtype=BF16, device=META)
+        gated_rms_norm.gated_rms_norm(x, torch.empty_like(x), torch.empty(d, dtype=BF16, device=META), 1e-6)
+
+    def norm(residual=False):
+        x = torch.empty(256, hidden, dtype=BF16, device=META)
+        rms_norm.rms_norm(x, torch.empty(hidden, dtype=BF16, device=META), 1e-6,
+                          residual=torch.empty_like(x) if residual else None, zero_centered=True)
+    return [("gated_delta_rule_chunk", f"{name} prefill 2048 tokens of 4", lambda: rule(2048, False)),
+            ("causal_conv1d", f"{name} prefill 2048 tokens of 4", lambda: conv(2048, False)),
+            ("causal_conv1d", f"{name} decode 64", lambda: conv(64, True)),
+            ("gated_delta_rule_recurrent", f"{name} decode 64", lambda: rule(64, True)),
+            ("gated_rms_norm", f"{name} 64 tokens", lambda: gated_norm(64)),
+            ("rms_norm", f"{name} zero-centred", norm),
+            ("rms_norm", f"{name} zero-centred + residual", lambda: norm(residual=True))]
 
 
 def _projections(s: TextShape) -> dict[str, tuple[int, int]]:

@@ -25,7 +25,8 @@ HERE = Path(__file__).parent
 ARCHS = ("sm_90", "sm_80")
 MODULES = ("paged_attention_decode", "paged_prefill_attention", "store_kv", "rotary", "rotary_store_kv",
            "varlen_attention", "rms_norm", "silu_and_mul", "token_bitmask", "exponential_race", "top_p_cut",
-           "skinny_gemm", "int4_gemm", "fp8_block_gemm", "fused_moe")
+           "skinny_gemm", "int4_gemm", "fp8_block_gemm", "fused_moe", "causal_conv1d", "gated_delta_rule_chunk",
+           "gated_delta_rule_recurrent", "gated_rms_norm")
 # (module, arch) -> why it spills, as a strict xfail; empty: none does (the rotary kernel's sm_90 spill,
 # libdevice's huge-argument cosf/sinf path, went with its own cos/sin: kernels/rotary.py `_cos_sin`)
 KNOWN_SPILLS: dict[tuple[str, str], str] = {}

@@ -37,13 +37,24 @@ UNALIGNED_POINTERS = {
     "_decode_split_kernel": {"block_tables_ptr", "seq_lens_ptr"},
     "_paged_prefill_kernel": {"block_tables", "cu_seqlens_q", "seq_lens", "tiles"},
     "_varlen_attention_kernel": {"cu_seqlens"},
+    "_conv_varlen_kernel": {"qsl_ptr", "slots_ptr", "init_ptr"},
+    "_conv_state_kernel": {"qsl_ptr", "slots_ptr", "init_ptr"},
+    "_conv_update_kernel": {"slots_ptr", "init_ptr"},
+    "_gdr_recurrent_kernel": {"slots_ptr", "init_ptr"},
+    "_gdr_chunk_prep_kernel": {"qsl_ptr"},
+    "_gdr_chunk_state_kernel": {"qsl_ptr", "offsets_ptr", "slots_ptr", "init_ptr"},
+    "_gdr_chunk_output_kernel": {"qsl_ptr"},
 }
 # kernel -> compiled variants one model may launch (what the warm-up must run): decode direct or
 # split; prefill: one tile (query_tile); varlen tiles of 64 or 128 query rows (flash_launch_config); norm with or without
 # the residual add; the MoE experts: two products x 16- or 64-row blocks
 VARIANTS = {"_decode_split_kernel": 2, "_decode_merge_kernel": 1, "_paged_prefill_kernel": 1,
             "_varlen_attention_kernel": 2, "_rotary_kernel": 1, "_store_kv_kernel": 1, "_rms_norm_kernel": 2,
-            "_silu_and_mul_kernel": 1, "_fused_moe_kernel": 4}
+            "_silu_and_mul_kernel": 1, "_fused_moe_kernel": 4,
+            # Gated DeltaNet (Qwen3.5-27B's shapes): one variant each whatever the step
+            "_conv_varlen_kernel": 1, "_conv_state_kernel": 1, "_conv_update_kernel": 1, "_gdr_chunk_prep_kernel": 1,
+            "_gdr_chunk_state_kernel": 1, "_gdr_chunk_output_kernel": 1, "_gdr_recurrent_kernel": 1,
+            "_gated_rms_norm_kernel": 1}
 
 
 def _jit_list(fn, name: str = "do_not_specialize") -> set[str]:
@@ -108,12 +119,46 @@ def _workload():
         yield lambda: fused_moe.fused_moe(torch.empty(tokens, hidden, dtype=BF16, device=META), w13, w2,
                                           torch.empty(tokens, top_k, device=META),
                                           torch.empty(tokens, top_k, dtype=torch.int64, device=META))
+    yield from _gated_delta_net_workload()
     _, heads, head_dim, _, _ = QWEN25_VIT
     for patches, segments, max_len in ((16, 1, 16), (64, 1, 64), (256, 4, 64), (256, 1, 256), (4096, 3, 4000)):
         q, k, v = torch.empty(patches, 3, heads, head_dim, dtype=BF16, device=META).unbind(1)
         for offset in (0, 1, 3):
             yield lambda: varlen_attention.varlen_attention(q, k, v, _step_ints(segments + 1, offset), max_len,
                                                             head_dim ** -0.5)
+
+
+def _gated_delta_net_workload():
+    """Qwen3.5-27B's linear-attention ops over steps of every size: the conv and the rule (prefill and
+    decode) with the step's index tensors at any offset, and the gated norm."""
+    from aot_compile import QWEN35_27B
+    from vlm_sdk.kernels import causal_conv1d, gated_delta_rule_chunk, gated_delta_rule_recurrent, gated_rms_norm
+    _, _, hk, hv, d, width = QWEN35_27B
+    conv_dim = (2 * hk + hv) * d
+    w = torch.empty(conv_dim, width, dtype=BF16, device=META)
+    conv_state = torch.empty(64, conv_dim, width - 1, dtype=BF16, device=META)
+    state = torch.empty(64, hv, d, d, device=META)
+    for tokens, batch, offset in itertools.product((1, 16, 17, 64, 65, 2048), (1, 2, 16), (0, 1, 3)):
+        if batch > tokens:
+            continue
+        mixed = torch.empty(tokens, conv_dim + hv * d, dtype=BF16, device=META)
+        x = mixed[:, :conv_dim]
+        q, k = x[:, :hk * d].view(tokens, hk, d), x[:, hk * d:2 * hk * d].view(tokens, hk, d)
+        v = x[:, 2 * hk * d:].view(tokens, hv, d)
+        g, beta = torch.empty(tokens, hv, device=META), torch.empty(tokens, hv, dtype=BF16, device=META)
+        qsl = _step_ints(batch + 1, offset)
+        slots = _step_ints(batch, offset + 1, torch.int64)
+        init = torch.empty(batch + offset, dtype=torch.bool, device=META)[offset:]
+        longest = tokens - batch + 1
+        yield lambda: causal_conv1d.causal_conv1d_varlen(x, w, None, conv_state, qsl, slots, init,
+                                                         max_query_len=longest)
+        yield lambda: gated_delta_rule_chunk.chunk_gated_delta_rule(q, k, v, g, beta, state, qsl, longest, slots, init)
+        yield lambda: gated_rms_norm.gated_rms_norm(torch.empty(tokens * hv, d, dtype=BF16, device=META),
+                                                    torch.empty(tokens * hv, d, dtype=BF16, device=META),
+                                                    torch.empty(d, dtype=BF16, device=META), 1e-6)
+        if tokens == batch:  # a decode step
+            yield lambda: causal_conv1d.causal_conv1d_update(x, w, None, conv_state, slots, init)
+            yield lambda: gated_delta_rule_recurrent.recurrent_gated_delta_rule(q, k, v, g, beta, state, slots, init)
 
 
 def test_varied_workload_stays_within_the_warm_variants():

@@ -15,6 +15,10 @@ nothing else, so the torch one is the oracle for the other. The Triton kernels a
     vision block:    attention.segments (once per image batch); qkv matmul -> rotary (2-D RoPE, float32
                      angles) -> attention.segment_forward -> proj -> add_rms_norm -> gate_up matmul ->
                      silu_and_mul -> down -> add_rms_norm (next block's norm1) where the tower has them
+    Gated DeltaNet:  in_proj matmuls -> causal_conv1d (its conv state) -> gated_delta_rule (its recurrent
+                     state; chunked over a prompt, one step per decode row) -> gated_rms_norm -> out_proj
+                     (layers/gated_delta_net.py); a decode-only step (`StateMetadata.decode_only`) takes
+                     the single-token kernels
 """
 from __future__ import annotations
 
@@ -24,10 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from vlm_sdk.attention.backend import AttentionBackend
+from vlm_sdk.attention.metadata import StateMetadata
 from vlm_sdk.attention.selector import make_backend
 from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.kernels import causal_conv1d_torch, gated_delta_rule_torch
 from vlm_sdk.kernels.fused_moe_torch import ExpertScales, fused_moe_ref
-from vlm_sdk.kernels.rms_norm_torch import offset_rms_norm, rms_norm
+from vlm_sdk.kernels.rms_norm_torch import gated_rms_norm, rms_norm, rms_norm_zero_centered
 from vlm_sdk.kernels.rotary_torch import apply_rotary
 from vlm_sdk.layers.rotary import MRotaryEmbedding, RotaryInputs
 
@@ -54,13 +60,33 @@ class KernelOps(ABC):
         return self.attention.graph_safe
 
     @abstractmethod
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """`[N, C] -> [N, C]`: HF RMSNorm (normalise in float32, cast, scale)."""
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+        """`[N, C] -> [N, C]`: HF RMSNorm (normalise in float32, cast, scale); `zero_centered`: Qwen3.5's and
+        Gemma's, the weight an offset from 1 applied in float32, one rounding
+        (kernels/rms_norm_torch.py `rms_norm_zero_centered`)."""
 
     @abstractmethod
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float, zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """`(rms_norm(x + residual), x + residual)`: the sum rounded to x's dtype is the new residual."""
+
+    @abstractmethod
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """`[N, D]`: HF RMSNorm of x times silu(gate) (transformers' `Qwen3_5RMSNormGated`; weight `[D]`)."""
+
+    @abstractmethod
+    def causal_conv1d(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      conv_state: torch.Tensor, meta: StateMetadata, activation: str | None) -> torch.Tensor:
+        """`[T, C]`: the depthwise causal conv of each request's new tokens (x `[T, C]`, weight `[C, K]`),
+        continuing from its slot of `conv_state` `[slots, C, K - 1]`, which then holds its last K - 1 inputs
+        (kernels/causal_conv1d_torch.py)."""
+
+    @abstractmethod
+    def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+        """`[T, Hv, Dv]`: the gated delta rule over each request's new tokens (q, k `[T, Hk, Dk]`, v `[T, Hv,
+        Dv]`, g and beta `[T, Hv]`), continuing from its slot of the float32 `state` `[slots, Hv, Dk, Dv]`,
+        which then holds its final state (kernels/gated_delta_rule_torch.py)."""
 
     @abstractmethod
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,19 +112,7 @@ class KernelOps(ABC):
         w2 `[E, H, I]`, topk_weights `[N, K]` float32, topk_ids `[N, K]`; `scales`: the block scales of FP8
         experts; kernels/fused_moe_torch.py)."""
 
-    # -- ops of decoders built otherwise (Gemma: (1 + weight) norms, GeGLU); the torch maths here until a
-    # kernel set fuses them, so both sets give the same values
-    def offset_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """`[N, C] -> [N, C]`: RMSNorm scaled by (1 + weight), in float32, rounded once
-        (kernels/rms_norm_torch.offset_rms_norm)."""
-        return offset_rms_norm(x, weight, eps)
-
-    def offset_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(offset_rms_norm(x + residual), x + residual)`, the sum rounded to x's dtype."""
-        s = x + residual
-        return offset_rms_norm(s, weight, eps), s
-
+    # GeGLU (Gemma's MLP): the torch maths in both kernel sets until one fuses it
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """`[N, 2I] -> [N, I]`: gelu_tanh(gate) * up (GeGLU, transformers' "gelu_pytorch_tanh")."""
         gate, up = x.chunk(2, dim=-1)
@@ -118,12 +132,29 @@ class TorchOps(KernelOps):
     def __init__(self, attention: AttentionBackend | None = None):
         super().__init__(attention or make_backend("torch", torch.device("cpu")))
 
-    def rms_norm(self, x, weight, eps):
-        return rms_norm(x, weight, eps)
+    def rms_norm(self, x, weight, eps, zero_centered=False):
+        return (rms_norm_zero_centered if zero_centered else rms_norm)(x, weight, eps)
 
-    def add_rms_norm(self, x, residual, weight, eps):
+    def add_rms_norm(self, x, residual, weight, eps, zero_centered=False):
         s = x + residual
-        return self.rms_norm(s, weight, eps), s
+        return self.rms_norm(s, weight, eps, zero_centered), s
+
+    def gated_rms_norm(self, x, gate, weight, eps):
+        return gated_rms_norm(x, gate, weight, eps)
+
+    def causal_conv1d(self, x, weight, bias, conv_state, meta, activation):
+        if meta.decode_only:
+            return causal_conv1d_torch.causal_conv1d_update(x, weight, bias, conv_state, meta.state_slots,
+                                                            meta.has_initial_state, activation)
+        return causal_conv1d_torch.causal_conv1d_varlen(x, weight, bias, conv_state, meta.query_start_loc,
+                                                        meta.state_slots, meta.has_initial_state, activation)
+
+    def gated_delta_rule(self, q, k, v, g, beta, state, meta):
+        if meta.decode_only:
+            return gated_delta_rule_torch.recurrent_gated_delta_rule(q, k, v, g, beta, state, meta.state_slots,
+                                                                     meta.has_initial_state)
+        return gated_delta_rule_torch.chunk_gated_delta_rule(q, k, v, g, beta, state, meta.query_lens_cpu,
+                                                             meta.state_slots, meta.has_initial_state)
 
     def silu_and_mul(self, x):
         gate, up = x.chunk(2, dim=-1)
@@ -150,7 +181,11 @@ class TritonOps(KernelOps):
     def __init__(self, attention: AttentionBackend, small_m_gemm: str = "torch"):
         super().__init__(attention)
         # imported here so that TRITON_INTERPRET is read when the set is chosen
-        from vlm_sdk.kernels import fused_moe, rms_norm, rotary, rotary_store_kv, silu_and_mul
+        from vlm_sdk.kernels import (causal_conv1d, fused_moe, gated_delta_rule_chunk, gated_delta_rule_recurrent,
+                                     gated_rms_norm, rms_norm, rotary, rotary_store_kv, silu_and_mul)
+        self._conv, self._gated_rms_norm = causal_conv1d, gated_rms_norm.gated_rms_norm
+        self._rule_chunk = gated_delta_rule_chunk.chunk_gated_delta_rule
+        self._rule_recurrent = gated_delta_rule_recurrent.recurrent_gated_delta_rule
         self._fused_moe = fused_moe.fused_moe
         self._rms_norm = rms_norm.rms_norm
         self._rotary = rotary.rotary_embedding
@@ -169,11 +204,27 @@ class TritonOps(KernelOps):
             return self._skinny.skinny_gemm(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def rms_norm(self, x, weight, eps):
-        return self._rms_norm(x, weight, eps)
+    def rms_norm(self, x, weight, eps, zero_centered=False):
+        return self._rms_norm(x, weight, eps, zero_centered=zero_centered)
 
-    def add_rms_norm(self, x, residual, weight, eps):
-        return self._rms_norm(x, weight, eps, residual=residual)
+    def add_rms_norm(self, x, residual, weight, eps, zero_centered=False):
+        return self._rms_norm(x, weight, eps, residual=residual, zero_centered=zero_centered)
+
+    def gated_rms_norm(self, x, gate, weight, eps):
+        return self._gated_rms_norm(x, gate, weight, eps)
+
+    def causal_conv1d(self, x, weight, bias, conv_state, meta, activation):
+        if meta.decode_only:
+            return self._conv.causal_conv1d_update(x, weight, bias, conv_state, meta.state_slots,
+                                                   meta.has_initial_state, activation)
+        return self._conv.causal_conv1d_varlen(x, weight, bias, conv_state, meta.query_start_loc, meta.state_slots,
+                                               meta.has_initial_state, activation, meta.max_query_len)
+
+    def gated_delta_rule(self, q, k, v, g, beta, state, meta):
+        if meta.decode_only:
+            return self._rule_recurrent(q, k, v, g, beta, state, meta.state_slots, meta.has_initial_state)
+        return self._rule_chunk(q, k, v, g, beta, state, meta.query_start_loc, meta.max_query_len, meta.state_slots,
+                                meta.has_initial_state)
 
     def silu_and_mul(self, x):
         return self._silu_and_mul(x)
