@@ -7,6 +7,10 @@ K/V back through its block table and attends causally, the new tokens being the 
 sequence. Inputs are plain tensors and host lists (no metadata type): a batched decode step groups its
 sequences by length (`decode_layout`), which the caller builds once per step and passes to every layer.
 
+A sliding-window layer (`window` W) reads only the keys p - W < q <= p of each query p: the gathers start
+at the block holding the first of them (earlier entries of its block table may be let go, -1), and the
+masks drop what that block holds before the window.
+
 An FP8 cache (`kv_quant.KV_FP8`) holds K / k_scale and V / v_scale (`kv_quant.quantize`); every path
 reads what the cache holds (`kv_quant.dequantize`), the whole-prompt path included (its K/V round-trip
 through FP8 without the gather), so the torch backend attends over exactly the values the Triton
@@ -34,11 +38,12 @@ def write_kv_cache(k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, scale: torch.Tensor | None,
-            dtype: torch.dtype) -> torch.Tensor:
+            dtype: torch.dtype, first_block: int = 0) -> torch.Tensor:
+    """Keys (or values) first_block * block_size .. length - 1 of one sequence: [length - first, Hkv, D]."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]  # [nb, block_size, Hkv, D]
-    rows = blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]  # [length, Hkv, D]
+    blocks = cache[block_table[first_block:num_blocks].long()]  # [nb, block_size, Hkv, D]
+    rows = blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length - first_block * block_size]  # [keys, Hkv, D]
     return kv_quant.dequantize(rows, scale, dtype)
 
 
@@ -55,14 +60,17 @@ def paged_attention(q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
                     layout: "tuple[DecodeGroup, ...] | None" = None,  # `decode_layout` of a batched decode step
                     k_scale: torch.Tensor | None = None,  # [] float32: an FP8 cache's scales
                     v_scale: torch.Tensor | None = None,
+                    window: int | None = None,  # a sliding-window layer's: keys p - window < q <= p
                     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of each sequence's new tokens over its cached keys. A decode step of several
-    sequences (every query length 1) attends group by group; `layout` (None: built here) is
-    `decode_layout(block_tables, seq_lens, seq_lens_cpu, block_size)`."""
+    """Causal attention of each sequence's new tokens over its cached keys (the last `window` of them for
+    a sliding-window layer). A decode step of several sequences (every query length 1) attends group by
+    group; `layout` (None: built here) is `decode_layout(block_tables, seq_lens, seq_lens_cpu, block_size,
+    window)`."""
     scales = (k_scale, v_scale)
+    block_size = k_cache.shape[1]
     if max(query_lens_cpu) == 1 and len(seq_lens_cpu) > 1:
         if layout is None:
-            layout = decode_layout(block_tables, seq_lens, seq_lens_cpu, k_cache.shape[1])
+            layout = decode_layout(block_tables, seq_lens, seq_lens_cpu, block_size, window)
         return _decode_batched(q, k_cache, v_cache, layout, scale, scales)
     out = torch.empty_like(q)
     start = 0
@@ -70,24 +78,40 @@ def paged_attention(q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         qi = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
         if q_len == seq_len and k is not None:
             # a whole prompt in one chunk: its K/V are this step's, and plain causal attention takes
-            # the fast (flash) CPU path instead of the masked math path
+            # the fast (flash) CPU path instead of the masked math path (a window wider than the prompt
+            # changes nothing)
             ki = kv_quant.round_trip(k[start:start + q_len], k_scale, k_cache.dtype)  # [q_len, Hkv, D]
             vi = kv_quant.round_trip(v[start:start + q_len], v_scale, v_cache.dtype)
-            o = _sdpa(qi, ki.transpose(0, 1), vi.transpose(0, 1), None, q_len > 1, scale)
+            mask = None
+            if window is not None and q_len > window:
+                mask = _window_mask(0, q_len, 0, q_len, window, q.device)  # [q_len, q_len]
+            o = _sdpa(qi, ki.transpose(0, 1), vi.transpose(0, 1), mask, q_len > 1 and mask is None, scale)
             out[start:start + q_len] = o.transpose(0, 1)
             start += q_len
             continue
-        ki = _gather(k_cache, block_tables[i], seq_len, k_scale, q.dtype)  # [seq_len, Hkv, D]
-        vi = _gather(v_cache, block_tables[i], seq_len, v_scale, q.dtype)
+        # the block of the first key the step's first query reads (0 without a window)
+        first = 0 if window is None else max(0, seq_len - q_len - window + 1) // block_size
+        ki = _gather(k_cache, block_tables[i], seq_len, k_scale, q.dtype, first)  # [keys, Hkv, D]
+        vi = _gather(v_cache, block_tables[i], seq_len, v_scale, q.dtype, first)
         mask = None
-        if q_len > 1:
-            # new token j sits at position seq_len - q_len + j and sees keys up to it
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos  # [q_len, seq_len]
+        if q_len > 1 or (window is not None and seq_len - first * block_size > window):
+            # new token j sits at position seq_len - q_len + j and sees keys up to it (within the window)
+            mask = _window_mask(seq_len - q_len, seq_len, first * block_size, seq_len, window, q.device)
         o = _sdpa(qi, ki.transpose(0, 1), vi.transpose(0, 1), mask, False, scale)
         out[start:start + q_len] = o.transpose(0, 1)
         start += q_len
     return out
+
+
+def _window_mask(q_lo: int, q_hi: int, k_lo: int, k_hi: int, window: int | None,
+                 device) -> torch.Tensor:  # [q_hi - q_lo, k_hi - k_lo] bool
+    """Which keys k_lo..k_hi - 1 each query q_lo..q_hi - 1 reads: k <= q, and q - window < k with a window."""
+    q_pos = torch.arange(q_lo, q_hi, device=device)[:, None]
+    k_pos = torch.arange(k_lo, k_hi, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
 
 
 def _sdpa(q: torch.Tensor,  # [H, q_len, D]
@@ -159,9 +183,13 @@ def decode_groups(seq_lens: list[int]) -> list[list[int]]:
 def decode_layout(block_tables: torch.Tensor,  # [batch, max_blocks_per_seq] int32
                   seq_lens: torch.Tensor,  # [batch] int32
                   seq_lens_cpu: list[int],
-                  block_size: int) -> tuple[DecodeGroup, ...]:
+                  block_size: int, window: int | None = None) -> tuple[DecodeGroup, ...]:
     """The groups of a batched decode step (`decode_groups`) with their flat block ids and key masks:
-    the same for every layer, so built once per step by the caller."""
+    the same for every layer of a cache group, so built once per step by the caller. With a `window`
+    every row reads at most its window's blocks: one group, each row's gather starting at the block of
+    its first key."""
+    if window is not None:
+        return (_window_layout(block_tables, seq_lens, seq_lens_cpu, block_size, window),)
     rows_of = decode_groups(seq_lens_cpu)
     whole = len(rows_of) == 1
     layout = []
@@ -176,3 +204,23 @@ def decode_layout(block_tables: torch.Tensor,  # [batch, max_blocks_per_seq] int
         mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]  # [n, 1, 1, L]
         layout.append(DecodeGroup(index, blocks, mask))
     return tuple(layout)
+
+
+def _window_layout(block_tables: torch.Tensor,  # [batch, max_blocks_per_seq] int32
+                   seq_lens: torch.Tensor,  # [batch] int32
+                   seq_lens_cpu: list[int], block_size: int, window: int) -> DecodeGroup:
+    """A decode step of a sliding-window layer: row r's query at len_r - 1 reads keys len_r - window ..
+    len_r - 1, from block first_r = max(0, len_r - window) // block_size on."""
+    device = seq_lens.device
+    # a window's keys span at most (window - 1) // block_size + 2 blocks: from the lengths' bound alone, so
+    # that the layout does not depend on the host lengths (a graph's are max_model_len)
+    num_blocks = min((max(seq_lens_cpu) + block_size - 1) // block_size, (window - 1) // block_size + 2)
+    first_d = (seq_lens.long() - window).clamp(min=0) // block_size  # [batch]
+    cols = first_d[:, None] + torch.arange(num_blocks, device=device)[None, :]  # [batch, nb]
+    cols = cols.clamp(max=block_tables.shape[1] - 1)  # past a row's blocks: masked, any entry will do
+    # entries before the window may be -1 (let go of); none is gathered, but a clamped pad could be
+    blocks = block_tables.long().gather(1, cols).clamp(min=0).reshape(-1)  # [batch * nb]
+    key_pos = first_d[:, None] * block_size + torch.arange(num_blocks * block_size, device=device)[None, :]
+    lens = seq_lens.long()[:, None]
+    mask = ((key_pos < lens) & (key_pos >= lens - window))[:, None, None, :]  # [batch, 1, 1, nb * block_size]
+    return DecodeGroup(None, blocks, mask)

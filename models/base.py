@@ -9,11 +9,14 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 import torch
 from torch import nn
 
-from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.attention.metadata import StepMetadata
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 from vlm_sdk.protocol.cache_spec import AttentionSpec, LayerCacheSpec
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
+# one layer's cache: its (K, V) pair (an attention layer), or its state tensors in spec order, each
+# [num_state_slots, *shape] (a state layer)
+LayerCache = tuple[torch.Tensor, ...]
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,7 @@ class StepImages:
 class DecoderLayerHalves(Protocol):
     """One decoder layer split around its attention call. `pre_attention(x, residual, rope)` -> (q [N, H, D],
     k [N, Hkv, D], v [N, Hkv, D], residual [N, hidden]); `attn(q, k, v, kv_cache, meta)` stores the
-    step's K/V and attends ([N, H, D]); `post_attention(attn_out, residual)` -> (x, residual), the layer's
+    step's K/V and attends ([N, H, D]; `meta` is the layer's group's, `StepMetadata.layer(i)`); `post_attention(attn_out, residual)` -> (x, residual), the layer's
     output and the residual stream before it (the next layer's norm adds them). Row-wise apart from
     `attn`: the halves depend on the token count only, so they can be captured per token count."""
     num_heads: int  # this rank's
@@ -51,9 +54,9 @@ class DecoderStack(Protocol):
     and the final norm of (last layer's output, residual). Running
 
         rope = stack.rotary_inputs(positions, dtype); x, residual = embeds, None
-        for layer, cache in zip(stack.layers, kv_caches):
+        for i, (layer, cache) in enumerate(zip(stack.layers, caches)):
             q, k, v, residual = layer.pre_attention(x, residual, rope)
-            x, residual = layer.post_attention(layer.attn(q, k, v, cache, meta), residual)
+            x, residual = layer.post_attention(layer.attn(q, k, v, cache, meta.layer(i)), residual)
         hidden = stack.final_norm(x, residual)
 
     must equal the model's `forward` on the `stack_inputs` of a step."""
@@ -120,12 +123,14 @@ class VisionLanguageModel(nn.Module, ABC):
     @abstractmethod
     def forward(self, inputs_embeds: torch.Tensor,  # [num_tokens, hidden_size], from `embed_tokens`
                 positions: torch.Tensor,  # [position_rows, num_tokens] int64 (from `positions()`)
-                kv_caches: list[KVCache],  # one per decoder layer
-                meta: AttentionMetadata,
+                caches: list[LayerCache],  # caches[i]: decoder layer i's, as its cache spec says
+                meta: StepMetadata,
                 images: StepImages | None = None) -> torch.Tensor:
         """Final-norm hidden states `[num_tokens, hidden_size]`. The image rows of this step replace
-        the embeddings of their image tokens (`inputs_embeds` may be written in place). Writes this
-        step's K/V into the cache slots named by `meta.slot_mapping` before attending."""
+        the embeddings of their image tokens (`inputs_embeds` may be written in place). Layer i reads
+        `meta.layer(i)`, its cache group's metadata: an attention layer writes this step's K/V into the
+        slots its `slot_mapping` names before attending; a state layer reads and writes its requests'
+        state slots in place."""
 
     def decoder_stack(self) -> DecoderStack | None:
         """The decoder as a `DecoderStack`, for the worker's piecewise CUDA graphs; None (the default):

@@ -20,13 +20,13 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.attention.metadata import StepMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.linear import kv_head_split
 from vlm_sdk.layers.ops import KernelOps
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.weight_loading import ParamSlot, load_checked
-from vlm_sdk.models.base import DecoderStack, KVCache, StepImages, VisionLanguageModel
+from vlm_sdk.models.base import DecoderStack, LayerCache, StepImages, VisionLanguageModel
 from vlm_sdk.models.cpu_layout import PackedLMHead, column_major, use_cpu_weight_layout
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.models.common.llama_decoder import LlamaDecoder
@@ -78,10 +78,10 @@ class DecoderVLM(VisionLanguageModel):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.decoder.embed(input_ids)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, images: StepImages | None = None) -> torch.Tensor:
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
+                meta: StepMetadata, images: StepImages | None = None) -> torch.Tensor:
         # [position_rows, N]: the decoder takes 1-D RoPE positions as [N], M-RoPE ones as [3, N]
-        return self.decoder(*self.stack_inputs(inputs_embeds, positions, images), kv_caches, meta)
+        return self.decoder(*self.stack_inputs(inputs_embeds, positions, images), caches, meta)
 
     def decoder_stack(self) -> DecoderStack:
         return self.decoder

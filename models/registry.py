@@ -41,6 +41,21 @@ def load(name: str) -> FamilySpec:
     raise InvalidRequestError(f"unknown model family {name!r}; registered: {', '.join(family_names())}")
 
 
+def load_module(module: str) -> FamilySpec:
+    """`FAMILY` of the module at path `module` ("package.module", or "package.module:NAME" for another
+    attribute); `InvalidRequestError` when there is none."""
+    path, _, name = module.partition(":")
+    try:
+        spec = getattr(importlib.import_module(path), name or "FAMILY")
+    except (ImportError, AttributeError) as e:
+        raise InvalidRequestError(f"model_family={module!r}: not a module defining {name or 'FAMILY'} ({e})",
+                                  param="model_family") from None
+    if not all(hasattr(spec, attr) for attr in ("model_cls", "processor_cls", "image_limits")):
+        raise InvalidRequestError(f"model_family={module!r}: its {name or 'FAMILY'} is a {type(spec).__name__}, not a "
+                                  f"FamilySpec (models/family.py)", param="model_family")
+    return spec
+
+
 def family_names() -> tuple[str, ...]:
     return tuple(e.name for e in FAMILIES)
 
@@ -54,8 +69,13 @@ def supported_architectures() -> list[str]:
     return [arch for e in FAMILIES for arch in e.architectures]
 
 
-def resolve(architectures: list[str]) -> FamilySpec:
-    """The family of the first known architecture; `CheckpointError` when none is known."""
+def resolve(architectures: list[str], module: str | None = None) -> FamilySpec:
+    """The family of the first known architecture; `CheckpointError` when none is known. `module`
+    (`EngineArgs.model_family`): the module path of a `FamilySpec` outside this registry that serves the
+    checkpoint instead (its `FAMILY`), imported here by path: a family of one's own, or the tests'
+    mixed-cache model."""
+    if module is not None:
+        return load_module(module)
     for arch in architectures or []:
         for e in FAMILIES:
             if arch in e.architectures:

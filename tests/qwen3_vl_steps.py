@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from helpers import image
-from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.config import EngineArgs
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.model_loader import iter_safetensors, load_tokenizer, read_checkpoint
@@ -105,7 +105,7 @@ def run_step(model, kv, items):
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=torch.tensor(tables, dtype=torch.int32),
         query_lens_cpu=q_lens, seq_lens_cpu=seq_lens, max_query_len=max(q_lens), max_seq_len=max(seq_lens))
-    meta = model.decoder.ops.attention.prepare(meta, kv[0][0])  # once per step, as the runner does
+    meta = StepMetadata.uniform(model.decoder.ops.attention.prepare(meta, kv[0][0]), len(kv))  # once per step, as the runner does
     images = StepImages(torch.cat(rows), torch.cat(embeds)) if rows else None
     with torch.no_grad():
         hidden = model(torch.cat([part[0] for part, _, _ in items]),
@@ -191,7 +191,7 @@ def tp_prefill(ckpt, tp: TPGroup, shard_vision: bool) -> dict:
         slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
         seq_lens=torch.tensor([n], dtype=torch.int32), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
         query_lens_cpu=[n], seq_lens_cpu=[n], max_query_len=n, max_seq_len=n)
-    meta = model.decoder.ops.attention.prepare(meta, caches[0][0])
+    meta = StepMetadata.uniform(model.decoder.ops.attention.prepare(meta, caches[0][0]), len(caches))
     hidden = model(model.embed_tokens(torch.tensor(prompt.token_ids)), model.positions(prompt.positions, 0, n),
                    caches, meta, images)
     return {"logits": model.compute_logits(hidden), "num_kv_heads": model.num_kv_heads,

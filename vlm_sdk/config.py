@@ -89,6 +89,10 @@ class EngineArgs:
     memory_utilization: float | None = None  # CUDA only; None: DEFAULT_MEMORY_UTILIZATION
     max_model_len: int | None = None
     max_num_seqs: int = 64
+    # a model with state layers (a fixed-size state per request, vlm_sdk/protocol/cache_spec.py StateSpec): the
+    # state slots carved out before the KV blocks: a running request's live slot, the rest checkpoints of
+    # prefix caching; None: max_num_seqs, twice that with enable_prefix_caching (memory/kv.py)
+    num_state_slots: int | None = None
     max_num_batched_tokens: int = 8192
     # the model family's engine settings (its `FamilySpec.engine_settings`, e.g. an image size bound),
     # checked by the family when the engine starts; an image part's own options win over them
@@ -150,6 +154,9 @@ class EngineArgs:
     encoder_cache_memory: int | str = DEFAULT_ENCODER_CACHE_MEMORY  # bytes, or "256MiB"; 0: no encoder cache
     # the branch, tag or commit of a model given as a Hub id ("Org/Name"; vlm_sdk/hub.py); None: main
     revision: str | None = None
+    # the module path of a family (`FAMILY`, a FamilySpec) outside vlm_sdk's registry to serve the checkpoint
+    # with, instead of the family its config.json architecture names (models/registry.py `resolve`)
+    model_family: str | None = None
     # what one request may ask of every step (README "What one request may cost"): each logit_bias entry
     # is written into its logits, and min_tokens bans each stop_token_id, at every step
     max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS
@@ -220,7 +227,7 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs",
+        for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs", "num_state_slots",
                      "max_num_batched_tokens", "max_image_pixels", "max_request_image_pixels",
                      "max_video_bytes", "max_video_frames", "max_video_decode_pixels",
                      "preemption_warning_per_minute", "tensor_parallel_size", "max_grammar_bytes",

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.layers.attention import PagedAttention
 from vlm_sdk.layers.embedding import ParallelLMHead, VocabParallelEmbedding, gather_vocab
 from vlm_sdk.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -168,22 +168,23 @@ class LlamaDecoder(nn.Module):
 
     def forward(self, inputs_embeds: torch.Tensor,  # [N, hidden]
                 positions: torch.Tensor,  # [3, N] (M-RoPE) or [N]
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata,
+                caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: StepMetadata,
                 deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
                 ) -> torch.Tensor:  # [N, hidden], after the final norm
-        """`meta`: the attention backend's `prepare`d metadata of this step. `deepstack`: (rows `[n]`
-        int64, features per level `[n, hidden]`): after layer i < len(features), the residual stream
-        at `rows` gets features[i] added (Qwen3-VL: rows are this step's image tokens)."""
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} decoder layers")
+        """`meta`: the step's metadata per cache group (layer i reads `meta.layer(i)`: the attention
+        backend's `prepare`d metadata of its group). `deepstack`: (rows `[n]` int64, features per level
+        `[n, hidden]`): after layer i < len(features), the residual stream at `rows` gets features[i]
+        added (Qwen3-VL: rows are this step's image tokens)."""
+        if len(caches) != len(self.layers):
+            raise ValueError(f"got {len(caches)} layer caches for {len(self.layers)} decoder layers")
         rows, features = deepstack if deepstack is not None else (None, [])
         if len(features) > len(self.layers):
             raise ValueError(f"got {len(features)} DeepStack levels for {len(self.layers)} decoder layers")
         rope = self.rotary_inputs(positions, inputs_embeds.dtype)  # shared by every layer
         x, residual = inputs_embeds, None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x, residual = layer(x, residual, rope, kv_cache, meta)
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            x, residual = layer(x, residual, rope, cache, meta.layer(i))
             if i < len(features):
                 # the stream is x + residual; x is this layer's fresh MLP output, so adding in place is safe
                 x.index_add_(0, rows, features[i].to(x.dtype))  # [N, hidden] += at rows [n, hidden]

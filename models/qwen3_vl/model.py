@@ -21,12 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.attention.metadata import StepMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import KernelOps
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.layers.quantization import quant_scheme
-from vlm_sdk.models.base import KVCache, StepImages
+from vlm_sdk.models.base import LayerCache, StepImages
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.models.qwen2_5_vl.image_processor import pixels_to_device
 from vlm_sdk.models.qwen2_5_vl.model import QwenVLM
@@ -72,8 +72,8 @@ class Qwen3VLForCausalLM(QwenVLM):
         merged, levels = self.visual(pixels, [im.meta.grid_thw for im in images])
         return torch.cat([merged, *levels], dim=1)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, images: StepImages | None = None) -> torch.Tensor:
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
+                meta: StepMetadata, images: StepImages | None = None) -> torch.Tensor:
         deepstack = None
         if images is not None:
             hidden = self.hidden_size
@@ -84,7 +84,7 @@ class Qwen3VLForCausalLM(QwenVLM):
             inputs_embeds[images.rows] = rows[:, :hidden]
             if self.deepstack_levels:
                 deepstack = (images.rows, list(rows[:, hidden:].split(hidden, dim=1)))  # levels [n, hidden] each
-        return self.decoder(inputs_embeds, positions, kv_caches, meta, deepstack=deepstack)
+        return self.decoder(inputs_embeds, positions, caches, meta, deepstack=deepstack)
 
     def stack_inputs(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
                      images: StepImages | None) -> tuple[torch.Tensor, torch.Tensor] | None:

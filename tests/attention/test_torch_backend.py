@@ -16,6 +16,7 @@ def test_decode_layout_is_prepared_once_per_step_by_the_torch_backend():
     metadata; layers read it and write nothing back."""
     class Layer:
         scale = 0.3
+        window = None  # full attention
         k_scale = v_scale = torch.tensor(1.0)  # read only by an FP8 cache
 
     torch.manual_seed(0)

@@ -23,6 +23,7 @@ HEAD_DIM = 32
 
 class Layer:
     scale = HEAD_DIM ** -0.5
+    window = None  # full attention
 
     def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0, device="cpu"):
         self.k_scale = torch.tensor(k_scale, device=device)  # an FP8 cache's scales (unread by a float one)

@@ -157,14 +157,14 @@ def test_decode_graph_inputs_take_ids_from_the_device(tiny_ckpt):
     _, ref = run(tiny_ckpt, params, CONVS, async_scheduling=False)
     llm = LLM(tiny_ckpt, show_progress=False, async_scheduling=True, block_size=4)
     eng, runner = llm.engine, local_worker(llm.engine).runner
-    graphs = DecodeGraphs(local_worker(eng).model, runner.kv_caches, max_num_seqs=8, max_model_len=eng.scheduler_config.max_model_len,
+    graphs = DecodeGraphs(local_worker(eng).model, runner.caches, runner.layout, max_num_seqs=8, max_model_len=eng.scheduler_config.max_model_len,
                           block_size=4, device=eng.device, attention=local_worker(eng).ops.attention, capture=False)
     runner.graphs = graphs
     sources = []
     real_run = graphs.run
 
     def spy(n):
-        sources.append(graphs._host[graphs._turn].numpy()[4, :n].tolist())
+        sources.append(graphs._host[graphs._turn].numpy()[graphs.row_src, :n].tolist())
         return real_run(n)
     graphs.run = spy
     outs = llm.chat(CONVS, params)
@@ -186,7 +186,7 @@ def test_greedy_graph_steps_take_the_graphs_argmax_without_the_sampler(tiny_ckpt
             for name, params in (("greedy", greedy), ("mixed", mixed))}
     llm = LLM(tiny_ckpt, show_progress=False, async_scheduling=async_scheduling, block_size=4)
     eng, runner = llm.engine, local_worker(llm.engine).runner
-    runner.graphs = DecodeGraphs(local_worker(eng).model, runner.kv_caches, max_num_seqs=8,
+    runner.graphs = DecodeGraphs(local_worker(eng).model, runner.caches, runner.layout, max_num_seqs=8,
                                  max_model_len=eng.scheduler_config.max_model_len, block_size=4, device=eng.device,
                                  attention=local_worker(eng).ops.attention, capture=False)
     calls = {"graph": 0, "sampler": 0, "keep": 0}

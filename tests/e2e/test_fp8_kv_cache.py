@@ -89,7 +89,7 @@ def test_fp8_greedy_equals_float_within_the_stated_rate(tiny_checkpoints, family
 
 
 def _cache_dtypes(worker) -> set:
-    return {t.dtype for pair in worker.kv_caches for t in pair}
+    return {t.dtype for pair in worker.caches for t in pair}
 
 
 @pytest.mark.parametrize("dtype, factor", [("bfloat16", 2), ("float32", 4)])
@@ -112,11 +112,11 @@ def test_cache_holds_twice_the_tokens_at_the_same_memory(tiny_ckpt, dtype, facto
 
 
 def _cache_bytes(worker) -> int:
-    return sum(t.numel() * t.element_size() for pair in worker.kv_caches for t in pair)
+    return sum(t.numel() * t.element_size() for pair in worker.caches for t in pair)
 
 
 def _first_layer_cache(worker) -> tuple[torch.Tensor, torch.Tensor]:
-    return tuple(t.clone() for t in worker.kv_caches[0])
+    return tuple(t.clone() for t in worker.caches[0])
 
 
 def _with_scales(src: Path, dst: Path, scales: dict[int, tuple], shape: tuple = ()) -> Path:

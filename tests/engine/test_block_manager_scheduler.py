@@ -122,7 +122,7 @@ def test_worker_state_knows_which_images_a_step_may_still_read():
     from vlm_sdk.protocol.scheduler_output import NewRequestData
     from vlm_sdk.worker.request_state import RequestState
     im = ImageInput(data=torch.zeros(16, 4), num_tokens=4)
-    new = NewRequestData("x", [1] * 12, [], [im, im], [2, 8], None, SamplingParams(), [0], 0)
+    new = NewRequestData("x", [1] * 12, [], [im, im], [2, 8], None, SamplingParams(), ([0],), 0)
     state = RequestState.from_new(new)
     assert [state.image_end(i) for i in range(2)] == [6, 12]
     assert state.images_needed() == [0, 1]

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from helpers import TESTS, plan_cache
+from vlm_sdk.protocol.cache_layout import CacheLayout
+from vlm_sdk.protocol.cache_spec import AttentionSpec
 from vlm_sdk.cli import main
 from vlm_sdk.config import DEFAULT_ENCODER_CACHE_MEMORY, EngineArgs
 from vlm_sdk.errors import InvalidRequestError
@@ -103,12 +105,12 @@ def test_no_room_error_names_the_encoder_cache_and_its_utilization_fits(cuda_24g
 def test_out_of_memory_while_allocating_leaves_room_for_the_encoder_cache(cuda_24g, monkeypatch):
     def oom(*a, **k):
         raise torch.OutOfMemoryError("mocked")
-    monkeypatch.setattr(kv_cache, "allocate_kv_caches", oom)
+    monkeypatch.setattr(kv_cache, "allocate_caches", oom)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     cache = plan_cache(EngineArgs(kv_cache_memory="4GiB", encoder_cache_memory="2GiB"), PER_BLOCK, cuda_24g, 10**6,
                        GIB)
     with pytest.raises(InvalidRequestError) as info:
-        kv_cache.allocate_or_explain(28, cache, 4, 128, torch.bfloat16, cuda_24g)
+        kv_cache.allocate_or_explain(CacheLayout.uniform(28, AttentionSpec(4, 128, "bfloat16")), cache, cuda_24g)
     fits = (8 * GIB - GIB - 2 * GIB) // PER_BLOCK  # free minus the activation peak and the encoder cache
     assert f"set num_blocks <= {fits} " in str(info.value) and f"the encoder cache {2 * GIB:,}" in str(info.value)
 

@@ -13,7 +13,7 @@ import torch
 from transformers import Qwen3Config, Qwen3VLConfig, Qwen3VLTextConfig, Qwen3VLTextModel
 
 from tolerance import assert_reduction_close, forward_terms
-from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.moe import MoeConfig
 from vlm_sdk.layers.ops import make_ops
@@ -82,7 +82,7 @@ def run(dec: LlamaDecoder, kv, ids, positions, start: int, blocks: list[int], de
         query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([seq_len], dtype=torch.int32),
         block_tables=torch.tensor([blocks], dtype=torch.int32), query_lens_cpu=[n], seq_lens_cpu=[seq_len],
         max_query_len=n, max_seq_len=seq_len)
-    meta = dec.ops.attention.prepare(meta, kv[0][0])
+    meta = StepMetadata.uniform(dec.ops.attention.prepare(meta, kv[0][0]), len(kv))
     with torch.no_grad():
         return dec(dec.embed(ids), positions, kv, meta, deepstack=deepstack)
 

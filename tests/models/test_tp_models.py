@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers import image
 from tolerance import assert_reduction_close, forward_terms
-from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.config import EngineArgs
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.model_loader import iter_safetensors, load_tokenizer, read_checkpoint
@@ -94,7 +94,7 @@ def prefill_logits(model, prompt: PromptInputs) -> torch.Tensor:  # [L, vocab]
         slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
         seq_lens=torch.tensor([n], dtype=torch.int32), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
         query_lens_cpu=[n], seq_lens_cpu=[n], max_query_len=n, max_seq_len=n)
-    meta = model.decoder.ops.attention.prepare(meta, caches[0][0])
+    meta = StepMetadata.uniform(model.decoder.ops.attention.prepare(meta, caches[0][0]), len(caches))
     hidden = model(embeds, model.positions(prompt.positions, 0, n), caches, meta)  # [L, hidden]
     return model.compute_logits(hidden)
 

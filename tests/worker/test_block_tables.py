@@ -14,41 +14,41 @@ CPU = torch.device("cpu")
 
 def test_rows_are_written_incrementally_and_flushed():
     t = BlockTables(4, 8, CPU)
-    a = t.add([7, 2, 5])
-    b = t.add([1])
+    a = t.add(([7, 2, 5],))
+    b = t.add(([1],))
     assert (a, b) == (0, 1)
     assert [len(v) for _, v in t._pending] == [3, 1]
     t.flush()
     assert t._pending == [] and torch.equal(t.device_table, t.host)
-    t.append(a, [9])
+    t.append(a, ([9],))
     assert [(s, v.tolist()) for s, v in t._pending] == [(a * 8 + 3, [9])]  # only the new entry
     t.flush()
-    assert t.device_table[a, :4].tolist() == [7, 2, 5, 9] and torch.equal(t.device_table, t.host)
+    assert t.device_table[0, a, :4].tolist() == [7, 2, 5, 9] and torch.equal(t.device_table, t.host)
     t.flush()  # nothing changed: nothing to copy
     assert torch.equal(t.rows(np.array([b, a])), torch.tensor([[1, 0, 0, 0], [7, 2, 5, 9]], dtype=torch.int32))
 
 
 def test_reused_row_reads_zeros_past_its_blocks():
     t = BlockTables(2, 8, CPU)
-    a = t.add([3, 4, 5, 6])
+    a = t.add(([3, 4, 5, 6],))
     t.remove(a)
-    assert t.add([8]) == a
+    assert t.add(([8],)) == a
     t.flush()
-    assert t.device_table[a, :5].tolist() == [8, 0, 0, 0, 0]
+    assert t.device_table[0, a, :5].tolist() == [8, 0, 0, 0, 0]
 
 
 def test_fixed_tables_refuse_to_grow_and_growable_ones_keep_their_rows():
     fixed = BlockTables(1, 2, CPU)
-    fixed.add([1, 2])
+    fixed.add(([1, 2],))
     with pytest.raises(ValueError, match="cannot hold"):
-        fixed.add([3])
+        fixed.add(([3],))
     grow = BlockTables(1, 2, CPU, growable=True)
-    a = grow.add([1, 2])
-    b = grow.add([3, 4, 5])
-    grow.append(a, [6, 7, 8])
+    a = grow.add(([1, 2],))
+    b = grow.add(([3, 4, 5],))
+    grow.append(a, ([6, 7, 8],))
     grow.flush()
     assert grow.max_rows >= 2 and grow.max_blocks >= 5
-    assert grow.device_table[a, :5].tolist() == [1, 2, 6, 7, 8] and grow.device_table[b, :3].tolist() == [3, 4, 5]
+    assert grow.device_table[0, a, :5].tolist() == [1, 2, 6, 7, 8] and grow.device_table[0, b, :3].tolist() == [3, 4, 5]
     assert torch.equal(grow.device_table, grow.host)
 
 
@@ -66,14 +66,15 @@ def test_runner_packing_equals_the_per_token_reference(tiny_ckpt):
         for s, n in scheduled:
             a, b = s.num_computed_tokens, s.num_computed_tokens + n
             ids += s.token_ids[a:b]
-            slots += slot_mapping(s.block_ids, runner.block_size, a, b)
-            tables.append(s.block_ids)
+            slots += slot_mapping(s.block_ids[0], runner.block_size, a, b)
+            tables.append(s.block_ids[0])
             pos.append(runner.model.positions(s.prompt_positions, a, b))
         width = max(map(len, tables))
-        assert step.input_ids.tolist() == ids and step.meta.slot_mapping.tolist() == slots
-        assert step.meta.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables]
+        meta = step.meta.layer(0)  # one attention group: every layer's
+        assert step.input_ids.tolist() == ids and meta.slot_mapping.tolist() == slots
+        assert meta.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables]
         assert torch.equal(step.positions, torch.cat(pos, dim=1))
-        seen.append(step.meta.max_query_len)
+        seen.append(step.meta.layer(0).max_query_len)
         return step
     runner._prepare = checked
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -92,13 +93,13 @@ def test_runner_packing_equals_the_per_token_reference(tiny_ckpt):
 def test_cuda_flush_brings_the_device_table_to_the_pinned_host_mirror():
     dev = torch.device("cuda")
     t = BlockTables(4, 8, dev)
-    a = t.add([7, 2, 5])
+    a = t.add(([7, 2, 5],))
     t.flush()
-    t.append(a, [9, 4])
+    t.append(a, ([9, 4],))
     t.flush()
     torch.cuda.synchronize()
     assert torch.equal(t.device_table.cpu(), t.host) and t.host.is_pinned()
-    assert t.device_table.index_select(0, torch.tensor([a], device=dev))[0, :5].tolist() == [7, 2, 5, 9, 4]
+    assert t.device_table.index_select(1, torch.tensor([a], device=dev))[0, 0, :5].tolist() == [7, 2, 5, 9, 4]
 
 
 @pytest.mark.parametrize("ckpt", ["tiny_ckpt", "internvl_ckpt"])  # 3 position rows (M-RoPE) and 1
@@ -114,7 +115,7 @@ def test_graph_step_staging_equals_the_eager_packing(ckpt, request):
     params = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
     convs = [[{"role": "user", "content": "hi " * (2 + 3 * i)}] for i in range(3)]
     plain = [o.token_ids for o in llm.chat(convs, params)]
-    graphs = DecodeGraphs(local_worker(eng).model, runner.kv_caches, max_num_seqs=4, max_model_len=eng.scheduler_config.max_model_len,
+    graphs = DecodeGraphs(local_worker(eng).model, runner.caches, runner.layout, max_num_seqs=4, max_model_len=eng.scheduler_config.max_model_len,
                           block_size=4, device=eng.device, attention=local_worker(eng).ops.attention, capture=False)
     seen, last = [], {}
     run_graph = runner._run_graph
@@ -126,14 +127,17 @@ def test_graph_step_staging_equals_the_eager_packing(ckpt, request):
     def staged_run(n):
         host = torch.from_numpy(graphs._host[graphs._turn].numpy()[:, :n].copy())  # [5 + rows, n]
         step = runner._prepare(last["scheduled"])
-        assert host[0].tolist() == step.input_ids.tolist() and host[1].tolist() == step.meta.slot_mapping.tolist()
-        assert host[3].tolist() == step.meta.seq_lens.tolist() and torch.equal(host[5:], step.positions)
-        assert host[4].tolist() == [-1] * n  # synchronous steps: every id is on the host
-        width = step.meta.block_tables.shape[1]
-        assert torch.equal(graphs.tables.device_table.index_select(0, host[2])[:, :width], step.meta.block_tables)
+        meta = step.meta.layer(0)  # one attention group
+        assert host[0].tolist() == step.input_ids.tolist() and host[1].tolist() == meta.slot_mapping.tolist()
+        assert host[graphs.row_len].tolist() == meta.seq_lens.tolist()
+        assert torch.equal(host[graphs.row_pos:], step.positions)
+        assert host[graphs.row_src].tolist() == [-1] * n  # synchronous steps: every id is on the host
+        width = meta.block_tables.shape[1]
+        assert torch.equal(graphs.tables.device_table[0].index_select(0, host[graphs.row_table])[:, :width],
+                           meta.block_tables)
         seen.append(n)
         embeds = runner.model.embed_tokens(step.input_ids)
-        hidden = runner.model(embeds, step.positions, runner.kv_caches, step.meta)  # [n, hidden]
+        hidden = runner.model(embeds, step.positions, runner.caches, step.meta)  # [n, hidden]
         graphs.logits_and_argmax(hidden)  # the graph's tail: what the runner reads
         return hidden
     runner._run_graph, graphs.run = remember, staged_run

@@ -11,7 +11,7 @@ import torch
 from tolerance import assert_reduction_close, forward_terms
 from vlm_sdk.testing.hooks import local_worker
 from vlm_sdk import LLM
-from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.memory.kv import CacheConfig
 from vlm_sdk.worker.kv_cache import allocate_kv_caches
 from vlm_sdk.memory.consumers.piecewise import piecewise_sizes
@@ -57,7 +57,7 @@ def _compare(model, device, dtype, capture, steps, terms=None):
                              dtype=dtype, capture=capture)
     for ctx, new in steps:
         meta, positions = _mixed_step(ctx, new, device)
-        meta = dec.ops.attention.prepare(meta, caches[0][0])
+        meta = StepMetadata.uniform(dec.ops.attention.prepare(meta, caches[0][0]), len(caches))
         ids = torch.randint(0, model.vocab_size, (sum(new),), generator=torch.Generator().manual_seed(sum(new)))
         embeds = model.embed_tokens(ids.to(device))
         with torch.inference_mode():
@@ -123,7 +123,7 @@ def test_engine_steps_through_the_piecewise_path_cpu(request, ckpt):
     worker = local_worker(eng)
     model, runner = worker.model, worker.runner
     before = _attributes(model)
-    pw = PiecewiseGraphs(model.decoder_stack(), runner.kv_caches, max_num_batched_tokens=eng.args.max_num_batched_tokens,
+    pw = PiecewiseGraphs(model.decoder_stack(), runner.caches, max_num_batched_tokens=eng.args.max_num_batched_tokens,
                          device=eng.device, dtype=eng.dtype, capture=False)
     calls = []
     run = pw.run
@@ -173,7 +173,7 @@ def test_qwen3_vl_deepstack_steps_take_the_plain_forward(tiny_checkpoints):
               enable_prefix_caching=False)  # every prompt computed whole: its step's size is its length
     ref = [llm.chat([conv], greedy)[0].token_ids for conv in convs]
     worker = local_worker(llm.engine)
-    pw = PiecewiseGraphs(worker.model.decoder_stack(), worker.runner.kv_caches, device=llm.engine.device,
+    pw = PiecewiseGraphs(worker.model.decoder_stack(), worker.runner.caches, device=llm.engine.device,
                          max_num_batched_tokens=llm.engine.args.max_num_batched_tokens, dtype=llm.engine.dtype,
                          capture=False)
     calls = []
@@ -201,11 +201,19 @@ def test_a_model_without_a_decoder_stack_runs_plainly_and_says_so(caplog):
         def decoder_stack(self):
             return "stack"
 
+    from vlm_sdk.protocol.cache_layout import CacheLayout
+    from vlm_sdk.protocol.cache_spec import AttentionSpec, StateSpec, StateTensor
+    full = CacheLayout.uniform(2, AttentionSpec(1, 4, "float32"))
     with caplog.at_level("WARNING", logger="vlm_sdk"):
-        assert piecewise_stack(OwnDecoder(), True, 1) is None
+        assert piecewise_stack(OwnDecoder(), True, 1, full) is None
     assert "OwnDecoder declares no decoder stack" in caplog.text
-    assert piecewise_stack(Stacked(), True, 1) == "stack"
-    assert piecewise_stack(Stacked(), False, 1) is None and piecewise_stack(Stacked(), True, 2) is None
+    assert piecewise_stack(Stacked(), True, 1, full) == "stack"
+    assert piecewise_stack(Stacked(), False, 1, full) is None and piecewise_stack(Stacked(), True, 2, full) is None
+    # a state layer has no attention call to split around: no piecewise graphs, said at start-up
+    mixed = CacheLayout.from_specs([AttentionSpec(1, 4, "float32"), StateSpec((StateTensor("s", (2,), "float32"),))])
+    with caplog.at_level("WARNING", logger="vlm_sdk"):
+        assert piecewise_stack(Stacked(), True, 1, mixed) is None
+    assert "Stacked has state layers" in caplog.text
 
 
 def test_every_family_declares_a_decoder_stack(family_ckpt):

@@ -9,7 +9,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from vlm_sdk.testing.hooks import local_worker
-from vlm_sdk.memory.kv import bytes_per_block
 from vlm_sdk.worker.profiler import profile_peak
 
 
@@ -53,11 +52,10 @@ def engine(tiny_ckpt):
 
 def _profile(engine, num_seqs, graph_batch=None, piecewise_tokens=None, held_tokens=0):
     m = local_worker(engine).model
-    per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, 16, engine.dtype)
     meter = LiveBytes()
     with meter:
         return profile_peak(m, engine.processor.largest_image(), num_tokens=8, num_seqs=num_seqs, block_size=16,
-                            per_block=per_block, dtype=engine.dtype, device=engine.device,
+                            layout=local_worker(engine).layout, dtype=engine.dtype, device=engine.device,
                             attention=local_worker(engine).ops.attention, graph_batch=graph_batch,
                             piecewise_tokens=piecewise_tokens, held_tokens=held_tokens, meter=meter)
 
@@ -97,7 +95,7 @@ def test_piecewise_graphs_are_counted_buffers_outputs_and_pool(engine):
     meter = LiveBytes()
     with meter:
         meter.reset()
-        graphs = PiecewiseGraphs(m.decoder, local_worker(engine).runner.kv_caches, max_num_batched_tokens=8, device=engine.device,
+        graphs = PiecewiseGraphs(m.decoder, local_worker(engine).runner.caches, max_num_batched_tokens=8, device=engine.device,
                                  dtype=engine.dtype, capture=False)
         buffers = meter.peak()
     assert 0 < buffers <= held
@@ -123,11 +121,10 @@ def test_cuda_profile_counts_the_graph_pool_and_the_sampler_rows(tiny_ckpt):
     from vlm_sdk import LLM
     eng = LLM(str(tiny_ckpt), device="cuda", dtype="float32", num_blocks=64, show_progress=False).engine
     m = local_worker(eng).model
-    per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, 16, eng.dtype)
 
     def run(num_seqs, graph_batch):
         return profile_peak(m, eng.processor.largest_image(), num_tokens=8, num_seqs=num_seqs, block_size=16,
-                            per_block=per_block, dtype=eng.dtype, device=eng.device, attention=local_worker(eng).ops.attention,
+                            layout=local_worker(eng).layout, dtype=eng.dtype, device=eng.device, attention=local_worker(eng).ops.attention,
                             graph_batch=graph_batch)
     few, many = run(4, 8), run(4096, 8)
     assert few.graph_pool_bytes > 0 and many.graph_pool_bytes > 0

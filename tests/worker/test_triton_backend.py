@@ -62,7 +62,7 @@ def test_fp8_kv_cache_triton_greedy_equals_torch_cpu(tiny_ckpt, convs):
     convs = convs[:2]  # text and one image: the cache path is the same for a second image's tokens
     want = [o.token_ids for o in LLM(tiny_ckpt, attention_backend="torch", **kw).chat(convs, GREEDY)]
     llm = LLM(tiny_ckpt, attention_backend="triton", **kw)
-    assert {t.dtype for pair in local_worker(llm.engine).kv_caches for t in pair} == {torch.float8_e4m3fn}
+    assert {t.dtype for pair in local_worker(llm.engine).caches for t in pair} == {torch.float8_e4m3fn}
     assert [o.token_ids for o in llm.chat(convs, GREEDY)] == want
 
 
@@ -95,7 +95,7 @@ def test_decoder_layers_rotate_and_store_kv_in_one_launch(triton_llm, convs, tor
     steps = 3
     out = triton_llm.chat(convs[0], SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))[0]
     assert out.token_ids == torch_outputs[0][:steps]
-    layers = len(local_worker(triton_llm.engine).kv_caches)
+    layers = len(local_worker(triton_llm.engine).caches)
     assert calls == {"fused": layers * steps, "rotary": 0, "store_kv": 0}
 
 
@@ -116,7 +116,7 @@ def test_triton_hidden_states_match_torch(tiny_ckpt):
     """One forward on both kernel sets, compared before sampling: a mixed step of a whole prompt, a
     chunk over earlier context and a decode row."""
     _interpreter_or_gpu("cpu")
-    from vlm_sdk.attention.metadata import AttentionMetadata
+    from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
     from vlm_sdk.worker.kv_cache import allocate_kv_caches
     from vlm_sdk.memory.kv import CacheConfig
 
@@ -141,7 +141,7 @@ def test_triton_hidden_states_match_torch(tiny_ckpt):
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             block_tables=torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32),
             query_lens_cpu=new, seq_lens_cpu=seq_lens, max_query_len=19, max_seq_len=33)
-        meta = model.decoder.ops.attention.prepare(meta, caches[0][0])  # each backend's own, once per step
+        meta = StepMetadata.uniform(model.decoder.ops.attention.prepare(meta, caches[0][0]), len(caches))  # each backend's own, once per step
         ids = torch.randint(0, model.vocab_size, (27,), generator=torch.Generator().manual_seed(3))
         positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, new)]).expand(3, -1)
         with torch.inference_mode():
@@ -154,7 +154,7 @@ def test_padded_decode_path_equals_torch(triton_llm, convs, torch_outputs):
     """The static buffers and padding rows that the CUDA graphs replay, run eagerly on the CPU: a
     batch of 3 runs as the padded size 4 (slot -1, seq_len 0), a lone request as size 1."""
     eng = triton_llm.engine
-    graphs = DecodeGraphs(local_worker(eng).model, local_worker(eng).runner.kv_caches, max_num_seqs=4,
+    graphs = DecodeGraphs(local_worker(eng).model, local_worker(eng).runner.caches, local_worker(eng).runner.layout, max_num_seqs=4,
                           max_model_len=eng.scheduler_config.max_model_len, block_size=eng.args.block_size,
                           device=eng.device, attention=local_worker(eng).ops.attention, capture=False)
     assert graphs.sizes == [1, 2, 4]
@@ -213,7 +213,7 @@ def test_small_m_gemm_triton_runs_the_decode_projections_and_keeps_the_tokens(ti
     steps = 3
     out = llm.chat(convs[0], SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))[0]
     assert out.token_ids == torch_outputs[0][:steps]
-    layers = len(local_worker(llm.engine).kv_caches)
+    layers = len(local_worker(llm.engine).caches)
     assert rows == [1] * (2 * layers * (steps - 1))  # two decode steps x (qkv, o) x layers; the prefill: F.linear
 
 

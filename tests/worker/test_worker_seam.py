@@ -61,7 +61,7 @@ def test_scheduler_sends_new_then_only_changes_then_frees():
     assert out.num_scheduled_tokens == {"a": 5, "b": 1}
     first = out.new_requests[0]
     assert isinstance(first, NewRequestData) and first.prompt_token_ids == [0, 1, 2, 3, 4]
-    assert first.output_token_ids == [] and first.block_ids == [0, 1] and first.num_computed_tokens == 0
+    assert first.output_token_ids == [] and first.block_ids == ([0, 1],) and first.num_computed_tokens == 0
     out = _run(s)  # a decodes its sampled token 7; b continues its prefill
     assert not out.new_requests and out.num_scheduled_tokens == {"a": 1, "b": 3}
     # nothing added: the shared empty NO_IDS, not a new list per request per step

@@ -28,6 +28,9 @@ class AttentionLayerSpec(Protocol):
     # when the cache is FP8: it stores K / k_scale and V / v_scale
     k_scale: torch.Tensor
     v_scale: torch.Tensor
+    # a sliding-window layer's window (keys p - window < q <= p); None: full attention. The step's
+    # metadata of the layer's cache group carries the same (`AttentionMetadata.window`)
+    window: int | None
 
 
 class AttentionBackend(ABC):
@@ -42,7 +45,8 @@ class AttentionBackend(ABC):
     def prepare(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> AttentionMetadata:
         """This backend's per-step metadata, built once before the forward from the runner's `meta`
         and one layer's K cache `[num_blocks, block_size, num_kv_heads, head_dim]` (every layer's has
-        this shape). `forward` needs the returned object."""
+        this shape), once per attention cache group (`meta.window`: the group's). `forward` needs the
+        returned object."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor,  # [N, H, D]
@@ -53,7 +57,8 @@ class AttentionBackend(ABC):
         """Store this step's K/V in the layer's cache (slot -1 skipped: graph padding; quantized with the
         layer's k_scale / v_scale into an FP8 cache; not when `stored`: the caller wrote them, fused with
         the rotary), then causal attention of the queries over their
-        sequences' cached keys. `meta` is what `prepare` returned."""
+        sequences' cached keys (within `layer.window` for a sliding-window layer). `meta` is what
+        `prepare` returned for the layer's cache group."""
 
     @abstractmethod
     def segments(self, lengths: list[int], device: torch.device) -> Any:

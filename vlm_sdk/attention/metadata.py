@@ -1,4 +1,5 @@
-"""What one forward pass needs to read and write the paged KV cache: `AttentionMetadata`.
+"""What one forward pass needs to read and write its caches: `AttentionMetadata` per attention cache
+group, `StateMetadata` for the state layers, and `StepMetadata`, which gives each layer its group's.
 
 The cache of one layer is two tensors `[num_blocks, block_size, num_kv_heads, head_dim]` (K and V).
 Token `p` of a sequence lives in block `block_table[p // block_size]` at offset `p % block_size`;
@@ -14,6 +15,13 @@ A batch packs the new tokens of all scheduled sequences back to back:
 The runner builds this plain, backend-neutral record once per step; the attention backend's
 `prepare` then derives its own per-step metadata from it (a subclass carrying e.g. Triton's
 `num_splits` or the torch decode groups). Nothing writes into it during the forward: it is frozen.
+
+A model of several cache groups (vlm_sdk/protocol/cache_layout.py) gets one such record per attention
+group (its own slots and block tables, the same lengths), one `StateMetadata` shared by its state
+groups, and hands layer i `meta.layer(i)`:
+
+    StepMetadata(groups=(meta_full, meta_window, state), layer_group=(1, 1, 0, 2, ...))
+    layer 2 -> groups[0] = meta_full        layer 3 -> groups[2] = state
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int  # the longest sequence; a CUDA-graph decode step is built with max_model_len here
+    window: int | None = None  # the group's sliding window (its layers read keys p - window < q <= p); None: full
 
     @property
     def num_seqs(self) -> int:
@@ -52,7 +61,8 @@ class StateMetadata:
     packed tokens as `AttentionMetadata` packs them, and each request's state slot. The layer reads and
     writes its slots in place (`[num_state_slots, *shape]` tensors); a request with
     `has_initial_state` False computes from token 0 and must start from zeros, whatever its slot holds
-    (slots are reused). A prefill chunk starts where the last one ended, with the state it left."""
+    (slots are reused). A prefill chunk starts where the last one ended, with the state it left. A slot
+    of -1 (the padding rows of a CUDA-graph decode step) is neither read nor written."""
     query_start_loc: torch.Tensor  # [batch + 1] int32, on the device
     query_lens_cpu: list[int]
     state_slots: torch.Tensor  # [batch] int64, on the device: each request's live slot
@@ -67,3 +77,19 @@ class StateMetadata:
     @property
     def decode_only(self) -> bool:
         return self.max_query_len == 1
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """One step's metadata for every cache group of the model (the backend's `prepare`d `AttentionMetadata`
+    per attention group, one `StateMetadata` for the state groups); `layer(i)` is decoder layer i's."""
+    groups: tuple[AttentionMetadata | StateMetadata, ...]
+    layer_group: tuple[int, ...]  # decoder layer -> index in `groups` (CacheLayout.layer_group)
+
+    def layer(self, i: int) -> AttentionMetadata | StateMetadata:
+        return self.groups[self.layer_group[i]]
+
+    @classmethod
+    def uniform(cls, meta: AttentionMetadata, num_layers: int) -> "StepMetadata":
+        """Every layer in one attention group (a model of one full-attention kind)."""
+        return cls((meta,), (0,) * num_layers)

@@ -1,8 +1,9 @@
 """The "torch" attention backend: pure torch over the paged cache (`kernels/paged_attention.py`) and
 within segments (`kernels/segment_attention.py`); the CPU default and the reference of the Triton one.
 
-Per step (`prepare`): a decode step of several sequences groups them by length and builds each
-group's flat block ids and key mask once (`TorchMetadata.decode_layout`), shared by every layer.
+Per step and attention cache group (`prepare`): a decode step of several sequences groups them by length
+and builds each group's flat block ids and key mask once (`TorchMetadata.decode_layout`), shared by
+every layer of the group; a sliding-window group's reach only its window.
 """
 from __future__ import annotations
 
@@ -31,20 +32,23 @@ class TorchBackend(AttentionBackend):
         layout = None
         if meta.decode_only and meta.num_seqs > 1:
             layout = torch_paged.decode_layout(meta.block_tables, meta.seq_lens, meta.seq_lens_cpu,
-                                               k_cache.shape[1])
+                                               k_cache.shape[1], meta.window)
         return TorchMetadata(**meta.fields(), decode_layout=layout)
 
     def forward(self, q, k, v, layer, kv_cache, meta, stored=False):
         if not isinstance(meta, TorchMetadata):
             raise TypeError("the torch attention backend needs the metadata of its prepare(meta, k_cache), "
                             f"called once per step; got {type(meta).__name__}")
+        if layer.window != meta.window:
+            raise ValueError(f"a layer of window {layer.window} got the metadata of a cache group of window "
+                             f"{meta.window}: its cache spec and its attention disagree")
         k_cache, v_cache = kv_cache
         scales = {"k_scale": layer.k_scale, "v_scale": layer.v_scale}  # read only by an FP8 cache
         if not stored:
             torch_paged.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         return torch_paged.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                            meta.query_lens_cpu, meta.seq_lens_cpu, layer.scale, k, v,
-                                           layout=meta.decode_layout, **scales)  # [N, H, D]
+                                           layout=meta.decode_layout, window=layer.window, **scales)  # [N, H, D]
 
     def segments(self, lengths, device):
         return torch_segments.segment_plan(lengths, device)

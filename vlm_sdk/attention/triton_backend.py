@@ -82,6 +82,9 @@ class TritonBackend(AttentionBackend):
         if not isinstance(meta, TritonMetadata):
             raise TypeError("the triton attention backend needs the metadata of its prepare(meta, k_cache), "
                             f"called once per step; got {type(meta).__name__}")
+        if layer.window is not None:  # the engine refuses such a model at start-up (selector.check_layers)
+            raise ValueError(f"the triton attention backend has no sliding-window kernels (a layer of window "
+                             f"{layer.window}): use attention_backend='torch'")
         k_cache, v_cache = kv_cache
         scales = {"k_scale": layer.k_scale, "v_scale": layer.v_scale}  # read only by an FP8 cache
         if not stored:

@@ -115,7 +115,7 @@ def _cuda_host_path(engine, batch: int) -> None:
     runner = local_worker(engine).runner
     backend = TritonBackend()  # its prepare reads host ints only: no kernel runs here
     runner.attention = backend
-    graphs = DecodeGraphs(runner.model, runner.kv_caches, max_num_seqs=batch,
+    graphs = DecodeGraphs(runner.model, runner.caches, runner.layout, max_num_seqs=batch,
                           max_model_len=engine.scheduler_config.max_model_len, block_size=BLOCK_SIZE,
                           device=torch.device("cpu"), attention=backend, capture=False)
     for size in graphs.sizes:  # "captured": a replay that does nothing, its output preallocated

@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from vlm_sdk.attention.selector import check_layers
 from vlm_sdk.chat_options import NO_OPTIONS, ChatOptions
 from vlm_sdk.config import EngineArgs, fp8_kv_cache_runs, resolve_rank_config
 from vlm_sdk.engine.core.cache_coordinator import CacheCoordinator
@@ -56,7 +57,6 @@ from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.multimodal.video_io import VideoLimits
 from vlm_sdk.multimodal.prompts import TextPrompt, TokensPrompt
-from vlm_sdk.protocol.cache_layout import CacheLayout, LayoutError
 from vlm_sdk.protocol.rank import RankLoad
 from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
 from vlm_sdk.sampling_params import SamplingParams
@@ -70,7 +70,7 @@ class LLMEngine:
         model = resolve_model(model, args.revision)  # a Hub id -> its snapshot directory
         info = read_checkpoint(model)
         self.checkpoint = info
-        family = resolve([info.architecture])
+        family = resolve([info.architecture], args.model_family)
         # prompt building only
         self.tokenizer = PromptTokenizer(load_tokenizer(model), not args.allow_special_tokens_in_text)
         self.guard = PromptGuard(self.tokenizer, args.max_image_pixels, args.max_request_image_pixels,
@@ -113,6 +113,8 @@ class LLMEngine:
                                on_gpu=self.device.type == "cuda", decode_graphs=rc.decode_graphs,
                                piecewise_graphs=rc.piecewise_graphs)
         self.max_position_embeddings = memory.max_position_embeddings
+        layout = memory.layout  # the model's cache groups (memory_inputs refused specs that cannot share a pool)
+        check_layers(rc.attention_backend, layout)  # before any rank allocates
         # measured on CUDA even when the cache size is given: the report shows it
         profiles = executor.collective_rpc("profile_memory", largest_image, self.max_position_embeddings,
                                            memory.held_vision_tokens)
@@ -130,9 +132,8 @@ class LLMEngine:
         self.memory_report = startup_report(memory, loads, ranks, self.cache_config, self.scheduler_config,
                                             measured=profiles[0] is not None)
         logger.info("%s", self.memory_report.format())
-        layout = cache_layout(meta_model, memory.kv_dtype)
         self.cache = CacheCoordinator(layout, self.cache_config.num_blocks, args.block_size,
-                                      args.enable_prefix_caching)
+                                      args.enable_prefix_caching, self.cache_config.num_state_slots)
         self.scheduler = Scheduler(self.scheduler_config, self.cache)
         self.requests: dict[str, Sequence] = {}
         self._next_id = 0
@@ -395,7 +396,11 @@ class LLMEngine:
         cache's bytes and its processes' resident memory, token totals since start-up, and what the
         engine holds: the KV cache's dtype and the weights' format."""
         bm, enc = self.cache, self._encoder_cache  # rank 0's encoder cache (every rank's is alike)
-        largest_now = min(bm.num_free_blocks * bm.block_size, self.scheduler_config.max_model_len)
+        # the longest prompt the free blocks hold (in every attention group) and a free state slot allows
+        free = dataclasses.replace(self.cache_config, num_blocks=bm.num_free_blocks).capacity_tokens
+        if bm.state_pool is not None and bm.num_free_slots == 0:
+            free = 0
+        largest_now = min(free, self.scheduler_config.max_model_len)
         return {"kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
                 "kv_blocks_free": bm.num_free_blocks, "kv_block_size": bm.block_size,
                 "kv_capacity_tokens": self.cache_config.capacity_tokens,
@@ -414,18 +419,6 @@ class LLMEngine:
                 "grammar_process_bytes": self.grammars.process_bytes(),
                 **{f"total_{k}": v for k, v in self.totals.items()}}
 
-
-
-def cache_layout(model, kv_dtype: torch.dtype) -> CacheLayout:
-    """The model's cache groups (`cache_specs`); `InvalidRequestError` for specs that cannot share a pool."""
-    try:
-        layout = CacheLayout.from_specs(model.cache_specs(kv_dtype))
-    except LayoutError as e:
-        raise InvalidRequestError(f"{type(model).__name__}: {e}") from None
-    if len(layout.groups) > 1:
-        raise InvalidRequestError(f"{type(model).__name__} keeps more than one kind of cache ({layout.describe()}): "
-                                  f"not served yet")
-    return layout
 
 
 def _output(seq: Sequence, new_token_ids: list[int]) -> EngineOutput:

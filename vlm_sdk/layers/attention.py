@@ -1,7 +1,8 @@
 """Attention layers: they own the attention's parameters (heads, scale, causal or within segments)
 and call the engine's attention backend (`vlm_sdk.attention.backend.AttentionBackend`).
 
-    PagedAttention    decoder: causal, over the paged KV cache; stores this step's K/V first (unless
+    PagedAttention    decoder: causal, over the paged KV cache (or, with `window`, over the last
+                      `window` keys only: a sliding-window layer); stores this step's K/V first (unless
                       the kernel set stored them with the rotary)
     SegmentAttention  vision towers: non-causal within back-to-back segments (windows, images)
 """
@@ -19,14 +20,18 @@ from vlm_sdk.attention.metadata import AttentionMetadata
 class PagedAttention(nn.Module):
     """`k_scale` / `v_scale`: the FP8 KV cache's per-layer scales (the cache holds K / k_scale, V / v_scale:
     kernels/kv_quant.py), persistent buffers so that a checkpoint's `k_scale` / `v_scale` tensors load into
-    them; 1.0 when it has none (vLLM's default). A float cache ignores them."""
+    them; 1.0 when it has none (vLLM's default). A float cache ignores them. `window` (HF's
+    `sliding_window`): a query at position p attends keys p - window < q <= p; None: every earlier key.
+    The layer's cache spec (`AttentionSpec.window`) must say the same: the engine frees the blocks
+    before the window."""
     causal = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, window: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim  # this rank's
         self.scale = scale
+        self.window = window
         self.backend = backend
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32, device=device))
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32, device=device))

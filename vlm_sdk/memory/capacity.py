@@ -1,6 +1,7 @@
 """How many tokens one sequence may hold, and which settings would make a too-long prompt fit.
 
-    capacity_tokens = max_model_len <= num_blocks * block_size
+    capacity_tokens = max_model_len <= the longest sequence the blocks hold (num_blocks * block_size for
+                                       one full-attention group; `CacheConfig.capacity_tokens`)
 
 A prompt fits when prompt_tokens <= capacity_tokens (the step that computes its last token samples
 the first output token; generation then stops with "length" at max_model_len). A prompt that does
@@ -17,7 +18,6 @@ from vlm_sdk.config import SchedulerConfig
 from vlm_sdk.errors import CacheTooSmallError, InputTooLongError, fixes_text
 from vlm_sdk.memory.kv import CacheConfig
 from vlm_sdk.multimodal.inputs import PromptInputs
-from vlm_sdk.protocol.blocks import blocks_needed
 from vlm_sdk.sampling_params import DEFAULT_MAX_TOKENS
 
 
@@ -36,14 +36,14 @@ def max_model_len_fixes(cache: CacheConfig, max_model_len: int) -> dict[str, int
     """Each setting that alone lets `max_model_len` fit once: the largest max_model_len the cache
     holds, or a cache of enough blocks (by the rule that sized it)."""
     return {"max_model_len": cache.capacity_tokens,
-            **cache.fixes_for(blocks_needed(max_model_len, cache.block_size))}
+            **cache.fixes_for(cache.blocks_for(max_model_len))}
 
 
 def check_max_model_len_fits(cache: CacheConfig, max_model_len: int) -> None:
     """Raise `CacheTooSmallError` when one sequence of `max_model_len` tokens cannot fit the cache."""
     if max_model_len <= cache.capacity_tokens:
         return
-    need = blocks_needed(max_model_len, cache.block_size)
+    need = cache.blocks_for(max_model_len)
     fixes = max_model_len_fixes(cache, max_model_len)
     note = ""
     if len(fixes) == 1 and cache.budget is not None:
@@ -87,7 +87,7 @@ def check_prompt_fits(prompt: PromptInputs, cache: CacheConfig, sched: Scheduler
     together: dict[str, int] = {}
     room = output_room(n, max_tokens, max_position_embeddings)
     need = n + room  # the whole request, at most max_position_embeddings
-    blocks = blocks_needed(need, cache.block_size)
+    blocks = cache.blocks_for(need)
     if max_model_len_is_user_set:
         if n <= max_position_embeddings:
             if need <= cache.capacity_tokens:
@@ -119,8 +119,14 @@ def describe_limit(cache: CacheConfig, sched: SchedulerConfig, max_model_len_is_
     """The limit in words; max_model_len is named when it is below the cache or the user set it."""
     if max_model_len_is_user_set is None:
         max_model_len_is_user_set = sched.max_model_len_source == "set by you"
-    cache_text = (f"KV cache of {cache.num_blocks} blocks x {cache.block_size} tokens = "
-                  f"{cache.capacity_tokens} tokens, {cache.bytes_per_block:,} bytes per block, {cache.source}")
+    groups = cache.layout.num_attention_groups if cache.layout is not None else 1
+    if groups == 1:
+        cache_text = (f"KV cache of {cache.num_blocks} blocks x {cache.block_size} tokens = "
+                      f"{cache.capacity_tokens} tokens, {cache.bytes_per_block:,} bytes per block, {cache.source}")
+    else:  # one sequence holds blocks in every attention group: the capacity is what that leaves
+        cache_text = (f"KV cache of {cache.num_blocks} blocks of {cache.block_size} tokens shared by "
+                      f"{groups} attention groups ({cache.layout.describe()}): at most {cache.capacity_tokens} "
+                      f"tokens in one sequence, {cache.bytes_per_block:,} bytes per block, {cache.source}")
     if sched.max_model_len < cache.capacity_tokens or max_model_len_is_user_set:
         return f"max_model_len={sched.max_model_len} ({sched.max_model_len_source}); {cache_text}"
     return cache_text

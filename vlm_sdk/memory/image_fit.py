@@ -18,7 +18,6 @@ from vlm_sdk.config import EngineArgs, SchedulerConfig
 from vlm_sdk.errors import UnfitImagesError, fixes_text, setting_text
 from vlm_sdk.memory.kv import CacheConfig
 from vlm_sdk.models.family import ImageLimits
-from vlm_sdk.protocol.blocks import blocks_needed
 from vlm_sdk.sampling_params import DEFAULT_MAX_TOKENS
 
 logger = logging.getLogger("vlm_sdk")
@@ -42,11 +41,11 @@ def unfit_image_fixes(limits: ImageLimits, setting: str, cache: CacheConfig, max
         fixes[setting] = fit.value
     if limits.tokens <= max_position_embeddings:
         if not max_model_len_is_user_set:  # max_model_len follows the cache: a bigger cache is enough
-            fixes.update(cache.fixes_for(blocks_needed(need, cache.block_size)))
+            fixes.update(cache.fixes_for(cache.blocks_for(need)))
         elif need <= cache.capacity_tokens:
             fixes["max_model_len"] = need
         else:
-            grow = cache.fixes_for(blocks_needed(need, cache.block_size))
+            grow = cache.fixes_for(cache.blocks_for(need))
             if "num_blocks" in grow:
                 together = {"max_model_len": need, "num_blocks": grow["num_blocks"]}
     return fixes, together, room

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from vlm_sdk.config import EngineArgs
+from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.layers.moe import MoeConfig
 from vlm_sdk.memory.weights import weight_bytes
 from vlm_sdk.models.family import FamilySpec, ImageLimits
+from vlm_sdk.protocol.cache_layout import CacheLayout, LayoutError
 from vlm_sdk.protocol.rank import WeightBytes
 
 
@@ -51,6 +53,7 @@ class MemoryInputs:
     video_item_tokens: int  # the largest item a video becomes (a temporal patch, a frame); 0: no video
     moe: MoeConfig | None = None  # the sparse layers' experts (vlm_sdk/memory/consumers/moe.py)
     moe_fp8: bool = False  # the experts are block-wise FP8 (the torch set dequantizes them per step)
+    layout: CacheLayout | None = None  # the model's cache groups (`cache_specs`); None: one full-attention group
 
     @property
     def dtype_bytes(self) -> int:
@@ -102,9 +105,11 @@ def memory_inputs(family: FamilySpec, info, args: EngineArgs, model, dtype: torc
     dense = c.moe is None or not all(c.moe.is_sparse(i) for i in range(c.num_layers))
     vision_hidden, vision_inter, patch_inputs = family.vision_activation_widths(info.hf_config, model)
     image = family.image_limits(info.preprocessor, info.hf_config, model, dict(args.mm_processor_kwargs))
+    layout = cache_layout(model, args.resolve_kv_cache_dtype(dtype))
     return MemoryInputs(
         args=args, dtype=dtype, tp=tp, on_gpu=on_gpu, decode_graphs=decode_graphs,
-        piecewise_graphs=piecewise_graphs and tp == 1 and model.decoder_stack() is not None,
+        # the worker runs no piecewise graphs over state layers (worker/piecewise_graphs.py)
+        piecewise_graphs=piecewise_graphs and tp == 1 and model.decoder_stack() is not None and not layout.has_state,
         num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
         hidden_size=c.hidden_size, intermediate_size=c.intermediate_size if dense else 0, num_heads=c.num_heads,
         num_kv_heads_total=c.num_kv_heads, vocab_size=c.vocab_size, position_rows=model.position_rows,
@@ -112,7 +117,16 @@ def memory_inputs(family: FamilySpec, info, args: EngineArgs, model, dtype: torc
         weights=weight_bytes(model), weight_format=_weight_format(c), vision_hidden=vision_hidden,
         vision_intermediate=vision_inter, vision_patch_inputs=patch_inputs, image=image,
         video_item_tokens=family.video_item_tokens(info.preprocessor, info.hf_config, model), moe=c.moe,
-        moe_fp8=c.moe is not None and c.quantization is not None)
+        moe_fp8=c.moe is not None and c.quantization is not None, layout=layout)
+
+
+def cache_layout(model, kv_dtype: torch.dtype) -> CacheLayout:
+    """The model's cache groups (`cache_specs`, this rank's shapes); `InvalidRequestError` naming the model
+    for specs that cannot share one block pool."""
+    try:
+        return CacheLayout.from_specs(model.cache_specs(kv_dtype))
+    except LayoutError as e:
+        raise InvalidRequestError(f"{type(model).__name__}: {e}") from None
 
 
 def _weight_format(decoder_config) -> str:

@@ -1,6 +1,14 @@
-"""The paged KV cache's size: bytes per block, and the block count the settings give.
+"""The paged KV cache's size: bytes per block, the state slots, and the block count the settings give.
 
-    bytes_per_block = num_layers * 2 (K, V) * block_size * num_kv_heads * head_dim * KV dtype bytes
+    bytes_per_block = group_size * 2 (K, V) * block_size * num_kv_heads * head_dim * KV dtype bytes
+
+(`CacheLayout.block_bytes`: one block of the pool every attention group shares is a page in each of the
+group_size KV tensors; a model of one attention kind has group_size = num_layers, today's formula.) A
+model with state layers also keeps `num_state_slots` slots of `state_slot_bytes` (every state layer's
+tensors for one request), carved out before the blocks: the rules below size the blocks from what the
+slots leave. One sequence of L tokens holds `CacheLayout.blocks_for_tokens(L)` blocks (one per
+block_size tokens in each full group, a window's in each sliding group), so the capacity in tokens of
+a cache of several groups is what that allows (`CacheConfig.capacity_tokens`).
 
 (the KV dtype: the model's, or 1 byte with kv_cache_dtype="fp8"; its per-layer scales are two float32
 buffers of each attention layer, counted nowhere: 8 bytes a layer)
@@ -22,6 +30,7 @@ import torch
 from vlm_sdk.config import EngineArgs
 from vlm_sdk.errors import InvalidRequestError, format_size
 from vlm_sdk.protocol.blocks import blocks_needed
+from vlm_sdk.protocol.cache_layout import CacheLayout
 
 CPU_DEFAULT_CACHE_BYTES = 1 << 30
 # which setting decided a cache's block count; the fixes offered for a too-small cache follow it
@@ -63,9 +72,9 @@ class DeviceBudget:
         """Taken before the KV cache: in use, the activation peak and the encoder cache."""
         return self.in_use_bytes + self.activation_peak_bytes + self.encoder_cache_bytes
 
-    def blocks(self, memory_utilization: float, bytes_per_block: int) -> int:
-        """KV blocks that fit; may be < 1."""
-        return (int(memory_utilization * self.total_bytes) - self.reserved_bytes) // bytes_per_block
+    def blocks(self, memory_utilization: float, bytes_per_block: int, state_bytes: int = 0) -> int:
+        """KV blocks that fit beside `state_bytes` of state slots; may be < 1."""
+        return (int(memory_utilization * self.total_bytes) - self.reserved_bytes - state_bytes) // bytes_per_block
 
     def utilization_for(self, cache_bytes: int) -> float:
         """The smallest memory_utilization (2 decimals, rounded up) leaving `cache_bytes` for the cache;
@@ -81,17 +90,37 @@ class DeviceBudget:
 class CacheConfig:
     block_size: int
     num_blocks: int
-    bytes_per_block: int  # all layers, K and V
+    bytes_per_block: int  # one block of the shared pool: group_size layers' pages, K and V
     source: str  # how num_blocks was decided, in words, for error messages and the start-up report
     rule: str = "num_blocks"  # one of CACHE_RULES
     budget: DeviceBudget | None = None  # CUDA (or a planned device): the memory the cache comes out of
     # the blocks the same rule gives an FP8 cache (kv_cache_dtype="fp8"), when this one is not FP8 and FP8
     # runs on this engine's device and backend; None otherwise
     fp8_blocks: int | None = None
+    # a model with state layers: the slots (live ones and checkpoints) carved out before the blocks, and
+    # one slot's bytes over every state layer; 0 for a model without state layers
+    num_state_slots: int = 0
+    state_slot_bytes: int = 0
+    layout: CacheLayout | None = None  # the model's cache groups; None: one full-attention group
+    chunk_tokens: int = 0  # max_num_batched_tokens: a sliding group holds its window and one chunk
+
+    @property
+    def state_bytes(self) -> int:
+        return self.num_state_slots * self.state_slot_bytes
 
     @property
     def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """The longest sequence the blocks hold: num_blocks * block_size for one full-attention group."""
+        if self.layout is None:
+            return self.num_blocks * self.block_size
+        return self.layout.capacity_tokens(self.num_blocks, self.block_size, self.chunk_tokens,
+                                           max(self.num_blocks, 0) * self.block_size)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks one sequence of `num_tokens` tokens holds (over every attention group)."""
+        if self.layout is None:
+            return blocks_needed(num_tokens, self.block_size)
+        return self.layout.blocks_for_tokens(num_tokens, self.block_size, self.chunk_tokens)
 
     @property
     def bytes_per_token(self) -> int:
@@ -106,76 +135,99 @@ class CacheConfig:
         fixes: dict[str, int | float | str] = {}
         fits = True
         if self.budget is not None:
-            u = self.budget.utilization_for(num_blocks * self.bytes_per_block)
+            u = self.budget.utilization_for(num_blocks * self.bytes_per_block + self.state_bytes)
             fits = u <= 1  # else the device cannot hold it beside the weights and activations, however set
             if fits and self.rule == "memory_utilization":
                 fixes["memory_utilization"] = u
         if fits:
             if self.rule != "num_blocks":
-                fixes["kv_cache_memory"] = num_blocks * self.bytes_per_block
+                fixes["kv_cache_memory"] = num_blocks * self.bytes_per_block + self.state_bytes
             fixes["num_blocks"] = num_blocks
         if self.fp8_blocks is not None and self.fp8_blocks >= num_blocks:
             fixes["kv_cache_dtype"] = "fp8"
         return fixes
 
 
+def state_slots(args: EngineArgs, layout: CacheLayout | None) -> int:
+    """The state slots a model with state layers keeps (`num_state_slots`, else max_num_seqs, twice that
+    with prefix caching: a live slot per running request and as many checkpoints); 0 without state layers."""
+    if layout is None or not layout.has_state:
+        return 0
+    return args.num_state_slots or args.max_num_seqs * (2 if args.enable_prefix_caching else 1)
+
+
 def size_cache(args: EngineArgs, per_block: int, max_position_embeddings: int,
-               budget: DeviceBudget | None, fp8_per_block: int | None = None) -> CacheConfig:
+               budget: DeviceBudget | None, fp8_per_block: int | None = None,
+               layout: CacheLayout | None = None) -> CacheConfig:
     """The cache the settings ask for, by the rules above (`budget` None: not on a GPU). The block
     count may be < 1 under memory_utilization: `check_cache` refuses it. The CPU default holds
     max_num_seqs sequences of max_model_len (else max_position_embeddings) tokens. `fp8_per_block`: the
-    bytes per block of an FP8 cache where kv_cache_dtype="fp8" would run and is not set (`fp8_blocks`)."""
-    cache = _size_cache(args, per_block, max_position_embeddings, budget)
+    bytes per block of an FP8 cache where kv_cache_dtype="fp8" would run and is not set (`fp8_blocks`).
+    `layout`: the model's cache groups (None: one full-attention group); its state slots are carved out
+    of a budget or kv_cache_memory before the blocks."""
+    slots = state_slots(args, layout)
+    shape = dict(layout=layout, chunk_tokens=args.max_num_batched_tokens, num_state_slots=slots,
+                 state_slot_bytes=layout.state_slot_bytes if slots else 0)
+    cache = dataclasses.replace(_size_cache(args, per_block, max_position_embeddings, budget, layout, slots), **shape)
     if fp8_per_block is None or cache.rule == "num_blocks" or fp8_per_block >= per_block:
         return cache
-    fp8 = _size_cache(args, fp8_per_block, max_position_embeddings, budget)
+    fp8 = _size_cache(args, fp8_per_block, max_position_embeddings, budget, layout, slots)
     return dataclasses.replace(cache, fp8_blocks=fp8.num_blocks) if fp8.num_blocks > cache.num_blocks else cache
 
 
 def _size_cache(args: EngineArgs, per_block: int, max_position_embeddings: int,
-                budget: DeviceBudget | None) -> CacheConfig:
+                budget: DeviceBudget | None, layout: CacheLayout | None, slots: int) -> CacheConfig:
+    state = slots * layout.state_slot_bytes if slots else 0
+    carved = f", after {slots} state slots of {layout.state_slot_bytes:,} bytes" if slots else ""
     if args.num_blocks is not None:
         return CacheConfig(args.block_size, args.num_blocks, per_block, f"num_blocks={args.num_blocks} set by you",
                            "num_blocks", budget)
     if args.kv_cache_memory is not None:
-        return CacheConfig(args.block_size, args.kv_cache_memory // per_block, per_block,
-                           f"kv_cache_memory={args.kv_cache_memory:,} bytes set by you", "kv_cache_memory", budget)
+        return CacheConfig(args.block_size, (args.kv_cache_memory - state) // per_block, per_block,
+                           f"kv_cache_memory={args.kv_cache_memory:,} bytes set by you{carved}", "kv_cache_memory",
+                           budget)
     if budget is not None:
         u = args.memory_utilization
-        return CacheConfig(args.block_size, budget.blocks(u, per_block), per_block,
+        return CacheConfig(args.block_size, budget.blocks(u, per_block, state), per_block,
                            f"memory_utilization={u} of {budget.total_bytes:,} bytes, after {budget.in_use_bytes:,} "
                            f"in use, a {budget.activation_peak_bytes:,}-byte activation peak and a "
-                           f"{budget.encoder_cache_bytes:,}-byte encoder cache",
+                           f"{budget.encoder_cache_bytes:,}-byte encoder cache{carved}",
                            "memory_utilization", budget)
-    useful_tokens = args.max_num_seqs * (args.max_model_len or max_position_embeddings)
-    blocks = min(CPU_DEFAULT_CACHE_BYTES // per_block, blocks_needed(useful_tokens, args.block_size))
+    length = args.max_model_len or max_position_embeddings
+    per_seq = blocks_needed(length, args.block_size) if layout is None else \
+        layout.blocks_for_tokens(length, args.block_size, args.max_num_batched_tokens)
+    blocks = min((CPU_DEFAULT_CACHE_BYTES - state) // per_block, args.max_num_seqs * per_seq)
     return CacheConfig(args.block_size, blocks, per_block,
                        "the CPU default: max_num_seqs full-length sequences, at most 1 GiB "
-                       "(set num_blocks or kv_cache_memory to change it)", "cpu_default")
+                       f"(set num_blocks or kv_cache_memory to change it){carved}", "cpu_default")
 
 
 def check_cache(cache: CacheConfig, args: EngineArgs, weights_bytes: int, image_setting: str | None = None) -> None:
-    """Raise `InvalidRequestError`, naming the numbers and the fix, when not one block fits.
+    """Raise `InvalidRequestError`, naming the numbers and the fix, when not one block fits (beside the
+    state slots of a model with state layers: the error names them when they take the room).
     `weights_bytes`: this engine's own weights on the rank (the rest of what is in use belongs to the
     CUDA context and other processes, other engines of this process included); `image_setting` (the
     model family's `plan_setting`) is the setting that sizes the profiled image."""
     if cache.num_blocks >= 1:
         return
-    per_block, budget = cache.bytes_per_block, cache.budget
+    per_block, budget, state = cache.bytes_per_block, cache.budget, cache.state_bytes
+    slots = (f" beside {cache.num_state_slots} state slots x {cache.state_slot_bytes:,} bytes = {state:,} "
+             f"(num_state_slots; default max_num_seqs, twice that with prefix caching)" if state else "")
+    fewer = ", or lower num_state_slots (or max_num_seqs)" if state else ""
     if cache.rule == "kv_cache_memory":
         raise InvalidRequestError(
-            f"kv_cache_memory={args.kv_cache_memory:,} bytes holds no KV block: one block of "
-            f"{args.block_size} tokens takes {per_block:,} bytes; set kv_cache_memory >= {format_size(per_block)} "
-            f"(--kv-cache-memory {format_size(per_block)})")
+            f"kv_cache_memory={args.kv_cache_memory:,} bytes holds no KV block{slots}: one block of "
+            f"{args.block_size} tokens takes {per_block:,} bytes; set kv_cache_memory >= "
+            f"{format_size(per_block + state)} (--kv-cache-memory {format_size(per_block + state)}){fewer}")
     if budget is None:  # the CPU default, with one block above its 1 GiB cap
         raise InvalidRequestError(
-            f"one KV block of {args.block_size} tokens takes {per_block:,} bytes, more than the CPU default "
-            f"cache of {CPU_DEFAULT_CACHE_BYTES:,} bytes: set num_blocks, kv_cache_memory >= {format_size(per_block)}, or a "
-            f"smaller block_size")
-    need = budget.utilization_for(per_block)
-    raise_to = (f"Raise memory_utilization to at least {need:.2f} (room for one {per_block:,}-byte block)"
+            f"one KV block of {args.block_size} tokens takes {per_block:,} bytes{slots}, more than the CPU default "
+            f"cache of {CPU_DEFAULT_CACHE_BYTES:,} bytes: set num_blocks, kv_cache_memory >= "
+            f"{format_size(per_block + state)}, or a smaller block_size{fewer}")
+    need = budget.utilization_for(per_block + state)
+    raise_to = (f"Raise memory_utilization to at least {need:.2f} (room for one {per_block:,}-byte block{slots})"
                 if need <= 1 else
-                f"Even memory_utilization=1 leaves no room for one {per_block:,}-byte block ({need:.2f} would "
+                f"Even memory_utilization=1 leaves no room for one {per_block:,}-byte block{slots} ({need:.2f} would "
                 f"be needed): free device memory")
     others = budget.in_use_bytes - weights_bytes
     raise InvalidRequestError(
@@ -187,5 +239,6 @@ def check_cache(cache: CacheConfig, args: EngineArgs, weights_bytes: int, image_
         f"{args.max_num_batched_tokens} tokens, logits for max_num_seqs={args.max_num_seqs} rows and one "
         f"{image_setting or 'largest allowed'} image; lowering those lowers it)"
         + (f"; encoder_cache_memory sets aside {budget.encoder_cache_bytes:,}" if budget.encoder_cache_bytes else "")
+        + (f"; the state slots take {state:,}" if state else "")
         + f". {raise_to}, lower max_num_batched_tokens, max_num_seqs, {image_setting or 'the image size setting'}"
-        + (" or encoder_cache_memory" if budget.encoder_cache_bytes else "") + ", or set kv_cache_memory")
+        + (" or encoder_cache_memory" if budget.encoder_cache_bytes else "") + fewer + ", or set kv_cache_memory")

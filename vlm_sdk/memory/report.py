@@ -6,13 +6,17 @@
                 of device memory, so the activation peak is not measured
     encoder     encoder_cache_memory: the most bytes of vision embeddings kept for reuse (on CUDA set
                 aside from the memory_utilization budget before the KV cache is sized)
-    KV cache    bytes per token and per block, the blocks allocated, their token capacity
+    KV cache    bytes per token and per block, the blocks allocated, their token capacity; a model of
+                several cache groups: each group's kind, layers and blocks of one max_model_len sequence,
+                and the state slots (`cache_group_rows`, shared with `vlm-sdk plan`)
 
 The engine logs `format()` once the cache is allocated; `LLM.memory_report` keeps it.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+from vlm_sdk.protocol.cache_layout import CacheLayout
 
 
 def format_bytes(n: int | None) -> str:
@@ -48,9 +52,53 @@ def encoder_cache_text(num_bytes: int, cache_source: str) -> str:
 
 def kv_token_text(per_token: int, layers: int, kv_heads: int, head_dim: int, kv_dtype: str) -> str:
     """The KV-per-token line, shared with `vlm-sdk plan`: its arithmetic and the cache's dtype (an FP8
-    cache names its per-layer scales)."""
+    cache names its per-layer scales). `layers`: those a block holds pages of (group_size; every layer
+    for a model of one attention kind)."""
     fp8 = " (kv_cache_dtype='fp8': e4m3 with per-layer K and V scales)" if kv_dtype.startswith("float8") else ""
     return f"{per_token:,} B ({layers} layers x 2 x {kv_heads} KV heads x {head_dim} x {kv_dtype}){fp8}"
+
+
+def cache_groups(layout: CacheLayout | None, block_size: int, chunk_tokens: int, max_model_len: int) -> tuple[dict, ...]:
+    """Each cache group's share, plain data (reports and JSON): kind, layers, window, the bytes of a block
+    its layers use, and the blocks one max_model_len sequence holds in it; a state group's bytes per
+    slot. () for a model of one full-attention group."""
+    if layout is None or len(layout.groups) == 1:
+        return ()
+    page = layout.page_spec.page_bytes(block_size)
+    out = []
+    for g in layout.groups:
+        s = g.spec
+        if s.kind == "state":
+            out.append({"kind": "state", "layers": list(g.layers), "slot_bytes": s.slot_bytes})
+            continue
+        one = CacheLayout.from_specs([s])  # this group alone: its blocks for one sequence
+        out.append({"kind": s.kind, "layers": list(g.layers), "window": s.window,
+                    "block_bytes_used": len(g.layers) * page,
+                    "blocks_per_sequence": one.blocks_for_tokens(max_model_len, block_size, chunk_tokens)})
+    return tuple(out)
+
+
+def cache_group_rows(groups: tuple[dict, ...], group_size: int, num_state_slots: int, state_slot_bytes: int,
+                     max_model_len: int) -> list[tuple[str, str]]:
+    """The report rows of `cache_groups` (the same in `vlm-sdk plan` and the start-up report)."""
+    if not groups:
+        return []
+    rows = []
+    for i, g in enumerate(groups):
+        if g["kind"] == "state":
+            rows.append((f"  group {i}: state", f"layers {g['layers']}: {format_bytes(g['slot_bytes'])} per slot"))
+            continue
+        what = "full attention" if g["kind"] == "full" else f"sliding window {g['window']}"
+        wasted = "" if len(g["layers"]) == group_size else \
+            f" (the block's pages of {group_size - len(g['layers'])} missing layers unused)"
+        rows.append((f"  group {i}: {what}", f"layers {g['layers']}: {format_bytes(g['block_bytes_used'])} of each "
+                     f"of its blocks{wasted}; one {max_model_len:,}-token sequence holds {g['blocks_per_sequence']:,} "
+                     f"of them"))
+    if num_state_slots:
+        rows.append(("state slots", f"{num_state_slots:,} x {format_bytes(state_slot_bytes)} = "
+                     f"{format_bytes(num_state_slots * state_slot_bytes)}, carved out before the blocks: a live "
+                     f"slot per running request, the rest prefix-cache checkpoints (num_state_slots)"))
+    return rows
 
 
 class MemoryTotals:
@@ -62,6 +110,9 @@ class MemoryTotals:
     block_size: int
     kv_bytes_per_block: int
     encoder_cache_bytes: int  # the encoder cache's bound (encoder_cache_memory); 0: no encoder cache
+    cache_capacity_tokens: int | None  # the longest sequence the blocks hold; None: num_blocks * block_size
+    num_state_slots: int
+    state_slot_bytes: int
 
     @property
     def weights_bytes(self) -> int:
@@ -69,11 +120,17 @@ class MemoryTotals:
 
     @property
     def capacity_tokens(self) -> int:
+        if self.cache_capacity_tokens is not None:
+            return self.cache_capacity_tokens
         return self.num_blocks * self.block_size
 
     @property
     def kv_cache_bytes(self) -> int:
         return self.num_blocks * self.kv_bytes_per_block
+
+    @property
+    def state_bytes(self) -> int:
+        return self.num_state_slots * self.state_slot_bytes
 
 
 @dataclass(frozen=True)
@@ -118,10 +175,16 @@ class StartupMemory(MemoryTotals):
     weight_format: str = "float"  # the LLM's Linear weights: "float" or the checkpoint's quantized format
     held_vision: str = ""  # vision embeddings a prefilling request holds, in words (MemoryInputs.held_vision_text)
     kv_cache_dtype: str = ""  # the KV cache's dtype ("bfloat16", "float8_e4m3fn", ...); "": the model's
+    cache_groups: tuple = ()  # each cache group's share (`cache_groups`); (): one full-attention group
+    group_size: int = 0  # layers per attention group: the KV tensors a block is a page of
+    cache_capacity_tokens: int | None = None
+    num_state_slots: int = 0  # a model with state layers: its state slots and one slot's bytes
+    state_slot_bytes: int = 0
+    prefix_reuse: tuple = ()  # (kind, whether and how it reuses cached prefixes) when several kinds
 
     def to_dict(self) -> dict:
         out = asdict(self) | {"weights_bytes": self.weights_bytes, "capacity_tokens": self.capacity_tokens,
-                              "kv_cache_bytes": self.kv_cache_bytes}
+                              "kv_cache_bytes": self.kv_cache_bytes, "state_bytes": self.state_bytes}
         out["consumers"] = [c.to_dict() for c in self.consumers]
         return out
 
@@ -150,11 +213,15 @@ class StartupMemory(MemoryTotals):
                          f"{self.memory_utilization}; {format_bytes(self.device_in_use_bytes)} in use before the cache"))
         rows.append(("encoder cache", encoder_cache_text(self.encoder_cache_bytes, self.cache_source)))
         rows += [
-            ("KV per token", kv_token_text(self.kv_bytes_per_token, self.num_layers, self.num_kv_heads, self.head_dim,
+            ("KV per token", kv_token_text(self.kv_bytes_per_token, self.group_size if self.cache_groups else
+                                           self.num_layers, self.num_kv_heads, self.head_dim,
                                            self.kv_cache_dtype or self.dtype)),
             ("KV blocks", f"{self.num_blocks:,} x {self.kv_bytes_per_block:,} B ({self.block_size} tokens) = "
              f"{format_bytes(self.kv_cache_bytes)}; {self.cache_source}"),
-            ("KV capacity", f"{self.capacity_tokens:,} tokens"),
+            *cache_group_rows(self.cache_groups, self.group_size, self.num_state_slots, self.state_slot_bytes,
+                              self.max_model_len),
+            ("KV capacity", f"{self.capacity_tokens:,} tokens" + (" in one sequence" if self.cache_groups else "")),
+            *[(f"  prefix caching, {k}", v) for k, v in self.prefix_reuse],
             ("max_model_len", f"{self.max_model_len:,} ({self.max_model_len_source}"
              + ("" if "max_position" in self.max_model_len_source
                 else f"; max_position_embeddings {self.max_position_embeddings:,}") + ")"),

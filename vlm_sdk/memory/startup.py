@@ -17,8 +17,7 @@ from vlm_sdk.memory.breakdown import Breakdown, breakdown
 from vlm_sdk.memory.capacity import check_max_model_len_fits, resolve_max_model_len
 from vlm_sdk.memory.inputs import MemoryInputs
 from vlm_sdk.memory.kv import CacheConfig, check_cache, fp8_bytes_per_block, size_cache
-from vlm_sdk.memory.report import RankMemory, StartupMemory
-from vlm_sdk.protocol.blocks import blocks_needed
+from vlm_sdk.memory.report import RankMemory, StartupMemory, cache_groups
 from vlm_sdk.protocol.rank import RankLoad
 
 logger = logging.getLogger("vlm_sdk")
@@ -43,7 +42,7 @@ def size_rank_caches(m: MemoryInputs, loads: list[RankLoad], profiles: list[dict
         parts = breakdown(m, profile)
         budget = None if snapshot is None else parts.budget(*snapshot)
         fp8 = fp8_bytes_per_block(load.bytes_per_block, m.kv_dtype) if fp8_runs else None
-        cache = size_cache(m.args, load.bytes_per_block, m.max_position_embeddings, budget, fp8)
+        cache = size_cache(m.args, load.bytes_per_block, m.max_position_embeddings, budget, fp8, m.layout)
         check_cache(cache, m.args, load.weights.total, image_setting)
         out.append(RankCache(parts, cache))
     if m.args.memory_utilization_given and out[0].cache.rule != "memory_utilization":
@@ -64,11 +63,15 @@ def scheduler_config(m: MemoryInputs, cache: CacheConfig) -> SchedulerConfig:
         check_max_model_len_fits(cache, args.max_model_len)
     max_len, source = resolve_max_model_len(args.max_model_len, max_pos, cache.capacity_tokens)
     if args.max_model_len is None and max_len < max_pos:
-        fixes = fixes_text(cache.fixes_for(blocks_needed(max_pos, cache.block_size)))
+        fixes = fixes_text(cache.fixes_for(cache.blocks_for(max_pos)))
         logger.warning("max_model_len is %d, the KV cache capacity, below the model's max_position_"
                        "embeddings %d; sequences stop there. %s", max_len, max_pos,
                        f"For the full length set any one of: {fixes}" if fixes else
                        "No cache this device holds reaches the full length.")
+    if cache.num_state_slots and cache.num_state_slots < args.max_num_seqs:
+        logger.warning("num_state_slots=%d is below max_num_seqs=%d: at most %d requests run at once (each "
+                       "holds a state slot); raise num_state_slots or lower max_num_seqs",
+                       cache.num_state_slots, args.max_num_seqs, cache.num_state_slots)
     return SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len, source)
 
 
@@ -96,4 +99,16 @@ def startup_report(m: MemoryInputs, loads: list[RankLoad], ranks: list[RankCache
         max_model_len_source=sched.max_model_len_source, max_position_embeddings=m.max_position_embeddings,
         image_tokens_per_image=m.image.tokens, load_seconds=max(r.load_seconds for r in loads),
         tensor_parallel_size=len(loads), ranks=per_rank, consumers=parts.consumers, weight_format=m.weight_format,
-        held_vision=m.held_vision_text)
+        held_vision=m.held_vision_text, **cache_shares(m, cache, sched.max_model_len))
+
+
+def cache_shares(m: MemoryInputs, cache: CacheConfig, max_model_len: int) -> dict:
+    """The report fields of a model of several cache groups (each group's share, the state slots, the
+    capacity of one sequence, prefix reuse per kind), the same in `vlm-sdk plan`."""
+    layout = m.layout
+    several = layout is not None and len(layout.groups) > 1
+    return {"cache_groups": cache_groups(layout, cache.block_size, m.args.max_num_batched_tokens, max_model_len),
+            "group_size": layout.group_size if layout is not None else m.num_layers,
+            "cache_capacity_tokens": cache.capacity_tokens, "num_state_slots": cache.num_state_slots,
+            "state_slot_bytes": cache.state_slot_bytes,
+            "prefix_reuse": tuple(layout.prefix_reuse(m.args.enable_prefix_caching).items()) if several else ()}

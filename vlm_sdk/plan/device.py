@@ -54,11 +54,12 @@ class Memory:
 
 
 def cache_fit_problem(mem: Memory, weights: int, peak: int, num_blocks: int, per_block: int, rule: str,
-                      source: str, encoder: int = 0):
+                      source: str, encoder: int = 0, state: int = 0):
     """(message, fixes) when the KV cache does not fit beside the weights, the activation peak and the
     encoder cache (`encoder` bytes, its bound), naming the largest num_blocks / kv_cache_memory that
-    does (only settings that would take effect: num_blocks overrides kv_cache_memory); None when it fits."""
-    cache = num_blocks * per_block
+    does (only settings that would take effect: num_blocks overrides kv_cache_memory); None when it fits.
+    `state`: the state slots' bytes, part of the cache (carved out before its blocks)."""
+    cache = num_blocks * per_block + state
     room = mem.total - mem.other_use - weights - peak - encoder
     if cache <= room:
         return None
@@ -69,7 +70,7 @@ def cache_fit_problem(mem: Memory, weights: int, peak: int, num_blocks: int, per
     head = (f"the KV cache of {num_blocks:,} blocks = {format_bytes(cache)} ({source}) does not fit in "
             f"{format_bytes(mem.total)} of {mem.what} beside {used}{enc} and the {format_bytes(peak)} activation "
             f"peak (an estimate)")
-    fit = max(room, 0) // per_block
+    fit = max(room - state, 0) // per_block
     if room <= 0:
         return (f"{head}: the weights, the activation peak{' and the encoder cache' if encoder else ''} alone need "
                 f"{format_bytes(mem.total - room)}, more than the {mem.what}, even without a KV cache; plan more "
@@ -81,7 +82,9 @@ def cache_fit_problem(mem: Memory, weights: int, peak: int, num_blocks: int, per
                 + (" / --encoder-cache-memory" if encoder else "") + ", or plan more memory", {})
     fixes: dict[str, int | str] = {}
     if rule != "num_blocks":
-        fixes["kv_cache_memory"] = fit * per_block
+        fixes["kv_cache_memory"] = fit * per_block + state
     fixes["num_blocks"] = fit
-    return (f"{head}: {format_bytes(room)} is left for it; the largest that fits is num_blocks={fit} "
-            f"(kv_cache_memory={format_size(fit * per_block)} = {format_bytes(fit * per_block)})", fixes)
+    slots = f" beside {format_bytes(state)} of state slots" if state else ""
+    return (f"{head}: {format_bytes(room)} is left for it; the largest that fits is num_blocks={fit}{slots} "
+            f"(kv_cache_memory={format_size(fit * per_block + state)} = {format_bytes(fit * per_block + state)})",
+            fixes)

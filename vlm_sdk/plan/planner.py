@@ -6,13 +6,15 @@ Everything the engine decides is decided here by the engine's own code: config.j
 the engine's `memory.kv.size_cache`, and every fix from `CacheConfig.fixes_for` (the start-up refusal
 and the too-long error use it too). Units: bytes unless a name says tokens / blocks / pixels.
 
-    kv_bytes_per_token = layers * 2 (K, V) * kv heads per rank * head_dim * KV dtype bytes
+    kv_bytes_per_token = group_size * 2 (K, V) * kv heads per rank * head_dim * KV dtype bytes
                          (the model's dtype, or 1 with kv_cache_dtype "fp8")
                          (kv_heads / tp; 1 when tp > kv_heads: each rank keeps a copy of one KV head)
+                         (group_size = layers for a model of one attention kind: protocol/cache_layout.py)
     kv_bytes_per_block = kv_bytes_per_token * block_size
-    num_blocks         = num_blocks | kv_cache_memory // per_block
+    state slots        = a model with state layers: num_state_slots x their bytes, carved out first
+    num_blocks         = num_blocks | (kv_cache_memory - state slots) // per_block
                          | (device memory * memory_utilization - in use - activation peak
-                            - encoder_cache_memory) // per_block
+                            - encoder_cache_memory - state slots) // per_block
                          | the CPU default (max_num_seqs full-length sequences, at most 1 GiB)
     in use             = weights, plus with --device cuda:N what is in use on it now
     fits               in use + activation peak + encoder cache + num_blocks * per_block <= device memory
@@ -52,7 +54,8 @@ from vlm_sdk.executor.launch import check_tensor_parallel_size
 from vlm_sdk.memory.breakdown import ConsumerBytes, breakdown
 from vlm_sdk.memory.capacity import resolve_max_model_len
 from vlm_sdk.memory.inputs import memory_inputs
-from vlm_sdk.memory.kv import DeviceBudget, bytes_per_block, fp8_bytes_per_block, size_cache
+from vlm_sdk.memory.kv import DeviceBudget, fp8_bytes_per_block, size_cache
+from vlm_sdk.memory.startup import cache_shares
 from vlm_sdk.memory.report import MemoryTotals
 from vlm_sdk.model_loader import read_config
 from vlm_sdk.models import registry
@@ -65,7 +68,7 @@ __all__ = ["MemoryPlan", "PLAN_OPTIONS", "Problem", "plan"]
 
 _ENGINE_OPTIONS = ("memory_utilization", "kv_cache_memory", "num_blocks", "dtype", "block_size", "max_model_len",
                    "max_num_seqs", "max_num_batched_tokens", "shard_vision", "enable_expert_parallel",
-                   "encoder_cache_memory",
+                   "encoder_cache_memory", "num_state_slots", "enable_prefix_caching", "model_family",
                    "enforce_eager", "piecewise_cuda_graphs", "kv_cache_dtype")
 # each registered family's image option (`FamilySpec.plan_setting`)
 FAMILY_OPTIONS = tuple(registry.plan_settings())
@@ -123,6 +126,14 @@ class MemoryPlan(MemoryTotals):
     # the tokens the same settings give an FP8 cache (kv_cache_dtype "fp8"), when this one is not FP8 and
     # its size follows its bytes (not num_blocks); None otherwise
     fp8_capacity_tokens: int | None = None
+    # a model of several cache groups (protocol/cache_layout.py): each group's share, the layers per
+    # attention group, the longest sequence the blocks hold, the state slots, and prefix reuse per kind
+    cache_groups: tuple = ()
+    group_size: int = 0
+    cache_capacity_tokens: int | None = None
+    num_state_slots: int = 0
+    state_slot_bytes: int = 0
+    prefix_reuse: tuple = ()
 
     def consumer_bytes(self, name: str) -> int:
         """A consumer's bytes (0 when it does not apply: e.g. graph pools on the CPU)."""
@@ -143,7 +154,7 @@ class MemoryPlan(MemoryTotals):
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k not in ("problems", "notes", "consumers")}
         out["consumers"] = [c.to_dict() for c in self.consumers]
-        for name in ("weights_bytes", "capacity_tokens", "kv_cache_bytes",
+        for name in ("weights_bytes", "capacity_tokens", "kv_cache_bytes", "state_bytes",
                      "longest_request_tokens", "request_tokens"):
             out[name] = getattr(self, name)
         out["problems"] = [p.to_dict() for p in self.problems]
@@ -164,7 +175,7 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     option, `CheckpointError` for a config the engine could not serve either."""
     o, sizes = _settings(options)
     info = read_config(config_path_or_dir)
-    family = registry.resolve([info.architecture])
+    family = registry.resolve([info.architecture], o["model_family"])
     args, tp = _engine_args(o, sizes, family, info), o["tp"] or 1
     device, device_memory, other_use, host_memory = _where(o, sizes)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
@@ -178,19 +189,20 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     m = memory_inputs(family, info, args, model, dtype, tp, on_gpu=on_gpu, decode_graphs=graphs,
                       piecewise_graphs=graphs and args.piecewise_cuda_graphs)
     parts = breakdown(m)  # every consumer estimated
-    per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, args.block_size, m.kv_dtype)
+    per_block = m.layout.block_bytes(args.block_size)  # the engine's: worker.py reports the same
     weights, peak, encoder = m.weights, parts.activation_bytes, parts.bytes_of("encoder_cache")
 
     # the engine's own sizing rules, on the memory it would find after loading the weights; an FP8 cache's
     # blocks beside them (a planned GPU runs it: the engine refuses only a GPU older than compute 8.0)
     budget = None if device_memory is None else parts.budget(device_memory, other_use + weights.total)
-    cache = size_cache(args, per_block, m.max_position_embeddings, budget, fp8_bytes_per_block(per_block, m.kv_dtype))
+    cache = size_cache(args, per_block, m.max_position_embeddings, budget, fp8_bytes_per_block(per_block, m.kv_dtype),
+                       m.layout)
     blocks = max(cache.num_blocks, 0)
     memory = (Memory(device_memory, other_use, "device memory") if device_memory is not None else
               Memory(host_memory, 0, "host RAM"))
     if budget is None:  # the CPU: grow-the-cache fixes are bounded by host RAM (sizing rules stay the engine's)
         cache = dataclasses.replace(cache, budget=DeviceBudget(host_memory, weights.total, peak, encoder))
-    capacity = blocks * args.block_size
+    capacity = dataclasses.replace(cache, num_blocks=blocks).capacity_tokens
     max_model_len, _ = resolve_max_model_len(args.max_model_len, m.max_position_embeddings, capacity)
     longest = min(capacity, m.max_position_embeddings, max_model_len)
     fits_alone = m.image.fitting(longest)
@@ -223,7 +235,9 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
         max_concurrent_requests=concurrent, problems=tuple(problems + workload_problems),
         notes=tuple(notes + workload_notes), weight_format=m.weight_format,
         kv_cache_dtype=str(m.kv_dtype).removeprefix("torch."),
-        fp8_capacity_tokens=None if cache.fp8_blocks is None else max(cache.fp8_blocks, 0) * args.block_size)
+        fp8_capacity_tokens=None if cache.fp8_blocks is None else
+        dataclasses.replace(cache, num_blocks=max(cache.fp8_blocks, 0)).capacity_tokens,
+        **{**cache_shares(m, cache, max_model_len), "cache_capacity_tokens": capacity})
 
 
 def _settings(options: dict) -> tuple[dict, dict]:

@@ -5,7 +5,8 @@ import argparse
 import json
 
 from vlm_sdk.config import KV_CACHE_DTYPES
-from vlm_sdk.memory.report import consumer_rows, encoder_cache_text, format_bytes as _size, kv_token_text, table
+from vlm_sdk.memory.report import (cache_group_rows, consumer_rows, encoder_cache_text, format_bytes as _size,
+                                   kv_token_text, table)
 from vlm_sdk.models import registry
 from vlm_sdk.plan.planner import PLAN_OPTIONS, MemoryPlan, _value, plan
 
@@ -42,12 +43,15 @@ def format_plan(p: MemoryPlan) -> str:
         ("activation peak (estimate)", f"{_size(p.activation_peak_bytes)}: the step-time consumers below"),
         *consumer_rows(p.consumers),
         ("encoder cache", encoder_cache_text(p.encoder_cache_bytes, p.cache_source)),
-        ("KV per token", kv_token_text(p.kv_bytes_per_token, p.num_layers, p.num_kv_heads, p.head_dim,
+        ("KV per token", kv_token_text(p.kv_bytes_per_token, p.group_size if p.cache_groups else p.num_layers,
+                                       p.num_kv_heads, p.head_dim,
                                        p.kv_cache_dtype or p.dtype)),
         ("KV per block", f"{p.kv_bytes_per_block:,} B ({p.block_size} tokens)"),
         ("KV blocks", f"{p.num_blocks:,} = {_size(p.kv_cache_bytes)} ({p.cache_source})"),
-        ("KV capacity", f"{p.capacity_tokens:,} tokens"
+        *cache_group_rows(p.cache_groups, p.group_size, p.num_state_slots, p.state_slot_bytes, p.max_model_len),
+        ("KV capacity", f"{p.capacity_tokens:,} tokens" + (" in one sequence" if p.cache_groups else "")
          + (f"; {p.fp8_capacity_tokens:,} with --kv-cache-dtype fp8" if p.fp8_capacity_tokens else "")),
+        *[(f"  prefix caching, {k}", v) for k, v in p.prefix_reuse],
         ("max_model_len", f"{p.max_model_len:,} (max_position_embeddings {p.max_position_embeddings:,})"),
         ("longest single request", f"{p.longest_request_tokens:,} tokens"),
         ("largest allowed image", f"{p.image_tokens_per_image:,} tokens ({p.largest_image})"),
@@ -78,6 +82,8 @@ _HELP = {
                      "image setting)",
     "output-tokens": "workload: tokens generated per request (max_tokens); counted in the request's length",
     "images": "workload: images per request, each counted at the largest allowed size",
+    "num-state-slots": "a model with state layers: state slots carved out before the blocks (default max_num_seqs, "
+                       "twice that with prefix caching)",
 }
 
 
@@ -106,8 +112,13 @@ def add_plan_parser(sub) -> None:
     cmd.add_argument("--encoder-cache-memory", help=f"the most vision embeddings kept for reuse across requests "
                      f"(the encoder cache), e.g. 256MiB (the default; {_SIZE}), 0 for none; counted beside the "
                      "weights and activations, and set aside before --memory-utilization sizes the KV cache")
-    for name in ("num-blocks", "block-size", "max-model-len", "max-num-seqs", "max-num-batched-tokens"):
+    for name in ("num-blocks", "block-size", "max-model-len", "max-num-seqs", "max-num-batched-tokens",
+                 "num-state-slots"):
         cmd.add_argument(f"--{name}", type=int, help=_HELP[name])
+    cmd.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                     help="prefix caching (default on): with state layers it doubles the default state slots")
+    cmd.add_argument("--model-family", help="the module path of a family (its FAMILY) outside vlm_sdk's registry to "
+                     "plan the checkpoint with, as the engine's model_family")
     schemas = registry.engine_settings()  # one help true for every family declaring a setting
     for name, (_, setting) in registry.plan_settings().items():  # each family's image option
         owners = " / ".join(f.display_name for f in registry.families() if f.plan_setting[0] == name)

@@ -14,7 +14,6 @@ from vlm_sdk.memory.image_fit import unfit_image_fixes
 from vlm_sdk.memory.kv import CacheConfig
 from vlm_sdk.models.family import ImageLimits
 from vlm_sdk.plan.device import Memory, cache_fit_problem
-from vlm_sdk.protocol.blocks import blocks_needed
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,8 @@ class Facts:
 
     @property
     def capacity(self) -> int:
-        return self.blocks * self.args.block_size
+        """The longest sequence the blocks hold (in every cache group)."""
+        return dataclasses.replace(self.cache, num_blocks=self.blocks).capacity_tokens
 
 
 def flag(name: str) -> str:
@@ -62,7 +62,8 @@ def cache_problems(f: Facts, memory: Memory, weights: int, peak: int, encoder: i
     problems = []
     cache, args = f.cache, f.args
     if f.blocks >= 1 and (not device_budget or cache.rule != "memory_utilization"):
-        too_big = cache_fit_problem(memory, weights, peak, f.blocks, f.per_block, cache.rule, cache.source, encoder)
+        too_big = cache_fit_problem(memory, weights, peak, f.blocks, f.per_block, cache.rule, cache.source, encoder,
+                                    cache.state_bytes)
         if too_big is not None:
             problems.append(Problem(*too_big))
     if f.blocks < 1:
@@ -90,7 +91,7 @@ def max_model_len_notes(f: Facts) -> list[Problem]:
     """max_model_len left to follow a cache shorter than the model's positions."""
     if f.args.max_model_len is not None or not 1 <= f.capacity < f.max_pos:
         return []
-    grow = f.cache.fixes_for(blocks_needed(f.max_pos, f.args.block_size))
+    grow = f.cache.fixes_for(f.cache.blocks_for(f.max_pos))
     return [Problem(f"max_model_len follows the cache: {f.capacity} tokens, below the model's "
                     f"max_position_embeddings {f.max_pos}"
                     + (f"; for the full length set {flags(grow, ', or ')}" if grow else
@@ -121,11 +122,17 @@ def workload(f: Facts, prompt_tokens: int | None, output_tokens: int | None,
     args, image, longest, blocks = f.args, f.image, f.longest, f.blocks
     p, out_tokens, k = prompt_tokens or 0, output_tokens or 0, images or 0
     need_tokens = p + k * image.tokens + out_tokens
-    need_blocks = blocks_needed(max(need_tokens, 1), args.block_size)
+    need_blocks = f.cache.blocks_for(max(need_tokens, 1))
     if need_tokens <= longest:
-        concurrent = min(args.max_num_seqs, blocks // need_blocks)
+        slots = f.cache.num_state_slots or args.max_num_seqs  # each running request holds a state slot
+        concurrent = min(args.max_num_seqs, blocks // need_blocks, slots)
         if concurrent >= args.max_num_seqs:
             return concurrent, [], []
+        if concurrent == slots < blocks // need_blocks:  # the state slots bind, not the blocks
+            return concurrent, [], [Problem(
+                f"max_num_seqs {args.max_num_seqs} but only {slots} state slots (num_state_slots): {slots} requests "
+                f"run at once, the others wait for a slot. Set --num-state-slots {args.max_num_seqs} or "
+                f"--max-num-seqs {slots}", {"num_state_slots": args.max_num_seqs, "max_num_seqs": slots})]
         grow = f.cache.fixes_for(args.max_num_seqs * need_blocks)
         more = (f"; for {args.max_num_seqs} at once: {flags(grow, ', or ')}" if grow else
                 f"; this device cannot hold {args.max_num_seqs} at once")

@@ -157,6 +157,15 @@ class CacheLayout:
                 hi = mid - 1
         return lo
 
+    def prefix_reuse(self, enable_prefix_caching: bool) -> dict[str, str]:
+        """Per kind: whether it reuses cached prefixes, and how or why not (stats() and the plan say it)."""
+        if not enable_prefix_caching:
+            return {k: "off: enable_prefix_caching=False" for k in self.kinds}
+        how = {"full": "reuses cached prefixes", "sliding_window": "reuses cached prefixes whose window is intact",
+               "state": "reuses cached prefixes at checkpointed block boundaries (the prompt's last and the "
+                        "latest generated one)"}
+        return {k: how[k] for k in self.kinds}
+
     def describe(self) -> str:
         """The groups in words (reports, errors)."""
         parts = []

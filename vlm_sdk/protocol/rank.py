@@ -28,5 +28,6 @@ class RankLoad:
     num_layers: int
     num_kv_heads: int  # this rank's KV heads (what its cache holds per layer)
     head_dim: int
-    bytes_per_block: int  # this rank's KV bytes per block (its KV heads, every layer, K and V)
+    bytes_per_block: int  # this rank's KV bytes per block of the shared pool (its KV heads, group_size layers, K and V)
     kv_cache_dtype: str = ""  # the cache's dtype, e.g. "bfloat16" or "float8_e4m3fn"; "": the model's
+    state_slot_bytes: int = 0  # one request's state over this rank's state layers (0: none)

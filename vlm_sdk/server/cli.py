@@ -30,6 +30,9 @@ _ENGINE_HELP = {
                              "content; default on; --no-enable-prefix-caching turns it off)",
     "encoder_cache_memory": "vision embeddings kept for reuse, e.g. 256MiB (default); 0 turns the encoder cache off",
     "max_model_len": "longest sequence (prompt + output) in tokens",
+    "num_state_slots": "a model with state layers: state slots (a running request's, the rest prefix-cache "
+                       "checkpoints), carved out before the KV blocks (default max_num_seqs, twice that with "
+                       "prefix caching)",
     "attention_backend": "'triton' (default on CUDA) or 'torch' (the reference path, default on the CPU)",
     "kv_cache_dtype": "the KV cache's dtype: 'auto' (the model's, default) or 'fp8' (float8 e4m3 with per-layer K and "
                       "V scales from the checkpoint, else 1.0: twice the tokens in the same memory)",
@@ -62,6 +65,8 @@ _ENGINE_HELP = {
     "max_video_decode_pixels": "most pixels decoded for one video: every frame from the keyframe before each sampled "
                                "one, at the source size, counted before decoding (default 8000000000)",
     "revision": "branch, tag or commit of a model given as a Hub id 'Org/Name' (default: main)",
+    "model_family": "the module path of a model family (its FAMILY, a FamilySpec) outside vlm_sdk's registry to "
+                    "serve the checkpoint with, instead of the one its config.json architecture names",
     "max_logit_bias": "logit_bias entries per request (default 300); each is applied at every step",
     "max_stop_token_ids": "stop_token_ids per request (default 300); min_tokens bans each at every step",
     "max_grammar_bytes": "bytes of one structured-output spec: schema, regex, choice list or grammar (default 1048576)",
@@ -81,7 +86,7 @@ _ENGINE_HELP = {
 _ALIASES = {"tensor_parallel_size": ("--tp",)}
 _SWITCHES = {"async_scheduling"}  # on/off switches whose default (None) means "decided by the device"
 # flags whose EngineArgs default (None) does not tell their type; the rest follow their default's type
-_FLAG_TYPES = {"revision": str, "dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
+_FLAG_TYPES = {"revision": str, "model_family": str, "dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
                "encoder_cache_memory": str, "memory_utilization": float, "max_grammar_memory": str,
                "grammar_cache_memory": str, "tool_call_parser": str, "reasoning_parser": str,
                "max_video_bytes": str, "distributed_executor_backend": str}

@@ -13,7 +13,7 @@ def _this_worker(worker: Any) -> Any:
 
 def local_worker(engine: Any) -> Any:
     """Rank 0's `Worker` (vlm_sdk/worker/worker.py) of an `LLMEngine` with one rank, whose worker
-    lives in this process: its `.model`, `.runner`, `.ops`, `.kv_caches`. Under tensor parallelism the
+    lives in this process: its `.model`, `.runner`, `.ops`, `.caches`. Under tensor parallelism the
     other ranks' workers live in other processes: ask for plain data instead
     (`engine.executor.collective_rpc("held_state")`)."""
     if engine.executor.world_size != 1:

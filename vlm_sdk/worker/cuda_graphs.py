@@ -10,10 +10,13 @@ the rows past `n` padded:
 
     rows        0 .. n-1 (real)              n .. size-1 (padding)
     input_ids   the new tokens               0
-    slot        their cache slots            -1   (store_kv skips it: no cache write)
+    slot        their cache slots            -1   (store_kv skips it: no cache write); one row per
+                                                  attention cache group
     table_rows  their rows in `tables`       0    (read only up to seq_len: not at all)
     seq_lens    their lengths                0    (paged_attention_decode writes zeros)
     token_src   -1, or the row of `sampled_tokens` holding the token (asynchronous scheduling)   -1
+    state_slot  their live state slots       -1   (a state layer neither reads nor writes it); only for a
+                                                  model with state layers
     positions   their positions              0
 
 The graph ends with the step's logits and their argmax: `logits` (a static float32 `[biggest, vocab]`
@@ -22,7 +25,7 @@ buffer: the compute_logits cast writes straight into it) and the greedy tokens, 
 tokens from there with no sampler launch and no copy (`ModelRunner`); any other step samples from
 `logits`, and the sampler's tokens overwrite the argmax in `sampled_tokens` (`ModelRunner._keep`).
 
-These six are views of ONE int64 device buffer `[5 + position_rows, biggest]`, and the runner
+These are views of ONE int64 device buffer (`inputs`: the rows above, `row_*` naming where), and the runner
 packs a step straight into a pinned host copy of it (`stage`): the step's inputs reach the graph in
 one host-to-device copy, padding included. The block tables are not copied per step at all: they
 live in `tables` (`BlockTables`: one row per request, updated only where blocks are added) and the
@@ -50,8 +53,9 @@ import numpy as np
 import torch
 
 from vlm_sdk.attention.backend import AttentionBackend
-from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.attention.metadata import AttentionMetadata, StateMetadata, StepMetadata
 from vlm_sdk.protocol.blocks import blocks_needed
+from vlm_sdk.protocol.cache_layout import CacheLayout
 from vlm_sdk.worker.block_table import BlockTables
 
 logger = logging.getLogger("vlm_sdk")
@@ -64,30 +68,37 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], *, max_num_seqs: int,
+    def __init__(self, model, caches: list[tuple[torch.Tensor, ...]], layout: CacheLayout, *, max_num_seqs: int,
                  max_model_len: int, block_size: int, device: torch.device, attention: AttentionBackend,
                  capture: bool = True):
-        self.model, self.kv_caches, self.attention = model, kv_caches, attention
+        self.model, self.caches, self.layout, self.attention = model, caches, layout, attention
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_num_seqs)
         biggest = self.sizes[-1]
         self.max_blocks = max_blocks = blocks_needed(max_model_len, block_size)
-        rows = 5 + model.position_rows
-        self.inputs = torch.zeros(rows, biggest, dtype=torch.int64, device=device)  # [5 + position_rows, biggest]
-        self.inputs[1].fill_(-1)  # padding slots: what the graphs hold between steps too
-        self.inputs[4].fill_(-1)  # every id from input_ids
-        self.input_ids, self.slot_mapping, self.table_rows, self.seq_lens, self.token_src = self.inputs[:5]  # [biggest] each
-        self.positions = self.inputs[5:]  # [position_rows, biggest]
+        groups = self.num_groups = layout.num_attention_groups
+        self.row_table, self.row_len, self.row_src = 1 + groups, 2 + groups, 3 + groups
+        self.row_state = 4 + groups if layout.has_state else None
+        self.row_pos = 4 + groups + layout.has_state
+        rows = self.row_pos + model.position_rows
+        self.inputs = torch.zeros(rows, biggest, dtype=torch.int64, device=device)  # [rows, biggest]
+        self.input_ids = self.inputs[0]  # [biggest] each
+        self.slot_mapping = self.inputs[1:1 + groups]  # [groups, biggest]
+        self.table_rows, self.seq_lens, self.token_src = (self.inputs[r] for r in (self.row_table, self.row_len,
+                                                                                   self.row_src))
+        self.state_slots = None if self.row_state is None else self.inputs[self.row_state]  # [biggest]
+        self.positions = self.inputs[self.row_pos:]  # [position_rows, biggest]
         self.sampled_tokens = torch.zeros(biggest, dtype=torch.int64, device=device)  # the last step's, by row
         self.logits = torch.zeros(biggest, model.vocab_size, dtype=torch.float32, device=device)  # [biggest, vocab]
-        self.tables = BlockTables(biggest, max_blocks, device)  # the runner's: one row per request
+        self.tables = BlockTables(biggest, max_blocks, device, num_groups=groups)  # the runner's: a row per request
         self.query_start_loc = torch.arange(biggest + 1, dtype=torch.int32, device=device)
+        self.has_state = torch.ones(biggest, dtype=torch.bool, device=device)  # a decode row always continues one
+        self._padding(self.inputs)  # what the graphs hold between steps too
         pin = device.type == "cuda"
         # two host copies used in turns: step t's copy may still be in flight while step t+1 is staged
         self._host = [torch.zeros(rows, biggest, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         for host in self._host:
-            host[1].fill_(-1)  # slots start as padding (-1: no cache write); a graph reads only its size's columns
-            host[4].fill_(-1)
+            self._padding(host)  # a graph reads only its size's columns
         self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -99,14 +110,27 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def _meta(self, size: int) -> AttentionMetadata:
-        meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
-            seq_lens=self.seq_lens[:size].int(),  # [size] int32
-            block_tables=self.tables.device_table.index_select(0, self.table_rows[:size]),  # [size, max_blocks]
-            query_lens_cpu=[1] * size, seq_lens_cpu=[self.max_model_len] * size,
-            max_query_len=1, max_seq_len=self.max_model_len)  # fixed per size: one grid for every length
-        return self.attention.prepare(meta, self.kv_caches[0][0])
+    def _padding(self, buf) -> None:
+        """Padding in every column: slots -1 (no cache write), ids from input_ids, state slot -1."""
+        buf[1:1 + self.num_groups] = -1  # a tensor or its pinned host copy's numpy view
+        buf[self.row_src] = -1
+        if self.row_state is not None:
+            buf[self.row_state] = -1
+
+    def _meta(self, size: int) -> StepMetadata:
+        tables = self.tables.device_table.index_select(1, self.table_rows[:size])  # [groups, size, max_blocks]
+        common = dict(query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size].int(),
+                      query_lens_cpu=[1] * size, seq_lens_cpu=[self.max_model_len] * size,
+                      max_query_len=1, max_seq_len=self.max_model_len)  # fixed per size: one grid for every length
+        metas = tuple(self.attention.prepare(AttentionMetadata(slot_mapping=self.slot_mapping[g, :size],
+                                                               block_tables=tables[g], window=group.spec.window,
+                                                               **common),
+                                             self.caches[group.layers[0]][0])
+                      for g, group in enumerate(self.layout.attention_groups))
+        if self.state_slots is not None:
+            metas += (StateMetadata(self.query_start_loc[:size + 1], [1] * size, self.state_slots[:size],
+                                    self.has_state[:size], [True] * size, 1),) * len(self.layout.state_groups)
+        return StepMetadata(metas, self.layout.layer_group)
 
     def _input_ids(self, size: int) -> torch.Tensor:  # [size] int64
         src = self.token_src[:size]  # [size]
@@ -114,7 +138,7 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:  # [size, hidden]
         embeds = self.model.embed_tokens(self._input_ids(size))
-        hidden = self.model(embeds, self.positions[:, :size], self.kv_caches, self._meta(size))
+        hidden = self.model(embeds, self.positions[:, :size], self.caches, self._meta(size))
         self.logits_and_argmax(hidden)
         return hidden
 
@@ -148,16 +172,16 @@ class DecodeGraphs:
     def size_for(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
 
-    def stage(self, n: int) -> np.ndarray:  # [5 + position_rows, size] int64, a pinned host view
-        """The host copy to pack a step of `n` sequences into, rows `n..size` already padded: fill
-        `[0, :n]` ids, `[1, :n]` slots, `[2, :n]` table rows, `[3, :n]` lengths, `[4, :n]` token
-        sources (-1: the id in row 0), `[5:, :n]` positions, then `run(n)`."""
+    def stage(self, n: int) -> np.ndarray:  # [rows, size] int64, a pinned host view
+        """The host copy to pack a step of `n` sequences into, columns `n..size` already padded: fill
+        `[0, :n]` ids, `[1:1 + groups, :n]` slots, `[row_table, :n]` table rows, `[row_len, :n]` lengths,
+        `[row_src, :n]` token sources (-1: the id in row 0), `[row_state, :n]` state slots (state layers),
+        `[row_pos:, :n]` positions, then `run(n)`."""
         host = self._host[self._turn].numpy()
         size = self.size_for(n)
         if n < size:
             host[:, n:size] = 0
-            host[1, n:size] = -1
-            host[4, n:size] = -1
+            self._padding(host[:, n:size])
         return host[:, :size]
 
     @torch.inference_mode()

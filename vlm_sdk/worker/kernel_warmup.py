@@ -31,6 +31,7 @@ from vlm_sdk.sampling_params import SamplingParams
 from vlm_sdk.sample.token_mask import apply_token_bitmask
 
 from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.worker.step_metadata import synthetic_step_metadata
 
 logger = logging.getLogger("vlm_sdk")
 
@@ -83,12 +84,13 @@ def _step_inputs(step: WarmupStep, block_size: int, position_rows: int, device: 
 def run_warmup(runner, *, max_model_len: int, max_num_batched_tokens: int) -> float:
     """Run every warm-up step through `runner`'s model (any device); seconds taken."""
     t0 = time.perf_counter()
-    model, kv_caches = runner.model, runner.kv_caches
-    k_cache = kv_caches[0][0]  # [num_blocks, block_size, Hkv, D]
+    model, caches, layout = runner.model, runner.caches, runner.layout
+    k_cache = caches[layout.attention_groups[0].layers[0]][0]  # [num_blocks, block_size, Hkv, D]
     cache_tokens = k_cache.shape[0] * k_cache.shape[1]
     for step in warmup_steps(max_model_len, max_num_batched_tokens, cache_tokens):
         ids, positions, meta = _step_inputs(step, runner.block_size, model.position_rows, runner.device)
-        hidden = model(model.embed_tokens(ids), positions, kv_caches, runner.attention.prepare(meta, k_cache))
+        hidden = model(model.embed_tokens(ids), positions, caches,
+                       synthetic_step_metadata(layout, caches, runner.attention, meta))
         logits = model.compute_logits(hidden[-len(step.seq_lens):])  # [seqs, vocab]
     # the sampler's kernels on those logits: the draw and the structured-output mask (no token kept)
     runner.sampler.sample(logits, [SamplingParams(temperature=1.0, seed=0)] * logits.shape[0],

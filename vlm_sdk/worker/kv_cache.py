@@ -1,30 +1,59 @@
-"""Allocating one rank's paged KV cache (its size is decided on the engine side by vlm_sdk/memory/kv.py:
-every rank allocates the block count the engine took, the smallest any rank can hold)."""
+"""Allocating one rank's caches from its cache layout (its size is decided on the engine side by
+vlm_sdk/memory/kv.py: every rank allocates the block count and state slots the engine took, the smallest
+any rank can hold).
+
+    attention   `group_size` KV tensors of [num_blocks, block_size, num_kv_heads, head_dim] (K and V), views
+                of one allocation [group_size, 2, num_blocks, ...]; layer i views tensor layer_tensor[i]
+                (for a model of one attention kind: tensor i, today's [layers, 2, blocks, ...] cache)
+    state       per state layer, its tensors [num_state_slots, *shape] in the spec's dtypes
+
+`caches[i]` is layer i's: a (K, V) pair, or the tuple of its state tensors in spec order.
+"""
 from __future__ import annotations
 
 import torch
 
 from vlm_sdk.errors import InvalidRequestError, format_size
 from vlm_sdk.memory.kv import CacheConfig
+from vlm_sdk.protocol.cache_layout import CacheLayout
+from vlm_sdk.protocol.cache_spec import AttentionSpec, StateSpec
+
+LayerCache = tuple[torch.Tensor, ...]
+
+
+def allocate_caches(layout: CacheLayout, num_blocks: int, block_size: int, num_state_slots: int,
+                    device: torch.device) -> list[LayerCache]:
+    """Every layer's cache (module docstring)."""
+    page = layout.page_spec
+    # zeros, not empty: batched decode reads padding slots (masked out), and masked garbage that
+    # happens to be NaN would still poison the weighted sum; a state slot of a fresh request is zero
+    shape = (layout.group_size, 2, num_blocks, block_size, page.num_kv_heads, page.head_dim)
+    flat = torch.zeros(shape, dtype=getattr(torch, page.dtype), device=device)
+    caches: list[LayerCache] = []
+    for i, spec in enumerate(layout.specs):
+        if isinstance(spec, AttentionSpec):
+            j = layout.layer_tensor[i]
+            caches.append((flat[j, 0], flat[j, 1]))
+        else:
+            assert isinstance(spec, StateSpec)
+            caches.append(tuple(torch.zeros((num_state_slots, *t.shape), dtype=getattr(torch, t.dtype), device=device)
+                                for t in spec.tensors))
+    return caches
 
 
 def allocate_kv_caches(num_layers: int, cache: CacheConfig, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (K, V) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim], views of one
-    allocation."""
-    # zeros, not empty: batched decode reads padding slots (masked out), and masked garbage that
-    # happens to be NaN would still poison the weighted sum
-    shape = (num_layers, 2, cache.num_blocks, cache.block_size, num_kv_heads, head_dim)
-    flat = torch.zeros(shape, dtype=dtype, device=device)
-    return [(flat[i, 0], flat[i, 1]) for i in range(num_layers)]
+    """A model of one full-attention kind: one (K, V) pair per layer, each [num_blocks, block_size,
+    num_kv_heads, head_dim], views of one allocation."""
+    spec = AttentionSpec(num_kv_heads, head_dim, str(dtype).removeprefix("torch."))
+    return allocate_caches(CacheLayout.uniform(num_layers, spec), cache.num_blocks, cache.block_size, 0, device)
 
 
-def allocate_or_explain(num_layers: int, cache: CacheConfig, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`allocate_kv_caches`, with a device out-of-memory turned into an error that names the cache's
-    size, what was free, and the largest cache that fits now."""
+def allocate_or_explain(layout: CacheLayout, cache: CacheConfig, device: torch.device) -> list[LayerCache]:
+    """`allocate_caches` of `cache`, with a device out-of-memory turned into an error that names the cache's
+    size (each part: the KV blocks, the state slots), what was free, and the largest cache that fits now."""
     try:
-        return allocate_kv_caches(num_layers, cache, num_kv_heads, head_dim, dtype, device)
+        return allocate_caches(layout, cache.num_blocks, cache.block_size, cache.num_state_slots, device)
     except torch.OutOfMemoryError as e:
         if device.type != "cuda":
             raise
@@ -33,12 +62,15 @@ def allocate_or_explain(num_layers: int, cache: CacheConfig, num_kv_heads: int, 
         # the activation peak and the encoder cache still need their share of what is free
         peak = cache.budget.activation_peak_bytes if cache.budget else 0
         encoder = cache.budget.encoder_cache_bytes if cache.budget else 0
-        fits = max(0, (free - peak - encoder) // cache.bytes_per_block)
+        state = cache.state_bytes
+        fits = max(0, (free - peak - encoder - state) // cache.bytes_per_block)
         setting = ("lower memory_utilization (other processes may have taken memory since it was measured)"
                    if cache.rule == "memory_utilization" else
-                   f"set num_blocks <= {fits} or kv_cache_memory <= {format_size(fits * cache.bytes_per_block)}")
+                   f"set num_blocks <= {fits} or kv_cache_memory <= {format_size(fits * cache.bytes_per_block + state)}")
+        states = (f" and {cache.num_state_slots} state slots x {cache.state_slot_bytes:,} bytes = {state:,} bytes"
+                  if cache.num_state_slots else "")
         raise InvalidRequestError(
             f"allocating the KV cache of {cache.num_blocks} blocks x {cache.bytes_per_block:,} bytes = "
-            f"{cache.num_blocks * cache.bytes_per_block:,} bytes ({cache.source}) ran out of device memory: "
+            f"{cache.num_blocks * cache.bytes_per_block:,} bytes{states} ({cache.source}) ran out of device memory: "
             f"{free:,} bytes are free and the activation peak needs {peak:,} of them, the encoder cache "
             f"{encoder:,}; {setting}") from e

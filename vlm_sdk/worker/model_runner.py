@@ -1,12 +1,16 @@
 """Runs one scheduled step on the model: vision stage, LLM forward over the paged cache, sampling.
 
 Fed plain data (`protocol.scheduler_output.SchedulerOutput`), it keeps its own `RequestState` per request (token
-ids, block table) and returns `ModelRunnerOutput` (request id -> sampled token).
+ids, block tables, state slot) and returns `ModelRunnerOutput` (request id -> sampled token).
 
 Inputs are packed: the new tokens of every scheduled request back to back, in the order of
 `num_scheduled_tokens`, with numpy from state kept between steps (no Python loop per token or per
-block): each held request owns a row of `BlockTables` (only new block ids are written; the device
-table gets them in one flush) and the offset of its generated tokens' positions. A decode step that
+block): each held request owns a row of `BlockTables` (one table per attention cache group; only new
+block ids are written; the device tables get them in one flush) and the offset of its generated tokens'
+positions. Each step's metadata is one `AttentionMetadata` per attention group (its slots and table rows,
+the backend's `prepare` once per group) and one `StateMetadata` for the state layers (`StepMetadata`:
+layer i reads `meta.layer(i)`); a state step's restores are copied before the forward, its checkpoints
+after it (`SchedulerOutput.state_restores` / `state_checkpoints`). A decode step that
 CUDA graphs replay is packed straight into the graphs' pinned input buffer (`DecodeGraphs.stage`,
 one copy); other steps go through `_prepare` (one copy, the table rows gathered on the device). Image embeddings are computed on the first step that needs them (the
 images of all such requests go through the vision tower in groups of at most `max_vision_patches`
@@ -25,8 +29,9 @@ import numpy as np
 import torch
 
 from vlm_sdk.attention.backend import AttentionBackend
-from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.attention.metadata import AttentionMetadata, StateMetadata, StepMetadata
 from vlm_sdk.models.base import VisionLanguageModel
+from vlm_sdk.protocol.cache_layout import CacheLayout
 from vlm_sdk.sampling_params import SamplingParams
 from vlm_sdk.worker.block_table import BlockTables
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs
@@ -44,12 +49,12 @@ from vlm_sdk.sample.token_mask import apply_token_bitmask
 
 
 class ModelRunner:
-    def __init__(self, model: VisionLanguageModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, model: VisionLanguageModel, caches: list[tuple[torch.Tensor, ...]], layout: CacheLayout,
                  block_size: int, device: torch.device, dtype: torch.dtype, seed: int = 0,
                  max_vision_patches: int | None = None, graphs: DecodeGraphs | None = None, *,
                  attention: AttentionBackend, samples: bool = True, encoder_cache_bytes: int = 0,
                  keep_sampled: bool = False, piecewise: PiecewiseGraphs | None = None):
-        """`max_vision_patches` (None: no limit) caps the patches of one vision-tower call: the images
+        """`caches[i]`: layer i's cache as `layout` allocates it (worker/kv_cache.py). `max_vision_patches` (None: no limit) caps the patches of one vision-tower call: the images
         of newly scheduled requests are encoded in groups of at most that many patches (a group
         always holds at least one image), so a step never exceeds the profiled peak of the largest
         image (`largest_image().size` of the family's processor). `attention` (the model's backend)
@@ -66,7 +71,13 @@ class ModelRunner:
         self.max_vision_patches = max_vision_patches
         self._graphs = graphs  # replays decode steps (CUDA graphs, or their padded path eagerly)
         self.piecewise = piecewise  # runs other steps' decoder stack in pieces (CUDA graphs around attention)
-        self.kv_caches = kv_caches
+        self.caches, self.layout = caches, layout
+        self.num_groups = layout.num_attention_groups
+        # per attention group: its window and the K cache `prepare` reads the shape of (its first layer's)
+        self._group_window = [g.spec.window for g in layout.attention_groups]
+        self._group_k_cache = [caches[g.layers[0]][0] for g in layout.attention_groups]
+        self._num_state_groups = len(layout.state_groups)
+        self._state_tensors = [t for i in layout.state_layers for t in caches[i]]
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
@@ -76,7 +87,7 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         # one row per held request, changed only where a step changes it; fixed in size when a CUDA graph
         # gathers from it (the graphs' max batch and max_model_len), else grown as needed
-        self._tables = BlockTables(8, 16, device, growable=True)  # `tables` without graphs
+        self._tables = BlockTables(8, 16, device, growable=True, num_groups=self.num_groups)  # `tables` without graphs
         # per row: position - token index of its generated tokens, on each position row (M-RoPE: the
         # prompt's rope_delta; 1-D: 0), so a decode step's positions are one vectorised add
         self._pos_delta = np.zeros((0, model.position_rows), dtype=np.int64)
@@ -129,7 +140,8 @@ class ModelRunner:
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
             if cached.new_block_ids:
-                state.block_ids.extend(cached.new_block_ids)
+                for held, new_ids in zip(state.block_ids, cached.new_block_ids):
+                    held.extend(new_ids)
                 self.tables.append(state.row, cached.new_block_ids)
             if cached.new_token_ids:
                 state.token_ids.extend(cached.new_token_ids)
@@ -184,12 +196,16 @@ class ModelRunner:
         if not scheduled:
             self._last_rows = {}
             return Ready(ModelRunnerOutput())
+        if sched.state_restores:  # checkpoints into the live slots of requests resuming from them
+            self._copy_states(sched.state_restores)
         encoder = None  # the encoder cache's counters, when this step's vision stage ran
         if self.graphs is not None and self._num_behind == 0 and self.graphs.covers(len(scheduled)) \
                 and sched.total_num_scheduled_tokens == len(scheduled):  # one token each, every one the last
             # generated tokens only: every image is behind them (none to encode, scatter or drop), so the
             # captured forward covers the step; every row samples (its one token is its last)
             self._run_graph(scheduled)  # logits and their argmax computed in the graph
+            if sched.state_checkpoints:
+                self._copy_states(sched.state_checkpoints)
             n = len(scheduled)
             if self.samples and not any(self._held_kinds) and sched.grammar_bitmask is None:
                 return self._greedy_from_graph([s for s, _ in scheduled])
@@ -201,6 +217,8 @@ class ModelRunner:
             step = self._prepare(scheduled)
             embeds = self.model.embed_tokens(step.input_ids)  # [num_tokens, hidden]
             hidden = self._forward(embeds, step, step_images(scheduled, self.device))  # [num_tokens, hidden]
+            if sched.state_checkpoints:  # the states the step ended on block boundaries with, kept
+                self._copy_states(sched.state_checkpoints)
             drop_passed_images(scheduled)
             sample_idx = step.sample_idx
             if not sample_idx:
@@ -246,7 +264,15 @@ class ModelRunner:
             inputs = self.model.stack_inputs(embeds, step.positions, images)
             if inputs is not None:
                 return pw.run(*inputs, step.meta)
-        return self.model(embeds, step.positions, self.kv_caches, step.meta, images)
+        return self.model(embeds, step.positions, self.caches, step.meta, images)
+
+    def _copy_states(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """Copy state slot src into slot dst of every state layer's tensors, for each (src, dst): the
+        destinations are distinct (live slots, or checkpoint slots taken once per step)."""
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.int64).to(self.device, non_blocking=True)  # [n]
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.int64).to(self.device, non_blocking=True)  # [n]
+        for t in self._state_tensors:  # [num_state_slots, *shape]
+            t.index_copy_(0, dst, t.index_select(0, src))
 
     def _keep(self, states: list[RequestState], tokens: torch.Tensor) -> None:  # tokens [rows] int64
         """The step's tokens into the static buffer the next step reads ids from (the graphs' when
@@ -274,7 +300,8 @@ class ModelRunner:
 
     def _prepare(self, scheduled: list[tuple[RequestState, int]]) -> StepInputs:
         """Pack the step's inputs with numpy from the persistent tables (no Python loop per token or per
-        block), move them to the device in one copy, and gather the step's block-table rows there."""
+        block), move them to the device in one copy, and gather the step's block-table rows there (every
+        attention group's slots and rows at once)."""
         batch = len(scheduled)
         ids, rows, starts, counts, known, slow = [], [], [], [], [], []
         fill_at, fill_src = [], []  # tokens still on the device: their index in the step, their source row
@@ -309,7 +336,8 @@ class ModelRunner:
             tok_pos = start_arr[tok_req] + np.arange(num_tokens) - q_start[tok_req]  # [num_tokens]
         tok_row = row_arr[tok_req]  # [num_tokens]
         bs = self.block_size
-        slots = self.tables.host_np[tok_row, tok_pos // bs].astype(np.int64) * bs + tok_pos % bs  # [num_tokens]
+        # [groups, num_tokens]: each group's slot of every token (one group: today's flat slots)
+        slots = self.tables.host_np[:, tok_row, tok_pos // bs].astype(np.int64) * bs + tok_pos % bs
         sample_idx = np.flatnonzero(end_arr >= np.array(known, dtype=np.int64))  # [num_sampled]
         sample_rows = q_start[1:][sample_idx] - 1  # [num_sampled]
         positions = tok_pos[None, :] + self._pos_delta[tok_row].T  # [position_rows, num_tokens]
@@ -317,35 +345,51 @@ class ModelRunner:
             s, lo, hi = scheduled[i][0], int(q_start[i]), int(q_start[i + 1])
             positions[:, lo:hi] = self.model.positions(s.prompt_positions, starts[i], starts[i] + counts[i]).numpy()
         width = int(self.tables.num_blocks[row_arr].max())
-        parts = [np.array(ids, dtype=np.int64), slots, q_start, end_arr, sample_rows, row_arr, positions.reshape(-1)]
-        sizes = [num_tokens, num_tokens, batch + 1, batch, len(sample_rows), batch, positions.size]
+        groups = self.num_groups
+        parts = [np.array(ids, dtype=np.int64), slots.reshape(-1), q_start, end_arr, sample_rows, row_arr,
+                 positions.reshape(-1)]
+        sizes = [num_tokens, groups * num_tokens, batch + 1, batch, len(sample_rows), batch, positions.size]
+        if self._num_state_groups:  # each request's live slot; whether it starts from a state (not token 0)
+            parts += [np.fromiter((s.state_slot for s, _ in scheduled), dtype=np.int64, count=batch),
+                      (start_arr > 0).astype(np.int64)]
+            sizes += [batch, batch]
         if fill_at:
             parts += [np.array(fill_at, dtype=np.int64), np.array(fill_src, dtype=np.int64)]
             sizes += [len(fill_at), len(fill_at)]
         dev = self._upload(parts)
-        input_ids, slot_map, q_start_d, seq_lens_d, sample_rows_d, rows_d, pos_d, *fill = dev.split(sizes)
-        if fill:
-            input_ids[fill[0]] = self._last_sampled().index_select(0, fill[1])
+        input_ids, slot_map, q_start_d, seq_lens_d, sample_rows_d, rows_d, pos_d, *rest = dev.split(sizes)
+        state_slots, initial_d = (rest.pop(0), rest.pop(0)) if self._num_state_groups else (None, None)
+        if rest:
+            input_ids[rest[0]] = self._last_sampled().index_select(0, rest[1])
         self.tables.flush()  # new block ids since the last step: only those entries
-        tables = self.tables.device_table.index_select(0, rows_d)[:, :width]  # [batch, width] int32
-        meta = AttentionMetadata(
-            slot_mapping=slot_map, query_start_loc=q_start_d.int(), seq_lens=seq_lens_d.int(),
-            block_tables=tables, query_lens_cpu=counts, seq_lens_cpu=end_arr.tolist(),
-            max_query_len=int(n_arr.max()), max_seq_len=int(end_arr.max()))
-        meta = self.attention.prepare(meta, self.kv_caches[0][0])  # the backend's per-step metadata, once
+        tables = self.tables.device_table.index_select(1, rows_d)[:, :, :width]  # [groups, batch, width] int32
+        slot_map = slot_map.view(groups, num_tokens)
+        q_start_d = q_start_d.int()
+        common = dict(query_start_loc=q_start_d, seq_lens=seq_lens_d.int(), query_lens_cpu=counts,
+                      seq_lens_cpu=end_arr.tolist(), max_query_len=int(n_arr.max()), max_seq_len=int(end_arr.max()))
+        metas = tuple(self.attention.prepare(AttentionMetadata(slot_mapping=slot_map[g], block_tables=tables[g],
+                                                               window=self._group_window[g], **common),
+                                             self._group_k_cache[g])  # the backend's per-step metadata, once
+                      for g in range(groups))
+        if state_slots is not None:
+            state = StateMetadata(q_start_d, counts, state_slots, initial_d.bool(), [c > 0 for c in starts],
+                                  int(n_arr.max()))
+            metas += (state,) * self._num_state_groups
+        meta = StepMetadata(metas, self.layout.layer_group)
         return StepInputs(input_ids, pos_d.view(self.model.position_rows, num_tokens), meta, sample_rows_d,
                           sample_idx.tolist())
 
     def _run_graph(self, scheduled: list[tuple[RequestState, int]]) -> torch.Tensor:  # [n, hidden]
         """A decode step packed straight into the graphs' staged inputs (one copy), then replayed."""
-        n = len(scheduled)
-        host = self.graphs.stage(n)  # [5 + position_rows, size] int64
+        n, g = len(scheduled), self.graphs
+        host = g.stage(n)  # [rows of DecodeGraphs.inputs, size] int64
+        src_row = g.row_src
         rows = np.fromiter((s.row for s, _ in scheduled), dtype=np.int64, count=n)  # [n]
         pos = np.fromiter((s.num_computed_tokens for s, _ in scheduled), dtype=np.int64, count=n)  # [n]
         if not self._last_rows:  # every id on the host
             host[0, :n] = [s.token_ids[s.num_computed_tokens] for s, _ in scheduled]
             if self.keep_sampled:
-                host[4, :n] = -1
+                host[src_row, :n] = -1
         else:  # asynchronous scheduling: the graph takes ids sampled by the last step from the device
             ids, src, last = [], [], self._last_rows
             for s, _ in scheduled:
@@ -359,20 +403,23 @@ class ModelRunner:
             if -2 in src:  # neither sent nor sampled by the last step: a bookkeeping error, named
                 self._token_source(scheduled[src.index(-2)][0])
             host[0, :n] = ids
-            host[4, :n] = src
+            host[src_row, :n] = src
         block, offset = np.divmod(pos, self.block_size)  # [n] each
-        slots = host[1, :n]
-        np.multiply(self.tables.host_np[rows, block], self.block_size, out=slots)
+        slots = host[1:1 + self.num_groups, :n]  # [groups, n]: each attention group's slot of the token
+        np.multiply(self.tables.host_np[:, rows, block], self.block_size, out=slots)
         slots += offset
-        host[2, :n] = rows
-        np.add(pos, 1, out=host[3, :n])
-        np.add(self._pos_delta[rows].T, pos, out=host[5:, :n])
+        host[g.row_table, :n] = rows
+        np.add(pos, 1, out=host[g.row_len, :n])
+        if g.row_state is not None:
+            host[g.row_state, :n] = [s.state_slot for s, _ in scheduled]
+        pos_rows = host[g.row_pos:, :n]  # [position_rows, n]
+        np.add(self._pos_delta[rows].T, pos, out=pos_rows)
         if self._nonlinear == 0:
-            return self.graphs.run(n)
+            return g.run(n)
         for i in np.flatnonzero(~self._linear[rows]).tolist():  # a family whose positions are not index + delta
             s = scheduled[i][0]
-            host[5:, i] = self.model.positions(s.prompt_positions, int(pos[i]), int(pos[i]) + 1)[:, 0].numpy()
-        return self.graphs.run(n)
+            pos_rows[:, i] = self.model.positions(s.prompt_positions, int(pos[i]), int(pos[i]) + 1)[:, 0].numpy()
+        return g.run(n)
 
     def _last_sampled(self) -> torch.Tensor:  # [rows] int64: the last step's tokens, by row
         return self.graphs.sampled_tokens if self.graphs is not None else self._sampled
@@ -394,6 +441,6 @@ class ModelRunner:
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [position_rows, num_tokens] int64
-    meta: AttentionMetadata
+    meta: StepMetadata
     sample_rows: torch.Tensor  # [num_sampled] int64 rows of the hidden states to sample from
     sample_idx: list[int]  # their indices in the scheduled list

@@ -37,19 +37,26 @@ from typing import Callable
 
 import torch
 
-from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.attention.metadata import StepMetadata
 from vlm_sdk.memory.consumers.piecewise import piecewise_sizes
 from vlm_sdk.models.base import DecoderStack
+from vlm_sdk.protocol.cache_layout import CacheLayout
 
 logger = logging.getLogger("vlm_sdk")
 
 
-def piecewise_stack(model, wanted: bool, tp_size: int) -> DecoderStack | None:
+def piecewise_stack(model, wanted: bool, tp_size: int, layout: CacheLayout) -> DecoderStack | None:
     """The decoder stack piecewise graphs run, when `wanted` (piecewise_cuda_graphs on a device that
     captures graphs) with one rank; None otherwise. A model that declares no stack (a family with a
-    decoder of its own) still runs, every step eagerly or from whole-step decode graphs: logged once,
-    at start-up."""
+    decoder of its own), or whose layers are not all attention layers (a state layer has no attention
+    call to split around), still runs, every step eagerly or from whole-step decode graphs: logged
+    once, at start-up."""
     if not wanted or tp_size != 1:
+        return None
+    if layout.has_state:
+        logger.warning("piecewise_cuda_graphs: %s has state layers (%s), which piecewise graphs do not split: steps "
+                       "with prefill rows run eagerly, decode steps from whole-step CUDA graphs",
+                       type(model).__name__, layout.describe())
         return None
     stack = model.decoder_stack()
     if stack is None:
@@ -63,9 +70,9 @@ class PiecewiseGraphs:
     """`run(embeds, positions, meta)` for any step of at most `sizes[-1]` tokens; `stack` is the model's
     `DecoderStack`, `meta` the attention backend's prepared metadata for the step's real rows."""
 
-    def __init__(self, stack: DecoderStack, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], *,
+    def __init__(self, stack: DecoderStack, caches: list[tuple[torch.Tensor, torch.Tensor]], *,
                  max_num_batched_tokens: int, device: torch.device, dtype: torch.dtype, capture: bool = True):
-        self.stack, self.kv_caches = stack, kv_caches
+        self.stack, self.caches = stack, caches
         self.sizes = piecewise_sizes(max_num_batched_tokens)
         biggest = self.sizes[-1]
         layer = stack.layers[0]
@@ -125,12 +132,13 @@ class PiecewiseGraphs:
             return stack.final_norm(x, residual)
         return [first] + [middle(i) for i in range(1, len(layers))] + [last]
 
-    def _attend(self, i: int, n: int, meta: AttentionMetadata) -> None:
-        """Layer i's attention on the step's n real rows, eagerly, into the attention buffer."""
-        out = self.stack.layers[i].attn(self.q[:n], self.k[:n], self.v[:n], self.kv_caches[i], meta)  # [n, H, D]
+    def _attend(self, i: int, n: int, meta: StepMetadata) -> None:
+        """Layer i's attention on the step's n real rows, eagerly, with its group's metadata, into the
+        attention buffer."""
+        out = self.stack.layers[i].attn(self.q[:n], self.k[:n], self.v[:n], self.caches[i], meta.layer(i))  # [n, H, D]
         self.attn[:n].copy_(out)
 
-    def _eager(self, size: int, n: int, meta: AttentionMetadata) -> torch.Tensor:  # [size, hidden]
+    def _eager(self, size: int, n: int, meta: StepMetadata) -> torch.Tensor:  # [size, hidden]
         pieces = self._pieces(size)
         rope = pieces[0](None)
         for i, piece in enumerate(pieces[1:]):
@@ -169,7 +177,7 @@ class PiecewiseGraphs:
     @torch.inference_mode()
     def run(self, embeds: torch.Tensor,  # [n, hidden]
             positions: torch.Tensor,  # [rows, n] or [n]
-            meta: AttentionMetadata) -> torch.Tensor:  # [n, hidden], after the final norm
+            meta: StepMetadata) -> torch.Tensor:  # [n, hidden], after the final norm
         n = embeds.shape[0]
         size = self.size_for(n)
         self.embeds[:n].copy_(embeds)

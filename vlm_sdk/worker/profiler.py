@@ -38,10 +38,11 @@ import torch
 from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.attention.metadata import AttentionMetadata
 from vlm_sdk.sampling_params import SamplingParams
-from vlm_sdk.worker.kv_cache import allocate_kv_caches
+from vlm_sdk.worker.kv_cache import allocate_caches
+from vlm_sdk.worker.step_metadata import synthetic_step_metadata
 from vlm_sdk.memory.consumers.piecewise import held_bytes
-from vlm_sdk.memory.kv import CacheConfig
 from vlm_sdk.protocol.blocks import blocks_needed
+from vlm_sdk.protocol.cache_layout import CacheLayout
 from vlm_sdk.sample.sampler import Sampler
 from vlm_sdk.multimodal.inputs import ImageInput
 
@@ -91,21 +92,20 @@ class ProfiledPeak:
 
 @torch.inference_mode()
 def profile_peak(model, largest_image: ImageInput, *, num_tokens: int, num_seqs: int, block_size: int,
-                 per_block: int, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
+                 layout: CacheLayout, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
                  graph_batch: int | None = None, piecewise_tokens: int | None = None, held_tokens: int = 0,
-                 meter=None, kv_dtype: torch.dtype | None = None) -> ProfiledPeak:
-    """The worst-case step's peak (module docstring), the profile's own temporary cache excluded. The
-    sampler's part is what its phase adds over the activation peak, so the parts sum to the step's peak."""
+                 meter=None) -> ProfiledPeak:
+    """The worst-case step's peak (module docstring), the profile's own temporary cache excluded (`layout`:
+    the model's cache groups; a state slot per sequence of its forwards). The sampler's part is what its
+    phase adds over the activation peak, so the parts sum to the step's peak."""
     meter = meter or CudaMeter(device)
     meter.reset()
-    blocks = blocks_needed(num_tokens, block_size)
-    cache = CacheConfig(block_size, blocks, per_block, "profile")
-    caches = allocate_kv_caches(model.num_layers, cache, model.num_kv_heads, model.head_dim, kv_dtype or dtype,
-                                device)
+    blocks, slots = blocks_needed(num_tokens, block_size), max(1, graph_batch or 1)
+    caches = allocate_caches(layout, blocks, block_size, slots if layout.has_state else 0, device)
     held = model.encode_images([largest_image])  # [image tokens, width]: held across chunks
     if held_tokens > held.shape[0]:  # a video's items within a chunk's reach: more rows of the same width
         held = [held, held.new_zeros(held_tokens - held.shape[0], held.shape[1])]  # [more rows, width]
-    hidden = _forward(model, caches, attention, [num_tokens], device)  # [num_tokens, hidden]
+    hidden = _forward(model, layout, caches, attention, [num_tokens], device)  # [num_tokens, hidden]
     forward_peak = meter.peak()
     rows = hidden[-1:].expand(num_seqs, -1).contiguous()  # [num_seqs, hidden]: max_num_seqs rows, however few tokens
     logits = model.compute_logits(rows)  # [num_seqs, vocab]
@@ -115,20 +115,20 @@ def profile_peak(model, largest_image: ImageInput, *, num_tokens: int, num_seqs:
     meter.reset()  # the caches stay: the tower's peak is measured beyond them, as the step's is
     model.encode_images([largest_image])  # [image tokens, hidden]: the tower's own peak
     tower = max(0, meter.peak())
-    kv = blocks * per_block
+    kv = blocks * layout.block_bytes(block_size) + (slots * layout.state_slot_bytes if layout.has_state else 0)
     activation = max(forward_peak - kv, tower, 0)
     sampler = max(with_sampler - kv, tower, 0) - activation
     pool = 0
     if graph_batch:
         meter.reset()  # the caches stay: the pool is measured beyond them
-        hidden = _forward(model, caches, attention, [1] * graph_batch, device)  # [graph_batch, hidden]
+        hidden = _forward(model, layout, caches, attention, [1] * graph_batch, device)  # [graph_batch, hidden]
         model.compute_logits(hidden).argmax(dim=-1)  # [graph_batch, vocab] float32, then [graph_batch]
         del hidden
         pool = max(0, meter.peak())
     piecewise = 0
     if piecewise_tokens:
         meter.reset()
-        _forward(model, caches, attention, [min(piecewise_tokens, blocks * block_size)], device)
+        _forward(model, layout, caches, attention, [min(piecewise_tokens, blocks * block_size)], device)
         stack = model.decoder_stack()  # the worker builds piecewise graphs only for a model that has one
         layer = stack.layers[0]
         piecewise = max(0, meter.peak()) + held_bytes(
@@ -140,11 +140,12 @@ def profile_peak(model, largest_image: ImageInput, *, num_tokens: int, num_seqs:
     return ProfiledPeak(activation, sampler, pool, piecewise)
 
 
-def _forward(model, caches, attention: AttentionBackend, query_lens: list[int], device) -> torch.Tensor:
+def _forward(model, layout: CacheLayout, caches, attention: AttentionBackend, query_lens: list[int],
+             device) -> torch.Tensor:
     """One step of sequences with these new-token counts, each alone in consecutive blocks from 0
     (the profile's cache holds one sequence of the step's tokens; decode rows share its first slots)."""
     n = sum(query_lens)
-    block_size = caches[0][0].shape[1]
+    block_size = caches[layout.attention_groups[0].layers[0]][0].shape[1]
     seq_lens = query_lens if len(query_lens) == 1 else [1] * len(query_lens)
     width = blocks_needed(max(seq_lens), block_size)
     q_start = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)  # [B + 1]
@@ -155,7 +156,7 @@ def _forward(model, caches, attention: AttentionBackend, query_lens: list[int], 
         block_tables=torch.arange(width, dtype=torch.int32, device=device).expand(len(seq_lens), -1).contiguous(),
         query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens), max_query_len=max(query_lens),
         max_seq_len=max(seq_lens))
-    meta = attention.prepare(meta, caches[0][0])
+    meta = synthetic_step_metadata(layout, caches, attention, meta)
     ids = torch.zeros(n, dtype=torch.long, device=device)
     positions = torch.arange(n, device=device).expand(model.position_rows, -1)  # [rows, n]
     return model(model.embed_tokens(ids), positions, caches, meta)  # [n, hidden]

@@ -21,9 +21,10 @@ class RequestState:
     image_positions: list[int]  # index of image i's first token
     prompt_positions: Any  # the family's, for `model.positions`
     params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per attention cache group
     num_computed_tokens: int
     min_tokens_stop_ids: tuple[int, ...] = ()  # see NewRequestData
+    state_slot: int = -1  # its live state slot (a model with state layers)
     # image index -> its embeddings [image tokens, hidden], from the first step whose chunk reaches the
     # image until prefill passes its last token (a long video's temporal patches are encoded as the
     # chunks reach them, so a request holds about one chunk of them, never the whole video)
@@ -39,8 +40,8 @@ class RequestState:
         penalised = params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
         return cls(new.request_id, list(new.prompt_token_ids) + list(new.output_token_ids),
                    len(new.prompt_token_ids), new.images, new.image_positions, new.prompt_positions,
-                   params, list(new.block_ids), new.num_computed_tokens,
-                   new.min_tokens_stop_ids, tally=PenaltyTally() if penalised else None)
+                   params, tuple(list(b) for b in new.block_ids), new.num_computed_tokens,
+                   new.min_tokens_stop_ids, new.state_slot, tally=PenaltyTally() if penalised else None)
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,8 @@ all-gather) line up:
     profile_memory(...)     CUDA: the step-time memory consumers of the worst-case step on this rank
     memory_snapshot()       CUDA: the device's total and in-use bytes (the engine sizes every rank's cache
                             from these with vlm_sdk/memory/ and takes the smallest)
-    init_cache(cache, ...)  allocate exactly that cache, capture CUDA graphs, build the model runner,
+    init_cache(cache, ...)  allocate exactly that cache (every cache group's: worker/kv_cache.py), capture
+                            CUDA graphs, build the model runner,
                             compile every Triton kernel variant (CUDA: kernel_warmup.py)
     execute(sched)          one step; only rank 0 samples (the others return an empty output)
     held_state()            requests and image embeddings requests still hold here (tests, leak checks)
@@ -25,12 +26,13 @@ import torch
 from vlm_sdk.config import RankConfig
 from vlm_sdk.layers.ops import make_ops
 from vlm_sdk.memory.inputs import profile_num_tokens
-from vlm_sdk.memory.kv import CacheConfig, bytes_per_block
+from vlm_sdk.memory.kv import CacheConfig
 from vlm_sdk.memory.weights import weight_bytes
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import ImageInput
+from vlm_sdk.protocol.cache_layout import CacheLayout
 from vlm_sdk.protocol.rank import RankLoad
 from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
 from vlm_sdk.protocol.scheduler_output import SchedulerOutput
@@ -51,7 +53,7 @@ class Worker:
         self.config, self.args, self.device, self.tp = config, args, device, tp
         self.dtype, self.kv_dtype = config.torch_dtype, config.torch_kv_dtype
         info = read_checkpoint(model_dir)
-        family = resolve([info.architecture])
+        family = resolve([info.architecture], args.model_family)
         self.ops = make_ops(config.attention_backend, device, args.small_m_gemm)
         t0 = time.perf_counter()
         before = _allocated(device)
@@ -66,17 +68,18 @@ class Worker:
         self.load_seconds = time.perf_counter() - t0
         self.weights_allocated = None if before is None else _allocated(device) - before
         m = self.model
-        self.bytes_per_block = bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, args.block_size,
-                                               self.kv_dtype)
-        self.piecewise_stack = piecewise_stack(self.model, config.piecewise_graphs, tp.size)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # what every layer keeps, grouped as the engine groups it (it refused a model whose groups cannot share)
+        self.layout = CacheLayout.from_specs(m.cache_specs(self.kv_dtype))
+        self.bytes_per_block = self.layout.block_bytes(args.block_size)
+        self.piecewise_stack = piecewise_stack(self.model, config.piecewise_graphs, tp.size, self.layout)
+        self.caches: list[tuple[torch.Tensor, ...]] = []
         self.runner: ModelRunner | None = None
 
     def load_report(self) -> RankLoad:
         m = self.model
         return RankLoad(self.tp.rank, str(self.device), self.config.dtype, weight_bytes(m), self.weights_allocated,
                         self.load_seconds, m.num_layers, m.num_kv_heads, m.head_dim, self.bytes_per_block,
-                        str(self.kv_dtype).removeprefix("torch."))
+                        str(self.kv_dtype).removeprefix("torch."), self.layout.state_slot_bytes)
 
     def profile_memory(self, largest_image: ImageInput, max_position_embeddings: int,
                        held_tokens: int = 0) -> dict[str, int] | None:
@@ -90,8 +93,8 @@ class Worker:
         peak = profile_peak(
             self.model, largest_image,
             num_tokens=profile_num_tokens(args.max_num_batched_tokens, max_position_embeddings),
-            num_seqs=args.max_num_seqs, block_size=args.block_size, per_block=self.bytes_per_block,
-            dtype=self.dtype, kv_dtype=self.kv_dtype, device=self.device, attention=self.ops.attention,
+            num_seqs=args.max_num_seqs, block_size=args.block_size, layout=self.layout,
+            dtype=self.dtype, device=self.device, attention=self.ops.attention,
             graph_batch=args.max_num_seqs if self.config.decode_graphs else None,
             piecewise_tokens=args.max_num_batched_tokens if self.piecewise_stack is not None else None,
             held_tokens=held_tokens)
@@ -110,16 +113,16 @@ class Worker:
         and build the model runner. `max_vision_patches`: the profiled image's size, the largest
         vision-tower call a step makes."""
         m, args = self.model, self.args
-        self.kv_caches = allocate_or_explain(m.num_layers, cache, m.num_kv_heads, m.head_dim, self.kv_dtype,
-                                             self.device)
+        self.caches = allocate_or_explain(self.layout, cache, self.device)
         graphs = piecewise = None
         if self.config.decode_graphs:
-            graphs = DecodeGraphs(m, self.kv_caches, max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
-                                  block_size=args.block_size, device=self.device, attention=self.ops.attention)
+            graphs = DecodeGraphs(m, self.caches, self.layout, max_num_seqs=args.max_num_seqs,
+                                  max_model_len=max_model_len, block_size=args.block_size, device=self.device,
+                                  attention=self.ops.attention)
             if self.piecewise_stack is not None:  # after the decode graphs' capture
-                piecewise = PiecewiseGraphs(self.piecewise_stack, self.kv_caches, device=self.device,
+                piecewise = PiecewiseGraphs(self.piecewise_stack, self.caches, device=self.device,
                                             dtype=self.dtype, max_num_batched_tokens=args.max_num_batched_tokens)
-        self.runner = ModelRunner(m, self.kv_caches, args.block_size, self.device, self.dtype, args.seed,
+        self.runner = ModelRunner(m, self.caches, self.layout, args.block_size, self.device, self.dtype, args.seed,
                                   max_vision_patches=max_vision_patches, graphs=graphs,
                                   attention=self.ops.attention, samples=self.tp.rank == 0,
                                   encoder_cache_bytes=args.encoder_cache_memory,

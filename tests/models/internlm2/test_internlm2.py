@@ -12,7 +12,7 @@ from einops import rearrange
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, Qwen2Config
 
 from tolerance import assert_reduction_close, forward_terms
-from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.weight_loading import load_checked
 from vlm_sdk.models.internlm2.weights import (internlm2_decoder_config, internlm2_to_llama_names, pack_wqkv,
@@ -93,7 +93,7 @@ def run_step(dec: LlamaDecoder, kv, ids: list[int], start: int, blocks: list[int
         query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([seq_len], dtype=torch.int32),
         block_tables=torch.tensor([blocks], dtype=torch.int32), query_lens_cpu=[n], seq_lens_cpu=[seq_len],
         max_query_len=n, max_seq_len=seq_len)
-    meta = dec.ops.attention.prepare(meta, kv[0][0])  # once per step, as the runner does
+    meta = StepMetadata.uniform(dec.ops.attention.prepare(meta, kv[0][0]), len(kv))  # once per step, as the runner does
     positions = pos if axes == 1 else pos.expand(3, -1)  # [N] or [3, N]
     with torch.no_grad():
         return dec.compute_logits(dec(dec.embed(torch.tensor(ids)), positions, kv, meta))

@@ -14,7 +14,7 @@ import torch
 from helpers import internvl_conversations as conversations
 from tolerance import assert_reduction_close, forward_terms
 from vlm_sdk import LLM, SamplingParams
-from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
 from vlm_sdk.models.internvl.model import InternVLForCausalLM
 from vlm_sdk.models.internvl.processor import InternVLImage
@@ -93,7 +93,7 @@ def prefill_logits(model: InternVLForCausalLM, ids: torch.Tensor,  # [L]
         slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
         seq_lens=torch.tensor([n], dtype=torch.int32), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
         query_lens_cpu=[n], seq_lens_cpu=[n], max_query_len=n, max_seq_len=n)
-    meta = model.decoder.ops.attention.prepare(meta, caches[0][0])  # once per step, as the runner does
+    meta = StepMetadata.uniform(model.decoder.ops.attention.prepare(meta, caches[0][0]), len(caches))  # once per step, as the runner does
     embeds = model.embed_tokens(ids)  # [L, hidden]
     if pixel_values is not None:
         tiles = pixel_values.shape[0]

@@ -6,7 +6,7 @@ import torch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from tolerance import assert_reduction_close, forward_terms
-from vlm_sdk.attention.metadata import AttentionMetadata
+from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
 from vlm_sdk.models.qwen2_5_vl.model import Qwen2_5_VLForCausalLM
@@ -118,7 +118,7 @@ def run_step(model, kv, items):
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=torch.tensor(tables, dtype=torch.int32),
         query_lens_cpu=q_lens, seq_lens_cpu=seq_lens, max_query_len=max(q_lens), max_seq_len=max(seq_lens))
-    meta = model.decoder.ops.attention.prepare(meta, kv[0][0])  # once per step, as the runner does
+    meta = StepMetadata.uniform(model.decoder.ops.attention.prepare(meta, kv[0][0]), len(kv))  # once per step, as the runner does
     with torch.no_grad():
         hidden = model(torch.cat([e for e, _, _, _ in items]), torch.cat([p for _, p, _, _ in items], dim=1), kv, meta)
         logits = model.compute_logits(hidden)

@@ -275,11 +275,8 @@ class CacheCoordinator:
 
     # -- reports ---------------------------------------------------------------------------------
     def prefix_reuse(self) -> dict[str, str]:
-        """Per kind: whether it reuses cached prefixes, and why not when it does not."""
-        if not self.enable_prefix_caching:
-            return {k: "off: enable_prefix_caching=False" for k in self.kinds}
-        return {k: "reuses cached prefixes" + (" (checkpoints at block boundaries)" if k == "state" else "")
-                for k in self.kinds}
+        """Per kind: whether it reuses cached prefixes, and how or why not."""
+        return self.layout.prefix_reuse(self.enable_prefix_caching)
 
     def group_stats(self) -> list[dict]:
         """Per group: its kind, layers and what it holds (attention: blocks of the shared pool held by

@@ -143,20 +143,22 @@ class Scheduler:
                 preempted.add(seq.request_id)
         for seq, n in batch.scheduled:
             counts[seq.request_id] = n
-            blocks = seq.block_ids[0]  # one attention group until the protocol carries every group's
-            num_blocks, num_tokens = len(blocks), len(seq.token_ids)
+            blocks = seq.block_ids  # per attention group, every list as long as the first
+            num_blocks, num_tokens = len(blocks[0]), len(seq.token_ids)
             if not seq.in_worker:
                 p = seq.prompt
                 new.append(NewRequestData(
                     seq.request_id, list(p.token_ids), seq.output_token_ids, p.images, p.image_positions,
-                    p.positions, seq.params, list(blocks), seq.num_computed_tokens,
-                    seq.min_tokens_stop_ids))
+                    p.positions, seq.params, tuple([list(b) for b in blocks]), seq.num_computed_tokens,
+                    seq.min_tokens_stop_ids, seq.state_slot))
                 seq.in_worker = True
             else:
                 cached.append(CachedRequestData(
-                    seq.request_id, blocks[seq.num_blocks_sent:] if num_blocks > seq.num_blocks_sent else NO_IDS,
+                    seq.request_id, tuple([b[seq.num_blocks_sent:] for b in blocks]) if num_blocks > seq.num_blocks_sent
+                    else NO_IDS,
                     seq.num_computed_tokens, seq.token_ids[seq.num_tokens_sent:] if num_tokens > seq.num_tokens_sent
                     else NO_IDS))
             seq.num_blocks_sent, seq.num_tokens_sent = num_blocks, num_tokens
         finished, self._worker_finished = frozenset(self._worker_finished), set()
-        return SchedulerOutput(new, cached, counts, finished, frozenset(preempted))
+        return SchedulerOutput(new, cached, counts, finished, frozenset(preempted),
+                               state_restores=batch.state_restores, state_checkpoints=batch.state_checkpoints)
