@@ -109,6 +109,9 @@ class FamilySpec(ABC):
         image_settings    `Setting`s an image part may carry (`ImageRef.options`)
         video_settings    `Setting`s a video part may carry (`VideoRef.options`); none: the family
                           takes no video
+        whole_images      the model's image tokens attend to each other during prefill (bidirectionally
+                          within each image: Gemma 3), so the scheduler never ends a prefill chunk
+                          inside an image and max_num_batched_tokens must hold one image's tokens
         plan_setting      (plan option, engine setting) the planner sizes images by, e.g.
                           ("max_dynamic_patch", "max_dynamic_patch"); the plan flag is `--<plan option>`.
                           One vocabulary: the plan option IS the engine setting's name, so a fix
@@ -120,6 +123,7 @@ class FamilySpec(ABC):
     engine_settings: tuple[Setting, ...] = ()
     image_settings: tuple[Setting, ...] = ()
     video_settings: tuple[Setting, ...] = ()
+    whole_images: bool = False
     plan_setting: tuple[str, str]
 
     # -- classes (imported when asked for: importing the spec imports no model code) -------------
