@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.layers.attention import PagedAttention
 from vlm_sdk.layers.embedding import ParallelLMHead, VocabParallelEmbedding, gather_vocab
 from vlm_sdk.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -42,11 +43,6 @@ from vlm_sdk.models.common.gemma_config import GemmaDecoderConfig
 from vlm_sdk.models.common.llama_decoder import kv_scale_slots
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-
-
-def layer_meta(meta, i: int):
-    """Layer i's attention metadata: its cache group's where the step carries one per group."""
-    return meta.layer(i) if hasattr(meta, "layer") else meta
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -69,8 +65,7 @@ class GemmaDecoderLayer(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
         self.window = cfg.sliding_window if cfg.is_sliding(index) else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, cfg.query_pre_attn_scalar ** -0.5,
-                                   ops.attention, device)
-        self.attn.window = self.window
+                                   ops.attention, device, window=self.window)
         self.o_proj = o_cls(cfg.num_heads * d, hidden, cfg.attention_bias, dtype, device, tp)
         self.gate_up_proj = gate_up_cls(hidden, [inter, inter], False, dtype, device, tp)
         self.down_proj = down_cls(inter, hidden, False, dtype, device, tp)
@@ -82,7 +77,7 @@ class GemmaDecoderLayer(nn.Module):
         return AttentionSpec(self.num_kv_heads, self.head_dim, str(kv_dtype).removeprefix("torch."), self.window)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: dict[str, RotaryInputs],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         store = (kv_cache, meta.slot_mapping) if self.ops.fuses_rotary_store else None
         q, k, v, residual = self.pre_attention(x, residual, rope, store)
         return self.post_attention(self.attn(q, k, v, kv_cache, meta, stored=store is not None), residual)
@@ -154,13 +149,16 @@ class GemmaDecoder(nn.Module):
 
     def forward(self, inputs_embeds: torch.Tensor,  # [N, hidden], the image rows in place
                 positions: torch.Tensor,  # [N]
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:  # [N, hidden]
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} decoder layers")
+                caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: StepMetadata) -> torch.Tensor:  # [N, hidden], after the final norm
+        """`meta`: the step's metadata per cache group; layer i reads `meta.layer(i)` (a sliding-window
+        layer its window's group's)."""
+        if len(caches) != len(self.layers):
+            raise ValueError(f"got {len(caches)} layer caches for {len(self.layers)} decoder layers")
         rope = self.rotary_inputs(positions, inputs_embeds.dtype)
         x, residual = inputs_embeds, None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x, residual = layer(x, residual, rope, kv_cache, layer_meta(meta, i))
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            x, residual = layer(x, residual, rope, cache, meta.layer(i))
         return self.final_norm(x, residual)
 
     def rotary_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, RotaryInputs]:

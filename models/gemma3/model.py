@@ -15,12 +15,14 @@ split); the projector is whole on every rank.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
+from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.layers.ops import KernelOps
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.layers.quantization import quant_scheme
@@ -29,8 +31,10 @@ from vlm_sdk.multimodal.inputs import ImageInput
 from vlm_sdk.multimodal.pixels import images_to_device
 from vlm_sdk.protocol.cache_spec import LayerCacheSpec
 from vlm_sdk.weight_loading import ParamSlot
+from vlm_sdk.models.base import LayerCache, StepImages
 from vlm_sdk.models.common.gemma_config import GemmaDecoderConfig
 from vlm_sdk.models.common.gemma_decoder import GemmaDecoder
+from vlm_sdk.models.common.image_spans import image_key_limits
 from vlm_sdk.models.common.siglip import SiglipVisionConfig, SiglipVisionTower
 from vlm_sdk.models.gemma3.projector import Gemma3Projector
 from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
@@ -79,6 +83,25 @@ class Gemma3ForConditionalGeneration(DecoderVLM):
                                                                          self.tokens_per_image, dtype, dev, group),
                                          device)
         self.requires_grad_(False)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
+                meta: StepMetadata, images: StepImages | None = None) -> torch.Tensor:
+        """A step with image tokens attends bidirectionally within each image's run of them: every
+        attention group's metadata carries the step's `key_limits` (models/common/image_spans.py)."""
+        embeds = inputs_embeds
+        if images is not None:
+            embeds[images.rows] = images.embeds.to(embeds.dtype)  # [n, hidden] rows
+            first = next(g for g in meta.groups if isinstance(g, AttentionMetadata))
+            limits = image_key_limits(positions[0], images.rows, first.query_start_loc)  # [N] int32
+            meta = StepMetadata(tuple(dataclasses.replace(g, key_limits=limits) if isinstance(g, AttentionMetadata)
+                                      else g for g in meta.groups),
+                                meta.layer_group)
+        return self.decoder(embeds, positions[0], caches, meta)
+
+    def stack_inputs(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                     images: StepImages | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """None for a step with image tokens: their attention needs `forward`'s key limits."""
+        return None if images is not None else (inputs_embeds, positions[0])
 
     def cache_specs(self, kv_dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Sliding-window KV for the local layers (window `sliding_window`), full KV for the global ones."""

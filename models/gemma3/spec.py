@@ -33,6 +33,7 @@ class Gemma3Spec(FamilySpec):
     display_name = "Gemma 3"
     engine_settings = PAN_AND_SCAN_SETTINGS
     image_settings = PAN_AND_SCAN_SETTINGS  # an image part's own options win over the engine's
+    whole_images = True  # image tokens attend to each other within their image: no chunk ends inside one
     plan_setting = ("pan_and_scan_max_num_crops", "pan_and_scan_max_num_crops")
 
     @property

@@ -1,7 +1,8 @@
-"""Gemma 3's model against transformers' Gemma3ForConditionalGeneration on the tiny checkpoint: the vision
-path (SigLIP tower + average-pool projector) and the decoder's logits on a prompt within the window, both
-checkpoint spellings, strict loading, the config fields this decoder refuses, the softcap and the
-embedding factor's rounding."""
+"""Gemma 3's model against transformers' Gemma3ForConditionalGeneration on the tiny checkpoint (window 12):
+the vision path (SigLIP tower + average-pool projector), the decoder's logits on text within and past the
+window and on image prompts (images shorter and longer than the window, pan-and-scan crops: the spans'
+bidirectional attention), both checkpoint spellings, strict loading, the config fields this decoder
+refuses, the softcap and the embedding factor's rounding."""
 from __future__ import annotations
 
 import json
@@ -11,12 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tolerance import assert_reduction_close, forward_terms
-from vlm_sdk.attention.metadata import AttentionMetadata
+from tolerance import assert_reduction_close, forward_terms, reduction_atol
+from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
 from vlm_sdk.models.common.gemma_config import GemmaDecoderConfig
 from vlm_sdk.models.gemma3.model import Gemma3ForConditionalGeneration
+from vlm_sdk.models.base import StepImages
 from vlm_sdk.multimodal.inputs import ImageInput
 from vlm_sdk.protocol.cache_spec import AttentionSpec
 from vlm_sdk.testing import make_tiny_checkpoint
@@ -45,17 +47,26 @@ def ours(gemma3_ckpt):
 
 
 @torch.no_grad()
-def prefill_logits(model, ids: torch.Tensor, block: int = 16) -> torch.Tensor:  # [L] -> [L, vocab]
+def prefill_logits(model, ids: torch.Tensor, images: list[ImageInput] = (), image_token_id: int | None = None,
+                   block: int = 16) -> torch.Tensor:  # [L] -> [L, vocab]
+    """Logits of every prompt position from one prefill on a fresh paged cache, one metadata per cache
+    group as the runner builds them (the sliding layers' with their window)."""
     n = ids.numel()
     blocks = -(-n // block)
     shape = (blocks, block, model.num_kv_heads, model.head_dim)
     caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.num_layers)]
-    meta = AttentionMetadata(
+    windows = sorted({s.window for s in model.cache_specs(torch.float32)}, key=lambda w: w is None)
+    metas = tuple(model.decoder.ops.attention.prepare(AttentionMetadata(
         slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
         seq_lens=torch.tensor([n], dtype=torch.int32), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-        query_lens_cpu=[n], seq_lens_cpu=[n], max_query_len=n, max_seq_len=n)
-    meta = model.decoder.ops.attention.prepare(meta, caches[0][0])
-    hidden = model(model.embed_tokens(ids), torch.arange(n)[None], caches, meta)
+        query_lens_cpu=[n], seq_lens_cpu=[n], max_query_len=n, max_seq_len=n, window=w), caches[0][0])
+        for w in windows)
+    meta = StepMetadata(metas, tuple(windows.index(s.window) for s in model.cache_specs(torch.float32)))
+    step = None
+    if images:
+        rows = (ids == image_token_id).nonzero()[:, 0]
+        step = StepImages(rows, model.encode_images(list(images)))
+    hidden = model(model.embed_tokens(ids), torch.arange(n)[None], caches, meta, step)
     return model.compute_logits(hidden)
 
 
@@ -78,13 +89,47 @@ def test_vision_features_equal_transformers(tmp_path, tokens_per_image):
     assert_reduction_close(got, expected, TERMS)
 
 
+@pytest.mark.parametrize("length", [11, 40])  # within the window of 12, and past it
 @torch.no_grad()
-def test_text_logits_within_the_window_equal_transformers(ours, hf):
-    ids = torch.tensor([1002, 1004, 5, 77, 300, 12, 8, 600, 900, 41, 3])  # 11 tokens: within the window of 12
+def test_text_logits_equal_transformers(ours, hf, length):
+    ids = torch.randint(0, 1000, (length,), generator=torch.Generator().manual_seed(length))
+    ids[0] = 1002  # <bos>
     expected = hf(input_ids=ids[None]).logits[0]
     got = prefill_logits(ours, ids)
     assert got.shape == expected.shape and expected.std() > 1
     assert_reduction_close(got, expected, TERMS)
+
+
+@pytest.mark.parametrize("tokens_per_image", [4, 16])  # an image shorter and longer than the window (12)
+@pytest.mark.parametrize("crops", [False, True])
+@torch.no_grad()
+def test_image_prompts_past_the_window_equal_transformers(tmp_path, tokens_per_image, crops):
+    """Whole-prompt logits with the bidirectional image spans and the window, against transformers'
+    forward given token_type_ids (its AND(window, OR(causal, image block)) mask)."""
+    from helpers import image
+    from transformers import AutoTokenizer
+    from vlm_sdk.config import EngineArgs
+    from vlm_sdk.model_loader import load_tokenizer
+    from vlm_sdk.models.gemma3 import reference
+    from vlm_sdk.models.registry import load
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", family="gemma3", mm_tokens_per_image=tokens_per_image)
+    info, family = read_checkpoint(ckpt), load("gemma3")
+    settings = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 32} if crops else {}
+    proc = family.make_processor(load_tokenizer(ckpt), family.image_processor_cls.from_preprocessor_config(
+        info.preprocessor, info.hf_config), info.hf_config, EngineArgs.from_kwargs(mm_processor_kwargs=settings))
+    conv = [{"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image", "image": image(300, 120, 1)},
+                                         {"type": "text", "text": "with"}, {"type": "image", "image": image(90, 80, 2)}]}]
+    prompt = proc(conv)
+    hf = reference.hf_model(str(ckpt))
+    ref = reference.hf_prompt(AutoTokenizer.from_pretrained(str(ckpt)), reference.hf_image_processor(str(ckpt)),
+                              hf.config, conv, **settings)
+    assert prompt.token_ids == ref["input_ids"][0].tolist() and len(prompt.token_ids) > 12
+    expected = hf(**ref).logits[0]
+    ours = load_ours(ckpt)
+    got = prefill_logits(ours, torch.tensor(prompt.token_ids), prompt.images, proc.image_token_id)
+    assert_reduction_close(got, expected, TERMS)
+    causal = hf(input_ids=ref["input_ids"], pixel_values=ref["pixel_values"]).logits[0]  # no spans
+    assert (causal - expected).abs().max() > 100 * reduction_atol(expected, TERMS), "the spans changed nothing"
 
 
 def test_published_layout_loads_the_same_weights(tmp_path, ours):
