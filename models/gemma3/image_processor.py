@@ -33,7 +33,8 @@ SIGLIP_MEAN = SIGLIP_STD = (0.5, 0.5, 0.5)
 
 @dataclass(frozen=True)
 class PanAndScan:
-    """transformers' pan-and-scan options (Gemma3Processor's defaults: off, 256, 4, 1.2)."""
+    """transformers' pan-and-scan options, at Gemma3Processor's defaults (off, 256, 4, 1.2): the values its
+    `images_kwargs` hands the image processor on every call, over preprocessor_config.json's."""
     enabled: bool = False
     min_crop_size: int = 256
     max_num_crops: int = 4
@@ -83,8 +84,11 @@ class Gemma3ImageProcessor:
     @classmethod
     def from_preprocessor_config(cls, config: dict, hf_config=None) -> "Gemma3ImageProcessor":
         """From `preprocessor_config.json` (Gemma3ImageProcessor's fields: `size` {height, width}, image_mean /
-        image_std, rescale_factor, resample, do_rescale / do_normalize, the pan_and_scan_* options; null
-        ones take Gemma3Processor's defaults) and, when its size is absent, the vision tower's image_size."""
+        image_std, rescale_factor, resample, do_rescale / do_normalize) and, when its size is absent, the
+        vision tower's image_size. Its do_pan_and_scan / pan_and_scan_* fields (null in the published files)
+        are not read: transformers' Gemma3Processor passes its own defaults (off, 256, 4, 1.2) to the image
+        processor on every call, over them, so they never take effect there either; the engine settings
+        and an image part's options are what change them."""
         config = dict(config or {})
         size = config.get("size")
         if isinstance(size, dict):
@@ -102,13 +106,8 @@ class Gemma3ImageProcessor:
         kwargs["rescale_factor"] = config.get("rescale_factor", 1 / 255) if config.get("do_rescale", True) else 1.0
         if config.get("do_normalize", True) is False:
             kwargs["mean"], kwargs["std"] = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
-        defaults = PanAndScan()
-        pas = PanAndScan(bool(_or(config.get("do_pan_and_scan"), defaults.enabled)),
-                         int(_or(config.get("pan_and_scan_min_crop_size"), defaults.min_crop_size)),
-                         int(_or(config.get("pan_and_scan_max_num_crops"), defaults.max_num_crops)),
-                         float(_or(config.get("pan_and_scan_min_ratio_to_activate"), defaults.min_ratio_to_activate)))
-        try:
-            return cls(size=int(size), pan_and_scan=pas, **kwargs)
+        try:  # pan-and-scan: Gemma3Processor's defaults, whatever the file says (see `PanAndScan`)
+            return cls(size=int(size), **kwargs)
         except InvalidRequestError as exc:
             raise CheckpointError(f"Gemma 3 preprocessing config: {exc}") from exc
 
@@ -143,6 +142,3 @@ class Gemma3ImageProcessor:
             raise InvalidImageError(f"image has zero size ({image.width}x{image.height}, width x height)")
         return image if image.mode == "RGB" else to_rgb(image)
 
-
-def _or(value, default):
-    return default if value is None else value

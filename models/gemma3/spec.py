@@ -3,9 +3,10 @@
 Every image is resized to the SigLIP tower's square (896x896 in the published checkpoints) and becomes
 `mm_tokens_per_image` soft tokens (256), wrapped in <start_of_image> ... <end_of_image>. Pan-and-scan
 (off by default, as in transformers' Gemma3Processor) adds crops of a wide or tall image, each one more
-such image. Engine settings: transformers' pan-and-scan options (defaults: the preprocessor config's,
-else Gemma3Processor's: off, 256, 4, 1.2); an image part may set its own. The planner sizes images by
-pan_and_scan_max_num_crops (the most frames an image becomes is 1 + it, when pan-and-scan is on).
+such image. Engine settings: transformers' pan-and-scan options (defaults Gemma3Processor's: off, 256, 4,
+1.2; it passes them over preprocessor_config.json's, and so does the engine); an image part may set its
+own. The planner sizes images by pan_and_scan_max_num_crops (the most frames an image becomes is 1 + it,
+when pan-and-scan is on).
 Importing this module imports no model code.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ MAX_CROPS_LIMIT = 64  # crops one image may ask for; transformers' default is 4
 
 PAN_AND_SCAN_SETTINGS = (
     Setting("do_pan_and_scan", "pan-and-scan: also show the model crops of an image whose aspect ratio is at least "
-                               "pan_and_scan_min_ratio_to_activate (default: the preprocessor's, else off)", type=bool),
+                               "pan_and_scan_min_ratio_to_activate (default off)", type=bool),
     Setting("pan_and_scan_max_num_crops", "the most pan-and-scan crops of one image (default 4)",
             maximum=MAX_CROPS_LIMIT),
     Setting("pan_and_scan_min_crop_size", "the narrowest pan-and-scan crop in pixels; no crops when they would be "

@@ -101,7 +101,7 @@ def test_pan_and_scan_crops_equal_transformers(gemma3_ckpt, expected):
     _check(out, ["wide_crops"], expected)
 
 
-@pytest.mark.parametrize("budget", [13, 20, 37])
+@pytest.mark.parametrize("budget", [16, 20, 37])  # one frame's 16 tokens at least
 def test_chunked_prefill_never_cuts_an_image(gemma3_ckpt, expected, budget):
     names = list(conversations())
     chunked = LLM(gemma3_ckpt, show_progress=False, max_num_batched_tokens=budget)
@@ -110,12 +110,15 @@ def test_chunked_prefill_never_cuts_an_image(gemma3_ckpt, expected, budget):
 
 def test_a_chunk_budget_below_one_image_is_refused(gemma3_ckpt):
     with pytest.raises(InvalidRequestError, match="max_num_batched_tokens"):
-        LLM(gemma3_ckpt, show_progress=False, max_num_batched_tokens=3)
+        LLM(gemma3_ckpt, show_progress=False, max_num_batched_tokens=15)
 
 
-def test_preemption_changes_no_token(gemma3_ckpt, expected):
+def test_preemption_changes_no_token(llm, gemma3_ckpt, expected):
     names = list(conversations()) * 2
-    small = LLM(gemma3_ckpt, show_progress=False, num_blocks=24, allow_unfit_images=True)
+    blocks_for = llm.engine.cache_config.blocks_for  # in every cache group: the sliding ones their window's
+    longest = max(len(prompt) for prompt, _ in expected.values()) + MAX_TOKENS
+    assert blocks_for(longest + 16) < sum(blocks_for(len(expected[n][0]) + MAX_TOKENS) for n in names)
+    small = LLM(gemma3_ckpt, show_progress=False, num_blocks=blocks_for(longest + 16), allow_unfit_images=True)
     _check(small.chat([conversations()[n] for n in names], GREEDY), names, expected)
     assert small.stats()["num_preemptions"] > 0, "the batch was meant to preempt"
     assert small.stats()["kv_blocks_used"] == 0
