@@ -177,3 +177,21 @@ def test_sliding_window_blocks_go_back_to_the_pool_during_a_long_decode(gemma3_c
     assert max(full_blocks) >= (prompt + 299) // block  # the global layer kept every token's block
     assert sliding_most == window_blocks + 1  # the sliding layers kept a window's worth, no more
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_structured_output_on_an_image_prompt_past_the_window(llm):
+    """A JSON schema constrains what the random weights say, on an image prompt longer than the window,
+    sampled with different seeds (the grammar runs beside the sliding-window layers' freed blocks)."""
+    import json
+
+    import jsonschema
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=60, response_format=fmt) for s in range(4)]
+    outs = llm.chat([conversations()["two_images"]] * 4, params)
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), schema)
+    assert len({o.text for o in outs}) > 1
