@@ -21,9 +21,10 @@ from vlm_sdk.errors import InvalidRequestError
 
 @dataclass(frozen=True)
 class Setting:
-    """One family setting. Values are positive integers of at most `maximum`, positive numbers when
-    `type` is float (a video's fps), or true / false when `type` is bool (a switch: the flags are
-    `--name` / `--no-name`); `default` None means "the checkpoint's" (its preprocessor config). `detail` is the
+    """One family setting. Values are positive integers of at most `maximum` (MAX_SETTING_VALUE when
+    None), positive finite numbers (of at most `maximum`) when `type` is float (a video's fps), or true /
+    false when `type` is bool (a switch: the flags are `--name` / `--no-name`); `default` None means "the
+    checkpoint's" (its preprocessor config). `detail` is the
     part of the help true of this family only (e.g. "a multiple of 28x28"): several families may
     declare one setting name, and its flag's help (`registry.engine_settings`) then gives each
     family's detail beside its name."""
@@ -39,22 +40,58 @@ class Setting:
         return f"{self.help}; {self.detail}" if self.detail else self.help
 
     def check(self, value: Any, where: str = "") -> Any:
-        """`value` when valid; `InvalidRequestError` (param = the setting's name) otherwise."""
+        """`value` when valid; `InvalidRequestError` (param = the setting's name) otherwise. An integer
+        too large for a float (JSON allows 10**400) is refused like any other out-of-range value."""
         if self.type is bool:
             if not isinstance(value, bool):
-                raise InvalidRequestError(f"{where}{self.name} must be true or false, got {value!r}", param=self.name)
-            return value
-        if self.type is float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise InvalidRequestError(f"{where}{self.name} must be a positive number, got {value!r}",
+                raise InvalidRequestError(f"{where}{self.name} must be true or false, got {_shown(value)}",
                                           param=self.name)
-            return float(value)
+            return value
+        top = self.maximum if self.maximum is not None else MAX_SETTING_VALUE
+        if self.type is float:
+            number = _as_float(value)  # inf for an integer beyond a float's range
+            if number is None or not number > 0:  # not a number, NaN, 0 or below
+                raise InvalidRequestError(f"{where}{self.name} must be a positive number, got {_shown(value)}",
+                                          param=self.name)
+            if number == float("inf") or (self.maximum is not None and number > self.maximum):
+                bound = f"of at most {self.maximum}" if self.maximum is not None else "below infinity"
+                raise InvalidRequestError(f"{where}{self.name} must be a positive number {bound}, got "
+                                          f"{_shown(value)}", param=self.name)
+            return number
         if not isinstance(value, self.type) or isinstance(value, bool) or value < 1:
-            raise InvalidRequestError(f"{where}{self.name} must be a positive integer, got {value!r}", param=self.name)
-        if self.maximum is not None and value > self.maximum:
-            raise InvalidRequestError(f"{where}{self.name} must be an integer from 1 to {self.maximum}, got {value!r}",
+            raise InvalidRequestError(f"{where}{self.name} must be a positive integer, got {_shown(value)}",
+                                      param=self.name)
+        if value > top:
+            raise InvalidRequestError(f"{where}{self.name} must be an integer from 1 to {top}, got {_shown(value)}",
                                       param=self.name)
         return value
+
+
+# the largest values a video part may give (what is over the engine's video limits is refused there,
+# naming them): frame counts and rates far beyond any video's, pixels far beyond any frame's
+MAX_PART_FRAMES = 1_000_000
+MAX_PART_FPS = 10_000
+MAX_PART_PIXELS = 10 ** 12
+# an integer setting without a maximum of its own: the largest integer a float holds exactly, so that
+# arithmetic mixing it with floats (pixels / frames) never overflows
+MAX_SETTING_VALUE = 2 ** 53
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond a float's range
+        return float("inf")
+
+
+def _shown(value: Any) -> str:
+    """`value` for an error message: a huge integer by its length, not its 400 digits."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 18:
+        return f"an integer of {int(abs(value).bit_length() * 0.30103) + 1} digits"  # str() refuses > 4300
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass(frozen=True)

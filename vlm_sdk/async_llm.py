@@ -133,27 +133,33 @@ class AsyncLLM:
         tools, chat_template_kwargs, cache_salt (`ChatOptions`), for chat messages."""
         self._check_alive()
         self.engine.check_params(params)
-        # grammars first, awaited on the grammar workers: a bad schema (or tool schema) fails before any
-        # image is decoded, and no prep thread waits on a grammar
+        chat = options is not None and not isinstance(request, (TextPrompt, TokensPrompt))
+        if chat:  # max_tools / max_tool_bytes before any work
+            self.engine.chat.tool_limits.check(options.tools)
+        # params' grammar first, on the grammar workers: a bad schema fails before any image is decoded and
+        # no prep thread waits; the tools' schemas once the prompt (which they lengthen) is known to fit
         await self._compile([params.grammar] if params is not None and params.grammar is not None else [])
-        if options is not None and not isinstance(request, (TextPrompt, TokensPrompt)):
-            await self._compile(self.engine.chat.tool_specs(options))
         if isinstance(request, TokensPrompt):
             chars, images = 0, 0
         elif isinstance(request, TextPrompt):
             chars, images = len(request.text), 0
         else:
             chars, images = measure(request)
+            chars += self.engine.chat.tool_chars(options) if chat else 0
         pool = self._heavy_prep if images or chars >= LONG_TEXT_CHARS else self._text_prep
         cancelled = threading.Event()
         job = asyncio.get_running_loop().run_in_executor(
             pool, partial(self.engine.build_prompt, request, params, cancelled=cancelled, options=options,
                           compile_grammar=False))
         try:
-            return await job  # cancelled here, a job not started yet is dropped from the pool's queue
+            prompt = await job  # cancelled here, a job not started yet is dropped from the pool's queue
         except asyncio.CancelledError:
             cancelled.set()  # a running one skips the images it has not decoded
             raise
+        checking = self.engine.chat.check_tools(options) if chat else None
+        if checking is not None:  # one grammar for all the tools' schemas, cached by content
+            await asyncio.wrap_future(checking)
+        return prompt
 
     async def chat_stream(self, messages, params: SamplingParams | None = None, request_id: str | None = None,
                           **chat_options) -> AsyncIterator[RequestOutput]:

@@ -9,6 +9,10 @@ point they come from (`LLM.chat`, `AsyncLLM`, the HTTP server), each error namin
     chat_template_kwargs  extra variables for the chat template, e.g. {"enable_thinking": False}
     cache_salt            requests with different salts never share a prefix-cache block or an image's
                           vision embeddings (vLLM's field): tenants that must not see each other's cache
+
+A request's tools are bounded (`ToolLimits`: `max_tools`, `max_tool_bytes`) before any is rendered or
+compiled; `parse_tools` counts them first and stops converting once their bytes pass the limit, so
+a body of 10,000 tools is refused in microseconds, not after half a second of conversion.
 """
 from __future__ import annotations
 
@@ -18,15 +22,23 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.errors import InvalidRequestError, limit_text
 
 # OpenAI's rule for function names; it also keeps a name free of JSON escapes inside a call's text
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TOOL_CHOICES = ("none", "auto", "required")
-# variables the chat template gets from the request itself: a kwarg may not replace them
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
-                                         "continue_final_message", "tokenize", "chat_template", "return_dict",
-                                         "return_assistant_tokens_mask", "tokenizer_kwargs"})
+# names a template kwarg may not take: the request's own fields fill some (messages, tools); the others
+# are parameters of transformers' apply_chat_template / render_jinja_template / jinja2's Template.render
+# (`self`: "got multiple values for argument"), or the template's own globals, which a variable of the
+# same name would hide from it (Qwen's templates call namespace(); {"namespace": 1} broke them with a 500).
+# tests/engine/test_chat_options.py checks this covers the installed transformers' and jinja2's names
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "conversation", "conversations", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tokenize", "chat_template", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
+    "self"})
+TEMPLATE_GLOBALS = frozenset({"namespace", "range", "dict", "lipsum", "cycler", "joiner", "raise_exception",
+                              "strftime_now"})
 
 
 def _refuse(param: str, rule: str, value: Any = None, shown: bool = True) -> None:
@@ -38,10 +50,61 @@ def _refuse(param: str, rule: str, value: Any = None, shown: bool = True) -> Non
 @dataclass(frozen=True)
 class Tool:
     """One function the model may call: `parameters` is its arguments' JSON Schema (an object schema);
-    `spec` the tool as the chat template renders it (OpenAI's shape)."""
+    `spec` the tool as the chat template renders it (OpenAI's shape); `chars` / `nbytes` its compact JSON
+    text's length in characters and UTF-8 bytes (what a template that renders it writes at least)."""
     name: str
     parameters: Mapping[str, Any]
     spec: Mapping[str, Any]
+    chars: int = 0
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class ToolLimits:
+    """What one request's tools may hold: `max_tools` of them, `max_bytes` of JSON together (engine settings
+    max_tools, max_tool_bytes; their defaults are EngineArgs')."""
+    max_tools: int
+    max_bytes: int
+
+    def check_count(self, count: int) -> None:
+        if count > self.max_tools:
+            raise InvalidRequestError(
+                f"'tools' holds {count} tools; this engine accepts at most {self.max_tools} per request "
+                f"({limit_text('max_tools', self.max_tools)}): each is rendered into the prompt and its schema "
+                f"compiled; send the tools this turn needs", param="tools")
+
+    def check_bytes(self, nbytes: int, complete: bool = True) -> None:
+        if nbytes > self.max_bytes:
+            size = f"{nbytes:,} bytes" if complete else f"over {nbytes:,} bytes"
+            raise InvalidRequestError(
+                f"'tools' is {size} of JSON (names, descriptions and parameter schemas); this engine accepts at "
+                f"most {self.max_bytes:,} per request ({limit_text('max_tool_bytes', self.max_bytes)}): all of "
+                f"it is rendered into the prompt and each schema compiled; send fewer or smaller tools",
+                param="tools")
+
+    def check(self, tools) -> None:
+        """Parsed `tools` (a sequence of `Tool`) within both limits."""
+        self.check_count(len(tools))
+        self.check_bytes(sum(t.nbytes for t in tools))
+
+
+def parse_tools(value: Any, limits: ToolLimits | None = None) -> tuple[Tool, ...]:
+    """`tools` as sent (a list of OpenAI tool objects, or `Tool`s) -> `Tool`s, each error naming its field.
+    With `limits`, the count is checked first and the conversion stops at the tool whose bytes pass
+    `limits.max_bytes`, so refusing a huge list costs no more than the limit's worth of work."""
+    tools = value or ()
+    if not isinstance(tools, (list, tuple)):
+        _refuse("tools", "must be an array of tool objects", tools)
+    if limits is not None:
+        limits.check_count(len(tools))
+    out, total = [], 0
+    for i, t in enumerate(tools):
+        tool = t if isinstance(t, Tool) else _tool(t, i)
+        total += tool.nbytes
+        if limits is not None:
+            limits.check_bytes(total, complete=i == len(tools) - 1)
+        out.append(tool)
+    return tuple(out)
 
 
 def _tool(value: Any, i: int) -> Tool:
@@ -65,11 +128,15 @@ def _tool(value: Any, i: int) -> Tool:
         _refuse(f"{where}.function.parameters", 'must describe an object (a function\'s arguments): "type" '
                                                  'must be "object"', params.get("type"))
     try:  # JSON values only: the template renders it with tojson, the grammar compiler reads it as JSON
-        params = json.loads(json.dumps(params, allow_nan=False))
-        spec = json.loads(json.dumps({"type": "function", "function": dict(fn)}, allow_nan=False))
-    except (TypeError, ValueError) as e:
-        _refuse(f"{where}.function", f"must hold JSON values only ({e})", shown=False)
-    return Tool(name, MappingProxyType({"type": "object", **params}), MappingProxyType(spec))
+        text = json.dumps({"type": "function", "function": dict(fn)}, ensure_ascii=False, allow_nan=False,
+                          separators=(",", ":"))
+        nbytes = len(text.encode("utf-8"))
+    except (TypeError, ValueError, RecursionError) as e:  # also a lone surrogate (UnicodeEncodeError)
+        _refuse(f"{where}.function", f"must hold JSON values only, in valid Unicode ({type(e).__name__}: "
+                                     f"{str(e)[:120]})", shown=False)
+    spec = json.loads(text)
+    params = spec["function"].get("parameters", {"type": "object", "properties": {}})
+    return Tool(name, MappingProxyType({"type": "object", **params}), MappingProxyType(spec), len(text), nbytes)
 
 
 @dataclass(frozen=True)
@@ -84,10 +151,7 @@ class ChatOptions:
     tool_name: str | None = None  # the function a named tool_choice forces
 
     def __post_init__(self):
-        tools = self.tools or ()
-        if not isinstance(tools, (list, tuple)):
-            _refuse("tools", "must be an array of tool objects", tools)
-        tools = tuple(t if isinstance(t, Tool) else _tool(t, i) for i, t in enumerate(tools))
+        tools = parse_tools(self.tools)
         seen = set()
         for i, t in enumerate(tools):
             if t.name in seen:
@@ -105,8 +169,13 @@ class ChatOptions:
             _refuse("chat_template_kwargs", "must be an object of template variables", kwargs)
         clash = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(kwargs))
         if clash:
-            _refuse("chat_template_kwargs", f"may not set {', '.join(clash)}: the request's own fields fill "
-                                            f"them (messages, tools)", shown=False)
+            _refuse("chat_template_kwargs", f"may not set {', '.join(clash)}: the request's own fields (messages, "
+                                            f"tools) or the template renderer's own arguments fill them", shown=False)
+        hidden = sorted(TEMPLATE_GLOBALS.intersection(kwargs))
+        if hidden:
+            _refuse("chat_template_kwargs", f"may not set {', '.join(hidden)}: the chat template's own functions "
+                                            f"go by these names, and a variable would hide them from it",
+                    shown=False)
         object.__setattr__(self, "chat_template_kwargs", MappingProxyType(dict(kwargs)))
         salt = self.cache_salt
         if salt is not None and (not isinstance(salt, str) or not salt):
@@ -144,6 +213,11 @@ class ChatOptions:
     def forced(self) -> bool:
         """A call is required (any tool, or the named one): the grammar writes it."""
         return self.tool_choice in ("required", "function")
+
+    @property
+    def tool_chars(self) -> int:
+        """The characters the tools' definitions add to a prompt that renders them (at least)."""
+        return sum(t.chars for t in self.tools) if self.uses_tools else 0
 
     def forced_tools(self) -> tuple[Tool, ...]:
         return tuple(t for t in self.tools if self.tool_choice != "function" or t.name == self.tool_name)

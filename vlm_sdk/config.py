@@ -66,6 +66,10 @@ DEFAULT_MAX_GRAMMAR_MEMORY = 64 << 20
 # an ordinary JSON Schema holds 0.1-1 MiB compiled: 64 MiB keeps 60-600 of them, and a stream of distinct
 # large grammars grows the server by no more than this
 DEFAULT_GRAMMAR_CACHE_MEMORY = 64 << 20
+DEFAULT_MAX_TOOLS = 128  # OpenAI's limit per request ("array_above_max_length")
+# a request's tools as JSON (names, descriptions, parameter schemas), all rendered into the prompt; as
+# much as one structured-output spec may hold, since their schemas are checked as one grammar
+DEFAULT_MAX_TOOL_BYTES = DEFAULT_MAX_GRAMMAR_BYTES
 
 
 @dataclass(frozen=True)
@@ -102,12 +106,15 @@ class EngineArgs:
     # decoded; None: no limit beyond max_image_pixels per image (`vlm-sdk serve` sets one)
     max_request_image_pixels: int | None = None
     # one video's limits (vlm_sdk/multimodal/video_io.py), checked from its container before any frame is
-    # decoded: its encoded size (bytes, or "512MiB"), its duration, the frames sampled from it, and the
-    # pixels decoded to reach them (every frame from the keyframe before each sampled one, at the source size)
+    # decoded: its encoded size (bytes, or "512MiB"), its duration, the frames sampled from it, the pixels
+    # decoded to reach them (every frame from the keyframe before each sampled one, at the source size, at
+    # least 256x256 a frame), and the frames in its container, each of which is indexed (an hour at 60
+    # fps); each frame is also an image: max_image_pixels
     max_video_bytes: int | str = 1 << 30
     max_video_seconds: float = 3600.0
     max_video_frames: int = 768
     max_video_decode_pixels: int = 8_000_000_000
+    max_video_container_frames: int = 216_000
     # special tokens (<|im_end|>, <|im_start|>, ...) written in message text are read as control
     # tokens, as the template's own are; off (the default), they are plain text, so a user cannot end
     # their turn and forge another role's
@@ -171,6 +178,10 @@ class EngineArgs:
     max_grammar_memory: int | str = DEFAULT_MAX_GRAMMAR_MEMORY  # one compiled grammar with its first mask
     grammar_cache_memory: int | str = DEFAULT_GRAMMAR_CACHE_MEMORY  # compiled grammars kept, by measured bytes
     grammar_workers: int = 2
+    # a request's tools (vlm_sdk/chat_options.py), checked before any is rendered or compiled: how many
+    # (OpenAI's 128) and their JSON's bytes together (names, descriptions, schemas: all go into the prompt)
+    max_tools: int = DEFAULT_MAX_TOOLS
+    max_tool_bytes: int = DEFAULT_MAX_TOOL_BYTES
     # how a chat's output is read (vlm_sdk/parsers): the tool-call format ("hermes") and the reasoning
     # block ("qwen3", "deepseek_r1"); None: from the chat template (<tool_call> -> hermes, <think> ->
     # qwen3); "none": off
@@ -229,9 +240,9 @@ class EngineArgs:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
         for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs", "num_state_slots",
                      "max_num_batched_tokens", "max_image_pixels", "max_request_image_pixels",
-                     "max_video_bytes", "max_video_frames", "max_video_decode_pixels",
+                     "max_video_bytes", "max_video_frames", "max_video_decode_pixels", "max_video_container_frames",
                      "preemption_warning_per_minute", "tensor_parallel_size", "max_grammar_bytes",
-                     "max_grammar_memory", "grammar_cache_memory", "grammar_workers"):
+                     "max_grammar_memory", "grammar_cache_memory", "grammar_workers", "max_tools", "max_tool_bytes"):
             positive(name)
         e = self.encoder_cache_memory
         if not isinstance(e, int) or isinstance(e, bool) or e < 0:

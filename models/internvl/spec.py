@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from vlm_sdk.models.family import FamilySpec, ImageLimits, ImageSize, Setting
+from vlm_sdk.models.family import MAX_PART_FRAMES, FamilySpec, ImageLimits, ImageSize, Setting
 
 MAX_NUM_LIMIT = 256  # tiles one image may ask for; the published models use at most 40
 
@@ -26,7 +26,7 @@ class InternVLSpec(FamilySpec):
                               maximum=MAX_NUM_LIMIT),)
     # a video: frames sampled uniformly, one tile each (models/internvl/video.py)
     video_settings = (Setting("max_frames", "frames sampled uniformly from the video, one 448x448 tile each "
-                                            "(default 8, the model card's)"),)
+                                            "(default 8, the model card's)", maximum=MAX_PART_FRAMES),)
     plan_setting = ("max_dynamic_patch", "max_dynamic_patch")
 
     @property

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from vlm_sdk.models.family import FamilySpec, ImageLimits, ImageSize, Setting
+from vlm_sdk.models.family import (MAX_PART_FPS, MAX_PART_FRAMES, MAX_PART_PIXELS, FamilySpec, ImageLimits,
+                                    ImageSize, Setting)
 
 _PIXELS = "pixels (width x height) an image is resized to {} (default: the preprocessor's)"
 
@@ -25,18 +26,19 @@ def pixel_settings(cell: int) -> tuple[Setting, Setting]:
 def qwen_video_settings(cell: int) -> tuple[Setting, ...]:
     """A video part's settings: qwen-vl-utils' names and defaults (models/qwen2_5_vl/video_sampling.py)."""
     detail = f"a multiple of {cell}x{cell} pixels"
-    return (Setting("fps", "frames sampled per second of video (default 2)", type=float),
-            Setting("nframes", "frames to sample, instead of fps (rounded to a multiple of 2)"),
-            Setting("min_frames", "the fewest frames fps may sample (default 4)"),
-            Setting("max_frames", "the most frames fps may sample (default 768, at most the video's)"),
-            Setting("min_pixels", "pixels each frame is resized to at least (default 128 tokens' worth)",
-                    detail=detail),
+    frames, fps, pixels = {"maximum": MAX_PART_FRAMES}, {"type": float, "maximum": MAX_PART_FPS}, \
+        {"maximum": MAX_PART_PIXELS, "detail": detail}
+    return (Setting("fps", "frames sampled per second of video (default 2)", **fps),
+            Setting("nframes", "frames to sample, instead of fps (rounded to a multiple of 2)", **frames),
+            Setting("min_frames", "the fewest frames fps may sample (default 4)", **frames),
+            Setting("max_frames", "the most frames fps may sample (default 768, at most the video's)", **frames),
+            Setting("min_pixels", "pixels each frame is resized to at least (default 128 tokens' worth)", **pixels),
             Setting("max_pixels", "pixels each frame is resized to at most (default 768 tokens' worth, and "
-                                  "total_pixels / frames * 2)", detail=detail),
+                                  "total_pixels / frames * 2)", **pixels),
             Setting("total_pixels", "pixels of all frames together, an even share per frame (default 128000 "
-                                    "tokens' worth * 0.9)", detail=detail),
+                                    "tokens' worth * 0.9)", **pixels),
             Setting("sample_fps", "a video given as a list of frames: the frames per second they were taken at "
-                                  "(default 2)", type=float))
+                                  "(default 2)", **fps))
 
 
 class Qwen2_5_VLSpec(FamilySpec):

@@ -2,7 +2,8 @@
 
     sample    qwen-vl-utils' frames and size (video_sampling.py) from the container's frame count and rate
     decode    only the sampled frames (multimodal/video_io.py), each resized at once as qwen-vl-utils
-              resizes (multimodal/frames.py), so one source frame is held at a time
+              resizes (multimodal/frames.py: from the uint8 frame, a band of rows at a time in float32),
+              so one source frame is held at a time; a cancelled request stops between bands
     patchify  frames 2k and 2k+1 -> uint8 [gh * gw, 3 * 2 * p * p], rows in merge-window order, each row
               laid out (channel, frame, patch_row, patch_col): transformers' `Qwen2VLVideoProcessor.patchify`
     values    normalised on the model's device through a [3, 256] table of transformers' video processor
@@ -82,7 +83,7 @@ class QwenVideoProcessor:
         for index, frame in iter_frames(video, list(sampling.indices)):
             if sampling.pre_size is not None:  # a frame list: qwen-vl-utils' image resize first
                 frame = np.asarray(Image.fromarray(frame).resize(sampling.pre_size[::-1], Image.Resampling.BICUBIC))
-            out[slots[index]] = resize_frame(frame, sampling.height, sampling.width)
+            out[slots[index]] = resize_frame(frame, sampling.height, sampling.width, video.cancelled)
         return out
 
     def source(self, video: OpenedVideo, options: Mapping[str, Any]) -> VideoSource:

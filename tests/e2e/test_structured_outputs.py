@@ -151,9 +151,9 @@ def test_compiled_once_and_off_the_engine_thread(tiny_ckpt):
             compiler: GrammarCompiler = engine.engine.grammars
             build = compiler._build
 
-            def spy(spec, proc):
+            def spy(spec, proc, validate_only):
                 threads.append(threading.current_thread().name)
-                return build(spec, proc)
+                return build(spec, proc, validate_only)
             compiler._build = spy
             outs = await asyncio.gather(*(engine.chat(CONV, params.sample(i)) for i in range(4)))
             return outs, compiler.compiles

@@ -102,7 +102,8 @@ def test_cache_is_bounded_in_bytes(tokenizer):
         sizes = [g.nbytes for g in grammars]
         assert all(512 << 10 < n < 4 << 20 for n in sizes), sizes  # ~1.4 MiB each, measured
         assert c.cache_bytes <= 4 << 20 and 1 <= len(c._cache) < 8
-        assert list(c._cache) == lists[-len(c._cache):]  # the least recently used went first
+        kept = [text for _, text, _, _ in c._cache]  # keyed by content: (kind, text, prefix, validate_only)
+        assert kept == [s.text for s in lists[-len(c._cache):]]  # the least recently used went first
         assert c.compiles == 8
         c.compile(lists[-1])  # a hit
         assert c.compiles == 8

@@ -170,8 +170,13 @@ def test_shared_code_names_no_family():
     words = {s.name for f in registry.families() for s in f.engine_settings + f.image_settings}
     words |= {f.name for f in registry.families()} | {f.display_name for f in registry.families()}
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(words))) + r")\b", re.IGNORECASE)
-    hits = [f"{p}:{line}: {text!r}" for p in files for line, text in _code_words(p) if pattern.search(text)]
+    hits = [f"{p}:{line}: {text!r}" for p in files for line, text in _code_words(p)
+            if pattern.search(text) and (p.name, text) not in LIBRARY_WORDS]
     assert not hits, "\n".join(hits)
+
+
+# a library's own names that a family setting shares: FFmpeg's decoder option (AVCodecContext.max_pixels)
+LIBRARY_WORDS = {("video_container.py", "max_pixels")}
 
 
 def _code_words(path) -> list[tuple[int, str]]:

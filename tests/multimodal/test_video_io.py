@@ -13,7 +13,7 @@ from PIL import Image
 
 from vlm_sdk.errors import InvalidVideoError
 from vlm_sdk.multimodal.image_io import DecodeCancelled
-from vlm_sdk.multimodal.video_io import VideoLimits, decode_plan, iter_frames, open_video
+from vlm_sdk.multimodal.video_io import MIN_FRAME_COST, VideoLimits, decode_plan, iter_frames, open_video
 from vlm_sdk.testing.videos import frame_index, frame_pixels, write_video
 
 # (name, write_video keywords): codecs x containers x rates x sizes, one variable frame rate
@@ -113,10 +113,11 @@ def test_limits_are_named_before_decoding(videos):
         open_video(path, VideoLimits(max_bytes=1000))
     with pytest.raises(InvalidVideoError, match=r"lasts 2\.0 s, over the limit of 1\.5 s \(setting max_video_seconds"):
         open_video(path, VideoLimits(max_seconds=1.5))
-    video = open_video(path, VideoLimits(max_decode_pixels=96 * 64 * 10))
-    with pytest.raises(InvalidVideoError, match=r"would need 48 frames decoded = 294,912 pixels .* over the limit "
-                                                r"of 61,440 \(setting max_video_decode_pixels"):
-        decode_plan(video, [0, 47])
+    video = open_video(path, VideoLimits(max_decode_pixels=MIN_FRAME_COST * 10))
+    with pytest.raises(InvalidVideoError, match=r"would need 48 frames decoded = 3,145,728 pixels \(each frame counted "
+                                                r"as at least 65,536 pixels: decoding a frame has a fixed cost\) .* over "
+                                                r"the limit of 655,360 \(setting max_video_decode_pixels"):
+        decode_plan(video, [0, 47])  # 96x64 frames: each counted as 256x256
     with pytest.raises(InvalidVideoError, match=r"12 frames sampled, over the limit of 8 \(setting max_video_frames"):
         decode_plan(open_video(path, VideoLimits(max_frames=8)), list(range(0, 48, 4)))
 

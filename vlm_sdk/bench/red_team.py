@@ -24,6 +24,7 @@ once it has given its allocator's free memory back), each against issue 28's tar
        keys "²" and "١٢٣"
     9  stop_token_ids covering the whole vocabulary (first 300 ids: the cap) with min_tokens=3
     10 chat_template, echo, add_special_tokens
+    41.7, 41.9 (issue 41's tool rows: vlm_sdk/bench/red_team_tools.py)
 
 `--red-team-scale` < 1 sends fewer of each (at least one): the test suite's quick run.
 """
@@ -41,6 +42,9 @@ from collections import Counter
 
 import aiohttp
 
+from vlm_sdk.bench.red_team_tools import tool_rows
+from vlm_sdk.bench.red_team_video import video_rows
+
 IDLE_WAIT_S = 3.0  # after the run, before the last RSS: the server's idle trim and its walk
 TARGETS = {"crashes": 0, "server_errors": 0, "worst_gap_s": 0.5, "rss_growth_bytes": 200 << 20}
 
@@ -56,7 +60,7 @@ def _rule_chain(n: int) -> str:
 
 
 def rows(model: str, vocab_size: int, scale: float) -> list[tuple[str, list[bytes], int, bool]]:
-    """(name, bodies, at once, with plain probes) per row of issue 28's table, in order."""
+    """(name, bodies, at once, with plain probes) per row of issue 28's table, in order, then issue 41's."""
     def n(count: int) -> int:
         return max(1, round(count * scale))
 
@@ -93,7 +97,7 @@ def rows(model: str, vocab_size: int, scale: float) -> list[tuple[str, list[byte
                                            temperature=1.0, seed=1)], 1, False),
         ("10 template / echo / specials", [body(chat_template="{{ messages }}"), body(echo=True),
                                            body(add_special_tokens=True)], 1, False),
-    ]
+    ] + video_rows(model, scale) + tool_rows(model, scale)
 
 
 # -- the victim, in a process of its own ----------------------------------------------------------
@@ -213,6 +217,8 @@ def _grammar_rss(m: dict) -> float:
 
 
 async def _send(session, url: str, headers: dict, data: bytes) -> tuple[int, str]:
+    if hasattr(data, "send"):  # a body that sends itself (a client that hangs up: red_team_video.HangUp)
+        return await data.send(session, url, headers)
     try:
         async with session.post(url + "/v1/chat/completions", data=data, headers=headers) as resp:
             raw = await resp.read()  # parsed after the row: parsing 50 MB here would be the client's own stall

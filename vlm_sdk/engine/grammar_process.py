@@ -53,7 +53,8 @@ def parser_limits():
 @dataclass(frozen=True)
 class CheckResult:
     """`error`: "" when the grammar compiled; `kind` says what failed: "grammar" (llguidance's own
-    message), "timeout", "memory" (measured over `max_bytes`), "crash" (the process died: `signal`)."""
+    message), "timeout", "memory" (measured over `max_bytes`), "crash" (the process died: `signal`),
+    "start" (no process could be started for it: twice in a row one died or hung while setting up)."""
     error: str = ""
     kind: str = ""
     bytes: int = 0
@@ -88,13 +89,25 @@ class GrammarProcess:
             raise
         return proc
 
+    def _start_one(self) -> subprocess.Popen:
+        """A ready child; one that dies (or is killed) while it sets up is not the grammar's doing, so a
+        second is tried before the grammar is refused."""
+        try:
+            return self._start()
+        except (EOFError, OSError, TimeoutError):
+            return self._start()
+
     def check(self, grammar: str, timeout: float) -> CheckResult:
         """Compile `grammar` and its first mask in the child, within `timeout` seconds of its CPU time
         (a busy machine, where it runs last, stretches the wall time, up to `WALL_FACTOR` x)."""
-        if self._proc is None or self._proc.poll() is not None:
-            self._proc = self._start()
-        proc = self._proc
         t0 = time.monotonic()
+        if self._proc is None or self._proc.poll() is not None:
+            try:
+                self._proc = self._start_one()
+            except (EOFError, OSError, TimeoutError) as e:
+                return CheckResult(self.last_words() or str(e) or type(e).__name__, "start",
+                                   seconds=time.monotonic() - t0)
+        proc = self._proc
         try:
             _send(proc, json.dumps({"grammar": grammar}).encode())
             reply = json.loads(_receive(proc, _Budget(proc.pid, timeout)))

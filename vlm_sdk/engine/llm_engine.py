@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from vlm_sdk.chat_options import NO_OPTIONS, ChatOptions
+from vlm_sdk.chat_options import NO_OPTIONS, ChatOptions, ToolLimits
 from vlm_sdk.config import EngineArgs, fp8_kv_cache_runs, resolve_rank_config
 from vlm_sdk.engine.core.cache_coordinator import CacheCoordinator
 from vlm_sdk.engine.output.engine_output import EngineOutput
@@ -74,7 +74,7 @@ class LLMEngine:
         self.tokenizer = PromptTokenizer(load_tokenizer(model), not args.allow_special_tokens_in_text)
         self.guard = PromptGuard(self.tokenizer, args.max_image_pixels, args.max_request_image_pixels,
                                  VideoLimits(args.max_video_bytes, args.max_video_seconds, args.max_video_frames,
-                                             args.max_video_decode_pixels))
+                                             args.max_video_decode_pixels, args.max_video_container_frames))
         self.eos_token_ids = set(info.eos_token_ids)
         self.vocab_size = vocab_size = int(family.text_config(info.hf_config).vocab_size)  # the logits' width
         self.raw_prompt_tokens = RawPromptTokens(self.tokenizer, vocab_size)
@@ -83,7 +83,8 @@ class LLMEngine:
                                         max_memory=args.max_grammar_memory, timeout=args.grammar_compile_timeout,
                                         workers=args.grammar_workers)
         # tools, reasoning and chat_template_kwargs: how a chat's options reach its prompt and grammar
-        self.chat = ChatSetup(self.tokenizer, self.grammars, args.tool_call_parser, args.reasoning_parser)
+        self.chat = ChatSetup(self.tokenizer, self.grammars, args.tool_call_parser, args.reasoning_parser,
+                              ToolLimits(args.max_tools, args.max_tool_bytes))
         self._fill_masks = MaskFiller(vocab_size)
         # every default that depends on the device or the rank count, decided once (refusing
         # async_scheduling=True with tensor parallelism before any rank starts); ranks receive it
@@ -166,8 +167,10 @@ class LLMEngine:
         check the ids against the vocabulary (engine/input/raw_prompt.py). Either way the family's
         processor makes the `PromptInputs`, and a prompt that can never fit raises (the fixes the error
         names fit the prompt and `params.max_tokens`). Once `cancelled` is set, the images not decoded
-        yet raise `DecodeCancelled` instead (see `PromptGuard`). `compile_grammar` False: the caller
-        compiles the grammars (AsyncLLM awaits `params`' and the tools' before, the prompt's after)."""
+        yet raise `DecodeCancelled` instead (see `PromptGuard`). `params`' grammar is compiled first; the
+        tools' schemas and the prompt's grammar (a forced call) only once the prompt is known to fit.
+        `compile_grammar` False: the caller compiles the grammars (AsyncLLM awaits `params`' before, the
+        tools' check and the prompt's after)."""
         t0 = time.perf_counter()
         params, options = params or SamplingParams(), options or NO_OPTIONS
         self.check_params(params)
@@ -177,12 +180,13 @@ class LLMEngine:
                                       "prompt has no chat template", param="prompt")
         if compile_grammar:
             self.compile_grammar(params)  # a bad schema fails before any image is decoded
-        template_kwargs = None if raw else self.chat.prepare(options, params, compile_grammar)  # so do bad tools
+        template_kwargs = None if raw else self.chat.prepare(options, params)  # so do too many tools
         try:
             if raw:
                 prompt = self.processor.text_prompt(self.raw_prompt_tokens(request))
-            else:
-                prompt = self.processor(self.guard.prepare(request, cancelled), template_kwargs)
+            else:  # the tools' definitions count in the length guard: they are rendered into the prompt
+                prompt = self.processor(self.guard.prepare(request, cancelled, self.chat.tool_chars(options)),
+                                        template_kwargs)
         except PromptTooLong as e:  # a huge text: refused from its token count, before any conversion
             if not e.exact:
                 raise text_too_long(e.num_tokens, self.cache_config, self.scheduler_config,

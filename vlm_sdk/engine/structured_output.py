@@ -3,13 +3,14 @@ compiled by llguidance into a matcher that, at each step, allows only the tokens
 inside the grammar.
 
     build_prompt (caller's thread; AsyncLLM awaits it first, no thread held)
-        GrammarCompiler.submit(spec) -> Future[Grammar]    cached by spec (bounded in bytes); else queued
-                                                            to the grammar workers:
+        GrammarCompiler.submit(spec) -> Future[Grammar]    cached by content, not field (bounded in
+                                                            bytes); else queued to the grammar workers:
         grammar worker (`grammar_workers` threads with a 64 MiB stack, beside the prompt pools)
             the spec's size checked (max_grammar_bytes); llguidance's grammar text made
             GrammarProcess.check: compiled with its first mask in a child process
               (engine/grammar_process.py): a crash, a timeout (grammar_compile_timeout) or memory over
-              max_grammar_memory there -> InvalidRequestError (400), and the server never compiles it
+              max_grammar_memory there -> each asker's InvalidRequestError (400, its own field named:
+              engine/grammar_errors.py), and the server never compiles it
             compiled here, its first mask computed here -> Grammar (template, first mask, bytes held)
     add_request (engine thread)
         seq.matcher = grammar.matcher()                 a copy of the compiled start state
@@ -39,16 +40,18 @@ import json
 import logging
 import os
 import queue
-import re
 import sys
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
 from vlm_sdk.config import (DEFAULT_GRAMMAR_CACHE_MEMORY, DEFAULT_GRAMMAR_COMPILE_TIMEOUT, DEFAULT_MAX_GRAMMAR_BYTES,
                             DEFAULT_MAX_GRAMMAR_MEMORY)
+from vlm_sdk.engine.grammar_errors import Refusal, clean_error, compile_refusal, one_line
 from vlm_sdk.engine.grammar_process import SERVER_STACK, CheckResult, GrammarProcess, parser_limits
 from vlm_sdk.errors import InvalidRequestError, limit_text
 from vlm_sdk.sampling_params import StructuredOutputs
@@ -62,6 +65,11 @@ JSON_WHITESPACE = r"\n?[ ]{0,8}"
 _WHAT = {"json": "JSON Schema", "regex": "regex", "choice": "choice list", "grammar": "grammar"}
 _WORKER_NICE = 5  # the compile threads yield the CPU to the engine and the event loop
 PROCESS_IDLE_S = 60.0  # a grammar process without a grammar this long ends (the next one starts afresh)
+
+
+def _cost(key: tuple, grammar: Grammar | None) -> int:
+    """What a cache entry holds: the grammar's measured bytes (none for a validated one) and its text."""
+    return (grammar.nbytes if grammar is not None else 0) + len(key[1])
 
 
 class Grammar:
@@ -78,12 +86,33 @@ class Grammar:
         return self._template.deep_copy()
 
 
+@dataclass
+class _Job:
+    """One grammar being compiled for everyone who asked for it: each asker has a future of its own
+    (cancelled alone when its caller goes away) and its spec (whose field the errors name)."""
+    spec: StructuredOutputs
+    validate_only: bool
+    askers: list = field(default_factory=list)  # [(Future, spec, line_params)]
+
+
+def _settle(future: Future, result=None, error: BaseException | None = None) -> None:
+    """Complete an asker's future unless its caller cancelled it (a client that hung up: asyncio's
+    wrap_future cancels the future it waits on); the compile worker must never raise here."""
+    if not future.set_running_or_notify_cancel():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 class GrammarCompiler:
     """Compiles `StructuredOutputs` with llguidance, for a tokenizer and the model's vocabulary size
     (the logits' width, which may exceed the tokenizer's), on `workers` threads of its own, each with a
-    grammar process (see the module docstring). Thread-safe; a spec being compiled is compiled once
-    however many ask. Compiled grammars are kept, least recently used first out, while their measured
-    bytes (and their spec's) fit `cache_memory`. Nothing starts until the first grammar."""
+    grammar process (see the module docstring). Thread-safe. Grammars are known by their content (kind,
+    text, prefix), not by the field they came from: one being compiled is compiled once however many ask,
+    and compiled ones are kept, least recently used first out, while their measured bytes (and their
+    text's) fit `cache_memory`. Nothing starts until the first grammar."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int], *,
                  cache_memory: int = DEFAULT_GRAMMAR_CACHE_MEMORY, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
@@ -92,9 +121,9 @@ class GrammarCompiler:
         self.hf_tokenizer, self.vocab_size, self.eos_token_ids = hf_tokenizer, vocab_size, list(eos_token_ids)
         self.cache_memory, self.max_bytes, self.max_memory, self.timeout = cache_memory, max_bytes, max_memory, timeout
         self.num_workers = workers
-        self._cache: OrderedDict[StructuredOutputs, Grammar] = OrderedDict()
-        self.cache_bytes = 0  # what the kept grammars hold, as measured, plus their specs
-        self._pending: dict[StructuredOutputs, Future] = {}  # queued or being compiled
+        self._cache: OrderedDict[tuple, Grammar | None] = OrderedDict()  # content key -> grammar (None: validated)
+        self.cache_bytes = 0  # what the kept grammars hold, as measured, plus their texts
+        self._pending: dict[tuple, _Job] = {}  # queued or being compiled
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
         self._workers: list[threading.Thread] = []
@@ -102,33 +131,40 @@ class GrammarCompiler:
         self._tokenizer_lock = threading.Lock()
         self._ll_tokenizer = None
         self._closed = False
-        self.compiles = 0  # grammars compiled (cache misses), for tests and stats
+        self.compiles = 0  # grammars compiled or validated (cache misses), for tests and stats
+        self.abandoned = 0  # jobs dropped unstarted: everyone who asked had gone
 
     # -- asking for a grammar ----------------------------------------------------------------------
-    def submit(self, spec: StructuredOutputs) -> Future:
+    def submit(self, spec: StructuredOutputs, *, validate_only: bool = False,
+               line_params: Sequence[str] | None = None) -> Future:
         """A future of the compiled grammar of `spec` (already done on a cache hit); its exception is
-        the `InvalidRequestError` naming the field when the spec cannot be served."""
+        the `InvalidRequestError` naming `spec.param` (or, with `line_params`, the field of the line the
+        compiler's error points at) when the spec cannot be served. `validate_only`: checked in the
+        grammar process alone, never compiled here; the future's result is then None. Cancelling the
+        future (its caller went away) leaves the compile to whoever else asked, and an unstarted
+        compile nobody waits for any more is dropped."""
         size = len(spec.text.encode("utf-8", "surrogatepass"))
         if size > self.max_bytes:
             raise InvalidRequestError(
                 f"'{spec.param}': this {_WHAT[spec.kind]} is {size} bytes; this engine compiles at most "
                 f"{self.max_bytes} bytes per grammar ({limit_text('max_grammar_bytes', self.max_bytes)})",
                 param=spec.param)
+        key = (spec.kind, spec.text, spec.prefix, validate_only)
+        asker: Future = Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError("the grammar compiler was closed with its engine")
-            hit = self._cache.get(spec)
-            if hit is not None:
-                self._cache.move_to_end(spec)
-                done = Future()
-                done.set_result(hit)
-                return done
-            pending = self._pending.get(spec)
-            if pending is None:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                _settle(asker, self._cache[key])
+                return asker
+            job = self._pending.get(key)
+            if job is None:
                 self._start_workers()  # raises before anything is pending when the tokenizer cannot be used
-                pending = self._pending[spec] = Future()
-                self._jobs.put((spec, pending))
-            return pending
+                job = self._pending[key] = _Job(spec, validate_only)
+                self._jobs.put((key, job))
+            job.askers.append((asker, spec, line_params))
+        return asker
 
     def compile(self, spec: StructuredOutputs) -> Grammar:
         """`submit(spec)`, waited for (raises the compiler's error)."""
@@ -146,11 +182,12 @@ class GrammarCompiler:
             self._closed = True
             while True:  # what is queued is not compiled: its callers learn why
                 try:
-                    spec, pending = self._jobs.get_nowait()
+                    key, job = self._jobs.get_nowait()
                 except queue.Empty:
                     break
-                self._pending.pop(spec, None)
-                pending.set_exception(RuntimeError("the grammar compiler was closed with its engine"))
+                self._pending.pop(key, None)
+                for asker, _, _ in job.askers:
+                    _settle(asker, error=RuntimeError("the grammar compiler was closed with its engine"))
             for _ in self._workers:
                 self._jobs.put(None)
         for proc in self.processes:  # a compile under way ends with its process: its worker moves on
@@ -185,71 +222,83 @@ class GrammarCompiler:
                 pass
         while True:
             try:
-                job = self._jobs.get(timeout=PROCESS_IDLE_S)
+                item = self._jobs.get(timeout=PROCESS_IDLE_S)
             except queue.Empty:  # no grammar for a while: its process's memory goes back (restarted on the next)
                 proc.close()
                 continue
-            if job is None:
+            if item is None:
                 return
-            spec, pending = job
+            key, job = item
+            with self._lock:  # nobody waits for it any more (their clients hung up): not compiled at all
+                if all(asker.cancelled() for asker, _, _ in job.askers):
+                    self._pending.pop(key, None)
+                    self.abandoned += 1
+                    continue
             try:
-                grammar = self._build(spec, proc)
+                grammar = self._build(job.spec, proc, job.validate_only)
             except BaseException as e:
                 with self._lock:
-                    self._pending.pop(spec, None)
-                pending.set_exception(e)
+                    self._pending.pop(key, None)
+                    askers = list(job.askers)
+                for asker, spec, line_params in askers:
+                    _settle(asker, error=e.error(spec.param, line_params) if isinstance(e, Refusal) else e)
                 continue
             with self._lock:  # cached and no longer pending at once: nobody can find neither
                 self.compiles += 1
-                self._pending.pop(spec, None)
-                self._keep(spec, grammar)
-            pending.set_result(grammar)
+                self._pending.pop(key, None)
+                self._keep(key, grammar)
+                askers = list(job.askers)
+            for asker, _, _ in askers:
+                _settle(asker, grammar)
 
-    def _keep(self, spec: StructuredOutputs, grammar: Grammar) -> None:
+    def _keep(self, key: tuple, grammar: Grammar | None) -> None:
         """Under the lock: cache `grammar`, evicting the least recently used beyond `cache_memory`."""
-        cost = grammar.nbytes + len(spec.text)
+        cost = _cost(key, grammar)
         if cost > self.cache_memory:
             return  # served to its requests, not kept
-        self._cache[spec] = grammar
+        self._cache[key] = grammar
         self.cache_bytes += cost
         while self.cache_bytes > self.cache_memory:
-            old_spec, old = self._cache.popitem(last=False)
-            self.cache_bytes -= old.nbytes + len(old_spec.text)
+            old_key, old = self._cache.popitem(last=False)
+            self.cache_bytes -= _cost(old_key, old)
 
-    def _build(self, spec: StructuredOutputs, proc: GrammarProcess) -> Grammar:
-        """Check `spec` in the grammar process, then compile it here with its first mask."""
+    def _build(self, spec: StructuredOutputs, proc: GrammarProcess, validate_only: bool) -> Grammar | None:
+        """Check `spec` in the grammar process, then (unless `validate_only`) compile it here with its first
+        mask. Raises a `Refusal` when it cannot be served."""
         import llguidance
         text = grammar_text(spec)
         checked = proc.check(text, self.timeout)
         if checked.error:
-            raise self._refusal(spec, checked, proc)
+            raise self._refusal(spec, checked)
+        if validate_only:
+            return None
         limits = parser_limits()
         matcher = llguidance.LLMatcher(self._tokenizer(), text, log_level=0, limits=limits)
         first = torch.full((1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)  # [1, words]
         if not matcher.is_error():
             fill_row(matcher, first, 0)
         if matcher.is_error():  # it compiled in the grammar process: this is not expected
-            raise InvalidRequestError(f"'{spec.param}': this {_WHAT[spec.kind]} cannot be compiled: "
-                                      f"{clean_error(matcher.get_error())}", param=spec.param)
+            raise compile_refusal(_WHAT[spec.kind], matcher.get_error())
         return Grammar(matcher, first[0], checked.bytes + first.numel() * 4)
 
-    def _refusal(self, spec: StructuredOutputs, checked: CheckResult, proc: GrammarProcess) -> InvalidRequestError:
-        what, param = _WHAT[spec.kind], spec.param
+    def _refusal(self, spec: StructuredOutputs, checked: CheckResult) -> Refusal:
+        what = _WHAT[spec.kind]
         if checked.kind == "grammar":
-            return InvalidRequestError(f"'{param}': this {what} cannot be compiled: {clean_error(checked.error)}",
-                                       param=param)
+            return compile_refusal(what, checked.error)
         if checked.kind == "timeout":
-            message = (f"'{param}': this {what} did not compile within {self.timeout:g} s of CPU time "
-                       f"({limit_text('grammar_compile_timeout', self.timeout)}); simplify it")
+            text = (f"this {what} did not compile within {self.timeout:g} s of CPU time "
+                    f"({limit_text('grammar_compile_timeout', self.timeout)}); simplify it")
         elif checked.kind == "memory":
-            message = (f"'{param}': this {what} needs more than {self.max_memory / 2**20:.1f} MiB to compile with "
-                       f"its first mask (at least {checked.bytes / 2**20:.1f} MiB) "
-                       f"({limit_text('max_grammar_memory', self.max_memory)}); simplify it")
+            text = (f"this {what} needs more than {self.max_memory / 2**20:.1f} MiB to compile with its first mask "
+                    f"(at least {checked.bytes / 2**20:.1f} MiB) ({limit_text('max_grammar_memory', self.max_memory)}"
+                    f"); simplify it")
+        elif checked.kind == "start":
+            text = f"the grammar process did not start ({one_line(checked.error)}), so this {what} was not compiled"
         else:
-            message = f"'{param}': the grammar compiler {crash_text(checked)} on this {what}; simplify it"
+            text = f"the grammar compiler {crash_text(checked)} on this {what}; simplify it"
         logger.warning("structured outputs: a %s of %d bytes refused after %.2f s: %s%s", what, len(spec.text),
-                       checked.seconds, message, f" ({one_line(checked.error)})" if checked.kind == "crash" else "")
-        return InvalidRequestError(message, param=param)
+                       checked.seconds, text, f" ({one_line(checked.error)})" if checked.kind == "crash" else "")
+        return Refusal(text)
 
     # -- the tokenizer -----------------------------------------------------------------------------
     def _tokenizer_json(self) -> str:
@@ -287,28 +336,11 @@ def grammar_text(spec: StructuredOutputs) -> str:
         else:
             text = llguidance.grammar_from(spec.kind, spec.text)
     except ValueError as e:
-        raise InvalidRequestError(f"'{spec.param}': {clean_error(str(e))}", param=spec.param) from None
+        raise Refusal(clean_error(str(e))) from None
     if spec.prefix is not None:  # the prefix's grammar first, this one nested in it as @answer
         inner = json.loads(text)["grammars"][0] if text.lstrip().startswith("{") else {"lark_grammar": text}
         text = json.dumps({"grammars": [{"lark_grammar": spec.prefix}, {**inner, "name": "answer"}]})
     return text
-
-
-_INTERNAL = re.compile(r"panic|backtrace|RUST_BACKTRACE|\.rs:\d", re.IGNORECASE)
-
-
-def clean_error(text: str) -> str:
-    """llguidance's message for the client: one line, clipped; an internal failure (a Rust panic,
-    which carries source paths and a backtrace) is named, not echoed."""
-    if _INTERNAL.search(text):
-        logger.warning("structured outputs: llguidance failed internally: %s", one_line(text, 2000))
-        return "the grammar compiler failed on it (an internal error of llguidance, logged)"
-    return one_line(text)
-
-
-def one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def crash_text(checked: CheckResult) -> str:

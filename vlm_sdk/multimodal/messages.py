@@ -92,32 +92,78 @@ def _assistant_extras(msg: dict, parsed: dict, i: int) -> set:
     where = f"messages[{i}].tool_calls"
     if not isinstance(calls, (list, tuple)):
         raise InvalidRequestError(f"{where} must be a list of calls, got {_short(calls)}", param=where)
-    out, ids = [], set()
+    out, ids = [], {}
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise InvalidRequestError(f"{where}[{j}] must be {{'id', 'type': 'function', 'function': {{'name', "
                                       f"'arguments'}}}}, got {_short(call)}", param=f"{where}[{j}]")
+        check_text(fn["name"], f"{where}[{j}].function.name")
         call_id = call.get("id")
         if call_id is not None and not isinstance(call_id, str):
             raise InvalidRequestError(f"{where}[{j}].id must be a string, got {_short(call_id)}",
                                       param=f"{where}[{j}].id")
-        ids.add(call_id)
-        args = fn.get("arguments", "{}")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError as e:
-                raise InvalidRequestError(f"{where}[{j}].function.arguments is not JSON ({e}); send the call's "
-                                          f"arguments as the model gave them", param=f"{where}[{j}].function.arguments")
-        if not isinstance(args, dict):
-            raise InvalidRequestError(f"{where}[{j}].function.arguments must be a JSON object, got {_short(args)}",
-                                      param=f"{where}[{j}].function.arguments")
-        out.append({"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": args}})
+        if call_id is not None:
+            check_text(call_id, f"{where}[{j}].id")
+            if call_id in ids:  # a tool message could not say which of them it answers
+                raise InvalidRequestError(f"{where}[{j}].id is {_short(call_id)}, the id of call {ids[call_id]} too; "
+                                          f"each call of a message has its own id", param=f"{where}[{j}].id")
+            ids[call_id] = j
+        out.append({"id": call_id, "type": "function",
+                    "function": {"name": fn["name"], "arguments": _arguments(fn, f"{where}[{j}].function.arguments")}})
     parsed["tool_calls"] = out
     if isinstance(msg.get("reasoning_content"), str):
+        check_text(msg["reasoning_content"], f"messages[{i}].reasoning_content")
         parsed["reasoning_content"] = msg["reasoning_content"]
-    return ids - {None}
+    return set(ids)
+
+
+# how deep a call's arguments may nest: a request body's own limit (server/body.py), since they are a
+# JSON text inside one, decoded here and walked by the template (and by Python code that recurses)
+MAX_ARGUMENT_DEPTH = 64
+
+
+def _arguments(fn: dict, where: str) -> dict:
+    """A call's arguments decoded (OpenAI sends them as JSON text) and checked: an object, nested at most
+    MAX_ARGUMENT_DEPTH deep, in valid Unicode (a JSON "\\ud800" decodes to a lone surrogate)."""
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except RecursionError:  # Python's decoder gives up near 1,000 levels
+            args = None
+            deep = True
+        except ValueError as e:
+            raise InvalidRequestError(f"{where} is not JSON ({e}); send the call's arguments as the model gave "
+                                      f"them", param=where)
+        else:
+            deep = False
+        if deep or _deeper_than(args, MAX_ARGUMENT_DEPTH):
+            raise InvalidRequestError(f"{where} nests deeper than {MAX_ARGUMENT_DEPTH} levels (the limit of a "
+                                      f"request body, which the arguments' JSON text is held to)", param=where)
+    if not isinstance(args, dict):
+        raise InvalidRequestError(f"{where} must be a JSON object, got {_short(args)}", param=where)
+    try:
+        json.dumps(args, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{where}: the arguments hold a lone surrogate U+{ord(e.object[e.start]):04X} "
+                                  f"(half of a pair, e.g. from a JSON \"\\ud800\"), which is not a character; send "
+                                  f"valid Unicode", param=where) from None
+    except (TypeError, ValueError, RecursionError) as e:  # built in Python: not JSON values, or too deep
+        raise InvalidRequestError(f"{where} must hold JSON values only ({type(e).__name__})", param=where) from None
+    return args
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether dicts and lists nest more than `limit` levels, level by level (never recursing)."""
+    level, depth = [value], 1
+    while level:
+        if depth > limit:
+            return True
+        level = [x for node in level for x in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(x, (dict, list))]
+        depth += 1
+    return False
 
 
 def _answered_call(msg: dict, call_ids: set, i: int) -> str:
@@ -229,9 +275,12 @@ def _map_part(part: Any, text, media: dict) -> Any:
 
 
 def measure(messages: Any) -> tuple[int, int]:
-    """(characters of text, image and video parts) of `messages`, without copying anything."""
+    """(characters of text, image and video parts) of `messages`, without copying anything. The text
+    counts what the template renders of each message: its content (a tool result's too) and an assistant
+    message's reasoning and tool calls (name and arguments as sent)."""
     chars = images = 0
     for msg in messages if isinstance(messages, (list, tuple)) else ():
+        chars += _call_chars(msg)
         content = msg.get("content") if isinstance(msg, dict) else None
         if isinstance(content, str):
             chars += len(content)
@@ -243,3 +292,16 @@ def measure(messages: Any) -> tuple[int, int]:
                 elif kind in _MEDIA:
                     images += 1
     return chars, images
+
+
+def _call_chars(msg: Any) -> int:
+    """Characters of an assistant message's reasoning and tool calls (names, arguments given as text)."""
+    if not isinstance(msg, dict):
+        return 0
+    reasoning, calls = msg.get("reasoning_content"), msg.get("tool_calls")
+    chars = len(reasoning) if isinstance(reasoning, str) else 0
+    for call in calls if isinstance(calls, (list, tuple)) else ():
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            chars += sum(len(v) for v in (fn.get("name"), fn.get("arguments")) if isinstance(v, str))
+    return chars

@@ -1,41 +1,46 @@
 """Read a video a user sends, size it up from its container before decoding anything, then decode only
 the frames a model family samples (PyAV, i.e. FFmpeg's demuxers and decoders).
 
-    open_video:   the bytes / file -> the container header (codec, size, fps, duration) checked against
-                  `VideoLimits`, then every video packet's timestamp and keyframe flag (demuxed, not
-                  decoded): the frame count and the frame -> timestamp map, as decord and torchcodec
-                  count frames (one per packet, in presentation order) -> `OpenedVideo`
+    open_video:   the bytes / file -> the container opened with no decoder allowed in FFmpeg's stream
+                  probe (video_container.py), its header (codec, frame size, fps, duration, frame count)
+                  checked against `VideoLimits` and max_image_pixels, then every video packet's timestamp
+                  and keyframe flag (demuxed, not decoded; bounded as it goes): the frame count and the
+                  frame -> timestamp map, as decord and torchcodec count frames (one per packet, in
+                  presentation order) -> `OpenedVideo`
     decode_plan:  for the frame indices a family samples, how many frames the decoder must decode (from
-                  the keyframe before each sampled frame), refused over `max_decode_pixels` first
+                  the keyframe before each sampled frame), refused over `max_decode_pixels` first (each
+                  frame counted as at least MIN_FRAME_COST pixels: a frame's fixed cost)
     iter_frames:  seek to the keyframe before each sampled frame (unless decoding on is shorter), decode
-                  forward to it, yield it as RGB [H, W, 3] uint8; one decoded frame held at a time
+                  forward to it, yield it as RGB [H, W, 3] uint8; one decoded frame held at a time; the
+                  decoder refuses a frame much larger than the header said, and any larger one is refused
 
 A list of frames (PIL images, or anything `load_image` reads) is a video too (`OpenedVideo.frames`).
-Every failure is an `InvalidVideoError` naming what was received, the numbers and the setting; a
-request that was cancelled stops between frames (`DecodeCancelled`).
+Every failure is an `InvalidVideoError` naming what was received, the numbers and the setting. A request
+that was cancelled stops within a read of the file, a few packets or a frame: in the open, the index
+and the decode alike (`DecodeCancelled`).
 """
 from __future__ import annotations
 
 import bisect
-import io
-import math
-import os
 import threading
 from dataclasses import dataclass
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 
-from vlm_sdk.errors import InvalidImageError, InvalidVideoError, without_reprs
-from vlm_sdk.multimodal.image_io import DecodeCancelled, _clip, _decode_data_url, _file_url_path, load_image
+from vlm_sdk.errors import InvalidImageError, InvalidVideoError
+from vlm_sdk.multimodal.image_io import load_image
+from vlm_sdk.multimodal.video_container import (ACCEPTED_VIDEO_SOURCES, GilPacer, average_fps, check_cancelled,
+                                                check_header, decoder_options, index_packets, open_container, read_source,
+                                                reason, too_long, video_stream)
 
-ACCEPTED_VIDEO_SOURCES = ("a filesystem path (str or pathlib.Path), raw video bytes, a base64 data URL "
-                          "('data:video/mp4;base64,...'), a 'file://' URL, or a list of frames (PIL images, "
-                          "paths or bytes of images)")
-# FFmpeg opens a lone image as a one-frame "video"; such a source belongs in an image part
-_IMAGE_FORMATS = ("image2", "image2pipe")
-MAX_INDEXED_FRAMES = 1_000_000  # packets indexed per video: ~4.6 h at 60 fps; more is not a video to sample
+__all__ = ["ACCEPTED_VIDEO_SOURCES", "MIN_FRAME_COST", "OpenedVideo", "VideoInfo", "VideoLimits", "decode_plan",
+           "iter_frames", "open_video"]
+
+# what decoding a frame costs at least, in pixels of decoding time: a 16x16 H.264 frame takes ~30 us to
+# decode, as long as ~6,000 pixels of a large one (~4.5 ns a pixel); counted as 256x256, a million tiny
+# frames cannot pass for 256 million pixels of work
+MIN_FRAME_COST = 65_536
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,9 @@ class VideoLimits:
     # pixels the decoder may decode for one video: every frame decoded on the way to the sampled ones
     # (from the keyframe before each), at the source size; ~3,900 1080p frames, tens of seconds of decoding
     max_decode_pixels: int = 8_000_000_000
+    # frames in the container, every one of which is indexed (a packet each) whichever are sampled: an
+    # hour at 60 fps; the sampled ones are max_frames
+    max_container_frames: int = 216_000
 
 
 @dataclass(frozen=True)
@@ -84,22 +92,24 @@ class OpenedVideo:
 def open_video(source: object, limits: VideoLimits = VideoLimits(), *, max_image_pixels: int = 64_000_000,
                cancelled: threading.Event | None = None) -> OpenedVideo:
     """Read `source`, check its header and index its packets (`InvalidVideoError` when it is not a
-    usable video or is over a limit); no frame of an encoded video is decoded."""
+    usable video or is over a limit; `max_image_pixels` bounds one frame); no frame of an encoded video
+    is decoded. `DecodeCancelled` once `cancelled` is set."""
     if isinstance(source, OpenedVideo):
         return source
     if isinstance(source, (list, tuple)):
         return _open_frames(source, limits, max_image_pixels, cancelled)
-    data, path, what = _read_source(source, limits.max_bytes)
-    with _container(data, path, what) as container:
-        stream = _video_stream(container, what)
-        info = _index(container, stream, what, limits)
+    data, path, what = read_source(source, limits.max_bytes)
+    with open_container(data, path, what, cancelled) as container:
+        stream = video_stream(container, what)
+        header = check_header(container, stream, what, limits, max_image_pixels)
+        info = _index(container, stream, what, limits, header, cancelled)
     return OpenedVideo(info, what, limits, data, path, None, cancelled)
 
 
 def decode_plan(video: OpenedVideo, indices: list[int]) -> int:
     """Frames the decoder decodes to reach `indices` (sorted or not), each from the keyframe before it
-    unless the frames in between are fewer; `InvalidVideoError` when that is over the video's
-    `max_decode_pixels` or an index is out of range."""
+    unless the frames in between are fewer; `InvalidVideoError` when that, at the source size (at least
+    MIN_FRAME_COST a frame), is over the video's `max_decode_pixels` or an index is out of range."""
     info = video.info
     if len(indices) > video.limits.max_frames:
         raise InvalidVideoError(f"video {video.what}: {len(indices)} frames sampled, over the limit of "
@@ -117,12 +127,14 @@ def decode_plan(video: OpenedVideo, indices: list[int]) -> int:
         start = position + 1 if key <= position else key
         decoded += index - start + 1
         position = index
-    cost = decoded * video.pixels
+    cost = decoded * _frame_cost(video)
     if cost > video.limits.max_decode_pixels:
+        floor = (f" (each frame counted as at least {MIN_FRAME_COST:,} pixels: decoding a frame has a fixed cost)"
+                 if video.pixels < MIN_FRAME_COST else "")
         raise InvalidVideoError(
             f"video {video.what} ({info.width}x{info.height}, {info.num_frames} frames, keyframes every "
-            f"{_keyframe_gap(info)} frames on average) would need {decoded:,} frames decoded = {cost:,} pixels to reach "
-            f"its {len(wanted)} sampled frames, over the limit of {video.limits.max_decode_pixels:,} (setting "
+            f"{_keyframe_gap(info)} frames on average) would need {decoded:,} frames decoded = {cost:,} pixels{floor} "
+            f"to reach its {len(wanted)} sampled frames, over the limit of {video.limits.max_decode_pixels:,} (setting "
             f"max_video_decode_pixels, flag --max-video-decode-pixels); sample fewer frames (the video part's fps "
             f"or max_frames), send a shorter or smaller video, or raise the setting.")
     return decoded
@@ -130,26 +142,33 @@ def decode_plan(video: OpenedVideo, indices: list[int]) -> int:
 
 def iter_frames(video: OpenedVideo, indices: list[int]):
     """Yield (index, RGB frame [H, W, 3] uint8) for each distinct index in ascending order, decoding
-    only what `decode_plan` counted (checked first). Raises `DecodeCancelled` between frames once the
-    request's `cancelled` is set, `InvalidVideoError` when a frame cannot be decoded."""
+    only what `decode_plan` counted (checked first). Raises `DecodeCancelled` once the request's
+    `cancelled` is set (within a read or a frame), `InvalidVideoError` when a frame cannot be decoded
+    or is larger than the header said."""
     decode_plan(video, indices)
     wanted = sorted(set(indices))
     if video.frames is not None:
         for index in wanted:
-            _check_cancelled(video)
+            check_cancelled(video.cancelled, video.what)
             yield index, np.asarray(video.frames[index])
         return
-    with _container(video.data, video.path, video.what) as container:
+    with open_container(video.data, video.path, video.what, video.cancelled) as container:
         yield from _decode(container, video, wanted)
+
+
+def _frame_cost(video: OpenedVideo) -> int:
+    return max(video.pixels, MIN_FRAME_COST)
 
 
 def _decode(container, video: OpenedVideo, wanted: list[int]):
     import av
-    info = video.info
-    stream = _video_stream(container, video.what)
+    info, what = video.info, video.what
+    stream = video_stream(container, what)
     stream.thread_type = "AUTO"  # frame and slice threads of the decoder
-    budget = video.limits.max_decode_pixels // max(video.pixels, 1)  # frames, whatever the path taken
+    stream.codec_context.options = decoder_options(info.width, info.height)
+    budget = video.limits.max_decode_pixels // _frame_cost(video)  # frames, whatever the path taken
     decoded, frames, position = 0, None, -1  # position: index of the last frame decoded
+    pace = GilPacer()  # the engine thread gets the GIL back between frames (video_container.py)
     for index in wanted:
         key = _keyframe_before(info, index)
         target = info.frame_pts[index]
@@ -158,12 +177,16 @@ def _decode(container, video: OpenedVideo, wanted: list[int]):
                 container.seek(info.frame_pts[key], backward=True, any_frame=False, stream=stream)
                 frames = container.decode(stream)
             for frame in frames:
-                _check_cancelled(video)
+                check_cancelled(video.cancelled, what)
                 decoded += 1
+                pace()
                 if decoded > budget:
-                    raise InvalidVideoError(f"video {video.what}: decoding went past the limit of "
+                    raise InvalidVideoError(f"video {what}: decoding went past the limit of "
                                             f"{video.limits.max_decode_pixels:,} pixels (setting max_video_decode_pixels) "
                                             f"before reaching frame {index}; the file's keyframe index is unreliable")
+                if frame.width * frame.height > video.pixels:
+                    raise InvalidVideoError(f"video {what}: a frame is {frame.width}x{frame.height}, larger than the "
+                                            f"{info.width}x{info.height} its header says; re-encode it")
                 if frame.pts is None or frame.pts < target:
                     continue
                 if frame.pts > target:
@@ -172,16 +195,44 @@ def _decode(container, video: OpenedVideo, wanted: list[int]):
                 yield index, frame.to_ndarray(format="rgb24")  # [H, W, 3] uint8
                 break
         except av.FFmpegError as exc:
-            raise InvalidVideoError(f"video {video.what}: frame {index} could not be decoded; the data is corrupt or "
-                                    f"truncated ({_reason(exc)})") from exc
+            check_cancelled(video.cancelled, what)
+            raise InvalidVideoError(f"video {what}: frame {index} could not be decoded; the data is corrupt or "
+                                    f"truncated, or its frames are larger than its header's {info.width}x{info.height} "
+                                    f"({reason(exc)})") from exc
+        check_cancelled(video.cancelled, what)  # the reads ended early: not the end of the file
         if position != index:
-            raise InvalidVideoError(f"video {video.what}: frame {index} (of {info.num_frames}) could not be decoded; "
+            raise InvalidVideoError(f"video {what}: frame {index} (of {info.num_frames}) could not be decoded; "
                                     f"the data is corrupt or truncated")
 
 
-def _check_cancelled(video: OpenedVideo) -> None:
-    if video.cancelled is not None and video.cancelled.is_set():
-        raise DecodeCancelled(video.what)
+def _index(container, stream, what: str, limits: VideoLimits, header: float | None,
+           cancelled: threading.Event | None) -> VideoInfo:
+    """The packet index in presentation order, its duration checked when the header had none."""
+    pts, keys = index_packets(container, stream, what, limits, cancelled)
+    if not pts:
+        raise InvalidVideoError(f"video {what} has no frames (a zero-length video)")
+    # decode order -> presentation order, in numpy: its sort lets the GIL go (a 200,000-entry sort in
+    # Python's held it for a tenth of a second on a busy machine)
+    stamps = np.asarray(pts, dtype=np.int64)  # [frames]
+    order = np.argsort(stamps, kind="stable")  # [frames]
+    ordered = stamps[order]
+    if len(ordered) > 1 and not (np.diff(ordered) > 0).all():
+        raise InvalidVideoError(f"video {what}: two frames share one timestamp; re-mux it (e.g. ffmpeg -i in -c copy out.mp4)")
+    frame_pts = tuple(ordered.tolist())
+    keyframes = tuple(np.flatnonzero(np.asarray(keys, dtype=bool)[order]).tolist()) or (0,)
+    seconds = _index_seconds(frame_pts, stream.time_base or Fraction(1, 1))
+    if header is None and seconds > limits.max_seconds:
+        too_long(what, seconds, limits)
+    fps = average_fps(stream, len(frame_pts), header if header else seconds)
+    return VideoInfo(stream.codec_context.width, stream.codec_context.height, len(frame_pts), fps,
+                     header if header else seconds, stream.codec_context.name, frame_pts, keyframes)
+
+
+def _index_seconds(frame_pts: tuple[int, ...], tb: Fraction) -> float:
+    """From the first frame to one frame past the last (the mean frame gap), in seconds."""
+    n = len(frame_pts)
+    span = frame_pts[-1] - frame_pts[0]
+    return float((span + (span / (n - 1) if n > 1 else 0)) * tb)
 
 
 def _keyframe_before(info: VideoInfo, index: int) -> int:
@@ -193,170 +244,6 @@ def _keyframe_gap(info: VideoInfo) -> int:
     return max(1, round(info.num_frames / max(len(info.keyframes), 1)))
 
 
-# -- reading -------------------------------------------------------------------------------------
-
-def _read_source(source: object, max_bytes: int) -> tuple[bytes | None, str | None, str]:
-    """(bytes or None, a file path or None, a description of the source)."""
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        data = bytes(source)
-        _check_bytes(len(data), max_bytes, f"{len(data)} bytes")
-        return data, None, f"data of {len(data)} bytes starting {data[:16]!r}"
-    if isinstance(source, os.PathLike):
-        return _file(Path(os.fspath(source)), f"path {os.fspath(source)!r}", max_bytes)
-    if isinstance(source, str):
-        head = source[:16].lower()
-        if head.startswith("data:"):
-            try:
-                data = _decode_data_url(source)
-            except InvalidImageError as exc:
-                raise InvalidVideoError(str(exc).replace("data:image/<type>", "data:video/<type>")) from None
-            _check_bytes(len(data), max_bytes, f"data URL {_clip(source)!r}")
-            return data, None, f"data URL {_clip(source)!r}"
-        if head.startswith("file://"):
-            try:
-                path = _file_url_path(source)
-            except InvalidImageError as exc:
-                raise InvalidVideoError(str(exc)) from None
-            return _file(path, f"file URL {_clip(source, 1024)!r}", max_bytes)
-        if head.startswith(("http://", "https://")):
-            raise InvalidVideoError(f"remote video URL {_clip(source)!r}: the engine does not fetch remote URLs. "
-                                    f"Download the video yourself and pass it as {ACCEPTED_VIDEO_SOURCES}.")
-        if "://" in head:
-            raise InvalidVideoError(f"unsupported URL scheme in {_clip(source)!r}; accepted: {ACCEPTED_VIDEO_SOURCES}.")
-        return _file(Path(source), f"path {_clip(source, 1024)!r}", max_bytes)
-    raise InvalidVideoError(f"cannot read a video from a {type(source).__name__} ({_clip(repr(source))}); accepted: "
-                            f"{ACCEPTED_VIDEO_SOURCES}.")
-
-
-def _file(path: Path, what: str, max_bytes: int) -> tuple[None, str, str]:
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        raise InvalidVideoError(f"video file not found: {what}; accepted: {ACCEPTED_VIDEO_SOURCES}.") from None
-    except (OSError, ValueError) as exc:
-        raise InvalidVideoError(f"cannot read video file {what}: {exc}") from None
-    if path.is_dir():
-        raise InvalidVideoError(f"{what} is a directory, not a video file.")
-    _check_bytes(st.st_size, max_bytes, what)
-    return None, str(path), what
-
-
-def _check_bytes(size: int, max_bytes: int, what: str) -> None:
-    if size == 0:
-        raise InvalidVideoError(f"empty video data from {what}; accepted: {ACCEPTED_VIDEO_SOURCES}.")
-    if size > max_bytes:
-        raise InvalidVideoError(f"video from {what} is {size:,} bytes, over the limit of {max_bytes:,} bytes (setting "
-                                f"max_video_bytes, flag --max-video-bytes); send a shorter or smaller video, or raise "
-                                f"the setting.")
-
-
-class _container:
-    """`av.open` on the bytes or the path as a context manager, its failures as `InvalidVideoError`."""
-
-    def __init__(self, data: bytes | None, path: str | None, what: str):
-        self.data, self.path, self.what = data, path, what
-
-    def __enter__(self):
-        import av
-        try:
-            self.container = av.open(io.BytesIO(self.data) if self.data is not None else self.path,
-                                     metadata_errors="ignore")
-        except av.FFmpegError as exc:
-            raise InvalidVideoError(f"cannot read a video container in video {self.what} ({_reason(exc)}); expected an MP4, "
-                                    f"WebM, MKV, MOV, AVI or other file FFmpeg reads; accepted: "
-                                    f"{ACCEPTED_VIDEO_SOURCES}.") from exc
-        return self.container
-
-    def __exit__(self, *exc):
-        self.container.close()
-        return False
-
-
-def _video_stream(container, what: str):
-    if container.format.name in _IMAGE_FORMATS or container.format.name.endswith("_pipe"):
-        raise InvalidVideoError(f"{what} is an image ({container.format.name}), not a video; send it as an image part")
-    if not container.streams.video:
-        kinds = sorted({s.type for s in container.streams}) or ["none"]
-        raise InvalidVideoError(f"{what} has no video stream (streams: {', '.join(kinds)}); send a file with video")
-    stream = container.streams.video[0]
-    context = stream.codec_context  # None when FFmpeg has no decoder for the track's codec
-    if context is None or not context.is_decoder:
-        raise InvalidVideoError(f"{what}: no decoder for its video codec "
-                                f"({getattr(context, 'name', None) or 'unknown to FFmpeg'}); re-encode it as H.264, "
-                                f"HEVC, VP9 or AV1")
-    return stream
-
-
-def _index(container, stream, what: str, limits: VideoLimits) -> VideoInfo:
-    """The header checked against `limits`, then the packet index."""
-    import av
-    width, height = stream.codec_context.width, stream.codec_context.height
-    if width <= 0 or height <= 0:
-        raise InvalidVideoError(f"video {what} has zero size ({width}x{height}) in its header")
-    tb = stream.time_base or Fraction(1, 1)
-    header = _header_seconds(container, stream, tb)
-    if header is not None and header > limits.max_seconds:
-        _too_long(what, header, limits)
-    pts, keys = [], []
-    try:
-        for packet in container.demux(stream):
-            if packet.size == 0:
-                continue  # the flush packet at the end
-            stamp = packet.pts if packet.pts is not None else packet.dts
-            if stamp is None:
-                raise InvalidVideoError(f"video {what}: packet {len(pts)} has no timestamp; re-mux it into MP4 or MKV")
-            pts.append(stamp)
-            keys.append(bool(packet.is_keyframe))
-            if len(pts) > MAX_INDEXED_FRAMES:
-                raise InvalidVideoError(f"video {what} has more than {MAX_INDEXED_FRAMES:,} frames; send a shorter one")
-    except av.FFmpegError as exc:
-        if not pts:
-            raise InvalidVideoError(f"video {what} is corrupt ({_reason(exc)})") from exc
-        # a truncated file: the frames before the damage are indexed; decoding refuses a damaged one
-    if not pts:
-        raise InvalidVideoError(f"video {what} has no frames (a zero-length video)")
-    order = sorted(range(len(pts)), key=lambda i: pts[i])  # decode order -> presentation order
-    frame_pts = tuple(pts[i] for i in order)
-    if len(set(frame_pts)) != len(frame_pts):
-        raise InvalidVideoError(f"video {what}: two frames share one timestamp; re-mux it (e.g. ffmpeg -i in -c copy out.mp4)")
-    keyframes = tuple(i for i, j in enumerate(order) if keys[j]) or (0,)
-    seconds = _index_seconds(frame_pts, tb)
-    if header is None and seconds > limits.max_seconds:
-        _too_long(what, seconds, limits)
-    fps = _average_fps(stream, len(frame_pts), header if header else seconds)
-    return VideoInfo(width, height, len(frame_pts), fps, header if header else seconds,
-                     stream.codec_context.name, frame_pts, keyframes)
-
-
-def _header_seconds(container, stream, tb: Fraction) -> float | None:
-    if stream.duration:
-        return float(stream.duration * tb)
-    if container.duration:
-        return container.duration / 1_000_000  # av.time_base
-    return None
-
-
-def _index_seconds(frame_pts: tuple[int, ...], tb: Fraction) -> float:
-    """From the first frame to one frame past the last (the mean frame gap), in seconds."""
-    n = len(frame_pts)
-    span = frame_pts[-1] - frame_pts[0]
-    return float((span + (span / (n - 1) if n > 1 else 0)) * tb)
-
-
-def _average_fps(stream, num_frames: int, seconds: float) -> float:
-    """The stream's average frame rate as FFmpeg reports it (what decord and torchcodec's header give),
-    else the index's frames per second."""
-    for rate in (stream.average_rate, stream.guessed_rate):
-        if rate and float(rate) > 0 and math.isfinite(float(rate)):
-            return float(rate)
-    return num_frames / seconds if seconds > 0 else 1.0
-
-
-def _too_long(what: str, seconds: float, limits: VideoLimits) -> None:
-    raise InvalidVideoError(f"video {what} lasts {seconds:.1f} s, over the limit of {limits.max_seconds:g} s (setting "
-                            f"max_video_seconds, flag --max-video-seconds); cut it, or raise the setting.")
-
-
 def _open_frames(source, limits: VideoLimits, max_image_pixels: int, cancelled) -> OpenedVideo:
     """A list of frames as a video: each decoded now (they are images), one size for all."""
     if not source:
@@ -366,8 +253,7 @@ def _open_frames(source, limits: VideoLimits, max_image_pixels: int, cancelled) 
                                 f"max_video_frames, flag --max-video-frames); send fewer frames")
     frames = []
     for i, item in enumerate(source):
-        if cancelled is not None and cancelled.is_set():
-            raise DecodeCancelled(f"frame {i}")
+        check_cancelled(cancelled, f"frame {i}")
         try:
             frames.append(load_image(item, max_image_pixels=max_image_pixels))
         except InvalidImageError as exc:
@@ -382,8 +268,3 @@ def _open_frames(source, limits: VideoLimits, max_image_pixels: int, cancelled) 
                                 f"{limits.max_decode_pixels:,} (setting max_video_decode_pixels); send fewer or smaller frames")
     info = VideoInfo(w, h, len(frames), 0.0, 0.0, "frames", tuple(range(len(frames))), tuple(range(len(frames))))
     return OpenedVideo(info, what, limits, frames=tuple(frames), cancelled=cancelled)
-
-
-def _reason(exc: Exception) -> str:
-    text = without_reprs(str(exc))
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

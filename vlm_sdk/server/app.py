@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from vlm_sdk.async_llm import AsyncLLM
+from vlm_sdk.chat_options import ToolLimits
 from vlm_sdk.engine.heap import trim_heap
 from vlm_sdk.errors import EngineDeadError, VLMError
 from vlm_sdk.server import chat_responses, parsed_output, protocol, response_body
@@ -211,7 +212,8 @@ class OpenAIServer:
                                           self.config.max_n, max_logit_bias=args.max_logit_bias,
                                           max_stop_token_ids=args.max_stop_token_ids,
                                           max_response_logprobs=self.config.max_response_logprobs,
-                                          limit_videos=self.config.limit_videos)
+                                          limit_videos=self.config.limit_videos,
+                                          tool_limits=ToolLimits(args.max_tools, args.max_tool_bytes))
         messages = await self.media.resolve_messages(req.messages)
         prompt = await self.engine.build_prompt(messages, req.params, req.options)
         protocol.check_output_room(len(prompt.token_ids), req.params.max_tokens, self.max_model_len,

@@ -63,7 +63,11 @@ _ENGINE_HELP = {
     "max_video_seconds": "longest video, in seconds, read from its container before decoding (default 3600)",
     "max_video_frames": "most frames sampled from one video (default 768)",
     "max_video_decode_pixels": "most pixels decoded for one video: every frame from the keyframe before each sampled "
-                               "one, at the source size, counted before decoding (default 8000000000)",
+                               "one, at the source size (at least 256x256 a frame), counted before decoding (default "
+                               "8000000000)",
+    "max_video_container_frames": "most frames in one video's container, every one of which is indexed whichever are "
+                                  "sampled; read from its header where it says, else counted as they are indexed "
+                                  "(default 216000: an hour at 60 fps)",
     "revision": "branch, tag or commit of a model given as a Hub id 'Org/Name' (default: main)",
     "model_family": "the module path of a model family (its FAMILY, a FamilySpec) outside vlm_sdk's registry to "
                     "serve the checkpoint with, instead of the one its config.json architecture names",
@@ -76,6 +80,9 @@ _ENGINE_HELP = {
                           "e.g. 64MiB (default)",
     "grammar_cache_memory": "compiled grammars kept for reuse, by their measured memory, e.g. 64MiB (default)",
     "grammar_workers": "grammars compiled at once, each in a process of its own (default 2)",
+    "max_tools": "tools per request (default 128, OpenAI's limit); each is rendered into the prompt",
+    "max_tool_bytes": "bytes of a request's tools together as JSON: names, descriptions, parameter schemas "
+                      "(default 1048576)",
     "tool_call_parser": "how tool calls are read from the output: 'hermes' (<tool_call> JSON) or 'none' "
                         "(default: from the chat template)",
     "reasoning_parser": "how reasoning is split from the answer: 'qwen3' or 'deepseek_r1' (<think> blocks) or "

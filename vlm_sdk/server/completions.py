@@ -62,6 +62,7 @@ def parse_completion_request(body: object, model_name: str, max_stop_strings: in
     """Validate a decoded JSON body (400, or 404 for another model). The per-request budgets are the
     chat endpoint's (`protocol.check_entry_counts`, `protocol.check_response_size` over every prompt)."""
     check_model(body, model_name)
+    check_chat_only_fields(body)
     if body.get("suffix") is not None:
         raise bad_request(f"'suffix'={clip(repr(body['suffix']))} is not supported by this server (no served "
                           f"model fills in the middle); leave it out", "suffix", "unsupported_parameter")
@@ -102,6 +103,33 @@ def parse_completion_request(body: object, model_name: str, max_stop_strings: in
     except InvalidRequestError as e:
         raise bad_request(str(e), e.param) from None
     return CompletionRequest(prompts, params, stream, include_usage, bool(echo), generate, options)
+
+
+# the chat endpoint's fields (the openai package's chat params that its completions params lack, and
+# vLLM's chat extras), which mean nothing without a chat template or messages: refused, never dropped (a
+# client that sent tools must not take free text for a call); field -> the values that ask for nothing
+CHAT_ONLY = {
+    "messages": (None,), "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "chat_template_kwargs": (None, {}), "chat_template": (None,), "add_generation_prompt": (None,),
+    "continue_final_message": (None, False), "documents": (None,), "functions": (None,),
+    "function_call": (None, "none"), "max_completion_tokens": (None,), "top_logprobs": (None,),
+    "reasoning_effort": (None,), "verbosity": (None,), "modalities": (None, ["text"]), "audio": (None,),
+    "prediction": (None,), "web_search_options": (None,), "moderation": (None,), "store": (None, False),
+    "service_tier": (None, "auto", "default"), "prompt_cache_retention": (None, "in_memory"),
+    "prompt_cache_options": (None,),
+}
+_CHAT_ONLY_HINT = {"max_completion_tokens": "send 'max_tokens'", "top_logprobs": "send 'logprobs': k"}
+
+
+def check_chat_only_fields(body: dict) -> None:
+    """A 400 naming the first chat-only field that asks for something (README "Request fields")."""
+    for name, off in CHAT_ONLY.items():
+        value = body.get(name)
+        if value is not None and value not in off:
+            hint = _CHAT_ONLY_HINT.get(name, "send it to /v1/chat/completions, or leave it out")
+            raise bad_request(f"'{name}'={clip(repr(value))} is a chat completions field: /v1/completions "
+                              f"completes a prompt as it is, with no chat template or messages, so it would "
+                              f"be ignored; {hint}", name, "unsupported_parameter")
 
 
 def _ids_as_ints(prompt):

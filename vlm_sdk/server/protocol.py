@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vlm_sdk.chat_options import ChatOptions
+from vlm_sdk.chat_options import ChatOptions, ToolLimits, parse_tools
 from vlm_sdk.engine.input.sampling_check import check_counts
 from vlm_sdk.errors import (EngineDeadError, InputTooLongError, InvalidImageError, InvalidRequestError,
                             InvalidVideoError, ReplicaLostError, VLMError)
@@ -113,14 +113,16 @@ class ChatRequest:
 def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_images: int,
                        max_stop_strings: int = 4, max_stop_chars: int = 256, max_n: int = 8, *,
                        max_logit_bias: int | None = None, max_stop_token_ids: int | None = None,
-                       max_response_logprobs: int | None = None, limit_videos: int = 2) -> ChatRequest:
+                       max_response_logprobs: int | None = None, limit_videos: int = 2,
+                       tool_limits: ToolLimits | None = None) -> ChatRequest:
     """Validate a decoded JSON body. `max_tokens` left out is None: as long as the context allows (the
     engine stops at max_model_len), as in vLLM; a too-long error then sizes its fixes for
     `DEFAULT_MAX_TOKENS` output tokens and says so. At most `max_stop_strings` stop strings of at most
     `max_stop_chars` characters each, and at most `max_n` choices. `max_logit_bias` /
     `max_stop_token_ids`: the engine's limits, checked here before the entries are converted one by
     one (the engine checks them again, with the vocabulary). `max_response_logprobs`: the most logprob
-    entries a non-streamed response may hold (`check_response_size`)."""
+    entries a non-streamed response may hold (`check_response_size`). `tool_limits`: the engine's
+    max_tools / max_tool_bytes, checked while the tools are converted (it stops at the limit)."""
     check_model(body, model_name)
     for name, off in UNSUPPORTED.items():
         value = body.get(name)
@@ -146,7 +148,7 @@ def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_
     check_n(params.n, max_n)
     if max_response_logprobs is not None and not stream:
         check_response_size(params, max_model_len, max_response_logprobs)
-    return ChatRequest(messages, params, stream, include_usage, num_images, _chat_options(body),
+    return ChatRequest(messages, params, stream, include_usage, num_images, _chat_options(body, tool_limits),
                        max_tokens_param(body), num_videos)
 
 
@@ -241,9 +243,16 @@ def check_output_room(prompt_tokens: int, max_tokens: int | None, max_model_len:
                       "context_length_exceeded")
 
 
-def _chat_options(body: dict) -> ChatOptions:
+def _chat_options(body: dict, tool_limits: ToolLimits | None) -> ChatOptions:
     try:
-        return ChatOptions(**{k: body.get(k) for k in CHAT_OPTION_FIELDS})
+        tools = parse_tools(body.get("tools"), tool_limits)  # counted, and measured as converted
+    except InvalidRequestError as e:
+        code = None
+        if tool_limits is not None and e.param == "tools" and isinstance(body.get("tools"), list):
+            code = "too_many_tools" if len(body["tools"]) > tool_limits.max_tools else "tools_too_large"
+        raise bad_request(str(e), e.param, code) from None
+    try:
+        return ChatOptions(**{**{k: body.get(k) for k in CHAT_OPTION_FIELDS}, "tools": tools})
     except InvalidRequestError as e:
         raise bad_request(str(e), e.param) from None
 

@@ -5,11 +5,19 @@ Once per engine, from the chat template and `EngineArgs`:
                        <tool_call>); whether the template renders `tools` at all (a probe render)
     reasoning parser   `reasoning_parser`, else "qwen3" when the template has a <think> block
 Per request (`LLMEngine.build_prompt`):
-    prepare(options)   check the tools against this model (a template that renders none, a schema
-                       llguidance cannot compile: 400 naming the field) -> the template's variables
+    prepare(options)   check the tools against this model and its limits (max_tools, max_tool_bytes; a
+                       template that renders none: 400 naming the field) -> the template's variables
+    (the prompt is built and its length checked: the tools' definitions count, as rendered)
+    check_tools        the tools' parameter schemas checked as ONE grammar in the grammar process, each
+                       distinct schema once (`schemas_grammar`), cached by content; a schema llguidance
+                       cannot compile is a 400 naming tools[i].function.parameters
     finish(prompt)     whether the prompt opened the reasoning block (its last tokens); the output's
                        `OutputFormat`; the grammar: a forced tool call (tool_choice "required" / a
-                       named function) or the request's own structured output, after free reasoning
+                       named function: one grammar over the forced tools) or the request's own
+                       structured output, after free reasoning
+
+So a request with N tools costs at most two compiles (the check and a forced call's grammar), however
+large N, and none before its prompt is known to fit.
 
 Structured outputs and reasoning: the grammar starts with the reasoning, unconstrained up to the end
 tag, then the answer's grammar (`parsers.think.prefix_grammar`, one llguidance grammar nesting the
@@ -26,7 +34,10 @@ import dataclasses
 import json
 from typing import Any
 
-from vlm_sdk.chat_options import ChatOptions
+from concurrent.futures import Future
+from typing import Sequence
+
+from vlm_sdk.chat_options import ChatOptions, Tool, ToolLimits
 from vlm_sdk.engine.input.prompt_tokenizer import PromptTokenizer
 from vlm_sdk.engine.structured_output import JSON_WHITESPACE, GrammarCompiler
 from vlm_sdk.errors import InvalidRequestError
@@ -37,7 +48,9 @@ from vlm_sdk.parsers.hermes_grammar import tool_grammar
 from vlm_sdk.parsers.think import prefix_grammar
 from vlm_sdk.sampling_params import SamplingParams, StructuredOutputs
 
-_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool_7f3a", "parameters": {"type": "object"}}}
+_PROBE_MARK = "probe_field_7f3a"  # a property name: found in the render, the template writes the schemas
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool_7f3a", "parameters": {
+    "type": "object", "properties": {_PROBE_MARK: {"type": "string"}}}}}
 _TAIL_TOKENS = 8  # prompt tokens read back to see whether the template opened the reasoning block
 
 
@@ -52,14 +65,14 @@ def _choice(name: str | None, known, what: str, param: str) -> str | None:
 
 class ChatSetup:
     def __init__(self, tokenizer: PromptTokenizer, grammars: GrammarCompiler, tool_call_parser: str | None,
-                 reasoning_parser: str | None):
-        self.tokenizer, self.grammars = tokenizer, grammars
+                 reasoning_parser: str | None, tool_limits: ToolLimits):
+        self.tokenizer, self.grammars, self.tool_limits = tokenizer, grammars, tool_limits
         template = getattr(tokenizer.wrapped, "chat_template", None) or ""
         template = template if isinstance(template, str) else json.dumps(template)
         auto_tools = "hermes" if "<tool_call>" in template else None
         self.tool_parser = (auto_tools if tool_call_parser is None else
                             _choice(tool_call_parser, TOOL_PARSERS, "tool-call parser", "tool_call_parser"))
-        self.renders_tools = self._renders_tools()
+        self.renders_tools, self.renders_schemas = self._renders_tools()
         # tags that are one added token of the form <...>: llguidance reads them as special tokens
         added = getattr(tokenizer.wrapped, "get_added_vocab", dict)()
         self._special_tags = {t for t in added if t.startswith("<") and t.endswith(">")}
@@ -68,29 +81,39 @@ class ChatSetup:
                 _choice(reasoning_parser, REASONING_FORMATS, "reasoning parser", "reasoning_parser"))
         self.reasoning = REASONING_FORMATS[name] if name is not None else None
 
-    def _renders_tools(self) -> bool:
+    def _renders_tools(self) -> tuple[bool, bool]:
+        """(whether the template renders `tools` at all, whether it writes their parameter schemas)."""
         probe = [{"role": "user", "content": "x"}]
         try:
             plain = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
             with_tools = self.tokenizer.apply_chat_template(probe, tools=[_PROBE_TOOL], tokenize=False,
                                                             add_generation_prompt=True)
         except Exception:  # a template that cannot render this probe is judged by its requests
-            return True
-        return plain != with_tools
+            return True, False
+        return plain != with_tools, _PROBE_MARK in with_tools
+
+    def tool_chars(self, options: ChatOptions) -> int:
+        """Characters the tools' definitions surely add to the prompt (for the length guard's lower bound):
+        their compact JSON when the template writes the schemas, else none counted."""
+        return options.tool_chars if self.renders_schemas else 0
 
     # -- per request ----------------------------------------------------------------------------------
-    def tool_specs(self, options: ChatOptions) -> list[StructuredOutputs]:
-        """The tools' parameter schemas as structured outputs: each must compile (`prepare` compiles them,
-        or the caller did: AsyncLLM awaits them on the grammar workers)."""
+    def check_tools(self, options: ChatOptions) -> Future | None:
+        """The tools' parameter schemas checked in the grammar process as one grammar (`schemas_grammar`):
+        a future that fails with the `InvalidRequestError` naming tools[i].function.parameters of a schema
+        llguidance cannot compile. None without tools in use. Cached by content: the same tools again
+        cost nothing."""
         if not options.uses_tools:
-            return []
-        return [StructuredOutputs("json", json.dumps(dict(tool.parameters)), f"tools[{i}].function.parameters")
-                for i, tool in enumerate(options.tools)]
+            return None
+        text, line_params = schemas_grammar(options.tools)
+        return self.grammars.submit(StructuredOutputs("grammar", text, "tools"), validate_only=True,
+                                    line_params=line_params)
 
-    def prepare(self, options: ChatOptions, params: SamplingParams, compile: bool = True) -> dict[str, Any]:
-        """Check `options` against this model; the chat template's variables. `compile` False: the tools'
-        schemas were compiled by the caller."""
+    def prepare(self, options: ChatOptions, params: SamplingParams) -> dict[str, Any]:
+        """Check `options` against this model and its tool limits; the chat template's variables. Nothing is
+        compiled here: the schemas are checked once the prompt is known to fit (`check_tools`)."""
         kwargs = dict(options.chat_template_kwargs)
+        self.tool_limits.check(options.tools)
         if not options.uses_tools:
             return kwargs
         if not self.renders_tools:
@@ -111,22 +134,23 @@ class ChatSetup:
                 f"'{params.grammar.param}' together with tools (tool_choice 'auto') is not supported: the format "
                 f"would leave the model no way to call a tool; send tool_choice 'none' to answer in the format, "
                 f"or leave '{params.grammar.param}' out", param=params.grammar.param)
-        for spec in self.tool_specs(options) if compile else ():  # each schema compiles (cached by its text)
-            self.grammars.compile(spec)
         special = self.tokenizer.special_text
         specs = [dict(t.spec) for t in options.tools]
         kwargs["tools"] = special.escape_tree(specs) if special is not None else specs
         return kwargs
 
     def finish(self, prompt: PromptInputs, options: ChatOptions, params: SamplingParams, compile: bool = True) -> None:
-        """Salt the prompt's image keys and set its output format and grammar (in place). `compile`
-        False: the caller compiles `prompt.grammar` (AsyncLLM, on the grammar workers)."""
+        """Salt the prompt's image keys and set its output format and grammar (in place). `compile`: check
+        the tools' schemas and compile `prompt.grammar` here, waiting for the grammar workers (LLM);
+        False: the caller does both (AsyncLLM awaits them on the grammar workers)."""
         if options.cache_salt is not None:
             prompt.cache_salt = options.cache_salt
             for image in prompt.images:
                 if image.key is not None:
                     image.key = salted_key(image.key, options.cache_salt)
         tools = options.uses_tools
+        if compile and tools:
+            self.check_tools(options).result()  # a bad schema fails here, named, before the forced grammar
         if self.reasoning is None and not tools:
             return
         opened = self.reasoning is not None and (self.reasoning.always_open or self._prompt_opens(prompt))
@@ -155,3 +179,16 @@ class ChatSetup:
     def _prompt_opens(self, prompt: PromptInputs) -> bool:
         tail = self.tokenizer.decode(prompt.token_ids[-_TAIL_TOKENS:], skip_special_tokens=False)
         return tail.rstrip().endswith(self.reasoning.start)
+
+
+def schemas_grammar(tools: Sequence[Tool]) -> tuple[str, tuple[str, ...]]:
+    """(Lark text accepting the arguments of any of `tools`, the field each of its lines came from): each
+    distinct schema once, `t<j>: %json {...}` on a line of its own, so that llguidance's error, which
+    names the line, names the tool (its first tool with that schema). What compiling each schema on its
+    own would check, at the cost of one compile: 10,000 tools sharing one schema cost one small grammar."""
+    distinct: dict[str, int] = {}  # schema text -> the first tool index with it
+    for i, tool in enumerate(tools):
+        distinct.setdefault(json.dumps(dict(tool.parameters)), i)  # ASCII: no character breaks its line
+    lines = ["start: " + " | ".join(f"t{j}" for j in range(len(distinct)))]
+    lines += [f"t{j}: %json {schema}" for j, schema in enumerate(distinct)]
+    return "\n".join(lines) + "\n", ("tools",) + tuple(f"tools[{i}].function.parameters" for i in distinct.values())

@@ -3,7 +3,8 @@ them: refuse what cannot fit before doing its work, keep typed special tokens te
 image from its header before any is decoded.
 
     text:   at least LONG_TEXT_CHARS characters and more than max_model_len * chars_per_token of them
-            -> PromptTooLong (a lower bound), before any template or tokenizer runs
+            -> PromptTooLong (a lower bound), before any template or tokenizer runs; counted: message
+            text, tool results, assistant tool calls and reasoning, and the tools' definitions
             special-token text -> escaped (engine/input/special_text.py), read back as plain text
     images: each read and its header checked against max_image_pixels, their pixels summed against
             max_request_image_pixels -> InvalidImageError before the first decode; each becomes an
@@ -35,11 +36,12 @@ class PromptGuard:
         self.max_request_image_pixels = max_request_image_pixels
         self.video_limits = video_limits
 
-    def prepare(self, messages, cancelled: threading.Event | None = None):
+    def prepare(self, messages, cancelled: threading.Event | None = None, extra_chars: int = 0):
         """`messages` with special-token text escaped, images and videos opened; raises `PromptTooLong`
-        (a lower bound), `InvalidImageError` or `InvalidVideoError` first when the request cannot be served."""
+        (a lower bound), `InvalidImageError` or `InvalidVideoError` first when the request cannot be served.
+        `extra_chars`: text the template adds besides the messages' (the tools' definitions)."""
         chars, _ = measure(messages)
-        self.tokenizer.check_length(chars)
+        self.tokenizer.check_length(chars + extra_chars)
         special = self.tokenizer.special_text
         images = _RequestImages(self.max_image_pixels, self.max_request_image_pixels, cancelled)
         mapped = map_parts(messages, text=special.escape if special else None, image=images.open,
