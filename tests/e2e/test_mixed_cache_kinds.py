@@ -77,10 +77,13 @@ def test_prefix_caching_restores_state_checkpoints_and_equals_caching_off(mixed_
     assert stats["prefix_cache_hit_tokens"] >= 12 + 20
     assert stats["prefix_cache_kinds"]["state"].startswith("reuses")
     fresh = _prompt(9, 10)
+    hits = llm.stats()["prefix_cache_hit_tokens"]
     many = llm.generate([TokensPrompt(tuple(fresh))], SamplingParams(n=3, max_tokens=10, temperature=0.0,
                                                                    ignore_eos=True))[0]
     ref = _reference(llm, fresh)
     assert [s.token_ids for s in many.outputs] == [ref] * 3
+    # the 2nd and 3rd samples waited a step and restored the first's state after its 8 first tokens
+    assert llm.stats()["prefix_cache_hit_tokens"] - hits == 2 * 8
     # sampled, not greedy: caching on and off draw the same tokens (the seed keys each draw)
     sampled = SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True)
     on = llm.generate([TokensPrompt(tuple(turn2_ids))], sampled)[0].outputs[0].token_ids

@@ -151,27 +151,26 @@ def test_state_checkpoints_at_aligned_chunk_ends_and_a_later_sequence_restores_o
     assert kv.kind_hit_tokens == {"full": 8 + 4, "state": 8}
 
 
-def test_siblings_admitted_together_compute_their_prompt_each_and_a_later_one_restores():
-    """n > 1: the siblings of one step each take a live slot; a checkpoint one writes is visible from the
-    next schedule on."""
+def test_siblings_wait_one_step_for_the_checkpoint_their_prompt_is_computing():
+    """n > 1: the siblings of one `add` would compute the same prompt; the second waits for the step that
+    checkpoints it (a checkpoint is copied after that step's forward), then each restores into its own
+    live slot, the pinned checkpoint read twice."""
     kv = _coordinator([FULL, STATE], 40, caching=True, slots=6)
     sched = Scheduler(SchedulerConfig(8, 100, 40, "test"), kv)
     sibs = [_seq(f"s{i}", range(9)) for i in range(3)]
     for s in sibs:
         sched.add(s)
     out = sched.schedule()
-    assert [(s.request_id, n) for s, n in out.scheduled] == [("s0", 8), ("s1", 8), ("s2", 8)]
-    assert [s.state_slot for s in sibs] == [0, 1, 2] and out.state_checkpoints == ((0, 3),)
-    # the full-attention blocks s0 fills are cached at once, but its state is not checkpointed before its
-    # step ends, so s1 and s2 start from token 0: the combined hit is 0 and nothing is shared
-    assert [s.block_ids[0] for s in sibs] == [[0, 1], [2, 3], [4, 5]]
-    late = _seq("late", range(9))
-    sched.add(late)
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("s0", 8)]  # s1 waits, and admission with it
+    assert sibs[0].state_slot == 0 and out.state_checkpoints == ((0, 1),)
     for s, n in out.scheduled:
         _compute(s, n)
     out = sched.schedule()
-    assert late.state_slot == 4 and late.num_computed_tokens == 8 and out.state_restores == ((3, 4),)
-    assert [(s.request_id, n) for s, n in out.scheduled][-1] == ("late", 1)
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("s0", 1), ("s1", 1), ("s2", 1)]
+    assert [s.state_slot for s in sibs] == [0, 2, 3] and [s.num_computed_tokens for s in sibs[1:]] == [8, 8]
+    assert out.state_restores == ((1, 2), (1, 3))
+    assert [s.block_ids[0][:2] for s in sibs] == [[0, 1]] * 3  # and the full-attention blocks are shared
+    assert kv.state_pool.ref_count[1] == 0 and kv.state_pool.lookup(sibs[0].block_hashes[1]) == 1  # unpinned
 
 
 def test_generated_side_checkpoints_keep_only_the_latest():

@@ -391,7 +391,8 @@ class LLMEngine:
             seqs = running + list(self.scheduler.waiting)[:count]  # the evicted went back to the front
             mean = sum(s.num_tokens for s in seqs) // max(len(seqs), 1)
             return preemption_warning(n, args.preemption_warning_per_minute, cache.num_blocks, cache.block_size,
-                                      len(running) + count, args.max_num_seqs, mean)
+                                      len(running) + count, args.max_num_seqs, mean,
+                                      cache.blocks_for(max(mean, 1)) if self.cache.num_groups > 1 else None)
         self.preemptions.record(count, describe)
 
     def stats(self) -> dict:

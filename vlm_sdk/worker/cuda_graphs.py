@@ -53,10 +53,11 @@ import numpy as np
 import torch
 
 from vlm_sdk.attention.backend import AttentionBackend
-from vlm_sdk.attention.metadata import AttentionMetadata, StateMetadata, StepMetadata
+from vlm_sdk.attention.metadata import StateMetadata, StepMetadata
 from vlm_sdk.protocol.blocks import blocks_needed
 from vlm_sdk.protocol.cache_layout import CacheLayout
 from vlm_sdk.worker.block_table import BlockTables
+from vlm_sdk.worker.step_metadata import step_metadata
 
 logger = logging.getLogger("vlm_sdk")
 
@@ -122,15 +123,11 @@ class DecodeGraphs:
         common = dict(query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size].int(),
                       query_lens_cpu=[1] * size, seq_lens_cpu=[self.max_model_len] * size,
                       max_query_len=1, max_seq_len=self.max_model_len)  # fixed per size: one grid for every length
-        metas = tuple(self.attention.prepare(AttentionMetadata(slot_mapping=self.slot_mapping[g, :size],
-                                                               block_tables=tables[g], window=group.spec.window,
-                                                               **common),
-                                             self.caches[group.layers[0]][0])
-                      for g, group in enumerate(self.layout.attention_groups))
-        if self.state_slots is not None:
-            metas += (StateMetadata(self.query_start_loc[:size + 1], [1] * size, self.state_slots[:size],
-                                    self.has_state[:size], [True] * size, 1),) * len(self.layout.state_groups)
-        return StepMetadata(metas, self.layout.layer_group)
+        state = None if self.state_slots is None else StateMetadata(
+            self.query_start_loc[:size + 1], [1] * size, self.state_slots[:size], self.has_state[:size],
+            [True] * size, 1)
+        return step_metadata(self.layout, self.caches, self.attention, common, self.slot_mapping[:, :size], tables,
+                             state)
 
     def _input_ids(self, size: int) -> torch.Tensor:  # [size] int64
         src = self.token_src[:size]  # [size]

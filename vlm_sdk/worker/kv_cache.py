@@ -41,6 +41,16 @@ def allocate_caches(layout: CacheLayout, num_blocks: int, block_size: int, num_s
     return caches
 
 
+def copy_state_slots(tensors: list[torch.Tensor], pairs: tuple[tuple[int, int], ...], device: torch.device) -> None:
+    """Copy state slot src into slot dst of every state tensor (`[num_state_slots, *shape]`), for each
+    (src, dst) of `pairs`: a step's restores (checkpoint -> live slot) or checkpoints (live -> checkpoint).
+    The destinations are distinct (live slots, or checkpoint slots taken once per step)."""
+    src = torch.tensor([a for a, _ in pairs], dtype=torch.int64).to(device, non_blocking=True)  # [n]
+    dst = torch.tensor([b for _, b in pairs], dtype=torch.int64).to(device, non_blocking=True)  # [n]
+    for t in tensors:  # [num_state_slots, *shape]
+        t.index_copy_(0, dst, t.index_select(0, src))
+
+
 def allocate_kv_caches(num_layers: int, cache: CacheConfig, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A model of one full-attention kind: one (K, V) pair per layer, each [num_blocks, block_size,

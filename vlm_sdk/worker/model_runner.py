@@ -29,13 +29,15 @@ import numpy as np
 import torch
 
 from vlm_sdk.attention.backend import AttentionBackend
-from vlm_sdk.attention.metadata import AttentionMetadata, StateMetadata, StepMetadata
+from vlm_sdk.attention.metadata import StateMetadata, StepMetadata
 from vlm_sdk.models.base import VisionLanguageModel
 from vlm_sdk.protocol.cache_layout import CacheLayout
 from vlm_sdk.sampling_params import SamplingParams
 from vlm_sdk.worker.block_table import BlockTables
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs
 from vlm_sdk.worker.encoder_cache import EncoderCache
+from vlm_sdk.worker.kv_cache import copy_state_slots
+from vlm_sdk.worker.step_metadata import step_metadata
 from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs
 from vlm_sdk.protocol.runner_output import ModelRunnerOutput
 from vlm_sdk.protocol.scheduler_output import SchedulerOutput
@@ -73,9 +75,6 @@ class ModelRunner:
         self.piecewise = piecewise  # runs other steps' decoder stack in pieces (CUDA graphs around attention)
         self.caches, self.layout = caches, layout
         self.num_groups = layout.num_attention_groups
-        # per attention group: its window and the K cache `prepare` reads the shape of (its first layer's)
-        self._group_window = [g.spec.window for g in layout.attention_groups]
-        self._group_k_cache = [caches[g.layers[0]][0] for g in layout.attention_groups]
         self._num_state_groups = len(layout.state_groups)
         self._state_tensors = [t for i in layout.state_layers for t in caches[i]]
         self.block_size = block_size
@@ -267,12 +266,7 @@ class ModelRunner:
         return self.model(embeds, step.positions, self.caches, step.meta, images)
 
     def _copy_states(self, pairs: tuple[tuple[int, int], ...]) -> None:
-        """Copy state slot src into slot dst of every state layer's tensors, for each (src, dst): the
-        destinations are distinct (live slots, or checkpoint slots taken once per step)."""
-        src = torch.tensor([a for a, _ in pairs], dtype=torch.int64).to(self.device, non_blocking=True)  # [n]
-        dst = torch.tensor([b for _, b in pairs], dtype=torch.int64).to(self.device, non_blocking=True)  # [n]
-        for t in self._state_tensors:  # [num_state_slots, *shape]
-            t.index_copy_(0, dst, t.index_select(0, src))
+        copy_state_slots(self._state_tensors, pairs, self.device)
 
     def _keep(self, states: list[RequestState], tokens: torch.Tensor) -> None:  # tokens [rows] int64
         """The step's tokens into the static buffer the next step reads ids from (the graphs' when
@@ -367,15 +361,10 @@ class ModelRunner:
         q_start_d = q_start_d.int()
         common = dict(query_start_loc=q_start_d, seq_lens=seq_lens_d.int(), query_lens_cpu=counts,
                       seq_lens_cpu=end_arr.tolist(), max_query_len=int(n_arr.max()), max_seq_len=int(end_arr.max()))
-        metas = tuple(self.attention.prepare(AttentionMetadata(slot_mapping=slot_map[g], block_tables=tables[g],
-                                                               window=self._group_window[g], **common),
-                                             self._group_k_cache[g])  # the backend's per-step metadata, once
-                      for g in range(groups))
-        if state_slots is not None:
-            state = StateMetadata(q_start_d, counts, state_slots, initial_d.bool(), [c > 0 for c in starts],
-                                  int(n_arr.max()))
-            metas += (state,) * self._num_state_groups
-        meta = StepMetadata(metas, self.layout.layer_group)
+        state = None if state_slots is None else StateMetadata(
+            q_start_d, counts, state_slots, initial_d.bool(), [c > 0 for c in starts], int(n_arr.max()))
+        # the backend's per-step metadata, once per attention group
+        meta = step_metadata(self.layout, self.caches, self.attention, common, slot_map, tables, state)
         return StepInputs(input_ids, pos_d.view(self.model.position_rows, num_tokens), meta, sample_rows_d,
                           sample_idx.tolist())
 

@@ -31,9 +31,10 @@ freed on finish or preemption. With prefix caching, prefill chunks end on block 
 after a step that ends on a boundary whose tokens are all known, the state there is copied into a free slot
 released at once cached-free under that boundary's hash (a checkpoint, `end_step`); a hit restores it into
 the new sequence's live slot before its first step. A checkpoint written by a step is visible from the
-next schedule on (the copy runs after that step's forward), so sequences admitted in the same step as the
-one writing it (n > 1 siblings) compute their prompt each. A sequence keeps its prompt's checkpoints and
-its latest generated-side one (an older one it wrote is let go when it writes the next).
+next schedule on (the copy runs after that step's forward): a sequence that would resume from a boundary
+one admitted in the same step computes (n > 1 siblings: one `add`) waits for the next step, and admission
+with it (`start` returns None), then restores from it. A sequence keeps its prompt's checkpoints and its
+latest generated-side one (an older one it wrote is let go when it writes the next).
 """
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ class CacheCoordinator:
         self.kind_hit_tokens = dict.fromkeys(self.kinds, 0)  # what each kind alone could have served
         self._restores: list[tuple[int, int]] = []  # this step's (checkpoint slot, live slot)
         self._pinned: list[int] = []  # checkpoint slots read by this step's restores: not evicted before
+        self._coming: set[bytes] = set()  # boundaries sequences admitted this step will be checkpointed at
 
     # -- counts ----------------------------------------------------------------------------------
     @property
@@ -132,6 +134,8 @@ class CacheCoordinator:
         allocate for up to `budget` more tokens. The number of tokens to compute this step; None (nothing
         taken) when the free blocks or state slots are too few."""
         k, restore = self._cached_prefix(seq)
+        if self._coming and any(h in self._coming for h in seq.block_hashes[k:(seq.num_tokens - 1) // self.block_size]):
+            return None  # a sequence admitted this step computes (and checkpoints) its prefix: resume from it next
         size, pool = self.block_size, self.pool
         computed = k * size
         n = min(seq.num_tokens - computed, budget)
@@ -172,6 +176,9 @@ class CacheCoordinator:
         if seq.num_preemptions == 0:
             seq.metrics.cached_tokens = computed
         self._commit(seq, computed + n)
+        end = computed + n
+        if self.aligned and end % size == 0 and end <= seq.num_tokens and len(seq.block_hashes) >= end // size:
+            self._coming.add(seq.block_hashes[end // size - 1])
         return n
 
     def _cached_prefix(self, seq: Sequence) -> tuple[int, int | None]:
@@ -278,6 +285,7 @@ class CacheCoordinator:
                     seq.last_checkpoint = (slot, h)
                 checkpoints.append((seq.state_slot, slot))
         restores, self._restores = tuple(self._restores), []
+        self._coming.clear()
         if self._pinned:
             pool.release(self._pinned)
             self._pinned = []

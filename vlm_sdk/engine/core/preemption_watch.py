@@ -59,9 +59,14 @@ class PreemptionWatch:
 
 
 def preemption_warning(n: int, threshold: int, num_blocks: int, block_size: int, num_running: int,
-                       max_num_seqs: int, mean_tokens: int) -> str:
-    """The warning's words: what happened, why, and the settings that stop it."""
-    fit = max(1, num_blocks * block_size // max(mean_tokens, 1))
+                       max_num_seqs: int, mean_tokens: int, blocks_per_sequence: int | None = None) -> str:
+    """The warning's words: what happened, why, and the settings that stop it. `blocks_per_sequence`: the
+    blocks one sequence of `mean_tokens` holds over every cache group (None: one block per block_size
+    tokens, a model of one attention kind)."""
+    if blocks_per_sequence is None:
+        fit = max(1, num_blocks * block_size // max(mean_tokens, 1))
+    else:
+        fit = max(1, num_blocks // max(blocks_per_sequence, 1))
     return (f"{n} preemptions in the last 60 s (warning threshold {threshold} per minute, "
             f"preemption_warning_per_minute): the KV cache of {num_blocks} blocks x {block_size} tokens = "
             f"{num_blocks * block_size} tokens cannot hold the {num_running} running sequences (max_num_seqs "
