@@ -25,12 +25,11 @@ row-parallel (two all-reduces a layer), the vocab-parallel embedding and the gat
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.layers.attention import PagedAttention
-from vlm_sdk.layers.embedding import ParallelLMHead, VocabParallelEmbedding, gather_vocab
+from vlm_sdk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vlm_sdk.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from vlm_sdk.layers.norm import RMSNorm
 from vlm_sdk.layers.ops import KernelOps, TorchOps
@@ -41,6 +40,7 @@ from vlm_sdk.protocol.cache_spec import AttentionSpec
 from vlm_sdk.weight_loading import ParamSlot
 from vlm_sdk.models.common.gemma_config import GemmaDecoderConfig
 from vlm_sdk.models.common.llama_decoder import kv_scale_slots
+from vlm_sdk.models.common.lm_head import DecoderHead, attention_slots
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
@@ -118,7 +118,7 @@ class GemmaDecoderLayer(nn.Module):
         return ops.rms_norm(mlp, self.post_feedforward_layernorm.weight, eps, zero_centered=True), residual
 
 
-class GemmaDecoder(nn.Module):
+class GemmaDecoder(DecoderHead, nn.Module):
     """A `DecoderStack` (models/base.py) with the interface `lm_loading.load_with_lm_head` and
     `finish_cpu_layout` use (`embed_tokens`, `lm_head`, `packed_head`, `untie_lm_head`, `tp`)."""
 
@@ -138,6 +138,7 @@ class GemmaDecoder(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype,
                                                                            device, tp)
         self.packed_head = None
+        self.logit_softcap = cfg.final_logit_softcapping
         self.hidden_size, self.position_rows = cfg.hidden_size, 1  # the DecoderStack contract
         self.requires_grad_(False)
 
@@ -168,44 +169,15 @@ class GemmaDecoder(nn.Module):
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # [N, hidden] x 2 -> [N, hidden]
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps, zero_centered=True)[0]
 
-    def untie_lm_head(self, rows: torch.Tensor) -> None:
-        """Give a tied decoder its own LM head (this rank's rows of the checkpoint's head)."""
-        emb = self.embed_tokens
-        self.lm_head = ParallelLMHead(self.cfg.vocab_size, self.cfg.hidden_size, emb.weight.dtype, emb.weight.device,
-                                      self.tp)
-        self.lm_head.requires_grad_(False)
-        with torch.no_grad():
-            self.lm_head.weight.copy_(rows)
-
-    def compute_logits(self, hidden: torch.Tensor,  # [S, hidden]
-                       out: torch.Tensor | None = None) -> torch.Tensor:  # [S, vocab] float32 (into `out`)
-        if self.packed_head is not None:
-            local = self.packed_head(hidden)  # [S, vocab / tp]
-        else:
-            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            local = F.linear(hidden, weight)  # [S, vocab / tp]
-        logits = gather_vocab(local, self.tp, self.cfg.vocab_size).float()  # [S, vocab]
-        cap = self.cfg.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits if out is None else out.copy_(logits)
-
     def checkpoint_map(self, prefix: str, lm_head: str = "lm_head.weight") -> dict[str, ParamSlot]:
         """Checkpoint name -> this rank's slot (relative to this module), transformers' Gemma 3 names under
         `prefix` (e.g. "model.language_model.": `{prefix}layers.N.self_attn.q_proj.weight`)."""
         cfg = self.cfg
         hid, d = cfg.hidden_size, cfg.head_dim
-        out = self.embed_tokens.slots("embed_tokens.weight", f"{prefix}embed_tokens.weight")
-        out[f"{prefix}norm.weight"] = ParamSlot("norm.weight", (hid,))
-        if self.lm_head is not None:
-            out.update(self.lm_head.slots("lm_head.weight", lm_head))
+        out = self.head_slots(prefix, lm_head)
         for i, layer in enumerate(self.layers):
             src, dst = f"{prefix}layers.{i}.", f"layers.{i}."
-            attn = [f"{src}self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")]
-            out.update(layer.qkv_proj.slots(f"{dst}qkv_proj.", [f"{a}.weight" for a in attn],
-                                            [f"{a}.bias" for a in attn] if cfg.attention_bias else None))
-            out.update(layer.o_proj.slots(f"{dst}o_proj.", f"{src}self_attn.o_proj.weight",
-                                          f"{src}self_attn.o_proj.bias" if cfg.attention_bias else None))
+            out.update(attention_slots(layer, src, dst, cfg.attention_bias, cfg.attention_bias))
             out.update(layer.gate_up_proj.slots(f"{dst}gate_up_proj.", [f"{src}mlp.gate_proj.weight",
                                                                         f"{src}mlp.up_proj.weight"]))
             out.update(layer.down_proj.slots(f"{dst}down_proj.", f"{src}mlp.down_proj.weight"))

@@ -21,9 +21,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-import torch
 
-from vlm_sdk.models.common.tiny_checkpoint import build_tokenizer, round_up, save_random_model, write_json
+from vlm_sdk.models.common.tiny_checkpoint import (build_tokenizer, checkpoint_options, floating_dtype, save_random_model,
+                                                   vocab_size_for, write_json)
 
 # Gemma's special tokens, in Gemma's order where it has one (pad 0, eos 1, bos 2, unk 3); ids 1000+ here
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
@@ -64,24 +64,15 @@ def make_tiny_gemma3_checkpoint(path, seed: int = 0, **overrides) -> Path:
     arguments give byte-identical files; an unknown override raises TypeError (accepted: `_DEFAULTS`)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    unknown = sorted(set(overrides) - set(_DEFAULTS))
-    if unknown:
-        raise TypeError(f"make_tiny_checkpoint() got unknown override(s) {', '.join(unknown)}; "
-                        f"accepted: {', '.join(sorted(_DEFAULTS))}")
-    o = {**_DEFAULTS, **overrides}
+    o = checkpoint_options(overrides, _DEFAULTS)
     if o["layout"] not in ("transformers5", "published"):
         raise ValueError(f"layout={o['layout']!r}; use 'transformers5' or 'published'")
-    dtype = getattr(torch, str(o["dtype"]), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype={o['dtype']!r} is not a torch floating dtype name")
+    dtype = floating_dtype(o["dtype"])
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(SPECIAL_TOKENS)
     ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
-    n_tokens = tokenizer.get_vocab_size()
-    vocab_size = o["vocab_size"] or round_up(n_tokens, 64)
-    if vocab_size < n_tokens:
-        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({n_tokens} tokens)")
+    vocab_size = vocab_size_for(tokenizer, o["vocab_size"])
     config = Gemma3Config(text_config=_text_config(o, vocab_size, ids), vision_config=_vision_config(o),
                           mm_tokens_per_image=o["mm_tokens_per_image"], boi_token_index=ids["<start_of_image>"],
                           eoi_token_index=ids["<end_of_image>"], image_token_index=ids["<image_soft_token>"],

@@ -18,11 +18,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-import torch
 
 from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, QWEN_TEXT_TOKENS, TEXT_DEFAULTS,
-                                                   build_tokenizer, round_up, save_random_model, write_json,
-                                                   write_tokenizer)
+                                                   build_tokenizer, checkpoint_options, floating_dtype,
+                                                   save_random_model, vocab_size_for, write_json, write_tokenizer)
 from vlm_sdk.models.qwen3_vl.chat_templates import CHAT_TEMPLATES
 
 _DEFAULTS: Mapping[str, Any] = MappingProxyType(dict(
@@ -79,27 +78,18 @@ def write_qwen3_vl_checkpoint(path, seed: int, defaults: Mapping[str, Any], over
     """`make_tiny_qwen3_vl_checkpoint` for a model class of this architecture (Qwen3-VL-MoE's too):
     `defaults` are the accepted options (at least `_DEFAULTS`' names), `text_fields` more text-config
     fields (the experts)."""
-    unknown = sorted(set(overrides) - set(defaults))
-    if unknown:
-        raise TypeError(f"make_tiny_checkpoint() got unknown override(s) {', '.join(unknown)}; "
-                        f"accepted: {', '.join(sorted(defaults))}")
-    opts = {**defaults, **overrides}
+    opts = checkpoint_options(overrides, defaults)
     for key, allowed in (("config_layout", ("nested", "flat")), ("preprocessor_layout", ("nested", "flat")),
                          ("chat_template", tuple(CHAT_TEMPLATES))):
         if opts[key] not in allowed:
             raise ValueError(f"{key}={opts[key]!r}; use one of {allowed}")
-    dtype = getattr(torch, str(opts["dtype"]), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype={opts['dtype']!r} is not a torch floating dtype name")
+    dtype = floating_dtype(opts["dtype"])
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(QWEN_SPECIAL_TOKENS, QWEN_TEXT_TOKENS)
     ids = {tok: tokenizer.token_to_id(tok) for tok in QWEN_SPECIAL_TOKENS}
-    n_tokens = tokenizer.get_vocab_size()
-    vocab_size = opts["vocab_size"] or round_up(n_tokens, 64)
-    if vocab_size < n_tokens:
-        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({n_tokens} tokens)")
+    vocab_size = vocab_size_for(tokenizer, opts["vocab_size"])
     config = _config(opts, vocab_size, ids, config_cls, text_fields)
     save_random_model(model_cls, config, out, seed=seed, init_std=float(opts["init_std"]), dtype=dtype,
                       max_shard_size=opts["max_shard_size"], norm_std=0.1)
