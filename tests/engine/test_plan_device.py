@@ -47,7 +47,7 @@ def test_num_blocks_too_big_for_the_device_is_a_problem_with_the_largest_that_fi
     # the fix is an engine setting the engine takes as it is
     assert registry.engine_args(**problem.fixes, block_size=64).num_blocks == largest
     assert main(["plan", str(QWEN_3B), "--device-memory", "24GiB", "--num-blocks", "20000", "--block-size",
-                 "64"]) == 0
+                 "64"]) == 1  # the engine would refuse it: a non-zero status
     out = capsys.readouterr().out
     assert "problems: none" not in out and f"[fixes: num_blocks={largest}]" in out
 
@@ -127,7 +127,7 @@ def test_seed_command_without_a_gpu_asks_instead_of_planning_cpu_float32(no_gpu,
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert "float32" not in captured.out and "--device-memory" in captured.err
-    assert main(argv + ["--device-memory", "24GiB", "--json"]) == 0
+    assert main(argv + ["--device-memory", "24GiB", "--json"]) == 1  # its problem: a non-zero status
     import json
     out = json.loads(capsys.readouterr().out)
     assert (out["num_blocks"], out["dtype"], out["kv_bytes_per_token"]) == (21, "bfloat16", 131_072)

@@ -21,7 +21,7 @@ def test_lmdeploy_input_length_error_seed(capsys):
     plan names the cause and each fix, with the engine's setting names and units."""
     argv = ["plan", str(INTERNVL2_8B), "--device-memory", "24GiB", "--block-size", "64", "--kv-cache-memory",
             f"{LMDEPLOY_CACHE_0_1}B", "--prompt-tokens", "118", "--images", "1", "--output-tokens", "0"]
-    assert main(argv + ["--json"]) == 0
+    assert main(argv + ["--json"]) == 1  # the seed's request does not fit: a non-zero status
     p = json.loads(capsys.readouterr().out)
     assert (p["kv_bytes_per_block"], p["num_blocks"], p["capacity_tokens"]) == (LMDEPLOY_BLOCK_BYTES, 21, 1344)
     assert (p["dtype"], p["request_tokens"], p["image_tokens_per_image"]) == ("bfloat16", 3446, 13 * 256)
@@ -29,7 +29,7 @@ def test_lmdeploy_input_length_error_seed(capsys):
     [too_long] = [pr for pr in p["problems"] if "request of 3446 tokens" in pr["message"]]
     assert too_long["fixes"] == {"kv_cache_memory": 54 * LMDEPLOY_BLOCK_BYTES, "num_blocks": 54,
                                  "max_dynamic_patch": 3}  # 54 x 64 = 3,456 >= 3,446; 3 tiles + thumbnail
-    assert main(argv) == 0
+    assert main(argv) == 1
     table = capsys.readouterr().out
     for piece in ("21 = 168.00 MiB", "1,344 tokens", "3,446 tokens per request", "--kv-cache-memory 432MiB",
                   "--num-blocks 54", "--max-dynamic-patch 3",
@@ -124,3 +124,30 @@ def test_vllm_pipeline_parallel_low_utilization_seed():
     blocks = {tp: plan(cfg, device_memory="48GiB", memory_utilization=0.9, tp=tp).num_blocks for tp in (1, 2, 4)}
     assert blocks[2] >= 2 * blocks[1] and blocks[4] >= 2 * blocks[2]
 
+
+
+def test_a_plan_that_does_not_fit_says_what_would_and_exits_non_zero(capsys):
+    """Qwen3-VL-235B-A22B (471 GB in bf16) on one 80 GiB GPU: no room for one KV block. The plan names
+    the weights as the cause (not the activation peak), lists what would fit, each planned again by
+    plan() (the fewest ranks; an FP8 KV cache; a block-wise FP8 checkpoint of the same shape), and exits
+    1; the same config at --tp 8 has no problem and exits 0."""
+    from vlm_sdk.plan.alternatives import alternatives
+    config = TESTS / "configs" / "qwen3_vl_235b_a22b.json"
+    base = plan(config, device_memory="80GiB")
+    [problem] = base.problems
+    assert "the weights alone" in problem.message and "--tp" in problem.message
+    assert "--max-num-batched-tokens" not in problem.message
+    found = {a.flags or a.checkpoint: a for a in alternatives(config, {"device_memory": "80GiB"}, base)}
+    assert set(found) == {"--tp 8", "--kv-cache-dtype fp8 --tp 8", "--tp 4"}, list(found)
+    assert found["--tp 4"].checkpoint == "block-wise FP8"
+    at8 = plan(config, device_memory="80GiB", tp=8)
+    assert not at8.problems and found["--tp 8"].weights_bytes == at8.weights_bytes
+    assert found["--tp 8"].capacity_tokens == at8.capacity_tokens
+    assert abs(at8.weights_bytes / 2**30 - 55.05) < 0.01  # the README's figure
+    assert found["--kv-cache-dtype fp8 --tp 8"].capacity_tokens in (2 * at8.capacity_tokens,
+                                                                    2 * at8.capacity_tokens + 16)
+    assert main(["plan", str(config), "--device-memory", "80GiB", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert [a["flags"] for a in out["fits_with"]] == ["--tp 8", "--kv-cache-dtype fp8 --tp 8", "--tp 4"]
+    assert main(["plan", str(config), "--device-memory", "80GiB", "--tp", "8"]) == 0
+    assert "what would fit" not in capsys.readouterr().out

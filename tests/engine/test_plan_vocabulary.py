@@ -13,7 +13,7 @@ from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.cli import main
 from vlm_sdk.models import registry
 from vlm_sdk.plan import plan
-from vlm_sdk.plan.report import add_plan_parser
+from vlm_sdk.plan.flags import add_plan_parser
 from vlm_sdk.server.cli import add_serve_parser, engine_kwargs
 
 INTERNVL2_8B = TESTS / "configs" / "internvl2_8b.json"

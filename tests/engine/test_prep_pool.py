@@ -1,6 +1,7 @@
 """AsyncLLM's prompt pools (engine/input/prep_pool.py), exact orders: a kind of work per pool, one
 request's jobs one at a time, the next job round-robin across requests, cancelled jobs never run."""
 import threading
+import time
 
 import pytest
 
@@ -99,3 +100,30 @@ def test_shutdown_cancels_what_has_not_started_and_a_failing_job_fails_its_futur
     assert waiting.cancelled()
     release.set()
     assert running.result(10) == "X"
+
+
+def test_a_finished_job_is_not_kept_by_its_thread_and_shutdown_waits_for_the_threads():
+    """A worker that kept its last job's function (and so the job's tensors) freed them when it ended,
+    which at interpreter exit aborted the process inside torch's deallocator (samples/video_qa.py)."""
+    import gc
+    import weakref
+
+    class Payload:
+        pass
+
+    pool = FairPool("t", threads=2, per_request=1)
+    payload = Payload()
+    alive = weakref.ref(payload)
+    job = lambda held=payload: held  # noqa: E731  the job's function holds the payload, as a partial does
+    future = pool.submit("a", job)
+    assert future.result(timeout=10) is payload
+    del payload, job, future
+    deadline = time.monotonic() + 10
+    while pool._idle < len(pool._workers) and time.monotonic() < deadline:  # set_result precedes the frame's end
+        time.sleep(0.01)
+    gc.collect()
+    assert alive() is None  # the idle worker holds nothing of it
+    workers = list(pool._workers)
+    assert workers and all(w.is_alive() for w in workers)
+    pool.shutdown(timeout=10)
+    assert not any(w.is_alive() for w in workers)

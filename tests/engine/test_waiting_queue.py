@@ -115,7 +115,7 @@ def test_scheduler_admits_another_request_past_a_big_one_and_caps_it_at_three_qu
 def test_n_siblings_admitted_in_one_step_share_the_first_prompt_blocks():
     s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1000, max_model_len=64,
                                   max_model_len_source="test"),
-                  full_attention_cache(200, 4, True))
+                  full_attention_cache(200, 4, enable_prefix_caching=True))
     prompt = list(range(100, 117))  # 17 tokens: 4 full blocks
     siblings = [_seq(f"n{i}", "N", tokens=prompt) for i in range(3)]
     other = _seq("o", "O", n_prompt=5)

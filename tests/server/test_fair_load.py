@@ -1,6 +1,9 @@
 """Issue 41 rows 3, 5, 6 and 8 over HTTP: one request's preprocessing, base64, tokenization or fan-out
 does not cost everyone else their latency. Each attack runs beside an innocent stream (its worst gap
-between two SSE lines must stay under 0.5 s) and the probes of another user.
+between two SSE lines must stay under 0.5 s) and the probes of another user. On a loaded machine each
+bound is measured in the same run (issue 52): the stream's against its own pace over a quiet window as
+long as the attack (server_helpers.stall_bound), a probe's latency against the same probe's with
+nothing else sent (latency_bound), so the tests hold the property, not the machine's speed.
 
     row 3   two hostile videos at once, then a 64x64 image: served in < 2 s (it waited behind them when
             images and videos shared two threads: 3.7 s at this size on the CI machine, 154 s at full
@@ -26,7 +29,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from server_helpers import API_KEY, VictimStream, data_url
+from server_helpers import API_KEY, MAX_GAP_S, VictimStream, assert_no_stall, data_url, latency_bound
 from vlm_sdk.bench.red_team_load import noise_png
 from vlm_sdk.testing.hostile_videos import many_frames, png_mov
 from vlm_sdk.server.background import BackgroundServer
@@ -34,8 +37,6 @@ from vlm_sdk.server.config import MiB, ServerConfig
 
 # wall-clock bounds: ./run test runs these alone, after the rest (see the README)
 pytestmark = pytest.mark.timing
-
-MAX_GAP_S = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +78,18 @@ def _in_threads(*calls) -> list:
     return results, threads
 
 
-def _attack(srv, attack):
-    """(the victim's worst gap while `attack()` runs, what it returned)."""
+def _attack(srv, attack, probe=None):
+    """(the victim's worst gap while `attack()` runs, its pace over as long a quiet window after, what
+    `attack()` returned, and `probe()`'s seconds with nothing else sent, three times, beside the victim)."""
     with VictimStream(srv.url, srv.model_name) as victim:
+        alone = [probe() for _ in range(3)] if probe else []
         t0 = time.monotonic()
         result = attack()
         t1 = time.monotonic()
         gap = victim.worst_gap(t0, t1)
+        quiet = victim.quiet_gap(t1 - t0)
     assert victim.statuses and set(victim.statuses) == {200}
-    return gap, result
+    return gap, quiet, result, alone
 
 
 def test_row3_an_image_is_served_beside_two_hostile_videos(srv):
@@ -109,14 +113,17 @@ def test_row3_an_image_is_served_beside_two_hostile_videos(srv):
         for t in threads:
             t.join(timeout=300)
         return videos, images
-    gap, (videos, images) = _attack(srv, attack)
+    gap, quiet, (videos, images), alone = _attack(srv, attack, lambda: _post(srv.url, "/v1/chat/completions",
+                                                                           image)[2])
+    bound = latency_bound(2.0, alone)
     print(f"row 3: the image answered in {[round(s, 2) for _, _, s in images]} s beside videos of "
-          f"{[round(s, 1) for _, _, s in videos]} s; victim's worst gap {gap:.3f} s")
+          f"{[round(s, 1) for _, _, s in videos]} s (alone: {[round(s, 2) for s in alone]} s, bound {bound:.2f} s); "
+          f"victim's worst gap {gap:.3f} s (quiet: {quiet})")
     for status, body, _ in videos + images:
         assert status == 200 and json.loads(body)["choices"][0]["message"]["role"] == "assistant", body[:300]
     worst = max(s for _, _, s in images)
-    assert worst < 2.0, f"a 64x64 image took {worst:.2f} s beside two videos"
-    assert gap < MAX_GAP_S, f"the victim stalled {gap:.2f} s beside two videos"
+    assert worst < bound, f"a 64x64 image took {worst:.2f} s beside two videos (alone: {max(alone):.2f} s)"
+    assert_no_stall(gap, quiet, "beside two videos")
 
 
 def test_row5_30_mib_data_urls_do_not_stall_other_streams(srv):
@@ -127,12 +134,13 @@ def test_row5_30_mib_data_urls_do_not_stall_other_streams(srv):
         np.random.default_rng(0).bytes(payload)).decode()}}, {"type": "text", "text": "hi"}])
     assert len(image) > 30 * MiB and len(video) > 30 * MiB
     for name, body, status in (("image", image, 200), ("video", video, 400)):
-        gap, (got, answer, seconds) = _attack(srv, lambda: _post(srv.url, "/v1/chat/completions", body))
-        print(f"row 5: a 30 MiB data: URL {name}: {got} in {seconds:.2f} s; victim's worst gap {gap:.3f} s")
+        gap, quiet, (got, answer, seconds), _ = _attack(srv, lambda: _post(srv.url, "/v1/chat/completions", body))
+        print(f"row 5: a 30 MiB data: URL {name}: {got} in {seconds:.2f} s; victim's worst gap {gap:.3f} s "
+              f"(quiet: {quiet})")
         assert got == status, answer[:300]
         if status == 400:
             assert "video data URL" in json.loads(answer)["error"]["message"]
-        assert gap < MAX_GAP_S, f"the victim stalled {gap:.2f} s while a 30 MiB {name} data: URL was decoded"
+        assert_no_stall(gap, quiet, f"while a 30 MiB {name} data: URL was decoded")
 
 
 def test_row6_fan_out_is_bounded_and_other_users_keep_their_first_token(srv):
@@ -158,16 +166,19 @@ def test_row6_fan_out_is_bounded_and_other_users_keep_their_first_token(srv):
             time.sleep(0.3)
         thread.join(timeout=300)
         return results[0], first_tokens
-    gap, (result, first_tokens) = _attack(srv, attack)
+    gap, quiet, (result, first_tokens), alone = _attack(
+        srv, attack, lambda: _post(srv.url, "/v1/chat/completions", probe, first_line=True)[2])
     seconds = [round(s, 2) for _, _, s in first_tokens]
+    bound = latency_bound(1.0, alone)
     print(f"row 6: 8 prompts x n=8 x 150 tokens, logprobs 20, streamed in {result[2]:.1f} s; another user's "
-          f"first token after {seconds} s; victim's worst gap {gap:.3f} s")
+          f"first token after {seconds} s (alone: {[round(s, 2) for s in alone]} s, bound {bound:.2f} s); "
+          f"victim's worst gap {gap:.3f} s (quiet: {quiet})")
     status, body, _ = result
     events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: {")]
     assert status == 200 and {c["index"] for e in events for c in e["choices"]} == set(range(64))
     assert len(first_tokens) >= 2 and {s for s, _, _ in first_tokens} == {200}
-    assert max(seconds) < 1.0, f"another user's first token took {max(seconds)} s beside 64 sequences"
-    assert gap < MAX_GAP_S, f"the victim stalled {gap:.2f} s beside 64 sequences"
+    assert max(seconds) < bound, f"another user's first token took {max(seconds)} s beside 64 sequences"
+    assert_no_stall(gap, quiet, "beside 64 sequences")
 
 
 def test_row8_a_text_just_under_1_mib_keeps_nobody_waiting(srv):
@@ -187,16 +198,19 @@ def test_row8_a_text_just_under_1_mib_keeps_nobody_waiting(srv):
             t.join(timeout=300)
         return results, probes
     try:
-        gap, (results, probes) = _attack(srv, attack)
+        gap, quiet, (results, probes), alone = _attack(srv, attack,
+                                                       lambda: _post(srv.url, "/v1/chat/completions", probe)[2])
     finally:
         tokenizer.max_tokens = srv.engine.engine.scheduler_config.max_model_len
+    bound = latency_bound(MAX_GAP_S, alone)
     print(f"row 8: two ~1 MiB texts answered in {[round(s, 2) for _, _, s in results]} s; requests beside them "
-          f"in {[round(s, 2) for _, _, s in probes]} s; victim's worst gap {gap:.3f} s")
+          f"in {[round(s, 2) for _, _, s in probes]} s (alone: {[round(s, 2) for s in alone]} s, bound "
+          f"{bound:.2f} s); victim's worst gap {gap:.3f} s (quiet: {quiet})")
     for status, body, _ in results:
         err = json.loads(body)["error"]
         assert status == 400 and err["code"] == "context_length_exceeded", err  # the whole text was counted
         assert "more than" not in err["message"]  # an exact count, not a prefix's
     assert probes and {s for s, _, _ in probes} == {200}
     worst = max(s for _, _, s in probes)
-    assert worst < MAX_GAP_S, f"a small request waited {worst:.2f} s behind the tokenization of a long text"
-    assert gap < MAX_GAP_S, f"the victim stalled {gap:.2f} s while two long texts were tokenized"
+    assert worst < bound, f"a small request waited {worst:.2f} s behind the tokenization of a long text"
+    assert_no_stall(gap, quiet, "while two long texts were tokenized")

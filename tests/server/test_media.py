@@ -194,12 +194,13 @@ def test_data_url_passes_through_unchanged():
 @pytest.mark.parametrize("src", ["/etc/passwd", "relative/img.png", "ftp://images.test/a.png",
                                  "gopher://x/", "C:\\img.png"])
 def test_bare_paths_and_other_schemes_refused(src):
-    refused(src, "data:, http(s):// or file:// URLs", **LOCAL)
+    refused(src, "over HTTP an image is read from a data: URL (base64), an http(s):// URL", **LOCAL)
 
 
 @pytest.mark.parametrize("src", [123, b"\x89PNG", ["x"], {"url": "data:,"}])
 def test_non_string_source_refused(src):
-    with pytest.raises(InvalidImageError, match=r"data:, http\(s\):// or file:// URLs"):
+    with pytest.raises(InvalidImageError, match=r"over HTTP an image is read from a data: URL \(base64\), an "
+                                                r"http\(s\):// URL"):
         resolve([{"role": "user", "content": [{"type": "image", "image": src}]}])
 
 
@@ -213,7 +214,7 @@ def test_unknown_structure_passes_through():
 def test_video_sources_follow_the_image_rules():
     """A video part's source is read like an image's (a bare path never), refused as a video."""
     from vlm_sdk.errors import InvalidVideoError
-    with pytest.raises(InvalidVideoError, match=r"video sources over HTTP .*bare paths are never read"):
+    with pytest.raises(InvalidVideoError, match=r"video source 'x': a bare path is never read; over HTTP a video is"):
         resolve([{"role": "user", "content": [{"type": "video", "video": "x"}]}])
     data = "data:video/mp4;base64,AAAA"
     out = resolve([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": data, "fps": 1.0}}]}])
@@ -458,3 +459,45 @@ def test_file_url_component_swapped_for_a_link_never_reads_outside(files):
         swapper.join()
     assert b"secret" not in read
     assert set(read) <= {PNG} and len(read) + refusals == 300
+
+
+def test_every_rule_a_url_breaks_is_named_at_once(files):
+    """One error names every rule of the media policy a URL breaks, so that one restart fixes it: a
+    loopback literal or localhost outside the allowlist needs both --allowed-media-domains and
+    --allow-private-media-addresses; another host name is resolved only once allowed (no DNS query
+    for a host the operator did not allow), so its error says what would be checked next."""
+    for url, address in (("http://127.0.0.1:9/x.png", "127.0.0.1"), ("http://[::1]:9/x.png", "::1"),
+                         ("http://localhost:9/x.png", "127.0.0.1"), ("http://img.localhost:9/x.png", "127.0.0.1")):
+        msg = refused(url, "it breaks 2 rules of the server's media policy", "--allowed-media-domains",
+                      address, "loopback", "--allow-private-media-addresses")
+    msg = refused("http://unknown.test/x.png", "'unknown.test' is not an allowed media domain",
+                  "once allowed, the addresses it resolves to must be public too", "--allow-private-media-addresses")
+    assert "breaks" not in msg
+    msg = refused("http://127.0.0.1:9/x.png", "loopback", "--allow-private-media-addresses",
+                  allowed_domains=("127.0.0.1",))
+    assert "breaks" not in msg and "--allowed-media-domains" not in msg
+    refused("http://127.0.0.1:9/x.png", "'127.0.0.1' is not an allowed media domain", allow_private_addresses=True)
+    root = str(files / "allowed")
+    refused(f"file://otherhost{files}/allowed/img.png", "it breaks 2 rules", "--allowed-local-media-path is given",
+            "names host 'otherhost'")
+    refused(f"file://otherhost{files}/outside/secret.png", "it breaks 2 rules", "names host 'otherhost'",
+            "outside the directory", allowed_local_path=root)
+
+
+def test_one_wording_for_the_sources_a_server_reads():
+    """The server's errors name the sources as the server reads them, whichever layer refused: the
+    media fetcher (a bare path, another scheme, not a string) and the engine's image reader (its
+    Python-API list of PIL images, paths and bytes is not what a client can send)."""
+    from vlm_sdk.errors import InvalidImageError
+    from vlm_sdk.multimodal.image_io import ACCEPTED_SOURCES
+    from vlm_sdk.server.config import accepted_sources
+    from vlm_sdk.server.protocol import error_from_exception
+    wording = accepted_sources("image")
+    assert wording.startswith("over HTTP an image is read from a data: URL")
+    for source, what in (("/etc/passwd", "a bare path is never read"), ("ftp://a/b.png", "its scheme 'ftp'")):
+        assert what in refused(source, wording)
+    with pytest.raises(InvalidImageError, match="source of type int; over HTTP an image"):
+        resolve([{"role": "user", "content": [{"type": "image", "image": 5}]}])
+    engine_error = InvalidImageError(f"unsupported URL scheme in 'gopher://x'; accepted: {ACCEPTED_SOURCES}.")
+    message = error_from_exception(engine_error).message
+    assert wording in message and "PIL" not in message and message.startswith("unsupported URL scheme")

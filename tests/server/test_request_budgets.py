@@ -1,6 +1,7 @@
 """Issue 28 rows 5-10 and issue 36 point 5 over HTTP: every user-controlled size that reaches a step
 or a response body has a budget, checked before the work, and its error names the limit, the value
-seen and the setting; while the attacks run, an innocent stream keeps its pace (worst gap < 0.5 s).
+seen and the setting; while the attacks run, an innocent stream keeps its pace (worst gap < 0.5 s, or on a loaded machine under
+the bound server_helpers.stall_bound measures from the same stream's quiet window).
 
     row 5   n x max_tokens x top_logprobs, non-streamed: encoded off the loop a choice at a time
             (--max-response-logprobs caps it); the victim's worst gap while 13 MB bodies are made: the
@@ -22,7 +23,7 @@ import time
 
 import pytest
 
-from server_helpers import API_KEY, VictimStream, post, rss_bytes
+from server_helpers import API_KEY, VictimStream, assert_no_stall, post, rss_bytes
 from vlm_sdk.server.background import BackgroundServer
 from vlm_sdk.sampling_params import SamplingParams
 from vlm_sdk.server.body import count_values
@@ -32,7 +33,6 @@ from vlm_sdk.server.config import MiB, ServerConfig
 # wall-clock bounds: ./run test runs these alone, after the rest (see the README)
 pytestmark = pytest.mark.timing
 
-MAX_GAP_S = 0.5
 MESSAGES = [{"role": "user", "content": "Hello"}]
 
 
@@ -61,15 +61,17 @@ def post_raw(url: str, body: dict) -> tuple[int, bytes]:
         return r.status, r.read()
 
 
-def _attack_beside_victim(srv, attack) -> tuple[float, object]:
-    """(the victim's worst gap while `attack()` runs, what it returned)."""
+def _attack_beside_victim(srv, attack) -> tuple[float, float, object]:
+    """(the victim's worst gap while `attack()` runs, its worst over as long a quiet window after, what
+    `attack` returned)."""
     with VictimStream(srv.url, srv.model_name) as victim:
         t0 = time.monotonic()
         result = attack()
         t1 = time.monotonic()
         gap = victim.worst_gap(t0, t1)
+        quiet = victim.quiet_gap(t1 - t0)
     assert victim.statuses and set(victim.statuses) == {200}
-    return gap, result
+    return gap, quiet, result
 
 
 # -- row 5: big non-streamed bodies ---------------------------------------------------------------
@@ -88,8 +90,8 @@ def test_big_logprob_bodies_are_encoded_off_the_loop(srv):
             t.start()
         for t in threads:
             t.join(timeout=300)
-    gap, _ = _attack_beside_victim(srv, attack)
-    print(f"row 5: victim's worst gap {gap:.3f} s beside two 4 x 2000 x 21 logprob bodies of "
+    gap, quiet, _ = _attack_beside_victim(srv, attack)
+    print(f"row 5: victim's worst gap {gap:.3f} s (quiet: {quiet}) beside two 4 x 2000 x 21 logprob bodies of "
           f"{[len(r[1]) // 2**20 for r in results]} MiB")
     for status, raw in results:
         out = json.loads(raw)
@@ -102,7 +104,7 @@ def test_big_logprob_bodies_are_encoded_off_the_loop(srv):
                 tops = [t["logprob"] for t in e["top_logprobs"]]
                 assert tops == sorted(tops, reverse=True) and e["logprob"] <= 0
         assert out["usage"]["completion_tokens"] == 8000
-    assert gap < MAX_GAP_S, f"the victim stalled {gap:.2f} s while two big bodies were made"
+    assert_no_stall(gap, quiet, "while two big bodies were made")
 
 
 def test_response_logprob_cap_names_the_numbers(srv):
@@ -130,23 +132,23 @@ def test_two_million_logit_bias_entries_refused_unparsed(srv):
             t0 = time.monotonic()
             out.append((post(srv.url, None, raw=huge, timeout=120), time.monotonic() - t0))
         return out
-    gap, results = _attack_beside_victim(srv, attack)
+    gap, quiet, results = _attack_beside_victim(srv, attack)
     growth = rss_bytes() - base
-    print(f"row 6: victim's worst gap {gap:.3f} s; answers in {[round(s, 2) for _, s in results]} s; "
+    print(f"row 6: victim's worst gap {gap:.3f} s (quiet: {quiet}); answers in {[round(s, 2) for _, s in results]} s; "
           f"RSS +{growth / MiB:.0f} MiB")
     for result, seconds in results:
         err = _error(result)
         assert err["code"] == "too_many_json_values" and "--max-json-values" in err["message"]
         assert "200000" in err["message"] and seconds < 5
-    assert gap < MAX_GAP_S, f"the victim stalled {gap:.2f} s beside a 28 MB logit_bias"
+    assert_no_stall(gap, quiet, "beside a 28 MB logit_bias")
 
 
 def test_three_million_stop_token_ids_refused_unparsed(srv):
     huge = json.dumps(_body(srv, stop_token_ids=list(range(3_000_000)), min_tokens=150)).encode()
-    gap, result = _attack_beside_victim(srv, lambda: post(srv.url, None, raw=huge, timeout=120))
-    print(f"row 7: victim's worst gap {gap:.3f} s")
+    gap, quiet, result = _attack_beside_victim(srv, lambda: post(srv.url, None, raw=huge, timeout=120))
+    print(f"row 7: victim's worst gap {gap:.3f} s (quiet: {quiet})")
     assert _error(result)["code"] == "too_many_json_values"
-    assert gap < MAX_GAP_S
+    assert_no_stall(gap, quiet, "beside 3,000,000 stop_token_ids")
 
 
 @pytest.mark.parametrize("name", ["logit_bias", "stop_token_ids"])

@@ -1,5 +1,6 @@
 """Issue 41's video rows over HTTP, each beside an innocent stream whose worst gap between two lines
-stays under 0.5 s, on a server with serve's video and image defaults:
+stays under 0.5 s (on a loaded machine: under the bound server_helpers.stall_bound measures from the same
+stream's quiet window), on a server with serve's video and image defaults:
 
     row 1   two 16000x16000 PNG frames in a 63 KB MOV: a 400 from the header (max_image_pixels), at once
     row 2   hundreds of thousands of tiny frames with nframes 2: a 400 from the MP4 header's frame count
@@ -18,7 +19,7 @@ import time
 
 import pytest
 
-from server_helpers import API_KEY, VictimStream, post, post_bytes, wait_for
+from server_helpers import API_KEY, VictimStream, assert_no_stall, post, post_bytes, wait_for
 from vlm_sdk.server.background import BackgroundServer
 from vlm_sdk.server.config import MediaPolicy, ServerConfig
 from vlm_sdk.testing.hostile_videos import many_frames, png_mov
@@ -27,7 +28,6 @@ from vlm_sdk.testing.videos import write_video
 # wall-clock bounds: ./run test runs these alone, after the rest (see the README)
 pytestmark = pytest.mark.timing
 
-MAX_GAP_S = 0.5
 OPTS = {"fps": 2.0, "min_pixels": 4 * 28 * 28, "max_pixels": 8 * 28 * 28}
 
 
@@ -59,22 +59,25 @@ def _body(srv, url: str, max_tokens: int = 2, **options) -> dict:
 
 
 def _beside_victim(srv, attack):
-    """(the victim's worst gap while `attack()` runs, its result, its seconds)."""
+    """(the victim's worst gap while `attack()` runs, its pace over as long a quiet window after, its
+    result, its seconds)."""
     with VictimStream(srv.url, srv.model_name) as victim:
         t0 = time.monotonic()
         result = attack()
         t1 = time.monotonic()
         gap = victim.worst_gap(t0, t1)
+        quiet = victim.quiet_gap(t1 - t0)
     assert victim.statuses and set(victim.statuses) == {200}
-    return gap, result, t1 - t0
+    return gap, quiet, result, t1 - t0
 
 
 def _refused(srv, media, name: str, **options) -> tuple[dict, float, float]:
-    gap, (status, body), seconds = _beside_victim(srv, lambda: post(srv.url, _body(srv, (media / name).as_uri(),
-                                                                                   **options), timeout=120))
+    gap, quiet, (status, body), seconds = _beside_victim(
+        srv, lambda: post(srv.url, _body(srv, (media / name).as_uri(), **options), timeout=120))
     assert status == 400, body
-    print(f"{name} {options}: 400 in {seconds:.2f} s, victim's worst gap {gap:.3f} s: {body['error']['message'][:160]}")
-    assert gap < MAX_GAP_S
+    print(f"{name} {options}: 400 in {seconds:.2f} s, victim's worst gap {gap:.3f} s (quiet: {quiet}): "
+          f"{body['error']['message'][:160]}")
+    assert_no_stall(gap, quiet, f"while {name} was refused")
     return body["error"], seconds, gap
 
 
@@ -128,10 +131,11 @@ def test_row4_hanging_up_stops_the_video_work(srv, media):
         for conn in conns:
             conn.close()  # the clients leave: the server cancels their handlers
         return timed()
-    gap, after, _ = _beside_victim(srv, attack)
-    print(f"row 4: the next video answered in {after:.2f} s (idle: {idle:.2f} s); victim's worst gap {gap:.3f} s")
+    gap, quiet, after, _ = _beside_victim(srv, attack)
+    print(f"row 4: the next video answered in {after:.2f} s (idle: {idle:.2f} s); victim's worst gap {gap:.3f} s "
+          f"(quiet: {quiet})")
     assert after < idle + 1.0
-    assert gap < MAX_GAP_S
+    assert_no_stall(gap, quiet, "while two hung-up videos were being preprocessed")
     # nothing left behind once the victim's own last stream is aborted too
     assert wait_for(lambda: srv.stats()["num_running"] == srv.stats()["num_waiting"] == 0, timeout=10)
 

@@ -34,7 +34,6 @@ plumbing, not the targets.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shlex
@@ -54,7 +53,7 @@ from vlm_sdk.bench.gpu_parts import (QWEN2_5_VL_3B, TINY, DeviceTimer, GpuBenchE
                                      triton_version)
 from vlm_sdk.testing.hooks import local_worker
 
-__all__ = ["GpuBenchConfig", "GpuBenchError", "FULL_RUN", "TINY_RUN", "add_arguments", "config_from_args",
+__all__ = ["GpuBenchConfig", "GpuBenchError", "FULL_RUN", "TINY_RUN", "config_from_args",
            "format_report", "reject_without_gpu", "run", "run_gpu_benchmark"]
 
 
@@ -136,41 +135,6 @@ _GPU_ONLY = ("tiny", "decode_batches", "context", "decode_steps", "requests", "m
              "attn_context", "memory_utilization", "async_scheduling", "profile", "small_m_gemm",
              "piecewise_cuda_graphs", "quantization", "kv_cache_dtype")
 
-
-def add_arguments(bench) -> None:
-    """The `--gpu` flag and its options, on the `vlm-sdk bench` parser."""
-    g = bench.add_argument_group("GPU benchmark (issue 5; see vlm_sdk/bench/gpu.py)")
-    g.add_argument("--gpu", action="store_true", help="run the Qwen2.5-VL-3B GPU benchmark instead (random bf16 "
-                   "weights, no download; about 3-6 minutes on an H100)")
-    g.add_argument("--tiny", action="store_true", help="with --gpu: the same code path, tiny shape, on the CPU")
-    g.add_argument("--decode-batches", type=_int_list, help="with --gpu: decode batch sizes (default 1,8,64)")
-    g.add_argument("--context", type=int, help="with --gpu: decode prompt tokens (default 2048)")
-    g.add_argument("--decode-steps", type=int, help="with --gpu: timed decode steps per batch (default 32)")
-    g.add_argument("--requests", type=int, help="with --gpu: concurrent image requests (default 64)")
-    g.add_argument("--max-tokens", type=int, help="with --gpu: tokens per request (default 128)")
-    g.add_argument("--attn-batch", type=int, help="with --gpu: paged_attention_decode sequences (default 16)")
-    g.add_argument("--attn-context", type=int, help="with --gpu: their cached tokens (default 4096)")
-    g.add_argument("--memory-utilization", type=float, help="with --gpu: our engine's share (default 0.45)")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="with --gpu: our engine's asynchronous scheduling (default: the engine's, on with CUDA); "
-                        "--no-async-scheduling measures the synchronous engine for the comparison")
-    g.add_argument("--piecewise-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="with --gpu: our engine's piecewise_cuda_graphs (steps with prefill rows replayed from "
-                        "graphs around eager attention; default off): the prefill figures with and without")
-    g.add_argument("--small-m-gemm", choices=("torch", "triton"), help="with --gpu: our engine's small_m_gemm "
-                   "(default torch: cuBLAS); the small-M section times both either way")
-    from vlm_sdk.bench.quantized import add_arguments as add_quantized_arguments
-    add_quantized_arguments(g)
-    g.add_argument("--profile", metavar="PATH", help="with --gpu: also profile decode (smallest and largest batch) "
-                   "and a cold prefill with torch.profiler; write the kernel tables (name, calls and time per "
-                   "step) to PATH")
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"expected comma-separated integers such as 1,8,64, got {text!r}") from None
 
 
 def reject_without_gpu(args) -> None:

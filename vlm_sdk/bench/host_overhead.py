@@ -40,17 +40,6 @@ LOGITS_WIDTH = 64  # the no-op lm_head's width: the sampler's Python path, not v
 BLOCK_SIZE = 16
 
 
-def add_arguments(bench) -> None:
-    g = bench.add_argument_group("host time per decode step (issue 19; vlm_sdk/bench/host_overhead.py)")
-    g.add_argument("--host-overhead", action="store_true", help="time the host side of decode steps with the "
-                   "model replaced by a no-op, instead of the transformers comparison")
-    g.add_argument("--ho-batches", default=None, help="with --host-overhead: comma-separated batch sizes "
-                   "(default 1,64,256)")
-    g.add_argument("--ho-steps", type=int, default=None, help="with --host-overhead: timed decode steps per "
-                   "batch (default 50)")
-    g.add_argument("--ho-prompt-len", type=int, default=None, help="with --host-overhead: prompt tokens per "
-                   "request (default 512: 32 blocks of 16 per block table)")
-
 
 def reject_without_host_overhead(args) -> None:
     given = [f"--{n.replace('_', '-')}" for n in ("ho_batches", "ho_steps", "ho_prompt_len")

@@ -28,15 +28,15 @@ import dataclasses
 import json
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 
 from vlm_sdk.bench.device_share import bench_device, describe, shared_engine_args
 from vlm_sdk.bench.engine import _images
+from vlm_sdk.bench.flags import MultiTurnConfig
 from vlm_sdk.errors import InvalidRequestError
 
-__all__ = ["MODES", "MultiTurnConfig", "add_arguments", "config_from_args", "reject_without_multi_turn",
+__all__ = ["MODES", "MultiTurnConfig", "config_from_args", "reject_without_multi_turn",
            "run_multi_turn"]
 
 MODES = {"on": {}, "off": {"enable_prefix_caching": False, "encoder_cache_memory": 0}}
@@ -50,47 +50,9 @@ SYSTEM_PROMPT = ("You are a careful visual assistant for a shop's catalogue team
                  "never guess prices, brands or sizes that are not shown in the picture itself.")
 
 
-@dataclass(frozen=True)
-class MultiTurnConfig:
-    turns: int = 4
-    answer_tokens: int = 16  # tokens of each answer kept in the history
-    rounds: int = 5  # conversations per mode (each turn's figure is its median over them)
-    users: int = 64
-    user_tokens: int = 8
-    user_rounds: int = 1  # many-users runs per mode
-    image_size: int = 448
-
-    def validate(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise InvalidRequestError(f"--{f.name.replace('_', '-')} must be a positive integer, got {v!r}")
-        if self.turns < 2:
-            raise InvalidRequestError("--turns must be at least 2: the figure is the TTFT of turns 2 and later")
-
 
 _OPTIONS = tuple(f.name for f in dataclasses.fields(MultiTurnConfig))
 
-
-def add_arguments(bench) -> None:
-    """`--multi-turn` and its options, on the `vlm-sdk bench` parser."""
-    d = MultiTurnConfig()
-    g = bench.add_argument_group("prefix caching and encoder cache, on vs off (issue 15; "
-                                 "vlm_sdk/bench/prefix_cache.py)")
-    g.add_argument("--multi-turn", action="store_true", help="time multi-turn image chat and many users sharing a "
-                   "system prompt and image, with caching on and off, instead of the transformers comparison")
-    g.add_argument("--turns", type=int, help=f"with --multi-turn: turns per conversation (default {d.turns})")
-    g.add_argument("--answer-tokens", type=int, help=f"with --multi-turn: tokens per answer "
-                   f"(default {d.answer_tokens})")
-    g.add_argument("--rounds", type=int, help=f"with --multi-turn: conversations per mode (default {d.rounds})")
-    g.add_argument("--users", type=int, help=f"with --multi-turn: requests sharing one system prompt and image "
-                   f"(default {d.users})")
-    g.add_argument("--user-tokens", type=int, help=f"with --multi-turn: tokens per user request "
-                   f"(default {d.user_tokens})")
-    g.add_argument("--user-rounds", type=int, help=f"with --multi-turn: many-users runs per mode "
-                   f"(default {d.user_rounds})")
-    g.add_argument("--image-size", type=int, help=f"with --multi-turn: side of the square image (default "
-                   f"{d.image_size})")
 
 
 def reject_without_multi_turn(args) -> None:

@@ -37,8 +37,6 @@ from vlm_sdk.bench.gpu_figures import decode_steps, decoding, figure
 from vlm_sdk.bench.gpu_parts import (QWEN2_5_VL_3B, TINY, DeviceTimer, GpuBenchError, ModelShape, build_checkpoint,
                                      checkpoint_dir, device_name, free_memory, paged_attention_alone, triton_version)
 
-# the reference quantizer's methods: AWQ GEMM int4, compressed-tensors W4A16 int4, block-wise FP8
-QUANTIZATIONS = ("awq", "w4a16", "fp8")
 DECODE_TARGETS = {"awq": 2.2, "w4a16": 2.2, "fp8": 1.6}  # speed-up at batch 1 (W4A16: AWQ's bytes, AWQ's target)
 KV_ATTENTION_TARGET = 1.6
 KV_TOKENS_TARGET = 2.0
@@ -55,7 +53,7 @@ class QuantBenchConfig:
     device: str
     dtype: str
     attention_backend: str | None
-    quantization: str  # one of QUANTIZATIONS
+    quantization: str  # one of bench.flags.QUANTIZATIONS
     kv_cache_dtype: str  # "auto" or "fp8": the third variant
     group_size: int  # AWQ's and W4A16's, in input rows (the tiny run's must divide its widths)
     block: tuple[int, int]  # block FP8's
@@ -94,15 +92,6 @@ TINY_RUN = QuantBenchConfig(
     decode_warmup=1, decode_steps=3, attn_batch=4, attn_context=128, attn_calls=2, max_num_batched_tokens=128,
     kv_cache_memory="1MiB")
 
-
-def add_arguments(group) -> None:
-    """The quantized run's flags, in the `--gpu` group of `vlm-sdk bench`."""
-    group.add_argument("--quantization", choices=sorted(QUANTIZATIONS), help="with --gpu: decode of a "
-                       "Qwen2.5-VL-7B-shaped checkpoint quantized so (AWQ int4 group 128, compressed-tensors "
-                       "W4A16 group 128, or block-wise FP8 128x128) against its bf16 weights, in one run "
-                       "(vlm_sdk/bench/quantized.py)")
-    group.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), help="with --gpu --quantization: fp8 adds the "
-                       "quantized weights over an FP8 KV cache, its decode attention and its cache tokens")
 
 
 def config_from_args(args) -> QuantBenchConfig:

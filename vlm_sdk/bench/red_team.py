@@ -32,6 +32,7 @@ itself; its probes are True (a plain one-token chat request, again and again whi
 the probe's own body.
 
 `--red-team-scale` < 1 sends fewer of each (at least one): the test suite's quick run.
+`--red-team-rows 41.7,41.3` runs only the rows whose names start so.
 """
 from __future__ import annotations
 
@@ -263,7 +264,20 @@ async def _row(session, url: str, headers: dict, bodies: list, at_once: int, pro
             "slowest_probe_s": max(probe_times) if probe_times else None, "probe_statuses": dict(probe_statuses)}
 
 
-async def red_team(url: str, api_key: str | None, model: str | None, scale: float) -> dict:
+def pick_rows(table: list, names: str | None) -> list:
+    """The rows of `table` whose names start with one of the comma-separated `names` (all when None);
+    a name that matches no row is an error naming the rows there are."""
+    if names is None:
+        return table
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    missing = [n for n in wanted if not any(row[0].startswith(n) for row in table)]
+    if missing or not wanted:
+        raise ValueError(f"--red-team-rows {names!r}: no row starts with {', '.join(missing) or 'nothing'}; "
+                         f"the rows are {', '.join(row[0].split(' ', 1)[0] for row in table)}")
+    return [row for row in table if any(row[0].startswith(n) for n in wanted)]
+
+
+async def red_team(url: str, api_key: str | None, model: str | None, scale: float, names: str | None = None) -> dict:
     url = url.rstrip("/")
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
@@ -272,7 +286,7 @@ async def red_team(url: str, api_key: str | None, model: str | None, scale: floa
             async with session.get(url + "/v1/models", headers=headers) as resp:
                 model = (await resp.json())["data"][0]["id"]
         vocab = await _vocab_size(session, url, headers, model)
-        table = rows(model, vocab, scale)
+        table = pick_rows(rows(model, vocab, scale), names)
         victim = Victim(url, model, api_key)
         victim.start()
         start = await _metrics(session, url)
@@ -384,7 +398,10 @@ def run_red_team(args) -> int:
         url = server.url
     try:
         report = asyncio.run(red_team(url, args.api_key if args.url else None, args.served_model,
-                                      args.red_team_scale))
+                                      args.red_team_scale, args.red_team_rows))
+    except ValueError as e:  # --red-team-rows named no row
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     finally:
         if server is not None:
             code = server.stop()

@@ -18,35 +18,16 @@ import ctypes
 import json
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 
+from vlm_sdk.bench.flags import SamplerBenchConfig
 from vlm_sdk.sampling_params import SamplingParams
 from vlm_sdk.sample.penalties import apply_penalties_reference, needs_edit
 from vlm_sdk.sample.sampler import Sampler
 from vlm_sdk.sample.top_k_top_p import CANDIDATES, filtered_probs, filtered_probs_reference
 
 
-@dataclass(frozen=True)
-class SamplerBenchConfig:
-    rows: int = 64
-    vocab: int = 151936
-    repeats: int = 3
-    prompt_tokens: int = 1000  # history of the penalty scenario
-    output_tokens: int = 200
-
-
-def add_arguments(bench) -> None:
-    """`--sampler` and its options, on the `vlm-sdk bench` parser."""
-    d = SamplerBenchConfig()
-    g = bench.add_argument_group("the sampler before issue 19 vs now (vlm_sdk/bench/sampler.py)")
-    g.add_argument("--sampler", action="store_true", help="time the sampler's old and new paths on the CPU "
-                   "instead of the transformers comparison")
-    g.add_argument("--sampler-rows", type=int, default=d.rows, help=f"with --sampler: rows (default {d.rows})")
-    g.add_argument("--sampler-vocab", type=int, default=d.vocab, help=f"with --sampler: vocabulary (default {d.vocab})")
-    g.add_argument("--sampler-repeats", type=int, default=d.repeats,
-                   help=f"with --sampler: timed calls per path, the median is shown (default {d.repeats})")
 
 
 def sample_before_issue_19(sampler: Sampler, logits: torch.Tensor,  # [rows, vocab] float32

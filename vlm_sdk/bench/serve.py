@@ -17,11 +17,9 @@ sized for half the device (`device_share.py`); with `--url` the in-process engin
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
-import os
 import re
 import signal
 import subprocess
@@ -30,9 +28,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
-
-DEFAULT_IMAGE = Path(__file__).resolve().parents[2] / "samples" / "shapes.png"
-
 
 @dataclass(frozen=True)
 class StreamTiming:
@@ -68,41 +63,6 @@ async def timed_stream(client, messages: list[dict], on_text: Callable[[str], No
     return StreamTiming("".join(pieces), finish, usage.prompt_tokens if usage else 0,
                         usage.completion_tokens if usage else 0, latency if ttft is None else ttft, latency)
 
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", help="a running server (default: start one in this process on --model)")
-    p.add_argument("--api-key", default=os.environ.get("VLM_SDK_API_KEY"),
-                   help="bearer token for --url (default: $VLM_SDK_API_KEY)")
-    p.add_argument("--model", help="checkpoint directory for the in-process server and the in-process "
-                                   "comparison (default without --url: the tiny random checkpoint)")
-    p.add_argument("--served-model", default=None, help="model name to request (default: the server's first)")
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (eos ignored)")
-    p.add_argument("--image", default=str(DEFAULT_IMAGE), help="image sent with every request")
-    p.add_argument("--prompt", default="Describe this image in detail.")
-    p.add_argument("--compare-inprocess", action=argparse.BooleanOptionalAction, default=None,
-                   help="also run the workload on an in-process AsyncLLM (default: on when a checkpoint is "
-                        "known, i.e. without --url or with --model)")
-    p.add_argument("--rounds", type=int, default=3, help="alternate HTTP and in-process this many times")
-    p.add_argument("--device", default=None, help="device of the engines started here")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--replicas", type=int, default=None, metavar="N",
-                   help="cache-aware vs round-robin routing over N replicas on Ray Serve, on a multi-turn image "
-                        "workload (bench/routing.py; pip install 'vlm-sdk[ray]')")
-    p.add_argument("--users", type=int, default=8, help="--replicas: conversations at once")
-    p.add_argument("--turns", type=int, default=4, help="--replicas: turns per conversation")
-    p.add_argument("--image-size", type=int, default=448, help="--replicas: each user's image, pixels per side")
-    p.add_argument("--soak", type=float, default=None, metavar="SECONDS",
-                   help="instead: mixed traffic (streams, images, aborts, bad requests) for this long, then "
-                        "outcomes, the server's RSS slope and the KV blocks left (vlm_sdk/bench/soak.py)")
-    p.add_argument("--request-timeout", type=float, default=120.0, help="--soak: a request unanswered this long is lost")
-    p.add_argument("--seed", type=int, default=0, help="--soak: the random mix")
-    p.add_argument("--red-team", action="store_true",
-                   help="instead: issue 28's attacks row by row beside a victim stream, then per row the statuses, the "
-                        "victim's worst gap and the server's RSS (vlm_sdk/bench/red_team.py)")
-    p.add_argument("--red-team-scale", type=float, default=1.0,
-                   help="--red-team: send this share of each row's requests (at least one)")
 
 
 def run_bench_serve(args) -> int:

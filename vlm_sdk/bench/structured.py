@@ -40,14 +40,6 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "line_items", "schema":
 PROMPT = "List the line items of the receipt in the photo as JSON, one object per line."
 
 
-def add_arguments(bench) -> None:
-    g = bench.add_argument_group("structured outputs keep batching (issue 17; vlm_sdk/bench/structured.py)")
-    g.add_argument("--structured", action="store_true", help="time a batch with half its requests constrained to "
-                   "a JSON Schema against the same batch unconstrained, instead of the transformers comparison")
-    g.add_argument("--so-requests", type=int, default=None, help="with --structured: requests per batch (default 32)")
-    g.add_argument("--so-tokens", type=int, default=None, help="with --structured: tokens per request (default 64)")
-    g.add_argument("--so-rounds", type=int, default=None, help="with --structured: rounds per workload (default 3)")
-
 
 def reject_without_structured(args) -> None:
     given = [f"--{n.replace('_', '-')}" for n in ("so_requests", "so_tokens", "so_rounds")

@@ -30,17 +30,6 @@ import torch
 from vlm_sdk.errors import InvalidRequestError
 
 
-def add_arguments(bench) -> None:
-    g = bench.add_argument_group("video: time to first token in parts, preprocessing vs transformers "
-                                 "(vlm_sdk/bench/video.py)")
-    g.add_argument("--video", action="store_true", help="time one question about a video (decode, preprocessing, "
-                   "prefill) and the video preprocessing against transformers, instead of the generate comparison")
-    g.add_argument("--video-seconds", type=float, default=30.0, help="with --video: clip length (default 30)")
-    g.add_argument("--video-fps", type=float, default=2.0, help="with --video: frames sampled per second (default 2)")
-    g.add_argument("--video-max-pixels", type=int, default=None,
-                   help="with --video: the video part's max_pixels (default qwen-vl-utils': 768 tokens a frame)")
-    g.add_argument("--video-rounds", type=int, default=3, help="with --video: timed rounds (default 3)")
-
 
 def reject_without_video(args) -> None:
     given = [f for f, default in (("video_seconds", 30.0), ("video_fps", 2.0), ("video_max_pixels", None),

@@ -38,8 +38,10 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", tp: TPGroup = TPGroup()):
         self.vocab_start, self.vocab_stop = tp.range(vocab_size)
-        super().__init__(self.vocab_stop - self.vocab_start, hidden_size, device="meta", dtype=dtype)
-        self.to_empty(device=device)
+        rows = self.vocab_stop - self.vocab_start
+        # the weight is loaded from the checkpoint: allocated, never initialised (a meta-device init would
+        # run torch's reference normal_, which imports torch._dynamo and triton: seconds at start-up)
+        super().__init__(rows, hidden_size, _weight=torch.empty(rows, hidden_size, device=device, dtype=dtype))
         self.vocab_size, self.hidden_size, self.tp = vocab_size, hidden_size, tp
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden], summed over the ranks

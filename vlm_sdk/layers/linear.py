@@ -41,7 +41,11 @@ class _Linear(nn.Linear):
     def __init__(self, in_local: int, out_local: int, bias: bool, dtype: torch.dtype,
                  device: torch.device | str, tp: TPGroup):
         super().__init__(in_local, out_local, bias=bias, device="meta", dtype=dtype)
-        self.to_empty(device=device)
+        # allocated where they belong, not `to_empty`: under a torch.device context its empty_like runs
+        # torch's reference kernels, whose first use imports sympy (~1 s of start-up)
+        self.weight = nn.Parameter(torch.empty(out_local, in_local, device=device, dtype=dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_local, device=device, dtype=dtype))
         self.tp = tp
         self.matmul = None
 

@@ -110,7 +110,9 @@ class SparseMoeBlock(nn.Module):
         e, i, h = self.local_experts, self.local_intermediate, hidden_size
         self.block = _fp8_block(quant, i, tp.size)
         weight_dtype = dtype if self.block is None else torch.float8_e4m3fn
-        self.gate = nn.Linear(h, self.num_experts, bias=False, dtype=dtype, device="meta").to_empty(device=device)
+        self.gate = nn.Linear(h, self.num_experts, bias=False, dtype=dtype, device="meta")
+        # allocated where it belongs, as _Linear's weights (to_empty would run torch's reference kernels)
+        self.gate.weight = nn.Parameter(torch.empty(self.num_experts, h, device=device, dtype=dtype))
         self.w13 = nn.Parameter(torch.empty(e * 2 * i, h, dtype=weight_dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e * h, i, dtype=weight_dtype, device=device), requires_grad=False)
         if self.block is not None:

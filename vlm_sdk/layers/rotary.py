@@ -37,7 +37,9 @@ class MRotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...] | None,
                  device: torch.device | str, interleaved: bool = False):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # [D/2]
+        # computed on the CPU whatever the device context: on the meta device these ops would run torch's
+        # reference kernels, which import torch._dynamo and triton (seconds at start-up)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))  # [D/2]
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         if mrope_section is not None and sum(mrope_section) != head_dim // 2:
             raise ValueError(f"mrope_section {tuple(mrope_section)} must sum to head_dim // 2 = {head_dim // 2}")
@@ -71,5 +73,5 @@ class VisionRotaryEmbedding(MRotaryEmbedding):
             raise ValueError(f"vision head_dim {head_dim} must be divisible by 4 (row and column halves)")
         super().__init__(head_dim, theta, (head_dim // 4, head_dim // 4), device)
         spatial = head_dim // 2
-        f = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))  # [D/4]
+        f = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float, device="cpu") / spatial))  # [D/4]
         self.inv_freq.copy_(torch.cat((f, f)).to(self.inv_freq.device))  # [D/2]

@@ -67,9 +67,16 @@ def cache_problems(f: Facts, memory: Memory, weights: int, peak: int, encoder: i
         if too_big is not None:
             problems.append(Problem(*too_big))
     if f.blocks < 1:
-        problems.append(Problem(f"no room for one KV block ({f.per_block:,} bytes) with {cache.source}"
-                                + (" (the activation peak is an estimate: lower --max-num-batched-tokens or "
-                                   "--max-num-seqs to shrink it)" if cache.rule == "memory_utilization" else ""),
+        usable = memory.total * args.memory_utilization - memory.other_use if device_budget else memory.total
+        if weights >= usable:  # no setting of this plan helps: more ranks, or fewer bytes per weight
+            why = (f" (the weights alone, {weights / 2**30:.2f} GiB per rank, exceed the {max(usable, 0) / 2**30:.2f} "
+                   f"GiB of {memory.what} this plan may use: split them over more ranks with --tp, or use a "
+                   f"quantized checkpoint)")
+        elif cache.rule == "memory_utilization":
+            why = " (the activation peak is an estimate: lower --max-num-batched-tokens or --max-num-seqs to shrink it)"
+        else:
+            why = ""
+        problems.append(Problem(f"no room for one KV block ({f.per_block:,} bytes) with {cache.source}{why}",
                                 cache.fixes_for(1)))
     return problems
 

@@ -38,7 +38,7 @@ from vlm_sdk.server.logprobs import TokenSpeller
 from vlm_sdk.server.config import ServerConfig
 from vlm_sdk.server.media import MediaFetcher
 from vlm_sdk.server.metrics import CONTENT_TYPE, ServerMetrics, Timing
-from vlm_sdk.server.protocol import APIError
+from vlm_sdk.server.protocol import USAGE, APIError
 
 logger = logging.getLogger("vlm_sdk.server")
 _LARGE_BYTES = 1 << 20  # a request body this large is followed by a heap trim
@@ -59,7 +59,7 @@ class OpenAIServer:
         self.in_flight = 0  # chat and completion requests being handled
         self._idle = asyncio.Event()
         self._idle.set()
-        self.app = web.Application(client_max_size=config.max_request_bytes, middlewares=[self._errors])
+        self.app = web.Application(client_max_size=config.max_request_bytes, middlewares=[self._log, self._errors])
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_post("/v1/completions", self.completions)
         self._completions = CompletionsEndpoint(self)
@@ -85,7 +85,31 @@ class OpenAIServer:
         await self.media.close()
         self.body_thread.shutdown(wait=False, cancel_futures=True)
 
-    # -- errors and auth ---------------------------------------------------------------------------
+    # -- the request log, errors and auth -----------------------------------------------------------
+    @web.middleware
+    async def _log(self, request: web.Request, handler):
+        """One line per request once it is answered (a stream: once it ended): client, method, path,
+        status, prompt and completion tokens where the request generated, seconds. 499: the client left
+        before an answer (nginx's code)."""
+        if not self.config.log_requests:
+            return await handler(request)
+        t0, status = time.monotonic(), 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            usage = request.get(USAGE)
+            tokens = f"prompt_tokens={usage[0]} completion_tokens={usage[1]}" if usage else "-"
+            logger.info("%s %s %s %s %s %.3f s", request.remote or "-", request.method, request.path_qs[:200],
+                        status, tokens, time.monotonic() - t0)
+
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
@@ -253,6 +277,7 @@ class OpenAIServer:
         body = chat_responses.completion_body(
             chat_responses.new_completion_id(), self.model_name, message(first), first.finish_reason,
             len(first.prompt_token_ids), sum(len(o.token_ids) for o in outputs), first.num_cached_tokens)
+        request[USAGE] = (len(first.prompt_token_ids), sum(len(o.token_ids) for o in outputs))
         if len(outputs) > 1:
             body = chat_responses.with_choices(body, outputs, message=message)
         if response_body.is_small(outputs):
@@ -314,6 +339,7 @@ class OpenAIServer:
             self.metrics.error(err.status)
             await send(chunks.event(err.body()))
         else:
+            request[USAGE] = (len(final[0].prompt_token_ids), sum(len(o.token_ids) for o in final.values()))
             if req.include_usage:  # the prompt counted once, the completions of every choice
                 first = final[0]
                 await send(chunks.usage(len(first.prompt_token_ids), sum(len(o.token_ids) for o in final.values()),

@@ -11,7 +11,9 @@ deep), integers longer than Python converts (ValueError), and strings holding lo
 `json.loads` holds the GIL for the whole body: about 1 µs per value, so a 28 MB object of 2,000,000
 keys would stop every other client for 2 s wherever it is parsed. A large body's values are counted
 first (`count_values`: its separators outside strings, a MiB at a time with the GIL given back
-between, stopping past the limit) and a body with more than `max_values` is refused unparsed.
+between, stopping past the limit) and a body with more than `max_values` is refused unparsed; one
+within the limit is parsed in pieces (server/json_pieces.py: one C call per member of the top
+levels), so that the GIL changes hands while it is.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import re
 
 from aiohttp import web
 
+from vlm_sdk.server.json_pieces import loads_in_pieces
 from vlm_sdk.server.protocol import APIError, bad_request
 
 # a chat request needs 6 levels (body, messages, message, content, part, image_url); fields we ignore
@@ -105,7 +108,7 @@ def decode_json(raw: bytes, max_values: int | None = None):
     try:
         # UTF-8 only (RFC 8259): json.loads(bytes) would also take UTF-16/32 and pass CESU-8 surrogates
         text = raw.decode("utf-8-sig")
-        value = json.loads(text)
+        value = json.loads(text) if len(raw) <= _INLINE_JSON_BYTES else loads_in_pieces(text)
     except json.JSONDecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") \
             from None

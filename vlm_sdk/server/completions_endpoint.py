@@ -27,7 +27,7 @@ from vlm_sdk.multimodal.prompts import TextPrompt
 from vlm_sdk.server import completions as wire
 from vlm_sdk.server import response_body
 from vlm_sdk.server.metrics import Timing
-from vlm_sdk.server.protocol import APIError, bad_request, check_output_room, error_from_exception
+from vlm_sdk.server.protocol import USAGE, APIError, bad_request, check_output_room, error_from_exception
 
 logger = logging.getLogger("vlm_sdk.server")
 
@@ -125,6 +125,7 @@ class CompletionsEndpoint:
             wire.new_completion_id(), server.model_name, int(time.time()), [None] * len(outs),
             sum(len(p.token_ids) for p in prompts), sum(len(o.token_ids) for o in outs),
             sum(final[p * n].num_cached_tokens for p in range(len(prompts))))
+        request[USAGE] = (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"])
         if response_body.is_small(outs):
             body["choices"] = [choice(i) for i in range(len(outs))]
             return web.json_response(body)
@@ -177,6 +178,8 @@ class CompletionsEndpoint:
             server.metrics.error(err.status)
             await resp.write(wire.event(err.body()).encode())
         else:
+            request[USAGE] = (sum(len(final[p * n].prompt_token_ids) for p in range(len(req.prompts))),
+                              sum(len(o.token_ids) for o in final.values()))
             if req.include_usage:
                 await resp.write(chunks.usage(
                     sum(len(final[p * n].prompt_token_ids) for p in range(len(req.prompts))),
@@ -194,6 +197,7 @@ class CompletionsEndpoint:
         for _ in choices:
             server.metrics.finished("length")
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        request[USAGE] = (prompt_tokens, 0)
         cid, created = wire.new_completion_id(), int(time.time())
         if not req.stream:
             return web.json_response(wire.completion_body(cid, server.model_name, created, choices, prompt_tokens,

@@ -17,6 +17,13 @@ SERVER_MAX_REQUEST_IMAGE_PIXELS = 4 * SERVER_MAX_IMAGE_PIXELS  # 67,108,864
 SERVER_MAX_VIDEO_BYTES = 256 * MiB
 
 
+def accepted_sources(kind: str) -> str:
+    """Where the server reads an image or a video from: the one wording of every error that names them."""
+    return (f"over HTTP {'an' if kind[0] in 'aeiou' else 'a'} {kind} is read from a data: URL (base64), an "
+            f"http(s):// URL whose host is in --allowed-media-domains, or a file:// URL under "
+            f"--allowed-local-media-path")
+
+
 def server_engine_args(engine_args: dict) -> dict:
     """`engine_args` with the server's image and video limits wherever they were not given."""
     return {"max_image_pixels": SERVER_MAX_IMAGE_PIXELS,
@@ -82,3 +89,6 @@ class ServerConfig:
     body_timeout: float = 60.0
     max_connections: int = 1024  # more are answered 503 and closed before being read
     media: MediaPolicy = field(default_factory=MediaPolicy)
+    # one log line per request (logger vlm_sdk.server, INFO): client, method, path, status, tokens, seconds;
+    # `vlm-sdk serve --disable-log-requests` (vLLM's flag) turns it off
+    log_requests: bool = True

@@ -33,7 +33,7 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from yarl import URL
 
 from vlm_sdk.errors import InvalidImageError, InvalidVideoError, without_reprs
-from vlm_sdk.server.config import MediaPolicy
+from vlm_sdk.server.config import MediaPolicy, accepted_sources
 
 _REDIRECTS = (301, 302, 303, 307, 308)
 _CHUNK = 1 << 16
@@ -165,8 +165,7 @@ class MediaFetcher:
 
     async def _load(self, source: Any, media: "_Media") -> str | bytes:
         if not isinstance(source, str):
-            raise media.error(f"{media.kind} sources over HTTP must be data:, http(s):// or file:// URLs; got a value "
-                              f"of type {type(source).__name__}")
+            raise media.error(f"{media.kind} source of type {type(source).__name__}; {accepted_sources(media.kind)}")
         head = source[:8].lower()
         if head.startswith("data:"):
             return source
@@ -181,8 +180,8 @@ class MediaFetcher:
             if "\x00" in unquote(source):  # no file name holds one; every os call would raise ValueError
                 raise media.error(f"file URL {_clip(source)} holds a NUL byte (%00), which no file name can")
             return await self._read_file(source, media)
-        raise media.error(f"{media.kind} sources over HTTP must be data:, http(s):// or file:// URLs; got "
-                          f"{_clip(source)} (bare paths are never read)")
+        what = f"its scheme {source.split('://', 1)[0]!r} is not read" if "://" in source else "a bare path is never read"
+        raise media.error(f"{media.kind} source {_clip(source)}: {what}; {accepted_sources(media.kind)}")
 
     def _session_for_fetch(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -197,18 +196,31 @@ class MediaFetcher:
         return self._session
 
     def _check_url(self, url: URL, where: str, media: "_Media") -> None:
+        """Every rule of the policy the URL breaks, in one error: its host outside the allowlist, and
+        an address that is not public (an IP literal, or localhost: known without a DNS query; another
+        host name is resolved only once allowed, by the connection's own resolver)."""
         if url.scheme not in ("http", "https") or not url.raw_host:
             raise media.error(f"{where}: only http(s) URLs with a host can be fetched")
         host = url.raw_host.lower().rstrip(".")
         literal = _ip(host)
-        if not any(host == e or (e.startswith(".") and (host == e[1:] or host.endswith(e)))
-                   or (literal is not None and literal == _ip(e)) for e in self._domains):
-            raise media.error(f"{where}: host {host!r} is not an allowed media domain; the server "
-                                    f"setting --allowed-media-domains allows it")
-        if literal is not None and not self.policy.allow_private_addresses:
-            kind = _address_problem(host)
+        broken = []
+        allowed = any(host == e or (e.startswith(".") and (host == e[1:] or host.endswith(e)))
+                      or (literal is not None and literal == _ip(e)) for e in self._domains)
+        if not allowed:
+            broken.append(f"host {host!r} is not an allowed media domain (the server setting --allowed-media-domains "
+                          f"allows it)")
+        if not self.policy.allow_private_addresses:
+            address = host if literal is not None else "127.0.0.1" if _is_localhost(host) else None
+            kind = _address_problem(address) if address is not None else None
             if kind is not None:
-                raise media.error(f"{where}: {_refusal(host, host, kind)}")
+                broken.append(_refusal(host, address, kind))
+            elif not allowed and literal is None:
+                broken[-1] += ("; once allowed, the addresses it resolves to must be public too (or the setting "
+                               "--allow-private-media-addresses given)")
+        if broken:
+            rules = broken[0] if len(broken) == 1 else \
+                f"it breaks {len(broken)} rules of the server's media policy: " + "; and ".join(broken)
+            raise media.error(f"{where}: {rules}")
 
     async def _fetch(self, source: str, media: "_Media") -> bytes:
         session = self._session_for_fetch()
@@ -259,21 +271,25 @@ class MediaFetcher:
         return bytes(body)
 
     async def _read_file(self, source: str, media: "_Media") -> bytes:
+        """Every rule the URL breaks, in one error: no local directory allowed, a host named, a path
+        outside the allowed directory."""
         root = self.policy.allowed_local_path
-        if root is None:
-            raise media.error(f"file URL {_clip(source)}: local files are not read unless the "
-                                    f"server setting --allowed-local-media-path is given")
         parsed = urlparse(source)
-        if parsed.netloc not in ("", "localhost"):
-            raise media.error(f"file URL {_clip(source)} names host {parsed.netloc!r}; only "
-                                    f"local files ('file:///abs/path') are read")
         path = url2pathname(unquote(parsed.path))
         if "\0" in path:
             raise media.error(f"file URL {_clip(source)} holds a NUL character (%00), which no file name has")
-        parts = _parts_beneath(path, root)
-        if parts is None:
-            raise media.error(f"file URL {_clip(source)} is outside the directory that the server "
-                                    f"setting --allowed-local-media-path allows")
+        broken = []
+        if root is None:
+            broken.append("local files are not read unless the server setting --allowed-local-media-path is given")
+        if parsed.netloc not in ("", "localhost"):
+            broken.append(f"it names host {parsed.netloc!r}; only local files ('file:///abs/path') are read")
+        parts = _parts_beneath(path, root) if root is not None else None
+        if root is not None and parts is None:
+            broken.append("it is outside the directory that the server setting --allowed-local-media-path allows")
+        if broken:
+            rules = broken[0] if len(broken) == 1 else \
+                f"it breaks {len(broken)} rules of the server's media policy: " + "; and ".join(broken)
+            raise media.error(f"file URL {_clip(source)}: {rules}")
         return await asyncio.to_thread(self._read_beneath, root, parts, source, media)
 
     def _read_beneath(self, root: str, parts: list[str], source: str, media: "_Media") -> bytes:
@@ -328,6 +344,11 @@ class MediaFetcher:
         if exc.errno == errno.ENOTDIR:
             return media.error(f"file URL {_clip(source)}: {name!r} is not a directory")
         return media.error(f"cannot read file URL {_clip(source)}: {exc.strerror or exc}")
+
+
+def _is_localhost(host: str) -> bool:
+    """'localhost' and its subdomains: loopback by definition (RFC 6761), whatever DNS would say."""
+    return host == "localhost" or host.endswith(".localhost")
 
 
 def _parts_beneath(path: str, root: str) -> list[str] | None:

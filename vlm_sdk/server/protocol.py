@@ -15,6 +15,7 @@ from vlm_sdk.engine.input.sampling_check import check_counts
 from vlm_sdk.errors import (EngineDeadError, InputTooLongError, InvalidImageError, InvalidRequestError,
                             InvalidVideoError, ReplicaLostError, VLMError)
 from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams
+from vlm_sdk.server.config import accepted_sources
 
 # fields whose non-default value we cannot honour (other unknown fields are accepted and change nothing)
 UNSUPPORTED = {  # field -> the values that mean "off", which are all we can honour
@@ -71,8 +72,26 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# a request's key for its (prompt tokens, completion tokens), set where its response counts them: the
+# request log's line (app.py) reads it. A typed key where aiohttp has them (3.12+): a str key warns
+try:
+    from aiohttp.web import RequestKey
+    USAGE = RequestKey("vlm_usage", tuple)
+except ImportError:
+    USAGE = "vlm_usage"
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
+
+
+def over_http(message: str) -> str:
+    """An image or video error as a client of the server reads it: the sources the Python API accepts
+    (a PIL image, a path, bytes) named as the server accepts them (server/config.py accepted_sources)."""
+    from vlm_sdk.multimodal.image_io import ACCEPTED_SOURCES
+    from vlm_sdk.multimodal.video_container import ACCEPTED_VIDEO_SOURCES
+    for kind, accepted in (("image", ACCEPTED_SOURCES), ("video", ACCEPTED_VIDEO_SOURCES)):
+        message = message.replace(f"accepted: {accepted}", accepted_sources(kind))
+    return message
 
 
 def error_from_exception(exc: BaseException) -> APIError:
@@ -82,9 +101,9 @@ def error_from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, InputTooLongError):
         return APIError(400, str(exc), "invalid_request_error", "messages", "context_length_exceeded")
     if isinstance(exc, InvalidVideoError):
-        return APIError(400, str(exc), "invalid_request_error", "messages", "invalid_video")
+        return APIError(400, over_http(str(exc)), "invalid_request_error", "messages", "invalid_video")
     if isinstance(exc, InvalidImageError):
-        return APIError(400, str(exc), "invalid_request_error", "messages", "invalid_image")
+        return APIError(400, over_http(str(exc)), "invalid_request_error", "messages", "invalid_image")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), "invalid_request_error", exc.param, None)
     if isinstance(exc, ReplicaLostError):  # the server serves on: only this request failed

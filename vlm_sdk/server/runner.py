@@ -114,6 +114,12 @@ def serve(model: str, config: ServerConfig, replicas=None, routing=None, **engin
 
 async def _serve(engine: AsyncLLM, config: ServerConfig, name: str) -> int:
     runner = ServerRunner(engine, config, name)
+    # before the URL is printed (a supervisor may signal as soon as it reads it): until then SIGTERM is
+    # Ray's handler of a replica set (sys.exit(15)) or the default (death), not the graceful drain
+    stop, dead = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     try:
         url = await runner.start()
     except OSError as e:  # port taken, address not local, no permission
@@ -127,10 +133,6 @@ async def _serve(engine: AsyncLLM, config: ServerConfig, name: str) -> int:
           f"blocks x {s['kv_block_size']} tokens = {s['kv_capacity_tokens']} tokens, max_model_len "
           f"{s['max_model_len']}" + (f" ({s['num_replicas']} replicas together)" if "num_replicas" in s else ""),
           flush=True)
-    stop, dead = asyncio.Event(), asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     engine.on_death(lambda _err: loop.call_soon_threadsafe(dead.set))
     await _first(stop.wait(), dead.wait())
     if dead.is_set():

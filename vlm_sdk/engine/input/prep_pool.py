@@ -32,6 +32,7 @@ first needed, up to the pool's size, and live until `shutdown`.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter, OrderedDict, deque
 from concurrent.futures import Future
 from typing import Callable, Hashable
@@ -76,15 +77,21 @@ class FairPool:
         with self._cond:
             return {request: len(jobs) for request, jobs in self._queues.items()}
 
-    def shutdown(self) -> None:
-        """Cancel every job not started; threads end once their job does."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Cancel every job not started; threads end once their job does. With `timeout`, wait up to that
+        long for them (so that none is still ending when the interpreter exits)."""
         with self._cond:
             self._closed = True
             jobs = [future for queue in self._queues.values() for future, _ in queue]
             self._queues.clear()
             self._cond.notify_all()
+            workers = list(self._workers)
         for future in jobs:
             future.cancel()
+        if timeout is not None:
+            deadline = time.monotonic() + timeout
+            for worker in workers:
+                worker.join(max(0.0, deadline - time.monotonic()))
 
     def _drop(self, request: Hashable, future: Future) -> None:
         with self._cond:
@@ -113,31 +120,51 @@ class FairPool:
         return None
 
     def _work(self) -> None:
-        while True:
-            with self._cond:
-                self._idle += 1
+        while self._serve_one():
+            pass
+
+    def _serve_one(self) -> bool:
+        """Wait for a job and run it; False once the pool is shut down. The job lives in this frame only:
+        the loop above must not hold it while it waits for the next one (see `_run`)."""
+        taken = self._next()
+        if taken is None:
+            return False
+        self._run(*taken)
+        return True
+
+    def _next(self):
+        """Block until a job may run; None once the pool is shut down and nothing is queued."""
+        with self._cond:
+            self._idle += 1
+            try:
                 while (taken := self._take()) is None:
                     if self._closed:
-                        self._idle -= 1
-                        return
+                        return None
                     self._cond.wait()
-                self._idle -= 1
-            request, (future, fn) = taken
-            try:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        result = fn()
-                    except BaseException as e:
-                        future.set_exception(e)
-                    else:
-                        future.set_result(result)
             finally:
-                with self._cond:
-                    self._running[request] -= 1
-                    if not self._running[request]:
-                        del self._running[request]
-                    self._cond.notify()  # that request's next job may run now
+                self._idle -= 1
+            return taken
 
+    def _run(self, request: Hashable, job: tuple) -> None:
+        """Run one job. Its function and result die with this frame, while the thread is alive: a thread
+        that freed a job's tensors after the interpreter began to exit (its last job still referenced by
+        its loop's locals) would be ended inside torch's deallocator, which aborts the process
+        ("terminate called without an active exception", seen at the exit of samples/video_qa.py)."""
+        future, fn = job
+        try:
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn()
+                except BaseException as e:
+                    future.set_exception(e)
+                else:
+                    future.set_result(result)
+        finally:
+            with self._cond:
+                self._running[request] -= 1
+                if not self._running[request]:
+                    del self._running[request]
+                self._cond.notify()  # that request's next job may run now
 
 class PrepPools:
     """AsyncLLM's four prompt pools (see the module docstring)."""
@@ -156,6 +183,12 @@ class PrepPools:
             return self.image
         return self.long if chars >= CHILD_TEXT_CHARS else self.text
 
-    def shutdown(self) -> None:
-        for pool in (self.text, self.long, self.image, self.video):
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Shut every pool down; with `timeout`, wait up to that long in all for their threads."""
+        pools = (self.text, self.long, self.image, self.video)
+        for pool in pools:
             pool.shutdown()
+        if timeout is not None:
+            deadline = time.monotonic() + timeout
+            for pool in pools:
+                pool.shutdown(max(0.0, deadline - time.monotonic()))
