@@ -9,7 +9,9 @@ sequences by length (`decode_layout`), which the caller builds once per step and
 
 A sliding-window layer (`window` W) reads only the keys p - W < q <= p of each query p: the gathers start
 at the block holding the first of them (earlier entries of its block table may be let go, -1), and the
-masks drop what that block holds before the window.
+masks drop what that block holds before the window. `key_limits` (bidirectional spans, Gemma 3's image
+tokens) lets each query of a prefill chunk see keys up to key_limits[i] >= its own position (the end of
+its image in the chunk), the window's lower bound kept (transformers' AND(window, OR(causal, span))).
 
 An FP8 cache (`kv_quant.KV_FP8`) holds K / k_scale and V / v_scale (`kv_quant.quantize`); every path
 reads what the cache holds (`kv_quant.dequantize`), the whole-prompt path included (its K/V round-trip
@@ -61,6 +63,7 @@ def paged_attention(q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
                     k_scale: torch.Tensor | None = None,  # [] float32: an FP8 cache's scales
                     v_scale: torch.Tensor | None = None,
                     window: int | None = None,  # a sliding-window layer's: keys p - window < q <= p
+                    key_limits: torch.Tensor | None = None,  # [num_tokens] int32: the last key each query sees
                     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its cached keys (the last `window` of them for
     a sliding-window layer). A decode step of several sequences (every query length 1) attends group by
@@ -83,8 +86,9 @@ def paged_attention(q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
             ki = kv_quant.round_trip(k[start:start + q_len], k_scale, k_cache.dtype)  # [q_len, Hkv, D]
             vi = kv_quant.round_trip(v[start:start + q_len], v_scale, v_cache.dtype)
             mask = None
-            if window is not None and q_len > window:
-                mask = _window_mask(0, q_len, 0, q_len, window, q.device)  # [q_len, q_len]
+            if (window is not None and q_len > window) or (key_limits is not None and q_len > 1):
+                limits = None if key_limits is None else key_limits[start:start + q_len]
+                mask = _window_mask(0, q_len, 0, q_len, window, q.device, limits)  # [q_len, q_len]
             o = _sdpa(qi, ki.transpose(0, 1), vi.transpose(0, 1), mask, q_len > 1 and mask is None, scale)
             out[start:start + q_len] = o.transpose(0, 1)
             start += q_len
@@ -95,8 +99,10 @@ def paged_attention(q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         vi = _gather(v_cache, block_tables[i], seq_len, v_scale, q.dtype, first)
         mask = None
         if q_len > 1 or (window is not None and seq_len - first * block_size > window):
-            # new token j sits at position seq_len - q_len + j and sees keys up to it (within the window)
-            mask = _window_mask(seq_len - q_len, seq_len, first * block_size, seq_len, window, q.device)
+            # new token j sits at position seq_len - q_len + j and sees keys up to it (within the window), or
+            # up to its key limit
+            limits = None if key_limits is None else key_limits[start:start + q_len]
+            mask = _window_mask(seq_len - q_len, seq_len, first * block_size, seq_len, window, q.device, limits)
         o = _sdpa(qi, ki.transpose(0, 1), vi.transpose(0, 1), mask, False, scale)
         out[start:start + q_len] = o.transpose(0, 1)
         start += q_len
@@ -104,11 +110,12 @@ def paged_attention(q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
 
 
 def _window_mask(q_lo: int, q_hi: int, k_lo: int, k_hi: int, window: int | None,
-                 device) -> torch.Tensor:  # [q_hi - q_lo, k_hi - k_lo] bool
-    """Which keys k_lo..k_hi - 1 each query q_lo..q_hi - 1 reads: k <= q, and q - window < k with a window."""
+                 device, limits: torch.Tensor | None = None) -> torch.Tensor:  # [q_hi - q_lo, k_hi - k_lo] bool
+    """Which keys k_lo..k_hi - 1 each query q_lo..q_hi - 1 reads: k <= q (k <= its limit, `limits`
+    [q_hi - q_lo]), and q - window < k with a window."""
     q_pos = torch.arange(q_lo, q_hi, device=device)[:, None]
     k_pos = torch.arange(k_lo, k_hi, device=device)[None, :]
-    mask = k_pos <= q_pos
+    mask = k_pos <= (q_pos if limits is None else limits.long()[:, None])
     if window is not None:
         mask &= k_pos > q_pos - window
     return mask

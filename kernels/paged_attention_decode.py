@@ -3,7 +3,10 @@
 out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b, where K_b / V_b are the first seq_lens[b] keys of
 sequence b, key p living in cache block block_tables[b, p // block_size] at offset p % block_size
 (caches [num_blocks, block_size, num_kv_heads, head_dim]). Query head h reads KV head h // group
-(GQA, group = H / Hkv). A row with seq_len 0 (CUDA-graph padding) gets zeros.
+(GQA, group = H / Hkv). A row with seq_len 0 (CUDA-graph padding) gets zeros. A sliding-window layer
+(`window` W) reads only the keys seq_len - W .. seq_len - 1 (HF's convention: the query at p sees keys
+p - W < k <= p); the splits cut that span, and no block-table entry before it is read (the engine may
+have let those blocks go: -1).
 
 Why the kernel is shaped this way. Decode is bound by reading the KV cache, so:
 - One program per (sequence, KV head, split) handles ALL `group` query heads of its KV head: each K/V
@@ -50,13 +53,14 @@ _MERGE_BLOCK_S = 64  # next_power_of_2(_MAX_SPLITS)
 # per-step ints are not specialised (a value of 1 or a multiple of 16 would compile a new variant
 # while serving): the split count, and the block-table row stride (its width grows with the longest sequence)
 # (the index tensors, views of per-step buffers, are not specialised on their alignment either)
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"],
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "window"],
             do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
         scale_log2,  # softmax scale * log2(e): the kernel works in base 2 (exp2 is the fast path)
         num_splits,
+        window,  # keys seq_len - window .. seq_len - 1 when SLIDING
         stride_qb, stride_qh,
         stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh,
@@ -66,16 +70,20 @@ def _decode_split_kernel(
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         DIRECT: tl.constexpr, IEEE: tl.constexpr, SPLIT_ALIGN: tl.constexpr, FP8: tl.constexpr,
-        SOFTWARE: tl.constexpr):
+        SOFTWARE: tl.constexpr, SLIDING: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
 
     seq_len = tl.load(seq_lens_ptr + b * stride_sl).to(tl.int32)
+    first = 0  # the first key read: a window's first key, else key 0
+    if SLIDING:
+        first = tl.maximum(seq_len - window, 0)
+    span = seq_len - first
     # plain arithmetic, not tl.cdiv: a nested jit call costs ~4 ms per program in the interpreter
-    split_len = ((seq_len + num_splits - 1) // num_splits + SPLIT_ALIGN - 1) // SPLIT_ALIGN * SPLIT_ALIGN
-    start = split * split_len
+    split_len = ((span + num_splits - 1) // num_splits + SPLIT_ALIGN - 1) // SPLIT_ALIGN * SPLIT_ALIGN
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)  # start >= end: nothing to do, lse = -inf
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -200,6 +208,16 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device) -
     return triton.cdiv(pieces, triton.cdiv(pieces, splits))
 
 
+def reach(max_seq_len: int, window: int | None) -> int:
+    """The most keys one row reads: its length, or its window."""
+    return max_seq_len if window is None else min(int(max_seq_len), int(window))
+
+
+def _check_window(window: int | None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive number of keys or None, got {window!r}")
+
+
 def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(f"q must be [B, H, D] and k_cache [num_blocks, block_size, Hkv, D], "
@@ -246,8 +264,11 @@ def paged_attention_decode(q: torch.Tensor,  # [B, H, D], last dim contiguous
                            k_scale: torch.Tensor | None = None,  # [] float32: an FP8 cache's scales
                            v_scale: torch.Tensor | None = None,
                            fp8_hardware: bool | None = None,  # e4m3 converted in hardware; None: by device
+                           window: int | None = None,  # a sliding-window layer's: the last `window` keys
                            ) -> torch.Tensor:  # [B, H, D]
+    """`window` (HF's `sliding_window`): each row reads only its last `window` keys; None: all of them."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, out)
+    _check_window(window)
     fp8 = kv_quant.check_scales(k_cache, k_scale, v_scale)
     k_cache, software = fp8_bits.kernel_cache(k_cache, fp8_hardware)
     v_cache, _ = fp8_bits.kernel_cache(v_cache, fp8_hardware)
@@ -260,7 +281,7 @@ def paged_attention_decode(q: torch.Tensor,  # [B, H, D], last dim contiguous
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = block_tables.shape[1] * block_size
-        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, q.device)
+        num_splits = choose_num_splits(batch, num_kv_heads, reach(max_seq_len, window), q.device)
     if int(num_splits) < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     num_splits = int(num_splits)
@@ -279,7 +300,7 @@ def paged_attention_decode(q: torch.Tensor,  # [B, H, D], last dim contiguous
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         k_scale if fp8 else k_cache, v_scale if fp8 else k_cache,  # read only with FP8
-        float(scale) * _LOG2E, num_splits,
+        float(scale) * _LOG2E, num_splits, 0 if window is None else int(window),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -288,6 +309,7 @@ def paged_attention_decode(q: torch.Tensor,  # [B, H, D], last dim contiguous
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 16),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         DIRECT=direct, IEEE=q.dtype == torch.float32, SPLIT_ALIGN=SPLIT_ALIGN, FP8=fp8, SOFTWARE=software,
+        SLIDING=window is not None,
         # 3 stages: the pipeliner prefetches the block-table entries two tiles ahead and K/V one
         # tile ahead (cp.async); with 2 the table gather stalls every iteration
         num_warps=4, num_stages=3)
@@ -312,11 +334,12 @@ def paged_attention_decode_ref(q: torch.Tensor,  # [B, H, D]
                                out: torch.Tensor | None = None,
                                k_scale: torch.Tensor | None = None,
                                v_scale: torch.Tensor | None = None,
+                               window: int | None = None,
                                ) -> torch.Tensor:  # [B, H, D]
     """Batched torch reference with no host sync: gathers max_seq_len (or the whole table's) keys per
-    sequence, masks those past seq_len, softmax in fp32. Table entries past a sequence's blocks may
-    be anything (they are clamped to block 0 and masked). An FP8 cache is dequantized first
-    (`kv_quant.dequantize`)."""
+    sequence, masks those past seq_len (and, with a window, before its last `window`), softmax in fp32.
+    Table entries of masked-out blocks may be anything, -1 included (they are clamped to block 0 and
+    masked). An FP8 cache is dequantized first (`kv_quant.dequantize`)."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_blocks = block_tables.shape[1]
@@ -325,7 +348,9 @@ def paged_attention_decode_ref(q: torch.Tensor,  # [B, H, D]
     length = num_blocks * block_size
     key_pos = torch.arange(length, device=q.device)  # [L]
     keep = key_pos[None, :] < seq_lens[:, None].long()  # [B, L]
-    block_used = keep.view(batch, num_blocks, block_size)[:, :, 0]  # [B, nb]
+    if window is not None:
+        keep &= key_pos[None, :] >= seq_lens[:, None].long() - window
+    block_used = keep.view(batch, num_blocks, block_size).any(-1)  # [B, nb]
     blocks = torch.where(block_used, block_tables[:, :num_blocks].long(), 0)  # [B, nb]
     # slots past seq_len may hold anything (NaN in a fresh cache): zero them, or 0 * NaN leaks
     kept = keep[:, :, None, None]

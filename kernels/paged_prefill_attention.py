@@ -25,6 +25,14 @@ synchronisation: lengths are read in the kernel. An FP8 cache (K / k_scale, V / 
 is read as the decode kernel reads it: e4m3 tiles converted exactly to q's dtype for the dots (in hardware
 on sm_89+, else from their bits: kernels/fp8_bits.py), k_scale folded into the softmax scale and v_scale
 into the output.
+
+Two variants for models that ask for them (constexprs, so every other model's kernel is unchanged):
+- `window` W (a sliding-window layer): query p sees keys p - W < k <= p; the tiles before the tile's first
+  query's window are never visited (nor their block-table entries, which the engine may have let go: -1),
+  and tiles the window cuts are masked like the diagonal.
+- `key_limits` [N] (bidirectional spans: Gemma 3's image tokens see every token of their image in the
+  chunk): query row i sees keys up to key_limits[i] >= its own position instead of up to itself; with a
+  window the lower bound stays p - W < k (transformers' AND(window, OR(causal, block))).
 """
 from __future__ import annotations
 
@@ -42,16 +50,19 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/m, [BLOCK_M, BLOCK_D] q
-                  k_cache, v_cache, table_row, q_pos, offs_d, mask_d,
-                  stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, lo, hi,
+                  k_cache, v_cache, table_row, q_hi, q_lo, offs_d, mask_d,
+                  stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, lo, hi, first_key,
                   BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                  SOFTWARE: tl.constexpr):
-    """Online-softmax update over key tiles [lo, hi); k_cache/v_cache already point at this KV head."""
+                  SOFTWARE: tl.constexpr, SLIDING: tl.constexpr):
+    """Online-softmax update over key tiles [lo, hi); k_cache/v_cache already point at this KV head. With
+    CAUSAL (a masked tile) row r sees keys q_lo[r] < k <= q_hi[r] (q_lo used when SLIDING), and no key
+    before `first_key` or from `hi` on is read. SLIDING rows may see no key of a whole tile: their max
+    stays -inf and the update is made safe for it."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         key_pos = start_n + offs_n  # [BLOCK_N]
         if CAUSAL:  # the diagonal's last tile may run past the last query's position
-            in_range = key_pos < hi
+            in_range = (key_pos < hi) & (key_pos >= first_key)
             page = tl.load(table_row + key_pos // BLOCK_SIZE, mask=in_range, other=0)
             kv_mask = in_range[:, None] & mask_d[None, :]
         else:
@@ -66,9 +77,14 @@ def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/
         v = fp8_bits.load_kv(v_cache + slot_v[:, None] + offs_d[None, :], kv_mask, q.dtype, SOFTWARE)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if CAUSAL:
-            qk = tl.where(key_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
-        # every row has seen key 0 by now (it is in the first tile visited), so m_new is finite
+            seen = key_pos[None, :] <= q_hi[:, None]
+            if SLIDING:
+                seen = seen & (key_pos[None, :] > q_lo[:, None])
+            qk = tl.where(seen, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if SLIDING:  # a row may have seen no key yet: subtract 0, not -inf (exp2(-inf) = 0 weighs nothing)
+            m_new = tl.where(m_new > float("-inf"), m_new, 0.0)
+        # without a window every row has seen key 0 by now (it is in the first tile visited): m_new is finite
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -79,16 +95,16 @@ def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/
 
 # the block-table row stride (its width) varies per step: not specialised, or it compiles while serving
 # (nor the index tensors' alignment: they may be views of a packed per-step buffer)
-@triton.jit(do_not_specialize=["stride_tb"],
-            do_not_specialize_on_alignment=["block_tables", "cu_seqlens_q", "seq_lens", "tiles"])
+@triton.jit(do_not_specialize=["stride_tb", "window"],
+            do_not_specialize_on_alignment=["block_tables", "cu_seqlens_q", "seq_lens", "tiles", "key_limits"])
 def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seqlens_q, seq_lens, tiles,
-                          k_scale_ptr, v_scale_ptr,
+                          k_scale_ptr, v_scale_ptr, key_limits,
                           stride_qn, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                          stride_on, stride_oh, stride_tb, qk_scale,
+                          stride_on, stride_oh, stride_tb, qk_scale, window,
                           BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                           QUERY_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                          FP8: tl.constexpr, SOFTWARE: tl.constexpr):
+                          FP8: tl.constexpr, SOFTWARE: tl.constexpr, SLIDING: tl.constexpr, LIMITS: tl.constexpr):
     # tiles[pid] = (sequence, first query of the tile within its chunk); rows of the M tile are
     # (query, head of this KV head's group) pairs, query-major: row r = query r // GROUP, head r % GROUP
     pid = tl.program_id(0)
@@ -117,6 +133,17 @@ def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seq
     last_pos = context_len + tl.minimum(q0 + QUERY_TILE, q_len) - 1
     # padding rows take the first query's position, so every row sees key 0 and its max stays finite
     q_pos = tl.where(mask_m, context_len + offs_m, first_pos)  # [BLOCK_M]
+    q_hi = q_pos  # the last key each row sees
+    hi = last_pos + 1
+    if LIMITS:  # a bidirectional span's rows see up to their span's last key in the chunk
+        limit = tl.load(key_limits + q_start + offs_m, mask=mask_m, other=0)  # [BLOCK_M] positions
+        q_hi = tl.maximum(q_pos, limit)
+        hi = tl.max(q_hi, 0) + 1
+    q_lo = q_pos  # the keys each row sees start after q_lo (SLIDING only)
+    first_key = 0  # the first key any row sees
+    if SLIDING:
+        q_lo = q_pos - window
+        first_key = tl.maximum(first_pos - window + 1, 0)
 
     k_base = k_cache + kv_head * stride_kh
     v_base = v_cache + kv_head * stride_vh
@@ -129,15 +156,26 @@ def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seq
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # whole tiles every query of this tile may see: no causal mask
+    # whole tiles every query of this tile may see: no mask; before them (a window's first tiles, which
+    # some rows see only in part) and after them (the diagonal) masked
     unmasked_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_row, q_pos, offs_d, mask_d,
+    unmasked_start = 0
+    if SLIDING:  # the last query's window starts at last_pos - window + 1
+        unmasked_start = tl.minimum(((tl.maximum(last_pos - window + 1, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N,
+                                    unmasked_end)
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_row, q_hi, q_lo, offs_d, mask_d,
+                                      stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                      (first_key // BLOCK_N) * BLOCK_N, unmasked_start, first_key, BLOCK_SIZE, True,
+                                      BLOCK_N, INPUT_PRECISION, SOFTWARE, SLIDING)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_row, q_hi, q_lo, offs_d, mask_d,
                                   stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                  0, unmasked_end, BLOCK_SIZE, False, BLOCK_N, INPUT_PRECISION, SOFTWARE)
-    # the diagonal: tiles up to the last query's position, masked key_pos <= q_pos
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_row, q_pos, offs_d, mask_d,
+                                  unmasked_start, unmasked_end, first_key, BLOCK_SIZE, False, BLOCK_N,
+                                  INPUT_PRECISION, SOFTWARE, SLIDING)
+    # the diagonal: tiles up to the last key a row sees, masked key_pos <= q_hi (and > q_lo)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_row, q_hi, q_lo, offs_d, mask_d,
                                   stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                  unmasked_end, last_pos + 1, BLOCK_SIZE, True, BLOCK_N, INPUT_PRECISION, SOFTWARE)
+                                  unmasked_end, hi, first_key, BLOCK_SIZE, True, BLOCK_N, INPUT_PRECISION,
+                                  SOFTWARE, SLIDING)
 
     acc = acc / l_i[:, None]
     if FP8:  # a sum of the stored V / v_scale
@@ -215,6 +253,15 @@ def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
 
 
+def _check_variants(q: torch.Tensor, window: int | None, key_limits: torch.Tensor | None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive number of keys or None, got {window!r}")
+    if key_limits is not None and (key_limits.shape != (q.shape[0],) or key_limits.dtype != torch.int32
+                                   or key_limits.device != q.device or key_limits.stride(0) != 1):
+        raise ValueError(f"key_limits must be contiguous int32 [N={q.shape[0]}] on {q.device}, got "
+                         f"{tuple(key_limits.shape)} {key_limits.dtype} on {key_limits.device}")
+
+
 def paged_prefill_attention(q: torch.Tensor,  # [N, H, D] packed query chunks (strided view ok)
                             k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
                             v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -229,10 +276,15 @@ def paged_prefill_attention(q: torch.Tensor,  # [N, H, D] packed query chunks (s
                             k_scale: torch.Tensor | None = None,  # [] float32: an FP8 cache's scales
                             v_scale: torch.Tensor | None = None,
                             fp8_hardware: bool | None = None,  # e4m3 converted in hardware; None: by device
+                            window: int | None = None,  # a sliding-window layer's: keys p - window < k <= p
+                            key_limits: torch.Tensor | None = None,  # [N] int32: the last key each query sees
                             ) -> torch.Tensor:  # [N, H, D]
     """`tiles` (from `prefill_tiles` with `query_tile_len` queries each) launches only the real tiles;
-    without, every (sequence, tile) pair up to max_query_len is launched (`dense_tiles`)."""
+    without, every (sequence, tile) pair up to max_query_len is launched (`dense_tiles`). `window`: see the
+    module docstring; `key_limits`: each query row's last visible key (a position in its sequence, at least
+    the row's own, within its chunk), e.g. the end of the image span it belongs to."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out)
+    _check_variants(q, window, key_limits)
     fp8 = kv_quant.check_scales(k_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -258,12 +310,13 @@ def paged_prefill_attention(q: torch.Tensor,  # [N, H, D] packed query chunks (s
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, tiles,
         k_scale if fp8 else k_cache, v_scale if fp8 else k_cache,  # read only with FP8
+        seq_lens if key_limits is None else key_limits,  # read only with LIMITS
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        block_tables.stride(0), scale * _LOG2E, BLOCK_SIZE=k_cache.shape[1],
+        block_tables.stride(0), scale * _LOG2E, 0 if window is None else int(window), BLOCK_SIZE=k_cache.shape[1],
         GROUP=group, HEAD_DIM=head_dim, QUERY_TILE=query_tile_len, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, SOFTWARE=software,
-        num_warps=num_warps, num_stages=num_stages)
+        SLIDING=window is not None, LIMITS=key_limits is not None, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -278,10 +331,14 @@ def paged_prefill_attention_ref(q: torch.Tensor,  # [N, H, D]
                                 out: torch.Tensor | None = None,  # [N, H, D]
                                 k_scale: torch.Tensor | None = None,
                                 v_scale: torch.Tensor | None = None,
+                                window: int | None = None,
+                                key_limits: torch.Tensor | None = None,
                                 ) -> torch.Tensor:  # [N, H, D]
     """Torch reference: per sequence, gather its keys through the block table (an FP8 cache dequantized)
-    and attend in fp32. Reads the lengths on the host (not for CUDA-graph capture)."""
+    and attend in fp32. Reads the lengths on the host (not for CUDA-graph capture). Table entries of
+    blocks no query sees (before the window) may be anything, -1 included."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out)
+    _check_variants(q, window, key_limits)
     kv_quant.check_scales(k_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -292,7 +349,7 @@ def paged_prefill_attention_ref(q: torch.Tensor,  # [N, H, D]
         q_start, q_len = starts[b], starts[b + 1] - starts[b]
         if q_len == 0:
             continue
-        pages = block_tables[b, :(seq_len + block_size - 1) // block_size].long()
+        pages = block_tables[b, :(seq_len + block_size - 1) // block_size].long().clamp(min=0)  # -1: masked below
         k = k_cache[pages].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len]  # [seq_len, Hkv, D]
         v = v_cache[pages].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len]
         k = kv_quant.dequantize(k, k_scale, torch.float32).transpose(0, 1)  # [Hkv, seq_len, D]
@@ -300,7 +357,13 @@ def paged_prefill_attention_ref(q: torch.Tensor,  # [N, H, D]
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)  # [H, seq_len, D]
         qi = q[q_start:q_start + q_len].float().transpose(0, 1)  # [H, q_len, D]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        q_hi = q_pos if key_limits is None else torch.maximum(q_pos, key_limits[q_start:q_start + q_len].long())
+        key_pos = torch.arange(seq_len, device=q.device)[None, :]
+        mask = key_pos <= q_hi[:, None]  # [q_len, seq_len]
+        if window is not None:
+            mask &= key_pos > q_pos[:, None] - window
+        seen = mask.any(0)  # keys no query sees: zeroed, a freed block's garbage (or NaN) must not leak
+        k, v = torch.where(seen[None, :, None], k, 0.0), torch.where(seen[None, :, None], v, 0.0)
         o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)  # [H, q_len, D]
         out[q_start:q_start + q_len] = o.transpose(0, 1).to(out.dtype)
     return out

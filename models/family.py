@@ -22,7 +22,9 @@ from vlm_sdk.errors import InvalidRequestError
 @dataclass(frozen=True)
 class Setting:
     """One family setting. Values are positive integers of at most `maximum` (MAX_SETTING_VALUE when
-    None), or positive finite numbers (of at most `maximum`) when `type` is float (a video's fps); `default` None means "the checkpoint's" (its preprocessor config). `detail` is the
+    None), positive finite numbers (of at most `maximum`) when `type` is float (a video's fps), or true /
+    false when `type` is bool (a switch: the flags are `--name` / `--no-name`); `default` None means "the
+    checkpoint's" (its preprocessor config). `detail` is the
     part of the help true of this family only (e.g. "a multiple of 28x28"): several families may
     declare one setting name, and its flag's help (`registry.engine_settings`) then gives each
     family's detail beside its name."""
@@ -40,6 +42,11 @@ class Setting:
     def check(self, value: Any, where: str = "") -> Any:
         """`value` when valid; `InvalidRequestError` (param = the setting's name) otherwise. An integer
         too large for a float (JSON allows 10**400) is refused like any other out-of-range value."""
+        if self.type is bool:
+            if not isinstance(value, bool):
+                raise InvalidRequestError(f"{where}{self.name} must be true or false, got {_shown(value)}",
+                                          param=self.name)
+            return value
         top = self.maximum if self.maximum is not None else MAX_SETTING_VALUE
         if self.type is float:
             number = _as_float(value)  # inf for an integer beyond a float's range
@@ -139,6 +146,9 @@ class FamilySpec(ABC):
         image_settings    `Setting`s an image part may carry (`ImageRef.options`)
         video_settings    `Setting`s a video part may carry (`VideoRef.options`); none: the family
                           takes no video
+        whole_images      the model's image tokens attend to each other during prefill (bidirectionally
+                          within each image: Gemma 3), so the scheduler never ends a prefill chunk
+                          inside an image and max_num_batched_tokens must hold one image's tokens
         plan_setting      (plan option, engine setting) the planner sizes images by, e.g.
                           ("max_dynamic_patch", "max_dynamic_patch"); the plan flag is `--<plan option>`.
                           One vocabulary: the plan option IS the engine setting's name, so a fix
@@ -150,6 +160,7 @@ class FamilySpec(ABC):
     engine_settings: tuple[Setting, ...] = ()
     image_settings: tuple[Setting, ...] = ()
     video_settings: tuple[Setting, ...] = ()
+    whole_images: bool = False
     plan_setting: tuple[str, str]
 
     # -- classes (imported when asked for: importing the spec imports no model code) -------------

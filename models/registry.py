@@ -29,6 +29,7 @@ FAMILIES = (
     FamilyEntry("internvl", "vlm_sdk.models.internvl.spec", ("InternVLForConditionalGeneration", "InternVLChatModel")),
     FamilyEntry("qwen3_vl", "vlm_sdk.models.qwen3_vl.spec", ("Qwen3VLForConditionalGeneration",)),
     FamilyEntry("qwen3_vl_moe", "vlm_sdk.models.qwen3_vl_moe.spec", ("Qwen3VLMoeForConditionalGeneration",)),
+    FamilyEntry("gemma3", "vlm_sdk.models.gemma3.spec", ("Gemma3ForConditionalGeneration",)),
 )
 
 

@@ -74,6 +74,12 @@ def internvl_internlm2_ckpt(tmp_path_factory) -> Path:
                                 llm="llama")
 
 
+@pytest.fixture(scope="session")
+def gemma3_ckpt(tiny_checkpoints) -> Path:
+    """Tiny Gemma 3: two sliding-window layers (window 12) and a global one, 16 tokens per image."""
+    return tiny_checkpoints("gemma3")
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     """A local Ray cluster of 2 CPUs for one test module (start-up takes seconds: share it), left at

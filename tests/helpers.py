@@ -114,3 +114,12 @@ def full_attention_cache(num_blocks: int, block_size: int, enable_prefix_caching
     from vlm_sdk.protocol.cache_spec import AttentionSpec
     return CacheCoordinator(CacheLayout.uniform(2, AttentionSpec(1, 4, "float32")), num_blocks, block_size,
                             enable_prefix_caching)
+
+
+def chunk_budget(llm, smallest: int = 13) -> int:
+    """The step budget the tests chunk prefill with: `smallest` tokens, or one image's for a family that
+    computes each image in one chunk (`FamilySpec.whole_images`: its engine refuses a smaller budget)."""
+    engine = llm.engine
+    if not engine.cache.whole_images:
+        return smallest
+    return max(smallest, engine.processor.largest_image().num_tokens)

@@ -29,7 +29,10 @@ def setting_text(name: str, value) -> str:
 
 
 def flag_text(name: str, value) -> str:
-    """The same setting as a `vlm-sdk serve` / `vlm-sdk plan` flag: --num-blocks 30, --kv-cache-memory 168MiB."""
+    """The same setting as a `vlm-sdk serve` / `vlm-sdk plan` flag: --num-blocks 30, --kv-cache-memory 168MiB;
+    a switch is --name or --no-name."""
+    if isinstance(value, bool):
+        return f"--{'' if value else 'no-'}{name.replace('_', '-')}"
     if name in SIZE_SETTINGS and isinstance(value, int) and not isinstance(value, bool):
         value = format_size(value)
     return f"--{name.replace('_', '-')} {value}"

@@ -28,12 +28,11 @@ on every rank. The residual stream and the norms are whole on every rank.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.layers.attention import PagedAttention
-from vlm_sdk.layers.embedding import ParallelLMHead, VocabParallelEmbedding, gather_vocab
+from vlm_sdk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vlm_sdk.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from vlm_sdk.layers.moe import SparseMoeBlock
 from vlm_sdk.layers.norm import RMSNorm
@@ -43,6 +42,7 @@ from vlm_sdk.layers.quantized_linear import linear_layer
 from vlm_sdk.layers.rotary import MRotaryEmbedding, RotaryInputs
 from vlm_sdk.weight_loading import ParamSlot, SplitSlot
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
+from vlm_sdk.models.common.lm_head import DecoderHead, attention_slots
 
 # Where checkpoints keep a layer's FP8 KV-cache scales (each a one-element float32 tensor; vLLM's
 # `maybe_remap_kv_scale_name` reads the same spellings): llm-compressor / compressed-tensors'
@@ -144,7 +144,7 @@ class LlamaDecoderLayer(nn.Module):
                 **self.down_proj.slots(f"{dst}down_proj.", f"{src}down_proj.weight")}
 
 
-class LlamaDecoder(nn.Module):
+class LlamaDecoder(DecoderHead, nn.Module):
     def __init__(self, cfg: LlamaDecoderConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", ops: KernelOps | None = None,
                  parallel: ParallelGroups = ParallelGroups()):
@@ -200,54 +200,26 @@ class LlamaDecoder(nn.Module):
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # [N, hidden] x 2 -> [N, hidden]
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
-    def untie_lm_head(self, rows: torch.Tensor) -> None:
-        """Give a tied decoder its own LM head (a checkpoint whose lm_head differs from the embedding);
-        `rows` are this rank's rows `[stop - start, hidden]` of the checkpoint's `[vocab, hidden]` head."""
-        emb = self.embed_tokens
-        self.lm_head = ParallelLMHead(self.cfg.vocab_size, self.cfg.hidden_size, emb.weight.dtype,
-                                      emb.weight.device, self.tp)
-        self.lm_head.requires_grad_(False)
-        with torch.no_grad():
-            self.lm_head.weight.copy_(rows)
-
-    def compute_logits(self, hidden: torch.Tensor,  # [S, hidden]
-                       out: torch.Tensor | None = None) -> torch.Tensor:  # [S, vocab] float32 (into `out`)
-        if self.packed_head is not None:  # set after loading on the CPU (models/cpu_layout.py)
-            local = self.packed_head(hidden)  # [S, vocab / tp]
-        else:
-            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [vocab / tp, hidden]
-            local = F.linear(hidden, weight)  # [S, vocab / tp]
-        # gathered in the model's dtype (half the bytes of float32 in bf16; the cast is exact either way)
-        logits = gather_vocab(local, self.tp, self.cfg.vocab_size)  # [S, vocab]
-        return logits.float() if out is None else out.copy_(logits)
-
     def checkpoint_map(self, prefix: str = "model.", lm_head: str = "lm_head.weight") -> dict[str, ParamSlot]:
         """Checkpoint name -> where it goes (this rank's slice), for the published Qwen2 / Llama layout
         (`model.layers.N.self_attn.q_proj...`). Our parameter names are relative to this module."""
         cfg = self.cfg
         hid = cfg.hidden_size
-        out = self.embed_tokens.slots("embed_tokens.weight", f"{prefix}embed_tokens.weight")
-        out[f"{prefix}norm.weight"] = ParamSlot("norm.weight", (hid,))
-        if self.lm_head is not None:
-            out.update(self.lm_head.slots("lm_head.weight", lm_head))
+        out = self.head_slots(prefix, lm_head)
         for i, layer in enumerate(self.layers):
             src, dst = f"{prefix}layers.{i}.", f"layers.{i}."
-            attn = [f"{src}self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj")]
-            out.update(layer.qkv_proj.slots(f"{dst}qkv_proj.", [f"{a}.weight" for a in attn],
-                                            [f"{a}.bias" for a in attn] if cfg.attention_bias else None))
-            out.update(layer.o_proj.slots(f"{dst}o_proj.", f"{src}self_attn.o_proj.weight",
-                                          f"{src}self_attn.o_proj.bias" if cfg.o_proj_bias else None))
+            out.update(attention_slots(layer, src, dst, cfg.attention_bias, cfg.o_proj_bias))
             out.update(layer.mlp_slots(f"{src}mlp.", dst))
             out[f"{src}input_layernorm.weight"] = ParamSlot(f"{dst}input_layernorm.weight", (hid,))
             if cfg.qk_norm:
                 out[f"{src}self_attn.q_norm.weight"] = ParamSlot(f"{dst}q_norm.weight", (cfg.head_dim,))
                 out[f"{src}self_attn.k_norm.weight"] = ParamSlot(f"{dst}k_norm.weight", (cfg.head_dim,))
             out[f"{src}post_attention_layernorm.weight"] = ParamSlot(f"{dst}post_attention_layernorm.weight", (hid,))
-            out.update(_kv_scale_slots(src, f"{dst}attn."))
+            out.update(kv_scale_slots(src, f"{dst}attn."))
         return out
 
 
-def _kv_scale_slots(src: str, dst: str) -> dict[str, ParamSlot | SplitSlot]:
+def kv_scale_slots(src: str, dst: str) -> dict[str, ParamSlot | SplitSlot]:
     """The optional slots of one layer's FP8 KV-cache scales (`KV_SCALE_NAMES`), into `PagedAttention`'s
     k_scale / v_scale buffers."""
     out: dict[str, ParamSlot | SplitSlot] = {f"{src}{name}": ParamSlot(f"{dst}{buffer}", (), optional=True)

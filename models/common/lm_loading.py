@@ -47,12 +47,14 @@ class DecoderVLM(VisionLanguageModel):
 
     def _init_decoder(self, cfg: LlamaDecoderConfig, dtype: torch.dtype, device: torch.device | str,
                       ops: KernelOps | None, parallel: ParallelGroups = ParallelGroups(),
-                      shard_vision: bool = True) -> None:
+                      shard_vision: bool = True, decoder_cls: type = LlamaDecoder) -> None:
+        """`decoder_cls(cfg, dtype, device, ops, parallel)`: a `LlamaDecoder`, or a decoder with its interface
+        (`embed`, `compute_logits`, `embed_tokens`, `lm_head`, `untie_lm_head`: the Gemma decoder)."""
         tp = parallel.tp
         self.decoder_config = cfg
         self.parallel, self.tp, self.shard_vision = parallel, tp, shard_vision
         self.vision_tp = tp if shard_vision else TPGroup()  # `_build_vision` may fall back to TPGroup()
-        self.decoder = LlamaDecoder(cfg, dtype, device, ops, parallel)
+        self.decoder = decoder_cls(cfg, dtype, device, ops, parallel)
         self.num_layers, self.head_dim = cfg.num_layers, cfg.head_dim
         self.num_kv_heads = kv_head_split(cfg.num_kv_heads, tp)[1]  # this rank's: what its KV cache holds
         self.hidden_size, self.vocab_size = cfg.hidden_size, cfg.vocab_size

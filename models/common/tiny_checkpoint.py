@@ -168,6 +168,36 @@ def no_hf_progress_bars():
             hf_logging.enable_progress_bar()
 
 
+def checkpoint_options(overrides: Mapping[str, Any], defaults: Mapping[str, Any],
+                       caller: str = "make_tiny_checkpoint()", also: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`defaults` with `overrides` applied; an override `defaults` does not name raises TypeError naming
+    the accepted ones (`also`: the maker's own keyword arguments, listed first)."""
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        raise TypeError(f"{caller} got unknown override(s) {', '.join(unknown)}; "
+                        f"accepted: {', '.join([*also, *sorted(defaults)])}")
+    return {**defaults, **overrides}
+
+
+def floating_dtype(name: Any) -> "torch.dtype":
+    """The torch floating dtype named `name` ("float32", "bfloat16", ...), else ValueError."""
+    import torch
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype={name!r} is not a torch floating dtype name")
+    return dtype
+
+
+def vocab_size_for(tokenizer, vocab_size: int | None) -> int:
+    """The checkpoint's vocabulary: `vocab_size`, or None for the tokenizer's size rounded up to a
+    multiple of 64; ValueError when it is smaller than the tokenizer."""
+    n_tokens = tokenizer.get_vocab_size()
+    size = vocab_size or round_up(n_tokens, 64)
+    if size < n_tokens:
+        raise ValueError(f"vocab_size={size} is smaller than the tokenizer ({n_tokens} tokens)")
+    return size
+
+
 def round_up(n: int, multiple: int) -> int:
     return math.ceil(n / multiple) * multiple
 

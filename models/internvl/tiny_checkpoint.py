@@ -31,8 +31,8 @@ from vlm_sdk.models.internvl.tiny_checkpoint_original import (_IMAGENET_MEAN, _I
                                                             INTERNVL_TOKENIZER_ATTRIBUTES, _llm_layout_for,
                                                             convert_to_original_layout)
 from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, TEXT_DEFAULTS, build_tokenizer,
-                                                   no_hf_progress_bars, redraw, round_up, write_json,
-                                                   write_tokenizer)
+                                                   checkpoint_options, floating_dtype, no_hf_progress_bars, redraw,
+                                                   vocab_size_for, write_json, write_tokenizer)
 
 __all__ = [
     "make_tiny_internvl_checkpoint", "make_bench_internvl_checkpoint", "convert_to_original_layout",
@@ -115,23 +115,17 @@ def make_tiny_internvl_checkpoint(path, seed: int = 0, layout: str = "hf", llm: 
     matrices (embeddings, conv, cls token, position embeddings included) ~ N(0, init_std), biases
     ~ N(0, 0.02), every other 1-D parameter (norm weights, layer scales) = 1 + 0.1 * N(0, 1).
     """
-    unknown = sorted(set(overrides) - set(_DEFAULTS))
-    if unknown:
-        raise TypeError(f"make_tiny_checkpoint(family='internvl') got unknown override(s) {', '.join(unknown)}; "
-                        f"accepted: layout, llm, {', '.join(sorted(_DEFAULTS))}")
     if layout not in _LAYOUTS:
         raise ValueError(f"layout={layout!r}; use one of {_LAYOUTS}")
     if llm not in _LLMS:
         raise ValueError(f"llm={llm!r}; use one of {_LLMS}")
-    opts = {**_DEFAULTS, **overrides}
+    opts = checkpoint_options(overrides, _DEFAULTS, "make_tiny_checkpoint(family='internvl')", ("layout", "llm"))
     if opts["llm_layout"] not in _LLM_LAYOUTS:
         raise ValueError(f"llm_layout={opts['llm_layout']!r}; use one of {_LLM_LAYOUTS}")
     if layout == "hf" and opts["llm_layout"] != "auto":
         raise ValueError("llm_layout only applies to layout='original'")
     _llm_layout_for(llm, opts["llm_layout"])  # fails before any work on a bad combination
-    dtype = getattr(torch, str(opts["dtype"]), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype={opts['dtype']!r} is not a torch floating dtype name")
+    dtype = floating_dtype(opts["dtype"])
     max_num = opts["max_num"]
     if isinstance(max_num, bool) or not isinstance(max_num, int) or max_num < 1:
         raise ValueError(f"max_num={max_num!r} must be a positive int")
@@ -147,10 +141,7 @@ def make_tiny_internvl_checkpoint(path, seed: int = 0, layout: str = "hf", llm: 
 
     tokenizer = build_tokenizer(INTERNVL_HF_TOKENS)
     ids = {tok: tokenizer.token_to_id(tok) for tok in INTERNVL_HF_TOKENS}
-    n_tokens = tokenizer.get_vocab_size()
-    vocab_size = opts["vocab_size"] or round_up(n_tokens, 64)
-    if vocab_size < n_tokens:
-        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({n_tokens} tokens)")
+    vocab_size = vocab_size_for(tokenizer, opts["vocab_size"])
 
     config = _internvl_config(opts, llm, vocab_size, ids)
     _save_model(config, out, seed=seed, init_std=float(opts["init_std"]), dtype=dtype,

@@ -13,11 +13,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-import torch
 
 from vlm_sdk.models.common.tiny_checkpoint import (QWEN_SPECIAL_TOKENS, QWEN_TEXT_TOKENS, TEXT_DEFAULTS,
-                                                   build_tokenizer, round_up, save_random_model, write_json,
-                                                   write_tokenizer)
+                                                   build_tokenizer, checkpoint_options, floating_dtype,
+                                                   save_random_model, vocab_size_for, write_json, write_tokenizer)
 
 # The chat template published with Qwen2-VL / Qwen2.5-VL Instruct (their chat_template.json), which
 # renders no tools, joined with the tool sections of the template their language model publishes
@@ -115,17 +114,11 @@ def make_tiny_qwen_checkpoint(path, seed: int = 0, **overrides) -> Path:
     published Qwen2.5-VL layout (text fields top level, rope_scaling type mrope); preprocessor_layout
     "nested" writes size.shortest_edge/longest_edge, "flat" writes min_pixels/max_pixels.
     """
-    unknown = sorted(set(overrides) - set(_DEFAULTS))
-    if unknown:
-        raise TypeError(f"make_tiny_checkpoint() got unknown override(s) {', '.join(unknown)}; "
-                        f"accepted: {', '.join(sorted(_DEFAULTS))}")
-    opts = {**_DEFAULTS, **overrides}
+    opts = checkpoint_options(overrides, _DEFAULTS)
     for key, allowed in (("config_layout", ("nested", "flat")), ("preprocessor_layout", ("nested", "flat"))):
         if opts[key] not in allowed:
             raise ValueError(f"{key}={opts[key]!r}; use one of {allowed}")
-    dtype = getattr(torch, str(opts["dtype"]), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype={opts['dtype']!r} is not a torch floating dtype name")
+    dtype = floating_dtype(opts["dtype"])
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -147,10 +140,7 @@ def qwen_tokenizer_and_config(opts: Mapping[str, Any]):
     (`_DEFAULTS` with overrides applied)."""
     tokenizer = build_tokenizer(QWEN_SPECIAL_TOKENS, QWEN_TEXT_TOKENS)
     ids = {tok: tokenizer.token_to_id(tok) for tok in QWEN_SPECIAL_TOKENS}
-    n_tokens = tokenizer.get_vocab_size()
-    vocab_size = opts["vocab_size"] or round_up(n_tokens, 64)
-    if vocab_size < n_tokens:
-        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({n_tokens} tokens)")
+    vocab_size = vocab_size_for(tokenizer, opts["vocab_size"])
     return tokenizer, ids, _qwen2_5_vl_config(opts, vocab_size, ids)
 
 

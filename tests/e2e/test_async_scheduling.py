@@ -123,9 +123,14 @@ def test_preemption_chunked_prefill_and_small_batches(family_ckpt):
               SamplingParams(max_tokens=26, temperature=0.7, seed=5)] * 4
     # against the synchronous engine unconstrained: preemption and chunking change no token there
     # (tests/e2e/test_prefix_caching.py, test_families.py), so this is the synchronous engine's answer
-    _, free = run(ckpt, params, convs, async_scheduling=False)
-    need = max(-(-(len(o.prompt_token_ids) + 30) // 16) for o in free)
-    kw = dict(num_blocks=need + 2, allow_unfit_images=True, max_num_batched_tokens=40, max_num_seqs=3)
+    sync, free = run(ckpt, params, convs, async_scheduling=False)
+    # the longest sequence's blocks, in every cache group (tokens / 16 for one full-attention group), and
+    # a block more in each group that grows
+    blocks_for = sync.engine.cache_config.blocks_for
+    need = max(blocks_for(len(o.prompt_token_ids) + 30) for o in free)
+    kw = dict(num_blocks=blocks_for(max(len(o.prompt_token_ids) for o in free) + 30 + 32),
+              allow_unfit_images=True, max_num_batched_tokens=40, max_num_seqs=3)
+    assert kw["num_blocks"] >= need
     llm = LLM(ckpt, show_progress=False, async_scheduling=True, **kw)
     device_ids = count_device_ids(llm)
     outs = llm.chat(convs, params)

@@ -5,7 +5,7 @@ sampling is reproducible alone and in a batch, stop strings and stop ids, metric
 and greedy tokens equal transformers' on the same checkpoint, through each family's reference hooks."""
 import pytest
 
-from helpers import SAMPLE_IMAGE, conversations
+from helpers import SAMPLE_IMAGE, chunk_budget, conversations
 from vlm_sdk.testing.families import fixtures
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.models import registry
@@ -25,7 +25,7 @@ def llm(family_ckpt):
 def test_chunked_prefill_changes_no_token(family_ckpt, llm):
     convs = list(conversations().values())
     free = llm.chat(convs, GREEDY)
-    chunked = LLM(family_ckpt[1], max_num_batched_tokens=13, show_progress=False)
+    chunked = LLM(family_ckpt[1], max_num_batched_tokens=chunk_budget(llm), show_progress=False)
     assert [o.token_ids for o in chunked.chat(convs, GREEDY)] == [o.token_ids for o in free]
 
 

@@ -32,7 +32,8 @@ FORMATS = {"awq": ("awq", dict(group_size=16)),
 CASES = [("qwen2_5_vl", "awq"), ("qwen3_vl", "awq"), ("internvl", "awq"),
          ("qwen2_5_vl", "gptq_asym_desc_act"), ("qwen3_vl", "gptq_sym_v2"), ("internvl", "gptq_asym_desc_act"),
          ("qwen2_5_vl", "fp8_block"), ("qwen3_vl", "fp8_block"), ("internvl", "ct_fp8"), ("qwen3_vl", "ct_fp8"),
-         ("qwen2_5_vl", "ct_w4a16"), ("qwen3_vl", "ct_w4a16_asym_actorder"), ("internvl", "ct_w4a16_channel")]
+         ("qwen2_5_vl", "ct_w4a16"), ("qwen3_vl", "ct_w4a16_asym_actorder"), ("internvl", "ct_w4a16_channel"),
+         ("gemma3", "fp8_block16"), ("gemma3", "ct_fp8"), ("gemma3", "ct_w4a16")]
 CONVS = [[{"role": "user", "content": [{"type": "image", "image": str(SAMPLE_IMAGE)},
                                        {"type": "text", "text": "What is in this image?"}]}],
          [{"role": "user", "content": "Say something."}]]

@@ -47,6 +47,10 @@ QWEN25_7B = TextShape("qwen2.5-vl-7b", 28, 4, 128, 3584, 18944)
 QWEN25_3B = TextShape("qwen2.5-vl-3b", 16, 2, 128, 2048, 11008)
 QWEN3_8B = TextShape("qwen3-vl-8b", 32, 8, 128, 4096, 12288)
 TEXT_SHAPES = (QWEN25_7B, QWEN25_3B)
+# Gemma 3's local layers (window 1024) and image spans: head_dim 256 (4B: 8q/4kv) and 128 (27B: 32q/16kv)
+GEMMA3_4B = TextShape("gemma-3-4b", 8, 4, 256, 2560, 10240)
+GEMMA3_27B = TextShape("gemma-3-27b", 32, 16, 128, 5376, 21504)
+GEMMA3_WINDOW = 1024
 # MoE experts: (experts, per token, hidden, expert width on one rank)
 QWEN3_30B_A3B = (128, 8, 2048, 768)
 QWEN3_235B_A22B_TP8 = (128, 8, 4096, 1536 // 8)
@@ -138,6 +142,27 @@ def cases() -> list[tuple]:
                  lambda d=decode: d(splits=8, cache=fp8, hardware=True), (90,)),
                 ("paged_prefill_attention", f"{s.name} fp8 KV hardware chunk 2048",
                  lambda p=prefill: p(cache=fp8, hardware=True), (90,))]
+
+    for s in (GEMMA3_4B, GEMMA3_27B):
+        def windowed_decode(s=s, splits=1):
+            q, _, _ = _qkv(64, s.heads, s.kv_heads, s.head_dim)
+            kc, vc = _cache(s)
+            paged_attention_decode.paged_attention_decode(q, kc, vc, _ints(64, max_blocks), _ints(64),
+                                                          s.head_dim ** -0.5, num_splits=splits, window=GEMMA3_WINDOW)
+
+        def windowed_prefill(s=s, max_q=2048, spans=False, window=GEMMA3_WINDOW):
+            q, _, _ = _qkv(4096, s.heads, s.kv_heads, s.head_dim)
+            kc, vc = _cache(s)
+            paged_prefill_attention.paged_prefill_attention(q, kc, vc, _ints(4, max_blocks), _ints(5), _ints(4),
+                                                            max_q, s.head_dim ** -0.5, window=window,
+                                                            key_limits=_ints(4096) if spans else None)
+        out += [("paged_attention_decode", f"{s.name} window direct", windowed_decode),
+                ("paged_attention_decode", f"{s.name} window 8 splits", lambda d=windowed_decode: d(splits=8)),
+                ("paged_prefill_attention", f"{s.name} window chunk 2048", windowed_prefill),
+                ("paged_prefill_attention", f"{s.name} window + image spans chunk 2048",
+                 lambda p=windowed_prefill: p(spans=True)),
+                ("paged_prefill_attention", f"{s.name} global + image spans chunk 2048",
+                 lambda p=windowed_prefill: p(spans=True, window=None))]
 
     def rope_qk_norm(s=QWEN3_8B):
         q, k, _ = _qkv(256, s.heads, s.kv_heads, s.head_dim)

@@ -99,7 +99,13 @@ def test_server_flags_come_from_the_family_schemas():
     add_engine_flags(parser)
     for fam in registry.families():
         for s in fam.engine_settings:
-            args = parser.parse_args([f"--{s.name.replace('_', '-')}", "4"])
+            flag = f"--{s.name.replace('_', '-')}"
+            if s.type is bool:  # a switch: --name / --no-name
+                for argv, value in (([flag], True), ([f"--no-{flag[2:]}"], False)):
+                    assert engine_kwargs(parser.parse_args(argv)) == {s.name: value}
+                    assert dict(registry.engine_args(**{s.name: value}).mm_processor_kwargs) == {s.name: value}
+                continue
+            args = parser.parse_args([flag, "4"])
             assert engine_kwargs(args) == {s.name: 4}
             assert dict(registry.engine_args(**engine_kwargs(args)).mm_processor_kwargs) == {s.name: 4}
 

@@ -1,10 +1,9 @@
 """The cache layout a model's per-layer specs give (protocol/cache_layout.py): groups of group_size layers
 sharing one block pool, each layer's group and KV tensor, what one sequence holds, the refusals (attention
-layers of different page shapes; a backend without kernels for a kind), and prefix reuse said per kind."""
+layers of different page shapes), and prefix reuse said per kind (both attention backends run every kind
+of attention layer: the Triton kernels take a window, tests/kernels/test_windowed_attention.py)."""
 import pytest
 
-from vlm_sdk.attention.selector import check_layers
-from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.protocol.cache_layout import CacheLayout, LayoutError
 from vlm_sdk.protocol.cache_spec import AttentionSpec, StateSpec, StateTensor
 
@@ -53,15 +52,6 @@ def test_attention_layers_of_different_page_shapes_are_refused_naming_them():
         CacheLayout.from_specs([F, AttentionSpec(4, 8, "bfloat16")])
     with pytest.raises(LayoutError, match="without attention layers"):
         CacheLayout.from_specs([STATE, STATE])
-
-
-def test_the_triton_backend_is_refused_for_sliding_layers_naming_the_setting():
-    windowed = CacheLayout.from_specs([S, F, S])
-    refused = r"layers \[0, 2\] attend within a window of \[6\].*attention_backend='torch'"
-    with pytest.raises(InvalidRequestError, match=refused):
-        check_layers("triton", windowed)
-    check_layers("torch", windowed)
-    check_layers("triton", CacheLayout.from_specs([F, STATE, F]))  # full and state layers: nothing refused
 
 
 def test_prefix_reuse_is_said_per_kind_and_when_the_state_slots_leave_no_checkpoint():

@@ -41,6 +41,10 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int  # the longest sequence; a CUDA-graph decode step is built with max_model_len here
     window: int | None = None  # the group's sliding window (its layers read keys p - window < q <= p); None: full
+    # [num_tokens] int32: the last key position each query of a prefill row may see, at least its own
+    # (a model's bidirectional spans: Gemma 3's image tokens see their whole image in the chunk); None:
+    # causal. The model sets it on the step's metadata (models/common/image_spans.py)
+    key_limits: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -10,7 +10,6 @@ import torch
 
 from vlm_sdk.attention.backend import AttentionBackend
 from vlm_sdk.errors import InvalidRequestError
-from vlm_sdk.protocol.cache_layout import CacheLayout
 
 ATTENTION_BACKENDS = ("torch", "triton")
 
@@ -39,14 +38,3 @@ def make_backend(backend: str | None, device: torch.device) -> AttentionBackend:
         raise InvalidRequestError(f"attention_backend='triton' needs the triton package ({e}); install triton "
                                   f"or use attention_backend='torch'") from e
 
-
-def check_layers(backend: str, layout: CacheLayout) -> None:
-    """Refuse, before any cache is allocated, a model whose layers the chosen backend has no kernels for:
-    the Triton set has no sliding-window attention yet (issue 44)."""
-    windows = sorted({g.spec.window for g in layout.attention_groups if g.spec.window is not None})
-    if backend == "triton" and windows:
-        layers = [i for g in layout.attention_groups if g.spec.window is not None for i in g.layers]
-        raise InvalidRequestError(
-            f"attention_backend='triton' has no sliding-window kernels yet, and this model's layers "
-            f"{layers[:8]}{'...' if len(layers) > 8 else ''} attend within a window of {windows} tokens: use "
-            f"attention_backend='torch' (--attention-backend torch)", param="attention_backend")

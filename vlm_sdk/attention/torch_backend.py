@@ -48,7 +48,8 @@ class TorchBackend(AttentionBackend):
             torch_paged.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         return torch_paged.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                            meta.query_lens_cpu, meta.seq_lens_cpu, layer.scale, k, v,
-                                           layout=meta.decode_layout, window=layer.window, **scales)  # [N, H, D]
+                                           layout=meta.decode_layout, window=layer.window,
+                                           key_limits=meta.key_limits, **scales)  # [N, H, D]
 
     def segments(self, lengths, device):
         return torch_segments.segment_plan(lengths, device)

@@ -54,8 +54,9 @@ class TritonBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> TritonMetadata:
         device, num_kv_heads = k_cache.device, k_cache.shape[2]
-        if meta.decode_only:
-            splits = paged_attention_decode.choose_num_splits(meta.num_seqs, num_kv_heads, meta.max_seq_len, device)
+        if meta.decode_only:  # a sliding-window group's rows read at most its window: fewer splits
+            reach = paged_attention_decode.reach(meta.max_seq_len, meta.window)
+            splits = paged_attention_decode.choose_num_splits(meta.num_seqs, num_kv_heads, reach, device)
             return TritonMetadata(**meta.fields(), num_splits=splits)
         decode = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
         prefill = [b for b, n in enumerate(meta.query_lens_cpu) if n > 1]
@@ -70,7 +71,8 @@ class TritonBackend(AttentionBackend):
     def _decode_rows(meta: AttentionMetadata, decode: list[int], num_kv_heads: int, device) -> DecodeRows:
         nd = len(decode)
         max_len = max(meta.seq_lens_cpu[b] for b in decode)
-        splits = paged_attention_decode.choose_num_splits(nd, num_kv_heads, max_len, device)
+        splits = paged_attention_decode.choose_num_splits(nd, num_kv_heads, paged_attention_decode.reach(
+            max_len, meta.window), device)
         if decode == list(range(nd)):  # the first rows: tokens 0..nd-1, views
             return DecodeRows(nd, None, meta.block_tables[:nd], meta.seq_lens[:nd], max_len, splits)
         seqs = torch.tensor(decode, dtype=torch.int64).to(device, non_blocking=True)  # [Nd]
@@ -82,30 +84,33 @@ class TritonBackend(AttentionBackend):
         if not isinstance(meta, TritonMetadata):
             raise TypeError("the triton attention backend needs the metadata of its prepare(meta, k_cache), "
                             f"called once per step; got {type(meta).__name__}")
-        if layer.window is not None:  # the engine refuses such a model at start-up (selector.check_layers)
-            raise ValueError(f"the triton attention backend has no sliding-window kernels (a layer of window "
-                             f"{layer.window}): use attention_backend='torch'")
+        if layer.window != meta.window:
+            raise ValueError(f"a layer of window {layer.window} got the metadata of a cache group of window "
+                             f"{meta.window}: its cache spec and its attention disagree")
         k_cache, v_cache = kv_cache
+        window = layer.window
         scales = {"k_scale": layer.k_scale, "v_scale": layer.v_scale}  # read only by an FP8 cache
         if not stored:
             store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         if meta.decode_only:
             return paged_attention_decode.paged_attention_decode(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, layer.scale, num_splits=meta.num_splits,
-                max_seq_len=meta.max_seq_len, **scales)  # [N, H, D]
+                max_seq_len=meta.max_seq_len, window=window, **scales)  # [N, H, D]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [N, H, D]
         rows = meta.decode_rows
         if rows is not None:
-            self._decode_part(q, k_cache, v_cache, layer.scale, rows, out, scales)
+            self._decode_part(q, k_cache, v_cache, layer.scale, rows, out, dict(scales, window=window))
         if meta.prefill_tiles.shape[0]:
             paged_prefill_attention.paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.max_query_len,
-                layer.scale, out=out, tiles=meta.prefill_tiles, query_tile_len=meta.query_tile_len, **scales)
+                layer.scale, out=out, tiles=meta.prefill_tiles, query_tile_len=meta.query_tile_len, window=window,
+                key_limits=meta.key_limits, **scales)
         return out
 
     @staticmethod
     def _decode_part(q, k_cache, v_cache, scale: float, rows: DecodeRows, out: torch.Tensor, scales: dict) -> None:
-        """The decode kernel on a mixed step's query-length-1 rows, written into their rows of `out`."""
+        """The decode kernel on a mixed step's query-length-1 rows, written into their rows of `out`
+        (`scales`: the kernel's keyword arguments: the FP8 scales, the window)."""
         if rows.token_index is None:
             paged_attention_decode.paged_attention_decode(
                 q[:rows.num_rows], k_cache, v_cache, rows.block_tables, rows.seq_lens, scale,

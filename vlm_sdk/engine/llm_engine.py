@@ -93,7 +93,6 @@ class LLMEngine:
                                piecewise_graphs=rc.piecewise_graphs)
         self.max_position_embeddings = memory.max_position_embeddings
         layout = memory.layout  # the model's cache groups (memory_inputs refused specs that cannot share a pool)
-        check_layers(rc.attention_backend, layout)  # before any rank allocates
         # measured on CUDA even when the cache size is given: the report shows it
         profiles = executor.collective_rpc("profile_memory", largest_image, self.max_position_embeddings,
                                            memory.held_vision_tokens)
@@ -110,8 +109,12 @@ class LLMEngine:
         self.memory_report = startup_report(memory, loads, ranks, self.cache_config, self.scheduler_config,
                                             measured=profiles[0] is not None)
         logger.info("%s", self.memory_report.format())
+        if family.whole_images:
+            check_whole_image_budget(self.scheduler_config.max_num_batched_tokens, largest_image.num_tokens,
+                                     family.display_name)
         self.cache = CacheCoordinator(layout, self.cache_config.num_blocks, args.block_size,
-                                      args.enable_prefix_caching, self.cache_config.num_state_slots)
+                                      args.enable_prefix_caching, self.cache_config.num_state_slots,
+                                      whole_images=family.whole_images)
         self.scheduler = Scheduler(self.scheduler_config, self.cache)
         self.requests: dict[str, Sequence] = {}
         self._next_id = 0
@@ -337,6 +340,17 @@ class LLMEngine:
                 "grammar_process_bytes": self.inputs.grammars.process_bytes(),
                 **{f"total_{k}": v for k, v in self.totals.items()}}
 
+
+
+def check_whole_image_budget(max_num_batched_tokens: int, image_tokens: int, model: str) -> None:
+    """A model whose image tokens attend to each other computes an image in one prefill chunk: one step's
+    budget must hold the largest one (`InvalidRequestError` naming the setting otherwise)."""
+    if max_num_batched_tokens < image_tokens:
+        raise InvalidRequestError(
+            f"{model}'s image tokens attend to each other, so a prefill chunk holds an image's {image_tokens} "
+            f"tokens whole; max_num_batched_tokens={max_num_batched_tokens} is below that: set "
+            f"max_num_batched_tokens to at least {image_tokens} (--max-num-batched-tokens)",
+            param="max_num_batched_tokens")
 
 
 def _output(seq: Sequence, new_token_ids: list[int]) -> EngineOutput:

@@ -112,6 +112,12 @@ class KernelOps(ABC):
         w2 `[E, H, I]`, topk_weights `[N, K]` float32, topk_ids `[N, K]`; `scales`: the block scales of FP8
         experts; kernels/fused_moe_torch.py)."""
 
+    # GeGLU (Gemma's MLP): the torch maths in both kernel sets until one fuses it
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """`[N, 2I] -> [N, I]`: gelu_tanh(gate) * up (GeGLU, transformers' "gelu_pytorch_tanh")."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def rotary_store_kv(self, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, rope: RotaryInputs,
                         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
                         kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,

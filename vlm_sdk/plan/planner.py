@@ -61,6 +61,7 @@ from vlm_sdk.model_loader import read_config
 from vlm_sdk.models import registry
 from vlm_sdk.plan import device as _device
 from vlm_sdk.plan import rules
+from vlm_sdk.plan.contexts import CONTEXT_LENGTHS, context_fits
 from vlm_sdk.plan.device import DEVICE_HINT, Memory, parse_size
 from vlm_sdk.plan.rules import Problem
 
@@ -134,6 +135,9 @@ class MemoryPlan(MemoryTotals):
     num_state_slots: int = 0
     state_slot_bytes: int = 0
     prefix_reuse: tuple = ()
+    # a model with sliding-window layers: requests of 8k / 32k / 128k tokens (up to max_position_embeddings),
+    # their window and global KV, against an all-full-attention allocation (plan/contexts.py)
+    context_fits: tuple = ()
 
     def consumer_bytes(self, name: str) -> int:
         """A consumer's bytes (0 when it does not apply: e.g. graph pools on the CPU)."""
@@ -237,6 +241,8 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
         kv_cache_dtype=str(m.kv_dtype).removeprefix("torch."),
         fp8_capacity_tokens=None if cache.fp8_blocks is None else
         dataclasses.replace(cache, num_blocks=max(cache.fp8_blocks, 0)).capacity_tokens,
+        context_fits=context_fits(m.layout, blocks, args.block_size, args.max_num_batched_tokens,
+                                  tuple(n for n in CONTEXT_LENGTHS if n <= m.max_position_embeddings)),
         **{**cache_shares(m, cache, max_model_len), "cache_capacity_tokens": capacity})
 
 

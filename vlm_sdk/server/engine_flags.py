@@ -179,6 +179,11 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
             continue
         default = "the checkpoint's" if setting.default is None else setting.default
         help_text = setting.help if "default" in setting.help else f"{setting.help} (default {default})"
+        if setting.type is bool:  # a family's switch (Gemma 3's do_pan_and_scan): --name / --no-name
+            group_of(name, family=True).add_argument("--" + name.replace("_", "-"), dest="engine_" + name,
+                                                     action=argparse.BooleanOptionalAction, default=None,
+                                                     help=help_text)
+            continue
         group_of(name, family=True).add_argument("--" + name.replace("_", "-"), dest="engine_" + name,
                                                  type=setting.type, default=None, metavar=name.upper(),
                                                  help=help_text)

@@ -12,6 +12,7 @@ FIXTURE_MODULES = MappingProxyType({
     "internvl": "vlm_sdk.models.internvl.fixtures",
     "qwen3_vl": "vlm_sdk.models.qwen3_vl.fixtures",
     "qwen3_vl_moe": "vlm_sdk.models.qwen3_vl_moe.fixtures",
+    "gemma3": "vlm_sdk.models.gemma3.fixtures",
 })
 
 

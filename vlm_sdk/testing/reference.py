@@ -10,17 +10,20 @@ import torch
 def hf_batch(prompts: list[dict], pad_token_id: int) -> dict:
     """Left-pad single prompts into one batch."""
     width = max(p["input_ids"].shape[1] for p in prompts)
-    ids, mask, types = [], [], []
+    ids, mask = [], []
+    # the image-token flags some families' forward reads: Qwen's mm_token_type_ids, Gemma 3's token_type_ids
+    types: dict[str, list[torch.Tensor]] = {}
     for p in prompts:
         n = p["input_ids"].shape[1]
         pad = width - n
         ids.append(torch.cat([torch.full((pad,), pad_token_id), p["input_ids"][0]]))
         mask.append(torch.cat([torch.zeros(pad, dtype=torch.long), torch.ones(n, dtype=torch.long)]))
-        if "mm_token_type_ids" in p:  # Qwen2.5-VL only
-            types.append(torch.cat([torch.zeros(pad, dtype=torch.int), p["mm_token_type_ids"][0]]))
+        for key in ("mm_token_type_ids", "token_type_ids"):
+            if key in p:
+                flags = p[key][0]
+                types.setdefault(key, []).append(torch.cat([torch.zeros(pad, dtype=flags.dtype), flags]))
     out = {"input_ids": torch.stack(ids), "attention_mask": torch.stack(mask)}
-    if types:
-        out["mm_token_type_ids"] = torch.stack(types)
+    out.update({key: torch.stack(rows) for key, rows in types.items()})
     with_images = [p for p in prompts if "pixel_values" in p]
     if with_images:
         out["pixel_values"] = torch.cat([p["pixel_values"] for p in with_images])

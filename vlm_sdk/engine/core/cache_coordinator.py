@@ -50,8 +50,10 @@ NO_COPIES: tuple[tuple[int, int], ...] = ()
 
 class CacheCoordinator:
     def __init__(self, layout: CacheLayout, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_state_slots: int = 0):
-        """`num_state_slots`: the state pool's size when the model has state layers (ignored otherwise)."""
+                 num_state_slots: int = 0, whole_images: bool = False):
+        """`num_state_slots`: the state pool's size when the model has state layers (ignored otherwise);
+        `whole_images`: no prefill chunk ends inside an image (`whole_image_chunk`)."""
+        self.whole_images = whole_images
         self.layout = layout
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -140,6 +142,10 @@ class CacheCoordinator:
         n = min(seq.num_tokens - computed, budget)
         if self.aligned:
             n = self.align(seq, computed, n)
+        if self.whole_images:
+            n = whole_image_chunk(seq, computed, n)
+            if n == 0:  # it starts inside an image the budget cannot hold whole: not this step
+                return None
         hits = [m.hit_blocks(seq.block_hashes, k) for m in self.managers] if k else None
         need = self.blocks_for(computed + n) - k
         # free now: taking them back uses free room
@@ -233,6 +239,10 @@ class CacheCoordinator:
             seq.state_slot = -1
 
     # -- state layers ------------------------------------------------------------------------------
+    def whole_image(self, seq: Sequence, computed: int, n: int) -> int:
+        """`n` as `whole_image_chunk` cuts it when the model asks for whole images, else `n`."""
+        return whole_image_chunk(seq, computed, n) if self.whole_images else n
+
     def align(self, seq: Sequence, computed: int, n: int) -> int:
         """A prefill chunk of `n` tokens from `computed`, cut to end on a block boundary (so that the
         state there can be checkpointed), and at the last boundary before the sequence's last token
@@ -304,3 +314,18 @@ class CacheCoordinator:
                         "slot_bytes": group.spec.slot_bytes, "slots_used": used, "slots_free": state.num_free,
                         "slots_cached": state.num_cached_free})
         return out
+
+
+def whole_image_chunk(seq: Sequence, computed: int, n: int) -> int:
+    """A chunk of `n` tokens from `computed` that ends inside no image: cut to end where the image its end
+    falls in starts, or 0 when it starts inside (or at the start of) that image, which it cannot hold
+    whole (the sequence waits for a step with budget for the rest of the image). A model whose image
+    tokens attend to each other needs this: tokens of an image computed in one chunk could not see the
+    image's tokens of the next."""
+    end = computed + n
+    for span in seq.image_spans:  # ascending
+        if span.start < end < span.end:
+            return span.start - computed if span.start > computed else 0
+        if span.start >= end:
+            break
+    return n

@@ -6,13 +6,16 @@ budget. When the pool has too few free blocks, the most recently started running
 preempted: its blocks (and state slot) are freed and it goes back to the front of the waiting queue,
 to be recomputed later (its generated tokens are kept). Waiting sequences are admitted while budget,
 blocks, state slots and `max_num_seqs` allow, and not at all in a step that had to preempt, in the
-order of the waiting queue (engine/core/waiting_queue.py): the preempted first, then round-robin
-across requests (a request: `Sequence.group`), no request holding more than 3/4 of `max_num_seqs`;
-FIFO when every request is one sequence. A sequence that starts or restarts shares the blocks of its
-longest cached prefix and computes only the rest (`CacheCoordinator.start`); a preempted sequence may
-find its own blocks still cached when it returns. With state layers and prefix caching, prefill
-chunks end on block boundaries (`CacheCoordinator.align`), and the step's state copies come from
-`CacheCoordinator.end_step`.
+order of the waiting queue (engine/core/waiting_queue.py): the preempted first, then round-robin across
+requests (a request: `Sequence.group`), no request holding more than 3/4 of `max_num_seqs`; FIFO when
+every request is one sequence. A sequence that starts or restarts shares the blocks of its longest
+cached prefix and computes only the rest (`CacheCoordinator.start`); a preempted sequence may find its
+own blocks still cached when it returns. With state layers and prefix caching, prefill chunks end on
+block boundaries (`CacheCoordinator.align`), and the step's state copies come from
+`CacheCoordinator.end_step`. For a model whose image tokens attend to each other
+(`FamilySpec.whole_images`) a prefill chunk never ends inside an image: it ends before it, or the
+sequence waits for a step whose budget holds the rest of the image (`cache_coordinator.whole_image_chunk`;
+start-up checks that max_num_batched_tokens holds one).
 
 Every sequence is at most `max_model_len` tokens and `max_model_len` never exceeds the cache, so a
 sequence running alone always fits: preemption cannot loop forever.
@@ -68,6 +71,7 @@ class Scheduler:
         size = self.cache.block_size
         caching = self.cache.enable_prefix_caching
         aligned = self.cache.aligned
+        whole_images = self.cache.whole_images
         # preemption removes sequences from the end of `running` only: the iterator stops before them
         for seq in running:
             if budget <= 0:
@@ -77,6 +81,10 @@ class Scheduler:
                 continue  # the token on its way is its last (max_tokens or max_model_len): nothing to compute
             if aligned and n > 1:  # a prefill chunk ends on a block boundary: its state can be checkpointed
                 n = self.cache.align(seq, seq.num_computed_tokens, n)
+            if whole_images and seq.num_computed_tokens < seq.num_prompt_tokens:
+                n = self.cache.whole_image(seq, seq.num_computed_tokens, n)  # never ends inside an image
+                if n == 0:
+                    continue  # the rest of an image does not fit this step's budget: a later step's
             total = seq.num_computed_tokens + n
             # the usual case, kept lean (it runs for every sequence every step): the blocks held suffice and
             # none fills up, so `allocate` would change nothing (every group holds as many blocks as group 0)
