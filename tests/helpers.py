@@ -122,4 +122,4 @@ def chunk_budget(llm, smallest: int = 13) -> int:
     engine = llm.engine
     if not engine.cache.whole_images:
         return smallest
-    return max(smallest, engine.processor.largest_image().num_tokens)
+    return max(smallest, engine.inputs.processor.largest_image().num_tokens)

@@ -76,8 +76,8 @@ class GemmaDecoderConfig:
                                   f"decoder (its MLP is GeGLU with the tanh GELU: 'gelu_pytorch_tanh')")
         if get("attn_logit_softcapping") is not None:
             raise CheckpointError(f"config.json text_config.attn_logit_softcapping {get('attn_logit_softcapping')} "
-                                  f"is not supported: Gemma 3 caps no attention logit (transformers' Gemma3Attention "
-                                  f"ignores the field and no published Gemma 3 sets it); set it to null")
+                                  f"is not supported: this decoder caps no attention logit (transformers' attention of this "
+                                  f"generation ignores the field and no published checkpoint of it sets it); set it to null")
         if get("use_bidirectional_attention"):
             raise CheckpointError("config.json text_config.use_bidirectional_attention=true (an encoder such as "
                                   "EmbeddingGemma) is not served: this decoder is causal")

@@ -65,7 +65,7 @@ class SiglipVisionConfig:
 
         if get("vision_use_head"):
             raise CheckpointError(f"config.json {where}.vision_use_head=true: the SigLIP attention-pooling head is not "
-                                  f"served (a vision-language model reads the patch states; Gemma 3's configs set false)")
+                                  f"served (a vision-language model reads the patch states; the published VLM configs set false)")
         act = get("hidden_act")
         if act not in ACTIVATIONS:
             raise CheckpointError(f"config.json {where}.hidden_act {act!r} is not supported "

@@ -37,7 +37,7 @@ from vlm_sdk.models.common.gemma_decoder import GemmaDecoder
 from vlm_sdk.models.common.image_spans import image_key_limits
 from vlm_sdk.models.common.siglip import SiglipVisionConfig, SiglipVisionTower
 from vlm_sdk.models.gemma3.projector import Gemma3Projector
-from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
+from vlm_sdk.models.common.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
 
 # the saved and published spellings -> transformers 5's in-memory names (longest prefix first)
 _ALIASES = (("language_model.lm_head.", "lm_head."), ("language_model.model.", "model.language_model."),

@@ -56,7 +56,7 @@ def test_too_long_error_numbers_and_every_fix_runs_the_same_conversation(family_
     blocks = max(b for b in range(1, cache.blocks_for(n) + 1) if capacity(b) <= target)
     assert 0 < capacity(blocks) < n
     # an image setting that alone makes it fit (the family's fix), where one does: a smaller image
-    shrinkable = bool(llm.engine.processor.image_setting_fixes(reference, capacity(blocks) - PARAMS.max_tokens))
+    shrinkable = bool(llm.engine.inputs.processor.image_setting_fixes(reference, capacity(blocks) - PARAMS.max_tokens))
     small = LLM(path, num_blocks=blocks, allow_unfit_images=True, show_progress=False)  # below the largest image
     with pytest.raises(InputTooLongError) as info:
         small.chat(_big_conv(), PARAMS)

@@ -147,7 +147,7 @@ def test_images_differing_in_one_pixel_or_in_settings_share_only_the_text_before
     seen, queries, hits = set(), 0, 0
     for conv in (_ask(img, "What is it?"), _ask(changed, "What is it?"),
                  _ask(img, "What is it?", **SMALLER[family_ckpt[0]])):
-        for im in llm.engine.build_prompt(conv).images:
+        for im in llm.engine.inputs.build_prompt(conv).images:
             queries, hits = queries + 1, hits + (im.key in seen)
             seen.add(im.key)
     s = llm.stats()

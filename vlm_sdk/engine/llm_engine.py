@@ -32,7 +32,6 @@ import time
 
 import torch
 
-from vlm_sdk.attention.selector import check_layers
 from vlm_sdk.config import EngineArgs, fp8_kv_cache_runs, resolve_rank_config
 from vlm_sdk.engine.core.cache_coordinator import CacheCoordinator
 from vlm_sdk.engine.output.engine_output import EngineOutput

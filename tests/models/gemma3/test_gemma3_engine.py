@@ -97,7 +97,7 @@ def test_greedy_batched_equals_transformers(llm, expected):
 def test_pan_and_scan_crops_equal_transformers(gemma3_ckpt, expected):
     crops = LLM(gemma3_ckpt, show_progress=False, **SMALL_CROPS)
     out = crops.chat(conversations()["wide"], GREEDY)
-    assert len(crops.engine.build_prompt(conversations()["wide"]).images) == 5  # the image and 4 crops
+    assert len(crops.engine.inputs.build_prompt(conversations()["wide"]).images) == 5  # the image and 4 crops
     _check(out, ["wide_crops"], expected)
 
 
@@ -153,7 +153,7 @@ def test_sliding_window_blocks_go_back_to_the_pool_during_a_long_decode(gemma3_c
     block, window = 4, 12
     llm = LLM(gemma3_ckpt, show_progress=False, enable_prefix_caching=False, block_size=block)
     engine = llm.engine
-    rid = engine.add_request(engine.build_prompt(conversations()["text"]),
+    rid = engine.add_request(engine.inputs.build_prompt(conversations()["text"]),
                              SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True))
     prompt = engine.requests[rid].num_prompt_tokens
     window_blocks = -(-(window - 1) // block)  # the blocks before a block boundary a query there reads
