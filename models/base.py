@@ -81,9 +81,9 @@ class VisionLanguageModel(nn.Module, ABC):
     (1, or 3 for M-RoPE) is the first dim of the positions `forward` takes; `positions()` makes them
     from the prompt.
 
-    Under tensor parallelism (a model built with `tp=TPGroup(rank, size, group)`) every rank runs
-    every method on the same inputs and gets the same outputs (`encode_images`, `embed_tokens`,
-    `forward` and `compute_logits` are whole on every rank: the layers all-reduce and gather);
+    Under tensor parallelism (a model built with `parallel=ParallelGroups(TPGroup(rank, size, group))`)
+    every rank runs every method on the same inputs and gets the same outputs (`encode_images`,
+    `embed_tokens`, `forward` and `compute_logits` are whole on every rank: the layers all-reduce and gather);
     `num_kv_heads` is this rank's count, the heads its KV cache holds.
     """
     position_rows: int = 1

@@ -156,9 +156,9 @@ class FamilySpec(ABC):
     @property
     @abstractmethod
     def model_cls(self) -> type:
-        """`VisionLanguageModel` subclass: `model_cls(hf_config, dtype=, device=, ops=, tp=TPGroup(),
-        shard_vision=True)` (`tp`: this rank's tensor-parallel group; `shard_vision` False replicates the
-        vision tower and projector on every rank)."""
+        """`VisionLanguageModel` subclass: `model_cls(hf_config, dtype=, device=, ops=,
+        parallel=ParallelGroups(), shard_vision=True)` (`parallel`: this rank's groups, vlm_sdk/layers/
+        parallel_state.py; `shard_vision` False replicates the vision tower and projector on every rank)."""
 
     @property
     @abstractmethod
@@ -171,16 +171,17 @@ class FamilySpec(ABC):
         """`PromptProcessor` subclass: `.from_engine_args(tokenizer, image_processor, hf_config, EngineArgs,
         family)`."""
 
-    def meta_model(self, hf_config: Any, dtype: Any, tp_size: int = 1, shard_vision: bool = True,
-                   expert_parallel: bool = False) -> Any:
-        """The model as rank 0 of `tp_size` ranks builds it (`expert_parallel`: whole MoE experts per
-        rank), on the meta device (no memory): what the engine and `vlm-sdk plan` read sizes and image
+    def meta_model(self, hf_config: Any, dtype: Any, parallel: Any = None, shard_vision: bool = True) -> Any:
+        """The model as rank 0 of the layout `parallel` (a `vlm_sdk.config.ParallelConfig`; None: one rank)
+        builds it, on the meta device (no memory): what the engine and `vlm-sdk plan` read sizes and image
         limits from without loading anything."""
         import torch
-        from vlm_sdk.layers.parallel_state import TPGroup
+        from vlm_sdk.config import ParallelConfig
+        from vlm_sdk.layers.parallel_state import ParallelGroups
         with torch.device("meta"):
             return self.model_cls(hf_config, dtype=dtype, device="meta",
-                                  tp=TPGroup(0, tp_size, expert_parallel=expert_parallel), shard_vision=shard_vision)
+                                  parallel=ParallelGroups.first_rank(parallel or ParallelConfig()),
+                                  shard_vision=shard_vision)
 
     def make_processor(self, tokenizer: Any, image_processor: Any, hf_config: Any, args: Any) -> Any:
         """The engine's prompt processor: this family's settings in `args.mm_processor_kwargs` checked,

@@ -8,12 +8,12 @@ import torch
 from helpers import image
 from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.config import EngineArgs
-from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.parallel_state import ParallelGroups, TPGroup
 from vlm_sdk.model_loader import iter_safetensors, load_tokenizer, read_checkpoint
 from vlm_sdk.models.base import StepImages
 from vlm_sdk.models.registry import resolve
-from vlm_sdk.models.qwen2_5_vl.image_processor import QwenImage
-from vlm_sdk.models.qwen2_5_vl.rope_index import mrope_positions
+from vlm_sdk.models.common.qwen_vl.image_processor import QwenImage
+from vlm_sdk.models.common.qwen_vl.rope_index import mrope_positions
 from vlm_sdk.multimodal.inputs import ImageInput
 
 BLOCK = 16
@@ -174,11 +174,12 @@ def image_prompt(ckpt):
 
 
 @torch.no_grad()
-def tp_prefill(ckpt, tp: TPGroup, shard_vision: bool) -> dict:
+def tp_prefill(ckpt, tp: TPGroup, shard_vision: bool, expert_parallel: bool = False) -> dict:
     """One rank's prefill of `image_prompt` (weights read lazily: only its slices): the logits, its KV and
     vision heads, the image rows."""
     info = read_checkpoint(ckpt)
-    model = resolve([info.architecture]).model_cls(info.hf_config, tp=tp, shard_vision=shard_vision)
+    parallel = ParallelGroups(tp, expert_parallel=expert_parallel)
+    model = resolve([info.architecture]).model_cls(info.hf_config, parallel=parallel, shard_vision=shard_vision)
     model.load_weights(iter_safetensors(ckpt, show_progress=False, lazy=tp.size > 1), source=ckpt)
     prompt = image_prompt(ckpt)
     n = len(prompt.token_ids)

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             return run_plan(args)
         if args.command == "serve":
-            return run_serve(args)
+            return run_serve(args, tiny_model_dir)
         if args.command == "chat":
             return asyncio.run(_chat(args))
         if args.command == "bench-serve" and args.red_team:

@@ -318,6 +318,10 @@ class EngineArgs:
                 f"memory_utilization out, or size the cache with e.g. kv_cache_memory='2GiB' "
                 f"(--kv-cache-memory 2GiB)", param="memory_utilization")
 
+    def parallel_config(self) -> ParallelConfig:
+        """The ranks' layout these settings ask for (the engine's and `vlm-sdk plan`'s)."""
+        return ParallelConfig(self.tensor_parallel_size, 1, self.enable_expert_parallel)
+
     def resolve_async_scheduling(self, device: torch.device, tensor_parallel_size: int) -> bool:
         """Whether steps are scheduled asynchronously: `async_scheduling`, or by default on CUDA with one
         rank (on the CPU a step's work is done when it returns: there is nothing to overlap)."""
@@ -377,6 +381,26 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over ranks, every dimension in one value: `EngineArgs.parallel_config()`,
+    carried to every rank in `RankConfig.parallel`; each rank's own groups are a `ParallelGroups`
+    (vlm_sdk/layers/parallel_state.py). Ranks = tensor x pipeline. Pipeline parallelism is not built
+    (issue 46): its size is 1, the value and the paths it takes (executor, workers, models) are in place."""
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE layers: whole experts over the tensor-parallel ranks
+
+    def __post_init__(self):
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be >= 1 and "
+                             f"pipeline_parallel_size {self.pipeline_parallel_size} must be 1 (no pipeline stages yet)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
 class RankConfig:
     """`EngineArgs` resolved once, on the engine side (`EngineArgs.resolve`): what every rank receives, so
     no rank works out a default of its own. `args` keeps the user's settings for the rest."""
@@ -389,6 +413,7 @@ class RankConfig:
     piecewise_graphs: bool  # steps with prefill rows may replay piecewise CUDA graphs (one rank; the model's
     # decoder stack decides the rest: vlm_sdk/worker/piecewise_graphs.py)
     kv_cache_dtype: str = ""  # the cache's dtype, e.g. "bfloat16" or "float8_e4m3fn"; "": the model's
+    parallel: ParallelConfig = ParallelConfig()  # the ranks' layout (tensor, pipeline, expert)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -414,7 +439,8 @@ def resolve_rank_config(args: EngineArgs) -> RankConfig:
     if kv_dtype == KV_FP8:
         check_fp8_kv_cache(device, backend)
     return RankConfig(args, device.type, _name(dtype), backend, args.resolve_async_scheduling(device, size),
-                      decode_graphs, decode_graphs and args.piecewise_cuda_graphs and size == 1, _name(kv_dtype))
+                      decode_graphs, decode_graphs and args.piecewise_cuda_graphs and size == 1, _name(kv_dtype),
+                      args.parallel_config())
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 
+from vlm_sdk.demo_checkpoint import tiny_model_dir
 from vlm_sdk.server.cli import exit_now, serve_main
 
 if __name__ == "__main__":
-    exit_now(serve_main(sys.argv[1:]))
+    exit_now(serve_main(sys.argv[1:], tiny_model_dir))

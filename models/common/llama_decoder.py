@@ -17,12 +17,13 @@ projections (the checkpoint keeps them apart; `checkpoint_map` says where each l
     qkv_proj   rows [0, H*D) = q_proj | [H*D, (H+Hkv)*D) = k_proj | [(H+Hkv)*D, (H+2Hkv)*D) = v_proj
     gate_up    rows [0, I) = gate_proj | [I, 2I) = up_proj
 (H, Hkv, I: this rank's heads and intermediate size.) `checkpoint_map` is the published Qwen2 / Llama
-layout; InternLM2 checkpoints are renamed to it first (models/internlm2/weights.py).
+layout; InternLM2 checkpoints are renamed to it first (models/common/internlm2_weights.py).
 
-Tensor parallelism (`tp`): q heads split, KV heads split or replicated (`layers.linear.kv_head_split`),
-gate/up column- and o_proj/down row-parallel: two all-reduces per layer (after o_proj, after down), one
-in the vocab-parallel embedding, and one all-gather of the logits, so `compute_logits` returns the whole
-vocab on every rank. The residual stream and the norms are whole on every rank.
+Tensor parallelism (`parallel.tp`; `parallel.ep` spreads MoE experts whole: vlm_sdk/layers/moe.py): q
+heads split, KV heads split or replicated (`layers.linear.kv_head_split`), gate/up column- and
+o_proj/down row-parallel: two all-reduces per layer (after o_proj, after down), one in the
+vocab-parallel embedding, and one all-gather of the logits, so `compute_logits` returns the whole vocab
+on every rank. The residual stream and the norms are whole on every rank.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from vlm_sdk.layers.linear import MergedColumnParallelLinear, QKVParallelLinear,
 from vlm_sdk.layers.moe import SparseMoeBlock
 from vlm_sdk.layers.norm import RMSNorm
 from vlm_sdk.layers.ops import KernelOps, TorchOps
-from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.parallel_state import ParallelGroups
 from vlm_sdk.layers.quantized_linear import linear_layer
 from vlm_sdk.layers.rotary import MRotaryEmbedding, RotaryInputs
 from vlm_sdk.weight_loading import ParamSlot, SplitSlot
@@ -54,9 +55,9 @@ KV_SCALE_NAMES = {"k_scale": ("self_attn.k_scale", "self_attn.k_proj.k_scale", "
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaDecoderConfig, dtype: torch.dtype, device: torch.device | str, ops: KernelOps,
-                 tp: TPGroup, index: int = 0):
+                 parallel: ParallelGroups, index: int = 0):
         super().__init__()
-        self.ops = ops
+        self.ops, tp = ops, parallel.tp
         hidden, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         # a quantized checkpoint's layer kinds (the float ones where it keeps a module unquantized)
         q, name = cfg.quantization, f"{cfg.quant_prefix}layers.{index}."
@@ -75,7 +76,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, device)
         # Qwen3-MoE's sparse layers route the MLP through experts; the others keep the dense SwiGLU
         experts_quant = None if q is None or q.skips(f"{name}mlp.experts") else q
-        self.moe = SparseMoeBlock(hidden, cfg.moe, ops, dtype, device, tp, experts_quant) \
+        self.moe = SparseMoeBlock(hidden, cfg.moe, ops, dtype, device, tp, experts_quant, ep=parallel.ep) \
             if cfg.moe is not None and cfg.moe.is_sparse(index) else None
         if self.moe is None:
             self.gate_up_proj = gate_up_cls(hidden, [inter, inter], False, dtype, device, tp)
@@ -145,12 +146,14 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaDecoder(nn.Module):
     def __init__(self, cfg: LlamaDecoderConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", ops: KernelOps | None = None, tp: TPGroup = TPGroup()):
+                 device: torch.device | str = "cpu", ops: KernelOps | None = None,
+                 parallel: ParallelGroups = ParallelGroups()):
         super().__init__()
+        tp = parallel.tp
         self.cfg, self.tp = cfg, tp
         self.ops = ops or TorchOps()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device, self.ops, tp, i)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device, self.ops, parallel, i)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, device,

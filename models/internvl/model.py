@@ -12,7 +12,7 @@ Two checkpoint layouts, told apart by config.json `model_type`:
                      (an InternLM2 LLM: language_model.model.tok_embeddings / attention.wqkv / ...,
                      language_model.output.weight; its grouped wqkv is unpacked while streaming)
 
-Tensor parallelism: `tp` shards the decoder; InternViT and the mlp1 projector are sharded with the same
+Tensor parallelism: `parallel.tp` shards the decoder; InternViT and the mlp1 projector are sharded with the same
 group when `shard_vision`, else each rank holds and runs them whole (`DecoderVLM._build_vision`; also
 when the tower does not split: InternViT-6B, of InternVL2.5-78B, has 25 heads).
 """
@@ -26,13 +26,13 @@ from torch import nn
 
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import KernelOps
-from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.parallel_state import ParallelGroups
 from vlm_sdk.layers.quantization import quant_scheme
 from vlm_sdk.model_loader import config_from_dict
 from vlm_sdk.weight_loading import ParamSlot
-from vlm_sdk.models.internlm2.weights import internlm2_decoder_config, internlm2_to_llama_names
+from vlm_sdk.models.common.internlm2_weights import internlm2_decoder_config, internlm2_to_llama_names
 from vlm_sdk.models.internvl.vision import InternVisionConfig, InternVLVisionTower
-from vlm_sdk.models.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
+from vlm_sdk.models.common.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.multimodal.inputs import ImageInput
 from vlm_sdk.multimodal.pixels import images_to_device
@@ -81,7 +81,8 @@ def _llm_config(hf_config: Any, original: bool) -> tuple[Any, str]:
 
 class InternVLForCausalLM(DecoderVLM):
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 ops: KernelOps | None = None, tp: TPGroup = TPGroup(), shard_vision: bool = True):
+                 ops: KernelOps | None = None, parallel: ParallelGroups = ParallelGroups(),
+                 shard_vision: bool = True):
         """`ops` runs the decoder (the InternViT tiles are equal-length: batched SDPA serves them)."""
         super().__init__()
         self.original_layout = getattr(hf_config, "model_type", None) == "internvl_chat"
@@ -101,7 +102,7 @@ class InternVLForCausalLM(DecoderVLM):
             prefix = "language_model.model." if self.original_layout else "model.language_model."
             self.decoder_config = LlamaDecoderConfig.from_hf(llm, tie_word_embeddings=tied, mrope=False,
                                                              quantization=quantization, quant_prefix=prefix)
-        self._init_decoder(self.decoder_config, dtype, device, ops, tp, shard_vision)  # 1-D RoPE (position_rows 1)
+        self._init_decoder(self.decoder_config, dtype, device, ops, parallel, shard_vision)  # 1-D RoPE (position_rows 1)
         vision_cfg = InternVisionConfig.from_hf(hf_config, self.hidden_size)
         self.vision = self._build_vision(lambda group, dev: InternVLVisionTower(vision_cfg, dtype, dev, group, ops),
                                          device)

@@ -108,7 +108,7 @@ def convert_to_original_layout(hf_dir, out_dir, llm_layout: str = "auto", *, max
     "llama" keeps a llama text config as `LlamaForCausalLM`. `max_shard_size` (bytes or e.g. "200KB")
     splits the weights into `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`.
     """
-    from vlm_sdk.models.internlm2.weights import pack_wqkv
+    from vlm_sdk.models.common.internlm2_weights import pack_wqkv
 
     src, out = Path(hf_dir), Path(out_dir)
     hf = json.loads((src / "config.json").read_text(encoding="utf-8"))

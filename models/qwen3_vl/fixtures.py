@@ -1,14 +1,14 @@
 """Qwen3-VL's test and benchmark fixtures (registered in vlm_sdk/testing/families.py; never imported by
-runtime code). The preprocessing comparison is Qwen2.5-VL's on this family's image processor
-(transformers' Qwen2-VL processor at patch 16)."""
+runtime code). The preprocessing comparison is the Qwen-VL families' (models/common/qwen_vl/fixtures.py)
+on this family's image processor (transformers' Qwen2-VL processor at patch 16)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_sdk.models.qwen2_5_vl.fixtures import Qwen2_5_VLFixtures
+from vlm_sdk.models.common.qwen_vl.fixtures import QwenVLFixtures
 
 
-class Qwen3VLFixtures(Qwen2_5_VLFixtures):
+class Qwen3VLFixtures(QwenVLFixtures):
     family = "qwen3_vl"
     # Qwen2.5-VL's workload, so the two figures compare; 448 = 14 * 32 is whole 32-pixel cells: 196
     # image tokens per image (256 at Qwen2.5-VL's 28-pixel cells)

@@ -1,97 +1,10 @@
-"""Qwen3-VL: the vision tower with DeepStack mergers plus the Llama-style decoder as Qwen3 configures it
-(q/k RMSNorm per head, no qkv bias) with interleaved M-RoPE, on the paged KV cache.
-
-DeepStack through the engine. `encode_images` returns each image token's row as
-`[merger output | DeepStack level 0 | level 1 | ...]`, `hidden * (1 + levels)` wide; the engine caches,
-slices (chunked prefill, a prefix cached part-way into an image) and hands back rows of that width
-(`StepImages`), so the features of every level travel with their image token through the encoder cache
-and preemption. `forward` splits each row: the first `hidden` columns replace the image token's
-embedding, level k is added to its hidden state after decoder layer k (`LlamaDecoder`'s `deepstack=`).
-
-Checkpoint names are the published ones, which transformers 5 also writes: `model.language_model.*`,
-`model.visual.*`, `lm_head.weight` (q/k/v and gate/up fused on load: `LlamaDecoder.checkpoint_map`).
-
-Tensor parallelism: `tp` shards the decoder; the vision tower and its mergers are sharded with the same
-group when `shard_vision`, else each rank holds and runs the whole tower (`DecoderVLM._build_vision`).
-"""
+"""Qwen3-VL's model: the Qwen3-VL architecture (models/common/qwen_vl/deepstack_model.py: the vision tower
+with DeepStack mergers, a Qwen3 decoder with interleaved M-RoPE and q/k norm) as it stands. Its MoE
+variant builds on the same base (models/qwen3_vl_moe/model.py)."""
 from __future__ import annotations
 
-from typing import Any
+from vlm_sdk.models.common.qwen_vl.deepstack_model import DeepStackVLM
 
-import torch
-from torch import nn
 
-from vlm_sdk.attention.metadata import StepMetadata
-from vlm_sdk.errors import CheckpointError
-from vlm_sdk.layers.ops import KernelOps
-from vlm_sdk.layers.parallel_state import TPGroup
-from vlm_sdk.layers.quantization import quant_scheme
-from vlm_sdk.models.base import LayerCache, StepImages
-from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
-from vlm_sdk.models.qwen2_5_vl.image_processor import pixels_to_device
-from vlm_sdk.models.qwen2_5_vl.model import QwenVLM
-from vlm_sdk.models.qwen3_vl.vision import Qwen3VLVisionTransformer
-from vlm_sdk.multimodal.inputs import ImageInput
-
-class Qwen3VLForCausalLM(QwenVLM):
-    lm_prefix, vision_prefix = "model.language_model.", "model.visual."  # transformers 5's layout, as published
-
-    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 ops: KernelOps | None = None, tp: TPGroup = TPGroup(), shard_vision: bool = True):
-        super().__init__()
-        text = hf_config.text_config
-        cfg = LlamaDecoderConfig.from_hf(text, tie_word_embeddings=self.ties_embeddings(hf_config), mrope=True,
-                                         quantization=quant_scheme(hf_config), quant_prefix=self.lm_prefix)
-        if not cfg.qk_norm:
-            raise CheckpointError(f"config.json text_config model_type {getattr(text, 'model_type', None)!r} is not a "
-                                  f"Qwen3 LLM (q/k norm): Qwen3-VL needs one")
-        self._init_decoder(cfg, dtype, device, ops, tp, shard_vision)
-        self.visual = self._build_vision(
-            lambda group, dev: Qwen3VLVisionTransformer(hf_config.vision_config, dtype, dev, ops, group), device)
-        if self.visual.out_hidden_size != cfg.hidden_size:
-            raise CheckpointError(f"vision_config.out_hidden_size {self.visual.out_hidden_size} != text hidden_size "
-                                  f"{cfg.hidden_size}")
-        self.deepstack_levels = len(self.visual.deepstack_visual_indexes)
-        if self.deepstack_levels > cfg.num_layers:
-            raise CheckpointError(f"vision_config.deepstack_visual_indexes has {self.deepstack_levels} levels but the "
-                                  f"LLM has {cfg.num_layers} layers to add them to")
-        self.image_token_id = int(hf_config.image_token_id)
-        self.spatial_merge_size = int(hf_config.vision_config.spatial_merge_size)
-        self.requires_grad_(False)
-
-    @staticmethod
-    def ties_embeddings(hf_config: Any) -> bool:
-        """Whether lm_head is the token embedding: either config.json level says so."""
-        text = hf_config.text_config
-        return bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
-
-    def encode_images(self, images: list[ImageInput]) -> torch.Tensor:  # [image tokens, hidden * (1 + levels)]
-        """Each image's `data` `[patches, patch_dim]` and `meta.grid_thw` (a `QwenImage`)."""
-        device = self.decoder.embed_tokens.weight.device
-        pixels = pixels_to_device(images, self.visual.temporal_patch_size, device, self.dtype)  # [patches, patch_dim]
-        merged, levels = self.visual(pixels, [im.meta.grid_thw for im in images])
-        return torch.cat([merged, *levels], dim=1)
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
-                meta: StepMetadata, images: StepImages | None = None) -> torch.Tensor:
-        deepstack = None
-        if images is not None:
-            hidden = self.hidden_size
-            rows = images.embeds.to(inputs_embeds.dtype)  # [n, hidden * (1 + levels)]
-            if rows.shape[1] != hidden * (1 + self.deepstack_levels):
-                raise ValueError(f"image rows are {rows.shape[1]} wide; this model's encode_images gives "
-                                 f"{hidden} * (1 + {self.deepstack_levels} DeepStack levels)")
-            inputs_embeds[images.rows] = rows[:, :hidden]
-            if self.deepstack_levels:
-                deepstack = (images.rows, list(rows[:, hidden:].split(hidden, dim=1)))  # levels [n, hidden] each
-        return self.decoder(inputs_embeds, positions, caches, meta, deepstack=deepstack)
-
-    def stack_inputs(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                     images: StepImages | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Steps with image rows add DeepStack features between layers: those need `forward`."""
-        if images is not None and self.deepstack_levels:
-            return None
-        return super().stack_inputs(inputs_embeds, positions, images)
-
-    def _vision_parts(self) -> tuple[nn.Module, nn.Module]:
-        return self.visual, self.visual.projector
+class Qwen3VLForCausalLM(DeepStackVLM):
+    """Qwen3-VL (dense): `DeepStackVLM`; lm_head is tied when either level of config.json says so."""

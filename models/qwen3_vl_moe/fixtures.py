@@ -1,15 +1,16 @@
 """Qwen3-VL-MoE's test and benchmark fixtures (registered in vlm_sdk/testing/families.py; never imported
-by runtime code): Qwen3-VL's (the preprocessing comparison, the benchmark images) on its own checkpoints
-and reference."""
+by runtime code): the Qwen-VL families' (models/common/qwen_vl/fixtures.py: the preprocessing comparison),
+with Qwen3-VL's benchmark images, on its own checkpoints and reference."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_sdk.models.qwen3_vl.fixtures import Qwen3VLFixtures
+from vlm_sdk.models.common.qwen_vl.fixtures import QwenVLFixtures
 
 
-class Qwen3VLMoeFixtures(Qwen3VLFixtures):
+class Qwen3VLMoeFixtures(QwenVLFixtures):
     family = "qwen3_vl_moe"
+    bench_image_sizes = ((448, 448),)  # Qwen3-VL's: whole 32-pixel cells
     reference_module = "vlm_sdk.models.qwen3_vl_moe.reference"
 
     def make_tiny_checkpoint(self, path: Path, seed: int = 0, **overrides) -> Path:

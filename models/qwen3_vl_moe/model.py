@@ -1,6 +1,7 @@
-"""Qwen3-VL-MoE (Qwen3-VL-30B-A3B, 235B-A22B): Qwen3-VL (models/qwen3_vl/model.py: the vision tower with
-DeepStack mergers, interleaved M-RoPE, q/k norm) whose decoder routes each sparse layer's MLP through
-experts (`LlamaDecoderConfig.moe`, a `SparseMoeBlock` per sparse layer: vlm_sdk/layers/moe.py).
+"""Qwen3-VL-MoE (Qwen3-VL-30B-A3B, 235B-A22B): the Qwen3-VL architecture (Qwen3-VL's model too:
+models/common/qwen_vl/deepstack_model.py, the vision tower with DeepStack mergers, interleaved M-RoPE,
+q/k norm) whose decoder routes each sparse layer's MLP through experts (`LlamaDecoderConfig.moe`, a
+`SparseMoeBlock` per sparse layer: vlm_sdk/layers/moe.py).
 
 Checkpoints: the published names (`model.language_model.*`, `model.visual.*`, `lm_head.weight`) with
 the experts in any of the three layouts of models/qwen3_vl_moe/weights.py (transformers 5's fused
@@ -21,15 +22,16 @@ import torch
 
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import KernelOps
-from vlm_sdk.layers.parallel_state import TPGroup
-from vlm_sdk.models.qwen3_vl.model import Qwen3VLForCausalLM
+from vlm_sdk.layers.parallel_state import ParallelGroups
+from vlm_sdk.models.common.qwen_vl.deepstack_model import DeepStackVLM
 from vlm_sdk.models.qwen3_vl_moe.weights import only_experts, split_fused_experts
 
 
-class Qwen3VLMoeForCausalLM(Qwen3VLForCausalLM):
+class Qwen3VLMoeForCausalLM(DeepStackVLM):
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 ops: KernelOps | None = None, tp: TPGroup = TPGroup(), shard_vision: bool = True):
-        super().__init__(hf_config, dtype, device, ops, tp, shard_vision)
+                 ops: KernelOps | None = None, parallel: ParallelGroups = ParallelGroups(),
+                 shard_vision: bool = True):
+        super().__init__(hf_config, dtype, device, ops, parallel, shard_vision)
         if self.decoder_config.moe is None:
             raise CheckpointError("config.json text_config declares no experts (num_experts): a Qwen3-VL-MoE "
                                   "checkpoint needs num_experts, num_experts_per_tok and moe_intermediate_size")

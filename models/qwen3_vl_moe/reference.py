@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vlm_sdk.models.qwen2_5_vl.reference import hf_image_processor, hf_prompt
+from vlm_sdk.models.common.qwen_vl.reference import hf_image_processor, hf_prompt
 
 __all__ = ["hf_model", "hf_image_processor", "hf_prompt"]
 

@@ -1,15 +1,16 @@
 """The Qwen3-VL-MoE family: `FAMILY`, named in `vlm_sdk.models.registry`.
 
-Everything but the decoder's MLP is Qwen3-VL's (models/qwen3_vl/spec.py): images, settings, the
-prompt processor, the planner's image sizing. The model routes the sparse layers through experts
-(models/qwen3_vl_moe/model.py). Importing this module imports no model code.
+Everything but the decoder's MLP is Qwen3-VL's, held in models/common/qwen_vl/ for both families:
+images, settings, the prompt processor, the planner's image sizing (`Qwen3VLTowerSpec`). The model
+routes the sparse layers through experts (models/qwen3_vl_moe/model.py). Importing this module imports
+no model code.
 """
 from __future__ import annotations
 
-from vlm_sdk.models.qwen3_vl.spec import Qwen3VLSpec
+from vlm_sdk.models.common.qwen_vl.spec import Qwen3VLTowerSpec
 
 
-class Qwen3VLMoeSpec(Qwen3VLSpec):
+class Qwen3VLMoeSpec(Qwen3VLTowerSpec):
     name = "qwen3_vl_moe"
     display_name = "Qwen3-VL-MoE"
 

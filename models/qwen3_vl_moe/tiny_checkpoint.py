@@ -1,8 +1,9 @@
 """Tiny Qwen3-VL-MoE checkpoints with random weights, for tests and benchmarks without a model hub.
 
-`make_tiny_qwen3_vl_moe_checkpoint` is Qwen3-VL's builder (models/qwen3_vl/tiny_checkpoint.py: the same
-tokenizer, templates, vision tower, config layouts and options) on transformers' own
-`Qwen3VLMoeForConditionalGeneration`, with experts in the text config. Reached as
+`make_tiny_qwen3_vl_moe_checkpoint` is the Qwen3-VL architecture's writer, as Qwen3-VL's
+(models/common/qwen_vl/qwen3_tiny_checkpoint.py: the same tokenizer, templates, vision tower, config
+layouts and options), on transformers' own `Qwen3VLMoeForConditionalGeneration`, with experts in the
+text config. Reached as
 `vlm_sdk.testing.make_tiny_checkpoint(path, family="qwen3_vl_moe", ...)`.
 
 The tiny shape: 12 experts of width 32, 3 per token, in layers 0 and 2; layer 1 is in `mlp_only_layers`
@@ -26,8 +27,8 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from vlm_sdk.models.common.tiny_checkpoint import write_json
-from vlm_sdk.models.qwen3_vl.tiny_checkpoint import _DEFAULTS as QWEN3_VL_DEFAULTS
-from vlm_sdk.models.qwen3_vl.tiny_checkpoint import BENCH_SHAPE, write_qwen3_vl_checkpoint
+from vlm_sdk.models.common.qwen_vl.qwen3_tiny_checkpoint import BENCH_SHAPE, write_qwen3_vl_checkpoint
+from vlm_sdk.models.common.qwen_vl.qwen3_tiny_checkpoint import DEFAULTS as QWEN3_VL_DEFAULTS
 
 EXPERT_LAYOUTS = ("fused", "transposed", "per_expert")
 
@@ -47,7 +48,7 @@ _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "d
 
 def make_tiny_qwen3_vl_moe_checkpoint(path, seed: int = 0, **overrides) -> Path:
     """Write a complete HF-format Qwen3-VL-MoE checkpoint with random weights to `path` and return it.
-    Accepted overrides: Qwen3-VL's (models/qwen3_vl/tiny_checkpoint.py) and the expert fields above."""
+    Accepted overrides: Qwen3-VL's (models/common/qwen_vl/qwen3_tiny_checkpoint.py `DEFAULTS`) and the expert fields above."""
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
     opts = {**_DEFAULTS, **overrides}
     if opts["experts"] not in EXPERT_LAYOUTS:

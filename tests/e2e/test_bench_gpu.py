@@ -181,7 +181,7 @@ def test_bench_sets_the_image_setting_its_shapes_need(tmp_path):
     assert fixed < 12845056 and any(f"max_pixels={fixed}" in n for n in report["notes"])
     # the largest image at the bench's max_pixels fits (largest_image() may be a video's patch: videos
     # are refused per request when a part's frames do not fit)
-    from vlm_sdk.models.qwen2_5_vl.image_processor import max_image_grid
+    from vlm_sdk.models.common.qwen_vl.image_processor import max_image_grid
     ip = llm.engine.processor.image_processor
     t, h, w = max_image_grid(ip, fixed)
     assert t * h * w // ip.merge_size ** 2 <= llm.engine.scheduler_config.max_model_len

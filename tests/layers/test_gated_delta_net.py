@@ -13,7 +13,8 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from tolerance import assert_reduction_close
 from vlm_sdk.attention.metadata import StateMetadata
-from vlm_sdk.executor.launch import check_tensor_parallel_size
+from vlm_sdk.config import ParallelConfig
+from vlm_sdk.models.parallel_split import check_tensor_parallel_size
 from vlm_sdk.layers.gated_delta_net import GatedDeltaNet, GatedDeltaNetConfig
 from vlm_sdk.layers.ops import TorchOps
 from vlm_sdk.layers.parallel_state import TPGroup
@@ -157,10 +158,10 @@ def test_sizes_that_do_not_split_the_heads_are_refused_naming_those_that_do():
 
     class OneLayerFamily:  # the engine's size check builds the family's model on the meta device
         @staticmethod
-        def model_cls(hf_config, dtype, device, tp, shard_vision):
-            return GatedDeltaNet(GatedDeltaNetConfig.from_hf(hf_config), TorchOps(), dtype, device, tp)
+        def model_cls(hf_config, dtype, device, parallel, shard_vision):
+            return GatedDeltaNet(GatedDeltaNetConfig.from_hf(hf_config), TorchOps(), dtype, device, parallel.tp)
     with pytest.raises(InvalidRequestError, match=r"tensor_parallel_size=3 does not split.*Sizes that work: 1, 2$"):
-        check_tensor_parallel_size(OneLayerFamily, cfg, 3)
+        check_tensor_parallel_size(OneLayerFamily, cfg, ParallelConfig(3))
 
 
 def test_the_triton_kernel_set_gives_the_torch_sets_layer():

@@ -13,7 +13,7 @@ from tolerance import assert_reduction_close
 from vlm_sdk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vlm_sdk.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                    RowParallelLinear)
-from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.parallel_state import ParallelGroups, TPGroup
 from vlm_sdk.weight_loading import load_checked
 
 HIDDEN, INTER = 8, 12
@@ -137,7 +137,7 @@ def test_llama_decoder_on_two_ranks_loads_half_of_every_split_tensor():
     sd = LlamaForCausalLM(hf_cfg).state_dict()
     cfg = LlamaDecoderConfig.from_hf(hf_cfg, tie_word_embeddings=False, mrope=False)
     for tp in RANKS:
-        dec = LlamaDecoder(cfg, tp=tp)
+        dec = LlamaDecoder(cfg, parallel=ParallelGroups(tp))
         load_checked(dec, sd.items(), dec.checkpoint_map())
         layer, d = dec.layers[0], cfg.head_dim
         q = sd["model.layers.0.self_attn.q_proj.weight"][tp.rank * 2 * d:(tp.rank + 1) * 2 * d]

@@ -17,7 +17,7 @@ from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.moe import MoeConfig
 from vlm_sdk.layers.ops import make_ops
-from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.parallel_state import ParallelGroups, TPGroup
 from vlm_sdk.model_loader import read_config, text_config
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.models.common.llama_decoder import LlamaDecoder
@@ -68,7 +68,7 @@ def features(n: int) -> list[torch.Tensor]:  # LEVELS x [n, hidden]
 
 def build(hf: Qwen3VLTextModel, backend: str = "torch", tp: TPGroup = TPGroup(), **overrides) -> LlamaDecoder:
     cfg = replace(LlamaDecoderConfig.from_hf(hf.config, tie_word_embeddings=True, mrope=True), **overrides)
-    dec = LlamaDecoder(cfg, ops=make_ops(backend, torch.device("cpu")), tp=tp)
+    dec = LlamaDecoder(cfg, ops=make_ops(backend, torch.device("cpu")), parallel=ParallelGroups(tp))
     load_checked(dec, hf.state_dict().items(), dec.checkpoint_map(prefix=""))  # strict: q_norm / k_norm named
     return dec
 
@@ -160,7 +160,7 @@ def test_deepstack_levels_beyond_the_layers_are_refused(hf):
 def rank_hidden(tp: TPGroup, state_dict: dict, cfg: LlamaDecoderConfig) -> dict:
     """On one of two ranks: the whole prompt's hidden states with DeepStack (run_on_ranks' target)."""
     ids, positions, rows = prompt()
-    dec = LlamaDecoder(cfg, tp=tp)
+    dec = LlamaDecoder(cfg, parallel=ParallelGroups(tp))
     load_checked(dec, state_dict.items(), dec.checkpoint_map(prefix=""))
     out = run(dec, new_cache(dec), ids, positions, 0, [0, 1], (rows, features(len(rows))))
     return {"hidden": out, "q_norm": dec.layers[0].q_norm.weight.clone(), "heads": dec.layers[0].num_heads}

@@ -17,7 +17,7 @@ from helpers import image
 from tolerance import assert_reduction_close, forward_terms
 from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.config import EngineArgs
-from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.parallel_state import ParallelGroups, TPGroup
 from vlm_sdk.model_loader import iter_safetensors, load_tokenizer, read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import PromptInputs
@@ -72,7 +72,8 @@ def prompt_of(ckpt) -> PromptInputs:
 
 def build(ckpt, tp: TPGroup, shard_vision: bool = True):
     info = read_checkpoint(ckpt)
-    model = resolve([info.architecture]).model_cls(info.hf_config, dtype=torch.float32, device="cpu", tp=tp,
+    model = resolve([info.architecture]).model_cls(info.hf_config, dtype=torch.float32, device="cpu",
+                                                   parallel=ParallelGroups(tp),
                                                    shard_vision=shard_vision)
     model.load_weights(iter_safetensors(ckpt, show_progress=False, lazy=tp.size > 1), source=ckpt)
     return model.eval()

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.parallel_state import ParallelGroups, TPGroup
 from vlm_sdk.models import registry
 from vlm_sdk.testing import make_bench_checkpoint
 from vlm_sdk.testing.distributed import run_on_ranks
@@ -71,7 +71,8 @@ def time_vision(tp: TPGroup, ckpt: Path, shard_vision: bool, images: list, reps:
     from vlm_sdk.models.registry import resolve
 
     info = read_checkpoint(ckpt)
-    model = resolve([info.architecture]).model_cls(info.hf_config, dtype=torch.float32, device="cpu", tp=tp,
+    model = resolve([info.architecture]).model_cls(info.hf_config, dtype=torch.float32, device="cpu",
+                                                   parallel=ParallelGroups(tp),
                                                    shard_vision=shard_vision)
     model.load_weights(iter_safetensors(ckpt, show_progress=False, lazy=tp.size > 1), source=ckpt)
     groups = model.parameter_groups()

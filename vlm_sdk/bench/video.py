@@ -69,7 +69,7 @@ def _median_ms(values: list[float]) -> float:
 def run_video(args) -> int:
     from vlm_sdk import LLM, SamplingParams
     from vlm_sdk.demo_checkpoint import tiny_model_dir
-    from vlm_sdk.models.qwen2_5_vl.image_processor import pixels_to_device
+    from vlm_sdk.models.common.qwen_vl.image_processor import pixels_to_device
     from vlm_sdk.multimodal.frames import resize_frame
     from vlm_sdk.multimodal.video_io import iter_frames, open_video
 

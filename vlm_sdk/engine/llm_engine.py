@@ -108,8 +108,7 @@ class LLMEngine:
         self.image_processor = family.image_processor_cls.from_preprocessor_config(info.preprocessor, info.hf_config)
         self.processor = family.make_processor(self.tokenizer, self.image_processor, info.hf_config, args)
         largest_image = self.processor.largest_image()
-        meta_model = family.meta_model(info.hf_config, self.dtype, executor.world_size, args.shard_vision,
-                                       args.enable_expert_parallel)
+        meta_model = family.meta_model(info.hf_config, self.dtype, rc.parallel, args.shard_vision)
         memory = memory_inputs(family, info, args, meta_model, self.dtype, executor.world_size,
                                on_gpu=self.device.type == "cuda", decode_graphs=rc.decode_graphs,
                                piecewise_graphs=rc.piecewise_graphs)

@@ -3,11 +3,11 @@ reaches all of them (`make_executor`; executor.py has the interface)."""
 from __future__ import annotations
 
 from vlm_sdk.executor.executor import Executor, InProcessExecutor
-from vlm_sdk.executor.launch import (check_no_group_yet, check_tensor_parallel_size, rank_devices,
-                                     tensor_parallel_sizes)
+from vlm_sdk.executor.launch import check_no_group_yet, rank_devices
 from vlm_sdk.executor.torchrun import run_torchrun_rank, torchrun_rank
+from vlm_sdk.models.parallel_split import check_tensor_parallel_size, tensor_parallel_sizes
 
-__all__ = ["Executor", "make_executor", "check_tensor_parallel_size"]
+__all__ = ["Executor", "make_executor"]
 
 
 def make_executor(model_dir: str, config, hf_config, family) -> Executor:
@@ -16,9 +16,9 @@ def make_executor(model_dir: str, config, hf_config, family) -> Executor:
     set) or spawned here, one per device. The size is checked first (it must split the model's heads;
     on CUDA, one GPU per rank): refused with the sizes that would work."""
     device = config.args.resolve_device()
-    size = config.args.tensor_parallel_size
-    check_tensor_parallel_size(family, hf_config, size, config.args.shard_vision,
-                               config.args.enable_expert_parallel)
+    parallel = config.parallel
+    size = parallel.world_size
+    check_tensor_parallel_size(family, hf_config, parallel, config.args.shard_vision)
     if size == 1:
         return InProcessExecutor(model_dir, config, device)
     check_no_group_yet()
@@ -29,7 +29,7 @@ def make_executor(model_dir: str, config, hf_config, family) -> Executor:
         return run_torchrun_rank(model_dir, config, device)
     from vlm_sdk.executor.multiproc import MultiprocExecutor
     devices = rank_devices(device, size,
-                           lambda limit: tensor_parallel_sizes(family, hf_config, config.args.shard_vision, limit,
-                                                               config.args.enable_expert_parallel))
+                           lambda limit: tensor_parallel_sizes(family, hf_config, parallel, config.args.shard_vision,
+                                                               limit))
     return MultiprocExecutor(model_dir, config, devices)
 

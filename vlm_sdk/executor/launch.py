@@ -1,52 +1,11 @@
-"""Checks before any rank starts: does the model split into `tensor_parallel_size` parts, and is
-there a device for every rank?"""
+"""Checks before any rank starts: is there a device for every rank, and no process group yet? (Whether
+the model splits into `tensor_parallel_size` parts is vlm_sdk/models/parallel_split.py's, which the
+planner runs too.)"""
 from __future__ import annotations
-
-import logging
 
 import torch
 
 from vlm_sdk.errors import InvalidRequestError
-from vlm_sdk.layers.parallel_state import TPGroup
-
-_CANDIDATES = range(1, 17)  # the sizes offered when one is refused
-
-
-def _split_error(family, hf_config, size: int, shard_vision: bool, expert_parallel: bool = False) -> str | None:
-    """Why the model cannot be split into `size` ranks (the layer's own words), or None when it can:
-    the model is built on the meta device at that size, so every layer checks its own split (under
-    `expert_parallel`, the MoE layers their whole experts)."""
-    if size == 1:
-        return None
-    quiet = logging.getLogger("vlm_sdk.models")  # the ranks say it when they build the model for real
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        family.model_cls(hf_config, dtype=torch.float32, device="meta",
-                         tp=TPGroup(0, size, expert_parallel=expert_parallel), shard_vision=shard_vision)
-    except ValueError as e:
-        return str(e)
-    finally:
-        quiet.setLevel(level)
-    return None
-
-
-def tensor_parallel_sizes(family, hf_config, shard_vision: bool, limit: int | None = None,
-                          expert_parallel: bool = False) -> list[int]:
-    """The sizes from 1 to 16 (and at most `limit`) that split this model."""
-    return [n for n in _CANDIDATES if (limit is None or n <= limit)
-            and _split_error(family, hf_config, n, shard_vision, expert_parallel) is None]
-
-
-def check_tensor_parallel_size(family, hf_config, size: int, shard_vision: bool = True,
-                               expert_parallel: bool = False) -> None:
-    """`InvalidRequestError` naming why `size` does not split the model and the sizes that do."""
-    why = _split_error(family, hf_config, size, shard_vision, expert_parallel)
-    if why is None:
-        return
-    works = ", ".join(map(str, tensor_parallel_sizes(family, hf_config, shard_vision, expert_parallel=expert_parallel)))
-    raise InvalidRequestError(f"tensor_parallel_size={size} does not split this model: {why}. Sizes that work: "
-                              f"{works}", param="tensor_parallel_size")
 
 
 def check_no_group_yet() -> None:

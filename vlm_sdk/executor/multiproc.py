@@ -67,7 +67,7 @@ def _caller_script_hidden():
 class MultiprocExecutor(StartedRanksExecutor):
     def __init__(self, model_dir: str, config, devices: list[torch.device]):
         """`devices[r]`: rank r's device (one GPU per rank on CUDA; the CPU for every rank otherwise)."""
-        size = config.args.tensor_parallel_size
+        size = config.parallel.world_size
         ctx = mp.get_context("spawn")
         self._init_group_state()
         self._timeout_s = config.args.distributed_timeout
@@ -91,8 +91,9 @@ class MultiprocExecutor(StartedRanksExecutor):
                 self._procs.append(proc)
         try:
             self._wait_for(store, "started", size, max(config.args.distributed_timeout, _START_SECONDS))
-            tp, self._control = join_ranks(0, size, None, config.args.distributed_timeout, devices[0], store)
-            self._worker, self.world_size = Worker(model_dir, config, devices[0], tp), size
+            groups, self._control = join_ranks(0, config.parallel, None, config.args.distributed_timeout, devices[0],
+                                               store)
+            self._worker, self.world_size = Worker(model_dir, config, devices[0], groups), size
             # ranks finish loading at their own pace: the first command waits for the last of them
             self._wait_for(store, "loaded", size, max(config.args.distributed_timeout, _LOAD_SECONDS))
         except BaseException as e:

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vlm_sdk.layers.parallel_state import TPGroup, init_tp_group
+from vlm_sdk.config import ParallelConfig
+from vlm_sdk.layers.parallel_state import ParallelGroups, PPGroup, init_tp_group
 
 logger = logging.getLogger("vlm_sdk")
 
@@ -63,15 +64,15 @@ class RankFailure:
         return f"tensor-parallel rank {self.rank} failed: {self.error_type}: {self.message}"
 
 
-def join_ranks(rank: int, size: int, init_method: str | None, timeout_s: float, device: torch.device,
-               store: Any = None) -> tuple[TPGroup, Any]:
-    """Join the tensor group (returned as this rank's `TPGroup`) and the control group, at
-    `init_method` or through `store`."""
+def join_ranks(rank: int, parallel: ParallelConfig, init_method: str | None, timeout_s: float,
+               device: torch.device, store: Any = None) -> tuple[ParallelGroups, Any]:
+    """Join the groups of the layout `parallel` as `rank` (returned as this rank's `ParallelGroups`: the
+    tensor group; one pipeline stage) and the control group, at `init_method` or through `store`."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    tp = init_tp_group(rank, size, init_method, timeout_s, device, store)
+    tp = init_tp_group(rank, parallel.tensor_parallel_size, init_method, timeout_s, device, store)
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    return tp, control
+    return ParallelGroups(tp, PPGroup(), parallel.enable_expert_parallel), control
 
 
 def broadcast_command(command: Command, control) -> None:
@@ -113,8 +114,8 @@ def run_rank(model_dir: str, config, rank: int, size: int, init_method: str | No
             store = dist.TCPStore(store_host, store_port, size, is_master=False,
                                   timeout=timedelta(seconds=config.args.distributed_timeout))
             store.set(f"started/{rank}", "1")  # rank 0 waits for these while watching the ranks
-        tp, control = join_ranks(rank, size, init_method, config.args.distributed_timeout, device, store)
-        worker = Worker(model_dir, config, device, tp)
+        groups, control = join_ranks(rank, config.parallel, init_method, config.args.distributed_timeout, device, store)
+        worker = Worker(model_dir, config, device, groups)
         if store is not None:
             store.set(f"loaded/{rank}", "1")
         serve_commands(worker, control)

@@ -63,7 +63,7 @@ class RayExecutor(StartedRanksExecutor):
     def __init__(self, model_dir: str, config, device: torch.device):
         require_ray()
         import ray
-        size = config.args.tensor_parallel_size
+        size = config.parallel.world_size
         on_cuda = device.type == "cuda"
         self._init_group_state()
         self._init_failures()
@@ -85,8 +85,9 @@ class RayExecutor(StartedRanksExecutor):
                 torch.set_num_threads(threads)  # rank 0 takes a rank's share of the cores as the actors do
             self._start_actors(model_dir, config, host, threads, on_cuda)
             self._wait_for(self._store, "started", size, max(config.args.distributed_timeout, _START_SECONDS))
-            tp, self._control = join_ranks(0, size, None, config.args.distributed_timeout, device, self._store)
-            self._worker = Worker(model_dir, config, device, tp)
+            groups, self._control = join_ranks(0, config.parallel, None, config.args.distributed_timeout, device,
+                                               self._store)
+            self._worker = Worker(model_dir, config, device, groups)
             self._wait_for(self._store, "loaded", size, max(config.args.distributed_timeout, _LOAD_SECONDS))
         except BaseException as e:
             self._raise_start_failure(e, self._release)

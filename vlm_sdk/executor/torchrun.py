@@ -29,7 +29,7 @@ def torchrun_rank() -> tuple[int, int, int] | None:
 def run_torchrun_rank(model_dir: str, config, device: torch.device) -> Executor:
     """Rank 0: its executor. Ranks > 0: serve rank 0 until it shuts down, then leave the process."""
     rank, world, local = torchrun_rank()
-    size = config.args.tensor_parallel_size
+    size = config.parallel.world_size
     if world != size:
         raise InvalidRequestError(f"torchrun started {world} processes but tensor_parallel_size={size}: every "
                                   f"process is one rank, so start {size} (--nnodes x --nproc-per-node) or set "
@@ -46,8 +46,8 @@ class TorchrunExecutor(GroupExecutor):
     def __init__(self, model_dir: str, config, device: torch.device):
         self._init_group_state()
         self._timeout_s = config.args.distributed_timeout
-        tp, self._control = join_ranks(0, config.args.tensor_parallel_size, "env://", config.args.distributed_timeout, device)
-        self._worker, self.world_size = Worker(model_dir, config, device, tp), config.args.tensor_parallel_size
+        groups, self._control = join_ranks(0, config.parallel, "env://", config.args.distributed_timeout, device)
+        self._worker, self.world_size = Worker(model_dir, config, device, groups), config.parallel.world_size
         self._closed = False
         self._start_heartbeat()
 

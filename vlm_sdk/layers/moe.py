@@ -23,8 +23,8 @@ one all-reduce per layer. The router is whole on every rank, so all ranks route 
 2-D so that each checkpoint tensor of one expert (`slots`: the published per-expert names) fills a
 row range, which is what `load_checked` places.
 
-Expert parallelism (`tp.expert_parallel`, vLLM's `enable_expert_parallel` with its linear placement):
-rank r holds E' = E / tp whole experts, [r*E', (r+1)*E') (I' = I), the parameters above with E' for E.
+Expert parallelism (`ep`, a group of the tensor-parallel ranks themselves: `ParallelGroups.ep` under
+vLLM's `enable_expert_parallel`, with its linear placement): rank r holds E' = E / tp whole experts, [r*E', (r+1)*E') (I' = I), the parameters above with E' for E.
 Every rank routes every token over all E experts (the router is whole), keeps the pairs whose expert it
 holds (the others become id -1, which the kernel set's fused_moe skips) and computes their weighted
 sum; the same one all-reduce per layer adds the ranks' parts. num_experts must divide by tp.
@@ -92,21 +92,25 @@ def route(router_logits: torch.Tensor,  # [N, E]
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, moe: MoeConfig, ops: KernelOps, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", tp: TPGroup = TPGroup(), quant: QuantScheme | None = None):
+                 device: torch.device | str = "cpu", tp: TPGroup = TPGroup(), quant: QuantScheme | None = None,
+                 *, ep: TPGroup = TPGroup()):
         super().__init__()
+        if ep.size > 1 and (ep.size, ep.rank) != (tp.size, tp.rank):
+            raise ValueError(f"expert-parallel rank {ep.rank} of {ep.size} must be the tensor-parallel rank "
+                             f"{tp.rank} of {tp.size}: experts are spread over the tensor-parallel ranks")
         self.ops, self.tp, self.moe = ops, tp, moe
         self.hidden_size = hidden_size
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.intermediate_size = moe.intermediate_size  # the whole expert's
-        self.expert_parallel = tp.expert_parallel and tp.size > 1
+        self.expert_parallel = ep.size > 1
         if self.expert_parallel:  # whole experts, E' of them
-            self.local_experts = tp.split(moe.num_experts, "num_experts (whole experts per rank under expert "
+            self.local_experts = ep.split(moe.num_experts, "num_experts (whole experts per rank under expert "
                                                            "parallelism)")
             self.local_intermediate = moe.intermediate_size
         else:  # every expert, I' of its width
             self.local_experts = moe.num_experts
             self.local_intermediate = tp.split(moe.intermediate_size, "moe_intermediate_size (each expert's MLP width)")
-        self.expert_start = tp.rank * self.local_experts if self.expert_parallel else 0
+        self.expert_start = ep.rank * self.local_experts if self.expert_parallel else 0
         e, i, h = self.local_experts, self.local_intermediate, hidden_size
         self.block = _fp8_block(quant, i, tp.size)
         weight_dtype = dtype if self.block is None else torch.float8_e4m3fn

@@ -1,16 +1,21 @@
-"""Tensor-parallel group info and its collectives, passed explicitly to every parallel layer (no
-module-level state).
+"""This rank's parallel groups and their collectives, passed explicitly (no module-level state).
+
+`ParallelGroups` is one rank's place in every dimension, the one value the executor hands the worker and
+the worker hands the model's constructor: `tp` (a `TPGroup`, which every parallel layer takes), `pp`
+(a `PPGroup`: one stage until pipeline parallelism is built, issue 46) and expert parallelism (`ep`:
+the group MoE layers spread whole experts over). The sizes come from `vlm_sdk.config.ParallelConfig`.
 
 `TPGroup()` is the single-rank default: every layer then holds the whole tensor, and every collective
-below returns its input untouched, so the unsharded code path runs exactly. The worker builds one per
-rank with the `torch.distributed` process group its ranks share (NCCL on CUDA, gloo on the CPU).
+below returns its input untouched, so the unsharded code path runs exactly. The executor's ranks build
+one per rank with the `torch.distributed` process group they share (NCCL on CUDA, gloo on the CPU).
 
-A group of size > 1 with no process group (`group=None`) is what tests use to compose ranks by hand
-(summing partial outputs themselves): its collectives are identities too.
+A group of size > 1 with no process group (`group=None`) is what tests and the meta-device builds
+(`ParallelGroups.first_rank`) use: its collectives are identities too.
 
-`expert_parallel` (EngineArgs.enable_expert_parallel) changes only the sparse MoE layers
-(vlm_sdk/layers/moe.py): each rank holds num_experts / size whole experts instead of a 1 / size slice
-of every expert; attention and every other layer stay split as without it.
+Expert parallelism (EngineArgs.enable_expert_parallel) changes only the sparse MoE layers
+(vlm_sdk/layers/moe.py): each rank of `ep` (the tensor-parallel ranks themselves) holds num_experts / size
+whole experts instead of a 1 / size slice of every expert; attention and every other layer stay split as
+without it.
 """
 from __future__ import annotations
 
@@ -20,13 +25,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vlm_sdk.config import ParallelConfig
+
 
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = field(default=None, compare=False, repr=False)  # a torch.distributed ProcessGroup
-    expert_parallel: bool = False  # MoE layers: whole experts per rank (module docstring)
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -63,6 +69,56 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+
+@dataclass(frozen=True)
+class PPGroup:
+    """This rank's pipeline stage: `rank` of `size` stages (1 until issue 46 builds the stages)."""
+    rank: int = 0
+    size: int = 1
+    group: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"pipeline stage {self.rank} of {self.size}: need 0 <= stage < size")
+
+    @property
+    def is_first(self) -> bool:  # holds the embeddings and the vision tower
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:  # holds the LM head and samples
+        return self.rank == self.size - 1
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """One rank's groups in every parallel dimension (module docstring)."""
+    tp: TPGroup = TPGroup()
+    pp: PPGroup = PPGroup()
+    expert_parallel: bool = False  # MoE layers spread whole experts over `ep`
+
+    @property
+    def ep(self) -> TPGroup:
+        """The ranks MoE experts are spread over, whole experts each: the tensor-parallel group under
+        expert parallelism, else one rank (every expert then split over `tp` by its width)."""
+        return self.tp if self.expert_parallel and self.tp.size > 1 else TPGroup()
+
+    @property
+    def rank(self) -> int:
+        """This rank's number among all ranks (stage-major)."""
+        return self.pp.rank * self.tp.size + self.tp.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tp.size * self.pp.size
+
+    @classmethod
+    def first_rank(cls, parallel: ParallelConfig) -> "ParallelGroups":
+        """Rank 0's groups under `parallel`, with no process group: what the planner and the split check
+        build the model as, on the meta device."""
+        return cls(TPGroup(0, parallel.tensor_parallel_size), PPGroup(0, parallel.pipeline_parallel_size),
+                   parallel.enable_expert_parallel)
 
 
 def init_tp_group(rank: int, size: int, init_method: str | None, timeout_s: float, device: torch.device,

@@ -25,8 +25,8 @@ The encoder cache (vision embeddings kept for reuse) counts at its bound, encode
 fills while the engine serves, so the engine sets it aside before sizing the KV cache, as here.
 
 Weights per rank with `tp`: the model is built on the meta device as rank 0 of `tp` ranks builds it
-(vlm_sdk/executor/launch.py checks the same split), so its parameters are exactly one rank's: the
-language model split by heads, intermediate size and vocabulary, norms whole, and the vision tower
+(models/parallel_split.py: the executor checks the same split), so its parameters are exactly one
+rank's: the language model split by heads, intermediate size and vocabulary, norms whole, and the vision tower
 and projector split too unless `shard_vision` is False (then whole on every rank).
 
 Memory consumers (vlm_sdk/memory/consumers/: weights, the activation peak, the MoE experts' step buffers,
@@ -48,9 +48,9 @@ from typing import Any, Mapping
 
 import torch
 
-from vlm_sdk.config import DTYPES, EngineArgs
+from vlm_sdk.config import DTYPES, EngineArgs, ParallelConfig
 from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError, format_size
-from vlm_sdk.executor.launch import check_tensor_parallel_size
+from vlm_sdk.models.parallel_split import check_tensor_parallel_size
 from vlm_sdk.memory.breakdown import ConsumerBytes, breakdown
 from vlm_sdk.memory.capacity import resolve_max_model_len
 from vlm_sdk.memory.inputs import memory_inputs
@@ -180,10 +180,10 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     device, device_memory, other_use, host_memory = _where(o, sizes)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
 
-    check_tensor_parallel_size(family, info.hf_config, tp, args.shard_vision,  # the engine's refusal
-                               args.enable_expert_parallel)
+    parallel = ParallelConfig(tp, enable_expert_parallel=args.enable_expert_parallel)  # the engine's layout
+    check_tensor_parallel_size(family, info.hf_config, parallel, args.shard_vision)  # the engine's refusal
     # the engine's own modules (rank 0's), no memory: counts can never disagree
-    model = family.meta_model(info.hf_config, dtype, tp, args.shard_vision, args.enable_expert_parallel)
+    model = family.meta_model(info.hf_config, dtype, parallel, args.shard_vision)
     on_gpu = device != "cpu"
     graphs = on_gpu and not args.enforce_eager
     m = memory_inputs(family, info, args, model, dtype, tp, on_gpu=on_gpu, decode_graphs=graphs,

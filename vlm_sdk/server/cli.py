@@ -11,7 +11,8 @@ import logging
 import os
 import sys
 from dataclasses import MISSING, fields
-from typing import NoReturn
+from pathlib import Path
+from typing import Callable, NoReturn
 
 from vlm_sdk.config import EngineArgs
 from vlm_sdk.errors import InvalidRequestError
@@ -241,14 +242,17 @@ def _positive(text: str) -> int:
     return value
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_serve(args: argparse.Namespace, demo_model: Callable[[], Path] | None = None) -> int:
+    """Serve `args.model`; none given: the demo checkpoint `demo_model()` makes (vlm_sdk/demo_checkpoint.py,
+    handed in by the entry points above the server, so the server itself never reaches the fixtures)."""
     from vlm_sdk.engine.heap import bound_server_heap
     from vlm_sdk.server.runner import serve
     bound_server_heap()  # before the engine's threads (engine/heap.py)
     model = args.model
     if model is None:
-        from vlm_sdk.demo_checkpoint import tiny_model_dir
-        model = str(tiny_model_dir())
+        if demo_model is None:
+            raise InvalidRequestError("no model given: name a checkpoint directory or a Hub id", param="model")
+        model = str(demo_model())
         name = registry.load(registry.family_names()[0]).display_name  # tiny_model_dir's default family
         print(f"[vlm-sdk] no model given: serving a tiny {name}-shaped checkpoint with RANDOM weights at "
               f"{model}", file=sys.stderr)
@@ -305,15 +309,16 @@ def exit_now(code: int | None) -> NoReturn:
     os._exit(code or 0)
 
 
-def serve_main(argv: list[str]) -> int:
-    """`vlm-sdk serve` without the rest of the CLI: `python -m vlm_sdk.serve`'s body."""
+def serve_main(argv: list[str], demo_model: Callable[[], Path] | None = None) -> int:
+    """`vlm-sdk serve` without the rest of the CLI: `python -m vlm_sdk.serve`'s body (`demo_model`: as
+    `run_serve`'s)."""
     from vlm_sdk.errors import VLMError
     show_engine_logs()
     parser = argparse.ArgumentParser(prog="python -m vlm_sdk.serve", description="OpenAI-compatible HTTP server "
                                      "(the same as vlm-sdk serve; torchrun's entry point)")
     add_serve_arguments(parser)
     try:
-        return run_serve(parser.parse_args(argv))
+        return run_serve(parser.parse_args(argv), demo_model)
     except VLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,8 +19,6 @@ all-gather) line up:
 from __future__ import annotations
 
 import time
-from dataclasses import replace
-
 import torch
 
 from vlm_sdk.config import RankConfig
@@ -28,7 +26,7 @@ from vlm_sdk.layers.ops import make_ops
 from vlm_sdk.memory.inputs import profile_num_tokens
 from vlm_sdk.memory.kv import CacheConfig
 from vlm_sdk.memory.weights import weight_bytes
-from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.parallel_state import ParallelGroups
 from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import ImageInput
@@ -45,12 +43,14 @@ from vlm_sdk.worker.profiler import profile_peak
 
 
 class Worker:
-    def __init__(self, model_dir: str, config: RankConfig, device: torch.device, tp: TPGroup = TPGroup()):
+    def __init__(self, model_dir: str, config: RankConfig, device: torch.device,
+                 parallel: ParallelGroups = ParallelGroups()):
         """Build this rank's slice of the model on `device` and load its weights. `config`: the engine's
-        settings, resolved once on the engine side (no default is worked out here)."""
+        settings, resolved once on the engine side (no default is worked out here); `parallel`: this
+        rank's groups (the executor joined them), handed to the model as they are."""
         args = config.args
-        tp = replace(tp, expert_parallel=args.enable_expert_parallel)  # the MoE layers read it from the group
-        self.config, self.args, self.device, self.tp = config, args, device, tp
+        tp = parallel.tp
+        self.config, self.args, self.device, self.parallel, self.tp = config, args, device, parallel, tp
         self.dtype, self.kv_dtype = config.torch_dtype, config.torch_kv_dtype
         info = read_checkpoint(model_dir)
         family = resolve([info.architecture], args.model_family)
@@ -58,8 +58,8 @@ class Worker:
         t0 = time.perf_counter()
         before = _allocated(device)
         with torch.device(device):
-            self.model = family.model_cls(info.hf_config, dtype=self.dtype, device=device, ops=self.ops, tp=tp,
-                                          shard_vision=args.shard_vision)
+            self.model = family.model_cls(info.hf_config, dtype=self.dtype, device=device, ops=self.ops,
+                                          parallel=parallel, shard_vision=args.shard_vision)
         # only rank 0 shows a progress bar: the others load the same files at the same pace
         self.model.load_weights(iter_safetensors(model_dir, show_progress=args.show_progress and tp.rank == 0,
                                                  lazy=tp.size > 1),  # a rank reads only its slices

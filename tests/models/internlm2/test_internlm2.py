@@ -15,7 +15,7 @@ from tolerance import assert_reduction_close, forward_terms
 from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.weight_loading import load_checked
-from vlm_sdk.models.internlm2.weights import (internlm2_decoder_config, internlm2_to_llama_names, pack_wqkv,
+from vlm_sdk.models.common.internlm2_weights import (internlm2_decoder_config, internlm2_to_llama_names, pack_wqkv,
                                               unpack_wqkv)
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.models.common.llama_decoder import LlamaDecoder

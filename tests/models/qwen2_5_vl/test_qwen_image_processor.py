@@ -11,9 +11,9 @@ from PIL import Image, ImageOps
 
 from helpers import image as make_image
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
-from vlm_sdk.models.qwen2_5_vl.image_processor import (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, Qwen2VLImageProcessor,
+from vlm_sdk.models.common.qwen_vl.image_processor import (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, Qwen2VLImageProcessor,
                                                        pixels_to_device)
-from vlm_sdk.models.qwen2_5_vl.fixtures import benchmark_against_transformers
+from vlm_sdk.models.common.qwen_vl.fixtures import benchmark_against_transformers
 from vlm_sdk.multimodal.image_io import load_image
 
 hf = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")

@@ -10,8 +10,8 @@ from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
 from vlm_sdk.models.qwen2_5_vl.model import Qwen2_5_VLForCausalLM
-from vlm_sdk.models.qwen2_5_vl.image_processor import QwenImage
-from vlm_sdk.models.qwen2_5_vl.rope_index import mrope_positions
+from vlm_sdk.models.common.qwen_vl.image_processor import QwenImage
+from vlm_sdk.models.common.qwen_vl.rope_index import mrope_positions
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import ImageInput
 from vlm_sdk.testing import make_tiny_checkpoint

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
 
-from vlm_sdk.models.qwen2_5_vl.rope_index import mrope_positions
+from vlm_sdk.models.common.qwen_vl.rope_index import mrope_positions
 
 IMG, VSTART, VEND = 500, 501, 502
 MERGE = 2

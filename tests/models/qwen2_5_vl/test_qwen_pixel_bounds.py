@@ -10,7 +10,7 @@ import pytest
 from helpers import image
 from vlm_sdk import LLM
 from vlm_sdk.errors import InvalidImageError, InvalidRequestError
-from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor, max_image_grid, max_image_patches
+from vlm_sdk.models.common.qwen_vl.image_processor import Qwen2VLImageProcessor, max_image_grid, max_image_patches
 
 BLOCKS = 20  # 320 tokens
 

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
-from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor, pixels_to_device
+from vlm_sdk.models.common.qwen_vl.image_processor import Qwen2VLImageProcessor, pixels_to_device
 from vlm_sdk.models.qwen2_5_vl.model import Qwen2_5_VLForCausalLM
 from vlm_sdk.multimodal.inputs import ImageInput
 

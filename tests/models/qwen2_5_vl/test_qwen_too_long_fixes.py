@@ -12,8 +12,8 @@ from vlm_sdk.config import SchedulerConfig
 from vlm_sdk.memory.kv import CacheConfig
 from vlm_sdk.memory import capacity
 from vlm_sdk.errors import InputTooLongError
-from vlm_sdk.models.qwen2_5_vl import fixes
-from vlm_sdk.models.qwen2_5_vl.image_processor import QwenImage
+from vlm_sdk.models.common.qwen_vl import fixes
+from vlm_sdk.models.common.qwen_vl.image_processor import QwenImage
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)

@@ -12,7 +12,7 @@ import torch
 from helpers import image
 from video_reference import hf_prompt, hf_video_pixels
 from vlm_sdk import LLM, SamplingParams
-from vlm_sdk.models.qwen2_5_vl.image_processor import pixels_to_device
+from vlm_sdk.models.common.qwen_vl.image_processor import pixels_to_device
 from vlm_sdk.multimodal.messages import parse_messages
 from vlm_sdk.multimodal.video_io import open_video
 from vlm_sdk.testing.families import fixtures

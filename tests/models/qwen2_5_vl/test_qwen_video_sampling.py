@@ -11,8 +11,8 @@ from PIL import Image
 
 import qwen_vl_utils_oracle as oracle
 from vlm_sdk.errors import InvalidVideoError
-from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor
-from vlm_sdk.models.qwen2_5_vl.video_processor import QwenVideoProcessor
+from vlm_sdk.models.common.qwen_vl.image_processor import Qwen2VLImageProcessor
+from vlm_sdk.models.common.qwen_vl.video_processor import QwenVideoProcessor
 from vlm_sdk.multimodal.video_io import open_video
 from vlm_sdk.testing.videos import frame_index, frame_pixels, write_video
 

@@ -12,7 +12,7 @@ from vlm_sdk.testing.families import fixtures
 from vlm_sdk.config import EngineArgs
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.model_loader import load_tokenizer, read_checkpoint
-from vlm_sdk.models.qwen2_5_vl.rope_index import mrope_positions
+from vlm_sdk.models.common.qwen_vl.rope_index import mrope_positions
 from vlm_sdk.models.registry import load, resolve
 
 IMG, VSTART, VEND = 500, 501, 502

@@ -12,7 +12,7 @@ from tolerance import assert_reduction_close, forward_terms
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
-from vlm_sdk.models.qwen3_vl.vision import Qwen3VLVisionTransformer
+from vlm_sdk.models.common.qwen_vl.qwen3_vision import Qwen3VLVisionTransformer
 from vlm_sdk.testing.distributed import run_on_ranks
 
 # the tiny Qwen3-VL tower's chain (tests/tolerance.py): 1,536-input patches, 3 blocks of width 32 over at

@@ -113,7 +113,7 @@ def test_a_rank_cutting_a_block_is_refused_naming_the_sizes(fp8):
         SparseMoeBlock(48, moe, TorchOps(), device="meta", quant=AWQScheme(16))
     SparseMoeBlock(48, moe, TorchOps(), device="meta", tp=TPGroup(0, 2), quant=FP8BlockScheme((16, 16)))
     # expert parallel: each rank's 6 experts are whole, 32 wide: whole blocks
-    SparseMoeBlock(48, moe, TorchOps(), device="meta", tp=TPGroup(0, 2, expert_parallel=True),
+    SparseMoeBlock(48, moe, TorchOps(), device="meta", tp=TPGroup(0, 2), ep=TPGroup(0, 2),
                    quant=FP8BlockScheme((32, 32)))
     path, _ = fp8((32, 32))
     with pytest.raises(InvalidRequestError, match=r"tensor_parallel_size=2 does not split this model: .*"

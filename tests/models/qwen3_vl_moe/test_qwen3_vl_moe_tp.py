@@ -8,16 +8,16 @@ engine at tensor_parallel_size=2: tests/e2e/test_tensor_parallel.py, every famil
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 
 import pytest
 import torch
 
 from qwen3_vl_steps import tp_prefill
 from tolerance import assert_reduction_close, forward_terms
+from vlm_sdk.config import ParallelConfig
 from vlm_sdk.errors import InvalidRequestError
-from vlm_sdk.executor.launch import check_tensor_parallel_size
-from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.models.parallel_split import check_tensor_parallel_size
+from vlm_sdk.layers.parallel_state import ParallelGroups, TPGroup
 from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
 from vlm_sdk.models.registry import load
 from vlm_sdk.testing import make_tiny_checkpoint
@@ -39,8 +39,8 @@ def checkpoints(tmp_path_factory) -> dict:
 def rank_main(tp: TPGroup, paths: dict) -> dict:
     """Each layout's logits with every expert split (`name`) and with whole experts per rank (`name-ep`)."""
     out = {name: tp_prefill(path, tp, True)["logits"] for name, path in paths.items()}
-    ep = replace(tp, expert_parallel=True)
-    return out | {f"{name}-ep": tp_prefill(path, ep, True)["logits"] for name, path in paths.items()}
+    return out | {f"{name}-ep": tp_prefill(path, tp, True, expert_parallel=True)["logits"]
+                  for name, path in paths.items()}
 
 
 def test_two_ranks_equal_one_rank(checkpoints):
@@ -65,7 +65,7 @@ def test_each_rank_reads_its_slice_of_every_expert(checkpoints, layout):
     whole.load_weights(iter_safetensors(ckpt, show_progress=False), source=ckpt)
     half = I // 2
     for r in range(2):
-        rank = model_cls(cfg, tp=TPGroup(r, 2))
+        rank = model_cls(cfg, parallel=ParallelGroups(TPGroup(r, 2)))
         rank.load_weights(iter_safetensors(ckpt, show_progress=False, lazy=True), source=ckpt)
         for i in (0, 2):  # the sparse layers
             ours, full = rank.decoder.layers[i].moe, whole.decoder.layers[i].moe
@@ -85,7 +85,7 @@ def test_expert_parallel_ranks_read_whole_experts(checkpoints, layout):
     whole = model_cls(cfg)
     whole.load_weights(iter_safetensors(ckpt, show_progress=False), source=ckpt)
     for r in range(2):
-        rank = model_cls(cfg, tp=TPGroup(r, 2, expert_parallel=True))
+        rank = model_cls(cfg, parallel=ParallelGroups(TPGroup(r, 2), expert_parallel=True))
         rank.load_weights(iter_safetensors(ckpt, show_progress=False, lazy=True), source=ckpt)
         for i in (0, 2):  # the sparse layers
             ours, full = rank.decoder.layers[i].moe, whole.decoder.layers[i].moe
@@ -100,15 +100,15 @@ def test_sizes_that_do_not_split_the_experts_are_refused(checkpoints):
     cfg = copy.deepcopy(read_checkpoint(checkpoints["per_expert"]).hf_config)
     cfg.text_config.moe_intermediate_size = 30  # splits in 2, not in 4 (which splits the heads)
     family = load("qwen3_vl_moe")
-    check_tensor_parallel_size(family, cfg, 2)
+    check_tensor_parallel_size(family, cfg, ParallelConfig(2))
     with pytest.raises(InvalidRequestError, match=r"tensor_parallel_size=4 does not split this model: "
                                                   r"moe_intermediate_size .*\(30\).*Sizes that work: 1, 2$"):
-        check_tensor_parallel_size(family, cfg, 4)
+        check_tensor_parallel_size(family, cfg, ParallelConfig(4))
     cfg.text_config.moe_intermediate_size = I
     cfg.text_config.num_experts = 10  # whole experts: 2 ranks of 5, not 4
-    check_tensor_parallel_size(family, cfg, 4)
-    check_tensor_parallel_size(family, cfg, 2, expert_parallel=True)
+    check_tensor_parallel_size(family, cfg, ParallelConfig(4))
+    check_tensor_parallel_size(family, cfg, ParallelConfig(2, enable_expert_parallel=True))
     with pytest.raises(InvalidRequestError, match=r"tensor_parallel_size=4 does not split this model: num_experts "
                                                   r"\(whole experts per rank under expert parallelism\) \(10\) is not "
                                                   r"divisible by the tensor-parallel size 4\. Sizes that work: 1, 2$"):
-        check_tensor_parallel_size(family, cfg, 4, expert_parallel=True)
+        check_tensor_parallel_size(family, cfg, ParallelConfig(4, enable_expert_parallel=True))

@@ -30,9 +30,9 @@ from vlm_sdk.multimodal.image_key import pixels_key
 from vlm_sdk.multimodal.inputs import ImageInput
 from vlm_sdk.multimodal.pixels import fused_byte_table
 from vlm_sdk.multimodal.video_io import OpenedVideo, iter_frames
-from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor, QwenImage, max_image_grid
-from vlm_sdk.models.qwen2_5_vl.video_fixes import VideoSource
-from vlm_sdk.models.qwen2_5_vl.video_sampling import VIDEO_MAX_TOKEN_NUM, VideoSampling, plan_frame_list, plan_video
+from vlm_sdk.models.common.qwen_vl.image_processor import Qwen2VLImageProcessor, QwenImage, max_image_grid
+from vlm_sdk.models.common.qwen_vl.video_fixes import VideoSource
+from vlm_sdk.models.common.qwen_vl.video_sampling import VIDEO_MAX_TOKEN_NUM, VideoSampling, plan_frame_list, plan_video
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Qwen2.5-VL prompt builder: messages -> `PromptInputs`.
+"""The Qwen-VL prompt builder: messages -> `PromptInputs`. Qwen2.5-VL's as is; the Qwen3-VL tower's families
+subclass it for their videos (qwen3_processor.py).
 
 Images are decoded and preprocessed, the chat template renders one `<|image_pad|>` per image, and
 each is expanded to the image's token count (grid_t*grid_h*grid_w / merge^2), so the prompt's
@@ -22,14 +23,14 @@ from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, refuse_placehold
 from vlm_sdk.multimodal.messages import ImageRef, VideoRef, parse_messages
 from vlm_sdk.multimodal.video_io import open_video
 from vlm_sdk.models.base import PromptProcessor
-from vlm_sdk.models.qwen2_5_vl.fixes import max_pixels_fix
-from vlm_sdk.models.qwen2_5_vl.image_processor import QwenImage, Qwen2VLImageProcessor, max_image_grid
-from vlm_sdk.models.qwen2_5_vl.rope_index import MRopePositions, VisionSpan, video_time_offsets, vision_positions
-from vlm_sdk.models.qwen2_5_vl.video_fixes import video_fixes
-from vlm_sdk.models.qwen2_5_vl.video_processor import QwenVideo, QwenVideoProcessor
+from vlm_sdk.models.common.qwen_vl.fixes import max_pixels_fix
+from vlm_sdk.models.common.qwen_vl.image_processor import QwenImage, Qwen2VLImageProcessor, max_image_grid
+from vlm_sdk.models.common.qwen_vl.rope_index import MRopePositions, VisionSpan, video_time_offsets, vision_positions
+from vlm_sdk.models.common.qwen_vl.video_fixes import video_fixes
+from vlm_sdk.models.common.qwen_vl.video_processor import QwenVideo, QwenVideoProcessor
 
 
-class Qwen2_5_VLProcessor(PromptProcessor):
+class QwenVLProcessor(PromptProcessor):
     """`max_image_tokens` (None: no limit) caps the tokens of one image whose own `min_pixels` /
     `max_pixels` (set on its image part) decide its size: such an image is refused before it is
     resized, so a part asking for a billion pixels costs nothing. The engine sets it to its

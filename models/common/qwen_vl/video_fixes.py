@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from vlm_sdk.errors import InvalidVideoError
-from vlm_sdk.models.qwen2_5_vl.video_sampling import (FPS, FPS_MAX_FRAMES, FRAME_FACTOR, MODEL_SEQ_LEN,
+from vlm_sdk.models.common.qwen_vl.video_sampling import (FPS, FPS_MAX_FRAMES, FRAME_FACTOR, MODEL_SEQ_LEN,
                                                        ceil_by_factor, frame_size, smart_nframes)
 
 _MAX_BISECTION = 1 << 40

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from vlm_sdk.errors import CheckpointError
-from vlm_sdk.models.qwen2_5_vl.image_processor import Qwen2VLImageProcessor
+from vlm_sdk.models.common.qwen_vl.image_processor import Qwen2VLImageProcessor
 
 PUBLISHED_SIZE = {"shortest_edge": 256 * 256, "longest_edge": 4096 * 4096}  # every published Qwen3-VL's
 _GEOMETRY = (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),

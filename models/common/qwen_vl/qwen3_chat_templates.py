@@ -1,4 +1,4 @@
-"""The chat templates the tiny Qwen3-VL checkpoints carry (`tiny_checkpoint.py`), as published."""
+"""The chat templates the tiny Qwen3-VL checkpoints carry (`qwen3_tiny_checkpoint.py`), as published."""
 
 # The chat templates published with Qwen3-VL Instruct and Qwen3-VL Thinking (chat_template.json), as
 # published: tools in the system turn, calls as <tool_call> JSON, tool results (images too) as

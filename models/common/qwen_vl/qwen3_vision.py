@@ -41,7 +41,7 @@ from vlm_sdk.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowPa
 from vlm_sdk.layers.ops import KernelOps, TorchOps
 from vlm_sdk.layers.parallel_state import TPGroup
 from vlm_sdk.layers.rotary import RotaryInputs, VisionRotaryEmbedding
-from vlm_sdk.models.qwen2_5_vl.vision import attend, check_patch_grids
+from vlm_sdk.models.common.qwen_vl.vision_attention import attend, check_patch_grids
 from vlm_sdk.weight_loading import ParamSlot, SplitSlot
 
 LN_EPS = 1e-6  # transformers builds every LayerNorm of this tower with eps 1e-6
@@ -153,7 +153,8 @@ class Qwen3VLVisionTransformer(nn.Module):
         if self.grid_side ** 2 != c.num_position_embeddings:
             raise CheckpointError(f"config.json vision_config.num_position_embeddings {c.num_position_embeddings} is "
                                   f"not a square: the learned positions are a square grid")
-        self.deepstack_visual_indexes = tuple(int(i) for i in c.deepstack_visual_indexes)
+        # a tower configured without DeepStack (Qwen3.5's: no such field) has no levels
+        self.deepstack_visual_indexes = tuple(int(i) for i in getattr(c, "deepstack_visual_indexes", None) or ())
         if any(not 0 <= i < c.depth for i in self.deepstack_visual_indexes) or \
                 len(set(self.deepstack_visual_indexes)) != len(self.deepstack_visual_indexes):
             raise CheckpointError(f"config.json vision_config.deepstack_visual_indexes "

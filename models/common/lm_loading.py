@@ -24,7 +24,7 @@ from vlm_sdk.attention.metadata import StepMetadata
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.linear import kv_head_split
 from vlm_sdk.layers.ops import KernelOps
-from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.parallel_state import ParallelGroups, TPGroup
 from vlm_sdk.weight_loading import ParamSlot, load_checked
 from vlm_sdk.models.base import DecoderStack, LayerCache, StepImages, VisionLanguageModel
 from vlm_sdk.models.cpu_layout import PackedLMHead, column_major, use_cpu_weight_layout
@@ -38,18 +38,21 @@ class DecoderVLM(VisionLanguageModel):
     """The decoder half of `VisionLanguageModel` for families whose LLM is a `LlamaDecoder`: a
     subclass calls `_init_decoder` and names its vision tower and projector in `_vision_parts`.
 
-    Under tensor parallelism (`tp`) `num_kv_heads` is this rank's KV head count (what its KV cache
-    holds); `compute_logits` returns the whole vocab on every rank. A family builds its vision tower and
-    projector with `_build_vision`: sharded over `tp` when `shard_vision`, else (or when the tower's
-    heads or widths do not split over the ranks, e.g. InternViT-6B's 25 heads) whole on every rank;
-    `vision_tp` is the group it got."""
+    `parallel` is this rank's `ParallelGroups` (kept, and its tensor-parallel group as `tp`). Under tensor
+    parallelism `num_kv_heads` is this rank's KV head count (what its KV cache holds); `compute_logits`
+    returns the whole vocab on every rank. A family builds its vision tower and projector with
+    `_build_vision`: sharded over `tp` when `shard_vision`, else (or when the tower's heads or widths do
+    not split over the ranks, e.g. InternViT-6B's 25 heads) whole on every rank; `vision_tp` is the group
+    it got."""
 
     def _init_decoder(self, cfg: LlamaDecoderConfig, dtype: torch.dtype, device: torch.device | str,
-                      ops: KernelOps | None, tp: TPGroup = TPGroup(), shard_vision: bool = True) -> None:
+                      ops: KernelOps | None, parallel: ParallelGroups = ParallelGroups(),
+                      shard_vision: bool = True) -> None:
+        tp = parallel.tp
         self.decoder_config = cfg
-        self.tp, self.shard_vision = tp, shard_vision
+        self.parallel, self.tp, self.shard_vision = parallel, tp, shard_vision
         self.vision_tp = tp if shard_vision else TPGroup()  # `_build_vision` may fall back to TPGroup()
-        self.decoder = LlamaDecoder(cfg, dtype, device, ops, tp)
+        self.decoder = LlamaDecoder(cfg, dtype, device, ops, parallel)
         self.num_layers, self.head_dim = cfg.num_layers, cfg.head_dim
         self.num_kv_heads = kv_head_split(cfg.num_kv_heads, tp)[1]  # this rank's: what its KV cache holds
         self.hidden_size, self.vocab_size = cfg.hidden_size, cfg.vocab_size

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from vlm_sdk.errors import CheckpointError
 from vlm_sdk.multimodal.inputs import ImageInput
-from vlm_sdk.models.qwen2_5_vl.processor import Qwen2_5_VLProcessor
-from vlm_sdk.models.qwen2_5_vl.video_processor import QwenVideo
+from vlm_sdk.models.common.qwen_vl.processor import QwenVLProcessor
+from vlm_sdk.models.common.qwen_vl.video_processor import QwenVideo
 
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 
@@ -29,7 +29,7 @@ def timestamps(times: tuple[float, ...], merge: int = 2) -> list[float]:
     return [(times[i] + times[i + merge - 1]) / 2 for i in range(0, len(times), merge)]
 
 
-class Qwen3VLProcessor(Qwen2_5_VLProcessor):
+class Qwen3VLProcessor(QwenVLProcessor):
     def __init__(self, tokenizer, image_processor, hf_config, **kwargs):
         super().__init__(tokenizer, image_processor, hf_config, **kwargs)
         ids = [tokenizer.convert_tokens_to_ids(t) for t in (VISION_START, VISION_END)]
