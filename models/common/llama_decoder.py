@@ -28,12 +28,10 @@ on every rank. The residual stream and the norms are whole on every rank.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.layers.attention import PagedAttention
-from vlm_sdk.layers.embedding import ParallelLMHead, VocabParallelEmbedding, gather_vocab
 from vlm_sdk.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from vlm_sdk.layers.moe import SparseMoeBlock
 from vlm_sdk.layers.norm import RMSNorm
@@ -42,6 +40,7 @@ from vlm_sdk.layers.parallel_state import ParallelGroups
 from vlm_sdk.layers.quantized_linear import linear_layer
 from vlm_sdk.layers.rotary import MRotaryEmbedding, RotaryInputs
 from vlm_sdk.weight_loading import ParamSlot, SplitSlot
+from vlm_sdk.models.common.decoder_ends import DecoderEnds
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 
 # Where checkpoints keep a layer's FP8 KV-cache scales (each a one-element float32 tensor; vLLM's
@@ -144,30 +143,23 @@ class LlamaDecoderLayer(nn.Module):
                 **self.down_proj.slots(f"{dst}down_proj.", f"{src}down_proj.weight")}
 
 
-class LlamaDecoder(nn.Module):
+class LlamaDecoder(DecoderEnds):
     def __init__(self, cfg: LlamaDecoderConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", ops: KernelOps | None = None,
                  parallel: ParallelGroups = ParallelGroups()):
         super().__init__()
-        tp = parallel.tp
-        self.cfg, self.tp = cfg, tp
+        self.cfg = cfg
         self.ops = ops or TorchOps()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, tp)
+        self._init_ends(cfg.vocab_size, cfg.hidden_size, cfg.tie_word_embeddings, dtype, device, parallel.tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device, self.ops, parallel, i)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, device,
                                        interleaved=cfg.mrope_interleaved)
-        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype,
-                                                                           device, tp)
-        self.packed_head = None
         # the `DecoderStack` contract (models/base.py): positions [3, N] for M-RoPE, else [N]
         self.hidden_size = cfg.hidden_size
         self.position_rows = 3 if cfg.mrope_section is not None else 1
         self.requires_grad_(False)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden]
-        return self.embed_tokens(input_ids)
 
     def forward(self, inputs_embeds: torch.Tensor,  # [N, hidden]
                 positions: torch.Tensor,  # [3, N] (M-RoPE) or [N]
@@ -199,27 +191,6 @@ class LlamaDecoder(nn.Module):
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # [N, hidden] x 2 -> [N, hidden]
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
-
-    def untie_lm_head(self, rows: torch.Tensor) -> None:
-        """Give a tied decoder its own LM head (a checkpoint whose lm_head differs from the embedding);
-        `rows` are this rank's rows `[stop - start, hidden]` of the checkpoint's `[vocab, hidden]` head."""
-        emb = self.embed_tokens
-        self.lm_head = ParallelLMHead(self.cfg.vocab_size, self.cfg.hidden_size, emb.weight.dtype,
-                                      emb.weight.device, self.tp)
-        self.lm_head.requires_grad_(False)
-        with torch.no_grad():
-            self.lm_head.weight.copy_(rows)
-
-    def compute_logits(self, hidden: torch.Tensor,  # [S, hidden]
-                       out: torch.Tensor | None = None) -> torch.Tensor:  # [S, vocab] float32 (into `out`)
-        if self.packed_head is not None:  # set after loading on the CPU (models/cpu_layout.py)
-            local = self.packed_head(hidden)  # [S, vocab / tp]
-        else:
-            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [vocab / tp, hidden]
-            local = F.linear(hidden, weight)  # [S, vocab / tp]
-        # gathered in the model's dtype (half the bytes of float32 in bf16; the cast is exact either way)
-        logits = gather_vocab(local, self.tp, self.cfg.vocab_size)  # [S, vocab]
-        return logits.float() if out is None else out.copy_(logits)
 
     def checkpoint_map(self, prefix: str = "model.", lm_head: str = "lm_head.weight") -> dict[str, ParamSlot]:
         """Checkpoint name -> where it goes (this rank's slice), for the published Qwen2 / Llama layout

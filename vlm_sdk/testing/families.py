@@ -12,6 +12,8 @@ FIXTURE_MODULES = MappingProxyType({
     "internvl": "vlm_sdk.models.internvl.fixtures",
     "qwen3_vl": "vlm_sdk.models.qwen3_vl.fixtures",
     "qwen3_vl_moe": "vlm_sdk.models.qwen3_vl_moe.fixtures",
+    "qwen3_5": "vlm_sdk.models.qwen3_5.fixtures",
+    "qwen3_5_moe": "vlm_sdk.models.qwen3_5_moe.fixtures",
 })
 
 
