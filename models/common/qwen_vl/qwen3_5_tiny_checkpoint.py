@@ -12,7 +12,8 @@ The tiny shape (`DEFAULTS`): four layers, three Gated DeltaNet and one gated ful
 published `[3 x linear + 1 x full]` block (transformers' default layer_types), head_dim 32 with
 partial_rotary_factor 0.25 (8 rotated dims: interleaved M-RoPE over 4 frequencies, section (2, 1, 1)),
 2 KV heads (so the only attention layer's KV block stays as small as the other families': 96 tokens
-in 100,000 bytes), linear heads 2 key / 4 value (each key head serves two value heads) of 16. The
+in 100,000 bytes), linear heads 2 key / 4 value (each key head serves two value heads) of 8 (a request's
+state: 5,376 bytes, so a few slots fit beside that cache too). The
 Gated DeltaNet decays are drawn slow (A_log = log U(0.02, 0.3), dt_bias ~ N(-1, 0.5)): the redraw's
 1 + N(0, 0.1) would forget nearly everything after one token, and the state would then hide nothing.
 
@@ -45,8 +46,8 @@ DEFAULTS: Mapping[str, Any] = MappingProxyType(dict(
     layer_types=None,              # None: transformers' default, every 4th layer full attention
     linear_num_key_heads=2,
     linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
     linear_conv_kernel_dim=4,
     vision_depth=3,
     vision_hidden_size=32,
