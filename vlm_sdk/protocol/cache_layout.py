@@ -162,8 +162,8 @@ class CacheLayout:
         if not enable_prefix_caching:
             return {k: "off: enable_prefix_caching=False" for k in self.kinds}
         how = {"full": "reuses cached prefixes", "sliding_window": "reuses cached prefixes whose window is intact",
-               "state": "reuses cached prefixes at checkpointed block boundaries (the prompt's last and the "
-                        "latest generated one)"}
+               "state": "reuses cached prefixes at checkpointed block boundaries (where prefill chunks end, "
+                        "the prompt's last two among them, and the latest generated one)"}
         return {k: how[k] for k in self.kinds}
 
     def describe(self) -> str:

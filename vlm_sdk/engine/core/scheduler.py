@@ -74,6 +74,7 @@ class Scheduler:
                 continue  # the token on its way is its last (max_tokens or max_model_len): nothing to compute
             if aligned and n > 1:  # a prefill chunk ends on a block boundary: its state can be checkpointed
                 n = self.cache.align(seq, seq.num_computed_tokens, n)
+                self.cache.note_coming(seq, seq.num_computed_tokens + n)
             total = seq.num_computed_tokens + n
             # the usual case, kept lean (it runs for every sequence every step): the blocks held suffice and
             # none fills up, so `allocate` would change nothing (every group holds as many blocks as group 0)
