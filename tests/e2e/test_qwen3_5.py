@@ -139,3 +139,31 @@ def test_a_four_turn_image_chat_hits_the_cache_from_turn_two_with_the_tokens_of_
             assert got.num_cached_tokens >= (prompt - 1) // BLOCK * BLOCK - BLOCK > 0
         prompt = len(got.prompt_token_ids)
         conv = conv + [{"role": "assistant", "content": got.text}, {"role": "user", "content": f"And {turn}?"}]
+
+
+def test_the_qwen3_5_template_reasoning_structured_outputs_and_its_xml_tool_form(tiny_checkpoints):
+    """The template opens a <think> block (the qwen3 reasoning parser reads it), closes it empty with
+    enable_thinking=False, where a schema's output validates; its tool calls are the Qwen3-Coder XML
+    form, which no parser here reads yet: a request with tools is refused naming it (not read back as
+    text), and the engine serves on."""
+    import json
+
+    import jsonschema
+
+    from vlm_sdk.errors import InvalidRequestError
+    llm = LLM(tiny_checkpoints("qwen3_5"), show_progress=False)
+    conv = conversations()["one_image"]
+    thinking = llm.chat(conv, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert thinking.reasoning_content == thinking.text and thinking.content == ""  # the random weights never close the block
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}, "count": {"type": "integer"}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "seen", "schema": schema, "strict": True}}
+    plain = llm.chat(conv, SamplingParams(max_tokens=60, temperature=1.0, seed=3, response_format=fmt),
+                     chat_template_kwargs={"enable_thinking": False})[0]
+    assert plain.finish_reason == "stop" and not plain.reasoning_content
+    jsonschema.validate(json.loads(plain.content), schema)
+    tool = {"type": "function", "function": {"name": "count", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(InvalidRequestError, match="Qwen3-Coder XML form"):
+        llm.chat(conv, SamplingParams(max_tokens=4), tools=[tool])
+    assert llm.chat(conv, SamplingParams(max_tokens=4))[0].token_ids
+    assert llm.stats()["kv_blocks_used"] == 0
