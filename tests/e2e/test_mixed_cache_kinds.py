@@ -76,6 +76,9 @@ def test_prefix_caching_restores_state_checkpoints_and_equals_caching_off(mixed_
     # turn 2 resumed at least at turn 1's prompt: 12 tokens, then its last generated boundary (20)
     assert stats["prefix_cache_hit_tokens"] >= 12 + 20
     assert stats["prefix_cache_kinds"]["state"].startswith("reuses")
+    # what each kind alone could serve; the hit is the shortest (every group must serve it)
+    kinds = stats["prefix_cache_kind_hit_tokens"]
+    assert set(kinds) == {"sliding_window", "full", "state"} and min(kinds.values()) >= stats["prefix_cache_hit_tokens"]
     fresh = _prompt(9, 10)
     hits = llm.stats()["prefix_cache_hit_tokens"]
     many = llm.generate([TokensPrompt(tuple(fresh))], SamplingParams(n=3, max_tokens=10, temperature=0.0,
@@ -151,7 +154,7 @@ def test_plan_equals_engine_for_each_kind(mixed_ckpt, kind, options):
 
 
 def test_the_errors_name_what_binds(mixed_ckpt):
-    from vlm_sdk.errors import InputTooLongError, InvalidRequestError
+    from vlm_sdk.errors import CacheTooSmallError, InputTooLongError, InvalidRequestError
     from vlm_sdk.plan import plan
     stateful = f"{FAMILY}:STATEFUL"
     # the state slots take the room: the refusal names them and num_state_slots
@@ -170,3 +173,22 @@ def test_the_errors_name_what_binds(mixed_ckpt):
                      SamplingParams(max_tokens=4))
     assert e.value.fixes["num_blocks"] == cache.blocks_for(cache.capacity_tokens + 1 + 4) > 30
     assert "shared by 3 attention groups" in str(e.value)
+    # a max_model_len the blocks of every group cannot hold once: refused at start-up, counted over the groups
+    with pytest.raises(CacheTooSmallError, match="needs 150 blocks of 4 tokens over its 3 attention groups") as e:
+        _llm(mixed_ckpt, num_blocks=30, max_model_len=200)
+    # 50 blocks in each of the 3 groups: a prefill chunk of up to 8,192 tokens reads the window before
+    # every one of its 200 queries, so a sliding group holds them all too; 30 blocks hold 40 tokens
+    assert e.value.fixes == {"max_model_len": 40, "num_blocks": 150}
+    # blocks sized from bytes the state slots share: fewer slots is a fix too, and each fix named fits
+    sized = {"model_family": stateful, "kv_cache_memory": 400_000, "max_num_seqs": 8, "max_num_batched_tokens": 16}
+    llm = _llm(mixed_ckpt, **sized)
+    cache = llm.engine.cache_config
+    n = cache.capacity_tokens + 1
+    with pytest.raises(InputTooLongError) as e:
+        llm.generate([TokensPrompt(tuple(_prompt(1, n)))], SamplingParams(max_tokens=4))
+    fixes = e.value.fixes
+    assert fixes["kv_cache_memory"] == cache.blocks_for(n + 4) * cache.bytes_per_block + cache.state_bytes
+    assert 8 <= fixes["num_state_slots"] < cache.num_state_slots == 16
+    for key in ("kv_cache_memory", "num_state_slots"):
+        fixed = _llm(mixed_ckpt, **{**sized, key: fixes[key]}).engine.cache_config
+        assert fixed.capacity_tokens >= n + 4, key

@@ -223,8 +223,10 @@ class LLMEngine:
         return None if spec is None else self.grammars.compile(spec)
 
     def add_request(self, prompt: PromptInputs, params: SamplingParams | None = None,
-                    request_id: str | None = None, grammar: Grammar | None = None) -> str:
-        """`grammar`: `compile_grammar(params)` done beforehand (else it is compiled here, if needed)."""
+                    request_id: str | None = None, grammar: Grammar | None = None, group=None) -> str:
+        """`grammar`: `compile_grammar(params)` done beforehand (else it is compiled here, if needed).
+        `group`: the request this sequence belongs to (hashable; default: its own), whose sequences
+        share the waiting queue's fair share (engine/core/waiting_queue.py)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -240,7 +242,7 @@ class LLMEngine:
         self.check_prompt(prompt, params)
         if grammar is None:
             grammar = self.compile_grammar(params, prompt)
-        seq = Sequence(request_id, prompt, params)
+        seq = Sequence(request_id, prompt, params, group=group)
         if grammar is not None:
             seq.matcher, seq.first_mask = grammar.matcher(), grammar.first_mask
         seq.sync_sampling = grammar is not None or params.min_tokens > 0 or params.repetition_penalty != 1.0 \
@@ -419,7 +421,9 @@ class LLMEngine:
                 "num_preemptions_last_minute": self.preemptions.count_last_minute(),
                 "prefix_cache_hit_tokens": bm.hit_tokens, "prefix_cache_query_tokens": bm.query_tokens,
                 "kv_blocks_cached": bm.num_cached_free_blocks, "cache_groups": bm.group_stats(),
-                "prefix_cache_kinds": bm.prefix_reuse(), "encoder_cache_hits": enc.hits,
+                "prefix_cache_kinds": bm.prefix_reuse(self.scheduler_config.max_num_seqs),
+                "prefix_cache_kind_hit_tokens": dict(bm.kind_hit_tokens),
+                "encoder_cache_hits": enc.hits,
                 "encoder_cache_queries": enc.queries, "encoder_cache_bytes": enc.num_bytes,
                 "grammar_cache_bytes": self.grammars.cache_bytes,
                 "grammar_process_bytes": self.grammars.process_bytes(),

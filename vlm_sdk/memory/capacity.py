@@ -47,12 +47,14 @@ def check_max_model_len_fits(cache: CacheConfig, max_model_len: int) -> None:
     fixes = max_model_len_fixes(cache, max_model_len)
     note = ""
     if len(fixes) == 1 and cache.budget is not None:
-        u = cache.budget.utilization_for(need * cache.bytes_per_block)
+        u = cache.budget.utilization_for(need * cache.bytes_per_block + cache.state_bytes)
         note = f" (no cache setting can: that cache would take {u:.2f} of the device)"
     names = fixes_text(fixes)
+    groups = cache.layout.num_attention_groups if cache.layout is not None else 1
+    over = f" over its {groups} attention groups ({cache.layout.describe()})" if groups > 1 else ""
     raise CacheTooSmallError(
         f"max_model_len={max_model_len} does not fit once in the KV cache: one sequence of {max_model_len} "
-        f"tokens needs {need} blocks of {cache.block_size} tokens ({need * cache.bytes_per_block:,} bytes at "
+        f"tokens needs {need} blocks of {cache.block_size} tokens{over} ({need * cache.bytes_per_block:,} bytes at "
         f"{cache.bytes_per_block:,} per block) but the cache has {cache.num_blocks} blocks = "
         f"{cache.capacity_tokens} tokens ({cache.source}). The largest max_model_len that fits is "
         f"{cache.capacity_tokens}. Any one of these settings lets the engine start{note}: {names}",

@@ -131,7 +131,9 @@ class CacheConfig:
         that would take effect are named: num_blocks overrides kv_cache_memory, which overrides
         memory_utilization, so a cache the user sized by num_blocks is only fixed by num_blocks.
         kv_cache_dtype="fp8" when the same memory holds that many FP8 blocks (`fp8_blocks`). With a
-        device budget, only that when the device cannot hold that many blocks of this dtype at all."""
+        device budget, only that when the device cannot hold that many blocks of this dtype at all.
+        num_state_slots (a model with state layers, the blocks sized from bytes) when fewer state slots
+        leave room for that many blocks: the slots are what binds."""
         fixes: dict[str, int | float | str] = {}
         fits = True
         if self.budget is not None:
@@ -145,6 +147,13 @@ class CacheConfig:
             fixes["num_blocks"] = num_blocks
         if self.fp8_blocks is not None and self.fp8_blocks >= num_blocks:
             fixes["kv_cache_dtype"] = "fp8"
+        if self.num_state_slots and self.rule in ("kv_cache_memory", "memory_utilization"):
+            # the state slots are carved out of the same bytes first: fewer of them leave room for the blocks
+            # (at most the remainder of one block short of exact, so the count named is safe)
+            room = self.num_blocks * self.bytes_per_block + self.state_bytes
+            slots = (room - num_blocks * self.bytes_per_block) // self.state_slot_bytes
+            if 1 <= slots < self.num_state_slots:
+                fixes["num_state_slots"] = slots
         return fixes
 
 

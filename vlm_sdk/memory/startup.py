@@ -111,4 +111,5 @@ def cache_shares(m: MemoryInputs, cache: CacheConfig, max_model_len: int) -> dic
             "group_size": layout.group_size if layout is not None else m.num_layers,
             "cache_capacity_tokens": cache.capacity_tokens, "num_state_slots": cache.num_state_slots,
             "state_slot_bytes": cache.state_slot_bytes,
-            "prefix_reuse": tuple(layout.prefix_reuse(m.args.enable_prefix_caching).items()) if several else ()}
+            "prefix_reuse": tuple(layout.prefix_reuse(m.args.enable_prefix_caching, cache.num_state_slots,
+                                                      m.args.max_num_seqs).items()) if several else ()}

@@ -157,13 +157,20 @@ class CacheLayout:
                 hi = mid - 1
         return lo
 
-    def prefix_reuse(self, enable_prefix_caching: bool) -> dict[str, str]:
-        """Per kind: whether it reuses cached prefixes, and how or why not (stats() and the plan say it)."""
+    def prefix_reuse(self, enable_prefix_caching: bool, num_state_slots: int = 0,
+                     max_num_seqs: int = 0) -> dict[str, str]:
+        """Per kind: whether it reuses cached prefixes, and how or why not (stats() and the plan say it).
+        A checkpoint takes a state slot no running request holds: with `num_state_slots` <= `max_num_seqs`
+        a full batch leaves none, which is said rather than left to find out."""
         if not enable_prefix_caching:
             return {k: "off: enable_prefix_caching=False" for k in self.kinds}
         how = {"full": "reuses cached prefixes", "sliding_window": "reuses cached prefixes whose window is intact",
                "state": "reuses cached prefixes at checkpointed block boundaries (where prefill chunks end, "
                         "the prompt's last two among them, and the latest generated one)"}
+        if num_state_slots and num_state_slots <= max_num_seqs:
+            how["state"] += (f", only while fewer than num_state_slots={num_state_slots} requests run: a checkpoint "
+                             f"takes a slot no running request holds (raise num_state_slots above "
+                             f"max_num_seqs={max_num_seqs})")
         return {k: how[k] for k in self.kinds}
 
     def describe(self) -> str:

@@ -67,7 +67,8 @@ class CacheCoordinator:
         self.aligned = self.state is not None and enable_prefix_caching
         self.hit_tokens = 0  # prompt tokens found in the prefix cache, since start-up
         self.query_tokens = 0  # tokens looked up (each start and restart of a sequence)
-        self.kind_hit_tokens = dict.fromkeys(self.kinds, 0)  # what each kind alone could have served
+        # per kind, the prompt tokens it alone could have served (the hit is the shortest of them)
+        self.kind_hit_tokens = dict.fromkeys(self.kinds, 0)
         self._restores: list[tuple[int, int]] = []  # this step's (checkpoint slot, live slot)
         self._pinned: list[int] = []  # checkpoint slots read by this step's restores: not evicted before
         self._coming: set[bytes] = set()  # boundaries sequences admitted this step will be checkpointed at
@@ -192,7 +193,9 @@ class CacheCoordinator:
         k = min(limit, len(hashes))  # fewer when an image without a key stops the chain
         managers = self.managers + ([self.state] if self.state is not None else [])
         if len(managers) == 1:
-            return managers[0].longest_hit(hashes, k), None
+            k = managers[0].longest_hit(hashes, k)
+            self.kind_hit_tokens[managers[0].kind] += k * size
+            return k, None
         for m in managers:  # what each kind alone would serve (the stats' per-kind hits)
             self.kind_hit_tokens[m.kind] += m.longest_hit(hashes, k) * size
         while True:  # each manager lowers the candidate to its longest hit at most that long
@@ -290,9 +293,10 @@ class CacheCoordinator:
         return restores, tuple(checkpoints)
 
     # -- reports ---------------------------------------------------------------------------------
-    def prefix_reuse(self) -> dict[str, str]:
+    def prefix_reuse(self, max_num_seqs: int = 0) -> dict[str, str]:
         """Per kind: whether it reuses cached prefixes, and how or why not."""
-        return self.layout.prefix_reuse(self.enable_prefix_caching)
+        slots = self.state_pool.num_blocks if self.state_pool is not None else 0
+        return self.layout.prefix_reuse(self.enable_prefix_caching, slots, max_num_seqs)
 
     def group_stats(self) -> list[dict]:
         """Per group: its kind, layers and what it holds (attention: blocks of the shared pool held by
