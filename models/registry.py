@@ -30,6 +30,8 @@ FAMILIES = (
     FamilyEntry("qwen3_vl", "vlm_sdk.models.qwen3_vl.spec", ("Qwen3VLForConditionalGeneration",)),
     FamilyEntry("qwen3_vl_moe", "vlm_sdk.models.qwen3_vl_moe.spec", ("Qwen3VLMoeForConditionalGeneration",)),
     FamilyEntry("gemma3", "vlm_sdk.models.gemma3.spec", ("Gemma3ForConditionalGeneration",)),
+    FamilyEntry("qwen3_5", "vlm_sdk.models.qwen3_5.spec", ("Qwen3_5ForConditionalGeneration",)),
+    FamilyEntry("qwen3_5_moe", "vlm_sdk.models.qwen3_5_moe.spec", ("Qwen3_5MoeForConditionalGeneration",)),
 )
 
 

@@ -32,7 +32,6 @@ from torch import nn
 
 from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
 from vlm_sdk.layers.attention import PagedAttention
-from vlm_sdk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vlm_sdk.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from vlm_sdk.layers.moe import SparseMoeBlock
 from vlm_sdk.layers.norm import RMSNorm
@@ -41,8 +40,9 @@ from vlm_sdk.layers.parallel_state import ParallelGroups
 from vlm_sdk.layers.quantized_linear import linear_layer
 from vlm_sdk.layers.rotary import MRotaryEmbedding, RotaryInputs
 from vlm_sdk.weight_loading import ParamSlot, SplitSlot
+from vlm_sdk.models.common.decoder_ends import DecoderEnds
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
-from vlm_sdk.models.common.lm_head import DecoderHead, attention_slots
+from vlm_sdk.models.common.lm_head import attention_slots
 
 # Where checkpoints keep a layer's FP8 KV-cache scales (each a one-element float32 tensor; vLLM's
 # `maybe_remap_kv_scale_name` reads the same spellings): llm-compressor / compressed-tensors'
@@ -144,30 +144,23 @@ class LlamaDecoderLayer(nn.Module):
                 **self.down_proj.slots(f"{dst}down_proj.", f"{src}down_proj.weight")}
 
 
-class LlamaDecoder(DecoderHead, nn.Module):
+class LlamaDecoder(DecoderEnds):
     def __init__(self, cfg: LlamaDecoderConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", ops: KernelOps | None = None,
                  parallel: ParallelGroups = ParallelGroups()):
         super().__init__()
-        tp = parallel.tp
-        self.cfg, self.tp = cfg, tp
+        self.cfg = cfg
         self.ops = ops or TorchOps()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, tp)
+        self._init_ends(cfg.vocab_size, cfg.hidden_size, cfg.tie_word_embeddings, dtype, device, parallel.tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device, self.ops, parallel, i)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, device,
                                        interleaved=cfg.mrope_interleaved)
-        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype,
-                                                                           device, tp)
-        self.packed_head = None
         # the `DecoderStack` contract (models/base.py): positions [3, N] for M-RoPE, else [N]
         self.hidden_size = cfg.hidden_size
         self.position_rows = 3 if cfg.mrope_section is not None else 1
         self.requires_grad_(False)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden]
-        return self.embed_tokens(input_ids)
 
     def forward(self, inputs_embeds: torch.Tensor,  # [N, hidden]
                 positions: torch.Tensor,  # [3, N] (M-RoPE) or [N]

@@ -28,6 +28,7 @@ from vlm_sdk.layers.parallel_state import ParallelGroups, TPGroup
 from vlm_sdk.weight_loading import ParamSlot, load_checked
 from vlm_sdk.models.base import DecoderStack, LayerCache, StepImages, VisionLanguageModel
 from vlm_sdk.models.cpu_layout import PackedLMHead, column_major, use_cpu_weight_layout
+from vlm_sdk.models.common.decoder_ends import DecoderEnds
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.models.common.llama_decoder import LlamaDecoder
 
@@ -48,8 +49,10 @@ class DecoderVLM(VisionLanguageModel):
     def _init_decoder(self, cfg: LlamaDecoderConfig, dtype: torch.dtype, device: torch.device | str,
                       ops: KernelOps | None, parallel: ParallelGroups = ParallelGroups(),
                       shard_vision: bool = True, decoder_cls: type = LlamaDecoder) -> None:
-        """`decoder_cls(cfg, dtype, device, ops, parallel)`: a `LlamaDecoder`, or a decoder with its interface
-        (`embed`, `compute_logits`, `embed_tokens`, `lm_head`, `untie_lm_head`: the Gemma decoder)."""
+        """`decoder_cls(cfg, dtype, device, ops, parallel)`: the decoder (a `LlamaDecoder`, another
+        `DecoderEnds`, or a decoder with the same interface: `embed`, `compute_logits`, `embed_tokens`,
+        `lm_head`, `untie_lm_head`, the Gemma decoder) whose config has the size fields num_layers,
+        head_dim, num_kv_heads of its attention layers, hidden_size, vocab_size."""
         tp = parallel.tp
         self.decoder_config = cfg
         self.parallel, self.tp, self.shard_vision = parallel, tp, shard_vision
@@ -105,7 +108,7 @@ class DecoderVLM(VisionLanguageModel):
                 "vision": [t for t in tower.parameters() if id(t) not in ids]}
 
 
-def load_with_lm_head(model: nn.Module, decoder: LlamaDecoder, weights: Iterable[tuple[str, torch.Tensor]],
+def load_with_lm_head(model: nn.Module, decoder: DecoderEnds, weights: Iterable[tuple[str, torch.Tensor]],
                       slots: dict[str, ParamSlot], *, lm_head: str, canonical: Callable[[str], str],
                       source: str | Path | None) -> None:
     """`load_checked` into `model`; when `decoder` is tied, a checkpoint tensor named `lm_head` (after
@@ -149,14 +152,14 @@ def load_with_lm_head(model: nn.Module, decoder: LlamaDecoder, weights: Iterable
         decoder.untie_lm_head(head[0])
 
 
-def _check_quantized(decoder: LlamaDecoder) -> None:
+def _check_quantized(decoder: DecoderEnds) -> None:
     for module in decoder.modules():
         check = getattr(module, "check_loaded", None)
         if check is not None:
             check()
 
 
-def finish_cpu_layout(model: nn.Module, decoder: LlamaDecoder) -> None:
+def finish_cpu_layout(model: nn.Module, decoder: DecoderEnds) -> None:
     """After loading: CPU weight layout for every Linear, and the packed LM head when it applies."""
     use_cpu_weight_layout(model)
     head = decoder.embed_tokens.weight if decoder.lm_head is None else decoder.lm_head.weight

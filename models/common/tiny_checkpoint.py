@@ -206,13 +206,17 @@ def write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False) + "\n", encoding="utf-8")
 
 def save_random_model(model_cls, config, out: Path, *, seed: int, init_std: float, dtype, max_shard_size,
-                      norm_std: float | None) -> None:
-    """Build transformers' `model_cls(config)`, `redraw` its weights and save it (tied heads saved equal)."""
+                      norm_std: float | None, adjust=None) -> None:
+    """Build transformers' `model_cls(config)`, `redraw` its weights and save it (tied heads saved equal).
+    `adjust(model, generator)`: a family's own draws after the redraw (parameters whose range matters)."""
     import torch
 
     with no_hf_progress_bars():
         model = model_cls(config)
         redraw(model, seed, init_std, norm_std)
+        if adjust is not None:
+            with torch.no_grad():
+                adjust(model, torch.Generator().manual_seed(seed + 1))
         if config.tie_word_embeddings:
             # transformers 5 keeps two parameters here; equal values make the checkpoint truly tied
             with torch.no_grad():

@@ -4,7 +4,7 @@ q/k norm) whose decoder routes each sparse layer's MLP through experts (`LlamaDe
 `SparseMoeBlock` per sparse layer: vlm_sdk/layers/moe.py).
 
 Checkpoints: the published names (`model.language_model.*`, `model.visual.*`, `lm_head.weight`) with
-the experts in any of the three layouts of models/qwen3_vl_moe/weights.py (transformers 5's fused
+the experts in any of the three layouts of models/common/fused_experts.py (transformers 5's fused
 tensors, the published repos' transposed fused tensors, or one tensor per expert), loaded strictly.
 
 Tensor parallelism: as Qwen3-VL's, and each expert split along its intermediate dim (one all-reduce
@@ -24,7 +24,7 @@ from vlm_sdk.errors import CheckpointError
 from vlm_sdk.layers.ops import KernelOps
 from vlm_sdk.layers.parallel_state import ParallelGroups
 from vlm_sdk.models.common.qwen_vl.deepstack_model import DeepStackVLM
-from vlm_sdk.models.qwen3_vl_moe.weights import only_experts, split_fused_experts
+from vlm_sdk.models.common.fused_experts import only_experts, split_fused_experts
 
 
 class Qwen3VLMoeForCausalLM(DeepStackVLM):

@@ -11,7 +11,7 @@ The tiny shape: 12 experts of width 32, 3 per token, in layers 0 and 2; layer 1 
 token over and over on the shared image prompt). 2I = 64 and I = 32 both differ from hidden 48, so the fused tensors' two
 orientations cannot be mistaken for each other.
 
-`experts` chooses how the expert tensors are stored (models/qwen3_vl_moe/weights.py):
+`experts` chooses how the expert tensors are stored (models/common/fused_experts.py):
     "fused"       transformers 5's save_pretrained: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]
     "transposed"  the published BF16 repos': [E, H, 2I] and [E, I, H]
     "per_expert"  experts.e.gate_proj / up_proj / down_proj.weight, one tensor each (Qwen3-MoE's, the FP8 repos')

@@ -160,7 +160,8 @@ def _setting_in_effect(path, family) -> int:
 
 @pytest.mark.parametrize("options", [{}, {"block_size": 8, "max_num_seqs": 3, "image": True},
                                      {"num_blocks": 50, "block_size": 32, "image": True},
-                                     {"kv_cache_memory": 100_000, "max_model_len": 96}])
+                                     # two sequences: the state slots of a model with state layers fit beside
+                                     {"kv_cache_memory": 100_000, "max_model_len": 96, "max_num_seqs": 2}])
 def test_plan_equals_engine_with_the_familys_own_plan_setting(family_ckpt, family, options):
     path = family_ckpt[1]
     plan_option, setting = family.plan_setting

@@ -126,51 +126,57 @@ def test_state_slots_are_taken_on_admission_and_freed_on_finish_and_preemption()
 
 
 def test_state_checkpoints_at_aligned_chunk_ends_and_a_later_sequence_restores_one():
-    kv = _coordinator([FULL, STATE], 40, caching=True, slots=4)
+    kv = _coordinator([FULL, STATE], 40, caching=True, slots=5)
     sched = Scheduler(SchedulerConfig(8, 100, 40, "test"), kv)
     a = _seq("a", range(10))
     sched.add(a)
+    # chunks end at the last two boundaries before the last token (4 and 8), so the states there are kept
     out = sched.schedule()
-    # the chunk ends at the last boundary before the last token (8), so the state there is kept
-    assert out.scheduled == [(a, 8)] and a.state_slot == 0
+    assert out.scheduled == [(a, 4)] and a.state_slot == 0
     assert out.state_checkpoints == ((0, 1),) and out.state_restores == ()
-    _compute(a, 8)
+    _compute(a, 4)
+    out = sched.schedule()
+    assert out.scheduled == [(a, 4)] and out.state_checkpoints == ((0, 2),)
+    _compute(a, 4)
     out = sched.schedule()
     assert out.scheduled == [(a, 2)] and out.state_checkpoints == ()  # ends at 10: not a boundary
     _compute(a, 2)
-    # b shares a's first 8 tokens: blocks 0-1 and the state after them; c shares only 6: no checkpoint
-    # at 4, so nothing is reused although its first full block is cached
+    # b shares a's first 8 tokens: blocks 0-1 and the state after them; c shares only 6: the state after
+    # 4 (the boundary before the last, kept for a chat's next turn, whose last few tokens differ)
     b, c = _seq("b", list(range(8)) + [50, 51, 52]), _seq("c", list(range(6)) + [60, 61, 62])
     sched.add(b), sched.add(c)
     out = sched.schedule()
-    assert [(s.request_id, n) for s, n in out.scheduled] == [("a", 1), ("b", 3), ("c", 8)]
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("a", 1), ("b", 3), ("c", 4)]
     assert b.num_computed_tokens == 8 and b.block_ids[0][:2] == a.block_ids[0][:2]
-    assert (b.state_slot, c.state_slot) == (2, 3)
-    assert out.state_restores == ((1, 2),)  # a's checkpoint -> b's live slot, before the forward
-    assert c.num_computed_tokens == 0
-    assert kv.kind_hit_tokens == {"full": 8 + 4, "state": 8}
+    assert c.num_computed_tokens == 4 and c.block_ids[0][:1] == a.block_ids[0][:1]
+    assert (b.state_slot, c.state_slot) == (3, 4)
+    assert out.state_restores == ((2, 3), (1, 4))  # a's checkpoints -> the live slots, before the forward
+    assert kv.kind_hit_tokens == {"full": 8 + 4, "state": 8 + 4}
 
 
 def test_siblings_wait_one_step_for_the_checkpoint_their_prompt_is_computing():
-    """n > 1: the siblings of one `add` would compute the same prompt; the second waits for the step that
-    checkpoints it (a checkpoint is copied after that step's forward), then each restores into its own
+    """n > 1: the siblings of one `add` would compute the same prompt; the second waits for the steps that
+    checkpoint it (a checkpoint is copied after that step's forward), then each restores into its own
     live slot, the pinned checkpoint read twice."""
     kv = _coordinator([FULL, STATE], 40, caching=True, slots=6)
     sched = Scheduler(SchedulerConfig(8, 100, 40, "test"), kv)
     sibs = [_seq(f"s{i}", range(9)) for i in range(3)]
     for s in sibs:
         sched.add(s)
-    out = sched.schedule()
-    assert [(s.request_id, n) for s, n in out.scheduled] == [("s0", 8)]  # s1 waits, and admission with it
-    assert sibs[0].state_slot == 0 and out.state_checkpoints == ((0, 1),)
-    for s, n in out.scheduled:
-        _compute(s, n)
+    # s0's prompt is cut at 4 and 8 (the last two boundaries before its last token); s1 waits for each,
+    # and admission with it
+    for end, slot in ((4, 1), (8, 2)):
+        out = sched.schedule()
+        assert [(s.request_id, n) for s, n in out.scheduled] == [("s0", 4)]
+        assert sibs[0].state_slot == 0 and out.state_checkpoints == ((0, slot),)
+        for s, n in out.scheduled:
+            _compute(s, n)
     out = sched.schedule()
     assert [(s.request_id, n) for s, n in out.scheduled] == [("s0", 1), ("s1", 1), ("s2", 1)]
-    assert [s.state_slot for s in sibs] == [0, 2, 3] and [s.num_computed_tokens for s in sibs[1:]] == [8, 8]
-    assert out.state_restores == ((1, 2), (1, 3))
+    assert [s.state_slot for s in sibs] == [0, 3, 4] and [s.num_computed_tokens for s in sibs[1:]] == [8, 8]
+    assert out.state_restores == ((2, 3), (2, 4))
     assert [s.block_ids[0][:2] for s in sibs] == [[0, 1]] * 3  # and the full-attention blocks are shared
-    assert kv.state_pool.ref_count[1] == 0 and kv.state_pool.lookup(sibs[0].block_hashes[1]) == 1  # unpinned
+    assert kv.state_pool.ref_count[2] == 0 and kv.state_pool.lookup(sibs[0].block_hashes[1]) == 2  # unpinned
 
 
 def test_generated_side_checkpoints_keep_only_the_latest():

@@ -22,7 +22,8 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 # prompts of its pairs (InternVL: one 256-token tile per image)
 CACHE = {"qwen2_5_vl": {"num_blocks": 18}, "internvl": {"num_blocks": 60, "max_dynamic_patch": 1},
          "qwen3_vl": {"num_blocks": 18}, "qwen3_vl_moe": {"num_blocks": 18},
-         "gemma3": {"num_blocks": 24}}  # Gemma 3: a block is a page in each of its 3 groups' one tensor
+         "gemma3": {"num_blocks": 24},  # Gemma 3: a block is a page in each of its 3 groups' one tensor
+         "qwen3_5": {"num_blocks": 18}, "qwen3_5_moe": {"num_blocks": 18}}
 
 
 def _conversations() -> list:

@@ -202,14 +202,16 @@ class LLMEngine:
     def step(self) -> list[EngineOutput]:
         """schedule -> run -> postprocess: one output per request that sampled a token."""
         batch = self.scheduler.schedule()
-        if not batch.scheduled:
-            if self._inflight is not None:  # its finished requests are freed on the ranks next step
-                return self._read_inflight()
-            if self.scheduler.has_worker_finished():  # nothing to run: the workers still free them
-                self.executor.execute(self.scheduler.worker_input(batch))
-            return []
         if batch.preempted:
             self._note_preemptions(len(batch.preempted))
+        if not batch.scheduled:
+            outputs = self._read_inflight() if self._inflight is not None else []
+            # nothing to run, but the ranks must still drop what they hold of finished requests and of
+            # the ones this schedule preempted (the only running one may preempt itself while its token is
+            # on its way): a preempted request they kept would resume on its old blocks and state slot
+            if batch.preempted or self.scheduler.has_worker_finished():
+                self.executor.execute(self.scheduler.worker_input(batch))
+            return outputs
         work = self.scheduler.worker_input(batch)
         if self._constrained:
             # a row that has generated nothing is at its grammar's start: its first mask was made with it

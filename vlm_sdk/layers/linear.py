@@ -166,8 +166,12 @@ class RowParallelLinear(_Linear):
         self.input_size, self.output_size = input_size, output_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in/tp] -> [N, out], summed over the ranks
+        return self.tp.all_reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:  # [N, in/tp] -> [N, out], this rank's part of the sum
+        """The product before the all-reduce, for a layer that adds more partial sums before reducing once."""
         # the bias joins rank 0's partial only, so that the sum holds it once
-        return self.tp.all_reduce(self._product(x, self.bias if self.tp.rank == 0 else None))
+        return self._product(x, self.bias if self.tp.rank == 0 else None)
 
     def slots(self, param_prefix: str, weight: str, bias: str | None = None) -> dict[str, ParamSlot]:
         """Checkpoint names `weight` `[out, in]` -> this rank's columns; `bias` `[out]` whole."""

@@ -126,7 +126,9 @@ class SparseMoeBlock(nn.Module):
             self.w2_scale_inv = nn.Parameter(torch.empty(e * -(-h // b0), i // b1, device=device),
                                              requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden], summed over the ranks
+    def forward(self, x: torch.Tensor,  # [N, hidden]
+                reduce: bool = True) -> torch.Tensor:  # [N, hidden], summed over the ranks (this rank's part
+        # when not `reduce`: a layer that adds more partial sums before one all-reduce)
         weights, ids = route(self.gate(x), self.top_k, self.moe.norm_topk_prob)  # [N, K] x 2
         e = self.local_experts
         if self.expert_parallel:  # this rank's experts numbered from 0; the others' pairs -1 (skipped)
@@ -135,8 +137,8 @@ class SparseMoeBlock(nn.Module):
         scales = None if self.block is None else ExpertScales(
             self.w13_scale_inv.view(e, -1, self.w13_scale_inv.shape[1]),  # [E, 2I' / B0, ceil(H / B1)]
             self.w2_scale_inv.view(e, -1, self.w2_scale_inv.shape[1]), self.block)  # [E, ceil(H / B0), I' / B1]
-        out = self.ops.fused_moe(x, *self.experts(), weights, ids, scales)
-        return self.tp.all_reduce(out)  # [N, hidden]
+        out = self.ops.fused_moe(x, *self.experts(), weights, ids, scales)  # [N, hidden]
+        return self.tp.all_reduce(out) if reduce else out
 
     def experts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2I', H], w2 [E, H, I']): the kernel's operands, views of the parameters (3-D already

@@ -15,6 +15,7 @@ The engine logs `format()` once the cache is allocated; `LLM.memory_report` keep
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 
 from vlm_sdk.protocol.cache_layout import CacheLayout
 
@@ -98,6 +99,12 @@ def cache_group_rows(groups: tuple[dict, ...], group_size: int, num_state_slots:
         rows.append(("state slots", f"{num_state_slots:,} x {format_bytes(state_slot_bytes)} = "
                      f"{format_bytes(num_state_slots * state_slot_bytes)}, carved out before the blocks: a live "
                      f"slot per running request, the rest prefix-cache checkpoints (num_state_slots)"))
+        attending = sum(len(g["layers"]) for g in groups if g["kind"] != "state")
+        every = sum(len(g["layers"]) for g in groups)
+        share = Fraction(attending, every)
+        rows.append(("a token, a request", f"a token's KV is that of the {attending} attending layers of {every} "
+                     f"({share.numerator}/{share.denominator} of a same-size model attending in every layer); a "
+                     f"request's state is a fixed {format_bytes(state_slot_bytes)}, whatever its length"))
     return rows
 
 

@@ -165,8 +165,8 @@ class CacheLayout:
         if not enable_prefix_caching:
             return {k: "off: enable_prefix_caching=False" for k in self.kinds}
         how = {"full": "reuses cached prefixes", "sliding_window": "reuses cached prefixes whose window is intact",
-               "state": "reuses cached prefixes at checkpointed block boundaries (the prompt's last and the "
-                        "latest generated one)"}
+               "state": "reuses cached prefixes at checkpointed block boundaries (where prefill chunks end, "
+                        "the prompt's last two among them, and the latest generated one)"}
         if num_state_slots and num_state_slots <= max_num_seqs:
             how["state"] += (f", only while fewer than num_state_slots={num_state_slots} requests run: a checkpoint "
                              f"takes a slot no running request holds (raise num_state_slots above "

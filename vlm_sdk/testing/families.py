@@ -13,6 +13,8 @@ FIXTURE_MODULES = MappingProxyType({
     "qwen3_vl": "vlm_sdk.models.qwen3_vl.fixtures",
     "qwen3_vl_moe": "vlm_sdk.models.qwen3_vl_moe.fixtures",
     "gemma3": "vlm_sdk.models.gemma3.fixtures",
+    "qwen3_5": "vlm_sdk.models.qwen3_5.fixtures",
+    "qwen3_5_moe": "vlm_sdk.models.qwen3_5_moe.fixtures",
 })
 
 

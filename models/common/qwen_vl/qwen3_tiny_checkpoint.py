@@ -102,7 +102,7 @@ def write_qwen3_vl_checkpoint(path, seed: int, defaults: Mapping[str, Any], over
         "pad_token_id": ids["<|endoftext|>"],
     })
     write_json(out / "preprocessor_config.json",
-               _preprocessor_config(opts["min_pixels"], opts["max_pixels"], opts["preprocessor_layout"]))
+               preprocessor_config(opts["min_pixels"], opts["max_pixels"], opts["preprocessor_layout"]))
     return out
 
 
@@ -180,7 +180,9 @@ def _published_config(nested: dict) -> dict:
     return dict(sorted(flat.items()))
 
 
-def _preprocessor_config(min_pixels: int, max_pixels: int, layout: str) -> dict:
+def preprocessor_config(min_pixels: int, max_pixels: int, layout: str) -> dict:
+    """The Qwen3-VL tower's preprocessor_config.json (patch 16, merge 2): `layout` "nested" (size.shortest_edge /
+    longest_edge, as published) or "flat" (min_pixels / max_pixels)."""
     common = {
         "image_mean": list(_FIXED["image_mean"]),
         "image_std": list(_FIXED["image_std"]),

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL and Qwen3-VL video end to end on their tiny checkpoints, transformers as the oracle
+"""Qwen2.5-VL, Qwen3-VL and Qwen3.5 (the Qwen3-VL tower before Gated DeltaNet state layers) video end to end on their tiny checkpoints, transformers as the oracle
 (tests/video_reference.py): the patches and grid equal its video processor's on the same sampled frames,
 the prompt ids (Qwen3-VL: its timestamps) and M-RoPE positions equal its processor's and `get_rope_index`'s
 (videos at two sampling rates, an image and text mixed; Qwen2.5-VL's time axis scaled by tokens_per_second),
@@ -20,8 +20,10 @@ from vlm_sdk.testing.reference import hf_greedy
 from vlm_sdk.testing.videos import write_video
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-FAMILIES = ("qwen2_5_vl", "qwen3_vl")
-CELLS = {"qwen2_5_vl": 28 * 28, "qwen3_vl": 32 * 32}
+# Qwen3.5-MoE differs from Qwen3.5 only in its MLP: its video path is this one (its text and image
+# parity: tests/e2e/test_families.py, tests/e2e/test_qwen3_5.py)
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+CELLS = {"qwen2_5_vl": 28 * 28, "qwen3_vl": 32 * 32, "qwen3_5": 32 * 32}
 
 
 def fast(family: str) -> dict:  # 8 frames of 112x168: 4 patches of about 24 tokens
@@ -83,14 +85,14 @@ def reference_inputs(llm, family, ckpt, conv) -> dict:
             video = open_video(r.source.removeprefix("file://"))
             sampling = processor.video_processor.sample(video, dict(r.options))
             pixels, grid = hf_video_pixels(processor.video_processor.frames(video, sampling), processor.image_processor,
-                                           "qwen3_vl" if family == "qwen3_vl" else "qwen2_vl")
+                                           "qwen2_vl" if family == "qwen2_5_vl" else "qwen3_vl")
             videos.append({"pixels": pixels, "grid": grid, "sample_fps": sampling.sample_fps, "times": sampling.times})
         else:
             out = hf_ip([r.source], return_tensors="pt")
             images.append({"pixels": out["pixel_values"], "grid": out["image_grid_thw"][0].tolist()})
     tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
     return hf_prompt(tokenizer, AutoConfig.from_pretrained(str(ckpt)), template, videos, images,
-                     qwen3=family == "qwen3_vl")
+                     qwen3=family != "qwen2_5_vl")
 
 
 def test_patches_and_grid_equal_transformers_video_processor(llm, family, ckpt, videos):
@@ -102,7 +104,8 @@ def test_patches_and_grid_equal_transformers_video_processor(llm, family, ckpt, 
     ours = pixels_to_device(patches, 2, "cpu", torch.float32)  # [patches, 3 * 2 * 14 * 14]
     assert torch.equal(ours, inputs["pixel_values_videos"])
     assert inputs["video_grid_thw"].tolist() == {"qwen2_5_vl": [[4, 8, 12], [3, 4, 6]],
-                                                 "qwen3_vl": [[4, 8, 10], [3, 4, 6]]}[family]
+                                                 "qwen3_vl": [[4, 8, 10], [3, 4, 6]],
+                                                 "qwen3_5": [[4, 8, 10], [3, 4, 6]]}[family]
     assert prompt.token_ids == inputs["input_ids"][0].tolist()
 
 

@@ -177,10 +177,15 @@ class CacheCoordinator:
         if seq.num_preemptions == 0:
             seq.metrics.cached_tokens = computed
         self._commit(seq, computed + n)
-        end = computed + n
+        self.note_coming(seq, computed + n)
+        return n
+
+    def note_coming(self, seq: Sequence, end: int) -> None:
+        """`seq`'s step this schedule computes up to `end`: a boundary there is checkpointed after it, so
+        a sequence that would resume from it waits a step (`start`) instead of computing it again."""
+        size = self.block_size
         if self.aligned and end % size == 0 and end <= seq.num_tokens and len(seq.block_hashes) >= end // size:
             self._coming.add(seq.block_hashes[end // size - 1])
-        return n
 
     def _cached_prefix(self, seq: Sequence) -> tuple[int, int | None]:
         """(blocks of `seq`'s longest prefix every group serves, leaving its last token; the checkpoint
@@ -245,16 +250,19 @@ class CacheCoordinator:
 
     def align(self, seq: Sequence, computed: int, n: int) -> int:
         """A prefill chunk of `n` tokens from `computed`, cut to end on a block boundary (so that the
-        state there can be checkpointed), and at the last boundary before the sequence's last token
-        (the longest hit a later sequence of the same tokens can use). A chunk shorter than the next
-        boundary is left as it is (no checkpoint ends it); a decode step (n == 1) too."""
+        state there can be checkpointed), and at each of the last two boundaries before the sequence's
+        last token: the last is the longest hit a later sequence of the same tokens can use; the one
+        before serves the next turn of a chat, whose history re-renders the last few prompt tokens (the
+        generation prompt: `<think>` opened there is not in the assistant turn that replaces it). A chunk
+        shorter than the next boundary is left as it is (no checkpoint ends it); a decode step (n == 1) too."""
         size, end = self.block_size, computed + n
         last = (len(seq.token_ids) - 1) // size * size
+        for stop in (last - size, last):
+            if computed < stop < end:
+                return stop - computed
         if end < last:
             aligned = end // size * size
             return aligned - computed if aligned > computed else n
-        if computed < last < end:
-            return last - computed
         return n
 
     def end_step(self, scheduled: list[tuple[Sequence, int]]) -> tuple[tuple[tuple[int, int], ...], ...]:

@@ -85,6 +85,8 @@ class Scheduler:
                 n = self.cache.whole_image(seq, seq.num_computed_tokens, n)  # never ends inside an image
                 if n == 0:
                     continue  # the rest of an image does not fit this step's budget: a later step's
+            if aligned and n > 1:  # a chunk on its way to a checkpoint: siblings wait for it (cache_coordinator)
+                self.cache.note_coming(seq, seq.num_computed_tokens + n)
             total = seq.num_computed_tokens + n
             # the usual case, kept lean (it runs for every sequence every step): the blocks held suffice and
             # none fills up, so `allocate` would change nothing (every group holds as many blocks as group 0)

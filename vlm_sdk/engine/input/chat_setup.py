@@ -69,7 +69,11 @@ class ChatSetup:
         self.tokenizer, self.grammars, self.tool_limits = tokenizer, grammars, tool_limits
         template = getattr(tokenizer.wrapped, "chat_template", None) or ""
         template = template if isinstance(template, str) else json.dumps(template)
-        auto_tools = "hermes" if "<tool_call>" in template else None
+        # the Qwen3-Coder XML form (<tool_call><function=name><parameter=key>, Qwen3.5's templates) is
+        # not Hermes' JSON: no parser here reads it yet, so none is chosen for it (a request with tools is
+        # refused naming the form, rather than its calls read back as text)
+        self._xml_tools = "<function=" in template and "<parameter=" in template
+        auto_tools = "hermes" if "<tool_call>" in template and not self._xml_tools else None
         self.tool_parser = (auto_tools if tool_call_parser is None else
                             _choice(tool_call_parser, TOOL_PARSERS, "tool-call parser", "tool_call_parser"))
         self.renders_tools, self.renders_schemas = self._renders_tools()
@@ -120,6 +124,11 @@ class ChatSetup:
             raise InvalidRequestError(
                 "this model's chat template does not render 'tools', so the model would never see them; serve "
                 "it with a chat template that has a tool section, or leave 'tools' out", param="tools")
+        if self.tool_parser is None and self._xml_tools:
+            raise InvalidRequestError(
+                "this model's chat template asks for tool calls in the Qwen3-Coder XML form (<tool_call> "
+                "<function=name> <parameter=key>), which no tool-call parser here reads yet (tool_call_parser "
+                f"{', '.join(TOOL_PARSERS)} reads Hermes' JSON form); leave 'tools' out", param="tools")
         if self.tool_parser is None:
             raise InvalidRequestError(
                 "no tool-call parser is set for this model's format, so its calls could not be read; start the "

@@ -1,5 +1,6 @@
-"""Qwen3-VL-MoE checkpoints: the experts of a sparse layer come in one of three layouts, all read into the
-same per-expert slots (`SparseMoeBlock.slots`, the names below on the right):
+"""Checkpoints of Qwen-MoE style decoders (Qwen3-VL-MoE's, Qwen3.5-MoE's): the experts of a sparse layer come
+in one of three layouts, all read into the same per-expert slots (`SparseMoeBlock.slots`, the names below on
+the right):
 
     layout                                   tensor (under model.language_model.layers.N.mlp.)
     transformers 5 (save_pretrained)         experts.gate_up_proj [E, 2I, H] (gate rows, then up rows)
@@ -14,7 +15,9 @@ missing expert, a layer given both layouts or a tensor of another shape is a `Ch
 
 Which fused orientation: the shape says, unless 2I == H (gate_up) or I == H (down), where the two
 coincide; then, as transformers (its `Transpose(check_dims=True)` keeps a tensor of its own shape),
-the tensor is read as transformers 5's. No published size is ambiguous (30B-A3B: H 2048, I 768).
+the tensor is read as transformers 5's. No published size is ambiguous (Qwen3-VL-30B-A3B: H 2048, I 768;
+Qwen3.5-35B-A3B: H 2048, I 512; Qwen3.5-397B-A17B: H 4096, I 1024). The published Qwen3.5-MoE repos keep
+transformers 5's orientation (vLLM's qwen3_5.py loads their fused tensors untransposed).
 
 Reading: a part narrowed to a rank's rows reads its expert's whole slice of the fused tensor (one
 expert, all its rows: safetensors slices one dim at a time), once for gate and up together
