@@ -87,7 +87,7 @@ def _check_against_transformers(outs, convs, hf):
 def test_greedy_tokens_and_logprobs_equal_transformers_through_chunks_preemption_and_checkpoints(ckpt, hf):
     convs = _convs()
     probe = LLM(ckpt, show_progress=False, enable_prefix_caching=False)
-    lengths = [len(probe.engine.build_prompt(c).token_ids) + STEPS for c in convs]
+    lengths = [len(probe.engine.inputs.build_prompt(c).token_ids) + STEPS for c in convs]
     assert max(lengths) > 4 * 24  # the long prompt runs over several chunks
     blocks = -(-max(lengths) // BLOCK) + 1  # the longest fits alone, not all three together
     assert blocks < sum(-(-n // BLOCK) for n in lengths)
