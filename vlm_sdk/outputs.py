@@ -168,6 +168,11 @@ class RequestOutput:
         return self.finish_reason is not None
 
     @property
+    def reasoning(self) -> str | None:
+        """`reasoning_content` under vLLM's newer name."""
+        return self.reasoning_content
+
+    @property
     def logprobs(self) -> list[TokenLogprob] | None:
         """With SamplingParams(logprobs=k): one `TokenLogprob` per token of `token_ids` (built on first
         read, from `token_logprobs`); None otherwise."""

@@ -144,23 +144,46 @@ class SamplingParams:
 
 
 def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
-    """A logit_bias dict (or pairs) as sorted (token id, bias) pairs, each checked."""
+    """A logit_bias dict (or pairs) as sorted (token id, bias) pairs, each checked: every bad key or value
+    is named in one error (the first five and a count), as vLLM reports them together."""
     if bias is None:
         return ()
     items = bias.items() if isinstance(bias, dict) else bias
     if not isinstance(items, (list, tuple)) and not isinstance(bias, dict):
         _refuse("logit_bias", "must map token ids to numbers", bias)
-    pairs = {}
+    pairs, bad_keys, bad_values = {}, [], []
     for item in items:
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             _refuse("logit_bias", "must map token ids to numbers", bias)
         token, value = item
         if not _is_int(token) or token < 0:
-            _refuse("logit_bias", "keys must be token ids (integers >= 0)", token)
-        if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            _refuse("logit_bias", f"values must be numbers from {-MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}", value)
-        pairs[token] = float(value)
+            bad_keys.append(token)
+        elif not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            bad_values.append((token, value))
+        else:
+            pairs[token] = float(value)
+    if bad_keys:
+        raise InvalidRequestError(f"'logit_bias' keys must be token ids (integers >= 0); these are not: "
+                                  f"{listed(bad_keys)}", param="logit_bias")
+    if bad_values:
+        raise InvalidRequestError(f"'logit_bias' values must be numbers from {-MAX_LOGIT_BIAS:g} to "
+                                  f"{MAX_LOGIT_BIAS:g}; these are not: "
+                                  f"{listed([f'{t}: {v!r}' for t, v in bad_values], repr_items=False)}",
+                                  param="logit_bias")
     return tuple(sorted(pairs.items()))
+
+
+SHOWN_ITEMS = 5  # bad items an error lists before it counts the rest
+
+
+def listed(items: list, repr_items: bool = True) -> str:
+    """The first `SHOWN_ITEMS` of `items` (each cut to 40 characters) and a count of the rest."""
+    shown = []
+    for item in items[:SHOWN_ITEMS]:
+        text = repr(item) if repr_items else str(item)
+        shown.append(text if len(text) <= 40 else text[:40] + "...")
+    more = f" and {len(items) - SHOWN_ITEMS} more" if len(items) > SHOWN_ITEMS else ""
+    return ", ".join(shown) + more
 
 
 @dataclass(frozen=True)

@@ -287,7 +287,16 @@ class OpenAIServer:
                 if out.token_logprobs is not None and len(out.token_logprobs) > logprobs_sent[i]:
                     entries = self.speller.content(out.token_logprobs, logprobs_sent[i])
                     logprobs_sent[i] = len(out.token_logprobs)
-                if parsed:  # reasoning, content and tool-call pieces, each in its field
+                if out.finished:  # its last text and finish_reason in one chunk, as vLLM sends them
+                    delta = parsed_output.delta(out) if parsed else \
+                        ({"content": out.delta_text} if out.delta_text else {})
+                    await send(chunks.finish(out.finish_reason, i, delta, entries))
+                    final[out.index] = out
+                    if len(final) == n:
+                        self.observe(timing, out)  # the request's latencies once, at its last choice
+                        break
+                    self.metrics.finished(out.finish_reason)  # every choice's finish reason
+                elif parsed:  # reasoning, content and tool-call pieces, each in its field
                     delta = parsed_output.delta(out)
                     if delta or entries is not None:
                         await send(chunks.delta(delta, i, entries))
@@ -296,13 +305,6 @@ class OpenAIServer:
                     await send(chunks.content(out.delta_text, i, entries))
                 elif out.delta_text:
                     await send(chunks.content(out.delta_text, i))
-                if out.finished:
-                    await send(chunks.finish(out.finish_reason, out.index))
-                    final[out.index] = out
-                    if len(final) == n:
-                        self.observe(timing, out)  # the request's latencies once, at its last choice
-                        break
-                    self.metrics.finished(out.finish_reason)  # every choice's finish reason
                 out = await gen.__anext__()
         except ConnectionResetError:  # the client left; closing the generator aborts every choice
             return resp

@@ -66,8 +66,12 @@ class ChunkWriter:
         body["choices"][0]["logprobs"] = logprobs
         return self.event(body)
 
-    def finish(self, reason: str, index: int = 0) -> str:
-        return self.event(chunk_body(self.cid, self.model, self.created, {}, reason, self.include_usage, index))
+    def finish(self, reason: str, index: int = 0, delta: dict | None = None, logprobs: dict | None = None) -> str:
+        """A choice's last chunk: its finish_reason with the text of its last tokens (`delta`), as vLLM
+        streams it."""
+        body = chunk_body(self.cid, self.model, self.created, delta or {}, reason, self.include_usage, index)
+        body["choices"][0]["logprobs"] = logprobs
+        return self.event(body)
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> str:
         return self.event(usage_chunk_body(self.cid, self.model, self.created, prompt_tokens, completion_tokens,

@@ -14,7 +14,7 @@ from vlm_sdk.chat_options import ChatOptions, ToolLimits, parse_tools
 from vlm_sdk.engine.input.sampling_check import check_counts
 from vlm_sdk.errors import (EngineDeadError, InputTooLongError, InvalidImageError, InvalidRequestError,
                             InvalidVideoError, ReplicaLostError, VLMError)
-from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams
+from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams, listed
 
 # fields whose non-default value we cannot honour (other unknown fields are accepted and change nothing)
 UNSUPPORTED = {  # field -> the values that mean "off", which are all we can honour
@@ -342,17 +342,16 @@ def _logprobs(body: dict) -> int | None:
 
 
 def _logit_bias(bias) -> dict[int, object]:
-    """JSON object keys are strings: {"1234": -100} maps token 1234 (SamplingParams checks the values)."""
+    """JSON object keys are strings: {"1234": -100} maps token 1234 (SamplingParams checks the values).
+    Every key that is not a token id is named in one error (the first five and a count), as vLLM does."""
     if not isinstance(bias, dict):
         raise bad_request("'logit_bias' must be an object mapping token ids to numbers from -100 to 100", "logit_bias")
-    out = {}
-    for key, value in bias.items():
-        # ASCII digits only: str.isdigit() is also true of "²" (int() refuses it) and "١٢٣" (int() reads 123)
-        if not (key.isascii() and key.isdigit()):
-            raise bad_request(f"'logit_bias' keys must be token ids written in the digits 0-9, got {clip(repr(key))}",
-                              "logit_bias")
-        out[int(key)] = value
-    return out
+    # ASCII digits only: str.isdigit() is also true of "²" (int() refuses it) and "١٢٣" (int() reads 123)
+    bad = [key for key in bias if not (key.isascii() and key.isdigit())]
+    if bad:
+        raise bad_request(f"'logit_bias' keys must be token ids written in the digits 0-9; these are not: "
+                          f"{listed(bad)}", "logit_bias")
+    return {int(key): value for key, value in bias.items()}
 
 
 def json_int(value):
