@@ -93,8 +93,9 @@ class BlockManager:
         return n
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """The blocks holding `seq`'s longest cached run of leading full blocks, leaving its last token."""
-        if not self.enable_prefix_caching:
+        """The blocks holding `seq`'s longest cached run of leading full blocks, leaving its last token; none
+        for a request that asks for its prompt's logprobs (every prompt position must be computed)."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         limit = (seq.num_tokens - 1) // self.block_size
         extend_block_hashes(seq.block_hashes, seq.token_ids, seq.image_spans, self.block_size,

@@ -20,7 +20,7 @@ import time
 
 from vlm_sdk.engine.core.block_hash import ImageSpan, salt_seed
 from vlm_sdk.multimodal.inputs import PromptInputs
-from vlm_sdk.outputs import RequestMetrics
+from vlm_sdk.outputs import PromptLogprobs, RequestMetrics
 from vlm_sdk.sampling_params import SamplingParams
 
 
@@ -69,6 +69,10 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.hash_seed = salt_seed(prompt.cache_salt)  # a cache_salt's blocks hash apart from everyone else's
         self.num_cached_blocks = 0
+        # SamplingParams.prompt_logprobs: filled as the prompt's chunks are computed (a preempted prompt
+        # recomputed writes the same rows again); sent with the first output
+        k = params.prompt_logprobs
+        self.prompt_logprobs = PromptLogprobs(self.num_prompt_tokens, k) if k is not None else None
 
     @property
     def num_tokens(self) -> int:
