@@ -12,6 +12,7 @@
       -> one JSON body (with logprobs or much text: made off the loop, sent a choice at a time:
          server/response_body.py), or SSE chunks ending in [DONE]
     GET /v1/models, GET /health (503 once the engine stopped or shutdown began), GET /metrics
+    POST /tokenize, POST /detokenize, GET /version: vLLM's (server/tokenize.py)
 
 Below the app, server/connections.py answers aiohttp's own protocol errors in the same error shape
 and caps connections. The loop never runs model or image work. A client that goes away cancels its handler (aiohttp's
@@ -37,6 +38,8 @@ from vlm_sdk.server.completions_endpoint import CompletionsEndpoint
 from vlm_sdk.server.logprobs import TokenSpeller
 from vlm_sdk.server.config import ServerConfig
 from vlm_sdk.server.media import MediaFetcher
+from vlm_sdk.server.media_uuids import MediaUUIDs
+from vlm_sdk.server.tokenize import TokenizeEndpoints
 from vlm_sdk.server.metrics import CONTENT_TYPE, ServerMetrics, Timing
 from vlm_sdk.server.protocol import APIError
 
@@ -55,6 +58,7 @@ class OpenAIServer:
         self.max_model_len = engine.stats()["max_model_len"]  # fixed once the engine is built
         self.metrics = ServerMetrics(engine.stats, model_name)
         self.media = MediaFetcher(config.media)
+        self.uuids = MediaUUIDs(config.media_uuid_cache_bytes)  # vLLM's media uuids (server/media_uuids.py)
         self.draining = False  # set when shutdown begins: new generation requests get 503
         self.in_flight = 0  # chat and completion requests being handled
         self._idle = asyncio.Event()
@@ -63,6 +67,10 @@ class OpenAIServer:
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_post("/v1/completions", self.completions)
         self._completions = CompletionsEndpoint(self)
+        self._tokenize = TokenizeEndpoints(self)  # vLLM's /tokenize, /detokenize, /version
+        self.app.router.add_post("/tokenize", self._tokenize.tokenize)
+        self.app.router.add_post("/detokenize", self._tokenize.detokenize)
+        self.app.router.add_get("/version", self._tokenize.version)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.prometheus)
@@ -214,7 +222,7 @@ class OpenAIServer:
                                           max_response_logprobs=self.config.max_response_logprobs,
                                           limit_videos=self.config.limit_videos,
                                           tool_limits=ToolLimits(args.max_tools, args.max_tool_bytes))
-        messages = await self.media.resolve_messages(req.messages)
+        messages = await self.resolve_media(req.messages, req.options.cache_salt)
         prompt = await self.engine.build_prompt(messages, req.params, req.options)
         protocol.check_output_room(len(prompt.token_ids), req.params.max_tokens, self.max_model_len,
                                    req.max_tokens_param)
@@ -231,6 +239,12 @@ class OpenAIServer:
             return await self._complete(request, req, gen, first, timing, parsed)
         finally:
             await gen.aclose()  # a no-op once finished; otherwise aborts and frees the blocks
+
+    async def resolve_media(self, messages: list, salt: str | None) -> list:
+        """Media sources fetched under the media policy, and vLLM's uuids: kept, or put back in."""
+        messages, slots = self.uuids.strip(messages)
+        messages = await self.media.resolve_messages(messages)
+        return self.uuids.fill(messages, slots, salt) if slots else messages
 
     async def _complete(self, request: web.Request, req: protocol.ChatRequest, gen, out, timing: Timing,
                         parsed: bool) -> web.StreamResponse:

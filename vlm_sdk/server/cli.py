@@ -169,6 +169,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-media-bytes", type=int, default=m.max_bytes, help="one fetched image (videos: "
                    "--max-video-bytes)")
     p.add_argument("--media-timeout", type=float, default=m.timeout_s)
+    p.add_argument("--media-uuid-cache", type=int, default=ServerConfig().media_uuid_cache_bytes,
+                   help="bytes of images and videos kept under their parts' 'uuid' (vLLM's), so a client may "
+                        "send one again as {'uuid': ..} alone; 0 keeps none (default 256 MiB)")
     add_replica_flags(p)
     add_engine_flags(p)
 
@@ -262,7 +265,8 @@ def run_serve(args: argparse.Namespace) -> int:
                           max_connections=args.max_connections,
                           max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
                           max_n=args.max_n, max_response_logprobs=args.max_response_logprobs,
-                          max_completion_prompts=args.max_completion_prompts)
+                          max_completion_prompts=args.max_completion_prompts,
+                          media_uuid_cache_bytes=args.media_uuid_cache)
 
     replicas, routing = replica_configs(args)
     return serve(model, config, replicas, routing, **engine)
