@@ -13,12 +13,20 @@ there queues a "stop" for the engine, which frees the request's blocks. Closing 
 finalises at once; `contextlib.aclosing` makes it explicit) or cancelling its task queues an abort,
 which the engine thread applies before its next step, freeing the request's KV blocks.
 
-Prompt building has two pools: requests with images or a long text (LONG_TEXT_CHARS) go to the heavy
-one, the rest to the text one, so a text prompt never waits behind image decoding. A caller that goes
-away while its prompt is built (a server client that disconnects cancels its handler) cancels it: not
-started, it never runs; running, the images it has not decoded yet are skipped. A structured output's
-grammar is awaited first, from the grammar workers of its own (engine/structured_output.py): no prompt
-thread waits behind a grammar.
+Prompt building has four pools of two threads (engine/input/prep_pool.py), chosen from the request's
+part counts before any of its work: requests with a video go to the video one, with images to the
+image one, with a text of CHILD_TEXT_CHARS (16 KiB) or more to the long one (tokenized in a child
+process), the rest to the text one, so an image never waits behind a video and a short text prompt
+never waits behind any of them. Within a pool one request (`group`: one
+/v1/completions request's prompts) holds at most one thread, and freed threads take the next job
+round-robin across requests. A caller that goes away while its prompt is built (a server client that
+disconnects cancels its handler) cancels it: not started, it never runs; running, the images it has
+not decoded yet are skipped. A structured output's grammar is awaited first, from the grammar workers
+of its own (engine/structured_output.py): no prompt thread waits behind a grammar.
+
+Admission is fair too: the engine's waiting queue (engine/core/waiting_queue.py) takes the sequences
+of one request (the n samples of a call, or a `group`) round-robin with other requests', and no
+request holds more than three quarters of max_num_seqs.
 """
 from __future__ import annotations
 
@@ -27,7 +35,6 @@ import itertools
 import logging
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import AsyncIterator
@@ -35,12 +42,12 @@ from typing import AsyncIterator
 from vlm_sdk.chat_options import ChatOptions
 from vlm_sdk.engine.llm_engine import LLMEngine
 from vlm_sdk.engine.output.output_processor import OutputProcessor
-from vlm_sdk.engine.input.prompt_tokenizer import LONG_TEXT_CHARS
+from vlm_sdk.engine.input.prep_pool import PrepPools
 from vlm_sdk.errors import EngineDeadError, InvalidRequestError
 from vlm_sdk.model_loader import load_tokenizer
 from vlm_sdk.models.registry import engine_args as make_engine_args
 from vlm_sdk.multimodal.inputs import PromptInputs
-from vlm_sdk.multimodal.messages import measure
+from vlm_sdk.multimodal.messages import count_parts
 from vlm_sdk.multimodal.prompts import RawPrompt, TextPrompt, TokensPrompt, as_prompt
 from vlm_sdk.outputs import RequestOutput
 from vlm_sdk.sampling_params import SamplingParams
@@ -79,8 +86,7 @@ class AsyncLLM:
         # keyed by a unique engine id, so a reused user id never receives an older request's outputs
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
-        self._text_prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vlm-prep-text")
-        self._heavy_prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vlm-prep-heavy")
+        self._prep = PrepPools()  # text, long text, image and video: fair between requests
         # guards _dead/_closed against the enqueueing of commands: nothing is queued after the engine
         # thread's final drain, so no caller waits on a thread that is gone
         self._lock = threading.Lock()
@@ -107,8 +113,7 @@ class AsyncLLM:
             if not self._closed:
                 self._closed = True
                 self._commands.put(("stop", None, None))
-        self._text_prep.shutdown(wait=False, cancel_futures=True)
-        self._heavy_prep.shutdown(wait=False, cancel_futures=True)
+        self._prep.shutdown()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
         return not self._thread.is_alive()
 
@@ -125,12 +130,14 @@ class AsyncLLM:
 
     # -- public API -------------------------------------------------------------------------------
     async def build_prompt(self, request, params: SamplingParams | None = None,
-                           options: ChatOptions | None = None) -> PromptInputs:
+                           options: ChatOptions | None = None, group=None) -> PromptInputs:
         """Validate, decode images and tokenize off the event loop; raises the request's own error
         (`InvalidRequestError`, `InvalidImageError`, `InputTooLongError`, whose fixes fit the prompt
         and `params.max_tokens`) before anything is queued. `request`: chat messages, or a
         `TextPrompt` / `TokensPrompt` (no chat template; see `LLMEngine.build_prompt`). `options`:
-        tools, chat_template_kwargs, cache_salt (`ChatOptions`), for chat messages."""
+        tools, chat_template_kwargs, cache_salt (`ChatOptions`), for chat messages. `group`: any
+        hashable naming the request this prompt is part of (e.g. one of several prompts of one HTTP
+        request), whose prompts then take one prep thread at a time; default: a request of its own."""
         self._check_alive()
         self.engine.check_params(params)
         chat = options is not None and not isinstance(request, (TextPrompt, TokensPrompt))
@@ -140,19 +147,20 @@ class AsyncLLM:
         # no prep thread waits; the tools' schemas once the prompt (which they lengthen) is known to fit
         await self._compile([params.grammar] if params is not None and params.grammar is not None else [])
         if isinstance(request, TokensPrompt):
-            chars, images = 0, 0
+            chars, images, videos = 0, 0, 0
         elif isinstance(request, TextPrompt):
-            chars, images = len(request.text), 0
+            chars, images, videos = len(request.text), 0, 0
         else:
-            chars, images = measure(request)
+            chars, images, videos = count_parts(request)  # counted, nothing read: before any work
             chars += self.engine.chat.tool_chars(options) if chat else 0
-        pool = self._heavy_prep if images or chars >= LONG_TEXT_CHARS else self._text_prep
+        pool = self._prep.pool_for(chars, images, videos)
         cancelled = threading.Event()
-        job = asyncio.get_running_loop().run_in_executor(
-            pool, partial(self.engine.build_prompt, request, params, cancelled=cancelled, options=options,
-                          compile_grammar=False))
+        job = pool.submit(
+            object() if group is None else group,
+            partial(self.engine.build_prompt, request, params, cancelled=cancelled, options=options,
+                    compile_grammar=False))
         try:
-            prompt = await job  # cancelled here, a job not started yet is dropped from the pool's queue
+            prompt = await asyncio.wrap_future(job)  # cancelled here, a job not started yet leaves the pool's queue
         except asyncio.CancelledError:
             cancelled.set()  # a running one skips the images it has not decoded
             raise
@@ -173,22 +181,23 @@ class AsyncLLM:
             yield out
 
     async def generate(self, prompt: PromptInputs | str | list[int] | RawPrompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, group=None) -> AsyncIterator[RequestOutput]:
         """Stream the completion of a prompt: one made by `build_prompt`, or a text or token ids
         (a `TextPrompt` / `TokensPrompt`, built here with no chat template). Closing the iterator
         early aborts the request. With `params.n` > 1 the n samples (`params.sample(i)`: seed + i)
         stream interleaved, told apart by `index`, until all have finished; closing it aborts all of
-        them."""
+        them. `group`: as `build_prompt`'s; the samples of every `generate` of one group share one
+        fair share of admission (engine/core/waiting_queue.py); default: this call's n samples."""
         params = _check_params(params)
         if not isinstance(prompt, PromptInputs):
-            prompt = await self.build_prompt(as_prompt(prompt), params)
-        loop = asyncio.get_running_loop()
+            prompt = await self.build_prompt(as_prompt(prompt), params, group=group)
         keys = [f"async-{next(self._ids)}" for _ in range(params.n)]
+        group = keys[0] if group is None else group
         user_id = request_id or keys[0]
         samples = [params.sample(i) for i in range(params.n)] if params.n > 1 else [params]
         new_states = partial(self._new_states, user_id, prompt, keys, samples)
         if sum(map(len, params.stop)) > _LOOP_STOP_CHARS:  # their automaton takes a while to build
-            states = await loop.run_in_executor(self._text_prep, new_states)
+            states = await asyncio.wrap_future(self._prep.text.submit(group, new_states))
         else:
             states = new_states()
         # structured outputs (the prompt's own grammar first: a forced tool call, or a format after reasoning):
@@ -197,14 +206,14 @@ class AsyncLLM:
         grammar = (await self._compile([spec]))[0] if spec is not None else None
         if request_id is not None and any(s.user_id == request_id for s in self._streams.values()):
             raise InvalidRequestError(f"request id {request_id!r} is already streaming")
-        stream = _Stream(user_id, loop, asyncio.Queue())  # one queue for the n samples
+        stream = _Stream(user_id, asyncio.get_running_loop(), asyncio.Queue())  # one queue for the n samples
         with self._lock:
             self._check_alive()  # it may have stopped while the prompt was being built
             for key in keys:
                 self._streams[key] = stream
             # one command: the n samples join the same step, so the first's prompt blocks (and its
             # encoded image) are hit by the others instead of being computed n times
-            self._commands.put(("add", keys, (prompt, samples, grammar)))
+            self._commands.put(("add", keys, (prompt, samples, grammar, group)))
         running = set(keys)
         try:
             while running:
@@ -353,12 +362,12 @@ class AsyncLLM:
             engine.shutdown()
             self._announce_death(e)
 
-    def _add(self, keys: list[str], prompt: PromptInputs, samples: list, grammar) -> None:
+    def _add(self, keys: list[str], prompt: PromptInputs, samples: list, grammar, group) -> None:
         """Add a request's samples; a bad request fails its caller alone, and none of its samples runs."""
         added = []
         try:
             for key, sp in zip(keys, samples):
-                self.engine.add_request(prompt, sp, request_id=key, grammar=grammar)
+                self.engine.add_request(prompt, sp, request_id=key, grammar=grammar, group=group)
                 added.append(key)
         except Exception as e:
             for key in added:

@@ -74,6 +74,8 @@ def test_the_four_prompt_shapes_and_the_defaults():
     ({**BASE, "prompt": ["x"] * 5}, "prompt", "too_many_prompts", ["5 prompts", "at most 4",
                                                                    "--max-completion-prompts"]),
     ({**BASE, "n": 9}, "n", "too_many_choices", ["--max-n"]),
+    ({**BASE, "prompt": ["x"] * 3, "n": 6}, "n", "too_many_sequences", ["3 prompts x 'n' 6 = 18 sequences",
+                                                                        "at most 16", "--max-sequences-per-request"]),
     ({**BASE, "max_tokens": 0}, "max_tokens", None, [">= 1"]),
     ({**BASE, "logprobs": 21}, "logprobs", None, ["0 to 20"]),
     ({**BASE, "logprobs": True}, "logprobs", None, ["0 to 20"]),
@@ -85,9 +87,20 @@ def test_the_four_prompt_shapes_and_the_defaults():
 ])
 def test_bad_request_is_a_400_naming_the_field(body, param, code, words):
     with pytest.raises(APIError) as e:
-        _parse(body, max_prompts=4)
+        _parse(body, max_prompts=4, max_sequences=16)
     err = e.value.body()["error"]
     assert (err["param"], err["code"]) == (param, code), err
     assert e.value.status == (404 if code == "model_not_found" else 400)
     for word in words:
         assert word in err["message"], err["message"]
+
+
+def test_chat_n_counts_against_the_sequences_per_request_too():
+    from vlm_sdk.server.protocol import parse_chat_request
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 12}
+    assert parse_chat_request(body, "m", 4096, 8, max_n=16, max_sequences=12).params.n == 12
+    with pytest.raises(APIError) as e:
+        parse_chat_request(body, "m", 4096, 8, max_n=16, max_sequences=10)
+    err = e.value.body()["error"]
+    assert (e.value.status, err["code"], err["param"]) == (400, "too_many_sequences", "n")
+    assert "'n' 12 sequences" in err["message"] and "--max-sequences-per-request" in err["message"]

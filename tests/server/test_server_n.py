@@ -135,6 +135,8 @@ def test_max_n_flag():
     assert parser.parse_args(["m", "--max-n", "3"]).max_n == 3
     with pytest.raises(SystemExit):  # 0 would refuse every request
         parser.parse_args(["m", "--max-n", "0"])
+    assert parser.parse_args(["m"]).max_sequences_per_request == ServerConfig().max_sequences_per_request == 64
+    assert parser.parse_args(["m", "--max-sequences-per-request", "16"]).max_sequences_per_request == 16
 
 
 def test_prebuilt_chunks_carry_the_index():

@@ -25,6 +25,11 @@ once it has given its allocator's free memory back), each against issue 28's tar
     9  stop_token_ids covering the whole vocabulary (first 300 ids: the cap) with min_tokens=3
     10 chat_template, echo, add_special_tokens
     41.7, 41.9 (issue 41's tool rows: vlm_sdk/bench/red_team_tools.py)
+    41.3, 41.5, 41.6, 41.8 (issue 41's load rows: vlm_sdk/bench/red_team_load.py)
+
+A row's body is bytes for /v1/chat/completions, (path, bytes) for another route, or a body that sends
+itself; its probes are True (a plain one-token chat request, again and again while the row runs) or
+the probe's own body.
 
 `--red-team-scale` < 1 sends fewer of each (at least one): the test suite's quick run.
 """
@@ -42,6 +47,7 @@ from collections import Counter
 
 import aiohttp
 
+from vlm_sdk.bench.red_team_load import load_rows
 from vlm_sdk.bench.red_team_tools import tool_rows
 from vlm_sdk.bench.red_team_video import video_rows
 
@@ -97,7 +103,7 @@ def rows(model: str, vocab_size: int, scale: float) -> list[tuple[str, list[byte
                                            temperature=1.0, seed=1)], 1, False),
         ("10 template / echo / specials", [body(chat_template="{{ messages }}"), body(echo=True),
                                            body(add_special_tokens=True)], 1, False),
-    ] + video_rows(model, scale) + tool_rows(model, scale)
+    ] + video_rows(model, scale) + tool_rows(model, scale) + load_rows(model, scale)
 
 
 # -- the victim, in a process of its own ----------------------------------------------------------
@@ -216,21 +222,23 @@ def _grammar_rss(m: dict) -> float:
     return m["vlm_sdk_grammar_process_resident_bytes"]
 
 
-async def _send(session, url: str, headers: dict, data: bytes) -> tuple[int, str]:
+async def _send(session, url: str, headers: dict, data: bytes | tuple[str, bytes]) -> tuple[int, str]:
     if hasattr(data, "send"):  # a body that sends itself (a client that hangs up: red_team_video.HangUp)
         return await data.send(session, url, headers)
+    path, data = data if isinstance(data, tuple) else ("/v1/chat/completions", data)
     try:
-        async with session.post(url + "/v1/chat/completions", data=data, headers=headers) as resp:
+        async with session.post(url + path, data=data, headers=headers) as resp:
             raw = await resp.read()  # parsed after the row: parsing 50 MB here would be the client's own stall
             return resp.status, raw[:400].decode(errors="replace") if resp.status != 200 else ""
     except (aiohttp.ClientError, OSError) as e:
         return 0, f"{type(e).__name__}: {e}"  # no answer: the connection died
 
 
-async def _row(session, url: str, headers: dict, bodies: list[bytes], at_once: int, probes: bool, model: str) -> dict:
+async def _row(session, url: str, headers: dict, bodies: list, at_once: int, probes: bool | bytes, model: str) -> dict:
     statuses: list = [None] * len(bodies)
     todo = list(range(len(bodies)))
     probe_times: list[float] = []
+    probe_statuses: Counter = Counter()
 
     async def worker():
         while todo:
@@ -238,10 +246,11 @@ async def _row(session, url: str, headers: dict, bodies: list[bytes], at_once: i
             statuses[i] = await _send(session, url, headers, bodies[i])
 
     async def prober(done: asyncio.Event):
-        plain = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}).encode()
+        plain = probes if isinstance(probes, bytes) else json.dumps(
+            {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}).encode()
         while not done.is_set():
             t0 = time.monotonic()
-            await _send(session, url, headers, plain)
+            probe_statuses[(await _send(session, url, headers, plain))[0]] += 1
             probe_times.append(time.monotonic() - t0)
             await asyncio.sleep(0.2)
     done = asyncio.Event()
@@ -251,7 +260,7 @@ async def _row(session, url: str, headers: dict, bodies: list[bytes], at_once: i
     if probing is not None:
         await probing
     return {"statuses": dict(Counter(s for s, _ in statuses)), "errors": sorted({e for s, e in statuses if e})[:3],
-            "slowest_probe_s": max(probe_times) if probe_times else None}
+            "slowest_probe_s": max(probe_times) if probe_times else None, "probe_statuses": dict(probe_statuses)}
 
 
 async def red_team(url: str, api_key: str | None, model: str | None, scale: float) -> dict:
@@ -296,6 +305,7 @@ async def red_team(url: str, api_key: str | None, model: str | None, scale: floa
     statuses = Counter()
     for r in results:
         statuses.update(r["statuses"])
+        statuses.update(r.get("probe_statuses", {}))
     return {"url": url, "scale": scale, "rows": results, "healthy_after": healthy,
             "server_errors": sum(v for k, v in statuses.items() if k is not None and (k == 0 or k >= 500)),
             "worst_gap_s": max(r["worst_gap_s"] for r in results), "rss_start_bytes": _rss(start),
@@ -317,6 +327,10 @@ def _codes(r: dict) -> str:
     return ", ".join(f"{k}: {v}" for k, v in sorted(r["statuses"].items(), key=lambda kv: str(kv[0])))
 
 
+def _probe_codes(r: dict) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted(r.get("probe_statuses", {}).items(), key=lambda kv: str(kv[0])))
+
+
 def _gap(r: dict) -> str:
     """The worst gap, where in the row it began, and whether a new victim stream's start is in it."""
     where = "over a new stream's start" if r["worst_gap_new_stream"] else "in a running stream"
@@ -324,7 +338,7 @@ def _gap(r: dict) -> str:
 
 
 def print_row(r: dict, file=sys.stdout) -> None:
-    probe = f"; slowest plain probe {r['slowest_probe_s']:.2f} s" if r["slowest_probe_s"] is not None else ""
+    probe = f"; slowest probe {r['slowest_probe_s']:.2f} s ({_probe_codes(r)})" if r["slowest_probe_s"] is not None else ""
     print(f"row {r['name']}: {r['requests']} requests in {r['seconds']:.1f} s -> {_codes(r)}; victim's worst gap "
           f"{_gap(r)} (median {r['median_gap_s']:.3f} s; worst within a running stream "
           f"{r['worst_running_gap_s']:.3f} s; {r['victim_streams']} new streams); RSS "
@@ -344,7 +358,7 @@ def print_report(report: dict) -> None:
           "stream | RSS before -> after (of it grammar processes) | seconds |")
     print("|---|---|---|---|---|---|---|---|")
     for r in report["rows"]:
-        probe = f" (slowest plain probe {r['slowest_probe_s']:.2f} s)" if r["slowest_probe_s"] is not None else ""
+        probe = f" (slowest probe {r['slowest_probe_s']:.2f} s, {_probe_codes(r)})" if r["slowest_probe_s"] is not None else ""
         print(f"| {r['name']} | {r['requests']} | {_codes(r)} | {_gap(r)}{probe} | {r['median_gap_s']:.3f} s | "
               f"{r['worst_running_gap_s']:.3f} s | {r['rss_before_bytes'] / 2**20:.0f} -> "
               f"{r['rss_after_bytes'] / 2**20:.0f} MiB ({r['grammar_rss_after_bytes'] / 2**20:.0f}) | {r['seconds']:.1f} |")

@@ -220,8 +220,10 @@ class LLMEngine:
         return None if spec is None else self.grammars.compile(spec)
 
     def add_request(self, prompt: PromptInputs, params: SamplingParams | None = None,
-                    request_id: str | None = None, grammar: Grammar | None = None) -> str:
-        """`grammar`: `compile_grammar(params)` done beforehand (else it is compiled here, if needed)."""
+                    request_id: str | None = None, grammar: Grammar | None = None, group=None) -> str:
+        """`grammar`: `compile_grammar(params)` done beforehand (else it is compiled here, if needed).
+        `group`: the request this sequence belongs to (hashable; default: its own), whose sequences
+        share the waiting queue's fair share (engine/core/waiting_queue.py)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -237,7 +239,7 @@ class LLMEngine:
         self.check_prompt(prompt, params)
         if grammar is None:
             grammar = self.compile_grammar(params, prompt)
-        seq = Sequence(request_id, prompt, params)
+        seq = Sequence(request_id, prompt, params, group=group)
         if grammar is not None:
             seq.matcher, seq.first_mask = grammar.matcher(), grammar.first_mask
         seq.sync_sampling = grammar is not None or params.min_tokens > 0 or params.repetition_penalty != 1.0 \

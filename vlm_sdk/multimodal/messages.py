@@ -293,7 +293,15 @@ def measure(messages: Any) -> tuple[int, int]:
     """(characters of text, image and video parts) of `messages`, without copying anything. The text
     counts what the template renders of each message: its content (a tool result's too) and an assistant
     message's reasoning and tool calls (name and arguments as sent)."""
-    chars = images = 0
+    chars, images, videos = count_parts(messages)
+    return chars, images + videos
+
+
+def count_parts(messages: Any) -> tuple[int, int, int]:
+    """(characters of text, as `measure` counts them, image parts, video parts) of `messages`, without
+    copying or reading any part: what AsyncLLM sorts a request into a prompt-building pool by before
+    any work."""
+    chars = images = videos = 0
     for msg in messages if isinstance(messages, (list, tuple)) else ():
         chars += _call_chars(msg)
         content = msg.get("content") if isinstance(msg, dict) else None
@@ -305,8 +313,11 @@ def measure(messages: Any) -> tuple[int, int]:
                 if kind == "text" and isinstance(part.get("text"), str):
                     chars += len(part["text"])
                 elif kind in _MEDIA:
-                    images += 1
-    return chars, images
+                    if _MEDIA[kind] == "video":
+                        videos += 1
+                    else:
+                        images += 1
+    return chars, images, videos
 
 
 def _call_chars(msg: Any) -> int:

@@ -58,20 +58,21 @@ class ReplicaSetLLM:
         return copy
 
     # -- the AsyncLLM surface the server uses --------------------------------------------------------
-    async def build_prompt(self, request, params: SamplingParams | None = None, options=None) -> PromptInputs:
+    async def build_prompt(self, request, params: SamplingParams | None = None, options=None,
+                           group: str | None = None) -> PromptInputs:
         self._check_open()
         try:
-            return await self._handle.build_prompt.remote(request, params, options,
+            return await self._handle.build_prompt.remote(request, params, options, group,
                                                           routing_policy=self.routing.policy)
         except (RayTaskError, RayActorError) as e:
             _raise_cause(e, "prompt building")
 
     async def generate(self, prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator:
+                       request_id: str | None = None, group: str | None = None) -> AsyncIterator:
         self._check_open()
         if not isinstance(prompt, PromptInputs):
-            prompt = await self.build_prompt(as_prompt(prompt), params)
-        stream = self._handle.options(stream=True).generate.remote(prompt, params, request_id,
+            prompt = await self.build_prompt(as_prompt(prompt), params, group=group)
+        stream = self._handle.options(stream=True).generate.remote(prompt, params, request_id, group,
                                                                     routing_policy=self.routing.policy)
         done = False
         try:

@@ -23,11 +23,11 @@ class EngineReplica:
     def info(self) -> dict:
         return {"replica": self.replica_id, "pid": os.getpid(), "stats": self.llm.stats(), "args": self.llm.args}
 
-    async def build_prompt(self, request, params=None, options=None, routing_policy=None):
-        return await self.llm.build_prompt(request, params, options)
+    async def build_prompt(self, request, params=None, options=None, group=None, routing_policy=None):
+        return await self.llm.build_prompt(request, params, options, group=group)
 
-    async def generate(self, prompt, params=None, request_id=None, routing_policy=None):
-        async for out in self.llm.generate(prompt, params, request_id):
+    async def generate(self, prompt, params=None, request_id=None, group=None, routing_policy=None):
+        async for out in self.llm.generate(prompt, params, request_id, group=group):
             yield out
 
     def record_routing_stats(self) -> dict:

@@ -221,6 +221,7 @@ class OpenAIServer:
                                           max_stop_token_ids=args.max_stop_token_ids,
                                           max_response_logprobs=self.config.max_response_logprobs,
                                           limit_videos=self.config.limit_videos,
+                                          max_sequences=self.config.max_sequences_per_request,
                                           tool_limits=ToolLimits(args.max_tools, args.max_tool_bytes))
         messages = await self.resolve_media(req.messages, req.options.cache_salt)
         prompt = await self.engine.build_prompt(messages, req.params, req.options)

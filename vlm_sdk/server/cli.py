@@ -151,6 +151,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-completion-prompts", type=_positive, default=d.max_completion_prompts,
                    help="prompts in one /v1/completions request (a list of prompts), each completed 'n' "
                         "times (default 64)")
+    p.add_argument("--max-sequences-per-request", type=_positive, default=d.max_sequences_per_request,
+                   help="sequences one request puts in the batch: prompts x n in /v1/completions, n in chat "
+                        "(default 64)")
     p.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
                    help="seconds a connection may stay open without a complete request head, idle or "
                         "sending its headers slowly")
@@ -266,7 +269,8 @@ def run_serve(args: argparse.Namespace) -> int:
                           max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
                           max_n=args.max_n, max_response_logprobs=args.max_response_logprobs,
                           max_completion_prompts=args.max_completion_prompts,
-                          media_uuid_cache_bytes=args.media_uuid_cache)
+                          media_uuid_cache_bytes=args.media_uuid_cache,
+                          max_sequences_per_request=args.max_sequences_per_request)
 
     replicas, routing = replica_configs(args)
     return serve(model, config, replicas, routing, **engine)

@@ -36,8 +36,8 @@ from vlm_sdk.outputs import LogprobsView
 from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams
 from vlm_sdk.server.logprobs import BODY_PAUSE_S, Logprobs, TokenSpeller, logprobs_rows
 from vlm_sdk.server.protocol import (bad_request, check_entry_counts, check_model, check_n, check_response_size,
-                                     check_stop, clip, json_bool, json_int, parse_stream, prompt_logprobs,
-                                     sampling_params, usage)
+                                     check_sequences, check_stop, clip, json_bool, json_int, parse_stream,
+                                     prompt_logprobs, sampling_params, usage)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's for this endpoint
 
@@ -61,7 +61,7 @@ class CompletionRequest:
 def parse_completion_request(body: object, model_name: str, max_stop_strings: int = 4, max_stop_chars: int = 256,
                              max_n: int = 8, max_prompts: int = 64, *, max_logit_bias: int | None = None,
                              max_stop_token_ids: int | None = None, max_response_logprobs: int | None = None,
-                             max_model_len: int | None = None) -> CompletionRequest:
+                             max_model_len: int | None = None, max_sequences: int | None = None) -> CompletionRequest:
     """Validate a decoded JSON body (400, or 404 for another model). The per-request budgets are the
     chat endpoint's (`protocol.check_entry_counts`, `protocol.check_response_size` over every prompt)."""
     check_model(body, model_name)
@@ -96,6 +96,7 @@ def parse_completion_request(body: object, model_name: str, max_stop_strings: in
     params = sampling_params(body, logprobs, max_tokens if generate else None,
                              prompt_logprobs=prompt_logprobs(body, stream) if generate else None)
     check_n(params.n, max_n)
+    check_sequences(len(prompts), params.n, max_sequences)
     if max_response_logprobs is not None and generate and not stream:
         check_response_size(params, max_model_len, max_response_logprobs, len(prompts))
     best_of = json_int(body.get("best_of"))

@@ -48,8 +48,10 @@ class CompletionsEndpoint:
                                             c.max_completion_prompts, max_logit_bias=args.max_logit_bias,
                                             max_stop_token_ids=args.max_stop_token_ids,
                                             max_response_logprobs=c.max_response_logprobs,
-                                            max_model_len=server.max_model_len)
-        prompts = await self._build(req)
+                                            max_model_len=server.max_model_len,
+                                            max_sequences=c.max_sequences_per_request)
+        group = wire.new_completion_id()  # its prompts: one prep thread at a time, one share of the batch
+        prompts = await self._build(req, group)
         if req.generate:
             for p in prompts:
                 check_output_room(len(p.token_ids), req.params.max_tokens, server.max_model_len, "max_tokens")
@@ -58,7 +60,7 @@ class CompletionsEndpoint:
         echoes = await self._echo_texts(req) if req.echo else None
         if not req.generate:
             return await self._echo_only(request, req, prompts, echoes)
-        outputs = _merged(server.engine, prompts, req.params)
+        outputs = _merged(server.engine, prompts, req.params, group)
         try:
             first = await outputs.__anext__()  # the engine's own refusal still becomes an HTTP status
             timing = Timing(arrival, time.monotonic())
@@ -68,14 +70,14 @@ class CompletionsEndpoint:
         finally:
             await outputs.aclose()  # a no-op once finished; otherwise aborts every choice still running
 
-    async def _build(self, req: wire.CompletionRequest) -> list:
-        """Every prompt built (all of them, before anything runs); the first bad prompt's error,
-        naming its index when the request has several."""
+    async def _build(self, req: wire.CompletionRequest, group: str) -> list:
+        """Every prompt built (all of them, before anything runs; as one request's, `group`, a thread at
+        a time); the first bad prompt's error, naming its index when the request has several."""
         engine, many = self.server.engine, len(req.prompts) > 1
 
         async def build(i: int, prompt):
             try:
-                return await engine.build_prompt(prompt, req.params, req.options)
+                return await engine.build_prompt(prompt, req.params, req.options, group=group)
             except InputTooLongError as e:
                 e = e.with_conversation(i, "prompt") if many else e
                 raise APIError(400, str(e), "invalid_request_error", "prompt", "context_length_exceeded") from None
@@ -244,11 +246,12 @@ async def _open_stream(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def _merged(engine, prompts: list, params):
-    """(prompt index, RequestOutput) for every prompt's samples as their tokens come; closing it (or
-    cancelling its consumer) aborts every sample still running."""
+async def _merged(engine, prompts: list, params, group: str):
+    """(prompt index, RequestOutput) for every prompt's samples as their tokens come, all admitted as one
+    request's (`group`: one fair share of the batch); closing it (or cancelling its consumer) aborts
+    every sample still running."""
     if len(prompts) == 1:
-        async with contextlib.aclosing(engine.generate(prompts[0], params)) as gen:
+        async with contextlib.aclosing(engine.generate(prompts[0], params, group=group)) as gen:
             async for out in gen:
                 yield 0, out
         return
@@ -256,7 +259,7 @@ async def _merged(engine, prompts: list, params):
 
     async def pump(i: int, prompt) -> None:
         try:
-            async with contextlib.aclosing(engine.generate(prompt, params)) as gen:
+            async with contextlib.aclosing(engine.generate(prompt, params, group=group)) as gen:
                 async for out in gen:
                     queue.put_nowait((i, out))
         except Exception as e:  # the consumer raises it; cancellation ends the task quietly

@@ -71,6 +71,11 @@ class ServerConfig:
     # prompts in one /v1/completions request (vLLM: VLLM_MAX_COMPLETION_PROMPTS, 1024); each prompt is
     # n sequences, so one request adds at most max_completion_prompts * max_n to the batch
     max_completion_prompts: int = 64
+    # sequences one request puts in the batch: prompts x n (/v1/completions), n (chat). vLLM bounds n
+    # (VLLM_MAX_N_SEQUENCES, 16384) and the prompt list (VLLM_MAX_COMPLETION_PROMPTS, 1024) apart, never
+    # their product; here the product is at most one batch (max_num_seqs' default), of which the engine
+    # runs at most three quarters at once for one request (engine/core/waiting_queue.py)
+    max_sequences_per_request: int = 64
     # connections: an open one must complete a request head within keep_alive_timeout of opening or
     # of its last response (idle and slow-header clients alike), and its body within body_timeout
     keep_alive_timeout: float = 5.0

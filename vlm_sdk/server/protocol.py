@@ -118,11 +118,11 @@ def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_
                        max_stop_strings: int = 4, max_stop_chars: int = 256, max_n: int = 8, *,
                        max_logit_bias: int | None = None, max_stop_token_ids: int | None = None,
                        max_response_logprobs: int | None = None, limit_videos: int = 2,
-                       tool_limits: ToolLimits | None = None) -> ChatRequest:
+                       max_sequences: int | None = None, tool_limits: ToolLimits | None = None) -> ChatRequest:
     """Validate a decoded JSON body. `max_tokens` left out is None: as long as the context allows (the
     engine stops at max_model_len), as in vLLM; a too-long error then sizes its fixes for
     `DEFAULT_MAX_TOKENS` output tokens and says so. At most `max_stop_strings` stop strings of at most
-    `max_stop_chars` characters each, and at most `max_n` choices. `max_logit_bias` /
+    `max_stop_chars` characters each, and at most `max_n` choices (and `max_sequences`). `max_logit_bias` /
     `max_stop_token_ids`: the engine's limits, checked here before the entries are converted one by
     one (the engine checks them again, with the vocabulary). `max_response_logprobs`: the most logprob
     entries a non-streamed response may hold (`check_response_size`). `tool_limits`: the engine's
@@ -150,6 +150,7 @@ def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_
     check_entry_counts(body, max_logit_bias, max_stop_token_ids)
     params = _sampling_params(body, max_model_len)
     check_n(params.n, max_n)
+    check_sequences(1, params.n, max_sequences)
     if max_response_logprobs is not None and not stream:
         check_response_size(params, max_model_len, max_response_logprobs)
     return ChatRequest(messages, params, stream, include_usage, num_images, _chat_options(body, tool_limits),
@@ -265,6 +266,15 @@ def check_n(n: int, max_n: int) -> None:
     if n > max_n:  # each choice is a sequence in the batch: a cap keeps one request from filling it
         raise bad_request(f"'n' is {n}; this server accepts at most {max_n} choices per request "
                           f"(server setting --max-n)", "n", "too_many_choices")
+
+
+def check_sequences(prompts: int, n: int, limit: int | None) -> None:
+    """A request's fan-out, its prompts x n sequences, within --max-sequences-per-request."""
+    if limit is not None and prompts * n > limit:
+        asked = f"{prompts} prompts x 'n' {n} = {prompts * n}" if prompts > 1 else f"'n' {n}"
+        raise bad_request(f"the request asks for {asked} sequences; this server runs at most {limit} per request "
+                          f"(server setting --max-sequences-per-request); send fewer prompts or a lower n, or split "
+                          f"the request", "n", "too_many_sequences")
 
 
 def max_tokens_param(body: dict) -> str:

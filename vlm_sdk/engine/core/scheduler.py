@@ -4,8 +4,11 @@ Running sequences go first, in the order they started; each asks for all its unc
 (1 while decoding, the rest of the prompt while prefilling), cut to what is left of the step's token
 budget. When the pool has too few free blocks, the most recently started running sequence is
 preempted: its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
-later (its generated tokens are kept). Waiting sequences are admitted FIFO while budget, blocks and
-`max_num_seqs` allow, and not at all in a step that had to preempt. A sequence that starts or
+later (its generated tokens are kept). Waiting sequences are admitted while budget, blocks and
+`max_num_seqs` allow, and not at all in a step that had to preempt, in the order of the waiting
+queue (engine/core/waiting_queue.py): the preempted first, then round-robin across requests (a
+request: `Sequence.group`), no request holding more than 3/4 of `max_num_seqs`; FIFO when every
+request is one sequence. A sequence that starts or
 restarts shares the blocks of its longest cached prefix and computes only the rest
 (`BlockManager.start`); a preempted sequence may find its own blocks still cached when it returns.
 
@@ -23,12 +26,12 @@ the others, and the ids of sequences finished or preempted since, so the worker 
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from vlm_sdk.config import SchedulerConfig
 from vlm_sdk.engine.core.block_manager import BlockManager
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
+from vlm_sdk.engine.core.waiting_queue import FairWaitingQueue
 from vlm_sdk.protocol.scheduler_output import NO_IDS, CachedRequestData, NewRequestData, SchedulerOutput
 
 
@@ -42,7 +45,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.blocks = block_manager
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = FairWaitingQueue(config.max_num_seqs - config.max_num_seqs // 4)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._worker_finished: set[str] = set()  # held by the worker, finished since the last step
@@ -83,10 +86,11 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
 
-        if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                seq = self.waiting[0]
-                if seq.num_inflight:  # preempted while its token was on the device: restart with it
+        if not out.preempted and self.waiting:
+            self.waiting.count_running(self.running)  # the per-request cap on the batch
+            while budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting.peek()  # None: none left, or every waiting request at its cap
+                if seq is None or seq.num_inflight:  # preempted while its token was on the device: restart with it
                     break
                 n = self.blocks.start(seq, budget)  # its cached prefix is not computed again
                 if n is None:

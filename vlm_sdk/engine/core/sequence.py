@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import sys
 import time
+from typing import Hashable
 
 from vlm_sdk.engine.core.block_hash import ImageSpan, salt_seed
 from vlm_sdk.multimodal.inputs import PromptInputs
@@ -32,8 +33,11 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt: PromptInputs, params: SamplingParams,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, group: Hashable | None = None):
         self.request_id = request_id
+        # the request it belongs to, for the waiting queue's fair share (engine/core/waiting_queue.py): the
+        # n samples of one AsyncLLM call, or one /v1/completions request's prompts; else a group of its own
+        self.group = request_id if group is None else group
         self.prompt = prompt
         self.params = params
         self.token_ids: list[int] = list(prompt.token_ids)

@@ -7,12 +7,17 @@ the engine thread never does, and the `OutputProcessor` detokenizes with an inst
 A fast tokenizer's `encode` of a long text holds the GIL for all of it (tokenizers' `Tokenizer.encode`
 does not release it), transformers' wrapper converts several lists of every token id afterwards, and
 freeing the backend's `Encoding` takes ~0.15 s per million tokens, all with the GIL held: for a
-30 MB prompt that froze every other thread, the engine step included, for seconds. Texts of
-`LONG_TEXT_CHARS` or more are therefore tokenized in a child process (`TokenizerProcess`, with a
-lock of its own, so short prompts never queue behind a huge one).
+30 MB prompt that froze every other thread, the engine step included, for seconds. And the shared
+tokenizer is used under one lock: a text just under 1 MiB held it for 1.6 s, and every new request
+waited that long (issue 41 row 8). Texts of `CHILD_TEXT_CHARS` (16 KiB) or more are therefore
+tokenized in child processes (`TokenizerProcesses`: `TOKENIZER_PROCESSES` of them, each with its own
+pipe), never under the shared lock: what the lock guards is at most a 16 KiB text (~10 ms on the CI
+machine, 30 ms for CJK text), so no request waits behind a long one, and two long texts are
+tokenized at once.
 
 Bounded work: with `max_tokens` set (the engine's max_model_len), a long text that cannot fit is
-refused (`PromptTooLong`) before it is tokenized whole. First from its length alone: no token covers
+refused (`PromptTooLong`) before it is tokenized whole. First, for a text of `LONG_TEXT_CHARS` or
+more (1 MiB), from its length alone: no token covers
 more than `chars_per_token` characters (`chars_per_token`, from tokenizer.json). Then from a prefix:
 a prefix cut after a newline or space is tokenized (in the child); when it alone has more than
 `max_tokens` tokens, with a margin for the tokens at the cut, the text is refused with that count as
@@ -30,9 +35,11 @@ import json
 import threading
 
 from vlm_sdk.engine.input.special_text import ESC, SpecialText
-from vlm_sdk.engine.input.tokenizer_process import TokenizerProcess
+from vlm_sdk.engine.input.tokenizer_process import TokenizerProcesses
 
-LONG_TEXT_CHARS = 1 << 20
+LONG_TEXT_CHARS = 1 << 20  # refused from its length alone when it cannot fit
+CHILD_TEXT_CHARS = 16 << 10  # tokenized in a child process (see the module docstring); AsyncLLM's long pool
+TOKENIZER_PROCESSES = 2  # as many long texts tokenized at once as AsyncLLM has threads for them
 # tokens a prefix's count may exceed the whole text's by: BPE merges near the cut differ from the
 # whole text's (a cut inside a long word can change a few of its pieces), and add_special_tokens
 PREFIX_MARGIN = 64
@@ -93,8 +100,8 @@ def _normalizer_factor(normalizer: dict | None) -> int | None:
 
 class PromptTokenizer:
     """Fast tokenizers raise "Already borrowed" when two threads use one at once; serialise them.
-    Long texts use a copy of the backend behind a lock of their own, so a short prompt is never
-    queued behind a huge one's tokenization. `special_text`: None when special-token text in
+    Texts of CHILD_TEXT_CHARS or more go to copies of the backend in child processes instead, so a
+    short prompt is never queued behind a long one's tokenization. `special_text`: None when special-token text in
     messages may become control tokens (`EngineArgs.allow_special_tokens_in_text`)."""
 
     def __init__(self, tokenizer, special_tokens_as_text: bool = True):
@@ -102,7 +109,7 @@ class PromptTokenizer:
         self._lock = threading.Lock()
         backend = getattr(tokenizer, "_tokenizer", None)  # tokenizers.Tokenizer of a fast tokenizer
         spec = None if backend is None else backend.to_str()
-        self._long = None if spec is None else TokenizerProcess(spec)
+        self._long = None if spec is None else TokenizerProcesses(spec, TOKENIZER_PROCESSES)
         self.chars_per_token = None if spec is None else chars_per_token(json.loads(spec))
         specials = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special]
         self.special_text = SpecialText(specials) if special_tokens_as_text and specials else None
@@ -151,7 +158,7 @@ class PromptTokenizer:
         return ids
 
     def _encode(self, text: str, add_special_tokens: bool, limit: int | None) -> list[int]:
-        if self._long is None or len(text) < LONG_TEXT_CHARS:
+        if self._long is None or len(text) < CHILD_TEXT_CHARS:
             with self._lock:
                 return self._tok.encode(text, add_special_tokens=add_special_tokens)
         if limit is not None:
@@ -162,7 +169,7 @@ class PromptTokenizer:
                 if n - PREFIX_MARGIN > limit:
                     raise PromptTooLong(n - PREFIX_MARGIN, exact=False)
                 size *= 4
-        n, ids = self._long.encode(text, add_special_tokens, limit)  # in a child process
+        n, ids = self._long.encode(text, add_special_tokens, limit)  # in a child process, the lock not held
         if ids is None:
             raise PromptTooLong(n)
         return ids

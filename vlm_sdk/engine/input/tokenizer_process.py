@@ -1,4 +1,4 @@
-"""Tokenize huge texts in a child process, so that no GIL-holding step of it runs in ours.
+"""Tokenize long texts in child processes, so that no GIL-holding step of it runs in ours.
 
 In-process, a fast tokenizer's encode of a 30 MB text can release the GIL while it tokenizes
 (`encode_batch`), but converting its ids and freeing its `Encoding` (a string per token) hold the
@@ -6,7 +6,7 @@ GIL in single calls of ~0.15 s per million tokens. Here the child does all of th
 token count, and the ids only when there are at most `max_tokens` of them.
 
 The child is `python -m vlm_sdk.engine.input.tokenizer_process` (it imports only `tokenizers`; never the
-caller's `__main__`), started on the first huge text. Pipe protocol, all integers int64 little-endian:
+caller's `__main__`), started on the first long text. Pipe protocol, all integers int64 little-endian:
 
     parent -> child, once:      len | tokenizer.json bytes
     parent -> child, per text:  add_special_tokens | max_tokens (-1: none) | len | UTF-8 text
@@ -15,12 +15,18 @@ caller's `__main__`), started on the first huge text. Pipe protocol, all integer
 from __future__ import annotations
 
 import array
+import os
+import queue
 import struct
 import subprocess
 import sys
 import threading
 
 _INT = struct.Struct("<q")
+# the children yield the cores to the server's engine and event loop: two of them tokenizing 1 MiB
+# texts at nice 0 took both cores of a 2-core machine, and the other streams' steps waited for a core
+CHILD_NICE = 10
+_IDS_BLOCK = 1 << 15
 
 
 def _read_exact(stream, n: int) -> bytes:
@@ -68,7 +74,10 @@ class TokenizerProcess:
             return n, None
         ids = array.array("q")
         ids.frombytes(packed)
-        return n, ids.tolist()
+        out: list[int] = []  # a block at a time: one tolist of 500,000 ids holds the GIL for ~80 ms
+        for start in range(0, len(ids), _IDS_BLOCK):
+            out += ids[start:start + _IDS_BLOCK].tolist()
+        return n, out
 
     def _stop(self, proc: subprocess.Popen) -> None:
         proc.kill()
@@ -87,8 +96,32 @@ class TokenizerProcess:
             proc.kill()
 
 
+class TokenizerProcesses:
+    """`count` `TokenizerProcess`es (each started on its first text): `encode` takes an idle one, waiting
+    (GIL released) only when `count` texts are being tokenized at once, so one long text never holds up
+    the next."""
+
+    def __init__(self, tokenizer_json: str, count: int):
+        self._idle: queue.SimpleQueue = queue.SimpleQueue()
+        self._all = [TokenizerProcess(tokenizer_json) for _ in range(count)]
+        for proc in self._all:
+            self._idle.put(proc)
+
+    def encode(self, text: str, add_special_tokens: bool, max_tokens: int | None) -> tuple[int, list[int] | None]:
+        proc = self._idle.get()
+        try:
+            return proc.encode(text, add_special_tokens, max_tokens)
+        finally:
+            self._idle.put(proc)
+
+    def close(self) -> None:
+        for proc in self._all:
+            proc.close()
+
+
 def _serve(stdin, stdout) -> None:
     from tokenizers import Tokenizer
+    os.nice(CHILD_NICE)
     tokenizer = Tokenizer.from_str(_read_exact(stdin, _read_int(stdin)).decode())
     while True:
         try:
