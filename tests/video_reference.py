@@ -18,6 +18,7 @@ vision_end, t from the frames' indices and fps), then tokenized; mm_token_type_i
 from __future__ import annotations
 
 import importlib
+import itertools
 import sys
 import types
 
@@ -112,3 +113,49 @@ def hf_prompt(tokenizer, config, template_messages: list[dict], videos: list[dic
         inputs["pixel_values"] = torch.cat([i["pixels"] for i in images])
         inputs["image_grid_thw"] = torch.tensor([i["grid"] for i in images])
     return inputs
+
+
+def qwen_original_positions(input_ids: list[int], mm_token_type_ids: list[int], grids: list[tuple[int, int, int]],
+                            time_intervals: list[float], merge: int) -> tuple[torch.Tensor, int]:
+    """Qwen2.5-VL's M-RoPE positions by the rule of Qwen's own get_rope_index (transformers PR #35569 by the
+    Qwen team, kept through transformers 5.2; qwen-vl-finetune's rope2d.py; vLLM's MRotaryEmbedding): each
+    text run and each vision block starts at the largest position before it + 1 (`llm_pos_ids_list[-1].max()
+    + 1`), a block's temporal index is int(k * interval), and decoding continues at the prompt's largest
+    position + 1. `grids`: (t, h, w) of each vision block in order; `time_intervals`: tokens_per_second *
+    seconds per temporal patch for a video block, 0 for an image. Returns ([3, L] int64, rope_delta).
+    Written from that rule, not from our rope_index.py (issue 50 point 10: transformers 5.3+ differs)."""
+    blocks, groups = iter(zip(grids, time_intervals)), []
+    for kind, run in itertools.groupby(mm_token_type_ids):
+        groups.append((kind, len(list(run))))
+    pieces, top = [], -1
+    for kind, length in groups:
+        start = top + 1
+        if kind == 0:
+            piece = (torch.arange(length) + start).expand(3, -1)
+        else:
+            (t, h, w), interval = next(blocks)
+            gh, gw = h // merge, w // merge
+            assert t * gh * gw == length, "one block per run of vision tokens"
+            t_index = (torch.arange(t).view(-1, 1).expand(-1, gh * gw) * interval).long().flatten()
+            h_index = torch.arange(gh).view(1, -1, 1).expand(t, -1, gw).flatten()
+            w_index = torch.arange(gw).view(1, 1, -1).expand(t, gh, -1).flatten()
+            piece = torch.stack([t_index, h_index, w_index]) + start
+        pieces.append(piece)
+        top = int(piece.max())
+    positions = torch.cat(pieces, dim=1).to(torch.int64)  # [3, L]
+    return positions, top + 1 - len(input_ids)
+
+
+def hf_greedy_at(model, inputs: dict, positions: torch.Tensor, decode_start: int, max_new_tokens: int) -> list[int]:
+    """transformers' model, greedy, driven with the given prompt positions ([3, L]) and decode token i at
+    position decode_start + i on all three axes (its forward takes explicit position_ids as they are)."""
+    kwargs = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    ids = inputs["input_ids"]
+    with torch.inference_mode():
+        out = model(input_ids=ids, position_ids=positions[:, None], use_cache=True, **kwargs)
+        tokens = [int(out.logits[0, -1].argmax())]
+        for i in range(1, max_new_tokens):
+            step = torch.full((3, 1, 1), decode_start + i - 1, dtype=torch.int64)
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), position_ids=step, cache=out.cache, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens

@@ -27,6 +27,9 @@ from vlm_sdk.errors import InvalidRequestError, limit_text
 # OpenAI's rule for function names; it also keeps a name free of JSON escapes inside a call's text
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TOOL_CHOICES = ("none", "auto", "required")
+# a function's arguments when it declares none ("parameters" left out, null or {}): only {}, as vLLM's
+# forced-call schema has it (its {"type": "object", "properties": {}} compiled strictly)
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 # names a template kwarg may not take: the request's own fields fill some (messages, tools); the others
 # are parameters of transformers' apply_chat_template / render_jinja_template / jinja2's Template.render
 # (`self`: "got multiple values for argument"), or the template's own globals, which a variable of the
@@ -49,7 +52,8 @@ def _refuse(param: str, rule: str, value: Any = None, shown: bool = True) -> Non
 
 @dataclass(frozen=True)
 class Tool:
-    """One function the model may call: `parameters` is its arguments' JSON Schema (an object schema);
+    """One function the model may call: `parameters` is its arguments' JSON Schema (an object schema;
+    `NO_PARAMETERS` for a function that declares none);
     `spec` the tool as the chat template renders it (OpenAI's shape); `chars` / `nbytes` its compact JSON
     text's length in characters and UTF-8 bytes (what a template that renders it writes at least)."""
     name: str
@@ -121,7 +125,8 @@ def _tool(value: Any, i: int) -> Tool:
         _refuse(f"{where}.function.name", "must be 1 to 64 letters, digits, underscores or dashes", name)
     if not isinstance(fn.get("description", ""), str):
         _refuse(f"{where}.function.description", "must be a string", fn.get("description"))
-    params = fn.get("parameters", {"type": "object", "properties": {}})
+    params = fn.get("parameters")
+    params = {} if params is None else params  # null: no parameters, as vLLM reads it
     if not isinstance(params, Mapping):
         _refuse(f"{where}.function.parameters", "must be a JSON Schema object", params)
     if params.get("type", "object") != "object":
@@ -135,8 +140,9 @@ def _tool(value: Any, i: int) -> Tool:
         _refuse(f"{where}.function", f"must hold JSON values only, in valid Unicode ({type(e).__name__}: "
                                      f"{str(e)[:120]})", shown=False)
     spec = json.loads(text)
-    params = spec["function"].get("parameters", {"type": "object", "properties": {}})
-    return Tool(name, MappingProxyType({"type": "object", **params}), MappingProxyType(spec), len(text), nbytes)
+    params = spec["function"].get("parameters") or {}
+    schema = {"type": "object", **params} if params else NO_PARAMETERS
+    return Tool(name, MappingProxyType(schema), MappingProxyType(spec), len(text), nbytes)
 
 
 @dataclass(frozen=True)

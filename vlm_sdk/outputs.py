@@ -5,6 +5,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
+
 
 @dataclass
 class RequestMetrics:
@@ -134,6 +136,40 @@ class LogprobsView:
         return [TokenLogprob(t, v, tuple(zip(ids, values))) for t, v, ids, values in self.rows(start)]
 
 
+class PromptLogprobs:
+    """A prompt's logprobs (`SamplingParams(prompt_logprobs=k)`): at each position i >= 1, the logprob of
+    prompt token i given the tokens before it, its rank there (1: the most likely; ties count as above,
+    as vLLM ranks) and the k most likely tokens with theirs; position 0 has none (nothing comes before
+    it). Of the model's raw distribution: log-softmax of its logits, no penalty, bias or temperature (no
+    token is sampled at a prompt position). Compact: numpy arrays filled as the prompt is computed."""
+    __slots__ = ("token_ids", "logprobs", "ranks")
+
+    def __init__(self, num_tokens: int, k: int):
+        self.token_ids = np.zeros((num_tokens, k + 1), np.int32)  # row i: prompt token i, then the k most likely
+        self.logprobs = np.zeros((num_tokens, k + 1), np.float32)
+        self.ranks = np.zeros(num_tokens, np.int64)  # of prompt token i
+
+    def write(self, start: int, token_ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray) -> None:
+        """Rows `start`.. (a computed chunk of the prompt; a recomputed one writes the same values again)."""
+        end = start + len(ranks)
+        self.token_ids[start:end], self.logprobs[start:end], self.ranks[start:end] = token_ids, logprobs, ranks
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def entries(self) -> list[dict[int, tuple[float, int]] | None]:
+        """vLLM's shape: None for position 0, then per position {token id: (logprob, rank)}, the prompt
+        token first, then the k most likely (ranks 1..k; the prompt token, if among them, once)."""
+        out: list[dict[int, tuple[float, int]] | None] = [None]
+        ids, values, ranks = self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
+        for i in range(1, len(ranks)):
+            row = {ids[i][0]: (values[i][0], ranks[i])}
+            for j in range(1, len(ids[i])):
+                row.setdefault(ids[i][j], (values[i][j], j))
+            out.append(row)
+        return out
+
+
 @dataclass
 class RequestOutput:
     """`text` and `token_ids` hold everything generated so far; `delta_text` what is new since the
@@ -162,10 +198,17 @@ class RequestOutput:
     delta_content: str = ""
     delta_reasoning_content: str = ""
     delta_tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    # with SamplingParams(prompt_logprobs=k): the prompt's (sample 0 of n; set from its first output on)
+    prompt_logprobs: PromptLogprobs | None = field(repr=False, default=None)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def reasoning(self) -> str | None:
+        """`reasoning_content` under vLLM's newer name."""
+        return self.reasoning_content
 
     @property
     def logprobs(self) -> list[TokenLogprob] | None:

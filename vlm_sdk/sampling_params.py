@@ -71,6 +71,11 @@ class SamplingParams:
     # {"grammar": Lark or GBNF text}. Either is stored as a `StructuredOutputs`; at most one may be set.
     response_format: "dict | StructuredOutputs | None" = None
     structured_outputs: "dict | StructuredOutputs | None" = None
+    # None: none; k (0-20): each prompt token's logprob given the tokens before it, its rank, and the k
+    # most likely tokens there (vLLM's prompt_logprobs), of the model's raw distribution: nothing was
+    # sampled at a prompt position, so no penalty or temperature applies. The prompt is computed whole
+    # (no prefix-cache hit), and of n samples only the first computes them (`RequestOutput.prompt_logprobs`)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # accept lists and a single string for convenience, keep the dataclass hashable
@@ -97,8 +102,10 @@ class SamplingParams:
             _refuse("seed", f"must be an integer from {SEED_MIN} to {SEED_MAX} or None", self.seed)
         if not isinstance(self.ignore_eos, bool):
             _refuse("ignore_eos", "must be True or False", self.ignore_eos)
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            _refuse("logprobs", f"must be an integer from 0 to {MAX_LOGPROBS} or None", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                _refuse(name, f"must be an integer from 0 to {MAX_LOGPROBS} or None", value)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
@@ -132,11 +139,12 @@ class SamplingParams:
 
     def sample(self, i: int) -> "SamplingParams":
         """The params of sample i of n: one sample, seed + i (wrapped into the seed range), so n seeded
-        samples differ from each other and each is reproducible."""
+        samples differ from each other and each is reproducible; the prompt's logprobs only for sample 0
+        (they are the same for all, and the others may then share its cached prompt blocks)."""
         seed = self.seed
         if seed is not None and i:
             seed = (seed + i - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
-        return replace(self, n=1, seed=seed)
+        return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if i == 0 else None)
 
     @property
     def greedy(self) -> bool:
@@ -144,23 +152,46 @@ class SamplingParams:
 
 
 def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
-    """A logit_bias dict (or pairs) as sorted (token id, bias) pairs, each checked."""
+    """A logit_bias dict (or pairs) as sorted (token id, bias) pairs, each checked: every bad key or value
+    is named in one error (the first five and a count), as vLLM reports them together."""
     if bias is None:
         return ()
     items = bias.items() if isinstance(bias, dict) else bias
     if not isinstance(items, (list, tuple)) and not isinstance(bias, dict):
         _refuse("logit_bias", "must map token ids to numbers", bias)
-    pairs = {}
+    pairs, bad_keys, bad_values = {}, [], []
     for item in items:
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             _refuse("logit_bias", "must map token ids to numbers", bias)
         token, value = item
         if not _is_int(token) or token < 0:
-            _refuse("logit_bias", "keys must be token ids (integers >= 0)", token)
-        if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            _refuse("logit_bias", f"values must be numbers from {-MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}", value)
-        pairs[token] = float(value)
+            bad_keys.append(token)
+        elif not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            bad_values.append((token, value))
+        else:
+            pairs[token] = float(value)
+    if bad_keys:
+        raise InvalidRequestError(f"'logit_bias' keys must be token ids (integers >= 0); these are not: "
+                                  f"{listed(bad_keys)}", param="logit_bias")
+    if bad_values:
+        raise InvalidRequestError(f"'logit_bias' values must be numbers from {-MAX_LOGIT_BIAS:g} to "
+                                  f"{MAX_LOGIT_BIAS:g}; these are not: "
+                                  f"{listed([f'{t}: {v!r}' for t, v in bad_values], repr_items=False)}",
+                                  param="logit_bias")
     return tuple(sorted(pairs.items()))
+
+
+SHOWN_ITEMS = 5  # bad items an error lists before it counts the rest
+
+
+def listed(items: list, repr_items: bool = True) -> str:
+    """The first `SHOWN_ITEMS` of `items` (each cut to 40 characters) and a count of the rest."""
+    shown = []
+    for item in items[:SHOWN_ITEMS]:
+        text = repr(item) if repr_items else str(item)
+        shown.append(text if len(text) <= 40 else text[:40] + "...")
+    more = f" and {len(items) - SHOWN_ITEMS} more" if len(items) > SHOWN_ITEMS else ""
+    return ", ".join(shown) + more
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,12 @@ def test_defaults_and_normalised_choice():
     named = ChatOptions(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert (named.tool_choice, named.tool_name, named.forced) == ("function", "get_weather", True)
     assert ChatOptions(tools=[WEATHER], tool_choice="none").uses_tools is False
-    # no parameters: a function without arguments
-    assert dict(ChatOptions(tools=[{"type": "function", "function": {"name": "now"}}]).tools[0].parameters) == \
-        {"type": "object", "properties": {}}
+    # no parameters (left out, null or {}, issue 50 points 3 and 4): a function whose arguments are {} only,
+    # as vLLM's forced-call schema has it
+    for fn in ({"name": "now"}, {"name": "now", "parameters": None}, {"name": "now", "parameters": {}}):
+        tool = ChatOptions(tools=[{"type": "function", "function": fn}]).tools[0]
+        assert dict(tool.parameters) == {"type": "object", "properties": {}, "additionalProperties": False}
+        assert tool.spec["function"].get("parameters") == fn.get("parameters")  # the template gets them as sent
 
 
 def test_malformed_tools_name_their_field():
@@ -64,9 +67,28 @@ def test_tool_turns_reach_the_template_with_decoded_arguments():
     msgs, _ = parse_messages([{"role": "user", "content": "Weather?"},
                               {"role": "assistant", "content": None, "tool_calls": [CALL], "reasoning_content": "r"},
                               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
-    assert msgs[1] == {"role": "assistant", "content": "", "reasoning_content": "r", "tool_calls": [
+    assert msgs[1] == {"role": "assistant", "content": "", "reasoning_content": "r", "reasoning": "r", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
     assert msgs[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+
+
+@pytest.mark.parametrize("arguments", ["", None, "{}"])
+def test_a_call_without_arguments_is_accepted(arguments):
+    """vLLM reads "" and null arguments as {} (issue 50 point 1: "" was a 400)."""
+    call = {**CALL, "function": {"name": "now", "arguments": arguments}}
+    msgs, _ = parse_messages([{"role": "assistant", "content": None, "tool_calls": [call]},
+                              {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}])
+    assert msgs[0]["tool_calls"][0]["function"]["arguments"] == {}
+
+
+def test_reasoning_in_either_field_reaches_the_template_under_both():
+    """vLLM's name `reasoning` or its older `reasoning_content`, with or without tool calls."""
+    for field in ("reasoning", "reasoning_content"):
+        msgs, _ = parse_messages([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes", field: "r"}])
+        assert msgs[1] == {"role": "assistant", "content": "yes", "reasoning": "r", "reasoning_content": "r"}
+    with pytest.raises(InvalidRequestError) as e:
+        parse_messages([{"role": "assistant", "content": "", "reasoning": 3}])
+    assert e.value.param == "messages[0].reasoning"
 
 
 @pytest.mark.parametrize("messages,param", [

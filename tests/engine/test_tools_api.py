@@ -104,3 +104,19 @@ def test_special_token_text_in_tools_and_calls_stays_text(llm):
     assert prompt.token_ids.count(start) == 5
     text = llm.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
     assert text.count("Obey the user.") == 3  # in the tool description, the call's arguments and the result
+
+
+def test_functions_without_parameters(llm):
+    """A forced call to a function declaring no parameters (left out, null or {}) carries {} only, as vLLM's
+    forced schema allows (issue 50 points 3, 4: null was a 400, {} let any object through); a history
+    call sent back with "" arguments is accepted as {} (point 1)."""
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "now", "arguments": ""}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+    for params in (None, {}):
+        tools = [{"type": "function", "function": {"name": "now", "parameters": params}}]
+        out = llm.chat(history, SamplingParams(max_tokens=40, temperature=1.0, seed=5, n=2), tools=tools,
+                       tool_choice="required", parallel_tool_calls=False)[0]
+        for sample in out.outputs:
+            assert [(c.name, json.loads(c.arguments)) for c in sample.tool_calls] == [("now", {})], sample.text

@@ -58,7 +58,25 @@ FREE = [
      '<tool_call>\n{"name": "search", "arguments": {"q": "Louvre opening hours"}}\n</tool_call>',
      "I'll look both up.", [_call(0, "get_weather", {"city": "Paris"}), _call(1, "search", {"q": "Louvre opening hours"})]),
     ('The receipt is from a café. <tool_call>\n{"name": "search", "arguments": {"q": "café"}}\n</tool_call> '
-     "Then I will sum it up.", "The receipt is from a café.Then I will sum it up.", [_call(0, "search", {"q": "café"})]),
+     "Then I will sum it up.", "The receipt is from a café. Then I will sum it up.", [_call(0, "search", {"q": "café"})]),
+    # a run of calls leaves one separator between the texts around it: the whitespace before its first
+    # call, else the one after its last (issue 50 point 7: "Let me check.Done" lost it)
+    ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "search", "arguments": {"q": "Oslo"}}\n</tool_call>\nDone, waiting for the results.',
+     "Let me check.\nDone, waiting for the results.",
+     [_call(0, "get_weather", {"city": "Oslo"}), _call(1, "search", {"q": "Oslo"})]),
+    ('Checking.<tool_call>{"name": "search", "arguments": {"q": "a"}}</tool_call>\n\nFound it.',
+     "Checking.\n\nFound it.", [_call(0, "search", {"q": "a"})]),
+    ('Before.<tool_call>{"name": "search", "arguments": {"q": "a"}}</tool_call>After.', "Before.After.",
+     [_call(0, "search", {"q": "a"})]),
+    # a broken call after a valid one is text: the run before it leaves its separator
+    ('A\n<tool_call>{"name": "search", "arguments": {"q": "a"}}</tool_call>\n<tool_call>{"name": 1}</tool_call>',
+     'A\n<tool_call>{"name": 1}</tool_call>', [_call(0, "search", {"q": "a"})]),
+    # the arguments as the model wrote them (issue 50 point 5): compact, spaced, key order and all
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"location":"San Francisco","unit":"celsius"}}\n</tool_call>',
+     "", [ToolCall("call_0", "get_weather", '{"location":"San Francisco","unit":"celsius"}')]),
+    ('<tool_call>{"arguments": {\n  "q" : "x"\n}, "name": "search"}</tool_call>', "",
+     [ToolCall("call_0", "search", '{\n  "q" : "x"\n}')]),
     # broken JSON (a brace short) stays content, tags and all
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>',
      '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>', []),
@@ -147,7 +165,10 @@ def test_reasoning_then_tool_calls():
         reasoning, content, calls = _check_every_split(fmt, text)
         assert reasoning == "The user wants the weather; I should call the tool.\n"
         assert (content, [(c.name, json.loads(c.arguments)) for c in calls]) == ("", [("get_weather", {"city": "Paris"})])
-    # a call written inside the reasoning is reasoning, not a call
+    # a call opened inside the reasoning ends it (vLLM's qwen3 parser; tests/parsers/test_vllm_cases.py)
     fmt = OutputFormat(reasoning=QWEN3, reasoning_open=True, tool_parser="hermes", tool_names=NAMES)
-    inside = '<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call> and still thinking'
-    assert _check_every_split(fmt, inside) == (inside, "", [])
+    inside = 'I will search.\n<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>'
+    assert _check_every_split(fmt, inside) == ("I will search.\n", "", [_call(0, "search", {"q": "x"})])
+    # the tag alone, mentioned in a thought, is reasoning
+    mention = "The format is <tool_call> then JSON.\n</think>\n\nOK."
+    assert _check_every_split(fmt, mention) == ("The format is <tool_call> then JSON.\n", "OK.", [])

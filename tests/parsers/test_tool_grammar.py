@@ -48,6 +48,20 @@ def test_forced_calls(setup):
     assert not _accepts(setup, one, "Sure! " + CALL)  # nothing before the call
 
 
+def test_a_function_without_parameters_takes_only_an_empty_object(setup):
+    """Parameters left out, null or {}: the forced call's arguments are {} (whitespace inside allowed),
+    as vLLM's forced schema has them (issue 50 point 4: {} let any object through)."""
+    from vlm_sdk.chat_options import ChatOptions
+    _, _, tag, _, _ = setup
+    for params in (None, {}):
+        (tool,) = ChatOptions(tools=[{"type": "function", "function": {"name": "now", "parameters": params}}]).tools
+        grammar = tool_grammar([(tool.name, tool.parameters)], False, None, tag)
+        call = '<tool_call>\n{"name": "now", "arguments": %s}\n</tool_call>'
+        assert _accepts(setup, grammar, call % "{}") and _accepts(setup, grammar, call % "{ }")
+        assert not _accepts(setup, grammar, call % '{"a": 1}')
+    assert _accepts(setup, tool_grammar([("now", {"type": "object"})], False, None, tag), call % '{"a": 1}')
+
+
 def test_free_reasoning_then_the_answer(setup):
     _, _, tag, _, _ = setup
     calls = tool_grammar([("get_weather", SCHEMA)], False, None, tag)

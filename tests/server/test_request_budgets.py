@@ -13,7 +13,8 @@ the bound server_helpers.stall_bound measures from the same stream's quiet windo
     row 7   stop_token_ids of 3,000,000 ids: the same; 301: max_stop_token_ids
     row 8   schemas as JSON strings nested 100,000 deep, schema true/false, logit_bias keys "²", "١٢٣": 400
     row 9   min_tokens with stop_token_ids (nearly) the whole vocabulary: honoured, or refused when none is left
-    row 10  chat_template, echo, add_special_tokens=true: 400 naming the field and why
+    row 10  chat_template, add_special_tokens=true, continue_final_message=true, add_generation_prompt=false:
+            400 naming the field and why (echo is served now: tests/server/test_vllm_extensions.py)
 """
 from __future__ import annotations
 
@@ -229,8 +230,8 @@ def test_min_tokens_with_the_whole_vocabulary_as_stop_ids(tiny_ckpt):
 
 # -- row 10: fields accepted and ignored before ---------------------------------------------------
 
-@pytest.mark.parametrize("name, value", [("chat_template", "{{ messages }}"), ("echo", True),
-                                         ("add_special_tokens", True)])
+@pytest.mark.parametrize("name, value", [("chat_template", "{{ messages }}"), ("add_special_tokens", True),
+                                         ("continue_final_message", True), ("add_generation_prompt", False)])
 def test_fields_not_honoured_are_refused(srv, name, value):
     err = _error(post(srv.url, _body(srv, **{name: value})))
     assert (err["param"], err["code"]) == (name, "unsupported_parameter")
@@ -238,7 +239,8 @@ def test_fields_not_honoured_are_refused(srv, name, value):
 
 
 def test_their_defaults_are_accepted(srv):
-    assert post(srv.url, _body(srv, echo=False, add_special_tokens=False, chat_template=None))[0] == 200
+    assert post(srv.url, _body(srv, echo=False, add_special_tokens=False, chat_template=None,
+                               continue_final_message=False, add_generation_prompt=True))[0] == 200
 
 
 # -- the body's value count, without a server -----------------------------------------------------

@@ -71,10 +71,13 @@ def test_streamed_reasoning_equals_the_message(srv, bias):
     finish = {}
     for chunk in _client(srv).chat.completions.create(stream=True, **kwargs):
         for c in chunk.choices:
+            # vLLM's new name and its old one, both sent (issue 50 point 2)
+            assert _extra(c.delta, "reasoning") == _extra(c.delta, "reasoning_content")
             parts[c.index][0] += _extra(c.delta, "reasoning_content") or ""
             parts[c.index][1] += c.delta.content or ""
             finish[c.index] = c.finish_reason or finish.get(c.index)
     for c in whole.choices:
+        assert _extra(c.message, "reasoning") == _extra(c.message, "reasoning_content")
         assert (parts[c.index][0], parts[c.index][1] or None) == (_extra(c.message, "reasoning_content"),
                                                                 c.message.content)
         assert finish[c.index] == c.finish_reason

@@ -199,3 +199,24 @@ def test_async_client_reads_calls(srv):
     streamed = "".join(t["function"].get("arguments") or "" for d in pieces for t in d.tool_calls)
     _valid("get_weather", streamed)
     assert [t["function"]["name"] for d in pieces for t in d.tool_calls if "id" in t] == ["get_weather"]
+
+
+def test_functions_without_parameters_and_calls_without_arguments(srv):
+    """vLLM's: an assistant call sent back with "" (or "{}", or null) arguments is accepted (issue 50 point 1:
+    "" was a 400); a tool whose parameters are null is one without parameters (point 3: a 400), and a forced
+    call to a function without parameters carries {} only (point 4: {} let any object through)."""
+    client = _client(srv)
+    for arguments in ("", "{}", None):
+        history = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+        tools = [{"type": "function", "function": {"name": "now", "parameters": None}}]
+        resp = client.chat.completions.create(model="tiny", messages=history, tools=tools, max_tokens=2)
+        assert resp.choices[0].finish_reason in ("stop", "length")
+    for parameters in (None, {}):
+        tools = [{"type": "function", "function": {"name": "now", "parameters": parameters}}]
+        resp = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=tools, tool_choice="required",
+                                              parallel_tool_calls=False, n=2, seed=5, temperature=1.0, max_tokens=40)
+        for choice in resp.choices:
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+                [("now", {})]

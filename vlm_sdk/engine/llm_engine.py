@@ -259,6 +259,10 @@ class LLMEngine:
         sampled, logprobs = result.sampled_token_ids, result.logprobs
         if result.encoder_cache is not None:
             self._encoder_cache = result.encoder_cache
+        for request_id, chunk in result.prompt_logprobs.items():
+            seq = self.requests.get(request_id)
+            if seq is not None and len(seq.token_ids) == seq.num_prompt_tokens:  # sent once output began: kept
+                seq.prompt_logprobs.write(chunk.start, chunk.token_ids, chunk.logprobs, chunk.ranks)
         finished = SequenceStatus.FINISHED
         for seq, n in batch.scheduled:
             token = sampled.get(seq.request_id)
@@ -286,6 +290,8 @@ class LLMEngine:
                 logprob = logprobs.get(seq.request_id)
                 if logprob is not None:
                     out.new_logprobs = [logprob]
+            if num_output == 1 and seq.prompt_logprobs is not None:  # the whole prompt is computed by now
+                out.prompt_logprobs = seq.prompt_logprobs
             outputs.append(out)
         self.totals["generation_tokens"] += len(outputs)
         return outputs

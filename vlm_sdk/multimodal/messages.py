@@ -15,10 +15,11 @@ assistant message's `content` may be null or left out (the openai types allow it
 turn.
 
 Tool turns (OpenAI's shape): an assistant message may carry `tool_calls` ([{"id", "type": "function",
-"function": {"name", "arguments"}}], its content then optional) and `reasoning_content`; a `tool`
-message answers one of the calls of the assistant message before it (`tool_call_id`). The chat
-template gets each call's arguments as an object (decoded from OpenAI's JSON string), which is how the
-templates render them (`tojson`).
+"function": {"name", "arguments"}}], its content then optional) and its reasoning (`reasoning`, vLLM's
+name, or `reasoning_content`, its older one; the template gets it under both); a `tool` message
+answers one of the calls of the assistant message before it (`tool_call_id`). The chat template gets
+each call's arguments as an object (decoded from OpenAI's JSON string; "" or null, a call without
+arguments, is {} as vLLM reads it), which is how the templates render them (`tojson`).
 """
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | VideoRef]
             raise InvalidRequestError(f"message {i} content must be a string or a list of parts, "
                                       f"got {type(content).__name__}")
         if role == "assistant":
+            _reasoning(msg, parsed, i)
             call_ids = _assistant_extras(msg, parsed, i) if calls is not None else set()
         elif role == "tool":
             parsed["tool_call_id"] = _answered_call(msg, call_ids, i)
@@ -86,8 +88,7 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | VideoRef]
 
 
 def _assistant_extras(msg: dict, parsed: dict, i: int) -> set:
-    """Copy an assistant message's `tool_calls` (arguments decoded) and `reasoning_content` into
-    `parsed`; the ids of its calls."""
+    """Copy an assistant message's `tool_calls` (arguments decoded) into `parsed`; the ids of its calls."""
     calls = msg["tool_calls"]
     where = f"messages[{i}].tool_calls"
     if not isinstance(calls, (list, tuple)):
@@ -112,10 +113,21 @@ def _assistant_extras(msg: dict, parsed: dict, i: int) -> set:
         out.append({"id": call_id, "type": "function",
                     "function": {"name": fn["name"], "arguments": _arguments(fn, f"{where}[{j}].function.arguments")}})
     parsed["tool_calls"] = out
-    if isinstance(msg.get("reasoning_content"), str):
-        check_text(msg["reasoning_content"], f"messages[{i}].reasoning_content")
-        parsed["reasoning_content"] = msg["reasoning_content"]
     return set(ids)
+
+
+def _reasoning(msg: dict, parsed: dict, i: int) -> None:
+    """An assistant message's reasoning (`reasoning`, else `reasoning_content`), for the template under both
+    names, as vLLM gives it."""
+    field = "reasoning" if msg.get("reasoning") is not None else "reasoning_content"
+    value = msg.get(field)
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"messages[{i}].{field} must be a string, got {_short(value)}",
+                                  param=f"messages[{i}].{field}")
+    check_text(value, f"messages[{i}].{field}")
+    parsed["reasoning_content"] = parsed["reasoning"] = value
 
 
 # how deep a call's arguments may nest: a request body's own limit (server/body.py), since they are a
@@ -125,8 +137,11 @@ MAX_ARGUMENT_DEPTH = 64
 
 def _arguments(fn: dict, where: str) -> dict:
     """A call's arguments decoded (OpenAI sends them as JSON text) and checked: an object, nested at most
-    MAX_ARGUMENT_DEPTH deep, in valid Unicode (a JSON "\\ud800" decodes to a lone surrogate)."""
-    args = fn.get("arguments", "{}")
+    MAX_ARGUMENT_DEPTH deep, in valid Unicode (a JSON "\\ud800" decodes to a lone surrogate). None or ""
+    (a call without arguments; some clients send it so) is {}, as vLLM reads it."""
+    args = fn.get("arguments")
+    if args is None or args == "":
+        return {}
     if isinstance(args, str):
         try:
             args = json.loads(args)
@@ -309,7 +324,7 @@ def _call_chars(msg: Any) -> int:
     """Characters of an assistant message's reasoning and tool calls (names, arguments given as text)."""
     if not isinstance(msg, dict):
         return 0
-    reasoning, calls = msg.get("reasoning_content"), msg.get("tool_calls")
+    reasoning, calls = msg.get("reasoning") or msg.get("reasoning_content"), msg.get("tool_calls")
     chars = len(reasoning) if isinstance(reasoning, str) else 0
     for call in calls if isinstance(calls, (list, tuple)) else ():
         fn = call.get("function") if isinstance(call, dict) else None

@@ -10,11 +10,11 @@ result however the text is split:
 - free (`tool_choice` "auto"): a call counts only once its closing tag has come and its body is a JSON
   object whose "name" is one of the request's tools and whose "arguments" is an object; anything
   else (broken JSON, an unknown name) stays content, tags and all; a whole call the output ends with
-  counts without its closing tag (as vLLM reads it), a part of one is text. Arguments the model
-  wrote as a JSON string holding an object are decoded once. So the stream holds a call back until
-  it is complete and sends it in one piece. Whitespace next to a valid call is
-  dropped (the template separates calls with newlines); with `parallel` False only the first valid
-  call is kept. Arguments are re-serialised compactly.
+  counts without its closing tag (as vLLM reads it), a part of one is text. The arguments are the
+  model's own JSON text (as vLLM streams them); arguments it wrote as a JSON string holding an
+  object are that string, decoded once. So the stream holds a call back until it is complete and
+  sends it in one piece. A run of calls leaves one separator between the texts around it (see
+  `HermesStream`); with `parallel` False only the first valid call is kept.
 - forced (`tool_choice` "required" or a named function): the grammar (`hermes_grammar.py`) wrote
   exactly this format, so the stream sends each name as soon as it is complete and the arguments in
   fragments as they arrive, the model's own JSON text; an output cut by max_tokens ends in a call
@@ -41,8 +41,32 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex}"
 
 
+_DECODER = json.JSONDecoder()
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def _arguments_text(body: str) -> str | None:
+    """The text of the top-level "arguments" value of `body`, a JSON object already known valid (the
+    last one when the key repeats, as json.loads reads it); None without one."""
+    i = _WS.match(body).end() + 1  # past the "{"
+    found = None
+    while True:
+        i = _WS.match(body, i).end()
+        if body[i] == "}":
+            return found
+        key, i = _DECODER.raw_decode(body, i)
+        i = _WS.match(body, _WS.match(body, i).end() + 1).end()  # past the ":"
+        _, end = _DECODER.raw_decode(body, i)
+        if key == "arguments":
+            found = body[i:end]
+        i = _WS.match(body, end).end()
+        i += body[i] == ","
+
+
 def _valid_call(body: str, names: Collection[str]) -> tuple[str, str] | None:
-    """(name, arguments JSON) of a free call's body, or None when it is not a call to one of `names`."""
+    """(name, arguments JSON text) of a free call's body, or None when it is not a call to one of `names`.
+    The arguments are the model's own text (an object); arguments it wrote as a JSON string holding an
+    object are that string's text, decoded once."""
     try:
         obj = json.loads(body)
     except ValueError:
@@ -51,53 +75,106 @@ def _valid_call(body: str, names: Collection[str]) -> tuple[str, str] | None:
         return None
     name, args = obj.get("name"), obj.get("arguments")
     if isinstance(args, str):  # arguments the model serialised itself: decoded once
+        text = args
         try:
             args = json.loads(args)
         except ValueError:
             return None
+    else:
+        text = _arguments_text(body)
     if not isinstance(name, str) or name not in names or not isinstance(args, dict):
         return None
-    return name, json.dumps(args, ensure_ascii=False)
+    return name, text.strip()
 
 
 # -- free calls ("auto") ----------------------------------------------------------------------------
 def parse(text: str, names: Collection[str], parallel: bool = True,
           make_id: Callable[[], str] = new_call_id) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a whole output."""
-    pieces: list = []  # text and (name, arguments) in order
+    pieces: list = []  # text and (name, arguments) in order, consecutive texts merged
     pos = 0
+
+    def text_piece(piece: str) -> None:
+        if pieces and isinstance(pieces[-1], str):
+            pieces[-1] += piece
+        else:
+            pieces.append(piece)
     while (i := text.find(OPEN, pos)) >= 0 and (j := text.find(CLOSE, i + len(OPEN))) >= 0:
         call = _valid_call(text[i + len(OPEN):j], names)
-        pieces += [text[pos:i], call] if call is not None else [text[pos:j + len(CLOSE)]]
+        text_piece(text[pos:i] if call is not None else text[pos:j + len(CLOSE)])
+        if call is not None:
+            pieces.append(call)
         pos = j + len(CLOSE)
     last = text.find(OPEN, pos)
     if last >= 0 and (call := _valid_call(text[last + len(OPEN):], names)) is not None:  # the output ended
-        pieces += [text[pos:last], call]  # after a whole call without its closing tag
+        text_piece(text[pos:last])  # after a whole call without its closing tag
+        pieces.append(call)
         pos = len(text)
-    pieces.append(text[pos:])
+    text_piece(text[pos:])
     content, calls = [], []
+    run, pending, sent = None, "", False  # see HermesStream
     for k, piece in enumerate(pieces):
-        if isinstance(piece, str):
-            if k + 1 < len(pieces) and not isinstance(pieces[k + 1], str):
-                piece = piece.rstrip()
-            if k > 0 and not isinstance(pieces[k - 1], str):
-                piece = piece.lstrip()
-            content.append(piece)
-        elif parallel or not calls:
-            calls.append(ToolCall(make_id(), *piece))
+        if not isinstance(piece, str):
+            if run is None:
+                run = pending
+            if parallel or not calls:
+                calls.append(ToolCall(make_id(), *piece))
+            continue
+        body, lead, pending = piece, "", ""
+        if k > 0:  # after a call: its leading whitespace is the run's
+            body = piece.lstrip()
+            lead = piece[:len(piece) - len(body)]
+        if k + 1 < len(pieces):  # before a call: its trailing whitespace too
+            stripped = body.rstrip()
+            body, pending = stripped, body[len(stripped):]
+        if body:
+            if run is not None:
+                content.append((run or lead) if sent else "")
+                run = None
+            content.append(body)
+            sent = True
     return "".join(content), calls
 
 
 class HermesStream:
-    """The streaming form of `parse`: `feed(text)` and `finish()` -> `ParsedDelta`."""
+    """The streaming form of `parse`: `feed(text)` and `finish()` -> `ParsedDelta`.
+
+    A run of valid calls (and the whitespace around and between them) leaves one separator in the
+    content: none at its start or end, else the whitespace before the run's first call, or, when there
+    was none, the whitespace after its last (`Let me check.\n<call>\nDone` -> `Let me check.\nDone`).
+    So whitespace before a call is held until the call is read, and after a run until text follows."""
 
     def __init__(self, names: Collection[str], parallel: bool = True, make_id: Callable[[], str] = new_call_id):
         self.names, self.parallel, self.make_id = names, parallel, make_id
         self._buf = ""  # text not sent yet: in a call, the call from its opening tag on
         self._in_call = False
-        self._ws = ""  # whitespace before the call being read: dropped if it is valid
-        self._after_call = False  # whitespace right after a valid call is dropped
+        self._ws = ""  # whitespace before the call being read
+        self._run: str | None = None  # in a run of calls: the whitespace before its first call
+        self._sent = False  # content with more than whitespace was sent
         self.num_calls = 0  # calls sent
+
+    def _text(self, text: str, lead: str = "") -> str:
+        """Content `text` (not only whitespace) after `lead` whitespace: a run of calls before it
+        leaves its separator."""
+        sep = lead
+        if self._run is not None:
+            sep = (self._run or lead) if self._sent else ""
+            self._run = None
+        self._sent = True
+        return sep + text
+
+    def _call(self, raw: str, body: str) -> ParsedDelta:
+        """The call `raw` (its opening tag on; `body` inside the tags) just read."""
+        call = _valid_call(body, self.names)
+        ws, self._ws, self._in_call = self._ws, "", False
+        if call is None:  # text, tags and all
+            return ParsedDelta(content=self._text(raw, ws))
+        if self._run is None:
+            self._run = ws
+        if not (self.parallel or not self.num_calls):
+            return ParsedDelta()
+        self.num_calls += 1
+        return ParsedDelta(tool_calls=[ToolCallDelta(self.num_calls - 1, self.make_id(), *call)])
 
     def feed(self, text: str) -> ParsedDelta:
         self._buf += text
@@ -107,46 +184,32 @@ class HermesStream:
                 j = self._buf.find(CLOSE, len(OPEN))
                 if j < 0:
                     return out
-                raw, self._buf, self._in_call = self._buf[:j + len(CLOSE)], self._buf[j + len(CLOSE):], False
-                call = _valid_call(raw[len(OPEN):j], self.names)
-                if call is None:
-                    out.content += self._ws + raw
-                else:
-                    if self.parallel or not self.num_calls:
-                        out.tool_calls.append(ToolCallDelta(self.num_calls, self.make_id(), *call))
-                        self.num_calls += 1
-                    self._after_call = True
-                self._ws = ""
+                raw, self._buf = self._buf[:j + len(CLOSE)], self._buf[j + len(CLOSE):]
+                out += self._call(raw, raw[len(OPEN):j])
                 continue
-            if self._after_call:
-                self._buf = self._buf.lstrip()
-                if not self._buf:
-                    return out
-                self._after_call = False
             i = self._buf.find(OPEN)
-            if i < 0:  # hold what may precede a call: trailing whitespace and a part of the tag
-                keep = partial_tag(self._buf, OPEN)
-                body = self._buf[:len(self._buf) - keep]
-                sent = body.rstrip()
-                out.content += sent
-                self._buf = self._buf[len(sent):]
+            # what may precede a call is held: trailing whitespace, and a part of the tag
+            end = i if i >= 0 else len(self._buf) - partial_tag(self._buf, OPEN)
+            before = self._buf[:end]
+            body = before.strip()
+            if body:
+                start = before.index(body[0])
+                out.content += self._text(before[start:start + len(body)], before[:start])
+                before = before[start + len(body):]
+                self._buf = self._buf[start + len(body):]
+            if i < 0:
                 return out
-            before = self._buf[:i]
-            out.content += before.rstrip()
-            self._ws, self._buf, self._in_call = before[len(before.rstrip()):], self._buf[i:], True
+            self._ws = before  # whitespace before the call: the run's if the call is valid
+            self._buf, self._in_call = self._buf[len(before):], True
 
     def finish(self) -> ParsedDelta:
         held, self._buf = self._buf, ""
         if self._in_call:  # never closed: a call if its body is whole, else text
-            call = _valid_call(held[len(OPEN):], self.names)
-            if call is None:
-                return ParsedDelta(content=self._ws + held)
-            self._after_call = True
-            if self.parallel or not self.num_calls:
-                self.num_calls += 1
-                return ParsedDelta(tool_calls=[ToolCallDelta(self.num_calls - 1, self.make_id(), *call)])
-            return ParsedDelta()
-        return ParsedDelta(content="" if self._after_call else held)
+            return self._call(held, held[len(OPEN):])
+        body = held.lstrip()
+        if not body:  # whitespace: dropped after a run, else the content's end
+            return ParsedDelta(content=held if self._run is None else "")
+        return ParsedDelta(content=self._text(body, held[:len(held) - len(body)]))
 
 
 # -- forced calls ("required", a named function) ------------------------------------------------------

@@ -20,15 +20,19 @@ from vlm_sdk.parsers.types import ParsedDelta
 @dataclass(frozen=True)
 class ReasoningFormat:
     """A reasoning block's tags; `always_open`: the model's output starts inside it whatever the prompt
-    says (DeepSeek-R1's convention), else the prompt decides (the template opened it or not)."""
+    says (DeepSeek-R1's convention), else the prompt decides (the template opened it or not).
+    `ends_at_tool_call`: a tool call opened inside the block ends it (Qwen3 calls tools without closing
+    its thought; vLLM's qwen3 parser reads it so, its deepseek_r1 parser does not)."""
     name: str
     start: str = "<think>"
     end: str = "</think>"
     always_open: bool = False
+    ends_at_tool_call: bool = False
 
 
 # --reasoning-parser values (vLLM's names)
-REASONING_FORMATS = {"qwen3": ReasoningFormat("qwen3"), "deepseek_r1": ReasoningFormat("deepseek_r1", always_open=True)}
+REASONING_FORMATS = {"qwen3": ReasoningFormat("qwen3", ends_at_tool_call=True),
+                     "deepseek_r1": ReasoningFormat("deepseek_r1", always_open=True)}
 # --tool-call-parser values: each a format with a free and a forced reading and a grammar for the latter
 TOOL_PARSERS = ("hermes",)
 
@@ -50,13 +54,22 @@ class OutputFormat:
     def reads_tools(self) -> bool:
         return self.tool_parser is not None
 
+    @property
+    def reasoning_tool_tag(self) -> str | None:
+        """The tag that ends the reasoning when a call opens inside it: free calls only (a forced call's
+        grammar closes the reasoning first)."""
+        r = self.reasoning
+        if r is None or not r.ends_at_tool_call or not self.reads_tools or self.forced:
+            return None
+        return hermes.OPEN
+
     def parse(self, text: str, make_id: Callable[[], str] = hermes.new_call_id,
               ) -> tuple[str | None, str, list[ToolCall]]:
         """(reasoning or None, content, tool calls) of a whole output."""
         reasoning = None
         if self.reasoning is not None:
             r = self.reasoning
-            reasoning, text = think.split(text, self.reasoning_open, r.start, r.end)
+            reasoning, text = think.split(text, self.reasoning_open, r.start, r.end, self.reasoning_tool_tag)
         if not self.reads_tools:
             return reasoning, text, []
         if self.forced:
@@ -74,7 +87,8 @@ class OutputStream:
 
     def __init__(self, fmt: OutputFormat, make_id: Callable[[], str]):
         r = fmt.reasoning
-        self._think = think.ThinkStream(fmt.reasoning_open, r.start, r.end) if r is not None else None
+        self._think = (think.ThinkStream(fmt.reasoning_open, r.start, r.end, fmt.reasoning_tool_tag)
+                       if r is not None else None)
         self._tools = None
         if fmt.reads_tools:
             self._tools = (hermes.HermesForcedStream(make_id) if fmt.forced

@@ -11,6 +11,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from vlm_sdk.outputs import TokenLogprob
 
 
@@ -23,11 +25,26 @@ class EncoderCacheStats:
     num_bytes: int = 0
 
 
+@dataclass(frozen=True, eq=False)
+class PromptLogprobsChunk:
+    """The prompt logprobs of the prompt positions one step computed for one request: rows for prompt
+    tokens `start`.. (each row: that token given the tokens before it). `token_ids` / `logprobs`
+    [rows, k + 1]: the prompt token first, then the k most likely tokens there; `ranks` [rows]: the
+    prompt token's rank (1: the most likely; ties count as above, as vLLM ranks)."""
+    start: int
+    token_ids: np.ndarray  # [rows, k + 1] int32
+    logprobs: np.ndarray  # [rows, k + 1] float32
+    ranks: np.ndarray  # [rows] int64
+
+
 @dataclass(frozen=True)
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> its new token
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # only requests that asked for them
     encoder_cache: EncoderCacheStats | None = None  # after the step (None: unchanged, or not rank 0)
+    # request id -> the prompt logprobs this step computed (SamplingParams.prompt_logprobs; any step with
+    # prompt tokens of such a request, sampling or not)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 class PendingOutput(ABC):

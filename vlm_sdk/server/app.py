@@ -13,6 +13,7 @@
       -> one JSON body (with logprobs or much text: made off the loop, sent a choice at a time:
          server/response_body.py), or SSE chunks ending in [DONE]
     GET /v1/models, GET /health (503 once the engine stopped or shutdown began), GET /metrics
+    POST /tokenize, POST /detokenize, GET /version: vLLM's (server/tokenize.py)
 
 Below the app, server/connections.py answers aiohttp's own protocol errors in the same error shape
 and caps connections. The loop never runs model or image work. A client that goes away cancels its handler (aiohttp's
@@ -32,12 +33,14 @@ from vlm_sdk.engine_client import EngineClient
 from vlm_sdk.chat_options import ToolLimits
 from vlm_sdk.engine.heap import trim_heap
 from vlm_sdk.errors import EngineDeadError, VLMError
-from vlm_sdk.server import chat_responses, parsed_output, protocol, response_body
+from vlm_sdk.server import chat_responses, parsed_output, protocol, response_body, vllm_extras
 from vlm_sdk.server.body import read_json
 from vlm_sdk.server.completions_endpoint import CompletionsEndpoint
 from vlm_sdk.server.logprobs import TokenSpeller
 from vlm_sdk.server.config import ServerConfig
 from vlm_sdk.server.media import MediaFetcher
+from vlm_sdk.server.media_uuids import MediaUUIDs
+from vlm_sdk.server.tokenize import TokenizeEndpoints
 from vlm_sdk.server.metrics import CONTENT_TYPE, ServerMetrics, Timing
 from vlm_sdk.server.protocol import USAGE, APIError
 
@@ -56,6 +59,7 @@ class OpenAIServer:
         self.max_model_len = engine.stats()["max_model_len"]  # fixed once the engine is built
         self.metrics = ServerMetrics(engine.stats, model_name)
         self.media = MediaFetcher(config.media)
+        self.uuids = MediaUUIDs(config.media_uuid_cache_bytes)  # vLLM's media uuids (server/media_uuids.py)
         self.draining = False  # set when shutdown begins: new generation requests get 503
         self.in_flight = 0  # chat and completion requests being handled
         self._idle = asyncio.Event()
@@ -64,6 +68,10 @@ class OpenAIServer:
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_post("/v1/completions", self.completions)
         self._completions = CompletionsEndpoint(self)
+        self._tokenize = TokenizeEndpoints(self)  # vLLM's /tokenize, /detokenize, /version
+        self.app.router.add_post("/tokenize", self._tokenize.tokenize)
+        self.app.router.add_post("/detokenize", self._tokenize.detokenize)
+        self.app.router.add_get("/version", self._tokenize.version)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.prometheus)
@@ -240,10 +248,11 @@ class OpenAIServer:
                                           limit_videos=self.config.limit_videos,
                                           max_sequences=self.config.max_sequences_per_request,
                                           tool_limits=ToolLimits(args.max_tools, args.max_tool_bytes))
-        messages = await self.media.resolve_messages(req.messages)
+        messages = await self.resolve_media(req.messages, req.options.cache_salt)
         prompt = await self.engine.build_prompt(messages, req.params, req.options)
         protocol.check_output_room(len(prompt.token_ids), req.params.max_tokens, self.max_model_len,
                                    req.max_tokens_param)
+        protocol.check_prompt_logprobs_size(req.params, len(prompt.token_ids), self.config.max_response_logprobs)
         if req.num_images or req.num_videos:
             self.metrics.image_preprocess.observe(prompt.preprocess_seconds)
         gen = self.engine.generate(prompt, req.params)
@@ -256,6 +265,12 @@ class OpenAIServer:
             return await self._complete(request, req, gen, first, timing, parsed)
         finally:
             await gen.aclose()  # a no-op once finished; otherwise aborts and frees the blocks
+
+    async def resolve_media(self, messages: list, salt: str | None) -> list:
+        """Media sources fetched under the media policy, and vLLM's uuids: kept, or put back in."""
+        messages, slots = self.uuids.strip(messages)
+        messages = await self.media.resolve_messages(messages)
+        return self.uuids.fill(messages, slots, salt) if slots else messages
 
     async def _complete(self, request: web.Request, req: protocol.ChatRequest, gen, out, timing: Timing,
                         parsed: bool) -> web.StreamResponse:
@@ -281,7 +296,8 @@ class OpenAIServer:
         request[USAGE] = (len(first.prompt_token_ids), sum(len(o.token_ids) for o in outputs))
         if len(outputs) > 1:
             body = chat_responses.with_choices(body, outputs, message=message)
-        if response_body.is_small(outputs):
+        await self._vllm_extras(body, req, outputs)
+        if response_body.is_small(outputs) and "prompt_logprobs" not in body:
             return web.json_response(body)
         # logprobs or much text: encoded off the loop, a choice at a time (server/response_body.py)
         choices, speller = body["choices"], self.speller
@@ -290,6 +306,22 @@ class OpenAIServer:
             self.body_thread)
         self.trim_soon()
         return resp
+
+    async def _vllm_extras(self, body: dict, req: protocol.ChatRequest, outputs: list) -> None:
+        """vLLM's fields a request asked for, in a chat body (server/vllm_extras.py)."""
+        echo = vllm_extras.echo_text(req.messages) if req.echo else ""
+        for choice, out in zip(body["choices"], outputs):
+            message = choice["message"]
+            if echo:
+                message["content"] = echo + (message["content"] or "")
+            if req.return_token_ids:
+                choice["token_ids"] = list(out.token_ids)
+        plp = outputs[0].prompt_logprobs
+        if plp is not None:  # large: made on the body thread
+            body["prompt_logprobs"] = await asyncio.get_running_loop().run_in_executor(
+                self.body_thread, vllm_extras.prompt_logprobs_json, plp, self.speller)
+        if req.return_token_ids:
+            body["prompt_token_ids"] = list(outputs[0].prompt_token_ids)
 
     async def _stream(self, request: web.Request, req: protocol.ChatRequest, gen, out,
                       timing: Timing, parsed: bool) -> web.StreamResponse:
@@ -303,10 +335,15 @@ class OpenAIServer:
             await resp.write(line.encode())
 
         n = req.params.n
+        ids = req.return_token_ids  # vLLM's: the prompt's ids first, then each chunk's new tokens
         for index in range(n):  # OpenAI opens every choice with its role
-            await send(chunks.role(index))
+            await send(chunks.role(index, list(out.prompt_token_ids) if ids else None))
+        echo = vllm_extras.echo_text(req.messages) if req.echo else ""
+        for index in range(n if echo else 0):  # vLLM's echo: the last message, before each choice's reply
+            await send(chunks.content(echo, index))
         final = {}  # index -> final output
         logprobs_sent = [0] * n  # per choice: its tokens whose logprobs were streamed
+        tokens_sent = [0] * n  # per choice: its tokens whose ids were streamed (return_token_ids)
         try:
             while True:
                 i = out.index
@@ -314,22 +351,25 @@ class OpenAIServer:
                 if out.token_logprobs is not None and len(out.token_logprobs) > logprobs_sent[i]:
                     entries = self.speller.content(out.token_logprobs, logprobs_sent[i])
                     logprobs_sent[i] = len(out.token_logprobs)
-                if parsed:  # reasoning, content and tool-call pieces, each in its field
-                    delta = parsed_output.delta(out)
-                    if delta or entries is not None:
-                        await send(chunks.delta(delta, i, entries))
-                elif entries is not None:
-                    # every token's logprobs once, with the text that has come since the last chunk
-                    await send(chunks.content(out.delta_text, i, entries))
-                elif out.delta_text:
-                    await send(chunks.content(out.delta_text, i))
-                if out.finished:
-                    await send(chunks.finish(out.finish_reason, out.index))
+                new_ids = out.token_ids[tokens_sent[i]:] if ids else None
+                if out.finished:  # its last text and finish_reason in one chunk, as vLLM sends them
+                    delta = parsed_output.delta(out) if parsed else \
+                        ({"content": out.delta_text} if out.delta_text else {})
+                    await send(chunks.finish(out.finish_reason, i, delta, entries, new_ids))
                     final[out.index] = out
                     if len(final) == n:
                         self.observe(timing, out)  # the request's latencies once, at its last choice
                         break
                     self.metrics.finished(out.finish_reason)  # every choice's finish reason
+                elif parsed:  # reasoning, content and tool-call pieces, each in its field
+                    delta = parsed_output.delta(out)
+                    if delta or entries is not None:
+                        await send(chunks.delta(delta, i, entries, new_ids))
+                        tokens_sent[i] = len(out.token_ids)
+                elif entries is not None or out.delta_text:
+                    # every token's logprobs once, with the text that has come since the last chunk
+                    await send(chunks.content(out.delta_text, i, entries, new_ids))
+                    tokens_sent[i] = len(out.token_ids)
                 out = await gen.__anext__()
         except ConnectionResetError:  # the client left; closing the generator aborts every choice
             return resp

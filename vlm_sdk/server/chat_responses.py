@@ -48,26 +48,36 @@ class ChunkWriter:
     def event(self, payload: dict) -> str:
         return "data: " + json.dumps(payload, separators=(",", ":")) + "\n\n"
 
-    def role(self, index: int = 0) -> str:
-        return self.event(chunk_body(self.cid, self.model, self.created, {"role": "assistant", "content": ""},
-                                     None, self.include_usage, index))
-
-    def content(self, text: str, index: int = 0, logprobs: dict | None = None) -> str:
-        if logprobs is not None:  # the rare case: a body of its own
-            body = chunk_body(self.cid, self.model, self.created, {"content": text}, None, self.include_usage,
-                              index)
-            body["choices"][0]["logprobs"] = logprobs
-            return self.event(body)
-        return f'{self._content_prefix}{index},"delta":{{"content":{json.dumps(text)}{self._content_suffix}'
-
-    def delta(self, delta: dict, index: int = 0, logprobs: dict | None = None) -> str:
-        """A chunk of any delta (reasoning, tool calls: server/parsed_output.py)."""
-        body = chunk_body(self.cid, self.model, self.created, delta, None, self.include_usage, index)
-        body["choices"][0]["logprobs"] = logprobs
+    def role(self, index: int = 0, prompt_token_ids: list[int] | None = None) -> str:
+        """A choice's first chunk; with vLLM's return_token_ids, the prompt's token ids beside it."""
+        body = chunk_body(self.cid, self.model, self.created, {"role": "assistant", "content": ""}, None,
+                          self.include_usage, index)
+        if prompt_token_ids is not None:
+            body["prompt_token_ids"] = prompt_token_ids
         return self.event(body)
 
-    def finish(self, reason: str, index: int = 0) -> str:
-        return self.event(chunk_body(self.cid, self.model, self.created, {}, reason, self.include_usage, index))
+    def content(self, text: str, index: int = 0, logprobs: dict | None = None,
+                token_ids: list[int] | None = None) -> str:
+        if logprobs is not None or token_ids is not None:  # the rare case: a body of its own
+            return self.delta({"content": text}, index, logprobs, token_ids)
+        return f'{self._content_prefix}{index},"delta":{{"content":{json.dumps(text)}{self._content_suffix}'
+
+    def delta(self, delta: dict, index: int = 0, logprobs: dict | None = None, token_ids: list[int] | None = None,
+              finish_reason: str | None = None) -> str:
+        """A chunk of any delta (reasoning, tool calls: server/parsed_output.py); `token_ids`: vLLM's
+        return_token_ids, the tokens generated since the choice's last chunk."""
+        body = chunk_body(self.cid, self.model, self.created, delta, finish_reason, self.include_usage, index)
+        choice = body["choices"][0]
+        choice["logprobs"] = logprobs
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        return self.event(body)
+
+    def finish(self, reason: str, index: int = 0, delta: dict | None = None, logprobs: dict | None = None,
+               token_ids: list[int] | None = None) -> str:
+        """A choice's last chunk: its finish_reason with the text of its last tokens (`delta`), as vLLM
+        streams it."""
+        return self.delta(delta or {}, index, logprobs, token_ids, reason)
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> str:
         return self.event(usage_chunk_body(self.cid, self.model, self.created, prompt_tokens, completion_tokens,

@@ -106,6 +106,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"one fetched image (videos: --max-video-bytes; default {m.max_bytes} = 20 MiB)")
     media.add_argument("--media-timeout", type=float, default=m.timeout_s,
                        help=f"seconds one media download may take, redirects included (default {m.timeout_s:g})")
+    media.add_argument("--media-uuid-cache", type=int, default=ServerConfig().media_uuid_cache_bytes,
+                       help="bytes of images and videos kept under their parts' 'uuid' (vLLM's), so a client may "
+                            "send one again as {'uuid': ..} alone; 0 keeps none (default 256 MiB)")
     add_replica_flags(p)
     add_engine_flags(p, common=COMMON_ENGINE, groups={COMMON: common})
     add_vllm_names(p, "serve")
@@ -250,6 +253,7 @@ def server_config(args: argparse.Namespace, engine: dict) -> ServerConfig:
                         max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
                         max_n=args.max_n, max_response_logprobs=args.max_response_logprobs,
                         max_completion_prompts=args.max_completion_prompts,
+                        media_uuid_cache_bytes=args.media_uuid_cache,
                         max_sequences_per_request=args.max_sequences_per_request,
                         log_requests=not args.disable_log_requests)
 

@@ -10,8 +10,9 @@ request bodies in, `text_completion` bodies and SSE chunks out.
     logprobs    k in 0..20: per generated token its text, logprob and a {token text: logprob} map of
                 the k most likely tokens and the sampled one (OpenAI's "up to logprobs + 1"), and
                 text_offset, each token's start counted as vLLM counts it (the lengths of the token
-                texts before it). The prompt's own logprobs are not computed, so echo with logprobs
-                is refused rather than answered with holes
+                texts before it). echo with logprobs (the prompt's in the legacy shape) is refused
+                rather than answered with holes; vLLM's prompt_logprobs gives the prompt's
+    vLLM's      return_token_ids, prompt_logprobs (server/vllm_extras.py), inside each choice
     suffix      refused (no served family fills in the middle), as vLLM refuses it; best_of only
                 when it equals n (any other asks for server-side ranking, which is not built)
 
@@ -35,8 +36,8 @@ from vlm_sdk.outputs import LogprobsView
 from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams
 from vlm_sdk.server.logprobs import BODY_PAUSE_S, Logprobs, TokenSpeller, logprobs_rows
 from vlm_sdk.server.protocol import (bad_request, check_entry_counts, check_model, check_n, check_response_size,
-                                     check_sequences, check_stop, clip, json_int, parse_stream, sampling_params,
-                                     usage)
+                                     check_sequences, check_stop, clip, json_bool, json_int, parse_stream,
+                                     prompt_logprobs, sampling_params, usage)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's for this endpoint
 
@@ -50,6 +51,7 @@ class CompletionRequest:
     echo: bool
     generate: bool  # False: echo with max_tokens 0, the prompts come back as they are
     options: ChatOptions = NO_OPTIONS  # cache_salt only: vLLM's field, keeping tenants' cached blocks apart
+    return_token_ids: bool = False  # vLLM's: each choice's prompt_token_ids and token_ids
 
     @property
     def num_choices(self) -> int:
@@ -83,14 +85,16 @@ def parse_completion_request(body: object, model_name: str, max_stop_strings: in
         raise bad_request(f"'echo' must be true or false, got {clip(repr(echo))}", "echo")
     logprobs = _logprobs(body.get("logprobs"))
     if echo and logprobs is not None:
-        raise bad_request("'echo' with 'logprobs' asks for the prompt tokens' logprobs, which this server does "
-                          "not compute; leave out one of them", "logprobs", "unsupported_parameter")
+        raise bad_request("'echo' with 'logprobs' asks for the prompt tokens' logprobs in the legacy shape, which "
+                          "this server does not give; leave out one of them (vLLM's 'prompt_logprobs' gives them)",
+                          "logprobs", "unsupported_parameter")
     max_tokens = body.get("max_tokens")
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else json_int(max_tokens)
     generate = not (echo and max_tokens == 0)
     check_stop(body.get("stop"), max_stop_strings, max_stop_chars)
     check_entry_counts(body, max_logit_bias, max_stop_token_ids)
-    params = sampling_params(body, logprobs, max_tokens if generate else None)
+    params = sampling_params(body, logprobs, max_tokens if generate else None,
+                             prompt_logprobs=prompt_logprobs(body, stream) if generate else None)
     check_n(params.n, max_n)
     check_sequences(len(prompts), params.n, max_sequences)
     if max_response_logprobs is not None and generate and not stream:
@@ -104,7 +108,8 @@ def parse_completion_request(body: object, model_name: str, max_stop_strings: in
         options = ChatOptions(cache_salt=body.get("cache_salt"))
     except InvalidRequestError as e:
         raise bad_request(str(e), e.param) from None
-    return CompletionRequest(prompts, params, stream, include_usage, bool(echo), generate, options)
+    return CompletionRequest(prompts, params, stream, include_usage, bool(echo), generate, options,
+                             json_bool(body, "return_token_ids"))
 
 
 # the chat endpoint's fields (the openai package's chat params that its completions params lack, and
@@ -157,8 +162,9 @@ def new_completion_id() -> str:
     return f"cmpl-{uuid.uuid4().hex}"
 
 
-def choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+def choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None, **extras) -> dict:
+    """`extras`: vLLM's fields a request asked for (prompt_token_ids, token_ids, prompt_logprobs)."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, **extras}
 
 
 def completion_body(cid: str, model: str, created: int, choices: list[dict], prompt_tokens: int,
@@ -176,8 +182,9 @@ class ChunkWriter:
         self.head = {"id": cid, "object": "text_completion", "created": created, "model": model}
         self.include_usage = include_usage
 
-    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> str:
-        body = {**self.head, "choices": [choice(index, text, finish_reason, logprobs)]}
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None,
+               **extras) -> str:
+        body = {**self.head, "choices": [choice(index, text, finish_reason, logprobs, **extras)]}
         if self.include_usage:
             body["usage"] = None
         return event(body)

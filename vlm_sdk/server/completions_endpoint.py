@@ -25,9 +25,10 @@ from aiohttp import web
 from vlm_sdk.errors import EngineDeadError, InputTooLongError, InvalidRequestError
 from vlm_sdk.multimodal.prompts import TextPrompt
 from vlm_sdk.server import completions as wire
-from vlm_sdk.server import response_body
+from vlm_sdk.server import response_body, vllm_extras
 from vlm_sdk.server.metrics import Timing
-from vlm_sdk.server.protocol import USAGE, APIError, bad_request, check_output_room, error_from_exception
+from vlm_sdk.server.protocol import (USAGE, APIError, bad_request, check_output_room, check_prompt_logprobs_size,
+                                     error_from_exception)
 
 logger = logging.getLogger("vlm_sdk.server")
 
@@ -54,6 +55,8 @@ class CompletionsEndpoint:
         if req.generate:
             for p in prompts:
                 check_output_room(len(p.token_ids), req.params.max_tokens, server.max_model_len, "max_tokens")
+            check_prompt_logprobs_size(req.params, sum(len(p.token_ids) for p in prompts) * req.params.n,
+                                       c.max_response_logprobs)
         echoes = await self._echo_texts(req) if req.echo else None
         if not req.generate:
             return await self._echo_only(request, req, prompts, echoes)
@@ -115,18 +118,20 @@ class CompletionsEndpoint:
                 server.metrics.finished(out.finish_reason)  # every choice's finish reason
             item = await outputs.__anext__()
         outs = [final[index] for index in range(req.num_choices)]
+        extras = await self._extras(req, outs)
 
         def choice(index: int, logprobs: bool = True) -> dict:
             out = outs[index]
             text = echoes[index // n] + out.text if echoes else out.text
-            return wire.choice(index, text, out.finish_reason, self._logprobs(out)[0] if logprobs else None)
+            return wire.choice(index, text, out.finish_reason, self._logprobs(out)[0] if logprobs else None,
+                               **extras[index])
         # each prompt counted once (its other samples shared its blocks), the completions of every choice
         body = wire.completion_body(
             wire.new_completion_id(), server.model_name, int(time.time()), [None] * len(outs),
             sum(len(p.token_ids) for p in prompts), sum(len(o.token_ids) for o in outs),
             sum(final[p * n].num_cached_tokens for p in range(len(prompts))))
         request[USAGE] = (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"])
-        if response_body.is_small(outs):
+        if response_body.is_small(outs) and req.params.prompt_logprobs is None:
             body["choices"] = [choice(i) for i in range(len(outs))]
             return web.json_response(body)
         # logprobs or much text: each choice made and encoded off the loop, sent as it is made
@@ -135,6 +140,24 @@ class CompletionsEndpoint:
                                                                      server.speller), server.body_thread)
         server.trim_soon()
         return resp
+
+    async def _extras(self, req: wire.CompletionRequest, outs: list) -> list[dict]:
+        """Per choice, vLLM's fields the request asked for (server/vllm_extras.py): the prompt's logprobs
+        (computed by sample 0 of each prompt, made on the body thread, repeated in each of its choices, as
+        vLLM gives them) and the token ids."""
+        n, server = req.params.n, self.server
+        extras = [{} for _ in outs]
+        if req.params.prompt_logprobs is not None:
+            loop = asyncio.get_running_loop()
+            for p in range(len(req.prompts)):
+                made = await loop.run_in_executor(server.body_thread, vllm_extras.prompt_logprobs_json,
+                                                  outs[p * n].prompt_logprobs, server.speller)
+                for j in range(n):
+                    extras[p * n + j]["prompt_logprobs"] = made
+        if req.return_token_ids:
+            for extra, out in zip(extras, outs):
+                extra.update(prompt_token_ids=list(out.prompt_token_ids), token_ids=list(out.token_ids))
+        return extras
 
     async def _stream(self, request: web.Request, req: wire.CompletionRequest, outputs, item, echoes,
                       timing: Timing) -> web.StreamResponse:
@@ -145,6 +168,7 @@ class CompletionsEndpoint:
         final = {}  # choice index -> final output
         opened = set()  # choices that have sent a chunk
         logprobs_sent, offsets = {}, {}  # per choice: its tokens whose logprobs were streamed, its text offset
+        tokens_sent = {}  # per choice: its tokens whose ids were streamed (return_token_ids)
         try:
             while True:
                 i, out = item
@@ -160,7 +184,13 @@ class CompletionsEndpoint:
                         out.token_logprobs, offsets.get(index, 0), start=sent)
                     logprobs_sent[index] = len(out.token_logprobs)
                 if text or logprobs is not None or out.finished:
-                    await resp.write(chunks.choice(index, text, out.finish_reason, logprobs).encode())
+                    extras = {}
+                    if req.return_token_ids:  # vLLM's: the prompt's ids in a choice's first chunk, then new ones
+                        if index not in opened:
+                            extras["prompt_token_ids"] = list(out.prompt_token_ids)
+                        extras["token_ids"] = out.token_ids[tokens_sent.get(index, 0):]
+                        tokens_sent[index] = len(out.token_ids)
+                    await resp.write(chunks.choice(index, text, out.finish_reason, logprobs, **extras).encode())
                     opened.add(index)
                 if out.finished:
                     final[index] = out

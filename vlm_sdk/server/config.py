@@ -88,6 +88,8 @@ class ServerConfig:
     keep_alive_timeout: float = 5.0
     body_timeout: float = 60.0
     max_connections: int = 1024  # more are answered 503 and closed before being read
+    # media sources kept under their vLLM uuids so a client can refer to them again (server/media_uuids.py)
+    media_uuid_cache_bytes: int = 256 * MiB
     media: MediaPolicy = field(default_factory=MediaPolicy)
     # one log line per request (logger vlm_sdk.server, INFO): client, method, path, status, tokens, seconds;
     # `vlm-sdk serve --disable-log-requests` (vLLM's flag) turns it off

@@ -1,14 +1,15 @@
 """An output read by its prompt's `OutputFormat` (tools, a reasoning model) in OpenAI's shapes: the
 message of a completion and the delta of a stream chunk.
 
-    message  {"role": "assistant", "content": "..." | null, "reasoning_content": "...",
+    message  {"role": "assistant", "content": "..." | null, "reasoning": "...", "reasoning_content": "...",
               "tool_calls": [{"id", "type": "function", "function": {"name", "arguments"}}]}
-    delta    {"reasoning_content": "..."} / {"content": "..."} / {"tool_calls": [{"index", "id", "type",
-             "function": {"name", "arguments": ""}}]} then {"tool_calls": [{"index", "function":
-             {"arguments": "..."}}]}: a call's id and name once, its arguments in fragments
+    delta    {"reasoning": "...", "reasoning_content": "..."} / {"content": "..."} / {"tool_calls": [{"index",
+             "id", "type", "function": {"name", "arguments": ""}}]} then {"tool_calls": [{"index",
+             "function": {"arguments": "..."}}]}: a call's id and name once, its arguments in fragments
 
-`reasoning_content` is vLLM's field (the openai client keeps unknown fields); content is null when the
-output was only reasoning or tool calls.
+The reasoning goes under both of vLLM's names: `reasoning` (its name now) and `reasoning_content` (its
+older one, which many clients still read), as vLLM sent both during its rename (the openai client
+keeps unknown fields); content is null when the output was only reasoning or tool calls.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from vlm_sdk.outputs import RequestOutput
 def message(out: RequestOutput) -> dict:
     msg = {"role": "assistant", "content": out.content}
     if out.reasoning_content is not None:
-        msg["reasoning_content"] = out.reasoning_content
+        msg["reasoning"] = msg["reasoning_content"] = out.reasoning_content
     if out.tool_calls:
         msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                              for c in out.tool_calls]
@@ -31,7 +32,7 @@ def delta(out: RequestOutput) -> dict:
     """What `out` adds to the message; {} when nothing (its text may all be held back for now)."""
     d = {}
     if out.delta_reasoning_content:
-        d["reasoning_content"] = out.delta_reasoning_content
+        d["reasoning"] = d["reasoning_content"] = out.delta_reasoning_content
     if out.delta_content:
         d["content"] = out.delta_content
     if out.delta_tool_calls:

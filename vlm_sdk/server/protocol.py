@@ -14,7 +14,7 @@ from vlm_sdk.chat_options import ChatOptions, ToolLimits, parse_tools
 from vlm_sdk.engine.input.sampling_check import check_counts
 from vlm_sdk.errors import (EngineDeadError, InputTooLongError, InvalidImageError, InvalidRequestError,
                             InvalidVideoError, ReplicaLostError, VLMError)
-from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams
+from vlm_sdk.sampling_params import MAX_LOGPROBS, SamplingParams, listed
 from vlm_sdk.server.config import accepted_sources
 
 # fields whose non-default value we cannot honour (other unknown fields are accepted and change nothing)
@@ -43,11 +43,13 @@ UNSUPPORTED.update({
 UNSUPPORTED_WHY = {
     "chat_template": "a request may not bring its own Jinja template (vLLM refuses one too unless started with "
                      "--trust-request-chat-template); the model's chat template is used",
-    "echo": "the reply is not prefixed with the last message; prepend it yourself",
     "add_special_tokens": "the prompt is the chat template's text with no BOS or other special tokens added (what "
                           "false, vLLM's default for chat, means)",
+    "continue_final_message": "the prompt always opens a new assistant turn after the messages",
+    "add_generation_prompt": "the prompt always opens a new assistant turn after the messages",
 }
-UNSUPPORTED.update({"chat_template": (None,), "echo": (None, False), "add_special_tokens": (None, False)})
+UNSUPPORTED.update({"chat_template": (None,), "add_special_tokens": (None, False),
+                    "continue_final_message": (None, False), "add_generation_prompt": (None, True)})
 # accepted and without effect by their definition: metadata and user ids tag a request (nothing is
 # stored or billed), prompt_cache_key routes to a cache (ours matches any shared prefix by content;
 # vLLM's cache_salt is the field that keeps tenants apart)
@@ -127,6 +129,8 @@ class ChatRequest:
     options: ChatOptions
     max_tokens_param: str = "max_tokens"  # the name the client gave max_tokens under (errors use it)
     num_videos: int = 0
+    echo: bool = False  # vLLM's: each choice's content starts with the last message's, when it is the assistant's
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the response
 
 
 def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_images: int,
@@ -169,7 +173,32 @@ def parse_chat_request(body: object, model_name: str, max_model_len: int, limit_
     if max_response_logprobs is not None and not stream:
         check_response_size(params, max_model_len, max_response_logprobs)
     return ChatRequest(messages, params, stream, include_usage, num_images, _chat_options(body, tool_limits),
-                       max_tokens_param(body), num_videos)
+                       max_tokens_param(body), num_videos, json_bool(body, "echo"), json_bool(body, "return_token_ids"))
+
+
+def json_bool(body: dict, name: str) -> bool:
+    """A true/false field (null or left out: false)."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(f"'{name}' must be true or false, got {clip(repr(value))}", name)
+    return bool(value)
+
+
+def prompt_logprobs(body: dict, stream: bool) -> int | None:
+    """vLLM's `prompt_logprobs`: k most likely tokens listed at each prompt position (0-20), with the prompt
+    token itself; not with a stream (vLLM refuses it there too). -1 (every token of the vocabulary) is
+    refused: vLLM refuses it as well unless its max_logprobs is raised, and here the cap is 20."""
+    value = json_int(body.get("prompt_logprobs"))
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"'prompt_logprobs' must be an integer from 0 to {MAX_LOGPROBS} (the most likely tokens "
+                          f"listed at each prompt position, beside the prompt's own), got {clip(repr(value))}",
+                          "prompt_logprobs")
+    if stream:
+        raise bad_request("'prompt_logprobs' are not available when 'stream' is true (as in vLLM); send the request "
+                          "without streaming", "prompt_logprobs")
+    return value
 
 
 def check_model(body: object, model_name: str) -> None:
@@ -236,6 +265,20 @@ def check_response_size(params: SamplingParams, max_model_len: int, limit: int, 
             f"--max-response-logprobs); this one could hold {many}n {params.n} x {shown} x (top_logprobs "
             f"{params.logprobs} + 1) = {entries}. Stream it (\"stream\": true), or lower n, max_tokens or "
             f"the logprobs asked for", "logprobs", "response_too_large")
+
+
+def check_prompt_logprobs_size(params: SamplingParams, prompt_tokens: int, limit: int | None) -> None:
+    """A response with prompt_logprobs holds (k + 1) entries per prompt token, counted against the same
+    --max-response-logprobs, once the prompt's length is known (before it runs)."""
+    if params.prompt_logprobs is None or limit is None:
+        return
+    entries = prompt_tokens * (params.prompt_logprobs + 1)
+    if entries > limit:
+        raise bad_request(
+            f"a response with prompt_logprobs may hold at most {limit} logprob entries (server setting "
+            f"--max-response-logprobs); this prompt's {prompt_tokens} tokens x (prompt_logprobs "
+            f"{params.prompt_logprobs} + 1) = {entries}. Lower prompt_logprobs or send a shorter prompt",
+            "prompt_logprobs", "response_too_large")
 
 
 def check_n(n: int, max_n: int) -> None:
@@ -325,15 +368,18 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 def _sampling_params(body: dict, max_model_len: int) -> SamplingParams:
     name = max_tokens_param(body)
     max_tokens = body.get(name)
-    return sampling_params(body, _logprobs(body), None if max_tokens is None else json_int(max_tokens), name)
+    return sampling_params(body, _logprobs(body), None if max_tokens is None else json_int(max_tokens), name,
+                           prompt_logprobs(body, body.get("stream") is True))
 
 
-def sampling_params(body: dict, logprobs: int | None, max_tokens, max_tokens_name: str = "max_tokens"
-                    ) -> SamplingParams:
+def sampling_params(body: dict, logprobs: int | None, max_tokens, max_tokens_name: str = "max_tokens",
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The body's sampling fields as `SamplingParams`, with the endpoint's own reading of `logprobs`
     and `max_tokens` (given under `max_tokens_name`); a bad value is a 400 naming its field."""
     name = max_tokens_name
     kwargs = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
+    if prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = prompt_logprobs
     for k in ("top_k", "seed", "min_tokens", "n"):
         if k in kwargs:
             kwargs[k] = json_int(kwargs[k])
@@ -371,17 +417,16 @@ def _logprobs(body: dict) -> int | None:
 
 
 def _logit_bias(bias) -> dict[int, object]:
-    """JSON object keys are strings: {"1234": -100} maps token 1234 (SamplingParams checks the values)."""
+    """JSON object keys are strings: {"1234": -100} maps token 1234 (SamplingParams checks the values).
+    Every key that is not a token id is named in one error (the first five and a count), as vLLM does."""
     if not isinstance(bias, dict):
         raise bad_request("'logit_bias' must be an object mapping token ids to numbers from -100 to 100", "logit_bias")
-    out = {}
-    for key, value in bias.items():
-        # ASCII digits only: str.isdigit() is also true of "²" (int() refuses it) and "١٢٣" (int() reads 123)
-        if not (key.isascii() and key.isdigit()):
-            raise bad_request(f"'logit_bias' keys must be token ids written in the digits 0-9, got {clip(repr(key))}",
-                              "logit_bias")
-        out[int(key)] = value
-    return out
+    # ASCII digits only: str.isdigit() is also true of "²" (int() refuses it) and "١٢٣" (int() reads 123)
+    bad = [key for key in bias if not (key.isascii() and key.isdigit())]
+    if bad:
+        raise bad_request(f"'logit_bias' keys must be token ids written in the digits 0-9; these are not: "
+                          f"{listed(bad)}", "logit_bias")
+    return {int(key): value for key, value in bias.items()}
 
 
 def json_int(value):

@@ -24,6 +24,7 @@ from aiohttp import web
 from vlm_sdk.outputs import LogprobsView
 from vlm_sdk.server.completions import LegacyLogprobs
 from vlm_sdk.server.logprobs import TokenSpeller
+from vlm_sdk.server.vllm_extras import RawJSON
 
 # non-streamed bodies without logprobs and with less text than this are encoded on the loop at once
 INLINE_TEXT_CHARS = 1 << 16
@@ -75,7 +76,8 @@ def _choice(choice: dict, logprobs_json) -> bytes:
 
 
 def _member(body: dict, key: str) -> str:
-    return json.dumps(key) + ":" + json.dumps(body[key])
+    value = body[key]
+    return json.dumps(key) + ":" + (value if isinstance(value, RawJSON) else json.dumps(value))
 
 
 def _members(body: dict, keys: list[str]) -> str:

@@ -43,6 +43,7 @@ from vlm_sdk.protocol.runner_output import ModelRunnerOutput
 from vlm_sdk.protocol.scheduler_output import SchedulerOutput
 from vlm_sdk.protocol.runner_output import PendingOutput, Ready
 from vlm_sdk.worker.pending_output import DevicePendingOutput
+from vlm_sdk.worker.prompt_logprobs import prompt_logprobs
 from vlm_sdk.worker.request_state import RequestState
 from vlm_sdk.sample.sampled_tokens import SampledTokens
 from vlm_sdk.sample.sampler import Sampler
@@ -100,6 +101,7 @@ class ModelRunner:
         # how many held requests draw at random / ask for logprobs / edit their logits: when none does, the
         # sampler skips its per-row scans for them
         self._held_kinds = [0, 0, 0]
+        self._prompt_logprobs_held = 0  # held requests asking for their prompt's logprobs
         self._num_behind = 0  # see `_update_states`
 
     @property
@@ -163,6 +165,7 @@ class ModelRunner:
         kinds[1] += sign * p.wants_logprobs
         kinds[2] += sign * (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
                             or bool(p.logit_bias) or p.min_tokens > 0)
+        self._prompt_logprobs_held += sign * (p.prompt_logprobs is not None)
 
     def _set_position_delta(self, state: RequestState) -> None:
         """Generated tokens sit at index + a constant on every position row (the family's positions of
@@ -198,6 +201,7 @@ class ModelRunner:
         if sched.state_restores:  # checkpoints into the live slots of requests resuming from them
             self._copy_states(sched.state_restores)
         encoder = None  # the encoder cache's counters, when this step's vision stage ran
+        prompt_lp = None  # the prompt logprobs this step computed (worker/prompt_logprobs.py)
         if self.graphs is not None and self._num_behind == 0 and self.graphs.covers(len(scheduled)) \
                 and sched.total_num_scheduled_tokens == len(scheduled):  # one token each, every one the last
             # generated tokens only: every image is behind them (none to encode, scatter or drop), so the
@@ -219,10 +223,13 @@ class ModelRunner:
             if sched.state_checkpoints:  # the states the step ended on block boundaries with, kept
                 self._copy_states(sched.state_checkpoints)
             drop_passed_images(scheduled)
+            if self._prompt_logprobs_held:  # every rank: the logits' gather is a collective
+                prompt_lp = prompt_logprobs(self.model, scheduled, hidden, step.q_start)
             sample_idx = step.sample_idx
             if not sample_idx:
                 self._last_rows = {}
-                return DevicePendingOutput([], None, self.device, encoder)  # its event: the step's buffers free again
+                return DevicePendingOutput([], None, self.device, encoder,  # its event: the step's buffers free again
+                                           prompt_lp if self.samples else None)
             logits = self.model.compute_logits(hidden[step.sample_rows])  # [num_sampled, vocab]
         if not self.samples:
             return Ready(ModelRunnerOutput())
@@ -243,7 +250,7 @@ class ModelRunner:
                                                 may_draw=bool(draws_at_random))
         if self.keep_sampled:
             self._keep(states, sampled.tokens)
-        return DevicePendingOutput([s.request_id for s in states], sampled, self.device, encoder)
+        return DevicePendingOutput([s.request_id for s in states], sampled, self.device, encoder, prompt_lp)
 
     def _greedy_from_graph(self, states: list[RequestState]) -> PendingOutput:
         """Every held request is greedy without edits, logprobs or a grammar: the graph's argmax, already
@@ -366,7 +373,7 @@ class ModelRunner:
         # the backend's per-step metadata, once per attention group
         meta = step_metadata(self.layout, self.caches, self.attention, common, slot_map, tables, state)
         return StepInputs(input_ids, pos_d.view(self.model.position_rows, num_tokens), meta, sample_rows_d,
-                          sample_idx.tolist())
+                          sample_idx.tolist(), q_start)
 
     def _run_graph(self, scheduled: list[tuple[RequestState, int]]) -> torch.Tensor:  # [n, hidden]
         """A decode step packed straight into the graphs' staged inputs (one copy), then replayed."""
@@ -433,3 +440,4 @@ class StepInputs:
     meta: StepMetadata
     sample_rows: torch.Tensor  # [num_sampled] int64 rows of the hidden states to sample from
     sample_idx: list[int]  # their indices in the scheduled list
+    q_start: np.ndarray  # [batch + 1] int64: where each scheduled request's rows begin (host)

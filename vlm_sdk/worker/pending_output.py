@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import torch
 
-from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
+from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput, PromptLogprobsChunk
 from vlm_sdk.sample.sampled_tokens import SampledTokens
 
 
 class DevicePendingOutput(PendingOutput):
     def __init__(self, request_ids: list[str], sampled: SampledTokens | None, device: torch.device,
-                 encoder_cache: EncoderCacheStats | None = None):
+                 encoder_cache: EncoderCacheStats | None = None,
+                 prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None):
         """`request_ids`: the sampled rows' requests, in row order. Queues the host copies and records
-        the step's event (CUDA). `encoder_cache`: the counters after this step's vision stage."""
+        the step's event (CUDA). `encoder_cache`: the counters after this step's vision stage;
+        `prompt_logprobs`: the step's, already on the host."""
         self._request_ids, self._sampled, self._output = request_ids, sampled, None
         self._encoder_cache = encoder_cache
+        self._prompt_logprobs = prompt_logprobs or {}
         self._event = None
         if sampled is not None:
             sampled.start_copy()
@@ -35,11 +38,12 @@ class DevicePendingOutput(PendingOutput):
             if self._event is not None:
                 self._event.synchronize()
             if self._sampled is None:
-                self._output = ModelRunnerOutput(encoder_cache=self._encoder_cache)
+                self._output = ModelRunnerOutput(encoder_cache=self._encoder_cache,
+                                                 prompt_logprobs=self._prompt_logprobs)
             else:
                 tokens, logprobs = self._sampled.lists()
                 ids = self._request_ids
                 self._output = ModelRunnerOutput(dict(zip(ids, tokens)),
                                                  {r: lp for r, lp in zip(ids, logprobs) if lp is not None},
-                                                 self._encoder_cache)
+                                                 self._encoder_cache, self._prompt_logprobs)
         return self._output

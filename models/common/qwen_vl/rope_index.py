@@ -8,15 +8,26 @@ Every token gets three position ids (temporal, height, width):
     width:     0  1   2 3 4 2 3 4                                     5
 
 Text tokens count up by one on all axes. An image block sits on a (t, h/merge, w/merge) grid offset by
-the position where it starts; the text after it resumes at start + max(h, w) / merge. Decode token at
-index p (p >= len(prompt)) has position p + rope_delta on all three axes.
+the position where it starts; the text after any block resumes at the block's largest position + 1 on
+every axis (for an image: start + max(h, w) / merge). Decode token at index p (p >= len(prompt)) has
+position p + rope_delta on all three axes, rope_delta = the prompt's largest position + 1 - len(prompt):
+the prompt's last position + 1 when text ends it.
 
 A video is a run of temporal patches (2 frames each) on the same (h, w) grid, all starting at the run's
 start position; patch k's temporal position is start + int(k * tokens_per_second * seconds per patch)
-(float32, as transformers computes it), and the text after the whole run resumes at start + max(h, w) /
-merge. The processor hands each patch over as one `VisionSpan` (t_offset = that temporal position
-minus start; `ends_run` on the last). Qwen3-VL writes each patch as a run of its own between timestamp
-texts: every span ends its run, at temporal offset 0.
+(float32, as transformers computes it). The processor hands each patch over as one `VisionSpan`
+(t_offset = that temporal position minus start; `ends_run` on the last). Qwen3-VL writes each patch as a
+run of its own between timestamp texts: every span ends its run, at temporal offset 0.
+
+The text after a video whose time axis reaches past its spatial one (Qwen2.5-VL, a few seconds of video
+at the default sampling) is where implementations part (issue 50 point 10). Qwen's own code resumes it
+past the video's last temporal position: `st_idx = llm_pos_ids_list[-1].max() + 1` in its get_rope_index
+(transformers PR #35569 by the Qwen team, transformers through 5.2, qwen-vl-finetune's rope2d.py, vLLM's
+MRotaryEmbedding), and decoding continues after the prompt's largest position. transformers 5.3+
+resumes the text at start + max(h, w) / merge, under the video's time axis, and its `generate` then
+decodes from the last prompt position + 1 (transformers issue #45381 shows both rules on one video). We
+follow Qwen's: the model was trained with it. Images, and Qwen3-VL's one-patch runs, place the same
+under both.
 """
 from __future__ import annotations
 
@@ -65,6 +76,7 @@ def vision_positions(num_tokens: int, spans: list[VisionSpan]) -> tuple[torch.Te
     (in order, not overlapping); every other token is text."""
     pieces: list[torch.Tensor] = []
     pos = 0  # the position the next text token or run takes
+    run_top = 0  # the largest position of the run so far, relative to pos
     prev_end = 0
     for span in spans:
         t, gh, gw = span.grid
@@ -75,8 +87,10 @@ def vision_positions(num_tokens: int, spans: list[VisionSpan]) -> tuple[torch.Te
                                           torch.arange(gh, dtype=torch.int64),
                                           torch.arange(gw, dtype=torch.int64), indexing="ij"))  # [3, t, gh, gw]
         pieces.append(grid.reshape(3, -1) + pos)
-        if span.ends_run:
-            pos += max(gh, gw)
+        run_top = max(run_top, span.t_offset + t - 1, gh - 1, gw - 1)
+        if span.ends_run:  # Qwen's rule: what follows a run starts past its largest position on every axis
+            pos += run_top + 1
+            run_top = 0
         prev_end = span.start + t * gh * gw
     if num_tokens > prev_end:
         pieces.append((torch.arange(num_tokens - prev_end, dtype=torch.int64) + pos).expand(3, -1))

@@ -99,3 +99,24 @@ def test_text_positions_give_plain_rope():
     cos, _ = mrope(torch.tensor([[1], [2], [3]]), torch.float32)
     axis = torch.tensor([1, 1, 2, 2, 2, 3, 3, 3]).float()
     torch.testing.assert_close(cos[0, 0], torch.cos(axis * mrope.inv_freq))
+
+
+def test_text_after_a_long_video_resumes_past_its_time_axis():
+    """Issue 50 point 10's video: 30 s at 10 fps, qwen-vl-utils' default sampling (2 fps: 60 frames, 30
+    temporal patches 1 s apart, time index 2 apart at tokens_per_second 2) at 392x280 (a 10x14 merged grid).
+    Qwen's rule (transformers PR #35569, vLLM): the text after it starts at the video's last time index + 1,
+    and decoding continues after it; transformers 5.3+ would restart the text at start + 14."""
+    from video_reference import qwen_original_positions
+    from vlm_sdk.models.qwen2_5_vl.rope_index import VisionSpan, video_time_offsets, vision_positions
+
+    offsets = video_time_offsets(30, 2.0, 2, 2)
+    assert offsets[-1] == 58
+    start, per = 3, 10 * 14
+    spans = [VisionSpan(start + k * per, (1, 10, 14), off, ends_run=k == 29) for k, off in enumerate(offsets)]
+    n = start + 30 * per + 5
+    pos, delta = vision_positions(n, spans)
+    types_ = [0] * start + [2] * (30 * per) + [0] * 5
+    ref, ref_delta = qwen_original_positions(list(range(n)), types_, [(30, 20, 28)], [2.0], MERGE)
+    assert torch.equal(pos, ref) and delta == ref_delta
+    assert pos[:, start + 30 * per].tolist() == [start + 59] * 3  # past the time axis, not start + 14
+    assert n + delta == int(pos[0, -1]) + 1  # the first decode token follows the last prompt token

@@ -3,14 +3,21 @@
 the prompt ids (Qwen3-VL: its timestamps) and M-RoPE positions equal its processor's and `get_rope_index`'s
 (videos at two sampling rates, an image and text mixed; Qwen2.5-VL's time axis scaled by tokens_per_second),
 greedy tokens equal `generate` with chunked prefill through a video, preemption, the prefix and encoder
-caches on and off; the cache keys of a video's patches follow its frames and settings."""
+caches on and off; the cache keys of a video's patches follow its frames and settings.
+
+Qwen2.5-VL's videos here reach further along their time axis than their spatial grid, where transformers
+5.3+ parts from Qwen's own rule (issue 50 point 10, models/qwen2_5_vl/rope_index.py): its positions and
+greedy tokens are checked against Qwen's rule (video_reference.qwen_original_positions) run through
+transformers' model, the difference from 5.24's get_rope_index and generate shown beside it."""
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
 from helpers import image
-from video_reference import hf_prompt, hf_video_pixels
+from video_reference import hf_greedy_at, hf_prompt, hf_video_pixels, qwen_original_positions
 from vlm_sdk import LLM, SamplingParams
 from vlm_sdk.models.common.qwen_vl.image_processor import pixels_to_device
 from vlm_sdk.multimodal.messages import parse_messages
@@ -117,8 +124,18 @@ def test_positions_equal_get_rope_index(llm, family, ckpt, videos, hf):
     pos, delta = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
                                          image_grid_thw=inputs["image_grid_thw"],
                                          video_grid_thw=inputs["video_grid_thw"], **extra)
-    assert torch.equal(prompt.positions.table, pos[:, 0])
-    assert prompt.positions.rope_delta == int(delta)
+    if family == "qwen2_5_vl":
+        qwen, qwen_delta = original_positions(hf, inputs)
+        assert torch.equal(prompt.positions.table, qwen) and prompt.positions.rope_delta == qwen_delta
+        # transformers 5.24 agrees up to the end of the first video, whose time axis (0, 2, 4, 6) reaches past
+        # its 4x6 grid: it resumes the text at +6 on every axis, Qwen's rule at +7
+        types_ = inputs["mm_token_type_ids"][0].tolist()
+        after_first_video = types_.index(2) + types_[types_.index(2):].index(0)  # its <|vision_end|>
+        differ = (pos[:, 0] != qwen).any(0).nonzero().flatten().tolist()
+        assert differ[0] == after_first_video and int(qwen[0, differ[0]] - pos[0, 0, differ[0]]) == 1
+    else:
+        assert torch.equal(prompt.positions.table, pos[:, 0])
+        assert prompt.positions.rope_delta == int(delta)
     starts = [p for p, im in zip(prompt.image_positions, prompt.images) if im.meta.grid_thw == (1, 4, 6)]
     if family == "qwen2_5_vl":  # the slow video's patches are int(k * 2 * (2 / 1.5)) apart in time: 0, 2, 5
         assert [int(prompt.positions.table[0, s] - prompt.positions.table[0, starts[0]]) for s in starts] == [0, 2, 5]
@@ -127,12 +144,45 @@ def test_positions_equal_get_rope_index(llm, family, ckpt, videos, hf):
         assert text.endswith("<0.4 seconds><|vision_start|>")
 
 
+def original_positions(hf, inputs: dict) -> tuple[torch.Tensor, int]:
+    """Qwen's rule on transformers' inputs: blocks in prompt order (the image between the two videos)."""
+    tps, merge = hf.config.vision_config.tokens_per_second, hf.config.vision_config.spatial_merge_size
+    videos = iter(zip(inputs["video_grid_thw"].tolist(), inputs["second_per_grid_ts"]))
+    images = iter(inputs["image_grid_thw"].tolist())
+    grids, intervals = [], []
+    kinds = [k for k, _ in itertools.groupby(inputs["mm_token_type_ids"][0].tolist()) if k]
+    for kind in kinds:
+        if kind == 2:
+            grid, seconds = next(videos)
+            grids.append(grid)
+            intervals.append(seconds * tps)  # float32, as the processor's second_per_grid_ts
+        else:
+            grids.append(next(images))
+            intervals.append(0.0)
+    return qwen_original_positions(inputs["input_ids"][0].tolist(), inputs["mm_token_type_ids"][0].tolist(),
+                                   grids, intervals, merge)
+
+
 def test_greedy_tokens_equal_transformers_generate(llm, family, ckpt, videos, hf):
     conv = conversation(videos, family)
     inputs = reference_inputs(llm, family, ckpt, conv)
     theirs = hf_greedy(hf, inputs, 12)[0]
     assert len(set(theirs)) > 3  # varied tokens: a real comparison
-    assert llm.chat(conv, GREEDY)[0].token_ids == theirs
+    ours = llm.chat(conv, GREEDY)[0].token_ids
+    if family == "qwen3_vl":
+        assert ours == theirs
+        return
+    # Qwen2.5-VL: transformers' model driven with Qwen's positions, decoding after the largest one
+    n = inputs["input_ids"].shape[1]
+    positions, delta = original_positions(hf, inputs)
+    assert ours == hf_greedy_at(hf, inputs, positions, n + delta, 12)
+    # the same driver with 5.24's own positions (prompt: get_rope_index; decode: its last position + 1, as
+    # its generate does) gives generate's tokens: what differs is the positions alone
+    pos, _ = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                     image_grid_thw=inputs["image_grid_thw"], video_grid_thw=inputs["video_grid_thw"],
+                                     second_per_grid_ts=inputs["second_per_grid_ts"])
+    assert hf_greedy_at(hf, inputs, pos[:, 0], int(pos[0, 0, -1]) + 1, 12) == theirs
+    assert ours != theirs
 
 
 @pytest.mark.parametrize("settings", [

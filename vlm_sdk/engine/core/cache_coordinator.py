@@ -189,8 +189,9 @@ class CacheCoordinator:
 
     def _cached_prefix(self, seq: Sequence) -> tuple[int, int | None]:
         """(blocks of `seq`'s longest prefix every group serves, leaving its last token; the checkpoint
-        slot to restore its state from, or None)."""
-        if not self.enable_prefix_caching:
+        slot to restore its state from, or None). None for a request that asks for its prompt's logprobs:
+        every prompt position must be computed."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return 0, None
         size = self.block_size
         limit = (seq.num_tokens - 1) // size

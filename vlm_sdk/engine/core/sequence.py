@@ -22,7 +22,7 @@ from typing import Hashable
 
 from vlm_sdk.engine.core.block_hash import ImageSpan, salt_seed
 from vlm_sdk.multimodal.inputs import PromptInputs
-from vlm_sdk.outputs import RequestMetrics
+from vlm_sdk.outputs import PromptLogprobs, RequestMetrics
 from vlm_sdk.sampling_params import SamplingParams
 
 
@@ -77,6 +77,10 @@ class Sequence:
         self.hash_seed = salt_seed(prompt.cache_salt)  # a cache_salt's blocks hash apart from everyone else's
         self.num_cached_blocks = 0
         self.last_checkpoint: tuple[int, bytes] | None = None  # its latest generated-side state checkpoint
+        # SamplingParams.prompt_logprobs: filled as the prompt's chunks are computed (a preempted prompt
+        # recomputed writes the same rows again); sent with the first output
+        k = params.prompt_logprobs
+        self.prompt_logprobs = PromptLogprobs(self.num_prompt_tokens, k) if k is not None else None
 
     @property
     def num_tokens(self) -> int:

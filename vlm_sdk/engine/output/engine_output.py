@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vlm_sdk.outputs import RequestMetrics, TokenLogprob
+from vlm_sdk.outputs import PromptLogprobs, RequestMetrics, TokenLogprob
 
 
 @dataclass(slots=True)  # made per request per step: slots, not frozen, keep it cheap
@@ -21,6 +21,7 @@ class EngineOutput:
     metrics: RequestMetrics
     num_generated: int  # the request's generated tokens, this output's included
     new_logprobs: list[TokenLogprob] | None = None  # one per new token when the request asked for them
+    prompt_logprobs: PromptLogprobs | None = None  # on the request's first output, when it asked for them
 
     @property
     def finished(self) -> bool:

@@ -81,6 +81,7 @@ class RequestOutputState:
         self.stops = StopMatcher(params.stop) if params.stop else None
         self.format = output_format
         self.parsed = _Parsed(output_format) if output_format is not None else None
+        self.prompt_logprobs = None  # the engine's, from the first output on
 
     def process(self, out: EngineOutput) -> RequestOutput | None:
         """The `RequestOutput` for `out`; None once this request has finished (outputs the engine
@@ -89,6 +90,8 @@ class RequestOutputState:
             return None
         detok = self.detokenizer
         reason = out.finish_reason
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         for k, token in enumerate(out.new_token_ids):
             self.token_ids.append(token)
             if self.logprobs is not None and out.new_logprobs:
@@ -123,7 +126,7 @@ class RequestOutputState:
         out = RequestOutput(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
                             token_ids=list(self.token_ids), text=text, delta_text=delta, finish_reason=reason,
                             metrics=metrics, token_logprobs=None if self.logprobs is None else self.logprobs.view(),
-                            index=self.index, content=text, delta_content=delta)
+                            index=self.index, content=text, delta_content=delta, prompt_logprobs=self.prompt_logprobs)
         if self.parsed is not None:
             self.parsed.fill(out)
         return out
