@@ -204,7 +204,7 @@ def test_logit_bias_errors_name_every_bad_key(srv):
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
                                        logit_bias={"bad1": 50.0, "bad2": 20.0, "7": 1.0})
     assert "bad1" in str(e.value) and "bad2" in str(e.value) and e.value.body["param"] == "logit_bias"
-    vocab = srv.engine.engine.vocab_size
+    vocab = srv.engine.engine.inputs.vocab_size
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
                                        logit_bias={str(vocab + 1): 1.0, str(vocab + 5): 1.0})

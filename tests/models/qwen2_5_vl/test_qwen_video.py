@@ -169,7 +169,7 @@ def test_greedy_tokens_equal_transformers_generate(llm, family, ckpt, videos, hf
     theirs = hf_greedy(hf, inputs, 12)[0]
     assert len(set(theirs)) > 3  # varied tokens: a real comparison
     ours = llm.chat(conv, GREEDY)[0].token_ids
-    if family == "qwen3_vl":
+    if family != "qwen2_5_vl":  # timestamps, no time axis in the positions: both rules agree
         assert ours == theirs
         return
     # Qwen2.5-VL: transformers' model driven with Qwen's positions, decoding after the largest one
