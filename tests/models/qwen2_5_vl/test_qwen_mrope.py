@@ -107,7 +107,7 @@ def test_text_after_a_long_video_resumes_past_its_time_axis():
     Qwen's rule (transformers PR #35569, vLLM): the text after it starts at the video's last time index + 1,
     and decoding continues after it; transformers 5.3+ would restart the text at start + 14."""
     from video_reference import qwen_original_positions
-    from vlm_sdk.models.qwen2_5_vl.rope_index import VisionSpan, video_time_offsets, vision_positions
+    from vlm_sdk.models.common.qwen_vl.rope_index import VisionSpan, video_time_offsets, vision_positions
 
     offsets = video_time_offsets(30, 2.0, 2, 2)
     assert offsets[-1] == 58

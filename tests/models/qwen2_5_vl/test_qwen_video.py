@@ -6,7 +6,7 @@ greedy tokens equal `generate` with chunked prefill through a video, preemption,
 caches on and off; the cache keys of a video's patches follow its frames and settings.
 
 Qwen2.5-VL's videos here reach further along their time axis than their spatial grid, where transformers
-5.3+ parts from Qwen's own rule (issue 50 point 10, models/qwen2_5_vl/rope_index.py): its positions and
+5.3+ parts from Qwen's own rule (issue 50 point 10, models/common/qwen_vl/rope_index.py): its positions and
 greedy tokens are checked against Qwen's rule (video_reference.qwen_original_positions) run through
 transformers' model, the difference from 5.24's get_rope_index and generate shown beside it."""
 from __future__ import annotations
