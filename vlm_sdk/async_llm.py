@@ -115,13 +115,13 @@ class AsyncLLM:
             if not self._closed:
                 self._closed = True
                 self._commands.put(("stop", None, None))
-        self._prep.shutdown()
+        self._prep.close()
         loop = asyncio.get_running_loop()
         start = loop.time()
         await loop.run_in_executor(None, self._thread.join, timeout)
         # a prompt thread still ending when the interpreter exits can abort it (prep_pool.FairPool._run)
         left = _PREP_JOIN_S if timeout is None else max(0.0, min(_PREP_JOIN_S, timeout - (loop.time() - start)))
-        await loop.run_in_executor(None, self._prep.shutdown, left)
+        await loop.run_in_executor(None, self._prep.join, left)
         return not self._thread.is_alive()
 
     def on_death(self, callback) -> None:

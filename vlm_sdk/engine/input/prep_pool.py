@@ -78,20 +78,28 @@ class FairPool:
             return {request: len(jobs) for request, jobs in self._queues.items()}
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Cancel every job not started; threads end once their job does. With `timeout`, wait up to that
-        long for them (so that none is still ending when the interpreter exits)."""
+        """`close`, then with `timeout` `join` (so that no thread is still ending when the interpreter exits)."""
+        self.close()
+        if timeout is not None:
+            self.join(timeout)
+
+    def close(self) -> None:
+        """Cancel every job not started; threads end once their job does."""
         with self._cond:
             self._closed = True
             jobs = [future for queue in self._queues.values() for future, _ in queue]
             self._queues.clear()
             self._cond.notify_all()
-            workers = list(self._workers)
         for future in jobs:
             future.cancel()
-        if timeout is not None:
-            deadline = time.monotonic() + timeout
-            for worker in workers:
-                worker.join(max(0.0, deadline - time.monotonic()))
+
+    def join(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds in all for the threads (after `close`)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            workers = list(self._workers)
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
 
     def _drop(self, request: Hashable, future: Future) -> None:
         with self._cond:
@@ -184,11 +192,19 @@ class PrepPools:
         return self.long if chars >= CHILD_TEXT_CHARS else self.text
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Shut every pool down; with `timeout`, wait up to that long in all for their threads."""
-        pools = (self.text, self.long, self.image, self.video)
-        for pool in pools:
-            pool.shutdown()
+        """Close every pool; with `timeout`, wait up to that long in all for their threads."""
+        self.close()
         if timeout is not None:
-            deadline = time.monotonic() + timeout
-            for pool in pools:
-                pool.shutdown(max(0.0, deadline - time.monotonic()))
+            self.join(timeout)
+
+    def close(self) -> None:
+        for pool in self._pools():
+            pool.close()
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for pool in self._pools():
+            pool.join(max(0.0, deadline - time.monotonic()))
+
+    def _pools(self) -> tuple[FairPool, ...]:
+        return self.text, self.long, self.image, self.video
