@@ -99,6 +99,9 @@ DIFFERENT = [  # (id, text, content, calls): where vLLM would return something e
     ("unknown_function", "x " + _xml("rm_rf", path="/"), "x " + _xml("rm_rf", path="/"), []),
     # vLLM drops the text after the first call; we keep the content around valid calls (Hermes' rule)
     ("text_after", _xml("get_current_weather", **DALLAS) + "\nDone.", "Done.", [("get_current_weather", DALLAS)]),
+    # vLLM's fallback reads a bare <function=...> as a call; the template writes the tags, so here it is text
+    ("no_tags", "<function=calculate_area>\n<parameter=precision>\n4\n</parameter>\n</function>",
+     "<function=calculate_area>\n<parameter=precision>\n4\n</parameter>\n</function>", []),
     # a body with text outside the parameters is not a call: it stays content, tags and all
     ("stray_text", "<tool_call>\n<function=calculate_area>\noops<parameter=shape>\nx\n</parameter>\n</function>\n"
                    "</tool_call>",
