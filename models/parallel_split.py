@@ -41,9 +41,29 @@ def tensor_parallel_sizes(family, hf_config, parallel: ParallelConfig, shard_vis
         family, hf_config, dataclasses.replace(parallel, tensor_parallel_size=n), shard_vision) is None]
 
 
+def check_pipeline(family, hf_config, parallel: ParallelConfig, shard_vision: bool = True) -> None:
+    """Under pipeline parallelism: every stage's model builds (on the meta device, one tensor-parallel
+    rank), else `InvalidRequestError` naming the stage and why (a family whose decoder runs no stages, a
+    partition that does not fit the layers: vlm_sdk/pp_partition.py names the numbers)."""
+    if parallel.pipeline_parallel_size == 1:
+        return
+    one_rank = dataclasses.replace(parallel, tensor_parallel_size=1)
+    for stage in range(parallel.pipeline_parallel_size):
+        try:
+            family.model_cls(hf_config, dtype=torch.float32, device="meta",
+                             parallel=ParallelGroups.of_stage(one_rank, stage), shard_vision=shard_vision)
+        except ValueError as e:
+            if isinstance(e, InvalidRequestError):
+                raise
+            raise InvalidRequestError(f"pipeline_parallel_size={parallel.pipeline_parallel_size} does not split "
+                                      f"this model (stage {stage}): {e}", param="pipeline_parallel_size") from e
+
+
 def check_tensor_parallel_size(family, hf_config, parallel: ParallelConfig, shard_vision: bool = True) -> None:
     """`InvalidRequestError` naming why `parallel.tensor_parallel_size` does not split the model and the
-    sizes that do."""
+    sizes that do (the pipeline stages are checked apart: `check_pipeline`)."""
+    check_pipeline(family, hf_config, parallel, shard_vision)
+    parallel = dataclasses.replace(parallel, pipeline_parallel_size=1, pp_layer_partition=None)
     why = _split_error(family, hf_config, parallel, shard_vision)
     if why is None:
         return

@@ -157,6 +157,10 @@ class EngineArgs:
     preemption_warning_per_minute: int = 10  # log a warning when preemptions in 60 s exceed this
     # tensor parallelism: the model split over this many ranks (GPUs), one worker process per rank
     tensor_parallel_size: int = 1
+    # pipeline parallelism: the decoder layers split over this many stages (each stage tensor_parallel_size
+    # ranks); pp_layer_partition: each stage's layer count, "4,6" (vLLM's VLLM_PP_LAYER_PARTITION; None: even)
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: str | None = None
     shard_vision: bool = True  # under tensor parallelism: split the vision tower too (False: a copy per rank)
     # under tensor parallelism: MoE layers place num_experts / tensor_parallel_size whole experts on each
     # rank instead of a slice of every expert (vLLM's enable_expert_parallel); no effect on dense models
@@ -258,7 +262,8 @@ class EngineArgs:
         for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs", "num_state_slots",
                      "max_num_batched_tokens", "max_image_pixels", "max_request_image_pixels",
                      "max_video_bytes", "max_video_frames", "max_video_decode_pixels", "max_video_container_frames",
-                     "preemption_warning_per_minute", "tensor_parallel_size", "max_grammar_bytes",
+                     "preemption_warning_per_minute", "tensor_parallel_size", "pipeline_parallel_size",
+                     "max_grammar_bytes",
                      "max_grammar_memory", "grammar_cache_memory", "grammar_workers", "max_tools", "max_tool_bytes"):
             positive(name)
         e = self.encoder_cache_memory
@@ -337,7 +342,15 @@ class EngineArgs:
 
     def parallel_config(self) -> ParallelConfig:
         """The ranks' layout these settings ask for (the engine's and `vlm-sdk plan`'s)."""
-        return ParallelConfig(self.tensor_parallel_size, 1, self.enable_expert_parallel)
+        from vlm_sdk.pp_partition import parse_partition
+        partition = parse_partition(self.pp_layer_partition)
+        if partition is not None and self.pipeline_parallel_size == 1:
+            raise InvalidRequestError(f"pp_layer_partition={self.pp_layer_partition!r} splits layers over pipeline "
+                                      f"stages, but pipeline_parallel_size is 1: set pipeline_parallel_size "
+                                      f"(--pipeline-parallel-size / -pp) to {len(partition)}",
+                                      param="pp_layer_partition")
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.enable_expert_parallel,
+                              partition)
 
     def resolve_async_scheduling(self, device: torch.device, tensor_parallel_size: int) -> bool:
         """Whether steps are scheduled asynchronously: `async_scheduling`, or by default on CUDA with one
@@ -345,6 +358,11 @@ class EngineArgs:
         if self.async_scheduling is None:
             return device.type == "cuda" and tensor_parallel_size == 1
         if self.async_scheduling and tensor_parallel_size > 1:
+            if self.pipeline_parallel_size > 1:  # the sampled ids are the last stage's, the inputs the first's
+                raise InvalidRequestError(
+                    f"async_scheduling=True needs one rank, and pipeline_parallel_size={self.pipeline_parallel_size}: "
+                    f"the next step's ids would stay on the last stage's device while the first stage embeds them. "
+                    f"Leave async_scheduling unset (or False) with pipeline parallelism", param="async_scheduling")
             raise InvalidRequestError(
                 f"async_scheduling=True needs tensor_parallel_size=1 (got {tensor_parallel_size}): the next step's "
                 f"ids stay on rank 0's device. Leave async_scheduling unset (or False) with tensor parallelism",
@@ -402,16 +420,18 @@ class SchedulerConfig:
 class ParallelConfig:
     """How the model is split over ranks, every dimension in one value: `EngineArgs.parallel_config()`,
     carried to every rank in `RankConfig.parallel`; each rank's own groups are a `ParallelGroups`
-    (vlm_sdk/layers/parallel_state.py). Ranks = tensor x pipeline. Pipeline parallelism is not built
-    (issue 46): its size is 1, the value and the paths it takes (executor, workers, models) are in place."""
+    (vlm_sdk/layers/parallel_state.py). Ranks = tensor x pipeline, stage-major: global rank
+    stage * tensor_parallel_size + tp_rank. `pp_layer_partition`: each stage's decoder layers (None: the
+    even split; checked against the model's layers in vlm_sdk/layers/pp_partition.py)."""
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE layers: whole experts over the tensor-parallel ranks
+    pp_layer_partition: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be >= 1 and "
-                             f"pipeline_parallel_size {self.pipeline_parallel_size} must be 1 (no pipeline stages yet)")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} and pipeline_parallel_size "
+                             f"{self.pipeline_parallel_size} must be >= 1")
 
     @property
     def world_size(self) -> int:
@@ -445,13 +465,15 @@ class RankConfig:
 def resolve_rank_config(args: EngineArgs) -> RankConfig:
     """Every default of `args` that depends on the device or the rank count, decided here and nowhere else."""
     device = args.resolve_device()
-    size = args.tensor_parallel_size
+    size = args.tensor_parallel_size * args.pipeline_parallel_size
     backend = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
     if args.small_m_gemm == "triton" and backend != "triton":
         raise InvalidRequestError(f"small_m_gemm='triton' needs the Triton kernel set, and attention_backend is "
                                   f"'{backend}'{'' if args.attention_backend else ' (the default on ' + device.type + ')'}"
                                   f": set attention_backend='triton', or small_m_gemm='torch'", param="small_m_gemm")
-    decode_graphs = device.type == "cuda" and backend == "triton" and not args.enforce_eager
+    # under pipeline parallelism every step runs eagerly (the graphs capture a whole model's forward)
+    decode_graphs = device.type == "cuda" and backend == "triton" and not args.enforce_eager \
+        and args.pipeline_parallel_size == 1
     dtype = args.resolve_dtype(device)
     kv_dtype = args.resolve_kv_cache_dtype(dtype)
     if kv_dtype == torch_dtype("float8_e4m3fn"):

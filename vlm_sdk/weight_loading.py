@@ -244,7 +244,12 @@ def _slot_regions(module: torch.nn.Module, slots: dict[str, ParamSlot | SplitSlo
                 raise ValueError(f"slots for {first} and {second} overlap: {_slot_text(s0)} "
                                  f"and {_slot_text(s1)}")
     gaps: list[str] = []
+    # a part built on the meta device in a module that is not (another pipeline stage's vision tower,
+    # models/pipeline.py) is loaded nowhere here
+    elsewhere = any(p.device.type != "meta" for p in module.parameters())
     for pname, param in module.named_parameters():   # tied parameters appear once
+        if elsewhere and param.device.type == "meta":
+            continue
         spans = sorted(covered.get(id(param), ()))
         dim = spans[0][0] if spans else 0
         rows = param.shape[dim] if param.dim() else 1

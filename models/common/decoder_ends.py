@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from vlm_sdk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from vlm_sdk.layers.parallel_state import TPGroup
+from vlm_sdk.layers.parallel_state import PPGroup, TPGroup
 from vlm_sdk.models.common.lm_head import DecoderHead
 
 
@@ -22,10 +22,15 @@ class DecoderEnds(DecoderHead, nn.Module):
     untying, the logits and the head's slots are `DecoderHead`'s (models/common/lm_head.py)."""
 
     def _init_ends(self, vocab_size: int, hidden_size: int, tie_word_embeddings: bool, dtype: torch.dtype,
-                   device: torch.device | str, tp: TPGroup) -> None:
-        self.vocab_size, self.tp = vocab_size, tp
-        self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden_size, dtype, device, tp)
-        self.lm_head = None if tie_word_embeddings else ParallelLMHead(vocab_size, hidden_size, dtype, device, tp)
+                   device: torch.device | str, tp: TPGroup, pp: PPGroup = PPGroup()) -> None:
+        """Under pipeline parallelism the embedding lives on the first stage (and on the last when the head
+        is tied to it), the LM head on the last: elsewhere they are None."""
+        self.vocab_size, self.tp, self.pp = vocab_size, tp, pp
+        holds_embedding = pp.is_first or (pp.is_last and tie_word_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden_size, dtype, device, tp) \
+            if holds_embedding else None
+        self.lm_head = None if tie_word_embeddings or not pp.is_last else \
+            ParallelLMHead(vocab_size, hidden_size, dtype, device, tp)
         self.packed_head = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden]

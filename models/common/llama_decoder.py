@@ -43,6 +43,7 @@ from vlm_sdk.weight_loading import ParamSlot, SplitSlot
 from vlm_sdk.models.common.decoder_ends import DecoderEnds
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.models.common.lm_head import attention_slots
+from vlm_sdk.models.pipeline import IntermediateTensors, PPMissingLayer
 
 # Where checkpoints keep a layer's FP8 KV-cache scales (each a one-element float32 tensor; vLLM's
 # `maybe_remap_kv_scale_name` reads the same spellings): llm-compressor / compressed-tensors'
@@ -145,14 +146,20 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaDecoder(DecoderEnds):
+    pipeline_stages = True  # builds and runs one stage's layers under pipeline parallelism (models/pipeline.py)
+
     def __init__(self, cfg: LlamaDecoderConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", ops: KernelOps | None = None,
                  parallel: ParallelGroups = ParallelGroups()):
         super().__init__()
         self.cfg = cfg
         self.ops = ops or TorchOps()
-        self._init_ends(cfg.vocab_size, cfg.hidden_size, cfg.tie_word_embeddings, dtype, device, parallel.tp)
+        self._init_ends(cfg.vocab_size, cfg.hidden_size, cfg.tie_word_embeddings, dtype, device, parallel.tp,
+                        parallel.pp)
+        # pipeline parallelism: this stage's layers; the others' are placeholders (models/pipeline.py)
+        self.start_layer, self.end_layer = parallel.pp.layer_range(cfg.num_layers)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device, self.ops, parallel, i)
+                                    if self.start_layer <= i < self.end_layer else PPMissingLayer(i)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, device,
@@ -167,23 +174,28 @@ class LlamaDecoder(DecoderEnds):
                 caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: StepMetadata,
                 deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
-                ) -> torch.Tensor:  # [N, hidden], after the final norm
+                intermediate: IntermediateTensors | None = None,
+                ) -> torch.Tensor | IntermediateTensors:  # [N, hidden], after the final norm
         """`meta`: the step's metadata per cache group (layer i reads `meta.layer(i)`: the attention
         backend's `prepare`d metadata of its group). `deepstack`: (rows `[n]` int64, features per level
         `[n, hidden]`): after layer i < len(features), the residual stream at `rows` gets features[i]
-        added (Qwen3-VL: rows are this step's image tokens)."""
+        added (Qwen3-VL: rows are this step's image tokens). Pipeline parallelism: a later stage starts
+        from the previous stage's `intermediate` (`inputs_embeds` is then unused), and a stage before
+        the last returns its `IntermediateTensors` instead of the normed hidden states."""
         if len(caches) != len(self.layers):
             raise ValueError(f"got {len(caches)} layer caches for {len(self.layers)} decoder layers")
         rows, features = deepstack if deepstack is not None else (None, [])
         if len(features) > len(self.layers):
             raise ValueError(f"got {len(features)} DeepStack levels for {len(self.layers)} decoder layers")
-        rope = self.rotary_inputs(positions, inputs_embeds.dtype)  # shared by every layer
-        x, residual = inputs_embeds, None
-        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            x, residual = layer(x, residual, rope, cache, meta.layer(i))
+        x, residual = (inputs_embeds, None) if intermediate is None else (intermediate.hidden, intermediate.residual)
+        rope = self.rotary_inputs(positions, x.dtype)  # shared by every layer
+        for i in range(self.start_layer, self.end_layer):
+            x, residual = self.layers[i](x, residual, rope, caches[i], meta.layer(i))
             if i < len(features):
                 # the stream is x + residual; x is this layer's fresh MLP output, so adding in place is safe
                 x.index_add_(0, rows, features[i].to(x.dtype))  # [N, hidden] += at rows [n, hidden]
+        if not self.pp.is_last:
+            return IntermediateTensors(x, residual)
         return self.final_norm(x, residual)
 
     def rotary_inputs(self, positions: torch.Tensor, dtype: torch.dtype):
@@ -200,6 +212,8 @@ class LlamaDecoder(DecoderEnds):
         hid = cfg.hidden_size
         out = self.head_slots(prefix, lm_head)
         for i, layer in enumerate(self.layers):
+            if isinstance(layer, PPMissingLayer):  # another stage's (models/pipeline.py: skipped on load)
+                continue
             src, dst = f"{prefix}layers.{i}.", f"layers.{i}."
             out.update(attention_slots(layer, src, dst, cfg.attention_bias, cfg.o_proj_bias))
             out.update(layer.mlp_slots(f"{src}mlp.", dst))

@@ -45,7 +45,8 @@ class DecoderHead:
     def head_slots(self, prefix: str, lm_head: str) -> dict[str, ParamSlot]:
         """The embedding, final norm and (untied) LM head slots: `{prefix}embed_tokens.weight`,
         `{prefix}norm.weight`, `lm_head`."""
-        out = self.embed_tokens.slots("embed_tokens.weight", f"{prefix}embed_tokens.weight")
+        out = {} if self.embed_tokens is None else \
+            self.embed_tokens.slots("embed_tokens.weight", f"{prefix}embed_tokens.weight")
         out[f"{prefix}norm.weight"] = ParamSlot("norm.weight", (self.cfg.hidden_size,))
         if self.lm_head is not None:
             out.update(self.lm_head.slots("lm_head.weight", lm_head))

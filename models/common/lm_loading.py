@@ -31,6 +31,7 @@ from vlm_sdk.models.cpu_layout import PackedLMHead, column_major, use_cpu_weight
 from vlm_sdk.models.common.decoder_ends import DecoderEnds
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.models.common.llama_decoder import LlamaDecoder
+from vlm_sdk.models.pipeline import IntermediateTensors, StageWeights
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class DecoderVLM(VisionLanguageModel):
         `lm_head`, `untie_lm_head`, the Gemma decoder) whose config has the size fields num_layers,
         head_dim, num_kv_heads of its attention layers, hidden_size, vocab_size."""
         tp = parallel.tp
+        if parallel.pp.size > 1 and not getattr(decoder_cls, "pipeline_stages", False):
+            raise ValueError(f"pipeline parallelism is not built for the {decoder_cls.__name__} decoder "
+                             f"(pipeline_parallel_size={parallel.pp.size}): serve it with pipeline_parallel_size=1")
         self.decoder_config = cfg
         self.parallel, self.tp, self.shard_vision = parallel, tp, shard_vision
         self.vision_tp = tp if shard_vision else TPGroup()  # `_build_vision` may fall back to TPGroup()
@@ -67,7 +71,11 @@ class DecoderVLM(VisionLanguageModel):
                       device: torch.device | str) -> nn.Module:
         """`build(group, device)`: the vision tower with its projector. Sharded over `tp` when asked and
         its sizes split over the ranks (tried first on the meta device, which allocates nothing), else
-        whole on every rank, logged: a tower that cannot be split still runs, replicated."""
+        whole on every rank, logged: a tower that cannot be split still runs, replicated. A pipeline stage
+        after the first builds it on the meta device (no memory, its tensors skipped on load): the first
+        stage runs it."""
+        if not self.parallel.pp.is_first:
+            return build(self.vision_tp, "meta")
         if self.vision_tp.size > 1:
             try:
                 build(self.vision_tp, "meta")
@@ -84,9 +92,16 @@ class DecoderVLM(VisionLanguageModel):
         return self.decoder.embed(input_ids)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
-                meta: StepMetadata, images: StepImages | None = None) -> torch.Tensor:
+                meta: StepMetadata, images: StepImages | None = None,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         # [position_rows, N]: the decoder takes 1-D RoPE positions as [N], M-RoPE ones as [3, N]
-        return self.decoder(*self.stack_inputs(inputs_embeds, positions, images), caches, meta)
+        return self.decoder(*self.stack_inputs(inputs_embeds, positions, images), caches, meta,
+                            intermediate=intermediate)
+
+    @property
+    def stage_layers(self) -> tuple[int, int]:
+        """The decoder layers this pipeline stage runs, [start, stop) (all of them with one stage)."""
+        return self.decoder.start_layer, self.decoder.end_layer
 
     def decoder_stack(self) -> DecoderStack:
         return self.decoder
@@ -101,6 +116,8 @@ class DecoderVLM(VisionLanguageModel):
         return self.decoder.compute_logits(hidden, out)
 
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        if not self.parallel.pp.is_first:  # the tower is the first stage's (meta here, no memory)
+            return {"language_model": list(self.decoder.parameters()), "projector": [], "vision": []}
         tower, proj = self._vision_parts()
         projector = list(proj.parameters())
         ids = {id(t) for t in projector}
@@ -116,7 +133,18 @@ def load_with_lm_head(model: nn.Module, decoder: DecoderEnds, weights: Iterable[
     (on every rank when it differs on any: the verdict is all-reduced over `decoder.tp`).
 
     `weights` may hold lazy tensors (`model_loader.iter_safetensors(lazy=True)`): only this rank's rows
-    of the head are read. Quantized Linears check what their format constrains once loaded (g_idx)."""
+    of the head are read. Quantized Linears check what their format constrains once loaded (g_idx).
+    A pipeline stage loads only its own tensors (models/pipeline.py: the others' skipped and logged)."""
+    pp = getattr(decoder, "pp", None)
+    if pp is not None and pp.size > 1:
+        slots, weights, stage = _stage_view(model, decoder, slots, weights, lm_head, canonical)
+    else:
+        stage = None
+    if stage is not None and decoder.embed_tokens is None:  # neither embedding nor head here
+        load_checked(model, weights, slots, canonical=canonical, source=source)
+        _check_quantized(decoder)
+        stage.log(pp.rank, pp.size)
+        return
     if decoder.lm_head is not None:
         load_checked(model, weights, slots, canonical=canonical, source=source)
         _check_quantized(decoder)
@@ -141,6 +169,8 @@ def load_with_lm_head(model: nn.Module, decoder: DecoderEnds, weights: Iterable[
 
     load_checked(model, without_head(), slots, canonical=canonical, source=source)
     _check_quantized(decoder)
+    if stage is not None:
+        stage.log(pp.rank, pp.size)
     if not head:  # the same on every rank: all read the same files
         return
     emb = emb_layer.weight
@@ -150,6 +180,30 @@ def load_with_lm_head(model: nn.Module, decoder: DecoderEnds, weights: Iterable[
         logger.warning("config.json ties lm_head to the token embedding but the checkpoint's %s differs from it; "
                        "using the checkpoint's %s (as transformers does)", lm_head, lm_head)
         decoder.untie_lm_head(head[0])
+
+
+def _stage_view(model: nn.Module, decoder: DecoderEnds, slots: dict[str, ParamSlot],
+                weights: Iterable[tuple[str, torch.Tensor]], lm_head: str, canonical: Callable[[str], str]):
+    """A pipeline stage's slots and weights: the slots of parts built on the meta device (the vision tower
+    on a later stage) dropped, and the checkpoint tensors of other stages skipped (`StageWeights`); the
+    layer prefix is read from this stage's own layer slots (every stage holds at least one layer)."""
+    import re
+    on_meta = {n for n, p in model.state_dict(keep_vars=True).items() if p.device.type == "meta"}
+
+    def targets(slot):
+        return [p.param for p in slot.parts] if hasattr(slot, "parts") else [slot.param]
+    meta_names = frozenset(n for n, s in slots.items() if any(t in on_meta for t in targets(s)))
+    prefixes = sorted({m.group(1) for n, s in slots.items() if any(t.startswith("decoder.layers.") for t in targets(s))
+                       and (m := re.match(r"(.*layers\.)\d+\.", n))})
+    others = set(meta_names)
+    for p in prefixes:
+        if decoder.embed_tokens is None:
+            others.add(f"{p.removesuffix('layers.')}embed_tokens.weight")
+    if not decoder.pp.is_last:
+        others.add(lm_head)
+    stage = StageWeights(tuple(prefixes), (decoder.start_layer, decoder.end_layer), other_names=frozenset(others))
+    kept = {n: s for n, s in slots.items() if n not in meta_names}
+    return kept, stage.filter(weights, canonical), stage
 
 
 def _check_quantized(decoder: DecoderEnds) -> None:
@@ -162,6 +216,9 @@ def _check_quantized(decoder: DecoderEnds) -> None:
 def finish_cpu_layout(model: nn.Module, decoder: DecoderEnds) -> None:
     """After loading: CPU weight layout for every Linear, and the packed LM head when it applies."""
     use_cpu_weight_layout(model)
+    pp = getattr(decoder, "pp", None)
+    if pp is not None and not pp.is_last:  # the LM head is the last stage's
+        return
     head = decoder.embed_tokens.weight if decoder.lm_head is None else decoder.lm_head.weight
     decoder.packed_head = PackedLMHead.create(head)
     if decoder.packed_head is None and decoder.lm_head is None and head.device.type == "cpu":

@@ -22,6 +22,12 @@ def make_executor(model_dir: str, config, hf_config, family) -> Executor:
     if size == 1:
         return InProcessExecutor(model_dir, config, device)
     check_no_group_yet()
+    if config.args.distributed_executor_backend == "ray" and parallel.pipeline_parallel_size > 1:
+        from vlm_sdk.errors import InvalidRequestError
+        raise InvalidRequestError(
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size} runs on the 'mp' executor (and torchrun's "
+            f"processes); the Ray executor does not place pipeline stages yet: leave distributed_executor_backend "
+            f"unset (or 'mp')", param="distributed_executor_backend")
     if config.args.distributed_executor_backend == "ray":
         from vlm_sdk.executor.ray_executor import RayExecutor
         return RayExecutor(model_dir, config, device)

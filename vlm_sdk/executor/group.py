@@ -8,6 +8,7 @@ Commands and heartbeats share one lock: the control group sees one command at a 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -30,6 +31,9 @@ class GroupExecutor(Executor):
     `_start_heartbeat()`, and may refine `_explain` (the error a failed call raises)."""
     _control: Any
     _timeout_s: float
+    # the rank whose `execute` output the engine takes: 0, or under pipeline parallelism rank 0 of the last
+    # stage (it samples); every rank then replies to `execute` and rank 0 adds its encoder-cache counters
+    _output_rank: int = 0
 
     def _init_group_state(self) -> None:
         self._rpc_lock = threading.Lock()
@@ -40,10 +44,18 @@ class GroupExecutor(Executor):
         self._broken = False  # a call failed part-way: the ranks may wait in different collectives
 
     def collective_rpc(self, method: Method, *args: Any) -> list[Any]:
+        return self._call(method, args, method != "execute" or self._output_rank != 0)
+
+    def execute(self, sched):
+        if self._output_rank == 0:
+            return super().execute(sched)
+        outs = self._call("execute", (sched,), True)
+        return dataclasses.replace(outs[self._output_rank], encoder_cache=outs[0].encoder_cache)
+
+    def _call(self, method: Method, args: tuple, reply: bool) -> list[Any]:
         with self._rpc_lock:
             if self._dead is not None:
                 raise self._dead
-            reply = method != "execute"
             try:
                 broadcast_command(Command(method, args, reply), self._control)
                 result = call(self._worker, method, args)

@@ -68,6 +68,7 @@ class MultiprocExecutor(StartedRanksExecutor):
     def __init__(self, model_dir: str, config, devices: list[torch.device]):
         """`devices[r]`: rank r's device (one GPU per rank on CUDA; the CPU for every rank otherwise)."""
         size = config.parallel.world_size
+        self._output_rank = size - config.parallel.tensor_parallel_size  # the last stage's rank 0 samples
         ctx = mp.get_context("spawn")
         self._init_group_state()
         self._timeout_s = config.args.distributed_timeout

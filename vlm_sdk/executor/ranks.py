@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from vlm_sdk.config import ParallelConfig
-from vlm_sdk.layers.parallel_state import ParallelGroups, PPGroup, init_tp_group
+from vlm_sdk.layers.parallel_state import ParallelGroups, PPGroup, TPGroup, init_tp_group
 
 logger = logging.getLogger("vlm_sdk")
 
@@ -66,13 +66,30 @@ class RankFailure:
 
 def join_ranks(rank: int, parallel: ParallelConfig, init_method: str | None, timeout_s: float,
                device: torch.device, store: Any = None) -> tuple[ParallelGroups, Any]:
-    """Join the groups of the layout `parallel` as `rank` (returned as this rank's `ParallelGroups`: the
-    tensor group; one pipeline stage) and the control group, at `init_method` or through `store`."""
+    """Join the groups of the layout `parallel` as global `rank` (stage-major: stage * tp + tp_rank) and
+    return this rank's `ParallelGroups` and the control group, at `init_method` or through `store`.
+    Under pipeline parallelism the world holds every stage's ranks; each stage's tensor group is a
+    subgroup of it (every rank creates every stage's, in the same order, as torch requires), and
+    cross-stage tensors go point to point on the world group."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    tp = init_tp_group(rank, parallel.tensor_parallel_size, init_method, timeout_s, device, store)
+    tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    world = init_tp_group(rank, parallel.world_size, init_method, timeout_s, device, store)
+    if pp_size == 1:
+        tp, pp = world, PPGroup()
+    else:
+        stage, tp_rank = divmod(rank, tp_size)
+        tp = TPGroup()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        for s in range(pp_size):
+            group = dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)), backend=backend,
+                                   timeout=timedelta(seconds=timeout_s)) if tp_size > 1 else None
+            if s == stage and tp_size > 1:
+                tp = TPGroup(tp_rank, tp_size, group)
+        pp = PPGroup(stage, pp_size, world.group, parallel.pp_layer_partition,
+                     prev=rank - tp_size if stage > 0 else None, next=rank + tp_size if stage < pp_size - 1 else None)
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    return ParallelGroups(tp, PPGroup(), parallel.enable_expert_parallel), control
+    return ParallelGroups(tp, pp, parallel.enable_expert_parallel), control
 
 
 def broadcast_command(command: Command, control) -> None:

@@ -48,6 +48,7 @@ class TorchrunExecutor(GroupExecutor):
         self._timeout_s = config.args.distributed_timeout
         groups, self._control = join_ranks(0, config.parallel, "env://", config.args.distributed_timeout, device)
         self._worker, self.world_size = Worker(model_dir, config, device, groups), config.parallel.world_size
+        self._output_rank = self.world_size - config.parallel.tensor_parallel_size  # the last stage's rank 0
         self._closed = False
         self._start_heartbeat()
 

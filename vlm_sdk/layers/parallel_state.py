@@ -73,10 +73,24 @@ class TPGroup:
 
 @dataclass(frozen=True)
 class PPGroup:
-    """This rank's pipeline stage: `rank` of `size` stages (1 until issue 46 builds the stages)."""
+    """This rank's pipeline stage: `rank` of `size` stages. `partition`: each stage's decoder layer count
+    (None: the even split, vlm_sdk/layers/pp_partition.py). `prev` / `next`: the global ranks this rank
+    receives its stage's input from / sends its output to (the same tensor-parallel rank of the stage
+    before / after; None at the ends or without a process group). Cross-stage tensors go point to point
+    on the world group (vlm_sdk/worker/pp_transfer.py)."""
     rank: int = 0
     size: int = 1
     group: Any = field(default=None, compare=False, repr=False)
+    partition: tuple[int, ...] | None = None
+    prev: int | None = None
+    next: int | None = None
+
+    def layer_range(self, num_layers: int) -> tuple[int, int]:
+        """This stage's [start, stop) of `num_layers` decoder layers (all of them with one stage)."""
+        if self.size == 1:
+            return 0, num_layers
+        from vlm_sdk.pp_partition import layer_range
+        return layer_range(num_layers, self.rank, self.size, self.partition)
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -117,7 +131,14 @@ class ParallelGroups:
     def first_rank(cls, parallel: ParallelConfig) -> "ParallelGroups":
         """Rank 0's groups under `parallel`, with no process group: what the planner and the split check
         build the model as, on the meta device."""
-        return cls(TPGroup(0, parallel.tensor_parallel_size), PPGroup(0, parallel.pipeline_parallel_size),
+        return cls.of_stage(parallel, 0)
+
+    @classmethod
+    def of_stage(cls, parallel: ParallelConfig, stage: int) -> "ParallelGroups":
+        """The groups of tensor-parallel rank 0 of pipeline stage `stage`, with no process group: what the
+        planner builds each stage's model as, on the meta device."""
+        return cls(TPGroup(0, parallel.tensor_parallel_size),
+                   PPGroup(stage, parallel.pipeline_parallel_size, partition=parallel.pp_layer_partition),
                    parallel.enable_expert_parallel)
 
 

@@ -17,22 +17,29 @@ from vlm_sdk.errors import InvalidRequestError, format_size
 from vlm_sdk.memory.kv import CacheConfig
 from vlm_sdk.protocol.cache_layout import CacheLayout
 from vlm_sdk.protocol.cache_spec import AttentionSpec, StateSpec
+from vlm_sdk.protocol.stage_layout import stage_tensors
 
 LayerCache = tuple[torch.Tensor, ...]
 
 
 def allocate_caches(layout: CacheLayout, num_blocks: int, block_size: int, num_state_slots: int,
-                    device: torch.device) -> list[LayerCache]:
-    """Every layer's cache (module docstring)."""
+                    device: torch.device, layers: tuple[int, int] | None = None) -> list[LayerCache | None]:
+    """Every layer's cache (module docstring). `layers`: a pipeline stage's [start, stop): only those
+    layers get a cache (the KV tensors they view: protocol/stage_layout.py), the others None."""
     page = layout.page_spec
+    held = range(*layers) if layers is not None else range(layout.num_layers)
+    tensors = stage_tensors(layout, (held.start, held.stop))
+    where = {j: k for k, j in enumerate(tensors)}  # pool tensor -> its place in this rank's allocation
     # zeros, not empty: batched decode reads padding slots (masked out), and masked garbage that
     # happens to be NaN would still poison the weighted sum; a state slot of a fresh request is zero
-    shape = (layout.group_size, 2, num_blocks, block_size, page.num_kv_heads, page.head_dim)
+    shape = (len(tensors), 2, num_blocks, block_size, page.num_kv_heads, page.head_dim)
     flat = torch.zeros(shape, dtype=getattr(torch, page.dtype), device=device)
-    caches: list[LayerCache] = []
+    caches: list[LayerCache | None] = []
     for i, spec in enumerate(layout.specs):
-        if isinstance(spec, AttentionSpec):
-            j = layout.layer_tensor[i]
+        if i not in held:
+            caches.append(None)  # another pipeline stage's layer
+        elif isinstance(spec, AttentionSpec):
+            j = where[layout.layer_tensor[i]]
             caches.append((flat[j, 0], flat[j, 1]))
         else:
             assert isinstance(spec, StateSpec)
@@ -59,11 +66,12 @@ def allocate_kv_caches(num_layers: int, cache: CacheConfig, num_kv_heads: int, h
     return allocate_caches(CacheLayout.uniform(num_layers, spec), cache.num_blocks, cache.block_size, 0, device)
 
 
-def allocate_or_explain(layout: CacheLayout, cache: CacheConfig, device: torch.device) -> list[LayerCache]:
+def allocate_or_explain(layout: CacheLayout, cache: CacheConfig, device: torch.device,
+                        layers: tuple[int, int] | None = None) -> list[LayerCache | None]:
     """`allocate_caches` of `cache`, with a device out-of-memory turned into an error that names the cache's
     size (each part: the KV blocks, the state slots), what was free, and the largest cache that fits now."""
     try:
-        return allocate_caches(layout, cache.num_blocks, cache.block_size, cache.num_state_slots, device)
+        return allocate_caches(layout, cache.num_blocks, cache.block_size, cache.num_state_slots, device, layers)
     except torch.OutOfMemoryError as e:
         if device.type != "cuda":
             raise

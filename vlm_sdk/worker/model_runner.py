@@ -43,6 +43,7 @@ from vlm_sdk.protocol.runner_output import ModelRunnerOutput
 from vlm_sdk.protocol.scheduler_output import SchedulerOutput
 from vlm_sdk.protocol.runner_output import PendingOutput, Ready
 from vlm_sdk.worker.pending_output import DevicePendingOutput
+from vlm_sdk.worker.pp_transfer import StageLink
 from vlm_sdk.worker.prompt_logprobs import prompt_logprobs
 from vlm_sdk.worker.request_state import RequestState
 from vlm_sdk.sample.sampled_tokens import SampledTokens
@@ -56,7 +57,8 @@ class ModelRunner:
                  block_size: int, device: torch.device, dtype: torch.dtype, seed: int = 0,
                  max_vision_patches: int | None = None, graphs: DecodeGraphs | None = None, *,
                  attention: AttentionBackend, samples: bool = True, encoder_cache_bytes: int = 0,
-                 keep_sampled: bool = False, piecewise: PiecewiseGraphs | None = None):
+                 keep_sampled: bool = False, piecewise: PiecewiseGraphs | None = None,
+                 stage: StageLink | None = None):
         """`caches[i]`: layer i's cache as `layout` allocates it (worker/kv_cache.py). `max_vision_patches` (None: no limit) caps the patches of one vision-tower call: the images
         of newly scheduled requests are encoded in groups of at most that many patches (a group
         always holds at least one image), so a step never exceeds the profiled peak of the largest
@@ -68,7 +70,10 @@ class ModelRunner:
         each step's sampled tokens stay on the device, where the next step takes the ids the engine
         has not sent yet (a request whose computed tokens reach past its known ones). `piecewise`: graphs
         of the model's decoder stack that steps with prefill rows run through when the model gives the
-        step's `stack_inputs` (the model itself is never changed: they wrap it from outside)."""
+        step's `stack_inputs` (the model itself is never changed: they wrap it from outside). `stage`:
+        this rank's pipeline stage links (worker/pp_transfer.py): the first stage encodes images and
+        embeds, a later one starts from the tensors it receives, a stage before the last sends its own
+        and returns an empty output (the last stage samples)."""
         self.model = model
         self.attention = attention
         self.max_vision_patches = max_vision_patches
@@ -77,12 +82,14 @@ class ModelRunner:
         self.caches, self.layout = caches, layout
         self.num_groups = layout.num_attention_groups
         self._num_state_groups = len(layout.state_groups)
-        self._state_tensors = [t for i in layout.state_layers for t in caches[i]]
+        self._state_tensors = [t for i in layout.state_layers if caches[i] is not None for t in caches[i]]
+        self.stage = stage
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
         self.sampler = Sampler(seed)
         self.samples = samples
+        self.reports_encoder = samples  # the encoder cache's counters come from this rank (rank 0)
         self.requests: dict[str, RequestState] = {}
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         # one row per held request, changed only where a step changes it; fixed in size when a CUDA graph
@@ -215,6 +222,9 @@ class ModelRunner:
             sample_idx = list(range(n))
             logits = self.graphs.logits[:n]  # [num_seqs, vocab]
         else:
+            stage = self.stage
+            if stage is not None:
+                return self._run_stage(sched, scheduled)
             self._encode_images(scheduled)
             encoder = self.encoder_cache.stats() if self.samples else None
             step = self._prepare(scheduled)
@@ -231,6 +241,42 @@ class ModelRunner:
                 return DevicePendingOutput([], None, self.device, encoder,  # its event: the step's buffers free again
                                            prompt_lp if self.samples else None)
             logits = self.model.compute_logits(hidden[step.sample_rows])  # [num_sampled, vocab]
+        return self._sample(sched, scheduled, sample_idx, logits, encoder, prompt_lp)
+
+    def _run_stage(self, sched: SchedulerOutput, scheduled: list[tuple[RequestState, int]]) -> PendingOutput:
+        """One pipeline stage's share of a step (worker/pp_transfer.py for the order of the transfers)."""
+        stage = self.stage
+        encoder = None
+        if stage.is_first:
+            self._encode_images(scheduled)
+            encoder = self.encoder_cache.stats() if self.reports_encoder else None
+        step = self._prepare(scheduled)
+        if stage.is_first:
+            embeds = self.model.embed_tokens(step.input_ids)  # [num_tokens, hidden]
+            out = self.model(embeds, step.positions, self.caches, step.meta, step_images(scheduled, self.device))
+        else:
+            received = stage.recv(step.input_ids.shape[0])
+            out = self.model(received.hidden, step.positions, self.caches, step.meta, None, intermediate=received)
+        if sched.state_checkpoints:
+            self._copy_states(sched.state_checkpoints)
+        drop_passed_images(scheduled)
+        if not stage.is_last:
+            stage.send(out)  # IntermediateTensors [num_tokens, hidden] x 2
+            stage.step_done()
+            self._last_rows = {}
+            return Ready(ModelRunnerOutput(encoder_cache=encoder))
+        stage.step_done()
+        hidden = out  # [num_tokens, hidden]
+        prompt_lp = prompt_logprobs(self.model, scheduled, hidden, step.q_start) if self._prompt_logprobs_held else None
+        if not step.sample_idx:
+            self._last_rows = {}
+            return Ready(ModelRunnerOutput(encoder_cache=encoder, prompt_logprobs=prompt_lp or {}))
+        logits = self.model.compute_logits(hidden[step.sample_rows])  # [num_sampled, vocab]
+        return self._sample(sched, scheduled, step.sample_idx, logits, encoder, prompt_lp)
+
+    def _sample(self, sched: SchedulerOutput, scheduled: list[tuple[RequestState, int]], sample_idx: list[int],
+                logits: torch.Tensor, encoder, prompt_lp) -> PendingOutput:  # logits [num_sampled, vocab]
+        """Sample the step's rows (rank 0 of the last stage; the others return an empty output)."""
         if not self.samples:
             return Ready(ModelRunnerOutput())
         states = [scheduled[i][0] for i in sample_idx]

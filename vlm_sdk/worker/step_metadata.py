@@ -16,13 +16,19 @@ def step_metadata(layout: CacheLayout, caches: list, attention: AttentionBackend
     """`common`: the `AttentionMetadata` fields every group shares (lengths, query starts); `slot_mapping`
     [groups, tokens] and `block_tables` [groups, batch, blocks] indexed by attention group; `state`: the
     state groups' (a model with state layers)."""
-    metas = tuple(attention.prepare(AttentionMetadata(slot_mapping=slot_mapping[g], block_tables=block_tables[g],
-                                                      window=group.spec.window, **common),
-                                    caches[group.layers[0]][0])  # the shape of one K cache of the group
+    metas = tuple(_prepare(attention, AttentionMetadata(slot_mapping=slot_mapping[g], block_tables=block_tables[g],
+                                                        window=group.spec.window, **common), caches, group.layers)
                   for g, group in enumerate(layout.attention_groups))
     if layout.has_state:
         metas += (state,) * len(layout.state_groups)
     return StepMetadata(metas, layout.layer_group)
+
+
+def _prepare(attention: AttentionBackend, meta: AttentionMetadata, caches: list, layers: tuple[int, ...]):
+    """The backend's metadata of one group, from the shape of one K cache of it; None where a pipeline
+    stage holds none of the group's layers (no layer here reads it)."""
+    held = next((caches[i] for i in layers if caches[i] is not None), None)
+    return None if held is None else attention.prepare(meta, held[0])
 
 
 def synthetic_step_metadata(layout: CacheLayout, caches: list, attention: AttentionBackend,

@@ -38,6 +38,8 @@ from vlm_sdk.worker.cuda_graphs import DecodeGraphs
 from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs, piecewise_stack
 from vlm_sdk.worker.kernel_warmup import warm_up_kernels
 from vlm_sdk.worker.kv_cache import allocate_or_explain
+from vlm_sdk.worker.pp_transfer import StageLink
+from vlm_sdk.protocol.stage_layout import stage_block_bytes, stage_state_slot_bytes
 from vlm_sdk.worker.model_runner import ModelRunner
 from vlm_sdk.worker.profiler import profile_peak
 
@@ -61,8 +63,8 @@ class Worker:
             self.model = family.model_cls(info.hf_config, dtype=self.dtype, device=device, ops=self.ops,
                                           parallel=parallel, shard_vision=args.shard_vision)
         # only rank 0 shows a progress bar: the others load the same files at the same pace
-        self.model.load_weights(iter_safetensors(model_dir, show_progress=args.show_progress and tp.rank == 0,
-                                                 lazy=tp.size > 1),  # a rank reads only its slices
+        self.model.load_weights(iter_safetensors(model_dir, show_progress=args.show_progress and parallel.rank == 0,
+                                                 lazy=parallel.world_size > 1),  # a rank reads only its slices
                                 source=info.model_dir)
         self.model.eval()
         self.load_seconds = time.perf_counter() - t0
@@ -70,16 +72,23 @@ class Worker:
         m = self.model
         # what every layer keeps, grouped as the engine groups it (it refused a model whose groups cannot share)
         self.layout = CacheLayout.from_specs(m.cache_specs(self.kv_dtype))
-        self.bytes_per_block = self.layout.block_bytes(args.block_size)
+        # pipeline parallelism: this stage's layers (the model built only those); the engine's layout is
+        # the whole model's, and this rank allocates what its layers view (protocol/stage_layout.py)
+        self.stage_layers = getattr(m, "stage_layers", (0, m.num_layers)) if parallel.pp.size > 1 else None
+        self.bytes_per_block = self.layout.block_bytes(args.block_size) if self.stage_layers is None else \
+            stage_block_bytes(self.layout, self.stage_layers, args.block_size)
+        self.state_slot_bytes = self.layout.state_slot_bytes if self.stage_layers is None else \
+            stage_state_slot_bytes(self.layout, self.stage_layers)
         self.piecewise_stack = piecewise_stack(self.model, config.piecewise_graphs, tp.size, self.layout)
         self.caches: list[tuple[torch.Tensor, ...]] = []
         self.runner: ModelRunner | None = None
 
     def load_report(self) -> RankLoad:
         m = self.model
-        return RankLoad(self.tp.rank, str(self.device), self.config.dtype, weight_bytes(m), self.weights_allocated,
-                        self.load_seconds, m.num_layers, m.num_kv_heads, m.head_dim, self.bytes_per_block,
-                        str(self.kv_dtype).removeprefix("torch."), self.layout.state_slot_bytes)
+        layers = m.num_layers if self.stage_layers is None else self.stage_layers[1] - self.stage_layers[0]
+        return RankLoad(self.parallel.rank, str(self.device), self.config.dtype, weight_bytes(m),
+                        self.weights_allocated, self.load_seconds, layers, m.num_kv_heads, m.head_dim,
+                        self.bytes_per_block, str(self.kv_dtype).removeprefix("torch."), self.state_slot_bytes)
 
     def profile_memory(self, largest_image: ImageInput, max_position_embeddings: int,
                        held_tokens: int = 0) -> dict[str, int] | None:
@@ -112,8 +121,8 @@ class Worker:
         """Allocate `cache` (the block count every rank agreed on), capture the decode graphs (CUDA)
         and build the model runner. `max_vision_patches`: the profiled image's size, the largest
         vision-tower call a step makes."""
-        m, args = self.model, self.args
-        self.caches = allocate_or_explain(self.layout, cache, self.device)
+        m, args, pp = self.model, self.args, self.parallel.pp
+        self.caches = allocate_or_explain(self.layout, cache, self.device, self.stage_layers)
         graphs = piecewise = None
         if self.config.decode_graphs:
             graphs = DecodeGraphs(m, self.caches, self.layout, max_num_seqs=args.max_num_seqs,
@@ -124,9 +133,11 @@ class Worker:
                                             dtype=self.dtype, max_num_batched_tokens=args.max_num_batched_tokens)
         self.runner = ModelRunner(m, self.caches, self.layout, args.block_size, self.device, self.dtype, args.seed,
                                   max_vision_patches=max_vision_patches, graphs=graphs,
-                                  attention=self.ops.attention, samples=self.tp.rank == 0,
-                                  encoder_cache_bytes=args.encoder_cache_memory,
-                                  keep_sampled=self.config.async_scheduling, piecewise=piecewise)
+                                  attention=self.ops.attention, samples=self.tp.rank == 0 and pp.is_last,
+                                  encoder_cache_bytes=args.encoder_cache_memory if pp.is_first else 0,
+                                  keep_sampled=self.config.async_scheduling, piecewise=piecewise,
+                                  stage=None if pp.size == 1 else StageLink(pp, m.hidden_size, self.dtype, self.device))
+        self.runner.reports_encoder = self.tp.rank == 0 and pp.is_first
         warm_up_kernels(self.runner, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -33,6 +33,7 @@ from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.models.common.qwen_vl.image_processor import pixels_to_device
 from vlm_sdk.models.common.qwen_vl.model import QwenVLM
 from vlm_sdk.models.common.qwen_vl.qwen3_vision import Qwen3VLVisionTransformer
+from vlm_sdk.models.pipeline import IntermediateTensors
 from vlm_sdk.multimodal.inputs import ImageInput
 
 
@@ -62,6 +63,11 @@ class DeepStackVLM(QwenVLM):
         if self.deepstack_levels > cfg.num_layers:
             raise CheckpointError(f"vision_config.deepstack_visual_indexes has {self.deepstack_levels} levels but the "
                                   f"LLM has {cfg.num_layers} layers to add them to")
+        first_stage_layers = self.decoder.end_layer if parallel.pp.is_first else None
+        if parallel.pp.size > 1 and parallel.pp.is_first and first_stage_layers < self.deepstack_levels:
+            raise ValueError(f"the first pipeline stage holds {first_stage_layers} decoder layers but DeepStack adds "
+                             f"vision features after the first {self.deepstack_levels}: give the first stage at "
+                             f"least {self.deepstack_levels} layers (pp_layer_partition / --pp-layer-partition)")
         self.image_token_id = int(hf_config.image_token_id)
         self.spatial_merge_size = int(hf_config.vision_config.spatial_merge_size)
         self.requires_grad_(False)
@@ -80,7 +86,8 @@ class DeepStackVLM(QwenVLM):
         return torch.cat([merged, *levels], dim=1)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
-                meta: StepMetadata, images: StepImages | None = None) -> torch.Tensor:
+                meta: StepMetadata, images: StepImages | None = None,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         deepstack = None
         if images is not None:
             hidden = self.hidden_size
@@ -91,7 +98,7 @@ class DeepStackVLM(QwenVLM):
             inputs_embeds[images.rows] = rows[:, :hidden]
             if self.deepstack_levels:
                 deepstack = (images.rows, list(rows[:, hidden:].split(hidden, dim=1)))  # levels [n, hidden] each
-        return self.decoder(inputs_embeds, positions, caches, meta, deepstack=deepstack)
+        return self.decoder(inputs_embeds, positions, caches, meta, deepstack=deepstack, intermediate=intermediate)
 
     def stack_inputs(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
                      images: StepImages | None) -> tuple[torch.Tensor, torch.Tensor] | None:
