@@ -160,7 +160,7 @@ class StartedRanksExecutor(GroupExecutor):
     def _explain(self, exc: BaseException) -> BaseException:
         """A failed call: an EngineDeadError naming the failed rank when one did (`exc` as its cause),
         else `exc` itself (rank 0's own error)."""
-        if isinstance(exc, EngineDeadError) and "tensor-parallel rank" in str(exc):
+        if isinstance(exc, EngineDeadError) and ("tensor-parallel rank" in str(exc) or "pipeline stage" in str(exc)):
             return exc
         ranks_dead = bool(self._ended_ranks())
         peer_error = isinstance(exc, (RuntimeError, dist.DistBackendError)) and not isinstance(exc, EngineDeadError)

@@ -23,6 +23,7 @@ import logging
 import multiprocessing.connection
 import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -34,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vlm_sdk.executor.group import StartedRanksExecutor
-from vlm_sdk.executor.ranks import LOCALHOST, join_ranks, leave_group, spawned_rank_main
+from vlm_sdk.executor.ranks import LOCALHOST, describe_rank, join_ranks, leave_group, spawned_rank_main
 from vlm_sdk.worker.worker import Worker
 
 logger = logging.getLogger("vlm_sdk")
@@ -69,6 +70,7 @@ class MultiprocExecutor(StartedRanksExecutor):
         """`devices[r]`: rank r's device (one GPU per rank on CUDA; the CPU for every rank otherwise)."""
         size = config.parallel.world_size
         self._output_rank = size - config.parallel.tensor_parallel_size  # the last stage's rank 0 samples
+        self._tp_size, self._stages = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
         ctx = mp.get_context("spawn")
         self._init_group_state()
         self._timeout_s = config.args.distributed_timeout
@@ -125,7 +127,11 @@ class MultiprocExecutor(StartedRanksExecutor):
             deadline = time.monotonic()  # take what is queued already, wait no longer
 
     def _ended_ranks(self) -> list[str]:
-        return [f"{p.name} exited with code {p.exitcode}" for p in self._procs if not p.is_alive()]
+        if self._stages == 1:
+            return [f"{p.name} exited with code {p.exitcode}" for p in self._procs if not p.is_alive()]
+        node = socket.gethostname()
+        return [f"{describe_rank(r, *divmod(r, self._tp_size), p.pid, node)} exited with code {p.exitcode}"
+                for r, p in enumerate(self._procs, start=1) if not p.is_alive()]
 
     def _watch(self) -> None:
         multiprocessing.connection.wait([p.sentinel for p in self._procs])

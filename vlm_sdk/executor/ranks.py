@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import socket
 import threading
 import time
 import traceback
@@ -59,9 +60,21 @@ class RankFailure:
     error_type: str
     message: str
     traceback: str
+    pid: int | None = None
+    node: str | None = None
+    stage: int | None = None  # its pipeline stage (None without pipeline parallelism)
+    tp_rank: int | None = None
 
     def describe(self) -> str:
-        return f"tensor-parallel rank {self.rank} failed: {self.error_type}: {self.message}"
+        if self.stage is None:
+            return f"tensor-parallel rank {self.rank} failed: {self.error_type}: {self.message}"
+        return (f"{describe_rank(self.rank, self.stage, self.tp_rank, self.pid, self.node)} failed: "
+                f"{self.error_type}: {self.message}")
+
+
+def describe_rank(rank: int, stage: int, tp_rank: int, pid: int | None, node: str | None) -> str:
+    """A rank under pipeline parallelism, in words: its stage, its place in it, its process and node."""
+    return f"pipeline stage {stage} (tensor-parallel rank {tp_rank}, rank {rank}, pid {pid} on node {node})"
 
 
 def join_ranks(rank: int, parallel: ParallelConfig, init_method: str | None, timeout_s: float,
@@ -137,7 +150,10 @@ def run_rank(model_dir: str, config, rank: int, size: int, init_method: str | No
             store.set(f"loaded/{rank}", "1")
         serve_commands(worker, control)
     except BaseException as e:  # noqa: BLE001 - every failure must reach rank 0 and end this rank
-        failure = RankFailure(rank, type(e).__name__, str(e), traceback.format_exc())
+        stage, tp_rank = divmod(rank, config.parallel.tensor_parallel_size)
+        staged = config.parallel.pipeline_parallel_size > 1
+        failure = RankFailure(rank, type(e).__name__, str(e), traceback.format_exc(), os.getpid(), socket.gethostname(),
+                              stage if staged else None, tp_rank if staged else None)
         logger.error("%s\n%s", failure.describe(), failure.traceback)
         _report(failure, store, errors)
         os._exit(1)

@@ -1,0 +1,122 @@
+"""Pipeline parallelism through the engine on the CPU (gloo): two stages give the tokens of one rank for
+each family whose decoder runs stages, batched with images; PP=2 x TP=2; an uneven partition; chunked
+prefill, preemption and prefix caching; the transfers in the order of the schedule; each stage loads only
+its own layers; the partition checked with the numbers named."""
+from __future__ import annotations
+
+import pytest
+
+from helpers import image
+from vlm_sdk import LLM, SamplingParams
+from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.pp_partition import layer_counts, layer_range, parse_partition
+from vlm_sdk.testing import make_tiny_checkpoint
+from vlm_sdk.testing.pp_hooks import rank_process, stage_transfers
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+STAGED_FAMILIES = ("qwen2_5_vl", "internvl", "qwen3_vl", "qwen3_vl_moe")
+CACHE = {"qwen2_5_vl": {"num_blocks": 18}, "internvl": {"num_blocks": 60, "max_dynamic_patch": 1},
+         "qwen3_vl": {"num_blocks": 18}, "qwen3_vl_moe": {"num_blocks": 18}}
+
+
+def _conversations() -> list:
+    one = [{"role": "user", "content": [{"type": "image", "image": image(64, 48, 1)},
+                                        {"type": "text", "text": "What is this?"}]}]
+    two = [{"role": "user", "content": [{"type": "image", "image": image(56, 56, 2)},
+                                        {"type": "text", "text": "and"},
+                                        {"type": "image", "image": image(90, 40, 3)},
+                                        {"type": "text", "text": "Compare them."}]}]
+    text = [{"role": "user", "content": "Tell me about lakes."}]
+    return [one, two, text]
+
+
+def test_partition_follows_vllms_rule():
+    """vLLM's get_pp_indices: even; the remainder to the stages before the last; a given partition as is."""
+    assert layer_counts(20, 4) == (5, 5, 5, 5)
+    assert layer_counts(5, 2) == (3, 2)
+    assert layer_counts(8, 3) == (3, 3, 2)
+    assert layer_counts(6, 4) == (1, 2, 2, 1)  # remainder 2 to the two middle stages
+    assert [layer_range(20, s, 4, (4, 6, 6, 4)) for s in range(4)] == [(0, 4), (4, 10), (10, 16), (16, 20)]
+    assert parse_partition("4,6") == (4, 6)
+
+
+@pytest.mark.parametrize("partition, stages, words", [
+    ((3, 3), 2, "sums to 6 layers but the model has 5"),
+    ((5, 0), 2, "at least 1 decoder layer"),
+    ((2, 2, 1), 2, "names 3 stages but pipeline_parallel_size is 2"),
+])
+def test_a_partition_that_does_not_fit_is_refused_with_its_numbers(partition, stages, words):
+    with pytest.raises(InvalidRequestError, match=words) as e:
+        layer_counts(5, stages, partition)
+    assert e.value.param == "pp_layer_partition"
+    with pytest.raises(InvalidRequestError, match="not a list of layer counts"):
+        parse_partition("4;6")
+
+
+def test_the_engine_refuses_a_bad_partition_before_any_rank_starts(tiny_ckpt):
+    with pytest.raises(InvalidRequestError, match=r"pp_layer_partition=1,2 sums to 3 layers but the model has 2"):
+        LLM(tiny_ckpt, show_progress=False, pipeline_parallel_size=2, pp_layer_partition="1,2")
+    with pytest.raises(InvalidRequestError, match="pipeline_parallel_size is 1"):
+        LLM(tiny_ckpt, show_progress=False, pp_layer_partition="1,1")
+    with pytest.raises(InvalidRequestError, match="async_scheduling=True needs one rank"):
+        LLM(tiny_ckpt, show_progress=False, pipeline_parallel_size=2, async_scheduling=True)
+
+
+@pytest.mark.parametrize("family", STAGED_FAMILIES)
+def test_two_stages_give_the_tokens_of_one(family, tiny_checkpoints):
+    """Text, one image and two images, batched, on two stages: the greedy tokens of one rank; each stage
+    holds its own layers only, and lets go of every request."""
+    ckpt = tiny_checkpoints(family)
+    convs = _conversations()
+    want = [o.token_ids for o in LLM(ckpt, show_progress=False, **CACHE[family]).chat(convs, GREEDY)]
+    with LLM(ckpt, show_progress=False, pipeline_parallel_size=2, **CACHE[family]) as two:
+        assert [o.token_ids for o in two.chat(convs, GREEDY)] == want
+        ranks = two.engine.executor.collective_rpc(rank_process)
+        layers = [r[3] for r in ranks]
+        assert [r[:2] for r in ranks] == [(0, 0), (1, 1)] and layers[0][0] == 0 and layers[0][1] == layers[1][0]
+        assert two.engine.executor.collective_rpc("held_state") == [(0, 0), (0, 0)]
+        assert two.stats()["kv_blocks_used"] == 0
+
+
+def test_transfers_follow_the_schedule(tiny_ckpt):
+    """Every step with tokens: stage 0 sends once, stage 1 receives once, the same token count, in the
+    engine's step order; nothing else crosses (a transfer out of order or on the side would show here)."""
+    with LLM(tiny_ckpt, show_progress=False, pipeline_parallel_size=2, num_blocks=40,
+             max_num_batched_tokens=64) as two:
+        two.chat(_conversations(), GREEDY)
+        first, last = two.engine.executor.collective_rpc(stage_transfers)
+    assert first and [op for _, op, _, _ in first] == ["send"] * len(first)
+    assert [op for _, op, _, _ in last] == ["recv"] * len(last)
+    assert [(step, n) for step, _, _, n in first] == [(step, n) for step, _, _, n in last]
+    assert [step for step, *_ in first] == list(range(len(first)))  # one transfer per step, none skipped
+    assert {peer for _, _, peer, _ in first} == {1} and {peer for _, _, peer, _ in last} == {0}
+    assert max(n for *_, n in first) <= 64  # chunked prefill: a step never carries more than its budget
+
+
+def test_uneven_partition_chunked_prefill_preemption_and_prefix_caching(tmp_path_factory):
+    """Three layers split 1 + 2: a small cache that preempts, 32-token chunks, a prompt repeated so its
+    prefix is cached: the tokens of one rank."""
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("pp3"), "qwen2_5_vl", num_layers=3)
+    convs = _conversations() * 3
+    params = [SamplingParams(max_tokens=30 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(len(convs))]
+    kw = dict(show_progress=False, num_blocks=18, max_num_batched_tokens=32)
+    want = [o.token_ids for o in LLM(ckpt, **kw).chat(convs, params)]
+    with LLM(ckpt, pipeline_parallel_size=2, pp_layer_partition="1,2", **kw) as two:
+        assert [o.token_ids for o in two.chat(convs, params)] == want
+        stats = two.stats()
+        assert stats["num_preemptions"] > 0, "the batch was meant to preempt"
+        assert stats["prefix_cache_hit_tokens"] > 0, "the repeated prompts were meant to hit the prefix cache"
+        assert [r[3] for r in two.engine.executor.collective_rpc(rank_process)] == [(0, 1), (1, 3)]
+        report = two.memory_report
+        # stage 0 keeps one layer's KV per block, stage 1 two: the report is rank 0's
+        assert report.ranks[0].num_blocks_possible == report.ranks[1].num_blocks_possible == 18
+
+
+def test_two_stages_of_two_ranks(tiny_ckpt):
+    """PP=2 x TP=2 (four ranks, stage-major): the tokens of one rank."""
+    convs = _conversations()
+    want = [o.token_ids for o in LLM(tiny_ckpt, show_progress=False, num_blocks=40).chat(convs, GREEDY)]
+    with LLM(tiny_ckpt, show_progress=False, pipeline_parallel_size=2, tensor_parallel_size=2,
+             num_blocks=40) as four:
+        assert [o.token_ids for o in four.chat(convs, GREEDY)] == want
+        assert [r[1] for r in four.engine.executor.collective_rpc(rank_process)] == [0, 0, 1, 1]
