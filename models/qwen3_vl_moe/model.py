@@ -45,7 +45,7 @@ class Qwen3VLMoeForCausalLM(DeepStackVLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str | Path | None = None) -> None:
         weights = split_fused_experts(weights, self.decoder_config.moe, self.hidden_size)
-        blocks = [layer.moe for layer in self.decoder.layers if layer.moe is not None]
+        blocks = [layer.moe for layer in self.decoder.layers if getattr(layer, "moe", None) is not None]  # this stage's
         if blocks and blocks[0].expert_parallel:  # this rank's experts only (the same in every layer)
             weights = only_experts(weights, blocks[0].expert_range())
         super().load_weights(weights, source=source)
