@@ -36,6 +36,7 @@ from vlm_sdk.layers.norm import RMSNorm
 from vlm_sdk.layers.ops import KernelOps, TorchOps
 from vlm_sdk.layers.parallel_state import ParallelGroups
 from vlm_sdk.layers.shared_expert_moe import SharedExpertMoeBlock
+from vlm_sdk.models.pipeline import IntermediateTensors, PPMissingLayer
 from vlm_sdk.models.common.decoder_ends import DecoderEnds
 from vlm_sdk.protocol.cache_spec import AttentionSpec, LayerCacheSpec
 from vlm_sdk.weight_loading import ParamSlot, SplitSlot
@@ -183,14 +184,22 @@ class HybridDecoderLayer(nn.Module):
 
 class HybridDecoder(DecoderEnds):
     position_rows = 3  # M-RoPE: temporal, height, width
+    pipeline_stages = True  # builds and runs one stage's layers under pipeline parallelism (models/pipeline.py)
 
     def __init__(self, cfg: HybridDecoderConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", ops: KernelOps | None = None,
                  parallel: ParallelGroups = ParallelGroups()):
         super().__init__()
         self.cfg, self.ops = cfg, ops or TorchOps()
-        self._init_ends(cfg.vocab_size, cfg.hidden_size, cfg.tie_word_embeddings, dtype, device, parallel.tp)
+        self._init_ends(cfg.vocab_size, cfg.hidden_size, cfg.tie_word_embeddings, dtype, device, parallel.tp,
+                        parallel.pp)
+        # pipeline parallelism: this stage's layers; another stage's is a placeholder keeping only its cache
+        # kind (its state spec, read from the layer built on the meta device), so every stage's layout is
+        # the whole model's
+        self.start_layer, self.end_layer = parallel.pp.layer_range(cfg.num_layers)
         self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, dtype, device, self.ops, parallel)
+                                    if self.start_layer <= i < self.end_layer else
+                                    _missing(HybridDecoderLayer(cfg, i, dtype, "meta", self.ops, parallel), i)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = cfg.attention.rotary(device)  # the rotated dims' angles, shared by the attention layers
@@ -200,27 +209,40 @@ class HybridDecoder(DecoderEnds):
     def cache_specs(self, num_kv_heads: int, kv_dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Each layer's cache (this rank's shapes): its Gated DeltaNet state, or its K/V over `num_kv_heads`."""
         full = AttentionSpec(num_kv_heads, self.cfg.head_dim, str(kv_dtype).removeprefix("torch."))
-        return [full if layer.linear_attn is None else layer.linear_attn.cache_spec() for layer in self.layers]
+        return [(layer.state_spec or full) if isinstance(layer, PPMissingLayer) else
+                full if layer.linear_attn is None else layer.linear_attn.cache_spec() for layer in self.layers]
 
     def forward(self, inputs_embeds: torch.Tensor,  # [N, hidden]
                 positions: torch.Tensor,  # [3, N]
-                caches: list[tuple[torch.Tensor, ...]], meta: StepMetadata) -> torch.Tensor:  # [N, hidden]
+                caches: list[tuple[torch.Tensor, ...]], meta: StepMetadata,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:  # [N, hidden]
+        """Pipeline parallelism: a later stage starts from `intermediate`; one before the last returns its own."""
         if len(caches) != len(self.layers):
             raise ValueError(f"got {len(caches)} layer caches for {len(self.layers)} decoder layers")
-        rope = self.ops.rotary_inputs(positions, self.rotary, inputs_embeds.dtype)  # shared by every attention layer
-        x, residual = inputs_embeds, None
-        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            x, residual = layer(x, residual, rope, cache, meta.layer(i))
+        x, residual = (inputs_embeds, None) if intermediate is None else (intermediate.hidden, intermediate.residual)
+        rope = self.ops.rotary_inputs(positions, self.rotary, x.dtype)  # shared by every attention layer
+        for i in range(self.start_layer, self.end_layer):
+            x, residual = self.layers[i](x, residual, rope, caches[i], meta.layer(i))
+        if not self.pp.is_last:
+            return IntermediateTensors(x, residual)
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps, zero_centered=True)[0]
 
     def checkpoint_map(self, prefix: str, lm_head: str) -> dict[str, ParamSlot | SplitSlot]:
         """Checkpoint name (published, under `prefix`, e.g. "model.language_model.") -> this rank's slice;
         our parameter names are relative to this module."""
-        out: dict[str, ParamSlot | SplitSlot] = dict(
+        out: dict[str, ParamSlot | SplitSlot] = {} if self.embed_tokens is None else dict(
             self.embed_tokens.slots("embed_tokens.weight", f"{prefix}embed_tokens.weight"))
         out[f"{prefix}norm.weight"] = ParamSlot("norm.weight", (self.cfg.hidden_size,))
         if self.lm_head is not None:
             out.update(self.lm_head.slots("lm_head.weight", lm_head))
         for i, layer in enumerate(self.layers):
-            out.update(layer.slots(f"{prefix}layers.{i}.", f"layers.{i}."))
+            if not isinstance(layer, PPMissingLayer):  # another stage's: skipped on load (models/pipeline.py)
+                out.update(layer.slots(f"{prefix}layers.{i}.", f"layers.{i}."))
         return out
+
+
+def _missing(meta_layer: "HybridDecoderLayer", index: int) -> PPMissingLayer:
+    """Another stage's layer: no weights, its state spec kept (None: an attention layer)."""
+    missing = PPMissingLayer(index)
+    missing.state_spec = None if meta_layer.linear_attn is None else meta_layer.linear_attn.cache_spec()
+    return missing

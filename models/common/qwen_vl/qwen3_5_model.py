@@ -88,7 +88,7 @@ class Qwen3_5VLM(QwenVLM):
         moe = self.decoder_config.moe
         if moe is not None:
             weights = split_fused_experts(weights, moe, self.hidden_size)
-            routed = self.decoder.layers[0].moe.routed
+            routed = self.decoder.layers[self.decoder.start_layer].moe.routed  # this stage's first layer
             if routed.expert_parallel:  # this rank's experts only (the same in every layer)
                 weights = only_experts(weights, routed.expert_range())
         super().load_weights(weights, source=source)
