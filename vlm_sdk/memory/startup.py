@@ -41,8 +41,11 @@ def size_rank_caches(m: MemoryInputs, loads: list[RankLoad], profiles: list[dict
     for load, profile, snapshot in zip(loads, profiles, snapshots):
         parts = breakdown(m, profile)
         budget = None if snapshot is None else parts.budget(*snapshot)
-        fp8 = fp8_bytes_per_block(load.bytes_per_block, m.kv_dtype) if fp8_runs else None
-        cache = size_cache(m.args, load.bytes_per_block, m.max_position_embeddings, budget, fp8, m.layout)
+        # a pipeline stage of state layers only holds no KV tensor: blocks cost it nothing, so it bounds
+        # the shared block count only by its budget at one byte each (the other stages bind)
+        per_block = load.bytes_per_block or 1
+        fp8 = fp8_bytes_per_block(per_block, m.kv_dtype) if fp8_runs and load.bytes_per_block else None
+        cache = size_cache(m.args, per_block, m.max_position_embeddings, budget, fp8, m.layout)
         check_cache(cache, m.args, load.weights.total, image_setting)
         out.append(RankCache(parts, cache))
     if m.args.memory_utilization_given and out[0].cache.rule != "memory_utilization":
