@@ -23,7 +23,8 @@ from vlm_sdk.server.vllm_names import add_vllm_names, apply_vllm_names
 
 FAMILIES = registry.family_names()  # --family choices; the first is the default
 # the engine settings plain `chat --help` shows
-CHAT_COMMON_ENGINE = ("max_model_len", "num_blocks", "kv_cache_memory", "device", "tensor_parallel_size")
+CHAT_COMMON_ENGINE = ("max_model_len", "num_blocks", "kv_cache_memory", "device", "tensor_parallel_size",
+                      "pipeline_parallel_size")
 CHAT_USAGE = "vlm-sdk chat [options] QUESTION"
 
 

@@ -117,7 +117,6 @@ def test_vllm_names_mean_ours():
 @pytest.mark.parametrize("argv, hint", [
     (["serve", "--chat-template", "t.jinja"], "--chat-template is vLLM's; the checkpoint's own chat template"),
     (["serve", "-q", "awq"], "quantization_config: nothing to set"),
-    (["serve", "--pipeline-parallel-size", "2"], "split the model with --tensor-parallel-size"),
     (["serve", "--gpu-memory-utilisation", "0.5"], "did you mean --gpu-memory-utilization or --memory-utilization?"),
     (["chat", "--port", "8000", "hi"], "--port is a flag of `vlm-sdk serve`, not of `vlm-sdk chat`"),
     (["chat", "--enable-auto-tool-choice", "hi"], "is vLLM's, for `vlm-sdk serve`"),

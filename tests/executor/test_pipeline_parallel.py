@@ -122,3 +122,42 @@ def test_two_stages_of_two_ranks(tiny_ckpt):
              num_blocks=40) as four:
         assert [o.token_ids for o in four.chat(convs, GREEDY)] == want
         assert [r[1] for r in four.engine.executor.collective_rpc(rank_process)] == [0, 0, 1, 1]
+
+
+def test_a_killed_stage_fails_every_request_and_leaves_no_rank(tiny_ckpt):
+    """Stage 1's process killed while three streams run: each fails with EngineDeadError naming the stage,
+    the rank, its pid and node; the engine is dead and no rank process is left."""
+    import asyncio
+    import os
+    import signal
+    import socket
+    import time
+
+    from vlm_sdk import AsyncLLM
+    from vlm_sdk.errors import EngineDeadError
+    long = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        async with AsyncLLM(tiny_ckpt, show_progress=False, pipeline_parallel_size=2, num_blocks=400,
+                            max_model_len=2048) as engine:
+            pid = engine.engine.executor.collective_rpc(rank_process)[1][2]
+            started = asyncio.Event()
+
+            async def stream(conv):
+                async for _ in engine.chat_stream(conv, long):
+                    started.set()
+            tasks = [asyncio.create_task(stream(c)) for c in _conversations()]
+            await started.wait()
+            os.kill(pid, signal.SIGKILL)
+            errors = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=60)
+            return pid, errors, engine.stats()
+
+    pid, errors, stats = asyncio.run(main())
+    assert all(isinstance(e, EngineDeadError) for e in errors), errors
+    for e in errors:
+        assert f"pipeline stage 1 (tensor-parallel rank 0, rank 1, pid {pid} on node {socket.gethostname()})" in str(e)
+    assert stats["num_running"] == stats["num_waiting"] == stats["kv_blocks_used"] == 0
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]:
+        assert time.monotonic() < deadline, f"rank process {pid} still running"
+        time.sleep(0.1)

@@ -54,6 +54,11 @@ ENGINE_HELP = {
     "preemption_warning_per_minute": "log a warning when preemptions in the last 60 s exceed this (default 10)",
     "tensor_parallel_size": "split the model over this many ranks (GPUs), one process each (default 1); "
                             "under torchrun, the number of processes it starts",
+    "pipeline_parallel_size": "split the decoder layers over this many pipeline stages, each of "
+                              "tensor_parallel_size ranks (default 1): the first stage runs the vision tower and "
+                              "the embeddings, the last the LM head and sampling",
+    "pp_layer_partition": "each pipeline stage's decoder layer count, e.g. '4,6' (vLLM's VLLM_PP_LAYER_PARTITION; "
+                          "default: an even split, the remainder to the stages before the last)",
     "shard_vision": "under tensor parallelism, split the vision tower over the ranks too (default; "
                     "--no-shard-vision gives every rank a whole copy)",
     "enable_expert_parallel": "under tensor parallelism, give each rank whole MoE experts (num_experts / "
@@ -114,7 +119,8 @@ GROUPS = (
                                      "preemption_warning_per_minute")),
     ("engine: model and device", ("revision", "model_family", "dtype", "device", "seed", "attention_backend", "small_m_gemm",
                                   "enforce_eager", "piecewise_cuda_graphs", "async_scheduling")),
-    ("engine: parallelism", ("tensor_parallel_size", "enable_expert_parallel", "shard_vision",
+    ("engine: parallelism", ("tensor_parallel_size", "pipeline_parallel_size", "pp_layer_partition",
+                             "enable_expert_parallel", "shard_vision",
                              "distributed_executor_backend", "ray_placement_strategy", "distributed_timeout")),
     ("engine: images and video", ("max_image_pixels", "max_request_image_pixels", "max_video_bytes",
                                   "max_video_seconds", "max_video_frames", "max_video_decode_pixels",
@@ -131,7 +137,8 @@ _SWITCHES = {"async_scheduling"}  # on/off switches whose default (None) means "
 _FLAG_TYPES = {"revision": str, "model_family": str, "dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
                "encoder_cache_memory": str, "memory_utilization": float, "max_grammar_memory": str,
                "grammar_cache_memory": str, "tool_call_parser": str, "reasoning_parser": str,
-               "max_video_bytes": str, "distributed_executor_backend": str}
+               "max_video_bytes": str, "distributed_executor_backend": str,
+               "pp_layer_partition": str}
 _NOT_FLAGS = ("show_progress", "mm_processor_kwargs")  # the latter: one flag per family setting (and vLLM's JSON)
 
 

@@ -53,13 +53,11 @@ VLLM_NAMES = (
     VllmName("--quantization", "none", "refused",
              "the format is read from config.json's quantization_config: nothing to set"),
     VllmName("-q", "none", "refused", "the format is read from config.json's quantization_config: nothing to set"),
-    VllmName("--pipeline-parallel-size", "none", "refused",
-             "pipeline parallelism is not built: split the model with --tensor-parallel-size"),
-    VllmName("-pp", "none", "refused", "pipeline parallelism is not built: split the model with --tensor-parallel-size"),
+    VllmName("-pp", "--pipeline-parallel-size (also --pp)", "alias", "", ("serve", "chat", "plan")),
 )
 # EngineArgs field -> vLLM's spellings added to its flag (engine_flags.add_engine_flags)
 ENGINE_ALIASES = {"memory_utilization": ("--gpu-memory-utilization",), "num_blocks": ("--num-gpu-blocks-override",),
-                  "tensor_parallel_size": ("--tp", "-tp")}
+                  "tensor_parallel_size": ("--tp", "-tp"), "pipeline_parallel_size": ("--pp", "-pp")}
 
 
 def add_vllm_names(parser: argparse.ArgumentParser, command: str) -> None:
