@@ -161,3 +161,23 @@ def test_a_killed_stage_fails_every_request_and_leaves_no_rank(tiny_ckpt):
     while os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]:
         assert time.monotonic() < deadline, f"rank process {pid} still running"
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize("family, partition", [("qwen2_5_vl", None), ("qwen3_5", "3,1")])
+def test_plan_equals_the_engine_per_stage(family, partition, tiny_checkpoints):
+    """`plan(pp=2)` gives each stage's weights, KV share of a block and the blocks it could hold, as the
+    engine's start-up report shows them (the CPU default cache, sized per stage); Qwen3.5 3 + 1: stage 0
+    holds only state layers (no KV), stage 1 the attention layer."""
+    from vlm_sdk.plan import plan
+    ckpt = tiny_checkpoints(family)
+    kw = dict(max_model_len=512, max_num_seqs=4)
+    with LLM(ckpt, show_progress=False, pipeline_parallel_size=2, pp_layer_partition=partition, **kw) as two:
+        report = two.memory_report
+        engine_blocks = two.engine.cache_config.num_blocks
+    planned = plan(ckpt, device="cpu", pp=2, pp_layer_partition=partition, **kw)
+    assert [(s.layers, s.weights_bytes, s.kv_bytes_per_block, s.num_blocks_possible) for s in planned.stages] == \
+        [(r.layers, r.weights_bytes, r.kv_bytes_per_block, r.num_blocks_possible) for r in report.ranks]
+    assert planned.num_blocks == engine_blocks
+    assert planned.balanced_partition is not None and sum(planned.balanced_partition) == planned.num_layers
+    if family == "qwen3_5":
+        assert planned.stages[0].kv_bytes_per_block == 0 < planned.stages[1].kv_bytes_per_block

@@ -148,6 +148,8 @@ class RankMemory:
     weights_bytes: int  # its slice of the model
     activation_peak_bytes: int | None  # CUDA: its profiled peak
     num_blocks_possible: int  # the KV blocks it could hold alone (every rank gets the smallest of these)
+    layers: tuple[int, int] | None = None  # pipeline parallelism: the decoder layers [start, stop) it holds
+    kv_bytes_per_block: int | None = None  # pipeline parallelism: its share of a block (its layers' pages)
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,9 @@ class StartupMemory(MemoryTotals):
                 "not measured (the CPU cache is not carved out of device memory)")
         rows = [
             ("device / dtype", f"{self.device}, {self.dtype}"
-             + (f"; tensor parallel over {self.tensor_parallel_size} ranks: figures are per rank (rank 0's)"
+             + (f"; {self.tensor_parallel_size} ranks (pipeline stages x tensor parallel): figures are rank 0's, "
+                f"every rank's below" if any(r.layers for r in self.ranks) else
+                f"; tensor parallel over {self.tensor_parallel_size} ranks: figures are per rank (rank 0's)"
                 if self.tensor_parallel_size > 1 else "")),
             ("weights", f"{format_bytes(self.weights_bytes)}: language model "
              f"{format_bytes(self.weights_language_model_bytes)}, vision tower {format_bytes(self.weights_vision_bytes)}, "
@@ -238,7 +242,9 @@ class StartupMemory(MemoryTotals):
             rows.append(("vision held per request", self.held_vision))
         for r in self.ranks:
             peak = "" if r.activation_peak_bytes is None else f", activation peak {format_bytes(r.activation_peak_bytes)}"
-            rows.append((f"rank {r.rank}", f"{r.device}: weights {format_bytes(r.weights_bytes)}{peak}; could hold "
+            stage = "" if r.layers is None else (f" (layers {r.layers[0]}..{r.layers[1] - 1}, "
+                                                 f"{r.kv_bytes_per_block:,} B per block)")
+            rows.append((f"rank {r.rank}{stage}", f"{r.device}: weights {format_bytes(r.weights_bytes)}{peak}; could hold "
                          f"{r.num_blocks_possible:,} blocks" + (" (the smallest: every rank holds this many)"
                                                                if r.num_blocks_possible == self.num_blocks else "")))
         return "KV cache and memory at start-up:\n" + table(rows)

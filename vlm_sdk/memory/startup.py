@@ -86,7 +86,8 @@ def startup_report(m: MemoryInputs, loads: list[RankLoad], ranks: list[RankCache
     load, budget, parts = loads[0], cache.budget, ranks[0].parts
     w = load.weights
     per_rank = tuple(RankMemory(r.rank, r.device, r.weights.total,
-                                rc.parts.activation_bytes if measured else None, rc.cache.num_blocks)
+                                rc.parts.activation_bytes if measured else None, rc.cache.num_blocks,
+                                r.stage_layers, r.bytes_per_block if r.stage_layers else None)
                      for r, rc in zip(loads, ranks)) if len(loads) > 1 else ()
     return StartupMemory(
         device=load.device, dtype=load.dtype, kv_cache_dtype=str(m.kv_dtype).removeprefix("torch."),

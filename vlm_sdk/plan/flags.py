@@ -75,6 +75,11 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     cmd.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp", type=int,
                      help="tensor-parallel ranks: figures are per rank, as the engine's start-up report shows them "
                           "(default 1)")
+    cmd.add_argument("--pp", "--pipeline-parallel-size", "-pp", dest="pp", type=int,
+                     help="pipeline stages: each stage's weights, activations and KV share, the stage that binds the "
+                          "cache and a balancing layer partition (default 1)")
+    cmd.add_argument("--pp-layer-partition", dest="pp_layer_partition",
+                     help="with --pp: each stage's decoder layer count, e.g. '4,6' (default: even)")
     cmd.add_argument("--shard-vision", action=argparse.BooleanOptionalAction, default=None,
                      help="with --tp: split the vision tower over the ranks (the default) or not")
     cmd.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=None,

@@ -64,6 +64,7 @@ from vlm_sdk.plan import rules
 from vlm_sdk.plan.contexts import CONTEXT_LENGTHS, context_fits
 from vlm_sdk.plan.device import DEVICE_HINT, Memory, parse_size
 from vlm_sdk.plan.rules import Problem
+from vlm_sdk.plan.stages import StagePlan, plan_stages
 
 __all__ = ["MemoryPlan", "PLAN_OPTIONS", "Problem", "plan"]
 
@@ -73,7 +74,8 @@ _ENGINE_OPTIONS = ("memory_utilization", "kv_cache_memory", "num_blocks", "dtype
                    "enforce_eager", "piecewise_cuda_graphs", "kv_cache_dtype")
 # each registered family's image option (`FamilySpec.plan_setting`)
 FAMILY_OPTIONS = tuple(registry.plan_settings())
-PLAN_OPTIONS = ("device_memory", "device", "host_memory", *_ENGINE_OPTIONS, *FAMILY_OPTIONS, "tp",
+PLAN_OPTIONS = ("device_memory", "device", "host_memory", *_ENGINE_OPTIONS, *FAMILY_OPTIONS, "tp", "pp",
+                "pp_layer_partition",
                 "prompt_tokens", "output_tokens", "images")
 
 
@@ -138,6 +140,16 @@ class MemoryPlan(MemoryTotals):
     # a model with sliding-window layers: requests of 8k / 32k / 128k tokens (up to max_position_embeddings),
     # their window and global KV, against an all-full-attention allocation (plan/contexts.py)
     context_fits: tuple = ()
+    # pipeline parallelism (--pp): each stage's figures (plan/stages.py; the fields above are stage 0's), and
+    # the layer counts that would balance the stages
+    pp: int = 1
+    stages: tuple[StagePlan, ...] = ()
+    balanced_partition: tuple[int, ...] | None = None
+
+    @property
+    def binding_stage(self) -> int | None:
+        """The stage holding the fewest blocks (every stage holds that many): the one that binds capacity."""
+        return min(self.stages, key=lambda s: s.num_blocks_possible).stage if self.stages else None
 
     def consumer_bytes(self, name: str) -> int:
         """A consumer's bytes (0 when it does not apply: e.g. graph pools on the CPU)."""
@@ -156,7 +168,9 @@ class MemoryPlan(MemoryTotals):
                 + (self.output_tokens or 0))
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k not in ("problems", "notes", "consumers")}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("problems", "notes", "consumers", "stages")}
+        out["stages"] = [s.to_dict() for s in self.stages]
+        out["binding_stage"] = self.binding_stage
         out["consumers"] = [c.to_dict() for c in self.consumers]
         for name in ("weights_bytes", "capacity_tokens", "kv_cache_bytes", "state_bytes",
                      "longest_request_tokens", "request_tokens"):
@@ -184,7 +198,9 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     device, device_memory, other_use, host_memory = _where(o, sizes)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
 
-    parallel = ParallelConfig(tp, enable_expert_parallel=args.enable_expert_parallel)  # the engine's layout
+    pp = o["pp"] or 1
+    args = dataclasses.replace(args, pipeline_parallel_size=pp, pp_layer_partition=o["pp_layer_partition"])
+    parallel = args.parallel_config()  # the engine's layout
     check_tensor_parallel_size(family, info.hf_config, parallel, args.shard_vision)  # the engine's refusal
     # the engine's own modules (rank 0's), no memory: counts can never disagree
     model = family.meta_model(info.hf_config, dtype, parallel, args.shard_vision)
@@ -194,14 +210,20 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
                       piecewise_graphs=graphs and args.piecewise_cuda_graphs)
     parts = breakdown(m)  # every consumer estimated
     per_block = m.layout.block_bytes(args.block_size)  # the engine's: worker.py reports the same
+    stages, balanced = (), None
+    if pp > 1:  # each stage's figures (plan/stages.py); the table's are stage 0's, as the engine's report
+        stages, balanced = plan_stages(family, info, args, parallel, dtype, m, device_memory, other_use)
+        per_block = stages[0].kv_bytes_per_block
     weights, peak, encoder = m.weights, parts.activation_bytes, parts.bytes_of("encoder_cache")
 
     # the engine's own sizing rules, on the memory it would find after loading the weights; an FP8 cache's
     # blocks beside them (a planned GPU runs it: the engine refuses only a GPU older than compute 8.0)
     budget = None if device_memory is None else parts.budget(device_memory, other_use + weights.total)
-    cache = size_cache(args, per_block, m.max_position_embeddings, budget, fp8_bytes_per_block(per_block, m.kv_dtype),
-                       m.layout)
+    cache = size_cache(args, per_block or 1, m.max_position_embeddings, budget,
+                       fp8_bytes_per_block(per_block, m.kv_dtype) if per_block else None, m.layout)
     blocks = max(cache.num_blocks, 0)
+    if stages:  # every stage holds the smallest count (one block table serves them all)
+        blocks = min(blocks, *(st.num_blocks_possible for st in stages))
     memory = (Memory(device_memory, other_use, "device memory") if device_memory is not None else
               Memory(host_memory, 0, "host RAM"))
     if budget is None:  # the CPU: grow-the-cache fixes are bounded by host RAM (sizing rules stay the engine's)
@@ -243,7 +265,8 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
         dataclasses.replace(cache, num_blocks=max(cache.fp8_blocks, 0)).capacity_tokens,
         context_fits=context_fits(m.layout, blocks, args.block_size, args.max_num_batched_tokens,
                                   tuple(n for n in CONTEXT_LENGTHS if n <= m.max_position_embeddings)),
-        **{**cache_shares(m, cache, max_model_len), "cache_capacity_tokens": capacity})
+        **{**cache_shares(m, cache, max_model_len), "cache_capacity_tokens": capacity},
+        pp=pp, stages=stages, balanced_partition=balanced)
 
 
 def _settings(options: dict) -> tuple[dict, dict]:
@@ -258,10 +281,11 @@ def _settings(options: dict) -> tuple[dict, dict]:
         if o[name] is not None:  # checked by the declaring family's schema, under the plan option's name
             schema = next(s for s in fam.engine_settings if s.name == setting)
             dataclasses.replace(schema, name=name).check(o[name])
-    for name in ("tp", "prompt_tokens", "output_tokens", "images"):
+    for name in ("tp", "pp", "prompt_tokens", "output_tokens", "images"):
         v = o[name]
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "tp" else 0)):
-            raise InvalidRequestError(f"{name} must be a {'positive' if name == 'tp' else 'non-negative'} "
+        positive = name in ("tp", "pp")
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < (1 if positive else 0)):
+            raise InvalidRequestError(f"{name} must be a {'positive' if positive else 'non-negative'} "
                                       f"integer, got {v!r}")
     return o, sizes
 

@@ -31,7 +31,8 @@ def format_plan(p: MemoryPlan) -> str:
                          f"checked against it)")
     rows = [
         ("model", f"{p.architecture} ({p.config_path})"),
-        ("device / dtype / tp", f"{p.device}, {p.dtype}, tp={p.tp}"),
+        ("device / dtype / tp", f"{p.device}, {p.dtype}, tp={p.tp}" + (f", pp={p.pp} (figures below are stage 0's; "
+                                                                       f"each stage's at the end)" if p.stages else "")),
         ("device memory", device_memory),
         ("weights: language model", _size(p.weights_language_model_bytes)),
         ("weights: vision tower", _size(p.weights_vision_bytes)),
@@ -61,6 +62,16 @@ def format_plan(p: MemoryPlan) -> str:
         rows.append(("workload", f"{p.prompt_tokens or 0} text + {p.images or 0} image(s) + {p.output_tokens or 0} "
                      f"output = {p.request_tokens:,} tokens per request"))
         rows.append(("requests at once", f"{p.max_concurrent_requests} (max_num_seqs {p.max_num_seqs})"))
+    for st in p.stages:  # pipeline parallelism: what each stage holds; the binding one sizes every stage's cache
+        binds = " (binds: every stage holds this many)" if st.stage == p.binding_stage else ""
+        rows.append((f"stage {st.stage}: layers {st.layers[0]}..{st.layers[1] - 1}",
+                     f"weights {_size(st.weights_bytes)}, activation peak {_size(st.activation_peak_bytes)}, "
+                     f"KV {st.kv_bytes_per_block:,} B per block; could hold {st.num_blocks_possible:,} blocks{binds}"))
+    if p.balanced_partition is not None:
+        current = tuple(st.layers[1] - st.layers[0] for st in p.stages)
+        rows.append(("balancing partition", ",".join(map(str, p.balanced_partition)) + (
+            " (the current one)" if p.balanced_partition == current else
+            f" (--pp-layer-partition {','.join(map(str, p.balanced_partition))}; now {','.join(map(str, current))})")))
     lines = [table(rows)] + _problem_lines("problems", p.problems)
     if p.notes:
         lines += _problem_lines("notes", p.notes)

@@ -31,3 +31,4 @@ class RankLoad:
     bytes_per_block: int  # this rank's KV bytes per block of the shared pool (its KV heads, group_size layers, K and V)
     kv_cache_dtype: str = ""  # the cache's dtype, e.g. "bfloat16" or "float8_e4m3fn"; "": the model's
     state_slot_bytes: int = 0  # one request's state over this rank's state layers (0: none)
+    stage_layers: tuple[int, int] | None = None  # pipeline parallelism: the decoder layers [start, stop) it holds

@@ -88,7 +88,8 @@ class Worker:
         layers = m.num_layers if self.stage_layers is None else self.stage_layers[1] - self.stage_layers[0]
         return RankLoad(self.parallel.rank, str(self.device), self.config.dtype, weight_bytes(m),
                         self.weights_allocated, self.load_seconds, layers, m.num_kv_heads, m.head_dim,
-                        self.bytes_per_block, str(self.kv_dtype).removeprefix("torch."), self.state_slot_bytes)
+                        self.bytes_per_block, str(self.kv_dtype).removeprefix("torch."), self.state_slot_bytes,
+                        self.stage_layers)
 
     def profile_memory(self, largest_image: ImageInput, max_position_embeddings: int,
                        held_tokens: int = 0) -> dict[str, int] | None:
