@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from vlm_sdk.attention.metadata import AttentionMetadata, StepMetadata
+from vlm_sdk.models.pipeline import IntermediateTensors, PPMissingLayer
 from vlm_sdk.layers.attention import PagedAttention
 from vlm_sdk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vlm_sdk.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -120,23 +121,30 @@ class GemmaDecoderLayer(nn.Module):
 
 class GemmaDecoder(DecoderHead, nn.Module):
     """A `DecoderStack` (models/base.py) with the interface `lm_loading.load_with_lm_head` and
-    `finish_cpu_layout` use (`embed_tokens`, `lm_head`, `packed_head`, `untie_lm_head`, `tp`)."""
+    `finish_cpu_layout` use (`embed_tokens`, `lm_head`, `packed_head`, `untie_lm_head`, `tp`). Under
+    pipeline parallelism it holds one stage's layers (another stage's is a `PPMissingLayer` keeping its
+    cache spec), the embedding on the first stage (and the last when tied), the head on the last."""
+    pipeline_stages = True
 
     def __init__(self, cfg: GemmaDecoderConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  ops: KernelOps | None = None, parallel: ParallelGroups = ParallelGroups()):
         super().__init__()
-        tp = parallel.tp
-        self.cfg, self.tp = cfg, tp
+        tp, pp = parallel.tp, parallel.pp
+        self.cfg, self.tp, self.pp = cfg, tp, pp
         self.ops = ops or TorchOps()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, tp)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, tp) \
+            if pp.is_first or (pp.is_last and cfg.tie_word_embeddings) else None
         # transformers rounds sqrt(hidden) to the weight's dtype before the product
         self.register_buffer("normalizer", torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype, device=device),
                              persistent=False)
+        self.start_layer, self.end_layer = pp.layer_range(cfg.num_layers)
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, dtype, device, self.ops, tp, i)
+                                    if self.start_layer <= i < self.end_layer else
+                                    _missing(GemmaDecoderLayer(cfg, dtype, "meta", self.ops, tp, i), i)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = nn.ModuleDict({t: _rotary(cfg, t, device) for t in sorted(set(cfg.layer_types))})
-        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype,
+        self.lm_head = None if cfg.tie_word_embeddings or not pp.is_last else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype,
                                                                            device, tp)
         self.packed_head = None
         self.logit_softcap = cfg.final_logit_softcapping
@@ -152,15 +160,19 @@ class GemmaDecoder(DecoderHead, nn.Module):
     def forward(self, inputs_embeds: torch.Tensor,  # [N, hidden], the image rows in place
                 positions: torch.Tensor,  # [N]
                 caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: StepMetadata) -> torch.Tensor:  # [N, hidden], after the final norm
+                meta: StepMetadata,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         """`meta`: the step's metadata per cache group; layer i reads `meta.layer(i)` (a sliding-window
-        layer its window's group's)."""
+        layer its window's group's). Pipeline parallelism: a later stage starts from `intermediate`; a
+        stage before the last returns its own (models/pipeline.py)."""
         if len(caches) != len(self.layers):
             raise ValueError(f"got {len(caches)} layer caches for {len(self.layers)} decoder layers")
-        rope = self.rotary_inputs(positions, inputs_embeds.dtype)
-        x, residual = inputs_embeds, None
-        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            x, residual = layer(x, residual, rope, cache, meta.layer(i))
+        x, residual = (inputs_embeds, None) if intermediate is None else (intermediate.hidden, intermediate.residual)
+        rope = self.rotary_inputs(positions, x.dtype)
+        for i in range(self.start_layer, self.end_layer):
+            x, residual = self.layers[i](x, residual, rope, caches[i], meta.layer(i))
+        if not self.pp.is_last:
+            return IntermediateTensors(x, residual)
         return self.final_norm(x, residual)
 
     def rotary_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, RotaryInputs]:
@@ -177,6 +189,8 @@ class GemmaDecoder(DecoderHead, nn.Module):
         hid, d = cfg.hidden_size, cfg.head_dim
         out = self.head_slots(prefix, lm_head)
         for i, layer in enumerate(self.layers):
+            if isinstance(layer, PPMissingLayer):  # another stage's: skipped on load
+                continue
             src, dst = f"{prefix}layers.{i}.", f"layers.{i}."
             out.update(attention_slots(layer, src, dst, cfg.attention_bias, cfg.attention_bias))
             out.update(layer.gate_up_proj.slots(f"{dst}gate_up_proj.", [f"{src}mlp.gate_proj.weight",
@@ -188,6 +202,13 @@ class GemmaDecoder(DecoderHead, nn.Module):
             out[f"{src}self_attn.k_norm.weight"] = ParamSlot(f"{dst}k_norm.weight", (d,))
             out.update(kv_scale_slots(src, f"{dst}attn."))
         return out
+
+
+def _missing(meta_layer: GemmaDecoderLayer, index: int) -> PPMissingLayer:
+    """Another stage's layer: no weights; its cache spec (sliding window or full) kept for the layout."""
+    missing = PPMissingLayer(index)
+    missing.cache_spec = meta_layer.cache_spec
+    return missing
 
 
 def _rotary(cfg: GemmaDecoderConfig, layer_type: str, device: torch.device | str) -> MRotaryEmbedding:

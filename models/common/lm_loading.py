@@ -95,6 +95,8 @@ class DecoderVLM(VisionLanguageModel):
                 meta: StepMetadata, images: StepImages | None = None,
                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         # [position_rows, N]: the decoder takes 1-D RoPE positions as [N], M-RoPE ones as [3, N]
+        if intermediate is not None:  # a later pipeline stage: the image rows are in the hidden states already
+            images = None
         return self.decoder(*self.stack_inputs(inputs_embeds, positions, images), caches, meta,
                             intermediate=intermediate)
 

@@ -38,6 +38,7 @@ from vlm_sdk.models.common.image_spans import image_key_limits
 from vlm_sdk.models.common.siglip import SiglipVisionConfig, SiglipVisionTower
 from vlm_sdk.models.gemma3.projector import Gemma3Projector
 from vlm_sdk.models.common.lm_loading import DecoderVLM, finish_cpu_layout, load_with_lm_head
+from vlm_sdk.models.pipeline import IntermediateTensors
 
 # the saved and published spellings -> transformers 5's in-memory names (longest prefix first)
 _ALIASES = (("language_model.lm_head.", "lm_head."), ("language_model.model.", "model.language_model."),
@@ -86,18 +87,22 @@ class Gemma3ForConditionalGeneration(DecoderVLM):
         self.requires_grad_(False)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
-                meta: StepMetadata, images: StepImages | None = None) -> torch.Tensor:
+                meta: StepMetadata, images: StepImages | None = None,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         """A step with image tokens attends bidirectionally within each image's run of them: every
-        attention group's metadata carries the step's `key_limits` (models/common/image_spans.py)."""
+        attention group's metadata carries the step's `key_limits` (models/common/image_spans.py). A
+        later pipeline stage gets the image rows alone (their embeddings are in `intermediate`) and
+        limits its keys the same way."""
         embeds = inputs_embeds
         if images is not None:
-            embeds[images.rows] = images.embeds.to(embeds.dtype)  # [n, hidden] rows
+            if intermediate is None:
+                embeds[images.rows] = images.embeds.to(embeds.dtype)  # [n, hidden] rows
             first = next(g for g in meta.groups if isinstance(g, AttentionMetadata))
             limits = image_key_limits(positions[0], images.rows, first.query_start_loc)  # [N] int32
             meta = StepMetadata(tuple(dataclasses.replace(g, key_limits=limits) if isinstance(g, AttentionMetadata)
                                       else g for g in meta.groups),
                                 meta.layer_group)
-        return self.decoder(embeds, positions[0], caches, meta)
+        return self.decoder(embeds, positions[0], caches, meta, intermediate=intermediate)
 
     def stack_inputs(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
                      images: StepImages | None) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -14,9 +14,9 @@ from vlm_sdk.testing import make_tiny_checkpoint
 from vlm_sdk.testing.pp_hooks import rank_process, stage_transfers
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-STAGED_FAMILIES = ("qwen2_5_vl", "internvl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+STAGED_FAMILIES = ("qwen2_5_vl", "internvl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "qwen3_5", "qwen3_5_moe")
 CACHE = {"qwen2_5_vl": {"num_blocks": 18}, "internvl": {"num_blocks": 60, "max_dynamic_patch": 1},
-         "qwen3_vl": {"num_blocks": 18}, "qwen3_vl_moe": {"num_blocks": 18},
+         "qwen3_vl": {"num_blocks": 18}, "qwen3_vl_moe": {"num_blocks": 18}, "gemma3": {"num_blocks": 24},
          # Qwen3.5's 4 tiny layers are [state x 3, full]: stage 0 holds only state layers (no KV at all)
          "qwen3_5": {"num_blocks": 18}, "qwen3_5_moe": {"num_blocks": 18}}
 

@@ -44,6 +44,7 @@ from vlm_sdk.protocol.scheduler_output import SchedulerOutput
 from vlm_sdk.protocol.runner_output import PendingOutput, Ready
 from vlm_sdk.worker.pending_output import DevicePendingOutput
 from vlm_sdk.worker.pp_transfer import StageLink
+from vlm_sdk.worker.stage_images import stage_image_rows
 from vlm_sdk.worker.prompt_logprobs import prompt_logprobs
 from vlm_sdk.worker.request_state import RequestState
 from vlm_sdk.sample.sampled_tokens import SampledTokens
@@ -256,7 +257,9 @@ class ModelRunner:
             out = self.model(embeds, step.positions, self.caches, step.meta, step_images(scheduled, self.device))
         else:
             received = stage.recv(step.input_ids.shape[0])
-            out = self.model(received.hidden, step.positions, self.caches, step.meta, None, intermediate=received)
+            # the image rows only (their embeddings went into the hidden states on the first stage)
+            out = self.model(received.hidden, step.positions, self.caches, step.meta,
+                             stage_image_rows(scheduled, self.device), intermediate=received)
         if sched.state_checkpoints:
             self._copy_states(sched.state_checkpoints)
         drop_passed_images(scheduled)

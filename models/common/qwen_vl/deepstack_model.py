@@ -89,7 +89,7 @@ class DeepStackVLM(QwenVLM):
                 meta: StepMetadata, images: StepImages | None = None,
                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         deepstack = None
-        if images is not None:
+        if images is not None and intermediate is None:  # a later pipeline stage: nothing to place
             hidden = self.hidden_size
             rows = images.embeds.to(inputs_embeds.dtype)  # [n, hidden * (1 + levels)]
             if rows.shape[1] != hidden * (1 + self.deepstack_levels):
