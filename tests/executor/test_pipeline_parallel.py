@@ -64,6 +64,14 @@ def test_the_engine_refuses_a_bad_partition_before_any_rank_starts(tiny_ckpt):
         LLM(tiny_ckpt, show_progress=False, pipeline_parallel_size=2, async_scheduling=True)
 
 
+def test_deepstack_layers_stay_on_the_first_stage(tiny_checkpoints):
+    """Qwen3-VL adds DeepStack features after its first 2 layers: a first stage of 1 layer is refused."""
+    with pytest.raises(InvalidRequestError, match="first pipeline stage holds 1 decoder layers but DeepStack adds "
+                                                  "vision features after the first 2") as e:
+        LLM(tiny_checkpoints("qwen3_vl"), show_progress=False, pipeline_parallel_size=2, pp_layer_partition="1,2")
+    assert e.value.param == "pipeline_parallel_size"
+
+
 @pytest.mark.parametrize("family", STAGED_FAMILIES)
 def test_two_stages_give_the_tokens_of_one(family, tiny_checkpoints):
     """Text, one image and two images, batched, on two stages: the greedy tokens of one rank; each stage

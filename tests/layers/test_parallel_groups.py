@@ -22,12 +22,13 @@ def test_the_engine_args_layout_reaches_the_rank_config():
         ParallelConfig().tensor_parallel_size = 2
 
 
-def test_one_pipeline_stage_until_stages_exist():
+def test_pipeline_stages_in_the_layout():
     assert ParallelConfig(4).world_size == 4
-    with pytest.raises(ValueError, match="pipeline_parallel_size 2 must be 1"):
-        ParallelConfig(2, pipeline_parallel_size=2)
-    with pytest.raises(ValueError, match="tensor_parallel_size 0 must be >= 1"):
+    assert ParallelConfig(2, pipeline_parallel_size=2).world_size == 4
+    with pytest.raises(ValueError, match="tensor_parallel_size 0 and pipeline_parallel_size 1 must be >= 1"):
         ParallelConfig(0)
+    assert PPGroup(1, 2, partition=(3, 5)).layer_range(8) == (3, 8) and PPGroup().layer_range(8) == (0, 8)
+    assert ParallelGroups.of_stage(ParallelConfig(2, 2), 1).pp == PPGroup(1, 2)
     assert PPGroup().is_first and PPGroup().is_last
     assert not PPGroup(0, 2).is_last and PPGroup(1, 2).is_last
     with pytest.raises(ValueError, match="pipeline stage 2 of 2"):

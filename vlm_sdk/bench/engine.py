@@ -62,7 +62,7 @@ def run_benchmark(args) -> int:
                     "image_sizes": image_sizes, "max_tokens": max_tokens,
                     "torch_threads": torch.get_num_threads()}
 
-    if args.tensor_parallel_size > 1:
+    if args.tensor_parallel_size > 1 or getattr(args, "pipeline_parallel_size", 1) > 1:
         return _run_tp_comparison(args, report, convs, max_tokens)
     report["preprocess"] = fixture.benchmark_preprocessing(info.preprocessor, info.hf_config, images)
 
@@ -127,13 +127,14 @@ def _timed_engine(model_dir: str, device: str, convs, max_tokens, **engine_args)
 def _run_tp_comparison(args, report: dict, convs, max_tokens) -> int:
     """`--tensor-parallel-size N`: the same workload on one rank and on N, in this run; the cost of the
     collectives and of sending each step to the other ranks shows as time per engine step."""
-    n = args.tensor_parallel_size
+    n, pp = args.tensor_parallel_size, getattr(args, "pipeline_parallel_size", 1)
     one = _timed_engine(report["model"], report["device"], convs, max_tokens)
     release_device_memory(report["device"])  # the next engine sizes its cache on what is free
     many = _timed_engine(report["model"], report["device"], convs, max_tokens, tensor_parallel_size=n,
-                         enable_expert_parallel=args.enable_expert_parallel)
+                         pipeline_parallel_size=pp, enable_expert_parallel=args.enable_expert_parallel)
     same = sum(a == b for a, b in zip(one.pop("tokens"), many.pop("tokens")))
-    report.update({"tp1": one, f"tp{n}": many, "tensor_parallel_size": n,
+    label = f"tp{n}" if pp == 1 else f"pp{pp}xtp{n}"
+    report.update({"tp1": one, label: many, "tensor_parallel_size": n, "pipeline_parallel_size": pp,
                    "enable_expert_parallel": args.enable_expert_parallel,
                    "ms_per_step_ratio": many["ms_per_step"] / one["ms_per_step"],
                    "identical_greedy_share": same / len(convs)})
@@ -142,12 +143,16 @@ def _run_tp_comparison(args, report: dict, convs, max_tokens) -> int:
         return 0
     print(f"model {report['model']} ({report['family']}) on {report['device']}, {report['torch_threads']} threads, "
           f"{len(convs)} requests, max_tokens {min(max_tokens)}..{max(max_tokens)}")
-    for name, r in (("tp=1", one), (f"tp={n}", many)):
+    name_many = f"tp={n}" if pp == 1 else f"pp={pp}xtp={n}"
+    for name, r in (("tp=1", one), (name_many, many)):
         print(f"  {name:<6} {r['seconds']:7.2f} s  {r['steps']:4d} steps  {r['ms_per_step']:7.2f} ms/step  "
               f"{r['tokens_per_s']:8.1f} tokens/s  weights/rank {r['weights_bytes_per_rank'] / 2**20:.1f} MiB  "
               f"KV blocks {r['kv_blocks']}")
-    print(f"  time per step tp={n} / tp=1: {report['ms_per_step_ratio']:.2f}x; identical greedy outputs: "
+    print(f"  time per step {name_many} / tp=1: {report['ms_per_step_ratio']:.2f}x; identical greedy outputs: "
           f"{same}/{len(convs)}")
+    if pp > 1:
+        print("  (pipeline stages take turns on each step: no micro-batching yet, so one stage is idle while the "
+              "other computes)")
     return 0
 
 
