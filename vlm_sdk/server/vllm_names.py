@@ -33,6 +33,7 @@ VLLM_NAMES = (
     VllmName("--gpu-memory-utilization", "--memory-utilization", "alias",
              "the share of the GPU's total memory, as vLLM's", ("serve", "chat", "plan")),
     VllmName("-tp", "--tensor-parallel-size (also --tp)", "alias", "", ("serve", "chat", "plan")),
+    VllmName("-pp", "--pipeline-parallel-size (also --pp)", "alias", "", ("serve", "chat", "plan")),
     VllmName("--num-gpu-blocks-override", "--num-blocks", "alias", "", ("serve", "chat", "plan")),
     VllmName("--kv-cache-memory-bytes", "--kv-cache-memory", "converted",
              "a bare number is bytes, as in vLLM; a size with a unit (8GiB) works too", ("serve", "chat", "plan")),
@@ -53,7 +54,6 @@ VLLM_NAMES = (
     VllmName("--quantization", "none", "refused",
              "the format is read from config.json's quantization_config: nothing to set"),
     VllmName("-q", "none", "refused", "the format is read from config.json's quantization_config: nothing to set"),
-    VllmName("-pp", "--pipeline-parallel-size (also --pp)", "alias", "", ("serve", "chat", "plan")),
 )
 # EngineArgs field -> vLLM's spellings added to its flag (engine_flags.add_engine_flags)
 ENGINE_ALIASES = {"memory_utilization": ("--gpu-memory-utilization",), "num_blocks": ("--num-gpu-blocks-override",),
