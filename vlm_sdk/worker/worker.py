@@ -96,8 +96,10 @@ class Worker:
         """CUDA: the step-time memory consumers measured on this rank (name -> bytes, named as in
         vlm_sdk/memory/consumers/): a full `max_num_batched_tokens` step beside the largest image's held
         embeddings (or `held_tokens` rows of a video's, when more), logits and the sampler at max_num_seqs
-        rows, the tower, the graph pools. None on the CPU (nothing is carved out of device memory there)."""
-        if self.device.type != "cuda":
+        rows, the tower, the graph pools. None on the CPU (nothing is carved out of device memory there),
+        and for a pipeline stage (the profile runs a whole model's forward; a stage's consumers are then
+        estimated, as `vlm-sdk plan` does)."""
+        if self.device.type != "cuda" or self.stage_layers is not None:
             return None
         args = self.args
         peak = profile_peak(
@@ -139,7 +141,9 @@ class Worker:
                                   keep_sampled=self.config.async_scheduling, piecewise=piecewise,
                                   stage=None if pp.size == 1 else StageLink(pp, m.hidden_size, self.dtype, self.device))
         self.runner.reports_encoder = self.tp.rank == 0 and pp.is_first
-        warm_up_kernels(self.runner, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens)
+        if self.stage_layers is None:  # its synthetic steps run a whole model (a stage compiles on its first steps)
+            warm_up_kernels(self.runner, max_model_len=max_model_len,
+                            max_num_batched_tokens=args.max_num_batched_tokens)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(sched)
