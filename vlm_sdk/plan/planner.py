@@ -200,7 +200,7 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
 
     pp = o["pp"] or 1
     args = dataclasses.replace(args, pipeline_parallel_size=pp, pp_layer_partition=o["pp_layer_partition"])
-    parallel = args.parallel_config()  # the engine's layout
+    parallel = dataclasses.replace(args.parallel_config(), tensor_parallel_size=tp)  # the engine's layout
     check_tensor_parallel_size(family, info.hf_config, parallel, args.shard_vision)  # the engine's refusal
     # the engine's own modules (rank 0's), no memory: counts can never disagree
     model = family.meta_model(info.hf_config, dtype, parallel, args.shard_vision)
