@@ -13,6 +13,7 @@ Shared by every family, because these questions are the decoder's, not the visio
 from __future__ import annotations
 
 import logging
+import re
 from abc import abstractmethod
 from pathlib import Path
 from typing import Callable, Iterable
@@ -189,7 +190,6 @@ def _stage_view(model: nn.Module, decoder: DecoderEnds, slots: dict[str, ParamSl
     """A pipeline stage's slots and weights: the slots of parts built on the meta device (the vision tower
     on a later stage) dropped, and the checkpoint tensors of other stages skipped (`StageWeights`); the
     layer prefix is read from this stage's own layer slots (every stage holds at least one layer)."""
-    import re
     on_meta = {n for n, p in model.state_dict(keep_vars=True).items() if p.device.type == "meta"}
 
     def targets(slot):

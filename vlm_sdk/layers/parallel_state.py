@@ -2,7 +2,7 @@
 
 `ParallelGroups` is one rank's place in every dimension, the one value the executor hands the worker and
 the worker hands the model's constructor: `tp` (a `TPGroup`, which every parallel layer takes), `pp`
-(a `PPGroup`: one stage until pipeline parallelism is built, issue 46) and expert parallelism (`ep`:
+(a `PPGroup`: this rank's pipeline stage, its layer range and its peers before and after) and expert parallelism (`ep`:
 the group MoE layers spread whole experts over). The sizes come from `vlm_sdk.config.ParallelConfig`.
 
 `TPGroup()` is the single-rank default: every layer then holds the whole tensor, and every collective
