@@ -40,6 +40,7 @@ from functools import partial
 from typing import AsyncIterator
 
 from vlm_sdk.chat_options import ChatOptions
+from vlm_sdk.engine import render as dry_run
 from vlm_sdk.engine.llm_engine import LLMEngine
 from vlm_sdk.engine.output.output_processor import OutputProcessor
 from vlm_sdk.engine.input.prep_pool import PrepPools
@@ -175,6 +176,35 @@ class AsyncLLM:
         if checking is not None:  # one grammar for all the tools' schemas, cached by content
             await asyncio.wrap_future(checking)
         return prompt
+
+    async def render(self, request, params: SamplingParams | None = None, options: ChatOptions | None = None,
+                     group=None):
+        """The dry run of one request (`LLM.render`'s `RenderedRequest`): built on a prep pool as
+        `build_prompt` builds it (no grammar compiled, a too-long prompt returned), then read on the
+        engine thread between steps: nothing is scheduled or taken."""
+        self._check_alive()
+        self.inputs.check_params(params)
+        chat = options is not None and not isinstance(request, (TextPrompt, TokensPrompt))
+        if chat:
+            self.inputs.chat.tool_limits.check(options.tools)
+        if isinstance(request, (TextPrompt, TokensPrompt)):
+            chars, images, videos = (len(request.text) if isinstance(request, TextPrompt) else 0), 0, 0
+        else:
+            chars, images, videos = count_parts(request)
+        cancelled = threading.Event()
+        job = self._prep.pool_for(chars, images, videos).submit(
+            object() if group is None else group,
+            partial(dry_run.build, self.inputs, request, params, options, cancelled))
+        try:
+            built = await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        done = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._check_alive()
+            self._commands.put(("render", done, (built, params)))
+        return await done
 
     async def chat_stream(self, messages, params: SamplingParams | None = None, request_id: str | None = None,
                           **chat_options) -> AsyncIterator[RequestOutput]:
@@ -348,6 +378,8 @@ class AsyncLLM:
                         engine.abort(key, payload)
                     elif cmd == "add":
                         self._add(key, *payload)
+                    elif cmd == "render":  # read between steps, on this thread: the cache is still
+                        self._render(key, *payload)
                 outputs = engine.step()  # token ids only: the streams make the text
                 if outputs:
                     self._deliver_many([(out.request_id, out) for out in outputs])
@@ -380,6 +412,32 @@ class AsyncLLM:
             for key in added:
                 self.engine.abort(key)
             self._deliver(keys[0], e)
+
+    def _render(self, done: asyncio.Future, built: tuple, params) -> None:
+        try:
+            result = dry_run.render(self.engine, built, params)
+        except Exception as e:
+            result = e
+        loop = done.get_loop()
+
+        def settle() -> None:
+            if done.done():  # its caller went away
+                return
+            if isinstance(result, Exception):
+                done.set_exception(result)
+            else:
+                done.set_result(result)
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the caller's loop is closed
+            pass
+
+    @staticmethod
+    def _render_failed(done: asyncio.Future, err: BaseException) -> None:
+        try:
+            done.get_loop().call_soon_threadsafe(lambda: done.done() or done.set_exception(err))
+        except RuntimeError:
+            pass
 
     def _release_requests(self) -> None:
         """Finish what the dead engine still holds, so that its queues and KV blocks read as empty;
@@ -420,3 +478,5 @@ class AsyncLLM:
                     return
                 if cmd == "add":
                     self._deliver(key[0], err)
+                elif cmd == "render":
+                    self._render_failed(key, err)
