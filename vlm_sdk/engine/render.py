@@ -27,7 +27,7 @@ group's blocks after its first step, the pool's free blocks it takes, `metrics.c
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vlm_sdk.engine.core.cache_managers import NULL_BLOCK
 from vlm_sdk.engine.core.sequence import Sequence
@@ -71,6 +71,19 @@ class GroupBlocks:
 
 
 @dataclass(frozen=True)
+class NoFit:
+    """The engine's `InputTooLongError` for this request, as plain data (it crosses to Ray replicas)."""
+    message: str
+    fixes: dict
+    together: dict
+    video_fixes: dict
+
+    @classmethod
+    def of(cls, e: InputTooLongError) -> "NoFit":
+        return cls(str(e), dict(e.fixes), dict(e.together), dict(e.video_fixes))
+
+
+@dataclass(frozen=True)
 class RenderedRequest:
     token_ids: list[int] | None  # None: refused before it was tokenized whole (see error)
     num_tokens: int
@@ -93,7 +106,7 @@ class RenderedRequest:
     max_model_len: int
     capacity_tokens: int
     cache_salt: str | None = None
-    error: InputTooLongError | None = field(default=None, compare=False)
+    error: NoFit | None = None  # it never fits: the too-long error's message and fixes
 
     @property
     def total_tokens(self) -> int:
@@ -143,7 +156,7 @@ class RenderedRequest:
                      "max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,
                      "capacity_tokens": self.capacity_tokens},
             "error": None if e is None else {
-                "message": str(e), "code": "context_length_exceeded", "fixes": dict(e.fixes),
+                "message": e.message, "code": "context_length_exceeded", "fixes": dict(e.fixes),
                 "together": dict(e.together), "video_fixes": dict(e.video_fixes)},
         }
 
@@ -175,7 +188,7 @@ def refused(engine, error: InputTooLongError, params: SamplingParams | None) -> 
         None, error.prompt_tokens, error.prompt_tokens - sum(error.image_tokens), (), (params or SamplingParams()).max_tokens,
         0, cache.block_size, engine.cache_config.bytes_per_block, (), 0, 0, 0, 0, cache.num_free_blocks,
         cache.num_free_slots if cache.state_pool is not None else None, len(engine.scheduler.running),
-        len(engine.scheduler.waiting), sched.max_num_seqs, sched.max_model_len, engine.cache_config.capacity_tokens, error=error)
+        len(engine.scheduler.waiting), sched.max_num_seqs, sched.max_model_len, engine.cache_config.capacity_tokens, error=NoFit.of(error))
 
 
 def inspect(engine, prompt: PromptInputs, params: SamplingParams | None, parts: list) -> RenderedRequest:
@@ -188,7 +201,7 @@ def inspect(engine, prompt: PromptInputs, params: SamplingParams | None, parts: 
     try:
         engine.inputs.check_prompt(prompt, params)
     except InputTooLongError as e:
-        error = e
+        error = NoFit.of(e)
     want = sched.max_model_len - n if params.max_tokens is None else params.max_tokens
     output = max(0, min(want, sched.max_model_len - n))
     seq = Sequence("render", prompt, params)
