@@ -32,7 +32,8 @@ def _post(srv, path: str, body: dict) -> tuple[int, dict]:
 
 
 def _messages(seed: int, width: int = 96, height: int = 64) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image(width, height, seed))}},
+    url = data_url(image(width, height, seed))
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                          {"type": "text", "text": "What is in this image?"}]}]
 
 
@@ -40,13 +41,16 @@ def test_chat_render_then_chat(srv):
     body = {"model": "tiny", "messages": _messages(5), "max_tokens": 3, "temperature": 0}
     status, cold = _post(srv, "/v1/chat/completions/render", body)
     assert status == 200, cold
-    assert cold["request_id"].startswith("chatcmpl-") and cold["model"] == "tiny" and cold["sampling_params"]["max_tokens"] == 3
+    assert cold["request_id"].startswith("chatcmpl-") and cold["model"] == "tiny"
+    assert cold["sampling_params"]["max_tokens"] == 3
     (place,) = cold["features"]["mm_placeholders"]["image"]
     (img,) = cold["parts"]["images"]
-    assert place == {"offset": img["offset"], "length": img["length"]} and cold["features"]["mm_hashes"]["image"] == [img["hash"]]
+    assert place == {"offset": img["offset"], "length": img["length"]}
+    assert cold["features"]["mm_hashes"]["image"] == [img["hash"]]
     assert (img["width"], img["height"]) == (96, 64) and cold["num_tokens"] == len(cold["token_ids"])
     assert cold["parts"]["text_tokens"] + img["tokens"] == cold["num_tokens"]
-    assert cold["fits"]["now"] and cold["fits"]["ever"] and cold["error"] is None and cold["prefix_cache"]["hit_tokens"] == 0
+    assert cold["fits"]["now"] and cold["fits"]["ever"] and cold["error"] is None
+    assert cold["prefix_cache"]["hit_tokens"] == 0
     assert cold["kv"]["tokens"] == cold["num_tokens"] + 3 and cold["kv"]["blocks"] == -(-cold["kv"]["tokens"] // 4)
     status, out = _post(srv, "/v1/chat/completions", {**body, "return_token_ids": True})
     assert status == 200 and out["prompt_token_ids"] == cold["token_ids"]

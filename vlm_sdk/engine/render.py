@@ -149,7 +149,8 @@ class RenderedRequest:
                    "tokens": self.total_tokens, "output_tokens": self.output_tokens, "blocks": self.kv_blocks,
                    "bytes": self.kv_bytes, "state_slot_bytes": self.state_slot_bytes,
                    "groups": [g.__dict__ for g in self.groups]},
-            "prefix_cache": {"hit_tokens": self.prefix_hit_tokens, "hit_blocks": self.prefix_hit_tokens // self.block_size},
+            "prefix_cache": {"hit_tokens": self.prefix_hit_tokens,
+                             "hit_blocks": self.prefix_hit_tokens // self.block_size},
             "fits": {"now": self.fits_now, "ever": self.fits_ever, "new_blocks": self.new_blocks,
                      "first_step_tokens": self.first_step_tokens, "free_blocks": self.free_blocks,
                      "free_state_slots": self.free_state_slots, "running": self.running, "waiting": self.waiting,
@@ -161,7 +162,7 @@ class RenderedRequest:
         }
 
 
-def build(inputs, request, params: SamplingParams | None, options=None, cancelled=None):
+def build(inputs, request, params: SamplingParams | None, options=None, *, cancelled=None):
     """(the prompt `request` would run, its media parts) on the caller's thread or a prep pool, or (None,
     the InputTooLongError) when it is refused before its ids are known. No grammar is compiled."""
     try:
@@ -185,10 +186,13 @@ def refused(engine, error: InputTooLongError, params: SamplingParams | None) -> 
     count or resize): the counts the error gives, nothing of the cache."""
     cache, sched = engine.cache, engine.scheduler_config
     return RenderedRequest(
-        None, error.prompt_tokens, error.prompt_tokens - sum(error.image_tokens), (), (params or SamplingParams()).max_tokens,
-        0, cache.block_size, engine.cache_config.bytes_per_block, (), 0, 0, 0, 0, cache.num_free_blocks,
-        cache.num_free_slots if cache.state_pool is not None else None, len(engine.scheduler.running),
-        len(engine.scheduler.waiting), sched.max_num_seqs, sched.max_model_len, engine.cache_config.capacity_tokens, error=NoFit.of(error))
+        token_ids=None, num_tokens=error.prompt_tokens, text_tokens=error.prompt_tokens - sum(error.image_tokens),
+        parts=(), max_tokens=(params or SamplingParams()).max_tokens, output_tokens=0, block_size=cache.block_size,
+        bytes_per_block=engine.cache_config.bytes_per_block, groups=(), state_slot_bytes=0, prefix_hit_tokens=0,
+        new_blocks=0, first_step_tokens=0, free_blocks=cache.num_free_blocks,
+        free_state_slots=cache.num_free_slots if cache.state_pool is not None else None,
+        running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting), max_num_seqs=sched.max_num_seqs,
+        max_model_len=sched.max_model_len, capacity_tokens=engine.cache_config.capacity_tokens, error=NoFit.of(error))
 
 
 def inspect(engine, prompt: PromptInputs, params: SamplingParams | None, parts: list) -> RenderedRequest:
@@ -224,9 +228,10 @@ def inspect(engine, prompt: PromptInputs, params: SamplingParams | None, parts: 
         block_size=size, bytes_per_block=cc.bytes_per_block, groups=groups,
         state_slot_bytes=cc.state_slot_bytes if cache.state_pool is not None else 0,
         prefix_hit_tokens=computed, new_blocks=need * cache.num_groups + revived, first_step_tokens=step,
-        free_blocks=cache.num_free_blocks, free_state_slots=cache.num_free_slots if cache.state_pool is not None else None,
-        running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting), max_num_seqs=sched.max_num_seqs, max_model_len=sched.max_model_len,
-        capacity_tokens=cc.capacity_tokens, cache_salt=prompt.cache_salt, error=error)
+        free_blocks=cache.num_free_blocks,
+        free_state_slots=cache.num_free_slots if cache.state_pool is not None else None,
+        running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting),
+        max_num_seqs=sched.max_num_seqs, max_model_len=sched.max_model_len, capacity_tokens=cc.capacity_tokens, cache_salt=prompt.cache_salt, error=error)
 
 
 @dataclass(frozen=True)
