@@ -61,6 +61,9 @@ def format_plan(p: MemoryPlan) -> str:
         rows.append(("workload", f"{p.prompt_tokens or 0} text + {p.images or 0} image(s) + {p.output_tokens or 0} "
                      f"output = {p.request_tokens:,} tokens per request"))
         rows.append(("requests at once", f"{p.max_concurrent_requests} (max_num_seqs {p.max_num_seqs})"))
+    if p.workload is not None:
+        from vlm_sdk.plan.workload import workload_rows
+        rows += workload_rows(p.workload, _size)
     lines = [table(rows)] + _problem_lines("problems", p.problems)
     if p.notes:
         lines += _problem_lines("notes", p.notes)
