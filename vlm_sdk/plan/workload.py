@@ -48,7 +48,8 @@ class WorkloadPlan:
     encoder_cache_images_p50: int  # p50 images encoder_cache_memory holds
     binds: str
     serve_99: dict = field(default_factory=dict)  # setting -> value: all of them together serve 99%
-    serve_99_alternatives: dict = field(default_factory=dict)  # instead, fewer at once (max_num_seqs)
+    # instead: the same memory as an FP8 cache (kv_cache_dtype), or this cache at fewer at once (max_num_seqs)
+    serve_99_alternatives: dict = field(default_factory=dict)
 
     def at(self, p: int) -> Percentile:
         return next(x for x in self.percentiles if x.p == p)
@@ -127,6 +128,7 @@ def _serve_99(top: Percentile, requests: list[Request], f: Facts, slots: int) ->
     the max_num_seqs the planned cache runs them at)."""
     args, cache = f.args, f.cache
     serve: dict = {}
+    instead: dict = {}
     tokens = top.tokens
     if tokens > f.max_pos:  # no length setting helps: smaller images for the p99 request
         r = min((r for r in requests if r.total_tokens >= tokens), key=lambda r: r.total_tokens)
@@ -140,16 +142,14 @@ def _serve_99(top: Percentile, requests: list[Request], f: Facts, slots: int) ->
     need = args.max_num_seqs * cache.blocks_for(max(tokens, 1))
     if need > f.blocks:
         grow = cache.fixes_for(need)
-        for name in ("num_blocks", "kv_cache_memory", "memory_utilization"):  # one sizing rule: the one in use
+        for name in (cache.rule, "kv_cache_memory", "num_blocks"):  # one sizing rule: the one in use first
             if name in grow:
                 serve[name] = grow[name]
                 break
-        else:
-            if "kv_cache_dtype" in grow:
-                serve["kv_cache_dtype"] = grow["kv_cache_dtype"]
+        if "kv_cache_dtype" in grow:  # or the same memory holding FP8 blocks
+            (instead if serve else serve)["kv_cache_dtype"] = grow["kv_cache_dtype"]
     if cache.num_state_slots and slots < args.max_num_seqs:
         serve["num_state_slots"] = args.max_num_seqs
-    instead = {}
     if 0 < top.at_once < args.max_num_seqs:
         instead["max_num_seqs"] = top.at_once
     return serve, instead
@@ -169,5 +169,5 @@ def workload_rows(w: WorkloadPlan, size) -> list[tuple[str, str]]:
     rows.append(("  binds", w.binds))
     rows.append(("  to serve 99%", w.flags() or "nothing to change"))
     if w.serve_99_alternatives:
-        rows.append(("  or, this cache", flags(w.serve_99_alternatives, " ")))
+        rows.append(("  or instead", flags(w.serve_99_alternatives, ", or ")))
     return rows
