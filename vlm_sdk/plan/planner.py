@@ -64,6 +64,7 @@ from vlm_sdk.plan import device as _device
 from vlm_sdk.plan import rules
 from vlm_sdk.plan.contexts import CONTEXT_LENGTHS, context_fits
 from vlm_sdk.plan.device import DEVICE_HINT, Memory, parse_size
+from vlm_sdk.plan.picture import at_once_curve
 from vlm_sdk.plan.rules import Problem
 
 __all__ = ["MemoryPlan", "PLAN_OPTIONS", "Problem", "plan"]
@@ -142,6 +143,8 @@ class MemoryPlan(MemoryTotals):
     # --workload FILE: the workload's share that fits, requests at once per percentile, what binds, the
     # settings that serve 99% (plan/workload.py); None without one
     workload: Any = None
+    # (context length, requests of that length the cache holds at once) from 128 tokens to the longest request
+    at_once_by_length: tuple = ()
 
     def consumer_bytes(self, name: str) -> int:
         """A consumer's bytes (0 when it does not apply: e.g. graph pools on the CPU)."""
@@ -249,7 +252,10 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
         dataclasses.replace(cache, num_blocks=max(cache.fp8_blocks, 0)).capacity_tokens,
         context_fits=context_fits(m.layout, blocks, args.block_size, args.max_num_batched_tokens,
                                   tuple(n for n in CONTEXT_LENGTHS if n <= m.max_position_embeddings)),
-        workload=served, **{**cache_shares(m, cache, max_model_len), "cache_capacity_tokens": capacity})
+        workload=served, at_once_by_length=tuple(at_once_curve(
+            min(args.max_num_seqs, cache.num_state_slots or args.max_num_seqs), blocks,
+            lambda n: cache.blocks_for(n), longest)),
+        **{**cache_shares(m, cache, max_model_len), "cache_capacity_tokens": capacity})
 
 
 def _workload(o: dict, info, m, facts, dtype, encoder: int, cache):

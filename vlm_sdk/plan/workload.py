@@ -50,6 +50,8 @@ class WorkloadPlan:
     serve_99: dict = field(default_factory=dict)  # setting -> value: all of them together serve 99%
     # instead: the same memory as an FP8 cache (kv_cache_dtype), or this cache at fewer at once (max_num_seqs)
     serve_99_alternatives: dict = field(default_factory=dict)
+    # the requests by tokens: (from, to, share of the weight) in equal bins from 0 (the picture's histogram)
+    histogram: tuple = ()
 
     def at(self, p: int) -> Percentile:
         return next(x for x in self.percentiles if x.p == p)
@@ -60,6 +62,7 @@ class WorkloadPlan:
     def to_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "percentiles"}
         out["percentiles"] = [x.__dict__ for x in self.percentiles]
+        out["histogram"] = [list(b) for b in self.histogram]
         out["serve_99_flags"] = self.flags()
         return out
 
@@ -106,7 +109,18 @@ def plan_workload(requests: list[Request], f: Facts, encoder_bytes_per_token: in
         image_tokens_p50=img50, image_tokens_p99=img99, encoder_bytes_per_token=encoder_bytes_per_token,
         encoder_cache_bytes=encoder_cache_bytes,
         encoder_cache_images_p50=encoder_cache_bytes // per_image if per_image else 0,
-        binds=binds, serve_99=serve, serve_99_alternatives=instead)
+        binds=binds, serve_99=serve, serve_99_alternatives=instead, histogram=histogram(sizes))
+
+
+def histogram(sizes: list[tuple[int, float]], bins: int = 40) -> tuple[tuple[int, int, float], ...]:
+    """(from, to, share) of the weight in `bins` equal bins of tokens from 0 to the largest; empty ones left out."""
+    top = max(t for t, _ in sizes)
+    width = max(1, -(-(top + 1) // bins))
+    total = sum(w for _, w in sizes)
+    shares: dict[int, float] = {}
+    for t, w in sizes:
+        shares[t // width] = shares.get(t // width, 0.0) + w / total
+    return tuple((i * width, (i + 1) * width, s) for i, s in sorted(shares.items()))
 
 
 def _binds(top: Percentile, f: Facts, slots: int) -> str:
