@@ -89,6 +89,18 @@ def at_once_curve(max_num_seqs: int, num_blocks: int, blocks_for: Callable[[int]
     return [(n, min(max_num_seqs, num_blocks // max(blocks_for(n), 1))) for n in lengths]
 
 
+def group_blocks_for(cache_groups, block_size: int, chunk_tokens: int) -> Callable[[int], int]:
+    """Blocks one sequence of n tokens holds over the report's attention groups (CacheLayout.blocks_for_tokens'
+    rule); one full-attention group when `cache_groups` is empty."""
+    groups = [g for g in cache_groups or () if g["kind"] != "state"] or [{"kind": "full", "window": None}]
+
+    def blocks_for(n: int) -> int:
+        full = -(-n // block_size)
+        return sum(full if g["window"] is None else
+                   min(full, (g["window"] - 1 + min(chunk_tokens, n) - 1) // block_size + 2) for g in groups)
+    return blocks_for
+
+
 def _axes(width: int, height: int, xlabel: str, ylabel: str) -> str:
     return (f'<line x1="50" y1="{height - 30}" x2="{width - 10}" y2="{height - 30}" stroke="#333"/>'
             f'<line x1="50" y1="10" x2="50" y2="{height - 30}" stroke="#333"/>'
@@ -175,7 +187,7 @@ def page(d: dict, curve: list[tuple[int, int]], title: str, extra: str = "", scr
         parts.append(f"<h2>Workload: requests by tokens against capacity ({w['fit_share']:.1%} fit)</h2>"
                      f"{workload_svg(w)}<p>to serve 99%: <code>{html.escape(w['serve_99_flags'] or 'nothing to change')}"
                      f"</code></p>")
-    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><link rel="icon" href="data:,"><title>{html.escape(title)}</title>'
             f'<style>{_CSS}</style></head><body>{"".join(parts)}{script}</body></html>')
 
 
