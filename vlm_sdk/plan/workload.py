@@ -16,8 +16,10 @@ planned cache, by the engine's own arithmetic (`CacheConfig.blocks_for`, `fixes_
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
+from vlm_sdk.memory.capacity import requests_at_once
 from vlm_sdk.plan.rules import Facts, flags
 from vlm_sdk.plan.workload_file import Request
 
@@ -88,8 +90,10 @@ def plan_workload(requests: list[Request], f: Facts, encoder_bytes_per_token: in
     fit_w = sum(r.weight for r in requests if r.total_tokens <= f.longest)
     sizes = [(r.total_tokens, r.weight) for r in requests]
 
-    def at_once(tokens: int) -> int:
-        return 0 if tokens > f.longest else min(args.max_num_seqs, blocks // cache.blocks_for(max(tokens, 1)), slots)
+    sized = dataclasses.replace(cache, num_blocks=blocks)
+
+    def at_once(tokens: int) -> int:  # the start-up line's count (memory/capacity.py)
+        return 0 if tokens > f.longest else requests_at_once(sized, tokens, args.max_num_seqs)
 
     pcts = []
     for p in PERCENTILES:
