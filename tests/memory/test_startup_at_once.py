@@ -13,7 +13,7 @@ def test_the_line_counts_an_image_at_the_largest_size(tiny_ckpt, caplog):
     assert image == 256 and report.max_model_len == 2048  # 512 blocks x 4 tokens
     # 2048 tokens = 512 blocks: 1 at once; 256 + 256 = 512 tokens = 128 blocks: 4 at once (< max_num_seqs 8)
     assert report.at_once == ((2048, 0, 0, 1), (image + DEFAULT_MAX_TOKENS, 1, image, 4))
-    line = ("1 requests of 2,048 tokens (max_model_len); 4 requests of 512 tokens, each with 1 image at the largest "
+    line = ("1 request of 2,048 tokens (max_model_len); 4 requests of 512 tokens, each with 1 image at the largest "
             "allowed size (256 tokens each) + 256 text and output")
     assert line in report.format() and line in caplog.text  # what start-up logs
     llm.shutdown()

@@ -83,7 +83,7 @@ def at_once_text(at_once: tuple, max_model_len: int) -> str:
     """The start-up capacity line: requests at once by their tokens, images counted as the plan counts them."""
     out = []
     for tokens, images, per_image, count in at_once:
-        what = f"{count:,} requests of {tokens:,} tokens"
+        what = f"{count:,} request{'' if count == 1 else 's'} of {tokens:,} tokens"
         if images:
             what += (f", each with {images} image{'s' if images > 1 else ''} at the largest allowed size "
                      f"({per_image:,} tokens each) + {tokens - images * per_image:,} text and output")

@@ -12,7 +12,8 @@ planned cache, by the engine's own arithmetic (`CacheConfig.blocks_for`, `fixes_
                  rows are wider: a lower bound there); how many p50 images encoder_cache_memory keeps
     binds        at p99: what stops more: max_model_len / the cache (it does not fit), max_num_seqs, the KV
                  blocks, or the state slots
-    serve_99     settings, each pasteable, that make the p99 request fit and run max_num_seqs at once
+    serve_99     settings, pasteable together, that make the p99 request fit and run max_num_seqs of it at
+                 once; where no cache on the device holds that many, the max_num_seqs it does hold
 """
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def plan_workload(requests: list[Request], f: Facts, encoder_bytes_per_token: in
     per_image = img50 * encoder_bytes_per_token
     top = pcts[-1]
     binds = _binds(top, f, slots)
-    serve, instead = _serve_99(top, requests, f, slots)
+    serve, instead = _serve_99(top, requests, f, slots, fp8_blocks)
     return WorkloadPlan(
         requests=len(requests), fit_share=fit_w / total_w, longest_request_tokens=f.longest, percentiles=tuple(pcts),
         images_per_request=sum(len(r.image_tokens) * r.weight for r in requests) / total_w,
@@ -141,7 +142,8 @@ def _binds(top: Percentile, f: Facts, slots: int) -> str:
             f"(max_num_seqs {f.args.max_num_seqs})")
 
 
-def _serve_99(top: Percentile, requests: list[Request], f: Facts, slots: int) -> tuple[dict, dict]:
+def _serve_99(top: Percentile, requests: list[Request], f: Facts, slots: int,
+              fp8_blocks: int | None) -> tuple[dict, dict]:
     """(settings that together make the p99 request fit and max_num_seqs of it run at once; instead,
     the max_num_seqs the planned cache runs them at)."""
     args, cache = f.args, f.cache
@@ -158,6 +160,7 @@ def _serve_99(top: Percentile, requests: list[Request], f: Facts, slots: int) ->
     if args.max_model_len is not None and args.max_model_len < tokens:  # else max_model_len follows the cache
         serve["max_model_len"] = tokens
     need = args.max_num_seqs * cache.blocks_for(max(tokens, 1))
+    fewer = 0 < top.at_once < args.max_num_seqs  # this cache runs fewer of them at once
     if need > f.blocks:
         grow = cache.fixes_for(need)
         for name in (cache.rule, "kv_cache_memory", "num_blocks"):  # one sizing rule: the one in use first
@@ -166,9 +169,14 @@ def _serve_99(top: Percentile, requests: list[Request], f: Facts, slots: int) ->
                 break
         if "kv_cache_dtype" in grow:  # or the same memory holding FP8 blocks
             (instead if serve else serve)["kv_cache_dtype"] = grow["kv_cache_dtype"]
+        if not serve and fewer:  # no cache on this device holds max_num_seqs of them: run fewer at once
+            serve["max_num_seqs"] = top.at_once
+            fewer = False
+            if fp8_blocks is not None and fp8_blocks > f.blocks:  # an FP8 cache of the same memory holds more
+                instead["kv_cache_dtype"] = "fp8"
     if cache.num_state_slots and slots < args.max_num_seqs:
         serve["num_state_slots"] = args.max_num_seqs
-    if 0 < top.at_once < args.max_num_seqs:
+    if fewer:
         instead["max_num_seqs"] = top.at_once
     return serve, instead
 
