@@ -102,10 +102,14 @@ def test_a_video_is_one_part_with_its_frames_and_grid(qwen, tmp_path):
     assert rendered.to_dict()["parts"]["videos"][0]["frames"] == video.frames
 
 
-@pytest.mark.parametrize("case", ["image", "long_text"])
+@pytest.mark.parametrize("case", ["image", "large_image", "long_text"])
 def test_a_request_that_never_fits_lists_fixes_that_each_make_it_fit(tiny_ckpt, case):
     if case == "image":  # a cache of 32 tokens: the prompt is ~40; its ids are known
         request, settings = _image_request(), dict(num_blocks=8, block_size=4, allow_unfit_images=True)
+    elif case == "large_image":  # 256 image tokens in a 256-token cache: a smaller max_pixels fits it too
+        request = [{"role": "user", "content": [{"type": "image", "image": image(448, 448, 3)},
+                                                {"type": "text", "text": "What is in this image?"}]}]
+        settings = dict(num_blocks=64, block_size=4, allow_unfit_images=True)
     else:  # a text past max_model_len (set by you): the fix names max_model_len
         request = [{"role": "user", "content": "tell me a story " * 12}]
         settings = dict(num_blocks=64, block_size=4, max_model_len=40, allow_unfit_images=True)
@@ -116,6 +120,7 @@ def test_a_request_that_never_fits_lists_fixes_that_each_make_it_fit(tiny_ckpt, 
     assert not rendered.fits_ever and not rendered.fits_now and rendered.num_tokens > rendered.max_model_len
     assert rendered.token_ids is None or len(rendered.token_ids) == rendered.num_tokens
     assert rendered.error.fixes and rendered.to_dict()["error"]["fixes"] == rendered.error.fixes
+    assert ("max_pixels" in rendered.error.fixes) == (case == "large_image")
     for name, value in rendered.error.fixes.items():  # each alone: applied, the same request fits whole
         with LLM(tiny_ckpt, show_progress=False, **{**settings, name: value}) as llm:  # max_pixels too
             again = llm.render(request, PARAMS)
