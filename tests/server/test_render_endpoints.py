@@ -62,6 +62,22 @@ def test_chat_render_then_chat(srv):
     assert status == 200 and tok["tokens"] == cold["token_ids"] and tok["parts"] == cold["parts"]
 
 
+def test_a_video_is_rendered_and_tokenized_as_chat_runs_it(srv):
+    import base64
+    from vlm_sdk.testing.videos import write_video
+    url = "data:video/mp4;base64," + base64.b64encode(write_video(frames=16, fps=8, width=64, height=48)).decode()
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What happens?"}]}]}
+    status, rendered = _post(srv, "/v1/chat/completions/render", body)
+    assert status == 200, rendered
+    (video,) = rendered["parts"]["videos"]
+    assert rendered["parts"]["images"] == [] and video["frames"] == 2 * video["items"] and video["grid"][0] == video["items"]
+    assert rendered["features"]["mm_placeholders"]["video"] == [{"offset": video["offset"], "length": video["length"]}]
+    _, tok = _post(srv, "/tokenize", {"model": "tiny", "messages": body["messages"]})
+    _, out = _post(srv, "/v1/chat/completions", body)
+    assert tok["parts"] == rendered["parts"] and out["usage"]["prompt_tokens"] == rendered["num_tokens"] == tok["count"]
+
+
 def test_completions_render_is_one_object_per_prompt(srv):
     status, out = _post(srv, "/v1/completions/render", {"model": "tiny", "prompt": ["Once upon", "a time there"],
                                                        "max_tokens": 2})
