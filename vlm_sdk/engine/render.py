@@ -231,7 +231,8 @@ def inspect(engine, prompt: PromptInputs, params: SamplingParams | None, parts: 
         free_blocks=cache.num_free_blocks,
         free_state_slots=cache.num_free_slots if cache.state_pool is not None else None,
         running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting),
-        max_num_seqs=sched.max_num_seqs, max_model_len=sched.max_model_len, capacity_tokens=cc.capacity_tokens, cache_salt=prompt.cache_salt, error=error)
+        max_num_seqs=sched.max_num_seqs, max_model_len=sched.max_model_len, capacity_tokens=cc.capacity_tokens,
+        cache_salt=prompt.cache_salt, error=error)
 
 
 @dataclass(frozen=True)

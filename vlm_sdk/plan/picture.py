@@ -21,7 +21,8 @@ from typing import Callable
 from vlm_sdk.memory.report import format_bytes
 
 BAR_WIDTH = 900.0  # px: the memory bar's full width is the device's memory
-COLORS = {"weights": "#4e79a7", "vision": "#76b7b2", "projector": "#2b5d8a", "activation": "#f28e2b", "encoder": "#b07aa1", "kv": "#59a14f",
+COLORS = {"weights": "#4e79a7", "vision": "#76b7b2", "projector": "#2b5d8a", "activation": "#f28e2b",
+          "encoder": "#b07aa1", "kv": "#59a14f",
           "state": "#edc948", "others": "#9c755f", "headroom": "#d3d3d3"}
 _KV_SHADES = ("#59a14f", "#8cd17d", "#3d7a34", "#b6e3a8", "#2f5e28", "#a0cf92", "#6aa85d")
 
@@ -187,7 +188,8 @@ def page(d: dict, curve: list[tuple[int, int]], title: str, extra: str = "", scr
         parts.append(f"<h2>Workload: requests by tokens against capacity ({w['fit_share']:.1%} fit)</h2>"
                      f"{workload_svg(w)}<p>to serve 99%: <code>{html.escape(w['serve_99_flags'] or 'nothing to change')}"
                      f"</code></p>")
-    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><link rel="icon" href="data:,"><title>{html.escape(title)}</title>'
+    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><link rel="icon" href="data:,">'
+            f'<title>{html.escape(title)}</title>'
             f'<style>{_CSS}</style></head><body>{"".join(parts)}{script}</body></html>')
 
 
