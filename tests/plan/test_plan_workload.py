@@ -53,6 +53,19 @@ def test_the_settings_it_prints_serve_the_p99_request(tmp_path):
     assert again.at(99).at_once == 64 and again.serve_99 == {} and "max_num_seqs" in again.binds
 
 
+def test_a_smaller_image_setting_that_runs_max_num_seqs_at_once(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text(_line(20, 20, (896, 448)))  # 20 + 512 + 20 = 552 tokens = 35 blocks: 1000 // 35 = 28 at once
+    w = plan(CONFIG, **BASE, workload=str(path)).workload
+    assert (w.at(99).tokens, w.at(99).at_once) == (552, 28)
+    # 64 at once: 1000 // 64 = 15 blocks = 240 tokens each, 200 for the image: a max_pixels whose largest image
+    # is at most 200 tokens
+    value = w.serve_99_alternatives["max_pixels"]
+    assert w.serve_99_alternatives["max_num_seqs"] == 28 and w.serve_99 == {"num_blocks": 64 * 35}
+    smaller = plan(CONFIG, **BASE, max_pixels=value, workload=str(path))
+    assert smaller.image_tokens_per_image <= 200 and smaller.workload.at(99).at_once == 64
+
+
 def test_histogram_by_hand(tmp_path):
     hist = {"histogram": {"prompt_tokens": [[100, 1]], "output_tokens": [[44, 3], [1644, 1]],
                           "images": [[0, 1], [1, 1]], "image_sizes": [[448, 448, 1], [896, 448, 1]]}}

@@ -51,7 +51,8 @@ class WorkloadPlan:
     encoder_cache_images_p50: int  # p50 images encoder_cache_memory holds
     binds: str
     serve_99: dict = field(default_factory=dict)  # setting -> value: all of them together serve 99%
-    # instead: the same memory as an FP8 cache (kv_cache_dtype), or this cache at fewer at once (max_num_seqs)
+    # instead: the same memory as an FP8 cache (kv_cache_dtype), this cache at fewer at once (max_num_seqs), or
+    # smaller images (the family's image setting) under which max_num_seqs of the p99 request fit
     serve_99_alternatives: dict = field(default_factory=dict)
     # the requests by tokens: (from, to, share of the weight) in equal bins from 0 (the picture's histogram)
     histogram: tuple = ()
@@ -178,7 +179,24 @@ def _serve_99(top: Percentile, requests: list[Request], f: Facts, slots: int,
         serve["num_state_slots"] = args.max_num_seqs
     if fewer:
         instead["max_num_seqs"] = top.at_once
+    smaller = _smaller_images(top, requests, f)
+    if smaller:
+        instead.update(smaller)
     return serve, instead
+
+
+def _smaller_images(top: Percentile, requests: list[Request], f: Facts) -> dict:
+    """The family's image setting under which max_num_seqs requests of the p99 one's text and output, its
+    images capped at the size that setting allows, fit the planned cache at once: {} when none does, or
+    the request has no image, or max_num_seqs of it already fit."""
+    args = f.args
+    r = min((r for r in requests if r.total_tokens >= top.tokens), key=lambda r: r.total_tokens, default=None)
+    if r is None or not r.image_tokens or top.at_once >= args.max_num_seqs:
+        return {}
+    share = dataclasses.replace(f.cache, num_blocks=f.blocks // args.max_num_seqs).capacity_tokens  # one's share
+    per_image = (min(share, f.longest) - r.text_tokens - r.output_tokens) // len(r.image_tokens)
+    fit = f.image.fitting(per_image) if per_image >= 1 else None
+    return {f.image.setting: fit.value} if fit is not None and fit.value is not None else {}
 
 
 def workload_rows(w: WorkloadPlan, size) -> list[tuple[str, str]]:
