@@ -3,7 +3,9 @@
     build (caller's thread / a prep pool)   InputProcessor.build_prompt(check_fit=False): the prompt the
                                             request would run (template, images decoded and resized,
                                             tokens) with no vision tower, no grammar compiled, and a too-
-                                            long prompt returned instead of refused
+                                            long prompt returned instead of refused (bad input, and one
+                                            image or video over max_model_len alone, raise as for chat:
+                                            refused before it is resized or decoded)
     inspect (the engine's thread)           `inspect(engine, prompt, params)`: the cache as it is now,
                                             read, never changed: nothing is scheduled or taken
 

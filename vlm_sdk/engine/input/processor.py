@@ -85,8 +85,8 @@ class InputProcessor:
         tools' schemas and the prompt's grammar (a forced call) only once the prompt is known to fit.
         `compile_grammar` False: the caller compiles the grammars (AsyncLLM awaits `params`' before, the
         tools' check and the prompt's after). `check_fit` False (the dry run, engine/render.py): a prompt
-        longer than max_model_len is returned, not refused (a text refused before it was tokenized whole,
-        and an image over max_model_len refused before resizing, still raise `InputTooLongError`)."""
+        longer than max_model_len is returned, not refused (a text refused before it was tokenized whole still
+        raises `InputTooLongError`, and one image over max_model_len alone `InvalidImageError`, before resizing)."""
         t0 = time.perf_counter()
         params, options = params or SamplingParams(), options or NO_OPTIONS
         self.check_params(params)
