@@ -68,6 +68,10 @@ _LOOP_STOP_CHARS = 4096
 _PREP_JOIN_S = 2.0  # the most shutdown waits for the prompt threads to end (see prep_pool.FairPool._run)
 
 
+def _raise(err: BaseException):
+    raise err
+
+
 def _put_all(batch: list) -> None:
     for q, item in batch:
         q.put_nowait(item)
@@ -369,7 +373,8 @@ class AsyncLLM:
                     elif cmd == "add":
                         self._add(key, *payload)
                     elif cmd == "render":  # read between steps, on this thread: the cache is still
-                        self._render(key, *payload)
+                        built, params = payload
+                        dry_run.settle(key, lambda: dry_run.render(engine, built, params))
                 outputs = engine.step()  # token ids only: the streams make the text
                 if outputs:
                     self._deliver_many([(out.request_id, out) for out in outputs])
@@ -402,32 +407,6 @@ class AsyncLLM:
             for key in added:
                 self.engine.abort(key)
             self._deliver(keys[0], e)
-
-    def _render(self, done: asyncio.Future, built: tuple, params) -> None:
-        try:
-            result = dry_run.render(self.engine, built, params)
-        except Exception as e:
-            result = e
-        loop = done.get_loop()
-
-        def settle() -> None:
-            if done.done():  # its caller went away
-                return
-            if isinstance(result, Exception):
-                done.set_exception(result)
-            else:
-                done.set_result(result)
-        try:
-            loop.call_soon_threadsafe(settle)
-        except RuntimeError:  # the caller's loop is closed
-            pass
-
-    @staticmethod
-    def _render_failed(done: asyncio.Future, err: BaseException) -> None:
-        try:
-            done.get_loop().call_soon_threadsafe(lambda: done.done() or done.set_exception(err))
-        except RuntimeError:
-            pass
 
     def _release_requests(self) -> None:
         """Finish what the dead engine still holds, so that its queues and KV blocks read as empty;
@@ -469,4 +448,4 @@ class AsyncLLM:
                 if cmd == "add":
                     self._deliver(key[0], err)
                 elif cmd == "render":
-                    self._render_failed(key, err)
+                    dry_run.settle(key, lambda: _raise(err))

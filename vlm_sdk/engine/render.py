@@ -183,6 +183,23 @@ def render(engine, built: tuple, params: SamplingParams | None) -> RenderedReque
     return inspect(engine, prompt, params, parts)
 
 
+def settle(done, compute) -> None:
+    """Run `compute()` here (the engine thread) and hand its result or exception to the asyncio future
+    `done` on its own loop; nothing when its caller went away or its loop is closed."""
+    try:
+        result, failed = compute(), False
+    except Exception as e:  # the caller's error to raise: the engine thread goes on
+        result, failed = e, True
+
+    def deliver() -> None:
+        if not done.done():
+            (done.set_exception if failed else done.set_result)(result)
+    try:
+        done.get_loop().call_soon_threadsafe(deliver)
+    except RuntimeError:  # the caller's loop is closed
+        pass
+
+
 def refused(engine, error: InputTooLongError, params: SamplingParams | None) -> RenderedRequest:
     """The render of a request refused before its ids were known (its text or an image too long to
     count or resize): the counts the error gives, nothing of the cache."""
