@@ -141,3 +141,20 @@ def test_async_render_is_read_on_the_engine_thread(tiny_ckpt):
     assert first.token_ids == second.token_ids and first.prefix_hit_tokens == 0 < second.prefix_hit_tokens
     # a dry run looks nothing up in the counters and takes nothing
     assert stats["prefix_cache_query_tokens"] == first.num_tokens and stats["kv_blocks_used"] == 0
+
+
+def test_fits_now_follows_the_free_blocks(tiny_ckpt):
+    request = [{"role": "user", "content": "Tell me about the sea, the sky and the mountains."}]  # 43 tokens
+    settings = dict(num_blocks=16, block_size=4, enable_prefix_caching=False, allow_unfit_images=True)
+    with LLM(tiny_ckpt, show_progress=False, **settings) as llm:
+        first = llm.render(request, PARAMS)
+        assert first.fits_now and first.new_blocks == -(-first.num_tokens // 4) == 11
+        engine = llm.engine
+        rid = engine.add_request(llm.inputs.build_prompt(request, PARAMS), PARAMS)
+        engine.step()  # it holds its prompt's 11 blocks: 5 are free
+        busy = llm.render(request, PARAMS)
+        assert (busy.free_blocks, busy.new_blocks, busy.running) == (5, 11, 1)
+        assert busy.fits_ever and not busy.fits_now and busy.to_dict()["fits"]["now"] is False
+        engine.abort(rid)
+        engine.release_finished()
+        assert llm.render(request, PARAMS).fits_now
