@@ -109,3 +109,14 @@ def test_the_command_prints_the_rows_and_json(tmp_path, capsys):
     main(["plan", str(CONFIG), "--device-memory", "80GiB", "--num-blocks", "1000", "--workload", str(path), "--json"])
     data = json.loads(capsys.readouterr().out)
     assert data["workload"]["percentiles"][0]["at_once"] == 40 and data["workload"]["serve_99_flags"] == "--num-blocks 1600"  # 64 x 25
+
+
+def test_text_counted_by_the_checkpoints_tokenizer_as_the_engine_counts_it(tiny_ckpt, tmp_path):
+    from vlm_sdk import LLM, SamplingParams
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is the sea?"}]
+    path = tmp_path / "w.jsonl"
+    path.write_text(json.dumps({"messages": messages, "max_tokens": 7}))
+    w = plan(tiny_ckpt, device_memory="4GiB", dtype="float32", num_blocks=64, workload=str(path)).workload
+    with LLM(tiny_ckpt, num_blocks=64, allow_unfit_images=True, show_progress=False) as llm:
+        rendered = llm.render(messages, SamplingParams(max_tokens=7))
+    assert w.at(50).tokens == rendered.num_tokens + 7

@@ -143,8 +143,8 @@ class _TextCounter:
         text_only = [{"role": m.get("role", "user"), "content": m["content"] if isinstance(m.get("content"), str) else
                       "".join(p.get("text", "") for p in m.get("content") or () if isinstance(p, dict))}
                      for m in messages if isinstance(m, dict)]
-        ids = self.tokenizer.apply_chat_template(text_only, add_generation_prompt=True, tokenize=True)
-        return len(ids["input_ids"] if isinstance(ids, dict) else ids)
+        text = self.tokenizer.apply_chat_template(text_only, add_generation_prompt=True, tokenize=False)
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _load(self, where: str):
         directory = Path(self.directory) if self.directory is not None else None
