@@ -94,3 +94,12 @@ def test_the_page_shows_the_plans_numbers(browser, tmp_path, config, extra):
     svg = ET.parse(tmp_path / "plan.svg").getroot()  # well-formed, the same bar inside
     rects = [r for r in svg.iter("{http://www.w3.org/2000/svg}rect") if r.get("class") == "segment"]
     assert [int(r.get("data-bytes")) for r in rects] == [s["bytes"] for s in segments]
+
+
+def test_a_model_with_state_layers_shows_its_state_slots(tiny_checkpoints):
+    from vlm_sdk.plan.picture import memory_segments
+    p = plan(tiny_checkpoints("qwen3_5"), device_memory="2GiB", dtype="float32", num_blocks=64)
+    segments = {name: size for name, _, size in memory_segments(p.to_dict())}
+    assert p.state_bytes > 0 and segments["state slots"] == p.state_bytes
+    assert sum(size for name, size in segments.items() if name.startswith("KV")) == p.kv_cache_bytes
+    assert sum(segments.values()) == p.device_memory_bytes
