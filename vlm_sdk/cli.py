@@ -253,6 +253,9 @@ def _bench_serve(args) -> int:
     if args.red_team:
         from vlm_sdk.bench.red_team import run_red_team
         return run_red_team(args)
+    if args.flood:
+        from vlm_sdk.bench.flood import run_flood
+        return run_flood(args)
     if args.soak is not None:
         from vlm_sdk.bench.soak import run_soak
         return run_soak(args)

@@ -115,6 +115,10 @@ class EngineArgs:
     # prefix caching; None: max_num_seqs, twice that with enable_prefix_caching (memory/kv.py)
     num_state_slots: int | None = None
     max_num_batched_tokens: int = 8192
+    # image tokens (vision embeddings) one step may send through the vision tower: the rest of a step's
+    # images, a video's next frame groups, wait for the next steps, so the decode rows beside them keep a
+    # bounded step (engine/core/vision_budget.py); raised to the largest image's tokens; None: no bound
+    max_num_encoder_tokens_per_step: int | None = 1024
     # the model family's engine settings (its `FamilySpec.engine_settings`, e.g. an image size bound),
     # checked by the family when the engine starts; an image part's own options win over them
     mm_processor_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -256,7 +260,7 @@ class EngineArgs:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
         for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs", "num_state_slots",
-                     "max_num_batched_tokens", "max_image_pixels", "max_request_image_pixels",
+                     "max_num_batched_tokens", "max_num_encoder_tokens_per_step", "max_image_pixels", "max_request_image_pixels",
                      "max_video_bytes", "max_video_frames", "max_video_decode_pixels", "max_video_container_frames",
                      "preemption_warning_per_minute", "tensor_parallel_size", "max_grammar_bytes",
                      "max_grammar_memory", "grammar_cache_memory", "grammar_workers", "max_tools", "max_tool_bytes"):
@@ -396,6 +400,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int  # longest sequence (prompt + output) the engine runs
     max_model_len_source: str
+    # image tokens one step may send through the vision tower (engine/core/vision_budget.py); None: no bound
+    max_num_encoder_tokens_per_step: int | None = None
 
 
 @dataclass(frozen=True)

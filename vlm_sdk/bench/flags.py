@@ -215,3 +215,21 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--red-team-rows", default=None, metavar="NAMES",
                    help="--red-team: only the rows whose names start with one of these, comma-separated, "
                         "e.g. 41.7,41.3 (default: every row)")
+    p.add_argument("--flood", action="store_true",
+                   help="instead: steady text victims alone, then beside an image flood and a video flood; the "
+                        "victims' TTFT/TPOT p50/p99 alone and during, the floods' images/s, the ratios "
+                        "(vlm_sdk/bench/flood.py; default: --model the ~100M bench checkpoint)")
+    p.add_argument("--flood-seconds", type=float, default=20.0, help="--flood: seconds per phase (default 20)")
+    p.add_argument("--flood-concurrency", type=int, default=8, help="--flood: flood requests in flight (default 8)")
+    p.add_argument("--flood-victim-interval", type=float, default=0.5,
+                   help="--flood: seconds between two victims' arrivals (default 0.5)")
+    p.add_argument("--flood-image-size", type=int, default=448, help="--flood: image side in pixels (default 448)")
+    p.add_argument("--flood-distinct", type=int, default=400,
+                   help="--flood: distinct images per phase (a quarter as many videos; default 400)")
+    p.add_argument("--flood-video-frames", type=int, default=8,
+                   help="--flood: frames per video, all sampled (0: no video phases; default 8)")
+    p.add_argument("--flood-video-size", type=int, default=224, help="--flood: video side in pixels (default 224)")
+    p.add_argument("--flood-max-tokens", type=int, default=4, help="--flood: tokens per flood request (default 4)")
+    p.add_argument("--flood-engine-arg", action="append", default=[], metavar="NAME=VALUE",
+                   help="--flood: an engine setting for the server started here, e.g. "
+                        "max_num_encoder_tokens_per_step=512 (repeatable)")

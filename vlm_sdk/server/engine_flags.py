@@ -35,6 +35,10 @@ ENGINE_HELP = {
     "max_num_seqs": "most requests running at once (default 64)",
     "max_num_batched_tokens": "most tokens one engine step computes; a longer prompt is prefilled in chunks "
                               "(default 8192)",
+    "max_num_encoder_tokens_per_step": "most image tokens one step sends through the vision tower; a step's further "
+                                       "images and a video's next frame groups wait for the next steps, so decode "
+                                       "steps beside an image flood stay short (default 1024; raised to the largest "
+                                       "image's tokens)",
     "allow_unfit_images": "start even if the largest image the image settings allow cannot fit in max_model_len "
                           "(a warning instead of the refusal; such images are refused per request; default off)",
     "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before (text and images, keyed by "
@@ -109,7 +113,7 @@ ENGINE_HELP = {
 GROUPS = (
     ("engine: memory and KV cache", ("max_model_len", "memory_utilization", "kv_cache_memory", "num_blocks",
                                      "block_size", "kv_cache_dtype", "enable_prefix_caching", "encoder_cache_memory",
-                                     "max_num_seqs", "max_num_batched_tokens", "num_state_slots", "allow_unfit_images",
+                                     "max_num_seqs", "max_num_batched_tokens", "max_num_encoder_tokens_per_step", "num_state_slots", "allow_unfit_images",
                                      "preemption_warning_per_minute")),
     ("engine: model and device", ("revision", "model_family", "dtype", "device", "seed", "attention_backend", "small_m_gemm",
                                   "enforce_eager", "piecewise_cuda_graphs", "async_scheduling")),

@@ -2,13 +2,20 @@
 
 Running sequences go first, in the order they started; each asks for all its uncomputed tokens
 (1 while decoding, the rest of the prompt while prefilling), cut to what is left of the step's token
-budget. When the pool has too few free blocks, the most recently started running sequence is
+budget, less a token for each decoding sequence after it (a prefill chunk never takes a decode row's
+token), and to the step's vision budget (`max_num_encoder_tokens_per_step`, engine/core/vision_budget.py:
+the image tokens whose vision tower the step runs; a chunk ends before the first image that does not fit,
+so a large video's frame groups are encoded over several steps). When the pool has too few free blocks, the most recently started running sequence is
 preempted: its blocks (and state slot) are freed and it goes back to the front of the waiting queue,
 to be recomputed later (its generated tokens are kept). Waiting sequences are admitted while budget,
 blocks, state slots and `max_num_seqs` allow, and not at all in a step that had to preempt, in the
 order of the waiting queue (engine/core/waiting_queue.py): the preempted first, then round-robin across
 requests (a request: `Sequence.group`), no request holding more than 3/4 of `max_num_seqs`; FIFO when
-every request is one sequence. A sequence that starts or restarts shares the blocks of its longest
+every request is one sequence. A request whose images do not fit what is left of the vision budget is
+passed over for the step and the next is tried (a text prompt never waits behind an image flood). A
+sequence (waiting, or running behind another's frame groups) passed over `MAX_VISION_WAITS` steps in a
+row has aged: the next step keeps its next image's tokens for it before any other chunk, and admission
+goes no further than an aged waiting sequence. A sequence that starts or restarts shares the blocks of its longest
 cached prefix and computes only the rest (`CacheCoordinator.start`); a preempted sequence may find its
 own blocks still cached when it returns. With state layers and prefix caching, prefill chunks end on
 block boundaries (`CacheCoordinator.align`), and the step's state copies come from
@@ -36,6 +43,7 @@ from dataclasses import dataclass, field
 from vlm_sdk.config import SchedulerConfig
 from vlm_sdk.engine.core.cache_coordinator import NO_COPIES, CacheCoordinator
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
+from vlm_sdk.engine.core.vision_budget import MAX_VISION_WAITS, VisionBudget, aged, decode_rows
 from vlm_sdk.engine.core.waiting_queue import FairWaitingQueue
 from vlm_sdk.protocol.scheduler_output import NO_IDS, CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -46,6 +54,7 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     state_restores: tuple[tuple[int, int], ...] = NO_COPIES  # (checkpoint slot, live slot), before the forward
     state_checkpoints: tuple[tuple[int, int], ...] = NO_COPIES  # (live slot, checkpoint slot), after it
+    encoder_tokens: int = 0  # the vision budget's count: image tokens the step's chunks reach that are new to the ranks
 
 
 class Scheduler:
@@ -65,26 +74,51 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
-        budget = self.config.max_num_batched_tokens
+        vision = VisionBudget(self.config.max_num_encoder_tokens_per_step)
+        if vision.limit is not None:  # the next image of a sequence passed over too long goes first
+            vision.keep_for(aged(self.running, self.waiting.peek() if self.waiting else None))
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, vision)
+        if not out.preempted and self.waiting:
+            self._admit(out, budget, vision)
+        out.encoder_tokens = vision.spent
+        if self.cache.state is not None:
+            out.state_restores, out.state_checkpoints = self.cache.end_step(out.scheduled)
+        return out
 
+    def _schedule_running(self, out: ScheduledBatch, budget: int, vision: VisionBudget) -> int:
+        """Every running sequence's chunk, in the order they started, preempting the newest when blocks run
+        out; the token budget left. Decode rows keep a token each from the prefill chunks before them
+        (`decode_rows`), so a long prefill never takes a decoding sequence's step; a prefill chunk also
+        fits the step's vision budget (a video's next frame groups wait for a later step)."""
         running, allocate, scheduled = self.running, self.cache.allocate, out.scheduled
         size = self.cache.block_size
         caching = self.cache.enable_prefix_caching
         aligned = self.cache.aligned
         whole_images = self.cache.whole_images
+        bounded = vision.limit is not None
+        reserve = decode_rows(running)  # tokens the decode rows not yet scheduled will ask for
         # preemption removes sequences from the end of `running` only: the iterator stops before them
         for seq in running:
             if budget <= 0:
                 break
-            n = min(len(seq.token_ids) + seq.num_inflight - seq.num_computed_tokens, budget)
+            left = len(seq.token_ids) + seq.num_inflight - seq.num_computed_tokens
+            if left == 1:
+                reserve -= 1
             if seq.num_inflight and len(seq.token_ids) + seq.num_inflight >= seq.length_limit:
                 continue  # the token on its way is its last (max_tokens or max_model_len): nothing to compute
+            n = min(left, budget if left == 1 else budget - reserve)
+            if n <= 0:
+                continue  # a prefill chunk: what is left of the budget is the decode rows'
             if aligned and n > 1:  # a prefill chunk ends on a block boundary: its state can be checkpointed
                 n = self.cache.align(seq, seq.num_computed_tokens, n)
             if whole_images and seq.num_computed_tokens < seq.num_prompt_tokens:
                 n = self.cache.whole_image(seq, seq.num_computed_tokens, n)  # never ends inside an image
                 if n == 0:
                     continue  # the rest of an image does not fit this step's budget: a later step's
+            if bounded and seq.num_computed_tokens < seq.num_prompt_tokens:
+                n = vision.cut(seq, seq.num_computed_tokens, n)
+                if n == 0:
+                    continue  # its next image (a video's next frame group) is a later step's
             if aligned and n > 1:  # a chunk on its way to a checkpoint: siblings wait for it (cache_coordinator)
                 self.cache.note_coming(seq, seq.num_computed_tokens + n)
             total = seq.num_computed_tokens + n
@@ -102,24 +136,33 @@ class Scheduler:
                     break
             scheduled.append((seq, n))
             budget -= n
+        return budget
 
-        if not out.preempted and self.waiting:
-            self.waiting.count_running(self.running)  # the per-request cap on the batch
-            while budget > 0 and len(self.running) < self.config.max_num_seqs:
-                seq = self.waiting.peek()  # None: none left, or every waiting request at its cap
-                if seq is None or seq.num_inflight:  # preempted while its token was on the device: restart with it
-                    break
-                n = self.cache.start(seq, budget)  # its cached prefix is not computed again
-                if n is None:
-                    break
-                self.waiting.popleft()
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                out.scheduled.append((seq, n))
-                budget -= n
-        if self.cache.state is not None:
-            out.state_restores, out.state_checkpoints = self.cache.end_step(out.scheduled)
-        return out
+    def _admit(self, out: ScheduledBatch, budget: int, vision: VisionBudget) -> None:
+        """Admit waiting sequences in the waiting queue's order while the token budget, `max_num_seqs`,
+        blocks and state slots allow. One whose images the step's vision budget cannot hold is passed over
+        (its request waits for the next step) and admission goes on with the next request, so a text
+        prompt never waits behind images; one passed over `MAX_VISION_WAITS` steps has aged (`schedule` kept
+        its next image's tokens for it) and admission stops at it until it is in."""
+        self.waiting.count_running(self.running)  # the per-request cap on the batch
+        cut = vision.cut if vision.limit is not None else None
+        passed: set = set()  # groups passed over this step
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting.peek(passed)  # None: none left, or every waiting request at its cap or passed
+            if seq is None or seq.num_inflight:  # preempted while its token was on the device: restart with it
+                break
+            vision.refused = False
+            n = self.cache.start(seq, budget, cut)  # its cached prefix is not computed again
+            if n is None:
+                if vision.refused and seq.vision_waits < MAX_VISION_WAITS:
+                    passed.add(seq.group)
+                    continue
+                break
+            self.waiting.take(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -57,6 +57,7 @@ class Sequence:
                                       image_tokens=sum(prompt.image_tokens),
                                       preprocess_time=prompt.preprocess_seconds)
         self.num_preemptions = 0
+        self.vision_waits = 0  # steps it was passed over while waiting, its images beyond the step's vision budget
         self.min_tokens_stop_ids: tuple[int, ...] = ()  # set by the engine (it knows the EOS ids)
         self.matcher = None  # structured outputs: the llguidance matcher of its grammar (engine/structured_output.py)
         self.first_mask = None  # and its grammar's mask at the start, made when the grammar was compiled
