@@ -117,7 +117,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 8192
     # image tokens (vision embeddings) one step may send through the vision tower: the rest of a step's
     # images, a video's next frame groups, wait for the next steps, so the decode rows beside them keep a
-    # bounded step (engine/core/vision_budget.py); raised to the largest image's tokens; None: no bound
+    # bounded step (engine/core/vision_budget.py); a larger image runs alone in a step; None: no bound
     max_num_encoder_tokens_per_step: int | None = 1024
     # the model family's engine settings (its `FamilySpec.engine_settings`, e.g. an image size bound),
     # checked by the family when the engine starts; an image part's own options win over them

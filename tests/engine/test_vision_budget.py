@@ -9,7 +9,7 @@ from helpers import full_attention_cache
 from vlm_sdk.config import SchedulerConfig
 from vlm_sdk.engine.core.scheduler import Scheduler
 from vlm_sdk.engine.core.sequence import Sequence
-from vlm_sdk.engine.core.vision_budget import MAX_VISION_WAITS, VisionBudget, effective_budget
+from vlm_sdk.engine.core.vision_budget import MAX_VISION_WAITS, VisionBudget
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 from vlm_sdk.sampling_params import SamplingParams
 
@@ -133,7 +133,6 @@ def test_a_chunk_inside_a_held_image_costs_nothing_and_a_restart_pays_again():
     budget = VisionBudget(150)
     budget.spent = 100
     assert budget.cut(seq, 50, 10) == 0 and budget.refused
-    assert effective_budget(64, 256) == 256 and effective_budget(None, 256) is None
     lone = VisionBudget(50)  # an image over the whole budget runs alone in a step
     assert lone.cut(seq, 0, 204) == 104 and lone.spent == 100
 

@@ -38,7 +38,6 @@ from vlm_sdk.engine.output.engine_output import EngineOutput
 from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_warning
 from vlm_sdk.engine.core.scheduler import ScheduledBatch, Scheduler
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
-from vlm_sdk.engine.core.vision_budget import effective_budget
 from vlm_sdk.engine.input.processor import InputProcessor
 from vlm_sdk.engine.structured_output import Grammar, MaskFiller, accept
 from vlm_sdk.errors import InvalidRequestError
@@ -99,10 +98,8 @@ class LLMEngine:
         ranks = size_rank_caches(memory, loads, profiles, executor.collective_rpc("memory_snapshot"),
                                  family.plan_setting[1], fp8_runs=fp8_kv_cache_runs(self.device, rc.attention_backend))
         self.cache_config = min((r.cache for r in ranks), key=lambda c: c.num_blocks)  # every rank holds this many
-        # the vision budget holds the largest image whole (vision_budget.effective_budget)
-        self.scheduler_config = dataclasses.replace(
-            scheduler_config(memory, self.cache_config), max_num_encoder_tokens_per_step=effective_budget(
-                args.max_num_encoder_tokens_per_step, largest_image.num_tokens))
+        self.scheduler_config = dataclasses.replace(scheduler_config(memory, self.cache_config),
+                                                    max_num_encoder_tokens_per_step=args.max_num_encoder_tokens_per_step)
         check_largest_image_fits(memory.image, family.plan_setting[1], self.cache_config, self.scheduler_config,
                                  self.max_position_embeddings, args)
         self.inputs.set_capacity(self.cache_config, self.scheduler_config, self.max_position_embeddings)

@@ -37,8 +37,8 @@ ENGINE_HELP = {
                               "(default 8192)",
     "max_num_encoder_tokens_per_step": "most image tokens one step sends through the vision tower; a step's further "
                                        "images and a video's next frame groups wait for the next steps, so decode "
-                                       "steps beside an image flood stay short (default 1024; raised to the largest "
-                                       "image's tokens)",
+                                       "steps beside an image flood stay short; a larger image runs alone in a step "
+                                       "(default 1024)",
     "allow_unfit_images": "start even if the largest image the image settings allow cannot fit in max_model_len "
                           "(a warning instead of the refusal; such images are refused per request; default off)",
     "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before (text and images, keyed by "

@@ -19,9 +19,10 @@ whatever its chunk reaches, from a prefix-cache hit inside an image too). The en
 a new image without the tower; the scheduler cannot see that cache (it lives on the ranks) and counts the
 image anyway, so the bound is on the tower's work, never under it.
 
-An image larger than the whole budget would never fit: the engine raises the budget to the largest image the
-settings allow (`effective_budget`), as vLLM does, so every image fits a step of its own; one larger still (a
-video's frame group under settings of its own) is encoded alone, in a step that encodes nothing else.
+An image larger than the whole budget is encoded alone, in a step that encodes nothing else (its tokens attend
+to each other in the tower, so it cannot be split); every other step stays within the budget. vLLM instead
+raises its budget to the largest item the settings allow, which for Qwen-VL's defaults (a 16,384-token image,
+768-token video frame groups) would leave no bound on the images a flood actually sends.
 """
 from __future__ import annotations
 
@@ -36,11 +37,6 @@ def decode_rows(running: list[Sequence]) -> int:
     """How many running sequences ask for one token this step (decoding; under asynchronous scheduling the
     token on its way counts): the tokens the scheduler keeps from prefill chunks for them."""
     return sum(1 for s in running if len(s.token_ids) + s.num_inflight - s.num_computed_tokens == 1)
-
-
-def effective_budget(setting: int | None, largest_image_tokens: int) -> int | None:
-    """The per-step encoder tokens: the setting (None: unbounded), at least the largest image's tokens."""
-    return None if setting is None else max(setting, largest_image_tokens)
 
 
 def new_images(seq: Sequence, computed: int, n: int):
