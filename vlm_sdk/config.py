@@ -119,6 +119,10 @@ class EngineArgs:
     # images, a video's next frame groups, wait for the next steps, so the decode rows beside them keep a
     # bounded step (engine/core/vision_budget.py); a larger image runs alone in a step; None: no bound
     max_num_encoder_tokens_per_step: int | None = 1024
+    # vLLM's: a prefill chunk computes at most this many tokens a step (0: off), so a long prompt or an image's
+    # tokens go through the decoder over several steps beside the decode rows; not for a family whose image
+    # tokens attend to each other (FamilySpec.whole_images: an image is prefilled in one chunk)
+    long_prefill_token_threshold: int = 0
     # the model family's engine settings (its `FamilySpec.engine_settings`, e.g. an image size bound),
     # checked by the family when the engine starts; an image part's own options win over them
     mm_processor_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -265,6 +269,10 @@ class EngineArgs:
                      "preemption_warning_per_minute", "tensor_parallel_size", "max_grammar_bytes",
                      "max_grammar_memory", "grammar_cache_memory", "grammar_workers", "max_tools", "max_tool_bytes"):
             positive(name)
+        t = self.long_prefill_token_threshold
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise InvalidRequestError(f"long_prefill_token_threshold must be an integer of 0 (off) or more, got {t!r}",
+                                      param="long_prefill_token_threshold")
         e = self.encoder_cache_memory
         if not isinstance(e, int) or isinstance(e, bool) or e < 0:
             raise InvalidRequestError(f"encoder_cache_memory must be a size of 0 or more (e.g. '256MiB'; 0 turns the "
@@ -402,6 +410,7 @@ class SchedulerConfig:
     max_model_len_source: str
     # image tokens one step may send through the vision tower (engine/core/vision_budget.py); None: no bound
     max_num_encoder_tokens_per_step: int | None = None
+    long_prefill_token_threshold: int = 0  # the most tokens of one prefill chunk (0: no bound)
 
 
 @dataclass(frozen=True)

@@ -223,3 +223,34 @@ def test_an_image_passed_over_ages_and_then_goes_first():
     assert image.vision_waits == 0
     assert video_groups.count(0) == 1 and video_groups[MAX_VISION_WAITS + 1] == 0  # the video lost one step
     assert all(t.num_computed_tokens for t in texts)  # no text waited behind either
+
+
+def test_long_prefill_token_threshold_cuts_prefill_chunks_not_decode_rows():
+    """vLLM's long_prefill_token_threshold: a prefill chunk computes at most that many tokens a step, an
+    image's tokens included (the image is encoded once, in the step that first reaches it), the decode rows
+    beside it their token each."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=4000,
+                                      max_model_len_source="test", max_num_encoder_tokens_per_step=256,
+                                      long_prefill_token_threshold=64), full_attention_cache(400, 4))
+    chat = _text_seq("chat", max_tokens=20)
+    sched.add(chat)
+    image = _image_seq("image", [200], max_tokens=1)
+    view = WorkerView()
+    chunks, encoded = [], []
+
+    def on_step(k):
+        if k == 2:
+            sched.add(image)
+    for k in range(12):
+        on_step(k)
+        out = sched.schedule()
+        sched.worker_input(out)
+        encoded.append(view.step(out))
+        chunks.append(dict((s.request_id, n) for s, n in out.scheduled))
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(7)
+    assert [c.get("image") for c in chunks[2:6]] == [64, 64, 64, 16]  # 208 prompt tokens in 64s
+    assert encoded[2] == 200 and sum(encoded) == 200  # the tower once, in its first step
+    assert all(c["chat"] == 1 for c in chunks[1:])

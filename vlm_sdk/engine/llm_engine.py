@@ -99,7 +99,9 @@ class LLMEngine:
                                  family.plan_setting[1], fp8_runs=fp8_kv_cache_runs(self.device, rc.attention_backend))
         self.cache_config = min((r.cache for r in ranks), key=lambda c: c.num_blocks)  # every rank holds this many
         self.scheduler_config = dataclasses.replace(scheduler_config(memory, self.cache_config),
-                                                    max_num_encoder_tokens_per_step=args.max_num_encoder_tokens_per_step)
+                                                    max_num_encoder_tokens_per_step=args.max_num_encoder_tokens_per_step,
+                                                    long_prefill_token_threshold=0 if family.whole_images else
+                                                    args.long_prefill_token_threshold)
         check_largest_image_fits(memory.image, family.plan_setting[1], self.cache_config, self.scheduler_config,
                                  self.max_position_embeddings, args)
         self.inputs.set_capacity(self.cache_config, self.scheduler_config, self.max_position_embeddings)

@@ -39,6 +39,9 @@ ENGINE_HELP = {
                                        "images and a video's next frame groups wait for the next steps, so decode "
                                        "steps beside an image flood stay short; a larger image runs alone in a step "
                                        "(default 1024)",
+    "long_prefill_token_threshold": "vLLM's: most tokens one prefill chunk computes per step, so a long prompt's "
+                                    "or an image's tokens share steps with the decode rows (default 0: off; not "
+                                    "for families that prefill an image whole)",
     "allow_unfit_images": "start even if the largest image the image settings allow cannot fit in max_model_len "
                           "(a warning instead of the refusal; such images are refused per request; default off)",
     "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before (text and images, keyed by "
@@ -113,7 +116,8 @@ ENGINE_HELP = {
 GROUPS = (
     ("engine: memory and KV cache", ("max_model_len", "memory_utilization", "kv_cache_memory", "num_blocks",
                                      "block_size", "kv_cache_dtype", "enable_prefix_caching", "encoder_cache_memory",
-                                     "max_num_seqs", "max_num_batched_tokens", "max_num_encoder_tokens_per_step", "num_state_slots", "allow_unfit_images",
+                                     "max_num_seqs", "max_num_batched_tokens", "max_num_encoder_tokens_per_step", "long_prefill_token_threshold",
+                                     "num_state_slots", "allow_unfit_images",
                                      "preemption_warning_per_minute")),
     ("engine: model and device", ("revision", "model_family", "dtype", "device", "seed", "attention_backend", "small_m_gemm",
                                   "enforce_eager", "piecewise_cuda_graphs", "async_scheduling")),

@@ -3,7 +3,7 @@
 Running sequences go first, in the order they started; each asks for all its uncomputed tokens
 (1 while decoding, the rest of the prompt while prefilling), cut to what is left of the step's token
 budget, less a token for each decoding sequence after it (a prefill chunk never takes a decode row's
-token), and to the step's vision budget (`max_num_encoder_tokens_per_step`, engine/core/vision_budget.py:
+token), to `long_prefill_token_threshold` (vLLM's, when set), and to the step's vision budget (`max_num_encoder_tokens_per_step`, engine/core/vision_budget.py:
 the image tokens whose vision tower the step runs; a chunk ends before the first image that does not fit,
 so a large video's frame groups are encoded over several steps). When the pool has too few free blocks, the most recently started running sequence is
 preempted: its blocks (and state slot) are freed and it goes back to the front of the waiting queue,
@@ -97,6 +97,7 @@ class Scheduler:
         whole_images = self.cache.whole_images
         bounded = vision.limit is not None
         reserve = decode_rows(running)  # tokens the decode rows not yet scheduled will ask for
+        long_prefill = self.config.long_prefill_token_threshold or budget
         # preemption removes sequences from the end of `running` only: the iterator stops before them
         for seq in running:
             if budget <= 0:
@@ -106,7 +107,7 @@ class Scheduler:
                 reserve -= 1
             if seq.num_inflight and len(seq.token_ids) + seq.num_inflight >= seq.length_limit:
                 continue  # the token on its way is its last (max_tokens or max_model_len): nothing to compute
-            n = min(left, budget if left == 1 else budget - reserve)
+            n = min(left, budget if left == 1 else min(budget - reserve, long_prefill))
             if n <= 0:
                 continue  # a prefill chunk: what is left of the budget is the decode rows'
             if aligned and n > 1:  # a prefill chunk ends on a block boundary: its state can be checkpointed
@@ -146,13 +147,14 @@ class Scheduler:
         its next image's tokens for it) and admission stops at it until it is in."""
         self.waiting.count_running(self.running)  # the per-request cap on the batch
         cut = vision.cut if vision.limit is not None else None
+        long_prefill = self.config.long_prefill_token_threshold or budget
         passed: set = set()  # groups passed over this step
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek(passed)  # None: none left, or every waiting request at its cap or passed
             if seq is None or seq.num_inflight:  # preempted while its token was on the device: restart with it
                 break
             vision.refused = False
-            n = self.cache.start(seq, budget, cut)  # its cached prefix is not computed again
+            n = self.cache.start(seq, min(budget, long_prefill), cut)  # its cached prefix is not computed again
             if n is None:
                 if vision.refused and seq.vision_waits < MAX_VISION_WAITS:
                     passed.add(seq.group)
