@@ -220,6 +220,8 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "victims' TTFT/TPOT p50/p99 alone and during, the floods' images/s, the ratios "
                         "(vlm_sdk/bench/flood.py; default: --model the ~100M bench checkpoint)")
     p.add_argument("--flood-seconds", type=float, default=20.0, help="--flood: seconds per phase (default 20)")
+    p.add_argument("--flood-warmup", type=float, default=3.0,
+                   help="--flood: seconds a flood runs before its phase's window opens (default 3)")
     p.add_argument("--flood-concurrency", type=int, default=8, help="--flood: flood requests in flight (default 8)")
     p.add_argument("--flood-victim-interval", type=float, default=0.5,
                    help="--flood: seconds between two victims' arrivals (default 0.5)")

@@ -12,7 +12,7 @@ Five phases of `--flood-seconds` each, in one run on one server (`vlm-sdk serve`
 and the report: the victims' TTFT and TPOT p50 / p99 alone and during each flood, the floods' images/s
 (frames/s for video: each sampled frame is an image's worth of work) alone and beside the victims, and
 the ratios (during / alone) against issue 49's targets: p99 TTFT <= 3x, p99 TPOT <= 2x, flood
-throughput >= 0.85x. A flood phase first warms up for `FLOOD_WARMUP_S` (the queue fills), then its
+throughput >= 0.85x. A flood phase first warms up for `--flood-warmup` seconds (the queue fills), then its
 seconds count: completions are counted inside the window, the victims arrive inside it.
 A flood request still open at a phase's end is cancelled (its client hangs up; the server aborts it).
 """
@@ -26,7 +26,6 @@ import json
 import sys
 import time
 
-FLOOD_WARMUP_S = 3.0
 TARGETS = {"ttft_p99_ratio": 3.0, "tpot_p99_ratio": 2.0, "flood_throughput_ratio": 0.85}
 VICTIM_TEXT = "Tell me a short story about a lighthouse keeper."
 
@@ -155,7 +154,7 @@ async def _phase(url: str, headers: dict, model: str, bodies: list[bytes] | None
         if bodies is not None:
             flood = asyncio.ensure_future(_flood(session, url, headers, bodies, args.flood_concurrency, stop, done,
                                                  errors))
-            await asyncio.sleep(FLOOD_WARMUP_S)
+            await asyncio.sleep(args.flood_warmup)
         t0 = time.perf_counter()
         if victims:
             out["victims"] = _victim_figures(await _victims(session, url, headers, model, args.flood_seconds,
@@ -169,7 +168,7 @@ async def _phase(url: str, headers: dict, model: str, bodies: list[bytes] | None
             await flood
             out["flood"] = {"completed": counted, "seconds": t1 - t0, "requests_per_s": counted / (t1 - t0),
                             "images_per_s": counted * per_body / (t1 - t0), "errors": errors}
-    await asyncio.sleep(1.0)  # the aborted requests leave the engine
+    await asyncio.sleep(min(1.0, args.flood_warmup))  # the aborted requests leave the engine
     return out
 
 
