@@ -117,12 +117,14 @@ class EngineArgs:
     max_num_batched_tokens: int = 8192
     # image tokens (vision embeddings) one step may send through the vision tower: the rest of a step's
     # images, a video's next frame groups, wait for the next steps, so the decode rows beside them keep a
-    # bounded step (engine/core/vision_budget.py); a larger image runs alone in a step; None: no bound
-    max_num_encoder_tokens_per_step: int | None = 1024
-    # vLLM's: a prefill chunk computes at most this many tokens a step (0: off), so a long prompt or an image's
-    # tokens go through the decoder over several steps beside the decode rows; not for a family whose image
-    # tokens attend to each other (FamilySpec.whole_images: an image is prefilled in one chunk)
-    long_prefill_token_threshold: int = 0
+    # bounded step (engine/core/vision_budget.py); a larger image runs alone in a step; 0: no bound; None:
+    # the device's default (vision_budget.DEFAULTS)
+    max_num_encoder_tokens_per_step: int | None = None
+    # a prefill chunk in a step that also has decode rows computes at most this many tokens, so a long prompt's
+    # or an image's tokens go through the decoder over several steps beside them (a step without decode rows
+    # is not bounded); not for a family whose image tokens attend to each other (FamilySpec.whole_images: an
+    # image is prefilled in one chunk); 0: no bound; None: the device's default (vision_budget.DEFAULTS)
+    max_prefill_tokens_with_decodes: int | None = None
     # the model family's engine settings (its `FamilySpec.engine_settings`, e.g. an image size bound),
     # checked by the family when the engine starts; an image part's own options win over them
     mm_processor_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -264,15 +266,15 @@ class EngineArgs:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
         for name in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs", "num_state_slots",
-                     "max_num_batched_tokens", "max_num_encoder_tokens_per_step", "max_image_pixels", "max_request_image_pixels",
+                     "max_num_batched_tokens", "max_image_pixels", "max_request_image_pixels",
                      "max_video_bytes", "max_video_frames", "max_video_decode_pixels", "max_video_container_frames",
                      "preemption_warning_per_minute", "tensor_parallel_size", "max_grammar_bytes",
                      "max_grammar_memory", "grammar_cache_memory", "grammar_workers", "max_tools", "max_tool_bytes"):
             positive(name)
-        t = self.long_prefill_token_threshold
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-            raise InvalidRequestError(f"long_prefill_token_threshold must be an integer of 0 (off) or more, got {t!r}",
-                                      param="long_prefill_token_threshold")
+        for name in ("max_num_encoder_tokens_per_step", "max_prefill_tokens_with_decodes"):
+            t = getattr(self, name)
+            if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
+                raise InvalidRequestError(f"{name} must be an integer of 0 (no bound) or more, got {t!r}", param=name)
         e = self.encoder_cache_memory
         if not isinstance(e, int) or isinstance(e, bool) or e < 0:
             raise InvalidRequestError(f"encoder_cache_memory must be a size of 0 or more (e.g. '256MiB'; 0 turns the "
@@ -410,7 +412,7 @@ class SchedulerConfig:
     max_model_len_source: str
     # image tokens one step may send through the vision tower (engine/core/vision_budget.py); None: no bound
     max_num_encoder_tokens_per_step: int | None = None
-    long_prefill_token_threshold: int = 0  # the most tokens of one prefill chunk (0: no bound)
+    max_prefill_tokens_with_decodes: int = 0  # the most tokens of a prefill chunk beside decode rows (0: no bound)
 
 
 @dataclass(frozen=True)

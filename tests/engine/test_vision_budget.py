@@ -225,13 +225,13 @@ def test_an_image_passed_over_ages_and_then_goes_first():
     assert all(t.num_computed_tokens for t in texts)  # no text waited behind either
 
 
-def test_long_prefill_token_threshold_cuts_prefill_chunks_not_decode_rows():
-    """vLLM's long_prefill_token_threshold: a prefill chunk computes at most that many tokens a step, an
+def test_max_prefill_tokens_with_decodes_cuts_prefill_chunks_beside_decode_rows():
+    """Beside decode rows a prefill chunk computes at most max_prefill_tokens_with_decodes tokens a step, an
     image's tokens included (the image is encoded once, in the step that first reaches it), the decode rows
-    beside it their token each."""
+    their token each; without decode rows a prefill is not cut."""
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=4000,
                                       max_model_len_source="test", max_num_encoder_tokens_per_step=256,
-                                      long_prefill_token_threshold=64), full_attention_cache(400, 4))
+                                      max_prefill_tokens_with_decodes=64), full_attention_cache(400, 4))
     chat = _text_seq("chat", max_tokens=20)
     sched.add(chat)
     image = _image_seq("image", [200], max_tokens=1)
@@ -254,3 +254,7 @@ def test_long_prefill_token_threshold_cuts_prefill_chunks_not_decode_rows():
     assert [c.get("image") for c in chunks[2:6]] == [64, 64, 64, 16]  # 208 prompt tokens in 64s
     assert encoded[2] == 200 and sum(encoded) == 200  # the tower once, in its first step
     assert all(c["chat"] == 1 for c in chunks[1:])
+    assert chunks[0] == {"chat": 6}
+    alone = Scheduler(sched.config, full_attention_cache(400, 4))
+    alone.add(_image_seq("alone", [200]))
+    assert [n for _, n in alone.schedule().scheduled] == [208]  # no decode row: the whole prompt

@@ -38,6 +38,7 @@ from vlm_sdk.engine.output.engine_output import EngineOutput
 from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_warning
 from vlm_sdk.engine.core.scheduler import ScheduledBatch, Scheduler
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
+from vlm_sdk.engine.core.vision_budget import step_shares
 from vlm_sdk.engine.input.processor import InputProcessor
 from vlm_sdk.engine.structured_output import Grammar, MaskFiller, accept
 from vlm_sdk.errors import InvalidRequestError
@@ -98,10 +99,10 @@ class LLMEngine:
         ranks = size_rank_caches(memory, loads, profiles, executor.collective_rpc("memory_snapshot"),
                                  family.plan_setting[1], fp8_runs=fp8_kv_cache_runs(self.device, rc.attention_backend))
         self.cache_config = min((r.cache for r in ranks), key=lambda c: c.num_blocks)  # every rank holds this many
+        encoder_tokens, prefill_tokens = step_shares(args, self.device.type, family.whole_images)
         self.scheduler_config = dataclasses.replace(scheduler_config(memory, self.cache_config),
-                                                    max_num_encoder_tokens_per_step=args.max_num_encoder_tokens_per_step,
-                                                    long_prefill_token_threshold=0 if family.whole_images else
-                                                    args.long_prefill_token_threshold)
+                                                    max_num_encoder_tokens_per_step=encoder_tokens,
+                                                    max_prefill_tokens_with_decodes=prefill_tokens)
         check_largest_image_fits(memory.image, family.plan_setting[1], self.cache_config, self.scheduler_config,
                                  self.max_position_embeddings, args)
         self.inputs.set_capacity(self.cache_config, self.scheduler_config, self.max_position_embeddings)

@@ -38,10 +38,11 @@ ENGINE_HELP = {
     "max_num_encoder_tokens_per_step": "most image tokens one step sends through the vision tower; a step's further "
                                        "images and a video's next frame groups wait for the next steps, so decode "
                                        "steps beside an image flood stay short; a larger image runs alone in a step "
-                                       "(default 1024)",
-    "long_prefill_token_threshold": "vLLM's: most tokens one prefill chunk computes per step, so a long prompt's "
-                                    "or an image's tokens share steps with the decode rows (default 0: off; not "
-                                    "for families that prefill an image whole)",
+                                       "(default: 256 on the CPU, 1024 on CUDA; 0: no bound)",
+    "max_prefill_tokens_with_decodes": "most tokens a prefill chunk computes in a step that also has decode rows, so "
+                                       "a long prompt's or an image's tokens share steps with them (default: 64 on "
+                                       "the CPU, 512 on CUDA; 0: no bound; not for families that prefill an image "
+                                       "whole)",
     "allow_unfit_images": "start even if the largest image the image settings allow cannot fit in max_model_len "
                           "(a warning instead of the refusal; such images are refused per request; default off)",
     "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before (text and images, keyed by "
@@ -116,8 +117,8 @@ ENGINE_HELP = {
 GROUPS = (
     ("engine: memory and KV cache", ("max_model_len", "memory_utilization", "kv_cache_memory", "num_blocks",
                                      "block_size", "kv_cache_dtype", "enable_prefix_caching", "encoder_cache_memory",
-                                     "max_num_seqs", "max_num_batched_tokens", "max_num_encoder_tokens_per_step", "long_prefill_token_threshold",
-                                     "num_state_slots", "allow_unfit_images",
+                                     "max_num_seqs", "max_num_batched_tokens", "max_num_encoder_tokens_per_step",
+                                     "max_prefill_tokens_with_decodes", "num_state_slots", "allow_unfit_images",
                                      "preemption_warning_per_minute")),
     ("engine: model and device", ("revision", "model_family", "dtype", "device", "seed", "attention_backend", "small_m_gemm",
                                   "enforce_eager", "piecewise_cuda_graphs", "async_scheduling")),
@@ -138,7 +139,8 @@ _SWITCHES = {"async_scheduling"}  # on/off switches whose default (None) means "
 _FLAG_TYPES = {"revision": str, "model_family": str, "dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
                "encoder_cache_memory": str, "memory_utilization": float, "max_grammar_memory": str,
                "grammar_cache_memory": str, "tool_call_parser": str, "reasoning_parser": str,
-               "max_video_bytes": str, "distributed_executor_backend": str}
+               "max_video_bytes": str, "distributed_executor_backend": str, "max_num_encoder_tokens_per_step": int,
+               "max_prefill_tokens_with_decodes": int}
 _NOT_FLAGS = ("show_progress", "mm_processor_kwargs")  # the latter: one flag per family setting (and vLLM's JSON)
 
 

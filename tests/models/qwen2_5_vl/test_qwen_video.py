@@ -189,7 +189,7 @@ def test_greedy_tokens_equal_transformers_generate(llm, family, ckpt, videos, hf
     {"max_num_batched_tokens": 20},  # chunked prefill splits the videos' patches
     {"enable_prefix_caching": False},
     {"encoder_cache_memory": 0},
-    {"max_num_encoder_tokens_per_step": None},  # the vision budget off: every patch in the first step
+    {"max_num_encoder_tokens_per_step": 0},  # the vision budget off: every patch in the first step
 ])
 def test_engine_settings_change_no_token(family, ckpt, videos, llm, settings):
     conv = conversation(videos, family)
@@ -303,7 +303,7 @@ def test_a_vision_budget_spreads_a_video_over_steps_with_the_same_tokens(family,
     equal one-step encoding (the budget off)."""
     conv = [{"role": "user", "content": [{"type": "video", "video": videos[0], **fast(family), "fps": 4.0},
                                          {"type": "text", "text": "What happens?"}]}]
-    one_step = LLM(str(ckpt), max_num_encoder_tokens_per_step=None, show_progress=False).engine
+    one_step = LLM(str(ckpt), max_num_encoder_tokens_per_step=0, show_progress=False).engine
     prompt = one_step.inputs.build_prompt(conv)
     limit = 2 * max(im.num_tokens for im in prompt.images)
     budgeted = LLM(str(ckpt), max_num_encoder_tokens_per_step=limit, show_progress=False).engine

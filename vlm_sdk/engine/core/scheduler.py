@@ -3,7 +3,7 @@
 Running sequences go first, in the order they started; each asks for all its uncomputed tokens
 (1 while decoding, the rest of the prompt while prefilling), cut to what is left of the step's token
 budget, less a token for each decoding sequence after it (a prefill chunk never takes a decode row's
-token), to `long_prefill_token_threshold` (vLLM's, when set), and to the step's vision budget (`max_num_encoder_tokens_per_step`, engine/core/vision_budget.py:
+token), to `max_prefill_tokens_with_decodes` in a step with decode rows, and to the step's vision budget (`max_num_encoder_tokens_per_step`, engine/core/vision_budget.py:
 the image tokens whose vision tower the step runs; a chunk ends before the first image that does not fit,
 so a large video's frame groups are encoded over several steps). When the pool has too few free blocks, the most recently started running sequence is
 preempted: its blocks (and state slot) are freed and it goes back to the front of the waiting queue,
@@ -77,27 +77,30 @@ class Scheduler:
         vision = VisionBudget(self.config.max_num_encoder_tokens_per_step)
         if vision.limit is not None:  # the next image of a sequence passed over too long goes first
             vision.keep_for(aged(self.running, self.waiting.peek() if self.waiting else None))
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens, vision)
+        decodes = decode_rows(self.running)
+        # prefill chunks beside decode rows are cut to max_prefill_tokens_with_decodes (0: not cut)
+        cap = self.config.max_prefill_tokens_with_decodes if decodes else 0
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, vision, decodes, cap)
         if not out.preempted and self.waiting:
-            self._admit(out, budget, vision)
+            self._admit(out, budget, vision, cap)
         out.encoder_tokens = vision.spent
         if self.cache.state is not None:
             out.state_restores, out.state_checkpoints = self.cache.end_step(out.scheduled)
         return out
 
-    def _schedule_running(self, out: ScheduledBatch, budget: int, vision: VisionBudget) -> int:
+    def _schedule_running(self, out: ScheduledBatch, budget: int, vision: VisionBudget, reserve: int,
+                          cap: int) -> int:
         """Every running sequence's chunk, in the order they started, preempting the newest when blocks run
-        out; the token budget left. Decode rows keep a token each from the prefill chunks before them
-        (`decode_rows`), so a long prefill never takes a decoding sequence's step; a prefill chunk also
-        fits the step's vision budget (a video's next frame groups wait for a later step)."""
+        out; the token budget left. Decode rows (`reserve` of them) keep a token each from the prefill chunks
+        before them, so a long prefill never takes a decoding sequence's step; a prefill chunk is also cut
+        to `cap` (when not 0) and to the step's vision budget (a video's next frame groups wait)."""
         running, allocate, scheduled = self.running, self.cache.allocate, out.scheduled
         size = self.cache.block_size
         caching = self.cache.enable_prefix_caching
         aligned = self.cache.aligned
         whole_images = self.cache.whole_images
         bounded = vision.limit is not None
-        reserve = decode_rows(running)  # tokens the decode rows not yet scheduled will ask for
-        long_prefill = self.config.long_prefill_token_threshold or budget
+        prefill_cap = cap or budget
         # preemption removes sequences from the end of `running` only: the iterator stops before them
         for seq in running:
             if budget <= 0:
@@ -107,7 +110,7 @@ class Scheduler:
                 reserve -= 1
             if seq.num_inflight and len(seq.token_ids) + seq.num_inflight >= seq.length_limit:
                 continue  # the token on its way is its last (max_tokens or max_model_len): nothing to compute
-            n = min(left, budget if left == 1 else min(budget - reserve, long_prefill))
+            n = min(left, budget if left == 1 else min(budget - reserve, prefill_cap))
             if n <= 0:
                 continue  # a prefill chunk: what is left of the budget is the decode rows'
             if aligned and n > 1:  # a prefill chunk ends on a block boundary: its state can be checkpointed
@@ -139,7 +142,7 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _admit(self, out: ScheduledBatch, budget: int, vision: VisionBudget) -> None:
+    def _admit(self, out: ScheduledBatch, budget: int, vision: VisionBudget, cap: int) -> None:
         """Admit waiting sequences in the waiting queue's order while the token budget, `max_num_seqs`,
         blocks and state slots allow. One whose images the step's vision budget cannot hold is passed over
         (its request waits for the next step) and admission goes on with the next request, so a text
@@ -147,14 +150,14 @@ class Scheduler:
         its next image's tokens for it) and admission stops at it until it is in."""
         self.waiting.count_running(self.running)  # the per-request cap on the batch
         cut = vision.cut if vision.limit is not None else None
-        long_prefill = self.config.long_prefill_token_threshold or budget
+        prefill_cap = cap or budget
         passed: set = set()  # groups passed over this step
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek(passed)  # None: none left, or every waiting request at its cap or passed
             if seq is None or seq.num_inflight:  # preempted while its token was on the device: restart with it
                 break
             vision.refused = False
-            n = self.cache.start(seq, min(budget, long_prefill), cut)  # its cached prefix is not computed again
+            n = self.cache.start(seq, min(budget, prefill_cap), cut)  # its cached prefix is not computed again
             if n is None:
                 if vision.refused and seq.vision_waits < MAX_VISION_WAITS:
                     passed.add(seq.group)
