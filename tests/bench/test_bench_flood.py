@@ -10,7 +10,7 @@ from vlm_sdk.cli import main
 def test_flood_bench_runs_every_phase(tiny_ckpt, capsys):
     assert main(["bench-serve", "--flood", "--model", str(tiny_ckpt), "--device", "cpu", "--json",
                  "--flood-seconds", "1", "--flood-warmup", "0.3", "--flood-concurrency", "2",
-                 "--flood-victim-interval", "0.5", "--flood-distinct", "8", "--flood-image-size", "64",
+                 "--flood-victim-interval", "0.5", "--flood-distinct", "64", "--flood-image-size", "64",
                  "--flood-video-frames", "2", "--flood-video-size", "32", "--max-tokens", "3",
                  "--flood-engine-arg", "max_num_encoder_tokens_per_step=16"]) == 0
     r = json.loads(capsys.readouterr().out)

@@ -234,4 +234,4 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flood-max-tokens", type=int, default=4, help="--flood: tokens per flood request (default 4)")
     p.add_argument("--flood-engine-arg", action="append", default=[], metavar="NAME=VALUE",
                    help="--flood: an engine setting for the server started here, e.g. "
-                        "max_num_encoder_tokens_per_step=512 (repeatable)")
+                        "max_num_encoder_tokens_per_step=512 (repeatable; default: none, the engine's defaults)")
