@@ -40,7 +40,7 @@ ENGINE_HELP = {
                                        "steps beside an image flood stay short; a larger image runs alone in a step "
                                        "(default: 256 on the CPU, 1024 on CUDA; 0: no bound)",
     "max_prefill_tokens_with_decodes": "most tokens a prefill chunk computes in a step that also has decode rows, so "
-                                       "a long prompt's or an image's tokens share steps with them (default: 64 on "
+                                       "a long prompt's or an image's tokens share steps with them (default: 128 on "
                                        "the CPU, 512 on CUDA; 0: no bound; not for families that prefill an image "
                                        "whole)",
     "allow_unfit_images": "start even if the largest image the image settings allow cannot fit in max_model_len "

@@ -34,10 +34,10 @@ MAX_VISION_WAITS = 16
 
 
 # the defaults of (max_num_encoder_tokens_per_step, max_prefill_tokens_with_decodes) per device type: the CPU's
-# from `vlm-sdk bench-serve --flood` on the 2-core machine (BENCHMARKS.md: 256 and 64 kept the text victims'
-# p99 TTFT and TPOT within 1.4x and 1.6x of alone beside an image flood, against 7.0x and 6.8x unbounded);
+# from `vlm-sdk bench-serve --flood` on the 2-core machine (BENCHMARKS.md: 256 and 128 kept the text victims'
+# p99 TTFT and TPOT within 1.1x and 1.3x of alone beside an image flood, against 7.0x and 6.8x unbounded);
 # CUDA's are not measured (no GPU was lent): a decode step there is ~10 ms and prefill tokens far cheaper
-DEFAULTS = {"cpu": (256, 64), "cuda": (1024, 512)}
+DEFAULTS = {"cpu": (256, 128), "cuda": (1024, 512)}
 
 
 def step_shares(args, device_type: str, whole_images: bool) -> tuple[int | None, int]:
