@@ -109,3 +109,15 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
 
 def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_speculation(config: SpeculativeConfig, state_layers: tuple[int, ...] | list[int], model: str) -> None:
+    """Refuse what cannot verify drafts yet, before anything is sized (the engine at start-up, `vlm-sdk plan`
+    alike): a model with state layers (`CacheLayout.state_layers`), whose state a rejected draft has already
+    moved, and restoring the state before it is not built (issue 45)."""
+    if state_layers:
+        layers = list(state_layers)
+        raise InvalidRequestError(
+            f"speculative_config (method={config.method!r}) rolls rejected drafts back by cutting KV blocks; {model} "
+            f"has state layers ({len(layers)}: {layers[:8]}{' ...' if len(layers) > 8 else ''}), whose state after "
+            f"a rejected draft cannot be restored yet. Leave speculative_config out for this model", param=PARAM)

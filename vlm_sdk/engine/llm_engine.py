@@ -38,7 +38,7 @@ from vlm_sdk.engine.output.engine_output import EngineOutput
 from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_warning
 from vlm_sdk.engine.core.scheduler import ScheduledBatch, Scheduler
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
-from vlm_sdk.engine.core.spec_decode import SpecDecoder, check_speculation, rollback, spec_masks
+from vlm_sdk.engine.core.spec_decode import SpecDecoder, rollback, spec_masks
 from vlm_sdk.engine.input.processor import InputProcessor
 from vlm_sdk.engine.structured_output import Grammar, MaskFiller, accept, fill_row
 from vlm_sdk.errors import InvalidRequestError
@@ -53,6 +53,7 @@ from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.protocol.rank import RankLoad
 from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
 from vlm_sdk.sampling_params import SamplingParams
+from vlm_sdk.spec_config import check_speculation
 
 logger = logging.getLogger("vlm_sdk")
 
@@ -94,7 +95,7 @@ class LLMEngine:
         self.max_position_embeddings = memory.max_position_embeddings
         layout = memory.layout  # the model's cache groups (memory_inputs refused specs that cannot share a pool)
         if args.speculative_config is not None:  # before any cache is sized: what cannot verify is refused first
-            check_speculation(args.speculative_config, layout, family.display_name)
+            check_speculation(args.speculative_config, layout.state_layers, family.display_name)
         # measured on CUDA even when the cache size is given: the report shows it
         profiles = executor.collective_rpc("profile_memory", largest_image, self.max_position_embeddings,
                                            memory.held_vision_tokens)

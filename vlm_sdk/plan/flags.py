@@ -88,5 +88,8 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
                      "default) or fp8 (float8 e4m3 with per-layer scales: one byte per value)")
     cmd.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory", type=lambda t: f"{t}B" if t.isdigit() else t,
                      metavar="BYTES", help="vLLM's name of --kv-cache-memory: a bare number is bytes (default: not set)")
+    cmd.add_argument("--speculative-config", help="speculative decoding as the engine's JSON, e.g. '{\"method\": "
+                     "\"ngram\", \"num_speculative_tokens\": 4}': the verification step's 1 + k logits rows per "
+                     "sequence are counted (default off)")
     cmd.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     return cmd

@@ -35,22 +35,8 @@ import torch
 
 from vlm_sdk.engine.core.ngram_proposer import propose_ngram
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
-from vlm_sdk.errors import InvalidRequestError
-from vlm_sdk.protocol.cache_layout import CacheLayout
 from vlm_sdk.protocol.scheduler_output import GrammarBitmask
 from vlm_sdk.spec_config import SpeculativeConfig
-
-
-def check_speculation(config: SpeculativeConfig, layout: CacheLayout, model: str) -> None:
-    """Refuse what cannot verify drafts yet, at start-up: a model with state layers (a rejected draft has
-    already moved the state, and restoring the state before it is not built: issue 45)."""
-    if layout.has_state:
-        layers = list(layout.state_layers)
-        raise InvalidRequestError(
-            f"speculative_config (method={config.method!r}) needs every decoder layer to keep KV blocks, which a "
-            f"rejected draft's rollback can cut; {model} has state layers ({len(layers)}: {layers[:8]}"
-            f"{' ...' if len(layers) > 8 else ''}), whose state after a rejected draft cannot be restored yet. "
-            f"Leave speculative_config out for this model", param="speculative_config")
 
 
 class SpecDecoder:
