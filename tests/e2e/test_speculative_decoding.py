@@ -150,3 +150,18 @@ def test_every_family_gives_the_same_greedy_tokens(family_ckpt):
     assert _tokens(spec, conv, params) == _tokens(plain, conv, params), name
     assert spec.stats()["spec_verify_steps"] > 0
     _all_free(spec)
+
+
+def test_a_stop_string_inside_a_verified_run_cuts_where_plain_decoding_does(plain, spec):
+    conv = conversations()["one_image"]
+    full = plain.chat(conv, GREEDY)[0]
+    before = spec.stats()["spec_accepted_tokens"]
+    assert spec.chat(conv, GREEDY)[0].token_ids == full.token_ids
+    assert spec.stats()["spec_accepted_tokens"] > before  # this output has runs of accepted drafts
+    for cut in (len(full.text) // 3, len(full.text) // 2, 2 * len(full.text) // 3):
+        stop = full.text[cut:cut + 3]
+        params = SamplingParams(max_tokens=GREEDY.max_tokens, temperature=0.0, ignore_eos=True, stop=[stop])
+        want, got = plain.chat(conv, params)[0], spec.chat(conv, params)[0]
+        assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+        assert got.metrics.generated_tokens == len(got.token_ids) == want.metrics.generated_tokens
+    _all_free(spec)

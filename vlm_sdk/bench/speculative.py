@@ -12,8 +12,9 @@ the time spent drafting. Greedy outputs of both engines are compared token for t
 
 A workload where drafts can be right: a trained model often repeats its context (summaries, code edits,
 quotes), which is where n-gram drafts pay. Random weights do not, so without `--model` the checkpoint is
-the bench shape (~100M parameters, vocab 151,936) drawn with weights of std 0.03 instead of 0.2, whose
-greedy output falls into repeating itself: a stand-in for a model that copies, stated as such in the report.
+the bench shape (~100M parameters, vocab 151,936) drawn with weights of std 0.02 (transformers' own init)
+instead of 0.2, whose greedy output falls into repeating one token: the best case of a model that copies
+(acceptance near 1), stated as such in the report; give --model for a workload of your own.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from vlm_sdk.errors import InvalidRequestError
 
 PROMPT = ("Repeat the following list exactly, then continue it: alpha beta gamma delta, alpha beta gamma delta, "
           "alpha beta gamma delta, alpha beta gamma delta.")
-REPEATING_STD = 0.03
+REPEATING_STD = 0.02
 
 
 def reject_without_speculative(args) -> None:
@@ -42,7 +43,7 @@ def repeating_checkpoint(family: str):
     import os
     from vlm_sdk.demo_checkpoint import cache_dir
     from vlm_sdk.testing import make_bench_checkpoint
-    path = cache_dir() / f"bench-repeating-{family}"
+    path = cache_dir() / f"bench-repeating-{REPEATING_STD}-{family}"
     if not (path / "config.json").exists():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         make_bench_checkpoint(tmp, family=family, init_std=REPEATING_STD)
@@ -88,7 +89,7 @@ def run_speculative(args) -> int:
     accepted = s["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     verifications = s["spec_verify_steps"] - before["spec_verify_steps"]
     tps = {m: n * tokens / statistics.median(v) for m, v in times.items()}
-    report = {"model": model_dir, "weights": "given" if args.model else f"random, std {REPEATING_STD} (repeats itself)",
+    report = {"model": model_dir, "weights": "given" if args.model else f"random, std {REPEATING_STD} (repeats one token: the best case)",
               "device": device, "sharing": describe(device, shares, list(engines)), "method": args.speculative,
               "num_speculative_tokens": k, "requests": n, "tokens_per_request": tokens, "rounds": rounds,
               "seconds": times, "tokens_per_second": tps, "speedup": tps["speculative"] / tps["plain"],
