@@ -183,3 +183,33 @@ def test_a_stop_string_inside_a_verified_run_cuts_where_plain_decoding_does(plai
         found += 1
     assert found  # the output has a run of accepted drafts with a stop to find in it
     _all_free(spec)
+
+
+def test_the_worker_tables_follow_every_rollback(spec):
+    """After each step, every request the worker holds has the engine's blocks, in its state and in its
+    block-table row (the engine's rollbacks reach the worker as truncated_blocks), and the pool's free count
+    is the total less what the running sequences hold."""
+    import numpy as np
+    from vlm_sdk.multimodal.prompts import TokensPrompt
+    engine, runner = spec.engine, local_worker(spec.engine).runner
+    text = spec.chat(conversations()["text"], SamplingParams(max_tokens=1))[0].prompt_token_ids
+    prompts = [text, text[:-3] + text[-9:]]  # text only (a token prompt carries no image); two lengths
+    for ids in prompts:
+        engine.add_request(engine.inputs.build_prompt(TokensPrompt(tuple(ids))), GREEDY)
+    before = engine.stats()["spec_verify_steps"]
+    shrunk = 0
+    while engine.has_unfinished():
+        engine.step()
+        shrunk += len(engine.scheduler.truncated)  # rollbacks that freed blocks, for the next step to send
+        used = {b for s in engine.scheduler.running for b in s.block_ids[0]}  # prefix hits share blocks
+        assert engine.cache.num_used_blocks == len(used)
+        for seq in engine.scheduler.running:
+            state = runner.requests.get(seq.request_id)
+            if state is None or not seq.in_worker:
+                continue
+            # the worker learns a rollback with the next step: compare what it was last sent
+            assert state.block_ids[0][:seq.num_blocks_sent] == seq.block_ids[0][:seq.num_blocks_sent]
+            assert runner.tables.num_blocks[state.row] == len(state.block_ids[0])
+            assert list(runner.tables.rows(np.array([state.row]))[0]) == state.block_ids[0]
+    assert engine.stats()["spec_verify_steps"] > before and shrunk > 0  # rollbacks freed blocks
+    assert runner.requests == {} and engine.stats()["kv_blocks_used"] == 0
