@@ -45,10 +45,10 @@ def _all_free(llm):
 
 def test_greedy_tokens_equal_with_images_and_plain_requests_in_the_batch(plain, spec):
     convs = list(conversations().values())
-    # the last two decode one token a step beside the speculating ones: a penalty (logits edits) never drafts
-    params = [GREEDY] * len(convs) + [SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.3),
-                                      SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)]
-    convs = convs + convs[:2]
+    # plain requests beside the speculating ones: one prefilling while others verify (it arrives later: the
+    # extra conversations are long), one with no room for a draft (max_tokens 1)
+    params = [GREEDY] * len(convs) + [SamplingParams(max_tokens=1, temperature=0.0)]
+    convs = convs + convs[:1]
     before = spec.stats()
     assert _tokens(spec, convs, params) == _tokens(plain, convs, params)
     s = spec.stats()
@@ -57,6 +57,28 @@ def test_greedy_tokens_equal_with_images_and_plain_requests_in_the_batch(plain, 
     assert 0 < accepted < drafts  # drafts both accepted and rejected
     assert s["spec_mean_accepted_length"] > 1.0 and 0 < s["spec_acceptance_rate"] < 1
     assert s["spec_method"] == "ngram" and s["spec_draft_seconds"] > 0
+    _all_free(spec)
+
+
+def test_logits_edits_apply_at_every_verified_position(plain, spec):
+    """Penalties, logit_bias and min_tokens edit row j of a verification as if its first j drafts were tokens:
+    the same greedy tokens as decoding one at a time, with drafts verified."""
+    convs = [conversations()["text"], conversations()["one_image"]]
+    rep = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+    freq = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, presence_penalty=0.5,
+                          frequency_penalty=0.4)
+    eos = spec.engine.eos_token_ids
+    banned = plain.chat(convs[0], GREEDY)[0].token_ids[4]  # a token greedy decoding takes, biased away
+    bias = SamplingParams(max_tokens=32, temperature=0.0, logit_bias={banned: -100.0, min(eos): 5.0},
+                          min_tokens=20)
+    before = spec.stats()
+    for params in (rep, freq, bias):
+        assert _tokens(spec, convs, params) == _tokens(plain, convs, params)
+    out = _tokens(spec, convs, bias)
+    assert all(banned not in t and len(t) >= 20 for t in out)  # the bias and min_tokens held
+    after = spec.stats()
+    assert after["spec_verify_steps"] > before["spec_verify_steps"]
+    assert after["spec_accepted_tokens"] > before["spec_accepted_tokens"]
     _all_free(spec)
 
 

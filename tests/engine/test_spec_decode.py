@@ -143,18 +143,18 @@ def test_drafts_never_cost_a_preemption_or_pass_the_budget():
     assert batch.scheduled == [(seq, 1)] and seq.spec_token_ids == [] and not batch.preempted
 
 
-def test_no_drafts_past_the_length_limit_or_for_logits_edits():
+def test_no_drafts_past_the_length_limit():
     spec = SpecDecoder(SpeculativeConfig("ngram", 4, None, 1, 1))
     near = _seq("a", [A, B, A], max_tokens=3)  # limit 6 tokens
     near.token_ids += [B, A]  # 5 tokens: one more finishes it
     near.num_computed_tokens = 4
     near.status = near.status.RUNNING
-    edited = _seq("b", [A, B, A, B], repetition_penalty=1.2)
-    edited.num_computed_tokens, edited.no_speculation = 3, True
+    prefill = _seq("b", [A, B, A, B])
+    prefill.num_computed_tokens = 2  # still in its prompt: no drafts
     free = _seq("c", [A, B, A, B])
     free.num_computed_tokens = 3
-    spec.propose([near, edited, free])
-    assert near.spec_token_ids == [] and edited.spec_token_ids == [] and free.spec_token_ids == [A, B]
+    spec.propose([near, prefill, free])
+    assert near.spec_token_ids == [] and prefill.spec_token_ids == [] and free.spec_token_ids == [A, B]
     near.token_ids.pop()
     near.num_computed_tokens = 3  # 4 tokens: 1 + 1 draft reach the limit of 6
     spec.propose([near])

@@ -165,9 +165,6 @@ class LLMEngine:
             seq.matcher, seq.first_mask = grammar.matcher(), grammar.first_mask
         seq.sync_sampling = grammar is not None or params.min_tokens > 0 or params.repetition_penalty != 1.0 \
             or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-        # logits edits that read every token before a position: such a request decodes one token a step
-        seq.no_speculation = params.min_tokens > 0 or params.repetition_penalty != 1.0 \
-            or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or bool(params.logit_bias)
         # what `_postprocess` checks per token, resolved once
         seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         seq.length_limit = min(seq.length_limit, self.scheduler_config.max_model_len)

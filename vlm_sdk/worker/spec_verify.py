@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from vlm_sdk.protocol.scheduler_output import GrammarBitmask
+from vlm_sdk.sample.penalties import apply_penalties
 from vlm_sdk.sample.rejection_sampler import RejectionSampler
 from vlm_sdk.sample.token_mask import apply_token_bitmask
 
@@ -45,12 +46,39 @@ def verify_drafts(model, rejection: RejectionSampler, scheduled: list, q_start: 
         if mask_rows:
             apply_token_bitmask(logits, logit_rows, masks.bitmask[mask_rows])
     drafts = [list(spec[s.request_id]) for s in states]
+    edit_logits(logits, states, counts.tolist(), drafts)
     # the output index of each request's first token this step: its seed's key
     draws = [s.num_computed_tokens + 1 - s.num_prompt_tokens for s in states]
     tokens, logprobs = rejection.verify(logits, drafts, [s.params for s in states], draws)
     out_tokens = {s.request_id: t for s, t in zip(states, tokens)}
     out_logprobs = {s.request_id: lp for s, lp in zip(states, logprobs) if lp is not None}
     return out_tokens, out_logprobs, set(idx)
+
+
+def edit_logits(logits: torch.Tensor,  # [R, vocab], edited in place
+                states: list, counts: list[int], drafts: list[list[int]]) -> None:
+    """Penalties, logit_bias and min_tokens on the rows of requests that ask for them: row j of a request
+    edits as if its first j drafts were already its tokens (counted afresh from that history: the tally the
+    plain sampler keeps holds the known tokens only), so a verification edits exactly as decoding one token
+    at a time would have."""
+    rows, params, histories = [], [], []
+    o = 0
+    for s, n, d in zip(states, counts, drafts):
+        p = s.params
+        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 \
+                or p.logit_bias or p.min_tokens > 0:
+            known = s.token_ids[:s.num_computed_tokens + 1]
+            for j in range(n):
+                rows.append(o + j)
+                params.append(p)
+                histories.append((known + d[:j], s.num_prompt_tokens, s.min_tokens_stop_ids))
+        o += n
+    if not rows:
+        return
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    edited = logits.index_select(0, index).float()  # [len(rows), vocab]
+    apply_penalties(edited, params, histories)
+    logits.index_copy_(0, index, edited.to(logits.dtype))
 
 
 def plain_masks(masks: GrammarBitmask | None, spec: dict[str, list[int]]) -> GrammarBitmask | None:

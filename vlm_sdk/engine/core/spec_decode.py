@@ -22,8 +22,8 @@ tokens and KV, and the rollback of what the target rejected.
 
 Prefix caching stays exact: a block is offered to the cache only once full of known tokens
 (`CacheCoordinator._commit` hashes `token_ids`, never drafts), and a block freed here held none.
-A sequence that asks for penalties, logit_bias or min_tokens does not speculate (its logits edits depend
-on every token before each position); one with a grammar does: its drafts are cut to what the grammar
+Penalties, logit_bias and min_tokens edit each of the 1 + k rows as if the drafts before it were tokens
+(worker/spec_verify.py). A sequence with a grammar speculates too: its drafts are cut to what the grammar
 accepts (`validate_tokens`), and each of its 1 + k rows gets the mask of the grammar after the drafts
 before it (`spec_masks`), the matcher rolled back after; it then advances over accepted tokens only.
 """
@@ -53,7 +53,7 @@ class SpecDecoder:
         c = self.config
         for seq in running:
             seq.spec_token_ids = []
-            if seq.num_inflight or seq.num_computed_tokens != len(seq.token_ids) - 1 or seq.no_speculation:
+            if seq.num_inflight or seq.num_computed_tokens != len(seq.token_ids) - 1:
                 continue
             k = min(c.num_speculative_tokens, seq.length_limit - len(seq.token_ids) - 1)
             if k <= 0:
