@@ -24,6 +24,12 @@ Asynchronous scheduling: a sequence whose last sampled token is still on the dev
 asks for that token too, and is left out when that token is certain to be its last (max_tokens or
 max_model_len reached); a waiting sequence is admitted only once its tokens have all arrived.
 
+Speculative decoding: a decoding sequence with drafts (`Sequence.spec_token_ids`, proposed by the engine
+before the schedule) asks for its last token and its drafts when the budget and free blocks hold them, and
+drops its drafts otherwise (`spec_decode.spec_tokens`): drafts never preempt anyone. After its step the
+engine rolls back what was rejected (`spec_decode.rollback`), and the blocks it kept reach the worker as
+`SchedulerOutput.truncated_blocks` (`truncated`).
+
 `schedule()` decides on live `Sequence`s (`ScheduledBatch`); `worker_input(batch)` turns the decision
 into the worker's plain `SchedulerOutput`: a `NewRequestData` for a sequence the worker does not hold
 (first scheduled, or resumed after a preemption), a `CachedRequestData` with only what changed for
