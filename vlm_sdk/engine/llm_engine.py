@@ -38,7 +38,7 @@ from vlm_sdk.engine.output.engine_output import EngineOutput
 from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_warning
 from vlm_sdk.engine.core.scheduler import ScheduledBatch, Scheduler
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
-from vlm_sdk.engine.core.spec_decode import SpecDecoder, rollback, spec_masks
+from vlm_sdk.engine.core.spec_decode import SpecDecoder, append_verified, rollback, spec_masks
 from vlm_sdk.engine.input.processor import InputProcessor
 from vlm_sdk.engine.structured_output import Grammar, MaskFiller, accept, fill_row
 from vlm_sdk.errors import InvalidRequestError
@@ -321,35 +321,18 @@ class LLMEngine:
         return outputs
 
     def _append_verified(self, seq: Sequence, tokens: list[int], logprobs, now: float) -> EngineOutput | None:
-        """A verification step's tokens (accepted drafts, then the correction or bonus), appended one at a
-        time with the usual finish checks (a stop among them drops the rest); then the rejected drafts'
-        KV rolled back (engine/core/spec_decode.py). None when the request finished while on its way."""
+        """A verification step's tokens appended (`spec_decode.append_verified`), the request finished or its
+        rejected drafts rolled back. None when the request finished while they were on their way."""
         seq.num_inflight -= 1
         self.spec.note_verified(seq, len(tokens))
         if seq.status is SequenceStatus.FINISHED:
             return None
-        token_ids, metrics = seq.token_ids, seq.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        reason, taken = None, 0
-        for token in tokens:
-            token_ids.append(token)
-            taken += 1
-            num_output = len(token_ids) - seq.num_prompt_tokens
-            if token in seq.stop_ids and num_output >= seq.params.min_tokens:
-                reason = "stop"
-            elif seq.matcher is not None and (reason := accept(seq.matcher, token)) is not None:
-                pass
-            elif len(token_ids) >= seq.length_limit:
-                reason = "length"
-            if reason is not None:
-                break
-        num_output = metrics.generated_tokens = len(token_ids) - seq.num_prompt_tokens
+        taken, reason = append_verified(seq, tokens, now)
         if reason is not None:
             self._finish(seq, reason, now)
         else:
             rollback(seq, self.cache, self.scheduler.truncated)
-        out = EngineOutput(seq.request_id, tokens[:taken], reason, metrics, num_output)
+        out = EngineOutput(seq.request_id, tokens[:taken], reason, seq.metrics, seq.num_output_tokens)
         if logprobs is not None:
             out.new_logprobs = logprobs[:taken]
         return out

@@ -35,6 +35,7 @@ import torch
 
 from vlm_sdk.engine.core.ngram_proposer import propose_ngram
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
+from vlm_sdk.engine.structured_output import accept
 from vlm_sdk.protocol.scheduler_output import GrammarBitmask
 from vlm_sdk.spec_config import SpeculativeConfig
 
@@ -91,6 +92,29 @@ def spec_tokens(seq: Sequence, n: int, budget: int, cache) -> int:
             return 1 + k
     drafts.clear()
     return n
+
+
+def append_verified(seq: Sequence, tokens: list[int], now: float) -> tuple[int, str | None]:
+    """Append a verification's tokens (accepted drafts, then the correction or bonus) one at a time with the
+    engine's finish checks: a stop token or id, a complete grammar (its matcher advanced over each), the length
+    limit; a finish drops the rest. (tokens taken, finish reason or None)."""
+    token_ids, metrics = seq.token_ids, seq.metrics
+    if metrics.first_token_time is None:
+        metrics.first_token_time = now
+    reason, taken = None, 0
+    for token in tokens:
+        token_ids.append(token)
+        taken += 1
+        if token in seq.stop_ids and len(token_ids) - seq.num_prompt_tokens >= seq.params.min_tokens:
+            reason = "stop"
+        elif seq.matcher is not None and (reason := accept(seq.matcher, token)) is not None:
+            pass  # the grammar is complete ("stop"), or was broken ("abort")
+        elif len(token_ids) >= seq.length_limit:
+            reason = "length"
+        if reason is not None:
+            break
+    metrics.generated_tokens = len(token_ids) - seq.num_prompt_tokens
+    return taken, reason
 
 
 def rollback(seq: Sequence, cache, truncated: dict) -> None:
