@@ -1,5 +1,5 @@
 """Speculative decoding (n-gram) through the engine and worker: greedy tokens equal decoding without it
-(images, a batch mixing speculating and plain requests, chunked prefill, prefix caching, preemption in the
+(images, video, a batch mixing speculating and plain requests, chunked prefill, prefix caching, preemption in the
 middle of speculation, structured outputs, logprobs, n > 1), seeded sampling reproducible, every block
 returned, and the models it cannot verify refused by name.
 
@@ -235,3 +235,15 @@ def test_the_worker_tables_follow_every_rollback(spec):
             assert list(runner.tables.rows(np.array([state.row]))[0]) == state.block_ids[0]
     assert engine.stats()["spec_verify_steps"] > before and shrunk > 0  # rollbacks freed blocks
     assert runner.requests == {} and engine.stats()["kv_blocks_used"] == 0
+
+
+def test_a_video_prompt_gives_the_same_greedy_tokens(plain, spec, tmp_path):
+    from vlm_sdk.testing.videos import write_video
+    clip = tmp_path / "clip.mp4"
+    write_video(clip, frames=16, fps=8, width=96, height=64)
+    conv = [{"role": "user", "content": [{"type": "video", "video": str(clip), "fps": 2.0},
+                                         {"type": "text", "text": "What happens?"}]}]
+    before = spec.stats()["spec_verify_steps"]
+    assert _tokens(spec, [conv], GREEDY) == _tokens(plain, [conv], GREEDY)
+    assert spec.stats()["spec_verify_steps"] > before
+    _all_free(spec)
