@@ -98,7 +98,7 @@ ENGINE_HELP = {
     "max_tool_bytes": "bytes of a request's tools together as JSON: names, descriptions, parameter schemas "
                       "(default 1048576)",
     "tool_call_parser": "how tool calls are read from the output: 'hermes' (<tool_call> JSON), 'qwen3_coder' "
-                        "or 'qwen3_xml' (<tool_call><function=...><parameter=...> XML, Qwen3.5's) or 'none' "
+                        "or 'qwen3_xml' (<tool_call><function=...><parameter=...> XML) or 'none' "
                         "(default: from the chat template)",
     "reasoning_parser": "how reasoning is split from the answer: 'qwen3' or 'deepseek_r1' (<think> blocks) or "
                         "'none' (default: 'qwen3' when the chat template has a <think> block)",
