@@ -212,7 +212,8 @@ def build_parser() -> tuple[Parser, dict[str, argparse.ArgumentParser]]:
     commands: dict[str, argparse.ArgumentParser] = {"chat": add_chat_parser(sub), "serve": add_serve_parser(sub),
                                                      "plan": add_plan_parser(sub)}
     bench = sub.add_parser("bench", help="our engine vs transformers generate on the same checkpoint (and the other "
-                           "benchmarks: --gpu, --multi-turn, --structured, --host-overhead, --sampler, --video)")
+                           "benchmarks: --gpu, --multi-turn, --structured, --host-overhead, --sampler, --video, "
+                           "--speculative)")
     add_bench_arguments(bench, FAMILIES)
     commands["bench"] = bench
     bench_serve = sub.add_parser("bench-serve", help="throughput and latency of a server over HTTP, vs the same "
@@ -254,6 +255,9 @@ def _bench_serve(args) -> int:
     if args.red_team:
         from vlm_sdk.bench.red_team import run_red_team
         return run_red_team(args)
+    if args.flood:
+        from vlm_sdk.bench.flood import run_flood
+        return run_flood(args)
     if args.soak is not None:
         from vlm_sdk.bench.soak import run_soak
         return run_soak(args)
@@ -271,7 +275,11 @@ def _bench(args, argv: list[str] | None) -> int:
         from vlm_sdk.bench.sampler import main as run_sampler_bench
         return run_sampler_bench(args)
     from vlm_sdk.bench import gpu as bench_gpu
-    from vlm_sdk.bench import host_overhead, prefix_cache, structured, video
+    from vlm_sdk.bench import host_overhead, prefix_cache, speculative, structured, video
+    if args.speculative is not None:
+        bench_gpu.reject_without_gpu(args)
+        return speculative.run_speculative(args)
+    speculative.reject_without_speculative(args)
     if args.video:
         bench_gpu.reject_without_gpu(args)
         return video.run_video(args)

@@ -8,6 +8,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Collection, Mapping
 
 from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
+from vlm_sdk.spec_config import SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
     import torch
@@ -115,6 +116,16 @@ class EngineArgs:
     # prefix caching; None: max_num_seqs, twice that with enable_prefix_caching (memory/kv.py)
     num_state_slots: int | None = None
     max_num_batched_tokens: int = 8192
+    # image tokens (vision embeddings) one step may send through the vision tower: the rest of a step's
+    # images, a video's next frame groups, wait for the next steps, so the decode rows beside them keep a
+    # bounded step (engine/core/vision_budget.py); a larger image runs alone in a step; 0: no bound; None:
+    # the device's default (vision_budget.DEFAULTS)
+    max_num_encoder_tokens_per_step: int | None = None
+    # a prefill chunk in a step that also has decode rows computes at most this many tokens, so a long prompt's
+    # or an image's tokens go through the decoder over several steps beside them (a step without decode rows
+    # is not bounded); not for a family whose image tokens attend to each other (FamilySpec.whole_images: an
+    # image is prefilled in one chunk); 0: no bound; None: the device's default (vision_budget.DEFAULTS)
+    max_prefill_tokens_with_decodes: int | None = None
     # the model family's engine settings (its `FamilySpec.engine_settings`, e.g. an image size bound),
     # checked by the family when the engine starts; an image part's own options win over them
     mm_processor_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -208,6 +219,9 @@ class EngineArgs:
     # qwen3); "none": off
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # speculative decoding (vlm_sdk/spec_config.py): vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_min": 2, "prompt_lookup_max": 5}) or its JSON text; a SpeculativeConfig after construction
+    speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
 
     def __post_init__(self):
         """Resolve the two settings that have a user-facing spelling and a working value."""
@@ -224,6 +238,7 @@ class EngineArgs:
         if isinstance(self.max_video_bytes, str):
             object.__setattr__(self, "max_video_bytes",
                                parse_bytes(self.max_video_bytes, "max_video_bytes", unit_required=True))
+        object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
         given = self.memory_utilization is not None
         object.__setattr__(self, "memory_utilization_given", given)
         if not given:
@@ -266,6 +281,10 @@ class EngineArgs:
                      "max_grammar_bytes",
                      "max_grammar_memory", "grammar_cache_memory", "grammar_workers", "max_tools", "max_tool_bytes"):
             positive(name)
+        for name in ("max_num_encoder_tokens_per_step", "max_prefill_tokens_with_decodes"):
+            t = getattr(self, name)
+            if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
+                raise InvalidRequestError(f"{name} must be an integer of 0 (no bound) or more, got {t!r}", param=name)
         e = self.encoder_cache_memory
         if not isinstance(e, int) or isinstance(e, bool) or e < 0:
             raise InvalidRequestError(f"encoder_cache_memory must be a size of 0 or more (e.g. '256MiB'; 0 turns the "
@@ -326,6 +345,8 @@ class EngineArgs:
         receive the args they run with."""
         state = {f.name: getattr(self, f.name) for f in fields(self)}
         state["mm_processor_kwargs"] = dict(self.mm_processor_kwargs)
+        if self.speculative_config is not None:
+            state["speculative_config"] = self.speculative_config.as_dict()
         if not self.memory_utilization_given:
             state["memory_utilization"] = None
         return _engine_args_from_state, (state,)
@@ -355,6 +376,13 @@ class EngineArgs:
     def resolve_async_scheduling(self, device: torch.device, tensor_parallel_size: int) -> bool:
         """Whether steps are scheduled asynchronously: `async_scheduling`, or by default on CUDA with one
         rank (on the CPU a step's work is done when it returns: there is nothing to overlap)."""
+        if self.speculative_config is not None:
+            if self.async_scheduling:
+                raise InvalidRequestError(
+                    "async_scheduling=True does not compose with speculative_config yet: a verification step's accepted "
+                    "tokens decide the next step's inputs, so it is read before the next is scheduled. Leave "
+                    "async_scheduling unset (or False) with speculative decoding", param="async_scheduling")
+            return False
         if self.async_scheduling is None:
             return device.type == "cuda" and tensor_parallel_size == 1
         if self.async_scheduling and tensor_parallel_size > 1:
@@ -414,6 +442,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int  # longest sequence (prompt + output) the engine runs
     max_model_len_source: str
+    # image tokens one step may send through the vision tower (engine/core/vision_budget.py); None: no bound
+    max_num_encoder_tokens_per_step: int | None = None
+    max_prefill_tokens_with_decodes: int = 0  # the most tokens of a prefill chunk beside decode rows (0: no bound)
 
 
 @dataclass(frozen=True)
@@ -466,6 +497,10 @@ def resolve_rank_config(args: EngineArgs) -> RankConfig:
     """Every default of `args` that depends on the device or the rank count, decided here and nowhere else."""
     device = args.resolve_device()
     size = args.tensor_parallel_size * args.pipeline_parallel_size
+    if args.speculative_config is not None and size > 1:
+        raise InvalidRequestError(
+            f"speculative_config with {size} ranks (tensor x pipeline) is not built yet (the verification step runs on one "
+            f"rank today): set tensor_parallel_size=1 and pipeline_parallel_size=1, or leave speculative_config out", param="speculative_config")
     backend = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
     if args.small_m_gemm == "triton" and backend != "triton":
         raise InvalidRequestError(f"small_m_gemm='triton' needs the Triton kernel set, and attention_backend is "

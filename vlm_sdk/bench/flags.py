@@ -64,7 +64,7 @@ def add_bench_arguments(bench: argparse.ArgumentParser, families: tuple[str, ...
     bench.add_argument("--enable-expert-parallel", action="store_true",
                        help="with --tensor-parallel-size: the ranks hold whole MoE experts (the engine's setting; "
                             "default off)")
-    for add in (_gpu, _multi_turn, _structured, _host_overhead, _sampler, _video):
+    for add in (_gpu, _multi_turn, _structured, _host_overhead, _sampler, _video, _speculative):
         add(bench)
 
 
@@ -130,6 +130,19 @@ def _structured(bench) -> None:
     g.add_argument("--so-requests", type=int, default=None, help="with --structured: requests per batch (default 32)")
     g.add_argument("--so-tokens", type=int, default=None, help="with --structured: tokens per request (default 64)")
     g.add_argument("--so-rounds", type=int, default=None, help="with --structured: rounds per workload (default 3)")
+
+
+def _speculative(bench) -> None:
+    g = bench.add_argument_group("speculative decoding vs without, in one run (vlm_sdk/bench/speculative.py)")
+    g.add_argument("--speculative", choices=("ngram", "eagle3", "mtp"), default=None, metavar="METHOD",
+                   help="time greedy decoding with speculative drafts of METHOD (ngram) against without, "
+                        "instead of the transformers comparison: tokens/s of each and the mean accepted length "
+                        "(default off)")
+    g.add_argument("--spec-tokens", type=int, default=None, help="with --speculative: draft tokens per step (default 4)")
+    g.add_argument("--spec-requests", type=int, default=None, help="with --speculative: requests at once (default 4)")
+    g.add_argument("--spec-max-tokens", type=int, default=None,
+                   help="with --speculative: tokens per request (default 64)")
+    g.add_argument("--spec-rounds", type=int, default=None, help="with --speculative: timed rounds each (default 3)")
 
 
 def _host_overhead(bench) -> None:
@@ -219,3 +232,23 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--red-team-rows", default=None, metavar="NAMES",
                    help="--red-team: only the rows whose names start with one of these, comma-separated, "
                         "e.g. 41.7,41.3 (default: every row)")
+    p.add_argument("--flood", action="store_true",
+                   help="instead: steady text victims alone, then beside an image flood and a video flood; the "
+                        "victims' TTFT/TPOT p50/p99 alone and during, the floods' images/s, the ratios "
+                        "(vlm_sdk/bench/flood.py; default: --model the ~100M bench checkpoint)")
+    p.add_argument("--flood-seconds", type=float, default=20.0, help="--flood: seconds per phase (default 20)")
+    p.add_argument("--flood-warmup", type=float, default=3.0,
+                   help="--flood: seconds a flood runs before its phase's window opens (default 3)")
+    p.add_argument("--flood-concurrency", type=int, default=8, help="--flood: flood requests in flight (default 8)")
+    p.add_argument("--flood-victim-interval", type=float, default=0.5,
+                   help="--flood: seconds between two victims' arrivals (default 0.5)")
+    p.add_argument("--flood-image-size", type=int, default=448, help="--flood: image side in pixels (default 448)")
+    p.add_argument("--flood-distinct", type=int, default=400,
+                   help="--flood: distinct images per phase (a quarter as many videos; default 400)")
+    p.add_argument("--flood-video-frames", type=int, default=8,
+                   help="--flood: frames per video, all sampled (0: no video phases; default 8)")
+    p.add_argument("--flood-video-size", type=int, default=224, help="--flood: video side in pixels (default 224)")
+    p.add_argument("--flood-max-tokens", type=int, default=4, help="--flood: tokens per flood request (default 4)")
+    p.add_argument("--flood-engine-arg", action="append", default=[], metavar="NAME=VALUE",
+                   help="--flood: an engine setting for the server started here, e.g. "
+                        "max_num_encoder_tokens_per_step=512 (repeatable; default: none, the engine's defaults)")

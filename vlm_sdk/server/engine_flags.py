@@ -35,6 +35,14 @@ ENGINE_HELP = {
     "max_num_seqs": "most requests running at once (default 64)",
     "max_num_batched_tokens": "most tokens one engine step computes; a longer prompt is prefilled in chunks "
                               "(default 8192)",
+    "max_num_encoder_tokens_per_step": "most image tokens one step sends through the vision tower; a step's further "
+                                       "images and a video's next frame groups wait for the next steps, so decode "
+                                       "steps beside an image flood stay short; a larger image runs alone in a step "
+                                       "(default: 256 on the CPU, 1024 on CUDA; 0: no bound)",
+    "max_prefill_tokens_with_decodes": "most tokens a prefill chunk computes in a step that also has decode rows, so "
+                                       "a long prompt's or an image's tokens share steps with them (default: 128 on "
+                                       "the CPU, 512 on CUDA; 0: no bound; not for families that prefill an image "
+                                       "whole)",
     "allow_unfit_images": "start even if the largest image the image settings allow cannot fit in max_model_len "
                           "(a warning instead of the refusal; such images are refused per request; default off)",
     "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before (text and images, keyed by "
@@ -103,10 +111,13 @@ ENGINE_HELP = {
     "max_tool_bytes": "bytes of a request's tools together as JSON: names, descriptions, parameter schemas "
                       "(default 1048576)",
     "tool_call_parser": "how tool calls are read from the output: 'hermes' (<tool_call> JSON), 'qwen3_coder' "
-                        "or 'qwen3_xml' (<tool_call><function=...><parameter=...> XML, Qwen3.5's) or 'none' "
+                        "or 'qwen3_xml' (<tool_call><function=...><parameter=...> XML) or 'none' "
                         "(default: from the chat template)",
     "reasoning_parser": "how reasoning is split from the answer: 'qwen3' or 'deepseek_r1' (<think> blocks) or "
                         "'none' (default: 'qwen3' when the chat template has a <think> block)",
+    "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                          "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' (drafts looked up in the request's "
+                          "prompt and output, verified in one step; default off)",
     "allow_special_tokens_in_text": "read special tokens written in message text (<|im_end|>, ...) as control tokens; "
                                     "by default (off) they are plain text, so a user cannot forge another role's turn",
 }
@@ -115,10 +126,12 @@ ENGINE_HELP = {
 GROUPS = (
     ("engine: memory and KV cache", ("max_model_len", "memory_utilization", "kv_cache_memory", "num_blocks",
                                      "block_size", "kv_cache_dtype", "enable_prefix_caching", "encoder_cache_memory",
-                                     "max_num_seqs", "max_num_batched_tokens", "num_state_slots", "allow_unfit_images",
+                                     "max_num_seqs", "max_num_batched_tokens", "max_num_encoder_tokens_per_step",
+                                     "max_prefill_tokens_with_decodes", "num_state_slots", "allow_unfit_images",
                                      "preemption_warning_per_minute")),
     ("engine: model and device", ("revision", "model_family", "dtype", "device", "seed", "attention_backend", "small_m_gemm",
-                                  "enforce_eager", "piecewise_cuda_graphs", "async_scheduling")),
+                                  "enforce_eager", "piecewise_cuda_graphs", "async_scheduling",
+                                  "speculative_config")),
     ("engine: parallelism", ("tensor_parallel_size", "pipeline_parallel_size", "pp_layer_partition",
                              "enable_expert_parallel", "shard_vision",
                              "distributed_executor_backend", "ray_placement_strategy", "distributed_timeout")),
@@ -137,7 +150,8 @@ _SWITCHES = {"async_scheduling"}  # on/off switches whose default (None) means "
 _FLAG_TYPES = {"revision": str, "model_family": str, "dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
                "encoder_cache_memory": str, "memory_utilization": float, "max_grammar_memory": str,
                "grammar_cache_memory": str, "tool_call_parser": str, "reasoning_parser": str,
-               "max_video_bytes": str, "distributed_executor_backend": str,
+               "max_video_bytes": str, "distributed_executor_backend": str, "speculative_config": str,
+               "max_num_encoder_tokens_per_step": int, "max_prefill_tokens_with_decodes": int,
                "pp_layer_partition": str}
 _NOT_FLAGS = ("show_progress", "mm_processor_kwargs")  # the latter: one flag per family setting (and vLLM's JSON)
 

@@ -189,6 +189,7 @@ def test_greedy_tokens_equal_transformers_generate(llm, family, ckpt, videos, hf
     {"max_num_batched_tokens": 20},  # chunked prefill splits the videos' patches
     {"enable_prefix_caching": False},
     {"encoder_cache_memory": 0},
+    {"max_num_encoder_tokens_per_step": 0},  # the vision budget off: every patch in the first step
 ])
 def test_engine_settings_change_no_token(family, ckpt, videos, llm, settings):
     conv = conversation(videos, family)
@@ -266,6 +267,53 @@ def test_chunked_prefill_holds_about_a_chunk_of_a_long_video(family, ckpt, video
         del runner._encode_images
     assert 0 < max(held) <= 20 + 2 * patch
     assert tokens == llm.chat(conv, GREEDY)[0].token_ids
+
+
+def encoded_per_step(engine, prompt) -> tuple[list[int], list[int]]:
+    """Run `prompt` alone on `engine`: the image tokens each step sent through the vision tower (counted
+    at `model.encode_images`, steps that ran it), and the generated tokens."""
+    from vlm_sdk.testing.hooks import local_worker
+    runner = local_worker(engine).runner
+    model_encode, stage = runner.model.encode_images, runner._encode_images
+    per_step, calls = [], []
+
+    def counted(images):
+        calls.append(sum(im.num_tokens for im in images))
+        return model_encode(images)
+
+    def step_stage(scheduled):
+        calls.clear()
+        stage(scheduled)
+        if calls:
+            per_step.append(sum(calls))
+    runner.model.encode_images, runner._encode_images = counted, step_stage
+    try:
+        engine.add_request(prompt, GREEDY)
+        tokens = []
+        while engine.scheduler.has_unfinished():
+            tokens += [t for out in engine.step() for t in out.new_token_ids]
+    finally:
+        del runner.model.encode_images, runner._encode_images
+    return per_step, tokens
+
+
+def test_a_vision_budget_spreads_a_video_over_steps_with_the_same_tokens(family, ckpt, videos):
+    """max_num_encoder_tokens_per_step of two of the video's patches: each step sends at most that many image
+    tokens through the vision tower, so the video's 8 patches are encoded over several steps, and the tokens
+    equal one-step encoding (the budget off)."""
+    conv = [{"role": "user", "content": [{"type": "video", "video": videos[0], **fast(family), "fps": 4.0},
+                                         {"type": "text", "text": "What happens?"}]}]
+    one_step = LLM(str(ckpt), max_num_encoder_tokens_per_step=0, show_progress=False).engine
+    prompt = one_step.inputs.build_prompt(conv)
+    limit = 2 * max(im.num_tokens for im in prompt.images)
+    budgeted = LLM(str(ckpt), max_num_encoder_tokens_per_step=limit, show_progress=False).engine
+    video_tokens = sum(im.num_tokens for im in prompt.images)
+    assert len(prompt.images) == 8 and video_tokens > 2 * limit  # at least three steps' worth
+    whole, expected = encoded_per_step(one_step, prompt)
+    spread, tokens = encoded_per_step(budgeted, budgeted.inputs.build_prompt(conv))
+    assert whole == [video_tokens]
+    assert len(spread) >= 3 and max(spread) <= limit and sum(spread) == video_tokens
+    assert tokens == expected
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl"], indirect=True)

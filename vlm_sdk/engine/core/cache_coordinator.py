@@ -130,10 +130,11 @@ class CacheCoordinator:
             self._commit(seq, total)
         return True
 
-    def start(self, seq: Sequence, budget: int) -> int | None:
+    def start(self, seq: Sequence, budget: int, cut=None) -> int | None:
         """Start (or restart) `seq`, which holds nothing: share its cached prefix, take a state slot, then
         allocate for up to `budget` more tokens. The number of tokens to compute this step; None (nothing
-        taken) when the free blocks or state slots are too few."""
+        taken) when the free blocks or state slots are too few, or when `cut(seq, computed, n)` (the step's
+        vision budget: engine/core/vision_budget.py), which may shorten the chunk, leaves nothing."""
         k, restore = self._cached_prefix(seq)
         if self._coming and any(h in self._coming for h in seq.block_hashes[k:(seq.num_tokens - 1) // self.block_size]):
             return None  # a sequence admitted this step computes (and checkpoints) its prefix: resume from it next
@@ -146,6 +147,8 @@ class CacheCoordinator:
             n = whole_image_chunk(seq, computed, n)
             if n == 0:  # it starts inside an image the budget cannot hold whole: not this step
                 return None
+        if cut is not None and (n := cut(seq, computed, n)) == 0:
+            return None
         hits = [m.hit_blocks(seq.block_hashes, k) for m in self.managers] if k else None
         need = self.blocks_for(computed + n) - k
         # free now: taking them back uses free room
@@ -238,6 +241,14 @@ class CacheCoordinator:
                 if blocks[i] != NULL_BLOCK:
                     cache(blocks[i], hashes[i], g)
         seq.num_cached_blocks = max(seq.num_cached_blocks, hashed)
+
+    def truncate(self, seq: Sequence, keep: int) -> None:
+        """Return `seq`'s blocks past its first `keep` in every group (speculative decoding's rollback:
+        they hold only rejected drafts' KV, never a cached block), last first."""
+        release = self.pool.release
+        for blocks in seq.block_ids:
+            release(b for b in reversed(blocks[keep:]) if b != NULL_BLOCK)
+            del blocks[keep:]
 
     def free(self, seq: Sequence) -> None:
         """Return every block and the state slot of `seq` (finished, aborted or preempted)."""

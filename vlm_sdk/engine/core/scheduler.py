@@ -2,13 +2,20 @@
 
 Running sequences go first, in the order they started; each asks for all its uncomputed tokens
 (1 while decoding, the rest of the prompt while prefilling), cut to what is left of the step's token
-budget. When the pool has too few free blocks, the most recently started running sequence is
+budget, less a token for each decoding sequence after it (a prefill chunk never takes a decode row's
+token), to `max_prefill_tokens_with_decodes` in a step with decode rows, and to the step's vision budget (`max_num_encoder_tokens_per_step`, engine/core/vision_budget.py:
+the image tokens whose vision tower the step runs; a chunk ends before the first image that does not fit,
+so a large video's frame groups are encoded over several steps). When the pool has too few free blocks, the most recently started running sequence is
 preempted: its blocks (and state slot) are freed and it goes back to the front of the waiting queue,
 to be recomputed later (its generated tokens are kept). Waiting sequences are admitted while budget,
 blocks, state slots and `max_num_seqs` allow, and not at all in a step that had to preempt, in the
 order of the waiting queue (engine/core/waiting_queue.py): the preempted first, then round-robin across
 requests (a request: `Sequence.group`), no request holding more than 3/4 of `max_num_seqs`; FIFO when
-every request is one sequence. A sequence that starts or restarts shares the blocks of its longest
+every request is one sequence. A request whose images do not fit what is left of the vision budget is
+passed over for the step and the next is tried (a text prompt never waits behind an image flood). A
+sequence (waiting, or running behind another's frame groups) passed over `MAX_VISION_WAITS` steps in a
+row has aged: the next step keeps its next image's tokens for it before any other chunk, and admission
+goes no further than an aged waiting sequence. A sequence that starts or restarts shares the blocks of its longest
 cached prefix and computes only the rest (`CacheCoordinator.start`); a preempted sequence may find its
 own blocks still cached when it returns. With state layers and prefix caching, prefill chunks end on
 block boundaries (`CacheCoordinator.align`), and the step's state copies come from
@@ -24,6 +31,12 @@ Asynchronous scheduling: a sequence whose last sampled token is still on the dev
 asks for that token too, and is left out when that token is certain to be its last (max_tokens or
 max_model_len reached); a waiting sequence is admitted only once its tokens have all arrived.
 
+Speculative decoding: a decoding sequence with drafts (`Sequence.spec_token_ids`, proposed by the engine
+before the schedule) asks for its last token and its drafts when the budget and free blocks hold them, and
+drops its drafts otherwise (`spec_decode.spec_tokens`): drafts never preempt anyone. After its step the
+engine rolls back what was rejected (`spec_decode.rollback`), and the blocks it kept reach the worker as
+`SchedulerOutput.truncated_blocks` (`truncated`).
+
 `schedule()` decides on live `Sequence`s (`ScheduledBatch`); `worker_input(batch)` turns the decision
 into the worker's plain `SchedulerOutput`: a `NewRequestData` for a sequence the worker does not hold
 (first scheduled, or resumed after a preemption), a `CachedRequestData` with only what changed for
@@ -36,6 +49,8 @@ from dataclasses import dataclass, field
 from vlm_sdk.config import SchedulerConfig
 from vlm_sdk.engine.core.cache_coordinator import NO_COPIES, CacheCoordinator
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
+from vlm_sdk.engine.core.spec_decode import spec_tokens
+from vlm_sdk.engine.core.vision_budget import MAX_VISION_WAITS, VisionBudget, aged, decode_rows
 from vlm_sdk.engine.core.waiting_queue import FairWaitingQueue
 from vlm_sdk.protocol.scheduler_output import NO_IDS, CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -46,6 +61,7 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     state_restores: tuple[tuple[int, int], ...] = NO_COPIES  # (checkpoint slot, live slot), before the forward
     state_checkpoints: tuple[tuple[int, int], ...] = NO_COPIES  # (live slot, checkpoint slot), after it
+    encoder_tokens: int = 0  # the vision budget's count: image tokens the step's chunks reach that are new to the ranks
 
 
 class Scheduler:
@@ -56,6 +72,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._worker_finished: set[str] = set()  # held by the worker, finished since the last step
+        self.truncated: dict[Sequence, int] = {}  # speculative decoding's rollbacks since: sequence -> blocks kept
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -65,26 +82,57 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
-        budget = self.config.max_num_batched_tokens
+        vision = VisionBudget(self.config.max_num_encoder_tokens_per_step)
+        if vision.limit is not None:  # the next image of a sequence passed over too long goes first
+            vision.keep_for(aged(self.running, self.waiting.peek() if self.waiting else None))
+        decodes = decode_rows(self.running)
+        # prefill chunks beside decode rows are cut to max_prefill_tokens_with_decodes (0: not cut)
+        cap = self.config.max_prefill_tokens_with_decodes if decodes else 0
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, vision, decodes, cap)
+        if not out.preempted and self.waiting:
+            self._admit(out, budget, vision, cap)
+        out.encoder_tokens = vision.spent
+        if self.cache.state is not None:
+            out.state_restores, out.state_checkpoints = self.cache.end_step(out.scheduled)
+        return out
 
+    def _schedule_running(self, out: ScheduledBatch, budget: int, vision: VisionBudget, reserve: int,
+                          cap: int) -> int:
+        """Every running sequence's chunk, in the order they started, preempting the newest when blocks run
+        out; the token budget left. Decode rows (`reserve` of them) keep a token each from the prefill chunks
+        before them, so a long prefill never takes a decoding sequence's step; a prefill chunk is also cut
+        to `cap` (when not 0) and to the step's vision budget (a video's next frame groups wait)."""
         running, allocate, scheduled = self.running, self.cache.allocate, out.scheduled
         size = self.cache.block_size
         caching = self.cache.enable_prefix_caching
         aligned = self.cache.aligned
         whole_images = self.cache.whole_images
+        bounded = vision.limit is not None
+        prefill_cap = cap or budget
         # preemption removes sequences from the end of `running` only: the iterator stops before them
         for seq in running:
             if budget <= 0:
                 break
-            n = min(len(seq.token_ids) + seq.num_inflight - seq.num_computed_tokens, budget)
+            left = len(seq.token_ids) + seq.num_inflight - seq.num_computed_tokens
+            if left == 1:
+                reserve -= 1
             if seq.num_inflight and len(seq.token_ids) + seq.num_inflight >= seq.length_limit:
                 continue  # the token on its way is its last (max_tokens or max_model_len): nothing to compute
+            n = min(left, budget if left == 1 else min(budget - reserve, prefill_cap))
+            if n <= 0:
+                continue  # a prefill chunk: what is left of the budget is the decode rows'
+            if seq.spec_token_ids:  # speculative decoding: its last token and its drafts, or its drafts dropped
+                n = spec_tokens(seq, n, budget - reserve, self.cache)  # the decode rows after it keep theirs
             if aligned and n > 1:  # a prefill chunk ends on a block boundary: its state can be checkpointed
                 n = self.cache.align(seq, seq.num_computed_tokens, n)
             if whole_images and seq.num_computed_tokens < seq.num_prompt_tokens:
                 n = self.cache.whole_image(seq, seq.num_computed_tokens, n)  # never ends inside an image
                 if n == 0:
                     continue  # the rest of an image does not fit this step's budget: a later step's
+            if bounded and seq.num_computed_tokens < seq.num_prompt_tokens:
+                n = vision.cut(seq, seq.num_computed_tokens, n)
+                if n == 0:
+                    continue  # its next image (a video's next frame group) is a later step's
             if aligned and n > 1:  # a chunk on its way to a checkpoint: siblings wait for it (cache_coordinator)
                 self.cache.note_coming(seq, seq.num_computed_tokens + n)
             total = seq.num_computed_tokens + n
@@ -102,29 +150,41 @@ class Scheduler:
                     break
             scheduled.append((seq, n))
             budget -= n
+        return budget
 
-        if not out.preempted and self.waiting:
-            self.waiting.count_running(self.running)  # the per-request cap on the batch
-            while budget > 0 and len(self.running) < self.config.max_num_seqs:
-                seq = self.waiting.peek()  # None: none left, or every waiting request at its cap
-                if seq is None or seq.num_inflight:  # preempted while its token was on the device: restart with it
-                    break
-                n = self.cache.start(seq, budget)  # its cached prefix is not computed again
-                if n is None:
-                    break
-                self.waiting.popleft()
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                out.scheduled.append((seq, n))
-                budget -= n
-        if self.cache.state is not None:
-            out.state_restores, out.state_checkpoints = self.cache.end_step(out.scheduled)
-        return out
+    def _admit(self, out: ScheduledBatch, budget: int, vision: VisionBudget, cap: int) -> None:
+        """Admit waiting sequences in the waiting queue's order while the token budget, `max_num_seqs`,
+        blocks and state slots allow. One whose images the step's vision budget cannot hold is passed over
+        (its request waits for the next step) and admission goes on with the next request, so a text
+        prompt never waits behind images; one passed over `MAX_VISION_WAITS` steps has aged (`schedule` kept
+        its next image's tokens for it) and admission stops at it until it is in."""
+        self.waiting.count_running(self.running)  # the per-request cap on the batch
+        cut = vision.cut if vision.limit is not None else None
+        prefill_cap = cap or budget
+        passed: set = set()  # groups passed over this step
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting.peek(passed)  # None: none left, or every waiting request at its cap or passed
+            if seq is None or seq.num_inflight:  # preempted while its token was on the device: restart with it
+                break
+            vision.refused = False
+            n = self.cache.start(seq, min(budget, prefill_cap), cut)  # its cached prefix is not computed again
+            if n is None:
+                if vision.refused and seq.vision_waits < MAX_VISION_WAITS:
+                    passed.add(seq.group)
+                    continue
+                break
+            self.waiting.take(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.cache.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
+        self.truncated.pop(seq, None)  # resent whole when it resumes
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -137,6 +197,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.cache.free(seq)
+        self.truncated.pop(seq, None)
         if seq.in_worker:
             seq.in_worker = False
             self._worker_finished.add(seq.request_id)
@@ -149,7 +210,7 @@ class Scheduler:
 
     def worker_input(self, batch: ScheduledBatch) -> SchedulerOutput:
         """The plain data the worker needs for `batch` (see the module docstring)."""
-        new, cached, counts = [], [], {}
+        new, cached, counts, spec = [], [], {}, {}
         preempted = set()
         for seq in batch.preempted:
             if seq.in_worker:
@@ -157,6 +218,8 @@ class Scheduler:
                 preempted.add(seq.request_id)
         for seq, n in batch.scheduled:
             counts[seq.request_id] = n
+            if seq.spec_token_ids:
+                spec[seq.request_id] = list(seq.spec_token_ids)
             blocks = seq.block_ids  # per attention group, every list as long as the first
             num_blocks, num_tokens = len(blocks[0]), len(seq.token_ids)
             if not seq.in_worker:
@@ -174,5 +237,11 @@ class Scheduler:
                     else NO_IDS))
             seq.num_blocks_sent, seq.num_tokens_sent = num_blocks, num_tokens
         finished, self._worker_finished = frozenset(self._worker_finished), set()
+        truncated = {}
+        if self.truncated:  # cut before this step's blocks are appended; a sequence resent whole needs none
+            truncated = {s.request_id: k for s, k in self.truncated.items() if s.in_worker and s.request_id not in
+                         preempted and s.request_id not in finished}
+            self.truncated = {}
         return SchedulerOutput(new, cached, counts, finished, frozenset(preempted),
-                               state_restores=batch.state_restores, state_checkpoints=batch.state_checkpoints)
+                               state_restores=batch.state_restores, state_checkpoints=batch.state_checkpoints,
+                               spec_token_ids=spec, truncated_blocks=truncated)

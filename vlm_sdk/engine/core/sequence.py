@@ -57,6 +57,7 @@ class Sequence:
                                       image_tokens=sum(prompt.image_tokens),
                                       preprocess_time=prompt.preprocess_seconds)
         self.num_preemptions = 0
+        self.vision_waits = 0  # steps it was passed over while waiting, its images beyond the step's vision budget
         self.min_tokens_stop_ids: tuple[int, ...] = ()  # set by the engine (it knows the EOS ids)
         self.matcher = None  # structured outputs: the llguidance matcher of its grammar (engine/structured_output.py)
         self.first_mask = None  # and its grammar's mask at the start, made when the grammar was compiled
@@ -65,6 +66,8 @@ class Sequence:
         # a step that samples it must be read at once (its grammar or penalties need its every token)
         self.num_inflight = 0
         self.sync_sampling = False
+        # speculative decoding (engine/core/spec_decode.py): the drafts this step verifies
+        self.spec_token_ids: list[int] = []
         # the tokens that finish it as "stop" (set by the engine: it knows the EOS ids), and the length at
         # which it finishes as "length" (max_tokens here; the engine caps it at max_model_len)
         self.stop_ids: frozenset[int] = frozenset()

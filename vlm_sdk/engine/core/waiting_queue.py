@@ -21,7 +21,8 @@ long as the step's budget allows (they are admitted in turn with other requests'
 all of them), so the scheduler's prefix-cache lookup gives the 2nd..nth the first's prompt blocks.
 
 The scheduler uses it as it used a deque: `append` (new), `appendleft` (preempted), `remove`,
-`popleft` (admit what `peek` chose), `len`, iteration (in admission order, ignoring the cap) and truth;
+`popleft` (admit what `peek` chose; `take(seq)` for what `peek(passed)` chose past the groups the
+scheduler passes over this step), `len`, iteration (in admission order, ignoring the cap) and truth;
 before admitting, it gives `count_running(running)` the running list, from which the caps are read.
 """
 from __future__ import annotations
@@ -78,20 +79,28 @@ class FairWaitingQueue:
         """Read how many running sequences each group holds (before a step's admissions)."""
         self._running = Counter(seq.group for seq in running)
 
-    def peek(self) -> Sequence | None:
-        """The sequence to admit next, or None when none waits or every waiting group is at its cap."""
-        if self._preempted:
-            return self._preempted[0]
+    def peek(self, passed: frozenset | set = frozenset()) -> Sequence | None:
+        """The sequence to admit next, or None when none waits or every waiting group is at its cap or
+        in `passed` (groups the scheduler passes over this step: their images wait for the vision budget)."""
+        for seq in self._preempted:
+            if seq.group not in passed:
+                return seq
         cap = self.max_running_per_group
-        return next((q[0] for group, q in self._groups.items() if self._running[group] < cap), None)
+        return next((q[0] for group, q in self._groups.items() if self._running[group] < cap and group not in passed),
+                    None)
 
     def popleft(self) -> Sequence:
         """Admit what `peek` chose: it counts as running for its group, which goes to the back of the round."""
         seq = self.peek()
         if seq is None:
             raise IndexError("no waiting sequence may be admitted")
-        if self._preempted and self._preempted[0] is seq:
-            self._preempted.popleft()
+        return self.take(seq)
+
+    def take(self, seq: Sequence) -> Sequence:
+        """Admit `seq`, what `peek(passed)` chose (a preempted sequence, or the first waiting of its group):
+        it counts as running for its group, which goes to the back of the round."""
+        if any(s is seq for s in self._preempted):
+            self._preempted.remove(seq)
         else:
             queue = self._groups[seq.group]
             queue.popleft()
