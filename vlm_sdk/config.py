@@ -498,9 +498,12 @@ def resolve_rank_config(args: EngineArgs) -> RankConfig:
     device = args.resolve_device()
     size = args.tensor_parallel_size * args.pipeline_parallel_size
     if args.speculative_config is not None and size > 1:
+        pp = args.pipeline_parallel_size
         raise InvalidRequestError(
-            f"speculative_config with {size} ranks (tensor x pipeline) is not built yet (the verification step runs on one "
-            f"rank today): set tensor_parallel_size=1 and pipeline_parallel_size=1, or leave speculative_config out", param="speculative_config")
+            f"speculative_config with tensor_parallel_size={args.tensor_parallel_size}"
+            f"{f' x pipeline_parallel_size={pp}' if pp > 1 else ''} is not built yet (the verification step runs on "
+            f"one rank today): set tensor_parallel_size=1{' and pipeline_parallel_size=1' if pp > 1 else ''}, or "
+            f"leave speculative_config out", param="speculative_config")
     backend = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
     if args.small_m_gemm == "triton" and backend != "triton":
         raise InvalidRequestError(f"small_m_gemm='triton' needs the Triton kernel set, and attention_backend is "
