@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-# kv_cache_dtype -> bits per value
-INT_KV_BITS = {"int8": 8, "int4": 4}
+from vlm_sdk.config import INT_KV_BITS  # noqa: F401  (kv_cache_dtype -> bits a value)
+
 SZ_DTYPE = torch.float32  # the (scale, zero) tensor's
 # a head whose D values are all equal gets this scale instead of 0 (no division by zero; read back exactly)
 TINY_RANGE = 1e-20

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from vlm_sdk.config import EngineArgs, fp8_kv_cache_runs, resolve_rank_config
+from vlm_sdk.config import EngineArgs, fp8_kv_cache_runs, int_kv_cache_runs, resolve_rank_config
 from vlm_sdk.engine.core.cache_coordinator import CacheCoordinator
 from vlm_sdk.engine.output.engine_output import EngineOutput
 from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_warning
@@ -96,7 +96,8 @@ class LLMEngine:
         profiles = executor.collective_rpc("profile_memory", largest_image, self.max_position_embeddings,
                                            memory.held_vision_tokens)
         ranks = size_rank_caches(memory, loads, profiles, executor.collective_rpc("memory_snapshot"),
-                                 family.plan_setting[1], fp8_runs=fp8_kv_cache_runs(self.device, rc.attention_backend))
+                                 family.plan_setting[1], fp8_runs=fp8_kv_cache_runs(self.device, rc.attention_backend),
+                                 int_runs=int_kv_cache_runs(self.device, rc.attention_backend))
         self.cache_config = min((r.cache for r in ranks), key=lambda c: c.num_blocks)  # every rank holds this many
         self.scheduler_config = scheduler_config(memory, self.cache_config)
         check_largest_image_fits(memory.image, family.plan_setting[1], self.cache_config, self.scheduler_config,

@@ -16,7 +16,7 @@ from vlm_sdk.errors import InvalidRequestError, fixes_text
 from vlm_sdk.memory.breakdown import Breakdown, breakdown
 from vlm_sdk.memory.capacity import check_max_model_len_fits, resolve_max_model_len
 from vlm_sdk.memory.inputs import MemoryInputs
-from vlm_sdk.memory.kv import CacheConfig, check_cache, fp8_bytes_per_block, size_cache
+from vlm_sdk.memory.kv import CacheConfig, check_cache, lower_bytes_per_block, size_cache
 from vlm_sdk.memory.report import RankMemory, StartupMemory, cache_groups
 from vlm_sdk.protocol.rank import RankLoad
 
@@ -32,17 +32,19 @@ class RankCache:
 
 def size_rank_caches(m: MemoryInputs, loads: list[RankLoad], profiles: list[dict[str, int] | None],
                      snapshots: list[tuple[int, int] | None], image_setting: str | None,
-                     fp8_runs: bool = False) -> list[RankCache]:
+                     fp8_runs: bool = False, int_runs: bool = False) -> list[RankCache]:
     """Each rank's cache under the settings: on a GPU from its own device budget (its total and in-use
     bytes after loading, minus its consumers: measured where the profile measured). Raises
-    `InvalidRequestError` naming the numbers and the fix when a rank cannot hold one block. `fp8_runs`:
-    kv_cache_dtype="fp8" would run on this engine (its fixes may then name it)."""
+    `InvalidRequestError` naming the numbers and the fix when a rank cannot hold one block. `fp8_runs` /
+    `int_runs`: kv_cache_dtype="fp8" / "int8" and "int4" would run on this engine (its fixes may name them)."""
+    runs = (("fp8",) if fp8_runs else ()) + (("int8", "int4") if int_runs else ())
     out = []
     for load, profile, snapshot in zip(loads, profiles, snapshots):
         parts = breakdown(m, profile)
         budget = None if snapshot is None else parts.budget(*snapshot)
-        fp8 = fp8_bytes_per_block(load.bytes_per_block, m.kv_dtype) if fp8_runs else None
-        cache = size_cache(m.args, load.bytes_per_block, m.max_position_embeddings, budget, fp8, m.layout)
+        lower = () if m.layout is None else lower_bytes_per_block(load.bytes_per_block, m.layout.page_spec,
+                                                                   m.args.block_size, runs)
+        cache = size_cache(m.args, load.bytes_per_block, m.max_position_embeddings, budget, lower, m.layout)
         check_cache(cache, m.args, load.weights.total, image_setting)
         out.append(RankCache(parts, cache))
     if m.args.memory_utilization_given and out[0].cache.rule != "memory_utilization":
