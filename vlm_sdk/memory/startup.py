@@ -17,6 +17,7 @@ from vlm_sdk.memory.breakdown import Breakdown, breakdown
 from vlm_sdk.memory.capacity import check_max_model_len_fits, resolve_max_model_len
 from vlm_sdk.memory.inputs import MemoryInputs
 from vlm_sdk.memory.kv import CacheConfig, check_cache, lower_bytes_per_block, size_cache
+from vlm_sdk.memory.kv_dtypes import kv_dtype_fits
 from vlm_sdk.memory.report import RankMemory, StartupMemory, cache_groups
 from vlm_sdk.protocol.rank import RankLoad
 
@@ -30,6 +31,11 @@ class RankCache:
     cache: CacheConfig
 
 
+def lower_kv_runs(fp8_runs: bool, int_runs: bool) -> tuple[str, ...]:
+    """The lower-precision kv_cache_dtypes that run, from whether FP8 and the int caches do."""
+    return (("fp8",) if fp8_runs else ()) + (("int8", "int4") if int_runs else ())
+
+
 def size_rank_caches(m: MemoryInputs, loads: list[RankLoad], profiles: list[dict[str, int] | None],
                      snapshots: list[tuple[int, int] | None], image_setting: str | None,
                      fp8_runs: bool = False, int_runs: bool = False) -> list[RankCache]:
@@ -37,7 +43,7 @@ def size_rank_caches(m: MemoryInputs, loads: list[RankLoad], profiles: list[dict
     bytes after loading, minus its consumers: measured where the profile measured). Raises
     `InvalidRequestError` naming the numbers and the fix when a rank cannot hold one block. `fp8_runs` /
     `int_runs`: kv_cache_dtype="fp8" / "int8" and "int4" would run on this engine (its fixes may name them)."""
-    runs = (("fp8",) if fp8_runs else ()) + (("int8", "int4") if int_runs else ())
+    runs = lower_kv_runs(fp8_runs, int_runs)
     out = []
     for load, profile, snapshot in zip(loads, profiles, snapshots):
         parts = breakdown(m, profile)
@@ -78,10 +84,11 @@ def scheduler_config(m: MemoryInputs, cache: CacheConfig) -> SchedulerConfig:
 
 
 def startup_report(m: MemoryInputs, loads: list[RankLoad], ranks: list[RankCache], cache: CacheConfig,
-                   sched: SchedulerConfig, measured: bool) -> StartupMemory:
+                   sched: SchedulerConfig, measured: bool, runs: tuple[str, ...] = ()) -> StartupMemory:
     """Rank 0's figures (every rank holds the same cache; under tensor parallelism `ranks` has each
     rank's weights and the blocks it could have held). `measured`: the GPU profile ran (else the
-    activation peak is not measured: on the CPU nothing is carved out of device memory)."""
+    activation peak is not measured: on the CPU nothing is carved out of device memory). `runs`: the
+    lower-precision kv_cache_dtypes that would run on this engine, shown beside this cache (`kv_dtype_fits`)."""
     load, budget, parts = loads[0], cache.budget, ranks[0].parts
     w = load.weights
     per_rank = tuple(RankMemory(r.rank, r.device, r.weights.total,
@@ -101,7 +108,11 @@ def startup_report(m: MemoryInputs, loads: list[RankLoad], ranks: list[RankCache
         max_model_len_source=sched.max_model_len_source, max_position_embeddings=m.max_position_embeddings,
         image_tokens_per_image=m.image.tokens, load_seconds=max(r.load_seconds for r in loads),
         tensor_parallel_size=len(loads), ranks=per_rank, consumers=parts.consumers, weight_format=m.weight_format,
-        held_vision=m.held_vision_text, **cache_shares(m, cache, sched.max_model_len))
+        held_vision=m.held_vision_text,
+        kv_dtype_fits=() if m.layout is None else kv_dtype_fits(
+            m.args, cache, cache.budget, m.layout.page_spec, load.dtype, m.max_position_embeddings,
+            sched.max_model_len, runs),
+        **cache_shares(m, cache, sched.max_model_len))
 
 
 def cache_shares(m: MemoryInputs, cache: CacheConfig, max_model_len: int) -> dict:
