@@ -88,7 +88,7 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
                      "default), fp8 (float8 e4m3 with per-layer scales: one byte per value), or int8 / int4 "
                      "(per-token, per-head codes with a float32 scale and zero each)")
     cmd.add_argument("--quant-policy", type=int, choices=sorted(QUANT_POLICIES), help="LMDeploy's spelling of "
-                     "--kv-cache-dtype: 8 is int8, 4 int4, 0 auto")
+                     "--kv-cache-dtype: 8 is int8, 4 int4, 0 auto (default: not given)")
     cmd.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory", type=lambda t: f"{t}B" if t.isdigit() else t,
                      metavar="BYTES", help="vLLM's name of --kv-cache-memory: a bare number is bytes (default: not set)")
     cmd.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
