@@ -144,8 +144,8 @@ def test_a_four_turn_image_chat_hits_the_cache_from_turn_two_with_the_tokens_of_
 def test_the_qwen3_5_template_reasoning_structured_outputs_and_its_xml_tool_form(tiny_checkpoints):
     """The template opens a <think> block (the qwen3 reasoning parser reads it), closes it empty with
     enable_thinking=False, where a schema's output validates; its tool calls are the Qwen3-Coder XML
-    form, which no parser here reads yet: a request with tools is refused naming it (not read back as
-    text), and the engine serves on."""
+    form (the qwen3_coder parser, chosen from the template): a forced call is written in that form and
+    reads back as a call whose arguments validate against the function's schema, typed by it."""
     import json
 
     import jsonschema
@@ -162,8 +162,24 @@ def test_the_qwen3_5_template_reasoning_structured_outputs_and_its_xml_tool_form
                      chat_template_kwargs={"enable_thinking": False})[0]
     assert plain.finish_reason == "stop" and not plain.reasoning_content
     jsonschema.validate(json.loads(plain.content), schema)
-    tool = {"type": "function", "function": {"name": "count", "parameters": {"type": "object", "properties": {}}}}
-    with pytest.raises(InvalidRequestError, match="Qwen3-Coder XML form"):
-        llm.chat(conv, SamplingParams(max_tokens=4), tools=[tool])
-    assert llm.chat(conv, SamplingParams(max_tokens=4))[0].token_ids
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                               "unit": {"enum": ["c", "f"]}}, "required": ["city", "days"]}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": params}}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    [called] = llm.chat(conv, SamplingParams(max_tokens=80, temperature=1.0, seed=5, n=3), tools=[tool],
+                        tool_choice=named, chat_template_kwargs={"enable_thinking": False})
+    calls = [out for out in called.outputs if out.finish_reason == "stop"]
+    assert calls  # the grammar lets the model open a <think> block of its own first, which may run out of tokens
+    assert all(out.reasoning_content and not out.tool_calls for out in called.outputs if out not in calls)
+    for out in calls:
+        assert out.text.lstrip().startswith("<tool_call>\n<function=get_weather>")
+        [call] = out.tool_calls
+        args = json.loads(call.arguments)
+        jsonschema.validate(args, params)
+        assert isinstance(args["days"], int)
+    assert llm.chat(conv, SamplingParams(max_tokens=4), tools=[tool])[0].outputs[0].token_ids  # "auto"
+    with pytest.raises(InvalidRequestError, match="nope"):
+        llm.chat(conv, SamplingParams(max_tokens=4), tools=[tool], tool_choice={"type": "function",
+                                                                                "function": {"name": "nope"}})
     assert llm.stats()["kv_blocks_used"] == 0

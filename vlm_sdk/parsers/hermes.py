@@ -88,9 +88,14 @@ def _valid_call(body: str, names: Collection[str]) -> tuple[str, str] | None:
 
 
 # -- free calls ("auto") ----------------------------------------------------------------------------
+ReadCall = Callable[[str], "tuple[str, str] | None"]  # a call's body -> (name, arguments JSON) or None
+
+
 def parse(text: str, names: Collection[str], parallel: bool = True,
-          make_id: Callable[[], str] = new_call_id) -> tuple[str, list[ToolCall]]:
-    """(content, calls) of a whole output."""
+          make_id: Callable[[], str] = new_call_id, read: ReadCall | None = None) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a whole output. `read`: how a body between the tags is read (default: Hermes'
+    JSON, `_valid_call`); another format with the same tags (Qwen3-Coder's XML) passes its own."""
+    read = read or (lambda body: _valid_call(body, names))
     pieces: list = []  # text and (name, arguments) in order, consecutive texts merged
     pos = 0
 
@@ -100,13 +105,13 @@ def parse(text: str, names: Collection[str], parallel: bool = True,
         else:
             pieces.append(piece)
     while (i := text.find(OPEN, pos)) >= 0 and (j := text.find(CLOSE, i + len(OPEN))) >= 0:
-        call = _valid_call(text[i + len(OPEN):j], names)
+        call = read(text[i + len(OPEN):j])
         text_piece(text[pos:i] if call is not None else text[pos:j + len(CLOSE)])
         if call is not None:
             pieces.append(call)
         pos = j + len(CLOSE)
     last = text.find(OPEN, pos)
-    if last >= 0 and (call := _valid_call(text[last + len(OPEN):], names)) is not None:  # the output ended
+    if last >= 0 and (call := read(text[last + len(OPEN):])) is not None:  # the output ended
         text_piece(text[pos:last])  # after a whole call without its closing tag
         pieces.append(call)
         pos = len(text)
@@ -144,8 +149,10 @@ class HermesStream:
     was none, the whitespace after its last (`Let me check.\n<call>\nDone` -> `Let me check.\nDone`).
     So whitespace before a call is held until the call is read, and after a run until text follows."""
 
-    def __init__(self, names: Collection[str], parallel: bool = True, make_id: Callable[[], str] = new_call_id):
+    def __init__(self, names: Collection[str], parallel: bool = True, make_id: Callable[[], str] = new_call_id,
+                 read: ReadCall | None = None):
         self.names, self.parallel, self.make_id = names, parallel, make_id
+        self.read = read or (lambda body: _valid_call(body, names))
         self._buf = ""  # text not sent yet: in a call, the call from its opening tag on
         self._in_call = False
         self._ws = ""  # whitespace before the call being read
@@ -165,7 +172,7 @@ class HermesStream:
 
     def _call(self, raw: str, body: str) -> ParsedDelta:
         """The call `raw` (its opening tag on; `body` inside the tags) just read."""
-        call = _valid_call(body, self.names)
+        call = self.read(body)
         ws, self._ws, self._in_call = self._ws, "", False
         if call is None:  # text, tags and all
             return ParsedDelta(content=self._text(raw, ws))

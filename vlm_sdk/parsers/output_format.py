@@ -1,7 +1,10 @@
 """How one request's output text is read: reasoning first, then tool calls in the answer after it.
 
     text -> reasoning parser (think.py)  -> reasoning
-                                         -> answer -> tool parser (hermes.py) -> content, tool calls
+                                         -> answer -> tool parser -> content, tool calls
+
+The tool parsers: Hermes' JSON calls (hermes.py) and Qwen3-Coder's XML calls (qwen3_xml.py), both
+between <tool_call> tags.
 
 `OutputFormat` is decided when the prompt is built (which parsers, whether the template opened the
 reasoning block, the request's tools and tool_choice); `parse` reads a whole text, `stream()` gives
@@ -10,10 +13,10 @@ an `OutputStream` that reads it in deltas, and the two agree on every split of t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from vlm_sdk.outputs import ToolCall
-from vlm_sdk.parsers import hermes, think
+from vlm_sdk.parsers import hermes, hermes_grammar, qwen3_xml, think
 from vlm_sdk.parsers.types import ParsedDelta
 
 
@@ -33,15 +36,23 @@ class ReasoningFormat:
 # --reasoning-parser values (vLLM's names)
 REASONING_FORMATS = {"qwen3": ReasoningFormat("qwen3", ends_at_tool_call=True),
                      "deepseek_r1": ReasoningFormat("deepseek_r1", always_open=True)}
-# --tool-call-parser values: each a format with a free and a forced reading and a grammar for the latter
-TOOL_PARSERS = ("hermes",)
+# --tool-call-parser values (vLLM's names): each a format with a free and a forced reading and a grammar
+# for the latter; vLLM's qwen3_coder and qwen3_xml are two readers of the same XML form, one here
+TOOL_PARSERS = ("hermes", "qwen3_coder", "qwen3_xml")
+XML_PARSERS = frozenset({"qwen3_coder", "qwen3_xml"})
+
+
+def tool_grammar_for(parser: str) -> Callable[..., str]:
+    """The grammar builder that forces calls in `parser`'s format: (tools, parallel, whitespace, tag)."""
+    return qwen3_xml.tool_grammar if parser in XML_PARSERS else hermes_grammar.tool_grammar
 
 
 @dataclass(frozen=True)
 class OutputFormat:
     """`reasoning_open`: the output starts inside the reasoning block. `tool_names` empty: no tool
     parsing. `forced`: the tool grammar wrote the calls (tool_choice "required" or a named function);
-    `named`: a named function was forced, which OpenAI finishes with "stop" rather than "tool_calls"."""
+    `named`: a named function was forced, which OpenAI finishes with "stop" rather than "tool_calls".
+    `tool_schemas`: (name, parameters schema) of each tool, for a format that types values by them (XML)."""
     reasoning: ReasoningFormat | None = None
     reasoning_open: bool = False
     tool_parser: str | None = None
@@ -49,6 +60,14 @@ class OutputFormat:
     forced: bool = False
     named: bool = False
     parallel: bool = True
+    tool_schemas: tuple[tuple[str, Mapping[str, Any]], ...] = ()
+
+    @property
+    def xml(self) -> bool:
+        return self.tool_parser in XML_PARSERS
+
+    def schemas(self) -> dict[str, Mapping[str, Any]]:
+        return dict(self.tool_schemas)
 
     @property
     def reads_tools(self) -> bool:
@@ -73,8 +92,10 @@ class OutputFormat:
         if not self.reads_tools:
             return reasoning, text, []
         if self.forced:
-            return reasoning, "", hermes.parse_forced(text, make_id)
-        content, calls = hermes.parse(text, self.tool_names, self.parallel, make_id)
+            return reasoning, "", (qwen3_xml.parse_forced(text, self.schemas(), make_id) if self.xml
+                                   else hermes.parse_forced(text, make_id))
+        read = qwen3_xml.XmlCallReader(self.schemas()) if self.xml else None
+        content, calls = hermes.parse(text, self.tool_names, self.parallel, make_id, read)
         return reasoning, content, calls
 
     def stream(self, make_id: Callable[[], str] = hermes.new_call_id) -> "OutputStream":
@@ -90,9 +111,12 @@ class OutputStream:
         self._think = (think.ThinkStream(fmt.reasoning_open, r.start, r.end, fmt.reasoning_tool_tag)
                        if r is not None else None)
         self._tools = None
-        if fmt.reads_tools:
-            self._tools = (hermes.HermesForcedStream(make_id) if fmt.forced
-                           else hermes.HermesStream(fmt.tool_names, fmt.parallel, make_id))
+        if fmt.reads_tools and fmt.forced:
+            self._tools = (qwen3_xml.XmlForcedStream(fmt.schemas(), make_id) if fmt.xml
+                           else hermes.HermesForcedStream(make_id))
+        elif fmt.reads_tools:
+            read = qwen3_xml.XmlCallReader(fmt.schemas()) if fmt.xml else None
+            self._tools = hermes.HermesStream(fmt.tool_names, fmt.parallel, make_id, read)
 
     @property
     def saw_reasoning(self) -> bool:

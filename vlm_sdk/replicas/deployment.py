@@ -9,13 +9,15 @@ from __future__ import annotations
 import os
 
 from vlm_sdk.async_llm import AsyncLLM
+from vlm_sdk.engine.gil import set_server_switch_interval
 from vlm_sdk.engine.heap import bound_server_heap
 
 
 class EngineReplica:
     def __init__(self, model: str, engine_args: dict, board=None):
         from ray import serve
-        bound_server_heap()  # a serving process, as `vlm-sdk serve`'s (engine/heap.py)
+        bound_server_heap()  # a serving process, as `vlm-sdk serve`'s (engine/heap.py, engine/gil.py)
+        set_server_switch_interval()
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
         self.llm = AsyncLLM(model, **engine_args)
         self._board = board  # stats.StatsBoard actor: where the server reads every replica's stats

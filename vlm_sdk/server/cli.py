@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, NoReturn
 
 from vlm_sdk.config import EngineArgs
+from vlm_sdk.engine.gil import SERVER_SWITCH_INTERVAL_MS, set_server_switch_interval
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.models import registry
 from vlm_sdk.server.config import SERVER_MAX_VIDEO_BYTES, MediaPolicy, ServerConfig
@@ -91,6 +92,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                              f"its headers slowly (default {d.keep_alive_timeout:g})")
     limits.add_argument("--body-timeout", type=float, default=d.body_timeout,
                         help=f"seconds a request body may take to arrive; 408 after (default {d.body_timeout:g})")
+    limits.add_argument("--switch-interval-ms", type=_positive_float, default=SERVER_SWITCH_INTERVAL_MS,
+                        help="milliseconds a thread of the server runs before the GIL passes to a waiting one: "
+                             "short, so that the engine's thread keeps its pace beside threads parsing large "
+                             f"bodies (default {SERVER_SWITCH_INTERVAL_MS:g}; Python's own is 5)")
     limits.add_argument("--max-connections", type=_positive, default=d.max_connections,
                         help=f"open connections at once; more are answered 503 and closed (default {d.max_connections})")
     m = MediaPolicy()
@@ -187,6 +192,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
 def check_model_argument(model: str) -> None:
     """A model that can only fail once loading starts fails now: a path that is not there and reads as no
     Hub id 'Org/Name', or a directory without config.json."""
@@ -269,6 +281,7 @@ def run_serve(args: argparse.Namespace, demo_model: Callable[[], Path] | None = 
     from vlm_sdk.engine.heap import bound_server_heap
     from vlm_sdk.server.runner import serve
     bound_server_heap()  # before the engine's threads (engine/heap.py)
+    set_server_switch_interval(args.switch_interval_ms)  # engine/gil.py
     if model is None:
         if demo_model is None:
             raise InvalidRequestError("no model given: name a checkpoint directory or a Hub id", param="model")

@@ -100,7 +100,8 @@ ENGINE_HELP = {
     "max_tools": "tools per request (default 128, OpenAI's limit); each is rendered into the prompt",
     "max_tool_bytes": "bytes of a request's tools together as JSON: names, descriptions, parameter schemas "
                       "(default 1048576)",
-    "tool_call_parser": "how tool calls are read from the output: 'hermes' (<tool_call> JSON) or 'none' "
+    "tool_call_parser": "how tool calls are read from the output: 'hermes' (<tool_call> JSON), 'qwen3_coder' "
+                        "or 'qwen3_xml' (<tool_call><function=...><parameter=...> XML, Qwen3.5's) or 'none' "
                         "(default: from the chat template)",
     "reasoning_parser": "how reasoning is split from the answer: 'qwen3' or 'deepseek_r1' (<think> blocks) or "
                         "'none' (default: 'qwen3' when the chat template has a <think> block)",

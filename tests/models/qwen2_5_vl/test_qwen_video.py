@@ -266,3 +266,44 @@ def test_chunked_prefill_holds_about_a_chunk_of_a_long_video(family, ckpt, video
         del runner._encode_images
     assert 0 < max(held) <= 20 + 2 * patch
     assert tokens == llm.chat(conv, GREEDY)[0].token_ids
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl"], indirect=True)
+def test_the_server_decodes_a_long_video_after_qwens_positions(family, ckpt, videos, llm, hf):
+    """Issue 50 point 10 through the openai client: the same videos and image sent as `video_url` (file://)
+    and `image_url` (data:) parts; the greedy token ids the server returns are Qwen's rule's, not 5.24's
+    generate's (Qwen2.5-VL only: the other families' timestamps make the two rules agree, tested above)."""
+    import base64
+    import io
+    from pathlib import Path
+
+    from openai import OpenAI
+
+    from vlm_sdk.server.background import BackgroundServer
+    from vlm_sdk.server.config import MediaPolicy, ServerConfig
+    conv = conversation(videos, family)
+    inputs = reference_inputs(llm, family, ckpt, conv)
+    positions, delta = original_positions(hf, inputs)
+    qwen = hf_greedy_at(hf, inputs, positions, inputs["input_ids"].shape[1] + delta, 12)
+    assert qwen != hf_greedy(hf, inputs, 12)[0]  # where the rules part: a test that can tell them apart
+    png = io.BytesIO()
+    image(120, 90, 5).save(png, format="PNG")  # lossless: the pixels the Python API's part holds
+    parts = []
+    for part in conv[0]["content"]:
+        if part["type"] == "video":
+            opts = {k: v for k, v in part.items() if k not in ("type", "video")}
+            parts.append({"type": "video_url", "video_url": {"url": "file://" + part["video"], **opts}})
+        elif part["type"] == "image":
+            parts.append({"type": "image_url", "image_url": {
+                "url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}})
+        else:
+            parts.append(part)
+    config = ServerConfig(port=0, api_key="k", served_model_name="tiny",
+                          media=MediaPolicy(allowed_local_path=str(Path(videos[0]).parent)))
+    with BackgroundServer(ckpt, config) as srv:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="k", max_retries=0)
+        resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}],
+                                              max_tokens=12, temperature=0, extra_body={
+                                                  "ignore_eos": True, "return_token_ids": True})
+    assert resp.model_extra["prompt_token_ids"] == inputs["input_ids"][0].tolist()
+    assert resp.choices[0].model_extra["token_ids"] == qwen

@@ -44,7 +44,7 @@ from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.multimodal.image_key import salted_key
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.parsers import REASONING_FORMATS, TOOL_PARSERS, OutputFormat
-from vlm_sdk.parsers.hermes_grammar import tool_grammar
+from vlm_sdk.parsers.output_format import XML_PARSERS, tool_grammar_for
 from vlm_sdk.parsers.think import prefix_grammar
 from vlm_sdk.sampling_params import SamplingParams, StructuredOutputs
 
@@ -69,11 +69,10 @@ class ChatSetup:
         self.tokenizer, self.grammars, self.tool_limits = tokenizer, grammars, tool_limits
         template = getattr(tokenizer.wrapped, "chat_template", None) or ""
         template = template if isinstance(template, str) else json.dumps(template)
-        # the Qwen3-Coder XML form (<tool_call><function=name><parameter=key>, Qwen3.5's templates) is
-        # not Hermes' JSON: no parser here reads it yet, so none is chosen for it (a request with tools is
-        # refused naming the form, rather than its calls read back as text)
-        self._xml_tools = "<function=" in template and "<parameter=" in template
-        auto_tools = "hermes" if "<tool_call>" in template and not self._xml_tools else None
+        # the template's call form chooses the parser: Qwen3-Coder's XML (<tool_call><function=name>
+        # <parameter=key>, Qwen3.5's templates) or Hermes' JSON between the same tags
+        xml_tools = "<function=" in template and "<parameter=" in template
+        auto_tools = ("qwen3_coder" if xml_tools else "hermes") if "<tool_call>" in template else None
         self.tool_parser = (auto_tools if tool_call_parser is None else
                             _choice(tool_call_parser, TOOL_PARSERS, "tool-call parser", "tool_call_parser"))
         self.renders_tools, self.renders_schemas = self._renders_tools()
@@ -124,11 +123,6 @@ class ChatSetup:
             raise InvalidRequestError(
                 "this model's chat template does not render 'tools', so the model would never see them; serve "
                 "it with a chat template that has a tool section, or leave 'tools' out", param="tools")
-        if self.tool_parser is None and self._xml_tools:
-            raise InvalidRequestError(
-                "this model's chat template asks for tool calls in the Qwen3-Coder XML form (<tool_call> "
-                "<function=name> <parameter=key>), which no tool-call parser here reads yet (tool_call_parser "
-                f"{', '.join(TOOL_PARSERS)} reads Hermes' JSON form); leave 'tools' out", param="tools")
         if self.tool_parser is None:
             raise InvalidRequestError(
                 "no tool-call parser is set for this model's format, so its calls could not be read; start the "
@@ -166,10 +160,12 @@ class ChatSetup:
         prompt.output_format = OutputFormat(
             reasoning=self.reasoning, reasoning_open=opened, tool_parser=self.tool_parser if tools else None,
             tool_names=tuple(t.name for t in options.tools) if tools else (), forced=tools and options.forced,
-            named=options.tool_choice == "function", parallel=options.parallel_tool_calls)
+            named=options.tool_choice == "function", parallel=options.parallel_tool_calls,
+            tool_schemas=(tuple((t.name, t.parameters) for t in options.tools)
+                          if tools and self.tool_parser in XML_PARSERS else ()))
         grammar = params.grammar
         if tools and options.forced:
-            grammar = StructuredOutputs("grammar", tool_grammar(
+            grammar = StructuredOutputs("grammar", tool_grammar_for(self.tool_parser)(
                 [(t.name, t.parameters) for t in options.forced_tools()],
                 options.parallel_tool_calls and options.tool_choice == "required", JSON_WHITESPACE, self._tag),
                 "tool_choice")
