@@ -62,6 +62,18 @@ def load_tile(rows,  # [BLOCK_N] pointers to byte 0 of each key's head in the co
     return ((codes - zero[:, None]) * scale[:, None]).to(dtype)
 
 
+@triton.jit
+def load_codes(rows, offs_d, mask, dtype: tl.constexpr, QUANT: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A tile's codes [BLOCK_N, BLOCK_D] as `dtype` (0..255 are exact in bf16 / fp16): for kernels that fold
+    each key's scale and zero into the scores and the weights instead of dequantizing every element."""
+    if QUANT == 8:
+        return tl.load(rows[:, None] + offs_d[None, :], mask=mask, other=0).to(dtype)
+    half = HEAD_DIM // 2
+    byte = tl.load(rows[:, None] + (offs_d % half)[None, :], mask=mask, other=0).to(tl.int32)
+    shift = (offs_d >= half).to(tl.int32) * 4
+    return ((byte >> shift[None, :]) & 15).to(dtype)
+
+
 def check_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, k_sz: torch.Tensor | None, v_sz: torch.Tensor | None,
                head_dim: int) -> int:
     """The caches' QUANT (0, 8 or 4), ValueError when K and V disagree or the scales are malformed."""

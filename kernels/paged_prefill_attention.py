@@ -24,8 +24,9 @@ the backend now sends the decode rows to the decode kernel and launches 512 x 2 
 synchronisation: lengths are read in the kernel. An FP8 cache (K / k_scale, V / v_scale: kernels/kv_quant.py)
 is read as the decode kernel reads it: e4m3 tiles converted exactly to q's dtype for the dots (in hardware
 on sm_89+, else from their bits: kernels/fp8_bits.py), k_scale folded into the softmax scale and v_scale
-into the output. An int8 / int4 cache (`k_sz` / `v_sz`: kernels/kv_int.py) is dequantized per tile in
-registers with each key's (scale, zero) (kernels/kv_int_bits.py), as the decode kernel does.
+into the output. An int8 / int4 cache (`k_sz` / `v_sz`: kernels/kv_int.py) is read as codes in q's dtype
+(exact) with each key's scale and zero folded in, s (q . c - z sum(q)) for the scores and (p s) . c - sum(p s z)
+for the values (kernels/kv_int_bits.py): no float32 tile of dequantized values, which spilled on sm_80.
 
 Two variants for models that ask for them (constexprs, so every other model's kernel is unchanged):
 - `window` W (a sliding-window layer): query p sees keys p - W < k <= p; the tiles before the tile's first
@@ -54,7 +55,8 @@ _LOG2E = 1.4426950408889634
 def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/m, [BLOCK_M, BLOCK_D] q
                   k_cache, v_cache, table_row, q_hi, q_lo, offs_d, mask_d,
                   stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                  k_sz, v_sz, stride_zb, stride_zs,  # QUANT: the (scale, zero) tensors at this KV head
+                  k_sz, v_sz, stride_zb, stride_zs, q_sum,  # QUANT: the (scale, zero) tensors at this KV head,
+                  # and each row's sum of q (fp32 [BLOCK_M])
                   lo, hi, first_key,
                   BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                   SOFTWARE: tl.constexpr, SLIDING: tl.constexpr, QUANT: tl.constexpr, HEAD_DIM: tl.constexpr):
@@ -78,17 +80,18 @@ def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/
         slot_k = page * stride_kb + (key_pos % BLOCK_SIZE) * stride_ks  # [BLOCK_N]
         slot_v = page * stride_vb + (key_pos % BLOCK_SIZE) * stride_vs
         # [BLOCK_N, BLOCK_D] tiles in q's dtype (an FP8 cache converted here)
-        if QUANT:  # the codes dequantized with each key's (scale, zero)
+        if QUANT:  # codes in q's dtype; each key's scale and zero folded into its scores (no fp32 tile):
+            # q . (c - z) s = s (q . c - z sum(q))
             sz_row = page * stride_zb + (key_pos % BLOCK_SIZE) * stride_zs  # [BLOCK_N]
             kv_mask = in_range[:, None] & mask_d[None, :]
-            k = kv_int_bits.load_tile(k_cache + slot_k, k_sz + sz_row, offs_d, kv_mask, in_range, q.dtype, QUANT,
-                                      HEAD_DIM)
-            v = kv_int_bits.load_tile(v_cache + slot_v, v_sz + sz_row, offs_d, kv_mask, in_range, q.dtype, QUANT,
-                                      HEAD_DIM)
+            k = kv_int_bits.load_codes(k_cache + slot_k, offs_d, kv_mask, q.dtype, QUANT, HEAD_DIM)
+            k_s = tl.load(k_sz + sz_row, mask=in_range, other=0.0)
+            k_z = tl.load(k_sz + sz_row + 1, mask=in_range, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N]
+            qk = (qk - q_sum[:, None] * k_z[None, :]) * (k_s * qk_scale)[None, :]
         else:
             k = fp8_bits.load_kv(k_cache + slot_k[:, None] + offs_d[None, :], kv_mask, q.dtype, SOFTWARE)
-            v = fp8_bits.load_kv(v_cache + slot_v[:, None] + offs_d[None, :], kv_mask, q.dtype, SOFTWARE)
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+            qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if CAUSAL:
             seen = key_pos[None, :] <= q_hi[:, None]
             if SLIDING:
@@ -101,7 +104,16 @@ def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        if QUANT:  # sum_n p (c - z) s: the weights times each value's scale, its zero taken off after the dot
+            v = kv_int_bits.load_codes(v_cache + slot_v, offs_d, kv_mask, q.dtype, QUANT, HEAD_DIM)
+            v_s = tl.load(v_sz + sz_row, mask=in_range, other=0.0)
+            v_z = tl.load(v_sz + sz_row + 1, mask=in_range, other=0.0)
+            w = (p * v_s[None, :]).to(v.dtype)  # [BLOCK_M, BLOCK_N]: the correction uses these same values
+            pv = tl.dot(w, v, input_precision=INPUT_PRECISION) - tl.sum(w.to(tl.float32) * v_z[None, :], 1)[:, None]
+        else:
+            v = fp8_bits.load_kv(v_cache + slot_v[:, None] + offs_d[None, :], kv_mask, q.dtype, SOFTWARE)
+            pv = tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, l_i, m_i
 
@@ -163,6 +175,7 @@ def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seq
     v_base = v_cache + kv_head * stride_vh
     k_sz_base = k_sz_ptr + kv_head * stride_zh
     v_sz_base = v_sz_ptr + kv_head * stride_zh
+    q_sum = tl.sum(q.to(tl.float32), 1)  # [BLOCK_M] (read only with QUANT)
     table_row = block_tables + seq.to(tl.int64) * stride_tb
     if FP8:  # scores of the stored K / k_scale: scale them back with the softmax scale
         qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -181,18 +194,18 @@ def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seq
                                     unmasked_end)
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_row, q_hi, q_lo, offs_d, mask_d,
                                       stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                      k_sz_base, v_sz_base, stride_zb, stride_zs,
+                                      k_sz_base, v_sz_base, stride_zb, stride_zs, q_sum,
                                       (first_key // BLOCK_N) * BLOCK_N, unmasked_start, first_key, BLOCK_SIZE, True,
                                       BLOCK_N, INPUT_PRECISION, SOFTWARE, SLIDING, QUANT, HEAD_DIM)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_row, q_hi, q_lo, offs_d, mask_d,
                                   stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                  k_sz_base, v_sz_base, stride_zb, stride_zs,
+                                  k_sz_base, v_sz_base, stride_zb, stride_zs, q_sum,
                                   unmasked_start, unmasked_end, first_key, BLOCK_SIZE, False, BLOCK_N,
                                   INPUT_PRECISION, SOFTWARE, SLIDING, QUANT, HEAD_DIM)
     # the diagonal: tiles up to the last key a row sees, masked key_pos <= q_hi (and > q_lo)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_row, q_hi, q_lo, offs_d, mask_d,
                                   stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                  k_sz_base, v_sz_base, stride_zb, stride_zs,
+                                  k_sz_base, v_sz_base, stride_zb, stride_zs, q_sum,
                                   unmasked_end, hi, first_key, BLOCK_SIZE, True, BLOCK_N, INPUT_PRECISION,
                                   SOFTWARE, SLIDING, QUANT, HEAD_DIM)
 

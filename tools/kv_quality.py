@@ -10,7 +10,8 @@ position where the two pick differently):
               out of the quantized run's top 20 are counted apart, as "out")
   identical   requests whose whole output is the full-precision one's
 
-    PYTHONPATH=. python tools/kv_quality.py [--families a,b] [--num-requests 16] [--device cpu] [--json]
+    PYTHONPATH=. python tools/kv_quality.py [--families a,b] [--num-requests 16] [--max-tokens N] [--device cpu]
+                                            [--json]
 
 prints one markdown table (BENCHMARKS.md holds its output); --json one JSON object.
 """
@@ -44,7 +45,7 @@ def _compare(ref, outs) -> dict:
             "logprob_mean": sum(errors) / len(errors), "logprob_max": max(errors), "out_of_top20": out_of_top}
 
 
-def measure(family: str, num_requests: int, device: str) -> dict:
+def measure(family: str, num_requests: int, device: str, max_tokens_cap: int | None = None) -> dict:
     from vlm_sdk import LLM, SamplingParams
     from vlm_sdk.bench.engine import _workload
     from vlm_sdk.demo_checkpoint import tiny_model_dir
@@ -53,6 +54,8 @@ def measure(family: str, num_requests: int, device: str) -> dict:
     model_dir = str(tiny_model_dir("bench", family))
     sizes = [tuple(s) for s in fixtures(family).bench_image_sizes]
     _, convs, max_tokens = _workload(num_requests, sizes)
+    if max_tokens_cap:  # a shorter run of the same requests
+        max_tokens = [min(m, max_tokens_cap) for m in max_tokens]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=20) for m in max_tokens]
     t0 = time.perf_counter()
     runs = {}
@@ -86,11 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--families", default=",".join(family_names()))
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--max-tokens", type=int, default=None, help="cap each request's max_tokens (default: the bench's)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     results = []
     for family in args.families.split(","):
-        results.append(measure(family, args.num_requests, args.device))
+        results.append(measure(family, args.num_requests, args.device, args.max_tokens))
         print(f"{family}: {results[-1]['seconds']:.0f} s", file=sys.stderr, flush=True)
     print(json.dumps(results, indent=2) if args.json else table(results))
     return 0
