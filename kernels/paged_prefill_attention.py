@@ -72,25 +72,26 @@ def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/
             page = tl.load(table_row + key_pos // BLOCK_SIZE, mask=in_range, other=0)
             kv_mask = in_range[:, None] & mask_d[None, :]
         else:
-            in_range = key_pos >= 0  # every key of the tile
             page = tl.load(table_row + key_pos // BLOCK_SIZE)
             kv_mask = mask_d[None, :]
         # the page offset is 64-bit: one layer's cache can exceed 2**31 elements
         page = page.to(tl.int64)
         slot_k = page * stride_kb + (key_pos % BLOCK_SIZE) * stride_ks  # [BLOCK_N]
         slot_v = page * stride_vb + (key_pos % BLOCK_SIZE) * stride_vs
-        # [BLOCK_N, BLOCK_D] tiles in q's dtype (an FP8 cache converted here)
         if QUANT:  # codes in q's dtype; each key's scale and zero folded into its scores (no fp32 tile):
             # q . (c - z) s = s (q . c - z sum(q))
             sz_row = page * stride_zb + (key_pos % BLOCK_SIZE) * stride_zs  # [BLOCK_N]
+            if not CAUSAL:
+                in_range = key_pos >= 0  # every key of the tile
             kv_mask = in_range[:, None] & mask_d[None, :]
             k = kv_int_bits.load_codes(k_cache + slot_k, offs_d, kv_mask, q.dtype, QUANT, HEAD_DIM)
             k_s = tl.load(k_sz + sz_row, mask=in_range, other=0.0)
             k_z = tl.load(k_sz + sz_row + 1, mask=in_range, other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N]
             qk = (qk - q_sum[:, None] * k_z[None, :]) * (k_s * qk_scale)[None, :]
-        else:
+        else:  # [BLOCK_N, BLOCK_D] tiles in q's dtype (an FP8 cache converted here)
             k = fp8_bits.load_kv(k_cache + slot_k[:, None] + offs_d[None, :], kv_mask, q.dtype, SOFTWARE)
+            v = fp8_bits.load_kv(v_cache + slot_v[:, None] + offs_d[None, :], kv_mask, q.dtype, SOFTWARE)
             qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if CAUSAL:
             seen = key_pos[None, :] <= q_hi[:, None]
@@ -109,11 +110,11 @@ def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/
             v_s = tl.load(v_sz + sz_row, mask=in_range, other=0.0)
             v_z = tl.load(v_sz + sz_row + 1, mask=in_range, other=0.0)
             w = (p * v_s[None, :]).to(v.dtype)  # [BLOCK_M, BLOCK_N]: the correction uses these same values
-            pv = tl.dot(w, v, input_precision=INPUT_PRECISION) - tl.sum(w.to(tl.float32) * v_z[None, :], 1)[:, None]
+            # the dot accumulates into acc (no second fp32 tile), then the zeros' share comes off
+            acc = acc * alpha[:, None] + tl.dot(w, v, input_precision=INPUT_PRECISION)
+            acc = acc - tl.sum(w.to(tl.float32) * v_z[None, :], 1)[:, None]
         else:
-            v = fp8_bits.load_kv(v_cache + slot_v[:, None] + offs_d[None, :], kv_mask, q.dtype, SOFTWARE)
-            pv = tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        acc = acc * alpha[:, None] + pv
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -175,7 +176,9 @@ def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seq
     v_base = v_cache + kv_head * stride_vh
     k_sz_base = k_sz_ptr + kv_head * stride_zh
     v_sz_base = v_sz_ptr + kv_head * stride_zh
-    q_sum = tl.sum(q.to(tl.float32), 1)  # [BLOCK_M] (read only with QUANT)
+    q_sum = tl.zeros([BLOCK_M], tl.float32)  # read only with QUANT: each row's sum of q
+    if QUANT:
+        q_sum = tl.sum(q.to(tl.float32), 1)  # [BLOCK_M]
     table_row = block_tables + seq.to(tl.int64) * stride_tb
     if FP8:  # scores of the stored K / k_scale: scale them back with the softmax scale
         qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -344,6 +347,8 @@ def paged_prefill_attention(q: torch.Tensor,  # [N, H, D] packed query chunks (s
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_m = max(16, triton.next_power_of_2(query_tile_len * group))
     _, block_n, num_warps, num_stages = flash_launch_config(q, block_m, block_d)
+    if bits and q.device.type != "cpu":  # the codes' tiles beside the score tile: half the keys, or it spills
+        block_n = max(16, block_n // 2)
     grid = (tiles.shape[0], k_cache.shape[2])
     k_cache, software = fp8_bits.kernel_cache(k_cache, fp8_hardware)
     v_cache, _ = fp8_bits.kernel_cache(v_cache, fp8_hardware)
