@@ -20,6 +20,18 @@ LayerCache = tuple[torch.Tensor, ...]
 
 
 @dataclass(frozen=True)
+class MediaPart:
+    """One image or video part of a prompt as the user sent it, over the prompt's items (`PromptInputs.images`):
+    an image may be several items (Gemma 3's pan-and-scan crops), a video is one item per temporal patch
+    or frame. `frames`: the video's sampled frames (1 for an image); `grid`: the family's patch grid
+    (Qwen: (t, h, w) before merging, as transformers' image/video_grid_thw), None where it has none."""
+    kind: str  # "image" or "video"
+    items: tuple[int, ...]  # indices into PromptInputs.images, ascending
+    frames: int = 1
+    grid: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
 class StepImages:
     """The image-token rows of one step (chunked prefill may carry any part of an image): which rows
     of the packed step they are, and their rows of `encode_images`' output."""
@@ -215,6 +227,11 @@ class PromptProcessor(ABC):
         make `prompt` fit `capacity` tokens, e.g. {"total_pixels": 90000, "max_frames": 16}; {} (the
         default) when none does or the family has none."""
         return {}
+
+    def media_parts(self, prompt: PromptInputs) -> list[MediaPart]:
+        """The prompt's image and video parts in order, each over its items (the dry run's tokens per
+        part, vLLM's per-item hashes and placeholder ranges). Default: every item is one image."""
+        return [MediaPart("image", (i,)) for i in range(len(prompt.images))]
 
     @abstractmethod
     def image_setting_fixes(self, prompt: PromptInputs, capacity: int) -> dict[str, int]:

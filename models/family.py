@@ -113,6 +113,9 @@ class ImageLimits:
     largest: ImageSize  # under the settings in effect
     at: Callable[[int], ImageSize]  # the largest image under setting value v
     candidates: Callable[[int], int | None]  # the largest value below the one in effect whose image fits
+    # the tokens of an image of (width, height) pixels under the settings in effect: the workload plan's
+    # count, from the size alone (plan/workload.py); None: the family gives none (each image counts as the largest)
+    tokens_for: Callable[[int, int], int] | None = None
 
     @property
     def tokens(self) -> int:

@@ -40,6 +40,7 @@ from functools import partial
 from typing import AsyncIterator
 
 from vlm_sdk.chat_options import ChatOptions
+from vlm_sdk.engine import render as dry_run
 from vlm_sdk.engine.llm_engine import LLMEngine
 from vlm_sdk.engine.output.output_processor import OutputProcessor
 from vlm_sdk.engine.input.prep_pool import PrepPools
@@ -65,6 +66,10 @@ def _check_params(params) -> SamplingParams:
 # stop strings of more characters than this get their matcher built on the text pool, not the loop
 _LOOP_STOP_CHARS = 4096
 _PREP_JOIN_S = 2.0  # the most shutdown waits for the prompt threads to end (see prep_pool.FairPool._run)
+
+
+def _raise(err: BaseException):
+    raise err
 
 
 def _put_all(batch: list) -> None:
@@ -153,28 +158,47 @@ class AsyncLLM:
         # params' grammar first, on the grammar workers: a bad schema fails before any image is decoded and
         # no prep thread waits; the tools' schemas once the prompt (which they lengthen) is known to fit
         await self._compile([params.grammar] if params is not None and params.grammar is not None else [])
-        if isinstance(request, TokensPrompt):
-            chars, images, videos = 0, 0, 0
-        elif isinstance(request, TextPrompt):
-            chars, images, videos = len(request.text), 0, 0
-        else:
-            chars, images, videos = count_parts(request)  # counted, nothing read: before any work
-            chars += self.inputs.chat.tool_chars(options) if chat else 0
-        pool = self._prep.pool_for(chars, images, videos)
-        cancelled = threading.Event()
-        job = pool.submit(
-            object() if group is None else group,
-            partial(self.inputs.build_prompt, request, params, cancelled=cancelled, options=options,
-                    compile_grammar=False))
-        try:
-            prompt = await asyncio.wrap_future(job)  # cancelled here, a job not started yet leaves the pool's queue
-        except asyncio.CancelledError:
-            cancelled.set()  # a running one skips the images it has not decoded
-            raise
+        prompt = await self._prepare(request, options, group, partial(
+            self.inputs.build_prompt, request, params, options=options, compile_grammar=False))
         checking = self.inputs.chat.check_tools(options) if chat else None
         if checking is not None:  # one grammar for all the tools' schemas, cached by content
             await asyncio.wrap_future(checking)
         return prompt
+
+    async def render(self, request, params: SamplingParams | None = None, options: ChatOptions | None = None,
+                     group=None):
+        """The dry run of one request (`LLM.render`'s `RenderedRequest`): built on a prep pool as
+        `build_prompt` builds it (no grammar compiled, a too-long prompt returned), then read on the
+        engine thread between steps: nothing is scheduled or taken."""
+        self._check_alive()
+        self.inputs.check_params(params)
+        chat = options is not None and not isinstance(request, (TextPrompt, TokensPrompt))
+        if chat:
+            self.inputs.chat.tool_limits.check(options.tools)
+        built = await self._prepare(request, options, group, partial(dry_run.build, self.inputs, request, params,
+                                                                     options))
+        done = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._check_alive()
+            self._commands.put(("render", done, (built, params)))
+        return await done
+
+    async def _prepare(self, request, options: ChatOptions | None, group, job):
+        """`job(cancelled=event)` on the prep pool the request's part counts choose (counted, nothing read:
+        before any work), one thread per `group` at a time; awaited without holding the loop."""
+        if isinstance(request, (TextPrompt, TokensPrompt)):
+            chars, images, videos = (len(request.text) if isinstance(request, TextPrompt) else 0), 0, 0
+        else:
+            chars, images, videos = count_parts(request)
+            chars += self.inputs.chat.tool_chars(options) if options is not None else 0
+        cancelled = threading.Event()
+        future = self._prep.pool_for(chars, images, videos).submit(object() if group is None else group,
+                                                                   partial(job, cancelled=cancelled))
+        try:
+            return await asyncio.wrap_future(future)  # cancelled here, a job not started leaves the pool's queue
+        except asyncio.CancelledError:
+            cancelled.set()  # a running one skips the images it has not decoded
+            raise
 
     async def chat_stream(self, messages, params: SamplingParams | None = None, request_id: str | None = None,
                           **chat_options) -> AsyncIterator[RequestOutput]:
@@ -348,6 +372,9 @@ class AsyncLLM:
                         engine.abort(key, payload)
                     elif cmd == "add":
                         self._add(key, *payload)
+                    elif cmd == "render":  # read between steps, on this thread: the cache is still
+                        built, params = payload
+                        dry_run.settle(key, lambda: dry_run.render(engine, built, params))
                 outputs = engine.step()  # token ids only: the streams make the text
                 if outputs:
                     self._deliver_many([(out.request_id, out) for out in outputs])
@@ -420,3 +447,5 @@ class AsyncLLM:
                     return
                 if cmd == "add":
                     self._deliver(key[0], err)
+                elif cmd == "render":
+                    dry_run.settle(key, lambda: _raise(err))

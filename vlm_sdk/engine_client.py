@@ -13,6 +13,9 @@ Contract of each member:
                       request's own typed error before anything is queued. `group`: a hashable naming
                       the request a prompt is part of (several prompts of one HTTP request), whose
                       prompts share the prep pools and the waiting queue as one
+    render            the dry run of one request (engine/render.py `RenderedRequest`): built as build_prompt
+                      builds it (a too-long prompt returned, with the error's fixes), then read against
+                      the engine's cache now; nothing encoded or scheduled
     generate          stream a prompt's `RequestOutput`s (a built prompt, a text or token ids); closing
                       the iterator early aborts the request; `group` as build_prompt's
     chat_stream       build_prompt of chat messages (`chat_options`: `ChatOptions`' fields), then generate
@@ -44,6 +47,9 @@ class EngineClient(Protocol):
     async def build_prompt(self, request: Any, params: SamplingParams | None = None,
                            options: ChatOptions | None = None, group: Any = None) -> PromptInputs: ...
 
+    async def render(self, request: Any, params: SamplingParams | None = None,
+                     options: ChatOptions | None = None, group: Any = None) -> Any: ...
+
     def generate(self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None,
                  group: Any = None) -> AsyncIterator[RequestOutput]: ...
 
@@ -61,5 +67,5 @@ class EngineClient(Protocol):
 
 
 # the members a client has, in the contract's order (the conformance test walks them)
-MEMBERS = ("args", "output_processor", "build_prompt", "generate", "chat_stream", "stats", "is_alive", "on_death",
+MEMBERS = ("args", "output_processor", "build_prompt", "render", "generate", "chat_stream", "stats", "is_alive", "on_death",
            "shutdown")

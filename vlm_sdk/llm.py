@@ -11,6 +11,7 @@ from typing import Sequence as Seq
 from vlm_sdk.chat_options import ChatOptions
 from vlm_sdk.engine.llm_engine import LLMEngine
 from vlm_sdk.engine.output.output_processor import OutputProcessor
+from vlm_sdk.engine import render as dry_run
 from vlm_sdk.errors import InputTooLongError, InvalidRequestError, VLMError
 from vlm_sdk.model_loader import load_tokenizer
 from vlm_sdk.models.registry import engine_args as make_engine_args
@@ -67,6 +68,24 @@ class LLM:
         does (errors name the prompt's index); `cache_salt` as in `chat`."""
         return self._run(parse_prompts(prompts, "prompts"), sampling_params, "prompt",
                          ChatOptions(cache_salt=cache_salt))
+
+    def render(self, request, sampling_params: SamplingParams | None = None, *, tools=None, tool_choice=None,
+               parallel_tool_calls: bool | None = None, chat_template_kwargs: dict | None = None,
+               cache_salt: str | None = None):
+        """The dry run of one request (`vlm_sdk.engine.render.RenderedRequest`): its token ids, tokens per
+        part, KV blocks and bytes per cache group, the prefix-cache hit, whether it fits now and ever
+        and, when not, the too-long error's fixes. `request`: a conversation (as `chat`) or a prompt (as
+        `generate`: a text, token ids, `TextPrompt` / `TokensPrompt`). Images are decoded and resized,
+        never encoded; nothing is scheduled. Bad input raises as `chat` / `generate` would."""
+        options = ChatOptions(tools, tool_choice, parallel_tool_calls, chat_template_kwargs, cache_salt)
+        if not _is_single_conversation(request):
+            request = parse_prompts(request, "request")
+            if len(request) != 1:
+                raise InvalidRequestError(f"render takes one request, got {len(request)} prompts", param="request")
+            request = request[0]
+        self.inputs.check_params(sampling_params)
+        return dry_run.render(self.engine, dry_run.build(self.inputs, request, sampling_params, options),
+                              sampling_params)
 
     def _run(self, requests: list, sampling_params, noun: str, options: ChatOptions | None) -> list[RequestOutput]:
         """Build every request's prompt (any failure raises, naming its `noun` and index, before

@@ -27,7 +27,7 @@ from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.image_key import image_key
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, refuse_placeholders
 from vlm_sdk.multimodal.messages import ImageRef, VideoRef, parse_messages
-from vlm_sdk.models.base import PromptProcessor
+from vlm_sdk.models.base import MediaPart, PromptProcessor
 from vlm_sdk.models.gemma3.image_processor import Gemma3ImageProcessor, PanAndScan
 
 # engine / image-part setting -> PanAndScan field
@@ -152,6 +152,13 @@ class Gemma3Processor(PromptProcessor):
         """1-D positions; the soft image token (an image's embedding slot) is refused."""
         refuse_placeholders(token_ids, self.image_token_id, self.soft)
         return PromptInputs(token_ids=list(token_ids))
+
+    def media_parts(self, prompt: PromptInputs) -> list[MediaPart]:
+        """An image's frames (the whole image, then its pan-and-scan crops) one part (grid (frames,))."""
+        by_image: dict[int, list[int]] = {}
+        for i, im in enumerate(prompt.images):
+            by_image.setdefault(im.meta.image, []).append(i)
+        return [MediaPart("image", tuple(items), 1, (len(items),)) for items in by_image.values()]
 
     def image_setting_fixes(self, prompt: PromptInputs, capacity: int) -> dict[str, int]:
         """{"pan_and_scan_max_num_crops": k} (the most crops that make the prompt fit), else

@@ -70,7 +70,9 @@ class Gemma3Spec(FamilySpec):
         def candidates(limit: int) -> int | None:
             ok = [v for v in range(1, pas.max_num_crops) if at(v).tokens <= limit] if pas.enabled else []
             return max(ok) if ok else None
-        return ImageLimits("pan_and_scan_max_num_crops", at(pas.max_num_crops), at, candidates)
+        def tokens_for(width: int, height: int) -> int:  # the whole image and its crops
+            return (1 + len(pas.boxes(width, height))) * per_frame
+        return ImageLimits("pan_and_scan_max_num_crops", at(pas.max_num_crops), at, candidates, tokens_for)
 
     def vision_activation_widths(self, hf_config: Any, model: Any) -> tuple[int, int, int]:
         cfg = model.vision.tower.cfg

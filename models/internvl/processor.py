@@ -30,7 +30,7 @@ from vlm_sdk.multimodal.image_key import image_key
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders, refuse_placeholders
 from vlm_sdk.multimodal.messages import ImageRef, VideoRef, parse_messages
 from vlm_sdk.multimodal.video_io import open_video
-from vlm_sdk.models.base import PromptProcessor
+from vlm_sdk.models.base import MediaPart, PromptProcessor
 from vlm_sdk.model_loader import config_field, text_config
 from vlm_sdk.models.internvl.image_processor import InternVLImageProcessor
 from vlm_sdk.models.internvl.video import DEFAULT_FRAMES, frame_parts, video_frames
@@ -201,6 +201,21 @@ class InternVLProcessor(PromptProcessor):
         """1-D positions, as for any InternVL prompt."""
         refuse_placeholders(token_ids, self.image_token_id, IMG_CONTEXT)
         return PromptInputs(token_ids=list(token_ids))
+
+    def media_parts(self, prompt: PromptInputs) -> list[MediaPart]:
+        """An image one item (grid (tiles,), its thumbnail included); a video's frames, one tile each, one part."""
+        parts: list[MediaPart] = []
+        for i, im in enumerate(prompt.images):
+            video = im.meta.video
+            last = parts[-1] if parts else None
+            if video is not None and last is not None and last.kind == "video" and \
+                    prompt.images[last.items[0]].meta.video == video:
+                parts[-1] = MediaPart("video", (*last.items, i), last.frames + 1)
+            elif video is not None:
+                parts.append(MediaPart("video", (i,), 1))
+            else:
+                parts.append(MediaPart("image", (i,), 1, (im.meta.tiles,)))
+        return parts
 
     def image_setting_fixes(self, prompt: PromptInputs, capacity: int) -> dict[str, int]:
         """{"max_dynamic_patch": v}: the largest engine max_num below the current one that makes the

@@ -59,7 +59,9 @@ class InternVLSpec(FamilySpec):
         def candidates(limit: int) -> int | None:  # tile counts need not shrink with max_num: scan them all
             ok = [n for n in range(ip.min_num, max_num) if at(n).tokens <= limit]
             return max(ok) if ok else None
-        return ImageLimits("max_dynamic_patch", at(max_num), at, candidates)
+        def tokens_for(width: int, height: int) -> int:
+            return ip.num_tiles(width, height, max_num) * per_tile
+        return ImageLimits("max_dynamic_patch", at(max_num), at, candidates, tokens_for)
 
     def video_item_tokens(self, preprocessor: Mapping[str, Any], hf_config: Any, model: Any) -> int:
         ip = self.image_processor_cls.from_preprocessor_config(preprocessor, hf_config)

@@ -151,7 +151,7 @@ def _entries(lines: list[str]) -> list[str]:
 
 def test_plan_excerpts_are_the_plan_s_output(capsys):
     shown = [body for lang, body in _blocks() if not lang and body.startswith("vlm-sdk plan ")]
-    assert len(shown) == 3
+    assert len(shown) == 4
     for body in shown:
         argv, excerpt = _command(body.splitlines())
         main(argv[1:])

@@ -32,6 +32,16 @@ def resolve_max_model_len(max_model_len: int | None, max_position_embeddings: in
     return max_position_embeddings, "the model's max_position_embeddings"
 
 
+def requests_at_once(cache: CacheConfig, tokens: int, max_num_seqs: int) -> int:
+    """Requests of `tokens` tokens each (prompt + output, images counted in) the cache holds at once, each
+    running to its end: the blocks over every group, at most max_num_seqs and the state slots (a running
+    request holds one); 0 when one alone does not fit. The start-up line and `vlm-sdk plan --workload`."""
+    if tokens > cache.capacity_tokens:
+        return 0
+    slots = cache.num_state_slots or max_num_seqs
+    return min(max_num_seqs, max(cache.num_blocks, 0) // cache.blocks_for(max(tokens, 1)), slots)
+
+
 def max_model_len_fixes(cache: CacheConfig, max_model_len: int) -> dict[str, int | float]:
     """Each setting that alone lets `max_model_len` fit once: the largest max_model_len the cache
     holds, or a cache of enough blocks (by the rule that sized it)."""

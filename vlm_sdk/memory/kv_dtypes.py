@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from vlm_sdk.config import EngineArgs
+from vlm_sdk.memory.capacity import requests_at_once
 from vlm_sdk.memory.kv import LOWER_KV_DTYPES, CacheConfig, DeviceBudget, size_cache
 from vlm_sdk.protocol.cache_spec import AttentionSpec
 
@@ -24,7 +25,7 @@ class KvDtypeFit:
     bytes_per_token: int
     num_blocks: int
     capacity_tokens: int  # the longest sequence the blocks hold
-    requests: int  # sequences of max_model_len tokens held at once
+    requests: int  # requests of max_model_len tokens held at once (`capacity.requests_at_once`)
     current: bool  # the cache these settings give
 
     def text(self, max_model_len: int) -> str:
@@ -47,11 +48,9 @@ def kv_dtype_fits(args: EngineArgs, cache: CacheConfig, budget: DeviceBudget | N
         dtype = model_dtype if name == "auto" else LOWER_KV_DTYPES[name]
         per_block = cache.bytes_per_block // here * dataclasses.replace(page, dtype=dtype).page_bytes(cache.block_size)
         c = cache if name == own else size_cache(args, per_block, max_position_embeddings, budget, None, cache.layout)
-        blocks = max(c.num_blocks, 0)
-        one = max(c.blocks_for(max_model_len), 1)
-        sized = dataclasses.replace(c, num_blocks=blocks)
+        sized = dataclasses.replace(c, num_blocks=max(c.num_blocks, 0))
         rows.append(KvDtypeFit(name, per_block // cache.block_size, c.num_blocks, sized.capacity_tokens,
-                               blocks // one, name == own))
+                               requests_at_once(sized, max_model_len, args.max_num_seqs), name == own))
     return tuple(rows)
 
 

@@ -85,6 +85,20 @@ def cache_groups(layout: CacheLayout | None, block_size: int, chunk_tokens: int,
     return tuple(out)
 
 
+def at_once_text(at_once: tuple, max_model_len: int) -> str:
+    """The start-up capacity line: requests at once by their tokens, images counted as the plan counts them."""
+    out = []
+    for tokens, images, per_image, count in at_once:
+        what = f"{count:,} request{'' if count == 1 else 's'} of {tokens:,} tokens"
+        if images:
+            what += (f", each with {images} image{'s' if images > 1 else ''} at the largest allowed size "
+                     f"({per_image:,} tokens each) + {tokens - images * per_image:,} text and output")
+        elif tokens == max_model_len:
+            what += " (max_model_len)"
+        out.append(what)
+    return "; ".join(out)
+
+
 def cache_group_rows(groups: tuple[dict, ...], group_size: int, num_state_slots: int, state_slot_bytes: int,
                      max_model_len: int) -> list[tuple[str, str]]:
     """The report rows of `cache_groups` (the same in `vlm-sdk plan` and the start-up report)."""
@@ -187,6 +201,9 @@ class StartupMemory(MemoryTotals):
     consumers: tuple = ()  # rank 0's memory consumers (`memory.breakdown.ConsumerBytes`), as `vlm-sdk plan` lists them
     weight_format: str = "float"  # the LLM's Linear weights: "float" or the checkpoint's quantized format
     held_vision: str = ""  # vision embeddings a prefilling request holds, in words (MemoryInputs.held_vision_text)
+    # requests at once (memory.capacity.requests_at_once): ((tokens, images, tokens per image, count), ...): one
+    # of max_model_len tokens, one with an image at the largest allowed size and the default max_tokens
+    at_once: tuple = ()
     kv_cache_dtype: str = ""  # the KV cache's dtype ("bfloat16", "float8_e4m3fn", ...); "": the model's
     cache_groups: tuple = ()  # each cache group's share (`cache_groups`); (): one full-attention group
     group_size: int = 0  # layers per attention group: the KV tensors a block is a page of
@@ -244,6 +261,8 @@ class StartupMemory(MemoryTotals):
         ]
         if self.held_vision:
             rows.append(("vision held per request", self.held_vision))
+        if self.at_once:
+            rows.append(("requests at once", at_once_text(self.at_once, self.max_model_len)))
         for r in self.ranks:
             peak = "" if r.activation_peak_bytes is None else f", activation peak {format_bytes(r.activation_peak_bytes)}"
             rows.append((f"rank {r.rank}", f"{r.device}: weights {format_bytes(r.weights_bytes)}{peak}; could hold "

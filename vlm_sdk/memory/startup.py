@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from vlm_sdk.config import SchedulerConfig
 from vlm_sdk.errors import InvalidRequestError, fixes_text
 from vlm_sdk.memory.breakdown import Breakdown, breakdown
-from vlm_sdk.memory.capacity import check_max_model_len_fits, resolve_max_model_len
+from vlm_sdk.memory.capacity import check_max_model_len_fits, requests_at_once, resolve_max_model_len
 from vlm_sdk.memory.inputs import MemoryInputs
 from vlm_sdk.memory.kv import CacheConfig, check_cache, lower_bytes_per_block, size_cache
 from vlm_sdk.memory.kv_dtypes import kv_dtype_fits
 from vlm_sdk.memory.report import RankMemory, StartupMemory, cache_groups
 from vlm_sdk.protocol.rank import RankLoad
+from vlm_sdk.sampling_params import DEFAULT_MAX_TOKENS
 
 logger = logging.getLogger("vlm_sdk")
 
@@ -108,11 +109,21 @@ def startup_report(m: MemoryInputs, loads: list[RankLoad], ranks: list[RankCache
         max_model_len_source=sched.max_model_len_source, max_position_embeddings=m.max_position_embeddings,
         image_tokens_per_image=m.image.tokens, load_seconds=max(r.load_seconds for r in loads),
         tensor_parallel_size=len(loads), ranks=per_rank, consumers=parts.consumers, weight_format=m.weight_format,
-        held_vision=m.held_vision_text,
+        held_vision=m.held_vision_text, at_once=at_once_shapes(m, cache, sched),
         kv_dtype_fits=() if m.layout is None else kv_dtype_fits(
             m.args, cache, cache.budget, m.layout.page_spec, load.dtype, m.max_position_embeddings,
             sched.max_model_len, runs),
         **cache_shares(m, cache, sched.max_model_len))
+
+
+def at_once_shapes(m: MemoryInputs, cache: CacheConfig, sched: SchedulerConfig) -> tuple:
+    """((tokens, images, tokens per image, requests at once), ...): a request of max_model_len tokens, and
+    one image at the largest allowed size with the default max_tokens of text and output (when it fits)."""
+    shapes = [(sched.max_model_len, 0, 0)]
+    image = m.image.tokens + DEFAULT_MAX_TOKENS
+    if m.image.tokens and image <= sched.max_model_len:
+        shapes.append((image, 1, m.image.tokens))
+    return tuple((t, k, per, requests_at_once(cache, t, sched.max_num_seqs)) for t, k, per in shapes)
 
 
 def cache_shares(m: MemoryInputs, cache: CacheConfig, max_model_len: int) -> dict:

@@ -82,6 +82,15 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
                           "every expert, as the engine's setting (default off)")
     for name in ("prompt-tokens", "output-tokens", "images"):
         cmd.add_argument(f"--{name}", type=int, help=_HELP[name])
+    cmd.add_argument("--workload", metavar="FILE", help="a workload to plan for: JSONL of OpenAI chat bodies (images "
+                     "as {\"width\", \"height\"} or file / data: URLs, read to their header only; \"prompt_tokens\" per "
+                     "line, else counted by the checkpoint's tokenizer) or {\"histogram\": {...}} of prompt_tokens, "
+                     "output_tokens, images and image_sizes; reports the share that fits, requests at once at "
+                     "p50/p95/p99, what binds and the settings that serve 99%% (plan/workload_file.py)")
+    cmd.add_argument("--html", metavar="FILE", help="also write the plan as a self-contained page: the device's "
+                     "memory as a stacked bar, requests at once against context length, and the workload against "
+                     "capacity (plan/picture.py)")
+    cmd.add_argument("--svg", metavar="FILE", help="also write the same pictures as one SVG file")
     cmd.add_argument("--dtype", help="weights and KV cache dtype: bfloat16 / float16 / float32 (default bfloat16 on "
                      "a GPU, float32 on the CPU, as the engine)")
     cmd.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="the KV cache's dtype: auto (the model's, the "

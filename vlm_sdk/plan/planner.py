@@ -44,6 +44,7 @@ engine refuse to start or refuse a request (vlm_sdk/plan/rules.py) adds its prob
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -65,6 +66,7 @@ from vlm_sdk.plan import device as _device
 from vlm_sdk.plan import rules
 from vlm_sdk.plan.contexts import CONTEXT_LENGTHS, context_fits
 from vlm_sdk.plan.device import DEVICE_HINT, Memory, parse_size
+from vlm_sdk.plan.picture import at_once_curve
 from vlm_sdk.plan.rules import Problem
 
 __all__ = ["MemoryPlan", "PLAN_OPTIONS", "Problem", "plan"]
@@ -76,7 +78,7 @@ _ENGINE_OPTIONS = ("memory_utilization", "kv_cache_memory", "num_blocks", "dtype
 # each registered family's image option (`FamilySpec.plan_setting`)
 FAMILY_OPTIONS = tuple(registry.plan_settings())
 PLAN_OPTIONS = ("device_memory", "device", "host_memory", *_ENGINE_OPTIONS, *FAMILY_OPTIONS, "tp",
-                "prompt_tokens", "output_tokens", "images")
+                "prompt_tokens", "output_tokens", "images", "workload")
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,11 @@ class MemoryPlan(MemoryTotals):
     # a model with sliding-window layers: requests of 8k / 32k / 128k tokens (up to max_position_embeddings),
     # their window and global KV, against an all-full-attention allocation (plan/contexts.py)
     context_fits: tuple = ()
+    # --workload FILE: the workload's share that fits, requests at once per percentile, what binds, the
+    # settings that serve 99% (plan/workload.py); None without one
+    workload: Any = None
+    # (context length, requests of that length the cache holds at once) from 128 tokens to the longest request
+    at_once_by_length: tuple = ()
 
     def consumer_bytes(self, name: str) -> int:
         """A consumer's bytes (0 when it does not apply: e.g. graph pools on the CPU)."""
@@ -159,7 +166,8 @@ class MemoryPlan(MemoryTotals):
                 + (self.output_tokens or 0))
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k not in ("problems", "notes", "consumers")}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("problems", "notes", "consumers", "workload")}
+        out["workload"] = None if self.workload is None else self.workload.to_dict()
         out["consumers"] = [c.to_dict() for c in self.consumers]
         out["kv_dtype_fits"] = [dataclasses.asdict(f) for f in self.kv_dtype_fits]
         for name in ("weights_bytes", "capacity_tokens", "kv_cache_bytes", "state_bytes",
@@ -224,6 +232,7 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     problems += rules.image_problems(facts)
     concurrent, workload_problems, workload_notes = rules.workload(facts, o["prompt_tokens"], o["output_tokens"],
                                                                    o["images"])
+    served = None if o["workload"] is None else _workload(o, info, m, facts, dtype, encoder, cache)
 
     return MemoryPlan(
         config_path=str(info.config_path), architecture=info.architecture, family=family.name, device=device,
@@ -251,7 +260,22 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
                                     m.max_position_embeddings, max_model_len),
         context_fits=context_fits(m.layout, blocks, args.block_size, args.max_num_batched_tokens,
                                   tuple(n for n in CONTEXT_LENGTHS if n <= m.max_position_embeddings)),
+        workload=served, at_once_by_length=tuple(at_once_curve(
+            min(args.max_num_seqs, cache.num_state_slots or args.max_num_seqs), blocks,
+            lambda n: cache.blocks_for(n), longest)),
         **{**cache_shares(m, cache, max_model_len), "cache_capacity_tokens": capacity})
+
+
+def _workload(o: dict, info, m, facts, dtype, encoder: int, cache):
+    """--workload FILE against the sized cache (plan/workload.py); images counted by the family's size rule."""
+    from vlm_sdk.plan.workload import plan_workload
+    from vlm_sdk.plan.workload_file import read_workload
+    from vlm_sdk.sampling_params import DEFAULT_MAX_TOKENS
+    tokens_for = m.image.tokens_for or (lambda w, h: m.image.tokens)  # no size rule: the largest allowed
+    requests = read_workload(o["workload"], tokens_for, o["output_tokens"] if o["output_tokens"] is not None else
+                             DEFAULT_MAX_TOKENS, info.config_path.parent)
+    per_token = m.hidden_size * torch.finfo(dtype).bits // 8  # one image token's embedding
+    return plan_workload(requests, facts, per_token, encoder, cache.fp8_blocks)
 
 
 def _settings(options: dict) -> tuple[dict, dict]:
@@ -266,6 +290,8 @@ def _settings(options: dict) -> tuple[dict, dict]:
         if o[name] is not None:  # checked by the declaring family's schema, under the plan option's name
             schema = next(s for s in fam.engine_settings if s.name == setting)
             dataclasses.replace(schema, name=name).check(o[name])
+    if o["workload"] is not None and not isinstance(o["workload"], (str, os.PathLike)):
+        raise InvalidRequestError(f"workload must be a file path, got {o['workload']!r}", param="workload")
     for name in ("tp", "prompt_tokens", "output_tokens", "images"):
         v = o[name]
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "tp" else 0)):

@@ -63,6 +63,9 @@ def format_plan(p: MemoryPlan) -> str:
         rows.append(("workload", f"{p.prompt_tokens or 0} text + {p.images or 0} image(s) + {p.output_tokens or 0} "
                      f"output = {p.request_tokens:,} tokens per request"))
         rows.append(("requests at once", f"{p.max_concurrent_requests} (max_num_seqs {p.max_num_seqs})"))
+    if p.workload is not None:
+        from vlm_sdk.plan.workload import workload_rows
+        rows += workload_rows(p.workload, _size)
     lines = [table(rows)] + _problem_lines("problems", p.problems)
     if p.notes:
         lines += _problem_lines("notes", p.notes)
@@ -79,6 +82,17 @@ def fits_with_lines(found) -> list[str]:
     return ["what would fit instead (each planned like this one):"] + [f"  - {a.text()}" for a in found]
 
 
+def write_pictures(result: MemoryPlan, html_path: str | None, svg_path: str | None) -> None:
+    """--html / --svg: the plan as a page or one SVG (plan/picture.py)."""
+    from pathlib import Path
+    from vlm_sdk.plan.picture import page, standalone_svg
+    d, curve = result.to_dict(), list(result.at_once_by_length)
+    if html_path:
+        Path(html_path).write_text(page(d, curve, f"vlm-sdk plan: {result.architecture} on {result.device}"))
+    if svg_path:
+        Path(svg_path).write_text(standalone_svg(d, curve))
+
+
 def run_plan(args) -> int:
     """Print the plan; exit status 0 when it has no problems, EXIT_PROBLEMS when it has (with, on a GPU,
     the settings that would fit: more ranks, an FP8 KV cache, a quantized checkpoint)."""
@@ -88,6 +102,7 @@ def run_plan(args) -> int:
     options = {k: getattr(args, k) for k in PLAN_OPTIONS}
     result = plan(model, **options)
     found = alternatives(model, options, result) if result.problems and result.device_memory_bytes else None
+    write_pictures(result, getattr(args, "html", None), getattr(args, "svg", None))
     if args.json:
         out = result.to_dict()
         if found is not None:

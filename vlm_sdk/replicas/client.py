@@ -68,6 +68,15 @@ class ReplicaSetLLM:
         except (RayTaskError, RayActorError) as e:
             _raise_cause(e, "prompt building")
 
+    async def render(self, request, params: SamplingParams | None = None, options=None, group: str | None = None):
+        """One replica's dry run (routed as build_prompt is): its cache, not the others'."""
+        self._check_open()
+        try:
+            return await self._handle.render.remote(request, params, options, group,
+                                                    routing_policy=self.routing.policy)
+        except (RayTaskError, RayActorError) as e:
+            _raise_cause(e, "render")
+
     async def generate(self, prompt, params: SamplingParams | None = None,
                        request_id: str | None = None, group: str | None = None) -> AsyncIterator:
         self._check_open()

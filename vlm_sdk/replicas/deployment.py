@@ -28,6 +28,9 @@ class EngineReplica:
     async def build_prompt(self, request, params=None, options=None, group=None, routing_policy=None):
         return await self.llm.build_prompt(request, params, options, group=group)
 
+    async def render(self, request, params=None, options=None, group=None, routing_policy=None):
+        return await self.llm.render(request, params, options, group=group)
+
     async def generate(self, prompt, params=None, request_id=None, group=None, routing_policy=None):
         async for out in self.llm.generate(prompt, params, request_id, group=group):
             yield out

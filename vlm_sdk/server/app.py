@@ -14,6 +14,8 @@
          server/response_body.py), or SSE chunks ending in [DONE]
     GET /v1/models, GET /health (503 once the engine stopped or shutdown began), GET /metrics
     POST /tokenize, POST /detokenize, GET /version: vLLM's (server/tokenize.py)
+    POST /v1/chat/completions/render, /v1/completions/render: vLLM's dry runs and the capacity answers
+      (server/render.py); GET /plan (the memory bar and live usage), /plan/live (server/plan_page.py)
 
 Below the app, server/connections.py answers aiohttp's own protocol errors in the same error shape
 and caps connections. The loop never runs model or image work. A client that goes away cancels its handler (aiohttp's
@@ -40,6 +42,8 @@ from vlm_sdk.server.logprobs import TokenSpeller
 from vlm_sdk.server.config import ServerConfig
 from vlm_sdk.server.media import MediaFetcher
 from vlm_sdk.server.media_uuids import MediaUUIDs
+from vlm_sdk.server.plan_page import PlanPage
+from vlm_sdk.server.render import RenderEndpoints
 from vlm_sdk.server.tokenize import TokenizeEndpoints
 from vlm_sdk.server.metrics import CONTENT_TYPE, ServerMetrics, Timing
 from vlm_sdk.server.protocol import USAGE, APIError
@@ -72,6 +76,12 @@ class OpenAIServer:
         self.app.router.add_post("/tokenize", self._tokenize.tokenize)
         self.app.router.add_post("/detokenize", self._tokenize.detokenize)
         self.app.router.add_get("/version", self._tokenize.version)
+        self._render = RenderEndpoints(self)  # vLLM's dry runs, with the capacity answers (server/render.py)
+        self.app.router.add_post("/v1/chat/completions/render", self._render.chat)
+        self.app.router.add_post("/v1/completions/render", self._render.completions)
+        self._plan = PlanPage(self)  # the running engine's plan with live usage (server/plan_page.py)
+        self.app.router.add_get("/plan", self._plan.page)
+        self.app.router.add_get("/plan/live", self._plan.live)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.prometheus)

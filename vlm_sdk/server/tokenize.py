@@ -3,7 +3,9 @@
     POST /tokenize    {"prompt": "..."} (tokenized as /v1/completions tokenizes a prompt) or {"messages":
                       [...], "tools", "chat_template_kwargs", ...} (the prompt a chat request would run:
                       template, images fetched and expanded to their tokens) -> {"count", "max_model_len",
-                      "tokens", "token_strs" (with "return_token_strs": true)}
+                      "tokens", "parts" (text tokens, each image's and each video's tokens, frames and grid,
+                      as the render endpoints count them: server/render.py), "token_strs" (with
+                      "return_token_strs": true)}
     POST /detokenize  {"tokens": [ids]} -> {"prompt": text} (special tokens kept, as vLLM decodes)
     GET  /version     {"version"}
 
@@ -19,10 +21,10 @@ import asyncio
 from aiohttp import web
 
 from vlm_sdk import __version__
-from vlm_sdk.chat_options import ToolLimits
 from vlm_sdk.multimodal.prompts import TextPrompt
 from vlm_sdk.server import protocol
 from vlm_sdk.server.protocol import bad_request, clip
+from vlm_sdk.server.render import parse_chat, too_long
 
 
 class TokenizeEndpoints:
@@ -56,18 +58,19 @@ class TokenizeEndpoints:
                 raise bad_request("'add_special_tokens' false is not supported here: a prompt is tokenized as "
                                   "/v1/completions tokenizes it (with the tokenizer's special tokens); leave it out",
                                   "add_special_tokens", "unsupported_parameter")
-            built = await server.engine.build_prompt(TextPrompt(prompt))
+            rendered = await server.engine.render(TextPrompt(prompt))
+            param = "prompt"
         else:
-            c, args = server.config, server.engine.args
-            req = protocol.parse_chat_request(
-                {**body, "model": server.model_name}, server.model_name, server.max_model_len, c.limit_images,
-                c.max_stop_strings, c.max_stop_chars, c.max_n, max_logit_bias=args.max_logit_bias,
-                max_stop_token_ids=args.max_stop_token_ids, limit_videos=c.limit_videos,
-                tool_limits=ToolLimits(args.max_tools, args.max_tool_bytes))
+            req = parse_chat(server, body)
             messages = await server.resolve_media(req.messages, req.options.cache_salt)
-            built = await server.engine.build_prompt(messages, None, req.options)
-        tokens = list(built.token_ids)
-        out = {"count": len(tokens), "max_model_len": server.max_model_len, "tokens": tokens}
+            rendered = await server.engine.render(messages, None, req.options)
+            param = "messages"
+        refusal = too_long(rendered, param)
+        if refusal is not None:
+            raise refusal
+        tokens = rendered.token_ids
+        out = {"count": len(tokens), "max_model_len": server.max_model_len, "tokens": tokens,
+               "parts": rendered.to_dict()["parts"]}
         if strs:
             out["token_strs"] = await asyncio.to_thread(self._convert, tokens)
         return web.json_response(out)

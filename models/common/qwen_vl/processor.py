@@ -22,7 +22,7 @@ from vlm_sdk.multimodal.image_key import image_key
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, refuse_placeholders
 from vlm_sdk.multimodal.messages import ImageRef, VideoRef, parse_messages
 from vlm_sdk.multimodal.video_io import open_video
-from vlm_sdk.models.base import PromptProcessor
+from vlm_sdk.models.base import MediaPart, PromptProcessor
 from vlm_sdk.models.common.qwen_vl.fixes import max_pixels_fix
 from vlm_sdk.models.common.qwen_vl.image_processor import QwenImage, Qwen2VLImageProcessor, max_image_grid
 from vlm_sdk.models.common.qwen_vl.rope_index import MRopePositions, VisionSpan, video_time_offsets, vision_positions
@@ -144,6 +144,23 @@ class QwenVLProcessor(PromptProcessor):
         videos = list({id(im.meta.video): im.meta.video for im in prompt.images if im.meta.video is not None}.values())
         other = len(prompt.token_ids) - sum(im.num_tokens for im in prompt.images if im.meta.video is not None)
         return video_fixes(videos, other, capacity, self.video_processor.factor)
+
+    def media_parts(self, prompt: PromptInputs) -> list[MediaPart]:
+        """Images one item each (grid (1, h, w)); a video's temporal patches one part, up to the patch that
+        ends its run (grid (patches, h, w), its frames temporal_patch_size per patch)."""
+        parts, run = [], []
+        for i, im in enumerate(prompt.images):
+            meta = im.meta
+            if meta.video is None and meta.frames == 1:
+                parts.append(MediaPart("image", (i,), 1, tuple(meta.grid_thw)))
+                continue
+            run.append(i)
+            if meta.ends_run:
+                first = prompt.images[run[0]].meta
+                parts.append(MediaPart("video", tuple(run), sum(prompt.images[j].meta.frames for j in run),
+                                       (len(run), first.grid_thw[1], first.grid_thw[2])))
+                run = []
+        return parts
 
     def place_patches(self, num_patches: int, sampling) -> list[tuple[int, bool]]:
         """Each temporal patch's (temporal offset, ends its run): one run per video, its patches

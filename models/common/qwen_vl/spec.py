@@ -78,7 +78,9 @@ class QwenVLSpec(FamilySpec):
 
         def candidates(limit: int) -> int | None:
             return largest_max_pixels(lambda v: at(v).tokens, limit, ip.min_pixels, factor, max_pixels)
-        return ImageLimits("max_pixels", at(max_pixels), at, candidates)
+        def tokens_for(width: int, height: int) -> int:  # the processor's resize of an image part without options
+            return ip.num_image_tokens(height, width, options.get("min_pixels"), max_pixels)
+        return ImageLimits("max_pixels", at(max_pixels), at, candidates, tokens_for)
 
     def video_item_tokens(self, preprocessor: Mapping[str, Any], hf_config: Any, model: Any) -> int:
         from vlm_sdk.models.common.qwen_vl.image_processor import max_image_grid

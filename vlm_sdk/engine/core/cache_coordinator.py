@@ -187,10 +187,15 @@ class CacheCoordinator:
         if self.aligned and end % size == 0 and end <= seq.num_tokens and len(seq.block_hashes) >= end // size:
             self._coming.add(seq.block_hashes[end // size - 1])
 
-    def _cached_prefix(self, seq: Sequence) -> tuple[int, int | None]:
+    def peek_hit(self, seq: Sequence) -> int:
+        """The blocks of `seq`'s cached prefix that `start` would reuse now: nothing taken, nothing counted
+        (the dry run, engine/render.py)."""
+        return self._cached_prefix(seq, count=False)[0]
+
+    def _cached_prefix(self, seq: Sequence, count: bool = True) -> tuple[int, int | None]:
         """(blocks of `seq`'s longest prefix every group serves, leaving its last token; the checkpoint
         slot to restore its state from, or None). None for a request that asks for its prompt's logprobs:
-        every prompt position must be computed."""
+        every prompt position must be computed. `count` False: the per-kind hit counters are left alone."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return 0, None
         size = self.block_size
@@ -201,9 +206,10 @@ class CacheCoordinator:
         managers = self.managers + ([self.state] if self.state is not None else [])
         if len(managers) == 1:
             k = managers[0].longest_hit(hashes, k)
-            self.kind_hit_tokens[managers[0].kind] += k * size
+            if count:
+                self.kind_hit_tokens[managers[0].kind] += k * size
             return k, None
-        for m in managers:  # what each kind alone would serve (the stats' per-kind hits)
+        for m in managers if count else ():  # what each kind alone would serve (the stats' per-kind hits)
             self.kind_hit_tokens[m.kind] += m.longest_hit(hashes, k) * size
         while True:  # each manager lowers the candidate to its longest hit at most that long
             before = k

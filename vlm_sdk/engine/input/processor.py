@@ -73,7 +73,7 @@ class InputProcessor:
 
     def build_prompt(self, request, params: SamplingParams | None = None,
                      cancelled: threading.Event | None = None, options: ChatOptions | None = None,
-                     compile_grammar: bool = True) -> PromptInputs:
+                     compile_grammar: bool = True, check_fit: bool = True) -> PromptInputs:
         """`request` as chat messages: validate them, decode and preprocess images, render the chat
         template and tokenize; `options` (tools, chat_template_kwargs, cache_salt) set the prompt's
         output format and grammar (engine/input/chat_setup.py). As a `TextPrompt` or `TokensPrompt` (no
@@ -84,7 +84,9 @@ class InputProcessor:
         yet raise `DecodeCancelled` instead (see `PromptGuard`). `params`' grammar is compiled first; the
         tools' schemas and the prompt's grammar (a forced call) only once the prompt is known to fit.
         `compile_grammar` False: the caller compiles the grammars (AsyncLLM awaits `params`' before, the
-        tools' check and the prompt's after)."""
+        tools' check and the prompt's after). `check_fit` False (the dry run, engine/render.py): a prompt
+        longer than max_model_len is returned, not refused (a text refused before it was tokenized whole still
+        raises `InputTooLongError`, and one image over max_model_len alone `InvalidImageError`, before resizing)."""
         t0 = time.perf_counter()
         params, options = params or SamplingParams(), options or NO_OPTIONS
         self.check_params(params)
@@ -106,7 +108,9 @@ class InputProcessor:
                 raise text_too_long(e.num_tokens, self.cache_config, self.scheduler_config,
                                     self.args.max_model_len is not None) from None
             prompt = PromptInputs(token_ids=[0] * e.num_tokens)  # what check_prompt counts
-        self.check_prompt(prompt, params)
+            check_fit = True  # no token ids to return: the refusal is the answer
+        if check_fit:
+            self.check_prompt(prompt, params)
         if not raw:
             self.chat.finish(prompt, options, params, compile_grammar)
         elif options.cache_salt is not None:  # no images to salt: the block hashes only
