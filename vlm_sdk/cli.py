@@ -211,7 +211,8 @@ def build_parser() -> tuple[Parser, dict[str, argparse.ArgumentParser]]:
     commands: dict[str, argparse.ArgumentParser] = {"chat": add_chat_parser(sub), "serve": add_serve_parser(sub),
                                                      "plan": add_plan_parser(sub)}
     bench = sub.add_parser("bench", help="our engine vs transformers generate on the same checkpoint (and the other "
-                           "benchmarks: --gpu, --multi-turn, --structured, --host-overhead, --sampler, --video)")
+                           "benchmarks: --gpu, --multi-turn, --structured, --host-overhead, --sampler, --video, "
+                           "--speculative)")
     add_bench_arguments(bench, FAMILIES)
     commands["bench"] = bench
     bench_serve = sub.add_parser("bench-serve", help="throughput and latency of a server over HTTP, vs the same "
@@ -270,7 +271,11 @@ def _bench(args, argv: list[str] | None) -> int:
         from vlm_sdk.bench.sampler import main as run_sampler_bench
         return run_sampler_bench(args)
     from vlm_sdk.bench import gpu as bench_gpu
-    from vlm_sdk.bench import host_overhead, prefix_cache, structured, video
+    from vlm_sdk.bench import host_overhead, prefix_cache, speculative, structured, video
+    if args.speculative is not None:
+        bench_gpu.reject_without_gpu(args)
+        return speculative.run_speculative(args)
+    speculative.reject_without_speculative(args)
     if args.video:
         bench_gpu.reject_without_gpu(args)
         return video.run_video(args)

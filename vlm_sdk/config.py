@@ -8,6 +8,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Collection, Mapping
 
 from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError
+from vlm_sdk.spec_config import SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
     import torch
@@ -213,6 +214,9 @@ class EngineArgs:
     # qwen3); "none": off
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # speculative decoding (vlm_sdk/spec_config.py): vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_min": 2, "prompt_lookup_max": 5}) or its JSON text; a SpeculativeConfig after construction
+    speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
 
     def __post_init__(self):
         """Resolve the two settings that have a user-facing spelling and a working value."""
@@ -231,6 +235,7 @@ class EngineArgs:
                                parse_bytes(self.max_video_bytes, "max_video_bytes", unit_required=True))
         if self.quant_policy is not None:
             object.__setattr__(self, "kv_cache_dtype", _kv_dtype_of_policy(self.quant_policy, self.kv_cache_dtype))
+        object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
         given = self.memory_utilization is not None
         object.__setattr__(self, "memory_utilization_given", given)
         if not given:
@@ -333,6 +338,8 @@ class EngineArgs:
         receive the args they run with."""
         state = {f.name: getattr(self, f.name) for f in fields(self)}
         state["mm_processor_kwargs"] = dict(self.mm_processor_kwargs)
+        if self.speculative_config is not None:
+            state["speculative_config"] = self.speculative_config.as_dict()
         if not self.memory_utilization_given:
             state["memory_utilization"] = None
         return _engine_args_from_state, (state,)
@@ -354,6 +361,13 @@ class EngineArgs:
     def resolve_async_scheduling(self, device: torch.device, tensor_parallel_size: int) -> bool:
         """Whether steps are scheduled asynchronously: `async_scheduling`, or by default on CUDA with one
         rank (on the CPU a step's work is done when it returns: there is nothing to overlap)."""
+        if self.speculative_config is not None:
+            if self.async_scheduling:
+                raise InvalidRequestError(
+                    "async_scheduling=True does not compose with speculative_config yet: a verification step's accepted "
+                    "tokens decide the next step's inputs, so it is read before the next is scheduled. Leave "
+                    "async_scheduling unset (or False) with speculative decoding", param="async_scheduling")
+            return False
         if self.async_scheduling is None:
             return device.type == "cuda" and tensor_parallel_size == 1
         if self.async_scheduling and tensor_parallel_size > 1:
@@ -489,6 +503,10 @@ def resolve_rank_config(args: EngineArgs) -> RankConfig:
     """Every default of `args` that depends on the device or the rank count, decided here and nowhere else."""
     device = args.resolve_device()
     size = args.tensor_parallel_size
+    if args.speculative_config is not None and size > 1:
+        raise InvalidRequestError(
+            f"speculative_config with tensor_parallel_size={size} is not built yet (the verification step runs on one "
+            f"rank today): set tensor_parallel_size=1, or leave speculative_config out", param="speculative_config")
     backend = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
     if args.small_m_gemm == "triton" and backend != "triton":
         raise InvalidRequestError(f"small_m_gemm='triton' needs the Triton kernel set, and attention_backend is "

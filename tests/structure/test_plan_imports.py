@@ -11,7 +11,7 @@ import sys
 
 # vlm_sdk's subpackages and modules the planner may load; the rest of vlm_sdk must stay unloaded
 ALLOWED = {"plan", "memory", "models", "layers", "attention", "kernels", "protocol", "multimodal", "config",
-           "sampling_params", "model_loader", "weight_loading", "errors"}
+           "sampling_params", "model_loader", "weight_loading", "spec_config", "errors"}
 NEVER = {"engine", "executor", "worker", "sample", "server", "replicas", "testing", "bench", "llm", "async_llm",
          "cli", "client", "demo_checkpoint"}
 

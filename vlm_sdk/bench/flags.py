@@ -60,7 +60,7 @@ def add_bench_arguments(bench: argparse.ArgumentParser, families: tuple[str, ...
     bench.add_argument("--enable-expert-parallel", action="store_true",
                        help="with --tensor-parallel-size: the ranks hold whole MoE experts (the engine's setting; "
                             "default off)")
-    for add in (_gpu, _multi_turn, _structured, _host_overhead, _sampler, _video):
+    for add in (_gpu, _multi_turn, _structured, _host_overhead, _sampler, _video, _speculative):
         add(bench)
 
 
@@ -126,6 +126,19 @@ def _structured(bench) -> None:
     g.add_argument("--so-requests", type=int, default=None, help="with --structured: requests per batch (default 32)")
     g.add_argument("--so-tokens", type=int, default=None, help="with --structured: tokens per request (default 64)")
     g.add_argument("--so-rounds", type=int, default=None, help="with --structured: rounds per workload (default 3)")
+
+
+def _speculative(bench) -> None:
+    g = bench.add_argument_group("speculative decoding vs without, in one run (vlm_sdk/bench/speculative.py)")
+    g.add_argument("--speculative", choices=("ngram", "eagle3", "mtp"), default=None, metavar="METHOD",
+                   help="time greedy decoding with speculative drafts of METHOD (ngram) against without, "
+                        "instead of the transformers comparison: tokens/s of each and the mean accepted length "
+                        "(default off)")
+    g.add_argument("--spec-tokens", type=int, default=None, help="with --speculative: draft tokens per step (default 4)")
+    g.add_argument("--spec-requests", type=int, default=None, help="with --speculative: requests at once (default 4)")
+    g.add_argument("--spec-max-tokens", type=int, default=None,
+                   help="with --speculative: tokens per request (default 64)")
+    g.add_argument("--spec-rounds", type=int, default=None, help="with --speculative: timed rounds each (default 3)")
 
 
 def _host_overhead(bench) -> None:

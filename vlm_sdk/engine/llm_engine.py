@@ -38,8 +38,9 @@ from vlm_sdk.engine.output.engine_output import EngineOutput
 from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_warning
 from vlm_sdk.engine.core.scheduler import ScheduledBatch, Scheduler
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
+from vlm_sdk.engine.core.spec_decode import SpecDecoder, append_verified, rollback, spec_masks
 from vlm_sdk.engine.input.processor import InputProcessor
-from vlm_sdk.engine.structured_output import Grammar, MaskFiller, accept
+from vlm_sdk.engine.structured_output import Grammar, MaskFiller, accept, fill_row
 from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.executor import make_executor
 from vlm_sdk.hub import resolve_model
@@ -52,6 +53,7 @@ from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.protocol.rank import RankLoad
 from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
 from vlm_sdk.sampling_params import SamplingParams
+from vlm_sdk.spec_config import check_speculation
 
 logger = logging.getLogger("vlm_sdk")
 
@@ -92,6 +94,8 @@ class LLMEngine:
                                piecewise_graphs=rc.piecewise_graphs)
         self.max_position_embeddings = memory.max_position_embeddings
         layout = memory.layout  # the model's cache groups (memory_inputs refused specs that cannot share a pool)
+        if args.speculative_config is not None:  # before any cache is sized: what cannot verify is refused first
+            check_speculation(args.speculative_config, layout.state_layers, family.display_name)
         # measured on CUDA even when the cache size is given: the report shows it
         profiles = executor.collective_rpc("profile_memory", largest_image, self.max_position_embeddings,
                                            memory.held_vision_tokens)
@@ -117,6 +121,8 @@ class LLMEngine:
                                       args.enable_prefix_caching, self.cache_config.num_state_slots,
                                       whole_images=family.whole_images)
         self.scheduler = Scheduler(self.scheduler_config, self.cache)
+        # speculative decoding (engine/core/spec_decode.py): drafts before each schedule, verified by the ranks
+        self.spec = SpecDecoder(args.speculative_config) if args.speculative_config is not None else None
         self.requests: dict[str, Sequence] = {}
         self._next_id = 0
         # running totals since start-up, for /metrics counters
@@ -203,6 +209,8 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         """schedule -> run -> postprocess: one output per request that sampled a token."""
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if batch.preempted:
             self._note_preemptions(len(batch.preempted))
@@ -221,6 +229,13 @@ class LLMEngine:
                                        seq.num_prompt_tokens else None) for seq, n in batch.scheduled
                                       if seq.matcher is not None
                                       and seq.num_computed_tokens + n == seq.num_tokens + seq.num_inflight])
+            if work.spec_token_ids:  # verifying rows: a mask per position, after the drafts before it
+                extra = spec_masks([(seq, seq.spec_token_ids) for seq, n in batch.scheduled
+                                    if seq.matcher is not None and seq.request_id in work.spec_token_ids],
+                                   self.inputs.vocab_size, fill_row)
+                if extra is not None:
+                    masks = extra if masks is None else type(masks)(
+                        masks.request_ids + extra.request_ids, torch.cat([masks.bitmask, extra.bitmask]))
             if masks is not None:
                 work = dataclasses.replace(work, grammar_bitmask=masks)
         read_now = self._launched(batch)
@@ -240,7 +255,8 @@ class LLMEngine:
         read_now = False
         for seq, n in batch.scheduled:
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens == len(seq.token_ids) + seq.num_inflight:  # the step samples its next token
+            # the step samples its next token (a verification step computes its drafts past it too)
+            if seq.num_computed_tokens >= len(seq.token_ids) + seq.num_inflight:
                 seq.num_inflight += 1
                 if seq.sync_sampling:
                     read_now = True
@@ -259,6 +275,7 @@ class LLMEngine:
         outputs = []
         now = time.monotonic()
         sampled, logprobs = result.sampled_token_ids, result.logprobs
+        verified, spec_logprobs = result.spec_token_ids, result.spec_logprobs
         if result.encoder_cache is not None:
             self._encoder_cache = result.encoder_cache
         for request_id, chunk in result.prompt_logprobs.items():
@@ -266,9 +283,15 @@ class LLMEngine:
             if seq is not None and len(seq.token_ids) == seq.num_prompt_tokens:  # sent once output began: kept
                 seq.prompt_logprobs.write(chunk.start, chunk.token_ids, chunk.logprobs, chunk.ranks)
         finished = SequenceStatus.FINISHED
+        generated = 0
         for seq, n in batch.scheduled:
             token = sampled.get(seq.request_id)
             if token is None:
+                if verified and seq.request_id in verified:
+                    out = self._append_verified(seq, verified[seq.request_id], spec_logprobs.get(seq.request_id), now)
+                    if out is not None:
+                        outputs.append(out)
+                        generated += len(out.new_token_ids)
                 continue
             seq.num_inflight -= 1
             if seq.status is finished:  # finished (or aborted) while this token was on its way: dropped
@@ -295,8 +318,26 @@ class LLMEngine:
             if num_output == 1 and seq.prompt_logprobs is not None:  # the whole prompt is computed by now
                 out.prompt_logprobs = seq.prompt_logprobs
             outputs.append(out)
-        self.totals["generation_tokens"] += len(outputs)
+            generated += 1
+        self.totals["generation_tokens"] += generated
         return outputs
+
+    def _append_verified(self, seq: Sequence, tokens: list[int], logprobs, now: float) -> EngineOutput | None:
+        """A verification step's tokens appended (`spec_decode.append_verified`), the request finished or its
+        rejected drafts rolled back. None when the request finished while they were on their way."""
+        seq.num_inflight -= 1
+        self.spec.note_verified(seq, len(tokens))
+        if seq.status is SequenceStatus.FINISHED:
+            return None
+        taken, reason = append_verified(seq, tokens, now)
+        if reason is not None:
+            self._finish(seq, reason, now)
+        else:
+            rollback(seq, self.cache, self.scheduler.truncated)
+        out = EngineOutput(seq.request_id, tokens[:taken], reason, seq.metrics, seq.num_output_tokens)
+        if logprobs is not None:
+            out.new_logprobs = logprobs[:taken]
+        return out
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         self.scheduler.finish(seq, reason)
@@ -347,7 +388,8 @@ class LLMEngine:
                 "encoder_cache_queries": enc.queries, "encoder_cache_bytes": enc.num_bytes,
                 "grammar_cache_bytes": self.inputs.grammars.cache_bytes,
                 "grammar_process_bytes": self.inputs.grammars.process_bytes(),
-                **{f"total_{k}": v for k, v in self.totals.items()}}
+                **{f"total_{k}": v for k, v in self.totals.items()},
+                **(self.spec.stats() if self.spec is not None else {})}
 
 
 

@@ -86,11 +86,12 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
                      "as {\"width\", \"height\"} or file / data: URLs, read to their header only; \"prompt_tokens\" per "
                      "line, else counted by the checkpoint's tokenizer) or {\"histogram\": {...}} of prompt_tokens, "
                      "output_tokens, images and image_sizes; reports the share that fits, requests at once at "
-                     "p50/p95/p99, what binds and the settings that serve 99%% (plan/workload_file.py)")
+                     "p50/p95/p99, what binds and the settings that serve 99%% (plan/workload_file.py; default: none, one "
+                     "request of the planned shape)")
     cmd.add_argument("--html", metavar="FILE", help="also write the plan as a self-contained page: the device's "
                      "memory as a stacked bar, requests at once against context length, and the workload against "
-                     "capacity (plan/picture.py)")
-    cmd.add_argument("--svg", metavar="FILE", help="also write the same pictures as one SVG file")
+                     "capacity (plan/picture.py; default: none written)")
+    cmd.add_argument("--svg", metavar="FILE", help="also write the same pictures as one SVG file (default: none written)")
     cmd.add_argument("--dtype", help="weights and KV cache dtype: bfloat16 / float16 / float32 (default bfloat16 on "
                      "a GPU, float32 on the CPU, as the engine)")
     cmd.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="the KV cache's dtype: auto (the model's, the "
@@ -100,5 +101,8 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
                      "--kv-cache-dtype: 8 is int8, 4 int4, 0 auto (default: not given)")
     cmd.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory", type=lambda t: f"{t}B" if t.isdigit() else t,
                      metavar="BYTES", help="vLLM's name of --kv-cache-memory: a bare number is bytes (default: not set)")
+    cmd.add_argument("--speculative-config", help="speculative decoding as the engine's JSON, e.g. '{\"method\": "
+                     "\"ngram\", \"num_speculative_tokens\": 4}': the verification step's 1 + k logits rows per "
+                     "sequence are counted (default off)")
     cmd.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     return cmd

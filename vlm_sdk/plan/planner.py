@@ -50,6 +50,7 @@ from typing import Any, Mapping
 
 import torch
 
+from vlm_sdk.spec_config import check_speculation
 from vlm_sdk.config import DTYPES, EngineArgs, ParallelConfig
 from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError, format_size
 from vlm_sdk.models.parallel_split import check_tensor_parallel_size
@@ -74,7 +75,7 @@ __all__ = ["MemoryPlan", "PLAN_OPTIONS", "Problem", "plan"]
 _ENGINE_OPTIONS = ("memory_utilization", "kv_cache_memory", "num_blocks", "dtype", "block_size", "max_model_len",
                    "max_num_seqs", "max_num_batched_tokens", "shard_vision", "enable_expert_parallel",
                    "encoder_cache_memory", "num_state_slots", "enable_prefix_caching", "model_family",
-                   "enforce_eager", "piecewise_cuda_graphs", "kv_cache_dtype", "quant_policy")
+                   "enforce_eager", "piecewise_cuda_graphs", "kv_cache_dtype", "quant_policy", "speculative_config")
 # each registered family's image option (`FamilySpec.plan_setting`)
 FAMILY_OPTIONS = tuple(registry.plan_settings())
 PLAN_OPTIONS = ("device_memory", "device", "host_memory", *_ENGINE_OPTIONS, *FAMILY_OPTIONS, "tp",
@@ -205,6 +206,8 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     graphs = on_gpu and not args.enforce_eager
     m = memory_inputs(family, info, args, model, dtype, tp, on_gpu=on_gpu, decode_graphs=graphs,
                       piecewise_graphs=graphs and args.piecewise_cuda_graphs)
+    if args.speculative_config is not None:  # the engine's refusal, before anything is sized
+        check_speculation(args.speculative_config, m.layout.state_layers, family.display_name)
     parts = breakdown(m)  # every consumer estimated
     per_block = m.layout.block_bytes(args.block_size)  # the engine's: worker.py reports the same
     weights, peak, encoder = m.weights, parts.activation_bytes, parts.bytes_of("encoder_cache")

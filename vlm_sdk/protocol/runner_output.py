@@ -45,6 +45,10 @@ class ModelRunnerOutput:
     # request id -> the prompt logprobs this step computed (SamplingParams.prompt_logprobs; any step with
     # prompt tokens of such a request, sampling or not)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    # speculative decoding: request id -> the tokens its verification step yields (the accepted drafts, then
+    # the correction at the first rejection or the bonus token); such a request is not in sampled_token_ids
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # one per token, when asked for
 
 
 class PendingOutput(ABC):

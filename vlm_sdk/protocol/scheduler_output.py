@@ -76,6 +76,11 @@ class SchedulerOutput:
     grammar_bitmask: GrammarBitmask | None = None  # masks of the constrained requests that sample now
     state_restores: tuple[tuple[int, int], ...] = ()  # (checkpoint slot, live slot): copied before the forward
     state_checkpoints: tuple[tuple[int, int], ...] = ()  # (live slot, checkpoint slot): copied after it
+    # speculative decoding: request id -> the draft tokens it verifies this step (its scheduled count is
+    # 1 + their number: its last token, then these); request id -> the blocks it keeps per group after a
+    # verification rejected drafts (the tables cut there before this step's new blocks are appended)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    truncated_blocks: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

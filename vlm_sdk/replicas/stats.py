@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 # the same on every replica (the same model and cache settings): the smallest is reported, not a sum
-_SHARED = ("kv_block_size", "max_model_len", "kv_bytes_per_block")
+_SHARED = ("kv_block_size", "max_model_len", "kv_bytes_per_block", "spec_num_speculative_tokens")
 
 
 class StatsBoard:
@@ -44,5 +44,9 @@ def combine(per_replica: dict[str, dict]) -> dict:
                 total[key] = min(total.get(key, value), value)
             elif isinstance(value, (int, float)):
                 total[key] = total.get(key, 0) + value
+    if "spec_verify_steps" in total:  # speculative decoding's ratios: of the sums, not a sum of ratios
+        d, a, r = total["spec_draft_tokens"], total["spec_accepted_tokens"], total["spec_verify_steps"]
+        total["spec_acceptance_rate"] = a / d if d else 0.0
+        total["spec_mean_accepted_length"] = 1 + a / r if r else 0.0
     total.update(num_replicas=len(per_replica), replicas=dict(per_replica))
     return total

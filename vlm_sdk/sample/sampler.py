@@ -89,14 +89,7 @@ class Sampler:
         seeds = [params[i].seed for i in rows]
         if draws is None:
             draws = [len(h[0]) - h[1] for h in histories] if histories is not None else [0] * len(params)
-        row_draws = [draws[i] for i in rows]
-        # the exponential race: argmax p/q with q ~ Exp(1) draws exactly from p
-        if self.race_kernel or (self.race_kernel is None and dev.type == "cuda"):
-            from vlm_sdk.kernels.exponential_race import exponential_race  # Triton: imported where used
-            sampled = exponential_race(probs, self._race_keys(seeds, row_draws, dev))  # [len(rows)]
-        else:
-            q = self._exponentials(probs.shape, seeds, row_draws, dev)  # [len(rows), vocab]
-            sampled = torch.div(probs, q, out=q).argmax(dim=-1)  # [len(rows)]
+        sampled = self.draw(probs, seeds, [draws[i] for i in rows])  # [len(rows)]
         if every:
             tokens = sampled
         else:
@@ -111,6 +104,18 @@ class Sampler:
                 src = to_device([pos[want[k]] for k in drawn], torch.long, dev)
                 logprobs[to_device(drawn, torch.long, dev)] = probs[src].log_()  # a gathered copy: log in place
         return SampledTokens.gather(tokens, logprobs, want, params)
+
+    def draw(self, probs: torch.Tensor,  # [rows, vocab] float32, each row's weights (need not sum to 1)
+             seeds: list[int | None], draws: list[int]) -> torch.Tensor:  # [rows] int64
+        """One token per row drawn in proportion to its weights, by the exponential race (argmax p/q with
+        q ~ Exp(1) draws exactly from p): a seeded row's draw `draws[j]` is keyed (seed, draw), so the
+        same row and index draw the same token whatever the batch."""
+        dev = probs.device
+        if self.race_kernel or (self.race_kernel is None and dev.type == "cuda"):
+            from vlm_sdk.kernels.exponential_race import exponential_race  # Triton: imported where used
+            return exponential_race(probs, self._race_keys(seeds, draws, dev))
+        q = self._exponentials(probs.shape, seeds, draws, dev)  # [rows, vocab]
+        return torch.div(probs, q, out=q).argmax(dim=-1)
 
     def _race_keys(self, seeds: list[int | None], draws: list[int], device: torch.device) -> torch.Tensor:
         """[rows] int64 Philox keys of the race kernel: a seeded row's is `draw_seed(seed, draw)`

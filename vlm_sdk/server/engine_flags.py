@@ -101,10 +101,13 @@ ENGINE_HELP = {
     "max_tool_bytes": "bytes of a request's tools together as JSON: names, descriptions, parameter schemas "
                       "(default 1048576)",
     "tool_call_parser": "how tool calls are read from the output: 'hermes' (<tool_call> JSON), 'qwen3_coder' "
-                        "or 'qwen3_xml' (<tool_call><function=...><parameter=...> XML, Qwen3.5's) or 'none' "
+                        "or 'qwen3_xml' (<tool_call><function=...><parameter=...> XML) or 'none' "
                         "(default: from the chat template)",
     "reasoning_parser": "how reasoning is split from the answer: 'qwen3' or 'deepseek_r1' (<think> blocks) or "
                         "'none' (default: 'qwen3' when the chat template has a <think> block)",
+    "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                          "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' (drafts looked up in the request's "
+                          "prompt and output, verified in one step; default off)",
     "allow_special_tokens_in_text": "read special tokens written in message text (<|im_end|>, ...) as control tokens; "
                                     "by default (off) they are plain text, so a user cannot forge another role's turn",
 }
@@ -116,7 +119,8 @@ GROUPS = (
                                      "max_num_seqs", "max_num_batched_tokens", "num_state_slots", "allow_unfit_images",
                                      "preemption_warning_per_minute")),
     ("engine: model and device", ("revision", "model_family", "dtype", "device", "seed", "attention_backend", "small_m_gemm",
-                                  "enforce_eager", "piecewise_cuda_graphs", "async_scheduling")),
+                                  "enforce_eager", "piecewise_cuda_graphs", "async_scheduling",
+                                  "speculative_config")),
     ("engine: parallelism", ("tensor_parallel_size", "enable_expert_parallel", "shard_vision",
                              "distributed_executor_backend", "ray_placement_strategy", "distributed_timeout")),
     ("engine: images and video", ("max_image_pixels", "max_request_image_pixels", "max_video_bytes",
@@ -134,7 +138,7 @@ _SWITCHES = {"async_scheduling"}  # on/off switches whose default (None) means "
 _FLAG_TYPES = {"revision": str, "model_family": str, "dtype": str, "device": str, "attention_backend": str, "kv_cache_memory": str,
                "encoder_cache_memory": str, "memory_utilization": float, "max_grammar_memory": str,
                "grammar_cache_memory": str, "tool_call_parser": str, "reasoning_parser": str,
-               "max_video_bytes": str, "distributed_executor_backend": str}
+               "max_video_bytes": str, "distributed_executor_backend": str, "speculative_config": str}
 _NOT_FLAGS = ("show_progress", "mm_processor_kwargs")  # the latter: one flag per family setting (and vLLM's JSON)
 
 

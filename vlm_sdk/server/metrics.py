@@ -73,6 +73,17 @@ class _EngineCollector:
                     "bytes (bounded by grammar_cache_memory)", s["grammar_cache_bytes"])
         yield gauge("grammar_process_resident_bytes", "resident memory of the grammar processes, where grammars are "
                     "first compiled (not in process_resident_memory_bytes)", s["grammar_process_bytes"])
+        if "spec_draft_tokens" in s:  # speculative decoding (vLLM's spec_decode_* counters; rate = accepted / drafts)
+            yield counter("spec_decode_num_drafts", "verifications: (request, step) pairs that verified drafts",
+                          s["spec_verify_steps"])
+            yield counter("spec_decode_num_draft_tokens", "draft tokens verified", s["spec_draft_tokens"])
+            yield counter("spec_decode_num_accepted_tokens", "draft tokens the target accepted",
+                          s["spec_accepted_tokens"])
+            yield counter("spec_decode_draft_seconds", "seconds spent proposing drafts", s["spec_draft_seconds"])
+            yield gauge("spec_decode_acceptance_rate", "accepted / draft tokens since start-up",
+                        s["spec_acceptance_rate"])
+            yield gauge("spec_decode_mean_accepted_length", "tokens per verification (accepted drafts + the one "
+                        "every verification yields) since start-up", s["spec_mean_accepted_length"])
         if "replicas" in s:  # data-parallel replicas (vlm_sdk.replicas): the figures above are sums
             yield from _per_replica(s["replicas"], self._model)
 

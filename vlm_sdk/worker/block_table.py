@@ -82,6 +82,11 @@ class BlockTables:
             self._write(g, row, start, np.asarray(ids, dtype=np.int32))
         self.num_blocks[row] = start + n
 
+    def truncate(self, row: int, keep: int) -> None:
+        """Row `row` holds its first `keep` blocks only (speculative decoding's rollback); the entries past
+        them are stale until the next `append` overwrites them, and never read (lengths bound every read)."""
+        self.num_blocks[row] = min(int(self.num_blocks[row]), keep)
+
     def remove(self, row: int) -> None:
         self.free_rows.append(row)  # its entries stay until the next occupant overwrites them
 

@@ -23,6 +23,7 @@ embeddings of the same key (the cache's, or the vision tower's again), never fro
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +47,9 @@ from vlm_sdk.worker.pending_output import DevicePendingOutput
 from vlm_sdk.worker.prompt_logprobs import prompt_logprobs
 from vlm_sdk.worker.request_state import RequestState
 from vlm_sdk.sample.sampled_tokens import SampledTokens
+from vlm_sdk.sample.rejection_sampler import RejectionSampler
 from vlm_sdk.sample.sampler import Sampler
+from vlm_sdk.worker.spec_verify import plain_masks, verify_drafts
 from vlm_sdk.worker.step_images import drop_passed_images, encode_images, step_images
 from vlm_sdk.sample.token_mask import apply_token_bitmask
 
@@ -82,6 +85,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.sampler = Sampler(seed)
+        self.rejection = RejectionSampler(self.sampler)  # speculative decoding's verification (worker/spec_verify.py)
+        self._spec: dict[str, list[int]] = {}  # this step's drafts per request (SchedulerOutput.spec_token_ids)
         self.samples = samples
         self.requests: dict[str, RequestState] = {}
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
@@ -129,6 +134,13 @@ class ModelRunner:
         if sched.finished_request_ids or sched.preempted_request_ids:
             for rid in sched.finished_request_ids | sched.preempted_request_ids:
                 self._release(rid)
+        for rid, keep in sched.truncated_blocks.items():  # a verification's rejected drafts: their blocks went back
+            state = self.requests.get(rid)
+            if state is not None:
+                for held in state.block_ids:
+                    del held[keep:]
+                self.tables.truncate(state.row, keep)
+        self._spec = sched.spec_token_ids
         behind = 0
         for new in sched.new_requests:
             self._release(new.request_id)
@@ -201,6 +213,7 @@ class ModelRunner:
         if sched.state_restores:  # checkpoints into the live slots of requests resuming from them
             self._copy_states(sched.state_restores)
         encoder = None  # the encoder cache's counters, when this step's vision stage ran
+        spec_out = None  # a verification's (tokens, logprobs) per request (worker/spec_verify.py)
         prompt_lp = None  # the prompt logprobs this step computed (worker/prompt_logprobs.py)
         if self.graphs is not None and self._num_behind == 0 and self.graphs.covers(len(scheduled)) \
                 and sched.total_num_scheduled_tokens == len(scheduled):  # one token each, every one the last
@@ -225,12 +238,20 @@ class ModelRunner:
             drop_passed_images(scheduled)
             if self._prompt_logprobs_held:  # every rank: the logits' gather is a collective
                 prompt_lp = prompt_logprobs(self.model, scheduled, hidden, step.q_start)
-            sample_idx = step.sample_idx
+            sample_idx, sample_rows = step.sample_idx, step.sample_rows
+            if sched.spec_token_ids and self.samples:  # drafts verified at every one of their positions
+                *spec_out, verified = verify_drafts(self.model, self.rejection, scheduled, step.q_start, hidden,
+                                                    sched.spec_token_ids, sched.grammar_bitmask)
+                keep = [j for j, i in enumerate(sample_idx) if i not in verified]
+                sample_idx = [sample_idx[j] for j in keep]
+                sample_rows = sample_rows[torch.tensor(keep, dtype=torch.long, device=sample_rows.device)]
+                sched = dataclasses.replace(sched, grammar_bitmask=plain_masks(sched.grammar_bitmask,
+                                                                               sched.spec_token_ids))
             if not sample_idx:
                 self._last_rows = {}
                 return DevicePendingOutput([], None, self.device, encoder,  # its event: the step's buffers free again
-                                           prompt_lp if self.samples else None)
-            logits = self.model.compute_logits(hidden[step.sample_rows])  # [num_sampled, vocab]
+                                           prompt_lp if self.samples else None, spec_out)
+            logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampled, vocab]
         if not self.samples:
             return Ready(ModelRunnerOutput())
         states = [scheduled[i][0] for i in sample_idx]
@@ -250,7 +271,7 @@ class ModelRunner:
                                                 may_draw=bool(draws_at_random))
         if self.keep_sampled:
             self._keep(states, sampled.tokens)
-        return DevicePendingOutput([s.request_id for s in states], sampled, self.device, encoder, prompt_lp)
+        return DevicePendingOutput([s.request_id for s in states], sampled, self.device, encoder, prompt_lp, spec_out)
 
     def _greedy_from_graph(self, states: list[RequestState]) -> PendingOutput:
         """Every held request is greedy without edits, logprobs or a grammar: the graph's argmax, already
@@ -306,6 +327,7 @@ class ModelRunner:
         batch = len(scheduled)
         ids, rows, starts, counts, known, slow = [], [], [], [], [], []
         fill_at, fill_src = [], []  # tokens still on the device: their index in the step, their source row
+        spec = self._spec
         for i, (s, n) in enumerate(scheduled):
             start = s.num_computed_tokens
             if n == 1:
@@ -317,6 +339,8 @@ class ModelRunner:
                     ids.append(0)
             else:
                 ids.extend(s.token_ids[start:start + n])
+                if spec and s.request_id in spec:  # its last token, then the drafts it verifies
+                    ids.extend(spec[s.request_id])
             rows.append(s.row)
             starts.append(start)
             counts.append(n)

@@ -18,13 +18,15 @@ from vlm_sdk.sample.sampled_tokens import SampledTokens
 class DevicePendingOutput(PendingOutput):
     def __init__(self, request_ids: list[str], sampled: SampledTokens | None, device: torch.device,
                  encoder_cache: EncoderCacheStats | None = None,
-                 prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None):
+                 prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None, spec: tuple[dict, dict] | None = None):
         """`request_ids`: the sampled rows' requests, in row order. Queues the host copies and records
         the step's event (CUDA). `encoder_cache`: the counters after this step's vision stage;
-        `prompt_logprobs`: the step's, already on the host."""
+        `prompt_logprobs`: the step's, already on the host. `spec`: the verification step's tokens and logprobs
+        per request (already on the host: its acceptances were read to decide them)."""
         self._request_ids, self._sampled, self._output = request_ids, sampled, None
         self._encoder_cache = encoder_cache
         self._prompt_logprobs = prompt_logprobs or {}
+        self._spec = spec or ({}, {})
         self._event = None
         if sampled is not None:
             sampled.start_copy()
@@ -39,11 +41,12 @@ class DevicePendingOutput(PendingOutput):
                 self._event.synchronize()
             if self._sampled is None:
                 self._output = ModelRunnerOutput(encoder_cache=self._encoder_cache,
-                                                 prompt_logprobs=self._prompt_logprobs)
+                                                 prompt_logprobs=self._prompt_logprobs, spec_token_ids=self._spec[0],
+                                                 spec_logprobs=self._spec[1])
             else:
                 tokens, logprobs = self._sampled.lists()
                 ids = self._request_ids
                 self._output = ModelRunnerOutput(dict(zip(ids, tokens)),
                                                  {r: lp for r, lp in zip(ids, logprobs) if lp is not None},
-                                                 self._encoder_cache, self._prompt_logprobs)
+                                                 self._encoder_cache, self._prompt_logprobs, *self._spec)
         return self._output

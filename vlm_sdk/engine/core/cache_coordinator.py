@@ -239,6 +239,14 @@ class CacheCoordinator:
                     cache(blocks[i], hashes[i], g)
         seq.num_cached_blocks = max(seq.num_cached_blocks, hashed)
 
+    def truncate(self, seq: Sequence, keep: int) -> None:
+        """Return `seq`'s blocks past its first `keep` in every group (speculative decoding's rollback:
+        they hold only rejected drafts' KV, never a cached block), last first."""
+        release = self.pool.release
+        for blocks in seq.block_ids:
+            release(b for b in reversed(blocks[keep:]) if b != NULL_BLOCK)
+            del blocks[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Return every block and the state slot of `seq` (finished, aborted or preempted)."""
         release = self.pool.release

@@ -24,6 +24,12 @@ Asynchronous scheduling: a sequence whose last sampled token is still on the dev
 asks for that token too, and is left out when that token is certain to be its last (max_tokens or
 max_model_len reached); a waiting sequence is admitted only once its tokens have all arrived.
 
+Speculative decoding: a decoding sequence with drafts (`Sequence.spec_token_ids`, proposed by the engine
+before the schedule) asks for its last token and its drafts when the budget and free blocks hold them, and
+drops its drafts otherwise (`spec_decode.spec_tokens`): drafts never preempt anyone. After its step the
+engine rolls back what was rejected (`spec_decode.rollback`), and the blocks it kept reach the worker as
+`SchedulerOutput.truncated_blocks` (`truncated`).
+
 `schedule()` decides on live `Sequence`s (`ScheduledBatch`); `worker_input(batch)` turns the decision
 into the worker's plain `SchedulerOutput`: a `NewRequestData` for a sequence the worker does not hold
 (first scheduled, or resumed after a preemption), a `CachedRequestData` with only what changed for
@@ -36,6 +42,7 @@ from dataclasses import dataclass, field
 from vlm_sdk.config import SchedulerConfig
 from vlm_sdk.engine.core.cache_coordinator import NO_COPIES, CacheCoordinator
 from vlm_sdk.engine.core.sequence import Sequence, SequenceStatus
+from vlm_sdk.engine.core.spec_decode import spec_tokens
 from vlm_sdk.engine.core.waiting_queue import FairWaitingQueue
 from vlm_sdk.protocol.scheduler_output import NO_IDS, CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -56,6 +63,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._worker_finished: set[str] = set()  # held by the worker, finished since the last step
+        self.truncated: dict[Sequence, int] = {}  # speculative decoding's rollbacks since: sequence -> blocks kept
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -79,6 +87,8 @@ class Scheduler:
             n = min(len(seq.token_ids) + seq.num_inflight - seq.num_computed_tokens, budget)
             if seq.num_inflight and len(seq.token_ids) + seq.num_inflight >= seq.length_limit:
                 continue  # the token on its way is its last (max_tokens or max_model_len): nothing to compute
+            if seq.spec_token_ids:  # speculative decoding: its last token and its drafts, or its drafts dropped
+                n = spec_tokens(seq, n, budget, self.cache)
             if aligned and n > 1:  # a prefill chunk ends on a block boundary: its state can be checkpointed
                 n = self.cache.align(seq, seq.num_computed_tokens, n)
             if whole_images and seq.num_computed_tokens < seq.num_prompt_tokens:
@@ -125,6 +135,8 @@ class Scheduler:
         self.running.remove(seq)
         self.cache.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
+        self.truncated.pop(seq, None)  # resent whole when it resumes
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -137,6 +149,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.cache.free(seq)
+        self.truncated.pop(seq, None)
         if seq.in_worker:
             seq.in_worker = False
             self._worker_finished.add(seq.request_id)
@@ -149,7 +162,7 @@ class Scheduler:
 
     def worker_input(self, batch: ScheduledBatch) -> SchedulerOutput:
         """The plain data the worker needs for `batch` (see the module docstring)."""
-        new, cached, counts = [], [], {}
+        new, cached, counts, spec = [], [], {}, {}
         preempted = set()
         for seq in batch.preempted:
             if seq.in_worker:
@@ -157,6 +170,8 @@ class Scheduler:
                 preempted.add(seq.request_id)
         for seq, n in batch.scheduled:
             counts[seq.request_id] = n
+            if seq.spec_token_ids:
+                spec[seq.request_id] = list(seq.spec_token_ids)
             blocks = seq.block_ids  # per attention group, every list as long as the first
             num_blocks, num_tokens = len(blocks[0]), len(seq.token_ids)
             if not seq.in_worker:
@@ -174,5 +189,11 @@ class Scheduler:
                     else NO_IDS))
             seq.num_blocks_sent, seq.num_tokens_sent = num_blocks, num_tokens
         finished, self._worker_finished = frozenset(self._worker_finished), set()
+        truncated = {}
+        if self.truncated:  # cut before this step's blocks are appended; a sequence resent whole needs none
+            truncated = {s.request_id: k for s, k in self.truncated.items() if s.in_worker and s.request_id not in
+                         preempted and s.request_id not in finished}
+            self.truncated = {}
         return SchedulerOutput(new, cached, counts, finished, frozenset(preempted),
-                               state_restores=batch.state_restores, state_checkpoints=batch.state_checkpoints)
+                               state_restores=batch.state_restores, state_checkpoints=batch.state_checkpoints,
+                               spec_token_ids=spec, truncated_blocks=truncated)

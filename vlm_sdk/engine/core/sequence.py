@@ -65,6 +65,8 @@ class Sequence:
         # a step that samples it must be read at once (its grammar or penalties need its every token)
         self.num_inflight = 0
         self.sync_sampling = False
+        # speculative decoding (engine/core/spec_decode.py): the drafts this step verifies
+        self.spec_token_ids: list[int] = []
         # the tokens that finish it as "stop" (set by the engine: it knows the EOS ids), and the length at
         # which it finishes as "length" (max_tokens here; the engine caps it at max_model_len)
         self.stop_ids: frozenset[int] = frozenset()

@@ -92,6 +92,7 @@ class RequestOutputState:
         reason = out.finish_reason
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        dropped = 0  # tokens after a stop string (a speculative step yields several at once): not the output's
         for k, token in enumerate(out.new_token_ids):
             self.token_ids.append(token)
             if self.logprobs is not None and out.new_logprobs:
@@ -99,9 +100,10 @@ class RequestOutputState:
             if self._stopped_by(detok.add(token)):
                 self.finished_by_stop_string = out.finish_reason is None
                 reason = "stop"
+                dropped = len(out.new_token_ids) - k - 1
                 break
         metrics = out.metrics.snapshot()  # the engine's, as of this output (it moves on: EngineOutput)
-        metrics.generated_tokens = out.num_generated
+        metrics.generated_tokens = out.num_generated - dropped
         if out.finish_reason is None:
             metrics.finished_time = None  # it may have finished at a later step already
         if reason is None:

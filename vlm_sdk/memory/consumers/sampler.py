@@ -29,5 +29,14 @@ class Sampler(MemoryConsumer):
 
 
 def rows_bytes(m: MemoryInputs) -> int:
-    """The logits and the sampler's temporaries at max_num_seqs rows."""
-    return m.args.max_num_seqs * m.vocab_size * (LOGITS_BYTES_PER_ENTRY + WORST_BYTES_PER_ENTRY)
+    """The logits and the sampler's temporaries at max_num_seqs rows. Speculative decoding: a verification
+    scores 1 + k rows per sequence (within the step's token budget), their float32 logits all at once, and
+    draws one request's rows at a time (worker/spec_verify.py), before the plain rows' logits exist."""
+    per_entry = LOGITS_BYTES_PER_ENTRY + WORST_BYTES_PER_ENTRY
+    plain = m.args.max_num_seqs * m.vocab_size * per_entry
+    spec = m.args.speculative_config
+    if spec is None:
+        return plain
+    k1 = 1 + spec.num_speculative_tokens
+    rows = min(m.args.max_num_seqs * k1, m.args.max_num_batched_tokens)
+    return max(plain, rows * m.vocab_size * LOGITS_BYTES_PER_ENTRY + k1 * m.vocab_size * WORST_BYTES_PER_ENTRY)
