@@ -16,7 +16,9 @@ its image in the chunk), the window's lower bound kept (transformers' AND(window
 An FP8 cache (`kv_quant.KV_FP8`) holds K / k_scale and V / v_scale (`kv_quant.quantize`); every path
 reads what the cache holds (`kv_quant.dequantize`), the whole-prompt path included (its K/V round-trip
 through FP8 without the gather), so the torch backend attends over exactly the values the Triton
-kernels read.
+kernels read. An int8 / int4 cache (`k_sz` / `v_sz`: each token's and head's scale and zero, beside
+uint8 code pages: kernels/kv_int.py) is read the same way: gathered codes and their (scale, zero) rows,
+dequantized; the whole-prompt path round-trips its K/V through the same quantization.
 """
 from __future__ import annotations
 
@@ -25,28 +27,48 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vlm_sdk.kernels import kv_quant
+from vlm_sdk.kernels import kv_int, kv_quant
 
 
 def write_kv_cache(k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
                    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-                   k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+                   k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim (int4: / 2)]
                    v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor,  # [num_tokens]
                    k_scale: torch.Tensor | None = None,  # [] float32: an FP8 cache's scales
-                   v_scale: torch.Tensor | None = None) -> None:
+                   v_scale: torch.Tensor | None = None,
+                   k_sz: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv, 2] float32: an int cache's
+                   v_sz: torch.Tensor | None = None) -> None:
+    bits = kv_int.bits_of(k_cache, k_sz, k.shape[-1])
+    if bits:
+        kv_int.write_slots(k_cache, k_sz, slot_mapping, k, bits)
+        kv_int.write_slots(v_cache, v_sz, slot_mapping, v, bits)
+        return
     kv_quant.write_slots(k_cache, slot_mapping, kv_quant.quantize(k, k_scale, k_cache.dtype))
     kv_quant.write_slots(v_cache, slot_mapping, kv_quant.quantize(v, v_scale, v_cache.dtype))
 
 
+def read_rows(rows: torch.Tensor,  # [..., Hkv, D or D/2]: gathered cache rows
+              scale: torch.Tensor | None,  # an FP8 cache's
+              sz: torch.Tensor | None,  # [..., Hkv, 2]: an int cache's (scale, zero) of the same rows
+              bits: int, dtype: torch.dtype) -> torch.Tensor:  # [..., Hkv, D]
+    """Gathered cache rows as `dtype` values, whatever the cache holds."""
+    if bits:
+        return kv_int.dequantize(rows, sz, bits, dtype)
+    return kv_quant.dequantize(rows, scale, dtype)
+
+
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, scale: torch.Tensor | None,
-            dtype: torch.dtype, first_block: int = 0) -> torch.Tensor:
+            dtype: torch.dtype, first_block: int = 0, sz: torch.Tensor | None = None,
+            bits: int = 0) -> torch.Tensor:
     """Keys (or values) first_block * block_size .. length - 1 of one sequence: [length - first, Hkv, D]."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    blocks = cache[block_table[first_block:num_blocks].long()]  # [nb, block_size, Hkv, D]
-    rows = blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length - first_block * block_size]  # [keys, Hkv, D]
-    return kv_quant.dequantize(rows, scale, dtype)
+    ids = block_table[first_block:num_blocks].long()
+    keys = length - first_block * block_size
+    rows = cache[ids].reshape(-1, cache.shape[2], cache.shape[3])[:keys]  # [keys, Hkv, D or D/2]
+    sz_rows = None if sz is None else sz[ids].reshape(-1, sz.shape[2], 2)[:keys]  # [keys, Hkv, 2]
+    return read_rows(rows, scale, sz_rows, bits, dtype)
 
 
 def paged_attention(q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -64,12 +86,15 @@ def paged_attention(q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
                     v_scale: torch.Tensor | None = None,
                     window: int | None = None,  # a sliding-window layer's: keys p - window < q <= p
                     key_limits: torch.Tensor | None = None,  # [num_tokens] int32: the last key each query sees
+                    k_sz: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv, 2]: an int cache's
+                    v_sz: torch.Tensor | None = None,
                     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its cached keys (the last `window` of them for
     a sliding-window layer). A decode step of several sequences (every query length 1) attends group by
     group; `layout` (None: built here) is `decode_layout(block_tables, seq_lens, seq_lens_cpu, block_size,
     window)`."""
-    scales = (k_scale, v_scale)
+    bits = kv_int.bits_of(k_cache, k_sz, q.shape[-1])
+    scales = (k_scale, v_scale, k_sz, v_sz, bits)
     block_size = k_cache.shape[1]
     if max(query_lens_cpu) == 1 and len(seq_lens_cpu) > 1:
         if layout is None:
@@ -83,8 +108,12 @@ def paged_attention(q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
             # a whole prompt in one chunk: its K/V are this step's, and plain causal attention takes
             # the fast (flash) CPU path instead of the masked math path (a window wider than the prompt
             # changes nothing)
-            ki = kv_quant.round_trip(k[start:start + q_len], k_scale, k_cache.dtype)  # [q_len, Hkv, D]
-            vi = kv_quant.round_trip(v[start:start + q_len], v_scale, v_cache.dtype)
+            if bits:
+                ki = kv_int.round_trip(k[start:start + q_len], bits)  # [q_len, Hkv, D]
+                vi = kv_int.round_trip(v[start:start + q_len], bits)
+            else:
+                ki = kv_quant.round_trip(k[start:start + q_len], k_scale, k_cache.dtype)  # [q_len, Hkv, D]
+                vi = kv_quant.round_trip(v[start:start + q_len], v_scale, v_cache.dtype)
             mask = None
             if (window is not None and q_len > window) or (key_limits is not None and q_len > 1):
                 limits = None if key_limits is None else key_limits[start:start + q_len]
@@ -95,8 +124,8 @@ def paged_attention(q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
             continue
         # the block of the first key the step's first query reads (0 without a window)
         first = 0 if window is None else max(0, seq_len - q_len - window + 1) // block_size
-        ki = _gather(k_cache, block_tables[i], seq_len, k_scale, q.dtype, first)  # [keys, Hkv, D]
-        vi = _gather(v_cache, block_tables[i], seq_len, v_scale, q.dtype, first)
+        ki = _gather(k_cache, block_tables[i], seq_len, k_scale, q.dtype, first, k_sz, bits)  # [keys, Hkv, D]
+        vi = _gather(v_cache, block_tables[i], seq_len, v_scale, q.dtype, first, v_sz, bits)
         mask = None
         if q_len > 1 or (window is not None and seq_len - first * block_size > window):
             # new token j sits at position seq_len - q_len + j and sees keys up to it (within the window), or
@@ -162,15 +191,19 @@ def _decode_batched(q, k_cache, v_cache, groups: tuple[DecodeGroup, ...], scale:
 def _decode_group(q, k_cache, v_cache, group: DecodeGroup, scale: float, scales) -> torch.Tensor:
     batch, length = group.mask.shape[0], group.mask.shape[-1]
     # index_select on the flat block axis is ~2.5x faster on the CPU than advanced indexing
-    k = k_cache.index_select(0, group.blocks).view(batch, length, *k_cache.shape[2:])  # [B, L, Hkv, D]
+    k_scale, v_scale, k_sz, v_sz, bits = scales
+    k = k_cache.index_select(0, group.blocks).view(batch, length, *k_cache.shape[2:])  # [B, L, Hkv, D or D/2]
     v = v_cache.index_select(0, group.blocks).view(batch, length, *v_cache.shape[2:])
+    if bits:  # each row's (scale, zero), gathered the same way
+        k_sz = k_sz.index_select(0, group.blocks).view(batch, length, k_sz.shape[2], 2).transpose(1, 2)
+        v_sz = v_sz.index_select(0, group.blocks).view(batch, length, v_sz.shape[2], 2).transpose(1, 2)
     num_kv_heads = k_cache.shape[2]
     group_size = q.shape[1] // num_kv_heads
     # GQA folded into the query axis: the `group_size` query heads sharing a KV head become queries
     # of it (one key set, no causal order among them), 5x faster on the CPU than enable_gqa
     qg = q.view(batch, num_kv_heads, group_size, q.shape[2])  # [B, Hkv, G, D]
-    k = kv_quant.dequantize(k.transpose(1, 2), scales[0], q.dtype)  # [B, Hkv, L, D]
-    v = kv_quant.dequantize(v.transpose(1, 2), scales[1], q.dtype)
+    k = read_rows(k.transpose(1, 2), k_scale, k_sz, bits, q.dtype)  # [B, Hkv, L, D]
+    v = read_rows(v.transpose(1, 2), v_scale, v_sz, bits, q.dtype)
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask, scale=scale)  # [B, Hkv, G, D]
     return o.reshape(batch, q.shape[1], q.shape[2])  # [B, H, D]
 

@@ -25,6 +25,9 @@ Why the kernel is shaped this way. Decode is bound by reading the KV cache, so:
   to q's dtype for the dots (in hardware on sm_89+, else from their bits: kernels/fp8_bits.py), k_scale
   joins the softmax scale and v_scale the output (one scalar load each), which is the product of the
   dequantized K and V without a multiply per element.
+- An int8 / int4 cache (`k_sz` / `v_sz` beside uint8 code pages: kernels/kv_int.py) is dequantized per
+  tile in registers, (code - zero) * scale with each key's own pair (kernels/kv_int_bits.py), into q's
+  dtype for the same dots.
 The launcher never reads device data on the host (it runs inside CUDA-graph capture).
 """
 from __future__ import annotations
@@ -35,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vlm_sdk.kernels import fp8_bits, kv_quant
+from vlm_sdk.kernels import fp8_bits, kv_int, kv_int_bits, kv_quant
+from vlm_sdk.kernels.paged_attention import read_rows
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
@@ -57,7 +61,7 @@ _MERGE_BLOCK_S = 64  # next_power_of_2(_MAX_SPLITS)
             do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
+        out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr, k_sz_ptr, v_sz_ptr,
         scale_log2,  # softmax scale * log2(e): the kernel works in base 2 (exp2 is the fast path)
         num_splits,
         window,  # keys seq_len - window .. seq_len - 1 when SLIDING
@@ -66,11 +70,12 @@ def _decode_split_kernel(
         stride_vb, stride_vs, stride_vh,
         stride_bt, stride_sl,
         stride_ob, stride_oh,
+        stride_zb, stride_zs, stride_zh,  # the (scale, zero) tensors' (QUANT), K's and V's alike
         BLOCK_SIZE: tl.constexpr,  # cache block: constexpr so p // BLOCK_SIZE is a shift for powers of 2
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         DIRECT: tl.constexpr, IEEE: tl.constexpr, SPLIT_ALIGN: tl.constexpr, FP8: tl.constexpr,
-        SOFTWARE: tl.constexpr, SLIDING: tl.constexpr):
+        SOFTWARE: tl.constexpr, SLIDING: tl.constexpr, QUANT: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -113,8 +118,13 @@ def _decode_split_kernel(
         page = tl.load(table + pos // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
         slot = pos % BLOCK_SIZE
         mask_kv = mask_n[:, None] & mask_d[None, :]
-        k = fp8_bits.load_kv(k_base + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                             mask_kv, q.dtype, SOFTWARE)  # [BLOCK_N, BLOCK_D]
+        if QUANT:
+            sz_row = (page * stride_zb + slot * stride_zs) + kv_head * stride_zh  # [BLOCK_N]
+            k = kv_int_bits.load_tile(k_base + page * stride_kb + slot * stride_ks, k_sz_ptr + sz_row, offs_d,
+                                      mask_kv, mask_n, q.dtype, QUANT, HEAD_DIM)  # [BLOCK_N, BLOCK_D]
+        else:
+            k = fp8_bits.load_kv(k_base + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
+                                 mask_kv, q.dtype, SOFTWARE)  # [BLOCK_N, BLOCK_D]
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -125,8 +135,12 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = fp8_bits.load_kv(v_base + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                             mask_kv, q.dtype, SOFTWARE)  # [BLOCK_N, BLOCK_D]
+        if QUANT:
+            v = kv_int_bits.load_tile(v_base + page * stride_vb + slot * stride_vs, v_sz_ptr + sz_row, offs_d,
+                                      mask_kv, mask_n, q.dtype, QUANT, HEAD_DIM)  # [BLOCK_N, BLOCK_D]
+        else:
+            v = fp8_bits.load_kv(v_base + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+                                 mask_kv, q.dtype, SOFTWARE)  # [BLOCK_N, BLOCK_D]
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -218,7 +232,8 @@ def _check_window(window: int | None) -> None:
         raise ValueError(f"window must be a positive number of keys or None, got {window!r}")
 
 
-def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
+def _check(q, k_cache, v_cache, block_tables, seq_lens, out, k_sz=None, v_sz=None) -> int:
+    """The cache's int bits (0: float or FP8); ValueError on malformed inputs."""
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(f"q must be [B, H, D] and k_cache [num_blocks, block_size, Hkv, D], "
                          f"got {tuple(q.shape)} and {tuple(k_cache.shape)}")
@@ -227,10 +242,14 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
                          f"{tuple(k_cache.shape)} {k_cache.dtype}")
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+    bits = kv_int_bits.check_pair(k_cache, v_cache, k_sz, v_sz, head_dim)
+    if bits and k_sz.stride() != v_sz.stride():
+        raise ValueError(f"k_sz and v_sz must share strides, got {k_sz.stride()} and {v_sz.stride()}")
+    width = kv_int.code_dim(head_dim, bits) if bits else head_dim
+    if k_cache.shape[3] != width or num_heads % num_kv_heads:
         raise ValueError(f"q heads {num_heads} x dim {head_dim} do not fit the cache's "
                          f"{num_kv_heads} KV heads x dim {k_cache.shape[3]}")
-    if q.dtype not in _DTYPES or k_cache.dtype not in _DTYPES + (kv_quant.KV_FP8,):
+    if q.dtype not in _DTYPES or (not bits and k_cache.dtype not in _DTYPES + (kv_quant.KV_FP8,)):
         raise ValueError(f"unsupported dtypes q {q.dtype}, cache {k_cache.dtype}")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("q, k_cache and v_cache need a contiguous last dim")
@@ -250,6 +269,7 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
                             or out.device != q.device):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with a contiguous "
                          f"last dim, got {tuple(out.shape)} {out.dtype}")
+    return bits
 
 
 def paged_attention_decode(q: torch.Tensor,  # [B, H, D], last dim contiguous
@@ -265,11 +285,13 @@ def paged_attention_decode(q: torch.Tensor,  # [B, H, D], last dim contiguous
                            v_scale: torch.Tensor | None = None,
                            fp8_hardware: bool | None = None,  # e4m3 converted in hardware; None: by device
                            window: int | None = None,  # a sliding-window layer's: the last `window` keys
+                           k_sz: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv, 2]: an int cache's
+                           v_sz: torch.Tensor | None = None,
                            ) -> torch.Tensor:  # [B, H, D]
     """`window` (HF's `sliding_window`): each row reads only its last `window` keys; None: all of them."""
-    _check(q, k_cache, v_cache, block_tables, seq_lens, out)
+    bits = _check(q, k_cache, v_cache, block_tables, seq_lens, out, k_sz, v_sz)
     _check_window(window)
-    fp8 = kv_quant.check_scales(k_cache, k_scale, v_scale)
+    fp8 = not bits and kv_quant.check_scales(k_cache, k_scale, v_scale)
     k_cache, software = fp8_bits.kernel_cache(k_cache, fp8_hardware)
     v_cache, _ = fp8_bits.kernel_cache(v_cache, fp8_hardware)
     batch, num_heads, head_dim = q.shape
@@ -300,16 +322,18 @@ def paged_attention_decode(q: torch.Tensor,  # [B, H, D], last dim contiguous
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         k_scale if fp8 else k_cache, v_scale if fp8 else k_cache,  # read only with FP8
+        k_sz if bits else k_cache, v_sz if bits else k_cache,  # read only with QUANT
         float(scale) * _LOG2E, num_splits, 0 if window is None else int(window),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), seq_lens.stride(0),
         out.stride(0), out.stride(1),
+        *(k_sz.stride()[:3] if bits else (0, 0, 0)),
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 16),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         DIRECT=direct, IEEE=q.dtype == torch.float32, SPLIT_ALIGN=SPLIT_ALIGN, FP8=fp8, SOFTWARE=software,
-        SLIDING=window is not None,
+        SLIDING=window is not None, QUANT=bits,
         # 3 stages: the pipeliner prefetches the block-table entries two tiles ahead and K/V one
         # tile ahead (cp.async); with 2 the table gather stalls every iteration
         num_warps=4, num_stages=3)
@@ -335,11 +359,13 @@ def paged_attention_decode_ref(q: torch.Tensor,  # [B, H, D]
                                k_scale: torch.Tensor | None = None,
                                v_scale: torch.Tensor | None = None,
                                window: int | None = None,
+                               k_sz: torch.Tensor | None = None,
+                               v_sz: torch.Tensor | None = None,
                                ) -> torch.Tensor:  # [B, H, D]
     """Batched torch reference with no host sync: gathers max_seq_len (or the whole table's) keys per
     sequence, masks those past seq_len (and, with a window, before its last `window`), softmax in fp32.
     Table entries of masked-out blocks may be anything, -1 included (they are clamped to block 0 and
-    masked). An FP8 cache is dequantized first (`kv_quant.dequantize`)."""
+    masked). An FP8 or int cache is dequantized first (`paged_attention.read_rows`)."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_blocks = block_tables.shape[1]
@@ -354,8 +380,12 @@ def paged_attention_decode_ref(q: torch.Tensor,  # [B, H, D]
     blocks = torch.where(block_used, block_tables[:, :num_blocks].long(), 0)  # [B, nb]
     # slots past seq_len may hold anything (NaN in a fresh cache): zero them, or 0 * NaN leaks
     kept = keep[:, :, None, None]
-    k = kv_quant.dequantize(k_cache[blocks].view(batch, length, num_kv_heads, head_dim), k_scale, torch.float32)
-    v = kv_quant.dequantize(v_cache[blocks].view(batch, length, num_kv_heads, head_dim), v_scale, torch.float32)
+    bits = kv_int.bits_of(k_cache, k_sz, head_dim)
+    width = k_cache.shape[3]
+    k_rows = None if k_sz is None else k_sz[blocks].view(batch, length, num_kv_heads, 2)
+    v_rows = None if v_sz is None else v_sz[blocks].view(batch, length, num_kv_heads, 2)
+    k = read_rows(k_cache[blocks].view(batch, length, num_kv_heads, width), k_scale, k_rows, bits, torch.float32)
+    v = read_rows(v_cache[blocks].view(batch, length, num_kv_heads, width), v_scale, v_rows, bits, torch.float32)
     k, v = torch.where(kept, k, 0.0), torch.where(kept, v, 0.0)
     group = num_heads // num_kv_heads
     qg = q.float().reshape(batch, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]

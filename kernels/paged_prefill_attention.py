@@ -24,7 +24,9 @@ the backend now sends the decode rows to the decode kernel and launches 512 x 2 
 synchronisation: lengths are read in the kernel. An FP8 cache (K / k_scale, V / v_scale: kernels/kv_quant.py)
 is read as the decode kernel reads it: e4m3 tiles converted exactly to q's dtype for the dots (in hardware
 on sm_89+, else from their bits: kernels/fp8_bits.py), k_scale folded into the softmax scale and v_scale
-into the output.
+into the output. An int8 / int4 cache (`k_sz` / `v_sz`: kernels/kv_int.py) is read as codes in q's dtype
+(exact) with each key's scale and zero folded in, s (q . c - z sum(q)) for the scores and (p s) . c - sum(p s z)
+for the values (kernels/kv_int_bits.py): no float32 tile of dequantized values, which spilled on sm_80.
 
 Two variants for models that ask for them (constexprs, so every other model's kernel is unchanged):
 - `window` W (a sliding-window layer): query p sees keys p - W < k <= p; the tiles before the tile's first
@@ -42,7 +44,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from vlm_sdk.kernels import fp8_bits, kv_quant
+from vlm_sdk.kernels import fp8_bits, kv_int, kv_int_bits, kv_quant
+from vlm_sdk.kernels.paged_attention import read_rows
 from vlm_sdk.kernels.flash_config import flash_launch_config
 
 _LOG2E = 1.4426950408889634
@@ -51,9 +54,12 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/m, [BLOCK_M, BLOCK_D] q
                   k_cache, v_cache, table_row, q_hi, q_lo, offs_d, mask_d,
-                  stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, lo, hi, first_key,
+                  stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                  k_sz, v_sz, stride_zb, stride_zs, q_sum,  # QUANT: the (scale, zero) tensors at this KV head,
+                  # and each row's sum of q (fp32 [BLOCK_M])
+                  lo, hi, first_key,
                   BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                  SOFTWARE: tl.constexpr, SLIDING: tl.constexpr):
+                  SOFTWARE: tl.constexpr, SLIDING: tl.constexpr, QUANT: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Online-softmax update over key tiles [lo, hi); k_cache/v_cache already point at this KV head. With
     CAUSAL (a masked tile) row r sees keys q_lo[r] < k <= q_hi[r] (q_lo used when SLIDING), and no key
     before `first_key` or from `hi` on is read. SLIDING rows may see no key of a whole tile: their max
@@ -72,10 +78,21 @@ def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/
         page = page.to(tl.int64)
         slot_k = page * stride_kb + (key_pos % BLOCK_SIZE) * stride_ks  # [BLOCK_N]
         slot_v = page * stride_vb + (key_pos % BLOCK_SIZE) * stride_vs
-        # [BLOCK_N, BLOCK_D] tiles in q's dtype (an FP8 cache converted here)
-        k = fp8_bits.load_kv(k_cache + slot_k[:, None] + offs_d[None, :], kv_mask, q.dtype, SOFTWARE)
-        v = fp8_bits.load_kv(v_cache + slot_v[:, None] + offs_d[None, :], kv_mask, q.dtype, SOFTWARE)
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if QUANT:  # codes in q's dtype; each key's scale and zero folded into its scores (no fp32 tile):
+            # q . (c - z) s = s (q . c - z sum(q))
+            sz_row = page * stride_zb + (key_pos % BLOCK_SIZE) * stride_zs  # [BLOCK_N]
+            if not CAUSAL:
+                in_range = key_pos >= 0  # every key of the tile
+            kv_mask = in_range[:, None] & mask_d[None, :]
+            k = kv_int_bits.load_codes(k_cache + slot_k, offs_d, kv_mask, q.dtype, QUANT, HEAD_DIM)
+            k_s = tl.load(k_sz + sz_row, mask=in_range, other=0.0)
+            k_z = tl.load(k_sz + sz_row + 1, mask=in_range, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N]
+            qk = (qk - q_sum[:, None] * k_z[None, :]) * (k_s * qk_scale)[None, :]
+        else:  # [BLOCK_N, BLOCK_D] tiles in q's dtype (an FP8 cache converted here)
+            k = fp8_bits.load_kv(k_cache + slot_k[:, None] + offs_d[None, :], kv_mask, q.dtype, SOFTWARE)
+            v = fp8_bits.load_kv(v_cache + slot_v[:, None] + offs_d[None, :], kv_mask, q.dtype, SOFTWARE)
+            qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if CAUSAL:
             seen = key_pos[None, :] <= q_hi[:, None]
             if SLIDING:
@@ -88,7 +105,16 @@ def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        if QUANT:  # sum_n p (c - z) s: the weights times each value's scale, its zero taken off after the dot
+            v = kv_int_bits.load_codes(v_cache + slot_v, offs_d, kv_mask, q.dtype, QUANT, HEAD_DIM)
+            v_s = tl.load(v_sz + sz_row, mask=in_range, other=0.0)
+            v_z = tl.load(v_sz + sz_row + 1, mask=in_range, other=0.0)
+            w = (p * v_s[None, :]).to(v.dtype)  # [BLOCK_M, BLOCK_N]: the correction uses these same values
+            # the dot accumulates into acc (no second fp32 tile), then the zeros' share comes off
+            acc = acc * alpha[:, None] + tl.dot(w, v, input_precision=INPUT_PRECISION)
+            acc = acc - tl.sum(w.to(tl.float32) * v_z[None, :], 1)[:, None]
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -98,13 +124,14 @@ def _attend_tiles(acc, l_i, m_i, q,  # [BLOCK_M, BLOCK_D] fp32 acc, [BLOCK_M] l/
 @triton.jit(do_not_specialize=["stride_tb", "window"],
             do_not_specialize_on_alignment=["block_tables", "cu_seqlens_q", "seq_lens", "tiles", "key_limits"])
 def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seqlens_q, seq_lens, tiles,
-                          k_scale_ptr, v_scale_ptr, key_limits,
+                          k_scale_ptr, v_scale_ptr, key_limits, k_sz_ptr, v_sz_ptr,
                           stride_qn, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                          stride_on, stride_oh, stride_tb, qk_scale, window,
+                          stride_on, stride_oh, stride_tb, stride_zb, stride_zs, stride_zh, qk_scale, window,
                           BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                           QUERY_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                          FP8: tl.constexpr, SOFTWARE: tl.constexpr, SLIDING: tl.constexpr, LIMITS: tl.constexpr):
+                          FP8: tl.constexpr, SOFTWARE: tl.constexpr, SLIDING: tl.constexpr, LIMITS: tl.constexpr,
+                          QUANT: tl.constexpr):
     # tiles[pid] = (sequence, first query of the tile within its chunk); rows of the M tile are
     # (query, head of this KV head's group) pairs, query-major: row r = query r // GROUP, head r % GROUP
     pid = tl.program_id(0)
@@ -147,6 +174,11 @@ def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seq
 
     k_base = k_cache + kv_head * stride_kh
     v_base = v_cache + kv_head * stride_vh
+    k_sz_base = k_sz_ptr + kv_head * stride_zh
+    v_sz_base = v_sz_ptr + kv_head * stride_zh
+    q_sum = tl.zeros([BLOCK_M], tl.float32)  # read only with QUANT: each row's sum of q
+    if QUANT:
+        q_sum = tl.sum(q.to(tl.float32), 1)  # [BLOCK_M]
     table_row = block_tables + seq.to(tl.int64) * stride_tb
     if FP8:  # scores of the stored K / k_scale: scale them back with the softmax scale
         qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -165,17 +197,20 @@ def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seq
                                     unmasked_end)
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_row, q_hi, q_lo, offs_d, mask_d,
                                       stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                      k_sz_base, v_sz_base, stride_zb, stride_zs, q_sum,
                                       (first_key // BLOCK_N) * BLOCK_N, unmasked_start, first_key, BLOCK_SIZE, True,
-                                      BLOCK_N, INPUT_PRECISION, SOFTWARE, SLIDING)
+                                      BLOCK_N, INPUT_PRECISION, SOFTWARE, SLIDING, QUANT, HEAD_DIM)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_row, q_hi, q_lo, offs_d, mask_d,
                                   stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                  k_sz_base, v_sz_base, stride_zb, stride_zs, q_sum,
                                   unmasked_start, unmasked_end, first_key, BLOCK_SIZE, False, BLOCK_N,
-                                  INPUT_PRECISION, SOFTWARE, SLIDING)
+                                  INPUT_PRECISION, SOFTWARE, SLIDING, QUANT, HEAD_DIM)
     # the diagonal: tiles up to the last key a row sees, masked key_pos <= q_hi (and > q_lo)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, table_row, q_hi, q_lo, offs_d, mask_d,
                                   stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                  k_sz_base, v_sz_base, stride_zb, stride_zs, q_sum,
                                   unmasked_end, hi, first_key, BLOCK_SIZE, True, BLOCK_N, INPUT_PRECISION,
-                                  SOFTWARE, SLIDING)
+                                  SOFTWARE, SLIDING, QUANT, HEAD_DIM)
 
     acc = acc / l_i[:, None]
     if FP8:  # a sum of the stored V / v_scale
@@ -224,19 +259,24 @@ def dense_tiles(batch: int, max_query_len: int, query_tile_len: int, device) -> 
     return torch.stack([seq, start], dim=1)  # [T, 2]
 
 
-def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out):
+def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, k_sz=None, v_sz=None) -> int:
+    """The cache's int bits (0: float or FP8); ValueError on malformed inputs."""
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError(f"expected q [N, H, D] and caches [num_blocks, block_size, Hkv, D], got "
                          f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    if k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[2]:
+    bits = kv_int_bits.check_pair(k_cache, v_cache, k_sz, v_sz, q.shape[2])
+    if bits and k_sz.stride() != v_sz.stride():
+        raise ValueError(f"k_sz and v_sz must share strides, got {k_sz.stride()} and {v_sz.stride()}")
+    width = kv_int.code_dim(q.shape[2], bits) if bits else q.shape[2]
+    if k_cache.shape != v_cache.shape or k_cache.shape[3] != width:
         raise ValueError(f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not match head_dim "
                          f"{q.shape[2]}")
     if q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"unsupported dtype {q.dtype}")
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16,
-                                                               kv_quant.KV_FP8):
+    if k_cache.dtype != v_cache.dtype or (not bits and k_cache.dtype not in (torch.float32, torch.float16,
+                                                                             torch.bfloat16, kv_quant.KV_FP8)):
         raise ValueError(f"unsupported cache dtypes {k_cache.dtype}, {v_cache.dtype}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous last dim")
@@ -251,6 +291,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out
             raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
+    return bits
 
 
 def _check_variants(q: torch.Tensor, window: int | None, key_limits: torch.Tensor | None) -> None:
@@ -278,14 +319,16 @@ def paged_prefill_attention(q: torch.Tensor,  # [N, H, D] packed query chunks (s
                             fp8_hardware: bool | None = None,  # e4m3 converted in hardware; None: by device
                             window: int | None = None,  # a sliding-window layer's: keys p - window < k <= p
                             key_limits: torch.Tensor | None = None,  # [N] int32: the last key each query sees
+                            k_sz: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv, 2]: an int cache's
+                            v_sz: torch.Tensor | None = None,
                             ) -> torch.Tensor:  # [N, H, D]
     """`tiles` (from `prefill_tiles` with `query_tile_len` queries each) launches only the real tiles;
     without, every (sequence, tile) pair up to max_query_len is launched (`dense_tiles`). `window`: see the
     module docstring; `key_limits`: each query row's last visible key (a position in its sequence, at least
     the row's own, within its chunk), e.g. the end of the image span it belongs to."""
-    _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out)
+    bits = _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, k_sz, v_sz)
     _check_variants(q, window, key_limits)
-    fp8 = kv_quant.check_scales(k_cache, k_scale, v_scale)
+    fp8 = not bits and kv_quant.check_scales(k_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     batch, num_heads, head_dim = seq_lens.shape[0], q.shape[1], q.shape[2]
@@ -304,6 +347,8 @@ def paged_prefill_attention(q: torch.Tensor,  # [N, H, D] packed query chunks (s
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_m = max(16, triton.next_power_of_2(query_tile_len * group))
     _, block_n, num_warps, num_stages = flash_launch_config(q, block_m, block_d)
+    if bits and q.device.type != "cpu":  # the codes' tiles beside the score tile: half the keys, or it spills
+        block_n = max(16, block_n // 2)
     grid = (tiles.shape[0], k_cache.shape[2])
     k_cache, software = fp8_bits.kernel_cache(k_cache, fp8_hardware)
     v_cache, _ = fp8_bits.kernel_cache(v_cache, fp8_hardware)
@@ -311,12 +356,13 @@ def paged_prefill_attention(q: torch.Tensor,  # [N, H, D] packed query chunks (s
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, tiles,
         k_scale if fp8 else k_cache, v_scale if fp8 else k_cache,  # read only with FP8
         seq_lens if key_limits is None else key_limits,  # read only with LIMITS
+        k_sz if bits else k_cache, v_sz if bits else k_cache,  # read only with QUANT
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        block_tables.stride(0), scale * _LOG2E, 0 if window is None else int(window), BLOCK_SIZE=k_cache.shape[1],
+        block_tables.stride(0), *(k_sz.stride()[:3] if bits else (0, 0, 0)), scale * _LOG2E, 0 if window is None else int(window), BLOCK_SIZE=k_cache.shape[1],
         GROUP=group, HEAD_DIM=head_dim, QUERY_TILE=query_tile_len, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, SOFTWARE=software,
-        SLIDING=window is not None, LIMITS=key_limits is not None, num_warps=num_warps, num_stages=num_stages)
+        SLIDING=window is not None, LIMITS=key_limits is not None, QUANT=bits, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -333,13 +379,16 @@ def paged_prefill_attention_ref(q: torch.Tensor,  # [N, H, D]
                                 v_scale: torch.Tensor | None = None,
                                 window: int | None = None,
                                 key_limits: torch.Tensor | None = None,
+                                k_sz: torch.Tensor | None = None,
+                                v_sz: torch.Tensor | None = None,
                                 ) -> torch.Tensor:  # [N, H, D]
-    """Torch reference: per sequence, gather its keys through the block table (an FP8 cache dequantized)
+    """Torch reference: per sequence, gather its keys through the block table (an FP8 or int cache dequantized)
     and attend in fp32. Reads the lengths on the host (not for CUDA-graph capture). Table entries of
     blocks no query sees (before the window) may be anything, -1 included."""
-    _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out)
+    bits = _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, k_sz, v_sz)
     _check_variants(q, window, key_limits)
-    kv_quant.check_scales(k_cache, k_scale, v_scale)
+    if not bits:
+        kv_quant.check_scales(k_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -350,10 +399,12 @@ def paged_prefill_attention_ref(q: torch.Tensor,  # [N, H, D]
         if q_len == 0:
             continue
         pages = block_tables[b, :(seq_len + block_size - 1) // block_size].long().clamp(min=0)  # -1: masked below
-        k = k_cache[pages].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len]  # [seq_len, Hkv, D]
+        k = k_cache[pages].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len]  # [seq_len, Hkv, D or D/2]
         v = v_cache[pages].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len]
-        k = kv_quant.dequantize(k, k_scale, torch.float32).transpose(0, 1)  # [Hkv, seq_len, D]
-        v = kv_quant.dequantize(v, v_scale, torch.float32).transpose(0, 1)
+        ksz = None if k_sz is None else k_sz[pages].reshape(-1, num_kv_heads, 2)[:seq_len]  # [seq_len, Hkv, 2]
+        vsz = None if v_sz is None else v_sz[pages].reshape(-1, num_kv_heads, 2)[:seq_len]
+        k = read_rows(k, k_scale, ksz, bits, torch.float32).transpose(0, 1)  # [Hkv, seq_len, D]
+        v = read_rows(v, v_scale, vsz, bits, torch.float32).transpose(0, 1)
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)  # [H, seq_len, D]
         qi = q[q_start:q_start + q_len].float().transpose(0, 1)  # [H, q_len, D]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)

@@ -116,8 +116,9 @@ class VisionLanguageModel(nn.Module, ABC):
 
     def cache_specs(self, kv_dtype: torch.dtype) -> list[LayerCacheSpec]:
         """One spec per decoder layer, this rank's shapes (vlm_sdk/protocol/cache_spec.py): what the layer
-        keeps between steps. `kv_dtype` is the KV cache's (the model's, or float8 e4m3 with
-        kv_cache_dtype="fp8"); a state layer names its own tensors' dtypes. Default: every layer full
+        keeps between steps. `kv_dtype` is the KV cache's (the model's, float8 e4m3 with
+        kv_cache_dtype="fp8", or torch.int8 / torch.int4 naming an int8 / int4 cache's pages: the spec's
+        dtype string carries it); a state layer names its own tensors' dtypes. Default: every layer full
         attention over `num_kv_heads` x `head_dim`."""
         spec = AttentionSpec(self.num_kv_heads, self.head_dim, str(kv_dtype).removeprefix("torch."))
         return [spec] * self.num_layers

@@ -22,8 +22,13 @@ DTYPE_NAMES = MappingProxyType({"float32": "float32", "fp32": "float32", "float"
 
 
 # kv_cache_dtype: "auto" is the model's dtype; "fp8" float8 e4m3 with per-layer K and V scales
-# (kernels/kv_quant.py): half of bf16's bytes per block, twice the tokens
-KV_CACHE_DTYPES = ("auto", "fp8")
+# (kernels/kv_quant.py): half of bf16's bytes per block, twice the tokens; "int8" / "int4" (LMDeploy's
+# quant_policy 8 / 4) per-token, per-head asymmetric codes with a float32 scale and zero each
+# (kernels/kv_int.py): 1.9x and 3.6x bf16's tokens at head_dim 128
+KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
+INT_KV_BITS = MappingProxyType({"int8": 8, "int4": 4})
+# LMDeploy's quant_policy -> the kv_cache_dtype it names (0: no KV quantization)
+QUANT_POLICIES = MappingProxyType({0: "auto", 8: "int8", 4: "int4"})
 DISTRIBUTED_EXECUTOR_BACKENDS = (None, "mp", "ray")
 RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -151,8 +156,12 @@ class EngineArgs:
     show_progress: bool = True
     attention_backend: str | None = None  # "triton" (default on CUDA) or "torch" (default on the CPU)
     # the KV cache's dtype: "auto" (the model's) or "fp8" (float8 e4m3, K and V divided by per-layer
-    # scales: the checkpoint's k_scale / v_scale tensors, else 1.0): twice the tokens in the same memory
+    # scales: the checkpoint's k_scale / v_scale tensors, else 1.0): twice the tokens in the same memory;
+    # "int8" / "int4": per-token, per-head asymmetric codes with their scales and zeros (kernels/kv_int.py)
     kv_cache_dtype: str = "auto"
+    # LMDeploy's spelling of the same: 8 is kv_cache_dtype "int8", 4 "int4", 0 "auto"; None: not given.
+    # Given with a different kv_cache_dtype, refused
+    quant_policy: int | None = None
     # the decoder's qkv and o projections at <= 8 rows (decode at small batch): "torch" (F.linear: cuBLAS on
     # CUDA) or "triton" (kernels/skinny_gemm.py; the Triton kernel set only). `vlm-sdk bench --gpu` times
     # both at the model's shapes; the default stays "torch" until a GPU run says otherwise
@@ -238,6 +247,8 @@ class EngineArgs:
         if isinstance(self.max_video_bytes, str):
             object.__setattr__(self, "max_video_bytes",
                                parse_bytes(self.max_video_bytes, "max_video_bytes", unit_required=True))
+        if self.quant_policy is not None:
+            object.__setattr__(self, "kv_cache_dtype", _kv_dtype_of_policy(self.quant_policy, self.kv_cache_dtype))
         object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
         given = self.memory_utilization is not None
         object.__setattr__(self, "memory_utilization_given", given)
@@ -302,8 +313,9 @@ class EngineArgs:
             raise InvalidRequestError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)} ('auto': the model's "
-                                      f"dtype; 'fp8': float8 e4m3 with per-layer scales), got {self.kv_cache_dtype!r}",
-                                      param="kv_cache_dtype")
+                                      f"dtype; 'fp8': float8 e4m3 with per-layer scales; 'int8' / 'int4': per-token "
+                                      f"per-head codes with scales and zeros, LMDeploy's quant_policy 8 / 4), got "
+                                      f"{self.kv_cache_dtype!r}", param="kv_cache_dtype")
         for name in ("max_logit_bias", "max_stop_token_ids"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -428,8 +440,39 @@ class EngineArgs:
         return torch_dtype(self.dtype)
 
     def resolve_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The cache's dtype for a model of `dtype` (`vlm-sdk plan` and the engine both ask here)."""
-        return torch_dtype("float8_e4m3fn") if self.kv_cache_dtype == "fp8" else dtype
+        """The cache's dtype for a model of `dtype` (`vlm-sdk plan` and the engine both ask here): the
+        model's, float8 e4m3, or for int8 / int4 torch.int8 / torch.int4 as markers of the format (the
+        pages are uint8 codes beside float32 scales: `AttentionSpec` of dtype "int8" / "int4")."""
+        return kv_cache_torch_dtype(self.kv_cache_dtype, dtype)
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """`EngineArgs.resolve_kv_cache_dtype` for a given kv_cache_dtype value (the plan's side by side)."""
+    if kv_cache_dtype == "fp8":
+        return torch_dtype("float8_e4m3fn")
+    if kv_cache_dtype in INT_KV_BITS:
+        return torch_dtype(kv_cache_dtype)
+    return dtype
+
+
+def kv_cache_dtype_name(kv_dtype: torch.dtype) -> str:
+    """The kv_cache_dtype value that gives a cache of `kv_dtype` ("auto" for a float one)."""
+    name = str(kv_dtype).removeprefix("torch.")
+    return "fp8" if name == "float8_e4m3fn" else name if name in INT_KV_BITS else "auto"
+
+
+def _kv_dtype_of_policy(policy, kv_cache_dtype: str) -> str:
+    """The kv_cache_dtype LMDeploy's quant_policy names; `InvalidRequestError` for another policy, or when
+    kv_cache_dtype says something else ("auto", the default, gives way)."""
+    if isinstance(policy, bool) or policy not in QUANT_POLICIES:
+        raise InvalidRequestError(f"quant_policy must be one of {sorted(QUANT_POLICIES)} (LMDeploy's: 8 int8 KV cache, "
+                                  f"4 int4, 0 none), got {policy!r}", param="quant_policy")
+    named = QUANT_POLICIES[policy]
+    if kv_cache_dtype not in ("auto", named):
+        raise InvalidRequestError(f"quant_policy={policy} asks for kv_cache_dtype={named!r} but kv_cache_dtype="
+                                  f"{kv_cache_dtype!r} is set too: set one of them (--quant-policy {policy} is "
+                                  f"--kv-cache-dtype {named})", param="quant_policy")
+    return named
 
 
 def _engine_args_from_state(state: dict) -> EngineArgs:
@@ -516,6 +559,8 @@ def resolve_rank_config(args: EngineArgs) -> RankConfig:
     kv_dtype = args.resolve_kv_cache_dtype(dtype)
     if kv_dtype == torch_dtype("float8_e4m3fn"):
         check_fp8_kv_cache(device, backend)
+    if args.kv_cache_dtype in INT_KV_BITS:
+        check_int_kv_cache(device, backend, args.kv_cache_dtype)
     return RankConfig(args, device.type, _name(dtype), backend, args.resolve_async_scheduling(device, size),
                       decode_graphs, decode_graphs and args.piecewise_cuda_graphs and size == 1, _name(kv_dtype),
                       args.parallel_config())
@@ -547,4 +592,28 @@ def check_fp8_kv_cache(device: torch.device, backend: str) -> None:
         raise InvalidRequestError(
             f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.0 or newer for the Triton attention kernels; "
             f"{torch.cuda.get_device_name(device)} is {major}.{minor}. Use kv_cache_dtype='auto' "
+            f"(--kv-cache-dtype auto), or attention_backend='torch' (slower)", param="kv_cache_dtype")
+
+
+def int_kv_cache_runs(device: torch.device, backend: str, kv_cache_dtype: str = "int8") -> bool:
+    """Whether kv_cache_dtype='int8' / 'int4' would start on this device and backend (`check_int_kv_cache`)."""
+    try:
+        check_int_kv_cache(device, backend, kv_cache_dtype)
+    except InvalidRequestError:
+        return False
+    return True
+
+
+def check_int_kv_cache(device: torch.device, backend: str, kv_cache_dtype: str) -> None:
+    """kv_cache_dtype='int8' / 'int4' where it runs: the torch backend anywhere; the Triton kernels in the CPU
+    interpreter and on CUDA compute capability 8.0 or newer, the GPUs the kernels are compiled for (plain
+    integer and float32 arithmetic: no float8). `InvalidRequestError` at start-up otherwise."""
+    if device.type != "cuda" or backend != "triton":
+        return
+    import torch
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 0):
+        raise InvalidRequestError(
+            f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability 8.0 or newer for the Triton "
+            f"attention kernels; {torch.cuda.get_device_name(device)} is {major}.{minor}. Use kv_cache_dtype='auto' "
             f"(--kv-cache-dtype auto), or attention_backend='torch' (slower)", param="kv_cache_dtype")

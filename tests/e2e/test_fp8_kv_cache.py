@@ -215,7 +215,7 @@ def test_too_long_prompt_offers_fp8_where_it_fits(tiny_ckpt):
 
 def test_bad_kv_cache_dtype_is_refused_naming_it(tiny_ckpt):
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be one of") as info:
-        LLM(tiny_ckpt, show_progress=False, kv_cache_dtype="int8")
+        LLM(tiny_ckpt, show_progress=False, kv_cache_dtype="int2")
     assert info.value.param == "kv_cache_dtype"
 
 

@@ -75,6 +75,15 @@ def _kv_scales() -> dict:
     return {"k_scale": torch.empty((), device=META), "v_scale": torch.empty((), device=META)}
 
 
+def _int_cache(shape: TextShape, bits: int, num_blocks: int = 4096) -> tuple[tuple, dict]:
+    """An int8 / int4 cache (kv_cache_dtype='int8' / 'int4'): uint8 code pages and float32 (scale, zero)."""
+    width = shape.head_dim if bits == 8 else shape.head_dim // 2
+    pages = tuple(torch.empty(num_blocks, BLOCK_SIZE, shape.kv_heads, width, dtype=torch.uint8, device=META)
+                  for _ in range(2))
+    sz = {name: torch.empty(num_blocks, BLOCK_SIZE, shape.kv_heads, 2, device=META) for name in ("k_sz", "v_sz")}
+    return pages, sz
+
+
 def _ints(*size: int) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int32, device=META)
 
@@ -89,25 +98,26 @@ def cases() -> list[tuple]:
     fp8 = torch.float8_e4m3fn
     for s in TEXT_SHAPES:
         # an FP8 cache is read from its bits (any GPU) unless `hardware` (sm_89+: Triton's e4m3 conversion)
-        def decode(s=s, splits=1, cache=BF16, hardware=False):
+        def decode(s=s, splits=1, cache=BF16, hardware=False, bits=0):
             q, _, _ = _qkv(64, s.heads, s.kv_heads, s.head_dim)
-            kc, vc = _cache(s, dtype=cache)
+            (kc, vc), extra = _int_cache(s, bits) if bits else (_cache(s, dtype=cache), _kv_scales() if cache == fp8
+                                                                 else {})
             paged_attention_decode.paged_attention_decode(q, kc, vc, _ints(64, max_blocks), _ints(64),
                                                           s.head_dim ** -0.5, num_splits=splits, fp8_hardware=hardware,
-                                                          **(_kv_scales() if cache == fp8 else {}))
+                                                          **extra)
 
-        def prefill(s=s, max_q=2048, cache=BF16, hardware=False):
+        def prefill(s=s, max_q=2048, cache=BF16, hardware=False, bits=0):
             q, _, _ = _qkv(4096, s.heads, s.kv_heads, s.head_dim)
-            kc, vc = _cache(s, dtype=cache)
+            (kc, vc), extra = _int_cache(s, bits) if bits else (_cache(s, dtype=cache), _kv_scales() if cache == fp8
+                                                                 else {})
             paged_prefill_attention.paged_prefill_attention(q, kc, vc, _ints(4, max_blocks), _ints(5), _ints(4),
-                                                            max_q, s.head_dim ** -0.5, fp8_hardware=hardware,
-                                                            **(_kv_scales() if cache == fp8 else {}))
+                                                            max_q, s.head_dim ** -0.5, fp8_hardware=hardware, **extra)
 
-        def kv(s=s, cache=BF16):
+        def kv(s=s, cache=BF16, bits=0):
             _, k, v = _qkv(256, s.heads, s.kv_heads, s.head_dim)
-            kc, vc = _cache(s, dtype=cache)
-            store_kv.store_kv(k, v, kc, vc, torch.empty(256, dtype=torch.int64, device=META),
-                              **(_kv_scales() if cache == fp8 else {}))
+            (kc, vc), extra = _int_cache(s, bits) if bits else (_cache(s, dtype=cache), _kv_scales() if cache == fp8
+                                                                 else {})
+            store_kv.store_kv(k, v, kc, vc, torch.empty(256, dtype=torch.int64, device=META), **extra)
 
         def rope(s=s):
             q, k, _ = _qkv(256, s.heads, s.kv_heads, s.head_dim)
@@ -137,6 +147,13 @@ def cases() -> list[tuple]:
                 ("paged_prefill_attention", f"{s.name} fp8 KV chunk 2048", lambda p=prefill: p(cache=fp8)),
                 ("store_kv", f"{s.name} fp8 KV", lambda f=kv: f(cache=fp8)),
                 ("rotary_store_kv", f"{s.name} mrope, 64 decode rows, fp8 KV", lambda f=rope_store: f(cache=fp8)),
+                # kv_cache_dtype='int8' / 'int4': codes dequantized in registers with per-token scales
+                ("paged_attention_decode", f"{s.name} int8 KV 8 splits", lambda d=decode: d(splits=8, bits=8)),
+                ("paged_attention_decode", f"{s.name} int4 KV 8 splits", lambda d=decode: d(splits=8, bits=4)),
+                ("paged_prefill_attention", f"{s.name} int8 KV chunk 2048", lambda p=prefill: p(bits=8)),
+                ("paged_prefill_attention", f"{s.name} int4 KV chunk 2048", lambda p=prefill: p(bits=4)),
+                ("store_kv", f"{s.name} int8 KV", lambda f=kv: f(bits=8)),
+                ("store_kv", f"{s.name} int4 KV", lambda f=kv: f(bits=4)),
                 # sm_90 only: Triton has no e4m3 type below sm_89
                 ("paged_attention_decode", f"{s.name} fp8 KV hardware 8 splits",
                  lambda d=decode: d(splits=8, cache=fp8, hardware=True), (90,)),
@@ -144,11 +161,18 @@ def cases() -> list[tuple]:
                  lambda p=prefill: p(cache=fp8, hardware=True), (90,))]
 
     for s in (GEMMA3_4B, GEMMA3_27B):
-        def windowed_decode(s=s, splits=1):
+        def windowed_decode(s=s, splits=1, bits=0):
             q, _, _ = _qkv(64, s.heads, s.kv_heads, s.head_dim)
-            kc, vc = _cache(s)
+            (kc, vc), extra = _int_cache(s, bits) if bits else (_cache(s), {})
             paged_attention_decode.paged_attention_decode(q, kc, vc, _ints(64, max_blocks), _ints(64),
-                                                          s.head_dim ** -0.5, num_splits=splits, window=GEMMA3_WINDOW)
+                                                          s.head_dim ** -0.5, num_splits=splits, window=GEMMA3_WINDOW,
+                                                          **extra)
+
+        def windowed_int_prefill(s=s, bits=8):
+            q, _, _ = _qkv(4096, s.heads, s.kv_heads, s.head_dim)
+            (kc, vc), extra = _int_cache(s, bits)
+            paged_prefill_attention.paged_prefill_attention(q, kc, vc, _ints(4, max_blocks), _ints(5), _ints(4),
+                                                            2048, s.head_dim ** -0.5, window=GEMMA3_WINDOW, **extra)
 
         def windowed_prefill(s=s, max_q=2048, spans=False, window=GEMMA3_WINDOW):
             q, _, _ = _qkv(4096, s.heads, s.kv_heads, s.head_dim)
@@ -162,7 +186,10 @@ def cases() -> list[tuple]:
                 ("paged_prefill_attention", f"{s.name} window + image spans chunk 2048",
                  lambda p=windowed_prefill: p(spans=True)),
                 ("paged_prefill_attention", f"{s.name} global + image spans chunk 2048",
-                 lambda p=windowed_prefill: p(spans=True, window=None))]
+                 lambda p=windowed_prefill: p(spans=True, window=None)),
+                ("paged_attention_decode", f"{s.name} window int8 KV 8 splits",
+                 lambda d=windowed_decode: d(splits=8, bits=8)),
+                ("paged_prefill_attention", f"{s.name} window int8 KV chunk 2048", windowed_int_prefill)]
 
     def rope_qk_norm(s=QWEN3_8B):
         q, k, _ = _qkv(256, s.heads, s.kv_heads, s.head_dim)

@@ -27,8 +27,10 @@ def test_lmdeploy_input_length_error_seed(capsys):
     assert (p["dtype"], p["request_tokens"], p["image_tokens_per_image"]) == ("bfloat16", 3446, 13 * 256)
     assert p["max_concurrent_requests"] == 0
     [too_long] = [pr for pr in p["problems"] if "request of 3446 tokens" in pr["message"]]
+    # 54 x 64 = 3,456 >= 3,446; 3 tiles + thumbnail; LMDeploy's own answer, quant_policy 4: the same bytes hold
+    # 74 int4 blocks (72 bytes a token and head against bf16's 256), where FP8's 42 would not do
     assert too_long["fixes"] == {"kv_cache_memory": 54 * LMDEPLOY_BLOCK_BYTES, "num_blocks": 54,
-                                 "max_dynamic_patch": 3}  # 54 x 64 = 3,456 >= 3,446; 3 tiles + thumbnail
+                                 "max_dynamic_patch": 3, "kv_cache_dtype": "int4"}
     assert main(argv) == 1
     table = capsys.readouterr().out
     for piece in ("21 = 168.00 MiB", "1,344 tokens", "3,446 tokens per request", "--kv-cache-memory 432MiB",
@@ -37,7 +39,8 @@ def test_lmdeploy_input_length_error_seed(capsys):
                   "set --max-dynamic-patch 3, or --kv-cache-memory 448MiB, or --num-blocks 56"):
         assert piece in table, piece
     # each fix, applied, makes the request fit
-    for fix in ({"kv_cache_memory": "432MiB"}, {"num_blocks": 54}, {"max_dynamic_patch": 3}):
+    for fix in ({"kv_cache_memory": "432MiB"}, {"num_blocks": 54}, {"max_dynamic_patch": 3}, {"kv_cache_dtype": "int4"},
+                {"quant_policy": 4}):
         fixed = plan(INTERNVL2_8B, device_memory="24GiB", block_size=64, prompt_tokens=118, images=1,
                      output_tokens=0, **{"kv_cache_memory": LMDEPLOY_CACHE_0_1, **fix})
         assert fixed.max_concurrent_requests == 1 and not [pr for pr in fixed.problems if "request" in pr.message]

@@ -80,7 +80,8 @@ def test_every_printed_cache_fix_is_accepted_by_serve_and_the_engine():
              prompt_tokens=118, images=1, output_tokens=0)
     [problem] = [pr for pr in p.problems if "3446 tokens" in pr.message]
     alternatives = _printed_fixes(problem.message)
-    assert [a[0] for a in alternatives] == ["--kv-cache-memory", "--num-blocks", "--max-dynamic-patch"]
+    assert [a[0] for a in alternatives] == ["--kv-cache-memory", "--num-blocks", "--kv-cache-dtype",
+                                            "--max-dynamic-patch"]
     serve = _parser(add_serve_parser)
     for flag, value in alternatives:
         name = flag[2:].replace("-", "_")
@@ -90,6 +91,8 @@ def test_every_printed_cache_fix_is_accepted_by_serve_and_the_engine():
             assert value == "432MiB" and args.kv_cache_memory == problem.fixes[name] == 432 << 20
             assert plan(INTERNVL2_8B, device_memory="24GiB", block_size=64, kv_cache_memory=value,
                         prompt_tokens=3446).max_concurrent_requests == 1
+        elif name == "kv_cache_dtype":  # a lower-precision cache in the same bytes (int4: 74 blocks >= 54)
+            assert kwargs == {name: value} == {name: problem.fixes[name]} == {name: "int4"}
         else:
             assert kwargs == {name: int(value)} == {name: problem.fixes[name]}
 

@@ -52,10 +52,11 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor,  # [N, H, D]
                 k: torch.Tensor,  # [N, Hkv, D]
                 v: torch.Tensor,  # [N, Hkv, D]
-                layer: AttentionLayerSpec, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                layer: AttentionLayerSpec, kv_cache: tuple[torch.Tensor, ...],
                 meta: AttentionMetadata, stored: bool = False) -> torch.Tensor:  # [N, H, D]
         """Store this step's K/V in the layer's cache (slot -1 skipped: graph padding; quantized with the
-        layer's k_scale / v_scale into an FP8 cache; not when `stored`: the caller wrote them, fused with
+        layer's k_scale / v_scale into an FP8 cache; per token and head into an int8 / int4 cache, whose
+        `kv_cache` is (K codes, V codes, K scales+zeros, V scales+zeros); not when `stored`: the caller wrote them, fused with
         the rotary), then causal attention of the queries over their
         sequences' cached keys (within `layer.window` for a sliding-window layer). `meta` is what
         `prepare` returned for the layer's cache group."""

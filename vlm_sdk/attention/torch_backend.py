@@ -42,8 +42,10 @@ class TorchBackend(AttentionBackend):
         if layer.window != meta.window:
             raise ValueError(f"a layer of window {layer.window} got the metadata of a cache group of window "
                              f"{meta.window}: its cache spec and its attention disagree")
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache, *sz = kv_cache  # an int8 / int4 cache: (K, V, K scales+zeros, V scales+zeros)
         scales = {"k_scale": layer.k_scale, "v_scale": layer.v_scale}  # read only by an FP8 cache
+        if sz:
+            scales = {"k_sz": sz[0], "v_sz": sz[1]}
         if not stored:
             torch_paged.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         return torch_paged.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,

@@ -15,7 +15,9 @@ scheduler's order) they are views of the step's tensors; otherwise `prepare` gat
 and lengths once and each layer gathers their queries and scatters their outputs (two small copies).
 
 An FP8 cache: every kernel takes the layer's k_scale / v_scale (device scalars, so CUDA graphs replay
-them unchanged); the store quantizes, the attention kernels dequantize in registers.
+them unchanged); the store quantizes, the attention kernels dequantize in registers. An int8 / int4
+cache (a layer cache of four tensors: K and V codes, their scales and zeros) the same, with the per-token
+scales and zeros the store writes beside the codes.
 """
 from __future__ import annotations
 
@@ -87,9 +89,11 @@ class TritonBackend(AttentionBackend):
         if layer.window != meta.window:
             raise ValueError(f"a layer of window {layer.window} got the metadata of a cache group of window "
                              f"{meta.window}: its cache spec and its attention disagree")
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache, *sz = kv_cache  # an int8 / int4 cache: (K, V, K scales+zeros, V scales+zeros)
         window = layer.window
         scales = {"k_scale": layer.k_scale, "v_scale": layer.v_scale}  # read only by an FP8 cache
+        if sz:
+            scales = {"k_sz": sz[0], "v_sz": sz[1]}
         if not stored:
             store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         if meta.decode_only:

@@ -227,11 +227,12 @@ def attention_impl(device: torch.device) -> str:
 @torch.inference_mode()
 def paged_attention_alone(timer: DeviceTimer, *, batch: int, context: int, num_heads: int, num_kv_heads: int,
                           head_dim: int, block_size: int, dtype: torch.dtype, calls: int, seed: int,
-                          kv_dtype: torch.dtype | None = None) -> dict:
+                          kv_dtype: torch.dtype | None = None, kv_int: int = 0) -> dict:
     """Time `paged_attention_decode` on `batch` sequences of `context` cached tokens in a randomly
     permuted paged cache; return seconds per call, the bytes it must move and its max difference
     from the torch reference. `kv_dtype`: the cache's (None: `dtype`; float8 e4m3: an FP8 cache of the
-    same random values, scales 1.0).
+    same random values, scales 1.0). `kv_int` 8 / 4: an int8 / int4 cache of the same values (codes and
+    their float32 scales and zeros, kernels/kv_int.py), its bytes counted with the scales.
 
     On CUDA the working set is spread over enough copies (different blocks of one cache) to be at
     least 4x the L2 cache, so K/V come from DRAM; the calls are replayed from one CUDA graph, as
@@ -242,6 +243,8 @@ def paged_attention_alone(timer: DeviceTimer, *, batch: int, context: int, num_h
     blocks_per_seq = blocks_needed(context, block_size)
     kv_dtype = kv_dtype or dtype
     kv_bytes = 2 * batch * context * num_kv_heads * head_dim * torch.finfo(kv_dtype).bits // 8  # K + V read
+    if kv_int:  # codes (D or D/2 bytes) and 8 bytes of scale and zero a token and head, for K and V
+        kv_bytes = 2 * batch * context * num_kv_heads * (head_dim * kv_int // 8 + 8)
     moved = kv_bytes + 2 * batch * num_heads * head_dim * torch.finfo(dtype).bits // 8  # + q read, out written
     sets = 1
     if device.type == "cuda":
@@ -254,7 +257,11 @@ def paged_attention_alone(timer: DeviceTimer, *, batch: int, context: int, num_h
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen, device=device,
                           dtype=dtype).to(kv_dtype)
     scales = {}
-    if kv_dtype == torch.float8_e4m3fn:  # the layer's scales: 1.0 (randn values are well inside e4m3's range)
+    if kv_int:  # the same values quantized per token and head
+        from vlm_sdk.kernels import kv_int as int_kv
+        (k_cache, k_sz), (v_cache, v_sz) = int_kv.quantize(k_cache, kv_int), int_kv.quantize(v_cache, kv_int)
+        scales = {"k_sz": k_sz.contiguous(), "v_sz": v_sz.contiguous()}
+    elif kv_dtype == torch.float8_e4m3fn:  # the layer's scales: 1.0 (randn values are well inside e4m3's range)
         scales = {"k_scale": torch.ones((), device=device), "v_scale": torch.ones((), device=device)}
     tables = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
     tables = tables.view(sets, batch, blocks_per_seq)  # [sets, B, blocks per sequence]

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from vlm_sdk.config import EngineArgs, fp8_kv_cache_runs, resolve_rank_config
+from vlm_sdk.config import EngineArgs, fp8_kv_cache_runs, int_kv_cache_runs, resolve_rank_config
 from vlm_sdk.engine.core.cache_coordinator import CacheCoordinator
 from vlm_sdk.engine.output.engine_output import EngineOutput
 from vlm_sdk.engine.core.preemption_watch import PreemptionWatch, preemption_warning
@@ -47,7 +47,7 @@ from vlm_sdk.executor import make_executor
 from vlm_sdk.hub import resolve_model
 from vlm_sdk.memory.image_fit import check_largest_image_fits
 from vlm_sdk.memory.inputs import memory_inputs
-from vlm_sdk.memory.startup import scheduler_config, size_rank_caches, startup_report
+from vlm_sdk.memory.startup import lower_kv_runs, scheduler_config, size_rank_caches, startup_report
 from vlm_sdk.model_loader import read_checkpoint
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import PromptInputs
@@ -100,8 +100,10 @@ class LLMEngine:
         # measured on CUDA even when the cache size is given: the report shows it
         profiles = executor.collective_rpc("profile_memory", largest_image, self.max_position_embeddings,
                                            memory.held_vision_tokens)
+        runs = lower_kv_runs(fp8_kv_cache_runs(self.device, rc.attention_backend),
+                             int_kv_cache_runs(self.device, rc.attention_backend))
         ranks = size_rank_caches(memory, loads, profiles, executor.collective_rpc("memory_snapshot"),
-                                 family.plan_setting[1], fp8_runs=fp8_kv_cache_runs(self.device, rc.attention_backend))
+                                 family.plan_setting[1], fp8_runs="fp8" in runs, int_runs="int8" in runs)
         self.cache_config = min((r.cache for r in ranks), key=lambda c: c.num_blocks)  # every rank holds this many
         encoder_tokens, prefill_tokens = step_shares(args, self.device.type, family.whole_images)
         self.scheduler_config = dataclasses.replace(scheduler_config(memory, self.cache_config),
@@ -114,7 +116,7 @@ class LLMEngine:
         executor.collective_rpc("init_cache", self.cache_config, self.scheduler_config.max_model_len,
                                 largest_image.size)
         self.memory_report = startup_report(memory, loads, ranks, self.cache_config, self.scheduler_config,
-                                            measured=profiles[0] is not None)
+                                            measured=profiles[0] is not None, runs=runs)
         logger.info("%s", self.memory_report.format())
         if family.whole_images:
             check_whole_image_budget(self.scheduler_config.max_num_batched_tokens, largest_image.num_tokens,

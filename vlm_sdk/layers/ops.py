@@ -123,7 +123,8 @@ class KernelOps(ABC):
                         kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
                         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """`rotary` on the q and k heads of a packed `[N, H + 2Hkv, D]` qkv, in place, and the rotated k
-        and v written into their cache slots (slot -1: none; an FP8 cache quantized with `kv_scales`, the
+        and v written into their cache slots (slot -1: none; an int8 / int4 cache, four tensors, quantized per
+        token and head after the rotary; an FP8 cache quantized with `kv_scales`, the
         layer's (k_scale, v_scale)), where `fuses_rotary_store`."""
         raise NotImplementedError(f"the {self.name} kernel set does not fuse rotary and the KV store")
 
@@ -182,7 +183,7 @@ class TritonOps(KernelOps):
         super().__init__(attention)
         # imported here so that TRITON_INTERPRET is read when the set is chosen
         from vlm_sdk.kernels import (causal_conv1d, fused_moe, gated_delta_rule_chunk, gated_delta_rule_recurrent,
-                                     gated_rms_norm, rms_norm, rotary, rotary_store_kv, silu_and_mul)
+                                     gated_rms_norm, rms_norm, rotary, rotary_store_kv, silu_and_mul, store_kv)
         self._conv, self._gated_rms_norm = causal_conv1d, gated_rms_norm.gated_rms_norm
         self._rule_chunk = gated_delta_rule_chunk.chunk_gated_delta_rule
         self._rule_recurrent = gated_delta_rule_recurrent.recurrent_gated_delta_rule
@@ -190,6 +191,7 @@ class TritonOps(KernelOps):
         self._rms_norm = rms_norm.rms_norm
         self._rotary = rotary.rotary_embedding
         self._rotary_store_kv = rotary_store_kv.rotary_store_kv
+        self._store_kv = store_kv.store_kv  # an int8 / int4 cache's store: after the rotary, not fused with it
         self._silu_and_mul = silu_and_mul.silu_and_mul
         if small_m_gemm == "triton":
             from vlm_sdk.kernels import skinny_gemm
@@ -246,6 +248,11 @@ class TritonOps(KernelOps):
         q_weight, k_weight, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
         h, hkv = num_q_heads, num_kv_heads
         k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
+        if len(kv_cache) == 4:  # an int8 / int4 cache: rotate in place, then the quantizing store
+            self.rotary(qkv[:, :h + hkv], h, rope, qk_norm)
+            k_cache, v_cache, k_sz, v_sz = kv_cache
+            self._store_kv(qkv[:, h:h + hkv], qkv[:, h + hkv:], k_cache, v_cache, slot_mapping, k_sz=k_sz, v_sz=v_sz)
+            return
         self._rotary_store_kv(qkv[:, :h], qkv[:, h:h + hkv], qkv[:, h + hkv:], *kv_cache, slot_mapping,
                               rope.positions, rope.inv_freq, rope.mrope_section, rope.mrope_interleaved, q_weight,
                               k_weight, eps, k_scale, v_scale)

@@ -13,6 +13,7 @@ from vlm_sdk.layers.moe import MoeConfig
 from vlm_sdk.memory.weights import weight_bytes
 from vlm_sdk.models.family import FamilySpec, ImageLimits
 from vlm_sdk.protocol.cache_layout import CacheLayout, LayoutError
+from vlm_sdk.protocol.cache_spec import AttentionSpec
 from vlm_sdk.protocol.rank import WeightBytes
 
 
@@ -122,11 +123,22 @@ def memory_inputs(family: FamilySpec, info, args: EngineArgs, model, dtype: torc
 
 def cache_layout(model, kv_dtype: torch.dtype) -> CacheLayout:
     """The model's cache groups (`cache_specs`, this rank's shapes); `InvalidRequestError` naming the model
-    for specs that cannot share one block pool."""
+    for specs that cannot share one block pool, or a head_dim the int4 KV cache cannot pack."""
     try:
-        return CacheLayout.from_specs(model.cache_specs(kv_dtype))
+        layout = CacheLayout.from_specs(model.cache_specs(kv_dtype))
     except LayoutError as e:
         raise InvalidRequestError(f"{type(model).__name__}: {e}") from None
+    check_int_kv_head_dim(layout.page_spec)
+    return layout
+
+
+def check_int_kv_head_dim(page: AttentionSpec) -> None:
+    """kv_cache_dtype='int4' packs element d and d + head_dim / 2 into one byte: an even head_dim only (every
+    head_dim runs int8, and the Triton kernels take any head_dim: their tiles pad it to a power of 2)."""
+    if page.quant_bits == 4 and page.head_dim % 2:
+        raise InvalidRequestError(f"kv_cache_dtype='int4' packs two values a byte along the head: head_dim "
+                                  f"{page.head_dim} is odd (supported: even head_dims, e.g. 64, 80, 128, 256); use "
+                                  f"kv_cache_dtype='int8' (--kv-cache-dtype int8)", param="kv_cache_dtype")
 
 
 def _weight_format(decoder_config) -> str:

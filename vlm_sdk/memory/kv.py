@@ -11,7 +11,12 @@ block_size tokens in each full group, a window's in each sliding group), so the 
 a cache of several groups is what that allows (`CacheConfig.capacity_tokens`).
 
 (the KV dtype: the model's, or 1 byte with kv_cache_dtype="fp8"; its per-layer scales are two float32
-buffers of each attention layer, counted nowhere: 8 bytes a layer)
+buffers of each attention layer, counted nowhere: 8 bytes a layer. kv_cache_dtype "int8" / "int4": a
+token's head is D or D/2 code bytes plus a float32 scale and zero, for K and for V: `AttentionSpec.page_bytes`.)
+
+Beside the cache the settings give, the same rule's block count for each lower-precision KV cache that
+would run and take fewer bytes (`lower_bytes_per_block`, `CacheConfig.lower_blocks`): the plan and the
+start-up report show the tokens each would hold, and a too-small cache's fixes name the first that fits.
 
 The block count comes from the first of: `num_blocks`; `kv_cache_memory` // bytes_per_block; on a GPU,
 (memory_utilization * total device memory - memory in use after loading - the other consumers' bytes
@@ -31,6 +36,14 @@ from vlm_sdk.config import EngineArgs
 from vlm_sdk.errors import InvalidRequestError, format_size
 from vlm_sdk.protocol.blocks import blocks_needed
 from vlm_sdk.protocol.cache_layout import CacheLayout
+from vlm_sdk.protocol.cache_spec import AttentionSpec
+
+# the lower-precision KV caches, in the order a fix names them (fp8 holds a few more tokens than int8, int4
+# the most): kv_cache_dtype value -> the page dtype it gives
+LOWER_KV_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8", "int4": "int4"}
+# kv_cache_dtype values from the most precise: a cache offers those after its own (int8's per-token
+# scales keep more than fp8's per-layer one: |error| <= range / 510 against up to 1/16 of the value)
+KV_PRECISION = ("auto", "int8", "fp8", "int4")
 
 CPU_DEFAULT_CACHE_BYTES = 1 << 30
 # which setting decided a cache's block count; the fixes offered for a too-small cache follow it
@@ -43,9 +56,29 @@ def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_siz
     return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
+def lower_bytes_per_block(per_block: int, page: AttentionSpec, block_size: int,
+                          runs: tuple[str, ...] = tuple(LOWER_KV_DTYPES)) -> tuple[tuple[str, int], ...]:
+    """(kv_cache_dtype, bytes per block) of each lower-precision cache of `runs` for the same model, beside
+    a cache of `per_block` bytes whose page is `page`: those that take fewer bytes a block (int4 only for an
+    even head_dim)."""
+    here = page.page_bytes(block_size)
+    own = {"float8_e4m3fn": "fp8", "int8": "int8", "int4": "int4"}.get(page.dtype, "auto")
+    below = KV_PRECISION[KV_PRECISION.index(own) + 1:]
+    out = []
+    for name, dtype in LOWER_KV_DTYPES.items():
+        if name not in runs or name not in below or (name == "int4" and page.head_dim % 2):
+            continue
+        there = dataclasses.replace(page, dtype=dtype).page_bytes(block_size)
+        if there < here:  # per_block is group_size pages: exact
+            out.append((name, per_block // here * there))
+    return tuple(out)
+
+
 def fp8_bytes_per_block(per_block: int, kv_dtype: torch.dtype) -> int | None:
-    """The bytes per block of an FP8 cache of the same model, beside a `kv_dtype` cache of `per_block`
-    bytes; None when that cache is FP8 already."""
+    """The bytes per block of an FP8 cache of the same model, beside a `kv_dtype` (float) cache of
+    `per_block` bytes; None when that cache is 8 bits or fewer already."""
+    if not kv_dtype.is_floating_point:
+        return None
     bits = torch.finfo(kv_dtype).bits
     return None if bits <= 8 else per_block * 8 // bits
 
@@ -94,9 +127,9 @@ class CacheConfig:
     source: str  # how num_blocks was decided, in words, for error messages and the start-up report
     rule: str = "num_blocks"  # one of CACHE_RULES
     budget: DeviceBudget | None = None  # CUDA (or a planned device): the memory the cache comes out of
-    # the blocks the same rule gives an FP8 cache (kv_cache_dtype="fp8"), when this one is not FP8 and FP8
-    # runs on this engine's device and backend; None otherwise
-    fp8_blocks: int | None = None
+    # (kv_cache_dtype, blocks) the same rule gives each lower-precision cache that runs on this engine's
+    # device and backend and holds more blocks than this one (`lower_bytes_per_block`)
+    lower_blocks: tuple[tuple[str, int], ...] = ()
     # a model with state layers: the slots (live ones and checkpoints) carved out before the blocks, and
     # one slot's bytes over every state layer; 0 for a model without state layers
     num_state_slots: int = 0
@@ -107,6 +140,15 @@ class CacheConfig:
     @property
     def state_bytes(self) -> int:
         return self.num_state_slots * self.state_slot_bytes
+
+    @property
+    def fp8_blocks(self) -> int | None:
+        """The blocks of an FP8 cache under the same rule (`lower_blocks`), None when it is not one of them."""
+        return dict(self.lower_blocks).get("fp8")
+
+    def lower_capacity_tokens(self) -> dict[str, int]:
+        """kv_cache_dtype -> the longest sequence each lower-precision cache of `lower_blocks` holds."""
+        return {name: dataclasses.replace(self, num_blocks=max(n, 0)).capacity_tokens for name, n in self.lower_blocks}
 
     @property
     def capacity_tokens(self) -> int:
@@ -130,7 +172,8 @@ class CacheConfig:
         """Settings, each of which alone gives this cache at least `num_blocks` blocks. Only settings
         that would take effect are named: num_blocks overrides kv_cache_memory, which overrides
         memory_utilization, so a cache the user sized by num_blocks is only fixed by num_blocks.
-        kv_cache_dtype="fp8" when the same memory holds that many FP8 blocks (`fp8_blocks`). With a
+        kv_cache_dtype: the first of fp8, int8, int4 (`lower_blocks`) whose blocks in the same memory are
+        that many. With a
         device budget, only that when the device cannot hold that many blocks of this dtype at all.
         num_state_slots (a model with state layers, the blocks sized from bytes) when fewer state slots
         leave room for that many blocks: the slots are what binds."""
@@ -145,8 +188,9 @@ class CacheConfig:
             if self.rule != "num_blocks":
                 fixes["kv_cache_memory"] = num_blocks * self.bytes_per_block + self.state_bytes
             fixes["num_blocks"] = num_blocks
-        if self.fp8_blocks is not None and self.fp8_blocks >= num_blocks:
-            fixes["kv_cache_dtype"] = "fp8"
+        lower = next((name for name, n in self.lower_blocks if n >= num_blocks), None)
+        if lower is not None:
+            fixes["kv_cache_dtype"] = lower
         if self.num_state_slots and self.rule in ("kv_cache_memory", "memory_utilization"):
             # the state slots are carved out of the same bytes first: fewer of them leave room for the blocks
             # (at most the remainder of one block short of exact, so the count named is safe)
@@ -166,22 +210,30 @@ def state_slots(args: EngineArgs, layout: CacheLayout | None) -> int:
 
 
 def size_cache(args: EngineArgs, per_block: int, max_position_embeddings: int,
-               budget: DeviceBudget | None, fp8_per_block: int | None = None,
+               budget: DeviceBudget | None, lower_per_block: tuple[tuple[str, int], ...] | int | None = None,
                layout: CacheLayout | None = None) -> CacheConfig:
     """The cache the settings ask for, by the rules above (`budget` None: not on a GPU). The block
     count may be < 1 under memory_utilization: `check_cache` refuses it. The CPU default holds
-    max_num_seqs sequences of max_model_len (else max_position_embeddings) tokens. `fp8_per_block`: the
-    bytes per block of an FP8 cache where kv_cache_dtype="fp8" would run and is not set (`fp8_blocks`).
+    max_num_seqs sequences of max_model_len (else max_position_embeddings) tokens. `lower_per_block`:
+    (kv_cache_dtype, bytes per block) of the lower-precision caches that would run (`lower_bytes_per_block`;
+    an int: an FP8 cache's bytes), sized by the same rule into `lower_blocks`.
     `layout`: the model's cache groups (None: one full-attention group); its state slots are carved out
     of a budget or kv_cache_memory before the blocks."""
     slots = state_slots(args, layout)
     shape = dict(layout=layout, chunk_tokens=args.max_num_batched_tokens, num_state_slots=slots,
                  state_slot_bytes=layout.state_slot_bytes if slots else 0)
     cache = dataclasses.replace(_size_cache(args, per_block, max_position_embeddings, budget, layout, slots), **shape)
-    if fp8_per_block is None or cache.rule == "num_blocks" or fp8_per_block >= per_block:
+    if isinstance(lower_per_block, int):
+        lower_per_block = (("fp8", lower_per_block),)
+    if not lower_per_block or cache.rule == "num_blocks":
         return cache
-    fp8 = _size_cache(args, fp8_per_block, max_position_embeddings, budget, layout, slots)
-    return dataclasses.replace(cache, fp8_blocks=fp8.num_blocks) if fp8.num_blocks > cache.num_blocks else cache
+    lower = []
+    for name, bytes_ in lower_per_block:
+        if bytes_ < per_block:
+            n = _size_cache(args, bytes_, max_position_embeddings, budget, layout, slots).num_blocks
+            if n > cache.num_blocks:
+                lower.append((name, n))
+    return dataclasses.replace(cache, lower_blocks=tuple(lower))
 
 
 def _size_cache(args: EngineArgs, per_block: int, max_position_embeddings: int,

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 
+from vlm_sdk.memory.kv_dtypes import kv_dtype_rows
 from vlm_sdk.protocol.cache_layout import CacheLayout
 
 
@@ -55,6 +56,11 @@ def kv_token_text(per_token: int, layers: int, kv_heads: int, head_dim: int, kv_
     """The KV-per-token line, shared with `vlm-sdk plan`: its arithmetic and the cache's dtype (an FP8
     cache names its per-layer scales). `layers`: those a block holds pages of (group_size; every layer
     for a model of one attention kind)."""
+    if kv_dtype in ("int8", "int4"):  # codes plus a float32 scale and zero a token and head
+        width = head_dim if kv_dtype == "int8" else f"{head_dim}/2"
+        return (f"{per_token:,} B ({layers} layers x 2 x {kv_heads} KV heads x ({width} code bytes + 8 B scale and "
+                f"zero)) (kv_cache_dtype='{kv_dtype}': per-token, per-head asymmetric, LMDeploy's quant_policy "
+                f"{8 if kv_dtype == 'int8' else 4})")
     fp8 = " (kv_cache_dtype='fp8': e4m3 with per-layer K and V scales)" if kv_dtype.startswith("float8") else ""
     return f"{per_token:,} B ({layers} layers x 2 x {kv_heads} KV heads x {head_dim} x {kv_dtype}){fp8}"
 
@@ -207,6 +213,7 @@ class StartupMemory(MemoryTotals):
     num_state_slots: int = 0  # a model with state layers: its state slots and one slot's bytes
     state_slot_bytes: int = 0
     prefix_reuse: tuple = ()  # (kind, whether and how it reuses cached prefixes) when several kinds
+    kv_dtype_fits: tuple = ()  # the same settings under each kv_cache_dtype that runs (`memory.kv_dtypes`)
 
     def to_dict(self) -> dict:
         out = asdict(self) | {"weights_bytes": self.weights_bytes, "capacity_tokens": self.capacity_tokens,
@@ -249,6 +256,7 @@ class StartupMemory(MemoryTotals):
             *cache_group_rows(self.cache_groups, self.group_size, self.num_state_slots, self.state_slot_bytes,
                               self.max_model_len),
             ("KV capacity", f"{self.capacity_tokens:,} tokens" + (" in one sequence" if self.cache_groups else "")),
+            *kv_dtype_rows(self.kv_dtype_fits, self.max_model_len),
             *[(f"  prefix caching, {k}", v) for k, v in self.prefix_reuse],
             ("max_model_len", f"{self.max_model_len:,} ({self.max_model_len_source}"
              + ("" if "max_position" in self.max_model_len_source

@@ -16,7 +16,8 @@ from vlm_sdk.errors import InvalidRequestError, fixes_text
 from vlm_sdk.memory.breakdown import Breakdown, breakdown
 from vlm_sdk.memory.capacity import check_max_model_len_fits, requests_at_once, resolve_max_model_len
 from vlm_sdk.memory.inputs import MemoryInputs
-from vlm_sdk.memory.kv import CacheConfig, check_cache, fp8_bytes_per_block, size_cache
+from vlm_sdk.memory.kv import CacheConfig, check_cache, lower_bytes_per_block, size_cache
+from vlm_sdk.memory.kv_dtypes import kv_dtype_fits
 from vlm_sdk.memory.report import RankMemory, StartupMemory, cache_groups
 from vlm_sdk.protocol.rank import RankLoad
 from vlm_sdk.sampling_params import DEFAULT_MAX_TOKENS
@@ -31,13 +32,19 @@ class RankCache:
     cache: CacheConfig
 
 
+def lower_kv_runs(fp8_runs: bool, int_runs: bool) -> tuple[str, ...]:
+    """The lower-precision kv_cache_dtypes that run, from whether FP8 and the int caches do."""
+    return (("fp8",) if fp8_runs else ()) + (("int8", "int4") if int_runs else ())
+
+
 def size_rank_caches(m: MemoryInputs, loads: list[RankLoad], profiles: list[dict[str, int] | None],
                      snapshots: list[tuple[int, int] | None], image_setting: str | None,
-                     fp8_runs: bool = False) -> list[RankCache]:
+                     fp8_runs: bool = False, int_runs: bool = False) -> list[RankCache]:
     """Each rank's cache under the settings: on a GPU from its own device budget (its total and in-use
     bytes after loading, minus its consumers: measured where the profile measured). Raises
-    `InvalidRequestError` naming the numbers and the fix when a rank cannot hold one block. `fp8_runs`:
-    kv_cache_dtype="fp8" would run on this engine (its fixes may then name it)."""
+    `InvalidRequestError` naming the numbers and the fix when a rank cannot hold one block. `fp8_runs` /
+    `int_runs`: kv_cache_dtype="fp8" / "int8" and "int4" would run on this engine (its fixes may name them)."""
+    runs = lower_kv_runs(fp8_runs, int_runs)
     out = []
     for load, profile, snapshot in zip(loads, profiles, snapshots):
         parts = breakdown(m, profile)
@@ -45,8 +52,9 @@ def size_rank_caches(m: MemoryInputs, loads: list[RankLoad], profiles: list[dict
         # a pipeline stage of state layers only holds no KV tensor: blocks cost it nothing, so it bounds
         # the shared block count only by its budget at one byte each (the other stages bind)
         per_block = load.bytes_per_block or 1
-        fp8 = fp8_bytes_per_block(per_block, m.kv_dtype) if fp8_runs and load.bytes_per_block else None
-        cache = size_cache(m.args, per_block, m.max_position_embeddings, budget, fp8, m.layout)
+        lower = () if m.layout is None or not load.bytes_per_block else \
+            lower_bytes_per_block(load.bytes_per_block, m.layout.page_spec, m.args.block_size, runs)
+        cache = size_cache(m.args, per_block, m.max_position_embeddings, budget, lower, m.layout)
         check_cache(cache, m.args, load.weights.total, image_setting)
         out.append(RankCache(parts, cache))
     if m.args.memory_utilization_given and out[0].cache.rule != "memory_utilization":
@@ -80,10 +88,11 @@ def scheduler_config(m: MemoryInputs, cache: CacheConfig) -> SchedulerConfig:
 
 
 def startup_report(m: MemoryInputs, loads: list[RankLoad], ranks: list[RankCache], cache: CacheConfig,
-                   sched: SchedulerConfig, measured: bool) -> StartupMemory:
+                   sched: SchedulerConfig, measured: bool, runs: tuple[str, ...] = ()) -> StartupMemory:
     """Rank 0's figures (every rank holds the same cache; under tensor parallelism `ranks` has each
     rank's weights and the blocks it could have held). `measured`: the GPU profile ran (else the
-    activation peak is not measured: on the CPU nothing is carved out of device memory)."""
+    activation peak is not measured: on the CPU nothing is carved out of device memory). `runs`: the
+    lower-precision kv_cache_dtypes that would run on this engine, shown beside this cache (`kv_dtype_fits`)."""
     load, budget, parts = loads[0], cache.budget, ranks[0].parts
     w = load.weights
     per_rank = tuple(RankMemory(r.rank, r.device, r.weights.total,
@@ -105,6 +114,9 @@ def startup_report(m: MemoryInputs, loads: list[RankLoad], ranks: list[RankCache
         image_tokens_per_image=m.image.tokens, load_seconds=max(r.load_seconds for r in loads),
         tensor_parallel_size=len(loads), ranks=per_rank, consumers=parts.consumers, weight_format=m.weight_format,
         held_vision=m.held_vision_text, at_once=at_once_shapes(m, cache, sched),
+        kv_dtype_fits=() if m.layout is None else kv_dtype_fits(
+            m.args, cache, cache.budget, m.layout.page_spec, load.dtype, m.max_position_embeddings,
+            sched.max_model_len, runs),
         **cache_shares(m, cache, sched.max_model_len))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from vlm_sdk.config import KV_CACHE_DTYPES
+from vlm_sdk.config import KV_CACHE_DTYPES, QUANT_POLICIES
 from vlm_sdk.models import registry
 
 _SIZE = "a size with a unit: 80GiB, 6784MiB, 40GB, 180709785B (a bare number is refused)"
@@ -100,7 +100,10 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     cmd.add_argument("--dtype", help="weights and KV cache dtype: bfloat16 / float16 / float32 (default bfloat16 on "
                      "a GPU, float32 on the CPU, as the engine)")
     cmd.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="the KV cache's dtype: auto (the model's, the "
-                     "default) or fp8 (float8 e4m3 with per-layer scales: one byte per value)")
+                     "default), fp8 (float8 e4m3 with per-layer scales: one byte per value), or int8 / int4 "
+                     "(per-token, per-head codes with a float32 scale and zero each)")
+    cmd.add_argument("--quant-policy", type=int, choices=sorted(QUANT_POLICIES), help="LMDeploy's spelling of "
+                     "--kv-cache-dtype: 8 is int8, 4 int4, 0 auto (default: not given)")
     cmd.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory", type=lambda t: f"{t}B" if t.isdigit() else t,
                      metavar="BYTES", help="vLLM's name of --kv-cache-memory: a bare number is bytes (default: not set)")
     cmd.add_argument("--speculative-config", help="speculative decoding as the engine's JSON, e.g. '{\"method\": "

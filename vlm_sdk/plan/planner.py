@@ -7,7 +7,8 @@ the engine's `memory.kv.size_cache`, and every fix from `CacheConfig.fixes_for` 
 and the too-long error use it too). Units: bytes unless a name says tokens / blocks / pixels.
 
     kv_bytes_per_token = group_size * 2 (K, V) * kv heads per rank * head_dim * KV dtype bytes
-                         (the model's dtype, or 1 with kv_cache_dtype "fp8")
+                         (the model's dtype, or 1 with kv_cache_dtype "fp8"; int8 / int4: head_dim
+                         or head_dim / 2 code bytes + 8 for the float32 scale and zero, per head)
                          (kv_heads / tp; 1 when tp > kv_heads: each rank keeps a copy of one KV head)
                          (group_size = layers for a model of one attention kind: protocol/cache_layout.py)
     kv_bytes_per_block = kv_bytes_per_token * block_size
@@ -56,7 +57,8 @@ from vlm_sdk.models.parallel_split import check_tensor_parallel_size
 from vlm_sdk.memory.breakdown import ConsumerBytes, breakdown
 from vlm_sdk.memory.capacity import resolve_max_model_len
 from vlm_sdk.memory.inputs import memory_inputs
-from vlm_sdk.memory.kv import DeviceBudget, fp8_bytes_per_block, size_cache
+from vlm_sdk.memory.kv import DeviceBudget, lower_bytes_per_block, size_cache
+from vlm_sdk.memory.kv_dtypes import kv_dtype_fits
 from vlm_sdk.memory.startup import cache_shares
 from vlm_sdk.memory.report import MemoryTotals
 from vlm_sdk.model_loader import read_config
@@ -74,7 +76,7 @@ __all__ = ["MemoryPlan", "PLAN_OPTIONS", "Problem", "plan"]
 _ENGINE_OPTIONS = ("memory_utilization", "kv_cache_memory", "num_blocks", "dtype", "block_size", "max_model_len",
                    "max_num_seqs", "max_num_batched_tokens", "shard_vision", "enable_expert_parallel",
                    "encoder_cache_memory", "num_state_slots", "enable_prefix_caching", "model_family",
-                   "enforce_eager", "piecewise_cuda_graphs", "kv_cache_dtype", "speculative_config")
+                   "enforce_eager", "piecewise_cuda_graphs", "kv_cache_dtype", "quant_policy", "speculative_config")
 # each registered family's image option (`FamilySpec.plan_setting`)
 FAMILY_OPTIONS = tuple(registry.plan_settings())
 PLAN_OPTIONS = ("device_memory", "device", "host_memory", *_ENGINE_OPTIONS, *FAMILY_OPTIONS, "tp", "pp",
@@ -131,6 +133,7 @@ class MemoryPlan(MemoryTotals):
     # the tokens the same settings give an FP8 cache (kv_cache_dtype "fp8"), when this one is not FP8 and
     # its size follows its bytes (not num_blocks); None otherwise
     fp8_capacity_tokens: int | None = None
+    kv_dtype_fits: tuple = ()  # the same plan under each kv_cache_dtype (`memory.kv_dtypes.KvDtypeFit`)
     # a model of several cache groups (protocol/cache_layout.py): each group's share, the layers per
     # attention group, the longest sequence the blocks hold, the state slots, and prefix reuse per kind
     cache_groups: tuple = ()
@@ -181,6 +184,7 @@ class MemoryPlan(MemoryTotals):
         out["stages"] = [s.to_dict() for s in self.stages]
         out["binding_stage"] = self.binding_stage
         out["consumers"] = [c.to_dict() for c in self.consumers]
+        out["kv_dtype_fits"] = [dataclasses.asdict(f) for f in self.kv_dtype_fits]
         for name in ("weights_bytes", "capacity_tokens", "kv_cache_bytes", "state_bytes",
                      "longest_request_tokens", "request_tokens"):
             out[name] = getattr(self, name)
@@ -195,7 +199,8 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     one of them is required on a machine without a GPU (with one, its GPU is planned). host_memory
     (with device="cpu"; default this machine's RAM). Settings (the engine's names and units):
     memory_utilization, kv_cache_memory ("2GiB" or bytes), encoder_cache_memory ("256MiB", bytes, or 0
-    for none), num_blocks, dtype, kv_cache_dtype ("auto" or "fp8"), block_size,
+    for none), num_blocks, dtype, kv_cache_dtype ("auto", "fp8", "int8" or "int4"; quant_policy 8 / 4:
+    LMDeploy's spelling of int8 / int4), block_size,
     max_model_len, max_num_seqs, max_num_batched_tokens, the family's image setting (`FAMILY_OPTIONS`:
     max_pixels, max_dynamic_patch), tp, shard_vision, enable_expert_parallel, and a workload per request: prompt_tokens (text
     only), images (each at the largest allowed size), output_tokens. `InvalidRequestError` for a bad
@@ -227,11 +232,13 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
         per_block = stages[0].kv_bytes_per_block
     weights, peak, encoder = m.weights, parts.activation_bytes, parts.bytes_of("encoder_cache")
 
-    # the engine's own sizing rules, on the memory it would find after loading the weights; an FP8 cache's
-    # blocks beside them (a planned GPU runs it: the engine refuses only a GPU older than compute 8.0)
+    # the engine's own sizing rules, on the memory it would find after loading the weights; the lower-precision
+    # caches' blocks beside them (a planned GPU runs them: the engine refuses only a GPU older than compute 8.0)
     budget = None if device_memory is None else parts.budget(device_memory, other_use + weights.total)
     cache = size_cache(args, per_block or 1, m.max_position_embeddings, budget,
-                       fp8_bytes_per_block(per_block, m.kv_dtype) if per_block else None, m.layout)
+                       lower_bytes_per_block(per_block, m.layout.page_spec, args.block_size) if per_block else (),
+                       m.layout)
+    sizing_budget = budget
     blocks = max(cache.num_blocks, 0)
     if stages:  # every stage holds the smallest count (one block table serves them all)
         blocks = min(blocks, *(st.num_blocks_possible for st in stages))
@@ -275,6 +282,8 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
         kv_cache_dtype=str(m.kv_dtype).removeprefix("torch."),
         fp8_capacity_tokens=None if cache.fp8_blocks is None else
         dataclasses.replace(cache, num_blocks=max(cache.fp8_blocks, 0)).capacity_tokens,
+        kv_dtype_fits=kv_dtype_fits(args, cache, sizing_budget, m.layout.page_spec, str(dtype).removeprefix("torch."),
+                                    m.max_position_embeddings, max_model_len),
         context_fits=context_fits(m.layout, blocks, args.block_size, args.max_num_batched_tokens,
                                   tuple(n for n in CONTEXT_LENGTHS if n <= m.max_position_embeddings)),
         workload=served, at_once_by_length=tuple(at_once_curve(

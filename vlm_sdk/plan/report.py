@@ -5,6 +5,7 @@ import json
 
 from vlm_sdk.memory.report import (cache_group_rows, consumer_rows, encoder_cache_text, format_bytes as _size,
                                    kv_token_text, table)
+from vlm_sdk.memory.kv_dtypes import kv_dtype_rows
 from vlm_sdk.plan.contexts import context_rows
 from vlm_sdk.plan.planner import PLAN_OPTIONS, MemoryPlan, _value, plan
 
@@ -50,6 +51,7 @@ def format_plan(p: MemoryPlan) -> str:
         *cache_group_rows(p.cache_groups, p.group_size, p.num_state_slots, p.state_slot_bytes, p.max_model_len),
         ("KV capacity", f"{p.capacity_tokens:,} tokens" + (" in one sequence" if p.cache_groups else "")
          + (f"; {p.fp8_capacity_tokens:,} with --kv-cache-dtype fp8" if p.fp8_capacity_tokens else "")),
+        *kv_dtype_rows(p.kv_dtype_fits, p.max_model_len),
         *[(f"  prefix caching, {k}", v) for k, v in p.prefix_reuse],
         *context_rows(p.context_fits, _size),
         ("max_model_len", f"{p.max_model_len:,} (max_position_embeddings {p.max_position_embeddings:,})"),

@@ -11,13 +11,20 @@ them, and every rank allocates the same tensors from the same specs:
                                  state for Gated DeltaNet), whatever its length: one slot per request
 
 Plain data: shapes are this rank's (heads split under tensor parallelism), dtypes are torch dtype
-names ("bfloat16", "float8_e4m3fn", "float32"), so specs travel between processes as they are.
+names ("bfloat16", "float8_e4m3fn", "float32"), so specs travel between processes as they are. An
+attention page's dtype may also be "int8" or "int4" (kv_cache_dtype int8 / int4, LMDeploy's quant_policy
+8 / 4): uint8 code pages (D or D/2 bytes a token and head) with a float32 (scale, zero) pair a token and
+head beside them (kernels/kv_int.py), both counted in `page_bytes`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from vlm_sdk.config import INT_KV_BITS
+
+SZ_BYTES = 4  # each of a token and head's scale and zero in an int8 / int4 page (float32: kernels/kv_int.py)
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -30,15 +37,27 @@ class AttentionSpec:
     """Paged K/V of one attention layer; `window` None for full attention."""
     num_kv_heads: int  # this rank's
     head_dim: int
-    dtype: str  # the cache's (the model's, or "float8_e4m3fn" with kv_cache_dtype="fp8")
+    dtype: str  # the cache's (the model's, "float8_e4m3fn" with kv_cache_dtype="fp8", or "int8" / "int4")
     window: int | None = None  # sliding window in tokens (HF's `sliding_window`)
 
     @property
     def kind(self) -> str:
         return "full" if self.window is None else "sliding_window"
 
+    @property
+    def quant_bits(self) -> int:
+        """8 or 4 for an int8 / int4 page, else 0."""
+        return INT_KV_BITS.get(self.dtype, 0)
+
+    @property
+    def code_dim(self) -> int:
+        """Elements (int: bytes) of one token's head in the K or V page: head_dim, or head_dim / 2 for int4."""
+        return self.head_dim // 2 if self.quant_bits == 4 else self.head_dim
+
     def page_bytes(self, block_size: int) -> int:
-        """One layer's K and V for `block_size` tokens."""
+        """One layer's K and V for `block_size` tokens (an int page: its codes and its scales and zeros)."""
+        if self.quant_bits:
+            return 2 * block_size * self.num_kv_heads * (self.code_dim + 2 * SZ_BYTES)
         return 2 * block_size * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
 
 

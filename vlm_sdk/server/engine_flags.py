@@ -50,8 +50,11 @@ ENGINE_HELP = {
     "encoder_cache_memory": "vision embeddings kept for reuse, e.g. 512MiB (default 256MiB); 0 turns the encoder "
                             "cache off",
     "attention_backend": "'triton' (default on CUDA) or 'torch' (the reference path, default on the CPU)",
-    "kv_cache_dtype": "the KV cache's dtype: 'auto' (the model's, default) or 'fp8' (float8 e4m3 with per-layer K and "
-                      "V scales from the checkpoint, else 1.0: twice the tokens in the same memory)",
+    "kv_cache_dtype": "the KV cache's dtype: 'auto' (the model's, default), 'fp8' (float8 e4m3 with per-layer K and "
+                      "V scales from the checkpoint, else 1.0: twice the tokens in the same memory), or 'int8' / "
+                      "'int4' (per-token, per-head asymmetric codes with their scales and zeros: ~1.9x / ~3.6x "
+                      "the tokens at head_dim 128)",
+    "quant_policy": "LMDeploy's spelling of --kv-cache-dtype: 8 is int8, 4 int4, 0 auto (default: not given)",
     "small_m_gemm": "the decoder's qkv and o projections at <= 8 rows: 'torch' (cuBLAS, default) or 'triton' "
                     "(needs the Triton kernel set; vlm-sdk bench --gpu measures which is faster)",
     "enforce_eager": "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs (default off)",
@@ -125,9 +128,10 @@ ENGINE_HELP = {
 # and video", any other field "engine: other"
 GROUPS = (
     ("engine: memory and KV cache", ("max_model_len", "memory_utilization", "kv_cache_memory", "num_blocks",
-                                     "block_size", "kv_cache_dtype", "enable_prefix_caching", "encoder_cache_memory",
-                                     "max_num_seqs", "max_num_batched_tokens", "max_num_encoder_tokens_per_step",
-                                     "max_prefill_tokens_with_decodes", "num_state_slots", "allow_unfit_images",
+                                     "block_size", "kv_cache_dtype", "quant_policy", "enable_prefix_caching",
+                                     "encoder_cache_memory", "max_num_seqs", "max_num_batched_tokens",
+                                     "max_num_encoder_tokens_per_step", "max_prefill_tokens_with_decodes",
+                                     "num_state_slots", "allow_unfit_images",
                                      "preemption_warning_per_minute")),
     ("engine: model and device", ("revision", "model_family", "dtype", "device", "seed", "attention_backend", "small_m_gemm",
                                   "enforce_eager", "piecewise_cuda_graphs", "async_scheduling",

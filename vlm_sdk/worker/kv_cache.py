@@ -7,7 +7,10 @@ any rank can hold).
                 (for a model of one attention kind: tensor i, today's [layers, 2, blocks, ...] cache)
     state       per state layer, its tensors [num_state_slots, *shape] in the spec's dtypes
 
-`caches[i]` is layer i's: a (K, V) pair, or the tuple of its state tensors in spec order.
+`caches[i]` is layer i's: a (K, V) pair, or the tuple of its state tensors in spec order. An int8 / int4
+page (kv_cache_dtype int8 / int4): K and V are uint8 code pages [num_blocks, block_size, num_kv_heads, D or
+D/2] and layer i's cache is (K, V, K scales+zeros, V scales+zeros), the last two [num_blocks, block_size,
+num_kv_heads, 2] float32 views of one allocation of the same shape as the pages' (kernels/kv_int.py).
 """
 from __future__ import annotations
 
@@ -32,15 +35,17 @@ def allocate_caches(layout: CacheLayout, num_blocks: int, block_size: int, num_s
     where = {j: k for k, j in enumerate(tensors)}  # pool tensor -> its place in this rank's allocation
     # zeros, not empty: batched decode reads padding slots (masked out), and masked garbage that
     # happens to be NaN would still poison the weighted sum; a state slot of a fresh request is zero
-    shape = (len(tensors), 2, num_blocks, block_size, page.num_kv_heads, page.head_dim)
-    flat = torch.zeros(shape, dtype=getattr(torch, page.dtype), device=device)
+    shape = (len(tensors), 2, num_blocks, block_size, page.num_kv_heads, page.code_dim)
+    quant = page.quant_bits
+    flat = torch.zeros(shape, dtype=torch.uint8 if quant else getattr(torch, page.dtype), device=device)
+    sz = torch.zeros((*shape[:-1], 2), dtype=torch.float32, device=device) if quant else None
     caches: list[LayerCache | None] = []
     for i, spec in enumerate(layout.specs):
         if i not in held:
             caches.append(None)  # another pipeline stage's layer
         elif isinstance(spec, AttentionSpec):
             j = where[layout.layer_tensor[i]]
-            caches.append((flat[j, 0], flat[j, 1]))
+            caches.append((flat[j, 0], flat[j, 1]) + ((sz[j, 0], sz[j, 1]) if quant else ()))
         else:
             assert isinstance(spec, StateSpec)
             caches.append(tuple(torch.zeros((num_state_slots, *t.shape), dtype=getattr(torch, t.dtype), device=device)
