@@ -114,7 +114,9 @@ def startup_report(m: MemoryInputs, loads: list[RankLoad], ranks: list[RankCache
         image_tokens_per_image=m.image.tokens, load_seconds=max(r.load_seconds for r in loads),
         tensor_parallel_size=len(loads), ranks=per_rank, consumers=parts.consumers, weight_format=m.weight_format,
         held_vision=m.held_vision_text, at_once=at_once_shapes(m, cache, sched),
-        kv_dtype_fits=() if m.layout is None else kv_dtype_fits(
+        # (none for a pipeline stage of state layers only, rank 0 here: its blocks hold no KV page to resize)
+        kv_dtype_fits=() if m.layout is None or cache.bytes_per_block < m.layout.page_spec.page_bytes(
+            cache.block_size) else kv_dtype_fits(
             m.args, cache, cache.budget, m.layout.page_spec, load.dtype, m.max_position_embeddings,
             sched.max_model_len, runs),
         **cache_shares(m, cache, sched.max_model_len))

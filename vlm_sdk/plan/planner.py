@@ -282,8 +282,10 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
         kv_cache_dtype=str(m.kv_dtype).removeprefix("torch."),
         fp8_capacity_tokens=None if cache.fp8_blocks is None else
         dataclasses.replace(cache, num_blocks=max(cache.fp8_blocks, 0)).capacity_tokens,
-        kv_dtype_fits=kv_dtype_fits(args, cache, sizing_budget, m.layout.page_spec, str(dtype).removeprefix("torch."),
-                                    m.max_position_embeddings, max_model_len),
+        # none for a pipeline stage 0 of state layers only (no KV page in its blocks), as the engine's report
+        kv_dtype_fits=() if not per_block else kv_dtype_fits(
+            args, cache, sizing_budget, m.layout.page_spec, str(dtype).removeprefix("torch."),
+            m.max_position_embeddings, max_model_len),
         context_fits=context_fits(m.layout, blocks, args.block_size, args.max_num_batched_tokens,
                                   tuple(n for n in CONTEXT_LENGTHS if n <= m.max_position_embeddings)),
         workload=served, at_once_by_length=tuple(at_once_curve(
