@@ -123,13 +123,13 @@ class EngineArgs:
     max_num_batched_tokens: int = 8192
     # image tokens (vision embeddings) one step may send through the vision tower: the rest of a step's
     # images, a video's next frame groups, wait for the next steps, so the decode rows beside them keep a
-    # bounded step (engine/core/vision_budget.py); a larger image runs alone in a step; 0: no bound; None:
-    # the device's default (vision_budget.DEFAULTS)
+    # bounded step (engine/core/vision_budget.py); a larger image runs alone in a step; 0 or None: no bound
+    # (`vlm-sdk serve` on the CPU: 256, server/config.py SERVING_STEP_SHARES)
     max_num_encoder_tokens_per_step: int | None = None
     # a prefill chunk in a step that also has decode rows computes at most this many tokens, so a long prompt's
     # or an image's tokens go through the decoder over several steps beside them (a step without decode rows
     # is not bounded); not for a family whose image tokens attend to each other (FamilySpec.whole_images: an
-    # image is prefilled in one chunk); 0: no bound; None: the device's default (vision_budget.DEFAULTS)
+    # image is prefilled in one chunk); 0 or None: no bound (`vlm-sdk serve` on the CPU: 128)
     max_prefill_tokens_with_decodes: int | None = None
     # the model family's engine settings (its `FamilySpec.engine_settings`, e.g. an image size bound),
     # checked by the family when the engine starts; an image part's own options win over them

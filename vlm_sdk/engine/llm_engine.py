@@ -105,7 +105,7 @@ class LLMEngine:
         ranks = size_rank_caches(memory, loads, profiles, executor.collective_rpc("memory_snapshot"),
                                  family.plan_setting[1], fp8_runs="fp8" in runs, int_runs="int8" in runs)
         self.cache_config = min((r.cache for r in ranks), key=lambda c: c.num_blocks)  # every rank holds this many
-        encoder_tokens, prefill_tokens = step_shares(args, self.device.type, family.whole_images)
+        encoder_tokens, prefill_tokens = step_shares(args, family.whole_images)
         self.scheduler_config = dataclasses.replace(scheduler_config(memory, self.cache_config),
                                                     max_num_encoder_tokens_per_step=encoder_tokens,
                                                     max_prefill_tokens_with_decodes=prefill_tokens)

@@ -24,11 +24,33 @@ def accepted_sources(kind: str) -> str:
             f"--allowed-local-media-path")
 
 
+# a serving engine's (max_num_encoder_tokens_per_step, max_prefill_tokens_with_decodes) per device type, where
+# not given (engine/core/vision_budget.py). The CPU's from `vlm-sdk bench-serve --flood` on the 2-core machine
+# (BENCHMARKS.md: 256 and 128 kept the text victims' p99 TTFT and TPOT within 1.1x and 1.3x of alone beside an
+# image flood, against 7.0x and 6.8x unbounded). They cost throughput (the offline `vlm-sdk bench` workload
+# took 143 steps instead of 129), so the Python API keeps them off, as vLLM's offline LLM class keeps its own
+# defaults; CUDA's are not measured (no GPU was lent): off there until they are.
+SERVING_STEP_SHARES = {"cpu": (256, 128)}
+
+
 def server_engine_args(engine_args: dict) -> dict:
-    """`engine_args` with the server's image and video limits wherever they were not given."""
-    return {"max_image_pixels": SERVER_MAX_IMAGE_PIXELS,
-            "max_request_image_pixels": SERVER_MAX_REQUEST_IMAGE_PIXELS,
-            "max_video_bytes": SERVER_MAX_VIDEO_BYTES, **engine_args}
+    """`engine_args` with the server's image and video limits, and its vision budget per step on a device that
+    has one (SERVING_STEP_SHARES), wherever they were not given."""
+    out = {"max_image_pixels": SERVER_MAX_IMAGE_PIXELS,
+           "max_request_image_pixels": SERVER_MAX_REQUEST_IMAGE_PIXELS,
+           "max_video_bytes": SERVER_MAX_VIDEO_BYTES, **engine_args}
+    encoder, prefill = SERVING_STEP_SHARES.get(_device_type(out.get("device")), (None, None))
+    out.setdefault("max_num_encoder_tokens_per_step", encoder)
+    out.setdefault("max_prefill_tokens_with_decodes", prefill)
+    return out
+
+
+def _device_type(device) -> str:
+    """The engine's device type for `device` as given (None: CUDA where torch sees a GPU, as the engine picks)."""
+    if device is None:
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(device).split(":")[0]
 
 
 @dataclass(frozen=True)

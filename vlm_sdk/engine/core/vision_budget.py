@@ -33,23 +33,13 @@ from vlm_sdk.engine.core.sequence import Sequence
 MAX_VISION_WAITS = 16
 
 
-# the defaults of (max_num_encoder_tokens_per_step, max_prefill_tokens_with_decodes) per device type: the CPU's
-# from `vlm-sdk bench-serve --flood` on the 2-core machine (BENCHMARKS.md: 256 and 128 kept the text victims'
-# p99 TTFT and TPOT within 1.1x and 1.3x of alone beside an image flood, against 7.0x and 6.8x unbounded);
-# CUDA's are not measured (no GPU was lent): a decode step there is ~10 ms and prefill tokens far cheaper
-DEFAULTS = {"cpu": (256, 128), "cuda": (1024, 512)}
 
-
-def step_shares(args, device_type: str, whole_images: bool) -> tuple[int | None, int]:
+def step_shares(args, whole_images: bool) -> tuple[int | None, int]:
     """(the encoder tokens a step may encode, None: no bound; the tokens of a prefill chunk beside decode
-    rows, 0: no bound) from the settings (None: the device's default; 0: no bound). A family that prefills an
-    image whole gets no prefill bound (it would cut inside images)."""
-    encoder, prefill = DEFAULTS.get(device_type, DEFAULTS["cuda"])
-    if args.max_num_encoder_tokens_per_step is not None:
-        encoder = args.max_num_encoder_tokens_per_step
-    if args.max_prefill_tokens_with_decodes is not None:
-        prefill = args.max_prefill_tokens_with_decodes
-    return encoder or None, 0 if whole_images else prefill
+    rows, 0: no bound) from the settings (None or 0: no bound; `vlm-sdk serve` gives its own defaults:
+    server/config.py SERVING_STEP_SHARES). A family that prefills an image whole gets no prefill bound (it
+    would cut inside images)."""
+    return args.max_num_encoder_tokens_per_step or None, 0 if whole_images else (args.max_prefill_tokens_with_decodes or 0)
 
 
 def decode_rows(running: list[Sequence]) -> int:
