@@ -126,3 +126,22 @@ def pytest_runtest_makereport(item, call):
     if reason:
         report.outcome = "skipped"
         report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {reason}")
+
+
+# Debian's chromium, driven by playwright: the web sample's and the plan pictures' tests
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """A headless chromium for the module's pages; skipped, naming the install, where it is missing."""
+    if not os.path.exists(CHROMIUM):  # `./run test` installs it when run as root on Debian, and says so
+        pytest.skip(f"{CHROMIUM} is missing: these tests drive Debian's chromium; install it with "
+                    f"`apt-get install -y chromium` (as root: `./run test` does)")
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()

@@ -9,7 +9,6 @@ import contextlib
 import importlib.util
 import io
 import json
-import os
 import re
 import threading
 import time
@@ -25,9 +24,6 @@ from vlm_sdk.client import APIError, AsyncClient
 from vlm_sdk.server.background import BackgroundServer
 from vlm_sdk.server.config import ServerConfig
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 APP_PATH = REPO / "samples" / "web_qa" / "app.py"
 QUESTION = "What is in this image?"
 MAX_TOKENS = 16
@@ -133,18 +129,6 @@ def web_qa(server):
     app = WebQA(server.url)
     yield app
     app.close()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not os.path.exists(CHROMIUM):  # `./run test` installs it when run as root on Debian, and says so
-        pytest.skip(f"{CHROMIUM} is missing: these tests drive Debian's chromium; install it with "
-                    f"`apt-get install -y chromium` (as root: `./run test` does)")
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture

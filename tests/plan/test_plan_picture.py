@@ -5,7 +5,6 @@ cache's arithmetic, the workload's bins its shares; no console errors."""
 from __future__ import annotations
 
 import json
-import os
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -16,21 +15,6 @@ from vlm_sdk.plan import plan
 from vlm_sdk.plan.picture import BAR_WIDTH
 
 CONFIGS = TESTS / "configs"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not os.path.exists(CHROMIUM):  # `./run test` installs it when run as root on Debian, and says so
-        pytest.skip(f"{CHROMIUM} is missing: these tests drive Debian's chromium; install it with "
-                    f"`apt-get install -y chromium` (as root: `./run test` does)")
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
 
 
 def _workload(tmp_path):

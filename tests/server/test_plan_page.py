@@ -4,7 +4,6 @@ place while a request runs and after it ends; no console errors."""
 from __future__ import annotations
 
 import json
-import os
 import urllib.request
 
 import pytest
@@ -13,21 +12,6 @@ from server_helpers import API_KEY
 from vlm_sdk.server.background import BackgroundServer
 from vlm_sdk.server.config import ServerConfig
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not os.path.exists(CHROMIUM):  # `./run test` installs it when run as root on Debian, and says so
-        pytest.skip(f"{CHROMIUM} is missing: these tests drive Debian's chromium; install it with "
-                    f"`apt-get install -y chromium` (as root: `./run test` does)")
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
 
 
 def _live(page, key: str) -> str:
