@@ -31,6 +31,7 @@ CONFIGS = REPO / "tests" / "configs"
 NOT_RUN = {
     "Qwen2.5-VL-72B-Instruct-AWQ": "40 GiB of weights (its plan is the next block, checked below)",
     "tensor_parallel_size=4": "4 GPUs (tests/executor/test_tensor_parallel.py runs 2 ranks on the CPU)",
+    "pipeline_parallel_size=2": "8 GPUs (tests/executor/test_pipeline_parallel.py runs 2 stages x 2 ranks on the CPU)",
     "serve_replicas(model": "a Ray cluster (tests/replicas/test_replicas.py serves 3 replicas on the CPU)",
 }
 # the tiny-model runs of the README's bash lines, besides parsing every one

@@ -217,10 +217,14 @@ def test_serve_flags_reach_the_server_and_the_engine():
     args = parser.parse_args(["m", "--max-stop-strings", "1000", "--max-stop-chars", "64", "--max-image-pixels",
                               "64000000", "--allow-special-tokens-in-text"])
     assert (args.max_stop_strings, args.max_stop_chars) == (1000, 64)
+    # a serving engine on the CPU also bounds a step's vision work (server/config.py SERVING_STEP_SHARES)
+    shares = {"max_num_encoder_tokens_per_step": 256, "max_prefill_tokens_with_decodes": 128}
     assert server_engine_args(engine_kwargs(args)) == {
         "max_image_pixels": 64_000_000, "max_request_image_pixels": 67_108_864, "allow_special_tokens_in_text": True,
-        "max_video_bytes": 256 << 20}
-    assert server_engine_args({}) == {"max_image_pixels": 16_777_216, "max_request_image_pixels": 67_108_864,
-                                      "max_video_bytes": 256 << 20}
+        "max_video_bytes": 256 << 20, **shares}
+    assert server_engine_args({"device": "cpu"}) == {"max_image_pixels": 16_777_216, "max_request_image_pixels": 67_108_864,
+                                                     "max_video_bytes": 256 << 20, "device": "cpu", **shares}
+    assert server_engine_args({"device": "cpu", "max_num_encoder_tokens_per_step": 0})["max_num_encoder_tokens_per_step"] == 0
+    assert server_engine_args({"device": "cuda:1"})["max_num_encoder_tokens_per_step"] is None  # unmeasured: off
     with pytest.raises(SystemExit):
         parser.parse_args(["m", "--max-stop-strings", "-1"])
