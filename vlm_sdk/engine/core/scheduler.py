@@ -31,6 +31,11 @@ Asynchronous scheduling: a sequence whose last sampled token is still on the dev
 asks for that token too, and is left out when that token is certain to be its last (max_tokens or
 max_model_len reached); a waiting sequence is admitted only once its tokens have all arrived.
 
+Pipeline micro-batches (`skip_inflight`: the engine keeps several steps in flight through the stages):
+a sequence whose sampled token is on its way is left out until it has arrived (vLLM's scheduler under
+pipeline parallelism: it has no new token to compute), while a prefilling one may have its next chunk in
+the next micro-batch (every stage runs the micro-batches in order, so the chunk before is computed first).
+
 Speculative decoding: a decoding sequence with drafts (`Sequence.spec_token_ids`, proposed by the engine
 before the schedule) asks for its last token and its drafts when the budget and free blocks hold them, and
 drops its drafts otherwise (`spec_decode.spec_tokens`): drafts never preempt anyone. After its step the
@@ -65,8 +70,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheCoordinator):
+    def __init__(self, config: SchedulerConfig, cache: CacheCoordinator, skip_inflight: bool = False):
         self.config = config
+        self.skip_inflight = skip_inflight
         self.cache = cache
         self.waiting = FairWaitingQueue(config.max_num_seqs - config.max_num_seqs // 4)
         self.running: list[Sequence] = []
@@ -85,7 +91,7 @@ class Scheduler:
         vision = VisionBudget(self.config.max_num_encoder_tokens_per_step)
         if vision.limit is not None:  # the next image of a sequence passed over too long goes first
             vision.keep_for(aged(self.running, self.waiting.peek() if self.waiting else None))
-        decodes = decode_rows(self.running)
+        decodes = decode_rows(self.running, self.skip_inflight)
         # prefill chunks beside decode rows are cut to max_prefill_tokens_with_decodes (0: not cut)
         cap = self.config.max_prefill_tokens_with_decodes if decodes else 0
         budget = self._schedule_running(out, self.config.max_num_batched_tokens, vision, decodes, cap)
@@ -109,10 +115,13 @@ class Scheduler:
         whole_images = self.cache.whole_images
         bounded = vision.limit is not None
         prefill_cap = cap or budget
+        skip_inflight = self.skip_inflight
         # preemption removes sequences from the end of `running` only: the iterator stops before them
         for seq in running:
             if budget <= 0:
                 break
+            if skip_inflight and seq.num_inflight:
+                continue  # its token is still in the pipeline's stages: nothing to compute until it arrives
             left = len(seq.token_ids) + seq.num_inflight - seq.num_computed_tokens
             if left == 1:
                 reserve -= 1
