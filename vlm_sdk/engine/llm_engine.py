@@ -22,8 +22,8 @@ request whose grammar or penalties need its every token on the host is read at o
 
 Pipeline micro-batches (`pipeline_micro_batches`, by default one per stage: vLLM's batch queue,
 `step_with_batch_queue`): up to that many steps are in flight through the stages at once. A call to
-`step()` first schedules a micro-batch from the requests with nothing in flight (the scheduler's
-`skip_inflight`) while the queue has room and launches it (`executor.execute_async` returns once stage 0
+`step()` first schedules a micro-batch from the requests with nothing in flight (at most its share of
+them: engine/core/scheduler.py) while the queue has room and launches it (`executor.execute_async` returns once stage 0
 has run it); it returns at once while the queue still has room and the micro-batch had tokens, else it
 waits for the oldest micro-batch and post-processes it. Outputs are applied in launch order.
 
@@ -138,7 +138,7 @@ class LLMEngine:
                                       whole_images=family.whole_images)
         # pipeline micro-batches in flight at once (1: one step at a time)
         self.micro_batches = min(args.micro_batches(), getattr(self.executor, "max_concurrent_batches", 1))
-        self.scheduler = Scheduler(self.scheduler_config, self.cache, skip_inflight=self.micro_batches > 1)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache, micro_batches=self.micro_batches)
         self._batch_queue: deque[tuple[ScheduledBatch, PendingOutput]] = deque()  # launched micro-batches, oldest first
         # speculative decoding (engine/core/spec_decode.py): drafts before each schedule, verified by the ranks
         self.spec = SpecDecoder(args.speculative_config) if args.speculative_config is not None else None
