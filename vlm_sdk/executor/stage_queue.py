@@ -46,6 +46,7 @@ class StageQueue:
         self._expected: queue.SimpleQueue = queue.SimpleQueue()  # futures awaiting their output, oldest first
         self._lock = threading.Condition()
         self._inflight = 0  # submitted, output not yet in
+        self.peak = 0  # the most micro-batches that were in flight at once
         self._dead: BaseException | None = None
         self._current: Future | None = None  # the one the receiver waits for
         for name, target in (("vlm-pp-send", self._send_loop), ("vlm-pp-recv", self._recv_loop)):
@@ -58,6 +59,7 @@ class StageQueue:
             if self._dead is not None:
                 raise self._dead
             self._inflight += 1
+            self.peak = max(self.peak, self._inflight)
             self._expected.put(future)
         self._control.broadcast(0, command)  # stage 0's other tensor-parallel ranks compute beside us
         self._sends.put(command)
