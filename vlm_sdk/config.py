@@ -418,7 +418,9 @@ class EngineArgs:
                 raise InvalidRequestError(
                     f"async_scheduling=True needs one rank, and pipeline_parallel_size={self.pipeline_parallel_size}: "
                     f"the next step's ids would stay on the last stage's device while the first stage embeds them. "
-                    f"Leave async_scheduling unset (or False) with pipeline parallelism", param="async_scheduling")
+                    f"The pipeline overlaps its steps by itself: pipeline_micro_batches (default one per stage) "
+                    f"micro-batches are in flight while the next is scheduled. Leave async_scheduling unset (or "
+                    f"False) with pipeline parallelism", param="async_scheduling")
             raise InvalidRequestError(
                 f"async_scheduling=True needs tensor_parallel_size=1 (got {tensor_parallel_size}): the next step's "
                 f"ids stay on rank 0's device. Leave async_scheduling unset (or False) with tensor parallelism",
