@@ -137,13 +137,15 @@ def test_uneven_partition_chunked_prefill_preemption_and_prefix_caching(tmp_path
 
 
 def test_two_stages_of_two_ranks(tiny_ckpt):
-    """PP=2 x TP=2 (four ranks, stage-major): the tokens of one rank."""
+    """PP=2 x TP=2 (four ranks, stage-major): the tokens of one rank, two micro-batches in flight (stage 0's
+    second rank takes its commands from rank 0 alone, stage 1's from their own group)."""
     convs = _conversations()
     want = [o.token_ids for o in LLM(tiny_ckpt, show_progress=False, num_blocks=40).chat(convs, GREEDY)]
     with LLM(tiny_ckpt, show_progress=False, pipeline_parallel_size=2, tensor_parallel_size=2,
              num_blocks=40) as four:
         assert [o.token_ids for o in four.chat(convs, GREEDY)] == want
         assert [r[1] for r in four.engine.executor.collective_rpc(rank_process)] == [0, 0, 1, 1]
+        assert four.engine.executor._stage_queue.peak == 2
 
 
 def test_a_killed_stage_fails_every_request_and_leaves_no_rank(tiny_ckpt):
