@@ -64,7 +64,7 @@ def add_bench_arguments(bench: argparse.ArgumentParser, families: tuple[str, ...
     bench.add_argument("--enable-expert-parallel", action="store_true",
                        help="with --tensor-parallel-size: the ranks hold whole MoE experts (the engine's setting; "
                             "default off)")
-    for add in (_gpu, _multi_turn, _structured, _host_overhead, _sampler, _video, _speculative):
+    for add in (_gpu, _multi_turn, _structured, _host_overhead, _sampler, _cpu_gemm, _video, _speculative):
         add(bench)
 
 
@@ -167,6 +167,14 @@ def _sampler(bench) -> None:
     g.add_argument("--sampler-vocab", type=int, default=d.vocab, help=f"with --sampler: vocabulary (default {d.vocab})")
     g.add_argument("--sampler-repeats", type=int, default=d.repeats,
                    help=f"with --sampler: timed calls per path, the median is shown (default {d.repeats})")
+
+
+def _cpu_gemm(bench) -> None:
+    """`--cpu-gemm`: the CPU's float32 product paths on a checkpoint's shapes (vlm_sdk/bench/cpu_gemm.py)."""
+    g = bench.add_argument_group("the CPU's float32 products: F.linear, MKL packed, oneDNN (vlm_sdk/bench/cpu_gemm.py)")
+    g.add_argument("--cpu-gemm", action="store_true", help="time each product path at the checkpoint's LM head and "
+                   "decoder shapes instead of the transformers comparison (default off)")
+    g.add_argument("--gemm-repeats", type=int, default=9, help="with --cpu-gemm: timed calls per cell (default 9)")
 
 
 def _video(bench) -> None:
