@@ -1,5 +1,6 @@
 """The dry run (engine/render.py) equals what the engine then does with the same request: token ids, each
-cache group's blocks after the first step, the free blocks that step takes, the prefix-cache hit; for
+cache group's blocks after the first step, the free blocks that step takes, the prefix-cache hit, the
+tokens of its first step and the steps to its first token (the vision budget on and off); for
 every family (one image request each), text, a video and tools; a request that does not fit lists fixes
 that each make it fit once applied."""
 import asyncio
@@ -40,16 +41,19 @@ def _run_and_compare(llm: LLM, request, params=PARAMS, tools=None):
     rid = engine.add_request(prompt, params)
     seq = engine.requests[rid]
     outs = engine.step()
+    steps = 1
     assert seq.metrics.cached_tokens == rendered.prefix_hit_tokens
     assert seq.num_computed_tokens == rendered.prefix_hit_tokens + rendered.first_step_tokens
     assert _held(seq) == [g.prompt_blocks for g in rendered.groups]
     assert free - engine.cache.num_free_blocks == rendered.new_blocks
     most = _held(seq)
     while engine.has_unfinished():  # to its end: no group ever holds more than the render said
+        steps += seq.num_computed_tokens < seq.num_prompt_tokens  # this step is still its prompt's
         outs = engine.step() or outs
         if seq.block_ids:
             most = [max(a, b) for a, b in zip(most, _held(seq))]
     assert all(m <= g.blocks for m, g in zip(most, rendered.groups))
+    assert steps == rendered.prefill_steps  # the steps to its first token
     assert sum(g.bytes for g in rendered.groups) == rendered.kv_blocks * rendered.bytes_per_block
     return rendered
 
@@ -100,6 +104,39 @@ def test_a_video_is_one_part_with_its_frames_and_grid(qwen, tmp_path):
     t, h, w = video.grid
     assert video.tokens == t * h * w // 4  # merged 2x2
     assert rendered.to_dict()["parts"]["videos"][0]["frames"] == video.frames
+
+
+@pytest.fixture(scope="module")
+def budgeted(tiny_ckpt):
+    """The vision budget on (16 image tokens a step, as `vlm-sdk serve` sets one on the CPU): a 6-token image
+    fits it, a 24-token one runs alone in its step, a video's 140-token frame groups one a step."""
+    with LLM(tiny_ckpt, num_blocks=512, block_size=4, max_num_encoder_tokens_per_step=16, show_progress=False) as llm:
+        yield llm
+
+
+def _two_images() -> list[dict]:  # 6 and 24 image tokens on the tiny Qwen2.5-VL
+    return [{"role": "user", "content": [{"type": "image", "image": image(96, 64, 1)},
+                                         {"type": "image", "image": image(160, 112, 2)},
+                                         {"type": "text", "text": "Compare them."}]}]
+
+
+def test_the_vision_budget_cuts_the_render_as_the_scheduler_cuts_the_step(qwen, budgeted):
+    clip = write_video(frames=16, fps=8, width=64, height=48)
+    video = [{"role": "user", "content": [{"type": "video", "video": clip}, {"type": "text", "text": "What?"}]}]
+    off_images, off_video = _run_and_compare(qwen, _two_images()), _run_and_compare(qwen, video)
+    on_images, on_video = _run_and_compare(budgeted, _two_images()), _run_and_compare(budgeted, video)
+    assert off_images.max_num_encoder_tokens_per_step is None and on_images.max_num_encoder_tokens_per_step == 16
+    small, large = on_images.images()
+    assert (small.tokens, large.tokens) == (6, 24) and on_images.token_ids == off_images.token_ids
+    # off: the whole prompt in one step; on: the first step ends before the image the budget does not hold,
+    # which then runs alone (over the whole budget: never split)
+    assert off_images.prefill_steps == 1 and off_images.first_step_tokens == off_images.num_tokens - off_images.prefix_hit_tokens
+    assert on_images.prefill_steps == 2 and on_images.prefix_hit_tokens + on_images.first_step_tokens == large.offset
+    (frames,) = on_video.videos()
+    assert frames.items == 2 and off_video.prefill_steps == 1 and on_video.prefill_steps == 2  # a frame group a step
+    assert on_video.to_dict()["fits"]["prefill_steps"] == 2
+    for llm in (qwen, budgeted):
+        llm.engine.release_finished()
 
 
 @pytest.mark.parametrize("case", ["image", "large_image", "long_text"])

@@ -18,6 +18,12 @@
                   the output it may generate: max_tokens, at most max_model_len) and their bytes; the
                   state slot of a model with state layers
     prefix_cache  the tokens `CacheCoordinator.start` would find cached now (its `peek_hit`)
+    steps         `first_step_tokens`: what its first step computes were it admitted alone (the scheduler's
+                  chunk rules: max_num_batched_tokens, block alignment, whole images, and the step's vision
+                  budget, max_num_encoder_tokens_per_step: a chunk ends before the first image the budget does
+                  not hold, an image over the whole budget alone in its step); `prefill_steps`: the steps to
+                  its first token running alone, each step with a fresh budget (a video's frame groups over
+                  several)
     fits          now: admission this step would take it (blocks its first chunk needs <= free, a state
                   slot, a sequence slot); ever: the prompt fits max_model_len. When it does not, `error`
                   is the engine's InputTooLongError (its message, fixes, together, video_fixes)
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 
 from vlm_sdk.engine.core.cache_managers import NULL_BLOCK
 from vlm_sdk.engine.core.sequence import Sequence
+from vlm_sdk.engine.core.vision_budget import VisionBudget
 from vlm_sdk.errors import InputTooLongError
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.protocol.blocks import blocks_needed
@@ -99,7 +106,8 @@ class RenderedRequest:
     state_slot_bytes: int  # 0: no state layers
     prefix_hit_tokens: int
     new_blocks: int  # taken from the free pool by its first step now (cached-free hits revived included)
-    first_step_tokens: int  # tokens its first step computes (max_num_batched_tokens, chunk rules)
+    first_step_tokens: int  # tokens its first step computes (max_num_batched_tokens, chunk rules, vision budget)
+    prefill_steps: int | None  # steps to its first token running alone (None: refused, or never: see fits_now)
     free_blocks: int
     free_state_slots: int | None  # None: no state layers
     running: int
@@ -107,6 +115,7 @@ class RenderedRequest:
     max_num_seqs: int
     max_model_len: int
     capacity_tokens: int
+    max_num_encoder_tokens_per_step: int | None = None  # the vision budget of a step (None: no bound)
     cache_salt: str | None = None
     error: NoFit | None = None  # it never fits: the too-long error's message and fixes
 
@@ -154,7 +163,9 @@ class RenderedRequest:
             "prefix_cache": {"hit_tokens": self.prefix_hit_tokens,
                              "hit_blocks": self.prefix_hit_tokens // self.block_size},
             "fits": {"now": self.fits_now, "ever": self.fits_ever, "new_blocks": self.new_blocks,
-                     "first_step_tokens": self.first_step_tokens, "free_blocks": self.free_blocks,
+                     "first_step_tokens": self.first_step_tokens, "prefill_steps": self.prefill_steps,
+                     "max_num_encoder_tokens_per_step": self.max_num_encoder_tokens_per_step,
+                     "free_blocks": self.free_blocks,
                      "free_state_slots": self.free_state_slots, "running": self.running, "waiting": self.waiting,
                      "max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,
                      "capacity_tokens": self.capacity_tokens},
@@ -208,10 +219,11 @@ def refused(engine, error: InputTooLongError, params: SamplingParams | None) -> 
         token_ids=None, num_tokens=error.prompt_tokens, text_tokens=error.prompt_tokens - sum(error.image_tokens),
         parts=(), max_tokens=(params or SamplingParams()).max_tokens, output_tokens=0, block_size=cache.block_size,
         bytes_per_block=engine.cache_config.bytes_per_block, groups=(), state_slot_bytes=0, prefix_hit_tokens=0,
-        new_blocks=0, first_step_tokens=0, free_blocks=cache.num_free_blocks,
+        new_blocks=0, first_step_tokens=0, prefill_steps=None, free_blocks=cache.num_free_blocks,
         free_state_slots=cache.num_free_slots if cache.state_pool is not None else None,
         running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting), max_num_seqs=sched.max_num_seqs,
-        max_model_len=sched.max_model_len, capacity_tokens=engine.cache_config.capacity_tokens, error=NoFit.of(error))
+        max_model_len=sched.max_model_len, capacity_tokens=engine.cache_config.capacity_tokens,
+        max_num_encoder_tokens_per_step=sched.max_num_encoder_tokens_per_step, error=NoFit.of(error))
 
 
 def inspect(engine, prompt: PromptInputs, params: SamplingParams | None, parts: list) -> RenderedRequest:
@@ -234,6 +246,8 @@ def inspect(engine, prompt: PromptInputs, params: SamplingParams | None, parts: 
     if cache.aligned:
         step = cache.align(seq, computed, step)
     step = cache.whole_image(seq, computed, step)
+    step = VisionBudget(sched.max_num_encoder_tokens_per_step).cut(seq, computed, step)  # a step it starts alone
+    steps = _prefill_steps(cache, sched, seq, computed, step) if error is None else None
     need = max(cache.blocks_for(computed + step) - k, 0)
     pool = cache.pool
     hits = [m.hit_blocks(seq.block_hashes, k) for m in cache.managers] if k else [[] for _ in cache.managers]
@@ -247,11 +261,35 @@ def inspect(engine, prompt: PromptInputs, params: SamplingParams | None, parts: 
         block_size=size, bytes_per_block=cc.bytes_per_block, groups=groups,
         state_slot_bytes=cc.state_slot_bytes if cache.state_pool is not None else 0,
         prefix_hit_tokens=computed, new_blocks=need * cache.num_groups + revived, first_step_tokens=step,
+        prefill_steps=steps,
         free_blocks=cache.num_free_blocks,
         free_state_slots=cache.num_free_slots if cache.state_pool is not None else None,
         running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting),
         max_num_seqs=sched.max_num_seqs, max_model_len=sched.max_model_len, capacity_tokens=cc.capacity_tokens,
-        cache_salt=prompt.cache_salt, error=error)
+        max_num_encoder_tokens_per_step=sched.max_num_encoder_tokens_per_step, cache_salt=prompt.cache_salt,
+        error=error)
+
+
+def _prefill_steps(cache, sched, seq: Sequence, computed: int, first: int) -> int | None:
+    """The steps `seq` (a throwaway copy: it is changed) takes to its first token running alone, its first
+    chunk `first` tokens from `computed`: each later chunk as the scheduler cuts a running sequence's (the
+    whole token budget, no decode rows beside it; align, whole images, a fresh vision budget, the images
+    the worker holds not counted again). None when a chunk is cut to nothing (start-up refuses a budget
+    that cannot hold the largest image, so only a first step can be: see `fits_now`)."""
+    if first == 0:
+        return None
+    end, steps, n_prompt = computed + first, 1, seq.num_prompt_tokens
+    seq.in_worker = True  # from its second step on, the worker holds the image its last chunk ended inside
+    while end < n_prompt:
+        n = min(n_prompt - end, sched.max_num_batched_tokens)
+        if cache.aligned and n > 1:
+            n = cache.align(seq, end, n)
+        n = cache.whole_image(seq, end, n)
+        n = VisionBudget(sched.max_num_encoder_tokens_per_step).cut(seq, end, n)
+        if n == 0:
+            return None
+        end, steps = end + n, steps + 1
+    return steps
 
 
 @dataclass(frozen=True)
