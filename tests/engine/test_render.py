@@ -78,6 +78,52 @@ def test_render_equals_the_engine_for_every_family(family_llm):
     llm.engine.release_finished()
 
 
+def test_n_samples_share_the_prompt_as_the_engine_shares_it(family_llm):
+    """n = 3: the later samples' hit, the blocks each takes at its start and holds, the request's blocks
+    together at their peak (distinct block ids over its sequences) and its state slots, against the engine
+    running the 3 sequences as LLM / AsyncLLM add them (one group, params.sample(i))."""
+    family, llm = family_llm
+    params = SamplingParams(n=3, max_tokens=5, temperature=0.8, seed=1, ignore_eos=True)
+    request = _image_request(11)  # an image no earlier test cached
+    rendered = llm.render(request, params)
+    engine = llm.engine
+    assert rendered.n == 3 and rendered.fits_now and rendered.sample_hit_tokens > 0
+    prompt = llm.inputs.build_prompt(request, params)
+    seqs = [engine.requests[engine.add_request(prompt, params.sample(i), group="n3")] for i in range(3)]
+    free = engine.cache.num_free_blocks
+    started: dict[int, list[int]] = {}  # sample -> its blocks per group at its first step
+    seen = {"peak": 0, "slots": 0, "first": None}
+    schedule = engine.scheduler.schedule
+
+    def watched():  # the blocks held as each step is scheduled (a step that finishes them frees its last at once)
+        batch = schedule()
+        if seen["first"] is None:
+            seen["first"] = free - engine.cache.num_free_blocks
+        for i, seq in enumerate(seqs):
+            if seq.block_ids and i not in started:
+                started[i] = _held(seq)
+        held = {b for seq in seqs for blocks in seq.block_ids for b in blocks if b != NULL_BLOCK}
+        seen["peak"] = max(seen["peak"], len(held))
+        seen["slots"] = max(seen["slots"], sum(1 for seq in seqs if seq.state_slot >= 0))
+        return batch
+    engine.scheduler.schedule = watched
+    try:
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        del engine.scheduler.schedule
+    peak, slots, first_step = seen["peak"], seen["slots"], seen["first"]
+    assert [seq.metrics.cached_tokens for seq in seqs] == [rendered.prefix_hit_tokens] + [rendered.sample_hit_tokens] * 2
+    later = [g.shared + rendered.sample_new_blocks // len(rendered.groups) for g in rendered.groups]
+    assert started[0] == [g.prompt_blocks for g in rendered.groups] and started[1] == started[2] == later
+    windowed = any(g.window is not None for g in rendered.groups)  # a window's blocks: the render's bound
+    assert (peak == rendered.kv_blocks) if not windowed else (peak <= rendered.kv_blocks), (peak, rendered.groups)
+    assert slots == rendered.state_slots == (3 if rendered.free_state_slots is not None else 0)
+    if not llm.engine.cache.aligned:  # all three start in the first step (a state model's later ones wait for
+        assert first_step == rendered.all_new_blocks  # the first's checkpoint)
+    engine.release_finished()
+
+
 @pytest.fixture(scope="module")
 def qwen(tiny_ckpt):
     with LLM(tiny_ckpt, num_blocks=512, block_size=4, show_progress=False) as llm:
