@@ -302,7 +302,7 @@ def _workload(o: dict, info, m, facts, dtype, encoder: int, cache):
     from vlm_sdk.sampling_params import DEFAULT_MAX_TOKENS
     tokens_for = m.image.tokens_for or (lambda w, h: m.image.tokens)  # no size rule: the largest allowed
     requests = read_workload(o["workload"], tokens_for, o["output_tokens"] if o["output_tokens"] is not None else
-                             DEFAULT_MAX_TOKENS, info.config_path.parent)
+                             DEFAULT_MAX_TOKENS, info.config_path.parent, m.image.video_for)
     per_token = m.hidden_size * torch.finfo(dtype).bits // 8  # one image token's embedding
     return plan_workload(requests, facts, per_token, encoder, cache.fp8_blocks)
 

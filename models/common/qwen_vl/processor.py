@@ -147,15 +147,18 @@ class QwenVLProcessor(PromptProcessor):
 
     def media_parts(self, prompt: PromptInputs) -> list[MediaPart]:
         """Images one item each (grid (1, h, w)); a video's temporal patches one part, up to the patch that
-        ends its run (grid (patches, h, w), its frames temporal_patch_size per patch)."""
+        ends its run and the video (grid (patches, h, w), its frames temporal_patch_size per patch): Qwen3-VL's
+        patches are runs of their own, one video still one part."""
         parts, run = [], []
-        for i, im in enumerate(prompt.images):
+        images = prompt.images
+        for i, im in enumerate(images):
             meta = im.meta
             if meta.video is None and meta.frames == 1:
                 parts.append(MediaPart("image", (i,), 1, tuple(meta.grid_thw)))
                 continue
             run.append(i)
-            if meta.ends_run:
+            after = images[i + 1].meta if i + 1 < len(images) else None
+            if meta.ends_run and (after is None or meta.video is None or after.video is not meta.video):
                 first = prompt.images[run[0]].meta
                 parts.append(MediaPart("video", tuple(run), sum(prompt.images[j].meta.frames for j in run),
                                        (len(run), first.grid_thw[1], first.grid_thw[2])))
