@@ -56,8 +56,21 @@ class Eagle3Config:
         h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
         qkv = 2 * h * (self.num_heads + 2 * self.num_kv_heads) * d
         layer = qkv + self.num_heads * d * h + 3 * h * i + 3 * h
+        if self.attention_bias:  # q, k, v and o_proj (vLLM's bias_o_proj follows attention_bias)
+            layer += (self.num_heads + 2 * self.num_kv_heads) * d + h
         return (3 * self.target_hidden_size * h + layer + h + self.draft_vocab_size * h
                 + (self.vocab_size * h if has_embedding else 0))
+
+
+def draft_memory(path: str | Path, target, dtype_bytes: int, block_size: int) -> tuple[int, int]:
+    """(the draft's weight bytes, its K/V page per block) for `target` (a model or its meta twin: vocab_size,
+    hidden_size, num_layers): what the engine's worker holds (`vlm-sdk plan` counts the same). Reads the
+    draft's config.json and its safetensors' names (whether it ships its own embedding)."""
+    from vlm_sdk.model_loader import iter_safetensors
+    cfg = read_eagle3_config(path, target.vocab_size, target.hidden_size, target.num_layers)
+    names = {name for name, _ in iter_safetensors(path, show_progress=False, lazy=True)}
+    weights = cfg.num_parameters("embed_tokens.weight" in names) * dtype_bytes + 8 * cfg.draft_vocab_size  # + d2t
+    return weights, cfg.page_bytes(block_size, dtype_bytes)
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:

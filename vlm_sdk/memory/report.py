@@ -141,9 +141,12 @@ class MemoryTotals:
     num_state_slots: int
     state_slot_bytes: int
 
+    weights_draft_bytes: int = 0  # a speculative draft's (EAGLE-3); the dataclasses below may set it
+
     @property
     def weights_bytes(self) -> int:
-        return self.weights_language_model_bytes + self.weights_vision_bytes + self.weights_projector_bytes
+        return self.weights_language_model_bytes + self.weights_vision_bytes + self.weights_projector_bytes \
+            + self.weights_draft_bytes
 
     @property
     def capacity_tokens(self) -> int:
@@ -214,6 +217,7 @@ class StartupMemory(MemoryTotals):
     state_slot_bytes: int = 0
     prefix_reuse: tuple = ()  # (kind, whether and how it reuses cached prefixes) when several kinds
     kv_dtype_fits: tuple = ()  # the same settings under each kv_cache_dtype that runs (`memory.kv_dtypes`)
+    weights_draft_bytes: int = 0  # speculative_config method "eagle3": the draft head's weights
 
     def to_dict(self) -> dict:
         out = asdict(self) | {"weights_bytes": self.weights_bytes, "capacity_tokens": self.capacity_tokens,
@@ -238,7 +242,9 @@ class StartupMemory(MemoryTotals):
                 if self.tensor_parallel_size > 1 else "")),
             ("weights", f"{format_bytes(self.weights_bytes)}: language model "
              f"{format_bytes(self.weights_language_model_bytes)}, vision tower {format_bytes(self.weights_vision_bytes)}, "
-             f"projector {format_bytes(self.weights_projector_bytes)}{loaded}; loaded in {self.load_seconds:.1f} s"),
+             f"projector {format_bytes(self.weights_projector_bytes)}"
+             f"{f', EAGLE-3 draft {format_bytes(self.weights_draft_bytes)}' if self.weights_draft_bytes else ''}"
+             f"{loaded}; loaded in {self.load_seconds:.1f} s"),
             ("weight format", self.weight_format),
             ("activation peak", peak),
             *consumer_rows(self.consumers),
