@@ -62,7 +62,10 @@ def kv_token_text(per_token: int, layers: int, kv_heads: int, head_dim: int, kv_
                 f"zero)) (kv_cache_dtype='{kv_dtype}': per-token, per-head asymmetric, LMDeploy's quant_policy "
                 f"{8 if kv_dtype == 'int8' else 4})")
     fp8 = " (kv_cache_dtype='fp8': e4m3 with per-layer K and V scales)" if kv_dtype.startswith("float8") else ""
-    return f"{per_token:,} B ({layers} layers x 2 x {kv_heads} KV heads x {head_dim} x {kv_dtype}){fp8}"
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(kv_dtype, 1)
+    extra = per_token - layers * 2 * kv_heads * head_dim * size  # an EAGLE-3 draft's page rides in every block
+    draft = f" + {extra:,} B of the EAGLE-3 draft layer's K and V" if extra > 0 else ""
+    return f"{per_token:,} B ({layers} layers x 2 x {kv_heads} KV heads x {head_dim} x {kv_dtype}{draft}){fp8}"
 
 
 def cache_groups(layout: CacheLayout | None, block_size: int, chunk_tokens: int, max_model_len: int) -> tuple[dict, ...]:

@@ -97,12 +97,14 @@ def write_eagle3_draft(target_dir: str | Path, out: str | Path, *, aux_layer_ids
     return out
 
 
-def make_token_local(target_dir: str | Path, attention_scale: float = 0.0) -> None:
+def make_token_local(target_dir: str | Path, attention_scale: float = 0.0, keep_vocab: int | None = None) -> None:
     """Rewrite the target's decoder (in place) so that it mixes nothing between tokens and only its last
     layer's MLP acts: every o_proj scaled by `attention_scale` (0: zeroed), every earlier down_proj zeroed,
     embedding rows scaled to unit RMS. Its speed is unchanged (the same shapes run); with 0 its next token
     is a function of the current one, which `write_eagle3_draft`'s draft computes exactly (the bench's
-    agreeing pair); a little attention left makes the draft right often, not always (the tests')."""
+    agreeing pair); a little attention left makes the draft right often, not always (the tests'). `keep_vocab`:
+    the LM head's rows (a tied head's embedding rows) past it zeroed, so the target's greedy tokens stay in
+    the first ids, where a draft with that draft_vocab_size looks (the published drafts keep 32,000)."""
     info = read_checkpoint(target_dir)
     layers = text_config(info.hf_config).num_hidden_layers
     files = sorted(Path(target_dir).glob("*.safetensors"))
@@ -117,5 +119,9 @@ def make_token_local(target_dir: str | Path, attention_scale: float = 0.0) -> No
             elif name.endswith("mlp.down_proj.weight") and f"layers.{layers - 1}." not in name:
                 w[name] = torch.zeros_like(t)
             elif name.endswith("embed_tokens.weight"):
-                w[name] = t / t.float().pow(2).mean(-1, keepdim=True).sqrt().to(t.dtype)
+                w[name] = (t.float() / t.float().pow(2).mean(-1, keepdim=True).sqrt()).to(t.dtype)
+            if keep_vocab is not None and (name == "lm_head.weight" or (
+                    name.endswith("embed_tokens.weight") and "lm_head.weight" not in w)):
+                w[name] = w[name].clone()
+                w[name][keep_vocab:] = 0
         save_file(w, str(f), metadata={"format": "pt"})
