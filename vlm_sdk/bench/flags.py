@@ -144,7 +144,7 @@ def _speculative(bench) -> None:
                    help="with --speculative: tokens per request (default 64)")
     g.add_argument("--spec-rounds", type=int, default=None, help="with --speculative: timed rounds each (default 3)")
     g.add_argument("--spec-draft", default=None, metavar="DIR",
-                   help="with --speculative eagle3 and --model: the EAGLE-3 draft checkpoint (without --model the "
+                   help="with --speculative eagle3 and --model: the EAGLE-3 draft checkpoint (default: none; without --model the "
                         "bench builds a target and a draft that agrees with it)")
 
 
