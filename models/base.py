@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from vlm_sdk.attention.metadata import StepMetadata
+from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 from vlm_sdk.protocol.cache_spec import AttentionSpec, LayerCacheSpec
 
@@ -156,6 +157,19 @@ class VisionLanguageModel(nn.Module, ABC):
         """This step's (embeddings with its image rows in place, positions as `decoder_stack()` takes
         them), so that running the stack equals `forward`; None when the step needs `forward` itself
         (e.g. features added between layers). Only called when `decoder_stack()` is not None."""
+        return None
+
+    def set_aux_hidden_layers(self, layers: tuple[int, ...]) -> None:
+        """EAGLE-3 drafts (models/common/eagle3_draft.py): from now on every `forward` keeps the residual stream
+        entering each of these decoder layers (vLLM's `aux_hidden_state_layers`), for `aux_hidden_states`.
+        Default: refused, naming the family (its decoder keeps no such states)."""
+        raise InvalidRequestError(f"speculative_config method='eagle3' reads the target's hidden states at layers "
+                                  f"{list(layers)}, and {type(self).__name__}'s decoder does not hand them out: use "
+                                  f"method='ngram', or leave speculative_config out", param="speculative_config")
+
+    def aux_hidden_states(self) -> torch.Tensor | None:
+        """`[num_tokens, len(layers) * hidden_size]`: the last forward's states at the layers set above, in
+        their order (None when none are set)."""
         return None
 
     @abstractmethod

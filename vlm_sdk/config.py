@@ -553,8 +553,14 @@ def resolve_rank_config(args: EngineArgs) -> RankConfig:
                                   f"'{backend}'{'' if args.attention_backend else ' (the default on ' + device.type + ')'}"
                                   f": set attention_backend='triton', or small_m_gemm='torch'", param="small_m_gemm")
     # under pipeline parallelism every step runs eagerly (the graphs capture a whole model's forward)
+    # EAGLE-3 drafts read every step's hidden states, which the captured graphs do not hand out: eager steps
+    eagle = args.speculative_config is not None and args.speculative_config.method == "eagle3"
+    if eagle and args.piecewise_cuda_graphs:
+        raise InvalidRequestError("piecewise_cuda_graphs=True does not compose with speculative_config method='eagle3' "
+                                  "yet (the draft reads the target's hidden states between layers, outside the "
+                                  "graphs): leave piecewise_cuda_graphs unset", param="piecewise_cuda_graphs")
     decode_graphs = device.type == "cuda" and backend == "triton" and not args.enforce_eager \
-        and args.pipeline_parallel_size == 1
+        and args.pipeline_parallel_size == 1 and not eagle
     dtype = args.resolve_dtype(device)
     kv_dtype = args.resolve_kv_cache_dtype(dtype)
     if kv_dtype == torch_dtype("float8_e4m3fn"):

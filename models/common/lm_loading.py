@@ -118,6 +118,14 @@ class DecoderVLM(VisionLanguageModel):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.decoder.compute_logits(hidden, out)
 
+    def set_aux_hidden_layers(self, layers: tuple[int, ...]) -> None:
+        if not hasattr(self.decoder, "aux_layers"):  # a decoder other than the Llama-style one
+            super().set_aux_hidden_layers(layers)
+        self.decoder.aux_layers = tuple(layers)
+
+    def aux_hidden_states(self) -> torch.Tensor | None:
+        return self.decoder.aux_hidden if getattr(self.decoder, "aux_layers", ()) else None
+
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         if not self.parallel.pp.is_first:  # the tower is the first stage's (meta here, no memory)
             return {"language_model": list(self.decoder.parameters()), "projector": [], "vision": []}

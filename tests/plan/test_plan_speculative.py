@@ -44,3 +44,21 @@ def test_a_model_with_state_layers_is_refused_as_the_engine_refuses_it(tiny_chec
         else:
             plan(path, device_memory="24GiB", speculative_config=spec)
     assert refused  # the registry has a family with state layers (Qwen3.5)
+
+
+def test_an_eagle3_draft_is_counted_as_the_engine_holds_it(tiny_ckpt, tmp_path):
+    """The draft head's weights and its K/V page in every block: the plan's figures are the engine's."""
+    from vlm_sdk import LLM
+    from vlm_sdk.testing.eagle3 import write_eagle3_draft
+    draft = write_eagle3_draft(tiny_ckpt, tmp_path / "draft", aux_layer_ids=[0, 1, 1])
+    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2}
+    base = plan(tiny_ckpt, device="cpu", host_memory="8GiB", kv_cache_memory="4MiB")
+    p = plan(tiny_ckpt, device="cpu", host_memory="8GiB", kv_cache_memory="4MiB", speculative_config=spec)
+    engine = LLM(str(tiny_ckpt), show_progress=False, kv_cache_memory="4MiB", speculative_config=spec).engine
+    report = engine.memory_report
+    assert p.weights_draft_bytes == report.weights_draft_bytes > 0
+    assert p.weights_bytes == base.weights_bytes + p.weights_draft_bytes
+    assert p.kv_bytes_per_block == report.kv_bytes_per_block > base.kv_bytes_per_block
+    assert p.num_blocks == report.num_blocks < base.num_blocks
+    from vlm_sdk.plan.report import format_plan
+    assert "weights: EAGLE-3 draft" in format_plan(p) and "weights: EAGLE-3 draft" not in format_plan(base)

@@ -135,7 +135,7 @@ def _structured(bench) -> None:
 def _speculative(bench) -> None:
     g = bench.add_argument_group("speculative decoding vs without, in one run (vlm_sdk/bench/speculative.py)")
     g.add_argument("--speculative", choices=("ngram", "eagle3", "mtp"), default=None, metavar="METHOD",
-                   help="time greedy decoding with speculative drafts of METHOD (ngram) against without, "
+                   help="time greedy decoding with speculative drafts of METHOD (ngram, eagle3) against without, "
                         "instead of the transformers comparison: tokens/s of each and the mean accepted length "
                         "(default off)")
     g.add_argument("--spec-tokens", type=int, default=None, help="with --speculative: draft tokens per step (default 4)")
@@ -143,6 +143,9 @@ def _speculative(bench) -> None:
     g.add_argument("--spec-max-tokens", type=int, default=None,
                    help="with --speculative: tokens per request (default 64)")
     g.add_argument("--spec-rounds", type=int, default=None, help="with --speculative: timed rounds each (default 3)")
+    g.add_argument("--spec-draft", default=None, metavar="DIR",
+                   help="with --speculative eagle3 and --model: the EAGLE-3 draft checkpoint (default: none; without --model the "
+                        "bench builds a target and a draft that agrees with it)")
 
 
 def _host_overhead(bench) -> None:
