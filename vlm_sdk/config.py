@@ -181,6 +181,10 @@ class EngineArgs:
     # ranks); pp_layer_partition: each stage's layer count, "4,6" (vLLM's VLLM_PP_LAYER_PARTITION; None: even)
     pipeline_parallel_size: int = 1
     pp_layer_partition: str | None = None
+    # pipeline parallelism: micro-batches in flight at once (vLLM's batch queue): the engine schedules the
+    # next from the requests not in flight while earlier ones are still in the stages. None: one per stage;
+    # 1: one step at a time (the stages take turns)
+    pipeline_micro_batches: int | None = None
     shard_vision: bool = True  # under tensor parallelism: split the vision tower too (False: a copy per rank)
     # under tensor parallelism: MoE layers place num_experts / tensor_parallel_size whole experts on each
     # rank instead of a slice of every expert (vLLM's enable_expert_parallel); no effect on dense models
@@ -289,7 +293,7 @@ class EngineArgs:
                      "max_num_batched_tokens", "max_image_pixels", "max_request_image_pixels",
                      "max_video_bytes", "max_video_frames", "max_video_decode_pixels", "max_video_container_frames",
                      "preemption_warning_per_minute", "tensor_parallel_size", "pipeline_parallel_size",
-                     "max_grammar_bytes",
+                     "pipeline_micro_batches", "max_grammar_bytes",
                      "max_grammar_memory", "grammar_cache_memory", "grammar_workers", "max_tools", "max_tool_bytes"):
             positive(name)
         for name in ("max_num_encoder_tokens_per_step", "max_prefill_tokens_with_decodes"):
@@ -382,8 +386,20 @@ class EngineArgs:
                                       f"stages, but pipeline_parallel_size is 1: set pipeline_parallel_size "
                                       f"(--pipeline-parallel-size / -pp) to {len(partition)}",
                                       param="pp_layer_partition")
+        self.micro_batches()  # refused here, before any rank starts
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.enable_expert_parallel,
                               partition)
+
+    def micro_batches(self) -> int:
+        """Micro-batches in flight at once: `pipeline_micro_batches`, by default one per pipeline stage."""
+        n, pp = self.pipeline_micro_batches, self.pipeline_parallel_size
+        if n is not None and n > pp:
+            raise InvalidRequestError(
+                f"pipeline_micro_batches={n} exceeds pipeline_parallel_size={pp}: each stage runs one micro-batch at a "
+                f"time, so at most {pp} are in flight" + (" (there is no pipeline with one stage)" if pp == 1 else "")
+                + f": set pipeline_micro_batches to {pp} or less (--pipeline-micro-batches), or leave it unset",
+                param="pipeline_micro_batches")
+        return pp if n is None else n
 
     def resolve_async_scheduling(self, device: torch.device, tensor_parallel_size: int) -> bool:
         """Whether steps are scheduled asynchronously: `async_scheduling`, or by default on CUDA with one
@@ -402,7 +418,9 @@ class EngineArgs:
                 raise InvalidRequestError(
                     f"async_scheduling=True needs one rank, and pipeline_parallel_size={self.pipeline_parallel_size}: "
                     f"the next step's ids would stay on the last stage's device while the first stage embeds them. "
-                    f"Leave async_scheduling unset (or False) with pipeline parallelism", param="async_scheduling")
+                    f"The pipeline overlaps its steps by itself: pipeline_micro_batches (default one per stage) "
+                    f"micro-batches are in flight while the next is scheduled. Leave async_scheduling unset (or "
+                    f"False) with pipeline parallelism", param="async_scheduling")
             raise InvalidRequestError(
                 f"async_scheduling=True needs tensor_parallel_size=1 (got {tensor_parallel_size}): the next step's "
                 f"ids stay on rank 0's device. Leave async_scheduling unset (or False) with tensor parallelism",

@@ -59,8 +59,8 @@ def add_bench_arguments(bench: argparse.ArgumentParser, families: tuple[str, ...
                             "(default 1)")
     bench.add_argument("--pipeline-parallel-size", "--pp", "-pp", type=int, default=1,
                        help="> 1: our engine on this many pipeline stages (x --tensor-parallel-size ranks each) "
-                            "against one rank, time per step; the stages take turns (no micro-batching yet), "
-                            "so expect about the sum of the stages' compute plus the transfers (default 1)")
+                            "against one rank, time per step; and micro-batched (one micro-batch in flight per "
+                            "stage) against the same stages taking turns, tokens/s and time per batch (default 1)")
     bench.add_argument("--enable-expert-parallel", action="store_true",
                        help="with --tensor-parallel-size: the ranks hold whole MoE experts (the engine's setting; "
                             "default off)")

@@ -70,6 +70,8 @@ ENGINE_HELP = {
                               "the embeddings, the last the LM head and sampling",
     "pp_layer_partition": "each pipeline stage's decoder layer count, e.g. '4,6' (vLLM's VLLM_PP_LAYER_PARTITION; "
                           "default: an even split, the remainder to the stages before the last)",
+    "pipeline_micro_batches": "micro-batches in flight at once under pipeline parallelism (vLLM's batch queue; "
+                              "default: one per stage, so the stages overlap; 1: the stages take turns on each step)",
     "shard_vision": "under tensor parallelism, split the vision tower over the ranks too (default; "
                     "--no-shard-vision gives every rank a whole copy)",
     "enable_expert_parallel": "under tensor parallelism, give each rank whole MoE experts (num_experts / "
@@ -137,7 +139,7 @@ GROUPS = (
                                   "enforce_eager", "piecewise_cuda_graphs", "async_scheduling",
                                   "speculative_config")),
     ("engine: parallelism", ("tensor_parallel_size", "pipeline_parallel_size", "pp_layer_partition",
-                             "enable_expert_parallel", "shard_vision",
+                             "pipeline_micro_batches", "enable_expert_parallel", "shard_vision",
                              "distributed_executor_backend", "ray_placement_strategy", "distributed_timeout")),
     ("engine: images and video", ("max_image_pixels", "max_request_image_pixels", "max_video_bytes",
                                   "max_video_seconds", "max_video_frames", "max_video_decode_pixels",
@@ -156,7 +158,7 @@ _FLAG_TYPES = {"revision": str, "model_family": str, "dtype": str, "device": str
                "grammar_cache_memory": str, "tool_call_parser": str, "reasoning_parser": str,
                "max_video_bytes": str, "distributed_executor_backend": str, "speculative_config": str,
                "max_num_encoder_tokens_per_step": int, "max_prefill_tokens_with_decodes": int,
-               "pp_layer_partition": str}
+               "pp_layer_partition": str, "pipeline_micro_batches": int}
 _NOT_FLAGS = ("show_progress", "mm_processor_kwargs")  # the latter: one flag per family setting (and vLLM's JSON)
 
 

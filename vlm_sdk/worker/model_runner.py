@@ -291,6 +291,7 @@ class ModelRunner:
         stage = self.stage
         encoder = None
         if stage.is_first:
+            stage.computing()
             self._encode_images(scheduled)
             encoder = self.encoder_cache.stats() if self.reports_encoder else None
         step = self._prepare(scheduled)
@@ -299,6 +300,7 @@ class ModelRunner:
             out = self.model(embeds, step.positions, self.caches, step.meta, step_images(scheduled, self.device))
         else:
             received = stage.recv(step.input_ids.shape[0])
+            stage.computing()
             # the image rows only (their embeddings went into the hidden states on the first stage)
             out = self.model(received.hidden, step.positions, self.caches, step.meta,
                              stage_image_rows(scheduled, self.device), intermediate=received)
@@ -306,6 +308,7 @@ class ModelRunner:
             self._copy_states(sched.state_checkpoints)
         drop_passed_images(scheduled)
         if not stage.is_last:
+            stage.computed()
             stage.send(out)  # IntermediateTensors [num_tokens, hidden] x 2
             stage.step_done()
             self._last_rows = {}
@@ -315,9 +318,12 @@ class ModelRunner:
         prompt_lp = prompt_logprobs(self.model, scheduled, hidden, step.q_start) if self._prompt_logprobs_held else None
         if not step.sample_idx:
             self._last_rows = {}
-            return Ready(ModelRunnerOutput(encoder_cache=encoder, prompt_logprobs=prompt_lp or {}))
-        logits = self.model.compute_logits(hidden[step.sample_rows])  # [num_sampled, vocab]
-        return self._sample(sched, scheduled, step.sample_idx, logits, encoder, prompt_lp, None)
+            pending = Ready(ModelRunnerOutput(encoder_cache=encoder, prompt_logprobs=prompt_lp or {}))
+        else:
+            logits = self.model.compute_logits(hidden[step.sample_rows])  # [num_sampled, vocab]
+            pending = self._sample(sched, scheduled, step.sample_idx, logits, encoder, prompt_lp, None)
+        stage.computed()
+        return pending
 
     def _sample(self, sched: SchedulerOutput, scheduled: list[tuple[RequestState, int]], sample_idx: list[int],
                 logits: torch.Tensor, encoder, prompt_lp, spec_out) -> PendingOutput:  # logits [num_sampled, vocab]
