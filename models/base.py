@@ -202,6 +202,13 @@ class PromptProcessor(ABC):
             return self.pixel_workers.run(image, max_image_pixels, fn, *args)
         return fn(load_image(image, max_image_pixels=max_image_pixels), *args)
 
+    def preprocess_image(self, ref) -> list[ImageInput]:
+        """One image part (a `multimodal.messages.ImageRef`) alone, as a prompt's image 0: its options and
+        checks, decode, resize and patchify, without a template or tokenizer (the preprocessing benchmark's
+        unit, bench/preprocess_scaling.py). A family's `_image(index, ref)` does the work."""
+        out = self._image(0, ref)
+        return out if isinstance(out, list) else [out]
+
     @classmethod
     def from_engine_args(cls, tokenizer, image_processor, hf_config, args, family):
         """The processor for an engine's `EngineArgs`: `mm_processor_kwargs` is checked against
