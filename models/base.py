@@ -11,6 +11,7 @@ from torch import nn
 
 from vlm_sdk.attention.metadata import StepMetadata
 from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 from vlm_sdk.protocol.cache_spec import AttentionSpec, LayerCacheSpec
 
@@ -199,10 +200,28 @@ class PromptProcessor(ABC):
     hf_config, args, family)`), which
     checks `args.mm_processor_kwargs` with its family's `engine_options` (another family's setting is
     refused with `InvalidRequestError` naming it). The engine sets the plain attribute
-    `max_image_tokens` (its max_model_len) once it is known.
+    `max_image_tokens` (its max_model_len) once it is known, and `pixel_workers` (a
+    `multimodal.pixel_workers.PixelWorkers`) when its images are preprocessed in worker processes.
     """
 
     max_image_tokens: int | None
+    pixel_workers = None  # None: images are decoded and resized on the thread that builds the prompt
+
+    def run_pixels(self, image, max_image_pixels: int, fn, *args):
+        """`fn(load_image(image), *args)` for an `OpenedImage`: in a worker process when the engine gave
+        this processor `pixel_workers`, else here. `fn` is a module-level function (it may be pickled by
+        reference) returning tensors and plain values; it decodes, resizes and patchifies, so that the
+        prompt-building thread keeps only the cheap work (options, checks, the `ImageInput`)."""
+        if self.pixel_workers is not None:
+            return self.pixel_workers.run(image, max_image_pixels, fn, *args)
+        return fn(load_image(image, max_image_pixels=max_image_pixels), *args)
+
+    def preprocess_image(self, ref) -> list[ImageInput]:
+        """One image part (a `multimodal.messages.ImageRef`) alone, as a prompt's image 0: its options and
+        checks, decode, resize and patchify, without a template or tokenizer (the preprocessing benchmark's
+        unit, bench/preprocess_scaling.py). A family's `_image(index, ref)` does the work."""
+        out = self._image(0, ref)
+        return out if isinstance(out, list) else [out]
 
     @classmethod
     def from_engine_args(cls, tokenizer, image_processor, hf_config, args, family):

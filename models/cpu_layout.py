@@ -63,10 +63,13 @@ class PackedLMHead:
 
     The head is the largest product of every decode step (vocab x hidden). MKL's packed format is
     ~30% faster than either plain layout at the row count it was packed for (16 x 512 by 151936 x 512:
-    23 ms vs 31 ms) and several times slower at any other, so rows are padded to multiples of 16.
-    One or two rows go through `F.linear` on `fallback` instead. Results equal `F.linear` exactly
-    (checked at construction); where the private MKL ops are missing or disagree, `create` returns
-    None and the caller keeps `F.linear`.
+    23 ms vs 31 ms) and several times slower at any other, so rows up to 16 are padded to 16. One or two
+    rows, and more than 16, go through `F.linear` on `fallback` instead: past 16 rows packed passes read
+    the whole weight once per 16 rows, `F.linear` once (a flood's step beside ~20 text streams had 19-25
+    rows; on the loaded 2-core machine, thread CPU time, 151936 x 512: 19 rows 185 ms packed in two passes
+    against 114 ms in one `F.linear`, 24 rows 216 against 86, 32 rows 164 against 103). At 16 rows the result
+    equals `F.linear`'s exactly (checked at construction); where the private MKL ops are missing or disagree,
+    `create` returns None and the caller keeps `F.linear`.
     """
 
     ROWS = 16
@@ -84,7 +87,9 @@ class PackedLMHead:
         try:
             packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), cls.ROWS)
             head = cls(packed, weight)
-            probe = torch.randn(cls.ROWS + 3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+            probe = torch.randn(cls.ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
+            # at its row count (fewer rows are padded to it); F.linear at 3 rows runs another kernel, whose
+            # sums differ in the last bits
             if not torch.equal(head(probe), F.linear(probe, weight)):
                 return None
             return head
@@ -93,11 +98,8 @@ class PackedLMHead:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab]
         rows = hidden.shape[0]
-        if rows <= 2:
+        if rows <= 2 or rows > self.ROWS:  # one pass over the weight, whatever the rows
             return F.linear(hidden, self.fallback)
-        padded = -(-rows // self.ROWS) * self.ROWS
-        if padded != rows:
-            hidden = torch.cat([hidden, hidden.new_zeros(padded - rows, hidden.shape[1])])
-        chunks = [torch.ops.mkl._mkl_linear(part, self.packed, self._stub, None, self.ROWS)
-                  for part in hidden.split(self.ROWS)]
-        return torch.cat(chunks)[:rows] if len(chunks) > 1 else chunks[0][:rows]
+        if rows != self.ROWS:
+            hidden = torch.cat([hidden, hidden.new_zeros(self.ROWS - rows, hidden.shape[1])])
+        return torch.ops.mkl._mkl_linear(hidden, self.packed, self._stub, None, self.ROWS)[:rows]

@@ -148,6 +148,11 @@ class EngineArgs:
     max_video_frames: int = 768
     max_video_decode_pixels: int = 8_000_000_000
     max_video_container_frames: int = 216_000
+    # images decoded, resized and patchified in this many worker processes (multimodal/pixel_workers.py:
+    # the bytes go once through shared memory, the patches come back the same way), so preprocessing grows
+    # with cores and holds no GIL of the engine's process; 0: on the prompt-building threads (`vlm-sdk serve`
+    # sets a default: server/config.py SERVER_PREPROCESS_WORKERS)
+    preprocess_workers: int = 0
     # special tokens (<|im_end|>, <|im_start|>, ...) written in message text are read as control
     # tokens, as the template's own are; off (the default), they are plain text, so a user cannot end
     # their turn and forge another role's
@@ -296,6 +301,10 @@ class EngineArgs:
                      "pipeline_micro_batches", "max_grammar_bytes",
                      "max_grammar_memory", "grammar_cache_memory", "grammar_workers", "max_tools", "max_tool_bytes"):
             positive(name)
+        w = self.preprocess_workers
+        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+            raise InvalidRequestError(f"preprocess_workers must be an integer of 0 (images preprocessed in the "
+                                      f"engine's process) or more, got {w!r}", param="preprocess_workers")
         for name in ("max_num_encoder_tokens_per_step", "max_prefill_tokens_with_decodes"):
             t = getattr(self, name)
             if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):

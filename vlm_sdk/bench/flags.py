@@ -260,6 +260,15 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="--flood: frames per video, all sampled (0: no video phases; default 8)")
     p.add_argument("--flood-video-size", type=int, default=224, help="--flood: video side in pixels (default 224)")
     p.add_argument("--flood-max-tokens", type=int, default=4, help="--flood: tokens per flood request (default 4)")
+    p.add_argument("--flood-preprocess-images", type=int, default=60,
+                   help="--flood: images in the preprocessing rows (1, 2, 4 worker processes against transformers' "
+                        "image processor, before the phases: vlm_sdk/bench/preprocess_scaling.py; 0: no rows; "
+                        "default 60)")
+    p.add_argument("--flood-preprocess-workers", default="1,2,4", metavar="COUNTS",
+                   help="--flood: the worker counts of the preprocessing rows, comma-separated (default 1,2,4)")
+    p.add_argument("--flood-preprocess-size", type=int, default=1024,
+                   help="--flood: side of the preprocessing rows' JPEGs, resized by the model's processor "
+                        "(default 1024)")
     p.add_argument("--flood-engine-arg", action="append", default=[], metavar="NAME=VALUE",
                    help="--flood: an engine setting for the server started here, e.g. "
                         "max_num_encoder_tokens_per_step=512 (repeatable; default: none, the engine's defaults)")
