@@ -108,7 +108,7 @@ class LLMEngine:
         self.max_position_embeddings = memory.max_position_embeddings
         layout = memory.layout  # the model's cache groups (memory_inputs refused specs that cannot share a pool)
         if args.speculative_config is not None:  # before any cache is sized: what cannot verify is refused first
-            check_speculation(args.speculative_config, layout.state_layers, family.display_name)
+            check_speculation(args.speculative_config, layout.specs, family.display_name)
         # measured on CUDA even when the cache size is given: the report shows it
         profiles = executor.collective_rpc("profile_memory", largest_image, self.max_position_embeddings,
                                            memory.held_vision_tokens)
@@ -388,7 +388,7 @@ class LLMEngine:
         if reason is not None:
             self._finish(seq, reason, now)
         else:
-            rollback(seq, self.cache, self.scheduler.truncated)
+            rollback(seq, self.cache, self.scheduler.truncated, self.scheduler.moved_slots)
         out = EngineOutput(seq.request_id, tokens[:taken], reason, seq.metrics, seq.num_output_tokens)
         if logprobs is not None:
             out.new_logprobs = logprobs[:taken]

@@ -225,7 +225,7 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
     m = memory_inputs(family, info, args, model, dtype, tp, on_gpu=on_gpu, decode_graphs=graphs,
                       piecewise_graphs=graphs and args.piecewise_cuda_graphs)
     if args.speculative_config is not None:  # the engine's refusal, before anything is sized
-        check_speculation(args.speculative_config, m.layout.state_layers, family.display_name)
+        check_speculation(args.speculative_config, m.layout.specs, family.display_name)
     parts = breakdown(m)  # every consumer estimated
     per_block = m.layout.block_bytes(args.block_size)  # the engine's: worker.py reports the same
     stages, balanced = (), None

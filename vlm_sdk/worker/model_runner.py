@@ -52,7 +52,7 @@ from vlm_sdk.worker.request_state import RequestState
 from vlm_sdk.sample.sampled_tokens import SampledTokens
 from vlm_sdk.sample.rejection_sampler import RejectionSampler
 from vlm_sdk.sample.sampler import Sampler
-from vlm_sdk.worker.spec_verify import plain_masks, verify_drafts
+from vlm_sdk.worker.spec_verify import draft_states, plain_masks, verify_drafts
 from vlm_sdk.worker.step_images import drop_passed_images, encode_images, step_images
 from vlm_sdk.sample.token_mask import apply_token_bitmask
 
@@ -98,6 +98,7 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.rejection = RejectionSampler(self.sampler)  # speculative decoding's verification (worker/spec_verify.py)
         self._spec: dict[str, list[int]] = {}  # this step's drafts per request (SchedulerOutput.spec_token_ids)
+        self._draft_slots: dict[str, tuple[int, ...]] = {}  # ... and their state slots (SchedulerOutput.draft_state_slots)
         self.samples = samples
         self.reports_encoder = samples  # the encoder cache's counters come from this rank (rank 0)
         self.requests: dict[str, RequestState] = {}
@@ -153,6 +154,9 @@ class ModelRunner:
                     del held[keep:]
                 self.tables.truncate(state.row, keep)
         self._spec = sched.spec_token_ids
+        self._draft_slots = sched.draft_state_slots
+        for rid, slot in sched.moved_state_slots.items():  # a rollback kept an accepted draft's state
+            self.requests[rid].state_slot = slot
         behind = 0
         for new in sched.new_requests:
             self._release(new.request_id)
@@ -469,7 +473,8 @@ class ModelRunner:
         common = dict(query_start_loc=q_start_d, seq_lens=seq_lens_d.int(), query_lens_cpu=counts,
                       seq_lens_cpu=end_arr.tolist(), max_query_len=int(n_arr.max()), max_seq_len=int(end_arr.max()))
         state = None if state_slots is None else StateMetadata(
-            q_start_d, counts, state_slots, initial_d.bool(), [c > 0 for c in starts], int(n_arr.max()))
+            q_start_d, counts, state_slots, initial_d.bool(), [c > 0 for c in starts], int(n_arr.max()),
+            draft_states(scheduled, q_start, self._draft_slots, self.device) if self._draft_slots else None)
         # the backend's per-step metadata, once per attention group
         meta = step_metadata(self.layout, self.caches, self.attention, common, slot_map, tables, state)
         return StepInputs(input_ids, pos_d.view(self.model.position_rows, num_tokens), meta, sample_rows_d,
