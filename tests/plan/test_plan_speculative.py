@@ -1,5 +1,5 @@
-"""`vlm-sdk plan --speculative-config`: the verification step's logits rows counted, and a model the engine
-would refuse (state layers) refused the same."""
+"""`vlm-sdk plan --speculative-config`: the verification step's logits rows and the drafts' state slots counted,
+and a model the engine would refuse (state layers without draft states) refused the same."""
 import pytest
 
 from vlm_sdk.errors import InvalidRequestError
@@ -30,35 +30,27 @@ def test_verification_rows_are_counted(tiny_ckpt):
     assert many.num_blocks < base.num_blocks
 
 
-def test_a_model_with_state_layers_is_refused_as_the_engine_refuses_it(tiny_checkpoints):
+def test_state_layers_count_a_slot_per_draft_and_one_without_draft_states_is_refused(tiny_checkpoints, tmp_path):
+    """Qwen3.5 (Gated DeltaNet keeps each draft's state) plans with speculation: max_num_seqs x k more state
+    slots, as the engine sizes them (memory/kv.state_slots); a state layer that keeps no state per draft (the
+    mixed-cache test model's) is refused as the engine refuses it (tests/e2e/test_speculative_decoding.py)."""
     from vlm_sdk.models import registry
-    refused = 0
+    from vlm_sdk.testing.mixed_cache import make_mixed_checkpoint
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    planned = 0
     for family in registry.family_names():
         path = tiny_checkpoints(family)
-        has_state = plan(path, device_memory="24GiB").to_dict()["state_bytes"] > 0
-        spec = {"method": "ngram", "num_speculative_tokens": 2}
-        if has_state:
-            with pytest.raises(InvalidRequestError, match="has state layers"):
-                plan(path, device_memory="24GiB", speculative_config=spec)
-            refused += 1
-        else:
-            plan(path, device_memory="24GiB", speculative_config=spec)
-    assert refused  # the registry has a family with state layers (Qwen3.5)
-
-
-def test_an_eagle3_draft_is_counted_as_the_engine_holds_it(tiny_ckpt, tmp_path):
-    """The draft head's weights and its K/V page in every block: the plan's figures are the engine's."""
-    from vlm_sdk import LLM
-    from vlm_sdk.testing.eagle3 import write_eagle3_draft
-    draft = write_eagle3_draft(tiny_ckpt, tmp_path / "draft", aux_layer_ids=[0, 1, 1])
-    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2}
-    base = plan(tiny_ckpt, device="cpu", host_memory="8GiB", kv_cache_memory="4MiB")
-    p = plan(tiny_ckpt, device="cpu", host_memory="8GiB", kv_cache_memory="4MiB", speculative_config=spec)
-    engine = LLM(str(tiny_ckpt), show_progress=False, kv_cache_memory="4MiB", speculative_config=spec).engine
-    report = engine.memory_report
-    assert p.weights_draft_bytes == report.weights_draft_bytes > 0
-    assert p.weights_bytes == base.weights_bytes + p.weights_draft_bytes
-    assert p.kv_bytes_per_block == report.kv_bytes_per_block > base.kv_bytes_per_block
-    assert p.num_blocks == report.num_blocks < base.num_blocks
-    from vlm_sdk.plan.report import format_plan
-    assert "weights: EAGLE-3 draft" in format_plan(p) and "weights: EAGLE-3 draft" not in format_plan(base)
+        base = plan(path, device_memory="24GiB", max_num_seqs=8).to_dict()
+        if base["state_bytes"] == 0:
+            continue
+        with_drafts = plan(path, device_memory="24GiB", max_num_seqs=8, speculative_config=spec).to_dict()
+        # a live slot and a checkpoint per sequence (prefix caching), then 3 drafts' slots
+        assert (base["num_state_slots"], with_drafts["num_state_slots"]) == (16, 40)
+        assert with_drafts["state_bytes"] == base["state_bytes"] * 40 // 16
+        planned += 1
+    assert planned  # the registry has families with state layers (Qwen3.5)
+    mixed = make_mixed_checkpoint(tmp_path / "mixed")
+    with pytest.raises(InvalidRequestError, match="has state layers") as e:
+        plan(mixed, device_memory="24GiB", model_family="vlm_sdk.testing.mixed_cache", block_size=4,
+             speculative_config=spec)
+    assert "keep no state per draft" in str(e.value) and e.value.param == "speculative_config"
