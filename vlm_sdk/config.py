@@ -148,6 +148,11 @@ class EngineArgs:
     max_video_frames: int = 768
     max_video_decode_pixels: int = 8_000_000_000
     max_video_container_frames: int = 216_000
+    # images decoded, resized and patchified in this many worker processes (multimodal/pixel_workers.py:
+    # the bytes go once through shared memory, the patches come back the same way), so preprocessing grows
+    # with cores and holds no GIL of the engine's process; 0: on the prompt-building threads (`vlm-sdk serve`
+    # sets a default: server/config.py SERVER_PREPROCESS_WORKERS)
+    preprocess_workers: int = 0
     # special tokens (<|im_end|>, <|im_start|>, ...) written in message text are read as control
     # tokens, as the template's own are; off (the default), they are plain text, so a user cannot end
     # their turn and forge another role's
@@ -296,6 +301,10 @@ class EngineArgs:
                      "pipeline_micro_batches", "max_grammar_bytes",
                      "max_grammar_memory", "grammar_cache_memory", "grammar_workers", "max_tools", "max_tool_bytes"):
             positive(name)
+        w = self.preprocess_workers
+        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+            raise InvalidRequestError(f"preprocess_workers must be an integer of 0 (images preprocessed in the "
+                                      f"engine's process) or more, got {w!r}", param="preprocess_workers")
         for name in ("max_num_encoder_tokens_per_step", "max_prefill_tokens_with_decodes"):
             t = getattr(self, name)
             if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
@@ -571,8 +580,14 @@ def resolve_rank_config(args: EngineArgs) -> RankConfig:
                                   f"'{backend}'{'' if args.attention_backend else ' (the default on ' + device.type + ')'}"
                                   f": set attention_backend='triton', or small_m_gemm='torch'", param="small_m_gemm")
     # under pipeline parallelism every step runs eagerly (the graphs capture a whole model's forward)
+    # EAGLE-3 drafts read every step's hidden states, which the captured graphs do not hand out: eager steps
+    eagle = args.speculative_config is not None and args.speculative_config.method == "eagle3"
+    if eagle and args.piecewise_cuda_graphs:
+        raise InvalidRequestError("piecewise_cuda_graphs=True does not compose with speculative_config method='eagle3' "
+                                  "yet (the draft reads the target's hidden states between layers, outside the "
+                                  "graphs): leave piecewise_cuda_graphs unset", param="piecewise_cuda_graphs")
     decode_graphs = device.type == "cuda" and backend == "triton" and not args.enforce_eager \
-        and args.pipeline_parallel_size == 1
+        and args.pipeline_parallel_size == 1 and not eagle
     dtype = args.resolve_dtype(device)
     kv_dtype = args.resolve_kv_cache_dtype(dtype)
     if kv_dtype == torch_dtype("float8_e4m3fn"):

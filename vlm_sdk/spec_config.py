@@ -20,7 +20,7 @@ from typing import Any, Mapping
 from vlm_sdk.errors import InvalidRequestError
 
 METHODS = ("ngram", "eagle3", "mtp")
-RUNNABLE_METHODS = ("ngram",)
+RUNNABLE_METHODS = ("ngram", "eagle3")
 FIELDS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
 PARAM = "speculative_config"
 MAX_SPECULATIVE_TOKENS = 16  # a verification step's rows per sequence are 1 + k; beyond this acceptance never pays
@@ -104,6 +104,10 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         if value.get(name) is not None:
             raise InvalidRequestError(f"speculative_config {name} applies to method='ngram' only (method={method!r})",
                                       param=PARAM)
+    if method == "eagle3" and (not isinstance(model, str) or not model):
+        raise InvalidRequestError(f"speculative_config method='eagle3' needs 'model': the draft checkpoint's directory "
+                                  f"(config.json + safetensors in the published EAGLE-3 layout), got {model!r}",
+                                  param=PARAM)
     return SpeculativeConfig(method, k, model)
 
 
@@ -111,13 +115,16 @@ def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def check_speculation(config: SpeculativeConfig, state_layers: tuple[int, ...] | list[int], model: str) -> None:
-    """Refuse what cannot verify drafts yet, before anything is sized (the engine at start-up, `vlm-sdk plan`
-    alike): a model with state layers (`CacheLayout.state_layers`), whose state a rejected draft has already
-    moved, and restoring the state before it is not built (issue 45)."""
-    if state_layers:
-        layers = list(state_layers)
+def check_speculation(config: SpeculativeConfig, layer_specs, model: str) -> None:
+    """Refuse what cannot verify drafts, before anything is sized (the engine at start-up, `vlm-sdk plan`
+    alike): a model with a state layer that keeps no state per draft (`CacheLayout.specs`: a `StateSpec`
+    without `draft_states`), whose state after a rejected draft could not be left behind. Gated DeltaNet
+    keeps them (Qwen3.5: layers/draft_states.py)."""
+    layers = [i for i, s in enumerate(layer_specs) if getattr(s, "kind", None) == "state"
+              and not getattr(s, "draft_states", False)]
+    if layers:
         raise InvalidRequestError(
-            f"speculative_config (method={config.method!r}) rolls rejected drafts back by cutting KV blocks; {model} "
-            f"has state layers ({len(layers)}: {layers[:8]}{' ...' if len(layers) > 8 else ''}), whose state after "
-            f"a rejected draft cannot be restored yet. Leave speculative_config out for this model", param=PARAM)
+            f"speculative_config (method={config.method!r}) rolls a rejected draft's state back to the draft's own "
+            f"slot; {model} has state layers ({len(layers)}: {layers[:8]}{' ...' if len(layers) > 8 else ''}) that "
+            f"keep no state per draft, so what they hold after a rejected draft could not be restored. Leave "
+            f"speculative_config out for this model", param=PARAM)

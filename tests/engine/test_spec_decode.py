@@ -31,7 +31,7 @@ def test_the_config_takes_vllms_fields_and_json():
 
 @pytest.mark.parametrize("value, words", [
     ({"method": "medusa", "num_speculative_tokens": 2}, "not one of ['ngram', 'eagle3', 'mtp']"),
-    ({"method": "eagle3", "num_speculative_tokens": 2, "model": "x"}, "not built yet"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "needs 'model': the draft checkpoint's directory"),
     ({"method": "mtp", "num_speculative_tokens": 1}, "not built yet"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer in 1..16"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "takes no draft model"),
@@ -55,6 +55,10 @@ def test_what_does_not_compose_is_refused_at_resolution():
     with pytest.raises(InvalidRequestError, match="tensor_parallel_size=2 is not built yet"):
         resolve_rank_config(EngineArgs.from_kwargs(device="cpu", speculative_config=spec, tensor_parallel_size=2))
     assert resolve_rank_config(EngineArgs.from_kwargs(device="cpu", speculative_config=spec)).async_scheduling is False
+    eagle = {"method": "eagle3", "num_speculative_tokens": 2, "model": "draft"}
+    with pytest.raises(InvalidRequestError, match="piecewise_cuda_graphs=True does not compose") as e:
+        resolve_rank_config(EngineArgs.from_kwargs(device="cpu", speculative_config=eagle, piecewise_cuda_graphs=True))
+    assert e.value.param == "piecewise_cuda_graphs"
 
 
 def test_ngram_takes_the_longest_earliest_match():
@@ -176,3 +180,85 @@ def test_rollback_caches_only_blocks_of_known_tokens():
     rollback(seq, cache, s.truncated)
     assert len(seq.block_ids[0]) == 3 and seq.num_cached_blocks == 2
     assert sum(h is not None for h in cache.pool.block_hash) == 2
+
+
+def _state_scheduler(slots, max_num_seqs=2, caching=False):
+    from vlm_sdk.engine.core.cache_coordinator import CacheCoordinator
+    from vlm_sdk.protocol.cache_layout import CacheLayout
+    from vlm_sdk.protocol.cache_spec import AttentionSpec, StateSpec, StateTensor
+    state = StateSpec((StateTensor("recurrent", (2, 4, 4), "float32"),), draft_states=True)
+    cache = CacheCoordinator(CacheLayout.from_specs([AttentionSpec(1, 4, "float32"), state]), 20, 4, caching, slots)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=400,
+                                     max_model_len_source="test"), cache), cache
+
+
+def test_state_layers_take_a_slot_per_draft_and_keep_the_accepted_ones():
+    """A verification on a model with state layers: a free slot per draft (the state after it), then the slot of
+    the last accepted position made the live slot, the others back in the pool (exact slot ids), the worker told
+    with the next step; every draft accepted keeps the live slot."""
+    s, cache = _state_scheduler(slots=6)
+    seq = _seq("a", [A, B, C, D, A, B])
+    s.add(seq)
+    batch = s.schedule()
+    assert seq.state_slot == 0 and batch.scheduled == [(seq, 6)]
+    s.worker_input(batch)
+    _launch(batch)
+    seq.token_ids.append(C)  # 7 tokens, 6 computed: rows at 6 (C), 7, 8, 9 (the drafts)
+    seq.spec_token_ids = [D, A, B]
+    batch = s.schedule()
+    assert batch.scheduled == [(seq, 4)] and seq.draft_slots == [1, 2, 3] and seq.draft_start == 6
+    assert cache.num_free_slots == 2  # live 0 and three drafts' slots held
+    work = s.worker_input(batch)
+    assert work.draft_state_slots == {"a": (1, 2, 3)} and work.moved_state_slots == {}
+    _launch(batch)
+    seq.token_ids += [D, X]  # D accepted, A rejected (X its correction): the state after row 7 (D) is slot 2's
+    rollback(seq, cache, s.truncated, s.moved_slots)
+    assert seq.num_computed_tokens == 8 and seq.state_slot == 2 and seq.draft_slots == []
+    assert cache.num_free_slots == 5 and cache.state_pool.ref_count[:6] == [0, 0, 1, 0, 0, 0]
+    seq.spec_token_ids = [A, B]  # every draft accepted next: the live slot already holds the state after them
+    batch = s.schedule()
+    work = s.worker_input(batch)
+    assert work.moved_state_slots == {"a": 2} and work.draft_state_slots == {"a": (3, 1)}  # free ones, front first
+    _launch(batch)
+    seq.token_ids += [A, B, C]
+    rollback(seq, cache, s.truncated, s.moved_slots)
+    assert seq.state_slot == 2 and s.moved_slots == {} and cache.num_free_slots == 5
+    seq.spec_token_ids = [A]  # none accepted: the state after the last token alone, the first draft's slot
+    batch = s.schedule()
+    first = seq.draft_slots[0]
+    s.worker_input(batch)
+    _launch(batch)
+    seq.token_ids.append(X)
+    rollback(seq, cache, s.truncated, s.moved_slots)
+    assert seq.state_slot == first != 2 and s.worker_input(s.schedule()).moved_state_slots == {"a": first}
+    s.finish(seq, "stop")
+    assert cache.num_free_slots == 6
+
+
+def test_drafts_never_take_a_state_slot_admission_needs():
+    """With max_num_seqs 2 and one running, one free slot stays for a sequence admission may start: a
+    sequence with 3 drafts and 3 free slots verifies 2 of them; with none to spare it decodes one token."""
+    s, cache = _state_scheduler(slots=4)
+    seq = _seq("a", [A, B, C, D])
+    s.add(seq)
+    _launch(s.schedule())
+    seq.token_ids.append(A)
+    seq.spec_token_ids = [B, C, D]
+    batch = s.schedule()
+    assert batch.scheduled == [(seq, 3)] and seq.spec_token_ids == [B, C] and len(seq.draft_slots) == 2
+    _launch(batch)
+    seq.token_ids += [B, C, D]
+    rollback(seq, cache, s.truncated, s.moved_slots)
+    s.add(_seq("b", [A, B, C]))
+    _launch(s.schedule())  # b admitted on the slot kept for it, a decoding a token: 4 - 2 held = 2 free
+    seq.token_ids.append(A)
+    seq.spec_token_ids = [A, B, C]
+    batch = s.schedule()  # max_num_seqs reached: nothing to keep for admission, both free slots are drafts'
+    assert dict(batch.scheduled)[seq] == 3 and len(seq.draft_slots) == 2 and cache.num_free_slots == 0
+    _launch(batch)
+    seq.token_ids.append(X)
+    rollback(seq, cache, s.truncated, s.moved_slots)
+    assert cache.num_free_slots == 2
+    s.config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=400, max_model_len_source="t")
+    seq.spec_token_ids = [A, B]  # room for two more sequences: both free slots kept for them, none for a draft
+    assert dict(s.schedule().scheduled)[seq] == 1 and seq.draft_slots == [] and seq.spec_token_ids == []

@@ -1,8 +1,9 @@
 """The Gated DeltaNet layer (vlm_sdk/layers/gated_delta_net.py) against transformers'
 `Qwen3_5GatedDeltaNet` on random weights of a tiny config made with transformers' own config class:
 a whole prompt, the same prompt split into steps (the state carried through its slots), decode steps,
-two requests packed in one step with different slots, a mixed step (a decode row beside a prompt), and
-tensor parallelism on two gloo ranks equal to one rank. transformers runs each request's whole token
+two requests packed in one step with different slots, a mixed step (a decode row beside a prompt), a
+verification step of speculative decoding (the state after each draft in its own slot, equal to running only
+the tokens up to it), and tensor parallelism on two gloo ranks equal to one rank. transformers runs each request's whole token
 sequence without a cache (its outputs are causal), which is the reference of every step."""
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ def test_cache_spec_is_this_ranks_state():
     cfg = _config()
     spec = GatedDeltaNet(GatedDeltaNetConfig.from_hf(cfg), TorchOps(), dtype=torch.bfloat16).cache_spec()
     assert spec == StateSpec((StateTensor("conv", (2 * 32 + 32, 3), "bfloat16"), StateTensor("recurrent", (4, 16, 8),
-                                                                                                "float32")))
+                                                                                                "float32")),
+                             draft_states=True)  # speculative decoding: the state after each draft kept
     assert spec.slot_bytes == 96 * 3 * 2 + 4 * 16 * 8 * 4
     half = GatedDeltaNet(GatedDeltaNetConfig.from_hf(cfg), TorchOps(), device="meta", tp=TPGroup(1, 2)).cache_spec()
     assert [t.shape for t in half.tensors] == [(48, 3), (2, 16, 8)]
@@ -130,6 +132,52 @@ def test_requests_packed_in_one_step_with_different_slots():
         with torch.no_grad():
             want = hf(seq[None])[0]
         assert_reduction_close(torch.cat(outs[r]), want, _terms(cfg, len(seq)), msg=f"request {r}")
+
+
+def test_a_verification_step_keeps_the_state_after_each_draft_in_its_slot():
+    """Request 0 verifies 3 drafts (rows 20..23), request 1 one draft (rows 9, 10), beside request 2's prompt
+    (no drafts) in one step: each draft's slot then holds the conv and recurrent state after the rows up to it,
+    equal to a run of only those tokens (what the engine keeps when the draft after it is rejected); the live
+    slots hold the state after every row, and the outputs are the step's without drafts."""
+    import dataclasses
+    from types import SimpleNamespace
+    import numpy as np
+    from vlm_sdk.worker.spec_verify import draft_states
+    cfg = _config()
+    ours = _ours(cfg, _hf_layer(cfg, seed=5))
+    g = torch.Generator().manual_seed(6)
+    x = {0: torch.randn(24, cfg.hidden_size, generator=g), 1: torch.randn(11, cfg.hidden_size, generator=g),
+         2: torch.randn(7, cfg.hidden_size, generator=g)}
+    live, drafts = {0: 1, 1: 3, 2: 5}, {"0": (8, 2, 11), "1": (6,)}
+
+    def fresh():
+        return tuple(torch.full((12, *t.shape), float("nan"), dtype=getattr(torch, t.dtype))
+                     for t in ours.cache_spec().tensors)
+
+    def run(state, rows, with_drafts=None):  # rows: (request, first token, tokens); its live slot
+        meta = _meta([n for _, _, n in rows], [live[r] for r, _, _ in rows], [a > 0 for _, a, _ in rows])
+        if with_drafts:
+            q_start = np.concatenate([[0], np.cumsum([n for _, _, n in rows])])
+            reqs = [(SimpleNamespace(request_id=str(r), state_slot=live[r]), n) for r, _, n in rows]
+            meta = dataclasses.replace(meta, drafts=draft_states(reqs, q_start, with_drafts, torch.device("cpu")))
+        with torch.no_grad():
+            return ours(torch.cat([x[r][a:a + n] for r, a, n in rows]), state, meta)
+
+    state = fresh()
+    run(state, [(0, 0, 20), (1, 0, 9)])
+    verified = run(state, [(0, 20, 4), (1, 9, 2), (2, 0, 7)], drafts)
+    plain = fresh()
+    run(plain, [(0, 0, 20), (1, 0, 9)])
+    assert_reduction_close(verified, run(plain, [(0, 20, 4), (1, 9, 2), (2, 0, 7)]), _terms(cfg, 24))
+    for r, start, slots in ((0, 20, drafts["0"]), (1, 9, drafts["1"])):
+        for j, slot in enumerate(slots + (live[r],)):  # after rows start .. start + j (the live slot: all)
+            want = fresh()
+            run(want, [(r, 0, start + j + 1)])
+            conv, rec = (t[live[r]] for t in want)
+            assert_reduction_close(state[0][slot], conv, cfg.hidden_size, msg=f"conv, request {r}, row {j}")
+            assert_reduction_close(state[1][slot], rec, _terms(cfg, start + j + 1), msg=f"state, request {r}, row {j}")
+            assert float(rec.std()) > 0.01
+    assert torch.isnan(state[1][[0, 4, 7, 9, 10]]).all()  # no other slot written
 
 
 def _tp_run(tp: TPGroup, cfg_kw: dict, state_dict: dict, x: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,29 @@ class AttentionMetadata:
 
 
 @dataclass(frozen=True)
+class DraftStates:
+    """A verification step of speculative decoding on state layers: R requests verify drafts, request r at
+    packed rows first[r] .. first[r] + k_r (its last token, then its k_r drafts). The layer leaves the state
+    after row j < k_r in that draft's slot (the live slot gets the state after the last row, as ever), so the
+    engine keeps whichever position the target accepted up to (engine/core/spec_decode.py):
+
+        request a: rows 4 5 6 (2 drafts), live 7, draft slots (2, 9)    request b: rows 9 10 (1 draft), live 3, (5,)
+        live    [7, 3]         the states before the step (read before the layer writes them)
+        token   ([4, 9], [5])  per draft position j: row j of the requests with more than j drafts
+        source  ([7, 3], [2])  ... the slot holding the state before that row (j = 0: the live slot's, as read)
+        steps   slots ([2, 5], [9]): ... a decode-only StateMetadata whose state_slots get the state after it
+        rows    ([0, 1], [0])  ... and which of the R requests each is
+    """
+    live: torch.Tensor  # [R] int64, on the device: each verifying request's live slot
+    first: torch.Tensor  # [R] int64: its first packed row
+    token: tuple[torch.Tensor, ...]  # per draft position j: [R_j] int64 packed rows
+    source: tuple[torch.Tensor, ...]  # per j: [R_j] int64 slots
+    steps: tuple["StateMetadata", ...]  # per j: R_j rows of one token, state_slots the draft slots
+    rows: tuple[torch.Tensor, ...]  # per j: [R_j] int64 indices into the R requests
+    max_rows: int  # 1 + the most drafts of a request
+
+
+@dataclass(frozen=True)
 class StateMetadata:
     """What a state layer (a `StateSpec` layer: Gated DeltaNet, Mamba-like) needs of one step: the
     packed tokens as `AttentionMetadata` packs them, and each request's state slot. The layer reads and
@@ -73,6 +96,7 @@ class StateMetadata:
     has_initial_state: torch.Tensor  # [batch] bool, on the device
     has_initial_state_cpu: list[bool]
     max_query_len: int  # 1: a decode-only step (the recurrent rule)
+    drafts: DraftStates | None = None  # speculative decoding: where the states after draft positions go
 
     @property
     def num_seqs(self) -> int:

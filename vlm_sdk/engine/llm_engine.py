@@ -108,7 +108,7 @@ class LLMEngine:
         self.max_position_embeddings = memory.max_position_embeddings
         layout = memory.layout  # the model's cache groups (memory_inputs refused specs that cannot share a pool)
         if args.speculative_config is not None:  # before any cache is sized: what cannot verify is refused first
-            check_speculation(args.speculative_config, layout.state_layers, family.display_name)
+            check_speculation(args.speculative_config, layout.specs, family.display_name)
         # measured on CUDA even when the cache size is given: the report shows it
         profiles = executor.collective_rpc("profile_memory", largest_image, self.max_position_embeddings,
                                            memory.held_vision_tokens)
@@ -333,6 +333,10 @@ class LLMEngine:
                 seq.prompt_logprobs.write(chunk.start, chunk.token_ids, chunk.logprobs, chunk.ranks)
         finished = SequenceStatus.FINISHED
         generated = 0
+        if result.draft_token_ids or result.draft_seconds:  # EAGLE-3: the next step's drafts, after the tokens below
+            drafts, seconds = result.draft_token_ids, result.draft_seconds
+        else:
+            drafts = None
         for seq, n in batch.scheduled:
             token = sampled.get(seq.request_id)
             if token is None:
@@ -369,6 +373,8 @@ class LLMEngine:
             outputs.append(out)
             generated += 1
         self.totals["generation_tokens"] += generated
+        if drafts is not None:
+            self.spec.note_drafts(self.requests, drafts, seconds)
         return outputs
 
     def _append_verified(self, seq: Sequence, tokens: list[int], logprobs, now: float) -> EngineOutput | None:
@@ -382,7 +388,7 @@ class LLMEngine:
         if reason is not None:
             self._finish(seq, reason, now)
         else:
-            rollback(seq, self.cache, self.scheduler.truncated)
+            rollback(seq, self.cache, self.scheduler.truncated, self.scheduler.moved_slots)
         out = EngineOutput(seq.request_id, tokens[:taken], reason, seq.metrics, seq.num_output_tokens)
         if logprobs is not None:
             out.new_logprobs = logprobs[:taken]

@@ -12,7 +12,9 @@ of the conv; transformers keeps K columns, whose oldest one never reaches an out
 [Hv, Dk, Dv] in float32 (the published configs' `mamba_ssm_dtype`, and what transformers' fallback keeps:
 decays compound over the whole sequence). `forward` reads and writes each request's slot in place
 (`StateMetadata`); the arithmetic is the kernel set's (`KernelOps.causal_conv1d`, `gated_delta_rule`,
-`gated_rms_norm`), a decode-only step through their single-token forms.
+`gated_rms_norm`), a decode-only step through their single-token forms. A verification step of speculative
+decoding also leaves the state after each draft in that draft's slot (`StateMetadata.drafts`:
+layers/draft_states.py), so a rejected draft's state is left behind, not recomputed.
 
 Checkpoint tensors (the published names, under the layer's prefix): in_proj_qkv [2 Hk Dk + Hv Dv, hidden]
 (q | k | v rows, heads contiguous), in_proj_z [Hv Dv, hidden], in_proj_b and in_proj_a [Hv, hidden],
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_sdk.attention.metadata import StateMetadata
+from vlm_sdk.layers import draft_states
 from vlm_sdk.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from vlm_sdk.layers.ops import KernelOps
 from vlm_sdk.layers.parallel_state import TPGroup
@@ -94,7 +97,8 @@ class GatedDeltaNet(nn.Module):
         """This rank's state per request, in the order `forward` takes the tensors."""
         c = self.cfg
         return StateSpec((StateTensor("conv", (self.conv_dim, c.conv_kernel - 1), str(self.dtype).split(".")[1]),
-                          StateTensor("recurrent", (self.num_v_heads, c.head_k_dim, c.head_v_dim), c.state_dtype)))
+                          StateTensor("recurrent", (self.num_v_heads, c.head_k_dim, c.head_v_dim), c.state_dtype)),
+                         draft_states=True)
 
     def forward(self, x: torch.Tensor,  # [T, hidden]
                 state: tuple[torch.Tensor, torch.Tensor],  # conv [slots, conv_dim, K-1], recurrent [slots, Hv, Dk, Dv]
@@ -104,8 +108,14 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         qkvz = self.in_proj_qkvz(x)  # [T, conv_dim + value_dim]
         ba = self.in_proj_ba(x)  # [T, 2 Hv]
+        drafts = meta.drafts  # a verification step: the states after its drafts kept too (layers/draft_states.py)
+        if drafts is not None:
+            conv_start = draft_states.conv_before(conv_state, drafts)  # [R, conv_dim, K - 1]
+            draft_states.recurrent_before(recurrent_state, drafts)
         mixed = self.ops.causal_conv1d(qkvz[:, :self.conv_dim], self.conv_weight, None, conv_state, meta,
                                        c.activation)  # [T, conv_dim]
+        if drafts is not None:
+            draft_states.keep_conv_states(conv_state, conv_start, qkvz[:, :self.conv_dim], drafts)
         q = mixed[:, :self.key_dim].view(t, self.num_k_heads, c.head_k_dim)
         k = mixed[:, self.key_dim:2 * self.key_dim].view(t, self.num_k_heads, c.head_k_dim)
         v = mixed[:, 2 * self.key_dim:].view(t, self.num_v_heads, c.head_v_dim)
@@ -113,6 +123,8 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()  # [T, Hv], the model's dtype, as transformers
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] float32
         o = self.ops.gated_delta_rule(q, k, v, g, beta, recurrent_state, meta)  # [T, Hv, Dv]
+        if drafts is not None:
+            draft_states.keep_recurrent_states(self.ops, q, k, v, g, beta, recurrent_state, drafts)
         z = qkvz[:, self.conv_dim:].reshape(-1, c.head_v_dim)  # [T * Hv, Dv]
         o = self.ops.gated_rms_norm(o.reshape(-1, c.head_v_dim), z, self.norm_weight, c.eps)
         return self.out_proj(o.view(t, self.value_dim))

@@ -203,10 +203,14 @@ class CacheConfig:
 
 def state_slots(args: EngineArgs, layout: CacheLayout | None) -> int:
     """The state slots a model with state layers keeps (`num_state_slots`, else max_num_seqs, twice that
-    with prefix caching: a live slot per running request and as many checkpoints); 0 without state layers."""
+    with prefix caching: a live slot per running request and as many checkpoints; with speculative decoding
+    max_num_seqs x k more: a slot per draft, the state after it, held for its verification step); 0 without
+    state layers."""
     if layout is None or not layout.has_state:
         return 0
-    return args.num_state_slots or args.max_num_seqs * (2 if args.enable_prefix_caching else 1)
+    spec = args.speculative_config
+    drafts = spec.num_speculative_tokens if spec is not None else 0
+    return args.num_state_slots or args.max_num_seqs * (1 + drafts + (1 if args.enable_prefix_caching else 0))
 
 
 def size_cache(args: EngineArgs, per_block: int, max_position_embeddings: int,

@@ -80,8 +80,12 @@ class StateTensor:
 class StateSpec:
     """A fixed-size state per request of one layer (Gated DeltaNet, Mamba-like): its tensors, in the
     order the layer takes them. Every such layer's tensors are `[num_state_slots, *shape]`; one slot id
-    indexes a request's state in all of them."""
+    indexes a request's state in all of them. `draft_states`: the layer keeps, in a verification step of
+    speculative decoding, the state after each draft position in that draft's slot (`StateMetadata.drafts`),
+    so a rejected draft's state can be left behind (engine/core/spec_decode.py); a layer without it cannot
+    verify drafts (`spec_config.check_speculation`)."""
     tensors: tuple[StateTensor, ...]
+    draft_states: bool = False
 
     @property
     def kind(self) -> str:

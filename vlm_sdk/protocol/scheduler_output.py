@@ -81,6 +81,11 @@ class SchedulerOutput:
     # verification rejected drafts (the tables cut there before this step's new blocks are appended)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     truncated_blocks: dict[str, int] = field(default_factory=dict)
+    # ... on a model with state layers: request id -> a slot per draft, where the step leaves the state after
+    # that draft (its live slot gets the state after the last); request id -> its live slot from now on, after a
+    # verification that rejected a draft (the slot of the last accepted position: the engine's rollback)
+    draft_state_slots: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    moved_state_slots: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -97,6 +97,9 @@ ENGINE_HELP = {
     "max_video_container_frames": "most frames in one video's container, every one of which is indexed whichever are "
                                   "sampled; read from its header where it says, else counted as they are indexed "
                                   "(default 216000: an hour at 60 fps)",
+    "preprocess_workers": "processes that decode, resize and patchify images, the bytes and patches passed through "
+                          "shared memory (serve's default 2; the Python API's 0: on the prompt threads); a process "
+                          "that dies on an image fails that request alone (400) and is replaced",
     "revision": "branch, tag or commit of a model given as a Hub id 'Org/Name' (default: main)",
     "num_state_slots": "a model with state layers: state slots (a running request's, the rest prefix-cache "
                        "checkpoints), carved out before the KV blocks (default max_num_seqs, twice that with "
@@ -143,7 +146,7 @@ GROUPS = (
                              "distributed_executor_backend", "ray_placement_strategy", "distributed_timeout")),
     ("engine: images and video", ("max_image_pixels", "max_request_image_pixels", "max_video_bytes",
                                   "max_video_seconds", "max_video_frames", "max_video_decode_pixels",
-                                  "max_video_container_frames")),
+                                  "max_video_container_frames", "preprocess_workers")),
     ("engine: per-request budgets and output parsing", (
         "allow_special_tokens_in_text", "max_logit_bias", "max_stop_token_ids", "max_grammar_bytes",
         "grammar_compile_timeout", "max_grammar_memory", "grammar_cache_memory", "grammar_workers",

@@ -36,6 +36,7 @@ from vlm_sdk.protocol.cache_layout import CacheLayout
 from vlm_sdk.sampling_params import SamplingParams
 from vlm_sdk.worker.block_table import BlockTables
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs
+from vlm_sdk.worker.eagle_drafter import EagleDrafter, draft_rows
 from vlm_sdk.worker.encoder_cache import EncoderCache
 from vlm_sdk.worker.kv_cache import copy_state_slots
 from vlm_sdk.worker.step_metadata import step_metadata
@@ -51,7 +52,7 @@ from vlm_sdk.worker.request_state import RequestState
 from vlm_sdk.sample.sampled_tokens import SampledTokens
 from vlm_sdk.sample.rejection_sampler import RejectionSampler
 from vlm_sdk.sample.sampler import Sampler
-from vlm_sdk.worker.spec_verify import plain_masks, verify_drafts
+from vlm_sdk.worker.spec_verify import draft_states, plain_masks, verify_drafts
 from vlm_sdk.worker.step_images import drop_passed_images, encode_images, step_images
 from vlm_sdk.sample.token_mask import apply_token_bitmask
 
@@ -62,7 +63,7 @@ class ModelRunner:
                  max_vision_patches: int | None = None, graphs: DecodeGraphs | None = None, *,
                  attention: AttentionBackend, samples: bool = True, encoder_cache_bytes: int = 0,
                  keep_sampled: bool = False, piecewise: PiecewiseGraphs | None = None,
-                 stage: StageLink | None = None):
+                 stage: StageLink | None = None, drafter: EagleDrafter | None = None):
         """`caches[i]`: layer i's cache as `layout` allocates it (worker/kv_cache.py). `max_vision_patches` (None: no limit) caps the patches of one vision-tower call: the images
         of newly scheduled requests are encoded in groups of at most that many patches (a group
         always holds at least one image), so a step never exceeds the profiled peak of the largest
@@ -77,7 +78,8 @@ class ModelRunner:
         step's `stack_inputs` (the model itself is never changed: they wrap it from outside). `stage`:
         this rank's pipeline stage links (worker/pp_transfer.py): the first stage encodes images and
         embeds, a later one starts from the tensors it receives, a stage before the last sends its own
-        and returns an empty output (the last stage samples)."""
+        and returns an empty output (the last stage samples). `drafter`: EAGLE-3's (worker/eagle_drafter.py):
+        after each eager step it proposes the next step's drafts from the target's hidden states."""
         self.model = model
         self.attention = attention
         self.max_vision_patches = max_vision_patches
@@ -88,12 +90,15 @@ class ModelRunner:
         self._num_state_groups = len(layout.state_groups)
         self._state_tensors = [t for i in layout.state_layers if caches[i] is not None for t in caches[i]]
         self.stage = stage
+        self.drafter = drafter
+        self._draft_inputs = None  # this step's (scheduled, q_start, aux hidden states, positions) for the drafter
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
         self.sampler = Sampler(seed)
         self.rejection = RejectionSampler(self.sampler)  # speculative decoding's verification (worker/spec_verify.py)
         self._spec: dict[str, list[int]] = {}  # this step's drafts per request (SchedulerOutput.spec_token_ids)
+        self._draft_slots: dict[str, tuple[int, ...]] = {}  # ... and their state slots (SchedulerOutput.draft_state_slots)
         self.samples = samples
         self.reports_encoder = samples  # the encoder cache's counters come from this rank (rank 0)
         self.requests: dict[str, RequestState] = {}
@@ -149,6 +154,9 @@ class ModelRunner:
                     del held[keep:]
                 self.tables.truncate(state.row, keep)
         self._spec = sched.spec_token_ids
+        self._draft_slots = sched.draft_state_slots
+        for rid, slot in sched.moved_state_slots.items():  # a rollback kept an accepted draft's state
+            self.requests[rid].state_slot = slot
         behind = 0
         for new in sched.new_requests:
             self._release(new.request_id)
@@ -213,7 +221,22 @@ class ModelRunner:
     def execute_async(self, sched: SchedulerOutput) -> PendingOutput:
         """`execute`, returning as soon as the step is queued on the device: its output arrives by
         `PendingOutput.result()`. A request whose last token is still on its way (sampled by the
-        previous step, not yet sent by the engine) reads it from the device (`keep_sampled`)."""
+        previous step, not yet sent by the engine) reads it from the device (`keep_sampled`). With a
+        drafter the step's tokens are read at once and the next step's drafts added (`_with_drafts`)."""
+        self._draft_inputs = None
+        pending = self._execute_async(sched)
+        if self.drafter is None or self._draft_inputs is None:
+            return pending
+        return self._with_drafts(pending.result())
+
+    def _with_drafts(self, out: ModelRunnerOutput) -> PendingOutput:
+        """The step's output with the next step's drafts (worker/eagle_drafter.py)."""
+        scheduled, q_start, aux, positions = self._draft_inputs
+        self._draft_inputs = None
+        drafts, seconds = self.drafter.propose(self.model, draft_rows(scheduled, q_start, out), aux, positions)
+        return Ready(dataclasses.replace(out, draft_token_ids=drafts, draft_seconds=seconds))
+
+    def _execute_async(self, sched: SchedulerOutput) -> PendingOutput:
         scheduled = self._update_states(sched)
         if not scheduled:
             self._last_rows = {}
@@ -243,6 +266,8 @@ class ModelRunner:
             step = self._prepare(scheduled)
             embeds = self.model.embed_tokens(step.input_ids)  # [num_tokens, hidden]
             hidden = self._forward(embeds, step, step_images(scheduled, self.device))  # [num_tokens, hidden]
+            if self.drafter is not None:  # the target's aux hidden states, before the next forward replaces them
+                self._draft_inputs = (scheduled, step.q_start, self.model.aux_hidden_states(), step.positions)
             if sched.state_checkpoints:  # the states the step ended on block boundaries with, kept
                 self._copy_states(sched.state_checkpoints)
             drop_passed_images(scheduled)
@@ -448,7 +473,8 @@ class ModelRunner:
         common = dict(query_start_loc=q_start_d, seq_lens=seq_lens_d.int(), query_lens_cpu=counts,
                       seq_lens_cpu=end_arr.tolist(), max_query_len=int(n_arr.max()), max_seq_len=int(end_arr.max()))
         state = None if state_slots is None else StateMetadata(
-            q_start_d, counts, state_slots, initial_d.bool(), [c > 0 for c in starts], int(n_arr.max()))
+            q_start_d, counts, state_slots, initial_d.bool(), [c > 0 for c in starts], int(n_arr.max()),
+            draft_states(scheduled, q_start, self._draft_slots, self.device) if self._draft_slots else None)
         # the backend's per-step metadata, once per attention group
         meta = step_metadata(self.layout, self.caches, self.attention, common, slot_map, tables, state)
         return StepInputs(input_ids, pos_d.view(self.model.position_rows, num_tokens), meta, sample_rows_d,

@@ -7,13 +7,16 @@ verifying drafts, their grammar masks, and the rejection sampler (sample/rejecti
     plain       b6 and c0 -> the usual sampler
 
 The model computed the drafts' K/V with the rest of the step; what the target rejects is rolled back by the
-engine (engine/core/spec_decode.py), which cuts the tables here next step (`truncated_blocks`).
+engine (engine/core/spec_decode.py), which cuts the tables here next step (`truncated_blocks`). On a model with
+state layers, the step's `DraftStates` (`draft_states`) tell them where to leave the state after each draft; the
+engine then makes the slot of the last accepted position the request's live slot (`moved_state_slots`).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from vlm_sdk.attention.metadata import DraftStates, StateMetadata
 from vlm_sdk.protocol.scheduler_output import GrammarBitmask
 from vlm_sdk.sample.penalties import apply_penalties
 from vlm_sdk.sample.rejection_sampler import RejectionSampler
@@ -91,3 +94,27 @@ def plain_masks(masks: GrammarBitmask | None, spec: dict[str, list[int]]) -> Gra
     if len(keep) == len(masks.request_ids):
         return masks
     return GrammarBitmask(tuple(masks.request_ids[m] for m in keep), masks.bitmask[keep])
+
+
+def draft_states(scheduled: list, q_start: np.ndarray, slots: dict[str, tuple[int, ...]],
+                 device: torch.device) -> DraftStates:
+    """Where the step's state layers leave the state after each draft (attention/metadata.py `DraftStates`):
+    `slots` request id -> a slot per draft (SchedulerOutput.draft_state_slots); every index in one upload."""
+    reqs = [(int(q_start[i]), s) for i, (s, _) in enumerate(scheduled) if s.request_id in slots]
+    mine = [slots[s.request_id] for _, s in reqs]
+    ks = [len(d) for d in mine]
+    parts = [np.array([s.state_slot for _, s in reqs], np.int64), np.array([f for f, _ in reqs], np.int64)]
+    for j in range(max(ks)):  # per draft position: the requests with more than j drafts
+        r = [x for x, k in enumerate(ks) if k > j]
+        parts += [np.array([reqs[x][0] + j for x in r], np.int64),  # row j of each
+                  np.array([mine[x][j - 1] if j else reqs[x][1].state_slot for x in r], np.int64),  # state before
+                  np.array([mine[x][j] for x in r], np.int64),  # state after
+                  np.array(r, np.int64)]
+    dev = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True).split([p.size for p in parts])
+    live, first, per = dev[0], dev[1], dev[2:]
+    steps = []
+    for j in range(max(ks)):
+        n = per[4 * j].shape[0]
+        steps.append(StateMetadata(torch.arange(n + 1, dtype=torch.int32, device=device), [1] * n, per[4 * j + 2],
+                                   torch.ones(n, dtype=torch.bool, device=device), [True] * n, 1))
+    return DraftStates(live, first, tuple(per[0::4]), tuple(per[1::4]), tuple(steps), tuple(per[3::4]), 1 + max(ks))

@@ -258,10 +258,44 @@ class CacheCoordinator:
         seq.block_ids = ()
         seq.num_cached_blocks = 0
         if seq.state_slot >= 0:
-            self.state_pool.release([seq.state_slot])
+            self.state_pool.release([seq.state_slot] + seq.draft_slots)
             seq.state_slot = -1
+            seq.draft_slots = []
 
     # -- state layers ------------------------------------------------------------------------------
+    def take_draft_slots(self, seq: Sequence, k: int, reserve: int) -> int:
+        """Speculative decoding on state layers: a free slot for each of `seq`'s first `k` drafts (the state
+        after it), leaving `reserve` free (the sequences admission may still start this step: drafts never
+        cost admission); how many were taken (fewer drafts then). A model without state layers: `k`."""
+        if self.state_pool is None:
+            return k
+        k = min(k, self.state_pool.num_free - reserve)
+        if k > 0:
+            seq.draft_slots = self.state_pool.take(k)
+            seq.draft_start = seq.num_computed_tokens
+        return max(k, 0)
+
+    def settle_draft_slots(self, seq: Sequence) -> int | None:
+        """After `seq`'s verification step, rolled back to its accepted tokens (`num_computed_tokens` past its
+        last accepted draft): the slot holding the state there becomes its live slot, the others go back.
+
+            draft_start 9, 3 drafts (rows at 9 10 11 12), slots live L, drafts [d0 d1 d2] = states after 9, 10, 11
+            1 accepted: computed 11 -> the state after 10 is d1's: live d1, L d0 d2 freed; 3 accepted: L stays
+
+        The new live slot, or None when it stays (every draft accepted, or no drafts held)."""
+        slots = seq.draft_slots
+        if not slots:
+            return None
+        seq.draft_slots = []
+        accepted = seq.num_computed_tokens - seq.draft_start - 1  # drafts whose state it keeps
+        if accepted >= len(slots):
+            self.state_pool.release(slots)
+            return None
+        keep = slots[accepted]
+        self.state_pool.release([seq.state_slot] + [s for s in slots if s != keep])
+        seq.state_slot = keep
+        return keep
+
     def whole_image(self, seq: Sequence, computed: int, n: int) -> int:
         """`n` as `whole_image_chunk` cuts it when the model asks for whole images, else `n`."""
         return whole_image_chunk(seq, computed, n) if self.whole_images else n

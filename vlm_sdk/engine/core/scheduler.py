@@ -83,6 +83,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._worker_finished: set[str] = set()  # held by the worker, finished since the last step
         self.truncated: dict[Sequence, int] = {}  # speculative decoding's rollbacks since: sequence -> blocks kept
+        self.moved_slots: dict[Sequence, int] = {}  # ... on state layers: sequence -> its new live state slot
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -138,7 +139,8 @@ class Scheduler:
             if n <= 0:
                 continue  # a prefill chunk: what is left of the budget is the decode rows'
             if seq.spec_token_ids:  # speculative decoding: its last token and its drafts, or its drafts dropped
-                n = spec_tokens(seq, n, budget - reserve, self.cache)  # the decode rows after it keep theirs
+                # the decode rows after it keep their tokens; admission keeps a state slot per sequence it may start
+                n = spec_tokens(seq, n, budget - reserve, self.cache, self.config.max_num_seqs - len(running))
             if aligned and n > 1:  # a prefill chunk ends on a block boundary: its state can be checkpointed
                 n = self.cache.align(seq, seq.num_computed_tokens, n)
             if whole_images and seq.num_computed_tokens < seq.num_prompt_tokens:
@@ -201,6 +203,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.spec_token_ids = []
         self.truncated.pop(seq, None)  # resent whole when it resumes
+        self.moved_slots.pop(seq, None)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -214,6 +217,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.cache.free(seq)
         self.truncated.pop(seq, None)
+        self.moved_slots.pop(seq, None)
         if seq.in_worker:
             seq.in_worker = False
             self._worker_finished.add(seq.request_id)
@@ -232,10 +236,18 @@ class Scheduler:
             if seq.in_worker:
                 seq.in_worker = False
                 preempted.add(seq.request_id)
+        moved = {}  # before new requests: a sequence resent whole carries its live slot
+        if self.moved_slots:
+            moved = {s.request_id: slot for s, slot in self.moved_slots.items() if s.in_worker
+                     and s.request_id not in preempted}
+            self.moved_slots = {}
+        drafts = {}
         for seq, n in batch.scheduled:
             counts[seq.request_id] = n
             if seq.spec_token_ids:
                 spec[seq.request_id] = list(seq.spec_token_ids)
+                if seq.draft_slots:
+                    drafts[seq.request_id] = tuple(seq.draft_slots)
             blocks = seq.block_ids  # per attention group, every list as long as the first
             num_blocks, num_tokens = len(blocks[0]), len(seq.token_ids)
             if not seq.in_worker:
@@ -260,4 +272,5 @@ class Scheduler:
             self.truncated = {}
         return SchedulerOutput(new, cached, counts, finished, frozenset(preempted),
                                state_restores=batch.state_restores, state_checkpoints=batch.state_checkpoints,
-                               spec_token_ids=spec, truncated_blocks=truncated)
+                               spec_token_ids=spec, truncated_blocks=truncated, draft_state_slots=drafts,
+                               moved_state_slots=moved)

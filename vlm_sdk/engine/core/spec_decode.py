@@ -3,7 +3,8 @@ tokens and KV, and the rollback of what the target rejected.
 
     step() with speculative_config:
       propose      each running sequence that decodes (its last token not computed yet, nothing on its
-                   way) gets up to k drafts (`Sequence.spec_token_ids`; n-gram: ngram_proposer.py), capped
+                   way) gets up to k drafts (`Sequence.spec_token_ids`; n-gram: ngram_proposer.py; EAGLE-3:
+                   those the rank proposed after the previous step, worker/eagle_drafter.py), capped
                    so 1 + k tokens never pass its length limit and cut where its grammar would refuse one
       schedule     such a sequence asks for 1 + k tokens (`spec_tokens`): its last token and the drafts,
                    blocks for all of them; without room (budget, blocks) it drops its drafts first and
@@ -59,11 +60,24 @@ class SpecDecoder:
             k = min(c.num_speculative_tokens, seq.length_limit - len(seq.token_ids) - 1)
             if k <= 0:
                 continue
-            drafts = propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
+            if c.method == "eagle3":  # the rank's, made after the step that gave the last token
+                made = seq.next_drafts
+                drafts = list(made[1][:k]) if made is not None and made[0] == len(seq.token_ids) else []
+            else:
+                drafts = propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
             if drafts and seq.matcher is not None:
                 drafts = drafts[:seq.matcher.validate_tokens(drafts)]
             seq.spec_token_ids = drafts
         self.draft_seconds += time.perf_counter() - start
+
+    def note_drafts(self, seqs: dict, drafts: dict[str, list[int]], seconds: float) -> None:
+        """A step's output carried the rank's drafts (EAGLE-3) for the next step, made in `seconds`: each kept
+        with the token count it follows (`Sequence.next_drafts`; `seqs`: request id -> Sequence)."""
+        self.draft_seconds += seconds
+        for rid, d in drafts.items():
+            seq = seqs.get(rid)
+            if seq is not None:
+                seq.next_drafts = (len(seq.token_ids), d)
 
     def note_verified(self, seq: Sequence, num_tokens: int) -> None:
         """`seq`'s verification step produced `num_tokens` tokens (accepted drafts + one)."""
@@ -81,15 +95,19 @@ class SpecDecoder:
                 "spec_draft_seconds": self.draft_seconds}
 
 
-def spec_tokens(seq: Sequence, n: int, budget: int, cache) -> int:
+def spec_tokens(seq: Sequence, n: int, budget: int, cache, slot_reserve: int = 0) -> int:
     """The tokens a running `seq` computes this step: 1 + its drafts when it decodes and the budget and
-    the free blocks hold them all (the blocks taken here), else `n` with its drafts dropped."""
+    the free blocks hold them all (the blocks taken here), else `n` with its drafts dropped. On a model with
+    state layers each draft also needs a free state slot beyond `slot_reserve` (`take_draft_slots`): drafts
+    without one are dropped."""
     drafts = seq.spec_token_ids
     if n == 1 and len(seq.token_ids) - seq.num_computed_tokens == 1:
         k = min(len(drafts), budget - 1)
         if k > 0 and cache.allocate(seq, 1 + k):
-            del drafts[k:]
-            return 1 + k
+            k = cache.take_draft_slots(seq, k, slot_reserve)
+            if k > 0:
+                del drafts[k:]
+                return 1 + k
     drafts.clear()
     return n
 
@@ -117,14 +135,20 @@ def append_verified(seq: Sequence, tokens: list[int], now: float) -> tuple[int, 
     return taken, reason
 
 
-def rollback(seq: Sequence, cache, truncated: dict) -> None:
+def rollback(seq: Sequence, cache, truncated: dict, moved: dict | None = None) -> None:
     """After `seq`'s verification step (its tokens appended): what it computed beyond its accepted tokens
     is forgotten, and its blocks past the tokens it holds go back to the pool, last first. `truncated`
-    (the scheduler's): request -> blocks kept, for the worker's tables."""
+    (the scheduler's): request -> blocks kept, for the worker's tables. State layers: the state after its
+    last accepted position is in that draft's slot, which becomes its live slot (`settle_draft_slots`;
+    `moved`, the scheduler's: sequence -> new live slot, for the worker), nothing recomputed."""
     seq.spec_token_ids = []
     if seq.status is not SequenceStatus.RUNNING:
         return
     seq.num_computed_tokens = len(seq.token_ids) - 1
+    if seq.draft_slots:
+        slot = cache.settle_draft_slots(seq)
+        if slot is not None and moved is not None:
+            moved[seq] = slot
     keep = cache.blocks_for(len(seq.token_ids))
     if not seq.block_ids or len(seq.block_ids[0]) <= keep:
         return
