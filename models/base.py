@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from vlm_sdk.attention.metadata import StepMetadata
+from vlm_sdk.errors import InvalidRequestError
+from vlm_sdk.multimodal.image_io import load_image
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs
 from vlm_sdk.protocol.cache_spec import AttentionSpec, LayerCacheSpec
 
@@ -158,6 +160,19 @@ class VisionLanguageModel(nn.Module, ABC):
         (e.g. features added between layers). Only called when `decoder_stack()` is not None."""
         return None
 
+    def set_aux_hidden_layers(self, layers: tuple[int, ...]) -> None:
+        """EAGLE-3 drafts (models/common/eagle3_draft.py): from now on every `forward` keeps the residual stream
+        entering each of these decoder layers (vLLM's `aux_hidden_state_layers`), for `aux_hidden_states`.
+        Default: refused, naming the family (its decoder keeps no such states)."""
+        raise InvalidRequestError(f"speculative_config method='eagle3' reads the target's hidden states at layers "
+                                  f"{list(layers)}, and {type(self).__name__}'s decoder does not hand them out: use "
+                                  f"method='ngram', or leave speculative_config out", param="speculative_config")
+
+    def aux_hidden_states(self) -> torch.Tensor | None:
+        """`[num_tokens, len(layers) * hidden_size]`: the last forward's states at the layers set above, in
+        their order (None when none are set)."""
+        return None
+
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`[num_sampled, hidden_size] -> [num_sampled, vocab_size]` float32 (the whole vocab on every
@@ -185,10 +200,28 @@ class PromptProcessor(ABC):
     hf_config, args, family)`), which
     checks `args.mm_processor_kwargs` with its family's `engine_options` (another family's setting is
     refused with `InvalidRequestError` naming it). The engine sets the plain attribute
-    `max_image_tokens` (its max_model_len) once it is known.
+    `max_image_tokens` (its max_model_len) once it is known, and `pixel_workers` (a
+    `multimodal.pixel_workers.PixelWorkers`) when its images are preprocessed in worker processes.
     """
 
     max_image_tokens: int | None
+    pixel_workers = None  # None: images are decoded and resized on the thread that builds the prompt
+
+    def run_pixels(self, image, max_image_pixels: int, fn, *args):
+        """`fn(load_image(image), *args)` for an `OpenedImage`: in a worker process when the engine gave
+        this processor `pixel_workers`, else here. `fn` is a module-level function (it may be pickled by
+        reference) returning tensors and plain values; it decodes, resizes and patchifies, so that the
+        prompt-building thread keeps only the cheap work (options, checks, the `ImageInput`)."""
+        if self.pixel_workers is not None:
+            return self.pixel_workers.run(image, max_image_pixels, fn, *args)
+        return fn(load_image(image, max_image_pixels=max_image_pixels), *args)
+
+    def preprocess_image(self, ref) -> list[ImageInput]:
+        """One image part (a `multimodal.messages.ImageRef`) alone, as a prompt's image 0: its options and
+        checks, decode, resize and patchify, without a template or tokenizer (the preprocessing benchmark's
+        unit, bench/preprocess_scaling.py). A family's `_image(index, ref)` does the work."""
+        out = self._image(0, ref)
+        return out if isinstance(out, list) else [out]
 
     @classmethod
     def from_engine_args(cls, tokenizer, image_processor, hf_config, args, family):

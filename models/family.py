@@ -106,6 +106,20 @@ class ImageSize:
 
 
 @dataclass(frozen=True)
+class VideoTokens:
+    """What one video part becomes in the prompt, from its container's size alone (the workload plan's
+    count, `ImageLimits.video_for`): the frames sampled, the vision-tower items (a temporal patch or a
+    frame: one encoder-cache entry each), the placeholder tokens the tower fills, and what the processor
+    writes around each item beyond the one wrapper an image has: `texts` (a Qwen3-VL patch's timestamp,
+    an InternVL frame's label), tokenized by the planner, and `special` tokens (per-item wrappers)."""
+    frames: int
+    items: int
+    tokens: int
+    texts: tuple[str, ...] = ()
+    special: int = 0
+
+
+@dataclass(frozen=True)
 class ImageLimits:
     """The planner's view of a family's image sizing (`FamilySpec.image_limits`): one setting
     (`setting`, a plan option name such as "max_pixels" or "max_num") decides the largest image."""
@@ -116,6 +130,9 @@ class ImageLimits:
     # the tokens of an image of (width, height) pixels under the settings in effect: the workload plan's
     # count, from the size alone (plan/workload.py); None: the family gives none (each image counts as the largest)
     tokens_for: Callable[[int, int], int] | None = None
+    # a video part of (width, height, frames in the container, its fps) under the settings in effect, a part's
+    # own video options `options` applied: the processor's sampling and sizing (None: the family takes no video)
+    video_for: Callable[[int, int, int, float, Mapping[str, Any]], VideoTokens] | None = None
 
     @property
     def tokens(self) -> int:

@@ -93,7 +93,8 @@ class AsyncLLM:
         # keyed by a unique engine id, so a reused user id never receives an older request's outputs
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
-        self._prep = PrepPools()  # text, long text, image and video: fair between requests
+        # text, long text, image and video: fair between requests; a thread per image preprocessing process
+        self._prep = PrepPools(image_threads=self.engine.args.preprocess_workers)
         # guards _dead/_closed against the enqueueing of commands: nothing is queued after the engine
         # thread's final drain, so no caller waits on a thread that is gone
         self._lock = threading.Lock()

@@ -212,7 +212,7 @@ def build_parser() -> tuple[Parser, dict[str, argparse.ArgumentParser]]:
     commands: dict[str, argparse.ArgumentParser] = {"chat": add_chat_parser(sub), "serve": add_serve_parser(sub),
                                                      "plan": add_plan_parser(sub)}
     bench = sub.add_parser("bench", help="our engine vs transformers generate on the same checkpoint (and the other "
-                           "benchmarks: --gpu, --multi-turn, --structured, --host-overhead, --sampler, --video, "
+                           "benchmarks: --gpu, --multi-turn, --structured, --host-overhead, --sampler, --cpu-gemm, --video, "
                            "--speculative)")
     add_bench_arguments(bench, FAMILIES)
     commands["bench"] = bench
@@ -274,6 +274,9 @@ def _bench(args, argv: list[str] | None) -> int:
     if args.sampler:
         from vlm_sdk.bench.sampler import main as run_sampler_bench
         return run_sampler_bench(args)
+    if args.cpu_gemm:
+        from vlm_sdk.bench.cpu_gemm import main as run_cpu_gemm_bench
+        return run_cpu_gemm_bench(args)
     from vlm_sdk.bench import gpu as bench_gpu
     from vlm_sdk.bench import host_overhead, prefix_cache, speculative, structured, video
     if args.speculative is not None:

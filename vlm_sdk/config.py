@@ -148,6 +148,11 @@ class EngineArgs:
     max_video_frames: int = 768
     max_video_decode_pixels: int = 8_000_000_000
     max_video_container_frames: int = 216_000
+    # images decoded, resized and patchified in this many worker processes (multimodal/pixel_workers.py:
+    # the bytes go once through shared memory, the patches come back the same way), so preprocessing grows
+    # with cores and holds no GIL of the engine's process; 0: on the prompt-building threads (`vlm-sdk serve`
+    # sets a default: server/config.py SERVER_PREPROCESS_WORKERS)
+    preprocess_workers: int = 0
     # special tokens (<|im_end|>, <|im_start|>, ...) written in message text are read as control
     # tokens, as the template's own are; off (the default), they are plain text, so a user cannot end
     # their turn and forge another role's
@@ -181,6 +186,10 @@ class EngineArgs:
     # ranks); pp_layer_partition: each stage's layer count, "4,6" (vLLM's VLLM_PP_LAYER_PARTITION; None: even)
     pipeline_parallel_size: int = 1
     pp_layer_partition: str | None = None
+    # pipeline parallelism: micro-batches in flight at once (vLLM's batch queue): the engine schedules the
+    # next from the requests not in flight while earlier ones are still in the stages. None: one per stage;
+    # 1: one step at a time (the stages take turns)
+    pipeline_micro_batches: int | None = None
     shard_vision: bool = True  # under tensor parallelism: split the vision tower too (False: a copy per rank)
     # under tensor parallelism: MoE layers place num_experts / tensor_parallel_size whole experts on each
     # rank instead of a slice of every expert (vLLM's enable_expert_parallel); no effect on dense models
@@ -289,9 +298,13 @@ class EngineArgs:
                      "max_num_batched_tokens", "max_image_pixels", "max_request_image_pixels",
                      "max_video_bytes", "max_video_frames", "max_video_decode_pixels", "max_video_container_frames",
                      "preemption_warning_per_minute", "tensor_parallel_size", "pipeline_parallel_size",
-                     "max_grammar_bytes",
+                     "pipeline_micro_batches", "max_grammar_bytes",
                      "max_grammar_memory", "grammar_cache_memory", "grammar_workers", "max_tools", "max_tool_bytes"):
             positive(name)
+        w = self.preprocess_workers
+        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+            raise InvalidRequestError(f"preprocess_workers must be an integer of 0 (images preprocessed in the "
+                                      f"engine's process) or more, got {w!r}", param="preprocess_workers")
         for name in ("max_num_encoder_tokens_per_step", "max_prefill_tokens_with_decodes"):
             t = getattr(self, name)
             if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
@@ -382,8 +395,20 @@ class EngineArgs:
                                       f"stages, but pipeline_parallel_size is 1: set pipeline_parallel_size "
                                       f"(--pipeline-parallel-size / -pp) to {len(partition)}",
                                       param="pp_layer_partition")
+        self.micro_batches()  # refused here, before any rank starts
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.enable_expert_parallel,
                               partition)
+
+    def micro_batches(self) -> int:
+        """Micro-batches in flight at once: `pipeline_micro_batches`, by default one per pipeline stage."""
+        n, pp = self.pipeline_micro_batches, self.pipeline_parallel_size
+        if n is not None and n > pp:
+            raise InvalidRequestError(
+                f"pipeline_micro_batches={n} exceeds pipeline_parallel_size={pp}: each stage runs one micro-batch at a "
+                f"time, so at most {pp} are in flight" + (" (there is no pipeline with one stage)" if pp == 1 else "")
+                + f": set pipeline_micro_batches to {pp} or less (--pipeline-micro-batches), or leave it unset",
+                param="pipeline_micro_batches")
+        return pp if n is None else n
 
     def resolve_async_scheduling(self, device: torch.device, tensor_parallel_size: int) -> bool:
         """Whether steps are scheduled asynchronously: `async_scheduling`, or by default on CUDA with one
@@ -402,7 +427,9 @@ class EngineArgs:
                 raise InvalidRequestError(
                     f"async_scheduling=True needs one rank, and pipeline_parallel_size={self.pipeline_parallel_size}: "
                     f"the next step's ids would stay on the last stage's device while the first stage embeds them. "
-                    f"Leave async_scheduling unset (or False) with pipeline parallelism", param="async_scheduling")
+                    f"The pipeline overlaps its steps by itself: pipeline_micro_batches (default one per stage) "
+                    f"micro-batches are in flight while the next is scheduled. Leave async_scheduling unset (or "
+                    f"False) with pipeline parallelism", param="async_scheduling")
             raise InvalidRequestError(
                 f"async_scheduling=True needs tensor_parallel_size=1 (got {tensor_parallel_size}): the next step's "
                 f"ids stay on rank 0's device. Leave async_scheduling unset (or False) with tensor parallelism",
@@ -553,8 +580,14 @@ def resolve_rank_config(args: EngineArgs) -> RankConfig:
                                   f"'{backend}'{'' if args.attention_backend else ' (the default on ' + device.type + ')'}"
                                   f": set attention_backend='triton', or small_m_gemm='torch'", param="small_m_gemm")
     # under pipeline parallelism every step runs eagerly (the graphs capture a whole model's forward)
+    # EAGLE-3 drafts read every step's hidden states, which the captured graphs do not hand out: eager steps
+    eagle = args.speculative_config is not None and args.speculative_config.method == "eagle3"
+    if eagle and args.piecewise_cuda_graphs:
+        raise InvalidRequestError("piecewise_cuda_graphs=True does not compose with speculative_config method='eagle3' "
+                                  "yet (the draft reads the target's hidden states between layers, outside the "
+                                  "graphs): leave piecewise_cuda_graphs unset", param="piecewise_cuda_graphs")
     decode_graphs = device.type == "cuda" and backend == "triton" and not args.enforce_eager \
-        and args.pipeline_parallel_size == 1
+        and args.pipeline_parallel_size == 1 and not eagle
     dtype = args.resolve_dtype(device)
     kv_dtype = args.resolve_kv_cache_dtype(dtype)
     if kv_dtype == torch_dtype("float8_e4m3fn"):

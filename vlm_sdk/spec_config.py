@@ -20,7 +20,7 @@ from typing import Any, Mapping
 from vlm_sdk.errors import InvalidRequestError
 
 METHODS = ("ngram", "eagle3", "mtp")
-RUNNABLE_METHODS = ("ngram",)
+RUNNABLE_METHODS = ("ngram", "eagle3")
 FIELDS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
 PARAM = "speculative_config"
 MAX_SPECULATIVE_TOKENS = 16  # a verification step's rows per sequence are 1 + k; beyond this acceptance never pays
@@ -104,6 +104,10 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         if value.get(name) is not None:
             raise InvalidRequestError(f"speculative_config {name} applies to method='ngram' only (method={method!r})",
                                       param=PARAM)
+    if method == "eagle3" and (not isinstance(model, str) or not model):
+        raise InvalidRequestError(f"speculative_config method='eagle3' needs 'model': the draft checkpoint's directory "
+                                  f"(config.json + safetensors in the published EAGLE-3 layout), got {model!r}",
+                                  param=PARAM)
     return SpeculativeConfig(method, k, model)
 
 

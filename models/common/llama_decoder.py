@@ -167,6 +167,10 @@ class LlamaDecoder(DecoderEnds):
         # the `DecoderStack` contract (models/base.py): positions [3, N] for M-RoPE, else [N]
         self.hidden_size = cfg.hidden_size
         self.position_rows = 3 if cfg.mrope_section is not None else 1
+        # EAGLE-3 (models/common/eagle3_draft.py): the residual stream entering these layers is kept per
+        # forward, concatenated in this order, for the draft (`aux_hidden`); () keeps nothing
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
         self.requires_grad_(False)
 
     def forward(self, inputs_embeds: torch.Tensor,  # [N, hidden]
@@ -189,11 +193,16 @@ class LlamaDecoder(DecoderEnds):
             raise ValueError(f"got {len(features)} DeepStack levels for {len(self.layers)} decoder layers")
         x, residual = (inputs_embeds, None) if intermediate is None else (intermediate.hidden, intermediate.residual)
         rope = self.rotary_inputs(positions, x.dtype)  # shared by every layer
+        aux = {} if self.aux_layers else None
         for i in range(self.start_layer, self.end_layer):
+            if aux is not None and i in self.aux_layers:  # vLLM's: the stream before layer i (x + residual)
+                aux[i] = x if residual is None else x + residual  # [N, hidden]
             x, residual = self.layers[i](x, residual, rope, caches[i], meta.layer(i))
             if i < len(features):
                 # the stream is x + residual; x is this layer's fresh MLP output, so adding in place is safe
                 x.index_add_(0, rows, features[i].to(x.dtype))  # [N, hidden] += at rows [n, hidden]
+        if aux is not None:
+            self.aux_hidden = torch.cat([aux[j] for j in self.aux_layers], dim=-1)  # [N, len(aux_layers) * hidden]
         if not self.pp.is_last:
             return IntermediateTensors(x, residual)
         return self.final_norm(x, residual)

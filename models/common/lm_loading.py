@@ -28,7 +28,7 @@ from vlm_sdk.layers.ops import KernelOps
 from vlm_sdk.layers.parallel_state import ParallelGroups, TPGroup
 from vlm_sdk.weight_loading import ParamSlot, load_checked
 from vlm_sdk.models.base import DecoderStack, LayerCache, StepImages, VisionLanguageModel
-from vlm_sdk.models.cpu_layout import PackedLMHead, column_major, use_cpu_weight_layout
+from vlm_sdk.models.cpu_layout import OneDnnLMHead, PackedLMHead, column_major, use_cpu_weight_layout
 from vlm_sdk.models.common.decoder_ends import DecoderEnds
 from vlm_sdk.models.common.llama_config import LlamaDecoderConfig
 from vlm_sdk.models.common.llama_decoder import LlamaDecoder
@@ -117,6 +117,14 @@ class DecoderVLM(VisionLanguageModel):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.decoder.compute_logits(hidden, out)
+
+    def set_aux_hidden_layers(self, layers: tuple[int, ...]) -> None:
+        if not hasattr(self.decoder, "aux_layers"):  # a decoder other than the Llama-style one
+            super().set_aux_hidden_layers(layers)
+        self.decoder.aux_layers = tuple(layers)
+
+    def aux_hidden_states(self) -> torch.Tensor | None:
+        return self.decoder.aux_hidden if getattr(self.decoder, "aux_layers", ()) else None
 
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         if not self.parallel.pp.is_first:  # the tower is the first stage's (meta here, no memory)
@@ -222,6 +230,9 @@ def finish_cpu_layout(model: nn.Module, decoder: DecoderEnds) -> None:
     if pp is not None and not pp.is_last:  # the LM head is the last stage's
         return
     head = decoder.embed_tokens.weight if decoder.lm_head is None else decoder.lm_head.weight
+    if OneDnnLMHead.applies(head):  # row-major, as use_cpu_weight_layout left it
+        decoder.packed_head = OneDnnLMHead(head)
+        return
     decoder.packed_head = PackedLMHead.create(head)
     if decoder.packed_head is None and decoder.lm_head is None and head.device.type == "cpu":
         # the tied matrix serves the LM head every step and the embedding lookup rarely: favour the head

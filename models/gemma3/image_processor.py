@@ -26,6 +26,7 @@ from PIL import Image
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
 from vlm_sdk.model_loader import config_field
 from vlm_sdk.multimodal.image_io import to_rgb
+from vlm_sdk.multimodal.image_key import image_key
 from vlm_sdk.multimodal.pixels import byte_table, normalisation
 
 SIGLIP_MEAN = SIGLIP_STD = (0.5, 0.5, 0.5)
@@ -142,3 +143,12 @@ class Gemma3ImageProcessor:
             raise InvalidImageError(f"image has zero size ({image.width}x{image.height}, width x height)")
         return image if image.mode == "RGB" else to_rgb(image)
 
+
+def gemma3_image_pixels(image: Image.Image, ip: Gemma3ImageProcessor, pan_and_scan: PanAndScan):
+    """One decoded image's work (where `PromptProcessor.run_pixels` puts it): (frame bytes uint8
+    [1 + crops, 3, S, S], (height, width) as decoded, each frame's `image_key`: the whole image, then the crops
+    of its (rows, cols) grid)."""
+    rows, cols = pan_and_scan.grid(image.width, image.height)
+    data = ip.frame_bytes(image, pan_and_scan)
+    return data, (image.height, image.width), [image_key(image, frame=f, grid=(rows, cols) if f else None)
+                                               for f in range(data.shape[0])]

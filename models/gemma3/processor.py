@@ -23,12 +23,11 @@ import torch
 
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
 from vlm_sdk.model_loader import config_field
-from vlm_sdk.multimodal.image_io import load_image
-from vlm_sdk.multimodal.image_key import image_key
+from vlm_sdk.multimodal.image_io import open_image, oriented_size
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, refuse_placeholders
 from vlm_sdk.multimodal.messages import ImageRef, VideoRef, parse_messages
 from vlm_sdk.models.base import MediaPart, PromptProcessor
-from vlm_sdk.models.gemma3.image_processor import Gemma3ImageProcessor, PanAndScan
+from vlm_sdk.models.gemma3.image_processor import Gemma3ImageProcessor, PanAndScan, gemma3_image_pixels
 
 # engine / image-part setting -> PanAndScan field
 _FIELDS = {"do_pan_and_scan": "enabled", "pan_and_scan_max_num_crops": "max_num_crops",
@@ -93,22 +92,24 @@ class Gemma3Processor(PromptProcessor):
     def _image(self, index: int, ref: ImageRef) -> list[ImageInput]:
         own = self.family.image_options(ref.options, f"image {index}: ")
         pas = engine_pan_and_scan(self.image_processor, {**self._engine_options(), **own})
-        pil = load_image(ref.source, max_image_pixels=self.max_image_pixels)
-        rows, cols = pas.grid(pil.width, pil.height)
+        opened = open_image(ref.source, max_image_pixels=self.max_image_pixels)
+        height, width = oriented_size(opened)
+        rows, cols = pas.grid(width, height)
         crops = rows * cols
-        self._check_tokens(index, pil, pas, crops, bool(own))
-        data = self.image_processor.frame_bytes(pil, pas)  # [1 + crops, 3, S, S] uint8
+        self._check_tokens(index, width, height, pas, crops, bool(own))
+        # [1 + crops, 3, S, S] uint8, (height, width), one key per frame
+        data, size, keys = self.run_pixels(opened, self.max_image_pixels, gemma3_image_pixels, self.image_processor, pas)
+        if data.shape[0] != 1 + crops:  # the header's size and the decoded image's gave other grids
+            crops = data.shape[0] - 1
         lut = self.image_processor.pixel_lut
         return [ImageInput(data[f:f + 1], self.tokens_per_image, Gemma3Frame(index, f, crops, bool(own), lut),
-                           source_size=(pil.height, pil.width),
-                           key=image_key(pil, frame=f, grid=(rows, cols) if f else None))
-                for f in range(1 + crops)]
+                           source_size=size, key=keys[f]) for f in range(1 + crops)]
 
     def _engine_options(self) -> dict[str, Any]:
         p = self.pan_and_scan
         return {k: getattr(p, f) for k, f in _FIELDS.items()}
 
-    def _check_tokens(self, index: int, pil, pas: PanAndScan, crops: int, own: bool) -> None:
+    def _check_tokens(self, index: int, width: int, height: int, pas: PanAndScan, crops: int, own: bool) -> None:
         limit = self.max_image_tokens
         tokens = (1 + crops) * self.tokens_per_image
         if limit is None or tokens <= limit:
@@ -117,7 +118,7 @@ class Gemma3Processor(PromptProcessor):
         fix = (f"set pan_and_scan_max_num_crops to at most {fewer}" if fewer >= 1 else "set do_pan_and_scan to false"
                ) if crops and limit >= self.tokens_per_image else "no setting fits: raise max_model_len"
         where = "the image part's" if own else "the engine's"
-        raise InvalidImageError(f"image {index} is {pil.width}x{pil.height} (width x height); with {where} pan-and-scan "
+        raise InvalidImageError(f"image {index} is {width}x{height} (width x height); with {where} pan-and-scan "
                                 f"settings it becomes 1 + {crops} crops = {tokens} image tokens, more than the {limit} "
                                 f"one image may take (max_model_len); refused before resizing: {fix}",
                                 param="pan_and_scan_max_num_crops")

@@ -22,6 +22,7 @@ from PIL import Image
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
 from vlm_sdk.model_loader import config_field
 from vlm_sdk.multimodal.image_io import to_rgb
+from vlm_sdk.multimodal.image_key import image_key
 from vlm_sdk.multimodal.pixels import byte_table, normalisation
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -234,3 +235,9 @@ class InternVLImageProcessor:
         tiles = resized.reshape(rows, s, cols, s, 3).transpose(0, 2, 4, 1, 3)  # [rows, cols, 3, s, s] (view)
         thumb = np.asarray(image.resize((s, s), resample=self.resample)) if self.tiles_of_grid(n) > n else None
         return tiles, thumb  # thumb: [s, s, 3]
+
+
+def internvl_image_pixels(image: Image.Image, ip: InternVLImageProcessor, max_num: int):
+    """One decoded image's work (where `PromptProcessor.run_pixels` puts it): (tile bytes uint8
+    [tiles, 3, S, S], (height, width) as decoded, its `image_key`)."""
+    return ip.tile_bytes(image, max_num), (image.height, image.width), image_key(image, max_num=max_num)

@@ -25,14 +25,13 @@ from typing import Any, Mapping
 import torch
 
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError, InvalidVideoError
-from vlm_sdk.multimodal.image_io import load_image
-from vlm_sdk.multimodal.image_key import image_key
+from vlm_sdk.multimodal.image_io import open_image, oriented_size
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, expand_image_placeholders, refuse_placeholders
 from vlm_sdk.multimodal.messages import ImageRef, VideoRef, parse_messages
 from vlm_sdk.multimodal.video_io import open_video
 from vlm_sdk.models.base import MediaPart, PromptProcessor
 from vlm_sdk.model_loader import config_field, text_config
-from vlm_sdk.models.internvl.image_processor import InternVLImageProcessor
+from vlm_sdk.models.internvl.image_processor import InternVLImageProcessor, internvl_image_pixels
 from vlm_sdk.models.internvl.video import DEFAULT_FRAMES, frame_parts, video_frames
 from vlm_sdk.models.internvl.vision import InternVisionConfig
 
@@ -154,14 +153,16 @@ class InternVLProcessor(PromptProcessor):
         if own:
             _check_min_num(own_max_num, f"image {index}: max_num", "max_num", self.image_processor.min_num)
         max_num = own_max_num if own else self.engine_max_num
-        pil = load_image(ref.source, max_image_pixels=self.max_image_pixels)
+        opened = open_image(ref.source, max_image_pixels=self.max_image_pixels)
         if own:
-            self._check_tokens(index, pil.height, pil.width, max_num)
-        pixels = self.image_processor.tile_bytes(pil, max_num)  # [tiles, 3, S, S] uint8: normalised on the device
+            self._check_tokens(index, *oriented_size(opened), max_num)
+        # [tiles, 3, S, S] uint8: normalised on the device
+        pixels, size, key = self.run_pixels(opened, self.max_image_pixels, internvl_image_pixels,
+                                            self.image_processor, max_num)
         tiles = pixels.shape[0]
         return ImageInput(pixels, tiles * self.tokens_per_tile,
                           InternVLImage(tiles, own, pixel_lut=self.image_processor.pixel_lut),
-                          source_size=(pil.height, pil.width), key=image_key(pil, max_num=max_num))
+                          source_size=size, key=key)
 
     def _check_tokens(self, index: int, height: int, width: int, max_num: int) -> None:
         """Refuse an image whose own max_num gives it more tokens than `max_image_tokens`, before resizing."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from vlm_sdk.models.family import MAX_PART_FRAMES, FamilySpec, ImageLimits, ImageSize, Setting
+from vlm_sdk.models.family import MAX_PART_FRAMES, FamilySpec, ImageLimits, ImageSize, Setting, VideoTokens
 
 MAX_NUM_LIMIT = 256  # tiles one image may ask for; the published models use at most 40
 
@@ -61,7 +61,14 @@ class InternVLSpec(FamilySpec):
             return max(ok) if ok else None
         def tokens_for(width: int, height: int) -> int:
             return ip.num_tiles(width, height, max_num) * per_tile
-        return ImageLimits("max_dynamic_patch", at(max_num), at, candidates, tokens_for)
+
+        def video_for(width: int, height: int, frames: int, fps: float, part: Mapping[str, Any]) -> VideoTokens:
+            from vlm_sdk.models.internvl.video import DEFAULT_FRAMES
+            n = self.video_options(part, "video: ").get("max_frames", DEFAULT_FRAMES)  # whatever the video's length
+            # each frame an image part of one tile (video.py): "Frame{i}: " before it, the template's "\n" after
+            # it, and <img> </img> around its tokens
+            return VideoTokens(n, n, n * per_tile, tuple(f"Frame{i + 1}: " for i in range(n)) + ("\n",) * n, 2 * n)
+        return ImageLimits("max_dynamic_patch", at(max_num), at, candidates, tokens_for, video_for)
 
     def video_item_tokens(self, preprocessor: Mapping[str, Any], hf_config: Any, model: Any) -> int:
         ip = self.image_processor_cls.from_preprocessor_config(preprocessor, hf_config)

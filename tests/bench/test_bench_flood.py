@@ -12,8 +12,13 @@ def test_flood_bench_runs_every_phase(tiny_ckpt, capsys):
                  "--flood-seconds", "1", "--flood-warmup", "0.3", "--flood-concurrency", "2",
                  "--flood-victim-interval", "0.5", "--flood-distinct", "64", "--flood-image-size", "64",
                  "--flood-video-frames", "2", "--flood-video-size", "32", "--max-tokens", "3",
-                 "--flood-engine-arg", "max_num_encoder_tokens_per_step=16"]) == 0
+                 "--flood-engine-arg", "max_num_encoder_tokens_per_step=16", "--flood-preprocess-images", "3",
+                 "--flood-preprocess-size", "96", "--flood-preprocess-workers", "1"]) == 0
     r = json.loads(capsys.readouterr().out)
+    rows = r["preprocessing"]["rows"]  # images/s of each row, on the same 3 images
+    assert list(rows) == ["in process, 1 thread", "in process, 2 threads", "1 worker", "transformers"]
+    assert all(rate > 0 for rate in rows.values()), rows
+    assert r["preprocessing"]["ratios"]["2_workers_over_1"] is None  # no 2-worker row asked for
     assert list(r["phases"]) == ["victims_alone", "image_flood_alone", "image_flood_with_victims",
                                  "video_flood_alone", "video_flood_with_victims"]
     assert r["engine_args"]["max_num_encoder_tokens_per_step"] == "16"

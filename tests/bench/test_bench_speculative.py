@@ -23,5 +23,18 @@ def test_speculative_bench_reports_both_engines(tiny_ckpt, capsys):
 def test_speculative_options_need_the_flag_and_a_built_method(tiny_ckpt, capsys):
     assert main(["bench", "--spec-tokens", "4"]) == 2
     assert "--spec-tokens only apply with --speculative METHOD" in capsys.readouterr().err
-    assert main(["bench", "--speculative", "eagle3", "--model", str(tiny_ckpt)]) == 2
+    assert main(["bench", "--speculative", "mtp", "--model", str(tiny_ckpt)]) == 2
     assert "not built yet" in capsys.readouterr().err
+    assert main(["bench", "--speculative", "eagle3", "--model", str(tiny_ckpt)]) == 2
+    assert "needs --spec-draft DIR" in capsys.readouterr().err
+    assert main(["bench", "--speculative", "ngram", "--spec-draft", "x", "--model", str(tiny_ckpt)]) == 2
+    assert "applies to --speculative eagle3" in capsys.readouterr().err
+
+
+def test_an_eagle3_draft_given_with_the_model(tiny_ckpt, tmp_path, capsys):
+    from vlm_sdk.testing.eagle3 import write_eagle3_draft
+    draft = write_eagle3_draft(tiny_ckpt, tmp_path / "draft", aux_layer_ids=[0, 1, 1])
+    assert main(["bench", "--speculative", "eagle3", "--model", str(tiny_ckpt), "--spec-draft", str(draft),
+                 "--json", *SMALL]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["method"] == "eagle3" and r["outputs_equal"] is True and r["draft_tokens"] > 0

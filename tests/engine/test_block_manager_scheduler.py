@@ -130,3 +130,34 @@ def test_worker_state_knows_which_images_a_step_may_still_read():
     assert state.images_needed() == [1]
     state.num_computed_tokens = 12
     assert state.images_needed() == []
+
+
+def test_micro_batches_leave_out_what_is_in_flight_and_share_the_sequences():
+    """Two pipeline micro-batches: a micro-batch takes half the live sequences (rounded up); a sequence whose
+    token is on its way is left out of the next one, a prefilling one's next chunk goes into it; the tokens
+    landing in launch order bring the decoders back."""
+    from vlm_sdk.engine.llm_engine import LLMEngine
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=400,
+                                  max_model_len_source="test"), full_attention_cache(100, 4), micro_batches=2)
+    a, b, c, d = _seq("a", 4), _seq("b", 4), _seq("c", 4), _seq("d", 100)
+    for q in (a, b, c, d):
+        s.add(q)
+
+    def launch():
+        batch = s.schedule()
+        LLMEngine._launched(batch)  # the engine's own bookkeeping at launch
+        return [(q.request_id, n) for q, n in batch.scheduled]
+
+    def land(*seqs):  # the engine's postprocess of an older micro-batch: each sampled token arrives
+        for q in seqs:
+            q.num_inflight -= 1
+            q.token_ids.append(7)
+    assert launch() == [("a", 4), ("b", 4)]  # 4 live sequences: 2 per micro-batch
+    assert (a.num_inflight, b.num_inflight) == (1, 1)
+    assert launch() == [("c", 4), ("d", 60)]  # a and b in flight: left out; d's first chunk takes the rest
+    assert launch() == [("d", 40)]  # c in flight; d's next chunk follows the one still in the stages
+    assert d.num_inflight == 1  # that chunk ends its prompt: it samples
+    land(a, b)
+    assert launch() == [("a", 1), ("b", 1)]
+    land(c)
+    assert launch() == [("c", 1)]

@@ -1,5 +1,6 @@
 """The dry run (engine/render.py) equals what the engine then does with the same request: token ids, each
-cache group's blocks after the first step, the free blocks that step takes, the prefix-cache hit; for
+cache group's blocks after the first step, the free blocks that step takes, the prefix-cache hit, the
+tokens of its first step and the steps to its first token (the vision budget on and off); for
 every family (one image request each), text, a video and tools; a request that does not fit lists fixes
 that each make it fit once applied."""
 import asyncio
@@ -40,16 +41,19 @@ def _run_and_compare(llm: LLM, request, params=PARAMS, tools=None):
     rid = engine.add_request(prompt, params)
     seq = engine.requests[rid]
     outs = engine.step()
+    steps = 1
     assert seq.metrics.cached_tokens == rendered.prefix_hit_tokens
     assert seq.num_computed_tokens == rendered.prefix_hit_tokens + rendered.first_step_tokens
     assert _held(seq) == [g.prompt_blocks for g in rendered.groups]
     assert free - engine.cache.num_free_blocks == rendered.new_blocks
     most = _held(seq)
     while engine.has_unfinished():  # to its end: no group ever holds more than the render said
+        steps += seq.num_computed_tokens < seq.num_prompt_tokens  # this step is still its prompt's
         outs = engine.step() or outs
         if seq.block_ids:
             most = [max(a, b) for a, b in zip(most, _held(seq))]
     assert all(m <= g.blocks for m, g in zip(most, rendered.groups))
+    assert steps == rendered.prefill_steps  # the steps to its first token
     assert sum(g.bytes for g in rendered.groups) == rendered.kv_blocks * rendered.bytes_per_block
     return rendered
 
@@ -72,6 +76,52 @@ def test_render_equals_the_engine_for_every_family(family_llm):
     warm = _run_and_compare(llm, _image_request())  # the same again: its prefix comes from the cache
     assert 0 < warm.prefix_hit_tokens < warm.num_tokens
     llm.engine.release_finished()
+
+
+def test_n_samples_share_the_prompt_as_the_engine_shares_it(family_llm):
+    """n = 3: the later samples' hit, the blocks each takes at its start and holds, the request's blocks
+    together at their peak (distinct block ids over its sequences) and its state slots, against the engine
+    running the 3 sequences as LLM / AsyncLLM add them (one group, params.sample(i))."""
+    family, llm = family_llm
+    params = SamplingParams(n=3, max_tokens=5, temperature=0.8, seed=1, ignore_eos=True)
+    request = _image_request(11)  # an image no earlier test cached
+    rendered = llm.render(request, params)
+    engine = llm.engine
+    assert rendered.n == 3 and rendered.fits_now and rendered.sample_hit_tokens > 0
+    prompt = llm.inputs.build_prompt(request, params)
+    seqs = [engine.requests[engine.add_request(prompt, params.sample(i), group="n3")] for i in range(3)]
+    free = engine.cache.num_free_blocks
+    started: dict[int, list[int]] = {}  # sample -> its blocks per group at its first step
+    seen = {"peak": 0, "slots": 0, "first": None}
+    schedule = engine.scheduler.schedule
+
+    def watched():  # the blocks held as each step is scheduled (a step that finishes them frees its last at once)
+        batch = schedule()
+        if seen["first"] is None:
+            seen["first"] = free - engine.cache.num_free_blocks
+        for i, seq in enumerate(seqs):
+            if seq.block_ids and i not in started:
+                started[i] = _held(seq)
+        held = {b for seq in seqs for blocks in seq.block_ids for b in blocks if b != NULL_BLOCK}
+        seen["peak"] = max(seen["peak"], len(held))
+        seen["slots"] = max(seen["slots"], sum(1 for seq in seqs if seq.state_slot >= 0))
+        return batch
+    engine.scheduler.schedule = watched
+    try:
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        del engine.scheduler.schedule
+    peak, slots, first_step = seen["peak"], seen["slots"], seen["first"]
+    assert [seq.metrics.cached_tokens for seq in seqs] == [rendered.prefix_hit_tokens] + [rendered.sample_hit_tokens] * 2
+    later = [g.shared + rendered.sample_new_blocks // len(rendered.groups) for g in rendered.groups]
+    assert started[0] == [g.prompt_blocks for g in rendered.groups] and started[1] == started[2] == later
+    windowed = any(g.window is not None for g in rendered.groups)  # a window's blocks: the render's bound
+    assert (peak == rendered.kv_blocks) if not windowed else (peak <= rendered.kv_blocks), (peak, rendered.groups)
+    assert slots == rendered.state_slots == (3 if rendered.free_state_slots is not None else 0)
+    if not llm.engine.cache.aligned:  # all three start in the first step (a state model's later ones wait for
+        assert first_step == rendered.all_new_blocks  # the first's checkpoint)
+    engine.release_finished()
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +150,39 @@ def test_a_video_is_one_part_with_its_frames_and_grid(qwen, tmp_path):
     t, h, w = video.grid
     assert video.tokens == t * h * w // 4  # merged 2x2
     assert rendered.to_dict()["parts"]["videos"][0]["frames"] == video.frames
+
+
+@pytest.fixture(scope="module")
+def budgeted(tiny_ckpt):
+    """The vision budget on (16 image tokens a step, as `vlm-sdk serve` sets one on the CPU): a 6-token image
+    fits it, a 24-token one runs alone in its step, a video's 140-token frame groups one a step."""
+    with LLM(tiny_ckpt, num_blocks=512, block_size=4, max_num_encoder_tokens_per_step=16, show_progress=False) as llm:
+        yield llm
+
+
+def _two_images() -> list[dict]:  # 6 and 24 image tokens on the tiny Qwen2.5-VL
+    return [{"role": "user", "content": [{"type": "image", "image": image(96, 64, 1)},
+                                         {"type": "image", "image": image(160, 112, 2)},
+                                         {"type": "text", "text": "Compare them."}]}]
+
+
+def test_the_vision_budget_cuts_the_render_as_the_scheduler_cuts_the_step(qwen, budgeted):
+    clip = write_video(frames=16, fps=8, width=64, height=48)
+    video = [{"role": "user", "content": [{"type": "video", "video": clip}, {"type": "text", "text": "What?"}]}]
+    off_images, off_video = _run_and_compare(qwen, _two_images()), _run_and_compare(qwen, video)
+    on_images, on_video = _run_and_compare(budgeted, _two_images()), _run_and_compare(budgeted, video)
+    assert off_images.max_num_encoder_tokens_per_step is None and on_images.max_num_encoder_tokens_per_step == 16
+    small, large = on_images.images()
+    assert (small.tokens, large.tokens) == (6, 24) and on_images.token_ids == off_images.token_ids
+    # off: the whole prompt in one step; on: the first step ends before the image the budget does not hold,
+    # which then runs alone (over the whole budget: never split)
+    assert off_images.prefill_steps == 1 and off_images.first_step_tokens == off_images.num_tokens - off_images.prefix_hit_tokens
+    assert on_images.prefill_steps == 2 and on_images.prefix_hit_tokens + on_images.first_step_tokens == large.offset
+    (frames,) = on_video.videos()
+    assert frames.items == 2 and off_video.prefill_steps == 1 and on_video.prefill_steps == 2  # a frame group a step
+    assert on_video.to_dict()["fits"]["prefill_steps"] == 2
+    for llm in (qwen, budgeted):
+        llm.engine.release_finished()
 
 
 @pytest.mark.parametrize("case", ["image", "large_image", "long_text"])

@@ -31,7 +31,7 @@ def test_the_config_takes_vllms_fields_and_json():
 
 @pytest.mark.parametrize("value, words", [
     ({"method": "medusa", "num_speculative_tokens": 2}, "not one of ['ngram', 'eagle3', 'mtp']"),
-    ({"method": "eagle3", "num_speculative_tokens": 2, "model": "x"}, "not built yet"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "needs 'model': the draft checkpoint's directory"),
     ({"method": "mtp", "num_speculative_tokens": 1}, "not built yet"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer in 1..16"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "takes no draft model"),
@@ -55,6 +55,10 @@ def test_what_does_not_compose_is_refused_at_resolution():
     with pytest.raises(InvalidRequestError, match="tensor_parallel_size=2 is not built yet"):
         resolve_rank_config(EngineArgs.from_kwargs(device="cpu", speculative_config=spec, tensor_parallel_size=2))
     assert resolve_rank_config(EngineArgs.from_kwargs(device="cpu", speculative_config=spec)).async_scheduling is False
+    eagle = {"method": "eagle3", "num_speculative_tokens": 2, "model": "draft"}
+    with pytest.raises(InvalidRequestError, match="piecewise_cuda_graphs=True does not compose") as e:
+        resolve_rank_config(EngineArgs.from_kwargs(device="cpu", speculative_config=eagle, piecewise_cuda_graphs=True))
+    assert e.value.param == "piecewise_cuda_graphs"
 
 
 def test_ngram_takes_the_longest_earliest_match():

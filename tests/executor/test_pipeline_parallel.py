@@ -1,7 +1,9 @@
 """Pipeline parallelism through the engine on the CPU (gloo): two stages give the tokens of one rank for
 each family whose decoder runs stages, batched with images; PP=2 x TP=2; an uneven partition; chunked
 prefill, preemption and prefix caching; the transfers in the order of the schedule; each stage loads only
-its own layers; the partition checked with the numbers named."""
+its own layers; the partition checked with the numbers named. Every engine here runs its default of two
+micro-batches in flight (the tests say where they checked that two were); the stages' overlap itself is
+measured in tests/executor/test_pp_overlap.py."""
 from __future__ import annotations
 
 import pytest
@@ -60,8 +62,12 @@ def test_the_engine_refuses_a_bad_partition_before_any_rank_starts(tiny_ckpt):
         LLM(tiny_ckpt, show_progress=False, pipeline_parallel_size=2, pp_layer_partition="1,2")
     with pytest.raises(InvalidRequestError, match="pipeline_parallel_size is 1"):
         LLM(tiny_ckpt, show_progress=False, pp_layer_partition="1,1")
-    with pytest.raises(InvalidRequestError, match="async_scheduling=True needs one rank"):
+    with pytest.raises(InvalidRequestError, match="async_scheduling=True needs one rank") as e:
         LLM(tiny_ckpt, show_progress=False, pipeline_parallel_size=2, async_scheduling=True)
+    assert "micro-batches" in str(e.value)  # the pipeline's own overlap is named
+    with pytest.raises(InvalidRequestError, match="pipeline_micro_batches=3 exceeds pipeline_parallel_size=2") as e:
+        LLM(tiny_ckpt, show_progress=False, pipeline_parallel_size=2, pipeline_micro_batches=3)
+    assert e.value.param == "pipeline_micro_batches"
 
 
 def test_deepstack_layers_stay_on_the_first_stage(tiny_checkpoints):
@@ -86,6 +92,7 @@ def test_two_stages_give_the_tokens_of_one(family, tiny_checkpoints):
         assert [r[:2] for r in ranks] == [(0, 0), (1, 1)] and layers[0][0] == 0 and layers[0][1] == layers[1][0]
         assert two.engine.executor.collective_rpc("held_state") == [(0, 0), (0, 0)]
         assert two.stats()["kv_blocks_used"] == 0
+        assert two.engine.executor._stage_queue.peak == 2  # two micro-batches were in the stages at once
 
 
 def test_transfers_follow_the_schedule(tiny_ckpt):
@@ -95,6 +102,7 @@ def test_transfers_follow_the_schedule(tiny_ckpt):
              max_num_batched_tokens=64) as two:
         two.chat(_conversations(), GREEDY)
         first, last = two.engine.executor.collective_rpc(stage_transfers)
+        assert two.engine.executor._stage_queue.peak == 2  # with two micro-batches in flight
     assert first and [op for _, op, _, _ in first] == ["send"] * len(first)
     assert [op for _, op, _, _ in last] == ["recv"] * len(last)
     assert [(step, n) for step, _, _, n in first] == [(step, n) for step, _, _, n in last]
@@ -105,7 +113,8 @@ def test_transfers_follow_the_schedule(tiny_ckpt):
 
 def test_uneven_partition_chunked_prefill_preemption_and_prefix_caching(tmp_path_factory):
     """Three layers split 1 + 2: a small cache that preempts, 32-token chunks, a prompt repeated so its
-    prefix is cached: the tokens of one rank."""
+    prefix is cached: the tokens of one rank, with two micro-batches in flight and with the stages taking
+    turns (pipeline_micro_batches=1: one step at a time, nothing in flight while the next is scheduled)."""
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("pp3"), "qwen2_5_vl", num_layers=3)
     convs = _conversations() * 3
     params = [SamplingParams(max_tokens=30 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(len(convs))]
@@ -120,6 +129,11 @@ def test_uneven_partition_chunked_prefill_preemption_and_prefix_caching(tmp_path
         report = two.memory_report
         # stage 0 keeps one layer's KV per block, stage 1 two: the report is rank 0's
         assert report.ranks[0].num_blocks_possible == report.ranks[1].num_blocks_possible == 18
+        assert two.engine.executor._stage_queue.peak == 2
+    with LLM(ckpt, pipeline_parallel_size=2, pp_layer_partition="1,2", pipeline_micro_batches=1, **kw) as turns:
+        assert [o.token_ids for o in turns.chat(convs, params)] == want
+        assert turns.stats()["num_preemptions"] > 0
+        assert turns.engine.executor._stage_queue.peak == 1
 
 
 def test_two_stages_of_two_ranks(tiny_ckpt):
@@ -156,6 +170,8 @@ def test_a_killed_stage_fails_every_request_and_leaves_no_rank(tiny_ckpt):
                     started.set()
             tasks = [asyncio.create_task(stream(c)) for c in _conversations()]
             await started.wait()
+            while engine.engine.executor._stage_queue.peak < 2:  # killed with two micro-batches in flight
+                await asyncio.sleep(0.01)
             os.kill(pid, signal.SIGKILL)
             errors = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=60)
             # the streams fail first; the dead engine's requests are finished right after (async_llm.py)

@@ -120,3 +120,71 @@ def test_text_counted_by_the_checkpoints_tokenizer_as_the_engine_counts_it(tiny_
     with LLM(tiny_ckpt, num_blocks=64, allow_unfit_images=True, show_progress=False) as llm:
         rendered = llm.render(messages, SamplingParams(max_tokens=7))
     assert w.at(50).tokens == rendered.num_tokens + 7
+
+
+def _video_line(video: dict, prompt_tokens: int = 50, max_tokens: int = 100, **options) -> str:
+    part = {"type": "video_url", "video_url": video, **options}
+    return json.dumps({"messages": [{"role": "user", "content": [part, {"type": "text", "text": "What happens?"}]}],
+                       "max_tokens": max_tokens, "prompt_tokens": prompt_tokens})
+
+
+def test_videos_by_hand(tmp_path):
+    # qwen-vl-utils on 28-pixel cells: 10 s at 30 fps, sampled at 2 fps = 20 frames (10 patches of 2); each frame
+    # at most 768 cells (602,112 pixels): 1280x720 -> 1008x560 = 36 x 20 = 720 tokens a patch: 7,200 tokens.
+    # The part's fps=1: 10 frames, 5 patches, 3,600 tokens
+    lines = [_video_line({"width": 1280, "height": 720, "fps": 30, "frames": 300}),
+             _video_line({"width": 1280, "height": 720, "fps": 30, "seconds": 10}, fps=1)]
+    path = tmp_path / "v.jsonl"
+    path.write_text("\n".join(lines))
+    w = plan(CONFIG, **BASE, workload=str(path)).workload
+    # totals 50 + 7,200 + 100 = 7,350 (460 blocks) and 3,750 (235 blocks)
+    assert (w.at(50).tokens, w.at(50).blocks, w.at(99).tokens, w.at(99).blocks) == (3750, 235, 7350, 460)
+    assert w.at(99).at_once == 1000 // 460 and w.fit_share == 1 and "2 p99 requests of 460 blocks" in w.binds
+    assert (w.videos_per_request, w.video_frames_p50, w.video_items_p50, w.video_tokens_p50) == (1, 10, 5, 3600)
+    assert w.video_tokens_p99 == 7200 and w.image_tokens_p50 == 0
+    assert w.encoder_cache_videos_p50 == 256 * 2**20 // (3600 * 2048 * 2)  # the 256MiB default bound, bf16 rows
+    assert w.serve_99 == {"num_blocks": 64 * 460}
+    bad = tmp_path / "bad.jsonl"
+    for video, match in (({"width": 1280, "height": 720, "frames": 300}, "fps"),
+                         ({"url": "https://example.com/a.mp4"}, "fetches nothing")):
+        bad.write_text(_video_line(video))
+        with pytest.raises(InvalidRequestError, match=match):
+            plan(CONFIG, **BASE, workload=str(bad))
+    bad.write_text(_video_line({"width": 1280, "height": 720, "fps": 30, "frames": 300}, nframes=7, fps=1))
+    with pytest.raises(InvalidRequestError, match="fps or nframes"):  # the part's options checked as the engine does
+        plan(CONFIG, **BASE, workload=str(bad))
+
+
+# what the chat template writes around a video part that the workload's text count (text only) leaves out, as
+# for an image: Qwen's outer <|vision_start|> <|vision_end|>; InternVL's video is its frames' parts (counted)
+VIDEO_WRAPPER = {"qwen2_5_vl": 2, "qwen3_vl": 2, "internvl": 0}
+
+
+@pytest.mark.parametrize("family", sorted(VIDEO_WRAPPER))
+def test_a_video_file_is_priced_as_the_engine_runs_it(tiny_checkpoints, tmp_path, family):
+    from vlm_sdk import LLM, SamplingParams
+    from vlm_sdk.testing.videos import write_video
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(write_video(frames=16, fps=8, width=64, height=48))
+    ckpt = tiny_checkpoints(family)
+    # the part's max_frames (both families' setting): InternVL's 4 frames, Qwen's 4 of 2 s at 2 fps as without it
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": f"file://{clip}"}, "max_frames": 4},
+                                             {"type": "text", "text": "What happens?"}]}]
+    path = tmp_path / "w.jsonl"
+    path.write_text(json.dumps({"messages": messages, "max_tokens": 4}))
+    w = plan(ckpt, device="cpu", num_blocks=512, block_size=4, workload=str(path)).workload
+    with LLM(ckpt, num_blocks=512, block_size=4, show_progress=False) as llm:
+        rendered = llm.render(messages, SamplingParams(max_tokens=4))
+    (video,) = rendered.videos()
+    assert video.frames == 4
+    assert (w.video_frames_p50, w.video_items_p50, w.video_tokens_p50) == (video.frames, video.items, video.tokens)
+    # the whole prompt: the text by the tokenizer, the video's tokens and the text between its items (Qwen3-VL's
+    # timestamps, InternVL's frame labels)
+    assert w.at(50).tokens - 4 == rendered.num_tokens - VIDEO_WRAPPER[family]
+
+
+def test_a_family_without_video_refuses_a_video_part(gemma3_ckpt, tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text(_video_line({"width": 640, "height": 480, "fps": 30, "frames": 60}))
+    with pytest.raises(InvalidRequestError, match="takes no video"):
+        plan(gemma3_ckpt, device="cpu", num_blocks=64, workload=str(path))

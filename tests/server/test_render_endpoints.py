@@ -73,6 +73,10 @@ def test_a_video_is_rendered_and_tokenized_as_chat_runs_it(srv):
     (video,) = rendered["parts"]["videos"]
     assert rendered["parts"]["images"] == [] and video["frames"] == 2 * video["items"] and video["grid"][0] == video["items"]
     assert rendered["features"]["mm_placeholders"]["video"] == [{"offset": video["offset"], "length": video["length"]}]
+    # the server's vision budget on the CPU (SERVING_STEP_SHARES: 256) holds one of its two 140-token frame groups
+    # a step: the render counts the steps as the scheduler cuts them (tests/engine/test_render.py, against the engine)
+    assert rendered["fits"]["max_num_encoder_tokens_per_step"] == 256 and video["tokens"] == 280 and video["items"] == 2
+    assert rendered["fits"]["prefill_steps"] == 2
     _, tok = _post(srv, "/tokenize", {"model": "tiny", "messages": body["messages"]})
     _, out = _post(srv, "/v1/chat/completions", body)
     assert tok["parts"] == rendered["parts"] and out["usage"]["prompt_tokens"] == rendered["num_tokens"] == tok["count"]

@@ -11,6 +11,7 @@ request is done. Both timings include image preprocessing and tokenization. Toke
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 
@@ -105,18 +106,25 @@ def _timed_engine(model_dir: str, device: str, convs, max_tokens, **engine_args)
     try:
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
         llm.chat(convs[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-        engine, steps = llm.engine, [0]
-        step = engine.step
+        engine, steps, batches = llm.engine, [0], [0]
+        step, launched = engine.step, engine._launched
 
         def counted():
             steps[0] += 1
             return step()
-        engine.step = counted  # the instance attribute shadows the method for this run only
+
+        def counted_batch(batch):
+            batches[0] += 1
+            return launched(batch)
+        # instance attributes shadow the methods for this run only: engine steps, and batches launched (a
+        # step with pipeline micro-batches may launch one and return, or only read one)
+        engine.step, engine._launched = counted, counted_batch
         t0 = time.perf_counter()
         outs = llm.chat(convs, params)
         seconds = time.perf_counter() - t0
         tokens = [o.token_ids for o in outs]
         return {"seconds": seconds, "steps": steps[0], "ms_per_step": 1000 * seconds / steps[0], "tokens": tokens,
+                "batches": batches[0], "ms_per_batch": 1000 * seconds / batches[0],
                 "generated_tokens": sum(len(t) for t in tokens), "tokens_per_s": sum(max_tokens) / seconds,
                 "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs), "stats": llm.stats(),
                 "kv_blocks": engine.cache_config.num_blocks, "weights_bytes_per_rank": engine.memory_report.weights_bytes}
@@ -128,16 +136,29 @@ def _run_tp_comparison(args, report: dict, convs, max_tokens) -> int:
     """`--tensor-parallel-size N`: the same workload on one rank and on N, in this run; the cost of the
     collectives and of sending each step to the other ranks shows as time per engine step."""
     n, pp = args.tensor_parallel_size, getattr(args, "pipeline_parallel_size", 1)
+    load_before = os.getloadavg()
     one = _timed_engine(report["model"], report["device"], convs, max_tokens)
     release_device_memory(report["device"])  # the next engine sizes its cache on what is free
-    many = _timed_engine(report["model"], report["device"], convs, max_tokens, tensor_parallel_size=n,
-                         pipeline_parallel_size=pp, enable_expert_parallel=args.enable_expert_parallel)
-    same = sum(a == b for a, b in zip(one.pop("tokens"), many.pop("tokens")))
+    parallel = dict(tensor_parallel_size=n, pipeline_parallel_size=pp, enable_expert_parallel=args.enable_expert_parallel)
+    turns = None
+    if pp > 1:  # the peer of micro-batching: the same stages taking turns, one step at a time
+        turns = _timed_engine(report["model"], report["device"], convs, max_tokens, pipeline_micro_batches=1,
+                              **parallel)
+        release_device_memory(report["device"])
+    many = _timed_engine(report["model"], report["device"], convs, max_tokens, **parallel)
+    tokens = one.pop("tokens")
+    same = sum(a == b for a, b in zip(tokens, many.pop("tokens")))
     label = f"tp{n}" if pp == 1 else f"pp{pp}xtp{n}"
     report.update({"tp1": one, label: many, "tensor_parallel_size": n, "pipeline_parallel_size": pp,
                    "enable_expert_parallel": args.enable_expert_parallel,
                    "ms_per_step_ratio": many["ms_per_step"] / one["ms_per_step"],
-                   "identical_greedy_share": same / len(convs)})
+                   "identical_greedy_share": same / len(convs), "load_average": [load_before, os.getloadavg()]})
+    if turns is not None:
+        same_turns = sum(a == b for a, b in zip(tokens, turns.pop("tokens")))
+        report.update({f"{label}_turns": turns, "micro_batches": pp,
+                       "micro_batching_speedup": many["tokens_per_s"] / turns["tokens_per_s"],
+                       "ms_per_batch_ratio": many["ms_per_batch"] / turns["ms_per_batch"],
+                       "identical_greedy_share_turns": same_turns / len(convs)})
     if args.json:
         print(json.dumps(report, indent=2, default=str))
         return 0
@@ -150,9 +171,18 @@ def _run_tp_comparison(args, report: dict, convs, max_tokens) -> int:
               f"KV blocks {r['kv_blocks']}")
     print(f"  time per step {name_many} / tp=1: {report['ms_per_step_ratio']:.2f}x; identical greedy outputs: "
           f"{same}/{len(convs)}")
-    if pp > 1:
-        print("  (pipeline stages take turns on each step: no micro-batching yet, so one stage is idle while the "
-              "other computes)")
+    if turns is not None:
+        print(f"  pipeline micro-batches: {pp} in flight against the stages taking turns (--pipeline-micro-batches 1), "
+              f"same run:")
+        for name, r in (("turns", turns), (f"{pp} in flight", many)):
+            print(f"    {name:<12} {r['seconds']:7.2f} s  {r['batches']:4d} batches  {r['ms_per_batch']:7.2f} ms/batch  "
+                  f"{r['tokens_per_s']:8.1f} tokens/s")
+        print(f"    tokens/s micro-batched / turns: {report['micro_batching_speedup']:.2f}x; time per batch "
+              f"{report['ms_per_batch_ratio']:.2f}x; identical greedy outputs {same_turns}/{len(convs)} (turns), "
+              f"{same}/{len(convs)} (micro-batched)")
+        (b1, b5, _), (a1, a5, _) = load_before, os.getloadavg()
+        print(f"    load average before {b1:.2f} (5 min {b5:.2f}), after {a1:.2f} (5 min {a5:.2f}) on "
+              f"{os.cpu_count()} cores")
     return 0
 
 

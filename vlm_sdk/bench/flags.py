@@ -59,12 +59,12 @@ def add_bench_arguments(bench: argparse.ArgumentParser, families: tuple[str, ...
                             "(default 1)")
     bench.add_argument("--pipeline-parallel-size", "--pp", "-pp", type=int, default=1,
                        help="> 1: our engine on this many pipeline stages (x --tensor-parallel-size ranks each) "
-                            "against one rank, time per step; the stages take turns (no micro-batching yet), "
-                            "so expect about the sum of the stages' compute plus the transfers (default 1)")
+                            "against one rank, time per step; and micro-batched (one micro-batch in flight per "
+                            "stage) against the same stages taking turns, tokens/s and time per batch (default 1)")
     bench.add_argument("--enable-expert-parallel", action="store_true",
                        help="with --tensor-parallel-size: the ranks hold whole MoE experts (the engine's setting; "
                             "default off)")
-    for add in (_gpu, _multi_turn, _structured, _host_overhead, _sampler, _video, _speculative):
+    for add in (_gpu, _multi_turn, _structured, _host_overhead, _sampler, _cpu_gemm, _video, _speculative):
         add(bench)
 
 
@@ -135,7 +135,7 @@ def _structured(bench) -> None:
 def _speculative(bench) -> None:
     g = bench.add_argument_group("speculative decoding vs without, in one run (vlm_sdk/bench/speculative.py)")
     g.add_argument("--speculative", choices=("ngram", "eagle3", "mtp"), default=None, metavar="METHOD",
-                   help="time greedy decoding with speculative drafts of METHOD (ngram) against without, "
+                   help="time greedy decoding with speculative drafts of METHOD (ngram, eagle3) against without, "
                         "instead of the transformers comparison: tokens/s of each and the mean accepted length "
                         "(default off)")
     g.add_argument("--spec-tokens", type=int, default=None, help="with --speculative: draft tokens per step (default 4)")
@@ -143,6 +143,9 @@ def _speculative(bench) -> None:
     g.add_argument("--spec-max-tokens", type=int, default=None,
                    help="with --speculative: tokens per request (default 64)")
     g.add_argument("--spec-rounds", type=int, default=None, help="with --speculative: timed rounds each (default 3)")
+    g.add_argument("--spec-draft", default=None, metavar="DIR",
+                   help="with --speculative eagle3 and --model: the EAGLE-3 draft checkpoint (default: none; without --model the "
+                        "bench builds a target and a draft that agrees with it)")
 
 
 def _host_overhead(bench) -> None:
@@ -167,6 +170,14 @@ def _sampler(bench) -> None:
     g.add_argument("--sampler-vocab", type=int, default=d.vocab, help=f"with --sampler: vocabulary (default {d.vocab})")
     g.add_argument("--sampler-repeats", type=int, default=d.repeats,
                    help=f"with --sampler: timed calls per path, the median is shown (default {d.repeats})")
+
+
+def _cpu_gemm(bench) -> None:
+    """`--cpu-gemm`: the CPU's float32 product paths on a checkpoint's shapes (vlm_sdk/bench/cpu_gemm.py)."""
+    g = bench.add_argument_group("the CPU's float32 products: F.linear, MKL packed, oneDNN (vlm_sdk/bench/cpu_gemm.py)")
+    g.add_argument("--cpu-gemm", action="store_true", help="time each product path at the checkpoint's LM head and "
+                   "decoder shapes instead of the transformers comparison (default off)")
+    g.add_argument("--gemm-repeats", type=int, default=9, help="with --cpu-gemm: timed calls per cell (default 9)")
 
 
 def _video(bench) -> None:
@@ -249,6 +260,15 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="--flood: frames per video, all sampled (0: no video phases; default 8)")
     p.add_argument("--flood-video-size", type=int, default=224, help="--flood: video side in pixels (default 224)")
     p.add_argument("--flood-max-tokens", type=int, default=4, help="--flood: tokens per flood request (default 4)")
+    p.add_argument("--flood-preprocess-images", type=int, default=60,
+                   help="--flood: images in the preprocessing rows (1, 2, 4 worker processes against transformers' "
+                        "image processor, before the phases: vlm_sdk/bench/preprocess_scaling.py; 0: no rows; "
+                        "default 60)")
+    p.add_argument("--flood-preprocess-workers", default="1,2,4", metavar="COUNTS",
+                   help="--flood: the worker counts of the preprocessing rows, comma-separated (default 1,2,4)")
+    p.add_argument("--flood-preprocess-size", type=int, default=1024,
+                   help="--flood: side of the preprocessing rows' JPEGs, resized by the model's processor "
+                        "(default 1024)")
     p.add_argument("--flood-engine-arg", action="append", default=[], metavar="NAME=VALUE",
                    help="--flood: an engine setting for the server started here, e.g. "
                         "max_num_encoder_tokens_per_step=512 (repeatable; default: none, the engine's defaults)")

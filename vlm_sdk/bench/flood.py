@@ -12,7 +12,8 @@ Five phases of `--flood-seconds` each, in one run on one server (`vlm-sdk serve`
 and the report: the victims' TTFT and TPOT p50 / p99 alone and during each flood, the floods' images/s
 (frames/s for video: each sampled frame is an image's worth of work) alone and beside the victims, and
 the ratios (during / alone) against issue 49's targets: p99 TTFT <= 3x, p99 TPOT <= 2x, flood
-throughput >= 0.85x. A flood phase first warms up for `--flood-warmup` seconds (the queue fills), then its
+throughput >= 0.85x. Before the phases (with `--model`), the image preprocessing rows: images/s with 1, 2, 4
+worker processes against in-process and transformers' image processor (bench/preprocess_scaling.py). A flood phase first warms up for `--flood-warmup` seconds (the queue fills), then its
 seconds count: completions are counted inside the window, the victims arrive inside it.
 A flood request still open at a phase's end is cancelled (its client hangs up; the server aborts it).
 """
@@ -242,6 +243,12 @@ def run_flood(args) -> int:
     from vlm_sdk.demo_checkpoint import tiny_model_dir
     model_dir = args.model or (None if args.url else str(tiny_model_dir("bench")))
     engine_args = {"device": bench_device(args.device), **dict(kv.split("=", 1) for kv in args.flood_engine_arg)}
+    scaling = None
+    if args.flood_preprocess_images and model_dir is not None:  # before the server: nothing else runs beside it
+        from vlm_sdk.bench.preprocess_scaling import preprocess_scaling
+        scaling = preprocess_scaling(model_dir, flood_images(args.flood_preprocess_images, args.flood_preprocess_size,
+                                                            seed=1000),
+                                     tuple(int(n) for n in args.flood_preprocess_workers.split(",") if n.strip()))
     with contextlib.ExitStack() as stack:
         url = args.url
         if url is None:
@@ -252,11 +259,14 @@ def run_flood(args) -> int:
                                                               "flood_victim_interval", "flood_image_size",
                                                               "flood_video_frames", "flood_video_size",
                                                               "max_tokens", "flood_max_tokens")},
-                   "ratios": ratios(report)})
+                   "ratios": ratios(report), "preprocessing": scaling})
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
         _print(report)
+        if scaling is not None:
+            from vlm_sdk.bench.preprocess_scaling import print_scaling
+            print_scaling(scaling, f"{args.flood_preprocess_size}px JPEGs")
     return 0
 
 

@@ -29,10 +29,12 @@ from vlm_sdk.errors import InvalidRequestError
 PROMPT = ("Repeat the following list exactly, then continue it: alpha beta gamma delta, alpha beta gamma delta, "
           "alpha beta gamma delta, alpha beta gamma delta.")
 REPEATING_STD = 0.02
+EAGLE_DRAFT_VOCAB = 32000  # the published EAGLE-3 drafts' draft_vocab_size
 
 
 def reject_without_speculative(args) -> None:
-    given = [f"--{n.replace('_', '-')}" for n in ("spec_tokens", "spec_requests", "spec_max_tokens", "spec_rounds")
+    given = [f"--{n.replace('_', '-')}" for n in ("spec_tokens", "spec_requests", "spec_max_tokens", "spec_rounds",
+                                                               "spec_draft")
              if getattr(args, n, None) is not None]
     if given:
         raise InvalidRequestError(f"{', '.join(given)} only apply with --speculative METHOD")
@@ -51,6 +53,25 @@ def repeating_checkpoint(family: str):
     return path
 
 
+def eagle3_pair(family: str):
+    """(target, draft) for `--speculative eagle3` without --model, made once: the bench shape made token-local
+    and a draft that agrees with it (vlm_sdk/testing/eagle3.py: the target's last layer's MLP and norms, its
+    head's first 32,000 rows as the draft vocabulary, the target's head kept to them): the best case of a
+    trained draft (acceptance near 1), stated as such in the report."""
+    import os
+    from vlm_sdk.demo_checkpoint import cache_dir
+    from vlm_sdk.testing import make_bench_checkpoint
+    from vlm_sdk.testing.eagle3 import make_token_local, write_eagle3_draft
+    path = cache_dir() / f"bench-eagle3-{family}"
+    if not (path / "draft" / "config.json").exists():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        make_bench_checkpoint(tmp / "target", family=family)
+        make_token_local(tmp / "target", keep_vocab=EAGLE_DRAFT_VOCAB)
+        write_eagle3_draft(tmp / "target", tmp / "draft", draft_vocab_size=EAGLE_DRAFT_VOCAB)
+        tmp.rename(path)
+    return path / "target", path / "draft"
+
+
 def run_speculative(args) -> int:
     from vlm_sdk import LLM, SamplingParams
     from vlm_sdk.bench.device_share import bench_device, describe, shared_engine_args
@@ -64,8 +85,23 @@ def run_speculative(args) -> int:
     spec = {"method": args.speculative, "num_speculative_tokens": k}
     if args.speculative == "ngram":
         spec |= {"prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    weights = "given" if args.model else f"random, std {REPEATING_STD} (repeats one token: the best case)"
+    if args.speculative == "eagle3":
+        if args.model and not args.spec_draft:
+            raise InvalidRequestError("--speculative eagle3 with --model needs --spec-draft DIR (its EAGLE-3 draft "
+                                      "checkpoint); without --model the bench builds an agreeing pair")
+        model_dir, draft = (args.model, args.spec_draft) if args.model else eagle3_pair(args.family)
+        spec["model"] = str(draft)
+        if not args.model:
+            weights = ("random bench shape made token-local, with a draft built to agree with it (its last "
+                       "layer's MLP and norms, head rows 0..31,999): the best case of a trained draft")
+    elif args.spec_draft:
+        raise InvalidRequestError(f"--spec-draft is an EAGLE-3 draft: it applies to --speculative eagle3, "
+                                  f"not {args.speculative}")
+    else:
+        model_dir = args.model or repeating_checkpoint(args.family)
+    model_dir = str(model_dir)
     parse_speculative_config(spec)  # a method not built is refused here, before any engine loads
-    model_dir = str(args.model or repeating_checkpoint(args.family))
     device = bench_device(args.device)
     shares = shared_engine_args(device, 2)
     common = dict(device=device, max_num_seqs=max(n, 8), show_progress=False)
@@ -89,7 +125,7 @@ def run_speculative(args) -> int:
     accepted = s["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     verifications = s["spec_verify_steps"] - before["spec_verify_steps"]
     tps = {m: n * tokens / statistics.median(v) for m, v in times.items()}
-    report = {"model": model_dir, "weights": "given" if args.model else f"random, std {REPEATING_STD} (repeats one token: the best case)",
+    report = {"model": model_dir, "weights": weights,
               "device": device, "sharing": describe(device, shares, list(engines)), "method": args.speculative,
               "num_speculative_tokens": k, "requests": n, "tokens_per_request": tokens, "rounds": rounds,
               "seconds": times, "tokens_per_second": tps, "speedup": tps["speculative"] / tps["plain"],

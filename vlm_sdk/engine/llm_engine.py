@@ -20,6 +20,17 @@ on the device (`Sequence.num_inflight`; the runner takes its id from the device)
 finishes at step k has computed one token more in step k+1, which is dropped. A step that samples a
 request whose grammar or penalties need its every token on the host is read at once.
 
+Pipeline micro-batches (`pipeline_micro_batches`, by default one per stage: vLLM's batch queue,
+`step_with_batch_queue`): up to that many steps are in flight through the stages at once. A call to
+`step()` first schedules a micro-batch from the requests with nothing in flight (at most its share of
+them: engine/core/scheduler.py) while the queue has room and launches it (`executor.execute_async` returns once stage 0
+has run it); it returns at once while the queue still has room and the micro-batch had tokens, else it
+waits for the oldest micro-batch and post-processes it. Outputs are applied in launch order.
+
+    step():  schedule(k+1) -> launch(k+1) -> read(k) -> postprocess(k)     (queue of 2)
+    stages:  stage 0 | k+1 | k+2 |
+             stage 1 |  k  | k+1 | k+2 |
+
 Not thread-safe by itself: `LLM` drives it from the caller's thread, `AsyncLLM` from one engine
 thread. `inputs.build_prompt` touches only the prompt tokenizer (behind a lock) and may run on any
 thread; `step` never touches a tokenizer.
@@ -29,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 
 import torch
 
@@ -124,7 +136,10 @@ class LLMEngine:
         self.cache = CacheCoordinator(layout, self.cache_config.num_blocks, args.block_size,
                                       args.enable_prefix_caching, self.cache_config.num_state_slots,
                                       whole_images=family.whole_images)
-        self.scheduler = Scheduler(self.scheduler_config, self.cache)
+        # pipeline micro-batches in flight at once (1: one step at a time)
+        self.micro_batches = min(args.micro_batches(), getattr(self.executor, "max_concurrent_batches", 1))
+        self.scheduler = Scheduler(self.scheduler_config, self.cache, micro_batches=self.micro_batches)
+        self._batch_queue: deque[tuple[ScheduledBatch, PendingOutput]] = deque()  # launched micro-batches, oldest first
         # speculative decoding (engine/core/spec_decode.py): drafts before each schedule, verified by the ranks
         self.spec = SpecDecoder(args.speculative_config) if args.speculative_config is not None else None
         self.requests: dict[str, Sequence] = {}
@@ -197,7 +212,8 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """Requests to run, or finished ones whose state the workers still hold: one more `step`
         frees it on every rank (an idle engine keeps nothing of a finished request)."""
-        return self.scheduler.has_unfinished() or self.scheduler.has_worker_finished() or self._inflight is not None
+        return self.scheduler.has_unfinished() or self.scheduler.has_worker_finished() or self._inflight is not None \
+            or bool(self._batch_queue)
 
     def release_finished(self) -> None:
         """Nothing left to run: read the last launched step (its tokens belong to finished requests:
@@ -207,12 +223,16 @@ class LLMEngine:
             return
         if self._inflight is not None:
             self._read_inflight()
+        while self._batch_queue:
+            self._read_oldest()
         if self.scheduler.has_worker_finished():
             self.step()
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         """schedule -> run -> postprocess: one output per request that sampled a token."""
+        if self.micro_batches > 1:
+            return self._step_queued()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -226,7 +246,19 @@ class LLMEngine:
             if batch.preempted or self.scheduler.has_worker_finished():
                 self.executor.execute(self.scheduler.worker_input(batch))
             return outputs
-        work = self.scheduler.worker_input(batch)
+        work = self._with_masks(batch, self.scheduler.worker_input(batch))
+        read_now = self._launched(batch)
+        if not self.async_scheduling:
+            return self._postprocess(batch, self.executor.execute(work))
+        pending = self.executor.execute_async(work)
+        outputs = self._read_inflight() if self._inflight is not None else []
+        self._inflight = (batch, pending)
+        if read_now:
+            outputs += self._read_inflight()
+        return outputs
+
+    def _with_masks(self, batch: ScheduledBatch, work):
+        """`work` with the grammar masks of the constrained rows the step samples (if any)."""
         if self._constrained:
             # a row that has generated nothing is at its grammar's start: its first mask was made with it
             masks = self._fill_masks([(seq.request_id, seq.matcher, seq.first_mask if seq.num_tokens ==
@@ -242,15 +274,28 @@ class LLMEngine:
                         masks.request_ids + extra.request_ids, torch.cat([masks.bitmask, extra.bitmask]))
             if masks is not None:
                 work = dataclasses.replace(work, grammar_bitmask=masks)
-        read_now = self._launched(batch)
-        if not self.async_scheduling:
-            return self._postprocess(batch, self.executor.execute(work))
-        pending = self.executor.execute_async(work)
-        outputs = self._read_inflight() if self._inflight is not None else []
-        self._inflight = (batch, pending)
-        if read_now:
-            outputs += self._read_inflight()
-        return outputs
+        return work
+
+    def _step_queued(self) -> list[EngineOutput]:
+        """A step with pipeline micro-batches (module docstring): launch one if the queue has room and there is
+        work; return at once while there is room still, else read and post-process the oldest."""
+        queue = self._batch_queue
+        if len(queue) < self.micro_batches:
+            batch = self.scheduler.schedule()  # requests with a token in flight are left out
+            if batch.preempted:
+                self._note_preemptions(len(batch.preempted))
+            # an empty one still tells the ranks of the finished and preempted requests (see `step`)
+            if batch.scheduled or batch.preempted or self.scheduler.has_worker_finished():
+                work = self._with_masks(batch, self.scheduler.worker_input(batch))
+                self._launched(batch)
+                queue.append((batch, self.executor.execute_async(work)))
+                if batch.scheduled and len(queue) < self.micro_batches:
+                    return []  # filling the queue comes before reading outputs (vLLM)
+        return self._read_oldest() if queue else []
+
+    def _read_oldest(self) -> list[EngineOutput]:
+        batch, pending = self._batch_queue.popleft()
+        return self._postprocess(batch, pending.result())
 
     @staticmethod
     def _launched(batch: ScheduledBatch) -> bool:
@@ -288,6 +333,10 @@ class LLMEngine:
                 seq.prompt_logprobs.write(chunk.start, chunk.token_ids, chunk.logprobs, chunk.ranks)
         finished = SequenceStatus.FINISHED
         generated = 0
+        if result.draft_token_ids or result.draft_seconds:  # EAGLE-3: the next step's drafts, after the tokens below
+            drafts, seconds = result.draft_token_ids, result.draft_seconds
+        else:
+            drafts = None
         for seq, n in batch.scheduled:
             token = sampled.get(seq.request_id)
             if token is None:
@@ -324,6 +373,8 @@ class LLMEngine:
             outputs.append(out)
             generated += 1
         self.totals["generation_tokens"] += generated
+        if drafts is not None:
+            self.spec.note_drafts(self.requests, drafts, seconds)
         return outputs
 
     def _append_verified(self, seq: Sequence, tokens: list[int], logprobs, now: float) -> EngineOutput | None:

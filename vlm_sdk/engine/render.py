@@ -14,10 +14,24 @@
 
     tokens        the prompt's token ids; per part (text, each image, each video with its frames and
                   grid): tokens, placeholder range, item hash
-    kv            per cache group the blocks this request holds at most running alone to its end (prompt +
-                  the output it may generate: max_tokens, at most max_model_len) and their bytes; the
-                  state slot of a model with state layers
+    kv            per cache group the blocks one sample holds at most running alone to its end (prompt +
+                  the output it may generate: max_tokens, at most max_model_len; its last sampled token is
+                  never written, a speculative step's drafts are) and their bytes; the
+                  state slot of a model with state layers. n samples (SamplingParams.n): each later sample
+                  starts on the first's cached prompt, as the scheduler admits them (the same step; a model
+                  with state layers a step or two later, once the first's last-boundary checkpoint is
+                  taken), sharing per group its hit (`shared`: every full block of the prompt but the one of
+                  its last token; a sliding window's blocks in its window): the request holds `total_blocks`
+                  = blocks + cached + (n - 1) x (blocks - shared) per group, and n state slots. `cached`: hit
+                  blocks the cache held before the first ran that the first does not reuse (a state model's
+                  first recomputes a prefix it has no checkpoint for; its copy does not replace the cached one)
     prefix_cache  the tokens `CacheCoordinator.start` would find cached now (its `peek_hit`)
+    steps         `first_step_tokens`: what its first step computes were it admitted alone (the scheduler's
+                  chunk rules: max_num_batched_tokens, block alignment, whole images, and the step's vision
+                  budget, max_num_encoder_tokens_per_step: a chunk ends before the first image the budget does
+                  not hold, an image over the whole budget alone in its step); `prefill_steps`: the steps to
+                  its first token running alone, each step with a fresh budget (a video's frame groups over
+                  several)
     fits          now: admission this step would take it (blocks its first chunk needs <= free, a state
                   slot, a sequence slot); ever: the prompt fits max_model_len. When it does not, `error`
                   is the engine's InputTooLongError (its message, fixes, together, video_fixes)
@@ -31,8 +45,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from vlm_sdk.engine.core.block_hash import extend_block_hashes
 from vlm_sdk.engine.core.cache_managers import NULL_BLOCK
 from vlm_sdk.engine.core.sequence import Sequence
+from vlm_sdk.engine.core.vision_budget import VisionBudget
 from vlm_sdk.errors import InputTooLongError
 from vlm_sdk.multimodal.inputs import PromptInputs
 from vlm_sdk.protocol.blocks import blocks_needed
@@ -70,6 +86,9 @@ class GroupBlocks:
     blocks: int  # held at most running alone to the request's end
     bytes: int
     prompt_blocks: int  # held after its first step (hits included; a window's early hits are not held)
+    shared: int = 0  # each later sample's prefix-cache hit, held (the first's blocks, or `cached` ones)
+    cached: int = 0  # of them, blocks cached before the first ran, past its own hit: shared by the later samples
+    total_blocks: int = 0  # the n samples together: blocks + cached + (n - 1) * (blocks - shared)
 
 
 @dataclass(frozen=True)
@@ -99,14 +118,20 @@ class RenderedRequest:
     state_slot_bytes: int  # 0: no state layers
     prefix_hit_tokens: int
     new_blocks: int  # taken from the free pool by its first step now (cached-free hits revived included)
-    first_step_tokens: int  # tokens its first step computes (max_num_batched_tokens, chunk rules)
+    first_step_tokens: int  # tokens its first step computes (max_num_batched_tokens, chunk rules, vision budget)
+    prefill_steps: int | None  # steps to its first token running alone (None: refused, or never: see fits_now)
     free_blocks: int
     free_state_slots: int | None  # None: no state layers
+    n: int  # samples (SamplingParams.n): sequences the engine runs
     running: int
     waiting: int  # sequences queued before it: admission takes them first
     max_num_seqs: int
     max_model_len: int
     capacity_tokens: int
+    max_num_encoder_tokens_per_step: int | None = None  # the vision budget of a step (None: no bound)
+    sample_hit_tokens: int = 0  # each later sample's prefix-cache hit (the first's prompt cached)
+    sample_new_blocks: int = 0  # the free blocks each later sample's start takes
+    sample_revived: int = 0  # the free cached blocks the later samples' hits take back (once, for all of them)
     cache_salt: str | None = None
     error: NoFit | None = None  # it never fits: the too-long error's message and fixes
 
@@ -116,11 +141,22 @@ class RenderedRequest:
 
     @property
     def kv_blocks(self) -> int:
-        return sum(g.blocks for g in self.groups)
+        """Blocks the request's n samples hold together at most (each group's `total_blocks`)."""
+        return sum(g.total_blocks for g in self.groups)
 
     @property
     def kv_bytes(self) -> int:
-        return sum(g.bytes for g in self.groups) + self.state_slot_bytes
+        return self.kv_blocks * self.bytes_per_block + self.n * self.state_slot_bytes
+
+    @property
+    def state_slots(self) -> int:
+        """Live state slots its samples hold (0: no state layers)."""
+        return self.n if self.free_state_slots is not None else 0
+
+    @property
+    def all_new_blocks(self) -> int:
+        """Free blocks its n samples' starts take: the first's first step, each later one's start."""
+        return self.new_blocks + (self.n - 1) * self.sample_new_blocks + self.sample_revived
 
     @property
     def fits_ever(self) -> bool:
@@ -128,11 +164,11 @@ class RenderedRequest:
 
     @property
     def fits_now(self) -> bool:
-        """Admission now, were it first in line: its first step's blocks free, a state slot, a sequence slot
-        (and a first chunk: a whole-image model's budget holds the image it starts in)."""
-        slot = self.free_state_slots is None or self.free_state_slots >= 1
-        return (self.fits_ever and self.first_step_tokens > 0 and self.new_blocks <= self.free_blocks and slot
-                and self.running < self.max_num_seqs)
+        """Admission now, were it first in line: its n samples' starting blocks free, a state slot and a
+        sequence slot each (and a first chunk: a whole-image model's budget holds the image it starts in)."""
+        slot = self.free_state_slots is None or self.free_state_slots >= self.n
+        return (self.fits_ever and self.first_step_tokens > 0 and self.all_new_blocks <= self.free_blocks and slot
+                and self.running + self.n <= self.max_num_seqs)
 
     def images(self) -> list[PartTokens]:
         return [p for p in self.parts if p.kind == "image"]
@@ -149,12 +185,17 @@ class RenderedRequest:
                       "videos": [p.to_dict() for p in self.videos()]},
             "kv": {"block_size": self.block_size, "bytes_per_block": self.bytes_per_block,
                    "tokens": self.total_tokens, "output_tokens": self.output_tokens, "blocks": self.kv_blocks,
-                   "bytes": self.kv_bytes, "state_slot_bytes": self.state_slot_bytes,
+                   "bytes": self.kv_bytes, "state_slot_bytes": self.state_slot_bytes, "n": self.n,
+                   "state_slots": self.state_slots,
                    "groups": [g.__dict__ for g in self.groups]},
             "prefix_cache": {"hit_tokens": self.prefix_hit_tokens,
-                             "hit_blocks": self.prefix_hit_tokens // self.block_size},
+                             "hit_blocks": self.prefix_hit_tokens // self.block_size,
+                             "sample_hit_tokens": self.sample_hit_tokens},
             "fits": {"now": self.fits_now, "ever": self.fits_ever, "new_blocks": self.new_blocks,
-                     "first_step_tokens": self.first_step_tokens, "free_blocks": self.free_blocks,
+                     "sample_new_blocks": self.sample_new_blocks,
+                     "first_step_tokens": self.first_step_tokens, "prefill_steps": self.prefill_steps,
+                     "max_num_encoder_tokens_per_step": self.max_num_encoder_tokens_per_step,
+                     "free_blocks": self.free_blocks,
                      "free_state_slots": self.free_state_slots, "running": self.running, "waiting": self.waiting,
                      "max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,
                      "capacity_tokens": self.capacity_tokens},
@@ -208,10 +249,12 @@ def refused(engine, error: InputTooLongError, params: SamplingParams | None) -> 
         token_ids=None, num_tokens=error.prompt_tokens, text_tokens=error.prompt_tokens - sum(error.image_tokens),
         parts=(), max_tokens=(params or SamplingParams()).max_tokens, output_tokens=0, block_size=cache.block_size,
         bytes_per_block=engine.cache_config.bytes_per_block, groups=(), state_slot_bytes=0, prefix_hit_tokens=0,
-        new_blocks=0, first_step_tokens=0, free_blocks=cache.num_free_blocks,
+        new_blocks=0, first_step_tokens=0, prefill_steps=None, free_blocks=cache.num_free_blocks,
         free_state_slots=cache.num_free_slots if cache.state_pool is not None else None,
+        n=(params or SamplingParams()).n,
         running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting), max_num_seqs=sched.max_num_seqs,
-        max_model_len=sched.max_model_len, capacity_tokens=engine.cache_config.capacity_tokens, error=NoFit.of(error))
+        max_model_len=sched.max_model_len, capacity_tokens=engine.cache_config.capacity_tokens,
+        max_num_encoder_tokens_per_step=sched.max_num_encoder_tokens_per_step, error=NoFit.of(error))
 
 
 def inspect(engine, prompt: PromptInputs, params: SamplingParams | None, parts: list) -> RenderedRequest:
@@ -230,16 +273,22 @@ def inspect(engine, prompt: PromptInputs, params: SamplingParams | None, parts: 
     seq = Sequence("render", prompt, params)
     k = cache.peek_hit(seq) if error is None else 0
     computed = k * size
-    step = min(n - computed, sched.max_num_batched_tokens)
-    if cache.aligned:
-        step = cache.align(seq, computed, step)
-    step = cache.whole_image(seq, computed, step)
+    step = _first_chunk(cache, sched, seq, computed)
+    later = _sample_hit(cache, seq, k) if params.n > 1 and error is None else k  # blocks a later sample reuses
+    sample_new = (max(cache.blocks_for(later * size + _first_chunk(cache, sched, seq, later * size)) - later, 0)
+                  * cache.num_groups if params.n > 1 else 0)
+    steps = _prefill_steps(cache, sched, seq, computed, step) if error is None else None
     need = max(cache.blocks_for(computed + step) - k, 0)
     pool = cache.pool
     hits = [m.hit_blocks(seq.block_hashes, k) for m in cache.managers] if k else [[] for _ in cache.managers]
     revived = sum(1 for blocks in hits for b in blocks if b != NULL_BLOCK and pool.ref_count[b] == 0)
-    groups = tuple(_group(g, cache, n + output, sched.max_num_batched_tokens, cc.bytes_per_block,
-                          sum(1 for b in hits[g.index] if b != NULL_BLOCK) + need)
+    # the tokens whose keys it writes at most: its last sampled token never is; a verification step writes its
+    # drafts' (speculative decoding: up to num_speculative_tokens past the token it decodes)
+    cached, sample_revived = _sample_cached(cache, seq, k, later) if params.n > 1 else ([0] * cache.num_groups, 0)
+    spec = engine.spec.config.num_speculative_tokens if getattr(engine, "spec", None) is not None else 0
+    written = max(n + output - 1 + spec, n) if output else n
+    groups = tuple(_group(g, cache, written, sched.max_num_batched_tokens, cc.bytes_per_block,
+                          sum(1 for b in hits[g.index] if b != NULL_BLOCK) + need, params.n, later, cached[g.index])
                    for g in _groups(cache))
     return RenderedRequest(
         token_ids=list(prompt.token_ids), num_tokens=n, text_tokens=n - sum(prompt.image_tokens),
@@ -247,11 +296,74 @@ def inspect(engine, prompt: PromptInputs, params: SamplingParams | None, parts: 
         block_size=size, bytes_per_block=cc.bytes_per_block, groups=groups,
         state_slot_bytes=cc.state_slot_bytes if cache.state_pool is not None else 0,
         prefix_hit_tokens=computed, new_blocks=need * cache.num_groups + revived, first_step_tokens=step,
+        prefill_steps=steps, n=params.n, sample_hit_tokens=later * size if params.n > 1 else 0,
+        sample_new_blocks=sample_new, sample_revived=sample_revived,
         free_blocks=cache.num_free_blocks,
         free_state_slots=cache.num_free_slots if cache.state_pool is not None else None,
         running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting),
         max_num_seqs=sched.max_num_seqs, max_model_len=sched.max_model_len, capacity_tokens=cc.capacity_tokens,
-        cache_salt=prompt.cache_salt, error=error)
+        max_num_encoder_tokens_per_step=sched.max_num_encoder_tokens_per_step, cache_salt=prompt.cache_salt,
+        error=error)
+
+
+def _first_chunk(cache, sched, seq: Sequence, computed: int) -> int:
+    """The tokens `start` computes for `seq` from `computed` in a step it starts alone (the budget,
+    block alignment, whole images, the step's vision budget)."""
+    step = min(seq.num_prompt_tokens - computed, sched.max_num_batched_tokens)
+    if cache.aligned:
+        step = cache.align(seq, computed, step)
+    step = cache.whole_image(seq, computed, step)
+    return VisionBudget(sched.max_num_encoder_tokens_per_step).cut(seq, computed, step)
+
+
+def _sample_hit(cache, seq: Sequence, k: int) -> int:
+    """The blocks a later sample of `seq`'s request finds cached once the first has run its prompt: every
+    full block before its last token's (`_cached_prefix`'s limit; fewer where an image without a key stops
+    the hash chain), at least the hit `k` now; the first's blocks are offered to the cache when scheduled,
+    and a model with state layers checkpoints the last boundary (prompt chunks align to it). None without
+    prefix caching. Sample 0's prompt logprobs do not stop the later ones (theirs are not asked for)."""
+    if not cache.enable_prefix_caching:
+        return 0
+    size = cache.block_size
+    limit = (seq.num_tokens - 1) // size
+    extend_block_hashes(seq.block_hashes, seq.token_ids, seq.image_spans, size, limit * size, seq.hash_seed)
+    return max(k, min(limit, len(seq.block_hashes)))
+
+
+def _sample_cached(cache, seq: Sequence, k: int, later: int) -> tuple[list[int], int]:
+    """(per group, the blocks of a later sample's hit of `later` blocks that are cached now past the first's
+    own hit of `k`: the later samples take these, not the first's copies; how many of them are free now,
+    taken back from the pool once)."""
+    pool, out, revived = cache.pool, [], 0
+    for g, m in enumerate(cache.managers):
+        window = getattr(m, "window_blocks", None)  # a sliding window holds only its hit's last blocks
+        start = k if window is None else max(k, later - window)
+        ids = [b for b in (pool.lookup(h, g) for h in seq.block_hashes[start:later]) if b is not None]
+        out.append(len(ids))
+        revived += sum(1 for b in ids if pool.ref_count[b] == 0)
+    return out, revived
+
+
+def _prefill_steps(cache, sched, seq: Sequence, computed: int, first: int) -> int | None:
+    """The steps `seq` (a throwaway copy: it is changed) takes to its first token running alone, its first
+    chunk `first` tokens from `computed`: each later chunk as the scheduler cuts a running sequence's (the
+    whole token budget, no decode rows beside it; align, whole images, a fresh vision budget, the images
+    the worker holds not counted again). None when a chunk is cut to nothing (start-up refuses a budget
+    that cannot hold the largest image, so only a first step can be: see `fits_now`)."""
+    if first == 0:
+        return None
+    end, steps, n_prompt = computed + first, 1, seq.num_prompt_tokens
+    seq.in_worker = True  # from its second step on, the worker holds the image its last chunk ended inside
+    while end < n_prompt:
+        n = min(n_prompt - end, sched.max_num_batched_tokens)
+        if cache.aligned and n > 1:
+            n = cache.align(seq, end, n)
+        n = cache.whole_image(seq, end, n)
+        n = VisionBudget(sched.max_num_encoder_tokens_per_step).cut(seq, end, n)
+        if n == 0:
+            return None
+        end, steps = end + n, steps + 1
+    return steps
 
 
 @dataclass(frozen=True)
@@ -267,12 +379,18 @@ def _groups(cache) -> list[_Group]:
             for g, (group, m) in enumerate(zip(cache.layout.attention_groups, cache.managers))]
 
 
-def _group(g: _Group, cache, total: int, chunk: int, per_block: int, prompt_blocks: int) -> GroupBlocks:
+def _group(g: _Group, cache, total: int, chunk: int, per_block: int, prompt_blocks: int, n: int,
+           later: int, cached: int) -> GroupBlocks:
     """A group's blocks for a sequence of `total` tokens running alone (CacheLayout.blocks_for_tokens'
-    rule, one group): all of them, or a sliding window's keys and one chunk."""
-    full = blocks_needed(total, cache.block_size)
-    blocks = full if g.window is None else min(full, (g.window - 1 + min(chunk, total) - 1) // cache.block_size + 2)
-    return GroupBlocks(g.index, g.kind, g.layers, g.window, blocks, blocks * per_block, prompt_blocks)
+    rule, one group): all of them, or a sliding window's keys and one chunk; and for `n` samples, the
+    later ones on a hit of `later` blocks (held whole, or a sliding window's last blocks of it)."""
+    size = cache.block_size
+    full = blocks_needed(total, size)
+    blocks = full if g.window is None else min(full, (g.window - 1 + min(chunk, total) - 1) // size + 2)
+    shared = later if g.window is None else min(later, -(-(g.window - 1) // size))  # SlidingWindowManager.hit_blocks
+    shared = min(shared, blocks) if n > 1 else 0
+    return GroupBlocks(g.index, g.kind, g.layers, g.window, blocks, blocks * per_block, prompt_blocks, shared,
+                       cached, blocks + cached + (n - 1) * (blocks - shared))
 
 
 def _parts(prompt: PromptInputs, parts: list) -> list[PartTokens]:

@@ -5,6 +5,10 @@ Every control-group operation times out after `distributed_timeout` (a hung rank
 not hang it), so ranks > 0 waiting for the next command would time out too when the engine is idle.
 Rank 0 therefore sends a no-op command whenever no command went out for a quarter of the timeout.
 Commands and heartbeats share one lock: the control group sees one command at a time, in order.
+
+Under pipeline parallelism (`StageControl`) `execute_async` submits a micro-batch and returns once stage 0
+has run it (executor/stage_queue.py): several may be in flight, and their outputs come back in order.
+Every other command first waits until none is (the stage groups carry one command stream each).
 """
 from __future__ import annotations
 
@@ -19,6 +23,9 @@ import torch.distributed as dist
 from vlm_sdk.errors import EngineDeadError
 from vlm_sdk.executor.executor import Executor, FailureCallback, Method
 from vlm_sdk.executor.ranks import NOOP, SHUTDOWN, Command, RankFailure, broadcast_command, call, gather_replies
+from vlm_sdk.executor.stage_control import StageControl
+from vlm_sdk.executor.stage_queue import StageQueue
+from vlm_sdk.protocol.runner_output import PendingOutput
 
 logger = logging.getLogger("vlm_sdk")
 
@@ -42,24 +49,69 @@ class GroupExecutor(Executor):
         self._stopped = threading.Event()
         self._dead: BaseException | None = None
         self._broken = False  # a call failed part-way: the ranks may wait in different collectives
+        self._stage_queue: StageQueue | None = None  # pipeline parallelism: micro-batches in flight (made on first use)
 
     def collective_rpc(self, method: Method, *args: Any) -> list[Any]:
         return self._call(method, args, method != "execute" or self._output_rank != 0)
 
     def execute(self, sched):
+        if isinstance(self._control, StageControl):
+            return self.execute_async(sched).result()
         if self._output_rank == 0:
             return super().execute(sched)
         outs = self._call("execute", (sched,), True)
         return dataclasses.replace(outs[self._output_rank], encoder_cache=outs[0].encoder_cache)
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Micro-batches that may be in flight at once: the pipeline's stages (1 without stages)."""
+        return len(self._control.stages) if isinstance(self._control, StageControl) else 1
+
+    def execute_async(self, sched) -> PendingOutput:
+        """Under pipeline parallelism: the step submitted as a micro-batch (returns once stage 0 ran it);
+        otherwise the step run to its end."""
+        if not isinstance(self._control, StageControl):
+            return super().execute_async(sched)
+        with self._rpc_lock:
+            if self._dead is not None:
+                raise self._dead
+            if self._stage_queue is None:
+                self._stage_queue = StageQueue(self._control, self._worker, self._explain)
+            try:
+                return self._stage_queue.submit(Command("execute", (sched,), reply=False, output=True))
+            except BaseException as e:
+                self._broken = True
+                err = self._explain(e)
+                self._stage_queue.fail(err)
+                if err is e:
+                    raise
+                raise err from e
+            finally:
+                self._last_command = time.monotonic()
+                self._serving = True
+
+    def _broadcast(self, command: Command) -> None:
+        """`command` to every other rank: on the control group, or stage by stage (`StageControl`)."""
+        if isinstance(self._control, StageControl):
+            for stage in range(len(self._control.stages)):
+                self._control.broadcast(stage, command)
+        else:
+            broadcast_command(command, self._control)
+
+    def _pipeline_idle(self) -> bool:
+        return self._stage_queue is None or self._stage_queue.idle()
+
     def _call(self, method: Method, args: tuple, reply: bool) -> list[Any]:
+        if self._stage_queue is not None:
+            self._stage_queue.drain()  # the micro-batches in flight first: the stage groups carry one stream each
         with self._rpc_lock:
             if self._dead is not None:
                 raise self._dead
             try:
-                broadcast_command(Command(method, args, reply), self._control)
+                self._broadcast(Command(method, args, reply))
                 result = call(self._worker, method, args)
-                out = gather_replies(result, self.world_size, self._control) if reply else [result]
+                replies = self._control.everyone if isinstance(self._control, StageControl) else self._control
+                out = gather_replies(result, self.world_size, replies) if reply else [result]
             except BaseException as e:
                 self._broken = True
                 err = self._explain(e)
@@ -80,9 +132,9 @@ class GroupExecutor(Executor):
         if not self._rpc_lock.acquire(timeout=5.0):  # a call is stuck in a collective: do not wait for it
             return False
         try:
-            if self._dead is not None or self._broken:
+            if self._dead is not None or self._broken or not self._pipeline_idle():
                 return False
-            broadcast_command(Command(SHUTDOWN), self._control)
+            self._broadcast(Command(SHUTDOWN))
         except Exception:  # noqa: BLE001 - a rank is gone
             return False
         finally:
@@ -100,8 +152,8 @@ class GroupExecutor(Executor):
             if not self._rpc_lock.acquire(blocking=False):
                 continue  # a command is going out: that is a heartbeat too
             try:
-                if self._dead is None and not self._stopped.is_set():
-                    broadcast_command(Command(NOOP, reply=False), self._control)
+                if self._dead is None and not self._stopped.is_set() and self._pipeline_idle():
+                    self._broadcast(Command(NOOP, reply=False))
                     self._last_command = time.monotonic()
             except BaseException as e:  # noqa: BLE001 - the next call reports it
                 self._dead = self._explain(e)
@@ -167,6 +219,11 @@ class StartedRanksExecutor(GroupExecutor):
         if not (ranks_dead or peer_error or self._failures):
             return exc
         self._collect(0.0 if self._failures else REPORT_SECONDS if ranks_dead else 1.0)
+        # a killed rank's sockets close while its process is still being torn down: on a busy machine its end
+        # shows a moment after the peer's error, so look again for a while before calling every rank alive
+        deadline = time.monotonic() + REPORT_SECONDS
+        while not (self._failures or self._ended_ranks()) and time.monotonic() < deadline:
+            time.sleep(0.05)
         err = self._death_error(exc)
         self._dead = self._dead or err
         return self._dead
@@ -194,6 +251,8 @@ class StartedRanksExecutor(GroupExecutor):
             if self._closing:
                 return
         self._dead = self._dead or err
+        if self._stage_queue is not None:
+            self._stage_queue.fail(self._dead)  # the micro-batches in flight fail now, whatever their rank waits on
         logger.error("%s", self._dead)
         if self._callback is not None:
             self._callback(self._dead)

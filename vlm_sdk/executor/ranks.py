@@ -10,6 +10,11 @@ Two process groups join the ranks (both over `init_method`):
                    Same timeout: a hung rank fails rank 0's next command; an idle rank 0 sends
                    heartbeats (NOOP) so that its ranks, waiting here, do not time out.
 
+Under pipeline parallelism the control group is a `StageControl` (executor/stage_control.py): each stage
+receives its commands on a group of its own with rank 0, so a stage still computing one micro-batch never
+holds up the next command to the stages before it; replies to other commands are gathered on the group
+of every rank, and a micro-batch's output comes back from the last stage's rank 0 alone, point to point.
+
 A rank > 0 runs `serve_commands`: receive a command, call `Worker.<method>(*args)`, reply if asked,
 until `shutdown`. Any exception ends the rank's process (after logging it and, when rank 0 spawned
 it, reporting it on the error queue): its peers' next collective then fails at once ("connection
@@ -32,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from vlm_sdk.config import ParallelConfig
+from vlm_sdk.executor.stage_control import StageControl, stage_control
 from vlm_sdk.layers.parallel_state import ParallelGroups, PPGroup, TPGroup, init_tp_group
 
 logger = logging.getLogger("vlm_sdk")
@@ -46,6 +52,9 @@ class Command:
     method: Any  # a `Worker` method's name, a picklable fn(worker, *args), or SHUTDOWN / NOOP
     args: tuple = ()
     reply: bool = True  # gather every rank's result to rank 0
+    # pipeline parallelism: a micro-batch whose output only the last stage's rank 0 sends back (on
+    # `StageControl.output`); nobody gathers (executor/stage_queue.py)
+    output: bool = False
 
 
 def call(worker, method, args: tuple) -> Any:
@@ -102,6 +111,8 @@ def join_ranks(rank: int, parallel: ParallelConfig, init_method: str | None, tim
         pp = PPGroup(stage, pp_size, world.group, parallel.pp_layer_partition,
                      prev=rank - tp_size if stage > 0 else None, next=rank + tp_size if stage < pp_size - 1 else None)
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    if pp_size > 1:
+        control = stage_control(rank, parallel, control, timeout_s)
     return ParallelGroups(tp, pp, parallel.enable_expert_parallel), control
 
 
@@ -119,17 +130,23 @@ def gather_replies(result: Any, size: int, control) -> list[Any]:
 
 def serve_commands(worker, control) -> None:
     """Rank > 0: run rank 0's commands on `worker` until SHUTDOWN."""
+    staged = isinstance(control, StageControl)
+    source = control.commands if staged else control  # where this rank's commands arrive
+    replies = control.everyone if staged else control
     while True:
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=control)
+        dist.broadcast_object_list(box, src=0, group=source)
         command: Command = box[0]
         if command.method == SHUTDOWN:
             return
         if command.method == NOOP:
             continue
         result = call(worker, command.method, command.args)
-        if command.reply:
-            dist.gather_object(result, None, dst=0, group=control)
+        if command.output:
+            if control.sends_output:
+                control.send_output(result)
+        elif command.reply:
+            dist.gather_object(result, None, dst=0, group=replies)
 
 
 def run_rank(model_dir: str, config, rank: int, size: int, init_method: str | None, device: torch.device,

@@ -62,7 +62,10 @@ def kv_token_text(per_token: int, layers: int, kv_heads: int, head_dim: int, kv_
                 f"zero)) (kv_cache_dtype='{kv_dtype}': per-token, per-head asymmetric, LMDeploy's quant_policy "
                 f"{8 if kv_dtype == 'int8' else 4})")
     fp8 = " (kv_cache_dtype='fp8': e4m3 with per-layer K and V scales)" if kv_dtype.startswith("float8") else ""
-    return f"{per_token:,} B ({layers} layers x 2 x {kv_heads} KV heads x {head_dim} x {kv_dtype}){fp8}"
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(kv_dtype, 1)
+    extra = per_token - layers * 2 * kv_heads * head_dim * size  # an EAGLE-3 draft's page rides in every block
+    draft = f" + {extra:,} B of the EAGLE-3 draft layer's K and V" if extra > 0 else ""
+    return f"{per_token:,} B ({layers} layers x 2 x {kv_heads} KV heads x {head_dim} x {kv_dtype}{draft}){fp8}"
 
 
 def cache_groups(layout: CacheLayout | None, block_size: int, chunk_tokens: int, max_model_len: int) -> tuple[dict, ...]:
@@ -141,9 +144,12 @@ class MemoryTotals:
     num_state_slots: int
     state_slot_bytes: int
 
+    weights_draft_bytes: int = 0  # a speculative draft's (EAGLE-3); the dataclasses below may set it
+
     @property
     def weights_bytes(self) -> int:
-        return self.weights_language_model_bytes + self.weights_vision_bytes + self.weights_projector_bytes
+        return self.weights_language_model_bytes + self.weights_vision_bytes + self.weights_projector_bytes \
+            + self.weights_draft_bytes
 
     @property
     def capacity_tokens(self) -> int:
@@ -214,6 +220,7 @@ class StartupMemory(MemoryTotals):
     state_slot_bytes: int = 0
     prefix_reuse: tuple = ()  # (kind, whether and how it reuses cached prefixes) when several kinds
     kv_dtype_fits: tuple = ()  # the same settings under each kv_cache_dtype that runs (`memory.kv_dtypes`)
+    weights_draft_bytes: int = 0  # speculative_config method "eagle3": the draft head's weights
 
     def to_dict(self) -> dict:
         out = asdict(self) | {"weights_bytes": self.weights_bytes, "capacity_tokens": self.capacity_tokens,
@@ -238,7 +245,9 @@ class StartupMemory(MemoryTotals):
                 if self.tensor_parallel_size > 1 else "")),
             ("weights", f"{format_bytes(self.weights_bytes)}: language model "
              f"{format_bytes(self.weights_language_model_bytes)}, vision tower {format_bytes(self.weights_vision_bytes)}, "
-             f"projector {format_bytes(self.weights_projector_bytes)}{loaded}; loaded in {self.load_seconds:.1f} s"),
+             f"projector {format_bytes(self.weights_projector_bytes)}"
+             f"{f', EAGLE-3 draft {format_bytes(self.weights_draft_bytes)}' if self.weights_draft_bytes else ''}"
+             f"{loaded}; loaded in {self.load_seconds:.1f} s"),
             ("weight format", self.weight_format),
             ("activation peak", peak),
             *consumer_rows(self.consumers),

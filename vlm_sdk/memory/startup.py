@@ -102,7 +102,8 @@ def startup_report(m: MemoryInputs, loads: list[RankLoad], ranks: list[RankCache
     return StartupMemory(
         device=load.device, dtype=load.dtype, kv_cache_dtype=str(m.kv_dtype).removeprefix("torch."),
         weights_language_model_bytes=w.language_model, weights_vision_bytes=w.vision,
-        weights_projector_bytes=w.projector, weights_allocated_bytes=load.weights_allocated_bytes,
+        weights_projector_bytes=w.projector, weights_draft_bytes=w.draft,
+        weights_allocated_bytes=load.weights_allocated_bytes,
         activation_peak_bytes=parts.activation_bytes if measured else None,
         device_memory_bytes=budget.total_bytes if budget else None,
         device_in_use_bytes=budget.in_use_bytes if budget else None,

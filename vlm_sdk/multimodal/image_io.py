@@ -24,6 +24,7 @@ ACCEPTED_SOURCES = ("a PIL.Image.Image, a filesystem path (str or pathlib.Path),
                     "a base64 data URL ('data:image/png;base64,...') or a 'file://' URL")
 
 _EXIF_ORIENTATION = 0x0112
+_TRANSPOSED = (5, 6, 7, 8)  # orientations that swap width and height (ImageOps.exif_transpose)
 # Modes whose samples do not fit 8 bits; PIL's own convert("RGB") clips them at 255, which turns most
 # 16-bit photos white, so they are rescaled here instead.
 _HIGH_DEPTH_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
@@ -67,6 +68,22 @@ def open_image(source: object, *, max_image_pixels: int = 64_000_000,
         image = _open(data, what)
     _check_size(image.size, max_image_pixels, what)
     return OpenedImage(image, what, data, cancelled)
+
+
+def reopen(data: bytes, what: str) -> OpenedImage:
+    """The `OpenedImage` of encoded `data` described as `what` (an image's bytes in another process)."""
+    return OpenedImage(_open(data, what), what, data)
+
+
+def oriented_size(image: OpenedImage) -> tuple[int, int]:
+    """(height, width) of `image` once decoded and turned upright by its EXIF orientation (read from the
+    header: nothing decoded), as `load_image` returns it."""
+    width, height = image.image.size
+    try:
+        orientation = image.image.getexif().get(_EXIF_ORIENTATION, 1)
+    except Exception:  # unparsable EXIF: load_image keeps the image as it is
+        orientation = 1
+    return (width, height) if orientation in _TRANSPOSED else (height, width)
 
 
 def load_image(source: object, *, max_image_pixels: int = 64_000_000) -> Image.Image:

@@ -32,6 +32,7 @@ def memory_segments(d: dict) -> list[tuple[str, str, int]]:
     parts = [("weights: language model", "weights", d["weights_language_model_bytes"]),
              ("weights: vision tower", "vision", d["weights_vision_bytes"]),
              ("weights: projector", "projector", d["weights_projector_bytes"]),
+             ("weights: draft", "projector", d.get("weights_draft_bytes") or 0),
              ("activation peak", "activation", d.get("activation_peak_bytes") or 0),
              ("encoder cache", "encoder", d["encoder_cache_bytes"])]
     kv = d["kv_cache_bytes"]
@@ -51,7 +52,7 @@ def memory_segments(d: dict) -> list[tuple[str, str, int]]:
     others = d.get("device_in_use_bytes") or 0
     if "weights_allocated_bytes" in d and others:  # the engine's in-use count includes its own weights
         others = max(0, others - d["weights_language_model_bytes"] - d["weights_vision_bytes"]
-                     - d["weights_projector_bytes"])
+                     - d["weights_projector_bytes"] - (d.get("weights_draft_bytes") or 0))
     parts.append(("in use by others", "others", others))
     if total:
         parts.append(("headroom", "headroom", max(0, total - used - others)))

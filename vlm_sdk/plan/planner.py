@@ -50,6 +50,7 @@ from typing import Any, Mapping
 
 import torch
 
+from vlm_sdk.models.common.eagle3_config import draft_memory
 from vlm_sdk.spec_config import check_speculation
 from vlm_sdk.config import DTYPES, EngineArgs, ParallelConfig
 from vlm_sdk.errors import InvalidRequestError, UnknownArgumentError, format_size
@@ -155,6 +156,7 @@ class MemoryPlan(MemoryTotals):
     pp: int = 1
     stages: tuple[StagePlan, ...] = ()
     balanced_partition: tuple[int, ...] | None = None
+    weights_draft_bytes: int = 0  # speculative_config method "eagle3": the draft head's weights
 
     @property
     def binding_stage(self) -> int | None:
@@ -231,6 +233,10 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
         stages, balanced = plan_stages(family, info, args, parallel, dtype, m, device_memory, other_use)
         per_block = stages[0].kv_bytes_per_block
     weights, peak, encoder = m.weights, parts.activation_bytes, parts.bytes_of("encoder_cache")
+    spec = args.speculative_config
+    if spec is not None and spec.method == "eagle3":  # the draft's weights, and its K/V page in every block
+        draft_weights, draft_page = draft_memory(spec.model, model, dtype.itemsize, args.block_size)
+        weights, per_block = dataclasses.replace(weights, draft=draft_weights), per_block + draft_page
 
     # the engine's own sizing rules, on the memory it would find after loading the weights; the lower-precision
     # caches' blocks beside them (a planned GPU runs them: the engine refuses only a GPU older than compute 8.0)
@@ -292,7 +298,7 @@ def plan(config_path_or_dir, **options) -> MemoryPlan:
             min(args.max_num_seqs, cache.num_state_slots or args.max_num_seqs), blocks,
             lambda n: cache.blocks_for(n), longest)),
         **{**cache_shares(m, cache, max_model_len), "cache_capacity_tokens": capacity},
-        pp=pp, stages=stages, balanced_partition=balanced)
+        pp=pp, stages=stages, balanced_partition=balanced, weights_draft_bytes=weights.draft)
 
 
 def _workload(o: dict, info, m, facts, dtype, encoder: int, cache):
@@ -302,7 +308,7 @@ def _workload(o: dict, info, m, facts, dtype, encoder: int, cache):
     from vlm_sdk.sampling_params import DEFAULT_MAX_TOKENS
     tokens_for = m.image.tokens_for or (lambda w, h: m.image.tokens)  # no size rule: the largest allowed
     requests = read_workload(o["workload"], tokens_for, o["output_tokens"] if o["output_tokens"] is not None else
-                             DEFAULT_MAX_TOKENS, info.config_path.parent)
+                             DEFAULT_MAX_TOKENS, info.config_path.parent, m.image.video_for)
     per_token = m.hidden_size * torch.finfo(dtype).bits // 8  # one image token's embedding
     return plan_workload(requests, facts, per_token, encoder, cache.fp8_blocks)
 

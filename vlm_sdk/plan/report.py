@@ -38,6 +38,8 @@ def format_plan(p: MemoryPlan) -> str:
         ("weights: language model", _size(p.weights_language_model_bytes)),
         ("weights: vision tower", _size(p.weights_vision_bytes)),
         ("weights: projector", _size(p.weights_projector_bytes)),
+        *([("weights: EAGLE-3 draft", _size(p.weights_draft_bytes) + " (its K/V page is in KV per block)")]
+          if p.weights_draft_bytes else []),
         ("weights: total per rank", _size(p.weights_bytes)),
         ("weights: format", p.weight_format),
         ("activation peak (estimate)", f"{_size(p.activation_peak_bytes)}: the step-time consumers below"),

@@ -1,7 +1,9 @@
 """A plan for a real workload (`vlm-sdk plan --workload FILE`): its requests (workload_file.py) against the
 planned cache, by the engine's own arithmetic (`CacheConfig.blocks_for`, `fixes_for`).
 
-    tokens(r)    = text + its images' tokens (the family's count for each size) + max_tokens
+    tokens(r)    = text + its images' tokens (the family's count for each size) + its videos' prompt tokens
+                   (workload_file.Video: the frames the processor samples, their tokens, the text around
+                   each item) + max_tokens
     fits(r)      tokens(r) <= the longest request (max_model_len, the cache, the model's positions)
     at_once(r)   = min(max_num_seqs, num_blocks // blocks_for(tokens(r)), state slots)
                    requests of r's size the cache holds at once, each running to its end
@@ -9,7 +11,9 @@ planned cache, by the engine's own arithmetic (`CacheConfig.blocks_for`, `fixes_
                  requests' weight at or below it); at_once at pX: requests of that size
     KV at pX     max_num_seqs requests of pX tokens, as blocks and as a share of the cache (>1: they wait)
     encoder      one image's vision embeddings: its tokens x hidden_size x dtype bytes (Qwen3-VL's DeepStack
-                 rows are wider: a lower bound there); how many p50 images encoder_cache_memory keeps
+                 rows are wider: a lower bound there); how many p50 images encoder_cache_memory keeps; a
+                 video's the same per vision token, over its items (each temporal patch or frame its own
+                 entry): how many p50 videos it keeps whole
     binds        at p99: what stops more: max_model_len / the cache (it does not fit), max_num_seqs, the KV
                  blocks, or the state slots
     serve_99     settings, pasteable together, that make the p99 request fit and run max_num_seqs of it at
@@ -22,7 +26,7 @@ from dataclasses import dataclass, field
 
 from vlm_sdk.memory.capacity import requests_at_once
 from vlm_sdk.plan.rules import Facts, flags
-from vlm_sdk.plan.workload_file import Request
+from vlm_sdk.plan.workload_file import Request, Video
 
 PERCENTILES = (50, 95, 99)
 
@@ -56,6 +60,12 @@ class WorkloadPlan:
     serve_99_alternatives: dict = field(default_factory=dict)
     # the requests by tokens: (from, to, share of the weight) in equal bins from 0 (the picture's histogram)
     histogram: tuple = ()
+    videos_per_request: float = 0.0  # mean
+    video_frames_p50: int = 0  # frames sampled
+    video_items_p50: int = 0  # vision-tower items (encoder-cache entries)
+    video_tokens_p50: int = 0  # vision tokens (what the tower fills)
+    video_tokens_p99: int = 0
+    encoder_cache_videos_p50: int = 0  # p50 videos (every item) encoder_cache_memory holds
 
     def at(self, p: int) -> Percentile:
         return next(x for x in self.percentiles if x.p == p)
@@ -106,6 +116,10 @@ def plan_workload(requests: list[Request], f: Facts, encoder_bytes_per_token: in
     img50 = percentile(images, 50) if images else 0
     img99 = percentile(images, 99) if images else 0
     per_image = img50 * encoder_bytes_per_token
+    videos = [(v, r.weight) for r in requests for v in r.videos]
+    v50 = _median_video(videos)
+    v99 = percentile([(v.vision_tokens, w) for v, w in videos], 99) if videos else 0
+    per_video = v50.vision_tokens * encoder_bytes_per_token if v50 else 0
     top = pcts[-1]
     binds = _binds(top, f, slots)
     serve, instead = _serve_99(top, requests, f, slots, fp8_blocks)
@@ -115,7 +129,19 @@ def plan_workload(requests: list[Request], f: Facts, encoder_bytes_per_token: in
         image_tokens_p50=img50, image_tokens_p99=img99, encoder_bytes_per_token=encoder_bytes_per_token,
         encoder_cache_bytes=encoder_cache_bytes,
         encoder_cache_images_p50=encoder_cache_bytes // per_image if per_image else 0,
-        binds=binds, serve_99=serve, serve_99_alternatives=instead, histogram=histogram(sizes))
+        binds=binds, serve_99=serve, serve_99_alternatives=instead, histogram=histogram(sizes),
+        videos_per_request=sum(len(r.videos) * r.weight for r in requests) / total_w,
+        video_frames_p50=v50.frames if v50 else 0, video_items_p50=v50.items if v50 else 0,
+        video_tokens_p50=v50.vision_tokens if v50 else 0, video_tokens_p99=v99,
+        encoder_cache_videos_p50=encoder_cache_bytes // per_video if per_video else 0)
+
+
+def _median_video(videos: list) -> "Video | None":
+    """The p50 video by vision tokens (its frames and items with it); None without videos."""
+    if not videos:
+        return None
+    tokens = percentile([(v.vision_tokens, w) for v, w in videos], 50)
+    return next(v for v, _ in videos if v.vision_tokens == tokens)
 
 
 def histogram(sizes: list[tuple[int, float]], bins: int = 40) -> tuple[tuple[int, int, float], ...]:
@@ -154,7 +180,7 @@ def _serve_99(top: Percentile, requests: list[Request], f: Facts, slots: int,
     if tokens > f.max_pos:  # no length setting helps: smaller images for the p99 request
         r = min((r for r in requests if r.total_tokens >= tokens), key=lambda r: r.total_tokens)
         k = len(r.image_tokens)
-        fit = f.image.fitting((f.max_pos - r.text_tokens - r.output_tokens) // k) if k else None
+        fit = f.image.fitting((f.max_pos - r.beside_images) // k) if k else None
         if fit is not None and fit.value is not None:
             serve[f.image.setting] = fit.value
         tokens = min(tokens, f.max_pos)
@@ -194,7 +220,7 @@ def _smaller_images(top: Percentile, requests: list[Request], f: Facts) -> dict:
     if r is None or not r.image_tokens or top.at_once >= args.max_num_seqs:
         return {}
     share = dataclasses.replace(f.cache, num_blocks=f.blocks // args.max_num_seqs).capacity_tokens  # one's share
-    per_image = (min(share, f.longest) - r.text_tokens - r.output_tokens) // len(r.image_tokens)
+    per_image = (min(share, f.longest) - r.beside_images) // len(r.image_tokens)
     fit = f.image.fitting(per_image) if per_image >= 1 else None
     return {f.image.setting: fit.value} if fit is not None and fit.value is not None else {}
 
@@ -210,6 +236,10 @@ def workload_rows(w: WorkloadPlan, size) -> list[tuple[str, str]]:
         rows.append(("  images", f"{w.images_per_request:.2f} per request; p50 {w.image_tokens_p50:,} tokens, p99 "
                      f"{w.image_tokens_p99:,}; the encoder cache ({size(w.encoder_cache_bytes)}) keeps "
                      f"{w.encoder_cache_images_p50:,} p50 images ({w.encoder_bytes_per_token:,} B a token)"))
+    if w.video_tokens_p50:
+        rows.append(("  videos", f"{w.videos_per_request:.2f} per request; p50 {w.video_frames_p50:,} frames = "
+                     f"{w.video_items_p50:,} items, {w.video_tokens_p50:,} tokens; p99 {w.video_tokens_p99:,} tokens; "
+                     f"the encoder cache keeps {w.encoder_cache_videos_p50:,} p50 videos whole"))
     rows.append(("  binds", w.binds))
     rows.append(("  to serve 99%", w.flags() or "nothing to change"))
     if w.serve_99_alternatives:

@@ -14,6 +14,15 @@ Either JSONL, one OpenAI chat body a line:
   are not counted); else refused, naming both. Output tokens: "max_tokens" / "max_completion_tokens", else
   `default_output`.
 
+  a video part ({"type": "video_url", "video_url": {...}} or {"type": "video", "video": ...}) gives its
+  container as {"width", "height", "fps", "frames"} (or "seconds" instead of "frames": frames =
+  round(seconds * fps)), or a real source (a path, file:// or data: URL) whose header and packet index alone
+  are read (multimodal/video_io.open_video: no frame decoded); its other keys are the part's video options
+  (fps, max_frames, max_pixels, ...), as a chat request's. The family's processor arithmetic
+  (`ImageLimits.video_for`) gives its frames, vision-tower items and tokens; the text it writes around
+  each item (a Qwen3-VL patch's timestamp, an InternVL frame's label) is counted by the checkpoint's
+  tokenizer (a line's prompt_tokens does not include it).
+
 or one JSON object, a compact histogram of independent distributions ([value, weight] pairs):
 
     {"histogram": {"prompt_tokens": [[40, 3], [400, 1]], "output_tokens": [[256, 1]],
@@ -39,15 +48,32 @@ MAX_COMBINATIONS = 1_000_000  # a histogram's requests enumerated exactly, up to
 
 
 @dataclass(frozen=True)
+class Video:
+    """One video part as the engine would run it: the frames it samples, its vision-tower items (encoder-
+    cache entries), the tokens the tower fills, and its prompt tokens (those and the text and wrappers
+    the processor writes around each item)."""
+    frames: int
+    items: int
+    vision_tokens: int
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
 class Request:
     text_tokens: int
     image_tokens: tuple[int, ...]
     output_tokens: int
     weight: float = 1.0
+    videos: tuple[Video, ...] = ()
 
     @property
     def prompt_tokens(self) -> int:
-        return self.text_tokens + sum(self.image_tokens)
+        return self.text_tokens + sum(self.image_tokens) + sum(v.prompt_tokens for v in self.videos)
+
+    @property
+    def beside_images(self) -> int:
+        """Its tokens other than its images': text, videos, output (what a smaller image setting leaves)."""
+        return self.total_tokens - sum(self.image_tokens)
 
     @property
     def total_tokens(self) -> int:
@@ -55,9 +81,10 @@ class Request:
 
 
 def read_workload(path, image_tokens: Callable[[int, int], int], default_output: int,
-                  tokenizer_dir=None) -> list[Request]:
+                  tokenizer_dir=None, video_for: Callable | None = None) -> list[Request]:
     """The requests of `path` (JSONL chat bodies or a histogram, above). `image_tokens(width, height)`:
-    the family's count; `tokenizer_dir`: where a tokenizer may be found for lines without prompt_tokens."""
+    the family's count; `tokenizer_dir`: where a tokenizer may be found for lines without prompt_tokens
+    (and a video's item text); `video_for`: the family's `ImageLimits.video_for` (None: it takes no video)."""
     text = Path(path).expanduser().read_text()
     try:
         whole = json.loads(text)
@@ -74,16 +101,17 @@ def read_workload(path, image_tokens: Callable[[int, int], int], default_output:
             body = json.loads(line)
         except json.JSONDecodeError as e:
             raise InvalidRequestError(f"{path} line {n}: not JSON ({e.msg}); each line is one chat body") from None
-        out.append(_request(body, image_tokens, default_output, counter, f"{path} line {n}"))
+        out.append(_request(body, image_tokens, default_output, counter, f"{path} line {n}", video_for))
     if not out:
         raise InvalidRequestError(f"{path} holds no request: one chat body a line, or {{\"histogram\": ...}}")
     return out
 
 
-def _request(body, image_tokens, default_output: int, counter: "_TextCounter", where: str) -> Request:
+def _request(body, image_tokens, default_output: int, counter: "_TextCounter", where: str,
+             video_for: Callable | None = None) -> Request:
     if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
         raise InvalidRequestError(f"{where}: a chat body with 'messages' is needed")
-    images = []
+    images, videos = [], []
     for m in body["messages"]:
         content = m.get("content") if isinstance(m, dict) else None
         for part in content if isinstance(content, list) else ():
@@ -91,7 +119,7 @@ def _request(body, image_tokens, default_output: int, counter: "_TextCounter", w
                 w, h = _image_size(part, where)
                 images.append(image_tokens(w, h))
             elif isinstance(part, dict) and part.get("type") in ("video", "video_url"):
-                raise InvalidRequestError(f"{where}: video parts are not planned yet; plan its frames as images")
+                videos.append(_video(part, video_for, counter, f"{where} video {len(videos)}"))
     out = body.get("max_tokens", body.get("max_completion_tokens"))
     out = default_output if out is None else out
     text = body.get("prompt_tokens")
@@ -100,7 +128,40 @@ def _request(body, image_tokens, default_output: int, counter: "_TextCounter", w
     for name, v in (("prompt_tokens", text), ("max_tokens", out)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise InvalidRequestError(f"{where}: {name} must be a non-negative integer, got {v!r}")
-    return Request(text, tuple(images), out)
+    return Request(text, tuple(images), out, videos=tuple(videos))
+
+
+def _video(part: dict, video_for: Callable | None, counter: "_TextCounter", where: str) -> Video:
+    """One video part priced by the family's processor arithmetic, from its container's numbers."""
+    if video_for is None:
+        raise InvalidRequestError(f"{where}: this checkpoint's family takes no video input")
+    inner = part.get("video_url") if isinstance(part.get("video_url"), dict) else {}
+    options = {k: v for k, v in part.items() if k not in ("type", "video", "video_url")}
+    given = next((d for d in (inner, part) if "width" in d or "height" in d), None)
+    if given is not None:
+        w, h, fps = given.get("width"), given.get("height"), given.get("fps")
+        frames = given.get("frames")
+        if frames is None and isinstance(given.get("seconds"), (int, float)) and isinstance(fps, (int, float)):
+            frames = round(given["seconds"] * fps)
+        if not (all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (w, h, frames))
+                and isinstance(fps, (int, float)) and not isinstance(fps, bool) and fps > 0):
+            raise InvalidRequestError(f"{where}: a video's size is {{\"width\", \"height\", \"fps\", \"frames\" (or "
+                                      f"\"seconds\")}}, positive numbers (width, height and frames integers), got "
+                                      f"{ {k: given.get(k) for k in ('width', 'height', 'fps', 'frames', 'seconds')} }")
+    else:
+        source = inner.get("url") if inner else part.get("video_url", part.get("video"))
+        if not isinstance(source, str):
+            raise InvalidRequestError(f"{where}: a video part needs {{\"width\", \"height\", \"fps\", \"frames\"}} "
+                                      f"or a file / data: URL")
+        if source.startswith(("http://", "https://")):
+            raise InvalidRequestError(f"{where}: {source[:80]} is a web URL; the planner fetches nothing: give the "
+                                      f"video's {{\"width\", \"height\", \"fps\", \"frames\"}} instead")
+        from vlm_sdk.multimodal.video_io import open_video
+        info = open_video(source.removeprefix("file://") if source.startswith("file://") else source).info
+        w, h, frames, fps = info.width, info.height, info.num_frames, info.fps  # the header and packet index only
+    count = video_for(w, h, frames, float(fps), options)
+    text = sum(counter.count_text(t, where) for t in count.texts)
+    return Video(count.frames, count.items, count.tokens, count.tokens + text + count.special)
 
 
 def _image_size(part: dict, where: str) -> tuple[int, int]:
@@ -146,11 +207,20 @@ class _TextCounter:
         text = self.tokenizer.apply_chat_template(text_only, add_generation_prompt=True, tokenize=False)
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _load(self, where: str):
+    def count_text(self, text: str, where: str) -> int:
+        """Tokens of a piece of text the processor writes (as it encodes it: no special tokens added)."""
+        if self.tokenizer is None:
+            self.tokenizer = self._load(where, "a video's item text (timestamps, frame labels)")
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _load(self, where: str, what: str = ""):
         directory = Path(self.directory) if self.directory is not None else None
         if directory is not None and directory.is_file():
             directory = directory.parent
         if directory is None or not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+            if what:
+                raise InvalidRequestError(f"{where}: {what} is counted by the checkpoint's tokenizer, and none is "
+                                          f"beside the config: plan a checkpoint directory that has its tokenizer")
             raise InvalidRequestError(f"{where}: no prompt_tokens, and no tokenizer beside the config to count the "
                                       f"text: add \"prompt_tokens\" (text and template tokens) to each line, or plan "
                                       f"a checkpoint directory that has its tokenizer")

@@ -10,10 +10,11 @@ class WeightBytes:
     language_model: int
     vision: int
     projector: int
+    draft: int = 0  # a speculative draft's (EAGLE-3's head; its embedding only when it has its own)
 
     @property
     def total(self) -> int:
-        return self.language_model + self.vision + self.projector
+        return self.language_model + self.vision + self.projector + self.draft
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,10 @@ class ModelRunnerOutput:
     # the correction at the first rejection or the bonus token); such a request is not in sampled_token_ids
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # one per token, when asked for
+    # EAGLE-3: request id -> the drafts its next step verifies (after the tokens this step gave it), and the
+    # rank's time proposing them
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_seconds: float = 0.0
 
 
 class PendingOutput(ABC):

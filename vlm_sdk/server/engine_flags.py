@@ -70,6 +70,8 @@ ENGINE_HELP = {
                               "the embeddings, the last the LM head and sampling",
     "pp_layer_partition": "each pipeline stage's decoder layer count, e.g. '4,6' (vLLM's VLLM_PP_LAYER_PARTITION; "
                           "default: an even split, the remainder to the stages before the last)",
+    "pipeline_micro_batches": "micro-batches in flight at once under pipeline parallelism (vLLM's batch queue; "
+                              "default: one per stage, so the stages overlap; 1: the stages take turns on each step)",
     "shard_vision": "under tensor parallelism, split the vision tower over the ranks too (default; "
                     "--no-shard-vision gives every rank a whole copy)",
     "enable_expert_parallel": "under tensor parallelism, give each rank whole MoE experts (num_experts / "
@@ -95,6 +97,9 @@ ENGINE_HELP = {
     "max_video_container_frames": "most frames in one video's container, every one of which is indexed whichever are "
                                   "sampled; read from its header where it says, else counted as they are indexed "
                                   "(default 216000: an hour at 60 fps)",
+    "preprocess_workers": "processes that decode, resize and patchify images, the bytes and patches passed through "
+                          "shared memory (serve's default 2; the Python API's 0: on the prompt threads); a process "
+                          "that dies on an image fails that request alone (400) and is replaced",
     "revision": "branch, tag or commit of a model given as a Hub id 'Org/Name' (default: main)",
     "num_state_slots": "a model with state layers: state slots (a running request's, the rest prefix-cache "
                        "checkpoints), carved out before the KV blocks (default max_num_seqs, twice that with "
@@ -137,11 +142,11 @@ GROUPS = (
                                   "enforce_eager", "piecewise_cuda_graphs", "async_scheduling",
                                   "speculative_config")),
     ("engine: parallelism", ("tensor_parallel_size", "pipeline_parallel_size", "pp_layer_partition",
-                             "enable_expert_parallel", "shard_vision",
+                             "pipeline_micro_batches", "enable_expert_parallel", "shard_vision",
                              "distributed_executor_backend", "ray_placement_strategy", "distributed_timeout")),
     ("engine: images and video", ("max_image_pixels", "max_request_image_pixels", "max_video_bytes",
                                   "max_video_seconds", "max_video_frames", "max_video_decode_pixels",
-                                  "max_video_container_frames")),
+                                  "max_video_container_frames", "preprocess_workers")),
     ("engine: per-request budgets and output parsing", (
         "allow_special_tokens_in_text", "max_logit_bias", "max_stop_token_ids", "max_grammar_bytes",
         "grammar_compile_timeout", "max_grammar_memory", "grammar_cache_memory", "grammar_workers",
@@ -156,7 +161,7 @@ _FLAG_TYPES = {"revision": str, "model_family": str, "dtype": str, "device": str
                "grammar_cache_memory": str, "tool_call_parser": str, "reasoning_parser": str,
                "max_video_bytes": str, "distributed_executor_backend": str, "speculative_config": str,
                "max_num_encoder_tokens_per_step": int, "max_prefill_tokens_with_decodes": int,
-               "pp_layer_partition": str}
+               "pp_layer_partition": str, "pipeline_micro_batches": int}
 _NOT_FLAGS = ("show_progress", "mm_processor_kwargs")  # the latter: one flag per family setting (and vLLM's JSON)
 
 

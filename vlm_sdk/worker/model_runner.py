@@ -36,6 +36,7 @@ from vlm_sdk.protocol.cache_layout import CacheLayout
 from vlm_sdk.sampling_params import SamplingParams
 from vlm_sdk.worker.block_table import BlockTables
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs
+from vlm_sdk.worker.eagle_drafter import EagleDrafter, draft_rows
 from vlm_sdk.worker.encoder_cache import EncoderCache
 from vlm_sdk.worker.kv_cache import copy_state_slots
 from vlm_sdk.worker.step_metadata import step_metadata
@@ -62,7 +63,7 @@ class ModelRunner:
                  max_vision_patches: int | None = None, graphs: DecodeGraphs | None = None, *,
                  attention: AttentionBackend, samples: bool = True, encoder_cache_bytes: int = 0,
                  keep_sampled: bool = False, piecewise: PiecewiseGraphs | None = None,
-                 stage: StageLink | None = None):
+                 stage: StageLink | None = None, drafter: EagleDrafter | None = None):
         """`caches[i]`: layer i's cache as `layout` allocates it (worker/kv_cache.py). `max_vision_patches` (None: no limit) caps the patches of one vision-tower call: the images
         of newly scheduled requests are encoded in groups of at most that many patches (a group
         always holds at least one image), so a step never exceeds the profiled peak of the largest
@@ -77,7 +78,8 @@ class ModelRunner:
         step's `stack_inputs` (the model itself is never changed: they wrap it from outside). `stage`:
         this rank's pipeline stage links (worker/pp_transfer.py): the first stage encodes images and
         embeds, a later one starts from the tensors it receives, a stage before the last sends its own
-        and returns an empty output (the last stage samples)."""
+        and returns an empty output (the last stage samples). `drafter`: EAGLE-3's (worker/eagle_drafter.py):
+        after each eager step it proposes the next step's drafts from the target's hidden states."""
         self.model = model
         self.attention = attention
         self.max_vision_patches = max_vision_patches
@@ -88,6 +90,8 @@ class ModelRunner:
         self._num_state_groups = len(layout.state_groups)
         self._state_tensors = [t for i in layout.state_layers if caches[i] is not None for t in caches[i]]
         self.stage = stage
+        self.drafter = drafter
+        self._draft_inputs = None  # this step's (scheduled, q_start, aux hidden states, positions) for the drafter
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
@@ -217,7 +221,22 @@ class ModelRunner:
     def execute_async(self, sched: SchedulerOutput) -> PendingOutput:
         """`execute`, returning as soon as the step is queued on the device: its output arrives by
         `PendingOutput.result()`. A request whose last token is still on its way (sampled by the
-        previous step, not yet sent by the engine) reads it from the device (`keep_sampled`)."""
+        previous step, not yet sent by the engine) reads it from the device (`keep_sampled`). With a
+        drafter the step's tokens are read at once and the next step's drafts added (`_with_drafts`)."""
+        self._draft_inputs = None
+        pending = self._execute_async(sched)
+        if self.drafter is None or self._draft_inputs is None:
+            return pending
+        return self._with_drafts(pending.result())
+
+    def _with_drafts(self, out: ModelRunnerOutput) -> PendingOutput:
+        """The step's output with the next step's drafts (worker/eagle_drafter.py)."""
+        scheduled, q_start, aux, positions = self._draft_inputs
+        self._draft_inputs = None
+        drafts, seconds = self.drafter.propose(self.model, draft_rows(scheduled, q_start, out), aux, positions)
+        return Ready(dataclasses.replace(out, draft_token_ids=drafts, draft_seconds=seconds))
+
+    def _execute_async(self, sched: SchedulerOutput) -> PendingOutput:
         scheduled = self._update_states(sched)
         if not scheduled:
             self._last_rows = {}
@@ -247,6 +266,8 @@ class ModelRunner:
             step = self._prepare(scheduled)
             embeds = self.model.embed_tokens(step.input_ids)  # [num_tokens, hidden]
             hidden = self._forward(embeds, step, step_images(scheduled, self.device))  # [num_tokens, hidden]
+            if self.drafter is not None:  # the target's aux hidden states, before the next forward replaces them
+                self._draft_inputs = (scheduled, step.q_start, self.model.aux_hidden_states(), step.positions)
             if sched.state_checkpoints:  # the states the step ended on block boundaries with, kept
                 self._copy_states(sched.state_checkpoints)
             drop_passed_images(scheduled)
@@ -274,6 +295,7 @@ class ModelRunner:
         stage = self.stage
         encoder = None
         if stage.is_first:
+            stage.computing()
             self._encode_images(scheduled)
             encoder = self.encoder_cache.stats() if self.reports_encoder else None
         step = self._prepare(scheduled)
@@ -282,6 +304,7 @@ class ModelRunner:
             out = self.model(embeds, step.positions, self.caches, step.meta, step_images(scheduled, self.device))
         else:
             received = stage.recv(step.input_ids.shape[0])
+            stage.computing()
             # the image rows only (their embeddings went into the hidden states on the first stage)
             out = self.model(received.hidden, step.positions, self.caches, step.meta,
                              stage_image_rows(scheduled, self.device), intermediate=received)
@@ -289,6 +312,7 @@ class ModelRunner:
             self._copy_states(sched.state_checkpoints)
         drop_passed_images(scheduled)
         if not stage.is_last:
+            stage.computed()
             stage.send(out)  # IntermediateTensors [num_tokens, hidden] x 2
             stage.step_done()
             self._last_rows = {}
@@ -298,9 +322,12 @@ class ModelRunner:
         prompt_lp = prompt_logprobs(self.model, scheduled, hidden, step.q_start) if self._prompt_logprobs_held else None
         if not step.sample_idx:
             self._last_rows = {}
-            return Ready(ModelRunnerOutput(encoder_cache=encoder, prompt_logprobs=prompt_lp or {}))
-        logits = self.model.compute_logits(hidden[step.sample_rows])  # [num_sampled, vocab]
-        return self._sample(sched, scheduled, step.sample_idx, logits, encoder, prompt_lp, None)
+            pending = Ready(ModelRunnerOutput(encoder_cache=encoder, prompt_logprobs=prompt_lp or {}))
+        else:
+            logits = self.model.compute_logits(hidden[step.sample_rows])  # [num_sampled, vocab]
+            pending = self._sample(sched, scheduled, step.sample_idx, logits, encoder, prompt_lp, None)
+        stage.computed()
+        return pending
 
     def _sample(self, sched: SchedulerOutput, scheduled: list[tuple[RequestState, int]], sample_idx: list[int],
                 logits: torch.Tensor, encoder, prompt_lp, spec_out) -> PendingOutput:  # logits [num_sampled, vocab]

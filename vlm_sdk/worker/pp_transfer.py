@@ -22,11 +22,16 @@ queued. That is the `wait_stream` / `record_stream` pairing done by the process 
 we add no stream. On gloo (the CPU) send and recv complete before they return.
 
 `StageLink.log` records every transfer (step number, "send"/"recv", peer rank, token count), bounded:
-the CPU tests match it against the engine's schedule (tests/worker/test_pp_transfer.py).
+the CPU tests match it against the engine's schedule (tests/executor/test_pipeline_parallel.py).
+`StageLink.busy` records when this rank computed each step (monotonic seconds, the machine's clock: comparable
+across the ranks of one machine), from after its receive to before its send, bounded: whether stages run
+concurrently with pipeline micro-batches shows in how those intervals overlap.
 """
 from __future__ import annotations
 
 from collections import deque
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -44,6 +49,16 @@ class StageLink:
         self.pp, self.hidden_size, self.dtype, self.device = pp, hidden_size, dtype, device
         self.log: deque[tuple[int, str, int, int]] = deque(maxlen=LOG_STEPS)
         self.step = 0  # steps with tokens run on this rank
+        self.busy: deque[tuple[float, float]] = deque(maxlen=LOG_STEPS)  # (start, end) of each step's compute
+        self._started = 0.0
+
+    def computing(self) -> None:
+        """This step's compute starts (after the receive, if any)."""
+        self._started = time.monotonic()
+
+    def computed(self) -> None:
+        """This step's compute is done (before the send, if any)."""
+        self.busy.append((self._started, time.monotonic()))
 
     @property
     def is_first(self) -> bool:

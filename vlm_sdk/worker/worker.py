@@ -18,6 +18,7 @@ all-gather) line up:
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import torch
 
@@ -28,6 +29,7 @@ from vlm_sdk.memory.kv import CacheConfig
 from vlm_sdk.memory.weights import weight_bytes
 from vlm_sdk.layers.parallel_state import ParallelGroups
 from vlm_sdk.model_loader import iter_safetensors, read_checkpoint
+from vlm_sdk.models.common.eagle3_draft import load_eagle3_draft
 from vlm_sdk.models.registry import resolve
 from vlm_sdk.multimodal.inputs import ImageInput
 from vlm_sdk.protocol.cache_layout import CacheLayout
@@ -35,6 +37,7 @@ from vlm_sdk.protocol.rank import RankLoad
 from vlm_sdk.protocol.runner_output import EncoderCacheStats, ModelRunnerOutput, PendingOutput
 from vlm_sdk.protocol.scheduler_output import SchedulerOutput
 from vlm_sdk.worker.cuda_graphs import DecodeGraphs
+from vlm_sdk.worker.eagle_drafter import EagleDrafter
 from vlm_sdk.worker.piecewise_graphs import PiecewiseGraphs, piecewise_stack
 from vlm_sdk.worker.kernel_warmup import warm_up_kernels
 from vlm_sdk.worker.kv_cache import allocate_or_explain
@@ -80,13 +83,22 @@ class Worker:
         self.state_slot_bytes = self.layout.state_slot_bytes if self.stage_layers is None else \
             stage_state_slot_bytes(self.layout, self.stage_layers)
         self.piecewise_stack = piecewise_stack(self.model, config.piecewise_graphs, tp.size, self.layout)
+        self.draft = None  # EAGLE-3's head (speculative_config method "eagle3"): its page rides in every block
+        spec = args.speculative_config
+        if spec is not None and spec.method == "eagle3":
+            self.draft = load_eagle3_draft(spec.model, m, self.ops, self.dtype, device)
+            self.bytes_per_block += self.draft.cfg.page_bytes(args.block_size, self.dtype.itemsize)
         self.caches: list[tuple[torch.Tensor, ...]] = []
         self.runner: ModelRunner | None = None
 
     def load_report(self) -> RankLoad:
         m = self.model
         layers = m.num_layers if self.stage_layers is None else self.stage_layers[1] - self.stage_layers[0]
-        return RankLoad(self.parallel.rank, str(self.device), self.config.dtype, weight_bytes(m),
+        weights = weight_bytes(m)
+        if self.draft is not None:
+            weights = dataclasses.replace(weights, draft=sum(
+                t.numel() * t.element_size() for t in self.draft.state_dict().values()))
+        return RankLoad(self.parallel.rank, str(self.device), self.config.dtype, weights,
                         self.weights_allocated, self.load_seconds, layers, m.num_kv_heads, m.head_dim,
                         self.bytes_per_block, str(self.kv_dtype).removeprefix("torch."), self.state_slot_bytes,
                         self.stage_layers)
@@ -134,12 +146,18 @@ class Worker:
             if self.piecewise_stack is not None:  # after the decode graphs' capture
                 piecewise = PiecewiseGraphs(self.piecewise_stack, self.caches, device=self.device,
                                             dtype=self.dtype, max_num_batched_tokens=args.max_num_batched_tokens)
+        drafter = None
+        if self.draft is not None:
+            drafter = EagleDrafter(self.draft, args.speculative_config.num_speculative_tokens, args.block_size,
+                                   self.device)
+            drafter.allocate(cache.num_blocks, self.dtype)
         self.runner = ModelRunner(m, self.caches, self.layout, args.block_size, self.device, self.dtype, args.seed,
                                   max_vision_patches=max_vision_patches, graphs=graphs,
                                   attention=self.ops.attention, samples=self.tp.rank == 0 and pp.is_last,
                                   encoder_cache_bytes=args.encoder_cache_memory if pp.is_first else 0,
                                   keep_sampled=self.config.async_scheduling, piecewise=piecewise,
-                                  stage=None if pp.size == 1 else StageLink(pp, m.hidden_size, self.dtype, self.device))
+                                  stage=None if pp.size == 1 else StageLink(pp, m.hidden_size, self.dtype, self.device),
+                                  drafter=drafter)
         self.runner.reports_encoder = self.tp.rank == 0 and pp.is_first
         if self.stage_layers is None:  # its synthetic steps run a whole model (a stage compiles on its first steps)
             warm_up_kernels(self.runner, max_model_len=max_model_len,

@@ -24,6 +24,7 @@ from PIL import Image
 
 from vlm_sdk.errors import CheckpointError, InvalidImageError, InvalidRequestError
 from vlm_sdk.multimodal.image_io import to_rgb
+from vlm_sdk.multimodal.image_key import image_key
 from vlm_sdk.multimodal.inputs import ImageInput
 from vlm_sdk.multimodal.pixels import byte_table, images_to_device, normalisation
 
@@ -210,6 +211,15 @@ class Qwen2VLImageProcessor:
         """The patches as transformers' processor returns them (on the host; the model does this on its
         device)."""
         return pixels_to_device([image], self.temporal_patch_size, "cpu", torch.float32)
+
+
+def qwen_image_pixels(image: Image.Image, ip: Qwen2VLImageProcessor, min_pixels: int, max_pixels: int):
+    """One decoded image's work (run where `PromptProcessor.run_pixels` puts it, a worker process or the
+    prompt's thread): (patch bytes uint8 [gh*gw, 3*p*p], grid (1, gh, gw), image tokens, (height, width)
+    as decoded, its `image_key`)."""
+    out = ip(image, min_pixels=min_pixels, max_pixels=max_pixels)
+    return (out.data, out.meta.grid_thw, out.num_tokens, (image.height, image.width),
+            image_key(image, min_pixels=min_pixels, max_pixels=max_pixels))  # the grid follows from these
 
 
 def max_image_grid(image_processor, max_pixels: int) -> tuple[int, int, int]:

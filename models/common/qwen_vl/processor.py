@@ -11,20 +11,19 @@ patches sit tokens_per_second * 2 / sample_fps apart in time, as transformers' `
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping
 
 import torch
 
 from vlm_sdk.errors import InvalidImageError, InvalidRequestError, InvalidVideoError
-from vlm_sdk.multimodal.image_io import load_image
-from vlm_sdk.multimodal.image_key import image_key
+from vlm_sdk.multimodal.image_io import open_image, oriented_size
 from vlm_sdk.multimodal.inputs import ImageInput, PromptInputs, refuse_placeholders
 from vlm_sdk.multimodal.messages import ImageRef, VideoRef, parse_messages
 from vlm_sdk.multimodal.video_io import open_video
 from vlm_sdk.models.base import MediaPart, PromptProcessor
 from vlm_sdk.models.common.qwen_vl.fixes import max_pixels_fix
-from vlm_sdk.models.common.qwen_vl.image_processor import QwenImage, Qwen2VLImageProcessor, max_image_grid
+from vlm_sdk.models.common.qwen_vl.image_processor import (QwenImage, Qwen2VLImageProcessor, max_image_grid,
+                                                             qwen_image_pixels)
 from vlm_sdk.models.common.qwen_vl.rope_index import MRopePositions, VisionSpan, video_time_offsets, vision_positions
 from vlm_sdk.models.common.qwen_vl.video_fixes import video_fixes
 from vlm_sdk.models.common.qwen_vl.video_processor import QwenVideo, QwenVideoProcessor
@@ -147,15 +146,18 @@ class QwenVLProcessor(PromptProcessor):
 
     def media_parts(self, prompt: PromptInputs) -> list[MediaPart]:
         """Images one item each (grid (1, h, w)); a video's temporal patches one part, up to the patch that
-        ends its run (grid (patches, h, w), its frames temporal_patch_size per patch)."""
+        ends its run and the video (grid (patches, h, w), its frames temporal_patch_size per patch): Qwen3-VL's
+        patches are runs of their own, one video still one part."""
         parts, run = [], []
-        for i, im in enumerate(prompt.images):
+        images = prompt.images
+        for i, im in enumerate(images):
             meta = im.meta
             if meta.video is None and meta.frames == 1:
                 parts.append(MediaPart("image", (i,), 1, tuple(meta.grid_thw)))
                 continue
             run.append(i)
-            if meta.ends_run:
+            after = images[i + 1].meta if i + 1 < len(images) else None
+            if meta.ends_run and (after is None or meta.video is None or after.video is not meta.video):
                 first = prompt.images[run[0]].meta
                 parts.append(MediaPart("video", tuple(run), sum(prompt.images[j].meta.frames for j in run),
                                        (len(run), first.grid_thw[1], first.grid_thw[2])))
@@ -185,7 +187,8 @@ class QwenVLProcessor(PromptProcessor):
     def _image(self, index: int, ref: ImageRef) -> ImageInput:
         own = self.family.image_options(ref.options, f"image {index}: ")
         own_min, own_max = own.get("min_pixels"), own.get("max_pixels")
-        pil = load_image(ref.source, max_image_pixels=self.max_image_pixels)
+        opened = open_image(ref.source, max_image_pixels=self.max_image_pixels)
+        height, width = oriented_size(opened)
         ip = self.image_processor
         min_px, min_src = self._bound(own_min, self.min_pixels, ip.min_pixels)
         max_px, max_src = self._bound(own_max, self.max_pixels, ip.max_pixels)
@@ -193,12 +196,11 @@ class QwenVLProcessor(PromptProcessor):
             raise InvalidRequestError(
                 f"image {index}: min_pixels ({min_px}, {min_src}) is larger than max_pixels ({max_px}, "
                 f"{max_src}); set min_pixels <= max_pixels.")
-        self._check_tokens(index, pil.height, pil.width, min_px, min_src, max_px, max_src)
-        image = ip(pil, min_pixels=min_px, max_pixels=max_px)
-        image.source_size = (pil.height, pil.width)
-        image.key = image_key(pil, min_pixels=min_px, max_pixels=max_px)  # the grid follows from these
-        image.meta = dataclasses.replace(image.meta, own_max_pixels=own_max is not None, own_min_pixels=own_min)
-        return image
+        self._check_tokens(index, height, width, min_px, min_src, max_px, max_src)
+        data, grid, tokens, size, key = self.run_pixels(opened, self.max_image_pixels, qwen_image_pixels, ip,
+                                                        min_px, max_px)
+        return ImageInput(data, tokens, QwenImage(grid, own_max_pixels=own_max is not None, own_min_pixels=own_min,
+                                                  pixel_lut=ip.pixel_lut), source_size=size, key=key)
 
     def _check_tokens(self, index: int, height: int, width: int, min_px: int, min_src: str, max_px: int,
                       max_src: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from vlm_sdk.models.family import (MAX_PART_FPS, MAX_PART_FRAMES, MAX_PART_PIXELS, FamilySpec, ImageLimits,
-                                    ImageSize, Setting)
+                                    ImageSize, Setting, VideoTokens)
 
 _PIXELS = "pixels (width x height) an image is resized to {} (default: the preprocessor's)"
 
@@ -80,7 +80,19 @@ class QwenVLSpec(FamilySpec):
             return largest_max_pixels(lambda v: at(v).tokens, limit, ip.min_pixels, factor, max_pixels)
         def tokens_for(width: int, height: int) -> int:  # the processor's resize of an image part without options
             return ip.num_image_tokens(height, width, options.get("min_pixels"), max_pixels)
-        return ImageLimits("max_pixels", at(max_pixels), at, candidates, tokens_for)
+
+        def video_for(width: int, height: int, frames: int, fps: float, part: Mapping[str, Any]) -> VideoTokens:
+            from vlm_sdk.models.common.qwen_vl.video_sampling import plan_video
+            sampling = plan_video(self.video_options(part, "video: "), frames, fps, height, width, factor)
+            patches = len(sampling.indices) // ip.temporal_patch_size
+            tokens = patches * (sampling.height // factor) * (sampling.width // factor)  # merged cells per patch
+            return VideoTokens(len(sampling.indices), patches, tokens, *self.video_item_text(sampling))
+        return ImageLimits("max_pixels", at(max_pixels), at, candidates, tokens_for, video_for)
+
+    def video_item_text(self, sampling) -> tuple[tuple[str, ...], int]:
+        """(text, special tokens) the processor writes around each temporal patch beyond the video's one
+        wrapper: none for Qwen2.5-VL (one run of pads)."""
+        return (), 0
 
     def video_item_tokens(self, preprocessor: Mapping[str, Any], hf_config: Any, model: Any) -> int:
         from vlm_sdk.models.common.qwen_vl.image_processor import max_image_grid
@@ -112,3 +124,9 @@ class Qwen3VLTowerSpec(QwenVLSpec):
     def processor_cls(self) -> type:
         from vlm_sdk.models.common.qwen_vl.qwen3_processor import Qwen3VLProcessor
         return Qwen3VLProcessor
+
+    def video_item_text(self, sampling) -> tuple[tuple[str, ...], int]:
+        """Each temporal patch's timestamp text, and its own vision_start / vision_end (qwen3_processor.py)."""
+        from vlm_sdk.models.common.qwen_vl.qwen3_processor import timestamps
+        stamps = timestamps(sampling.times)
+        return tuple(f"<{t:.1f} seconds>" for t in stamps), 2 * len(stamps)

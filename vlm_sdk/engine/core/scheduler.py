@@ -31,6 +31,14 @@ Asynchronous scheduling: a sequence whose last sampled token is still on the dev
 asks for that token too, and is left out when that token is certain to be its last (max_tokens or
 max_model_len reached); a waiting sequence is admitted only once its tokens have all arrived.
 
+Pipeline micro-batches (`micro_batches` > 1: the engine keeps that many steps in flight through the
+stages): a sequence whose sampled token is on its way is left out until it has arrived (vLLM's scheduler
+under pipeline parallelism: it has no new token to compute), while a prefilling one may have its next chunk
+in the next micro-batch (every stage runs the micro-batches in order, so the chunk before is computed
+first). A micro-batch takes at most 1 / micro_batches of the live sequences (running and waiting, rounded
+up): without that cap, requests that all fit one step would all go into the first micro-batch and stay
+together, leaving the other stages nothing to run meanwhile.
+
 Speculative decoding: a decoding sequence with drafts (`Sequence.spec_token_ids`, proposed by the engine
 before the schedule) asks for its last token and its drafts when the budget and free blocks hold them, and
 drops its drafts otherwise (`spec_decode.spec_tokens`): drafts never preempt anyone. After its step the
@@ -65,8 +73,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheCoordinator):
+    def __init__(self, config: SchedulerConfig, cache: CacheCoordinator, micro_batches: int = 1):
         self.config = config
+        self.micro_batches = micro_batches
+        self.skip_inflight = micro_batches > 1
         self.cache = cache
         self.waiting = FairWaitingQueue(config.max_num_seqs - config.max_num_seqs // 4)
         self.running: list[Sequence] = []
@@ -86,23 +96,26 @@ class Scheduler:
         vision = VisionBudget(self.config.max_num_encoder_tokens_per_step)
         if vision.limit is not None:  # the next image of a sequence passed over too long goes first
             vision.keep_for(aged(self.running, self.waiting.peek() if self.waiting else None))
-        decodes = decode_rows(self.running)
+        decodes = decode_rows(self.running, self.skip_inflight)
         # prefill chunks beside decode rows are cut to max_prefill_tokens_with_decodes (0: not cut)
         cap = self.config.max_prefill_tokens_with_decodes if decodes else 0
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens, vision, decodes, cap)
+        # a micro-batch's share of the live sequences (every one of them without micro-batches)
+        seqs = -(-(len(self.running) + len(self.waiting)) // self.micro_batches)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, vision, decodes, cap, seqs)
         if not out.preempted and self.waiting:
-            self._admit(out, budget, vision, cap)
+            self._admit(out, budget, vision, cap, seqs)
         out.encoder_tokens = vision.spent
         if self.cache.state is not None:
             out.state_restores, out.state_checkpoints = self.cache.end_step(out.scheduled)
         return out
 
     def _schedule_running(self, out: ScheduledBatch, budget: int, vision: VisionBudget, reserve: int,
-                          cap: int) -> int:
+                          cap: int, seqs: int) -> int:
         """Every running sequence's chunk, in the order they started, preempting the newest when blocks run
         out; the token budget left. Decode rows (`reserve` of them) keep a token each from the prefill chunks
         before them, so a long prefill never takes a decoding sequence's step; a prefill chunk is also cut
-        to `cap` (when not 0) and to the step's vision budget (a video's next frame groups wait)."""
+        to `cap` (when not 0) and to the step's vision budget (a video's next frame groups wait); at most `seqs`
+        sequences (a pipeline micro-batch's share)."""
         running, allocate, scheduled = self.running, self.cache.allocate, out.scheduled
         size = self.cache.block_size
         caching = self.cache.enable_prefix_caching
@@ -110,10 +123,13 @@ class Scheduler:
         whole_images = self.cache.whole_images
         bounded = vision.limit is not None
         prefill_cap = cap or budget
+        skip_inflight = self.skip_inflight
         # preemption removes sequences from the end of `running` only: the iterator stops before them
         for seq in running:
-            if budget <= 0:
+            if budget <= 0 or len(scheduled) >= seqs:
                 break
+            if skip_inflight and seq.num_inflight:
+                continue  # its token is still in the pipeline's stages: nothing to compute until it arrives
             left = len(seq.token_ids) + seq.num_inflight - seq.num_computed_tokens
             if left == 1:
                 reserve -= 1
@@ -154,7 +170,7 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _admit(self, out: ScheduledBatch, budget: int, vision: VisionBudget, cap: int) -> None:
+    def _admit(self, out: ScheduledBatch, budget: int, vision: VisionBudget, cap: int, seqs: int) -> None:
         """Admit waiting sequences in the waiting queue's order while the token budget, `max_num_seqs`,
         blocks and state slots allow. One whose images the step's vision budget cannot hold is passed over
         (its request waits for the next step) and admission goes on with the next request, so a text
@@ -164,7 +180,7 @@ class Scheduler:
         cut = vision.cut if vision.limit is not None else None
         prefill_cap = cap or budget
         passed: set = set()  # groups passed over this step
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs and len(out.scheduled) < seqs:
             seq = self.waiting.peek(passed)  # None: none left, or every waiting request at its cap or passed
             if seq is None or seq.num_inflight:  # preempted while its token was on the device: restart with it
                 break

@@ -68,6 +68,9 @@ class Sequence:
         self.sync_sampling = False
         # speculative decoding (engine/core/spec_decode.py): the drafts this step verifies
         self.spec_token_ids: list[int] = []
+        # EAGLE-3: the drafts the rank proposed after its last step, and the token count they follow (stale once
+        # it differs: they are used only right after the step that made them)
+        self.next_drafts: tuple[int, list[int]] | None = None
         # ... on a model with state layers: a state slot per draft (the state after it), held from the schedule
         # to the rollback, and the position of the step's first row (its last token) they count from
         self.draft_slots: list[int] = []

@@ -3,7 +3,8 @@ tokens and KV, and the rollback of what the target rejected.
 
     step() with speculative_config:
       propose      each running sequence that decodes (its last token not computed yet, nothing on its
-                   way) gets up to k drafts (`Sequence.spec_token_ids`; n-gram: ngram_proposer.py), capped
+                   way) gets up to k drafts (`Sequence.spec_token_ids`; n-gram: ngram_proposer.py; EAGLE-3:
+                   those the rank proposed after the previous step, worker/eagle_drafter.py), capped
                    so 1 + k tokens never pass its length limit and cut where its grammar would refuse one
       schedule     such a sequence asks for 1 + k tokens (`spec_tokens`): its last token and the drafts,
                    blocks for all of them; without room (budget, blocks) it drops its drafts first and
@@ -59,11 +60,24 @@ class SpecDecoder:
             k = min(c.num_speculative_tokens, seq.length_limit - len(seq.token_ids) - 1)
             if k <= 0:
                 continue
-            drafts = propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
+            if c.method == "eagle3":  # the rank's, made after the step that gave the last token
+                made = seq.next_drafts
+                drafts = list(made[1][:k]) if made is not None and made[0] == len(seq.token_ids) else []
+            else:
+                drafts = propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
             if drafts and seq.matcher is not None:
                 drafts = drafts[:seq.matcher.validate_tokens(drafts)]
             seq.spec_token_ids = drafts
         self.draft_seconds += time.perf_counter() - start
+
+    def note_drafts(self, seqs: dict, drafts: dict[str, list[int]], seconds: float) -> None:
+        """A step's output carried the rank's drafts (EAGLE-3) for the next step, made in `seconds`: each kept
+        with the token count it follows (`Sequence.next_drafts`; `seqs`: request id -> Sequence)."""
+        self.draft_seconds += seconds
+        for rid, d in drafts.items():
+            seq = seqs.get(rid)
+            if seq is not None:
+                seq.next_drafts = (len(seq.token_ids), d)
 
     def note_verified(self, seq: Sequence, num_tokens: int) -> None:
         """`seq`'s verification step produced `num_tokens` tokens (accepted drafts + one)."""

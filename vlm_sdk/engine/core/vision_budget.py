@@ -42,10 +42,12 @@ def step_shares(args, whole_images: bool) -> tuple[int | None, int]:
     return args.max_num_encoder_tokens_per_step or None, 0 if whole_images else (args.max_prefill_tokens_with_decodes or 0)
 
 
-def decode_rows(running: list[Sequence]) -> int:
+def decode_rows(running: list[Sequence], skip_inflight: bool = False) -> int:
     """How many running sequences ask for one token this step (decoding; under asynchronous scheduling the
-    token on its way counts): the tokens the scheduler keeps from prefill chunks for them."""
-    return sum(1 for s in running if len(s.token_ids) + s.num_inflight - s.num_computed_tokens == 1)
+    token on its way counts; with pipeline micro-batches, `skip_inflight`, a sequence whose token is on its
+    way asks for nothing): the tokens the scheduler keeps from prefill chunks for them."""
+    return sum(1 for s in running if len(s.token_ids) + s.num_inflight - s.num_computed_tokens == 1
+               and not (skip_inflight and s.num_inflight))
 
 
 def new_images(seq: Sequence, computed: int, n: int):

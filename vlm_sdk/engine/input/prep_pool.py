@@ -177,11 +177,15 @@ class FairPool:
 class PrepPools:
     """AsyncLLM's four prompt pools (see the module docstring)."""
 
-    def __init__(self, threads: int = PREP_THREADS):
+    def __init__(self, threads: int = PREP_THREADS, image_threads: int | None = None):
+        """`image_threads` (default `threads`): the image pool's, as many as there are image preprocessing
+        processes (EngineArgs.preprocess_workers) so that each has an image to work on; its threads only wait
+        on them, so the pool's order between requests is the order the processes take images."""
         share = max(1, threads // 2)
         self.text = FairPool("text", threads, share)
         self.long = FairPool("long", threads, share)
-        self.image = FairPool("image", threads, share)
+        image_threads = max(threads, image_threads or 0)
+        self.image = FairPool("image", image_threads, max(1, image_threads // 2))
         self.video = FairPool("video", threads, share)
 
     def pool_for(self, chars: int, images: int, videos: int) -> FairPool:

@@ -30,6 +30,7 @@ from vlm_sdk.errors import InvalidRequestError
 from vlm_sdk.memory.capacity import check_prompt_fits, text_too_long
 from vlm_sdk.model_loader import load_tokenizer
 from vlm_sdk.multimodal.inputs import PromptInputs
+from vlm_sdk.multimodal.pixel_workers import PixelWorkers
 from vlm_sdk.multimodal.prompts import TextPrompt, TokensPrompt
 from vlm_sdk.multimodal.video_io import VideoLimits
 from vlm_sdk.sampling_params import SamplingParams
@@ -44,6 +45,8 @@ class InputProcessor:
         self.tokenizer = PromptTokenizer(load_tokenizer(model_dir), not args.allow_special_tokens_in_text)
         self.image_processor = family.image_processor_cls.from_preprocessor_config(info.preprocessor, info.hf_config)
         self.processor = family.make_processor(self.tokenizer, self.image_processor, info.hf_config, args)
+        if args.preprocess_workers:  # started now: their imports overlap the engine's start
+            self.processor.pixel_workers = PixelWorkers(args.preprocess_workers)
         self.guard = PromptGuard(self.tokenizer, args.max_image_pixels, args.max_request_image_pixels,
                                  VideoLimits(args.max_video_bytes, args.max_video_seconds, args.max_video_frames,
                                              args.max_video_decode_pixels, args.max_video_container_frames))
@@ -68,8 +71,10 @@ class InputProcessor:
         self.tokenizer.max_tokens = scheduler_config.max_model_len
 
     def close(self) -> None:
-        """End the grammar workers and their processes. Idempotent."""
+        """End the grammar workers and their processes, and the image preprocessing processes. Idempotent."""
         self.grammars.close()
+        if self.processor.pixel_workers is not None:
+            self.processor.pixel_workers.close()
 
     def build_prompt(self, request, params: SamplingParams | None = None,
                      cancelled: threading.Event | None = None, options: ChatOptions | None = None,
