@@ -50,4 +50,5 @@ def test_an_eagle3_draft_through_the_flag_the_async_engine_and_metrics(tiny_ckpt
         stats = srv.stats()
         assert stats["spec_method"] == "eagle3" and stats["spec_verify_steps"] > 0
         assert values["vlm_sdk_spec_decode_num_draft_tokens_total"] == stats["spec_draft_tokens"] > 0
-        assert values["vlm_sdk_spec_decode_draft_seconds_total"] == stats["spec_draft_seconds"] > 0
+        # a counter read before stats(): the drafter's pass after the last step may land between the two reads
+        assert 0 < values["vlm_sdk_spec_decode_draft_seconds_total"] <= stats["spec_draft_seconds"]
