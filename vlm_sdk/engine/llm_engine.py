@@ -333,10 +333,6 @@ class LLMEngine:
                 seq.prompt_logprobs.write(chunk.start, chunk.token_ids, chunk.logprobs, chunk.ranks)
         finished = SequenceStatus.FINISHED
         generated = 0
-        if result.draft_token_ids or result.draft_seconds:  # EAGLE-3: the next step's drafts, after the tokens below
-            drafts, seconds = result.draft_token_ids, result.draft_seconds
-        else:
-            drafts = None
         for seq, n in batch.scheduled:
             token = sampled.get(seq.request_id)
             if token is None:
@@ -373,8 +369,8 @@ class LLMEngine:
             outputs.append(out)
             generated += 1
         self.totals["generation_tokens"] += generated
-        if drafts is not None:
-            self.spec.note_drafts(self.requests, drafts, seconds)
+        if result.draft_token_ids or result.draft_seconds:  # EAGLE-3: the next step's drafts, after the tokens above
+            self.spec.note_drafts(self.requests, result.draft_token_ids, result.draft_seconds)
         return outputs
 
     def _append_verified(self, seq: Sequence, tokens: list[int], logprobs, now: float) -> EngineOutput | None:
