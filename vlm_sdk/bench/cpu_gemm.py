@@ -1,12 +1,13 @@
 """`vlm-sdk bench --cpu-gemm`: the CPU's float32 products, each path timed on the same weights in one run.
 
-For a checkpoint's shapes (the LM head `vocab x hidden` and the decoder's fused q | k | v, o_proj,
-gate | up and down of one rank), at the row counts of decode (1, 16), a larger decode batch (64) and a
+For a checkpoint's shapes (the LM head `vocab x hidden` and the decoder's fused q | k | v, o_proj and,
+for a dense MLP, gate | up and down of one rank), at the row counts of decode (1, 16), a larger decode batch (64) and a
 prefill chunk (512), it times:
 
     F.linear, row-major         what transformers runs (MKL's sgemm)
     F.linear, column-major      the engine's decoder layout before oneDNN (models/cpu_layout.py)
-    MKL packed                  the engine's LM head before oneDNN (`PackedLMHead`), 16-row padded
+    MKL packed                  the LM head without oneDNN (`PackedLMHead`: up to 16 rows padded to 16,
+                                more rows through F.linear)
     oneDNN                      `layers/cpu_gemm.onednn_linear` on the row-major weight: the engine now
 
 Each cell is the median of `--gemm-repeats` calls after one warm-up; the paths of a cell run
@@ -28,15 +29,18 @@ ROWS = (1, 16, 64, 512)
 
 
 def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, int]]:
-    """(out, in) of the LM head and the decoder's four products, from the checkpoint's text config."""
+    """(out, in) of the LM head and the decoder's attention products, and its dense MLP's where it has one,
+    from the checkpoint's text config."""
     from vlm_sdk.model_loader import read_checkpoint
-    cfg = read_checkpoint(model_dir).hf_config
-    text = getattr(cfg, "text_config", None) or getattr(cfg, "llm_config", None) or cfg
-    h, inter = text.hidden_size, text.intermediate_size
+    text = read_checkpoint(model_dir).text_config
+    h = text.hidden_size
     heads, kv = text.num_attention_heads, getattr(text, "num_key_value_heads", text.num_attention_heads)
     d = getattr(text, "head_dim", None) or h // heads
-    return {"lm_head": (text.vocab_size, h), "qkv": ((heads + 2 * kv) * d, h), "o_proj": (h, heads * d),
-            "gate_up": (2 * inter, h), "down": (h, inter)}
+    shapes = {"lm_head": (text.vocab_size, h), "qkv": ((heads + 2 * kv) * d, h), "o_proj": (h, heads * d)}
+    inter = getattr(text, "intermediate_size", None)  # an MoE's experts are not these products: none then
+    if inter is not None:
+        shapes.update(gate_up=(2 * inter, h), down=(h, inter))
+    return shapes
 
 
 def _median_ms(fn, repeats: int) -> float:
